@@ -1,0 +1,3 @@
+//! `kvroute-index`: serves the block index (skeleton).
+
+fn main() {}

@@ -1,0 +1,115 @@
+//! Domain KV-cache events: what the index applies, independent of vLLM's wire encodings.
+//!
+//! `wire` turns every vLLM msgpack encoding into these; the index and the agent only see these.
+
+use kvroute_block_keys::HashValue;
+
+/// A block hash as an engine publishes it, reduced to vLLM's u64 form
+/// (`int.from_bytes(digest, "big") & (2**64 - 1)`: the digest's last 8 bytes, big-endian).
+pub type EngineHash = u64;
+
+/// Where the engine holds a block (`medium` in vLLM events).
+///
+/// A fixed enum so it can label metrics; unknown connector media map to [`Medium::Other`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Medium {
+    /// Accelerator memory (`"GPU"`, and the implied medium of events before 0.10.2).
+    #[default]
+    Gpu,
+    /// Host memory offload (`"CPU"`).
+    Cpu,
+    /// Disk, file system or object storage (`"STORAGE"`, `"FS"`, `"OBJ"`, `"DISK"`).
+    Storage,
+    /// Any other medium a connector reports.
+    Other,
+}
+
+impl Medium {
+    /// Parses vLLM's `medium` string; `None` (older releases) means GPU.
+    pub fn from_wire(medium: Option<&str>) -> Self {
+        match medium {
+            None => Medium::Gpu,
+            Some(m) if m.eq_ignore_ascii_case("gpu") => Medium::Gpu,
+            Some(m) if m.eq_ignore_ascii_case("cpu") => Medium::Cpu,
+            Some(m)
+                if ["storage", "fs", "obj", "disk"]
+                    .iter()
+                    .any(|s| m.eq_ignore_ascii_case(s)) =>
+            {
+                Medium::Storage
+            }
+            Some(_) => Medium::Other,
+        }
+    }
+
+    /// Metric label value.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Medium::Gpu => "gpu",
+            Medium::Cpu => "cpu",
+            Medium::Storage => "storage",
+            Medium::Other => "other",
+        }
+    }
+}
+
+/// One engine step's events (`KVEventBatch`), with the 8-byte sequence number of its ZMQ frame.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventBatch {
+    /// Engine wall-clock time of the step, Unix seconds.
+    pub ts: f64,
+    /// Data-parallel rank that published it (`None` before vLLM 0.9.1).
+    pub dp_rank: Option<u32>,
+    /// Events in the order the engine performed them.
+    pub events: Vec<KvEvent>,
+}
+
+/// A KV-cache event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvEvent {
+    /// Full blocks became cached.
+    BlockStored(BlockStored),
+    /// Blocks were evicted.
+    BlockRemoved(BlockRemoved),
+    /// The engine dropped its whole prefix cache (`reset_prefix_cache`).
+    AllBlocksCleared,
+}
+
+/// `BlockStored`: consecutive full blocks of one request, in chain order.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BlockStored {
+    /// Published hashes, one per block.
+    pub block_hashes: Vec<EngineHash>,
+    /// Hash of the block before the first one; `None` when the run starts at block 0.
+    pub parent_block_hash: Option<EngineHash>,
+    /// `block_hashes.len() * block_size` token ids (empty for connector placeholder events).
+    pub token_ids: Vec<u32>,
+    /// Tokens per block (0 for connector placeholder events).
+    pub block_size: u32,
+    /// LoRA adapter int id (deprecated by vLLM since 0.14, still sent).
+    pub lora_id: Option<i64>,
+    /// LoRA adapter name (0.14+).
+    pub lora_name: Option<String>,
+    /// Where the blocks are held.
+    pub medium: Medium,
+    /// Per-block extra hash keys as published (0.17+): one entry per block, `None` for plain text.
+    pub extra_keys: Option<Vec<Option<HashValue>>>,
+    /// KV-cache group (0.20+); hybrid models publish one group per attention kind.
+    pub group_idx: Option<u32>,
+    /// Full 32-byte (or 16-byte xxhash) digests when the engine publishes raw bytes
+    /// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`); lets the index verify mid-chain runs.
+    pub block_digests: Option<Vec<Vec<u8>>>,
+    /// Full digest of the parent, when published as raw bytes.
+    pub parent_digest: Option<Vec<u8>>,
+}
+
+/// `BlockRemoved`: blocks evicted from one medium.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BlockRemoved {
+    /// Published hashes of the evicted blocks.
+    pub block_hashes: Vec<EngineHash>,
+    /// Medium they were evicted from.
+    pub medium: Medium,
+    /// KV-cache group (0.20+).
+    pub group_idx: Option<u32>,
+}

