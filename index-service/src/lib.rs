@@ -2,7 +2,17 @@
 //!
 //! (Skeleton: being implemented.)
 
+#[cfg(feature = "server")]
+pub mod config;
 pub mod event;
+pub mod index;
+#[cfg(feature = "server")]
+pub mod ingest;
+#[cfg(feature = "server")]
+pub mod server;
+#[cfg(all(feature = "server", any(test, feature = "test-util")))]
+pub mod testing;
+pub mod wire;
 
 /// Generated gRPC types and client/server for `kvroute.index.v1` (see `proto/`).
 #[allow(missing_docs, clippy::all, clippy::pedantic)]

@@ -1,0 +1,194 @@
+//! vLLM's per-block extra keys (LoRA adapter, cache salt), in the shape of each vLLM era.
+
+use crate::{HashValue, KeyError};
+
+/// Which vLLM releases' extra-key shapes to reproduce. Order inside a block's key tuple is always
+/// LoRA, then cache salt; LoRA goes on every block, the salt on the first block only.
+///
+/// | era | LoRA item | salt item |
+/// |---|---|---|
+/// | `UpTo0_11_0` (0.9.0-0.11.0) | `lora_int_id` | `salt` |
+/// | `V0_11_1To0_30` (0.11.1-0.30.x) | `lora_name` | `salt` |
+/// | `From0_31` (0.31.0+) | `("lora", lora_name, lora_path)` | `("cache_salt", salt)` |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExtraKeysEra {
+    /// vLLM 0.9.0 through 0.11.0: the LoRA integer id.
+    UpTo0_11_0,
+    /// vLLM 0.11.1 through 0.30.x: the LoRA name.
+    V0_11_1To0_30,
+    /// vLLM 0.31.0 and later: tagged tuples.
+    From0_31,
+}
+
+/// The LoRA adapter of a request, as vLLM's `LoRARequest` knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LoraRef<'a> {
+    /// `lora_int_id` (needed for [`ExtraKeysEra::UpTo0_11_0`]).
+    pub id: Option<i64>,
+    /// `lora_name`.
+    pub name: &'a str,
+    /// `lora_path` (needed for [`ExtraKeysEra::From0_31`]).
+    pub path: Option<&'a str>,
+}
+
+impl ExtraKeysEra {
+    /// The era a vLLM release belongs to, from its version string (`"0.11.1"`, `"0.32.0rc1"`).
+    pub fn for_vllm_version(version: &str) -> Result<Self, KeyError> {
+        let bad = || KeyError::BadVllmVersion {
+            version: version.to_owned(),
+        };
+        let mut parts = version.trim_start_matches('v').split('.');
+        let mut number = || -> Result<u32, KeyError> {
+            let part = parts.next().ok_or_else(bad)?;
+            let digits = part.find(|c: char| !c.is_ascii_digit()).unwrap_or(part.len());
+            part[..digits].parse().map_err(|_| bad())
+        };
+        let (major, minor) = (number()?, number()?);
+        let patch = number().unwrap_or(0);
+        Ok(match (major, minor, patch) {
+            (0, ..=10, _) | (0, 11, 0) => Self::UpTo0_11_0,
+            (0, 11..=30, _) => Self::V0_11_1To0_30,
+            _ => Self::From0_31,
+        })
+    }
+
+    /// The extra keys vLLM hashes into block `block_index` (0 = the prompt's first block), or
+    /// `None` when there are none. An empty `cache_salt` counts as none, as in vLLM.
+    pub fn block_extra_keys(
+        self,
+        lora: Option<&LoraRef<'_>>,
+        cache_salt: Option<&str>,
+        block_index: usize,
+    ) -> Result<Option<HashValue>, KeyError> {
+        let salt = cache_salt.filter(|s| !s.is_empty() && block_index == 0);
+        let mut items = Vec::with_capacity(2);
+        if let Some(lora) = lora {
+            items.push(self.lora_item(lora)?);
+        }
+        if let Some(salt) = salt {
+            items.push(self.salt_item(salt));
+        }
+        Ok((!items.is_empty()).then_some(HashValue::Tuple(items)))
+    }
+
+    fn lora_item(self, lora: &LoraRef<'_>) -> Result<HashValue, KeyError> {
+        let missing = |field| KeyError::LoraFieldMissing { era: self, field };
+        Ok(match self {
+            Self::UpTo0_11_0 => HashValue::Int(lora.id.ok_or_else(|| missing("id"))?),
+            Self::V0_11_1To0_30 => HashValue::Str(lora.name.to_owned()),
+            Self::From0_31 => HashValue::Tuple(vec![
+                HashValue::Str("lora".to_owned()),
+                HashValue::Str(lora.name.to_owned()),
+                HashValue::Str(lora.path.ok_or_else(|| missing("path"))?.to_owned()),
+            ]),
+        })
+    }
+
+    fn salt_item(self, salt: &str) -> HashValue {
+        match self {
+            Self::UpTo0_11_0 | Self::V0_11_1To0_30 => HashValue::Str(salt.to_owned()),
+            Self::From0_31 => HashValue::Tuple(vec![
+                HashValue::Str("cache_salt".to_owned()),
+                HashValue::Str(salt.to_owned()),
+            ]),
+        }
+    }
+}
+
+/// A request's extra keys for every block, built once: they only differ between the first block
+/// (which carries the cache salt) and the rest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExtraKeys {
+    first_block: Option<HashValue>,
+    later_blocks: Option<HashValue>,
+}
+
+impl ExtraKeys {
+    /// No extra keys (plain text, no LoRA, no salt).
+    pub const NONE: Self = Self {
+        first_block: None,
+        later_blocks: None,
+    };
+
+    /// The extra keys of a request in the given era.
+    pub fn new(
+        era: ExtraKeysEra,
+        lora: Option<&LoraRef<'_>>,
+        cache_salt: Option<&str>,
+    ) -> Result<Self, KeyError> {
+        Ok(Self {
+            first_block: era.block_extra_keys(lora, cache_salt, 0)?,
+            later_blocks: era.block_extra_keys(lora, cache_salt, 1)?,
+        })
+    }
+
+    /// The extra keys of block `block_index`, counted from the prompt's first block.
+    pub fn for_block(&self, block_index: usize) -> Option<&HashValue> {
+        if block_index == 0 {
+            self.first_block.as_ref()
+        } else {
+            self.later_blocks.as_ref()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(v: &str) -> HashValue {
+        HashValue::Str(v.to_owned())
+    }
+
+    #[test]
+    fn versions_map_to_eras() {
+        for (v, era) in [
+            ("0.9.0", ExtraKeysEra::UpTo0_11_0),
+            ("0.10.1.1", ExtraKeysEra::UpTo0_11_0),
+            ("0.11.0", ExtraKeysEra::UpTo0_11_0),
+            ("0.11.1", ExtraKeysEra::V0_11_1To0_30),
+            ("v0.30.2", ExtraKeysEra::V0_11_1To0_30),
+            ("0.31.0rc1", ExtraKeysEra::From0_31),
+            ("0.33", ExtraKeysEra::From0_31),
+            ("1.0.0", ExtraKeysEra::From0_31),
+        ] {
+            assert_eq!(ExtraKeysEra::for_vllm_version(v), Ok(era), "{v}");
+        }
+        assert!(ExtraKeysEra::for_vllm_version("latest").is_err());
+        assert!(ExtraKeysEra::for_vllm_version("0").is_err());
+    }
+
+    #[test]
+    fn lora_then_salt_on_first_block_only() {
+        let lora = LoraRef {
+            id: Some(1),
+            name: "Alice",
+            path: Some("/a"),
+        };
+        let era = ExtraKeysEra::V0_11_1To0_30;
+        let keys = ExtraKeys::new(era, Some(&lora), Some("t")).unwrap();
+        assert_eq!(keys.for_block(0), Some(&HashValue::Tuple(vec![s("Alice"), s("t")])));
+        assert_eq!(keys.for_block(5), Some(&HashValue::Tuple(vec![s("Alice")])));
+        let salt_only = ExtraKeys::new(era, None, Some("t")).unwrap();
+        assert_eq!(salt_only.for_block(1), None);
+        assert_eq!(ExtraKeys::new(era, None, Some("")).unwrap(), ExtraKeys::NONE);
+    }
+
+    #[test]
+    fn missing_lora_fields_are_errors() {
+        let lora = LoraRef {
+            id: None,
+            name: "Alice",
+            path: None,
+        };
+        for (era, field) in [
+            (ExtraKeysEra::UpTo0_11_0, "id"),
+            (ExtraKeysEra::From0_31, "path"),
+        ] {
+            assert_eq!(
+                era.block_extra_keys(Some(&lora), None, 0),
+                Err(KeyError::LoraFieldMissing { era, field })
+            );
+        }
+    }
+}

@@ -1,0 +1,784 @@
+//! Configuration: YAML → [`RawConfig`] (serde, unknown keys rejected) → validated [`Config`].
+//!
+//! Every default is a named const beside its key. Validation rejects (never skips) a bad entry and
+//! names the field, e.g. `replicas[2].address: invalid value 'x': expected ip:port`.
+//!
+//! ```yaml
+//! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9003"}
+//! index: {addresses: ["http://10.0.0.9:7070"], match_timeout: 20ms}
+//! pools:
+//! - name: llama
+//!   models: [meta-llama/Llama-3.1-8B-Instruct]
+//!   adapters: [sql-lora]
+//!   block_size: 16
+//!   key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}
+//!   tokenizer: {model_dir: /models/llama}     # or {remote: "http://10.0.0.5:8000/tokenize"}
+//! replicas:
+//! - {id: r0, pool: llama, address: "10.0.0.5:8000", metrics_url: "http://10.0.0.5:8000/metrics"}
+//! ```
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, LoraRef, VllmHasher};
+
+use crate::error::ConfigError;
+
+/// Default ext_proc gRPC listen address (GIE's EPP port).
+pub const DEFAULT_GRPC_ADDR: &str = "0.0.0.0:9002";
+/// Default admin HTTP listen address.
+pub const DEFAULT_ADMIN_ADDR: &str = "0.0.0.0:9003";
+/// Default deadline for one `Match` call on the index (all fail-overs included).
+pub const DEFAULT_MATCH_TIMEOUT: Duration = Duration::from_millis(20);
+/// How long an index address that failed is skipped before being tried again.
+pub const DEFAULT_INDEX_RETRY_AFTER: Duration = Duration::from_secs(2);
+/// Default budget for a whole routing decision (tokenize + match + score).
+pub const DEFAULT_DECISION_BUDGET: Duration = Duration::from_millis(50);
+/// Default budget for tokenization within a decision.
+pub const DEFAULT_TOKENIZE_BUDGET: Duration = Duration::from_millis(30);
+/// Default time in-flight streams get to finish on shutdown.
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default request body limit (Envoy's default BUFFERED limit is 1 MiB; FULL_DUPLEX passes more).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+/// Default interval between scrapes of each replica's `/metrics`.
+pub const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(500);
+/// Default timeout of one `/metrics` scrape.
+pub const DEFAULT_SCRAPE_TIMEOUT: Duration = Duration::from_millis(400);
+/// Consecutive failed scrapes after which a replica counts as not ready.
+pub const DEFAULT_UNREADY_AFTER_FAILURES: u32 = 3;
+/// Default per-token prefill cost, in milliseconds (uncached prompt tokens).
+pub const DEFAULT_PREFILL_MS_PER_TOKEN: f64 = 0.05;
+/// Default cost of each waiting (queued) request ahead, in milliseconds.
+pub const DEFAULT_QUEUE_MS_PER_REQUEST: f64 = 50.0;
+/// Default cost of each running request (batch interference), in milliseconds.
+pub const DEFAULT_RUNNING_MS_PER_REQUEST: f64 = 5.0;
+/// Default penalty at 100% KV-cache usage (preemption risk), in milliseconds.
+pub const DEFAULT_KV_USAGE_MS: f64 = 100.0;
+/// A replica whose load exceeds the pool mean by this factor is skipped (hotspot guard).
+pub const DEFAULT_HOTSPOT_FACTOR: f64 = 2.0;
+/// Loads below this (ms) never trip the hotspot guard (an idle pool has tiny means).
+pub const DEFAULT_HOTSPOT_MIN_MS: f64 = 200.0;
+/// How long a routed prefix counts as held by its replica before the engine's events confirm it.
+pub const DEFAULT_SPECULATIVE_TTL: Duration = Duration::from_secs(5);
+/// Default capacity (blocks) of each replica's approximate prefix memory.
+pub const DEFAULT_APPROX_CAPACITY_BLOCKS: usize = 65_536;
+/// Default number of cached tokenizations (whole prompts / conversation prefixes).
+pub const DEFAULT_TOKEN_CACHE_ENTRIES: usize = 4096;
+/// Default timeout of a remote `/tokenize` call.
+pub const DEFAULT_REMOTE_TOKENIZE_TIMEOUT: Duration = Duration::from_millis(25);
+/// Default interval at which the config file's mtime is checked for reloads.
+pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
+/// vLLM release assumed when a pool does not name one (extra-key shapes of 0.11.1..0.30).
+pub const DEFAULT_VLLM_VERSION: &str = "0.11.1";
+/// Largest accepted block size (vLLM uses 16..=256 in practice).
+const MAX_BLOCK_SIZE: u32 = 4096;
+
+/// The YAML document as written. Unknown keys are errors.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawConfig {
+    listen: RawListen,
+    index: RawIndex,
+    budgets: RawBudgets,
+    max_body_bytes: Option<usize>,
+    scrape: RawScrape,
+    scoring: RawScoring,
+    token_cache_entries: Option<usize>,
+    reload_interval: Option<String>,
+    /// Body mode assumed when Envoy does not send `protocol_config` (Envoy < 1.34).
+    default_body_mode: Option<String>,
+    pools: Vec<RawPool>,
+    replicas: Vec<RawReplica>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawListen {
+    grpc: Option<String>,
+    admin: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawIndex {
+    addresses: Vec<String>,
+    match_timeout: Option<String>,
+    retry_after: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawBudgets {
+    decision: Option<String>,
+    tokenize: Option<String>,
+    drain: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawScrape {
+    interval: Option<String>,
+    timeout: Option<String>,
+    unready_after_failures: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawScoring {
+    prefill_ms_per_token: Option<f64>,
+    queue_ms_per_request: Option<f64>,
+    running_ms_per_request: Option<f64>,
+    kv_usage_ms: Option<f64>,
+    hotspot_factor: Option<f64>,
+    hotspot_min_ms: Option<f64>,
+    speculative_ttl: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawPool {
+    name: Option<String>,
+    models: Vec<String>,
+    adapters: Vec<RawAdapter>,
+    block_size: Option<u32>,
+    key_scheme: RawKeyScheme,
+    /// Whether the index receives this pool's KV events (else: approximate tier only).
+    events: Option<bool>,
+    approx_capacity_blocks: Option<usize>,
+    tokenizer: Option<RawTokenizer>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawKeyScheme {
+    kind: Option<String>,
+    hash_algo: Option<String>,
+    seed: Option<String>,
+    /// The engine's vLLM release; selects how LoRA and cache_salt enter the keys.
+    vllm_version: Option<String>,
+}
+
+/// An adapter as written: its name, or `{name, id, path}` (what older/newer vLLM hash).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawAdapter {
+    Name(String),
+    Full {
+        name: String,
+        #[serde(default)]
+        id: Option<i64>,
+        #[serde(default)]
+        path: Option<String>,
+    },
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawTokenizer {
+    model_dir: Option<PathBuf>,
+    remote: Option<String>,
+    timeout: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawReplica {
+    id: Option<String>,
+    pool: Option<String>,
+    address: Option<String>,
+    metrics_url: Option<String>,
+    envoy_cluster: Option<String>,
+}
+
+/// Validated configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// ext_proc gRPC (and gRPC health) listen address.
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP listen address (`/metrics`, `/healthz`, `/readyz`).
+    pub admin_addr: SocketAddr,
+    /// kvroute-index addresses, tried in order (HA).
+    pub index_addresses: Vec<http::Uri>,
+    /// Deadline for one `Match`, fail-overs included.
+    pub match_timeout: Duration,
+    /// How long a failed index address is skipped.
+    pub index_retry_after: Duration,
+    /// Budget of a whole decision.
+    pub decision_budget: Duration,
+    /// Budget of tokenization within a decision.
+    pub tokenize_budget: Duration,
+    /// Shutdown drain timeout.
+    pub drain_timeout: Duration,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// Scrape settings.
+    pub scrape: ScrapeConfig,
+    /// Scoring weights.
+    pub scoring: ScoringConfig,
+    /// Entries of the tokenization cache.
+    pub token_cache_entries: usize,
+    /// Config file poll interval.
+    pub reload_interval: Duration,
+    /// Body mode assumed when Envoy sends no `protocol_config`.
+    pub default_body_mode: BodyMode,
+    /// Pools (non-empty).
+    pub pools: Vec<Pool>,
+    /// Replicas (non-empty); `Replica::pool` indexes `pools`.
+    pub replicas: Vec<Replica>,
+}
+
+/// How Envoy sends the request body to us.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyMode {
+    /// One message with the whole body; headers are answered right away.
+    Buffered,
+    /// Chunks; the header answer waits for the body, which is echoed back.
+    FullDuplexStreamed,
+}
+
+/// `/metrics` scraping.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScrapeConfig {
+    /// Interval between scrapes.
+    pub interval: Duration,
+    /// Timeout of one scrape.
+    pub timeout: Duration,
+    /// Consecutive failures after which the replica is not ready.
+    pub unready_after_failures: u32,
+}
+
+/// Weights of the default policy (estimated time to first token, in ms).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoringConfig {
+    /// Prefill cost per uncached prompt token.
+    pub prefill_ms_per_token: f64,
+    /// Cost per waiting request.
+    pub queue_ms_per_request: f64,
+    /// Cost per running request.
+    pub running_ms_per_request: f64,
+    /// Cost at 100% KV-cache usage.
+    pub kv_usage_ms: f64,
+    /// Hotspot guard factor over the pool mean load.
+    pub hotspot_factor: f64,
+    /// Loads below this never trip the guard.
+    pub hotspot_min_ms: f64,
+    /// Lifetime of a speculative prefix insert.
+    pub speculative_ttl: Duration,
+}
+
+/// A pool: replicas serving the same model(s) with one block size and key scheme.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pool {
+    /// Pool name (a metric label).
+    pub name: String,
+    /// Served (base) model names.
+    pub models: Vec<String>,
+    /// LoRA adapters served by the pool.
+    pub adapters: Vec<Adapter>,
+    /// KV block size in tokens.
+    pub block_size: u32,
+    /// How block keys are computed (same code as the index).
+    pub key_scheme: KeyScheme,
+    /// Whether the index has this pool's events (precise tier possible).
+    pub events: bool,
+    /// Capacity of each replica's approximate prefix memory, in blocks.
+    pub approx_capacity_blocks: usize,
+    /// Where tokens come from.
+    pub tokenizer: TokenizerSource,
+}
+
+/// A LoRA adapter, as vLLM's `LoRARequest` names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Adapter {
+    /// `lora_name` (what clients send as `model`).
+    pub name: String,
+    /// `lora_int_id` (keys of vLLM <= 0.11.0).
+    pub id: Option<i64>,
+    /// `lora_path` (keys of vLLM >= 0.31).
+    pub path: Option<String>,
+}
+
+impl Adapter {
+    /// The adapter as block-keys wants it.
+    pub fn as_lora_ref(&self) -> LoraRef<'_> {
+        LoraRef { id: self.id, name: &self.name, path: self.path.as_deref() }
+    }
+}
+
+/// Where a pool's tokens come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenizerSource {
+    /// An HF model folder loaded in-process.
+    ModelDir(PathBuf),
+    /// A `/tokenize` endpoint (vLLM-compatible).
+    Remote {
+        /// Full URL of the endpoint.
+        url: http::Uri,
+        /// Per-call timeout.
+        timeout: Duration,
+    },
+    /// No tokenizer: every decision uses the load tier.
+    None,
+}
+
+/// One engine replica.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replica {
+    /// Stable id, as the index knows it (a metric label).
+    pub id: String,
+    /// Index into `Config::pools`.
+    pub pool: usize,
+    /// `ip:port` Envoy routes to.
+    pub address: SocketAddr,
+    /// The engine's Prometheus endpoint.
+    pub metrics_url: Option<http::Uri>,
+    /// Envoy cluster for `cluster_header` routes.
+    pub envoy_cluster: Option<String>,
+}
+
+impl Config {
+    /// Parses and validates YAML text.
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig =
+            serde_yaml::from_str(text).map_err(|source| ConfigError::Yaml { source })?;
+        Self::try_from(raw)
+    }
+
+    /// Reads, parses and validates a YAML file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_yaml(&text)
+    }
+
+    /// The pool serving `model`, and the adapter when `model` is a LoRA adapter.
+    pub fn pool_for_model(&self, model: &str) -> Option<(usize, Option<&Adapter>)> {
+        self.pools.iter().enumerate().find_map(|(i, pool)| {
+            if pool.models.iter().any(|m| m == model) {
+                Some((i, None))
+            } else {
+                pool.adapters.iter().find(|a| a.name == model).map(|a| (i, Some(a)))
+            }
+        })
+    }
+}
+
+impl TryFrom<RawConfig> for Config {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawConfig) -> Result<Self, Self::Error> {
+        let grpc_addr = socket_addr("listen.grpc", raw.listen.grpc.as_deref(), DEFAULT_GRPC_ADDR)?;
+        let admin_addr =
+            socket_addr("listen.admin", raw.listen.admin.as_deref(), DEFAULT_ADMIN_ADDR)?;
+        let index_addresses = raw
+            .index
+            .addresses
+            .iter()
+            .enumerate()
+            .map(|(i, a)| http_uri(&format!("index.addresses[{i}]"), a))
+            .collect::<Result<Vec<_>, _>>()?;
+        let budgets = &raw.budgets;
+        let decision_budget =
+            duration("budgets.decision", budgets.decision.as_deref(), DEFAULT_DECISION_BUDGET)?;
+        let tokenize_budget =
+            duration("budgets.tokenize", budgets.tokenize.as_deref(), DEFAULT_TOKENIZE_BUDGET)?;
+        let scoring = scoring(&raw.scoring)?;
+        let pools = raw
+            .pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| pool(i, p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let replicas = raw
+            .replicas
+            .iter()
+            .enumerate()
+            .map(|(i, r)| replica(i, r, &pools))
+            .collect::<Result<Vec<_>, _>>()?;
+        let config = Config {
+            grpc_addr,
+            admin_addr,
+            index_addresses,
+            match_timeout: duration(
+                "index.match_timeout",
+                raw.index.match_timeout.as_deref(),
+                DEFAULT_MATCH_TIMEOUT,
+            )?,
+            index_retry_after: duration(
+                "index.retry_after",
+                raw.index.retry_after.as_deref(),
+                DEFAULT_INDEX_RETRY_AFTER,
+            )?,
+            decision_budget,
+            tokenize_budget,
+            drain_timeout: duration("budgets.drain", budgets.drain.as_deref(), DEFAULT_DRAIN_TIMEOUT)?,
+            max_body_bytes: raw.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
+            scrape: ScrapeConfig {
+                interval: duration(
+                    "scrape.interval",
+                    raw.scrape.interval.as_deref(),
+                    DEFAULT_SCRAPE_INTERVAL,
+                )?,
+                timeout: duration(
+                    "scrape.timeout",
+                    raw.scrape.timeout.as_deref(),
+                    DEFAULT_SCRAPE_TIMEOUT,
+                )?,
+                unready_after_failures: raw
+                    .scrape
+                    .unready_after_failures
+                    .unwrap_or(DEFAULT_UNREADY_AFTER_FAILURES),
+            },
+            scoring,
+            token_cache_entries: raw.token_cache_entries.unwrap_or(DEFAULT_TOKEN_CACHE_ENTRIES),
+            reload_interval: duration(
+                "reload_interval",
+                raw.reload_interval.as_deref(),
+                DEFAULT_RELOAD_INTERVAL,
+            )?,
+            default_body_mode: match raw.default_body_mode.as_deref() {
+                None | Some("buffered") => BodyMode::Buffered,
+                Some("full_duplex_streamed") => BodyMode::FullDuplexStreamed,
+                Some(other) => {
+                    return Err(ConfigError::invalid(
+                        "default_body_mode",
+                        other,
+                        "expected buffered or full_duplex_streamed",
+                    ));
+                }
+            },
+            pools,
+            replicas,
+        };
+        validate(&config)?;
+        Ok(config)
+    }
+}
+
+/// Cross-field rules, all in one place.
+fn validate(config: &Config) -> Result<(), ConfigError> {
+    if config.pools.is_empty() {
+        return Err(ConfigError::missing("pools"));
+    }
+    if config.replicas.is_empty() {
+        return Err(ConfigError::missing("replicas"));
+    }
+    if config.tokenize_budget > config.decision_budget {
+        return Err(ConfigError::invalid(
+            "budgets.tokenize",
+            format!("{:?}", config.tokenize_budget),
+            "must not exceed budgets.decision",
+        ));
+    }
+    if config.decision_budget.is_zero() {
+        return Err(ConfigError::invalid("budgets.decision", "0", "must be positive"));
+    }
+    if config.max_body_bytes == 0 {
+        return Err(ConfigError::invalid("max_body_bytes", 0, "must be positive"));
+    }
+    if config.scrape.interval.is_zero() {
+        return Err(ConfigError::invalid("scrape.interval", "0", "must be positive"));
+    }
+    if config.grpc_addr == config.admin_addr && config.grpc_addr.port() != 0 {
+        return Err(ConfigError::invalid(
+            "listen.admin",
+            config.admin_addr,
+            "must differ from listen.grpc",
+        ));
+    }
+    let mut names = HashMap::new();
+    for (i, pool) in config.pools.iter().enumerate() {
+        if names.insert(pool.name.as_str(), i).is_some() {
+            return Err(ConfigError::invalid(format!("pools[{i}].name"), &pool.name, "duplicate"));
+        }
+    }
+    let mut served = HashSet::new();
+    for (i, pool) in config.pools.iter().enumerate() {
+        for name in pool.models.iter().chain(pool.adapters.iter().map(|a| &a.name)) {
+            if !served.insert(name.as_str()) {
+                return Err(ConfigError::invalid(
+                    format!("pools[{i}].models"),
+                    name,
+                    "model or adapter name served by two pools",
+                ));
+            }
+        }
+    }
+    let mut ids = HashSet::new();
+    let mut addresses = HashSet::new();
+    for (i, replica) in config.replicas.iter().enumerate() {
+        if !ids.insert(replica.id.as_str()) {
+            return Err(ConfigError::invalid(format!("replicas[{i}].id"), &replica.id, "duplicate"));
+        }
+        if !addresses.insert(replica.address) {
+            return Err(ConfigError::invalid(
+                format!("replicas[{i}].address"),
+                replica.address,
+                "duplicate",
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn scoring(raw: &RawScoring) -> Result<ScoringConfig, ConfigError> {
+    let non_negative = |field: &str, value: Option<f64>, default: f64| {
+        let v = value.unwrap_or(default);
+        if v.is_finite() && v >= 0.0 {
+            Ok(v)
+        } else {
+            Err(ConfigError::invalid(format!("scoring.{field}"), v, "must be a finite number >= 0"))
+        }
+    };
+    let hotspot_factor = non_negative("hotspot_factor", raw.hotspot_factor, DEFAULT_HOTSPOT_FACTOR)?;
+    if hotspot_factor < 1.0 {
+        return Err(ConfigError::invalid("scoring.hotspot_factor", hotspot_factor, "must be >= 1"));
+    }
+    Ok(ScoringConfig {
+        prefill_ms_per_token: non_negative(
+            "prefill_ms_per_token",
+            raw.prefill_ms_per_token,
+            DEFAULT_PREFILL_MS_PER_TOKEN,
+        )?,
+        queue_ms_per_request: non_negative(
+            "queue_ms_per_request",
+            raw.queue_ms_per_request,
+            DEFAULT_QUEUE_MS_PER_REQUEST,
+        )?,
+        running_ms_per_request: non_negative(
+            "running_ms_per_request",
+            raw.running_ms_per_request,
+            DEFAULT_RUNNING_MS_PER_REQUEST,
+        )?,
+        kv_usage_ms: non_negative("kv_usage_ms", raw.kv_usage_ms, DEFAULT_KV_USAGE_MS)?,
+        hotspot_factor,
+        hotspot_min_ms: non_negative("hotspot_min_ms", raw.hotspot_min_ms, DEFAULT_HOTSPOT_MIN_MS)?,
+        speculative_ttl: duration(
+            "scoring.speculative_ttl",
+            raw.speculative_ttl.as_deref(),
+            DEFAULT_SPECULATIVE_TTL,
+        )?,
+    })
+}
+
+fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
+    let field = |name: &str| format!("pools[{i}].{name}");
+    let name = raw.name.clone().filter(|n| !n.is_empty()).ok_or_else(|| ConfigError::missing(field("name")))?;
+    if raw.models.is_empty() {
+        return Err(ConfigError::missing(field("models")));
+    }
+    if raw.models.iter().any(String::is_empty) {
+        return Err(ConfigError::invalid(field("models"), "", "empty model name"));
+    }
+    let adapters = raw
+        .adapters
+        .iter()
+        .map(|a| match a {
+            RawAdapter::Name(name) => Adapter { name: name.clone(), id: None, path: None },
+            RawAdapter::Full { name, id, path } => {
+                Adapter { name: name.clone(), id: *id, path: path.clone() }
+            }
+        })
+        .collect::<Vec<_>>();
+    if adapters.iter().any(|a| a.name.is_empty()) {
+        return Err(ConfigError::invalid(field("adapters"), "", "empty adapter name"));
+    }
+    let block_size = raw.block_size.ok_or_else(|| ConfigError::missing(field("block_size")))?;
+    if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+        return Err(ConfigError::invalid(field("block_size"), block_size, "expected 1..=4096"));
+    }
+    let key_scheme = match raw.key_scheme.kind.as_deref() {
+        None | Some("vllm-exact") => {
+            let algo_name = raw.key_scheme.hash_algo.as_deref().unwrap_or("sha256_cbor");
+            let algo: HashAlgo = algo_name.parse().map_err(|_| {
+                ConfigError::invalid(field("key_scheme.hash_algo"), algo_name, "unknown or unreproducible hash algorithm")
+            })?;
+            // Without a fixed PYTHONHASHSEED most algorithms hash with a per-process random seed.
+            let hasher = VllmHasher::new(algo, raw.key_scheme.seed.as_deref()).map_err(|_| {
+                ConfigError::missing(field("key_scheme.seed"))
+            })?;
+            let version = raw.key_scheme.vllm_version.as_deref().unwrap_or(DEFAULT_VLLM_VERSION);
+            let era = ExtraKeysEra::for_vllm_version(version).map_err(|_| {
+                ConfigError::invalid(field("key_scheme.vllm_version"), version, "expected a version such as 0.11.1")
+            })?;
+            KeyScheme::VllmExact { hasher, era }
+        }
+        Some("token-chain") => KeyScheme::TokenChain,
+        Some(other) => {
+            return Err(ConfigError::invalid(
+                field("key_scheme.kind"),
+                other,
+                "expected vllm-exact or token-chain",
+            ));
+        }
+    };
+    if let KeyScheme::VllmExact { era, .. } = &key_scheme {
+        // Check the adapters carry what this era hashes, at startup rather than per request.
+        for (j, adapter) in adapters.iter().enumerate() {
+            era.block_extra_keys(Some(&adapter.as_lora_ref()), None, 0).map_err(|_| {
+                ConfigError::invalid(
+                    format!("pools[{i}].adapters[{j}]"),
+                    &adapter.name,
+                    "this vLLM version hashes the adapter's id (<=0.11.0) or path (>=0.31): add it",
+                )
+            })?;
+        }
+    }
+    let tokenizer = match &raw.tokenizer {
+        None => TokenizerSource::None,
+        Some(RawTokenizer { model_dir: Some(dir), remote: None, timeout: None }) => {
+            TokenizerSource::ModelDir(dir.clone())
+        }
+        Some(RawTokenizer { model_dir: None, remote: Some(url), timeout }) => TokenizerSource::Remote {
+            url: http_uri(&field("tokenizer.remote"), url)?,
+            timeout: duration(
+                &field("tokenizer.timeout"),
+                timeout.as_deref(),
+                DEFAULT_REMOTE_TOKENIZE_TIMEOUT,
+            )?,
+        },
+        Some(_) => {
+            return Err(ConfigError::invalid(
+                field("tokenizer"),
+                "…",
+                "expected exactly one of model_dir or remote (timeout only with remote)",
+            ));
+        }
+    };
+    let approx_capacity_blocks = raw.approx_capacity_blocks.unwrap_or(DEFAULT_APPROX_CAPACITY_BLOCKS);
+    if approx_capacity_blocks == 0 {
+        return Err(ConfigError::invalid(field("approx_capacity_blocks"), 0, "must be positive"));
+    }
+    Ok(Pool {
+        name,
+        models: raw.models.clone(),
+        adapters,
+        block_size,
+        key_scheme,
+        events: raw.events.unwrap_or(true),
+        approx_capacity_blocks,
+        tokenizer,
+    })
+}
+
+fn replica(i: usize, raw: &RawReplica, pools: &[Pool]) -> Result<Replica, ConfigError> {
+    let field = |name: &str| format!("replicas[{i}].{name}");
+    let id = raw.id.clone().filter(|s| !s.is_empty()).ok_or_else(|| ConfigError::missing(field("id")))?;
+    let pool_name = raw.pool.as_deref().ok_or_else(|| ConfigError::missing(field("pool")))?;
+    let pool = pools
+        .iter()
+        .position(|p| p.name == pool_name)
+        .ok_or_else(|| ConfigError::invalid(field("pool"), pool_name, "no pool with this name"))?;
+    let address = raw.address.as_deref().ok_or_else(|| ConfigError::missing(field("address")))?;
+    let address = address
+        .parse::<SocketAddr>()
+        .map_err(|_| ConfigError::invalid(field("address"), address, "expected ip:port"))?;
+    let metrics_url = raw
+        .metrics_url
+        .as_deref()
+        .map(|u| http_uri(&field("metrics_url"), u))
+        .transpose()?;
+    if let Some(cluster) = raw.envoy_cluster.as_deref().filter(|c| c.is_empty() || c.contains(char::is_whitespace)) {
+        return Err(ConfigError::invalid(field("envoy_cluster"), cluster, "expected a cluster name"));
+    }
+    Ok(Replica { id, pool, address, metrics_url, envoy_cluster: raw.envoy_cluster.clone() })
+}
+
+fn socket_addr(field: &str, value: Option<&str>, default: &str) -> Result<SocketAddr, ConfigError> {
+    let value = value.unwrap_or(default);
+    value.parse().map_err(|_| ConfigError::invalid(field, value, "expected ip:port"))
+}
+
+fn http_uri(field: &str, value: &str) -> Result<http::Uri, ConfigError> {
+    let uri: http::Uri =
+        value.parse().map_err(|_| ConfigError::invalid(field, value, "expected an http:// URL"))?;
+    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+        return Err(ConfigError::invalid(field, value, "expected an http:// URL"));
+    }
+    Ok(uri)
+}
+
+/// Parses `250ms`, `2s`, `1.5s`, `500us`, `1m`.
+fn duration(field: &str, value: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
+    let Some(text) = value else { return Ok(default) };
+    let invalid = || ConfigError::invalid(field, text, "expected a duration such as 50ms, 2s, 1m");
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(invalid)?;
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number.parse().map_err(|_| invalid())?;
+    let seconds = match unit.trim() {
+        "us" | "µs" => number / 1e6,
+        "ms" => number / 1e3,
+        "s" => number,
+        "m" => number * 60.0,
+        _ => return Err(invalid()),
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|_| invalid())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+pools:
+- name: p
+  models: [m]
+  adapters: [lora-a]
+  block_size: 16
+  key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}
+replicas:
+- {id: r0, pool: p, address: "127.0.0.1:8000"}
+"#;
+
+    fn error_of(yaml: &str) -> String {
+        match Config::from_yaml(yaml) {
+            Ok(_) => panic!("config should be rejected:\n{yaml}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let config = Config::from_yaml(MINIMAL).unwrap();
+        assert_eq!(config.decision_budget, DEFAULT_DECISION_BUDGET);
+        assert_eq!(config.grpc_addr, DEFAULT_GRPC_ADDR.parse().unwrap());
+        assert_eq!(config.pools[0].tokenizer, TokenizerSource::None);
+        assert_eq!(config.pool_for_model("lora-a").map(|(p, a)| (p, a.map(|a| a.name.as_str()))), Some((0, Some("lora-a"))));
+        assert_eq!(config.pool_for_model("m"), Some((0, None)));
+        assert_eq!(config.pool_for_model("x"), None);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let bad_address = MINIMAL.replace("127.0.0.1:8000", "nowhere");
+        assert!(error_of(&bad_address).contains("replicas[0].address"), "{}", error_of(&bad_address));
+        let bad_block = MINIMAL.replace("block_size: 16", "block_size: 0");
+        assert!(error_of(&bad_block).contains("pools[0].block_size"));
+        let bad_pool = MINIMAL.replace("pool: p,", "pool: q,");
+        assert!(error_of(&bad_pool).contains("replicas[0].pool"));
+        let unknown_key = format!("{MINIMAL}bogus: 1\n");
+        assert!(error_of(&unknown_key).contains("bogus"));
+        let bad_budget = format!("{MINIMAL}budgets: {{decision: 10ms, tokenize: 20ms}}\n");
+        assert!(error_of(&bad_budget).contains("budgets.tokenize"));
+        let bad_duration = format!("{MINIMAL}index: {{match_timeout: soon}}\n");
+        assert!(error_of(&bad_duration).contains("index.match_timeout"));
+        let no_seed = MINIMAL.replace("sha256_cbor, seed: \"0\"", "sha256");
+        assert!(error_of(&no_seed).contains("pools[0].key_scheme.seed"), "{}", error_of(&no_seed));
+        let dup = format!("{MINIMAL}- {{id: r0, pool: p, address: \"127.0.0.1:8001\"}}\n");
+        assert!(error_of(&dup).contains("replicas[1].id"));
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(duration("f", Some("250ms"), Duration::ZERO).unwrap(), Duration::from_millis(250));
+        assert_eq!(duration("f", Some("1.5s"), Duration::ZERO).unwrap(), Duration::from_millis(1500));
+        assert!(duration("f", Some("-1s"), Duration::ZERO).is_err());
+        assert!(duration("f", Some("5"), Duration::ZERO).is_err());
+    }
+}

@@ -1,0 +1,239 @@
+//! Errors at the crate's boundaries, each with a stable `as_label` for metrics.
+//!
+//! [`RequestError`] is what the client sees (an OpenAI-style JSON error through Envoy's
+//! `ImmediateResponse`); everything else fails *inside* kvroute and only degrades the routing tier.
+
+use std::time::Duration;
+
+/// Why a request is refused. The only errors a client ever sees from kvroute.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// The body is not JSON, or not the shape of an OpenAI request.
+    #[error("malformed request body: {reason}")]
+    MalformedJson {
+        /// What the JSON parser said.
+        reason: String,
+    },
+    /// A field routing needs is absent (`model`, `prompt`, `messages`).
+    #[error("missing required field '{field}'")]
+    MissingField {
+        /// The missing field's name.
+        field: &'static str,
+    },
+    /// A field is present but unusable (e.g. an empty prompt list).
+    #[error("invalid value for '{field}': {reason}")]
+    InvalidField {
+        /// The field's name.
+        field: &'static str,
+        /// Why it is unusable.
+        reason: &'static str,
+    },
+    /// No pool serves this model or adapter.
+    #[error("the model '{model}' does not exist")]
+    UnknownModel {
+        /// The requested model name.
+        model: String,
+    },
+    /// The body exceeds the configured limit.
+    #[error("request body of at least {size} bytes exceeds the limit of {limit} bytes")]
+    BodyTooLarge {
+        /// Bytes received so far.
+        size: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// Every candidate replica is unready, or the subset hint left none.
+    #[error("no ready replica for model '{model}'")]
+    NoReadyReplica {
+        /// The requested model name.
+        model: String,
+    },
+}
+
+impl RequestError {
+    /// HTTP status Envoy sends to the client.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            Self::MalformedJson { .. } | Self::MissingField { .. } | Self::InvalidField { .. } => 400,
+            Self::UnknownModel { .. } => 404,
+            Self::BodyTooLarge { .. } => 413,
+            Self::NoReadyReplica { .. } => 503,
+        }
+    }
+
+    /// Metric label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            Self::MalformedJson { .. } => "malformed_json",
+            Self::MissingField { .. } => "missing_field",
+            Self::InvalidField { .. } => "invalid_field",
+            Self::UnknownModel { .. } => "unknown_model",
+            Self::BodyTooLarge { .. } => "body_too_large",
+            Self::NoReadyReplica { .. } => "no_ready_replica",
+        }
+    }
+
+    /// The OpenAI error body: `{"error":{"message","type","param","code"}}`.
+    pub fn to_openai_json(&self) -> Vec<u8> {
+        let (kind, param) = match self {
+            Self::MalformedJson { .. } => ("invalid_request_error", None),
+            Self::MissingField { field } | Self::InvalidField { field, .. } => {
+                ("invalid_request_error", Some(*field))
+            }
+            Self::UnknownModel { .. } => ("NotFoundError", Some("model")),
+            Self::BodyTooLarge { .. } => ("invalid_request_error", None),
+            Self::NoReadyReplica { .. } => ("ServiceUnavailableError", None),
+        };
+        let body = serde_json::json!({
+            "error": {
+                "message": self.to_string(),
+                "type": kind,
+                "param": param,
+                "code": self.http_status(),
+            }
+        });
+        serde_json::to_vec(&body).unwrap_or_else(|_| b"{\"error\":{}}".to_vec())
+    }
+}
+
+/// Why tokenization produced no tokens; the decision falls to the load tier.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    /// The pool has no tokenizer configured.
+    #[error("no tokenizer configured for pool '{pool}'")]
+    NotConfigured {
+        /// Pool name (from config).
+        pool: String,
+    },
+    /// The tokenizer did not answer within its budget.
+    #[error("tokenizer timed out after {after:?}")]
+    Timeout {
+        /// The budget that elapsed.
+        after: Duration,
+    },
+    /// The remote `/tokenize` call failed.
+    #[error("remote tokenizer at {url} failed: {reason}")]
+    Remote {
+        /// The configured URL.
+        url: String,
+        /// What went wrong (transport error, status, bad JSON).
+        reason: String,
+    },
+    /// The in-process tokenizer failed (template error, bad input).
+    #[error("in-process tokenizer failed: {reason}")]
+    InProcess {
+        /// What the tokenizer said.
+        reason: String,
+    },
+}
+
+impl TokenizeError {
+    /// Metric label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            Self::NotConfigured { .. } => "not_configured",
+            Self::Timeout { .. } => "timeout",
+            Self::Remote { .. } => "remote_error",
+            Self::InProcess { .. } => "in_process_error",
+        }
+    }
+}
+
+/// Why the index gave no answer; the decision falls to the approximate tier.
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    /// No index address is configured.
+    #[error("no index configured")]
+    NotConfigured,
+    /// The budget ran out before any index answered.
+    #[error("index did not answer within {after:?}")]
+    Timeout {
+        /// The budget that elapsed.
+        after: Duration,
+    },
+    /// Every index address failed.
+    #[error("all index addresses failed, last: {status}")]
+    Unavailable {
+        /// The last gRPC status.
+        status: tonic::Status,
+    },
+}
+
+impl IndexError {
+    /// Metric label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            Self::NotConfigured => "not_configured",
+            Self::Timeout { .. } => "timeout",
+            Self::Unavailable { .. } => "unavailable",
+        }
+    }
+}
+
+/// Why the configuration was rejected. Every variant names the offending field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}")]
+    Read {
+        /// File path.
+        path: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The YAML is invalid or has unknown/mistyped keys.
+    #[error("invalid config YAML: {source}")]
+    Yaml {
+        /// The parser's error (names the key and line).
+        #[source]
+        source: serde_yaml::Error,
+    },
+    /// A required field is absent.
+    #[error("{field}: required")]
+    Missing {
+        /// Dotted path of the field, e.g. `pools[0].block_size`.
+        field: String,
+    },
+    /// A pool's model folder could not be loaded.
+    #[error("{field}: cannot load tokenizer from '{path}': {reason}")]
+    Tokenizer {
+        /// Dotted path of the field.
+        field: String,
+        /// The folder.
+        path: String,
+        /// What the loader said.
+        reason: String,
+    },
+    /// A field has an unusable value.
+    #[error("{field}: invalid value '{value}': {reason}")]
+    InvalidValue {
+        /// Dotted path of the field.
+        field: String,
+        /// The value as written.
+        value: String,
+        /// Why it is rejected.
+        reason: &'static str,
+    },
+}
+
+impl ConfigError {
+    /// Metric label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            Self::Read { .. } => "read",
+            Self::Yaml { .. } => "yaml",
+            Self::Missing { .. } => "missing",
+            Self::Tokenizer { .. } => "tokenizer",
+            Self::InvalidValue { .. } => "invalid_value",
+        }
+    }
+
+    pub(crate) fn invalid(field: impl Into<String>, value: impl ToString, reason: &'static str) -> Self {
+        Self::InvalidValue { field: field.into(), value: value.to_string(), reason }
+    }
+
+    pub(crate) fn missing(field: impl Into<String>) -> Self {
+        Self::Missing { field: field.into() }
+    }
+}

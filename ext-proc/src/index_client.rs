@@ -1,0 +1,92 @@
+//! Client of kvroute-index with fail-over across several addresses, under a deadline.
+//!
+//! Addresses are tried in configured order, skipping any that failed within `retry_after`; a call
+//! fails over to the next address while the deadline allows. Channels connect lazily, so a dead
+//! index never delays startup.
+
+use std::time::{Duration, Instant};
+
+use kvroute_index::api::kv_index_client::KvIndexClient;
+use kvroute_index::api::{MatchRequest, MatchResponse};
+use parking_lot::Mutex;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::IndexError;
+
+/// How long establishing a connection to one index address may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(200);
+
+#[derive(Debug)]
+struct IndexAddress {
+    uri: http::Uri,
+    client: KvIndexClient<Channel>,
+    failed_at: Mutex<Option<Instant>>,
+}
+
+/// The index addresses of one config snapshot.
+#[derive(Debug)]
+pub struct IndexClient {
+    addresses: Vec<IndexAddress>,
+    retry_after: Duration,
+}
+
+impl IndexClient {
+    /// Lazily connecting clients for `uris`.
+    pub fn new(uris: &[http::Uri], retry_after: Duration) -> Self {
+        let addresses = uris
+            .iter()
+            .map(|uri| {
+                let channel = Endpoint::from(uri.clone())
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .tcp_nodelay(true)
+                    .connect_lazy();
+                IndexAddress { uri: uri.clone(), client: KvIndexClient::new(channel), failed_at: Mutex::new(None) }
+            })
+            .collect();
+        Self { addresses, retry_after }
+    }
+
+    /// Whether any address is configured.
+    pub fn is_configured(&self) -> bool {
+        !self.addresses.is_empty()
+    }
+
+    /// `Match` on the first healthy address, failing over until `deadline`.
+    pub async fn match_prefix(&self, request: MatchRequest, deadline: Instant) -> Result<MatchResponse, IndexError> {
+        if self.addresses.is_empty() {
+            return Err(IndexError::NotConfigured);
+        }
+        let now = Instant::now();
+        let healthy = |a: &&IndexAddress| a.failed_at.lock().is_none_or(|at| now.duration_since(at) >= self.retry_after);
+        // Healthy addresses first (in order), then the recently failed ones as a last resort.
+        let order = self.addresses.iter().filter(healthy).chain(self.addresses.iter().filter(|a| !healthy(a)));
+        let mut last_status = None;
+        for address in order {
+            let Some(remaining) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else {
+                break;
+            };
+            let mut client = address.client.clone();
+            let mut call = tonic::Request::new(request.clone());
+            call.set_timeout(remaining);
+            match tokio::time::timeout(remaining, client.r#match(call)).await {
+                Ok(Ok(response)) => {
+                    *address.failed_at.lock() = None;
+                    return Ok(response.into_inner());
+                }
+                Ok(Err(status)) => {
+                    tracing::debug!(index = %address.uri, code = ?status.code(), "index match failed");
+                    *address.failed_at.lock() = Some(Instant::now());
+                    last_status = Some(status);
+                }
+                Err(_) => {
+                    *address.failed_at.lock() = Some(Instant::now());
+                    break;
+                }
+            }
+        }
+        match last_status {
+            Some(status) if Instant::now() < deadline => Err(IndexError::Unavailable { status }),
+            _ => Err(IndexError::Timeout { after: deadline.saturating_duration_since(now) }),
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! Prometheus metrics of the picker. Labels come from config (replica, pool) and enums only.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+/// Labels of a routing decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// `precise`, `approximate`, `load`.
+    pub tier: &'static str,
+    /// Why this replica (see `Reason::as_label`).
+    pub reason: &'static str,
+}
+
+/// Labels of a fallback from one tier to the next.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FallbackLabels {
+    /// `tokenize`, `index`, `keys`, `decision`.
+    pub stage: &'static str,
+    /// The error's `as_label`.
+    pub cause: &'static str,
+}
+
+/// A single static-string label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// The kind.
+    pub kind: &'static str,
+}
+
+/// A replica label (id from config).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaLabel {
+    /// Replica id.
+    pub replica: String,
+}
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// All metric handles, registered once under the `kvroute_extproc` prefix.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    /// Decisions by tier and reason.
+    pub decisions: Family<DecisionLabels, Counter>,
+    /// Fallbacks by stage and cause.
+    pub fallbacks: Family<FallbackLabels, Counter>,
+    /// Requests refused, by error.
+    pub request_errors: Family<KindLabel, Counter>,
+    /// Decision latency.
+    pub decision_duration: Histogram,
+    /// Tokenization latency, by token source.
+    pub tokenize_duration: Family<KindLabel, Histogram>,
+    /// Index `Match` latency (successful calls).
+    pub match_duration: Histogram,
+    /// Share of the prompt predicted to be cached on the chosen replica.
+    pub predicted_cached_share: Histogram,
+    /// Open ext_proc streams.
+    pub streams_active: Gauge,
+    /// Served endpoint differed from the decision (Envoy fell back or retried).
+    pub served_mismatch: Counter,
+    /// Config reloads by result.
+    pub config_reloads: Family<KindLabel, Counter>,
+    /// Router in-flight requests per replica.
+    pub replica_inflight: Family<ReplicaLabel, Gauge>,
+    /// Scraped waiting requests per replica.
+    pub replica_waiting: Family<ReplicaLabel, FloatGauge>,
+    /// Scraped running requests per replica.
+    pub replica_running: Family<ReplicaLabel, FloatGauge>,
+    /// Scraped KV-cache usage (0..1) per replica.
+    pub replica_kv_usage: Family<ReplicaLabel, FloatGauge>,
+    /// 1 when the replica is ready (scrapes succeed), else 0.
+    pub replica_ready: Family<ReplicaLabel, Gauge>,
+    /// Failed `/metrics` scrapes per replica.
+    pub scrape_failures: Family<ReplicaLabel, Counter>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 50 µs .. ~1.6 s
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
+}
+
+impl Metrics {
+    /// Creates the handles and registers them in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self {
+            decisions: Family::default(),
+            fallbacks: Family::default(),
+            request_errors: Family::default(),
+            decision_duration: latency_histogram(),
+            tokenize_duration: Family::new_with_constructor(latency_histogram),
+            match_duration: latency_histogram(),
+            predicted_cached_share: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]),
+            streams_active: Gauge::default(),
+            served_mismatch: Counter::default(),
+            config_reloads: Family::default(),
+            replica_inflight: Family::default(),
+            replica_waiting: Family::default(),
+            replica_running: Family::default(),
+            replica_kv_usage: Family::default(),
+            replica_ready: Family::default(),
+            scrape_failures: Family::default(),
+        };
+        let r = registry.sub_registry_with_prefix("kvroute_extproc");
+        r.register("decisions", "Routing decisions by tier and reason", metrics.decisions.clone());
+        r.register("fallbacks", "Fallbacks to a lower routing tier, by stage and cause", metrics.fallbacks.clone());
+        r.register("request_errors", "Requests refused with an error response", metrics.request_errors.clone());
+        r.register("decision_duration_seconds", "Time to decide a route", metrics.decision_duration.clone());
+        r.register("tokenize_duration_seconds", "Time to obtain prompt tokens, by source", metrics.tokenize_duration.clone());
+        r.register("match_duration_seconds", "Index Match call latency", metrics.match_duration.clone());
+        r.register(
+            "predicted_cached_share",
+            "Share of prompt tokens predicted cached on the chosen replica",
+            metrics.predicted_cached_share.clone(),
+        );
+        r.register("streams_active", "Open ext_proc streams", metrics.streams_active.clone());
+        r.register("served_mismatch", "Envoy served another endpoint than decided", metrics.served_mismatch.clone());
+        r.register("config_reloads", "Config reloads by result", metrics.config_reloads.clone());
+        r.register("replica_inflight_requests", "Requests routed and not yet answered", metrics.replica_inflight.clone());
+        r.register("replica_waiting_requests", "Scraped vllm:num_requests_waiting", metrics.replica_waiting.clone());
+        r.register("replica_running_requests", "Scraped vllm:num_requests_running", metrics.replica_running.clone());
+        r.register("replica_kv_cache_usage_ratio", "Scraped KV-cache usage", metrics.replica_kv_usage.clone());
+        r.register("replica_ready", "1 when the replica is ready", metrics.replica_ready.clone());
+        r.register("replica_scrape_failures", "Failed /metrics scrapes", metrics.scrape_failures.clone());
+        metrics
+    }
+}

@@ -1,0 +1,378 @@
+//! The routing decision: request → replica, through the tiers of design.md, within the budget.
+//!
+//! 1. **precise**: tokens → block keys → `Match` on the index; per replica the index's leading
+//!    blocks, merged with speculative inserts (`max(index, speculative)`);
+//! 2. **approximate**: for replicas the index cannot vouch for (pool without events, replica not
+//!    `precise`, index down or late), the routed-prefix memory;
+//! 3. **load**: no tokens (tokenizer missing, failed, late) or the budget ran out: lowest queue.
+//!
+//! Nothing inside kvroute fails a request: every fallback is counted in
+//! `kvroute_extproc_fallbacks_total{stage, cause}` and the decision in
+//! `kvroute_extproc_decisions_total{tier, reason}`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use arc_swap::ArcSwap;
+use kvroute_index::api::MatchRequest;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{Config, Pool, Replica, TokenizerSource};
+use crate::error::{ConfigError, RequestError};
+use crate::index_client::IndexClient;
+use crate::load::{InflightGuard, LoadBoard};
+use crate::metrics::{DecisionLabels, FallbackLabels, KindLabel, Metrics};
+use crate::policy::{self, Candidate, Reason};
+use crate::prefix_memory::PrefixMemory;
+use crate::request::ParsedRequest;
+use crate::tokenizer::{InProcessTokenizer, RemoteTokenizer, TokenCache, Tokenizer};
+
+/// Which tier produced a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// From the KV-event index.
+    Precise,
+    /// From kvroute's own routing memory.
+    Approximate,
+    /// From load alone.
+    Load,
+}
+
+impl Tier {
+    /// Metric label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Precise => "precise",
+            Self::Approximate => "approximate",
+            Self::Load => "load",
+        }
+    }
+}
+
+/// Why a load-tier decision had no prefix information (a metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LoadCause {
+    NoTokenizer,
+    TokenizerFailed,
+    TokenizerTimeout,
+    KeyError,
+    NoPrompt,
+    BudgetExhausted,
+}
+
+impl LoadCause {
+    fn as_label(self) -> &'static str {
+        match self {
+            Self::NoTokenizer => "no_tokenizer",
+            Self::TokenizerFailed => "tokenizer_failed",
+            Self::TokenizerTimeout => "tokenizer_timeout",
+            Self::KeyError => "key_error",
+            Self::NoPrompt => "no_prompt",
+            Self::BudgetExhausted => "budget_exhausted",
+        }
+    }
+}
+
+/// A routing decision. Dropping it ends the replica's in-flight accounting for the request.
+#[derive(Debug)]
+pub struct Decision {
+    /// Chosen replica id.
+    pub replica_id: String,
+    /// Its `ip:port`.
+    pub address: SocketAddr,
+    /// Its Envoy cluster, for `cluster_header` routes.
+    pub envoy_cluster: Option<String>,
+    /// Tier that decided.
+    pub tier: Tier,
+    /// Reason label.
+    pub reason: &'static str,
+    /// In-flight accounting (released at response headers or stream end).
+    pub inflight: InflightGuard,
+}
+
+/// One config snapshot with what was built from it.
+#[derive(Debug)]
+pub struct Runtime {
+    /// The validated config.
+    pub config: Arc<Config>,
+    tokenizers: Vec<Option<Arc<dyn Tokenizer>>>,
+    index: IndexClient,
+}
+
+impl Runtime {
+    /// Builds tokenizers and the index client. Reuses tokenizers of `previous` whose source did
+    /// not change (loading a model folder is slow).
+    pub fn build(config: Config, previous: Option<&Runtime>, tasks: &TaskTracker) -> Result<Self, ConfigError> {
+        let mut tokenizers = Vec::with_capacity(config.pools.len());
+        for (i, pool) in config.pools.iter().enumerate() {
+            let reused = previous.and_then(|p| {
+                let j = p.config.pools.iter().position(|old| old.tokenizer == pool.tokenizer)?;
+                p.tokenizers[j].clone()
+            });
+            let tokenizer: Option<Arc<dyn Tokenizer>> = match (&pool.tokenizer, reused) {
+                (TokenizerSource::None, _) => None,
+                (_, Some(reused)) => Some(reused),
+                (TokenizerSource::ModelDir(dir), None) => {
+                    let loaded = InProcessTokenizer::load(dir, tasks.clone()).map_err(|e| ConfigError::Tokenizer {
+                        field: format!("pools[{i}].tokenizer.model_dir"),
+                        path: dir.display().to_string(),
+                        reason: e.to_string(),
+                    })?;
+                    Some(Arc::new(loaded))
+                }
+                (TokenizerSource::Remote { url, timeout }, None) => {
+                    Some(Arc::new(RemoteTokenizer::new(url.clone(), *timeout)))
+                }
+            };
+            tokenizers.push(tokenizer);
+        }
+        let index = IndexClient::new(&config.index_addresses, config.index_retry_after);
+        Ok(Self { config: Arc::new(config), tokenizers, index })
+    }
+
+    /// Installs a tokenizer for a pool (tests and embedders).
+    pub fn with_tokenizer(mut self, pool: usize, tokenizer: Arc<dyn Tokenizer>) -> Self {
+        if let Some(slot) = self.tokenizers.get_mut(pool) {
+            *slot = Some(tokenizer);
+        }
+        self
+    }
+}
+
+/// The endpoint picker.
+#[derive(Debug)]
+pub struct Picker {
+    runtime: ArcSwap<Runtime>,
+    loads: LoadBoard,
+    memory: PrefixMemory,
+    token_cache: TokenCache,
+    metrics: Metrics,
+}
+
+impl Picker {
+    /// A picker over `runtime`.
+    pub fn new(runtime: Runtime, metrics: Metrics, tasks: TaskTracker) -> Self {
+        let token_cache = TokenCache::new(runtime.config.token_cache_entries, tasks);
+        Self {
+            runtime: ArcSwap::from_pointee(runtime),
+            loads: LoadBoard::new(metrics.clone()),
+            memory: PrefixMemory::default(),
+            token_cache,
+            metrics,
+        }
+    }
+
+    /// The current snapshot.
+    pub fn runtime(&self) -> Arc<Runtime> {
+        self.runtime.load_full()
+    }
+
+    /// Swaps in a new snapshot (config reload).
+    pub fn replace_runtime(&self, runtime: Runtime) {
+        let ids: std::collections::HashSet<String> = runtime.config.replicas.iter().map(|r| r.id.clone()).collect();
+        self.memory.retain(|id| ids.contains(id));
+        self.loads.retain(|id| ids.contains(id));
+        self.runtime.store(Arc::new(runtime));
+    }
+
+    /// Replica load records (scraper and tests).
+    pub fn loads(&self) -> &LoadBoard {
+        &self.loads
+    }
+
+    /// Metric handles.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Decides where `request` goes. `subset` (GIE subset hint) restricts the candidates.
+    pub async fn decide(&self, request: &ParsedRequest<'_>, subset: Option<&[SocketAddr]>) -> Result<Decision, RequestError> {
+        let started = Instant::now();
+        let runtime = self.runtime.load_full();
+        let result = self.decide_in(&runtime, request, subset, started).await;
+        self.metrics.decision_duration.observe(started.elapsed().as_secs_f64());
+        match &result {
+            Ok(decision) => {
+                self.metrics
+                    .decisions
+                    .get_or_create(&DecisionLabels { tier: decision.tier.as_label(), reason: decision.reason })
+                    .inc();
+            }
+            Err(e) => {
+                self.metrics.request_errors.get_or_create(&KindLabel { kind: e.as_label() }).inc();
+            }
+        }
+        result
+    }
+
+    async fn decide_in(
+        &self,
+        runtime: &Runtime,
+        request: &ParsedRequest<'_>,
+        subset: Option<&[SocketAddr]>,
+        started: Instant,
+    ) -> Result<Decision, RequestError> {
+        let config = &runtime.config;
+        let (pool_index, adapter) = config
+            .pool_for_model(&request.model)
+            .ok_or_else(|| RequestError::UnknownModel { model: request.model.to_string() })?;
+        let pool = &config.pools[pool_index];
+        let candidates: Vec<&Replica> = config
+            .replicas
+            .iter()
+            .filter(|r| r.pool == pool_index)
+            .filter(|r| subset.is_none_or(|s| s.contains(&r.address)))
+            .filter(|r| self.loads.replica(&r.id).is_ready(config.scrape.unready_after_failures))
+            .collect();
+        if candidates.is_empty() {
+            return Err(RequestError::NoReadyReplica { model: request.model.to_string() });
+        }
+        let deadline = started + config.decision_budget;
+        let scored = tokio::time::timeout_at(
+            deadline.into(),
+            self.score_with_prefix(runtime, pool_index, adapter, request, &candidates, deadline),
+        )
+        .await;
+        let (choice, tier, reason, keys, prompt_tokens) = match scored {
+            Ok(Ok(found)) => found,
+            Ok(Err(cause)) => self.load_only(config, pool, &candidates, cause),
+            Err(_) => {
+                self.count_fallback("decision", "budget_exhausted");
+                self.load_only(config, pool, &candidates, LoadCause::BudgetExhausted)
+            }
+        };
+        let replica = candidates[choice];
+        self.memory.record(&replica.id, pool.approx_capacity_blocks, &keys, Instant::now());
+        Ok(Decision {
+            replica_id: replica.id.clone(),
+            address: replica.address,
+            envoy_cluster: replica.envoy_cluster.clone(),
+            tier,
+            reason,
+            inflight: self.loads.start_request(&replica.id, prompt_tokens),
+        })
+    }
+
+    /// Load tier: no prefix information.
+    fn load_only(
+        &self,
+        config: &Config,
+        pool: &Pool,
+        candidates: &[&Replica],
+        cause: LoadCause,
+    ) -> (usize, Tier, &'static str, Vec<u64>, usize) {
+        let views: Vec<Candidate> = candidates
+            .iter()
+            .map(|r| Candidate { matched_blocks: 0, load: self.loads.replica(&r.id).snapshot() })
+            .collect();
+        let choice = policy::choose(&views, 0, pool.block_size, &config.scoring, &mut rand::rng());
+        (choice.map_or(0, |c| c.index), Tier::Load, cause.as_label(), Vec::new(), 0)
+    }
+
+    async fn score_with_prefix(
+        &self,
+        runtime: &Runtime,
+        pool_index: usize,
+        adapter: Option<&crate::config::Adapter>,
+        request: &ParsedRequest<'_>,
+        candidates: &[&Replica],
+        deadline: Instant,
+    ) -> Result<(usize, Tier, &'static str, Vec<u64>, usize), LoadCause> {
+        let config = &runtime.config;
+        let pool = &config.pools[pool_index];
+        if matches!(request.prompt, crate::request::Prompt::Absent) {
+            return Err(LoadCause::NoPrompt);
+        }
+        // Tokens.
+        let tokenize_started = Instant::now();
+        let tokenize_budget = config.tokenize_budget.min(deadline.saturating_duration_since(tokenize_started));
+        let tokens = self
+            .token_cache
+            .tokens(pool_index, &request.model, &request.prompt, runtime.tokenizers[pool_index].as_ref(), tokenize_budget)
+            .await
+            .map_err(|e| {
+                self.count_fallback("tokenize", e.as_label());
+                tracing::debug!(error = %e, pool = %pool.name, "tokenization failed, routing on load");
+                match e {
+                    crate::error::TokenizeError::NotConfigured { .. } => LoadCause::NoTokenizer,
+                    crate::error::TokenizeError::Timeout { .. } => LoadCause::TokenizerTimeout,
+                    _ => LoadCause::TokenizerFailed,
+                }
+            })?;
+        self.metrics
+            .tokenize_duration
+            .get_or_create(&KindLabel { kind: tokens.source.as_label() })
+            .observe(tokenize_started.elapsed().as_secs_f64());
+        // Keys.
+        let lora = adapter.map(|a| a.as_lora_ref());
+        let keys = pool
+            .key_scheme
+            .prompt_keys(&tokens.tokens, pool.block_size as usize, lora.as_ref(), request.cache_salt.as_deref())
+            .map_err(|e| {
+                self.count_fallback("keys", e.as_label());
+                LoadCause::KeyError
+            })?;
+        // Index.
+        let index_answer = if pool.events && runtime.index.is_configured() && !keys.is_empty() {
+            let match_started = Instant::now();
+            let match_deadline = deadline.min(match_started + config.match_timeout);
+            let request = MatchRequest {
+                model: pool.models[0].clone(),
+                adapter: adapter.map(|a| a.name.clone()).unwrap_or_default(),
+                block_size: pool.block_size,
+                keys: keys.clone(),
+                candidates: candidates.iter().map(|r| r.id.clone()).collect(),
+            };
+            match runtime.index.match_prefix(request, match_deadline).await {
+                Ok(answer) => {
+                    self.metrics.match_duration.observe(match_started.elapsed().as_secs_f64());
+                    Some(answer)
+                }
+                Err(e) => {
+                    self.count_fallback("index", e.as_label());
+                    tracing::debug!(error = %e, "index match failed, using the approximate tier");
+                    None
+                }
+            }
+        } else {
+            if !pool.events {
+                self.count_fallback("index", "pool_without_events");
+            }
+            None
+        };
+        // Per-replica prefix view.
+        let now = Instant::now();
+        let ttl = config.scoring.speculative_ttl;
+        let mut precise = Vec::with_capacity(candidates.len());
+        let views: Vec<Candidate> = candidates
+            .iter()
+            .map(|replica| {
+                let remembered = self.memory.lookup(&replica.id, &keys, now, ttl);
+                let indexed = index_answer
+                    .as_ref()
+                    .and_then(|a| a.replicas.iter().find(|m| m.replica_id == replica.id && m.precise));
+                precise.push(indexed.is_some());
+                let matched_blocks = match indexed {
+                    Some(m) => m.matched_blocks.max(remembered.speculative),
+                    None => remembered.approximate,
+                };
+                Candidate { matched_blocks, load: self.loads.replica(&replica.id).snapshot() }
+            })
+            .collect();
+        let prompt_tokens = tokens.estimated_len;
+        let choice = policy::choose(&views, prompt_tokens, pool.block_size, &config.scoring, &mut rand::rng())
+            .ok_or(LoadCause::NoPrompt)?;
+        let cached_tokens = (views[choice.index].matched_blocks as usize * pool.block_size as usize).min(prompt_tokens);
+        if prompt_tokens > 0 {
+            self.metrics.predicted_cached_share.observe(cached_tokens as f64 / prompt_tokens as f64);
+        }
+        let tier = if precise[choice.index] { Tier::Precise } else { Tier::Approximate };
+        let reason: Reason = choice.reason;
+        Ok((choice.index, tier, reason.as_label(), keys, prompt_tokens))
+    }
+
+    fn count_fallback(&self, stage: &'static str, cause: &'static str) {
+        self.metrics.fallbacks.get_or_create(&FallbackLabels { stage, cause }).inc();
+    }
+}

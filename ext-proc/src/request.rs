@@ -1,0 +1,203 @@
+//! Parsing the OpenAI request body: only what routing needs, borrowing from the body buffer.
+//!
+//! `model`, the prompt (`prompt` for `/v1/completions`, `messages` for `/v1/chat/completions`),
+//! `cache_salt` and the two tokenization flags are read; every other field is skipped by serde
+//! without being materialized. Strings borrow from the body unless they contain escapes.
+//!
+//! A `prompt` list (vLLM's batch form) routes on its **first** element: the batch goes to one
+//! replica as a whole, and the first prompt is as good a representative as any.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::error::RequestError;
+
+/// Which OpenAI endpoint the request targets (from `:path`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/completions`: `prompt` required.
+    Completions,
+    /// `/v1/chat/completions`: `messages` required.
+    ChatCompletions,
+    /// Anything else: routed on a prompt if one is present, else on load alone.
+    Other,
+}
+
+impl Endpoint {
+    /// Classifies a request path (query string ignored).
+    pub fn from_path(path: &str) -> Self {
+        let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
+        match path {
+            "/v1/completions" => Self::Completions,
+            "/v1/chat/completions" => Self::ChatCompletions,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// The routing-relevant view of a request body.
+#[derive(Debug)]
+pub struct ParsedRequest<'a> {
+    /// Requested model (base or LoRA adapter name).
+    pub model: Cow<'a, str>,
+    /// What will be tokenized.
+    pub prompt: Prompt<'a>,
+    /// vLLM's `cache_salt` (isolates prefix-cache entries).
+    pub cache_salt: Option<Cow<'a, str>>,
+}
+
+/// The prompt in the form the client sent.
+#[derive(Debug)]
+pub enum Prompt<'a> {
+    /// Completion text.
+    Text {
+        /// The text.
+        text: Cow<'a, str>,
+        /// vLLM's flag (default true for completions).
+        add_special_tokens: bool,
+    },
+    /// Pre-tokenized completion prompt.
+    Tokens(Vec<u32>),
+    /// Chat messages, kept raw: the tokenizer renders them with the model's template.
+    Chat {
+        /// Each message's JSON, in order (used for prefix caching and forwarding).
+        messages: Vec<&'a RawValue>,
+        /// The whole `messages` array as sent.
+        raw: &'a RawValue,
+        /// vLLM's flag (default true).
+        add_generation_prompt: bool,
+    },
+    /// No prompt on an endpoint that does not require one: route on load.
+    Absent,
+}
+
+#[derive(Deserialize)]
+struct Body<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+}
+
+/// The forms of `prompt`: a string, token ids, or a list of either (first one used).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptForm<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Tokens(Vec<u32>),
+    Texts(#[serde(borrow)] Vec<Cow<'a, str>>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// Parses a request body.
+pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, RequestError> {
+    let parsed: Body<'_> = serde_json::from_slice(body)
+        .map_err(|e| RequestError::MalformedJson { reason: e.to_string() })?;
+    let model = parsed.model.ok_or(RequestError::MissingField { field: "model" })?;
+    if model.is_empty() {
+        return Err(RequestError::InvalidField { field: "model", reason: "empty" });
+    }
+    let prompt = match (endpoint, parsed.prompt, parsed.messages) {
+        (Endpoint::ChatCompletions, _, Some(raw)) | (Endpoint::Other, None, Some(raw)) => {
+            chat(raw, parsed.add_generation_prompt.unwrap_or(true))?
+        }
+        (Endpoint::Completions, Some(raw), _) | (Endpoint::Other, Some(raw), _) => {
+            completion(raw, parsed.add_special_tokens.unwrap_or(true))?
+        }
+        (Endpoint::ChatCompletions, _, None) => {
+            return Err(RequestError::MissingField { field: "messages" });
+        }
+        (Endpoint::Completions, None, _) => return Err(RequestError::MissingField { field: "prompt" }),
+        (Endpoint::Other, None, None) => Prompt::Absent,
+    };
+    Ok(ParsedRequest { model, prompt, cache_salt: parsed.cache_salt.filter(|s| !s.is_empty()) })
+}
+
+fn completion(raw: &RawValue, add_special_tokens: bool) -> Result<Prompt<'_>, RequestError> {
+    let invalid = |reason| RequestError::InvalidField { field: "prompt", reason };
+    let form: PromptForm<'_> = serde_json::from_str(raw.get())
+        .map_err(|_| invalid("expected a string, a list of strings, or token ids"))?;
+    Ok(match form {
+        PromptForm::Text(text) => Prompt::Text { text, add_special_tokens },
+        PromptForm::Tokens(ids) if ids.is_empty() => return Err(invalid("empty")),
+        PromptForm::Tokens(ids) => Prompt::Tokens(ids),
+        PromptForm::Texts(texts) => Prompt::Text {
+            text: texts.into_iter().next().ok_or_else(|| invalid("empty list"))?,
+            add_special_tokens,
+        },
+        PromptForm::TokenLists(lists) => {
+            Prompt::Tokens(lists.into_iter().next().filter(|l| !l.is_empty()).ok_or_else(|| invalid("empty list"))?)
+        }
+    })
+}
+
+fn chat(raw: &RawValue, add_generation_prompt: bool) -> Result<Prompt<'_>, RequestError> {
+    let messages: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| {
+        RequestError::InvalidField { field: "messages", reason: "expected a list of messages" }
+    })?;
+    if messages.is_empty() {
+        return Err(RequestError::InvalidField { field: "messages", reason: "empty list" });
+    }
+    if messages.iter().any(|m| !m.get().starts_with('{')) {
+        return Err(RequestError::InvalidField { field: "messages", reason: "expected message objects" });
+    }
+    Ok(Prompt::Chat { messages, raw, add_generation_prompt })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_ok(body: &str, endpoint: Endpoint) -> ParsedRequest<'_> {
+        parse(body.as_bytes(), endpoint).unwrap()
+    }
+
+    #[test]
+    fn completion_forms() {
+        let r = parse_ok(r#"{"model":"m","prompt":"hi","max_tokens":5,"cache_salt":"s"}"#, Endpoint::Completions);
+        assert_eq!(r.model, "m");
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        assert!(matches!(r.prompt, Prompt::Text { ref text, add_special_tokens: true } if text == "hi"));
+        assert!(matches!(r.prompt, Prompt::Text { text: Cow::Borrowed(_), .. }), "borrowed, not copied");
+        let r = parse_ok(r#"{"model":"m","prompt":["a\nb","c"]}"#, Endpoint::Completions);
+        assert!(matches!(r.prompt, Prompt::Text { ref text, .. } if text == "a\nb"));
+        let r = parse_ok(r#"{"model":"m","prompt":[1,2,3]}"#, Endpoint::Completions);
+        assert!(matches!(r.prompt, Prompt::Tokens(ref t) if t == &[1, 2, 3]));
+        let r = parse_ok(r#"{"model":"m","prompt":[[4,5],[6]],"add_special_tokens":false}"#, Endpoint::Completions);
+        assert!(matches!(r.prompt, Prompt::Tokens(ref t) if t == &[4, 5]));
+    }
+
+    #[test]
+    fn chat_form() {
+        let body = r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"q"}]}],"stream":true}"#;
+        let r = parse_ok(body, Endpoint::ChatCompletions);
+        let Prompt::Chat { messages, add_generation_prompt, .. } = r.prompt else { panic!("not chat") };
+        assert_eq!(messages.len(), 2);
+        assert!(add_generation_prompt);
+        assert_eq!(messages[0].get(), r#"{"role":"system","content":"s"}"#);
+    }
+
+    #[test]
+    fn errors_map_to_statuses() {
+        let status = |body: &str, e| parse(body.as_bytes(), e).unwrap_err().http_status();
+        assert_eq!(status("{not json", Endpoint::Completions), 400);
+        assert_eq!(status(r#"{"prompt":"x"}"#, Endpoint::Completions), 400);
+        assert_eq!(status(r#"{"model":"m"}"#, Endpoint::Completions), 400);
+        assert_eq!(status(r#"{"model":"m","prompt":"x"}"#, Endpoint::ChatCompletions), 400);
+        assert_eq!(status(r#"{"model":"m","prompt":[]}"#, Endpoint::Completions), 400);
+        assert_eq!(status(r#"{"model":"m","prompt":[-1]}"#, Endpoint::Completions), 400);
+        assert_eq!(status(r#"{"model":"m","messages":[]}"#, Endpoint::ChatCompletions), 400);
+        assert_eq!(status(r#"[1,2]"#, Endpoint::ChatCompletions), 400);
+        assert!(matches!(parse_ok(r#"{"model":"m"}"#, Endpoint::Other).prompt, Prompt::Absent));
+    }
+}

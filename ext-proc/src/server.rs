@@ -1,0 +1,416 @@
+//! The `envoy.service.ext_proc.v3.ExternalProcessor` service: one task per HTTP request's stream.
+//!
+//! Message flow (the body mode comes from `protocol_config` on the first message, else the
+//! configured `default_body_mode`):
+//!
+//! - **BUFFERED**: request headers → empty `HeadersResponse`; request body (whole) → decide →
+//!   `BodyResponse{header_mutation, clear_route_cache}` + `dynamic_metadata`.
+//! - **FULL_DUPLEX_STREAMED**: request headers are *not* answered until the body is complete; then
+//!   `HeadersResponse{header_mutation, clear_route_cache}` + `dynamic_metadata`, followed by the body
+//!   echoed as `streamed_response` chunks of at most 62 000 bytes.
+//! - Response headers: in-flight accounting ends; the served endpoint
+//!   (`envoy.lb/x-gateway-destination-endpoint-served`) is compared with the decision.
+//!
+//! The decision is `x-gateway-destination-endpoint: ip:port` and the same value in `envoy.lb`
+//! metadata (GIE endpoint-picker protocol), plus `x-kvroute-cluster` when the replica has an
+//! Envoy cluster, and `x-kvroute-decision: tier/reason` for observability. Refused requests get an
+//! `ImmediateResponse` with an OpenAI-style JSON error.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders,
+    ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+    body_mutation, processing_request, processing_response,
+};
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::task::TaskTracker;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
+
+use crate::config::BodyMode;
+use crate::error::RequestError;
+use crate::picker::{Decision, Picker};
+use crate::request::{self, Endpoint};
+
+/// Header and `envoy.lb` metadata key carrying the chosen endpoint (GIE protocol).
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// Metadata namespace read by Envoy's override_host LB policy.
+pub const LB_NAMESPACE: &str = "envoy.lb";
+/// Metadata namespace of the subset hint.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// Subset hint key: the endpoints the picker may choose from.
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+/// Key Envoy writes with the endpoint it actually served (override_host `selected_host_key`).
+pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
+/// Header naming the replica's Envoy cluster, for `cluster_header` routes.
+pub const CLUSTER_HEADER: &str = "x-kvroute-cluster";
+/// Header describing the decision (`tier/reason`), for logs and tests.
+pub const DECISION_HEADER: &str = "x-kvroute-decision";
+/// Largest body chunk echoed in FULL_DUPLEX_STREAMED mode (Envoy's limit is ~64 KiB; GIE uses this).
+pub const MAX_STREAMED_CHUNK: usize = 62_000;
+/// Responses queued per stream before the stream task waits for Envoy to read.
+const RESPONSE_QUEUE: usize = 16;
+
+/// The ext_proc gRPC service.
+#[derive(Debug, Clone)]
+pub struct ExtProcService {
+    picker: Arc<Picker>,
+    tasks: TaskTracker,
+}
+
+impl ExtProcService {
+    /// A service deciding with `picker`; stream tasks run on `tasks`.
+    pub fn new(picker: Arc<Picker>, tasks: TaskTracker) -> Self {
+        Self { picker, tasks }
+    }
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for ExtProcService {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
+        let stream = StreamTask { picker: Arc::clone(&self.picker), tx, state: StreamState::default() };
+        self.tasks.spawn(stream.run(request.into_inner()).instrument(tracing::debug_span!("ext_proc")));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+#[derive(Debug, Default)]
+struct StreamState {
+    request_mode: Option<BodyMode>,
+    response_body_full_duplex: bool,
+    endpoint: Option<Endpoint>,
+    subset: Option<Vec<SocketAddr>>,
+    body: Vec<u8>,
+    /// FULL_DUPLEX: the request-headers answer is owed until the body is complete.
+    headers_answer_owed: bool,
+    decision: Option<Decision>,
+    decided_address: Option<SocketAddr>,
+}
+
+struct StreamTask {
+    picker: Arc<Picker>,
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    state: StreamState,
+}
+
+/// Whether the stream goes on after a message.
+enum Flow {
+    Continue,
+    Stop,
+}
+
+impl StreamTask {
+    async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
+        let metrics = self.picker.metrics().streams_active.clone();
+        metrics.inc();
+        loop {
+            match inbound.message().await {
+                Ok(Some(message)) => match self.handle(message).await {
+                    Flow::Continue => {}
+                    Flow::Stop => break,
+                },
+                Ok(None) => break,
+                // Envoy resets the stream (h2 RST_STREAM) once the HTTP request is done: that is EOF.
+                Err(status) => {
+                    tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream ended");
+                    break;
+                }
+            }
+        }
+        metrics.dec();
+    }
+
+    async fn send(&self, response: ProcessingResponse) -> Flow {
+        match self.tx.send(Ok(response)).await {
+            Ok(()) => Flow::Continue,
+            Err(_) => {
+                tracing::debug!("ext_proc client went away");
+                Flow::Stop
+            }
+        }
+    }
+
+    async fn handle(&mut self, message: ProcessingRequest) -> Flow {
+        if self.state.request_mode.is_none() {
+            let default = self.picker.runtime().config.default_body_mode;
+            self.state.request_mode = Some(match &message.protocol_config {
+                Some(p) if p.request_body_mode == BodySendMode::FullDuplexStreamed as i32 => BodyMode::FullDuplexStreamed,
+                Some(_) => BodyMode::Buffered,
+                None => default,
+            });
+            self.state.response_body_full_duplex = message
+                .protocol_config
+                .as_ref()
+                .is_some_and(|p| p.response_body_mode == BodySendMode::FullDuplexStreamed as i32);
+        }
+        if self.state.subset.is_none() {
+            self.state.subset = subset_hint(message.metadata_context.as_ref());
+        }
+        let full_duplex = self.state.request_mode == Some(BodyMode::FullDuplexStreamed);
+        let Some(request) = message.request else { return Flow::Continue };
+        match request {
+            processing_request::Request::RequestHeaders(headers) => {
+                let path = header(&headers, ":path").unwrap_or_default();
+                self.state.endpoint = Some(Endpoint::from_path(&path));
+                if headers.end_of_stream || !full_duplex {
+                    // No body to route on (GET), or BUFFERED: answer now, decide on the body.
+                    return self.send(headers_response(CommonResponse::default())).await;
+                }
+                self.state.headers_answer_owed = true;
+                Flow::Continue
+            }
+            processing_request::Request::RequestBody(chunk) => {
+                let limit = self.picker.runtime().config.max_body_bytes;
+                if self.state.body.len() + chunk.body.len() > limit {
+                    let error = RequestError::BodyTooLarge { size: self.state.body.len() + chunk.body.len(), limit };
+                    self.picker.metrics().request_errors.get_or_create(&crate::metrics::KindLabel { kind: error.as_label() }).inc();
+                    self.send(immediate_error(&error)).await;
+                    return Flow::Stop;
+                }
+                self.state.body.extend_from_slice(&chunk.body);
+                if chunk.end_of_stream {
+                    return self.finish_request(false).await;
+                }
+                if full_duplex {
+                    Flow::Continue
+                } else {
+                    // STREAMED / BUFFERED_PARTIAL: each chunk is answered; routing waits for the end.
+                    self.send(body_response(CommonResponse::default())).await
+                }
+            }
+            processing_request::Request::RequestTrailers(_) => {
+                if self.state.headers_answer_owed {
+                    if let Flow::Stop = self.finish_request(true).await {
+                        return Flow::Stop;
+                    }
+                }
+                self.send(ProcessingResponse {
+                    response: Some(processing_response::Response::RequestTrailers(TrailersResponse::default())),
+                    ..ProcessingResponse::default()
+                })
+                .await
+            }
+            processing_request::Request::ResponseHeaders(_) => {
+                self.observe_served(message.metadata_context.as_ref());
+                // The engine answered: the request no longer waits in its queue.
+                self.state.decision = None;
+                self.send(ProcessingResponse {
+                    response: Some(processing_response::Response::ResponseHeaders(HeadersResponse::default())),
+                    ..ProcessingResponse::default()
+                })
+                .await
+            }
+            processing_request::Request::ResponseBody(chunk) => {
+                let response = if self.state.response_body_full_duplex {
+                    CommonResponse {
+                        body_mutation: Some(streamed(chunk.body, chunk.end_of_stream)),
+                        ..CommonResponse::default()
+                    }
+                } else {
+                    CommonResponse::default()
+                };
+                self.send(ProcessingResponse {
+                    response: Some(processing_response::Response::ResponseBody(BodyResponse { response: Some(response) })),
+                    ..ProcessingResponse::default()
+                })
+                .await
+            }
+            processing_request::Request::ResponseTrailers(_) => {
+                self.send(ProcessingResponse {
+                    response: Some(processing_response::Response::ResponseTrailers(TrailersResponse::default())),
+                    ..ProcessingResponse::default()
+                })
+                .await
+            }
+        }
+    }
+
+    /// The body is complete: decide and answer in the mode's shape.
+    async fn finish_request(&mut self, trailers_follow: bool) -> Flow {
+        let endpoint = self.state.endpoint.unwrap_or(Endpoint::Other);
+        let body = std::mem::take(&mut self.state.body);
+        let decided = match request::parse(&body, endpoint) {
+            Ok(parsed) => self.picker.decide(&parsed, self.state.subset.as_deref()).await,
+            Err(e) => {
+                self.picker.metrics().request_errors.get_or_create(&crate::metrics::KindLabel { kind: e.as_label() }).inc();
+                Err(e)
+            }
+        };
+        let decision = match decided {
+            Ok(decision) => decision,
+            Err(error) => {
+                tracing::debug!(error = %error, "request refused");
+                self.send(immediate_error(&error)).await;
+                return Flow::Stop;
+            }
+        };
+        tracing::debug!(
+            replica_id = %decision.replica_id,
+            tier = decision.tier.as_label(),
+            reason = decision.reason,
+            "routed"
+        );
+        let common = CommonResponse {
+            header_mutation: Some(decision_headers(&decision)),
+            clear_route_cache: true,
+            ..CommonResponse::default()
+        };
+        let metadata = destination_metadata(&decision.address.to_string());
+        self.state.decided_address = Some(decision.address);
+        self.state.decision = Some(decision);
+        if !self.state.headers_answer_owed {
+            let mut response = body_response(common);
+            response.dynamic_metadata = Some(metadata);
+            return self.send(response).await;
+        }
+        self.state.headers_answer_owed = false;
+        let mut response = headers_response(common);
+        response.dynamic_metadata = Some(metadata);
+        if let Flow::Stop = self.send(response).await {
+            return Flow::Stop;
+        }
+        // Echo the body back; Envoy forwards these chunks upstream.
+        let chunks: Vec<&[u8]> = if body.is_empty() { vec![&[][..]] } else { body.chunks(MAX_STREAMED_CHUNK).collect() };
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let end = i == last && !trailers_follow;
+            let response = body_response(CommonResponse {
+                body_mutation: Some(streamed(chunk.to_vec(), end)),
+                ..CommonResponse::default()
+            });
+            if let Flow::Stop = self.send(response).await {
+                return Flow::Stop;
+            }
+        }
+        Flow::Continue
+    }
+
+    fn observe_served(&self, metadata: Option<&Metadata>) {
+        let served = metadata
+            .and_then(|m| m.filter_metadata.get(LB_NAMESPACE))
+            .and_then(|s| s.fields.get(SERVED_KEY))
+            .and_then(|v| match &v.kind {
+                Some(Kind::StringValue(s)) => s.parse::<SocketAddr>().ok(),
+                _ => None,
+            });
+        if let (Some(served), Some(decided)) = (served, self.state.decided_address)
+            && served != decided
+        {
+            self.picker.metrics().served_mismatch.inc();
+            tracing::debug!(%served, %decided, "Envoy served another endpoint than decided");
+        }
+    }
+}
+
+fn header(headers: &HttpHeaders, name: &str) -> Option<String> {
+    let map = headers.headers.as_ref()?;
+    let h = map.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name))?;
+    if h.raw_value.is_empty() {
+        Some(h.value.clone())
+    } else {
+        String::from_utf8(h.raw_value.clone()).ok()
+    }
+}
+
+/// Endpoints allowed by the GIE subset hint: a list of `ip:port` strings or one comma-separated
+/// string. `None` when there is no hint; `Some(empty)` when the hint names nothing usable.
+fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<SocketAddr>> {
+    let value = metadata?.filter_metadata.get(SUBSET_NAMESPACE)?.fields.get(SUBSET_KEY)?;
+    let parse = |s: &str| s.split(',').filter_map(|p| p.trim().parse::<SocketAddr>().ok()).collect::<Vec<_>>();
+    Some(match &value.kind {
+        Some(Kind::StringValue(s)) => parse(s),
+        Some(Kind::ListValue(list)) => list
+            .values
+            .iter()
+            .filter_map(|v| match &v.kind {
+                Some(Kind::StringValue(s)) => Some(parse(s)),
+                _ => None,
+            })
+            .flatten()
+            .collect(),
+        _ => Vec::new(),
+    })
+}
+
+fn set_header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue { key: key.to_owned(), raw_value: value.as_bytes().to_vec(), ..HeaderValue::default() }),
+        ..HeaderValueOption::default()
+    }
+}
+
+fn decision_headers(decision: &Decision) -> HeaderMutation {
+    let mut set_headers = vec![
+        set_header(DESTINATION_HEADER, &decision.address.to_string()),
+        set_header(DECISION_HEADER, &format!("{}/{}", decision.tier.as_label(), decision.reason)),
+    ];
+    if let Some(cluster) = &decision.envoy_cluster {
+        set_headers.push(set_header(CLUSTER_HEADER, cluster));
+    }
+    HeaderMutation { set_headers, ..HeaderMutation::default() }
+}
+
+fn destination_metadata(endpoint: &str) -> Struct {
+    let lb = Struct {
+        fields: HashMap::from([(
+            DESTINATION_HEADER.to_owned(),
+            Value { kind: Some(Kind::StringValue(endpoint.to_owned())) },
+        )]),
+    };
+    Struct { fields: HashMap::from([(LB_NAMESPACE.to_owned(), Value { kind: Some(Kind::StructValue(lb)) })]) }
+}
+
+fn streamed(body: Vec<u8>, end_of_stream: bool) -> BodyMutation {
+    BodyMutation {
+        mutation: Some(body_mutation::Mutation::StreamedResponse(StreamedBodyResponse {
+            body,
+            end_of_stream,
+            ..StreamedBodyResponse::default()
+        })),
+    }
+}
+
+fn headers_response(common: CommonResponse) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(processing_response::Response::RequestHeaders(HeadersResponse { response: Some(common) })),
+        ..ProcessingResponse::default()
+    }
+}
+
+fn body_response(common: CommonResponse) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(processing_response::Response::RequestBody(BodyResponse { response: Some(common) })),
+        ..ProcessingResponse::default()
+    }
+}
+
+fn immediate_error(error: &RequestError) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(processing_response::Response::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus { code: i32::from(error.http_status()) }),
+            headers: Some(HeaderMutation {
+                set_headers: vec![set_header("content-type", "application/json")],
+                ..HeaderMutation::default()
+            }),
+            body: error.to_openai_json(),
+            details: error.as_label().to_owned(),
+            ..ImmediateResponse::default()
+        })),
+        ..ProcessingResponse::default()
+    }
+}

@@ -1,0 +1,360 @@
+//! The tokenization tier: prompt → token ids, as the engine computes them.
+//!
+//! A pool's [`Tokenizer`] is in-process ([`InProcessTokenizer`]: the model folder's HF tokenizer
+//! and chat template via `kvroute-tokenize`, run on the blocking pool so a slow encode cannot stall
+//! the decision's timer) or remote ([`RemoteTokenizer`]: a vLLM-compatible `/tokenize`).
+//!
+//! [`TokenCache`] keeps recent results keyed by (pool, prompt hash). For chat it also keys every
+//! conversation prefix (messages `0..k`), so turn *n+1* of a conversation finds turn *n*'s tokens:
+//! the decision routes on those (they are a token prefix of the new prompt for templates that
+//! render messages one after another), estimates the tail's length, and the exact tokenization of
+//! the whole new conversation is computed off the decision path for the next turn.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kvroute_tokenize::ModelTokenizer;
+use parking_lot::Mutex;
+use serde_json::value::RawValue;
+use tokio_util::task::TaskTracker;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::error::TokenizeError;
+use crate::lru::Lru;
+use crate::request::Prompt;
+
+/// Rough bytes per token, to estimate the length of text that was not tokenized.
+const ESTIMATED_BYTES_PER_TOKEN: usize = 4;
+/// Largest accepted `/tokenize` response body.
+const MAX_TOKENIZE_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+
+/// What a tokenizer is asked to tokenize (owned: it may run on another thread).
+#[derive(Debug)]
+pub enum TokenizeInput {
+    /// Completion text.
+    Text {
+        /// The text.
+        text: String,
+        /// vLLM's `add_special_tokens`.
+        add_special_tokens: bool,
+    },
+    /// Chat messages (the raw JSON array), rendered with the model's template.
+    Chat {
+        /// The `messages` array as sent.
+        messages: Box<RawValue>,
+        /// vLLM's `add_generation_prompt`.
+        add_generation_prompt: bool,
+    },
+}
+
+/// Boxed future returned by [`Tokenizer::tokenize`].
+pub type TokenizeFuture = Pin<Box<dyn Future<Output = Result<Vec<u32>, TokenizeError>> + Send>>;
+
+/// A source of token ids for one pool.
+pub trait Tokenizer: Send + Sync + fmt::Debug {
+    /// Token ids of `input` for `model` (base or adapter name, as the client sent it).
+    fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture;
+}
+
+/// The model folder's tokenizer, in this process.
+#[derive(Debug, Clone)]
+pub struct InProcessTokenizer {
+    model: Arc<ModelTokenizer>,
+    tasks: TaskTracker,
+}
+
+impl InProcessTokenizer {
+    /// Loads a Hugging Face model folder.
+    pub fn load(dir: &std::path::Path, tasks: TaskTracker) -> Result<Self, TokenizeError> {
+        let model = ModelTokenizer::from_dir(dir)
+            .map_err(|e| TokenizeError::InProcess { reason: format!("{e:#}") })?;
+        Ok(Self { model: Arc::new(model), tasks })
+    }
+}
+
+impl Tokenizer for InProcessTokenizer {
+    fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+        let model = Arc::clone(&self.model);
+        let task = self.tasks.spawn_blocking(move || encode(&model, &input));
+        Box::pin(async move {
+            task.await.map_err(|e| TokenizeError::InProcess { reason: e.to_string() })?
+        })
+    }
+}
+
+fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
+    let failed = |e: kvroute_tokenize::TokenizeError| TokenizeError::InProcess { reason: e.to_string() };
+    match input {
+        TokenizeInput::Text { text, add_special_tokens } => {
+            model.encode_prompt(text, *add_special_tokens).map_err(failed)
+        }
+        TokenizeInput::Chat { messages, add_generation_prompt } => {
+            let messages: serde_json::Value = serde_json::from_str(messages.get())
+                .map_err(|e| TokenizeError::InProcess { reason: e.to_string() })?;
+            model.encode_chat(&messages, *add_generation_prompt).map_err(failed)
+        }
+    }
+}
+
+/// A vLLM-compatible `POST /tokenize` endpoint.
+#[derive(Debug, Clone)]
+pub struct RemoteTokenizer {
+    url: http::Uri,
+    timeout: Duration,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl RemoteTokenizer {
+    /// A client for `url` with a per-call `timeout`.
+    pub fn new(url: http::Uri, timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        Self { url, timeout, client: Client::builder(TokioExecutor::new()).build(connector) }
+    }
+
+    async fn call(
+        client: Client<HttpConnector, Full<Bytes>>,
+        url: http::Uri,
+        body: Vec<u8>,
+    ) -> Result<Vec<u32>, String> {
+        #[derive(serde::Deserialize)]
+        struct TokenizeResponse {
+            tokens: Vec<u32>,
+        }
+        let request = http::Request::post(url)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| e.to_string())?;
+        let response = client.request(request).await.map_err(|e| format!("{e:#}"))?;
+        let status = response.status();
+        let body = http_body_util::Limited::new(response.into_body(), MAX_TOKENIZE_RESPONSE_BYTES)
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(format!("status {status}"));
+        }
+        let parsed: TokenizeResponse = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+        Ok(parsed.tokens)
+    }
+}
+
+impl Tokenizer for RemoteTokenizer {
+    fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+        let body = match input.as_ref() {
+            TokenizeInput::Text { text, add_special_tokens } => serde_json::json!({
+                "model": model, "prompt": text, "add_special_tokens": add_special_tokens,
+            }),
+            TokenizeInput::Chat { messages, add_generation_prompt } => serde_json::json!({
+                "model": model, "messages": messages, "add_generation_prompt": add_generation_prompt,
+            }),
+        };
+        let body = serde_json::to_vec(&body).unwrap_or_default();
+        let (client, url, timeout) = (self.client.clone(), self.url.clone(), self.timeout);
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, Self::call(client, url.clone(), body)).await {
+                Ok(Ok(tokens)) => Ok(tokens),
+                Ok(Err(reason)) => Err(TokenizeError::Remote { url: url.to_string(), reason }),
+                Err(_) => Err(TokenizeError::Timeout { after: timeout }),
+            }
+        })
+    }
+}
+
+/// Tokens a decision routes on.
+#[derive(Debug, Clone)]
+pub struct PromptTokens {
+    /// Token ids: the whole prompt, or a known prefix of it (see `exact`).
+    pub tokens: Arc<[u32]>,
+    /// Whether `tokens` is the whole prompt.
+    pub exact: bool,
+    /// Estimated prompt length in tokens (equals `tokens.len()` when exact).
+    pub estimated_len: usize,
+    /// Where the tokens came from.
+    pub source: TokenSource,
+}
+
+/// Where a decision's tokens came from (a metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenSource {
+    /// The client sent token ids.
+    Client,
+    /// The whole prompt was in the cache.
+    Cache,
+    /// A conversation prefix was in the cache.
+    PrefixCache,
+    /// Tokenized now.
+    Tokenizer,
+}
+
+impl TokenSource {
+    /// Metric label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Client => "client",
+            Self::Cache => "cache",
+            Self::PrefixCache => "prefix_cache",
+            Self::Tokenizer => "tokenizer",
+        }
+    }
+}
+
+/// Recent tokenizations, keyed by (pool, prompt or conversation-prefix hash).
+#[derive(Debug)]
+pub struct TokenCache {
+    entries: Arc<Mutex<Lru<u128, Arc<[u32]>>>>,
+    /// Background full tokenizations after a prefix hit; bounded so they never pile up.
+    refills: Arc<tokio::sync::Semaphore>,
+    tasks: TaskTracker,
+}
+
+/// Concurrent background refills after a conversation-prefix hit.
+const MAX_CONCURRENT_REFILLS: usize = 2;
+
+impl TokenCache {
+    /// A cache of `capacity` entries; refills run on `tasks`.
+    pub fn new(capacity: usize, tasks: TaskTracker) -> Self {
+        Self {
+            entries: Arc::new(Mutex::new(Lru::new(capacity))),
+            refills: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REFILLS)),
+            tasks,
+        }
+    }
+
+    /// Tokens of `prompt`, from the client, the cache or `tokenizer` (bounded by `budget`).
+    pub async fn tokens(
+        &self,
+        pool: usize,
+        model: &str,
+        prompt: &Prompt<'_>,
+        tokenizer: Option<&Arc<dyn Tokenizer>>,
+        budget: Duration,
+    ) -> Result<PromptTokens, TokenizeError> {
+        let keys = match prompt {
+            Prompt::Tokens(ids) => {
+                return Ok(PromptTokens {
+                    tokens: ids.as_slice().into(),
+                    exact: true,
+                    estimated_len: ids.len(),
+                    source: TokenSource::Client,
+                });
+            }
+            Prompt::Absent => {
+                return Ok(PromptTokens {
+                    tokens: Arc::from([]),
+                    exact: true,
+                    estimated_len: 0,
+                    source: TokenSource::Client,
+                });
+            }
+            Prompt::Text { text, add_special_tokens } => {
+                vec![(cache_key(pool, b"text", *add_special_tokens, &[text.as_bytes()]), text.len())]
+            }
+            Prompt::Chat { messages, add_generation_prompt, .. } => {
+                conversation_keys(pool, messages, *add_generation_prompt)
+            }
+        };
+        let Some(&(full_key, full_bytes)) = keys.last() else {
+            return Err(TokenizeError::InProcess { reason: "empty prompt".to_owned() });
+        };
+        let cached_prefix = {
+            let mut entries = self.entries.lock();
+            if let Some(tokens) = entries.get(&full_key) {
+                let tokens = Arc::clone(tokens);
+                let estimated_len = tokens.len();
+                return Ok(PromptTokens { tokens, exact: true, estimated_len, source: TokenSource::Cache });
+            }
+            keys.iter()
+                .rev()
+                .skip(1)
+                .find_map(|(key, bytes)| entries.get(key).map(|t| (Arc::clone(t), *bytes)))
+        };
+        let tokenizer =
+            tokenizer.ok_or_else(|| TokenizeError::NotConfigured { pool: pool.to_string() })?;
+        let input = Arc::new(owned_input(prompt));
+        if let Some((tokens, prefix_bytes)) = cached_prefix {
+            self.refill_in_background(full_key, model, tokenizer, input);
+            let tail = full_bytes.saturating_sub(prefix_bytes) / ESTIMATED_BYTES_PER_TOKEN;
+            let estimated_len = tokens.len() + tail;
+            return Ok(PromptTokens { tokens, exact: false, estimated_len, source: TokenSource::PrefixCache });
+        }
+        let tokens: Arc<[u32]> =
+            match tokio::time::timeout(budget, tokenizer.tokenize(model, input)).await {
+                Ok(result) => result?.into(),
+                Err(_) => return Err(TokenizeError::Timeout { after: budget }),
+            };
+        self.entries.lock().insert(full_key, Arc::clone(&tokens));
+        let estimated_len = tokens.len();
+        Ok(PromptTokens { tokens, exact: true, estimated_len, source: TokenSource::Tokenizer })
+    }
+
+    fn refill_in_background(
+        &self,
+        key: u128,
+        model: &str,
+        tokenizer: &Arc<dyn Tokenizer>,
+        input: Arc<TokenizeInput>,
+    ) {
+        let Ok(permit) = Arc::clone(&self.refills).try_acquire_owned() else { return };
+        let future = tokenizer.tokenize(model, input);
+        let entries = Arc::clone(&self.entries);
+        self.tasks.spawn(async move {
+            let _permit = permit;
+            if let Ok(tokens) = future.await {
+                entries.lock().insert(key, tokens.into());
+            }
+        });
+    }
+}
+
+fn owned_input(prompt: &Prompt<'_>) -> TokenizeInput {
+    match prompt {
+        Prompt::Text { text, add_special_tokens } => {
+            TokenizeInput::Text { text: text.clone().into_owned(), add_special_tokens: *add_special_tokens }
+        }
+        Prompt::Chat { raw, add_generation_prompt, .. } => TokenizeInput::Chat {
+            messages: (*raw).to_owned(),
+            add_generation_prompt: *add_generation_prompt,
+        },
+        Prompt::Tokens(_) | Prompt::Absent => TokenizeInput::Text { text: String::new(), add_special_tokens: false },
+    }
+}
+
+fn cache_key(pool: usize, kind: &[u8], flag: bool, parts: &[&[u8]]) -> u128 {
+    let mut hasher = Xxh3::new();
+    hasher.update(&(pool as u64).to_le_bytes());
+    hasher.update(kind);
+    hasher.update(&[u8::from(flag)]);
+    for part in parts {
+        hasher.update(&(part.len() as u64).to_le_bytes());
+        hasher.update(part);
+    }
+    hasher.digest128()
+}
+
+/// Cache keys of messages `0..k` for every k (last = whole conversation), with their byte sizes.
+fn conversation_keys(pool: usize, messages: &[&RawValue], add_generation_prompt: bool) -> Vec<(u128, usize)> {
+    let mut hasher = Xxh3::new();
+    hasher.update(&(pool as u64).to_le_bytes());
+    hasher.update(b"chat");
+    hasher.update(&[u8::from(add_generation_prompt)]);
+    let mut bytes = 0;
+    messages
+        .iter()
+        .map(|m| {
+            hasher.update(&(m.get().len() as u64).to_le_bytes());
+            hasher.update(m.get().as_bytes());
+            bytes += m.get().len();
+            (hasher.digest128(), bytes)
+        })
+        .collect()
+}

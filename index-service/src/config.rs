@@ -1,0 +1,508 @@
+//! `kvroute-index` configuration: YAML in two layers.
+//!
+//! [`RawConfig`] mirrors the file (`deny_unknown_fields`, so a typo is an error, not a silently
+//! ignored key); [`Config::from_yaml`] validates it into typed values and names the offending
+//! field and value in every error. All cross-field rules live in [`Config::validate`].
+//!
+//! ```yaml
+//! listen:
+//!   grpc: 127.0.0.1:50061      # Match / ReplicaState API for kvroute-ext-proc
+//!   admin: 127.0.0.1:9461      # /metrics, /healthz, /readyz, /v1/replicas, /v1/match
+//! limits:
+//!   max_blocks_per_replica: 1000000
+//! pools:
+//!   - model: tiny
+//!     block_size: 32
+//!     key_scheme: vllm-exact   # or token-chain
+//!     hash_algo: sha256_cbor   # vLLM --prefix-caching-hash-algo
+//!     hash_seed: "0"           # the engines' PYTHONHASHSEED; omit when unset
+//! replicas:
+//!   - id: engine-a
+//!     model: tiny
+//!     events:
+//!       endpoint: tcp://10.0.0.5:5557   # the engine binds tcp://*:5557, so we connect
+//!       replay_endpoint: tcp://10.0.0.5:5558
+//! ```
+
+use std::{collections::HashSet, net::SocketAddr, time::Duration};
+
+use kvroute_block_keys::{ExtraKeysEra, HashAlgo};
+use serde::Deserialize;
+
+/// Default gRPC listen address.
+pub const DEFAULT_GRPC_ADDR: &str = "127.0.0.1:50061";
+/// Default admin HTTP listen address.
+pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9461";
+/// Default cap on blocks indexed per replica (a flood of events cannot exhaust memory).
+pub const DEFAULT_MAX_BLOCKS_PER_REPLICA: usize = 1_000_000;
+/// Default wait for a replay to complete before the replica is reset instead.
+pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// vLLM's default block size on GPUs.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+/// vLLM release assumed for extra-key shapes when a pool does not say.
+pub const DEFAULT_VLLM_VERSION: &str = "0.32.0";
+/// Largest block size accepted (vLLM's are 16..=256 in practice).
+pub const MAX_BLOCK_SIZE: u32 = 4096;
+
+/// A configuration error, naming the field and the value at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The YAML could not be parsed (syntax, unknown key, wrong type).
+    #[error("invalid config: {0}")]
+    Parse(#[from] serde_yaml::Error),
+    /// A field has a value that is not allowed.
+    #[error("invalid value for `{field}`: {value:?}: {reason}")]
+    InvalidValue {
+        /// Dotted path of the field, e.g. `replicas[2].events.endpoint`.
+        field: String,
+        /// The offending value as written.
+        value: String,
+        /// Why it is rejected.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    fn invalid(field: impl Into<String>, value: impl ToString, reason: impl Into<String>) -> Self {
+        ConfigError::InvalidValue {
+            field: field.into(),
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The file as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawConfig {
+    /// Listen addresses.
+    pub listen: RawListen,
+    /// Memory and timing limits.
+    pub limits: RawLimits,
+    /// One pool per served model.
+    pub pools: Vec<RawPool>,
+    /// Engines (one per data-parallel rank) whose events are ingested.
+    pub replicas: Vec<RawReplica>,
+}
+
+/// `listen:` section.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawListen {
+    /// gRPC address (`host:port`).
+    pub grpc: Option<String>,
+    /// Admin HTTP address (`host:port`).
+    pub admin: Option<String>,
+}
+
+/// `limits:` section.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawLimits {
+    /// Blocks indexed per replica before further stores are refused.
+    pub max_blocks_per_replica: Option<usize>,
+    /// Milliseconds to wait for a replay before resetting the replica.
+    pub replay_timeout_ms: Option<u64>,
+}
+
+/// One `pools:` entry.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawPool {
+    /// Served model name (as in requests' `model`).
+    pub model: String,
+    /// Tokens per KV block (the engines' `--block-size`).
+    pub block_size: Option<u32>,
+    /// `vllm-exact` or `token-chain`.
+    pub key_scheme: Option<String>,
+    /// vLLM `--prefix-caching-hash-algo`.
+    pub hash_algo: Option<String>,
+    /// The engines' `PYTHONHASHSEED`; absent when unset.
+    pub hash_seed: Option<String>,
+    /// The engines' vLLM release (e.g. `0.32.0`): selects how LoRA and cache_salt enter keys.
+    pub vllm_version: Option<String>,
+    /// Re-hash stored blocks from their token ids and flag replicas that disagree (vllm-exact).
+    pub validate_hashes: Option<bool>,
+}
+
+/// One `replicas:` entry.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawReplica {
+    /// Replica id (unique; used in metrics labels and routing decisions).
+    pub id: String,
+    /// Model of the pool it serves.
+    pub model: String,
+    /// Where its KV events come from.
+    pub events: RawEvents,
+}
+
+/// `replicas[].events:` section.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawEvents {
+    /// ZMQ endpoint of the engine's PUB socket (or where to bind for engines that connect).
+    pub endpoint: String,
+    /// `connect` (the engine binds, e.g. `tcp://*:5557`) or `bind` (the engine connects to us).
+    pub mode: Option<String>,
+    /// The engine's ROUTER replay endpoint, if it has one.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix to subscribe to (default: everything).
+    pub topic: Option<String>,
+    /// Data-parallel rank this socket carries.
+    pub dp_rank: Option<u32>,
+}
+
+/// How kvroute keys blocks for a pool (see design.md "Block keys").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySchemeKind {
+    /// The engine's published u64 hash is the key.
+    VllmExact,
+    /// kvroute's own chained key, recomputed from each event's token ids.
+    TokenChain,
+}
+
+/// Whether kvroute's SUB socket connects or binds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SocketMode {
+    /// Connect to an engine that binds (vLLM endpoint with `*`).
+    Connect,
+    /// Bind; engines connect to us (vLLM endpoint naming this host).
+    Bind,
+}
+
+/// Validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// gRPC listen address.
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP listen address.
+    pub admin_addr: SocketAddr,
+    /// Cap on blocks per replica.
+    pub max_blocks_per_replica: usize,
+    /// Replay deadline.
+    pub replay_timeout: Duration,
+    /// Pools, in file order.
+    pub pools: Vec<PoolConfig>,
+    /// Replicas, in file order.
+    pub replicas: Vec<ReplicaConfig>,
+}
+
+/// A validated pool.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Served model name.
+    pub model: String,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Key scheme.
+    pub key_scheme: KeySchemeKind,
+    /// The engines' hash algorithm.
+    pub hash_algo: HashAlgo,
+    /// The engines' `PYTHONHASHSEED` (`None` = unset).
+    pub hash_seed: Option<String>,
+    /// Extra-key shapes of the engines' vLLM release.
+    pub vllm_era: ExtraKeysEra,
+    /// Whether stored blocks are re-hashed and mismatching replicas flagged.
+    pub validate_hashes: bool,
+}
+
+/// A validated replica.
+#[derive(Debug, Clone)]
+pub struct ReplicaConfig {
+    /// Unique id.
+    pub id: String,
+    /// Index into [`Config::pools`].
+    pub pool: usize,
+    /// ZMQ endpoint.
+    pub endpoint: String,
+    /// Connect or bind.
+    pub mode: SocketMode,
+    /// Replay endpoint.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix filter.
+    pub topic: String,
+    /// Data-parallel rank.
+    pub dp_rank: u32,
+}
+
+impl Config {
+    /// Parses and validates a YAML document.
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig = serde_yaml::from_str(text)?;
+        Self::validate(raw)
+    }
+
+    /// Turns the raw file into a validated config; every rule lives here.
+    pub fn validate(raw: RawConfig) -> Result<Self, ConfigError> {
+        let grpc_addr = parse_addr("listen.grpc", raw.listen.grpc.as_deref(), DEFAULT_GRPC_ADDR)?;
+        let admin_addr =
+            parse_addr("listen.admin", raw.listen.admin.as_deref(), DEFAULT_ADMIN_ADDR)?;
+        if grpc_addr == admin_addr && grpc_addr.port() != 0 {
+            return Err(ConfigError::invalid(
+                "listen.admin",
+                admin_addr,
+                "must differ from listen.grpc (admin endpoints listen apart)",
+            ));
+        }
+        let max_blocks_per_replica = raw
+            .limits
+            .max_blocks_per_replica
+            .unwrap_or(DEFAULT_MAX_BLOCKS_PER_REPLICA);
+        if max_blocks_per_replica == 0 {
+            return Err(ConfigError::invalid(
+                "limits.max_blocks_per_replica",
+                0,
+                "must be at least 1",
+            ));
+        }
+        let replay_timeout = raw
+            .limits
+            .replay_timeout_ms
+            .map_or(DEFAULT_REPLAY_TIMEOUT, Duration::from_millis);
+
+        if raw.pools.is_empty() {
+            return Err(ConfigError::invalid("pools", "[]", "at least one pool is required"));
+        }
+        let mut pools = Vec::with_capacity(raw.pools.len());
+        for (i, pool) in raw.pools.into_iter().enumerate() {
+            pools.push(validate_pool(i, pool, &pools)?);
+        }
+
+        let mut replicas = Vec::with_capacity(raw.replicas.len());
+        let mut ids = HashSet::new();
+        let mut bound = HashSet::new();
+        for (i, replica) in raw.replicas.into_iter().enumerate() {
+            let field = |name: &str| format!("replicas[{i}].{name}");
+            if replica.id.is_empty() || !is_label_safe(&replica.id) {
+                return Err(ConfigError::invalid(
+                    field("id"),
+                    &replica.id,
+                    "must be non-empty and use only [A-Za-z0-9._:-]",
+                ));
+            }
+            if !ids.insert(replica.id.clone()) {
+                return Err(ConfigError::invalid(field("id"), &replica.id, "duplicate id"));
+            }
+            let pool = pools
+                .iter()
+                .position(|p| p.model == replica.model)
+                .ok_or_else(|| {
+                    ConfigError::invalid(field("model"), &replica.model, "no pool serves this model")
+                })?;
+            let events = replica.events;
+            check_endpoint(&field("events.endpoint"), &events.endpoint)?;
+            let mode = match events.mode.as_deref() {
+                None | Some("connect") => SocketMode::Connect,
+                Some("bind") => SocketMode::Bind,
+                Some(other) => {
+                    return Err(ConfigError::invalid(
+                        field("events.mode"),
+                        other,
+                        "expected `connect` or `bind`",
+                    ));
+                }
+            };
+            if mode == SocketMode::Bind && !bound.insert(events.endpoint.clone()) {
+                return Err(ConfigError::invalid(
+                    field("events.endpoint"),
+                    &events.endpoint,
+                    "another replica already binds this endpoint",
+                ));
+            }
+            if let Some(replay) = &events.replay_endpoint {
+                check_endpoint(&field("events.replay_endpoint"), replay)?;
+            }
+            replicas.push(ReplicaConfig {
+                id: replica.id,
+                pool,
+                endpoint: events.endpoint,
+                mode,
+                replay_endpoint: events.replay_endpoint,
+                topic: events.topic.unwrap_or_default(),
+                dp_rank: events.dp_rank.unwrap_or(0),
+            });
+        }
+
+        Ok(Config {
+            grpc_addr,
+            admin_addr,
+            max_blocks_per_replica,
+            replay_timeout,
+            pools,
+            replicas,
+        })
+    }
+}
+
+fn validate_pool(i: usize, pool: RawPool, earlier: &[PoolConfig]) -> Result<PoolConfig, ConfigError> {
+    let field = |name: &str| format!("pools[{i}].{name}");
+    if pool.model.is_empty() {
+        return Err(ConfigError::invalid(field("model"), "", "must be non-empty"));
+    }
+    if earlier.iter().any(|p| p.model == pool.model) {
+        return Err(ConfigError::invalid(field("model"), &pool.model, "duplicate model"));
+    }
+    let block_size = pool.block_size.unwrap_or(DEFAULT_BLOCK_SIZE);
+    if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+        return Err(ConfigError::invalid(
+            field("block_size"),
+            block_size,
+            format!("must be in 1..={MAX_BLOCK_SIZE}"),
+        ));
+    }
+    let key_scheme = match pool.key_scheme.as_deref() {
+        None | Some("vllm-exact") => KeySchemeKind::VllmExact,
+        Some("token-chain") => KeySchemeKind::TokenChain,
+        Some(other) => {
+            return Err(ConfigError::invalid(
+                field("key_scheme"),
+                other,
+                "expected `vllm-exact` or `token-chain`",
+            ));
+        }
+    };
+    let algo_name = pool.hash_algo.as_deref().unwrap_or("sha256");
+    let hash_algo: HashAlgo = algo_name.parse().map_err(|_| {
+        ConfigError::invalid(
+            field("hash_algo"),
+            algo_name,
+            "expected one of sha256, sha256_cbor, xxhash, xxhash_cbor, sha256_cbor_64bit",
+        )
+    })?;
+    // Reject a config that cannot reproduce the engines' hashes up front (e.g. xxhash with no
+    // seed: vLLM then seeds randomly per process), rather than flagging every replica later.
+    if key_scheme == KeySchemeKind::VllmExact {
+        kvroute_block_keys::VllmHasher::new(hash_algo, pool.hash_seed.as_deref()).map_err(|e| {
+            ConfigError::invalid(
+                field("hash_seed"),
+                pool.hash_seed.as_deref().unwrap_or("<unset>"),
+                e.to_string(),
+            )
+        })?;
+    }
+    let vllm_version = pool.vllm_version.as_deref().unwrap_or(DEFAULT_VLLM_VERSION);
+    let vllm_era = ExtraKeysEra::for_vllm_version(vllm_version).map_err(|e| {
+        ConfigError::invalid(field("vllm_version"), vllm_version, e.to_string())
+    })?;
+    Ok(PoolConfig {
+        model: pool.model,
+        block_size,
+        key_scheme,
+        hash_algo,
+        hash_seed: pool.hash_seed,
+        vllm_era,
+        validate_hashes: pool.validate_hashes.unwrap_or(true),
+    })
+}
+
+fn parse_addr(field: &str, value: Option<&str>, default: &str) -> Result<SocketAddr, ConfigError> {
+    let value = value.unwrap_or(default);
+    value
+        .parse()
+        .map_err(|_| ConfigError::invalid(field, value, "expected ip:port"))
+}
+
+fn check_endpoint(field: &str, endpoint: &str) -> Result<(), ConfigError> {
+    let ok = ["tcp://", "ipc://", "inproc://"]
+        .iter()
+        .any(|scheme| endpoint.len() > scheme.len() && endpoint.starts_with(scheme));
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(
+            field,
+            endpoint,
+            "expected a ZMQ endpoint such as tcp://host:port",
+        ))
+    }
+}
+
+/// Replica ids become metric label values; keep them to a safe alphabet.
+fn is_label_safe(id: &str) -> bool {
+    id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+listen: {grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}
+pools:
+  - {model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0"}
+  - {model: other, key_scheme: token-chain}
+replicas:
+  - id: a
+    model: tiny
+    events: {endpoint: "tcp://127.0.0.1:5557", replay_endpoint: "tcp://127.0.0.1:5558"}
+  - id: b
+    model: other
+    events: {endpoint: "tcp://127.0.0.1:6000", mode: bind, topic: "kv@"}
+"#;
+
+    #[test]
+    fn parses_a_good_config() {
+        let config = Config::from_yaml(GOOD).unwrap();
+        assert_eq!(config.pools.len(), 2);
+        assert_eq!(config.pools[0].block_size, 32);
+        assert_eq!(config.pools[1].block_size, DEFAULT_BLOCK_SIZE);
+        assert_eq!(config.pools[1].key_scheme, KeySchemeKind::TokenChain);
+        assert_eq!(config.replicas[1].pool, 1);
+        assert_eq!(config.replicas[1].mode, SocketMode::Bind);
+        assert_eq!(config.replicas[0].replay_endpoint.as_deref(), Some("tcp://127.0.0.1:5558"));
+        assert_eq!(config.max_blocks_per_replica, DEFAULT_MAX_BLOCKS_PER_REPLICA);
+    }
+
+    fn error_of(yaml: &str) -> String {
+        Config::from_yaml(yaml).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_name() {
+        let err = error_of("pools: [{model: m, blocksize: 16}]");
+        assert!(err.contains("blocksize"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let cases = [
+            ("pools: []", "pools"),
+            ("pools: [{model: m, block_size: 0}]", "pools[0].block_size"),
+            ("pools: [{model: m, key_scheme: exact}]", "pools[0].key_scheme"),
+            ("pools: [{model: m, hash_algo: md5}]", "pools[0].hash_algo"),
+            ("pools: [{model: m, hash_algo: xxhash}]", "pools[0].hash_seed"),
+            ("pools: [{model: m, vllm_version: banana}]", "pools[0].vllm_version"),
+            ("pools: [{model: m}, {model: m}]", "pools[1].model"),
+            ("listen: {grpc: nope}\npools: [{model: m}]", "listen.grpc"),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: a, model: x, events: {endpoint: 'tcp://h:1'}}]",
+                "replicas[0].model",
+            ),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'h:1'}}]",
+                "replicas[0].events.endpoint",
+            ),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: 'a b', model: m, events: {endpoint: 'tcp://h:1'}}]",
+                "replicas[0].id",
+            ),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://h:1'}}, {id: a, model: m, events: {endpoint: 'tcp://h:2'}}]",
+                "replicas[1].id",
+            ),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://h:1', mode: pull}}]",
+                "replicas[0].events.mode",
+            ),
+        ];
+        for (yaml, field) in cases {
+            let err = error_of(yaml);
+            assert!(err.contains(&format!("`{field}`")), "{yaml}: {err}");
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! What can go wrong in the index: caller errors ([`IndexError`]), blocks the index declines to
+//! store or remove ([`RejectReason`], counted, never an error), and why a replica's events are
+//! distrusted ([`FlagReason`]).
+
+use super::ReplicaId;
+
+/// A call the index cannot serve: the caller named something it does not know, or registration
+/// would break an invariant.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IndexError {
+    /// No pool is registered under this model name.
+    #[error("unknown pool (model) {pool:?}")]
+    UnknownPool {
+        /// The requested model name.
+        pool: String,
+    },
+    /// No replica is registered under this id.
+    #[error("unknown replica {replica}")]
+    UnknownReplica {
+        /// The requested replica.
+        replica: ReplicaId,
+    },
+    /// A pool with this model name is already registered.
+    #[error("pool {pool:?} is already registered")]
+    DuplicatePool {
+        /// The model name.
+        pool: String,
+    },
+    /// A replica with this id is already registered.
+    #[error("replica {replica} is already registered")]
+    DuplicateReplica {
+        /// The replica id.
+        replica: ReplicaId,
+    },
+    /// A pool cannot hold more replicas (slot ids are 16-bit).
+    #[error("pool {pool:?} is full ({max} replicas)")]
+    PoolFull {
+        /// The model name.
+        pool: String,
+        /// The maximum number of replicas per pool.
+        max: usize,
+    },
+    /// A pool was configured with a block size of 0.
+    #[error("pool {pool:?} has block_size 0")]
+    ZeroBlockSize {
+        /// The model name.
+        pool: String,
+    },
+}
+
+impl IndexError {
+    /// Metric label value.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            IndexError::UnknownPool { .. } => "unknown_pool",
+            IndexError::UnknownReplica { .. } => "unknown_replica",
+            IndexError::DuplicatePool { .. } => "duplicate_pool",
+            IndexError::DuplicateReplica { .. } => "duplicate_replica",
+            IndexError::PoolFull { .. } => "pool_full",
+            IndexError::ZeroBlockSize { .. } => "zero_block_size",
+        }
+    }
+}
+
+/// Why blocks of an event were not applied. Counted per block in
+/// `index_blocks_rejected_total{reason}`; the rest of the event still applies where it can.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RejectReason {
+    /// Connector placeholder (`block_size` 0 or no `token_ids`): carries nothing to index.
+    Placeholder,
+    /// `group_idx` > 0: a non-full-attention KV group of a hybrid model, whose blocks do not
+    /// describe the prompt prefix the way group 0 does.
+    NonFullAttentionGroup,
+    /// The event's `block_size` differs from the pool's: its keys cannot match prompt keys.
+    BlockSizeMismatch,
+    /// Inconsistent event (`token_ids` or `extra_keys` length does not fit `block_hashes`).
+    Malformed,
+    /// Token-chain pool: the parent's engine hash is not known for this replica, so the run's
+    /// keys cannot be chained (storing it as a new root would invent wrong keys).
+    ParentUnknown,
+    /// Token-chain pool: the block carries extra keys a token chain cannot represent
+    /// (multimodal inputs, prompt embeds); keying its placeholder tokens would match other inputs.
+    UnsupportedExtraKeys,
+    /// The replica already holds its configured maximum number of blocks.
+    ReplicaCapacity,
+    /// `BlockRemoved` for a block this replica is not known to hold.
+    UnknownBlock,
+}
+
+impl RejectReason {
+    /// Every reason, for pre-registering metric series.
+    pub const ALL: [RejectReason; 8] = [
+        RejectReason::Placeholder,
+        RejectReason::NonFullAttentionGroup,
+        RejectReason::BlockSizeMismatch,
+        RejectReason::Malformed,
+        RejectReason::ParentUnknown,
+        RejectReason::UnsupportedExtraKeys,
+        RejectReason::ReplicaCapacity,
+        RejectReason::UnknownBlock,
+    ];
+
+    /// Metric label value.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            RejectReason::Placeholder => "placeholder",
+            RejectReason::NonFullAttentionGroup => "non_full_attention_group",
+            RejectReason::BlockSizeMismatch => "block_size_mismatch",
+            RejectReason::Malformed => "malformed",
+            RejectReason::ParentUnknown => "parent_unknown",
+            RejectReason::UnsupportedExtraKeys => "unsupported_extra_keys",
+            RejectReason::ReplicaCapacity => "replica_capacity",
+            RejectReason::UnknownBlock => "unknown_block",
+        }
+    }
+}
+
+/// Why a replica's index entries are not trusted for precise routing. A flagged replica keeps
+/// receiving events but is reported with `precise = false` and no matched blocks until
+/// [`reset_replica`](super::BlockIndex::reset_replica) or [`clear_flag`](super::BlockIndex::clear_flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FlagReason {
+    /// A published block hash disagrees with the hash recomputed from the event's own
+    /// `token_ids` (wrong seed, algorithm or extra keys configured for the pool).
+    HashMismatch,
+    /// Set by ingest: the event stream has an unrepaired gap; waiting for a reset/snapshot.
+    Resyncing,
+    /// Set by ingest: no events for too long; the index may not reflect the engine.
+    Stale,
+}
+
+impl FlagReason {
+    /// Every reason, for pre-registering metric series.
+    pub const ALL: [FlagReason; 3] =
+        [FlagReason::HashMismatch, FlagReason::Resyncing, FlagReason::Stale];
+
+    /// Metric label value (also the admin API's `problem` text).
+    pub fn as_label(self) -> &'static str {
+        match self {
+            FlagReason::HashMismatch => "hash_mismatch",
+            FlagReason::Resyncing => "resyncing",
+            FlagReason::Stale => "stale",
+        }
+    }
+}

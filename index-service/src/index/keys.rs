@@ -1,0 +1,195 @@
+//! The index's use of `kvroute-block-keys`: how a pool's stored block keys come from events.
+//!
+//! - vLLM-exact pools store the engine's published u64 as is; an optional [`VllmHasher`]
+//!   re-hashes `token_ids` to catch a pool configured with the wrong algorithm or seed.
+//! - token-chain pools recompute [`TokenChain`] keys from `token_ids`, rooted like the router
+//!   roots a prompt: in the namespace of the LoRA adapter and the cache salt.
+
+use kvroute_block_keys::{Digest, HashAlgo, HashValue, KeyScheme, TokenChain, VllmHasher};
+
+use crate::event::BlockStored;
+
+/// How a pool's block keys relate to the engine's events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PoolKeys {
+    /// The engine's published hash is the key.
+    VllmExact {
+        /// Re-hashes stored blocks from their `token_ids` and flags replicas whose published
+        /// hashes disagree. `None` trusts the engine.
+        validator: Option<VllmHasher>,
+    },
+    /// kvroute's [`TokenChain`] keys, recomputed from `token_ids`; the engine hash only
+    /// identifies blocks for removal and parent lookup.
+    TokenChain,
+}
+
+impl PoolKeys {
+    /// The index side of a pool's [`KeyScheme`]; `validate` turns on vLLM-exact validation.
+    pub fn from_scheme(scheme: &KeyScheme, validate: bool) -> Self {
+        match scheme {
+            KeyScheme::VllmExact { hasher, .. } => {
+                PoolKeys::VllmExact { validator: validate.then(|| hasher.clone()) }
+            }
+            KeyScheme::TokenChain => PoolKeys::TokenChain,
+        }
+    }
+
+    /// Metric/config label of the scheme.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            PoolKeys::VllmExact { .. } => "vllm-exact",
+            PoolKeys::TokenChain => "token-chain",
+        }
+    }
+}
+
+/// Result of re-hashing a `BlockStored` run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verification {
+    /// The run cannot be recomputed: it continues a chain whose full parent digest is not
+    /// published, or carries extra keys (LoRA, salt, multimodal) whose hashed form depends on
+    /// the vLLM release.
+    Unverifiable,
+    /// Every published hash matches.
+    Verified,
+    /// Block `block` of the run (0-based) hashes to `computed` instead of what was published.
+    /// `certain` is false when the event does not publish extra keys (vLLM < 0.17), so a
+    /// `cache_salt` the index cannot see may explain the difference.
+    Mismatch { block: usize, computed: u64, certain: bool },
+}
+
+fn is_plain(extra: &Option<HashValue>) -> bool {
+    matches!(extra, None | Some(HashValue::None))
+}
+
+/// Re-hashes a well-formed `BlockStored` (token count already checked against its hashes).
+pub(crate) fn verify(hasher: &VllmHasher, stored: &BlockStored) -> Verification {
+    if stored.lora_id.is_some() || stored.lora_name.is_some() {
+        return Verification::Unverifiable;
+    }
+    let certain = match &stored.extra_keys {
+        None => false,
+        Some(extra) if extra.iter().all(is_plain) => true,
+        Some(_) => return Verification::Unverifiable,
+    };
+    let parent = match (stored.parent_block_hash, &stored.parent_digest) {
+        (None, _) => None,
+        (Some(_), Some(digest)) => match Digest::from_slice(digest) {
+            Ok(digest) => Some(digest),
+            Err(_) => return Verification::Unverifiable,
+        },
+        // sha256_cbor_64bit chains the published u64 itself, so the event's parent suffices.
+        (Some(parent), None) if hasher.algo() == HashAlgo::Sha256Cbor64Bit => {
+            match Digest::from_slice(&parent.to_be_bytes()) {
+                Ok(digest) => Some(digest),
+                Err(_) => return Verification::Unverifiable,
+            }
+        }
+        (Some(_), None) => return Verification::Unverifiable,
+    };
+    let block_size = stored.block_size as usize;
+    let mut first_mismatch = None;
+    let mut block = 0;
+    let walked = hasher.for_each_block(
+        parent.as_ref(),
+        &stored.token_ids,
+        block_size,
+        |_| None,
+        |digest| {
+            let computed = digest.published_u64();
+            if first_mismatch.is_none() && stored.block_hashes.get(block) != Some(&computed) {
+                first_mismatch = Some((block, computed));
+            }
+            block += 1;
+        },
+    );
+    match (walked, first_mismatch) {
+        (Err(_), _) => Verification::Unverifiable,
+        (Ok(()), None) => Verification::Verified,
+        (Ok(()), Some((block, computed))) => Verification::Mismatch { block, computed, certain },
+    }
+}
+
+/// Token-chain keys of a stored run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ChainRun {
+    /// Keys of the leading blocks the chain can represent.
+    pub(crate) keys: Vec<u64>,
+    /// Blocks after `keys` carry extra keys a token chain cannot represent (multimodal inputs,
+    /// prompt embeds): hashing only their placeholder tokens would match other images.
+    pub(crate) unsupported: usize,
+}
+
+/// Computes a run's token-chain keys from `parent` (the parent block's own key), or from the
+/// root of the run's namespace when the run starts the prompt.
+pub(crate) fn chain_keys(parent: Option<u64>, stored: &BlockStored) -> ChainRun {
+    let block_size = stored.block_size as usize;
+    let blocks = stored.block_hashes.len();
+    let extra_of = |block: usize| {
+        stored.extra_keys.as_ref().and_then(|extra| extra.get(block)).and_then(Option::as_ref)
+    };
+    let mut key = match parent {
+        Some(parent) => parent,
+        None => match namespace_salt(stored, extra_of(0)) {
+            Some(salt) => TokenChain::root(stored.lora_name.as_deref(), salt),
+            None => return ChainRun { keys: Vec::new(), unsupported: blocks },
+        },
+    };
+    let mut keys = Vec::with_capacity(blocks);
+    for (block, tokens) in stored.token_ids.chunks_exact(block_size).enumerate() {
+        // Block 0 of the prompt was vetted by `namespace_salt`; later blocks may hold only LoRA.
+        let starts_prompt = block == 0 && parent.is_none();
+        if !starts_prompt && !lora_only(stored, extra_of(block)) {
+            break;
+        }
+        key = TokenChain::next(key, tokens);
+        keys.push(key);
+    }
+    ChainRun { unsupported: blocks - keys.len(), keys }
+}
+
+/// The items of a block's published extra keys (vLLM publishes a tuple per block).
+fn items(extra: Option<&HashValue>) -> &[HashValue] {
+    match extra {
+        None | Some(HashValue::None) => &[],
+        Some(HashValue::Tuple(items)) => items,
+        Some(single) => std::slice::from_ref(single),
+    }
+}
+
+/// Whether `item` is the event's LoRA adapter in any vLLM era's shape (id, name, tagged tuple).
+fn is_lora_item(stored: &BlockStored, item: &HashValue) -> bool {
+    match item {
+        HashValue::Int(id) => stored.lora_id == Some(*id),
+        HashValue::Str(name) => stored.lora_name.as_deref() == Some(name.as_str()),
+        HashValue::Tuple(tagged) => matches!(tagged.first(), Some(HashValue::Str(tag)) if tag == "lora"),
+        _ => false,
+    }
+}
+
+/// Extra items after the leading LoRA item, if the event has an adapter.
+fn after_lora<'a>(stored: &BlockStored, items: &'a [HashValue]) -> &'a [HashValue] {
+    let has_lora = stored.lora_name.is_some() || stored.lora_id.is_some();
+    match items.split_first() {
+        Some((first, rest)) if has_lora && is_lora_item(stored, first) => rest,
+        _ => items,
+    }
+}
+
+fn lora_only(stored: &BlockStored, extra: Option<&HashValue>) -> bool {
+    after_lora(stored, items(extra)).is_empty()
+}
+
+/// The cache salt in the first block's extra keys: `Some(None)` for no salt, `None` when the
+/// block carries something else (multimodal, prompt embeds).
+fn namespace_salt<'a>(stored: &BlockStored, extra: Option<&'a HashValue>) -> Option<Option<&'a str>> {
+    match after_lora(stored, items(extra)) {
+        [] => Some(None),
+        [HashValue::Str(salt)] => Some(Some(salt.as_str())),
+        [HashValue::Tuple(tagged)] => match tagged.as_slice() {
+            [HashValue::Str(tag), HashValue::Str(salt)] if tag == "cache_salt" => Some(Some(salt)),
+            _ => None,
+        },
+        _ => None,
+    }
+}

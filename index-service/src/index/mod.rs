@@ -1,0 +1,387 @@
+//! The KV block index core: which replica holds which blocks of which pool, and how many
+//! leading blocks of a prompt each replica holds.
+//!
+//! Synchronous and `&self` throughout: ingest tasks (one per replica) call
+//! [`BlockIndex::apply_event`] while query handlers call [`BlockIndex::find_matches`]
+//! concurrently. Async plumbing, sockets and config files live elsewhere.
+//!
+//! # Data structure
+//!
+//! - A **pool** is one served model. Its block keys live in `shards` (a power of two of
+//!   `parking_lot::RwLock<HashMap<key, Holders>>`); `Holders` is one inline (slot, media) pair
+//!   or a boxed slice of them, so a (block, replica) holding costs ~40–60 bytes all in.
+//!   Replicas are addressed by a dense per-pool slot so a query keeps the still-matching
+//!   replicas in a bitset.
+//! - A **replica** keeps the set of engine hashes it holds (token-chain pools: engine hash →
+//!   own key), behind its own mutex. Removal, `AllBlocksCleared` and resets touch only its
+//!   entries; the set also enforces the per-replica block cap.
+//!
+//! # Complexity
+//!
+//! - `apply_event`: O(blocks in the event) shard-lock acquisitions (one short write each).
+//! - `find_matches`: O(longest match + 1) shard read locks, each followed by O(holders of that
+//!   key) bit sets and O(pool replicas / 64) word operations; stops as soon as no candidate
+//!   still matches.
+//! - `reset_replica`: O(blocks of the replica), locking each shard once per 256 keys.
+//!
+//! # Bounded memory
+//!
+//! Each replica holds at most [`IndexConfig::max_blocks_per_replica`] distinct blocks. Past the
+//! cap further **new** blocks are refused (and counted as `replica_capacity`) rather than
+//! evicting older ones: the cap is sized above the engine's real KV capacity, so reaching it
+//! means removals were lost, and refusing only under-reports (never claims a block the replica
+//! may not hold) until ingest detects the gap and resets the replica. Evicting "oldest" would
+//! need a per-entry age structure, doubling the per-holding cost, to guess at the same fix.
+
+mod error;
+mod holders;
+mod keys;
+mod metrics;
+mod pool;
+mod replica;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+
+pub use error::{FlagReason, IndexError, RejectReason};
+pub use keys::PoolKeys;
+pub use metrics::IndexMetrics;
+
+use crate::event::KvEvent;
+use holders::KeyHasherBuilder;
+use pool::Pool;
+use replica::Replica;
+
+/// Default [`IndexConfig::max_blocks_per_replica`]: well above one GPU's KV cache in 16-token
+/// blocks (an 80 GB GPU holds ~10^5–10^6) plus CPU offload.
+pub const DEFAULT_MAX_BLOCKS_PER_REPLICA: usize = 4_000_000;
+/// Default [`IndexConfig::shards_per_pool`]: enough that ingest writers rarely meet on a lock.
+pub const DEFAULT_SHARDS_PER_POOL: usize = 64;
+
+/// A replica's dense id, assigned from config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReplicaId(pub u32);
+
+impl fmt::Display for ReplicaId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Index-wide limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Most distinct blocks indexed per replica; further new blocks are refused and counted.
+    pub max_blocks_per_replica: usize,
+    /// Lock shards per pool (rounded up to a power of two).
+    pub shards_per_pool: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            max_blocks_per_replica: DEFAULT_MAX_BLOCKS_PER_REPLICA,
+            shards_per_pool: DEFAULT_SHARDS_PER_POOL,
+        }
+    }
+}
+
+/// One pool: a served model and how its blocks are keyed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Served model name (the `model` of requests and of the Match API).
+    pub model: String,
+    /// Tokens per block, as the engines are configured.
+    pub block_size: u32,
+    /// Key scheme.
+    pub keys: PoolKeys,
+}
+
+/// A pool's parameters, for validating queries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolInfo {
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Key scheme.
+    pub keys: PoolKeys,
+}
+
+/// How many leading blocks of a query one replica holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaMatch {
+    /// The replica.
+    pub replica: ReplicaId,
+    /// Leading blocks held in any medium (stops at the replica's first miss).
+    pub matched_blocks: u32,
+    /// Of those, the leading blocks held on the GPU.
+    pub gpu_blocks: u32,
+    /// False when the replica is flagged: its counts are 0 and must not be trusted.
+    pub precise: bool,
+}
+
+impl ReplicaMatch {
+    fn empty(replica: ReplicaId, precise: bool) -> Self {
+        ReplicaMatch { replica, matched_blocks: 0, gpu_blocks: 0, precise }
+    }
+}
+
+/// What applying one event did (also counted in metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ApplyOutcome {
+    /// Blocks recorded as held (including a new medium for a block already held).
+    pub blocks_stored: usize,
+    /// Block holdings removed.
+    pub blocks_removed: usize,
+    /// Blocks not applied.
+    pub blocks_rejected: usize,
+    /// Why (the last reason when several apply).
+    pub rejection: Option<RejectReason>,
+}
+
+impl ApplyOutcome {
+    fn reject(&mut self, reason: RejectReason, blocks: usize, metrics: &IndexMetrics) {
+        self.blocks_rejected += blocks;
+        self.rejection = Some(reason);
+        metrics.rejected(reason, blocks as u64);
+    }
+}
+
+/// One replica's state for the admin API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaStatus {
+    /// The replica.
+    pub replica: ReplicaId,
+    /// Its id from config (metric label).
+    pub name: String,
+    /// Its pool's model.
+    pub model: String,
+    /// Distinct blocks indexed.
+    pub blocks: usize,
+    /// Why it is excluded from precise matching, if it is.
+    pub flag: Option<FlagReason>,
+    /// Events applied since registration.
+    pub events_applied: u64,
+    /// Blocks not applied since registration.
+    pub blocks_rejected: u64,
+}
+
+/// The index core's contract, shared by [`BlockIndex`] and the reference model its
+/// conformance suite checks it against.
+pub trait KvIndex: Send + Sync {
+    /// Registers a pool.
+    fn add_pool(&self, pool: PoolConfig) -> Result<(), IndexError>;
+    /// Registers a replica of `model`'s pool; `name` is its config id (metric label).
+    fn add_replica(&self, replica: ReplicaId, name: &str, model: &str) -> Result<(), IndexError>;
+    /// Applies one event published by `replica`.
+    fn apply_event(&self, replica: ReplicaId, event: &KvEvent)
+    -> Result<ApplyOutcome, IndexError>;
+    /// Leading blocks of `keys` held by each replica of the pool (or each of `candidates`
+    /// that belongs to it), in slot order or candidate order.
+    fn find_matches(
+        &self,
+        model: &str,
+        keys: &[u64],
+        candidates: Option<&[ReplicaId]>,
+    ) -> Result<Vec<ReplicaMatch>, IndexError>;
+    /// Drops everything indexed for `replica` and clears its flag (engine restart,
+    /// unrepairable event gap).
+    fn reset_replica(&self, replica: ReplicaId) -> Result<(), IndexError>;
+    /// Unregisters `replica`, dropping its blocks.
+    fn remove_replica(&self, replica: ReplicaId) -> Result<(), IndexError>;
+}
+
+/// The production index. See the module docs for the structure.
+#[derive(Debug)]
+pub struct BlockIndex {
+    config: IndexConfig,
+    metrics: IndexMetrics,
+    hasher: KeyHasherBuilder,
+    pools: RwLock<HashMap<String, Arc<Pool>>>,
+    replicas: RwLock<HashMap<ReplicaId, Arc<Mutex<Replica>>>>,
+}
+
+impl BlockIndex {
+    /// An empty index recording into `metrics`.
+    pub fn new(config: IndexConfig, metrics: IndexMetrics) -> Self {
+        BlockIndex {
+            config,
+            metrics,
+            hasher: KeyHasherBuilder::random(),
+            pools: RwLock::new(HashMap::new()),
+            replicas: RwLock::new(HashMap::new()),
+        }
+    }
+
+    fn pool(&self, model: &str) -> Result<Arc<Pool>, IndexError> {
+        self.pools
+            .read()
+            .get(model)
+            .cloned()
+            .ok_or_else(|| IndexError::UnknownPool { pool: model.to_owned() })
+    }
+
+    fn replica(&self, replica: ReplicaId) -> Result<Arc<Mutex<Replica>>, IndexError> {
+        self.replicas.read().get(&replica).cloned().ok_or(IndexError::UnknownReplica { replica })
+    }
+
+    /// A pool's block size and key scheme.
+    pub fn pool_info(&self, model: &str) -> Option<PoolInfo> {
+        let pool = self.pool(model).ok()?;
+        Some(PoolInfo { block_size: pool.block_size, keys: pool.keys.clone() })
+    }
+
+    /// Applies a batch of events of one replica in order (one replica lock for the batch).
+    pub fn apply_events(
+        &self,
+        replica: ReplicaId,
+        events: &[KvEvent],
+    ) -> Result<ApplyOutcome, IndexError> {
+        let entry = self.replica(replica)?;
+        let mut state = entry.lock();
+        if state.removed {
+            return Err(IndexError::UnknownReplica { replica });
+        }
+        let mut total = ApplyOutcome::default();
+        for event in events {
+            let outcome = state.apply(event, self.config.max_blocks_per_replica, &self.metrics);
+            total.blocks_stored += outcome.blocks_stored;
+            total.blocks_removed += outcome.blocks_removed;
+            total.blocks_rejected += outcome.blocks_rejected;
+            total.rejection = outcome.rejection.or(total.rejection);
+        }
+        Ok(total)
+    }
+
+    /// Excludes `replica` from precise matching (ingest: gap, staleness) until cleared.
+    pub fn flag_replica(&self, replica: ReplicaId, reason: FlagReason) -> Result<(), IndexError> {
+        self.replica(replica)?.lock().set_flag(Some(reason), &self.metrics);
+        Ok(())
+    }
+
+    /// Trusts `replica` again without dropping its blocks (operator override).
+    pub fn clear_flag(&self, replica: ReplicaId) -> Result<(), IndexError> {
+        self.replica(replica)?.lock().set_flag(None, &self.metrics);
+        Ok(())
+    }
+
+    /// One replica's state.
+    pub fn replica_status(&self, replica: ReplicaId) -> Result<ReplicaStatus, IndexError> {
+        Ok(status_of(&self.replica(replica)?.lock()))
+    }
+
+    /// Every replica's state, by id; `model` filters to one pool.
+    pub fn replica_statuses(&self, model: Option<&str>) -> Vec<ReplicaStatus> {
+        let entries: Vec<_> = self.replicas.read().values().cloned().collect();
+        let mut statuses: Vec<ReplicaStatus> = entries
+            .iter()
+            .map(|entry| status_of(&entry.lock()))
+            .filter(|status| model.is_none_or(|model| status.model == model))
+            .collect();
+        statuses.sort_by_key(|status| status.replica);
+        statuses
+    }
+
+    /// (block, replica) holdings across all pools.
+    pub fn holdings(&self) -> usize {
+        self.pools.read().values().map(|pool| pool.holdings()).sum()
+    }
+
+    /// Bytes allocated for indexed blocks (hash tables at their capacity, spilled holder sets,
+    /// per-replica block sets), computed from capacities. Excludes allocator overhead and the
+    /// fixed per-pool/per-replica structs.
+    pub fn memory_bytes(&self) -> usize {
+        let pools: usize = self.pools.read().values().map(|pool| pool.memory_bytes()).sum();
+        let entries: Vec<_> = self.replicas.read().values().cloned().collect();
+        pools + entries.iter().map(|entry| entry.lock().memory_bytes()).sum::<usize>()
+    }
+}
+
+fn status_of(replica: &Replica) -> ReplicaStatus {
+    ReplicaStatus {
+        replica: replica.id,
+        name: replica.name.clone(),
+        model: replica.pool.model.clone(),
+        blocks: replica.blocks(),
+        flag: replica.flag,
+        events_applied: replica.events_applied,
+        blocks_rejected: replica.blocks_rejected,
+    }
+}
+
+impl KvIndex for BlockIndex {
+    fn add_pool(&self, config: PoolConfig) -> Result<(), IndexError> {
+        if config.block_size == 0 {
+            return Err(IndexError::ZeroBlockSize { pool: config.model });
+        }
+        let mut pools = self.pools.write();
+        if pools.contains_key(&config.model) {
+            return Err(IndexError::DuplicatePool { pool: config.model });
+        }
+        let pool = Pool::new(
+            config.model.clone(),
+            config.block_size,
+            config.keys,
+            self.config.shards_per_pool,
+            self.hasher,
+        );
+        pools.insert(config.model, Arc::new(pool));
+        Ok(())
+    }
+
+    fn add_replica(&self, replica: ReplicaId, name: &str, model: &str) -> Result<(), IndexError> {
+        let pool = self.pool(model)?;
+        let mut replicas = self.replicas.write();
+        if replicas.contains_key(&replica) {
+            return Err(IndexError::DuplicateReplica { replica });
+        }
+        let slot = pool.add_member(replica)?;
+        let state = Replica::new(replica, name.to_owned(), pool, slot, self.hasher, &self.metrics);
+        replicas.insert(replica, Arc::new(Mutex::new(state)));
+        Ok(())
+    }
+
+    fn apply_event(
+        &self,
+        replica: ReplicaId,
+        event: &KvEvent,
+    ) -> Result<ApplyOutcome, IndexError> {
+        self.apply_events(replica, std::slice::from_ref(event))
+    }
+
+    fn find_matches(
+        &self,
+        model: &str,
+        keys: &[u64],
+        candidates: Option<&[ReplicaId]>,
+    ) -> Result<Vec<ReplicaMatch>, IndexError> {
+        Ok(self.pool(model)?.find_matches(keys, candidates))
+    }
+
+    fn reset_replica(&self, replica: ReplicaId) -> Result<(), IndexError> {
+        let entry = self.replica(replica)?;
+        let mut state = entry.lock();
+        state.clear();
+        state.set_flag(None, &self.metrics);
+        Ok(())
+    }
+
+    fn remove_replica(&self, replica: ReplicaId) -> Result<(), IndexError> {
+        let entry = self
+            .replicas
+            .write()
+            .remove(&replica)
+            .ok_or(IndexError::UnknownReplica { replica })?;
+        let mut state = entry.lock();
+        state.clear();
+        state.set_flag(None, &self.metrics);
+        state.removed = true;
+        state.forget_gauge(&self.metrics);
+        state.pool.remove_member(state.slot);
+        Ok(())
+    }
+}

@@ -1,0 +1,266 @@
+//! One pool (served model): its sharded key → holders map, its replica slots, and the match walk.
+
+use std::collections::HashMap;
+
+use parking_lot::RwLock;
+
+use super::holders::{
+    Holders, KeyHasherBuilder, KeyMap, Removal, Slot, SlotSet, shrink_if_sparse, table_bytes,
+};
+use super::keys::PoolKeys;
+use super::{FlagReason, IndexError, ReplicaId, ReplicaMatch};
+use crate::event::Medium;
+
+/// Replica slots of a pool, and whether each is trusted for precise matching.
+#[derive(Debug, Default)]
+struct Members {
+    slots: Vec<Option<Member>>,
+    by_replica: HashMap<ReplicaId, Slot>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Member {
+    replica: ReplicaId,
+    flag: Option<FlagReason>,
+}
+
+/// Holdings of one pool. Replicas are addressed by their dense slot so the match walk can keep
+/// the still-matching replicas in a bitset.
+#[derive(Debug)]
+pub(crate) struct Pool {
+    pub(crate) model: String,
+    pub(crate) block_size: u32,
+    pub(crate) keys: PoolKeys,
+    hasher: KeyHasherBuilder,
+    shards: Box<[RwLock<KeyMap<Holders>>]>,
+    shard_mask: usize,
+    members: RwLock<Members>,
+}
+
+/// Shard lock hold is bounded: bulk removal releases the lock after this many keys.
+const BULK_REMOVE_CHUNK: usize = 256;
+
+impl Pool {
+    pub(crate) fn new(
+        model: String,
+        block_size: u32,
+        keys: PoolKeys,
+        shards: usize,
+        hasher: KeyHasherBuilder,
+    ) -> Self {
+        let shards = shards.clamp(1, 1 << 16).next_power_of_two();
+        Pool {
+            model,
+            block_size,
+            keys,
+            hasher,
+            shards: (0..shards).map(|_| RwLock::new(KeyMap::with_hasher(hasher))).collect(),
+            shard_mask: shards - 1,
+            members: RwLock::new(Members::default()),
+        }
+    }
+
+    fn shard_of(&self, key: u64) -> usize {
+        // Bits 40.. of the mix: the maps use the low bits for buckets and the top 7 as tags.
+        ((self.hasher.mix(key) >> 40) as usize) & self.shard_mask
+    }
+
+    /// Gives `replica` a slot (reusing freed ones).
+    pub(crate) fn add_member(&self, replica: ReplicaId) -> Result<Slot, IndexError> {
+        let mut members = self.members.write();
+        let member = Some(Member { replica, flag: None });
+        let slot = match members.slots.iter().position(Option::is_none) {
+            Some(free) => free,
+            None => members.slots.len(),
+        };
+        let slot = Slot::try_from(slot).map_err(|_| IndexError::PoolFull {
+            pool: self.model.clone(),
+            max: usize::from(Slot::MAX) + 1,
+        })?;
+        match members.slots.get_mut(usize::from(slot)) {
+            Some(entry) => *entry = member,
+            None => members.slots.push(member),
+        }
+        members.by_replica.insert(replica, slot);
+        Ok(slot)
+    }
+
+    /// Frees `slot`; the caller has already removed every holding of it.
+    pub(crate) fn remove_member(&self, slot: Slot) {
+        let mut members = self.members.write();
+        if let Some(entry) = members.slots.get_mut(usize::from(slot))
+            && let Some(member) = entry.take()
+        {
+            members.by_replica.remove(&member.replica);
+        }
+        while members.slots.last().is_some_and(Option::is_none) {
+            members.slots.pop();
+        }
+    }
+
+    pub(crate) fn set_flag(&self, slot: Slot, flag: Option<FlagReason>) {
+        let mut members = self.members.write();
+        if let Some(Some(member)) = members.slots.get_mut(usize::from(slot)) {
+            member.flag = flag;
+        }
+    }
+
+    /// Records that `slot` holds `key` in `medium`.
+    pub(crate) fn store(&self, slot: Slot, key: u64, medium: Medium) {
+        let mut shard = self.shards[self.shard_of(key)].write();
+        shard
+            .entry(key)
+            .and_modify(|holders| {
+                holders.add(slot, medium);
+            })
+            .or_insert_with(|| Holders::new(slot, medium));
+    }
+
+    /// Whether `slot` holds `key` in any medium.
+    pub(crate) fn holds(&self, slot: Slot, key: u64) -> bool {
+        let shard = self.shards[self.shard_of(key)].read();
+        shard.get(&key).is_some_and(|holders| holders.as_slice().iter().any(|h| h.slot == slot))
+    }
+
+    /// Removes `slot`'s holding of `key` in `medium` (every medium when `None`).
+    pub(crate) fn remove(&self, slot: Slot, key: u64, medium: Option<Medium>) -> Removal {
+        let mut shard = self.shards[self.shard_of(key)].write();
+        let Some(holders) = shard.get_mut(&key) else {
+            return Removal { was_held: false, slot_gone: false, set_empty: false };
+        };
+        let removal = holders.remove(slot, medium);
+        if removal.set_empty {
+            shard.remove(&key);
+            shrink_if_sparse(&mut shard);
+        }
+        removal
+    }
+
+    /// Removes every holding of `slot` for `keys` (consumed; reordered by shard so each shard
+    /// lock is taken once per chunk instead of once per key).
+    pub(crate) fn remove_all(&self, slot: Slot, mut keys: Vec<u64>) {
+        keys.sort_unstable_by_key(|&key| self.shard_of(key));
+        for run in keys.chunk_by(|&a, &b| self.shard_of(a) == self.shard_of(b)) {
+            let Some(&first) = run.first() else { continue };
+            for chunk in run.chunks(BULK_REMOVE_CHUNK) {
+                let mut shard = self.shards[self.shard_of(first)].write();
+                for key in chunk {
+                    if let Some(holders) = shard.get_mut(key)
+                        && holders.remove(slot, None).set_empty
+                    {
+                        shard.remove(key);
+                    }
+                }
+                shrink_if_sparse(&mut shard);
+            }
+        }
+    }
+
+    /// Leading blocks of `keys` held per replica. See [`super::BlockIndex::find_matches`].
+    pub(crate) fn find_matches(
+        &self,
+        keys: &[u64],
+        candidates: Option<&[ReplicaId]>,
+    ) -> Vec<ReplicaMatch> {
+        // Snapshot who is asked about and who is trusted, then walk without the members lock.
+        let (mut reported, slot_count) = {
+            let members = self.members.read();
+            let mut reported: Vec<(Slot, ReplicaMatch)> = Vec::new();
+            let mut seen = SlotSet::with_slots(members.slots.len());
+            let mut report = |slot: Slot, member: &Member| {
+                if !seen.contains(slot) {
+                    seen.insert(slot);
+                    let precise = member.flag.is_none();
+                    reported.push((slot, ReplicaMatch::empty(member.replica, precise)));
+                }
+            };
+            match candidates {
+                Some(candidates) => {
+                    for replica in candidates {
+                        if let Some(&slot) = members.by_replica.get(replica)
+                            && let Some(Some(member)) = members.slots.get(usize::from(slot))
+                        {
+                            report(slot, member);
+                        }
+                    }
+                }
+                None => {
+                    for (slot, member) in members.slots.iter().enumerate() {
+                        if let (Some(member), Ok(slot)) = (member, Slot::try_from(slot)) {
+                            report(slot, member);
+                        }
+                    }
+                }
+            }
+            (reported, members.slots.len())
+        };
+
+        let mut alive = SlotSet::with_slots(slot_count);
+        for (slot, found) in &reported {
+            if found.precise {
+                alive.insert(*slot);
+            }
+        }
+        let mut gpu_alive = alive.clone();
+        let mut matched = vec![0u32; slot_count];
+        let mut gpu_matched = vec![0u32; slot_count];
+        let mut present = SlotSet::with_slots(slot_count);
+        let mut gpu_present = SlotSet::with_slots(slot_count);
+        let mut walked = 0u32;
+        for &key in keys {
+            if alive.is_empty() {
+                break;
+            }
+            present.clear();
+            gpu_present.clear();
+            {
+                let shard = self.shards[self.shard_of(key)].read();
+                if let Some(holders) = shard.get(&key) {
+                    for holder in holders.as_slice() {
+                        present.insert(holder.slot);
+                        if holder.media.has_gpu() {
+                            gpu_present.insert(holder.slot);
+                        }
+                    }
+                }
+            }
+            alive.retain_present(&present, |slot| matched[slot] = walked);
+            gpu_alive.retain_present(&gpu_present, |slot| gpu_matched[slot] = walked);
+            walked += 1;
+        }
+        // Replicas still matching after the walk hold every walked key.
+        alive.retain_present(&SlotSet::with_slots(slot_count), |slot| matched[slot] = walked);
+        gpu_alive.retain_present(&SlotSet::with_slots(slot_count), |slot| {
+            gpu_matched[slot] = walked;
+        });
+
+        for (slot, found) in &mut reported {
+            if found.precise {
+                found.matched_blocks = matched[usize::from(*slot)];
+                found.gpu_blocks = gpu_matched[usize::from(*slot)];
+            }
+        }
+        reported.into_iter().map(|(_, found)| found).collect()
+    }
+
+    /// (block, replica) holdings in the pool.
+    pub(crate) fn holdings(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|shard| shard.read().values().map(|h| h.as_slice().len()).sum::<usize>())
+            .sum()
+    }
+
+    /// Bytes allocated by the shard maps and their spilled holder sets.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        let entry = std::mem::size_of::<(u64, Holders)>();
+        self.shards
+            .iter()
+            .map(|shard| {
+                let shard = shard.read();
+                table_bytes(shard.capacity(), entry)
+                    + shard.values().map(Holders::heap_bytes).sum::<usize>()
+            })
+            .sum()
+    }
+}

@@ -1,0 +1,336 @@
+//! One replica's ingest state: which engine blocks it holds (so removals and resets touch only
+//! its own entries), its flag, and the event application logic.
+
+use prometheus_client::metrics::gauge::Gauge;
+use std::sync::Arc;
+
+use super::holders::{
+    KeyHasherBuilder, KeyMap, KeySet, Slot, shrink_if_sparse, shrink_set_if_sparse, table_bytes,
+};
+use super::keys::{self, PoolKeys, Verification};
+use super::metrics::{EventKind, IndexMetrics};
+use super::pool::Pool;
+use super::{ApplyOutcome, FlagReason, RejectReason, ReplicaId};
+use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent};
+
+/// The engine blocks a replica holds, by engine hash.
+#[derive(Debug)]
+enum HeldBlocks {
+    /// vLLM-exact pools: the engine hash is the block key.
+    Exact(KeySet),
+    /// Token-chain pools: engine hash → kvroute's own key (parent lookup and removal).
+    Chain(KeyMap<u64>),
+}
+
+impl HeldBlocks {
+    fn new(keys: &PoolKeys, hasher: KeyHasherBuilder) -> Self {
+        match keys {
+            PoolKeys::VllmExact { .. } => HeldBlocks::Exact(KeySet::with_hasher(hasher)),
+            PoolKeys::TokenChain => HeldBlocks::Chain(KeyMap::with_hasher(hasher)),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            HeldBlocks::Exact(set) => set.len(),
+            HeldBlocks::Chain(map) => map.len(),
+        }
+    }
+
+    fn key_of(&self, engine: EngineHash) -> Option<u64> {
+        match self {
+            HeldBlocks::Exact(set) => set.contains(&engine).then_some(engine),
+            HeldBlocks::Chain(map) => map.get(&engine).copied(),
+        }
+    }
+
+    fn insert(&mut self, engine: EngineHash, key: u64) {
+        match self {
+            HeldBlocks::Exact(set) => {
+                set.insert(engine);
+            }
+            HeldBlocks::Chain(map) => {
+                map.insert(engine, key);
+            }
+        }
+    }
+
+    fn remove(&mut self, engine: EngineHash) {
+        match self {
+            HeldBlocks::Exact(set) => {
+                set.remove(&engine);
+                shrink_set_if_sparse(set);
+            }
+            HeldBlocks::Chain(map) => {
+                map.remove(&engine);
+                shrink_if_sparse(map);
+            }
+        }
+    }
+
+    /// Empties the set (releasing its memory) and returns the block keys it held.
+    fn take_keys(&mut self) -> Vec<u64> {
+        match self {
+            HeldBlocks::Exact(set) => {
+                let empty = KeySet::with_hasher(*set.hasher());
+                std::mem::replace(set, empty).into_iter().collect()
+            }
+            HeldBlocks::Chain(map) => {
+                let empty = KeyMap::with_hasher(*map.hasher());
+                std::mem::replace(map, empty).into_values().collect()
+            }
+        }
+    }
+
+    fn memory_bytes(&self) -> usize {
+        match self {
+            HeldBlocks::Exact(set) => table_bytes(set.capacity(), size_of::<u64>()),
+            HeldBlocks::Chain(map) => table_bytes(map.capacity(), size_of::<(u64, u64)>()),
+        }
+    }
+}
+
+/// Consecutive mismatching runs, among runs whose extra keys the event does not publish
+/// (vLLM < 0.17: a hidden `cache_salt` is possible), before the replica is flagged. A
+/// misconfigured seed or algorithm mismatches every run; a salted request only some.
+const UNCERTAIN_MISMATCH_STREAK: u32 = 8;
+
+/// A registered replica. Guarded by a mutex in the index; one ingest task writes it.
+#[derive(Debug)]
+pub(crate) struct Replica {
+    pub(crate) id: ReplicaId,
+    pub(crate) name: String,
+    pub(crate) pool: Arc<Pool>,
+    pub(crate) slot: Slot,
+    blocks: HeldBlocks,
+    pub(crate) flag: Option<FlagReason>,
+    pub(crate) events_applied: u64,
+    pub(crate) blocks_rejected: u64,
+    uncertain_mismatches: u32,
+    /// Set by `remove_replica`: a task still holding this replica's `Arc` must not write into a
+    /// slot that may be reused.
+    pub(crate) removed: bool,
+    blocks_gauge: Gauge,
+}
+
+impl Replica {
+    pub(crate) fn new(
+        id: ReplicaId,
+        name: String,
+        pool: Arc<Pool>,
+        slot: Slot,
+        hasher: KeyHasherBuilder,
+        metrics: &IndexMetrics,
+    ) -> Self {
+        let blocks_gauge = metrics.replica_blocks_gauge(&name);
+        blocks_gauge.set(0);
+        Replica {
+            id,
+            blocks: HeldBlocks::new(&pool.keys, hasher),
+            name,
+            pool,
+            slot,
+            flag: None,
+            events_applied: 0,
+            blocks_rejected: 0,
+            uncertain_mismatches: 0,
+            removed: false,
+            blocks_gauge,
+        }
+    }
+
+    pub(crate) fn blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.blocks.memory_bytes()
+    }
+
+    pub(crate) fn set_flag(&mut self, flag: Option<FlagReason>, metrics: &IndexMetrics) {
+        metrics.flag_changed(self.flag, flag);
+        self.flag = flag;
+        self.uncertain_mismatches = 0;
+        self.pool.set_flag(self.slot, flag);
+    }
+
+    /// Drops every holding of this replica (restart, `AllBlocksCleared`, unrepairable gap).
+    pub(crate) fn clear(&mut self) {
+        let keys = self.blocks.take_keys();
+        self.pool.remove_all(self.slot, keys);
+        self.blocks_gauge.set(0);
+    }
+
+    pub(crate) fn forget_gauge(&self, metrics: &IndexMetrics) {
+        metrics.forget_replica(&self.name);
+    }
+
+    pub(crate) fn apply(
+        &mut self,
+        event: &KvEvent,
+        max_blocks: usize,
+        metrics: &IndexMetrics,
+    ) -> ApplyOutcome {
+        let mut outcome = ApplyOutcome::default();
+        match event {
+            KvEvent::BlockStored(stored) => {
+                metrics.event(EventKind::BlockStored);
+                self.apply_stored(stored, max_blocks, metrics, &mut outcome);
+            }
+            KvEvent::BlockRemoved(removed) => {
+                metrics.event(EventKind::BlockRemoved);
+                self.apply_removed(removed, metrics, &mut outcome);
+            }
+            KvEvent::AllBlocksCleared => {
+                metrics.event(EventKind::AllBlocksCleared);
+                outcome.blocks_removed = self.blocks.len();
+                self.clear();
+            }
+        }
+        self.events_applied += 1;
+        self.blocks_rejected += outcome.blocks_rejected as u64;
+        self.blocks_gauge.set(i64::try_from(self.blocks.len()).unwrap_or(i64::MAX));
+        outcome
+    }
+
+    fn apply_stored(
+        &mut self,
+        stored: &BlockStored,
+        max_blocks: usize,
+        metrics: &IndexMetrics,
+        outcome: &mut ApplyOutcome,
+    ) {
+        let count = stored.block_hashes.len();
+        let block_size = stored.block_size as usize;
+        let rejection = if stored.group_idx.is_some_and(|group| group > 0) {
+            Some(RejectReason::NonFullAttentionGroup)
+        } else if stored.block_size == 0 || stored.token_ids.is_empty() {
+            Some(RejectReason::Placeholder)
+        } else if stored.block_size != self.pool.block_size {
+            Some(RejectReason::BlockSizeMismatch)
+        } else if stored.token_ids.len() != count * block_size
+            || stored.extra_keys.as_ref().is_some_and(|extra| extra.len() != count)
+        {
+            Some(RejectReason::Malformed)
+        } else {
+            None
+        };
+        if let Some(reason) = rejection {
+            outcome.reject(reason, count, metrics);
+            return;
+        }
+
+        let keys = match &self.pool.keys {
+            PoolKeys::VllmExact { validator } => {
+                if self.flag.is_none()
+                    && let Some(validator) = validator
+                {
+                    self.validate(keys::verify(validator, stored), stored, metrics);
+                }
+                stored.block_hashes.clone()
+            }
+            PoolKeys::TokenChain => {
+                let parent = match stored.parent_block_hash {
+                    None => None,
+                    Some(engine) => match self.blocks.key_of(engine) {
+                        Some(key) => Some(key),
+                        None => {
+                            outcome.reject(RejectReason::ParentUnknown, count, metrics);
+                            return;
+                        }
+                    },
+                };
+                let run = keys::chain_keys(parent, stored);
+                if run.unsupported > 0 {
+                    outcome.reject(RejectReason::UnsupportedExtraKeys, run.unsupported, metrics);
+                }
+                run.keys
+            }
+        };
+
+        let mut stored_blocks = 0;
+        for (&engine, key) in stored.block_hashes.iter().zip(keys) {
+            let key = match self.blocks.key_of(engine) {
+                // Another medium (or a repeat) of a block already held: keep its recorded key.
+                Some(held) => held,
+                None if self.blocks.len() >= max_blocks => {
+                    outcome.reject(RejectReason::ReplicaCapacity, 1, metrics);
+                    continue;
+                }
+                None => {
+                    self.blocks.insert(engine, key);
+                    key
+                }
+            };
+            self.pool.store(self.slot, key, stored.medium);
+            stored_blocks += 1;
+        }
+        outcome.blocks_stored += stored_blocks;
+        metrics.stored(stored.medium, stored_blocks as u64);
+    }
+
+    fn validate(&mut self, verification: Verification, stored: &BlockStored, metrics: &IndexMetrics) {
+        let mismatch = match verification {
+            Verification::Unverifiable => return,
+            Verification::Verified => {
+                self.uncertain_mismatches = 0;
+                return;
+            }
+            Verification::Mismatch { block, computed, certain } => {
+                if !certain {
+                    self.uncertain_mismatches += 1;
+                    if self.uncertain_mismatches < UNCERTAIN_MISMATCH_STREAK {
+                        return;
+                    }
+                }
+                (block, computed)
+            }
+        };
+        let (block, computed) = mismatch;
+        tracing::warn!(
+            replica = %self.name,
+            model = %self.pool.model,
+            block,
+            published = stored.block_hashes.get(block).copied().unwrap_or_default(),
+            computed,
+            "published block hash disagrees with the hash of its token_ids; replica flagged \
+             (check the pool's hash algorithm and PYTHONHASHSEED)"
+        );
+        self.set_flag(Some(FlagReason::HashMismatch), metrics);
+    }
+
+    fn apply_removed(
+        &mut self,
+        removed: &BlockRemoved,
+        metrics: &IndexMetrics,
+        outcome: &mut ApplyOutcome,
+    ) {
+        if removed.group_idx.is_some_and(|group| group > 0) {
+            let count = removed.block_hashes.len();
+            outcome.reject(RejectReason::NonFullAttentionGroup, count, metrics);
+            return;
+        }
+        let mut removed_blocks = 0;
+        let mut unknown = 0;
+        for &engine in &removed.block_hashes {
+            let Some(key) = self.blocks.key_of(engine) else {
+                unknown += 1;
+                continue;
+            };
+            let removal = self.pool.remove(self.slot, key, Some(removed.medium));
+            if removal.was_held {
+                removed_blocks += 1;
+            } else {
+                unknown += 1;
+            }
+            if removal.slot_gone || !removal.was_held && !self.pool.holds(self.slot, key) {
+                self.blocks.remove(engine);
+            }
+        }
+        if unknown > 0 {
+            outcome.reject(RejectReason::UnknownBlock, unknown, metrics);
+        }
+        outcome.blocks_removed += removed_blocks;
+        metrics.removed(removed.medium, removed_blocks as u64);
+    }
+}

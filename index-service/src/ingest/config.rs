@@ -1,0 +1,193 @@
+//! Settings for one publisher socket (already validated; YAML parsing lives elsewhere).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::ReplicaKey;
+
+/// How long one replay request may take, end marker included. vLLM serves replay between
+/// publishing steps (about 100 ms latency), so this leaves room for a large buffer.
+pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Live messages held while a replay runs; beyond this they are dropped (and show up as a
+/// new gap once the replay is done).
+pub const DEFAULT_BUFFERED_LIVE_LIMIT: usize = 10_000;
+/// Bound on one connect attempt (TCP + ZMTP handshake) before backing off.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// First delay before re-creating a failed socket.
+pub const DEFAULT_RECONNECT_BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// Cap of the exponential reconnect backoff.
+pub const DEFAULT_RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+/// Whether our SUB connects to the engine or binds for the engine to connect.
+///
+/// vLLM's PUB **binds** when its endpoint contains `*` or `::` or uses `ipc://`/`inproc://`
+/// (the default `tcp://*:5557`), and **connects** otherwise (e.g. `tcp://router-host:5557`, the
+/// "centralized" layout). Our side does the opposite; [`SocketMode::for_engine_endpoint`]
+/// applies the rule to the engine's `--kv-events-config` endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SocketMode {
+    /// Connect to an engine that binds (reconnecting whenever it goes away).
+    Connect,
+    /// Bind the endpoint and let engines connect to it.
+    Bind,
+}
+
+impl SocketMode {
+    /// Our mode for an engine configured with `engine_endpoint` (vLLM's bind-or-connect rule).
+    pub fn for_engine_endpoint(engine_endpoint: &str) -> Self {
+        if engine_binds(engine_endpoint) {
+            SocketMode::Connect
+        } else {
+            SocketMode::Bind
+        }
+    }
+
+    /// Metric/log label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            SocketMode::Connect => "connect",
+            SocketMode::Bind => "bind",
+        }
+    }
+}
+
+/// vLLM's `ZmqEventPublisher._socket_setup` rule: does the engine bind this endpoint?
+pub fn engine_binds(engine_endpoint: &str) -> bool {
+    engine_endpoint.contains('*')
+        || engine_endpoint.contains("::")
+        || engine_endpoint.starts_with("ipc://")
+        || engine_endpoint.starts_with("inproc://")
+}
+
+/// One vLLM publisher socket to ingest (one replica, or one DP rank of it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct IngestConfig {
+    /// Replica id from config; the metric label and half of the [`ReplicaKey`].
+    pub replica_id: Arc<str>,
+    /// Global DP rank of the engine core publishing on this socket (0 without DP). With DP,
+    /// vLLM offsets both ports by the rank (`offset_endpoint_port`), one socket per rank.
+    pub dp_rank: u32,
+    /// ZMQ endpoint of the live stream: the engine's address (`Connect`) or ours (`Bind`).
+    /// `tcp://*:port` is accepted for `Bind` and means all interfaces.
+    pub endpoint: String,
+    /// Connect or bind.
+    pub mode: SocketMode,
+    /// The engine's replay ROUTER (always bound by the engine), if it has one.
+    pub replay_endpoint: Option<String>,
+    /// SUB topic prefix filter; `""` receives everything.
+    pub topic_filter: String,
+    /// Deadline for one replay request.
+    pub replay_timeout: Duration,
+    /// Live messages held while a replay runs.
+    pub buffered_live_limit: usize,
+    /// Bound on one connect attempt.
+    pub connect_timeout: Duration,
+    /// First reconnect delay.
+    pub reconnect_backoff_min: Duration,
+    /// Reconnect delay cap.
+    pub reconnect_backoff_max: Duration,
+}
+
+impl IngestConfig {
+    /// A config with every tunable at its default.
+    pub fn new(
+        replica_id: impl Into<Arc<str>>,
+        endpoint: impl Into<String>,
+        mode: SocketMode,
+    ) -> Self {
+        Self {
+            replica_id: replica_id.into(),
+            dp_rank: 0,
+            endpoint: endpoint.into(),
+            mode,
+            replay_endpoint: None,
+            topic_filter: String::new(),
+            replay_timeout: DEFAULT_REPLAY_TIMEOUT,
+            buffered_live_limit: DEFAULT_BUFFERED_LIVE_LIMIT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            reconnect_backoff_min: DEFAULT_RECONNECT_BACKOFF_MIN,
+            reconnect_backoff_max: DEFAULT_RECONNECT_BACKOFF_MAX,
+        }
+    }
+
+    /// Sets the engine's replay endpoint.
+    pub fn with_replay_endpoint(mut self, replay_endpoint: impl Into<String>) -> Self {
+        self.replay_endpoint = Some(replay_endpoint.into());
+        self
+    }
+
+    /// Sets the DP rank.
+    pub fn with_dp_rank(mut self, dp_rank: u32) -> Self {
+        self.dp_rank = dp_rank;
+        self
+    }
+
+    /// Sets the SUB topic prefix filter.
+    pub fn with_topic_filter(mut self, topic_filter: impl Into<String>) -> Self {
+        self.topic_filter = topic_filter.into();
+        self
+    }
+
+    /// The key batches from this socket are applied under.
+    pub fn replica_key(&self) -> ReplicaKey {
+        ReplicaKey {
+            replica_id: Arc::clone(&self.replica_id),
+            dp_rank: self.dp_rank,
+        }
+    }
+
+    /// The endpoint in the form the `zeromq` crate binds: it resolves the host by name, so
+    /// ZMQ's `*` wildcard becomes the unspecified address.
+    pub(crate) fn bind_endpoint(&self) -> String {
+        wildcard_to_unspecified(&self.endpoint)
+    }
+}
+
+/// ZMQ's `tcp://*:port` as an address the `zeromq` crate can bind (it resolves hosts by name).
+pub(crate) fn wildcard_to_unspecified(endpoint: &str) -> String {
+    match endpoint.strip_prefix("tcp://*:") {
+        Some(port) => format!("tcp://0.0.0.0:{port}"),
+        None => endpoint.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mode_follows_vllm_bind_rule() {
+        assert_eq!(
+            SocketMode::for_engine_endpoint("tcp://*:5557"),
+            SocketMode::Connect
+        );
+        assert_eq!(
+            SocketMode::for_engine_endpoint("tcp://[::]:5557"),
+            SocketMode::Connect
+        );
+        assert_eq!(
+            SocketMode::for_engine_endpoint("ipc:///tmp/kv"),
+            SocketMode::Connect
+        );
+        assert_eq!(
+            SocketMode::for_engine_endpoint("inproc://kv_dp1"),
+            SocketMode::Connect
+        );
+        assert_eq!(
+            SocketMode::for_engine_endpoint("tcp://router:5557"),
+            SocketMode::Bind
+        );
+        assert_eq!(
+            SocketMode::for_engine_endpoint("tcp://10.0.0.5:5557"),
+            SocketMode::Bind
+        );
+    }
+
+    #[test]
+    fn wildcard_bind_becomes_unspecified_address() {
+        let config = IngestConfig::new("r", "tcp://*:5557", SocketMode::Bind);
+        assert_eq!(config.bind_endpoint(), "tcp://0.0.0.0:5557");
+        let config = IngestConfig::new("r", "tcp://127.0.0.1:0", SocketMode::Bind);
+        assert_eq!(config.bind_endpoint(), "tcp://127.0.0.1:0");
+    }
+}

@@ -1,0 +1,168 @@
+//! Sequence-number bookkeeping for one publisher: in order, duplicate, restart or gap.
+//!
+//! Pure state, no I/O, so every transition is unit-tested here.
+
+use std::collections::VecDeque;
+
+/// How many recently applied messages are remembered to recognise a duplicate.
+///
+/// ZMQ PUB/SUB never redelivers, so a repeat can only come from a second publisher on the same
+/// socket or a bug; remembering the payload fingerprint means an engine restart that happens to
+/// reuse a recent sequence number is not mistaken for one.
+pub const DUPLICATE_WINDOW: usize = 64;
+
+/// What to do with a message, given what was applied before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// The first message of the stream: apply it and start counting from it.
+    First,
+    /// The expected next message: apply it.
+    Next,
+    /// Already applied (same sequence number and payload): drop it.
+    Duplicate,
+    /// The counter went backwards: the engine restarted. Reset, call [`SequenceTracker::restart`],
+    /// then classify the message again.
+    Restart,
+    /// Messages `missing_from..seq` never arrived.
+    Gap {
+        /// The first missing sequence number.
+        missing_from: u64,
+    },
+}
+
+/// Tracks the last applied sequence number of one publisher.
+#[derive(Debug, Default)]
+pub(crate) struct SequenceTracker {
+    /// The sequence number the next message must carry; `None` before the first message.
+    expected: Option<u64>,
+    /// `(seq, payload fingerprint)` of the last [`DUPLICATE_WINDOW`] applied messages.
+    recent: VecDeque<(u64, u64)>,
+}
+
+impl SequenceTracker {
+    pub(crate) fn classify(&self, seq: u64, fingerprint: u64) -> Verdict {
+        let Some(expected) = self.expected else {
+            return Verdict::First;
+        };
+        if seq == expected {
+            Verdict::Next
+        } else if seq > expected {
+            Verdict::Gap {
+                missing_from: expected,
+            }
+        } else if self.recent.contains(&(seq, fingerprint)) {
+            Verdict::Duplicate
+        } else {
+            Verdict::Restart
+        }
+    }
+
+    /// Records that `seq` was applied.
+    pub(crate) fn applied(&mut self, seq: u64, fingerprint: u64) {
+        self.expected = Some(seq.saturating_add(1));
+        if self.recent.len() == DUPLICATE_WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, fingerprint));
+    }
+
+    /// A new engine stream: it starts at 0 and nothing of the old one counts as a duplicate.
+    pub(crate) fn restart(&mut self) {
+        self.expected = Some(0);
+        self.recent.clear();
+    }
+
+    /// Forgets the stream after an unrecoverable gap: the next message starts it again.
+    pub(crate) fn resync(&mut self) {
+        self.expected = None;
+        self.recent.clear();
+    }
+
+    /// The last applied sequence number.
+    pub(crate) fn last_applied(&self) -> Option<u64> {
+        self.recent.back().map(|&(seq, _)| seq)
+    }
+
+    /// The sequence number the next message must carry, once the stream has started.
+    pub(crate) fn expected(&self) -> Option<u64> {
+        self.expected
+    }
+}
+
+/// Fingerprint of a payload for duplicate detection.
+pub(crate) fn fingerprint(payload: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tracker_after(seqs: &[u64]) -> SequenceTracker {
+        let mut tracker = SequenceTracker::default();
+        for &seq in seqs {
+            tracker.applied(seq, seq * 10);
+        }
+        tracker
+    }
+
+    #[test]
+    fn first_message_starts_the_stream_at_any_sequence() {
+        let tracker = SequenceTracker::default();
+        assert_eq!(tracker.classify(4711, 0), Verdict::First);
+        assert_eq!(tracker.last_applied(), None);
+    }
+
+    #[test]
+    fn next_in_order_is_applied() {
+        let tracker = tracker_after(&[5, 6]);
+        assert_eq!(tracker.classify(7, 0), Verdict::Next);
+        assert_eq!(tracker.last_applied(), Some(6));
+    }
+
+    #[test]
+    fn jump_ahead_is_a_gap_from_the_expected_sequence() {
+        let tracker = tracker_after(&[5, 6]);
+        assert_eq!(tracker.classify(9, 0), Verdict::Gap { missing_from: 7 });
+    }
+
+    #[test]
+    fn repeat_with_same_payload_is_a_duplicate() {
+        let tracker = tracker_after(&[5, 6, 7]);
+        assert_eq!(tracker.classify(6, 60), Verdict::Duplicate);
+    }
+
+    #[test]
+    fn backwards_with_other_payload_or_zero_is_a_restart() {
+        let tracker = tracker_after(&[5, 6, 7]);
+        assert_eq!(tracker.classify(6, 61), Verdict::Restart);
+        assert_eq!(tracker.classify(0, 0), Verdict::Restart);
+        assert_eq!(tracker.classify(2, 20), Verdict::Restart);
+    }
+
+    #[test]
+    fn duplicates_older_than_the_window_count_as_restart() {
+        let seqs: Vec<u64> = (0..(DUPLICATE_WINDOW as u64 + 5)).collect();
+        let tracker = tracker_after(&seqs);
+        assert_eq!(tracker.classify(1, 10), Verdict::Restart);
+        let recent = DUPLICATE_WINDOW as u64;
+        assert_eq!(tracker.classify(recent, recent * 10), Verdict::Duplicate);
+    }
+
+    #[test]
+    fn after_restart_the_new_stream_must_start_at_zero() {
+        let mut tracker = tracker_after(&[5, 6, 7]);
+        tracker.restart();
+        assert_eq!(tracker.classify(0, 0), Verdict::Next);
+        assert_eq!(tracker.classify(3, 0), Verdict::Gap { missing_from: 0 });
+        // The old stream's payloads are no longer duplicates.
+        assert_eq!(tracker.last_applied(), None);
+    }
+
+    #[test]
+    fn resync_accepts_any_next_message() {
+        let mut tracker = tracker_after(&[5, 6, 7]);
+        tracker.resync();
+        assert_eq!(tracker.classify(42, 0), Verdict::First);
+    }
+}

@@ -1,0 +1,552 @@
+//! The task for one publisher socket: receive, check the sequence, repair gaps, apply.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use tokio_util::sync::CancellationToken;
+use zeromq::{Socket as _, SocketEvent, SocketOptions, SocketRecv as _, SubSocket, ZmqMessage};
+
+use super::backoff::Backoff;
+use super::metrics::{ReplayOutcome, ReplicaMetrics, SocketStage};
+use super::replay::{ReplayReply, ReplaySession};
+use super::sequence::{SequenceTracker, Verdict, fingerprint};
+use super::state::ReplicaIngestState;
+use super::{EventSink, IngestConfig, IngestMetrics, ReplicaKey, ResetReason, SocketMode};
+use crate::wire::{self, DecodedBatch, WireError};
+
+/// At most one warning per this interval for repeated malformed input; the rest are counted.
+const WARN_INTERVAL: Duration = Duration::from_secs(10);
+/// How long closing a socket (unbinding its port) may take before it is simply dropped.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A decoded live message waiting to be applied.
+#[derive(Debug)]
+struct LiveMessage {
+    seq: u64,
+    fingerprint: u64,
+    batch: DecodedBatch,
+}
+
+/// Why the receive loop stopped.
+#[derive(Debug)]
+enum Stop {
+    Cancelled,
+    /// The socket failed (already logged and counted); re-create it after a backoff.
+    SocketFailed,
+}
+
+/// Lets one warning through per interval and counts the ones held back.
+#[derive(Debug)]
+struct WarnLimiter {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl WarnLimiter {
+    fn new() -> Self {
+        Self {
+            last: None,
+            suppressed: 0,
+        }
+    }
+
+    /// `Some(suppressed since the last warning)` if a warning may be logged now.
+    fn allow(&mut self) -> Option<u64> {
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|last| now.duration_since(last) < WARN_INTERVAL)
+        {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.suppressed))
+    }
+}
+
+/// State of the task for one publisher socket.
+pub(crate) struct Subscriber {
+    config: IngestConfig,
+    replica: ReplicaKey,
+    sink: Arc<dyn EventSink>,
+    metrics: ReplicaMetrics,
+    state: Arc<ReplicaIngestState>,
+    cancel: CancellationToken,
+    tracker: SequenceTracker,
+    /// Decoded live messages not processed yet, in arrival order (held while a replay runs).
+    pending: VecDeque<LiveMessage>,
+    /// Highest sequence number applied from the last replay: live copies up to it are expected.
+    replayed_through: Option<u64>,
+    decode_warnings: WarnLimiter,
+}
+
+impl Subscriber {
+    pub(crate) fn new(
+        config: IngestConfig,
+        sink: Arc<dyn EventSink>,
+        metrics: IngestMetrics,
+        state: Arc<ReplicaIngestState>,
+        cancel: CancellationToken,
+    ) -> Self {
+        let replica = config.replica_key();
+        Self {
+            metrics: metrics.for_replica(&replica),
+            replica,
+            config,
+            sink,
+            state,
+            cancel,
+            tracker: SequenceTracker::default(),
+            pending: VecDeque::new(),
+            replayed_through: None,
+            decode_warnings: WarnLimiter::new(),
+        }
+    }
+
+    /// Runs until cancelled, re-creating the socket with backoff whenever it fails.
+    pub(crate) async fn run(mut self) {
+        let cancel = self.cancel.clone();
+        let mut backoff = Backoff::new(
+            self.config.reconnect_backoff_min,
+            self.config.reconnect_backoff_max,
+        );
+        tracing::info!(
+            replica_id = %self.replica.replica_id,
+            dp_rank = self.replica.dp_rank,
+            endpoint = %self.config.endpoint,
+            mode = self.config.mode.as_label(),
+            replay_endpoint = self.config.replay_endpoint.as_deref().unwrap_or(""),
+            "ingest task started"
+        );
+        let exit_reason = loop {
+            let opened = tokio::select! {
+                biased;
+                () = cancel.cancelled() => break "cancelled",
+                opened = self.open() => opened,
+            };
+            let stop = match opened {
+                Ok(mut socket) => {
+                    let stop = self.pump(&mut socket, &mut backoff).await;
+                    self.set_connected(false);
+                    // Unbind explicitly so a re-bind of the same port does not race the old listener.
+                    let _ = tokio::time::timeout(CLOSE_TIMEOUT, socket.close()).await;
+                    stop
+                }
+                Err(error) => {
+                    self.socket_failed(SocketStage::Open, &error);
+                    Stop::SocketFailed
+                }
+            };
+            match stop {
+                Stop::Cancelled => break "cancelled",
+                Stop::SocketFailed => {
+                    let delay = backoff.next_delay();
+                    tokio::select! {
+                        biased;
+                        () = cancel.cancelled() => break "cancelled",
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        };
+        let snapshot = self.state.snapshot();
+        tracing::info!(
+            replica_id = %self.replica.replica_id,
+            dp_rank = self.replica.dp_rank,
+            exit_reason,
+            messages_received = snapshot.messages_received,
+            batches_applied = snapshot.batches_applied,
+            resets = snapshot.resets,
+            last_seq = ?snapshot.last_seq,
+            "ingest task stopped"
+        );
+    }
+
+    /// Creates the SUB socket, subscribed, then connected or bound.
+    async fn open(&self) -> Result<SubSocket, zeromq::ZmqError> {
+        let mut options = SocketOptions::default();
+        options.connect_timeout(self.config.connect_timeout);
+        let mut socket = SubSocket::with_options(options);
+        // Subscribing first: the socket re-sends its subscriptions to every peer that connects.
+        socket.subscribe(&self.config.topic_filter).await?;
+        match self.config.mode {
+            SocketMode::Connect => socket.connect(&self.config.endpoint).await?,
+            SocketMode::Bind => {
+                // After a re-create, bind the port resolved the first time (engines know it).
+                let endpoint = self
+                    .state
+                    .snapshot()
+                    .bound_endpoint
+                    .unwrap_or_else(|| self.config.bind_endpoint());
+                let bound = socket.bind(&endpoint).await?;
+                self.state.set_bound_endpoint(bound.to_string());
+            }
+        }
+        tracing::info!(
+            replica_id = %self.replica.replica_id,
+            dp_rank = self.replica.dp_rank,
+            endpoint = %self.config.endpoint,
+            mode = self.config.mode.as_label(),
+            "kv event socket open"
+        );
+        self.set_connected(true);
+        Ok(socket)
+    }
+
+    /// Receives until cancelled or the socket fails.
+    async fn pump(&mut self, socket: &mut SubSocket, backoff: &mut Backoff) -> Stop {
+        let cancel = self.cancel.clone();
+        let mut monitor = socket.monitor();
+        let mut monitor_open = true;
+        loop {
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => return Stop::Cancelled,
+                event = monitor.next(), if monitor_open => match event {
+                    Some(event) => self.on_socket_event(event),
+                    None => monitor_open = false,
+                },
+                received = socket.recv() => match received {
+                    Ok(message) => {
+                        backoff.reset();
+                        if let Some(live) = self.decode_live(message) {
+                            self.pending.push_back(live);
+                        }
+                        if let Err(stop) = self.drain_pending(socket).await {
+                            return stop;
+                        }
+                    }
+                    Err(error) => {
+                        self.socket_failed(SocketStage::Recv, &error);
+                        return Stop::SocketFailed;
+                    }
+                },
+            }
+        }
+    }
+
+    /// Connect mode: the `zeromq` crate reconnects on its own; mirror that in `connected`.
+    fn on_socket_event(&self, event: SocketEvent) {
+        if self.config.mode != SocketMode::Connect {
+            return;
+        }
+        match event {
+            SocketEvent::Connected(..) => self.set_connected(true),
+            SocketEvent::Disconnected(_) => self.set_connected(false),
+            _ => {}
+        }
+    }
+
+    /// Processes held messages in order; a gap inside may hold more.
+    async fn drain_pending(&mut self, socket: &mut SubSocket) -> Result<(), Stop> {
+        while let Some(live) = self.pending.pop_front() {
+            self.process(live, socket).await?;
+        }
+        self.replayed_through = None;
+        Ok(())
+    }
+
+    async fn process(&mut self, live: LiveMessage, socket: &mut SubSocket) -> Result<(), Stop> {
+        let mut verdict = self.tracker.classify(live.seq, live.fingerprint);
+        if verdict == Verdict::Restart {
+            tracing::info!(
+                replica_id = %self.replica.replica_id,
+                dp_rank = self.replica.dp_rank,
+                seq = live.seq,
+                last_seq = ?self.tracker.last_applied(),
+                "sequence went backwards: engine restarted"
+            );
+            self.reset(ResetReason::EngineRestart);
+            self.tracker.restart();
+            // The new stream starts at 0: anything later means its head is missing (a gap).
+            verdict = self.tracker.classify(live.seq, live.fingerprint);
+        }
+        match verdict {
+            // `Restart` cannot come twice: after `restart()` every sequence is >= the expected 0.
+            Verdict::First | Verdict::Next | Verdict::Restart => {
+                self.apply(live.seq, live.fingerprint, live.batch);
+            }
+            Verdict::Duplicate => {
+                let covered_by_replay = self.replayed_through.is_some_and(|t| live.seq <= t);
+                if !covered_by_replay {
+                    self.metrics.duplicates_dropped.inc();
+                    tracing::debug!(
+                        replica_id = %self.replica.replica_id,
+                        dp_rank = self.replica.dp_rank,
+                        seq = live.seq,
+                        "duplicate message dropped"
+                    );
+                }
+            }
+            Verdict::Gap { missing_from } => self.repair_gap(missing_from, live, socket).await?,
+        }
+        Ok(())
+    }
+
+    /// Fetches `missing_from..trigger.seq` from the engine's replay buffer, or resets the replica.
+    async fn repair_gap(
+        &mut self,
+        missing_from: u64,
+        trigger: LiveMessage,
+        socket: &mut SubSocket,
+    ) -> Result<(), Stop> {
+        self.metrics.gaps.inc();
+        let trigger_seq = trigger.seq;
+        tracing::warn!(
+            replica_id = %self.replica.replica_id,
+            dp_rank = self.replica.dp_rank,
+            missing_from,
+            seq = trigger_seq,
+            missing = trigger_seq - missing_from,
+            "sequence gap on the live stream"
+        );
+        // Processed right after the replay, ahead of whatever arrives meanwhile.
+        self.pending.push_front(trigger);
+        let Some(endpoint) = self.config.replay_endpoint.clone() else {
+            self.give_up(
+                ResetReason::GapUnrecoverable,
+                "gap and no replay endpoint configured",
+            );
+            return Ok(());
+        };
+        let started = Instant::now();
+        let outcome = self
+            .replay(&endpoint, missing_from, trigger_seq, socket)
+            .await?;
+        self.metrics
+            .replay_duration
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics.replay(outcome);
+        match outcome {
+            ReplayOutcome::Ok => tracing::info!(
+                replica_id = %self.replica.replica_id,
+                dp_rank = self.replica.dp_rank,
+                missing_from,
+                seq = trigger_seq,
+                elapsed_ms = started.elapsed().as_millis(),
+                "gap repaired by replay"
+            ),
+            ReplayOutcome::BufferExceeded => self.give_up(
+                ResetReason::GapUnrecoverable,
+                "replay buffer no longer holds the missing batches",
+            ),
+            ReplayOutcome::Undecodable => {
+                self.give_up(
+                    ResetReason::GapUnrecoverable,
+                    "a missing batch cannot be decoded",
+                );
+            }
+            ReplayOutcome::Timeout => {
+                self.give_up(ResetReason::ReplayFailed, "replay timed out");
+            }
+            ReplayOutcome::Error => {
+                self.give_up(ResetReason::ReplayFailed, "replay request failed")
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one replay request, applying replayed batches in order and holding live messages.
+    async fn replay(
+        &mut self,
+        endpoint: &str,
+        missing_from: u64,
+        trigger_seq: u64,
+        socket: &mut SubSocket,
+    ) -> Result<ReplayOutcome, Stop> {
+        let cancel = self.cancel.clone();
+        let deadline = tokio::time::Instant::now() + self.config.replay_timeout;
+        let opened = tokio::select! {
+            biased;
+            () = cancel.cancelled() => return Err(Stop::Cancelled),
+            () = tokio::time::sleep_until(deadline) => return Ok(ReplayOutcome::Timeout),
+            opened = ReplaySession::open(endpoint, missing_from, self.config.connect_timeout) => opened,
+        };
+        let mut session = match opened {
+            Ok(session) => session,
+            Err(error) => {
+                self.replay_error(&error);
+                return Ok(ReplayOutcome::Error);
+            }
+        };
+        loop {
+            tokio::select! {
+                biased;
+                () = cancel.cancelled() => return Err(Stop::Cancelled),
+                () = tokio::time::sleep_until(deadline) => return Ok(ReplayOutcome::Timeout),
+                received = socket.recv() => match received {
+                    Ok(message) => self.hold(message),
+                    Err(error) => {
+                        self.socket_failed(SocketStage::Recv, &error);
+                        return Err(Stop::SocketFailed);
+                    }
+                },
+                reply = session.next() => {
+                    let expected = self.tracker.expected().unwrap_or(missing_from);
+                    match reply {
+                        Err(error) => {
+                            self.replay_error(&error);
+                            return Ok(ReplayOutcome::Error);
+                        }
+                        // The buffer ended before reaching the live stream.
+                        Ok(ReplayReply::End) => return Ok(ReplayOutcome::BufferExceeded),
+                        Ok(ReplayReply::Batch { seq, .. }) if seq < expected => {}
+                        Ok(ReplayReply::Batch { seq, .. }) if seq > expected => {
+                            // vLLM silently starts from its oldest entry when asked for older ones.
+                            tracing::warn!(
+                                replica_id = %self.replica.replica_id,
+                                dp_rank = self.replica.dp_rank,
+                                expected,
+                                first_replayed = seq,
+                                "replay does not start at the first missing batch"
+                            );
+                            return Ok(ReplayOutcome::BufferExceeded);
+                        }
+                        Ok(ReplayReply::Batch { seq, payload }) => {
+                            let batch = match wire::decode_batch(&payload) {
+                                Ok(batch) => batch,
+                                Err(error) => {
+                                    self.decode_failed(&error, "replay");
+                                    return Ok(ReplayOutcome::Undecodable);
+                                }
+                            };
+                            self.apply(seq, fingerprint(&payload), batch);
+                            self.replayed_through = Some(seq);
+                            // Caught up with the live stream; the rest arrives (or arrived) live.
+                            if seq.saturating_add(1) >= trigger_seq {
+                                return Ok(ReplayOutcome::Ok);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Holds a live message that arrived during a replay (bounded).
+    fn hold(&mut self, message: ZmqMessage) {
+        let Some(live) = self.decode_live(message) else {
+            return;
+        };
+        if self.pending.len() >= self.config.buffered_live_limit {
+            // Dropped here, it shows up as a new gap once the replay is done.
+            self.metrics.live_dropped_during_replay.inc();
+            return;
+        }
+        self.pending.push_back(live);
+    }
+
+    /// Validates and decodes a live message; malformed ones are counted and dropped.
+    fn decode_live(&mut self, message: ZmqMessage) -> Option<LiveMessage> {
+        self.metrics.messages_received.inc();
+        self.state.message_received();
+        let frames = message.into_vec();
+        match wire::decode_message(&frames) {
+            Ok((_topic, seq, batch)) => Some(LiveMessage {
+                seq,
+                fingerprint: frames.last().map_or(0, |payload| fingerprint(payload)),
+                batch,
+            }),
+            Err(error) => {
+                self.decode_failed(&error, "live");
+                None
+            }
+        }
+    }
+
+    fn apply(&mut self, seq: u64, fingerprint: u64, decoded: DecodedBatch) {
+        if decoded.unknown_events > 0 {
+            self.metrics
+                .unknown_events_skipped
+                .inc_by(u64::from(decoded.unknown_events));
+        }
+        self.sink.apply(&self.replica, seq, decoded.batch);
+        self.tracker.applied(seq, fingerprint);
+        self.metrics.batches_applied.inc();
+        self.metrics.set_last_sequence(seq);
+        self.state.batch_applied(seq);
+    }
+
+    fn reset(&mut self, reason: ResetReason) {
+        self.sink.reset(&self.replica, reason);
+        self.metrics.reset(reason);
+        self.state.replica_reset();
+    }
+
+    /// Resets the replica after an unrecoverable gap; the next message starts the stream again.
+    fn give_up(&mut self, reason: ResetReason, detail: &'static str) {
+        tracing::warn!(
+            replica_id = %self.replica.replica_id,
+            dp_rank = self.replica.dp_rank,
+            reason = reason.as_label(),
+            detail,
+            "resetting replica: its indexed blocks can no longer be trusted"
+        );
+        self.state.record_error(detail.to_owned());
+        self.reset(reason);
+        self.tracker.resync();
+    }
+
+    fn decode_failed(&mut self, error: &WireError, source: &'static str) {
+        self.metrics.decode_error(error.as_label());
+        self.state
+            .record_error(format!("{source} message: {error}"));
+        if let Some(suppressed) = self.decode_warnings.allow() {
+            tracing::warn!(
+                replica_id = %self.replica.replica_id,
+                dp_rank = self.replica.dp_rank,
+                source,
+                reason = error.as_label(),
+                %error,
+                suppressed,
+                "dropping malformed kv event message"
+            );
+        }
+    }
+
+    fn replay_error(&self, error: &super::replay::ReplayError) {
+        self.state
+            .record_error(format!("replay: {}", error_chain(error)));
+        tracing::warn!(
+            replica_id = %self.replica.replica_id,
+            dp_rank = self.replica.dp_rank,
+            stage = error.as_label(),
+            error = %error_chain(error),
+            "replay request failed"
+        );
+    }
+
+    fn socket_failed(&self, stage: SocketStage, error: &zeromq::ZmqError) {
+        self.metrics.socket_error(stage);
+        self.state
+            .record_error(format!("{} failed: {error}", stage.as_label()));
+        tracing::warn!(
+            replica_id = %self.replica.replica_id,
+            dp_rank = self.replica.dp_rank,
+            endpoint = %self.config.endpoint,
+            stage = stage.as_label(),
+            %error,
+            "kv event socket failed; re-creating it after a backoff"
+        );
+    }
+
+    fn set_connected(&self, connected: bool) {
+        self.state.set_connected(connected);
+        self.metrics.set_connected(connected);
+    }
+}
+
+/// `error: cause: cause` for logs.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

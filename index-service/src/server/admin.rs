@@ -1,0 +1,209 @@
+//! Admin HTTP API, apart from the gRPC port: `/metrics`, `/healthz`, `/readyz`,
+//! `GET /v1/replicas` and `POST /v1/match` (so operators can ask with curl).
+
+use std::{sync::Arc, time::Instant};
+
+use axum::{
+    Json, Router,
+    extract::{State, rejection::JsonRejection},
+    http::{StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+use kvroute_block_keys::LoraRef;
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    Shared,
+    grpc::{MAX_MATCH_KEYS, MatchError, match_keys, replica_states},
+};
+
+/// Largest `token_ids` array `/v1/match` hashes.
+pub const MAX_MATCH_TOKENS: usize = 1 << 21;
+
+pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, cancel: CancellationToken) {
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(|| async { "ready\n" }))
+        .route("/v1/replicas", get(replicas))
+        .route("/v1/match", post(match_prompt))
+        .with_state(shared);
+    let result = axum::serve(listener, app)
+        .with_graceful_shutdown(cancel.cancelled_owned())
+        .await;
+    match result {
+        Ok(()) => tracing::debug!(exit_reason = "shutdown", "admin server stopped"),
+        Err(error) => tracing::error!(%error, exit_reason = "error", "admin server failed"),
+    }
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let mut text = String::new();
+    match prometheus_client::encoding::text::encode(&mut text, &shared.registry) {
+        Ok(()) => (
+            [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+            text,
+        )
+            .into_response(),
+        Err(error) => {
+            (StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode metrics: {error}\n"))
+                .into_response()
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct ReplicaJson {
+    id: String,
+    model: String,
+    state: String,
+    blocks: u64,
+    last_sequence: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    problem: Option<String>,
+}
+
+async fn replicas(State(shared): State<Arc<Shared>>) -> Json<Vec<ReplicaJson>> {
+    Json(
+        replica_states(&shared, None)
+            .into_iter()
+            .map(|state| ReplicaJson {
+                id: state.replica_id,
+                model: state.model,
+                state: state.state,
+                blocks: state.blocks,
+                last_sequence: state.last_sequence,
+                problem: (!state.problem.is_empty()).then_some(state.problem),
+            })
+            .collect(),
+    )
+}
+
+/// `POST /v1/match` body: a prompt as token ids (hashed with the pool's scheme) or as keys.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MatchBody {
+    model: String,
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    prompt_keys: Option<Vec<u64>>,
+    #[serde(default)]
+    lora_name: Option<String>,
+    #[serde(default)]
+    lora_id: Option<i64>,
+    #[serde(default)]
+    lora_path: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+    #[serde(default)]
+    candidates: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct MatchJson {
+    model: String,
+    block_size: u32,
+    total_blocks: u32,
+    replicas: Vec<ReplicaMatchJson>,
+}
+
+#[derive(Debug, Serialize)]
+struct ReplicaMatchJson {
+    id: String,
+    matched_blocks: u32,
+    gpu_blocks: u32,
+    precise: bool,
+}
+
+fn error_response(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(serde_json::json!({ "error": message.into() }))).into_response()
+}
+
+async fn match_prompt(
+    State(shared): State<Arc<Shared>>,
+    body: Result<Json<MatchBody>, JsonRejection>,
+) -> Response {
+    let Json(body) = match body {
+        Ok(body) => body,
+        Err(rejection) => {
+            shared.metrics.match_error("http", "bad_request");
+            return error_response(StatusCode::BAD_REQUEST, rejection.body_text());
+        }
+    };
+    let keys = match (&body.token_ids, &body.prompt_keys) {
+        (Some(tokens), None) => match keys_from_tokens(&shared, &body, tokens) {
+            Ok(keys) => keys,
+            Err(error) => return match_error_response(&shared, error),
+        },
+        (None, Some(keys)) => keys.clone(),
+        _ => {
+            shared.metrics.match_error("http", "bad_request");
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "give exactly one of `token_ids` or `prompt_keys`",
+            );
+        }
+    };
+    match match_keys(&shared, "http", &body.model, None, &keys, &body.candidates) {
+        Ok(response) => Json(MatchJson {
+            model: body.model,
+            block_size: response.block_size,
+            total_blocks: response.total_blocks,
+            replicas: response
+                .replicas
+                .into_iter()
+                .map(|m| ReplicaMatchJson {
+                    id: m.replica_id,
+                    matched_blocks: m.matched_blocks,
+                    gpu_blocks: m.gpu_blocks,
+                    precise: m.precise,
+                })
+                .collect(),
+        })
+        .into_response(),
+        Err(error) => error_response(status_of(&error), error.to_string()),
+    }
+}
+
+fn keys_from_tokens(
+    shared: &Shared,
+    body: &MatchBody,
+    tokens: &[u32],
+) -> Result<Vec<u64>, MatchError> {
+    let pool = shared
+        .directory
+        .pool(&body.model)
+        .ok_or_else(|| MatchError::UnknownModel(body.model.clone()))?;
+    if tokens.len() > MAX_MATCH_TOKENS || tokens.len() / pool.block_size as usize > MAX_MATCH_KEYS {
+        return Err(MatchError::TooManyKeys(tokens.len() / pool.block_size as usize));
+    }
+    let lora = body.lora_name.as_deref().map(|name| LoraRef {
+        id: body.lora_id,
+        name,
+        path: body.lora_path.as_deref(),
+    });
+    let started = Instant::now();
+    let keys = pool
+        .scheme
+        .prompt_keys(tokens, pool.block_size as usize, lora.as_ref(), body.cache_salt.as_deref())
+        .map_err(|e| MatchError::Keys(e.to_string()))?;
+    shared.metrics.observe_match("hash", started.elapsed().as_secs_f64());
+    Ok(keys)
+}
+
+fn match_error_response(shared: &Shared, error: MatchError) -> Response {
+    shared.metrics.match_error("http", error.as_label());
+    error_response(status_of(&error), error.to_string())
+}
+
+fn status_of(error: &MatchError) -> StatusCode {
+    match error {
+        MatchError::UnknownModel(_) => StatusCode::NOT_FOUND,
+        MatchError::Index(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        _ => StatusCode::BAD_REQUEST,
+    }
+}

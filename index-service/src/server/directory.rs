@@ -1,0 +1,168 @@
+//! Names ↔ ids: the configured replicas and pools as the index and the ingest tasks know them.
+
+use std::{collections::HashMap, sync::Arc};
+
+use kvroute_block_keys::{KeyScheme, VllmHasher};
+
+use super::ServeError;
+use crate::{
+    config::{Config, KeySchemeKind, SocketMode},
+    event::EventBatch,
+    index::{BlockIndex, KvIndex, PoolConfig, PoolKeys, ReplicaId},
+    ingest::{self, EventSink, IngestConfig, ReplicaKey, ResetReason},
+};
+
+/// A configured pool, with what queries need to turn tokens into keys.
+#[derive(Debug, Clone)]
+pub struct PoolEntry {
+    /// Served model name.
+    pub model: String,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// How prompts become keys.
+    pub scheme: KeyScheme,
+}
+
+/// A configured replica.
+#[derive(Debug, Clone)]
+pub struct ReplicaEntry {
+    /// Config id.
+    pub name: Arc<str>,
+    /// Dense index id.
+    pub id: ReplicaId,
+    /// Its pool's model.
+    pub model: String,
+}
+
+/// Lookup tables built once from the config.
+#[derive(Debug, Clone)]
+pub struct Directory {
+    pools: Vec<PoolEntry>,
+    replicas: Vec<ReplicaEntry>,
+    by_name: HashMap<Arc<str>, ReplicaId>,
+}
+
+impl Directory {
+    /// Registers every pool and replica of `config` in `index`.
+    pub fn register(config: &Config, index: &BlockIndex) -> Result<Self, ServeError> {
+        let mut pools = Vec::with_capacity(config.pools.len());
+        for pool in &config.pools {
+            let scheme = match pool.key_scheme {
+                KeySchemeKind::VllmExact => {
+                    // Validated with the config already; a failure here is a bug, reported.
+                    let hasher = VllmHasher::new(pool.hash_algo, pool.hash_seed.as_deref())
+                        .map_err(|e| ServeError::Register {
+                            what: format!("pool {} ({e})", pool.model),
+                            source: crate::index::IndexError::UnknownPool {
+                                pool: pool.model.clone(),
+                            },
+                        })?;
+                    KeyScheme::VllmExact { hasher, era: pool.vllm_era }
+                }
+                KeySchemeKind::TokenChain => KeyScheme::TokenChain,
+            };
+            index
+                .add_pool(PoolConfig {
+                    model: pool.model.clone(),
+                    block_size: pool.block_size,
+                    keys: PoolKeys::from_scheme(&scheme, pool.validate_hashes),
+                })
+                .map_err(|source| ServeError::Register {
+                    what: format!("pool {}", pool.model),
+                    source,
+                })?;
+            pools.push(PoolEntry { model: pool.model.clone(), block_size: pool.block_size, scheme });
+        }
+
+        let mut replicas = Vec::with_capacity(config.replicas.len());
+        let mut by_name = HashMap::with_capacity(config.replicas.len());
+        for (i, replica) in config.replicas.iter().enumerate() {
+            let id = ReplicaId(u32::try_from(i).unwrap_or(u32::MAX));
+            let model = config.pools[replica.pool].model.clone();
+            index.add_replica(id, &replica.id, &model).map_err(|source| ServeError::Register {
+                what: format!("replica {}", replica.id),
+                source,
+            })?;
+            let name: Arc<str> = Arc::from(replica.id.as_str());
+            by_name.insert(Arc::clone(&name), id);
+            replicas.push(ReplicaEntry { name, id, model });
+        }
+        Ok(Directory { pools, replicas, by_name })
+    }
+
+    /// The ingest socket of every replica.
+    pub fn ingest_configs(&self, config: &Config) -> Vec<IngestConfig> {
+        config
+            .replicas
+            .iter()
+            .zip(&self.replicas)
+            .map(|(replica, entry)| {
+                let mode = match replica.mode {
+                    SocketMode::Connect => ingest::SocketMode::Connect,
+                    SocketMode::Bind => ingest::SocketMode::Bind,
+                };
+                let mut socket = IngestConfig::new(Arc::clone(&entry.name), &replica.endpoint, mode)
+                    .with_dp_rank(replica.dp_rank)
+                    .with_topic_filter(replica.topic.clone());
+                socket.replay_timeout = config.replay_timeout;
+                if let Some(replay) = &replica.replay_endpoint {
+                    socket = socket.with_replay_endpoint(replay.clone());
+                }
+                socket
+            })
+            .collect()
+    }
+
+    /// The sink the ingest tasks feed.
+    pub fn sink(&self, index: Arc<BlockIndex>) -> IndexSink {
+        IndexSink { index, by_name: self.by_name.clone() }
+    }
+
+    /// A pool by model name.
+    pub fn pool(&self, model: &str) -> Option<&PoolEntry> {
+        self.pools.iter().find(|pool| pool.model == model)
+    }
+
+    /// Every replica, in config order.
+    pub fn replicas(&self) -> &[ReplicaEntry] {
+        &self.replicas
+    }
+
+    /// A replica's index id by config id.
+    pub fn replica_id(&self, name: &str) -> Option<ReplicaId> {
+        self.by_name.get(name).copied()
+    }
+
+    /// A replica's config id by index id.
+    pub fn replica_name(&self, id: ReplicaId) -> Option<&Arc<str>> {
+        self.replicas.get(id.0 as usize).map(|entry| &entry.name)
+    }
+}
+
+/// Applies ingested batches to the index.
+#[derive(Debug)]
+pub struct IndexSink {
+    index: Arc<BlockIndex>,
+    by_name: HashMap<Arc<str>, ReplicaId>,
+}
+
+impl EventSink for IndexSink {
+    fn apply(&self, replica: &ReplicaKey, seq: u64, batch: EventBatch) {
+        let Some(&id) = self.by_name.get(&replica.replica_id) else {
+            return;
+        };
+        if let Err(error) = self.index.apply_events(id, &batch.events) {
+            tracing::warn!(replica_id = %replica.replica_id, seq, %error, "batch not applied");
+        }
+    }
+
+    fn reset(&self, replica: &ReplicaKey, reason: ResetReason) {
+        let Some(&id) = self.by_name.get(&replica.replica_id) else {
+            return;
+        };
+        tracing::info!(replica_id = %replica.replica_id, reason = reason.as_label(), "replica reset");
+        if let Err(error) = self.index.reset_replica(id) {
+            tracing::warn!(replica_id = %replica.replica_id, %error, "reset failed");
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! The `kvroute.index.v1.KvIndex` gRPC service, and the match logic the admin API shares.
+
+use std::{sync::Arc, time::Instant};
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use super::Shared;
+use crate::{
+    api::{self, kv_index_server::KvIndexServer},
+    index::{FlagReason, KvIndex, ReplicaId},
+    ingest::ReplicaIngestSnapshot,
+};
+
+/// Largest prompt a match accepts, in blocks (1M tokens at block size 16 is 65,536 blocks).
+pub const MAX_MATCH_KEYS: usize = 1 << 17;
+
+/// Why a match query was refused; mapped to gRPC / HTTP status in one place each.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum MatchError {
+    #[error("unknown model {0:?}")]
+    UnknownModel(String),
+    #[error("block size {asked} does not match the pool's {pool}")]
+    BlockSize { asked: u32, pool: u32 },
+    #[error("too many keys: {0} (limit {MAX_MATCH_KEYS})")]
+    TooManyKeys(usize),
+    #[error("cannot compute keys: {0}")]
+    Keys(String),
+    #[error("index error: {0}")]
+    Index(#[from] crate::index::IndexError),
+}
+
+impl MatchError {
+    pub(crate) fn as_label(&self) -> &'static str {
+        match self {
+            MatchError::UnknownModel(_) => "unknown_model",
+            MatchError::BlockSize { .. } => "block_size_mismatch",
+            MatchError::TooManyKeys(_) => "too_many_keys",
+            MatchError::Keys(_) => "bad_tokens",
+            MatchError::Index(_) => "index_error",
+        }
+    }
+}
+
+impl From<MatchError> for Status {
+    fn from(error: MatchError) -> Self {
+        match error {
+            MatchError::UnknownModel(_) => Status::not_found(error.to_string()),
+            MatchError::Index(_) => Status::internal(error.to_string()),
+            _ => Status::invalid_argument(error.to_string()),
+        }
+    }
+}
+
+/// Leading blocks held per replica, for the gRPC and HTTP APIs alike.
+pub(crate) fn match_keys(
+    shared: &Shared,
+    api_name: &'static str,
+    model: &str,
+    block_size: Option<u32>,
+    keys: &[u64],
+    candidates: &[String],
+) -> Result<api::MatchResponse, MatchError> {
+    let result = match_keys_inner(shared, model, block_size, keys, candidates);
+    if let Err(error) = &result {
+        shared.metrics.match_error(api_name, error.as_label());
+    }
+    result
+}
+
+fn match_keys_inner(
+    shared: &Shared,
+    model: &str,
+    block_size: Option<u32>,
+    keys: &[u64],
+    candidates: &[String],
+) -> Result<api::MatchResponse, MatchError> {
+    let pool = shared
+        .directory
+        .pool(model)
+        .ok_or_else(|| MatchError::UnknownModel(model.to_owned()))?;
+    if let Some(asked) = block_size.filter(|&size| size != pool.block_size) {
+        return Err(MatchError::BlockSize { asked, pool: pool.block_size });
+    }
+    if keys.len() > MAX_MATCH_KEYS {
+        return Err(MatchError::TooManyKeys(keys.len()));
+    }
+    // Unknown candidate ids are left out: the caller's replica list may be newer than ours.
+    let candidate_ids: Vec<ReplicaId> =
+        candidates.iter().filter_map(|name| shared.directory.replica_id(name)).collect();
+    let candidates = (!candidates.is_empty()).then_some(candidate_ids.as_slice());
+
+    let started = Instant::now();
+    let matches = shared.index.find_matches(model, keys, candidates)?;
+    shared.metrics.observe_match("index", started.elapsed().as_secs_f64());
+
+    let replicas = matches
+        .into_iter()
+        .filter_map(|m| {
+            let name = shared.directory.replica_name(m.replica)?;
+            Some(api::ReplicaMatch {
+                replica_id: name.to_string(),
+                matched_blocks: m.matched_blocks,
+                gpu_blocks: m.gpu_blocks,
+                precise: m.precise,
+            })
+        })
+        .collect();
+    Ok(api::MatchResponse {
+        block_size: pool.block_size,
+        total_blocks: u32::try_from(keys.len()).unwrap_or(u32::MAX),
+        replicas,
+    })
+}
+
+/// Ingest and index state of every replica, joined for operators.
+pub(crate) fn replica_states(shared: &Shared, model: Option<&str>) -> Vec<api::ReplicaState> {
+    let ingest: Vec<ReplicaIngestSnapshot> = shared.ingest.snapshot();
+    shared
+        .index
+        .replica_statuses(model)
+        .into_iter()
+        .map(|status| {
+            let socket = ingest.iter().find(|s| *s.replica.replica_id == *status.name);
+            let (state, problem) = replica_state(status.flag, socket);
+            api::ReplicaState {
+                replica_id: status.name,
+                model: status.model,
+                state: state.to_owned(),
+                blocks: status.blocks as u64,
+                last_sequence: socket.and_then(|s| s.last_seq).unwrap_or(0),
+                problem,
+            }
+        })
+        .collect()
+}
+
+fn replica_state(
+    flag: Option<FlagReason>,
+    socket: Option<&ReplicaIngestSnapshot>,
+) -> (&'static str, String) {
+    if let Some(flag) = flag {
+        return ("flagged", flag.as_label().to_owned());
+    }
+    match socket {
+        None => ("stale", "no event source configured".to_owned()),
+        Some(s) if !s.connected => (
+            "stale",
+            s.last_error
+                .as_ref()
+                .map_or_else(|| "not connected".to_owned(), |(_, e)| e.clone()),
+        ),
+        Some(s) if s.last_seq.is_none() => ("syncing", "no events received yet".to_owned()),
+        Some(_) => ("ready", String::new()),
+    }
+}
+
+/// The gRPC service.
+#[derive(Debug, Clone)]
+pub struct MatchService {
+    shared: Arc<Shared>,
+}
+
+#[tonic::async_trait]
+impl api::kv_index_server::KvIndex for MatchService {
+    async fn r#match(
+        &self,
+        request: Request<api::MatchRequest>,
+    ) -> Result<Response<api::MatchResponse>, Status> {
+        let request = request.into_inner();
+        let block_size = (request.block_size != 0).then_some(request.block_size);
+        match_keys(
+            &self.shared,
+            "grpc",
+            &request.model,
+            block_size,
+            &request.keys,
+            &request.candidates,
+        )
+        .map(Response::new)
+        .map_err(Status::from)
+    }
+
+    async fn replica_state(
+        &self,
+        request: Request<api::ReplicaStateRequest>,
+    ) -> Result<Response<api::ReplicaStateResponse>, Status> {
+        let request = request.into_inner();
+        let model = (!request.model.is_empty()).then_some(request.model.as_str());
+        Ok(Response::new(api::ReplicaStateResponse {
+            replicas: replica_states(&self.shared, model),
+        }))
+    }
+}
+
+/// Serves gRPC (with `grpc.health.v1`) until `cancel`.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+    cancel: CancellationToken,
+) {
+    let service = KvIndexServer::new(MatchService { shared });
+    let result = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health)
+        .add_service(service)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), cancel.cancelled_owned())
+        .await;
+    match result {
+        Ok(()) => tracing::debug!(exit_reason = "shutdown", "grpc server stopped"),
+        Err(error) => tracing::error!(%error, exit_reason = "error", "grpc server failed"),
+    }
+}

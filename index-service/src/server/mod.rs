@@ -1,0 +1,180 @@
+//! The `kvroute-index` service: wires config → index → ingest tasks → gRPC and admin servers.
+//!
+//! Lifecycle: [`IndexServer::start`] binds both listeners (port 0 allowed; the bound addresses
+//! are reported), registers pools and replicas, starts one ingest task per replica socket and
+//! serves. [`IndexServer::shutdown`] marks gRPC health NOT_SERVING, stops accepting, drains,
+//! then stops the ingest tasks. Nothing here blocks a query on ingest: the index is read
+//! concurrently with writes.
+
+mod admin;
+mod directory;
+mod grpc;
+mod metrics;
+
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+use crate::{
+    config::Config,
+    index::{BlockIndex, IndexConfig, IndexMetrics},
+    ingest::{Ingest, IngestMetrics},
+};
+pub use directory::Directory;
+use metrics::ServerMetrics;
+
+/// How long in-flight requests may take to finish after shutdown starts.
+pub const SHUTDOWN_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Errors starting the service.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A listener could not be bound.
+    #[error("cannot bind {what} listener on {addr}")]
+    Bind {
+        /// `grpc` or `admin`.
+        what: &'static str,
+        /// The configured address.
+        addr: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Config and index disagree (should have been caught by config validation).
+    #[error("cannot register {what}")]
+    Register {
+        /// What failed to register.
+        what: String,
+        /// The cause.
+        #[source]
+        source: crate::index::IndexError,
+    },
+}
+
+/// State shared by the gRPC and admin handlers.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) index: Arc<BlockIndex>,
+    pub(crate) directory: Directory,
+    pub(crate) ingest: Ingest,
+    pub(crate) registry: Registry,
+    pub(crate) metrics: ServerMetrics,
+}
+
+/// A running index service.
+#[derive(Debug)]
+pub struct IndexServer {
+    grpc_addr: SocketAddr,
+    admin_addr: SocketAddr,
+    cancel: CancellationToken,
+    tasks: TaskTracker,
+    shared: Arc<Shared>,
+    health: tonic_health::server::HealthReporter,
+}
+
+impl IndexServer {
+    /// Binds the listeners, starts ingest and serves until [`shutdown`](Self::shutdown).
+    pub async fn start(config: Config) -> Result<Self, ServeError> {
+        let grpc_listener = TcpListener::bind(config.grpc_addr)
+            .await
+            .map_err(|source| ServeError::Bind { what: "grpc", addr: config.grpc_addr, source })?;
+        let admin_listener = TcpListener::bind(config.admin_addr).await.map_err(|source| {
+            ServeError::Bind { what: "admin", addr: config.admin_addr, source }
+        })?;
+        let grpc_addr = local_addr(&grpc_listener, "grpc", config.grpc_addr)?;
+        let admin_addr = local_addr(&admin_listener, "admin", config.admin_addr)?;
+
+        let mut registry = Registry::with_prefix("kvroute_index");
+        let index_metrics = IndexMetrics::register(&mut registry);
+        let ingest_metrics = IngestMetrics::register(&mut registry);
+        let metrics = ServerMetrics::register(&mut registry);
+
+        let index = Arc::new(BlockIndex::new(
+            IndexConfig {
+                max_blocks_per_replica: config.max_blocks_per_replica,
+                ..IndexConfig::default()
+            },
+            index_metrics,
+        ));
+        let directory = Directory::register(&config, &index)?;
+        let cancel = CancellationToken::new();
+        let ingest = Ingest::new(
+            Arc::new(directory.sink(Arc::clone(&index))),
+            ingest_metrics,
+            cancel.child_token(),
+        );
+        for socket in directory.ingest_configs(&config) {
+            ingest.spawn(socket);
+        }
+
+        let shared = Arc::new(Shared { index, directory, ingest, registry, metrics });
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health
+            .set_serving::<crate::api::kv_index_server::KvIndexServer<grpc::MatchService>>()
+            .await;
+
+        let tasks = TaskTracker::new();
+        spawn_tracked(
+            &tasks,
+            grpc::serve(grpc_listener, Arc::clone(&shared), health_service, cancel.clone()),
+        );
+        spawn_tracked(&tasks, admin::serve(admin_listener, Arc::clone(&shared), cancel.clone()));
+        tracing::info!(%grpc_addr, %admin_addr, replicas = config.replicas.len(), "kvroute-index serving");
+        Ok(IndexServer { grpc_addr, admin_addr, cancel, tasks, shared, health })
+    }
+
+    /// Address the gRPC API listens on.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
+    }
+
+    /// Address the admin HTTP server listens on.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// Health NOT_SERVING → stop accepting → drain (bounded) → stop ingest.
+    pub async fn shutdown(mut self) {
+        self.health
+            .set_not_serving::<crate::api::kv_index_server::KvIndexServer<grpc::MatchService>>()
+            .await;
+        self.cancel.cancel();
+        self.tasks.close();
+        if tokio::time::timeout(SHUTDOWN_DRAIN_TIMEOUT, self.tasks.wait()).await.is_err() {
+            tracing::warn!(
+                timeout_ms = SHUTDOWN_DRAIN_TIMEOUT.as_millis() as u64,
+                "servers did not drain in time"
+            );
+        }
+        match Arc::try_unwrap(self.shared) {
+            Ok(shared) => shared.ingest.shutdown().await,
+            Err(shared) => {
+                // A handler still holds the state (drain timed out): ingest tasks stop with
+                // the cancelled token anyway.
+                self.shared = shared;
+            }
+        }
+        tracing::info!(exit_reason = "shutdown", "kvroute-index stopped");
+    }
+}
+
+fn local_addr(
+    listener: &TcpListener,
+    what: &'static str,
+    addr: SocketAddr,
+) -> Result<SocketAddr, ServeError> {
+    listener.local_addr().map_err(|source| ServeError::Bind { what, addr, source })
+}
+
+#[expect(
+    clippy::disallowed_methods,
+    reason = "the service's spawn site: tracked by its TaskTracker, stopped by its token"
+)]
+fn spawn_tracked<F>(tasks: &TaskTracker, future: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    tasks.spawn(future);
+}

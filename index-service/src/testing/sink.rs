@@ -1,0 +1,120 @@
+//! [`RecordingSink`]: an [`EventSink`] that records every call, with a wait for conditions.
+
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+use crate::event::EventBatch;
+use crate::ingest::{EventSink, ReplicaKey, ResetReason};
+
+/// One call an ingest made.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SinkCall {
+    /// `EventSink::apply`.
+    Apply {
+        /// Which publisher.
+        replica: ReplicaKey,
+        /// Sequence number.
+        seq: u64,
+        /// The batch.
+        batch: EventBatch,
+    },
+    /// `EventSink::reset`.
+    Reset {
+        /// Which publisher.
+        replica: ReplicaKey,
+        /// Why.
+        reason: ResetReason,
+    },
+}
+
+/// Records calls in order; [`RecordingSink::wait_for`] waits (with a deadline) for a condition.
+#[derive(Debug, Default)]
+pub struct RecordingSink {
+    calls: Mutex<Vec<SinkCall>>,
+    changed: Notify,
+}
+
+impl RecordingSink {
+    /// Every call so far.
+    pub fn calls(&self) -> Vec<SinkCall> {
+        self.calls.lock().clone()
+    }
+
+    /// Sequence numbers applied, in order.
+    pub fn applied_seqs(&self) -> Vec<u64> {
+        applied_seqs(&self.calls.lock())
+    }
+
+    /// Reset reasons, in order.
+    pub fn resets(&self) -> Vec<ResetReason> {
+        self.calls
+            .lock()
+            .iter()
+            .filter_map(|call| match call {
+                SinkCall::Reset { reason, .. } => Some(*reason),
+                SinkCall::Apply { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Forgets the calls recorded so far.
+    pub fn clear(&self) {
+        self.calls.lock().clear();
+    }
+
+    /// Waits until `condition(calls)` holds; `false` if `timeout` passes first.
+    pub async fn wait_for(
+        &self,
+        timeout: Duration,
+        condition: impl Fn(&[SinkCall]) -> bool,
+    ) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            // Registered before checking, so a call between the check and the wait is not missed.
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if condition(&self.calls.lock()) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return condition(&self.calls.lock());
+            }
+        }
+    }
+
+    fn record(&self, call: SinkCall) {
+        self.calls.lock().push(call);
+        self.changed.notify_waiters();
+    }
+}
+
+/// Sequence numbers of the `Apply` calls in `calls`.
+pub fn applied_seqs(calls: &[SinkCall]) -> Vec<u64> {
+    calls
+        .iter()
+        .filter_map(|call| match call {
+            SinkCall::Apply { seq, .. } => Some(*seq),
+            SinkCall::Reset { .. } => None,
+        })
+        .collect()
+}
+
+impl EventSink for RecordingSink {
+    fn apply(&self, replica: &ReplicaKey, seq: u64, batch: EventBatch) {
+        self.record(SinkCall::Apply {
+            replica: replica.clone(),
+            seq,
+            batch,
+        });
+    }
+
+    fn reset(&self, replica: &ReplicaKey, reason: ResetReason) {
+        self.record(SinkCall::Reset {
+            replica: replica.clone(),
+            reason,
+        });
+    }
+}

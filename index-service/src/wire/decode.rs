@@ -1,0 +1,361 @@
+//! msgpack `KVEventBatch` → domain [`EventBatch`], for every vLLM release (schemas S1..S12).
+//!
+//! Recipe (spec §2.3): the batch is an array `[ts, events]` or `[ts, events, dp_rank]`. An event
+//! is a tagged array (`[tag, field, ...]`, fields by position, 0.9–0.23) or a map keyed by
+//! `"type"` (0.24+). Missing fields are nil, extra elements and unknown keys are ignored, and an
+//! unknown tag skips that event only.
+
+use kvroute_block_keys::HashValue;
+
+use super::reader::{Container, Hash, Reader};
+use super::{
+    DecodedBatch, MAX_BLOCKS_PER_EVENT, MAX_EVENTS_PER_BATCH, MAX_TOKENS_PER_EVENT, WireError,
+};
+use crate::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Medium};
+
+/// Smallest encoding of a real event (`["BlockRemoved",[h]]` is 16 bytes); bounds how many
+/// events are preallocated from a declared count.
+const MIN_EVENT_BYTES: usize = 16;
+
+/// Decodes one msgpack `KVEventBatch` payload (the third frame of a live message).
+pub fn decode_batch(payload: &[u8]) -> Result<DecodedBatch, WireError> {
+    let mut r = Reader::new(payload);
+    let len = r.array_len("batch")?;
+    if len < 2 {
+        let field = if len == 0 { "ts" } else { "events" };
+        return Err(WireError::MissingField {
+            field,
+            context: "batch",
+        });
+    }
+    let ts = r.f64("ts")?;
+
+    let declared = r.array_len("events")?;
+    check_limit("events", declared, MAX_EVENTS_PER_BATCH)?;
+    let mut events = Vec::with_capacity(declared.min(r.remaining() / MIN_EVENT_BYTES));
+    let mut unknown_events = 0;
+    for _ in 0..declared {
+        match decode_event(&mut r)? {
+            Some(event) => events.push(event),
+            None => unknown_events += 1,
+        }
+    }
+
+    let dp_rank = if len >= 3 {
+        r.opt_u32("data_parallel_rank")?
+    } else {
+        None
+    };
+    for _ in 3..len {
+        r.skip(1)?;
+    }
+    r.finish()?;
+    Ok(DecodedBatch {
+        batch: EventBatch {
+            ts,
+            dp_rank,
+            events,
+        },
+        unknown_events,
+    })
+}
+
+fn check_limit(what: &'static str, declared: usize, limit: usize) -> Result<(), WireError> {
+    if declared > limit {
+        return Err(WireError::LimitExceeded {
+            what,
+            declared: declared as u64,
+            limit: limit as u64,
+        });
+    }
+    Ok(())
+}
+
+/// Event kinds the index understands; any other tag is skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Stored,
+    Removed,
+    Cleared,
+}
+
+impl Kind {
+    fn from_tag(tag: &[u8]) -> Option<Kind> {
+        match tag {
+            b"BlockStored" => Some(Kind::Stored),
+            b"BlockRemoved" => Some(Kind::Removed),
+            b"AllBlocksCleared" => Some(Kind::Cleared),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Stored => "BlockStored",
+            Kind::Removed => "BlockRemoved",
+            Kind::Cleared => "AllBlocksCleared",
+        }
+    }
+
+    /// Field at array position `index` (1-based after the tag), identical in S1..S7 because
+    /// every release only appended fields.
+    fn positional(self, index: usize) -> Field {
+        match (self, index) {
+            (Kind::Stored, 1) | (Kind::Removed, 1) => Field::BlockHashes,
+            (Kind::Stored, 2) => Field::ParentBlockHash,
+            (Kind::Stored, 3) => Field::TokenIds,
+            (Kind::Stored, 4) => Field::BlockSize,
+            (Kind::Stored, 5) => Field::LoraId,
+            (Kind::Stored, 6) | (Kind::Removed, 2) => Field::Medium,
+            (Kind::Stored, 7) => Field::LoraName,
+            (Kind::Stored, 8) => Field::ExtraKeys,
+            (Kind::Stored, 9) | (Kind::Removed, 3) => Field::GroupIdx,
+            _ => Field::Ignored,
+        }
+    }
+
+    /// Field named `key` in map events (0.24+).
+    fn named(self, key: &[u8]) -> Field {
+        match (self, key) {
+            (Kind::Stored | Kind::Removed, b"block_hashes") => Field::BlockHashes,
+            (Kind::Stored | Kind::Removed, b"medium") => Field::Medium,
+            (Kind::Stored | Kind::Removed, b"group_idx") => Field::GroupIdx,
+            (Kind::Stored, b"parent_block_hash") => Field::ParentBlockHash,
+            (Kind::Stored, b"token_ids") => Field::TokenIds,
+            (Kind::Stored, b"block_size") => Field::BlockSize,
+            (Kind::Stored, b"lora_id") => Field::LoraId,
+            (Kind::Stored, b"lora_name") => Field::LoraName,
+            (Kind::Stored, b"extra_keys") => Field::ExtraKeys,
+            _ => Field::Ignored,
+        }
+    }
+}
+
+/// The event fields the domain keeps; everything else (`kv_cache_spec_kind`, `locality`,
+/// `session_id`, ...) is skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Field {
+    BlockHashes,
+    ParentBlockHash,
+    TokenIds,
+    BlockSize,
+    LoraId,
+    Medium,
+    LoraName,
+    ExtraKeys,
+    GroupIdx,
+    Ignored,
+}
+
+/// Fields read so far; absent ones stay at their nil default.
+#[derive(Debug, Default)]
+struct Fields<'a> {
+    block_hashes: Option<BlockHashes>,
+    parent: Option<Hash<'a>>,
+    token_ids: Vec<u32>,
+    block_size: u32,
+    lora_id: Option<i64>,
+    medium: Option<&'a str>,
+    lora_name: Option<&'a str>,
+    extra_keys: Option<Vec<Option<HashValue>>>,
+    group_idx: Option<u32>,
+}
+
+#[derive(Debug)]
+struct BlockHashes {
+    hashes: Vec<EngineHash>,
+    /// Full digests, kept only when every hash of the list came as bytes.
+    digests: Option<Vec<Vec<u8>>>,
+}
+
+/// One event; `None` for an unknown tag (skipped).
+fn decode_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> {
+    match r.container("event")? {
+        Container::Array => decode_array_event(r),
+        Container::Map => decode_map_event(r),
+    }
+}
+
+fn decode_array_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> {
+    let len = r.array_len("event")?;
+    if len == 0 {
+        return Err(WireError::MissingField {
+            field: "type",
+            context: "event",
+        });
+    }
+    let Some(kind) = Kind::from_tag(r.str("event type")?.as_bytes()) else {
+        for _ in 1..len {
+            r.skip(1)?;
+        }
+        return Ok(None);
+    };
+    let mut fields = Fields::default();
+    for index in 1..len {
+        read_field(r, kind.positional(index), &mut fields)?;
+    }
+    build(kind, fields).map(Some)
+}
+
+fn decode_map_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> {
+    let pairs = r.map_len("event")?;
+    let body = r.position();
+
+    // vLLM writes "type" first; any other producer's order costs one extra scan.
+    let mut first_pair_read = false;
+    let mut tag = None;
+    if pairs > 0 && r.key()? == Some(b"type".as_slice()) {
+        tag = Some(r.str("event type")?);
+        first_pair_read = true;
+    } else {
+        r.rewind(body);
+        for _ in 0..pairs {
+            if r.key()? == Some(b"type".as_slice()) {
+                tag = Some(r.str("event type")?);
+            } else {
+                r.skip(1)?;
+            }
+        }
+        r.rewind(body);
+    }
+    let Some(tag) = tag else {
+        return Err(WireError::MissingField {
+            field: "type",
+            context: "event",
+        });
+    };
+
+    let kind = Kind::from_tag(tag.as_bytes());
+    let mut fields = Fields::default();
+    for _ in usize::from(first_pair_read)..pairs {
+        let field = match (kind, r.key()?) {
+            (Some(kind), Some(key)) => kind.named(key),
+            _ => Field::Ignored,
+        };
+        read_field(r, field, &mut fields)?;
+    }
+    match kind {
+        Some(kind) => build(kind, fields).map(Some),
+        None => Ok(None),
+    }
+}
+
+fn read_field<'a>(
+    r: &mut Reader<'a>,
+    field: Field,
+    fields: &mut Fields<'a>,
+) -> Result<(), WireError> {
+    match field {
+        Field::BlockHashes => fields.block_hashes = block_hashes(r)?,
+        Field::ParentBlockHash => {
+            fields.parent = if r.nil()? {
+                None
+            } else {
+                Some(r.hash("parent_block_hash")?)
+            }
+        }
+        Field::TokenIds => fields.token_ids = token_ids(r)?,
+        Field::BlockSize => fields.block_size = r.opt_u32("block_size")?.unwrap_or(0),
+        Field::LoraId => fields.lora_id = r.opt_i64("lora_id")?,
+        Field::Medium => fields.medium = r.opt_str("medium")?,
+        Field::LoraName => fields.lora_name = r.opt_str("lora_name")?,
+        Field::ExtraKeys => fields.extra_keys = extra_keys(r)?,
+        Field::GroupIdx => fields.group_idx = r.opt_u32("group_idx")?,
+        Field::Ignored => r.skip(1)?,
+    }
+    Ok(())
+}
+
+fn block_hashes(r: &mut Reader<'_>) -> Result<Option<BlockHashes>, WireError> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    let len = r.array_len("block_hashes")?;
+    check_limit("block_hashes", len, MAX_BLOCKS_PER_EVENT)?;
+    let mut hashes = Vec::with_capacity(len);
+    let mut digests: Option<Vec<Vec<u8>>> = None;
+    let mut all_digests = true;
+    for _ in 0..len {
+        let hash = r.hash("block_hashes")?;
+        match hash {
+            Hash::Int(_) => all_digests = false,
+            Hash::Digest(bytes) if all_digests => digests
+                .get_or_insert_with(|| Vec::with_capacity(len))
+                .push(bytes.to_vec()),
+            Hash::Digest(_) => {}
+        }
+        hashes.push(hash.to_u64());
+    }
+    Ok(Some(BlockHashes {
+        hashes,
+        digests: digests.filter(|_| all_digests),
+    }))
+}
+
+fn token_ids(r: &mut Reader<'_>) -> Result<Vec<u32>, WireError> {
+    if r.nil()? {
+        return Ok(Vec::new());
+    }
+    let len = r.array_len("token_ids")?;
+    check_limit("token_ids", len, MAX_TOKENS_PER_EVENT)?;
+    let mut tokens = Vec::with_capacity(len);
+    for _ in 0..len {
+        tokens.push(r.u32("token_ids")?);
+    }
+    Ok(tokens)
+}
+
+fn extra_keys(r: &mut Reader<'_>) -> Result<Option<Vec<Option<HashValue>>>, WireError> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    let len = r.array_len("extra_keys")?;
+    check_limit("extra_keys", len, MAX_BLOCKS_PER_EVENT)?;
+    let mut keys = Vec::with_capacity(len);
+    for _ in 0..len {
+        keys.push(if r.nil()? {
+            None
+        } else {
+            Some(r.hash_value("extra_keys", 1)?)
+        });
+    }
+    Ok(Some(keys))
+}
+
+fn build(kind: Kind, fields: Fields<'_>) -> Result<KvEvent, WireError> {
+    let required_hashes = |hashes: Option<BlockHashes>| {
+        hashes.ok_or(WireError::MissingField {
+            field: "block_hashes",
+            context: kind.name(),
+        })
+    };
+    Ok(match kind {
+        Kind::Stored => {
+            let BlockHashes { hashes, digests } = required_hashes(fields.block_hashes)?;
+            let (parent_block_hash, parent_digest) = match fields.parent {
+                None => (None, None),
+                Some(hash @ Hash::Int(_)) => (Some(hash.to_u64()), None),
+                Some(hash @ Hash::Digest(bytes)) => (Some(hash.to_u64()), Some(bytes.to_vec())),
+            };
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes,
+                parent_block_hash,
+                token_ids: fields.token_ids,
+                block_size: fields.block_size,
+                lora_id: fields.lora_id,
+                lora_name: fields.lora_name.map(str::to_owned),
+                medium: Medium::from_wire(fields.medium),
+                extra_keys: fields.extra_keys,
+                group_idx: fields.group_idx,
+                block_digests: digests,
+                parent_digest,
+            })
+        }
+        Kind::Removed => KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: required_hashes(fields.block_hashes)?.hashes,
+            medium: Medium::from_wire(fields.medium),
+            group_idx: fields.group_idx,
+        }),
+        Kind::Cleared => KvEvent::AllBlocksCleared,
+    })
+}

@@ -1,0 +1,61 @@
+//! vLLM's KV-event wire format: ZMQ frames and msgpack payloads → domain [`crate::event`] types.
+//!
+//! This is the only module that knows msgpack. It accepts every encoding vLLM has published
+//! (0.9.0 through 0.33: tagged arrays, then `"type"`-keyed maps; hashes as uint, negative int or
+//! raw digest bytes) and turns them into [`EventBatch`]es. See `README.md` beside this file and
+//! `shared/vllm/kv-events-spec.md` §1–§2.
+//!
+//! ```
+//! use kvroute_index::wire::{self, Encoding};
+//! use kvroute_index::event::{EventBatch, KvEvent};
+//!
+//! let batch = EventBatch { ts: 1.5, dp_rank: Some(0), events: vec![KvEvent::AllBlocksCleared] };
+//! let payload = wire::encode_batch(&batch, Encoding::V0_32);
+//! let frames = [b"kv@pod-a@model".to_vec(), 7u64.to_be_bytes().to_vec(), payload];
+//! let (topic, seq, decoded) = wire::decode_message(&frames)?;
+//! assert_eq!((topic, seq, decoded.batch), ("kv@pod-a@model", 7, batch));
+//! # Ok::<(), wire::WireError>(())
+//! ```
+//!
+//! Decoding is defensive: declared lengths are checked against the remaining input before
+//! anything is allocated, collections are capped by the `MAX_*` limits below, and every failure
+//! is a [`WireError`]; no input makes it panic (property-tested and fuzzed in `fuzz/`).
+
+mod decode;
+mod encode;
+mod error;
+mod frames;
+mod reader;
+
+#[cfg(test)]
+mod tests;
+
+pub use decode::decode_batch;
+pub use encode::{Encoding, HashForm, Schema, encode_batch, encode_batch_with_digests};
+pub use error::WireError;
+pub use frames::{ReplayItem, decode_message, parse_replay_frames, replay_request};
+
+use crate::event::EventBatch;
+
+/// Most events one batch may declare. A vLLM step emits one event per evicted block run and per
+/// stored run, far fewer than this.
+pub const MAX_EVENTS_PER_BATCH: usize = 1 << 18;
+
+/// Most block hashes (and `extra_keys` entries) one event may declare.
+pub const MAX_BLOCKS_PER_EVENT: usize = 1 << 18;
+
+/// Most token ids one `BlockStored` may declare (4 Mi: beyond any model's context length).
+pub const MAX_TOKENS_PER_EVENT: usize = 1 << 22;
+
+/// Deepest nesting accepted in `extra_keys` tuples and in skipped unknown values.
+/// vLLM nests at most two levels (`("lora", ("mm-hash", offset), "salt")`).
+pub const MAX_NESTING_DEPTH: usize = 16;
+
+/// A decoded batch, plus how many events in it had a tag this decoder does not know.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodedBatch {
+    /// The known events, in order.
+    pub batch: EventBatch,
+    /// Events skipped for an unknown tag (a newer vLLM may add kinds; count them, don't fail).
+    pub unknown_events: u32,
+}

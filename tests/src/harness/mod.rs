@@ -1,0 +1,1 @@
+//! Process harnesses (in progress).

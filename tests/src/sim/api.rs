@@ -1,0 +1,454 @@
+//! The HTTP surface, in vLLM's shapes: OpenAI completions and chat (JSON and SSE), `/v1/models`,
+//! `/health`, `/tokenize`, `/metrics`, `/reset_prefix_cache` and the simulator's `/debug/blocks`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use kvroute_tokenize::ModelTokenizer;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::engine::{Engine, EngineError, Sequence};
+use super::metrics::MetricsInfo;
+
+/// Text the simulated model "generates", cycled token by token.
+const FILLER_TEXT: &str = " the quick brown fox jumps over the lazy dog and keeps running";
+
+/// Shared by all handlers.
+#[derive(Debug)]
+pub(crate) struct AppState {
+    pub(crate) engine: Arc<Engine>,
+    pub(crate) tokenizer: Arc<ModelTokenizer>,
+    pub(crate) model_name: String,
+    pub(crate) model_root: String,
+    pub(crate) default_max_tokens: usize,
+    pub(crate) metrics: MetricsInfo,
+    filler: Vec<(u32, String)>,
+    created: u64,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub(crate) fn new(
+        engine: Arc<Engine>,
+        tokenizer: Arc<ModelTokenizer>,
+        model_name: String,
+        model_root: String,
+        default_max_tokens: usize,
+        metrics: MetricsInfo,
+    ) -> Result<Self, kvroute_tokenize::TokenizeError> {
+        let filler = tokenizer
+            .encode_prompt(FILLER_TEXT, false)?
+            .into_iter()
+            .map(|id| Ok((id, tokenizer.decode(&[id], false)?)))
+            .collect::<Result<Vec<_>, kvroute_tokenize::TokenizeError>>()?;
+        Ok(Self {
+            engine,
+            tokenizer,
+            model_name,
+            model_root,
+            default_max_tokens,
+            metrics,
+            filler,
+            created: unix_seconds(),
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    fn request_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:016x}{n:016x}", self.created)
+    }
+
+    fn filler(&self, k: usize) -> &(u32, String) {
+        &self.filler[k % self.filler.len()]
+    }
+}
+
+/// The router over `state`.
+pub(crate) fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/metrics", get(metrics))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/debug/blocks", get(debug_blocks))
+        .with_state(state)
+}
+
+/// An OpenAI-style error response as vLLM writes it.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self { status: StatusCode::BAD_REQUEST, message: message.into() }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = match self.status {
+            StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::BAD_REQUEST => "BadRequestError",
+            _ => "InternalServerError",
+        };
+        let body = json!({"error": {"message": self.message, "type": kind, "param": null,
+            "code": self.status.as_u16()}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::ShuttingDown => {
+                Self { status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string() }
+            }
+            _ => Self::bad_request(e.to_string()),
+        }
+    }
+}
+
+impl From<kvroute_tokenize::TokenizeError> for ApiError {
+    fn from(e: kvroute_tokenize::TokenizeError) -> Self {
+        let status =
+            if e.is_bad_input() { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
+        // `{:#}`-style chain: the template's own message is in the source.
+        let mut message = e.to_string();
+        let mut source = std::error::Error::source(&e);
+        while let Some(cause) = source {
+            message = format!("{message}: {cause}");
+            source = cause.source();
+        }
+        Self { status, message }
+    }
+}
+
+/// Parses a JSON body ourselves so malformed input gets vLLM's 400 shape, not axum's.
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
+}
+
+/// `prompt`: a string or token ids, or a batch of exactly one of those.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+impl PromptInput {
+    fn encode(self, tokenizer: &ModelTokenizer, add_special: bool) -> Result<Vec<u32>, ApiError> {
+        match self {
+            PromptInput::Text(text) => Ok(tokenizer.encode_prompt(&text, add_special)?),
+            PromptInput::Tokens(ids) => Ok(ids),
+            PromptInput::Texts(mut texts) if texts.len() == 1 => {
+                Ok(tokenizer.encode_prompt(&texts.remove(0), add_special)?)
+            }
+            PromptInput::TokenLists(mut lists) if lists.len() == 1 => Ok(lists.remove(0)),
+            _ => Err(ApiError::bad_request("batched prompts are not supported by the simulator")),
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    model: Option<String>,
+    prompt: PromptInput,
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    add_special_tokens: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    model: Option<String>,
+    messages: Value,
+    max_tokens: Option<usize>,
+    max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    add_generation_prompt: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    model: Option<String>,
+    prompt: Option<PromptInput>,
+    messages: Option<Value>,
+    add_special_tokens: Option<bool>,
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    return_token_strs: bool,
+}
+
+fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(name) if name != state.model_name => Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{name}` does not exist."),
+        }),
+        _ => Ok(()),
+    }
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "vllm",
+        "root": state.model_root, "parent": null,
+        "max_model_len": state.engine.geometry().max_model_len,
+        "permission": [],
+    }]}))
+}
+
+async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let request: TokenizeRequest = parse(&body)?;
+    check_model(&state, request.model.as_deref())?;
+    let tokens = match (request.prompt, request.messages) {
+        (Some(prompt), None) => {
+            prompt.encode(&state.tokenizer, request.add_special_tokens.unwrap_or(true))?
+        }
+        (None, Some(messages)) => {
+            let text = state
+                .tokenizer
+                .render_chat(&messages, request.add_generation_prompt.unwrap_or(true))?;
+            // vLLM's TokenizeChatRequest defaults add_special_tokens to false.
+            state.tokenizer.encode_prompt(&text, request.add_special_tokens.unwrap_or(false))?
+        }
+        _ => return Err(ApiError::bad_request("give exactly one of prompt or messages")),
+    };
+    let token_strs = request.return_token_strs.then(|| {
+        tokens.iter().map(|&id| state.tokenizer.id_to_token(id).unwrap_or_default()).collect::<Vec<_>>()
+    });
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": state.engine.geometry().max_model_len,
+        "tokens": tokens,
+        "token_strs": token_strs,
+    })))
+}
+
+/// Which OpenAI endpoint a generation answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    let request: CompletionRequest = parse(&body)?;
+    check_model(&state, request.model.as_deref())?;
+    let prompt = request.prompt.encode(&state.tokenizer, request.add_special_tokens.unwrap_or(true))?;
+    let max_tokens = request.max_tokens.unwrap_or(state.default_max_tokens);
+    let include_usage = request.stream_options.unwrap_or_default().include_usage;
+    generate(state, Kind::Completion, prompt, max_tokens, request.stream, include_usage).await
+}
+
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let request: ChatRequest = parse(&body)?;
+    check_model(&state, request.model.as_deref())?;
+    let generation_prompt = request.add_generation_prompt.unwrap_or(true);
+    let prompt = state.tokenizer.encode_chat(&request.messages, generation_prompt)?;
+    let max_tokens = request
+        .max_completion_tokens
+        .or(request.max_tokens)
+        .unwrap_or(state.default_max_tokens);
+    let include_usage = request.stream_options.unwrap_or_default().include_usage;
+    generate(state, Kind::Chat, prompt, max_tokens, request.stream, include_usage).await
+}
+
+async fn generate(
+    state: Arc<AppState>,
+    kind: Kind,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    stream: bool,
+    include_usage: bool,
+) -> Result<Response, ApiError> {
+    let sequence = state.engine.start(prompt, max_tokens).await?;
+    let id = state.request_id(if kind == Kind::Chat { "chatcmpl" } else { "cmpl" });
+    let mut generation = Generation { state, kind, id, sequence, include_usage, phase: Phase::Start };
+    if stream {
+        let events = futures::stream::unfold(generation, |mut generation| async move {
+            let event = generation.next_event().await?;
+            Some((Ok::<_, Infallible>(Bytes::from(event)), generation))
+        });
+        return Ok((
+            [(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")],
+            Body::from_stream(events),
+        )
+            .into_response());
+    }
+    Ok(Json(generation.run_to_end().await).into_response())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Start,
+    Tokens,
+    Usage,
+    Done,
+    End,
+}
+
+/// One request's output, as a whole body or as SSE events.
+struct Generation {
+    state: Arc<AppState>,
+    kind: Kind,
+    id: String,
+    sequence: Sequence,
+    include_usage: bool,
+    phase: Phase,
+}
+
+impl Generation {
+    async fn next_text(&mut self) -> Option<String> {
+        let (token, text) = self.state.filler(self.sequence.generated()).clone();
+        self.sequence.next_token(token).await?;
+        Some(text)
+    }
+
+    fn usage(&self) -> Value {
+        let prompt = self.sequence.prompt_len();
+        let completion = self.sequence.generated();
+        json!({"prompt_tokens": prompt, "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": self.sequence.cached_tokens()}})
+    }
+
+    async fn run_to_end(&mut self) -> Value {
+        let mut text = String::new();
+        while let Some(piece) = self.next_text().await {
+            text.push_str(&piece);
+        }
+        let state = &self.state;
+        match self.kind {
+            Kind::Completion => json!({
+                "id": self.id, "object": "text_completion", "created": unix_seconds(),
+                "model": state.model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length",
+                    "stop_reason": null, "prompt_logprobs": null}],
+                "usage": self.usage(), "service_tier": null, "system_fingerprint": null,
+                "kv_transfer_params": null,
+            }),
+            Kind::Chat => json!({
+                "id": self.id, "object": "chat.completion", "created": unix_seconds(),
+                "model": state.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
+                    "refusal": null, "annotations": null, "audio": null, "function_call": null,
+                    "tool_calls": [], "reasoning_content": null},
+                    "logprobs": null, "finish_reason": "length", "stop_reason": null}],
+                "service_tier": null, "system_fingerprint": null, "usage": self.usage(),
+                "prompt_logprobs": null, "kv_transfer_params": null,
+            }),
+        }
+    }
+
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> String {
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        let mut chunk = json!({"id": self.id, "object": object, "created": unix_seconds(),
+            "model": self.state.model_name, "choices": choices});
+        if let (Some(usage), Some(map)) = (usage, chunk.as_object_mut()) {
+            map.insert("usage".to_owned(), usage);
+        }
+        format!("data: {chunk}\n\n")
+    }
+
+    /// The next SSE event of vLLM's stream: (chat only) a role delta, one chunk per token with
+    /// `finish_reason` on the last, an optional usage chunk with no choices, then `[DONE]`.
+    async fn next_event(&mut self) -> Option<String> {
+        loop {
+            match self.phase {
+                Phase::Start => {
+                    self.phase = Phase::Tokens;
+                    if self.kind == Kind::Chat {
+                        let delta = json!([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": null, "finish_reason": null}]);
+                        return Some(self.chunk(delta, None));
+                    }
+                }
+                Phase::Tokens => {
+                    let Some(text) = self.next_text().await else {
+                        self.phase = Phase::Usage;
+                        continue;
+                    };
+                    let finish = (self.sequence.remaining() == 0).then_some("length");
+                    let choice = match self.kind {
+                        Kind::Completion => json!([{"index": 0, "text": text, "logprobs": null,
+                            "finish_reason": finish, "stop_reason": null}]),
+                        Kind::Chat => json!([{"index": 0, "delta": {"content": text},
+                            "logprobs": null, "finish_reason": finish}]),
+                    };
+                    return Some(self.chunk(choice, None));
+                }
+                Phase::Usage => {
+                    self.sequence.finish();
+                    self.phase = Phase::Done;
+                    if self.include_usage {
+                        return Some(self.chunk(json!([]), Some(self.usage())));
+                    }
+                }
+                Phase::Done => {
+                    self.phase = Phase::End;
+                    return Some("data: [DONE]\n\n".to_owned());
+                }
+                Phase::End => return None,
+            }
+        }
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let text = state.metrics.render(&state.engine, &state.model_name);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({"success": state.engine.reset_prefix_cache()}))
+}
+
+async fn debug_blocks(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let geometry = state.engine.geometry();
+    Json(json!({
+        "block_size": geometry.block_size,
+        "num_blocks": geometry.num_blocks,
+        "blocks": state.engine.held_blocks(),
+    }))
+}
+
+fn unix_seconds() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}

@@ -1,0 +1,295 @@
+//! Simulator configuration: command-line flags named like `vllm serve`'s, validated into [`SimConfig`].
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvroute_block_keys::HashAlgo;
+use kvroute_index::wire::{Encoding, HashForm, Schema};
+
+const DEFAULT_MODEL_NAME: &str = "tiny";
+const DEFAULT_HOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+const DEFAULT_BLOCK_SIZE: usize = 32;
+const DEFAULT_NUM_BLOCKS: usize = 128;
+const DEFAULT_MAX_MODEL_LEN: usize = 2048;
+const DEFAULT_MAX_NUM_SEQS: usize = 256;
+const DEFAULT_MAX_TOKENS: usize = 16;
+const DEFAULT_TTFT_OVERHEAD_MS: f64 = 5.0;
+const DEFAULT_PREFILL_US_PER_TOKEN: f64 = 50.0;
+const DEFAULT_DECODE_MS_PER_TOKEN: f64 = 10.0;
+const DEFAULT_KV_EVENTS_BUFFER_STEPS: usize = 10_000;
+const DEFAULT_KV_EVENTS_QUEUE: usize = 100_000;
+
+/// Command-line flags (`kvroute-engine-sim --help`).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "kvroute-engine-sim", about = "A vLLM-compatible engine simulator (one replica)")]
+pub struct SimArgs {
+    /// Model folder with tokenizer.json and tokenizer_config.json.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Name served in the OpenAI API (`model` of requests).
+    #[arg(long, default_value = DEFAULT_MODEL_NAME)]
+    pub served_model_name: String,
+    /// HTTP listen address (also used for `*` in ZMQ endpoints).
+    #[arg(long, default_value_t = DEFAULT_HOST)]
+    pub host: IpAddr,
+    /// HTTP port; 0 picks a free one (see `--ready-file`).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
+    pub block_size: usize,
+    /// Usable KV blocks (vLLM's `--num-gpu-blocks-override` minus its null block).
+    #[arg(long, default_value_t = DEFAULT_NUM_BLOCKS)]
+    pub num_blocks: usize,
+    /// Longest prompt plus output accepted.
+    #[arg(long, default_value_t = DEFAULT_MAX_MODEL_LEN)]
+    pub max_model_len: usize,
+    /// Most requests running at once; more wait in FIFO order.
+    #[arg(long, default_value_t = DEFAULT_MAX_NUM_SEQS)]
+    pub max_num_seqs: usize,
+    /// `--prefix-caching-hash-algo`.
+    #[arg(long, default_value = "sha256")]
+    pub prefix_caching_hash_algo: String,
+    /// vLLM's `PYTHONHASHSEED` (unset: vLLM 0.29+'s fixed default for sha256 algorithms).
+    #[arg(long)]
+    pub python_hash_seed: Option<String>,
+    /// vLLM's `--kv-events-config` JSON (`enable_kv_cache_events`, `endpoint`, `replay_endpoint`,
+    /// `topic`, `buffer_steps`, ...). Endpoint `*` means `--host`.
+    #[arg(long)]
+    pub kv_events_config: Option<String>,
+    /// Event encoding: `map` (vLLM 0.30–0.32, the default) or `array` (tagged arrays, 0.22–0.23).
+    #[arg(long, default_value = "map")]
+    pub kv_events_encoding: String,
+    /// Publish full digests as bytes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+    #[arg(long)]
+    pub kv_events_bytes_hashes: bool,
+    /// Data-parallel rank carried in every batch.
+    #[arg(long, default_value_t = 0)]
+    pub data_parallel_rank: u32,
+    /// `max_tokens` when a request gives none.
+    #[arg(long, default_value_t = DEFAULT_MAX_TOKENS)]
+    pub default_max_tokens: usize,
+    /// Fixed part of the time to first token, milliseconds.
+    #[arg(long, default_value_t = DEFAULT_TTFT_OVERHEAD_MS)]
+    pub ttft_overhead_ms: f64,
+    /// Prefill cost per uncached prompt token, microseconds (prefills run one at a time).
+    #[arg(long, default_value_t = DEFAULT_PREFILL_US_PER_TOKEN)]
+    pub prefill_us_per_token: f64,
+    /// Time per output token after the first, milliseconds.
+    #[arg(long, default_value_t = DEFAULT_DECODE_MS_PER_TOKEN)]
+    pub decode_ms_per_token: f64,
+    /// Multiplies every modelled duration (0 = instant; tests use small values).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Where to write `{"http": ..., "kv_events": ..., "replay": ...}` once bound.
+    #[arg(long)]
+    pub ready_file: Option<PathBuf>,
+}
+
+/// vLLM's `KVEventsConfig` fields the simulator honours.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(default)]
+struct RawKvEventsConfig {
+    enable_kv_cache_events: bool,
+    publisher: Option<String>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+    buffer_steps: usize,
+    hwm: usize,
+    max_queue_size: usize,
+    topic: String,
+}
+
+impl Default for RawKvEventsConfig {
+    fn default() -> Self {
+        Self {
+            enable_kv_cache_events: false,
+            publisher: None,
+            endpoint: "tcp://*:5557".to_owned(),
+            replay_endpoint: None,
+            buffer_steps: DEFAULT_KV_EVENTS_BUFFER_STEPS,
+            hwm: 100_000,
+            max_queue_size: DEFAULT_KV_EVENTS_QUEUE,
+            topic: String::new(),
+        }
+    }
+}
+
+/// Validated simulator configuration.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Model folder.
+    pub model_dir: PathBuf,
+    /// Served model name.
+    pub model_name: String,
+    /// HTTP listen address.
+    pub http_addr: SocketAddr,
+    /// KV cache geometry and scheduling limits.
+    pub cache: CacheGeometry,
+    /// Hash algorithm and seed.
+    pub hash_algo: HashAlgo,
+    /// `PYTHONHASHSEED`.
+    pub python_hash_seed: Option<String>,
+    /// KV event publishing, when enabled.
+    pub kv_events: Option<KvEventsConfig>,
+    /// Timing model.
+    pub timing: Timing,
+    /// `max_tokens` default.
+    pub default_max_tokens: usize,
+    /// Ready file.
+    pub ready_file: Option<PathBuf>,
+}
+
+/// Blocks and admission limits.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheGeometry {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Usable blocks.
+    pub num_blocks: usize,
+    /// Longest prompt + output.
+    pub max_model_len: usize,
+    /// Most running requests.
+    pub max_num_seqs: usize,
+}
+
+/// Where and how KV events are published.
+#[derive(Debug, Clone)]
+pub struct KvEventsConfig {
+    /// PUB endpoint (`*` already replaced by the host).
+    pub endpoint: String,
+    /// Bind the PUB socket (vLLM's rule, [`binds`]) rather than connect it.
+    pub bind_pub: bool,
+    /// ROUTER replay endpoint, always bound.
+    pub replay_endpoint: Option<String>,
+    /// Frame-0 topic.
+    pub topic: String,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// Batches queued for the publisher before new ones are dropped (and counted).
+    pub max_queue_size: usize,
+    /// Payload encoding.
+    pub encoding: Encoding,
+    /// `data_parallel_rank` of every batch.
+    pub dp_rank: u32,
+}
+
+/// The timing model, already scaled by `time_scale`.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Fixed part of TTFT.
+    pub ttft_overhead: Duration,
+    /// Prefill per uncached prompt token.
+    pub prefill_per_token: Duration,
+    /// Per output token after the first.
+    pub decode_per_token: Duration,
+}
+
+/// A flag value that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid --{flag} {value:?}: {reason}")]
+pub struct ConfigError {
+    /// The flag.
+    pub flag: &'static str,
+    /// Its value.
+    pub value: String,
+    /// Why.
+    pub reason: String,
+}
+
+impl ConfigError {
+    fn new(flag: &'static str, value: impl ToString, reason: impl ToString) -> Self {
+        Self { flag, value: value.to_string(), reason: reason.to_string() }
+    }
+
+    /// Metric label value.
+    pub fn as_label(&self) -> &'static str {
+        "invalid_flag"
+    }
+}
+
+impl TryFrom<SimArgs> for SimConfig {
+    type Error = ConfigError;
+
+    fn try_from(args: SimArgs) -> Result<Self, ConfigError> {
+        let positive = |flag: &'static str, value: usize| {
+            if value == 0 { Err(ConfigError::new(flag, value, "must be > 0")) } else { Ok(value) }
+        };
+        let cache = CacheGeometry {
+            block_size: positive("block-size", args.block_size)?,
+            num_blocks: positive("num-blocks", args.num_blocks)?,
+            max_model_len: positive("max-model-len", args.max_model_len)?,
+            max_num_seqs: positive("max-num-seqs", args.max_num_seqs)?,
+        };
+        let hash_algo: HashAlgo = args
+            .prefix_caching_hash_algo
+            .parse()
+            .map_err(|e| ConfigError::new("prefix-caching-hash-algo", &args.prefix_caching_hash_algo, e))?;
+        let duration = |flag: &'static str, value: f64, unit: f64| {
+            let seconds = value * unit * args.time_scale;
+            Duration::try_from_secs_f64(seconds).map_err(|e| ConfigError::new(flag, value, e))
+        };
+        if !(args.time_scale.is_finite() && args.time_scale >= 0.0) {
+            return Err(ConfigError::new("time-scale", args.time_scale, "must be >= 0"));
+        }
+        let timing = Timing {
+            ttft_overhead: duration("ttft-overhead-ms", args.ttft_overhead_ms, 1e-3)?,
+            prefill_per_token: duration("prefill-us-per-token", args.prefill_us_per_token, 1e-6)?,
+            decode_per_token: duration("decode-ms-per-token", args.decode_ms_per_token, 1e-3)?,
+        };
+        let kv_events = args
+            .kv_events_config
+            .as_deref()
+            .map(|json| kv_events_config(json, &args))
+            .transpose()?
+            .flatten();
+        Ok(SimConfig {
+            model_dir: args.model,
+            model_name: args.served_model_name,
+            http_addr: SocketAddr::new(args.host, args.port),
+            cache,
+            hash_algo,
+            python_hash_seed: args.python_hash_seed,
+            kv_events,
+            timing,
+            default_max_tokens: args.default_max_tokens,
+            ready_file: args.ready_file,
+        })
+    }
+}
+
+fn kv_events_config(json: &str, args: &SimArgs) -> Result<Option<KvEventsConfig>, ConfigError> {
+    let raw: RawKvEventsConfig = serde_json::from_str(json)
+        .map_err(|e| ConfigError::new("kv-events-config", json, e))?;
+    if !raw.enable_kv_cache_events || raw.publisher.as_deref() == Some("null") {
+        return Ok(None);
+    }
+    let _ = raw.hwm; // accepted for vLLM compatibility; the PUB socket has its own queue
+    let host = args.host.to_string();
+    let resolve = |endpoint: &str| endpoint.replacen('*', &host, 1);
+    let schema = match args.kv_events_encoding.as_str() {
+        "map" => Schema::S11,
+        "array" => Schema::S7,
+        other => return Err(ConfigError::new("kv-events-encoding", other, "expected map or array")),
+    };
+    let hashes = if args.kv_events_bytes_hashes { HashForm::Bytes } else { HashForm::Uint };
+    Ok(Some(KvEventsConfig {
+        endpoint: resolve(&raw.endpoint),
+        bind_pub: binds(&raw.endpoint),
+        replay_endpoint: raw.replay_endpoint.as_deref().map(resolve),
+        topic: raw.topic,
+        buffer_steps: raw.buffer_steps.max(1),
+        max_queue_size: raw.max_queue_size.max(1),
+        encoding: Encoding { schema, hashes },
+        dp_rank: args.data_parallel_rank,
+    }))
+}
+
+/// vLLM's rule (`ZmqEventPublisher._socket_setup`): bind on wildcards and local transports.
+pub fn binds(endpoint: &str) -> bool {
+    endpoint.contains('*')
+        || endpoint.contains("::")
+        || endpoint.starts_with("ipc://")
+        || endpoint.starts_with("inproc://")
+}

@@ -1,0 +1,242 @@
+//! `kvroute-engine-sim`: one simulated vLLM replica, faithful on the wire.
+//!
+//! - OpenAI API, `/tokenize`, `/metrics`, `/health`, `/reset_prefix_cache` in vLLM's shapes
+//!   ([`api`]), tokenizing with the shared [`kvroute_tokenize`] exactly as vLLM does.
+//! - A KV block pool with vLLM's prefix-caching semantics ([`cache`]) hashed with vLLM's chain
+//!   ([`kvroute_block_keys::VllmHasher`], same algorithm/seed options as the index).
+//! - KV events encoded by [`kvroute_index::wire::encode_batch`] (vLLM 0.32 `type` maps, or the
+//!   older tagged arrays) and published by [`kvroute_index::testing::MockVllmPublisher`]
+//!   (PUB bind/connect by vLLM's rule, 3 frames, seq from 0, ROUTER replay).
+//! - A timing model with a time-scale knob ([`engine`]).
+//! - `GET /debug/blocks`: the blocks it holds, as published u64 hashes, to compare with an index.
+//!
+//! Lifecycle: [`EngineSim::start`] binds everything (port 0 allowed) and returns the real
+//! addresses; [`EngineSim::shutdown`] stops serving. The binary prints them as one JSON line and
+//! writes them to `--ready-file` ([`ReadyInfo`]) for process harnesses.
+
+mod api;
+mod cache;
+mod config;
+mod engine;
+mod metrics;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use kvroute_block_keys::VllmHasher;
+use kvroute_index::event::EventBatch;
+use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher, PubMode, ReplayLayout};
+use kvroute_index::wire::{self, Encoding};
+use kvroute_tokenize::ModelTokenizer;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use cache::{Allocation, BlockId, HeldBlock, KvCache};
+pub use config::{CacheGeometry, ConfigError, KvEventsConfig, SimArgs, SimConfig, Timing, binds};
+pub use engine::{Engine, EngineError, EventSink, Sequence};
+
+/// Why the simulator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// Bad flags.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The model folder cannot be loaded.
+    #[error("cannot load the tokenizer")]
+    Tokenizer(#[from] kvroute_tokenize::TokenizeError),
+    /// Hash settings rejected.
+    #[error("invalid hash settings")]
+    Hash(#[from] kvroute_block_keys::KeyError),
+    /// The HTTP listener could not bind.
+    #[error("cannot bind {addr}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The ZMQ sockets could not be opened.
+    #[error("cannot open the KV event sockets")]
+    Zmq(#[from] zeromq::ZmqError),
+}
+
+impl SimError {
+    /// Metric label value.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            SimError::Config(_) => "config",
+            SimError::Tokenizer(_) => "tokenizer",
+            SimError::Hash(_) => "hash",
+            SimError::Bind { .. } => "bind",
+            SimError::Zmq(_) => "zmq",
+        }
+    }
+}
+
+/// The bound addresses, as printed and written to `--ready-file`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ReadyInfo {
+    /// HTTP address (`host:port`).
+    pub http: SocketAddr,
+    /// Bound PUB endpoint with its real port (`None` when events are off or the PUB connects).
+    pub kv_events: Option<String>,
+    /// Bound replay ROUTER endpoint.
+    pub replay: Option<String>,
+}
+
+/// A running simulator.
+#[derive(Debug)]
+pub struct EngineSim {
+    ready: ReadyInfo,
+    cancel: CancellationToken,
+    tasks: TaskTracker,
+    dropped_batches: Arc<AtomicU64>,
+}
+
+impl EngineSim {
+    /// Loads the model, opens the event sockets and the HTTP listener, and starts serving.
+    pub async fn start(config: SimConfig) -> Result<Self, SimError> {
+        let tokenizer = Arc::new(ModelTokenizer::from_dir(&config.model_dir)?);
+        let hasher = VllmHasher::new(config.hash_algo, config.python_hash_seed.as_deref())?;
+        let cancel = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        let dropped_batches = Arc::new(AtomicU64::new(0));
+
+        let (sink, kv_events, replay) = match &config.kv_events {
+            Some(events) => {
+                let publisher = MockVllmPublisher::start(MockPublisherConfig {
+                    endpoint: events.endpoint.clone(),
+                    mode: if events.bind_pub { PubMode::Bind } else { PubMode::Connect },
+                    replay_endpoint: events.replay_endpoint.clone(),
+                    topic: events.topic.clone(),
+                    buffer_steps: events.buffer_steps,
+                    replay_layout: if events.encoding.schema.uses_maps() {
+                        ReplayLayout::Current
+                    } else {
+                        ReplayLayout::Legacy
+                    },
+                })
+                .await?;
+                let kv = publisher.pub_endpoint().map(str::to_owned);
+                let replay = publisher.replay_endpoint().map(str::to_owned);
+                let (tx, rx) = mpsc::channel(events.max_queue_size);
+                tasks.spawn(publish_loop(publisher, rx, cancel.clone()));
+                let sink = event_sink(tx, events.encoding, events.dp_rank, Arc::clone(&dropped_batches));
+                (Some(sink), kv, replay)
+            }
+            None => (None, None, None),
+        };
+
+        let engine = Arc::new(Engine::new(config.cache, config.timing, hasher, sink));
+        let info = metrics::MetricsInfo {
+            engine: "0".to_owned(),
+            hash_algo: config.hash_algo.to_string(),
+            created: unix_now(),
+        };
+        let state = api::AppState::new(
+            engine,
+            tokenizer,
+            config.model_name.clone(),
+            config.model_dir.display().to_string(),
+            config.default_max_tokens,
+            info,
+        )?;
+        let listener = tokio::net::TcpListener::bind(config.http_addr)
+            .await
+            .map_err(|source| SimError::Bind { addr: config.http_addr, source })?;
+        let http = listener
+            .local_addr()
+            .map_err(|source| SimError::Bind { addr: config.http_addr, source })?;
+        let app = api::router(Arc::new(state));
+        let shutdown = cancel.clone();
+        tasks.spawn(async move {
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await;
+            if let Err(error) = served {
+                tracing::error!(%error, "http server failed");
+            }
+        });
+        tasks.close();
+        Ok(Self { ready: ReadyInfo { http, kv_events, replay }, cancel, tasks, dropped_batches })
+    }
+
+    /// The bound addresses.
+    pub fn ready_info(&self) -> &ReadyInfo {
+        &self.ready
+    }
+
+    /// Base URL of the HTTP API.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.ready.http)
+    }
+
+    /// Event batches dropped because the publisher fell `max_queue_size` behind.
+    pub fn dropped_batches(&self) -> u64 {
+        self.dropped_batches.load(Ordering::Relaxed)
+    }
+
+    /// Resolves when shutdown was requested.
+    pub async fn cancelled(&self) {
+        self.cancel.cancelled().await;
+    }
+
+    /// Stops accepting, lets in-flight responses finish and closes the sockets.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        self.tasks.wait().await;
+    }
+}
+
+impl Drop for EngineSim {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// Encodes each step's events at once (so `ts` is the step time) and queues them in order.
+fn event_sink(
+    tx: mpsc::Sender<Bytes>,
+    encoding: Encoding,
+    dp_rank: u32,
+    dropped: Arc<AtomicU64>,
+) -> EventSink {
+    Box::new(move |events| {
+        let batch = EventBatch { ts: unix_now(), dp_rank: Some(dp_rank), events };
+        let payload = Bytes::from(wire::encode_batch(&batch, encoding));
+        if tx.try_send(payload).is_err() {
+            dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("kv event queue full or closed; batch dropped");
+        }
+    })
+}
+
+async fn publish_loop(
+    publisher: MockVllmPublisher,
+    mut batches: mpsc::Receiver<Bytes>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let payload = tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            payload = batches.recv() => match payload {
+                Some(payload) => payload,
+                None => break,
+            },
+        };
+        if let Err(error) = publisher.publish(payload).await {
+            tracing::warn!(%error, "kv event publish failed");
+        }
+    }
+    publisher.shutdown().await;
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}

