@@ -1,4 +1,8 @@
 //! Hashing a 1,000-block prompt (block size 16) with each key scheme.
+#![expect(
+    clippy::unwrap_used,
+    reason = "benchmark setup: any failure should abort the run"
+)]
 
 use std::hint::black_box;
 
@@ -60,7 +64,14 @@ fn bench_block_parts(c: &mut Criterion) {
             })
         });
         group.bench_function(format!("{algo}_serialize_and_hash"), |b| {
-            b.iter(|| black_box(hasher.hash_block_with(&mut scratch, Some(&parent), black_box(block), None)))
+            b.iter(|| {
+                black_box(hasher.hash_block_with(
+                    &mut scratch,
+                    Some(&parent),
+                    black_box(block),
+                    None,
+                ))
+            })
         });
     }
     group.finish();

@@ -68,7 +68,10 @@ impl HashAlgo {
 
     /// Whether the hashed tuple is serialized as canonical CBOR (else pickle protocol 5).
     pub(crate) fn uses_cbor(self) -> bool {
-        matches!(self, Self::Sha256Cbor | Self::XxhashCbor | Self::Sha256Cbor64Bit)
+        matches!(
+            self,
+            Self::Sha256Cbor | Self::XxhashCbor | Self::Sha256Cbor64Bit
+        )
     }
 
     /// Whether the chained parent is a Python int (legacy releases) rather than `bytes`.

@@ -65,7 +65,9 @@ impl Digest {
 impl fmt::Display for Digest {
     /// Lowercase hex, as Python's `bytes.hex()`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.as_bytes().iter().try_for_each(|b| write!(f, "{b:02x}"))
+        self.as_bytes()
+            .iter()
+            .try_for_each(|b| write!(f, "{b:02x}"))
     }
 }
 

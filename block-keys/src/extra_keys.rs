@@ -40,7 +40,9 @@ impl ExtraKeysEra {
         let mut parts = version.trim_start_matches('v').split('.');
         let mut number = || -> Result<u32, KeyError> {
             let part = parts.next().ok_or_else(bad)?;
-            let digits = part.find(|c: char| !c.is_ascii_digit()).unwrap_or(part.len());
+            let digits = part
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(part.len());
             part[..digits].parse().map_err(|_| bad())
         };
         let (major, minor) = (number()?, number()?);
@@ -167,11 +169,17 @@ mod tests {
         };
         let era = ExtraKeysEra::V0_11_1To0_30;
         let keys = ExtraKeys::new(era, Some(&lora), Some("t")).unwrap();
-        assert_eq!(keys.for_block(0), Some(&HashValue::Tuple(vec![s("Alice"), s("t")])));
+        assert_eq!(
+            keys.for_block(0),
+            Some(&HashValue::Tuple(vec![s("Alice"), s("t")]))
+        );
         assert_eq!(keys.for_block(5), Some(&HashValue::Tuple(vec![s("Alice")])));
         let salt_only = ExtraKeys::new(era, None, Some("t")).unwrap();
         assert_eq!(salt_only.for_block(1), None);
-        assert_eq!(ExtraKeys::new(era, None, Some("")).unwrap(), ExtraKeys::NONE);
+        assert_eq!(
+            ExtraKeys::new(era, None, Some("")).unwrap(),
+            ExtraKeys::NONE
+        );
     }
 
     #[test]

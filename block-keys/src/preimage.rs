@@ -149,19 +149,17 @@ pub(crate) mod cbor {
         len_head(out, MAJOR_ARRAY, block.tokens.len());
         out.reserve(block.tokens.len() * 5 + 1);
         for &t in block.tokens {
-            // `head(out, MAJOR_UINT, t)`, unrolled for the hot loop.
-            let (bytes, len) = match t {
-                0..24 => ([t as u8, 0, 0, 0, 0], 1),
-                24..0x100 => ([24, t as u8, 0, 0, 0], 2),
-                0x100..0x1_0000 => {
-                    let [a, b] = (t as u16).to_be_bytes();
-                    ([25, a, b, 0, 0], 3)
-                }
-                _ => {
-                    let [a, b, c, d] = t.to_be_bytes();
-                    ([26, a, b, c, d], 5)
-                }
+            // `head(out, MAJOR_UINT, t)` without data-dependent branches: token ids straddle the
+            // width boundaries at random, and mispredictions dominated this loop.
+            let class = usize::from(t >= 24) + usize::from(t >= 0x100) + usize::from(t >= 0x1_0000);
+            let payload_len = [0, 1, 2, 4][class];
+            let initial = if class == 0 {
+                t as u8
+            } else {
+                23 + class as u8
             };
+            let [_, _, _, _, a, b, c, d] = (u64::from(t) << (8 * (4 - payload_len))).to_be_bytes();
+            let (bytes, len) = ([initial, a, b, c, d], 1 + payload_len);
             push_prefix(out, bytes, len);
         }
         match block.extra {
@@ -322,21 +320,17 @@ pub(crate) mod pickle {
             }
             self.out.reserve(worst);
             for &t in tokens {
-                let (bytes, len) = match t {
-                    0..0x100 => ([BININT1, t as u8, 0, 0, 0], 2),
-                    0x100..0x1_0000 => {
-                        let [a, b] = (t as u16).to_le_bytes();
-                        ([BININT2, a, b, 0, 0], 3)
-                    }
-                    0x1_0000..0x8000_0000 => {
-                        let [a, b, c, d] = t.to_le_bytes();
-                        ([BININT, a, b, c, d], 5)
-                    }
-                    _ => {
-                        self.int(i64::from(t));
-                        continue;
-                    }
-                };
+                if t > i32::MAX as u32 {
+                    self.int(i64::from(t));
+                    continue;
+                }
+                // BININT1/BININT2/BININT picked without data-dependent branches (see CBOR).
+                let class = usize::from(t >= 0x100) + usize::from(t >= 0x1_0000);
+                let [a, b, c, d] = t.to_le_bytes();
+                let (bytes, len) = (
+                    [[BININT1, BININT2, BININT][class], a, b, c, d],
+                    [2, 3, 5][class],
+                );
                 push_prefix(self.out, bytes, len);
             }
         }
@@ -479,7 +473,11 @@ mod tests {
         hex::encode(out)
     }
 
-    fn pickled_block_sha256(parent: Parent<'_>, tokens: &[u32], extra: Option<&HashValue>) -> String {
+    fn pickled_block_sha256(
+        parent: Parent<'_>,
+        tokens: &[u32],
+        extra: Option<&HashValue>,
+    ) -> String {
         let mut out = Vec::new();
         pickle::block(
             &mut out,
@@ -557,7 +555,10 @@ mod tests {
         pickle::block(&mut out, &block);
         assert_eq!(
             hex::encode(&out),
-            format!("8005952b000000000000008a21{}80004b0185944e87942e", "11".repeat(31))
+            format!(
+                "8005952b000000000000008a21{}80004b0185944e87942e",
+                "11".repeat(31)
+            )
         );
         out.clear();
         big[0] = 0x7f;
@@ -569,7 +570,30 @@ mod tests {
         pickle::block(&mut out, &block);
         assert_eq!(
             hex::encode(&out),
-            format!("8005952a000000000000008a20{}7f4b0185944e87942e", "11".repeat(31))
+            format!(
+                "8005952a000000000000008a20{}7f4b0185944e87942e",
+                "11".repeat(31)
+            )
+        );
+    }
+
+    #[test]
+    fn pickle_token_ids_of_every_width() {
+        let mut out = Vec::new();
+        let parent = [1u8; 32];
+        let block = BlockTuple {
+            parent: Parent::Bytes(&parent),
+            tokens: &[1 << 31, u32::MAX, 5, 300, 70_000],
+            extra: None,
+        };
+        pickle::block(&mut out, &block);
+        assert_eq!(
+            hex::encode(&out),
+            format!(
+                "80059542000000000000004320{}94288a0500000080008a05ffffffff004b054d2c01\
+                 4a7011010074944e87942e",
+                "01".repeat(32)
+            )
         );
     }
 
@@ -578,9 +602,18 @@ mod tests {
     fn pickle_frames_split_like_cpython() {
         let parent = [1u8; 32];
         for (len, expected) in [
-            (13099, "d95b0d479eb0d0f74bba44d8f82b9b4faf15e66dd0bc4c48067d49fdbe799ce4"),
-            (13100, "ebcd8f518ef1658a7b5e8e5aeac4995860d055091eaa2e261957732de9d18460"),
-            (13101, "9a91609490e029be79785b2020373ba611b5f6c350fe2696f252938382c99521"),
+            (
+                13099,
+                "d95b0d479eb0d0f74bba44d8f82b9b4faf15e66dd0bc4c48067d49fdbe799ce4",
+            ),
+            (
+                13100,
+                "ebcd8f518ef1658a7b5e8e5aeac4995860d055091eaa2e261957732de9d18460",
+            ),
+            (
+                13101,
+                "9a91609490e029be79785b2020373ba611b5f6c350fe2696f252938382c99521",
+            ),
         ] {
             let tokens: Vec<u32> = (70_000..70_000 + len).collect();
             assert_eq!(
@@ -624,7 +657,10 @@ mod tests {
                 HashValue::None,
             ]),
         );
-        assert_eq!(hex::encode(&out), "86203818 3b7fffffffffffffff 1b0000000100000000 4107 f6".replace(' ', ""));
+        assert_eq!(
+            hex::encode(&out),
+            "86203818 3b7fffffffffffffff 1b0000000100000000 4107 f6".replace(' ', "")
+        );
         out.clear();
         let mut big = [0u8; 10];
         big[1] = 1;

@@ -73,7 +73,12 @@ impl TokenChain {
         cache_salt: Option<&str>,
     ) -> Result<Vec<u64>, KeyError> {
         let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
-        Self::keys_from_into(Self::root(adapter, cache_salt), tokens, block_size, &mut out)?;
+        Self::keys_from_into(
+            Self::root(adapter, cache_salt),
+            tokens,
+            block_size,
+            &mut out,
+        )?;
         Ok(out)
     }
 
@@ -115,7 +120,10 @@ mod tests {
 
         let mut block_preimage = root.to_le_bytes().to_vec();
         block_preimage.extend_from_slice(&[1, 0, 0, 0, 0x5c, 0x50, 0x02, 0]);
-        assert_eq!(TokenChain::next(root, &[1, 151_644]), xxh3_64(&block_preimage));
+        assert_eq!(
+            TokenChain::next(root, &[1, 151_644]),
+            xxh3_64(&block_preimage)
+        );
 
         // Literal pins, so an accidental change to the definition fails here.
         assert_eq!(TokenChain::root(None, None), 4_601_078_582_230_837_824);
@@ -133,6 +141,9 @@ mod tests {
         let keys = TokenChain::keys(&tokens, 4, None, None).unwrap();
         let k0 = TokenChain::next(root, &tokens[0..4]);
         assert_eq!(keys, vec![k0, TokenChain::next(k0, &tokens[4..8])]);
-        assert_eq!(TokenChain::keys(&tokens, 0, None, None), Err(KeyError::ZeroBlockSize));
+        assert_eq!(
+            TokenChain::keys(&tokens, 0, None, None),
+            Err(KeyError::ZeroBlockSize)
+        );
     }
 }

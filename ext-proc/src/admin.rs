@@ -34,7 +34,10 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
     match prometheus_client::encoding::text::encode(&mut text, &state.registry) {
         Ok(()) => (
             StatusCode::OK,
-            [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
             text,
         )
             .into_response(),

@@ -305,7 +305,11 @@ pub struct Adapter {
 impl Adapter {
     /// The adapter as block-keys wants it.
     pub fn as_lora_ref(&self) -> LoraRef<'_> {
-        LoraRef { id: self.id, name: &self.name, path: self.path.as_deref() }
+        LoraRef {
+            id: self.id,
+            name: &self.name,
+            path: self.path.as_deref(),
+        }
     }
 }
 
@@ -363,7 +367,10 @@ impl Config {
             if pool.models.iter().any(|m| m == model) {
                 Some((i, None))
             } else {
-                pool.adapters.iter().find(|a| a.name == model).map(|a| (i, Some(a)))
+                pool.adapters
+                    .iter()
+                    .find(|a| a.name == model)
+                    .map(|a| (i, Some(a)))
             }
         })
     }
@@ -374,8 +381,11 @@ impl TryFrom<RawConfig> for Config {
 
     fn try_from(raw: RawConfig) -> Result<Self, Self::Error> {
         let grpc_addr = socket_addr("listen.grpc", raw.listen.grpc.as_deref(), DEFAULT_GRPC_ADDR)?;
-        let admin_addr =
-            socket_addr("listen.admin", raw.listen.admin.as_deref(), DEFAULT_ADMIN_ADDR)?;
+        let admin_addr = socket_addr(
+            "listen.admin",
+            raw.listen.admin.as_deref(),
+            DEFAULT_ADMIN_ADDR,
+        )?;
         let index_addresses = raw
             .index
             .addresses
@@ -384,10 +394,16 @@ impl TryFrom<RawConfig> for Config {
             .map(|(i, a)| http_uri(&format!("index.addresses[{i}]"), a))
             .collect::<Result<Vec<_>, _>>()?;
         let budgets = &raw.budgets;
-        let decision_budget =
-            duration("budgets.decision", budgets.decision.as_deref(), DEFAULT_DECISION_BUDGET)?;
-        let tokenize_budget =
-            duration("budgets.tokenize", budgets.tokenize.as_deref(), DEFAULT_TOKENIZE_BUDGET)?;
+        let decision_budget = duration(
+            "budgets.decision",
+            budgets.decision.as_deref(),
+            DEFAULT_DECISION_BUDGET,
+        )?;
+        let tokenize_budget = duration(
+            "budgets.tokenize",
+            budgets.tokenize.as_deref(),
+            DEFAULT_TOKENIZE_BUDGET,
+        )?;
         let scoring = scoring(&raw.scoring)?;
         let pools = raw
             .pools
@@ -417,7 +433,11 @@ impl TryFrom<RawConfig> for Config {
             )?,
             decision_budget,
             tokenize_budget,
-            drain_timeout: duration("budgets.drain", budgets.drain.as_deref(), DEFAULT_DRAIN_TIMEOUT)?,
+            drain_timeout: duration(
+                "budgets.drain",
+                budgets.drain.as_deref(),
+                DEFAULT_DRAIN_TIMEOUT,
+            )?,
             max_body_bytes: raw.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
             scrape: ScrapeConfig {
                 interval: duration(
@@ -436,7 +456,9 @@ impl TryFrom<RawConfig> for Config {
                     .unwrap_or(DEFAULT_UNREADY_AFTER_FAILURES),
             },
             scoring,
-            token_cache_entries: raw.token_cache_entries.unwrap_or(DEFAULT_TOKEN_CACHE_ENTRIES),
+            token_cache_entries: raw
+                .token_cache_entries
+                .unwrap_or(DEFAULT_TOKEN_CACHE_ENTRIES),
             reload_interval: duration(
                 "reload_interval",
                 raw.reload_interval.as_deref(),
@@ -477,13 +499,25 @@ fn validate(config: &Config) -> Result<(), ConfigError> {
         ));
     }
     if config.decision_budget.is_zero() {
-        return Err(ConfigError::invalid("budgets.decision", "0", "must be positive"));
+        return Err(ConfigError::invalid(
+            "budgets.decision",
+            "0",
+            "must be positive",
+        ));
     }
     if config.max_body_bytes == 0 {
-        return Err(ConfigError::invalid("max_body_bytes", 0, "must be positive"));
+        return Err(ConfigError::invalid(
+            "max_body_bytes",
+            0,
+            "must be positive",
+        ));
     }
     if config.scrape.interval.is_zero() {
-        return Err(ConfigError::invalid("scrape.interval", "0", "must be positive"));
+        return Err(ConfigError::invalid(
+            "scrape.interval",
+            "0",
+            "must be positive",
+        ));
     }
     if config.grpc_addr == config.admin_addr && config.grpc_addr.port() != 0 {
         return Err(ConfigError::invalid(
@@ -495,12 +529,20 @@ fn validate(config: &Config) -> Result<(), ConfigError> {
     let mut names = HashMap::new();
     for (i, pool) in config.pools.iter().enumerate() {
         if names.insert(pool.name.as_str(), i).is_some() {
-            return Err(ConfigError::invalid(format!("pools[{i}].name"), &pool.name, "duplicate"));
+            return Err(ConfigError::invalid(
+                format!("pools[{i}].name"),
+                &pool.name,
+                "duplicate",
+            ));
         }
     }
     let mut served = HashSet::new();
     for (i, pool) in config.pools.iter().enumerate() {
-        for name in pool.models.iter().chain(pool.adapters.iter().map(|a| &a.name)) {
+        for name in pool
+            .models
+            .iter()
+            .chain(pool.adapters.iter().map(|a| &a.name))
+        {
             if !served.insert(name.as_str()) {
                 return Err(ConfigError::invalid(
                     format!("pools[{i}].models"),
@@ -514,7 +556,11 @@ fn validate(config: &Config) -> Result<(), ConfigError> {
     let mut addresses = HashSet::new();
     for (i, replica) in config.replicas.iter().enumerate() {
         if !ids.insert(replica.id.as_str()) {
-            return Err(ConfigError::invalid(format!("replicas[{i}].id"), &replica.id, "duplicate"));
+            return Err(ConfigError::invalid(
+                format!("replicas[{i}].id"),
+                &replica.id,
+                "duplicate",
+            ));
         }
         if !addresses.insert(replica.address) {
             return Err(ConfigError::invalid(
@@ -533,12 +579,21 @@ fn scoring(raw: &RawScoring) -> Result<ScoringConfig, ConfigError> {
         if v.is_finite() && v >= 0.0 {
             Ok(v)
         } else {
-            Err(ConfigError::invalid(format!("scoring.{field}"), v, "must be a finite number >= 0"))
+            Err(ConfigError::invalid(
+                format!("scoring.{field}"),
+                v,
+                "must be a finite number >= 0",
+            ))
         }
     };
-    let hotspot_factor = non_negative("hotspot_factor", raw.hotspot_factor, DEFAULT_HOTSPOT_FACTOR)?;
+    let hotspot_factor =
+        non_negative("hotspot_factor", raw.hotspot_factor, DEFAULT_HOTSPOT_FACTOR)?;
     if hotspot_factor < 1.0 {
-        return Err(ConfigError::invalid("scoring.hotspot_factor", hotspot_factor, "must be >= 1"));
+        return Err(ConfigError::invalid(
+            "scoring.hotspot_factor",
+            hotspot_factor,
+            "must be >= 1",
+        ));
     }
     Ok(ScoringConfig {
         prefill_ms_per_token: non_negative(
@@ -569,43 +624,78 @@ fn scoring(raw: &RawScoring) -> Result<ScoringConfig, ConfigError> {
 
 fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
     let field = |name: &str| format!("pools[{i}].{name}");
-    let name = raw.name.clone().filter(|n| !n.is_empty()).ok_or_else(|| ConfigError::missing(field("name")))?;
+    let name = raw
+        .name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| ConfigError::missing(field("name")))?;
     if raw.models.is_empty() {
         return Err(ConfigError::missing(field("models")));
     }
     if raw.models.iter().any(String::is_empty) {
-        return Err(ConfigError::invalid(field("models"), "", "empty model name"));
+        return Err(ConfigError::invalid(
+            field("models"),
+            "",
+            "empty model name",
+        ));
     }
     let adapters = raw
         .adapters
         .iter()
         .map(|a| match a {
-            RawAdapter::Name(name) => Adapter { name: name.clone(), id: None, path: None },
-            RawAdapter::Full { name, id, path } => {
-                Adapter { name: name.clone(), id: *id, path: path.clone() }
-            }
+            RawAdapter::Name(name) => Adapter {
+                name: name.clone(),
+                id: None,
+                path: None,
+            },
+            RawAdapter::Full { name, id, path } => Adapter {
+                name: name.clone(),
+                id: *id,
+                path: path.clone(),
+            },
         })
         .collect::<Vec<_>>();
     if adapters.iter().any(|a| a.name.is_empty()) {
-        return Err(ConfigError::invalid(field("adapters"), "", "empty adapter name"));
+        return Err(ConfigError::invalid(
+            field("adapters"),
+            "",
+            "empty adapter name",
+        ));
     }
-    let block_size = raw.block_size.ok_or_else(|| ConfigError::missing(field("block_size")))?;
+    let block_size = raw
+        .block_size
+        .ok_or_else(|| ConfigError::missing(field("block_size")))?;
     if block_size == 0 || block_size > MAX_BLOCK_SIZE {
-        return Err(ConfigError::invalid(field("block_size"), block_size, "expected 1..=4096"));
+        return Err(ConfigError::invalid(
+            field("block_size"),
+            block_size,
+            "expected 1..=4096",
+        ));
     }
     let key_scheme = match raw.key_scheme.kind.as_deref() {
         None | Some("vllm-exact") => {
             let algo_name = raw.key_scheme.hash_algo.as_deref().unwrap_or("sha256_cbor");
             let algo: HashAlgo = algo_name.parse().map_err(|_| {
-                ConfigError::invalid(field("key_scheme.hash_algo"), algo_name, "unknown or unreproducible hash algorithm")
+                ConfigError::invalid(
+                    field("key_scheme.hash_algo"),
+                    algo_name,
+                    "unknown or unreproducible hash algorithm",
+                )
             })?;
             // Without a fixed PYTHONHASHSEED most algorithms hash with a per-process random seed.
-            let hasher = VllmHasher::new(algo, raw.key_scheme.seed.as_deref()).map_err(|_| {
-                ConfigError::missing(field("key_scheme.seed"))
-            })?;
-            let version = raw.key_scheme.vllm_version.as_deref().unwrap_or(DEFAULT_VLLM_VERSION);
+            let hasher = VllmHasher::new(algo, raw.key_scheme.seed.as_deref())
+                .map_err(|_| ConfigError::missing(field("key_scheme.seed")))?;
+            let version = raw
+                .key_scheme
+                .vllm_version
+                .as_deref()
+                .unwrap_or(DEFAULT_VLLM_VERSION);
             let era = ExtraKeysEra::for_vllm_version(version).map_err(|_| {
-                ConfigError::invalid(field("key_scheme.vllm_version"), version, "expected a version such as 0.11.1")
+                ConfigError::invalid(
+                    field("key_scheme.vllm_version"),
+                    version,
+                    "expected a version such as 0.11.1",
+                )
             })?;
             KeyScheme::VllmExact { hasher, era }
         }
@@ -632,10 +722,16 @@ fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
     }
     let tokenizer = match &raw.tokenizer {
         None => TokenizerSource::None,
-        Some(RawTokenizer { model_dir: Some(dir), remote: None, timeout: None }) => {
-            TokenizerSource::ModelDir(dir.clone())
-        }
-        Some(RawTokenizer { model_dir: None, remote: Some(url), timeout }) => TokenizerSource::Remote {
+        Some(RawTokenizer {
+            model_dir: Some(dir),
+            remote: None,
+            timeout: None,
+        }) => TokenizerSource::ModelDir(dir.clone()),
+        Some(RawTokenizer {
+            model_dir: None,
+            remote: Some(url),
+            timeout,
+        }) => TokenizerSource::Remote {
             url: http_uri(&field("tokenizer.remote"), url)?,
             timeout: duration(
                 &field("tokenizer.timeout"),
@@ -651,9 +747,15 @@ fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
             ));
         }
     };
-    let approx_capacity_blocks = raw.approx_capacity_blocks.unwrap_or(DEFAULT_APPROX_CAPACITY_BLOCKS);
+    let approx_capacity_blocks = raw
+        .approx_capacity_blocks
+        .unwrap_or(DEFAULT_APPROX_CAPACITY_BLOCKS);
     if approx_capacity_blocks == 0 {
-        return Err(ConfigError::invalid(field("approx_capacity_blocks"), 0, "must be positive"));
+        return Err(ConfigError::invalid(
+            field("approx_capacity_blocks"),
+            0,
+            "must be positive",
+        ));
     }
     Ok(Pool {
         name,
@@ -669,13 +771,23 @@ fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
 
 fn replica(i: usize, raw: &RawReplica, pools: &[Pool]) -> Result<Replica, ConfigError> {
     let field = |name: &str| format!("replicas[{i}].{name}");
-    let id = raw.id.clone().filter(|s| !s.is_empty()).ok_or_else(|| ConfigError::missing(field("id")))?;
-    let pool_name = raw.pool.as_deref().ok_or_else(|| ConfigError::missing(field("pool")))?;
+    let id = raw
+        .id
+        .clone()
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| ConfigError::missing(field("id")))?;
+    let pool_name = raw
+        .pool
+        .as_deref()
+        .ok_or_else(|| ConfigError::missing(field("pool")))?;
     let pool = pools
         .iter()
         .position(|p| p.name == pool_name)
         .ok_or_else(|| ConfigError::invalid(field("pool"), pool_name, "no pool with this name"))?;
-    let address = raw.address.as_deref().ok_or_else(|| ConfigError::missing(field("address")))?;
+    let address = raw
+        .address
+        .as_deref()
+        .ok_or_else(|| ConfigError::missing(field("address")))?;
     let address = address
         .parse::<SocketAddr>()
         .map_err(|_| ConfigError::invalid(field("address"), address, "expected ip:port"))?;
@@ -684,31 +796,56 @@ fn replica(i: usize, raw: &RawReplica, pools: &[Pool]) -> Result<Replica, Config
         .as_deref()
         .map(|u| http_uri(&field("metrics_url"), u))
         .transpose()?;
-    if let Some(cluster) = raw.envoy_cluster.as_deref().filter(|c| c.is_empty() || c.contains(char::is_whitespace)) {
-        return Err(ConfigError::invalid(field("envoy_cluster"), cluster, "expected a cluster name"));
+    if let Some(cluster) = raw
+        .envoy_cluster
+        .as_deref()
+        .filter(|c| c.is_empty() || c.contains(char::is_whitespace))
+    {
+        return Err(ConfigError::invalid(
+            field("envoy_cluster"),
+            cluster,
+            "expected a cluster name",
+        ));
     }
-    Ok(Replica { id, pool, address, metrics_url, envoy_cluster: raw.envoy_cluster.clone() })
+    Ok(Replica {
+        id,
+        pool,
+        address,
+        metrics_url,
+        envoy_cluster: raw.envoy_cluster.clone(),
+    })
 }
 
 fn socket_addr(field: &str, value: Option<&str>, default: &str) -> Result<SocketAddr, ConfigError> {
     let value = value.unwrap_or(default);
-    value.parse().map_err(|_| ConfigError::invalid(field, value, "expected ip:port"))
+    value
+        .parse()
+        .map_err(|_| ConfigError::invalid(field, value, "expected ip:port"))
 }
 
 fn http_uri(field: &str, value: &str) -> Result<http::Uri, ConfigError> {
-    let uri: http::Uri =
-        value.parse().map_err(|_| ConfigError::invalid(field, value, "expected an http:// URL"))?;
+    let uri: http::Uri = value
+        .parse()
+        .map_err(|_| ConfigError::invalid(field, value, "expected an http:// URL"))?;
     if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-        return Err(ConfigError::invalid(field, value, "expected an http:// URL"));
+        return Err(ConfigError::invalid(
+            field,
+            value,
+            "expected an http:// URL",
+        ));
     }
     Ok(uri)
 }
 
 /// Parses `250ms`, `2s`, `1.5s`, `500us`, `1m`.
 fn duration(field: &str, value: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
-    let Some(text) = value else { return Ok(default) };
+    let Some(text) = value else {
+        return Ok(default);
+    };
     let invalid = || ConfigError::invalid(field, text, "expected a duration such as 50ms, 2s, 1m");
-    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(invalid)?;
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .ok_or_else(invalid)?;
     let (number, unit) = text.split_at(split);
     let number: f64 = number.parse().map_err(|_| invalid())?;
     let seconds = match unit.trim() {
@@ -739,7 +876,7 @@ replicas:
     fn error_of(yaml: &str) -> String {
         match Config::from_yaml(yaml) {
             Ok(_) => panic!("config should be rejected:\n{yaml}"),
-            Err(e) => e.to_string(),
+            Err(e) => format!("{:#}", anyhow::Error::from(e)),
         }
     }
 
@@ -749,7 +886,12 @@ replicas:
         assert_eq!(config.decision_budget, DEFAULT_DECISION_BUDGET);
         assert_eq!(config.grpc_addr, DEFAULT_GRPC_ADDR.parse().unwrap());
         assert_eq!(config.pools[0].tokenizer, TokenizerSource::None);
-        assert_eq!(config.pool_for_model("lora-a").map(|(p, a)| (p, a.map(|a| a.name.as_str()))), Some((0, Some("lora-a"))));
+        assert_eq!(
+            config
+                .pool_for_model("lora-a")
+                .map(|(p, a)| (p, a.map(|a| a.name.as_str()))),
+            Some((0, Some("lora-a")))
+        );
         assert_eq!(config.pool_for_model("m"), Some((0, None)));
         assert_eq!(config.pool_for_model("x"), None);
     }
@@ -757,7 +899,11 @@ replicas:
     #[test]
     fn errors_name_the_field() {
         let bad_address = MINIMAL.replace("127.0.0.1:8000", "nowhere");
-        assert!(error_of(&bad_address).contains("replicas[0].address"), "{}", error_of(&bad_address));
+        assert!(
+            error_of(&bad_address).contains("replicas[0].address"),
+            "{}",
+            error_of(&bad_address)
+        );
         let bad_block = MINIMAL.replace("block_size: 16", "block_size: 0");
         assert!(error_of(&bad_block).contains("pools[0].block_size"));
         let bad_pool = MINIMAL.replace("pool: p,", "pool: q,");
@@ -768,16 +914,26 @@ replicas:
         assert!(error_of(&bad_budget).contains("budgets.tokenize"));
         let bad_duration = format!("{MINIMAL}index: {{match_timeout: soon}}\n");
         assert!(error_of(&bad_duration).contains("index.match_timeout"));
-        let no_seed = MINIMAL.replace("sha256_cbor, seed: \"0\"", "sha256");
-        assert!(error_of(&no_seed).contains("pools[0].key_scheme.seed"), "{}", error_of(&no_seed));
+        let no_seed = MINIMAL.replace("sha256_cbor, seed: \"0\"", "xxhash");
+        assert!(
+            error_of(&no_seed).contains("pools[0].key_scheme.seed"),
+            "{}",
+            error_of(&no_seed)
+        );
         let dup = format!("{MINIMAL}- {{id: r0, pool: p, address: \"127.0.0.1:8001\"}}\n");
         assert!(error_of(&dup).contains("replicas[1].id"));
     }
 
     #[test]
     fn durations_parse() {
-        assert_eq!(duration("f", Some("250ms"), Duration::ZERO).unwrap(), Duration::from_millis(250));
-        assert_eq!(duration("f", Some("1.5s"), Duration::ZERO).unwrap(), Duration::from_millis(1500));
+        assert_eq!(
+            duration("f", Some("250ms"), Duration::ZERO).unwrap(),
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            duration("f", Some("1.5s"), Duration::ZERO).unwrap(),
+            Duration::from_millis(1500)
+        );
         assert!(duration("f", Some("-1s"), Duration::ZERO).is_err());
         assert!(duration("f", Some("5"), Duration::ZERO).is_err());
     }

@@ -54,7 +54,9 @@ impl RequestError {
     /// HTTP status Envoy sends to the client.
     pub fn http_status(&self) -> u16 {
         match self {
-            Self::MalformedJson { .. } | Self::MissingField { .. } | Self::InvalidField { .. } => 400,
+            Self::MalformedJson { .. } | Self::MissingField { .. } | Self::InvalidField { .. } => {
+                400
+            }
             Self::UnknownModel { .. } => 404,
             Self::BodyTooLarge { .. } => 413,
             Self::NoReadyReplica { .. } => 503,
@@ -183,7 +185,7 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// The YAML is invalid or has unknown/mistyped keys.
-    #[error("invalid config YAML: {source}")]
+    #[error("invalid config YAML")]
     Yaml {
         /// The parser's error (names the key and line).
         #[source]
@@ -229,11 +231,21 @@ impl ConfigError {
         }
     }
 
-    pub(crate) fn invalid(field: impl Into<String>, value: impl ToString, reason: &'static str) -> Self {
-        Self::InvalidValue { field: field.into(), value: value.to_string(), reason }
+    pub(crate) fn invalid(
+        field: impl Into<String>,
+        value: impl ToString,
+        reason: &'static str,
+    ) -> Self {
+        Self::InvalidValue {
+            field: field.into(),
+            value: value.to_string(),
+            reason,
+        }
     }
 
     pub(crate) fn missing(field: impl Into<String>) -> Self {
-        Self::Missing { field: field.into() }
+        Self::Missing {
+            field: field.into(),
+        }
     }
 }

@@ -40,10 +40,17 @@ impl IndexClient {
                     .connect_timeout(CONNECT_TIMEOUT)
                     .tcp_nodelay(true)
                     .connect_lazy();
-                IndexAddress { uri: uri.clone(), client: KvIndexClient::new(channel), failed_at: Mutex::new(None) }
+                IndexAddress {
+                    uri: uri.clone(),
+                    client: KvIndexClient::new(channel),
+                    failed_at: Mutex::new(None),
+                }
             })
             .collect();
-        Self { addresses, retry_after }
+        Self {
+            addresses,
+            retry_after,
+        }
     }
 
     /// Whether any address is configured.
@@ -52,17 +59,32 @@ impl IndexClient {
     }
 
     /// `Match` on the first healthy address, failing over until `deadline`.
-    pub async fn match_prefix(&self, request: MatchRequest, deadline: Instant) -> Result<MatchResponse, IndexError> {
+    pub async fn match_prefix(
+        &self,
+        request: MatchRequest,
+        deadline: Instant,
+    ) -> Result<MatchResponse, IndexError> {
         if self.addresses.is_empty() {
             return Err(IndexError::NotConfigured);
         }
         let now = Instant::now();
-        let healthy = |a: &&IndexAddress| a.failed_at.lock().is_none_or(|at| now.duration_since(at) >= self.retry_after);
+        let healthy = |a: &&IndexAddress| {
+            a.failed_at
+                .lock()
+                .is_none_or(|at| now.duration_since(at) >= self.retry_after)
+        };
         // Healthy addresses first (in order), then the recently failed ones as a last resort.
-        let order = self.addresses.iter().filter(healthy).chain(self.addresses.iter().filter(|a| !healthy(a)));
+        let order = self
+            .addresses
+            .iter()
+            .filter(healthy)
+            .chain(self.addresses.iter().filter(|a| !healthy(a)));
         let mut last_status = None;
         for address in order {
-            let Some(remaining) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else {
+            let Some(remaining) = deadline
+                .checked_duration_since(Instant::now())
+                .filter(|d| !d.is_zero())
+            else {
                 break;
             };
             let mut client = address.client.clone();
@@ -86,7 +108,9 @@ impl IndexClient {
         }
         match last_status {
             Some(status) if Instant::now() < deadline => Err(IndexError::Unavailable { status }),
-            _ => Err(IndexError::Timeout { after: deadline.saturating_duration_since(now) }),
+            _ => Err(IndexError::Timeout {
+                after: deadline.saturating_duration_since(now),
+            }),
         }
     }
 }

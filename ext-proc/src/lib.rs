@@ -125,14 +125,23 @@ impl ExtProcBuilder {
             runtime = runtime.with_tokenizer(pool, tokenizer);
         }
         let bind = |what, addr| async move {
-            TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { what, addr, source })
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind { what, addr, source })
         };
         let grpc = bind("grpc", runtime.config.grpc_addr).await?;
         let admin = bind("admin", runtime.config.admin_addr).await?;
         let mut registry = Registry::default();
         let metrics = Metrics::register(&mut registry);
         let picker = Arc::new(Picker::new(runtime, metrics, tasks.clone()));
-        Ok(ExtProc { picker, grpc, admin, registry: Arc::new(registry), tasks, config_path: self.config_path })
+        Ok(ExtProc {
+            picker,
+            grpc,
+            admin,
+            registry: Arc::new(registry),
+            tasks,
+            config_path: self.config_path,
+        })
     }
 }
 
@@ -150,7 +159,11 @@ pub struct ExtProc {
 impl ExtProc {
     /// Starts building a server for `config`.
     pub fn builder(config: Config) -> ExtProcBuilder {
-        ExtProcBuilder { config, config_path: None, tokenizers: Vec::new() }
+        ExtProcBuilder {
+            config,
+            config_path: None,
+            tokenizers: Vec::new(),
+        }
     }
 
     /// The bound gRPC address.
@@ -170,23 +183,42 @@ impl ExtProc {
 
     /// Serves until `shutdown` resolves, then drains and returns.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
-        let Self { picker, grpc, admin, registry, tasks, config_path } = self;
+        let Self {
+            picker,
+            grpc,
+            admin,
+            registry,
+            tasks,
+            config_path,
+        } = self;
         let config = picker.runtime().config.clone();
         let background = CancellationToken::new();
         let stop_accepting = CancellationToken::new();
         let ready = Arc::new(AtomicBool::new(true));
 
         let (health, health_service) = tonic_health::server::health_reporter();
-        health.set_serving::<ExternalProcessorServer<ExtProcService>>().await;
+        health
+            .set_serving::<ExternalProcessorServer<ExtProcService>>()
+            .await;
         for name in GIE_HEALTH_SERVICES {
-            health.set_service_status(name, tonic_health::ServingStatus::Serving).await;
+            health
+                .set_service_status(name, tonic_health::ServingStatus::Serving)
+                .await;
         }
 
         tasks.spawn(scrape_loop(Arc::clone(&picker), background.clone()));
         if let Some(path) = config_path {
-            tasks.spawn(reload_loop(Arc::clone(&picker), path, tasks.clone(), background.clone()));
+            tasks.spawn(reload_loop(
+                Arc::clone(&picker),
+                path,
+                tasks.clone(),
+                background.clone(),
+            ));
         }
-        let admin_state = admin::AdminState { registry, ready: Arc::clone(&ready) };
+        let admin_state = admin::AdminState {
+            registry,
+            ready: Arc::clone(&ready),
+        };
         let admin_stop = background.clone();
         tasks.spawn(async move {
             let served = axum::serve(admin, admin::router(admin_state))
@@ -203,7 +235,10 @@ impl ExtProc {
             .tcp_nodelay(true)
             .add_service(health_service)
             .add_service(ExternalProcessorServer::new(service))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), grpc_stop.cancelled_owned());
+            .serve_with_incoming_shutdown(
+                TcpListenerStream::new(grpc),
+                grpc_stop.cancelled_owned(),
+            );
         tracing::info!(grpc = ?config.grpc_addr, admin = ?config.admin_addr, "kvroute-ext-proc serving");
 
         tokio::pin!(grpc_server);
@@ -216,9 +251,13 @@ impl ExtProc {
             None => {
                 tracing::info!("shutdown: health NOT_SERVING, draining");
                 ready.store(false, Ordering::Relaxed);
-                health.set_not_serving::<ExternalProcessorServer<ExtProcService>>().await;
+                health
+                    .set_not_serving::<ExternalProcessorServer<ExtProcService>>()
+                    .await;
                 for name in GIE_HEALTH_SERVICES {
-                    health.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
+                    health
+                        .set_service_status(name, tonic_health::ServingStatus::NotServing)
+                        .await;
                 }
                 stop_accepting.cancel();
                 let drain_timeout = picker.runtime().config.drain_timeout;
@@ -233,7 +272,10 @@ impl ExtProc {
         };
         background.cancel();
         tasks.close();
-        if tokio::time::timeout(BACKGROUND_STOP_TIMEOUT, tasks.wait()).await.is_err() {
+        if tokio::time::timeout(BACKGROUND_STOP_TIMEOUT, tasks.wait())
+            .await
+            .is_err()
+        {
             tracing::warn!("background tasks did not stop in time");
         }
         tracing::info!("kvroute-ext-proc stopped");
@@ -259,7 +301,12 @@ async fn scrape_loop(picker: Arc<Picker>, cancel: CancellationToken) {
     tracing::debug!(exit_reason = "cancelled", "metrics scraper stopped");
 }
 
-async fn reload_loop(picker: Arc<Picker>, path: PathBuf, tasks: TaskTracker, cancel: CancellationToken) {
+async fn reload_loop(
+    picker: Arc<Picker>,
+    path: PathBuf,
+    tasks: TaskTracker,
+    cancel: CancellationToken,
+) {
     let modified = |path: &PathBuf| std::fs::metadata(path).and_then(|m| m.modified()).ok();
     let mut last_seen: Option<SystemTime> = modified(&path);
     loop {
@@ -275,17 +322,24 @@ async fn reload_loop(picker: Arc<Picker>, path: PathBuf, tasks: TaskTracker, can
         }
         last_seen = now_seen;
         let count = |kind| {
-            picker.metrics().config_reloads.get_or_create(&KindLabel { kind }).inc();
+            picker
+                .metrics()
+                .config_reloads
+                .get_or_create(&KindLabel { kind })
+                .inc();
         };
         let current = picker.runtime();
-        let built = Config::from_file(&path).and_then(|config| Runtime::build(config, Some(&current), &tasks));
+        let built = Config::from_file(&path)
+            .and_then(|config| Runtime::build(config, Some(&current), &tasks));
         match built {
             Ok(runtime) if *runtime.config == *current.config => count("unchanged"),
             Ok(runtime) => {
                 if runtime.config.grpc_addr != current.config.grpc_addr
                     || runtime.config.admin_addr != current.config.admin_addr
                 {
-                    tracing::warn!("listen addresses changed in config; they apply after a restart");
+                    tracing::warn!(
+                        "listen addresses changed in config; they apply after a restart"
+                    );
                 }
                 picker.replace_runtime(runtime);
                 count("applied");

@@ -65,7 +65,8 @@ impl ReplicaLoad {
             scraped: *self.scraped.lock(),
             routed_since_scrape: self.routed_since_scrape.load(Ordering::Relaxed).max(0) as f64,
             inflight_requests: self.inflight_requests.load(Ordering::Relaxed).max(0) as f64,
-            inflight_prompt_tokens: self.inflight_prompt_tokens.load(Ordering::Relaxed).max(0) as f64,
+            inflight_prompt_tokens: self.inflight_prompt_tokens.load(Ordering::Relaxed).max(0)
+                as f64,
         }
     }
 
@@ -87,7 +88,9 @@ pub struct InflightGuard {
 impl Drop for InflightGuard {
     fn drop(&mut self) {
         self.load.inflight_requests.fetch_sub(1, Ordering::Relaxed);
-        self.load.inflight_prompt_tokens.fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+        self.load
+            .inflight_prompt_tokens
+            .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
         self.gauge.dec();
     }
 }
@@ -125,11 +128,22 @@ impl LoadBoard {
         let load = self.replica(replica);
         let prompt_tokens = i64::try_from(prompt_tokens).unwrap_or(i64::MAX);
         load.inflight_requests.fetch_add(1, Ordering::Relaxed);
-        load.inflight_prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
+        load.inflight_prompt_tokens
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
         load.routed_since_scrape.fetch_add(1, Ordering::Relaxed);
-        let gauge = self.metrics.replica_inflight.get_or_create(&ReplicaLabel { replica: replica.to_owned() }).clone();
+        let gauge = self
+            .metrics
+            .replica_inflight
+            .get_or_create(&ReplicaLabel {
+                replica: replica.to_owned(),
+            })
+            .clone();
         gauge.inc();
-        InflightGuard { load, prompt_tokens, gauge }
+        InflightGuard {
+            load,
+            prompt_tokens,
+            gauge,
+        }
     }
 
     /// Forgets replicas no longer configured.
@@ -149,7 +163,9 @@ impl LoadBoard {
     async fn scrape_one(&self, replica: &Replica, url: http::Uri, config: &Config) {
         let timeout: Duration = config.scrape.timeout;
         let load = self.replica(&replica.id);
-        let label = ReplicaLabel { replica: replica.id.clone() };
+        let label = ReplicaLabel {
+            replica: replica.id.clone(),
+        };
         let result = tokio::time::timeout(timeout, fetch(&self.client, url)).await;
         match result.map_err(|_| "timeout".to_owned()).and_then(|r| r) {
             Ok(text) => {
@@ -157,16 +173,28 @@ impl LoadBoard {
                 *load.scraped.lock() = scraped;
                 load.routed_since_scrape.store(0, Ordering::Relaxed);
                 load.consecutive_failures.store(0, Ordering::Relaxed);
-                self.metrics.replica_waiting.get_or_create(&label).set(scraped.waiting);
-                self.metrics.replica_running.get_or_create(&label).set(scraped.running);
-                self.metrics.replica_kv_usage.get_or_create(&label).set(scraped.kv_usage);
+                self.metrics
+                    .replica_waiting
+                    .get_or_create(&label)
+                    .set(scraped.waiting);
+                self.metrics
+                    .replica_running
+                    .get_or_create(&label)
+                    .set(scraped.running);
+                self.metrics
+                    .replica_kv_usage
+                    .get_or_create(&label)
+                    .set(scraped.kv_usage);
                 self.metrics.replica_ready.get_or_create(&label).set(1);
             }
             Err(error) => {
                 let failures = load.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
                 self.metrics.scrape_failures.get_or_create(&label).inc();
                 let ready = load.is_ready(config.scrape.unready_after_failures);
-                self.metrics.replica_ready.get_or_create(&label).set(i64::from(ready));
+                self.metrics
+                    .replica_ready
+                    .get_or_create(&label)
+                    .set(i64::from(ready));
                 if failures == config.scrape.unready_after_failures {
                     tracing::warn!(replica_id = %replica.id, %error, failures, "replica not ready: metrics scrapes failing");
                 } else {
@@ -177,7 +205,10 @@ impl LoadBoard {
     }
 }
 
-async fn fetch(client: &Client<HttpConnector, Empty<Bytes>>, url: http::Uri) -> Result<String, String> {
+async fn fetch(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    url: http::Uri,
+) -> Result<String, String> {
     let response = client.get(url).await.map_err(|e| format!("{e:#}"))?;
     let status = response.status();
     if !status.is_success() {
@@ -208,7 +239,11 @@ pub fn parse_vllm_metrics(text: &str) -> Scraped {
             None => &line[name_end..],
         };
         // `value [timestamp]`
-        let Some(value) = value_text.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) else {
+        let Some(value) = value_text
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+        else {
             continue;
         };
         if !value.is_finite() {
@@ -239,8 +274,22 @@ mod tests {
             vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.9\n\
             vllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\n\
             vllm:num_requests_waiting_total 100\n";
-        assert_eq!(parse_vllm_metrics(text), Scraped { waiting: 5.0, running: 7.0, kv_usage: 0.25 });
+        assert_eq!(
+            parse_vllm_metrics(text),
+            Scraped {
+                waiting: 5.0,
+                running: 7.0,
+                kv_usage: 0.25
+            }
+        );
         let old = "vllm:gpu_cache_usage_perc 0.5\nvllm:num_requests_running NaN\n";
-        assert_eq!(parse_vllm_metrics(old), Scraped { waiting: 0.0, running: 0.0, kv_usage: 0.5 });
+        assert_eq!(
+            parse_vllm_metrics(old),
+            Scraped {
+                waiting: 0.0,
+                running: 0.0,
+                kv_usage: 0.5
+            }
+        );
     }
 }

@@ -14,7 +14,12 @@ pub(crate) struct Lru<K, V> {
 
 impl<K: Hash + Eq + Clone, V> Lru<K, V> {
     pub(crate) fn new(capacity: usize) -> Self {
-        Self { capacity: capacity.max(1), tick: 0, entries: HashMap::new(), by_age: BTreeMap::new() }
+        Self {
+            capacity: capacity.max(1),
+            tick: 0,
+            entries: HashMap::new(),
+            by_age: BTreeMap::new(),
+        }
     }
 
     #[cfg(test)]

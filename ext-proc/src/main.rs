@@ -10,7 +10,10 @@ use kvroute_ext_proc::{Config, ExtProc, ServeError};
 const EX_USAGE: u8 = 64;
 
 #[derive(Debug, Parser)]
-#[command(version, about = "KV-cache-aware endpoint picker for Envoy (ext_proc v3)")]
+#[command(
+    version,
+    about = "KV-cache-aware endpoint picker for Envoy (ext_proc v3)"
+)]
 struct Args {
     /// Config file (YAML); reloaded when it changes.
     #[arg(long, short)]
@@ -32,7 +35,10 @@ fn main() -> ExitCode {
             return ExitCode::from(EX_USAGE);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(error) => {
             tracing::error!(%error, "cannot start the tokio runtime");
@@ -40,7 +46,10 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
-        let server = ExtProc::builder(config).config_path(args.config).bind().await?;
+        let server = ExtProc::builder(config)
+            .config_path(args.config)
+            .bind()
+            .await?;
         server.serve(shutdown_signal()).await
     });
     match result {

@@ -106,26 +106,86 @@ impl Metrics {
             scrape_failures: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kvroute_extproc");
-        r.register("decisions", "Routing decisions by tier and reason", metrics.decisions.clone());
-        r.register("fallbacks", "Fallbacks to a lower routing tier, by stage and cause", metrics.fallbacks.clone());
-        r.register("request_errors", "Requests refused with an error response", metrics.request_errors.clone());
-        r.register("decision_duration_seconds", "Time to decide a route", metrics.decision_duration.clone());
-        r.register("tokenize_duration_seconds", "Time to obtain prompt tokens, by source", metrics.tokenize_duration.clone());
-        r.register("match_duration_seconds", "Index Match call latency", metrics.match_duration.clone());
+        r.register(
+            "decisions",
+            "Routing decisions by tier and reason",
+            metrics.decisions.clone(),
+        );
+        r.register(
+            "fallbacks",
+            "Fallbacks to a lower routing tier, by stage and cause",
+            metrics.fallbacks.clone(),
+        );
+        r.register(
+            "request_errors",
+            "Requests refused with an error response",
+            metrics.request_errors.clone(),
+        );
+        r.register(
+            "decision_duration_seconds",
+            "Time to decide a route",
+            metrics.decision_duration.clone(),
+        );
+        r.register(
+            "tokenize_duration_seconds",
+            "Time to obtain prompt tokens, by source",
+            metrics.tokenize_duration.clone(),
+        );
+        r.register(
+            "match_duration_seconds",
+            "Index Match call latency",
+            metrics.match_duration.clone(),
+        );
         r.register(
             "predicted_cached_share",
             "Share of prompt tokens predicted cached on the chosen replica",
             metrics.predicted_cached_share.clone(),
         );
-        r.register("streams_active", "Open ext_proc streams", metrics.streams_active.clone());
-        r.register("served_mismatch", "Envoy served another endpoint than decided", metrics.served_mismatch.clone());
-        r.register("config_reloads", "Config reloads by result", metrics.config_reloads.clone());
-        r.register("replica_inflight_requests", "Requests routed and not yet answered", metrics.replica_inflight.clone());
-        r.register("replica_waiting_requests", "Scraped vllm:num_requests_waiting", metrics.replica_waiting.clone());
-        r.register("replica_running_requests", "Scraped vllm:num_requests_running", metrics.replica_running.clone());
-        r.register("replica_kv_cache_usage_ratio", "Scraped KV-cache usage", metrics.replica_kv_usage.clone());
-        r.register("replica_ready", "1 when the replica is ready", metrics.replica_ready.clone());
-        r.register("replica_scrape_failures", "Failed /metrics scrapes", metrics.scrape_failures.clone());
+        r.register(
+            "streams_active",
+            "Open ext_proc streams",
+            metrics.streams_active.clone(),
+        );
+        r.register(
+            "served_mismatch",
+            "Envoy served another endpoint than decided",
+            metrics.served_mismatch.clone(),
+        );
+        r.register(
+            "config_reloads",
+            "Config reloads by result",
+            metrics.config_reloads.clone(),
+        );
+        r.register(
+            "replica_inflight_requests",
+            "Requests routed and not yet answered",
+            metrics.replica_inflight.clone(),
+        );
+        r.register(
+            "replica_waiting_requests",
+            "Scraped vllm:num_requests_waiting",
+            metrics.replica_waiting.clone(),
+        );
+        r.register(
+            "replica_running_requests",
+            "Scraped vllm:num_requests_running",
+            metrics.replica_running.clone(),
+        );
+        r.register(
+            "replica_kv_cache_usage_ratio",
+            "Scraped KV-cache usage",
+            metrics.replica_kv_usage.clone(),
+        );
+        r.register(
+            "replica_ready",
+            "1 when the replica is ready",
+            metrics.replica_ready.clone(),
+        );
+        r.register(
+            "replica_scrape_failures",
+            "Failed /metrics scrapes",
+            metrics.scrape_failures.clone(),
+        );
         metrics
     }
 }

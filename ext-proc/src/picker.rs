@@ -103,21 +103,31 @@ pub struct Runtime {
 impl Runtime {
     /// Builds tokenizers and the index client. Reuses tokenizers of `previous` whose source did
     /// not change (loading a model folder is slow).
-    pub fn build(config: Config, previous: Option<&Runtime>, tasks: &TaskTracker) -> Result<Self, ConfigError> {
+    pub fn build(
+        config: Config,
+        previous: Option<&Runtime>,
+        tasks: &TaskTracker,
+    ) -> Result<Self, ConfigError> {
         let mut tokenizers = Vec::with_capacity(config.pools.len());
         for (i, pool) in config.pools.iter().enumerate() {
             let reused = previous.and_then(|p| {
-                let j = p.config.pools.iter().position(|old| old.tokenizer == pool.tokenizer)?;
+                let j = p
+                    .config
+                    .pools
+                    .iter()
+                    .position(|old| old.tokenizer == pool.tokenizer)?;
                 p.tokenizers[j].clone()
             });
             let tokenizer: Option<Arc<dyn Tokenizer>> = match (&pool.tokenizer, reused) {
                 (TokenizerSource::None, _) => None,
                 (_, Some(reused)) => Some(reused),
                 (TokenizerSource::ModelDir(dir), None) => {
-                    let loaded = InProcessTokenizer::load(dir, tasks.clone()).map_err(|e| ConfigError::Tokenizer {
-                        field: format!("pools[{i}].tokenizer.model_dir"),
-                        path: dir.display().to_string(),
-                        reason: e.to_string(),
+                    let loaded = InProcessTokenizer::load(dir, tasks.clone()).map_err(|e| {
+                        ConfigError::Tokenizer {
+                            field: format!("pools[{i}].tokenizer.model_dir"),
+                            path: dir.display().to_string(),
+                            reason: e.to_string(),
+                        }
                     })?;
                     Some(Arc::new(loaded))
                 }
@@ -128,7 +138,11 @@ impl Runtime {
             tokenizers.push(tokenizer);
         }
         let index = IndexClient::new(&config.index_addresses, config.index_retry_after);
-        Ok(Self { config: Arc::new(config), tokenizers, index })
+        Ok(Self {
+            config: Arc::new(config),
+            tokenizers,
+            index,
+        })
     }
 
     /// Installs a tokenizer for a pool (tests and embedders).
@@ -170,7 +184,12 @@ impl Picker {
 
     /// Swaps in a new snapshot (config reload).
     pub fn replace_runtime(&self, runtime: Runtime) {
-        let ids: std::collections::HashSet<String> = runtime.config.replicas.iter().map(|r| r.id.clone()).collect();
+        let ids: std::collections::HashSet<String> = runtime
+            .config
+            .replicas
+            .iter()
+            .map(|r| r.id.clone())
+            .collect();
         self.memory.retain(|id| ids.contains(id));
         self.loads.retain(|id| ids.contains(id));
         self.runtime.store(Arc::new(runtime));
@@ -187,20 +206,32 @@ impl Picker {
     }
 
     /// Decides where `request` goes. `subset` (GIE subset hint) restricts the candidates.
-    pub async fn decide(&self, request: &ParsedRequest<'_>, subset: Option<&[SocketAddr]>) -> Result<Decision, RequestError> {
+    pub async fn decide(
+        &self,
+        request: &ParsedRequest<'_>,
+        subset: Option<&[SocketAddr]>,
+    ) -> Result<Decision, RequestError> {
         let started = Instant::now();
         let runtime = self.runtime.load_full();
         let result = self.decide_in(&runtime, request, subset, started).await;
-        self.metrics.decision_duration.observe(started.elapsed().as_secs_f64());
+        self.metrics
+            .decision_duration
+            .observe(started.elapsed().as_secs_f64());
         match &result {
             Ok(decision) => {
                 self.metrics
                     .decisions
-                    .get_or_create(&DecisionLabels { tier: decision.tier.as_label(), reason: decision.reason })
+                    .get_or_create(&DecisionLabels {
+                        tier: decision.tier.as_label(),
+                        reason: decision.reason,
+                    })
                     .inc();
             }
             Err(e) => {
-                self.metrics.request_errors.get_or_create(&KindLabel { kind: e.as_label() }).inc();
+                self.metrics
+                    .request_errors
+                    .get_or_create(&KindLabel { kind: e.as_label() })
+                    .inc();
             }
         }
         result
@@ -214,19 +245,28 @@ impl Picker {
         started: Instant,
     ) -> Result<Decision, RequestError> {
         let config = &runtime.config;
-        let (pool_index, adapter) = config
-            .pool_for_model(&request.model)
-            .ok_or_else(|| RequestError::UnknownModel { model: request.model.to_string() })?;
+        let (pool_index, adapter) =
+            config
+                .pool_for_model(&request.model)
+                .ok_or_else(|| RequestError::UnknownModel {
+                    model: request.model.to_string(),
+                })?;
         let pool = &config.pools[pool_index];
         let candidates: Vec<&Replica> = config
             .replicas
             .iter()
             .filter(|r| r.pool == pool_index)
             .filter(|r| subset.is_none_or(|s| s.contains(&r.address)))
-            .filter(|r| self.loads.replica(&r.id).is_ready(config.scrape.unready_after_failures))
+            .filter(|r| {
+                self.loads
+                    .replica(&r.id)
+                    .is_ready(config.scrape.unready_after_failures)
+            })
             .collect();
         if candidates.is_empty() {
-            return Err(RequestError::NoReadyReplica { model: request.model.to_string() });
+            return Err(RequestError::NoReadyReplica {
+                model: request.model.to_string(),
+            });
         }
         let deadline = started + config.decision_budget;
         let scored = tokio::time::timeout_at(
@@ -243,7 +283,12 @@ impl Picker {
             }
         };
         let replica = candidates[choice];
-        self.memory.record(&replica.id, pool.approx_capacity_blocks, &keys, Instant::now());
+        self.memory.record(
+            &replica.id,
+            pool.approx_capacity_blocks,
+            &keys,
+            Instant::now(),
+        );
         Ok(Decision {
             replica_id: replica.id.clone(),
             address: replica.address,
@@ -264,10 +309,25 @@ impl Picker {
     ) -> (usize, Tier, &'static str, Vec<u64>, usize) {
         let views: Vec<Candidate> = candidates
             .iter()
-            .map(|r| Candidate { matched_blocks: 0, load: self.loads.replica(&r.id).snapshot() })
+            .map(|r| Candidate {
+                matched_blocks: 0,
+                load: self.loads.replica(&r.id).snapshot(),
+            })
             .collect();
-        let choice = policy::choose(&views, 0, pool.block_size, &config.scoring, &mut rand::rng());
-        (choice.map_or(0, |c| c.index), Tier::Load, cause.as_label(), Vec::new(), 0)
+        let choice = policy::choose(
+            &views,
+            0,
+            pool.block_size,
+            &config.scoring,
+            &mut rand::rng(),
+        );
+        (
+            choice.map_or(0, |c| c.index),
+            Tier::Load,
+            cause.as_label(),
+            Vec::new(),
+            0,
+        )
     }
 
     async fn score_with_prefix(
@@ -286,7 +346,9 @@ impl Picker {
         }
         // Tokens.
         let tokenize_started = Instant::now();
-        let tokenize_budget = config.tokenize_budget.min(deadline.saturating_duration_since(tokenize_started));
+        let tokenize_budget = config
+            .tokenize_budget
+            .min(deadline.saturating_duration_since(tokenize_started));
         let tokens = self
             .token_cache
             .tokens(pool_index, &request.model, &request.prompt, runtime.tokenizers[pool_index].as_ref(), tokenize_budget)
@@ -302,13 +364,20 @@ impl Picker {
             })?;
         self.metrics
             .tokenize_duration
-            .get_or_create(&KindLabel { kind: tokens.source.as_label() })
+            .get_or_create(&KindLabel {
+                kind: tokens.source.as_label(),
+            })
             .observe(tokenize_started.elapsed().as_secs_f64());
         // Keys.
         let lora = adapter.map(|a| a.as_lora_ref());
         let keys = pool
             .key_scheme
-            .prompt_keys(&tokens.tokens, pool.block_size as usize, lora.as_ref(), request.cache_salt.as_deref())
+            .prompt_keys(
+                &tokens.tokens,
+                pool.block_size as usize,
+                lora.as_ref(),
+                request.cache_salt.as_deref(),
+            )
             .map_err(|e| {
                 self.count_fallback("keys", e.as_label());
                 LoadCause::KeyError
@@ -326,7 +395,9 @@ impl Picker {
             };
             match runtime.index.match_prefix(request, match_deadline).await {
                 Ok(answer) => {
-                    self.metrics.match_duration.observe(match_started.elapsed().as_secs_f64());
+                    self.metrics
+                        .match_duration
+                        .observe(match_started.elapsed().as_secs_f64());
                     Some(answer)
                 }
                 Err(e) => {
@@ -349,30 +420,52 @@ impl Picker {
             .iter()
             .map(|replica| {
                 let remembered = self.memory.lookup(&replica.id, &keys, now, ttl);
-                let indexed = index_answer
-                    .as_ref()
-                    .and_then(|a| a.replicas.iter().find(|m| m.replica_id == replica.id && m.precise));
+                let indexed = index_answer.as_ref().and_then(|a| {
+                    a.replicas
+                        .iter()
+                        .find(|m| m.replica_id == replica.id && m.precise)
+                });
                 precise.push(indexed.is_some());
                 let matched_blocks = match indexed {
                     Some(m) => m.matched_blocks.max(remembered.speculative),
                     None => remembered.approximate,
                 };
-                Candidate { matched_blocks, load: self.loads.replica(&replica.id).snapshot() }
+                Candidate {
+                    matched_blocks,
+                    load: self.loads.replica(&replica.id).snapshot(),
+                }
             })
             .collect();
         let prompt_tokens = tokens.estimated_len;
-        let choice = policy::choose(&views, prompt_tokens, pool.block_size, &config.scoring, &mut rand::rng())
-            .ok_or(LoadCause::NoPrompt)?;
-        let cached_tokens = (views[choice.index].matched_blocks as usize * pool.block_size as usize).min(prompt_tokens);
+        let choice = policy::choose(
+            &views,
+            prompt_tokens,
+            pool.block_size,
+            &config.scoring,
+            &mut rand::rng(),
+        )
+        .ok_or(LoadCause::NoPrompt)?;
+        let cached_tokens = (views[choice.index].matched_blocks as usize
+            * pool.block_size as usize)
+            .min(prompt_tokens);
         if prompt_tokens > 0 {
-            self.metrics.predicted_cached_share.observe(cached_tokens as f64 / prompt_tokens as f64);
+            self.metrics
+                .predicted_cached_share
+                .observe(cached_tokens as f64 / prompt_tokens as f64);
         }
-        let tier = if precise[choice.index] { Tier::Precise } else { Tier::Approximate };
+        let tier = if precise[choice.index] {
+            Tier::Precise
+        } else {
+            Tier::Approximate
+        };
         let reason: Reason = choice.reason;
         Ok((choice.index, tier, reason.as_label(), keys, prompt_tokens))
     }
 
     fn count_fallback(&self, stage: &'static str, cause: &'static str) {
-        self.metrics.fallbacks.get_or_create(&FallbackLabels { stage, cause }).inc();
+        self.metrics
+            .fallbacks
+            .get_or_create(&FallbackLabels { stage, cause })
+            .inc();
     }
 }

@@ -86,7 +86,10 @@ pub fn choose(
     if candidates.is_empty() {
         return None;
     }
-    let queues: Vec<f64> = candidates.iter().map(|c| queue_ms(&c.load, weights)).collect();
+    let queues: Vec<f64> = candidates
+        .iter()
+        .map(|c| queue_ms(&c.load, weights))
+        .collect();
     let mean = queues.iter().sum::<f64>() / queues.len() as f64;
     let hot = |q: f64| q > weights.hotspot_factor * mean && q > weights.hotspot_min_ms;
     let all_hot = queues.iter().all(|q| hot(*q));
@@ -95,26 +98,49 @@ pub fn choose(
         let cached = (candidates[i].matched_blocks as usize).saturating_mul(block_size as usize);
         queues[i] + weights.prefill_ms_per_token * prompt_tokens.saturating_sub(cached) as f64
     };
-    let best = (0..candidates.len()).filter(|i| eligible(*i)).map(ttft).fold(f64::INFINITY, f64::min);
-    let ties: Vec<usize> =
-        (0..candidates.len()).filter(|i| eligible(*i) && ttft(*i) <= best + TIE_EPSILON_MS).collect();
+    let best = (0..candidates.len())
+        .filter(|i| eligible(*i))
+        .map(ttft)
+        .fold(f64::INFINITY, f64::min);
+    let ties: Vec<usize> = (0..candidates.len())
+        .filter(|i| eligible(*i) && ttft(*i) <= best + TIE_EPSILON_MS)
+        .collect();
     // Among equal scores prefer the longest prefix (keeps a conversation where its cache is),
     // then pick at random.
-    let longest_tied = ties.iter().map(|i| candidates[*i].matched_blocks).max().unwrap_or(0);
-    let ties: Vec<usize> = ties.into_iter().filter(|i| candidates[*i].matched_blocks == longest_tied).collect();
+    let longest_tied = ties
+        .iter()
+        .map(|i| candidates[*i].matched_blocks)
+        .max()
+        .unwrap_or(0);
+    let ties: Vec<usize> = ties
+        .into_iter()
+        .filter(|i| candidates[*i].matched_blocks == longest_tied)
+        .collect();
     let index = ties[rng.random_range(0..ties.len())];
-    let max_matched = candidates.iter().map(|c| c.matched_blocks).max().unwrap_or(0);
+    let max_matched = candidates
+        .iter()
+        .map(|c| c.matched_blocks)
+        .max()
+        .unwrap_or(0);
     let chosen_matched = candidates[index].matched_blocks;
     let reason = if max_matched == 0 {
         Reason::NoCacheMatch
     } else if chosen_matched == max_matched {
         Reason::CacheHit
-    } else if candidates.iter().enumerate().any(|(i, c)| c.matched_blocks == max_matched && !eligible(i)) {
+    } else if candidates
+        .iter()
+        .enumerate()
+        .any(|(i, c)| c.matched_blocks == max_matched && !eligible(i))
+    {
         Reason::HotspotGuard
     } else {
         Reason::LoadOverCache
     };
-    Some(Choice { index, reason, ttft_ms: ttft(index) })
+    Some(Choice {
+        index,
+        reason,
+        ttft_ms: ttft(index),
+    })
 }
 
 #[cfg(test)]
@@ -138,7 +164,13 @@ mod tests {
     fn candidate(matched_blocks: u32, waiting: f64) -> Candidate {
         Candidate {
             matched_blocks,
-            load: LoadSnapshot { scraped: Scraped { waiting, ..Scraped::default() }, ..LoadSnapshot::default() },
+            load: LoadSnapshot {
+                scraped: Scraped {
+                    waiting,
+                    ..Scraped::default()
+                },
+                ..LoadSnapshot::default()
+            },
         }
     }
 

@@ -25,10 +25,13 @@ pub struct Remembered {
     pub speculative: u32,
 }
 
+/// One replica's routed keys and when each was last routed there.
+type ReplicaKeys = Arc<Mutex<Lru<u64, Instant>>>;
+
 /// Per-replica routed-prefix memory.
 #[derive(Debug, Default)]
 pub struct PrefixMemory {
-    replicas: RwLock<HashMap<String, Arc<Mutex<Lru<u64, Instant>>>>>,
+    replicas: RwLock<HashMap<String, ReplicaKeys>>,
 }
 
 impl PrefixMemory {
@@ -53,7 +56,9 @@ impl PrefixMemory {
         let mut remembered = Remembered::default();
         let mut speculative_run = true;
         for key in keys {
-            let Some(routed_at) = memory.peek(key) else { break };
+            let Some(routed_at) = memory.peek(key) else {
+                break;
+            };
             remembered.approximate += 1;
             speculative_run &= now.saturating_duration_since(*routed_at) < ttl;
             if speculative_run {
@@ -68,7 +73,7 @@ impl PrefixMemory {
         self.replicas.write().retain(|id, _| keep(id));
     }
 
-    fn replica(&self, replica: &str, capacity: usize) -> Arc<Mutex<Lru<u64, Instant>>> {
+    fn replica(&self, replica: &str, capacity: usize) -> ReplicaKeys {
         if let Some(memory) = self.replicas.read().get(replica) {
             return Arc::clone(memory);
         }
@@ -93,7 +98,13 @@ mod tests {
         memory.record("r0", 100, &[1, 2, 3], t0);
         memory.record("r0", 100, &[1, 2], t0 + Duration::from_secs(10));
         let at = t0 + Duration::from_secs(11);
-        assert_eq!(memory.lookup("r0", &[1, 2, 3, 4], at, ttl), Remembered { approximate: 3, speculative: 2 });
+        assert_eq!(
+            memory.lookup("r0", &[1, 2, 3, 4], at, ttl),
+            Remembered {
+                approximate: 3,
+                speculative: 2
+            }
+        );
         assert_eq!(memory.lookup("r0", &[9, 1], at, ttl), Remembered::default());
         assert_eq!(memory.lookup("r1", &[1], at, ttl), Remembered::default());
     }
@@ -103,7 +114,17 @@ mod tests {
         let memory = PrefixMemory::default();
         let now = Instant::now();
         memory.record("r0", 2, &[1, 2, 3], now);
-        assert_eq!(memory.lookup("r0", &[1], now, Duration::from_secs(1)).approximate, 0);
-        assert_eq!(memory.lookup("r0", &[2, 3], now, Duration::from_secs(1)).approximate, 2);
+        assert_eq!(
+            memory
+                .lookup("r0", &[1], now, Duration::from_secs(1))
+                .approximate,
+            0
+        );
+        assert_eq!(
+            memory
+                .lookup("r0", &[2, 3], now, Duration::from_secs(1))
+                .approximate,
+            2
+        );
     }
 }

@@ -101,11 +101,18 @@ enum PromptForm<'a> {
 
 /// Parses a request body.
 pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, RequestError> {
-    let parsed: Body<'_> = serde_json::from_slice(body)
-        .map_err(|e| RequestError::MalformedJson { reason: e.to_string() })?;
-    let model = parsed.model.ok_or(RequestError::MissingField { field: "model" })?;
+    let parsed: Body<'_> =
+        serde_json::from_slice(body).map_err(|e| RequestError::MalformedJson {
+            reason: e.to_string(),
+        })?;
+    let model = parsed
+        .model
+        .ok_or(RequestError::MissingField { field: "model" })?;
     if model.is_empty() {
-        return Err(RequestError::InvalidField { field: "model", reason: "empty" });
+        return Err(RequestError::InvalidField {
+            field: "model",
+            reason: "empty",
+        });
     }
     let prompt = match (endpoint, parsed.prompt, parsed.messages) {
         (Endpoint::ChatCompletions, _, Some(raw)) | (Endpoint::Other, None, Some(raw)) => {
@@ -117,41 +124,72 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
         (Endpoint::ChatCompletions, _, None) => {
             return Err(RequestError::MissingField { field: "messages" });
         }
-        (Endpoint::Completions, None, _) => return Err(RequestError::MissingField { field: "prompt" }),
+        (Endpoint::Completions, None, _) => {
+            return Err(RequestError::MissingField { field: "prompt" });
+        }
         (Endpoint::Other, None, None) => Prompt::Absent,
     };
-    Ok(ParsedRequest { model, prompt, cache_salt: parsed.cache_salt.filter(|s| !s.is_empty()) })
+    Ok(ParsedRequest {
+        model,
+        prompt,
+        cache_salt: parsed.cache_salt.filter(|s| !s.is_empty()),
+    })
 }
 
 fn completion(raw: &RawValue, add_special_tokens: bool) -> Result<Prompt<'_>, RequestError> {
-    let invalid = |reason| RequestError::InvalidField { field: "prompt", reason };
+    let invalid = |reason| RequestError::InvalidField {
+        field: "prompt",
+        reason,
+    };
     let form: PromptForm<'_> = serde_json::from_str(raw.get())
         .map_err(|_| invalid("expected a string, a list of strings, or token ids"))?;
     Ok(match form {
-        PromptForm::Text(text) => Prompt::Text { text, add_special_tokens },
+        PromptForm::Text(text) => Prompt::Text {
+            text,
+            add_special_tokens,
+        },
         PromptForm::Tokens(ids) if ids.is_empty() => return Err(invalid("empty")),
         PromptForm::Tokens(ids) => Prompt::Tokens(ids),
         PromptForm::Texts(texts) => Prompt::Text {
-            text: texts.into_iter().next().ok_or_else(|| invalid("empty list"))?,
+            text: texts
+                .into_iter()
+                .next()
+                .ok_or_else(|| invalid("empty list"))?,
             add_special_tokens,
         },
-        PromptForm::TokenLists(lists) => {
-            Prompt::Tokens(lists.into_iter().next().filter(|l| !l.is_empty()).ok_or_else(|| invalid("empty list"))?)
-        }
+        PromptForm::TokenLists(lists) => Prompt::Tokens(
+            lists
+                .into_iter()
+                .next()
+                .filter(|l| !l.is_empty())
+                .ok_or_else(|| invalid("empty list"))?,
+        ),
     })
 }
 
 fn chat(raw: &RawValue, add_generation_prompt: bool) -> Result<Prompt<'_>, RequestError> {
-    let messages: Vec<&RawValue> = serde_json::from_str(raw.get()).map_err(|_| {
-        RequestError::InvalidField { field: "messages", reason: "expected a list of messages" }
-    })?;
+    let messages: Vec<&RawValue> =
+        serde_json::from_str(raw.get()).map_err(|_| RequestError::InvalidField {
+            field: "messages",
+            reason: "expected a list of messages",
+        })?;
     if messages.is_empty() {
-        return Err(RequestError::InvalidField { field: "messages", reason: "empty list" });
+        return Err(RequestError::InvalidField {
+            field: "messages",
+            reason: "empty list",
+        });
     }
     if messages.iter().any(|m| !m.get().starts_with('{')) {
-        return Err(RequestError::InvalidField { field: "messages", reason: "expected message objects" });
+        return Err(RequestError::InvalidField {
+            field: "messages",
+            reason: "expected message objects",
+        });
     }
-    Ok(Prompt::Chat { messages, raw, add_generation_prompt })
+    Ok(Prompt::Chat {
+        messages,
+        raw,
+        add_generation_prompt,
+    })
 }
 
 #[cfg(test)]
@@ -164,16 +202,36 @@ mod tests {
 
     #[test]
     fn completion_forms() {
-        let r = parse_ok(r#"{"model":"m","prompt":"hi","max_tokens":5,"cache_salt":"s"}"#, Endpoint::Completions);
+        let r = parse_ok(
+            r#"{"model":"m","prompt":"hi","max_tokens":5,"cache_salt":"s"}"#,
+            Endpoint::Completions,
+        );
         assert_eq!(r.model, "m");
         assert_eq!(r.cache_salt.as_deref(), Some("s"));
-        assert!(matches!(r.prompt, Prompt::Text { ref text, add_special_tokens: true } if text == "hi"));
-        assert!(matches!(r.prompt, Prompt::Text { text: Cow::Borrowed(_), .. }), "borrowed, not copied");
-        let r = parse_ok(r#"{"model":"m","prompt":["a\nb","c"]}"#, Endpoint::Completions);
+        assert!(
+            matches!(r.prompt, Prompt::Text { ref text, add_special_tokens: true } if text == "hi")
+        );
+        assert!(
+            matches!(
+                r.prompt,
+                Prompt::Text {
+                    text: Cow::Borrowed(_),
+                    ..
+                }
+            ),
+            "borrowed, not copied"
+        );
+        let r = parse_ok(
+            r#"{"model":"m","prompt":["a\nb","c"]}"#,
+            Endpoint::Completions,
+        );
         assert!(matches!(r.prompt, Prompt::Text { ref text, .. } if text == "a\nb"));
         let r = parse_ok(r#"{"model":"m","prompt":[1,2,3]}"#, Endpoint::Completions);
         assert!(matches!(r.prompt, Prompt::Tokens(ref t) if t == &[1, 2, 3]));
-        let r = parse_ok(r#"{"model":"m","prompt":[[4,5],[6]],"add_special_tokens":false}"#, Endpoint::Completions);
+        let r = parse_ok(
+            r#"{"model":"m","prompt":[[4,5],[6]],"add_special_tokens":false}"#,
+            Endpoint::Completions,
+        );
         assert!(matches!(r.prompt, Prompt::Tokens(ref t) if t == &[4, 5]));
     }
 
@@ -181,7 +239,14 @@ mod tests {
     fn chat_form() {
         let body = r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"q"}]}],"stream":true}"#;
         let r = parse_ok(body, Endpoint::ChatCompletions);
-        let Prompt::Chat { messages, add_generation_prompt, .. } = r.prompt else { panic!("not chat") };
+        let Prompt::Chat {
+            messages,
+            add_generation_prompt,
+            ..
+        } = r.prompt
+        else {
+            panic!("not chat")
+        };
         assert_eq!(messages.len(), 2);
         assert!(add_generation_prompt);
         assert_eq!(messages[0].get(), r#"{"role":"system","content":"s"}"#);
@@ -193,11 +258,26 @@ mod tests {
         assert_eq!(status("{not json", Endpoint::Completions), 400);
         assert_eq!(status(r#"{"prompt":"x"}"#, Endpoint::Completions), 400);
         assert_eq!(status(r#"{"model":"m"}"#, Endpoint::Completions), 400);
-        assert_eq!(status(r#"{"model":"m","prompt":"x"}"#, Endpoint::ChatCompletions), 400);
-        assert_eq!(status(r#"{"model":"m","prompt":[]}"#, Endpoint::Completions), 400);
-        assert_eq!(status(r#"{"model":"m","prompt":[-1]}"#, Endpoint::Completions), 400);
-        assert_eq!(status(r#"{"model":"m","messages":[]}"#, Endpoint::ChatCompletions), 400);
+        assert_eq!(
+            status(r#"{"model":"m","prompt":"x"}"#, Endpoint::ChatCompletions),
+            400
+        );
+        assert_eq!(
+            status(r#"{"model":"m","prompt":[]}"#, Endpoint::Completions),
+            400
+        );
+        assert_eq!(
+            status(r#"{"model":"m","prompt":[-1]}"#, Endpoint::Completions),
+            400
+        );
+        assert_eq!(
+            status(r#"{"model":"m","messages":[]}"#, Endpoint::ChatCompletions),
+            400
+        );
         assert_eq!(status(r#"[1,2]"#, Endpoint::ChatCompletions), 400);
-        assert!(matches!(parse_ok(r#"{"model":"m"}"#, Endpoint::Other).prompt, Prompt::Absent));
+        assert!(matches!(
+            parse_ok(r#"{"model":"m"}"#, Endpoint::Other).prompt,
+            Prompt::Absent
+        ));
     }
 }

@@ -22,13 +22,13 @@ use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders,
-    ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
-    body_mutation, processing_request, processing_response,
+    ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
+    TrailersResponse, body_mutation, processing_request, processing_response,
 };
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -83,8 +83,16 @@ impl ExternalProcessor for ExtProcService {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
-        let stream = StreamTask { picker: Arc::clone(&self.picker), tx, state: StreamState::default() };
-        self.tasks.spawn(stream.run(request.into_inner()).instrument(tracing::debug_span!("ext_proc")));
+        let stream = StreamTask {
+            picker: Arc::clone(&self.picker),
+            tx,
+            state: StreamState::default(),
+        };
+        self.tasks.spawn(
+            stream
+                .run(request.into_inner())
+                .instrument(tracing::debug_span!("ext_proc")),
+        );
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -149,7 +157,9 @@ impl StreamTask {
         if self.state.request_mode.is_none() {
             let default = self.picker.runtime().config.default_body_mode;
             self.state.request_mode = Some(match &message.protocol_config {
-                Some(p) if p.request_body_mode == BodySendMode::FullDuplexStreamed as i32 => BodyMode::FullDuplexStreamed,
+                Some(p) if p.request_body_mode == BodySendMode::FullDuplexStreamed as i32 => {
+                    BodyMode::FullDuplexStreamed
+                }
                 Some(_) => BodyMode::Buffered,
                 None => default,
             });
@@ -162,7 +172,9 @@ impl StreamTask {
             self.state.subset = subset_hint(message.metadata_context.as_ref());
         }
         let full_duplex = self.state.request_mode == Some(BodyMode::FullDuplexStreamed);
-        let Some(request) = message.request else { return Flow::Continue };
+        let Some(request) = message.request else {
+            return Flow::Continue;
+        };
         match request {
             processing_request::Request::RequestHeaders(headers) => {
                 let path = header(&headers, ":path").unwrap_or_default();
@@ -177,8 +189,17 @@ impl StreamTask {
             processing_request::Request::RequestBody(chunk) => {
                 let limit = self.picker.runtime().config.max_body_bytes;
                 if self.state.body.len() + chunk.body.len() > limit {
-                    let error = RequestError::BodyTooLarge { size: self.state.body.len() + chunk.body.len(), limit };
-                    self.picker.metrics().request_errors.get_or_create(&crate::metrics::KindLabel { kind: error.as_label() }).inc();
+                    let error = RequestError::BodyTooLarge {
+                        size: self.state.body.len() + chunk.body.len(),
+                        limit,
+                    };
+                    self.picker
+                        .metrics()
+                        .request_errors
+                        .get_or_create(&crate::metrics::KindLabel {
+                            kind: error.as_label(),
+                        })
+                        .inc();
                     self.send(immediate_error(&error)).await;
                     return Flow::Stop;
                 }
@@ -194,13 +215,15 @@ impl StreamTask {
                 }
             }
             processing_request::Request::RequestTrailers(_) => {
-                if self.state.headers_answer_owed {
-                    if let Flow::Stop = self.finish_request(true).await {
-                        return Flow::Stop;
-                    }
+                if self.state.headers_answer_owed
+                    && let Flow::Stop = self.finish_request(true).await
+                {
+                    return Flow::Stop;
                 }
                 self.send(ProcessingResponse {
-                    response: Some(processing_response::Response::RequestTrailers(TrailersResponse::default())),
+                    response: Some(processing_response::Response::RequestTrailers(
+                        TrailersResponse::default(),
+                    )),
                     ..ProcessingResponse::default()
                 })
                 .await
@@ -210,7 +233,9 @@ impl StreamTask {
                 // The engine answered: the request no longer waits in its queue.
                 self.state.decision = None;
                 self.send(ProcessingResponse {
-                    response: Some(processing_response::Response::ResponseHeaders(HeadersResponse::default())),
+                    response: Some(processing_response::Response::ResponseHeaders(
+                        HeadersResponse::default(),
+                    )),
                     ..ProcessingResponse::default()
                 })
                 .await
@@ -225,14 +250,18 @@ impl StreamTask {
                     CommonResponse::default()
                 };
                 self.send(ProcessingResponse {
-                    response: Some(processing_response::Response::ResponseBody(BodyResponse { response: Some(response) })),
+                    response: Some(processing_response::Response::ResponseBody(BodyResponse {
+                        response: Some(response),
+                    })),
                     ..ProcessingResponse::default()
                 })
                 .await
             }
             processing_request::Request::ResponseTrailers(_) => {
                 self.send(ProcessingResponse {
-                    response: Some(processing_response::Response::ResponseTrailers(TrailersResponse::default())),
+                    response: Some(processing_response::Response::ResponseTrailers(
+                        TrailersResponse::default(),
+                    )),
                     ..ProcessingResponse::default()
                 })
                 .await
@@ -245,9 +274,17 @@ impl StreamTask {
         let endpoint = self.state.endpoint.unwrap_or(Endpoint::Other);
         let body = std::mem::take(&mut self.state.body);
         let decided = match request::parse(&body, endpoint) {
-            Ok(parsed) => self.picker.decide(&parsed, self.state.subset.as_deref()).await,
+            Ok(parsed) => {
+                self.picker
+                    .decide(&parsed, self.state.subset.as_deref())
+                    .await
+            }
             Err(e) => {
-                self.picker.metrics().request_errors.get_or_create(&crate::metrics::KindLabel { kind: e.as_label() }).inc();
+                self.picker
+                    .metrics()
+                    .request_errors
+                    .get_or_create(&crate::metrics::KindLabel { kind: e.as_label() })
+                    .inc();
                 Err(e)
             }
         };
@@ -285,7 +322,11 @@ impl StreamTask {
             return Flow::Stop;
         }
         // Echo the body back; Envoy forwards these chunks upstream.
-        let chunks: Vec<&[u8]> = if body.is_empty() { vec![&[][..]] } else { body.chunks(MAX_STREAMED_CHUNK).collect() };
+        let chunks: Vec<&[u8]> = if body.is_empty() {
+            vec![&[][..]]
+        } else {
+            body.chunks(MAX_STREAMED_CHUNK).collect()
+        };
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.into_iter().enumerate() {
             let end = i == last && !trailers_follow;
@@ -319,7 +360,10 @@ impl StreamTask {
 
 fn header(headers: &HttpHeaders, name: &str) -> Option<String> {
     let map = headers.headers.as_ref()?;
-    let h = map.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name))?;
+    let h = map
+        .headers
+        .iter()
+        .find(|h| h.key.eq_ignore_ascii_case(name))?;
     if h.raw_value.is_empty() {
         Some(h.value.clone())
     } else {
@@ -330,8 +374,16 @@ fn header(headers: &HttpHeaders, name: &str) -> Option<String> {
 /// Endpoints allowed by the GIE subset hint: a list of `ip:port` strings or one comma-separated
 /// string. `None` when there is no hint; `Some(empty)` when the hint names nothing usable.
 fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<SocketAddr>> {
-    let value = metadata?.filter_metadata.get(SUBSET_NAMESPACE)?.fields.get(SUBSET_KEY)?;
-    let parse = |s: &str| s.split(',').filter_map(|p| p.trim().parse::<SocketAddr>().ok()).collect::<Vec<_>>();
+    let value = metadata?
+        .filter_metadata
+        .get(SUBSET_NAMESPACE)?
+        .fields
+        .get(SUBSET_KEY)?;
+    let parse = |s: &str| {
+        s.split(',')
+            .filter_map(|p| p.trim().parse::<SocketAddr>().ok())
+            .collect::<Vec<_>>()
+    };
     Some(match &value.kind {
         Some(Kind::StringValue(s)) => parse(s),
         Some(Kind::ListValue(list)) => list
@@ -349,7 +401,11 @@ fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<SocketAddr>> {
 
 fn set_header(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
-        header: Some(HeaderValue { key: key.to_owned(), raw_value: value.as_bytes().to_vec(), ..HeaderValue::default() }),
+        header: Some(HeaderValue {
+            key: key.to_owned(),
+            raw_value: value.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        }),
         ..HeaderValueOption::default()
     }
 }
@@ -357,60 +413,87 @@ fn set_header(key: &str, value: &str) -> HeaderValueOption {
 fn decision_headers(decision: &Decision) -> HeaderMutation {
     let mut set_headers = vec![
         set_header(DESTINATION_HEADER, &decision.address.to_string()),
-        set_header(DECISION_HEADER, &format!("{}/{}", decision.tier.as_label(), decision.reason)),
+        set_header(
+            DECISION_HEADER,
+            &format!("{}/{}", decision.tier.as_label(), decision.reason),
+        ),
     ];
     if let Some(cluster) = &decision.envoy_cluster {
         set_headers.push(set_header(CLUSTER_HEADER, cluster));
     }
-    HeaderMutation { set_headers, ..HeaderMutation::default() }
+    HeaderMutation {
+        set_headers,
+        ..HeaderMutation::default()
+    }
 }
 
 fn destination_metadata(endpoint: &str) -> Struct {
     let lb = Struct {
         fields: HashMap::from([(
             DESTINATION_HEADER.to_owned(),
-            Value { kind: Some(Kind::StringValue(endpoint.to_owned())) },
+            Value {
+                kind: Some(Kind::StringValue(endpoint.to_owned())),
+            },
         )]),
     };
-    Struct { fields: HashMap::from([(LB_NAMESPACE.to_owned(), Value { kind: Some(Kind::StructValue(lb)) })]) }
+    Struct {
+        fields: HashMap::from([(
+            LB_NAMESPACE.to_owned(),
+            Value {
+                kind: Some(Kind::StructValue(lb)),
+            },
+        )]),
+    }
 }
 
 fn streamed(body: Vec<u8>, end_of_stream: bool) -> BodyMutation {
     BodyMutation {
-        mutation: Some(body_mutation::Mutation::StreamedResponse(StreamedBodyResponse {
-            body,
-            end_of_stream,
-            ..StreamedBodyResponse::default()
-        })),
+        mutation: Some(body_mutation::Mutation::StreamedResponse(
+            StreamedBodyResponse {
+                body,
+                end_of_stream,
+                ..StreamedBodyResponse::default()
+            },
+        )),
     }
 }
 
 fn headers_response(common: CommonResponse) -> ProcessingResponse {
     ProcessingResponse {
-        response: Some(processing_response::Response::RequestHeaders(HeadersResponse { response: Some(common) })),
+        response: Some(processing_response::Response::RequestHeaders(
+            HeadersResponse {
+                response: Some(common),
+            },
+        )),
         ..ProcessingResponse::default()
     }
 }
 
 fn body_response(common: CommonResponse) -> ProcessingResponse {
     ProcessingResponse {
-        response: Some(processing_response::Response::RequestBody(BodyResponse { response: Some(common) })),
+        response: Some(processing_response::Response::RequestBody(BodyResponse {
+            response: Some(common),
+        })),
         ..ProcessingResponse::default()
     }
 }
 
 fn immediate_error(error: &RequestError) -> ProcessingResponse {
     ProcessingResponse {
-        response: Some(processing_response::Response::ImmediateResponse(ImmediateResponse {
-            status: Some(HttpStatus { code: i32::from(error.http_status()) }),
-            headers: Some(HeaderMutation {
-                set_headers: vec![set_header("content-type", "application/json")],
-                ..HeaderMutation::default()
-            }),
-            body: error.to_openai_json(),
-            details: error.as_label().to_owned(),
-            ..ImmediateResponse::default()
-        })),
+        response: Some(processing_response::Response::ImmediateResponse(
+            ImmediateResponse {
+                status: Some(HttpStatus {
+                    code: i32::from(error.http_status()),
+                }),
+                headers: Some(HeaderMutation {
+                    set_headers: vec![set_header("content-type", "application/json")],
+                    ..HeaderMutation::default()
+                }),
+                body: error.to_openai_json(),
+                details: error.as_label().to_owned(),
+                ..ImmediateResponse::default()
+            },
+        )),
         ..ProcessingResponse::default()
     }
 }

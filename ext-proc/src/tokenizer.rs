@@ -74,9 +74,13 @@ pub struct InProcessTokenizer {
 impl InProcessTokenizer {
     /// Loads a Hugging Face model folder.
     pub fn load(dir: &std::path::Path, tasks: TaskTracker) -> Result<Self, TokenizeError> {
-        let model = ModelTokenizer::from_dir(dir)
-            .map_err(|e| TokenizeError::InProcess { reason: format!("{e:#}") })?;
-        Ok(Self { model: Arc::new(model), tasks })
+        let model = ModelTokenizer::from_dir(dir).map_err(|e| TokenizeError::InProcess {
+            reason: format!("{e:#}"),
+        })?;
+        Ok(Self {
+            model: Arc::new(model),
+            tasks,
+        })
     }
 }
 
@@ -85,21 +89,35 @@ impl Tokenizer for InProcessTokenizer {
         let model = Arc::clone(&self.model);
         let task = self.tasks.spawn_blocking(move || encode(&model, &input));
         Box::pin(async move {
-            task.await.map_err(|e| TokenizeError::InProcess { reason: e.to_string() })?
+            task.await.map_err(|e| TokenizeError::InProcess {
+                reason: e.to_string(),
+            })?
         })
     }
 }
 
 fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
-    let failed = |e: kvroute_tokenize::TokenizeError| TokenizeError::InProcess { reason: e.to_string() };
+    let failed = |e: kvroute_tokenize::TokenizeError| TokenizeError::InProcess {
+        reason: e.to_string(),
+    };
     match input {
-        TokenizeInput::Text { text, add_special_tokens } => {
-            model.encode_prompt(text, *add_special_tokens).map_err(failed)
-        }
-        TokenizeInput::Chat { messages, add_generation_prompt } => {
-            let messages: serde_json::Value = serde_json::from_str(messages.get())
-                .map_err(|e| TokenizeError::InProcess { reason: e.to_string() })?;
-            model.encode_chat(&messages, *add_generation_prompt).map_err(failed)
+        TokenizeInput::Text {
+            text,
+            add_special_tokens,
+        } => model
+            .encode_prompt(text, *add_special_tokens)
+            .map_err(failed),
+        TokenizeInput::Chat {
+            messages,
+            add_generation_prompt,
+        } => {
+            let messages: serde_json::Value =
+                serde_json::from_str(messages.get()).map_err(|e| TokenizeError::InProcess {
+                    reason: e.to_string(),
+                })?;
+            model
+                .encode_chat(&messages, *add_generation_prompt)
+                .map_err(failed)
         }
     }
 }
@@ -117,7 +135,11 @@ impl RemoteTokenizer {
     pub fn new(url: http::Uri, timeout: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
-        Self { url, timeout, client: Client::builder(TokioExecutor::new()).build(connector) }
+        Self {
+            url,
+            timeout,
+            client: Client::builder(TokioExecutor::new()).build(connector),
+        }
     }
 
     async fn call(
@@ -133,7 +155,10 @@ impl RemoteTokenizer {
             .header(http::header::CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from(body)))
             .map_err(|e| e.to_string())?;
-        let response = client.request(request).await.map_err(|e| format!("{e:#}"))?;
+        let response = client
+            .request(request)
+            .await
+            .map_err(|e| format!("{e:#}"))?;
         let status = response.status();
         let body = http_body_util::Limited::new(response.into_body(), MAX_TOKENIZE_RESPONSE_BYTES)
             .collect()
@@ -151,10 +176,16 @@ impl RemoteTokenizer {
 impl Tokenizer for RemoteTokenizer {
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
         let body = match input.as_ref() {
-            TokenizeInput::Text { text, add_special_tokens } => serde_json::json!({
+            TokenizeInput::Text {
+                text,
+                add_special_tokens,
+            } => serde_json::json!({
                 "model": model, "prompt": text, "add_special_tokens": add_special_tokens,
             }),
-            TokenizeInput::Chat { messages, add_generation_prompt } => serde_json::json!({
+            TokenizeInput::Chat {
+                messages,
+                add_generation_prompt,
+            } => serde_json::json!({
                 "model": model, "messages": messages, "add_generation_prompt": add_generation_prompt,
             }),
         };
@@ -163,7 +194,10 @@ impl Tokenizer for RemoteTokenizer {
         Box::pin(async move {
             match tokio::time::timeout(timeout, Self::call(client, url.clone(), body)).await {
                 Ok(Ok(tokens)) => Ok(tokens),
-                Ok(Err(reason)) => Err(TokenizeError::Remote { url: url.to_string(), reason }),
+                Ok(Err(reason)) => Err(TokenizeError::Remote {
+                    url: url.to_string(),
+                    reason,
+                }),
                 Err(_) => Err(TokenizeError::Timeout { after: timeout }),
             }
         })
@@ -256,36 +290,57 @@ impl TokenCache {
                     source: TokenSource::Client,
                 });
             }
-            Prompt::Text { text, add_special_tokens } => {
-                vec![(cache_key(pool, b"text", *add_special_tokens, &[text.as_bytes()]), text.len())]
+            Prompt::Text {
+                text,
+                add_special_tokens,
+            } => {
+                vec![(
+                    cache_key(pool, b"text", *add_special_tokens, &[text.as_bytes()]),
+                    text.len(),
+                )]
             }
-            Prompt::Chat { messages, add_generation_prompt, .. } => {
-                conversation_keys(pool, messages, *add_generation_prompt)
-            }
+            Prompt::Chat {
+                messages,
+                add_generation_prompt,
+                ..
+            } => conversation_keys(pool, messages, *add_generation_prompt),
         };
         let Some(&(full_key, full_bytes)) = keys.last() else {
-            return Err(TokenizeError::InProcess { reason: "empty prompt".to_owned() });
+            return Err(TokenizeError::InProcess {
+                reason: "empty prompt".to_owned(),
+            });
         };
         let cached_prefix = {
             let mut entries = self.entries.lock();
             if let Some(tokens) = entries.get(&full_key) {
                 let tokens = Arc::clone(tokens);
                 let estimated_len = tokens.len();
-                return Ok(PromptTokens { tokens, exact: true, estimated_len, source: TokenSource::Cache });
+                return Ok(PromptTokens {
+                    tokens,
+                    exact: true,
+                    estimated_len,
+                    source: TokenSource::Cache,
+                });
             }
             keys.iter()
                 .rev()
                 .skip(1)
                 .find_map(|(key, bytes)| entries.get(key).map(|t| (Arc::clone(t), *bytes)))
         };
-        let tokenizer =
-            tokenizer.ok_or_else(|| TokenizeError::NotConfigured { pool: pool.to_string() })?;
+        let tokenizer = tokenizer.ok_or_else(|| TokenizeError::NotConfigured {
+            pool: pool.to_string(),
+        })?;
         let input = Arc::new(owned_input(prompt));
         if let Some((tokens, prefix_bytes)) = cached_prefix {
             self.refill_in_background(full_key, model, tokenizer, input);
             let tail = full_bytes.saturating_sub(prefix_bytes) / ESTIMATED_BYTES_PER_TOKEN;
             let estimated_len = tokens.len() + tail;
-            return Ok(PromptTokens { tokens, exact: false, estimated_len, source: TokenSource::PrefixCache });
+            return Ok(PromptTokens {
+                tokens,
+                exact: false,
+                estimated_len,
+                source: TokenSource::PrefixCache,
+            });
         }
         let tokens: Arc<[u32]> =
             match tokio::time::timeout(budget, tokenizer.tokenize(model, input)).await {
@@ -294,7 +349,12 @@ impl TokenCache {
             };
         self.entries.lock().insert(full_key, Arc::clone(&tokens));
         let estimated_len = tokens.len();
-        Ok(PromptTokens { tokens, exact: true, estimated_len, source: TokenSource::Tokenizer })
+        Ok(PromptTokens {
+            tokens,
+            exact: true,
+            estimated_len,
+            source: TokenSource::Tokenizer,
+        })
     }
 
     fn refill_in_background(
@@ -304,7 +364,9 @@ impl TokenCache {
         tokenizer: &Arc<dyn Tokenizer>,
         input: Arc<TokenizeInput>,
     ) {
-        let Ok(permit) = Arc::clone(&self.refills).try_acquire_owned() else { return };
+        let Ok(permit) = Arc::clone(&self.refills).try_acquire_owned() else {
+            return;
+        };
         let future = tokenizer.tokenize(model, input);
         let entries = Arc::clone(&self.entries);
         self.tasks.spawn(async move {
@@ -318,14 +380,25 @@ impl TokenCache {
 
 fn owned_input(prompt: &Prompt<'_>) -> TokenizeInput {
     match prompt {
-        Prompt::Text { text, add_special_tokens } => {
-            TokenizeInput::Text { text: text.clone().into_owned(), add_special_tokens: *add_special_tokens }
-        }
-        Prompt::Chat { raw, add_generation_prompt, .. } => TokenizeInput::Chat {
+        Prompt::Text {
+            text,
+            add_special_tokens,
+        } => TokenizeInput::Text {
+            text: text.clone().into_owned(),
+            add_special_tokens: *add_special_tokens,
+        },
+        Prompt::Chat {
+            raw,
+            add_generation_prompt,
+            ..
+        } => TokenizeInput::Chat {
             messages: (*raw).to_owned(),
             add_generation_prompt: *add_generation_prompt,
         },
-        Prompt::Tokens(_) | Prompt::Absent => TokenizeInput::Text { text: String::new(), add_special_tokens: false },
+        Prompt::Tokens(_) | Prompt::Absent => TokenizeInput::Text {
+            text: String::new(),
+            add_special_tokens: false,
+        },
     }
 }
 
@@ -342,7 +415,11 @@ fn cache_key(pool: usize, kind: &[u8], flag: bool, parts: &[&[u8]]) -> u128 {
 }
 
 /// Cache keys of messages `0..k` for every k (last = whole conversation), with their byte sizes.
-fn conversation_keys(pool: usize, messages: &[&RawValue], add_generation_prompt: bool) -> Vec<(u128, usize)> {
+fn conversation_keys(
+    pool: usize,
+    messages: &[&RawValue],
+    add_generation_prompt: bool,
+) -> Vec<(u128, usize)> {
     let mut hasher = Xxh3::new();
     hasher.update(&(pool as u64).to_le_bytes());
     hasher.update(b"chat");
@@ -357,4 +434,70 @@ fn conversation_keys(pool: usize, messages: &[&RawValue], add_generation_prompt:
             (hasher.digest128(), bytes)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::{Endpoint, parse};
+
+    const TINY_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-model");
+
+    #[tokio::test]
+    async fn in_process_equals_the_model_tokenizer() {
+        let tokenizer = InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap();
+        let direct = ModelTokenizer::from_dir(TINY_MODEL).unwrap();
+        let text = Arc::new(TokenizeInput::Text {
+            text: "Hello world".into(),
+            add_special_tokens: true,
+        });
+        assert_eq!(
+            tokenizer.tokenize("m", text).await.unwrap(),
+            direct.encode_prompt("Hello world", true).unwrap()
+        );
+        let messages = serde_json::json!([{"role": "user", "content": "Hi"}]);
+        let chat = Arc::new(TokenizeInput::Chat {
+            messages: RawValue::from_string(messages.to_string()).unwrap(),
+            add_generation_prompt: true,
+        });
+        assert_eq!(
+            tokenizer.tokenize("m", chat).await.unwrap(),
+            direct.encode_chat(&messages, true).unwrap()
+        );
+    }
+
+    #[tokio::test]
+    async fn next_turn_routes_on_the_cached_conversation_prefix() {
+        let tokenizer: Arc<dyn Tokenizer> =
+            Arc::new(InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap());
+        let cache = TokenCache::new(16, TaskTracker::new());
+        let budget = Duration::from_secs(5);
+        let turn1 = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"}]}"#;
+        let turn2 = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"},{"role":"assistant","content":"Once upon a time"},{"role":"user","content":"More"}]}"#;
+        let first = parse(turn1.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let t1 = cache
+            .tokens(0, "m", &first.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        assert_eq!((t1.source, t1.exact), (TokenSource::Tokenizer, true));
+        let again = cache
+            .tokens(0, "m", &first.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        assert_eq!(again.source, TokenSource::Cache);
+        let second = parse(turn2.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let t2 = cache
+            .tokens(0, "m", &second.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        assert_eq!((t2.source, t2.exact), (TokenSource::PrefixCache, false));
+        assert_eq!(t2.tokens, t1.tokens);
+        assert!(t2.estimated_len > t1.tokens.len());
+        // Another pool never sees pool 0's entries.
+        let other = cache
+            .tokens(1, "m", &first.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        assert_eq!(other.source, TokenSource::Tokenizer);
+    }
 }

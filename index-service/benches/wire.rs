@@ -30,7 +30,7 @@ fn step_batch(with_digests: bool) -> EventBatch {
                 .collect();
             let block_hashes = digests
                 .iter()
-                .map(|d| u64::from_be_bytes(d[24..].try_into().unwrap()))
+                .map(|d| d[24..].iter().fold(0u64, |acc, &b| acc << 8 | u64::from(b)))
                 .collect();
             KvEvent::BlockStored(BlockStored {
                 block_hashes,

@@ -149,17 +149,17 @@ pub fn plan_fast_path<'c>(
         }
     }
 
-    if let Some(model_header) = &config.model_header {
-        if let Some(pool) = headers
-            .header(model_header)
-            .and_then(|m| config.model_routes.get(&m))
-        {
-            plan.route = Some(Route {
-                header: &config.pool_header,
-                value: pool.clone(),
-                reason: RouteReason::ModelPool,
-            });
-        }
+    let pool = config
+        .model_header
+        .as_deref()
+        .and_then(|h| headers.header(h))
+        .and_then(|model| config.model_routes.get(&model));
+    if let Some(pool) = pool {
+        plan.route = Some(Route {
+            header: &config.pool_header,
+            value: pool.clone(),
+            reason: RouteReason::ModelPool,
+        });
     }
     plan
 }

@@ -76,7 +76,7 @@ impl RootContext for Root {
         match Config::from_json(&bytes) {
             Ok(config) => {
                 info!(
-                    "kvroute: configured role={:?} session_header={} replicas={} table_capacity={}",
+                    "configured role={:?} session_header={} replicas={} table_capacity={}",
                     config.role,
                     config.session_header,
                     config.replicas.len(),
@@ -91,10 +91,7 @@ impl RootContext for Root {
                 true
             }
             Err(e) => {
-                error!(
-                    "kvroute: rejecting plugin configuration ({}): {e}",
-                    e.as_label()
-                );
+                error!("rejecting plugin configuration ({}): {e}", e.as_label());
                 false
             }
         }
@@ -161,7 +158,7 @@ fn fast_path(plugin: &Plugin) {
         PinVerdict::Absent => {}
         PinVerdict::Honoured => plugin.stats.inc(Stat::PinsHonoured),
         PinVerdict::Ignored(why) => {
-            debug!("kvroute: pin header ignored ({})", why.as_label());
+            debug!("pin header ignored ({})", why.as_label());
             plugin.stats.inc(Stat::PinsIgnored);
         }
     }
@@ -214,7 +211,7 @@ fn apply_route(plugin: &Plugin, route: &Route<'_>) {
         Some(&route.value),
     );
     if let Err(status) = hostcalls::call_foreign_function("clear_route_cache", None) {
-        debug!("kvroute: clear_route_cache failed: {status:?}");
+        debug!("clear_route_cache failed: {status:?}");
         plugin.stats.inc(Stat::RouteCacheClearErrors);
     }
 }
@@ -229,10 +226,7 @@ fn decode_counted(plugin: &Plugin, bytes: &[u8]) -> Option<Bucket> {
     match Bucket::decode(bytes) {
         Ok(bucket) => Some(bucket),
         Err(e) => {
-            debug!(
-                "kvroute: unreadable affinity bucket ({}): {e}",
-                e.as_label()
-            );
+            debug!("unreadable affinity bucket ({}): {e}", e.as_label());
             plugin.stats.inc(Stat::AffinityErrors);
             None
         }

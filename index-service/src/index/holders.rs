@@ -191,13 +191,30 @@ impl SlotSet {
         self.words.iter().all(|&word| word == 0)
     }
 
-    pub(crate) fn clear(&mut self) {
-        self.words.fill(0);
+    /// Words per set for `slots` slots.
+    pub(crate) fn words_for(slots: usize) -> usize {
+        slots.div_ceil(64)
+    }
+
+    /// Sets `slot` in a bare word slice laid out like a `SlotSet`.
+    pub(crate) fn set_in(words: &mut [u64], slot: Slot) {
+        let slot = usize::from(slot);
+        if let Some(word) = words.get_mut(slot / 64) {
+            *word |= 1 << (slot % 64);
+        }
     }
 
     /// Removes every member not in `present`, calling `on_removed` for each.
-    pub(crate) fn retain_present(&mut self, present: &SlotSet, mut on_removed: impl FnMut(usize)) {
-        for (at, (word, kept)) in self.words.iter_mut().zip(&present.words).enumerate() {
+    #[cfg(test)]
+    pub(crate) fn retain_present(&mut self, present: &SlotSet, on_removed: impl FnMut(usize)) {
+        self.retain_words(&present.words, on_removed);
+    }
+
+    /// Removes every member whose bit is clear in `present` (a word slice of the same
+    /// layout; missing words count as empty), calling `on_removed` for each.
+    pub(crate) fn retain_words(&mut self, present: &[u64], mut on_removed: impl FnMut(usize)) {
+        let kept_words = present.iter().copied().chain(std::iter::repeat(0));
+        for (at, (word, kept)) in self.words.iter_mut().zip(kept_words).enumerate() {
             let mut dropped = *word & !kept;
             *word &= kept;
             while dropped != 0 {
@@ -226,7 +243,8 @@ impl KeyHasherBuilder {
 
     /// The well-mixed 64-bit hash of `key` (shard choice uses its high bits, maps the low).
     pub(crate) fn mix(&self, key: u64) -> u64 {
-        let product = u128::from(key ^ self.seed) * 0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835;
+        // 64×64→128-bit multiply, folded: every output bit depends on every input bit.
+        let product = u128::from(key ^ self.seed) * u128::from(0x9E37_79B9_7F4A_7C15_u64);
         (product as u64) ^ ((product >> 64) as u64)
     }
 }
@@ -348,8 +366,10 @@ mod tests {
         alive.retain_present(&present, |slot| dropped.push(slot));
         assert_eq!(dropped, [0, 129]);
         assert!(alive.contains(64) && !alive.contains(0));
-        present.clear();
-        alive.retain_present(&present, |_| {});
+        let mut words = vec![0; SlotSet::words_for(130)];
+        SlotSet::set_in(&mut words, 64);
+        alive.retain_words(&words, |_| panic!("64 is present"));
+        alive.retain_words(&[], |slot| assert_eq!(slot, 64));
         assert!(alive.is_empty());
     }
 

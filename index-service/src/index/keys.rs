@@ -54,7 +54,7 @@ pub(crate) enum Verification {
     Verified,
     /// Block `block` of the run (0-based) hashes to `computed` instead of what was published.
     /// `certain` is false when the event does not publish extra keys (vLLM < 0.17), so a
-    /// `cache_salt` the index cannot see may explain the difference.
+    /// `cache_salt` or multimodal input the index cannot see may explain the difference.
     Mismatch { block: usize, computed: u64, certain: bool },
 }
 

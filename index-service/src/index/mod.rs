@@ -61,7 +61,7 @@ use replica::Replica;
 /// blocks (an 80 GB GPU holds ~10^5–10^6) plus CPU offload.
 pub const DEFAULT_MAX_BLOCKS_PER_REPLICA: usize = 4_000_000;
 /// Default [`IndexConfig::shards_per_pool`]: enough that ingest writers rarely meet on a lock.
-pub const DEFAULT_SHARDS_PER_POOL: usize = 64;
+pub const DEFAULT_SHARDS_PER_POOL: usize = 16;
 
 /// A replica's dense id, assigned from config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

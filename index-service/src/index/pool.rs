@@ -37,6 +37,50 @@ pub(crate) struct Pool {
     members: RwLock<Members>,
 }
 
+/// Keys looked up before the first early-exit check: most prompts stop matching early.
+const FIRST_BATCH: usize = 16;
+/// Largest batch of keys resolved per round of shard locks.
+const MAX_BATCH: usize = 256;
+
+/// Scratch space of one match walk: per batch position, the slots holding that key (any medium
+/// and GPU), as word slices laid out like [`SlotSet`].
+struct Batch {
+    words: usize,
+    present: Vec<u64>,
+    gpu: Vec<u64>,
+    shard_of: Vec<usize>,
+    starts: Vec<usize>,
+    order: Vec<usize>,
+}
+
+impl Batch {
+    fn new(words: usize, shards: usize) -> Self {
+        Batch {
+            words,
+            present: Vec::new(),
+            gpu: Vec::new(),
+            shard_of: Vec::new(),
+            starts: vec![0; shards + 1],
+            order: Vec::new(),
+        }
+    }
+
+    fn reset(&mut self, keys: usize) {
+        self.present.clear();
+        self.present.resize(keys * self.words, 0);
+        self.gpu.clear();
+        self.gpu.resize(keys * self.words, 0);
+    }
+
+    fn present(&self, at: usize) -> &[u64] {
+        &self.present[at * self.words..(at + 1) * self.words]
+    }
+
+    fn gpu(&self, at: usize) -> &[u64] {
+        &self.gpu[at * self.words..(at + 1) * self.words]
+    }
+}
+
 /// Shard lock hold is bounded: bulk removal releases the lock after this many keys.
 const BULK_REMOVE_CHUNK: usize = 256;
 
@@ -204,35 +248,27 @@ impl Pool {
         let mut gpu_alive = alive.clone();
         let mut matched = vec![0u32; slot_count];
         let mut gpu_matched = vec![0u32; slot_count];
-        let mut present = SlotSet::with_slots(slot_count);
-        let mut gpu_present = SlotSet::with_slots(slot_count);
-        let mut walked = 0u32;
-        for &key in keys {
-            if alive.is_empty() {
-                break;
-            }
-            present.clear();
-            gpu_present.clear();
-            {
-                let shard = self.shards[self.shard_of(key)].read();
-                if let Some(holders) = shard.get(&key) {
-                    for holder in holders.as_slice() {
-                        present.insert(holder.slot);
-                        if holder.media.has_gpu() {
-                            gpu_present.insert(holder.slot);
-                        }
-                    }
+        let mut batch = Batch::new(SlotSet::words_for(slot_count), self.shards.len());
+        let mut walked = 0;
+        let mut batch_len = FIRST_BATCH;
+        while walked < keys.len() && !alive.is_empty() {
+            let end = keys.len().min(walked + batch_len);
+            self.look_up(&keys[walked..end], &mut batch);
+            for at in 0..end - walked {
+                if alive.is_empty() {
+                    break;
                 }
+                let index = (walked + at) as u32;
+                alive.retain_words(batch.present(at), |slot| matched[slot] = index);
+                gpu_alive.retain_words(batch.gpu(at), |slot| gpu_matched[slot] = index);
             }
-            alive.retain_present(&present, |slot| matched[slot] = walked);
-            gpu_alive.retain_present(&gpu_present, |slot| gpu_matched[slot] = walked);
-            walked += 1;
+            walked = end;
+            batch_len = (batch_len * 4).min(MAX_BATCH);
         }
-        // Replicas still matching after the walk hold every walked key.
-        alive.retain_present(&SlotSet::with_slots(slot_count), |slot| matched[slot] = walked);
-        gpu_alive.retain_present(&SlotSet::with_slots(slot_count), |slot| {
-            gpu_matched[slot] = walked;
-        });
+        // Replicas still matching after the walk hold every key.
+        let total = keys.len() as u32;
+        alive.retain_words(&[], |slot| matched[slot] = total);
+        gpu_alive.retain_words(&[], |slot| gpu_matched[slot] = total);
 
         for (slot, found) in &mut reported {
             if found.precise {
@@ -241,6 +277,53 @@ impl Pool {
             }
         }
         reported.into_iter().map(|(_, found)| found).collect()
+    }
+
+    /// Resolves the holders of `keys` into `batch`, visiting shards in order so each shard's
+    /// read lock is taken once per batch. Back-to-back lookups under one lock let the CPU
+    /// overlap their cache misses; a lock per key would serialize them (each lock is a fence).
+    fn look_up(&self, keys: &[u64], batch: &mut Batch) {
+        batch.reset(keys.len());
+        // Counting sort of the batch's key positions by shard.
+        batch.shard_of.clear();
+        batch.shard_of.extend(keys.iter().map(|&key| self.shard_of(key)));
+        batch.starts.fill(0);
+        for &shard in &batch.shard_of {
+            batch.starts[shard + 1] += 1;
+        }
+        for shard in 0..self.shards.len() {
+            batch.starts[shard + 1] += batch.starts[shard];
+        }
+        batch.order.resize(keys.len(), 0);
+        let mut next = batch.starts.clone();
+        for (at, &shard) in batch.shard_of.iter().enumerate() {
+            batch.order[next[shard]] = at;
+            next[shard] += 1;
+        }
+        let words = batch.words;
+        for (shard, lock) in self.shards.iter().enumerate() {
+            let (from, to) = (batch.starts[shard], batch.starts[shard + 1]);
+            if from == to {
+                continue;
+            }
+            let map = lock.read();
+            // Lookups first, in a tight loop of independent loads; expanding the (possibly
+            // 64-long) holder lists in between would fill the CPU's window and stop the overlap.
+            let found: Vec<(usize, &Holders)> = batch.order[from..to]
+                .iter()
+                .filter_map(|&at| map.get(&keys[at]).map(|holders| (at, holders)))
+                .collect();
+            for (at, holders) in found {
+                let present = &mut batch.present[at * words..(at + 1) * words];
+                for holder in holders.as_slice() {
+                    SlotSet::set_in(present, holder.slot);
+                }
+                let gpu = &mut batch.gpu[at * words..(at + 1) * words];
+                for holder in holders.as_slice().iter().filter(|h| h.media.has_gpu()) {
+                    SlotSet::set_in(gpu, holder.slot);
+                }
+            }
+        }
     }
 
     /// (block, replica) holdings in the pool.

@@ -463,17 +463,18 @@ impl Subscriber {
                 .unknown_events_skipped
                 .inc_by(u64::from(decoded.unknown_events));
         }
-        self.sink.apply(&self.replica, seq, decoded.batch);
+        // Bookkeeping first, so whoever sees the batch in the sink also sees it in the snapshot.
         self.tracker.applied(seq, fingerprint);
         self.metrics.batches_applied.inc();
         self.metrics.set_last_sequence(seq);
         self.state.batch_applied(seq);
+        self.sink.apply(&self.replica, seq, decoded.batch);
     }
 
     fn reset(&mut self, reason: ResetReason) {
-        self.sink.reset(&self.replica, reason);
         self.metrics.reset(reason);
         self.state.replica_reset();
+        self.sink.reset(&self.replica, reason);
     }
 
     /// Resets the replica after an unrecoverable gap; the next message starts the stream again.

@@ -41,12 +41,7 @@ fn capture_payloads() -> Vec<Vec<u8>> {
         .lines()
         .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
         .filter(|record| record["kind"] == "zmq_pub")
-        .map(|record| {
-            // `frames_hex` is a Python list repr: "['<topic>', '<seq>', '<payload>']".
-            let frames = record["frames_hex"].as_str().unwrap().to_owned();
-            let payload_hex = frames.rsplit('\'').nth(1).unwrap().to_owned();
-            hex::decode(payload_hex).unwrap()
-        })
+        .map(|record| hex::decode(record["frames_hex"][2].as_str().unwrap()).unwrap())
         .collect();
     assert!(
         payloads.len() >= 20,
@@ -498,6 +493,40 @@ async fn engine_restart_resets_and_starts_over() {
         harness.metric(&series("ingest_resets_total", ",reason=\"engine_restart\"")),
         1.0
     );
+    harness.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_process_restart_on_the_same_port_is_detected() {
+    let payloads = capture_payloads();
+    let old_engine = MockVllmPublisher::bind_loopback().await.unwrap();
+    let mut config = connect_config(&old_engine);
+    config.replay_endpoint = None;
+    config.reconnect_backoff_min = Duration::from_millis(10);
+    let harness = Harness::start(config);
+    let start = warm_up(&old_engine, &harness, &payloads[0]).await;
+    // Well ahead of anything the new engine publishes before the SUB is back.
+    for payload in payloads.iter().cycle().take(50) {
+        old_engine.publish(payload.clone()).await.unwrap();
+    }
+    harness.wait_applied(start + 50).await;
+    let endpoint = old_engine.pub_endpoint().unwrap().to_owned();
+    old_engine.shutdown().await;
+
+    let mut new_config = MockPublisherConfig::loopback();
+    new_config.endpoint = endpoint;
+    new_config.replay_endpoint = None;
+    let new_engine = MockVllmPublisher::start(new_config).await.unwrap();
+    harness.sink.clear();
+    let first_new = warm_up(&new_engine, &harness, &payloads[1]).await;
+    assert!(first_new < start + 50);
+    let calls = summarize(&harness.sink.calls());
+    assert_eq!(
+        calls.first().map(String::as_str),
+        Some("reset engine_restart"),
+        "{calls:?}"
+    );
+    assert_eq!(harness.snapshot().last_seq, Some(first_new));
     harness.shutdown().await;
 }
 

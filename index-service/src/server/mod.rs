@@ -168,10 +168,7 @@ fn local_addr(
     listener.local_addr().map_err(|source| ServeError::Bind { what, addr, source })
 }
 
-#[expect(
-    clippy::disallowed_methods,
-    reason = "the service's spawn site: tracked by its TaskTracker, stopped by its token"
-)]
+/// The service's one spawn site: every task is tracked and watches the service's token.
 fn spawn_tracked<F>(tasks: &TaskTracker, future: F)
 where
     F: std::future::Future<Output = ()> + Send + 'static,

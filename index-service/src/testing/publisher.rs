@@ -140,10 +140,6 @@ impl MockVllmPublisher {
     }
 
     /// Opens the sockets (connecting waits for the peer to accept) and starts serving replay.
-    #[expect(
-        clippy::disallowed_methods,
-        reason = "the replay server task is tracked by `tasks` and stopped by `cancel` on drop"
-    )]
     pub async fn start(config: MockPublisherConfig) -> Result<Self, ZmqError> {
         let mut socket = PubSocket::new();
         let binds = match config.mode {
@@ -280,10 +276,11 @@ impl MockVllmPublisher {
         self.socket.lock().await.send(message).await
     }
 
-    /// Stops the replay server and waits for it; the PUB socket closes when `self` drops.
+    /// Stops the replay server and unbinds the PUB port, so another publisher can bind it.
     pub async fn shutdown(self) {
         self.cancel.cancel();
         self.tasks.wait().await;
+        let _ = self.socket.lock().await.unbind_all().await;
     }
 }
 

@@ -299,9 +299,7 @@ fn token_ids(r: &mut Reader<'_>) -> Result<Vec<u32>, WireError> {
     let len = r.array_len("token_ids")?;
     check_limit("token_ids", len, MAX_TOKENS_PER_EVENT)?;
     let mut tokens = Vec::with_capacity(len);
-    for _ in 0..len {
-        tokens.push(r.u32("token_ids")?);
-    }
+    r.u32_items(len, "token_ids", &mut tokens)?;
     Ok(tokens)
 }
 

@@ -274,14 +274,14 @@ impl<'a> Reader<'a> {
     /// A block hash: a uint, a negative int (two's complement) or a str/bin digest.
     pub(crate) fn hash(&mut self, field: &'static str) -> Result<Hash<'a>, WireError> {
         let at = self.pos;
+        if let Some(int) = self.int_or_none()? {
+            return Ok(Hash::Int(int.to_u64_wrapping()));
+        }
         if let Some(bytes) = self.bin_bytes()? {
             return Ok(Hash::Digest(bytes));
         }
-        if let Some(bytes) = self.str_bytes()? {
-            return Ok(Hash::Digest(bytes));
-        }
-        match self.int_or_none()? {
-            Some(int) => Ok(Hash::Int(int.to_u64_wrapping())),
+        match self.str_bytes()? {
+            Some(bytes) => Ok(Hash::Digest(bytes)),
             None => Err(self.type_error(field, "int, bin or str", at)),
         }
     }
@@ -350,6 +350,51 @@ impl<'a> Reader<'a> {
                 }
             }
         }
+    }
+
+    /// Appends `len` unsigned integers that must fit `u32` (the elements of a token id array).
+    ///
+    /// The common encodings are read straight from the slice; anything else (wider or signed
+    /// markers, errors) goes through [`Reader::u32`].
+    pub(crate) fn u32_items(
+        &mut self,
+        len: usize,
+        field: &'static str,
+        out: &mut Vec<u32>,
+    ) -> Result<(), WireError> {
+        // Sized up front (the caller bounded `len` by the remaining input) so the loop stores
+        // without per-element capacity checks.
+        let start = out.len();
+        out.resize(start + len, 0);
+        let mut rest = self.input.get(self.pos..).unwrap_or_default();
+        for slot in out.iter_mut().skip(start) {
+            *slot = match *rest {
+                [b @ 0x00..=0x7f, ref tail @ ..] => {
+                    rest = tail;
+                    u32::from(b)
+                }
+                [0xcc, b, ref tail @ ..] => {
+                    rest = tail;
+                    u32::from(b)
+                }
+                [0xcd, b0, b1, ref tail @ ..] => {
+                    rest = tail;
+                    u32::from(u16::from_be_bytes([b0, b1]))
+                }
+                [0xce, b0, b1, b2, b3, ref tail @ ..] => {
+                    rest = tail;
+                    u32::from_be_bytes([b0, b1, b2, b3])
+                }
+                _ => {
+                    self.pos = self.input.len() - rest.len();
+                    let value = self.u32(field)?;
+                    rest = self.input.get(self.pos..).unwrap_or_default();
+                    value
+                }
+            };
+        }
+        self.pos = self.input.len() - rest.len();
+        Ok(())
     }
 
     /// A `u32` or nil.

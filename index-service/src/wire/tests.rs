@@ -82,9 +82,12 @@ const STORED_POSITIONS: [&str; 9] = [
 ];
 const REMOVED_POSITIONS: [&str; 3] = ["block_hashes", "medium", "group_idx"];
 
+/// A JSON event's field by name (nil when absent), whether the event is an array or a map.
+type FieldLookup = Box<dyn Fn(&str) -> Value>;
+
 /// Builds the domain event a generic JSON decode (tagged array or `type` map) describes.
 fn json_event(value: &Value) -> KvEvent {
-    let (tag, field): (&str, Box<dyn Fn(&str) -> Value>) = match value {
+    let (tag, field): (&str, FieldLookup) = match value {
         Value::Array(items) => {
             let tag = items[0].as_str().unwrap();
             let positions: &[&str] = match tag {

@@ -43,7 +43,10 @@ async fn run(config: SimConfig) -> anyhow::Result<()> {
         std::fs::write(&partial, &line)?;
         std::fs::rename(&partial, &path)?;
     }
-    #[expect(clippy::print_stdout, reason = "the ready line is this binary's stdout protocol")]
+    #[expect(
+        clippy::print_stdout,
+        reason = "the ready line is this binary's stdout protocol"
+    )]
     {
         println!("{line}");
     }

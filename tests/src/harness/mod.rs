@@ -1,1 +1,112 @@
-//! Process harnesses (in progress).
+//! Process harnesses for integration tests: a real Envoy ([`Envoy`]), our binaries such as the
+//! engine simulator ([`SimProcess`]), a small HTTP client ([`http`]) and deadline polling
+//! ([`wait_until`]).
+//!
+//! Every process listens on port 0 and reports its real ports; readiness is a polled condition
+//! with a deadline, never a fixed sleep. A [`ChildGuard`] owns each process: on drop it sends
+//! SIGTERM, then kills after a grace period, and prints the process log if the test is panicking.
+
+mod envoy;
+pub mod http;
+mod process;
+mod sim_process;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use envoy::{Envoy, envoy_bin, round_robin_config};
+pub use process::ChildGuard;
+pub use sim_process::SimProcess;
+
+/// How long a process gets to become ready.
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Interval between readiness polls.
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+
+/// Why a harness step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    /// A process could not be spawned.
+    #[error("cannot spawn {program}")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A condition did not hold in time.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// The deadline.
+        after: Duration,
+    },
+    /// A file operation failed.
+    #[error("i/o on {}", path.display())]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The process answered something unexpected.
+    #[error("unexpected answer from {what}: {detail}")]
+    Protocol {
+        /// Which endpoint.
+        what: String,
+        /// What was wrong.
+        detail: String,
+    },
+}
+
+impl HarnessError {
+    /// Metric label value.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            HarnessError::Spawn { .. } => "spawn",
+            HarnessError::Timeout { .. } => "timeout",
+            HarnessError::Io { .. } => "io",
+            HarnessError::Protocol { .. } => "protocol",
+        }
+    }
+}
+
+/// Polls `check` until it returns `Some`, or fails after `timeout`.
+pub async fn wait_until<T, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    mut check: F,
+) -> Result<T, HarnessError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return Ok(value);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(HarnessError::Timeout {
+                what: what.to_owned(),
+                after: timeout,
+            });
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// The workspace root (`tests/..`).
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+/// The shared tiny model folder (tokenizer + config) committed under `tests/fixtures/`.
+pub fn tiny_model_dir() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/tiny-model"))
+}

@@ -97,7 +97,10 @@ struct ApiError {
 
 impl ApiError {
     fn bad_request(message: impl Into<String>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into() }
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+        }
     }
 }
 
@@ -117,9 +120,10 @@ impl IntoResponse for ApiError {
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
-            EngineError::ShuttingDown => {
-                Self { status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string() }
-            }
+            EngineError::ShuttingDown => Self {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                message: e.to_string(),
+            },
             _ => Self::bad_request(e.to_string()),
         }
     }
@@ -127,8 +131,11 @@ impl From<EngineError> for ApiError {
 
 impl From<kvroute_tokenize::TokenizeError> for ApiError {
     fn from(e: kvroute_tokenize::TokenizeError) -> Self {
-        let status =
-            if e.is_bad_input() { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
+        let status = if e.is_bad_input() {
+            StatusCode::BAD_REQUEST
+        } else {
+            StatusCode::INTERNAL_SERVER_ERROR
+        };
         // `{:#}`-style chain: the template's own message is in the source.
         let mut message = e.to_string();
         let mut source = std::error::Error::source(&e);
@@ -164,7 +171,9 @@ impl PromptInput {
                 Ok(tokenizer.encode_prompt(&texts.remove(0), add_special)?)
             }
             PromptInput::TokenLists(mut lists) if lists.len() == 1 => Ok(lists.remove(0)),
-            _ => Err(ApiError::bad_request("batched prompts are not supported by the simulator")),
+            _ => Err(ApiError::bad_request(
+                "batched prompts are not supported by the simulator",
+            )),
         }
     }
 }
@@ -228,7 +237,10 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
     }]}))
 }
 
-async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
     let request: TokenizeRequest = parse(&body)?;
     check_model(&state, request.model.as_deref())?;
     let tokens = match (request.prompt, request.messages) {
@@ -240,12 +252,21 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Jso
                 .tokenizer
                 .render_chat(&messages, request.add_generation_prompt.unwrap_or(true))?;
             // vLLM's TokenizeChatRequest defaults add_special_tokens to false.
-            state.tokenizer.encode_prompt(&text, request.add_special_tokens.unwrap_or(false))?
+            state
+                .tokenizer
+                .encode_prompt(&text, request.add_special_tokens.unwrap_or(false))?
         }
-        _ => return Err(ApiError::bad_request("give exactly one of prompt or messages")),
+        _ => {
+            return Err(ApiError::bad_request(
+                "give exactly one of prompt or messages",
+            ));
+        }
     };
     let token_strs = request.return_token_strs.then(|| {
-        tokens.iter().map(|&id| state.tokenizer.id_to_token(id).unwrap_or_default()).collect::<Vec<_>>()
+        tokens
+            .iter()
+            .map(|&id| state.tokenizer.id_to_token(id).unwrap_or_default())
+            .collect::<Vec<_>>()
     });
     Ok(Json(json!({
         "count": tokens.len(),
@@ -262,13 +283,26 @@ enum Kind {
     Chat,
 }
 
-async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let request: CompletionRequest = parse(&body)?;
     check_model(&state, request.model.as_deref())?;
-    let prompt = request.prompt.encode(&state.tokenizer, request.add_special_tokens.unwrap_or(true))?;
+    let prompt = request
+        .prompt
+        .encode(&state.tokenizer, request.add_special_tokens.unwrap_or(true))?;
     let max_tokens = request.max_tokens.unwrap_or(state.default_max_tokens);
     let include_usage = request.stream_options.unwrap_or_default().include_usage;
-    generate(state, Kind::Completion, prompt, max_tokens, request.stream, include_usage).await
+    generate(
+        state,
+        Kind::Completion,
+        prompt,
+        max_tokens,
+        request.stream,
+        include_usage,
+    )
+    .await
 }
 
 async fn chat_completions(
@@ -278,13 +312,23 @@ async fn chat_completions(
     let request: ChatRequest = parse(&body)?;
     check_model(&state, request.model.as_deref())?;
     let generation_prompt = request.add_generation_prompt.unwrap_or(true);
-    let prompt = state.tokenizer.encode_chat(&request.messages, generation_prompt)?;
+    let prompt = state
+        .tokenizer
+        .encode_chat(&request.messages, generation_prompt)?;
     let max_tokens = request
         .max_completion_tokens
         .or(request.max_tokens)
         .unwrap_or(state.default_max_tokens);
     let include_usage = request.stream_options.unwrap_or_default().include_usage;
-    generate(state, Kind::Chat, prompt, max_tokens, request.stream, include_usage).await
+    generate(
+        state,
+        Kind::Chat,
+        prompt,
+        max_tokens,
+        request.stream,
+        include_usage,
+    )
+    .await
 }
 
 async fn generate(
@@ -296,8 +340,19 @@ async fn generate(
     include_usage: bool,
 ) -> Result<Response, ApiError> {
     let sequence = state.engine.start(prompt, max_tokens).await?;
-    let id = state.request_id(if kind == Kind::Chat { "chatcmpl" } else { "cmpl" });
-    let mut generation = Generation { state, kind, id, sequence, include_usage, phase: Phase::Start };
+    let id = state.request_id(if kind == Kind::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    });
+    let mut generation = Generation {
+        state,
+        kind,
+        id,
+        sequence,
+        include_usage,
+        phase: Phase::Start,
+    };
     if stream {
         let events = futures::stream::unfold(generation, |mut generation| async move {
             let event = generation.next_event().await?;
@@ -433,7 +488,14 @@ impl Generation {
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let text = state.metrics.render(&state.engine, &state.model_name);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
 }
 
 async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Json<Value> {
@@ -450,5 +512,7 @@ async fn debug_blocks(State(state): State<Arc<AppState>>) -> Json<Value> {
 }
 
 fn unix_seconds() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }

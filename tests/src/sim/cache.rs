@@ -117,7 +117,10 @@ impl KvCache {
             .iter()
             .filter_map(|digest| self.cached.get(digest).and_then(|ids| ids.first().copied()))
             .collect();
-        let revived = hits.iter().filter(|&&id| self.blocks[id].ref_cnt == 0).count();
+        let revived = hits
+            .iter()
+            .filter(|&&id| self.blocks[id].ref_cnt == 0)
+            .count();
         let new_blocks = total_blocks - hit_blocks;
         if new_blocks > self.free.len() - revived {
             return None;
@@ -158,7 +161,10 @@ impl KvCache {
         }
         let bs = self.block_size;
         events.push(KvEvent::BlockStored(BlockStored {
-            block_hashes: digests[start..end].iter().map(Digest::published_u64).collect(),
+            block_hashes: digests[start..end]
+                .iter()
+                .map(Digest::published_u64)
+                .collect(),
             parent_block_hash: start.checked_sub(1).map(|p| digests[p].published_u64()),
             token_ids: tokens[start * bs..end * bs].to_vec(),
             block_size: bs as u32,
@@ -225,7 +231,9 @@ impl KvCache {
 
     /// Drops the hash of a block taken from the free queue for reuse.
     fn evict(&mut self, id: BlockId, events: &mut Vec<KvEvent>) {
-        let Some(digest) = self.blocks[id].hash.take() else { return };
+        let Some(digest) = self.blocks[id].hash.take() else {
+            return;
+        };
         if let Some(ids) = self.cached.get_mut(&digest) {
             ids.retain(|&other| other != id);
             if ids.is_empty() {
@@ -285,7 +293,10 @@ mod tests {
         let other = cache.allocate(&[], 8, 3, &mut events).unwrap();
         assert_eq!(other.hit_blocks, 0);
         assert_eq!(removed(&events), [digest(2).published_u64()]);
-        assert!(cache.allocate(&[], 8, 2, &mut events).is_none(), "only one block is free");
+        assert!(
+            cache.allocate(&[], 8, 2, &mut events).is_none(),
+            "only one block is free"
+        );
     }
 
     #[test]

@@ -22,7 +22,10 @@ const DEFAULT_KV_EVENTS_QUEUE: usize = 100_000;
 
 /// Command-line flags (`kvroute-engine-sim --help`).
 #[derive(Debug, Clone, clap::Parser)]
-#[command(name = "kvroute-engine-sim", about = "A vLLM-compatible engine simulator (one replica)")]
+#[command(
+    name = "kvroute-engine-sim",
+    about = "A vLLM-compatible engine simulator (one replica)"
+)]
 pub struct SimArgs {
     /// Model folder with tokenizer.json and tokenizer_config.json.
     #[arg(long)]
@@ -200,7 +203,11 @@ pub struct ConfigError {
 
 impl ConfigError {
     fn new(flag: &'static str, value: impl ToString, reason: impl ToString) -> Self {
-        Self { flag, value: value.to_string(), reason: reason.to_string() }
+        Self {
+            flag,
+            value: value.to_string(),
+            reason: reason.to_string(),
+        }
     }
 
     /// Metric label value.
@@ -214,7 +221,11 @@ impl TryFrom<SimArgs> for SimConfig {
 
     fn try_from(args: SimArgs) -> Result<Self, ConfigError> {
         let positive = |flag: &'static str, value: usize| {
-            if value == 0 { Err(ConfigError::new(flag, value, "must be > 0")) } else { Ok(value) }
+            if value == 0 {
+                Err(ConfigError::new(flag, value, "must be > 0"))
+            } else {
+                Ok(value)
+            }
         };
         let cache = CacheGeometry {
             block_size: positive("block-size", args.block_size)?,
@@ -222,16 +233,23 @@ impl TryFrom<SimArgs> for SimConfig {
             max_model_len: positive("max-model-len", args.max_model_len)?,
             max_num_seqs: positive("max-num-seqs", args.max_num_seqs)?,
         };
-        let hash_algo: HashAlgo = args
-            .prefix_caching_hash_algo
-            .parse()
-            .map_err(|e| ConfigError::new("prefix-caching-hash-algo", &args.prefix_caching_hash_algo, e))?;
+        let hash_algo: HashAlgo = args.prefix_caching_hash_algo.parse().map_err(|e| {
+            ConfigError::new(
+                "prefix-caching-hash-algo",
+                &args.prefix_caching_hash_algo,
+                e,
+            )
+        })?;
         let duration = |flag: &'static str, value: f64, unit: f64| {
             let seconds = value * unit * args.time_scale;
             Duration::try_from_secs_f64(seconds).map_err(|e| ConfigError::new(flag, value, e))
         };
         if !(args.time_scale.is_finite() && args.time_scale >= 0.0) {
-            return Err(ConfigError::new("time-scale", args.time_scale, "must be >= 0"));
+            return Err(ConfigError::new(
+                "time-scale",
+                args.time_scale,
+                "must be >= 0",
+            ));
         }
         let timing = Timing {
             ttft_overhead: duration("ttft-overhead-ms", args.ttft_overhead_ms, 1e-3)?,
@@ -260,8 +278,8 @@ impl TryFrom<SimArgs> for SimConfig {
 }
 
 fn kv_events_config(json: &str, args: &SimArgs) -> Result<Option<KvEventsConfig>, ConfigError> {
-    let raw: RawKvEventsConfig = serde_json::from_str(json)
-        .map_err(|e| ConfigError::new("kv-events-config", json, e))?;
+    let raw: RawKvEventsConfig =
+        serde_json::from_str(json).map_err(|e| ConfigError::new("kv-events-config", json, e))?;
     if !raw.enable_kv_cache_events || raw.publisher.as_deref() == Some("null") {
         return Ok(None);
     }
@@ -271,9 +289,19 @@ fn kv_events_config(json: &str, args: &SimArgs) -> Result<Option<KvEventsConfig>
     let schema = match args.kv_events_encoding.as_str() {
         "map" => Schema::S11,
         "array" => Schema::S7,
-        other => return Err(ConfigError::new("kv-events-encoding", other, "expected map or array")),
+        other => {
+            return Err(ConfigError::new(
+                "kv-events-encoding",
+                other,
+                "expected map or array",
+            ));
+        }
     };
-    let hashes = if args.kv_events_bytes_hashes { HashForm::Bytes } else { HashForm::Uint };
+    let hashes = if args.kv_events_bytes_hashes {
+        HashForm::Bytes
+    } else {
+        HashForm::Uint
+    };
     Ok(Some(KvEventsConfig {
         endpoint: resolve(&raw.endpoint),
         bind_pub: binds(&raw.endpoint),

@@ -112,7 +112,9 @@ pub struct Engine {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("geometry", &self.geometry).finish_non_exhaustive()
+        f.debug_struct("Engine")
+            .field("geometry", &self.geometry)
+            .finish_non_exhaustive()
     }
 }
 
@@ -153,7 +155,10 @@ impl Engine {
         let bs = self.geometry.block_size;
         // KV slots for every computed token; the last sampled token is never computed.
         let total_blocks = (needed - 1).div_ceil(bs);
-        let max = self.geometry.max_model_len.min(self.geometry.num_blocks * bs);
+        let max = self
+            .geometry
+            .max_model_len
+            .min(self.geometry.num_blocks * bs);
         if needed > self.geometry.max_model_len || total_blocks > self.geometry.num_blocks {
             return Err(EngineError::TooLong { needed, max });
         }
@@ -190,7 +195,8 @@ impl Engine {
         let prefill_done = {
             let mut state = self.state.lock();
             let start = state.prefill_free_at.max(Instant::now());
-            let done = start + self.timing.ttft_overhead + self.timing.prefill_per_token * uncached as u32;
+            let done =
+                start + self.timing.ttft_overhead + self.timing.prefill_per_token * uncached as u32;
             state.prefill_free_at = done;
             done
         };
@@ -209,19 +215,31 @@ impl Engine {
             if state.running >= self.geometry.max_num_seqs {
                 break;
             }
-            let Some(allocation) =
-                state.cache.allocate(&front.digests, front.prompt_len, front.total_blocks, &mut events)
-            else {
+            let Some(allocation) = state.cache.allocate(
+                &front.digests,
+                front.prompt_len,
+                front.total_blocks,
+                &mut events,
+            ) else {
                 break;
             };
-            let Some(waiting) = state.waiting.pop_front() else { break };
+            let Some(waiting) = state.waiting.pop_front() else {
+                break;
+            };
             let bs = self.geometry.block_size as u64;
-            self.counters.prefix_cache_queries.fetch_add(waiting.prompt_len as u64, Ordering::Relaxed);
+            self.counters
+                .prefix_cache_queries
+                .fetch_add(waiting.prompt_len as u64, Ordering::Relaxed);
             self.counters
                 .prefix_cache_hits
                 .fetch_add(allocation.hit_blocks as u64 * bs, Ordering::Relaxed);
-            self.counters.prompt_tokens.fetch_add(waiting.prompt_len as u64, Ordering::Relaxed);
-            let admitted = Admitted { blocks: allocation.blocks, hit_blocks: allocation.hit_blocks };
+            self.counters
+                .prompt_tokens
+                .fetch_add(waiting.prompt_len as u64, Ordering::Relaxed);
+            let admitted = Admitted {
+                blocks: allocation.blocks,
+                hit_blocks: allocation.hit_blocks,
+            };
             match waiting.admit.send(admitted) {
                 Ok(()) => state.running += 1,
                 // The client left between the check above and now.
@@ -234,7 +252,13 @@ impl Engine {
     fn hash_blocks(&self, parent: Option<&Digest>, tokens: &[u32]) -> Vec<Digest> {
         let mut digests = Vec::new();
         // Only fails for a zero block size, which the config rejects.
-        let _ = self.hasher.chain_into(parent, tokens, self.geometry.block_size, |_| None, &mut digests);
+        let _ = self.hasher.chain_into(
+            parent,
+            tokens,
+            self.geometry.block_size,
+            |_| None,
+            &mut digests,
+        );
         digests
     }
 
@@ -262,7 +286,11 @@ impl Engine {
     pub fn gauges(&self) -> EngineGauges {
         let state = self.state.lock();
         EngineGauges {
-            waiting: state.waiting.iter().filter(|w| !w.admit.is_closed()).count(),
+            waiting: state
+                .waiting
+                .iter()
+                .filter(|w| !w.admit.is_closed())
+                .count(),
             running: state.running,
             kv_cache_usage: state.cache.usage(),
         }
@@ -330,7 +358,10 @@ impl Sequence {
         }
         self.generated += 1;
         self.tokens.push(token);
-        self.engine.counters.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        self.engine
+            .counters
+            .generation_tokens
+            .fetch_add(1, Ordering::Relaxed);
         self.cache_computed_blocks();
         Some(token)
     }
@@ -347,8 +378,9 @@ impl Sequence {
         if self.digests.len() < full {
             let start = self.digests.len();
             let parent = self.digests.last().copied();
-            let more =
-                self.engine.hash_blocks(parent.as_ref(), &self.tokens[start * bs..full * bs]);
+            let more = self
+                .engine
+                .hash_blocks(parent.as_ref(), &self.tokens[start * bs..full * bs]);
             self.digests.extend(more);
         }
         let mut events = Vec::new();
@@ -374,7 +406,10 @@ impl Sequence {
         let mut state = self.engine.state.lock();
         state.cache.free(&self.blocks);
         state.running = state.running.saturating_sub(1);
-        self.engine.counters.requests_finished.fetch_add(1, Ordering::Relaxed);
+        self.engine
+            .counters
+            .requests_finished
+            .fetch_add(1, Ordering::Relaxed);
         self.engine.admit_waiting(&mut state);
     }
 }

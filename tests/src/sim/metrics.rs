@@ -19,7 +19,11 @@ pub(crate) struct MetricsInfo {
 
 impl MetricsInfo {
     pub(crate) fn render(&self, engine: &Engine, model_name: &str) -> String {
-        let labels = format!("engine=\"{}\",model_name=\"{}\"", self.engine, escape(model_name));
+        let labels = format!(
+            "engine=\"{}\",model_name=\"{}\"",
+            self.engine,
+            escape(model_name)
+        );
         let gauges = engine.gauges();
         let counters = &engine.counters;
         let geometry = engine.geometry();
@@ -31,22 +35,42 @@ impl MetricsInfo {
                 float(value)
             );
         };
-        gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-            gauges.running as f64);
-        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-            gauges.waiting as f64);
-        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-            gauges.kv_cache_usage);
+        gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            gauges.running as f64,
+        );
+        gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            gauges.waiting as f64,
+        );
+        gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            gauges.kv_cache_usage,
+        );
         let counter_list = [
-            ("vllm:prefix_cache_queries",
-             "Prefix cache queries, in terms of number of queried tokens.",
-             &counters.prefix_cache_queries),
-            ("vllm:prefix_cache_hits",
-             "Prefix cache hits, in terms of number of cached tokens.",
-             &counters.prefix_cache_hits),
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", &counters.prompt_tokens),
-            ("vllm:generation_tokens", "Number of generation tokens processed.",
-             &counters.generation_tokens),
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                &counters.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                &counters.prefix_cache_hits,
+            ),
+            (
+                "vllm:prompt_tokens",
+                "Number of prefill tokens processed.",
+                &counters.prompt_tokens,
+            ),
+            (
+                "vllm:generation_tokens",
+                "Number of generation tokens processed.",
+                &counters.generation_tokens,
+            ),
         ];
         for (name, help, value) in counter_list {
             let _ = write!(
@@ -90,9 +114,16 @@ impl MetricsInfo {
 
 /// Python's `repr(float)` for the values that occur here.
 fn float(value: f64) -> String {
-    if value.fract() == 0.0 && value.abs() < 1e16 { format!("{value:.1}") } else { value.to_string() }
+    if value.fract() == 0.0 && value.abs() < 1e16 {
+        format!("{value:.1}")
+    } else {
+        value.to_string()
+    }
 }
 
 fn escape(label: &str) -> String {
-    label.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    label
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }

@@ -111,7 +111,11 @@ impl EngineSim {
             Some(events) => {
                 let publisher = MockVllmPublisher::start(MockPublisherConfig {
                     endpoint: events.endpoint.clone(),
-                    mode: if events.bind_pub { PubMode::Bind } else { PubMode::Connect },
+                    mode: if events.bind_pub {
+                        PubMode::Bind
+                    } else {
+                        PubMode::Connect
+                    },
                     replay_endpoint: events.replay_endpoint.clone(),
                     topic: events.topic.clone(),
                     buffer_steps: events.buffer_steps,
@@ -126,7 +130,12 @@ impl EngineSim {
                 let replay = publisher.replay_endpoint().map(str::to_owned);
                 let (tx, rx) = mpsc::channel(events.max_queue_size);
                 tasks.spawn(publish_loop(publisher, rx, cancel.clone()));
-                let sink = event_sink(tx, events.encoding, events.dp_rank, Arc::clone(&dropped_batches));
+                let sink = event_sink(
+                    tx,
+                    events.encoding,
+                    events.dp_rank,
+                    Arc::clone(&dropped_batches),
+                );
                 (Some(sink), kv, replay)
             }
             None => (None, None, None),
@@ -148,10 +157,14 @@ impl EngineSim {
         )?;
         let listener = tokio::net::TcpListener::bind(config.http_addr)
             .await
-            .map_err(|source| SimError::Bind { addr: config.http_addr, source })?;
-        let http = listener
-            .local_addr()
-            .map_err(|source| SimError::Bind { addr: config.http_addr, source })?;
+            .map_err(|source| SimError::Bind {
+                addr: config.http_addr,
+                source,
+            })?;
+        let http = listener.local_addr().map_err(|source| SimError::Bind {
+            addr: config.http_addr,
+            source,
+        })?;
         let app = api::router(Arc::new(state));
         let shutdown = cancel.clone();
         tasks.spawn(async move {
@@ -163,7 +176,16 @@ impl EngineSim {
             }
         });
         tasks.close();
-        Ok(Self { ready: ReadyInfo { http, kv_events, replay }, cancel, tasks, dropped_batches })
+        Ok(Self {
+            ready: ReadyInfo {
+                http,
+                kv_events,
+                replay,
+            },
+            cancel,
+            tasks,
+            dropped_batches,
+        })
     }
 
     /// The bound addresses.
@@ -207,7 +229,11 @@ fn event_sink(
     dropped: Arc<AtomicU64>,
 ) -> EventSink {
     Box::new(move |events| {
-        let batch = EventBatch { ts: unix_now(), dp_rank: Some(dp_rank), events };
+        let batch = EventBatch {
+            ts: unix_now(),
+            dp_rank: Some(dp_rank),
+            events,
+        };
         let payload = Bytes::from(wire::encode_batch(&batch, encoding));
         if tx.try_send(payload).is_err() {
             dropped.fetch_add(1, Ordering::Relaxed);
@@ -238,5 +264,7 @@ async fn publish_loop(
 }
 
 fn unix_now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }

@@ -50,10 +50,6 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn model_of(replica: u32) -> &'static str {
-    if replica >= 100 { CHAIN } else { EXACT }
-}
-
 fn apply(index: &dyn KvIndex, op: &Op, prompts: &[Vec<u32>]) -> String {
     match *op {
         Op::Store { replica, prompt, start, len, medium } => {

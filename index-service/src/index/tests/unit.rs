@@ -1,0 +1,307 @@
+//! [`BlockIndex`]-specific behaviour: hash validation, token-chain namespaces, status and
+//! metrics, memory per holding, and concurrent ingest with queries.
+
+use kvroute_block_keys::{HashAlgo, HashValue, KeyScheme, LoraRef, VllmHasher};
+use prometheus_client::registry::Registry;
+
+use super::*;
+use crate::index::{FlagReason, RejectReason};
+
+/// vLLM golden vector: sha256_cbor, PYTHONHASHSEED "42", tokens 1..=48, block size 16.
+const GOLDEN: [u64; 3] = [16300212363532267629, 8671309795006503672, 3527878332947511115];
+
+fn golden_tokens() -> Vec<u32> {
+    (1..=48).collect()
+}
+
+fn hasher(seed: &str) -> VllmHasher {
+    VllmHasher::new(HashAlgo::Sha256Cbor, Some(seed)).unwrap()
+}
+
+/// An index with one validated vLLM-exact pool (block size 16) and replicas 0 and 1.
+fn validated_index(registry: &mut Registry) -> BlockIndex {
+    let index = BlockIndex::new(IndexConfig::default(), IndexMetrics::register(registry));
+    let keys = PoolKeys::from_scheme(
+        &KeyScheme::VllmExact {
+            hasher: hasher("42"),
+            era: kvroute_block_keys::ExtraKeysEra::From0_31,
+        },
+        true,
+    );
+    index.add_pool(PoolConfig { model: "m".into(), block_size: 16, keys }).unwrap();
+    index.add_replica(ReplicaId(0), "r0", "m").unwrap();
+    index.add_replica(ReplicaId(1), "r1", "m").unwrap();
+    index
+}
+
+fn golden_event(hashes: &[u64], extra_keys: Option<Vec<Option<HashValue>>>) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.to_vec(),
+        token_ids: golden_tokens(),
+        block_size: 16,
+        extra_keys,
+        ..BlockStored::default()
+    })
+}
+
+fn metrics_text(registry: &Registry) -> String {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+    text
+}
+
+#[test]
+fn correct_hashes_validate() {
+    let mut registry = Registry::default();
+    let index = validated_index(&mut registry);
+    index.apply_event(ReplicaId(0), &golden_event(&GOLDEN, Some(vec![None; 3]))).unwrap();
+    let found = index.find_matches("m", &GOLDEN, None).unwrap();
+    assert_eq!(counts(&found, 0), Some((3, 3)));
+    assert!(found.iter().all(|m| m.precise));
+    assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, None);
+}
+
+#[test]
+fn mismatching_hashes_flag_and_exclude_the_replica() {
+    let mut registry = Registry::default();
+    let index = validated_index(&mut registry);
+    // Replica 0 publishes hashes of another seed: the pool config and engine disagree.
+    let wrong = KeyScheme::VllmExact {
+        hasher: hasher("7"),
+        era: kvroute_block_keys::ExtraKeysEra::From0_31,
+    };
+    let wrong_keys = wrong.prompt_keys(&golden_tokens(), 16, None, None).unwrap();
+    index.apply_event(ReplicaId(0), &golden_event(&wrong_keys, Some(vec![None; 3]))).unwrap();
+    index.apply_event(ReplicaId(1), &golden_event(&GOLDEN, Some(vec![None; 3]))).unwrap();
+
+    let found = index.find_matches("m", &wrong_keys, None).unwrap();
+    let flagged = found.iter().find(|m| m.replica == ReplicaId(0)).unwrap();
+    assert!(!flagged.precise);
+    assert_eq!(flagged.matched_blocks, 0);
+    assert_eq!(counts(&index.find_matches("m", &GOLDEN, None).unwrap(), 1), Some((3, 3)));
+    let status = index.replica_status(ReplicaId(0)).unwrap();
+    assert_eq!(status.flag, Some(FlagReason::HashMismatch));
+    assert_eq!(status.flag.map(FlagReason::as_label), Some("hash_mismatch"));
+    assert!(metrics_text(&registry).contains("flagged_replicas{reason=\"hash_mismatch\"} 1"));
+
+    // A reset (engine restart after the operator fixed the seed) trusts the replica again.
+    index.reset_replica(ReplicaId(0)).unwrap();
+    assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, None);
+    assert!(metrics_text(&registry).contains("flagged_replicas{reason=\"hash_mismatch\"} 0"));
+    index.apply_event(ReplicaId(0), &golden_event(&GOLDEN, Some(vec![None; 3]))).unwrap();
+    assert_eq!(counts(&index.find_matches("m", &GOLDEN, None).unwrap(), 0), Some((3, 3)));
+}
+
+#[test]
+fn unpublished_extra_keys_need_a_mismatch_streak() {
+    let mut registry = Registry::default();
+    let index = validated_index(&mut registry);
+    // vLLM < 0.17 publishes no extra keys: a hidden cache_salt may explain one mismatch.
+    let mut salted = GOLDEN;
+    salted[0] ^= 1;
+    for _ in 1..8 {
+        index.apply_event(ReplicaId(0), &golden_event(&salted, None)).unwrap();
+    }
+    assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, None);
+    // A verified run resets the streak; eight mismatches in a row flag.
+    index.apply_event(ReplicaId(0), &golden_event(&GOLDEN, None)).unwrap();
+    for _ in 1..8 {
+        index.apply_event(ReplicaId(0), &golden_event(&salted, None)).unwrap();
+    }
+    assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, None);
+    index.apply_event(ReplicaId(0), &golden_event(&salted, None)).unwrap();
+    assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, Some(FlagReason::HashMismatch));
+}
+
+#[test]
+fn mid_chain_runs_validate_only_with_parent_digests() {
+    let mut registry = Registry::default();
+    let index = validated_index(&mut registry);
+    let digests = hasher("42").chain(None, &golden_tokens(), 16, |_| None).unwrap();
+    let mid_chain = |hashes: &[u64], parent_digest: Option<Vec<u8>>| {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: Some(GOLDEN[0]),
+            token_ids: golden_tokens()[16..].to_vec(),
+            block_size: 16,
+            extra_keys: Some(vec![None, None]),
+            parent_digest,
+            ..BlockStored::default()
+        })
+    };
+    let parent = Some(digests[0].as_bytes().to_vec());
+    index.apply_event(ReplicaId(0), &mid_chain(&GOLDEN[1..], parent.clone())).unwrap();
+    assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, None);
+    // Without the digest a wrong hash cannot be detected (the u64 parent cannot continue it).
+    index.apply_event(ReplicaId(1), &mid_chain(&[1, 2], None)).unwrap();
+    assert_eq!(index.replica_status(ReplicaId(1)).unwrap().flag, None);
+    index.apply_event(ReplicaId(1), &mid_chain(&[1, 2], parent)).unwrap();
+    assert_eq!(index.replica_status(ReplicaId(1)).unwrap().flag, Some(FlagReason::HashMismatch));
+}
+
+#[test]
+fn flags_set_by_ingest_exclude_until_cleared() {
+    let index = block_index(100);
+    setup(&index, 1);
+    let tokens = prompt(1, 0, 2);
+    index.apply_event(ReplicaId(0), &stored(&tokens, 0, 2, Medium::Gpu)).unwrap();
+    index.flag_replica(ReplicaId(0), FlagReason::Resyncing).unwrap();
+    let found = index.find_matches(EXACT, &engine_hashes(&tokens), None).unwrap();
+    assert_eq!((found[0].precise, found[0].matched_blocks), (false, 0));
+    index.clear_flag(ReplicaId(0)).unwrap();
+    let found = index.find_matches(EXACT, &engine_hashes(&tokens), None).unwrap();
+    assert_eq!((found[0].precise, found[0].matched_blocks), (true, 2));
+    assert!(index.flag_replica(ReplicaId(42), FlagReason::Stale).is_err());
+}
+
+fn chain_index() -> BlockIndex {
+    let index = block_index(100);
+    let pool = PoolConfig { model: "c".into(), block_size: BS, keys: PoolKeys::TokenChain };
+    index.add_pool(pool).unwrap();
+    index.add_replica(ReplicaId(0), "c0", "c").unwrap();
+    index
+}
+
+#[test]
+fn token_chain_roots_runs_in_the_adapter_and_salt_namespace() {
+    let index = chain_index();
+    let tokens = prompt(3, 0, 3);
+    let s = |v: &str| HashValue::Str(v.to_owned());
+    // vLLM 0.11.1–0.30 shape: (lora_name, salt) on block 0, (lora_name,) after.
+    let event = KvEvent::BlockStored(BlockStored {
+        block_hashes: vec![11, 12, 13],
+        token_ids: tokens.clone(),
+        block_size: BS,
+        lora_name: Some("Alice".into()),
+        extra_keys: Some(vec![
+            Some(HashValue::Tuple(vec![s("Alice"), s("tenant-a")])),
+            Some(HashValue::Tuple(vec![s("Alice")])),
+            Some(HashValue::Tuple(vec![s("Alice")])),
+        ]),
+        ..BlockStored::default()
+    });
+    index.apply_event(ReplicaId(0), &event).unwrap();
+    let lora = LoraRef { id: None, name: "Alice", path: None };
+    let router_keys =
+        KeyScheme::TokenChain.prompt_keys(&tokens, BS as usize, Some(&lora), Some("tenant-a"));
+    let found = index.find_matches("c", &router_keys.unwrap(), None).unwrap();
+    assert_eq!(counts(&found, 0), Some((3, 3)));
+    // The same tokens without the namespace are different keys.
+    let found = index.find_matches("c", &chain_keys(&tokens), None).unwrap();
+    assert_eq!(counts(&found, 0), Some((0, 0)));
+}
+
+#[test]
+fn token_chain_skips_blocks_with_multimodal_extra_keys() {
+    let index = chain_index();
+    let tokens = prompt(4, 0, 3);
+    let image = HashValue::Tuple(vec![HashValue::Str("img-1".into()), HashValue::Int(0)]);
+    let event = KvEvent::BlockStored(BlockStored {
+        block_hashes: vec![21, 22, 23],
+        token_ids: tokens.clone(),
+        block_size: BS,
+        extra_keys: Some(vec![None, Some(HashValue::Tuple(vec![image])), None]),
+        ..BlockStored::default()
+    });
+    let outcome = index.apply_event(ReplicaId(0), &event).unwrap();
+    assert_eq!(outcome.rejection, Some(RejectReason::UnsupportedExtraKeys));
+    assert_eq!((outcome.blocks_stored, outcome.blocks_rejected), (1, 2));
+    let found = index.find_matches("c", &chain_keys(&tokens), None).unwrap();
+    assert_eq!(counts(&found, 0), Some((1, 1)));
+}
+
+#[test]
+fn status_and_metrics_report_per_replica_state() {
+    let mut registry = Registry::default();
+    let index = BlockIndex::new(
+        IndexConfig { max_blocks_per_replica: 2, ..IndexConfig::default() },
+        IndexMetrics::register(registry.sub_registry_with_prefix("index")),
+    );
+    setup(&index, 1);
+    let tokens = prompt(5, 0, 3);
+    index.apply_event(ReplicaId(0), &stored(&tokens, 0, 3, Medium::Gpu)).unwrap();
+    index.apply_event(ReplicaId(0), &removed(&tokens, 1, 2, Medium::Cpu)).unwrap();
+    let status = index.replica_status(ReplicaId(0)).unwrap();
+    assert_eq!(
+        (status.name.as_str(), status.model.as_str(), status.blocks, status.events_applied),
+        ("exact-0", EXACT, 2, 2)
+    );
+    assert_eq!(status.blocks_rejected, 2);
+    assert_eq!(index.replica_statuses(Some(CHAIN)).len(), 1);
+    assert_eq!(index.replica_statuses(None).len(), 2);
+
+    let text = metrics_text(&registry);
+    for line in [
+        "index_events_applied_total{kind=\"block_stored\"} 1",
+        "index_events_applied_total{kind=\"block_removed\"} 1",
+        "index_blocks_stored_total{medium=\"gpu\"} 2",
+        "index_blocks_rejected_total{reason=\"replica_capacity\"} 1",
+        "index_blocks_rejected_total{reason=\"unknown_block\"} 1",
+        "index_replica_blocks{replica=\"exact-0\"} 2",
+        "index_flagged_replicas{reason=\"hash_mismatch\"} 0",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+    index.remove_replica(ReplicaId(0)).unwrap();
+    assert!(!metrics_text(&registry).contains("replica=\"exact-0\""));
+}
+
+/// Memory per (block, replica) holding, computed from table capacities. Realistic shape: 64
+/// replicas, each holding a shared 64-block system prompt plus its own conversations.
+#[test]
+fn memory_per_holding_is_small() {
+    for model in [EXACT, CHAIN] {
+        let index = block_index(1_000_000);
+        setup(&index, 64);
+        let system = prompt(0, 64, 64);
+        for r in 0..64u32 {
+            let replica = ReplicaId(if model == CHAIN { 100 + r } else { r });
+            for conversation in 0..20 {
+                let tokens = [&system[..], &prompt(r * 100 + conversation + 1, 0, 16)[..]].concat();
+                for start in (0..80).step_by(4) {
+                    index.apply_event(replica, &stored(&tokens, start, start + 4, Medium::Gpu)).unwrap();
+                }
+            }
+        }
+        let holdings = index.holdings();
+        assert_eq!(holdings, 64 * (64 + 20 * 16));
+        let per_holding = index.memory_bytes() as f64 / holdings as f64;
+        println!("{model}: {holdings} holdings, {per_holding:.1} bytes per holding");
+        assert!(per_holding <= 64.0, "{model}: {per_holding:.1} bytes per holding");
+    }
+}
+
+#[test]
+fn queries_run_concurrently_with_ingest() {
+    let index = block_index(100_000);
+    setup(&index, 4);
+    let tokens: Vec<Vec<u32>> = (0..4).map(|r| prompt(r + 1, 8, 32)).collect();
+    std::thread::scope(|scope| {
+        for r in 0..4u32 {
+            let (index, tokens) = (&index, &tokens[r as usize]);
+            scope.spawn(move || {
+                for round in 0..50 {
+                    for start in (0..32).step_by(4) {
+                        index.apply_event(ReplicaId(r), &stored(tokens, start, start + 4, Medium::Gpu)).unwrap();
+                    }
+                    if round < 49 {
+                        index.apply_event(ReplicaId(r), &KvEvent::AllBlocksCleared).unwrap();
+                    }
+                }
+            });
+        }
+        scope.spawn(|| {
+            for _ in 0..2_000 {
+                let keys = engine_hashes(&tokens[0]);
+                for m in index.find_matches(EXACT, &keys, None).unwrap() {
+                    assert!(m.matched_blocks as usize <= keys.len());
+                    // Replicas 1..4 share only the first 8 blocks with replica 0's prompt.
+                    assert!(m.replica == ReplicaId(0) || m.matched_blocks <= 8, "{m:?}");
+                }
+            }
+        });
+    });
+    let found = sorted(index.find_matches(EXACT, &engine_hashes(&tokens[0]), None).unwrap());
+    let matched: Vec<u32> = found.iter().map(|m| m.matched_blocks).collect();
+    assert_eq!(matched, [32, 8, 8, 8]);
+}

@@ -267,8 +267,9 @@ async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
 
     let (_, metrics) = http(admin, "GET", "/metrics", "").await;
     for needle in [
-        "kvroute_index_ingest_gaps_total{replica_id=\"engine-a\"} 1",
-        "reason=\"engine_restart\"",
+        "kvroute_index_ingest_gaps_total{replica_id=\"engine-a\",dp_rank=\"0\"} 1",
+        "kvroute_index_ingest_replays_total{replica_id=\"engine-a\",dp_rank=\"0\",outcome=\"ok\"} 1",
+        "kvroute_index_ingest_resets_total{replica_id=\"engine-a\",dp_rank=\"0\",reason=\"engine_restart\"} 1",
         "kvroute_index_events_applied_total{kind=\"all_blocks_cleared\"} 1",
     ] {
         assert!(metrics.contains(needle), "metrics lack {needle}:\n{metrics}");

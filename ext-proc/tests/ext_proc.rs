@@ -1,0 +1,856 @@
+//! The ext_proc server driven over real gRPC the way Envoy drives it, against test doubles: an
+//! in-process kvroute-index (tonic `KvIndex` over a map), vLLM-style `/metrics` endpoints, and a
+//! byte tokenizer (each byte is a token).
+
+#![expect(
+    clippy::disallowed_methods,
+    reason = "test doubles and the server under test run detached on the test runtime"
+)]
+#![allow(
+    clippy::unwrap_used,
+    reason = "test harness: a failed setup step should panic"
+)]
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    body_mutation, processing_request, processing_response,
+};
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+use kvroute_block_keys::KeyScheme;
+use kvroute_ext_proc::tokenizer::{TokenizeFuture, TokenizeInput};
+use kvroute_ext_proc::{Config, ExtProc, Picker, Tokenizer};
+use kvroute_index::api::kv_index_server::{KvIndex, KvIndexServer};
+use kvroute_index::api::{
+    MatchRequest, MatchResponse, ReplicaMatch, ReplicaStateRequest, ReplicaStateResponse,
+};
+use parking_lot::Mutex;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_util::sync::CancellationToken;
+
+const BLOCK: usize = 4;
+
+// ---------- test doubles ----------
+
+/// Each byte of the text (or of the messages' JSON) is one token.
+#[derive(Debug)]
+struct ByteTokenizer;
+
+fn byte_tokens(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+impl Tokenizer for ByteTokenizer {
+    fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+        let tokens = match input.as_ref() {
+            TokenizeInput::Text { text, .. } => byte_tokens(text),
+            TokenizeInput::Chat { messages, .. } => byte_tokens(messages.get()),
+        };
+        Box::pin(async move { Ok(tokens) })
+    }
+}
+
+#[derive(Debug)]
+struct FailingTokenizer;
+
+impl Tokenizer for FailingTokenizer {
+    fn tokenize(&self, _model: &str, _input: Arc<TokenizeInput>) -> TokenizeFuture {
+        Box::pin(async {
+            Err(kvroute_ext_proc::error::TokenizeError::InProcess {
+                reason: "boom".into(),
+            })
+        })
+    }
+}
+
+/// kvroute-index double: replica id → block keys it holds.
+#[derive(Debug, Default, Clone)]
+struct FakeIndex {
+    held: Arc<Mutex<HashMap<String, HashSet<u64>>>>,
+    calls: Arc<Mutex<u32>>,
+}
+
+#[tonic::async_trait]
+impl KvIndex for FakeIndex {
+    async fn r#match(
+        &self,
+        request: tonic::Request<MatchRequest>,
+    ) -> Result<tonic::Response<MatchResponse>, tonic::Status> {
+        *self.calls.lock() += 1;
+        let request = request.into_inner();
+        let held = self.held.lock();
+        let replicas = request
+            .candidates
+            .iter()
+            .map(|id| {
+                let set = held.get(id);
+                let matched = request
+                    .keys
+                    .iter()
+                    .take_while(|k| set.is_some_and(|s| s.contains(k)))
+                    .count() as u32;
+                ReplicaMatch {
+                    replica_id: id.clone(),
+                    matched_blocks: matched,
+                    gpu_blocks: matched,
+                    precise: true,
+                }
+            })
+            .collect();
+        Ok(tonic::Response::new(MatchResponse {
+            block_size: request.block_size,
+            total_blocks: request.keys.len() as u32,
+            replicas,
+        }))
+    }
+
+    async fn replica_state(
+        &self,
+        _request: tonic::Request<ReplicaStateRequest>,
+    ) -> Result<tonic::Response<ReplicaStateResponse>, tonic::Status> {
+        Ok(tonic::Response::new(ReplicaStateResponse::default()))
+    }
+}
+
+async fn start_index(index: FakeIndex, stop: CancellationToken) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(KvIndexServer::new(index))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop.cancelled_owned()),
+    );
+    addr
+}
+
+/// `/metrics/{replica}` serving vLLM gauges from a shared map (replica → waiting requests).
+async fn start_metrics(waiting: Arc<Mutex<HashMap<String, f64>>>) -> SocketAddr {
+    use axum::extract::{Path, State};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new()
+        .route(
+            "/metrics/{replica}",
+            axum::routing::get(|State(w): State<Arc<Mutex<HashMap<String, f64>>>>, Path(r): Path<String>| async move {
+                let waiting = w.lock().get(&r).copied().unwrap_or(0.0);
+                format!(
+                    "vllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\nvllm:num_requests_running{{model_name=\"m\"}} 0\nvllm:kv_cache_usage_perc{{model_name=\"m\"}} 0.1\n"
+                )
+            }),
+        )
+        .with_state(waiting);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+// ---------- harness ----------
+
+struct Harness {
+    grpc: SocketAddr,
+    admin: SocketAddr,
+    picker: Arc<Picker>,
+    stop: CancellationToken,
+    served: tokio::task::JoinHandle<()>,
+}
+
+impl Harness {
+    async fn start(yaml: &str, tokenizer: Arc<dyn Tokenizer>) -> Self {
+        let config = Config::from_yaml(yaml).unwrap();
+        let server = ExtProc::builder(config)
+            .tokenizer(0, tokenizer)
+            .bind()
+            .await
+            .unwrap();
+        let grpc = server.grpc_addr().unwrap();
+        let admin = server.admin_addr().unwrap();
+        let picker = server.picker();
+        let stop = CancellationToken::new();
+        let until = stop.clone().cancelled_owned();
+        let served = tokio::spawn(async move { server.serve(until).await.unwrap() });
+        Self {
+            grpc,
+            admin,
+            picker,
+            stop,
+            served,
+        }
+    }
+
+    async fn client(&self) -> ExternalProcessorClient<tonic::transport::Channel> {
+        ExternalProcessorClient::connect(format!("http://{}", self.grpc))
+            .await
+            .unwrap()
+    }
+
+    async fn shutdown(self) {
+        self.stop.cancel();
+        tokio::time::timeout(Duration::from_secs(10), self.served)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+}
+
+struct Replicas {
+    index: FakeIndex,
+    waiting: Arc<Mutex<HashMap<String, f64>>>,
+    index_addr: SocketAddr,
+    metrics_addr: SocketAddr,
+    stop: CancellationToken,
+}
+
+impl Replicas {
+    async fn start() -> Self {
+        let index = FakeIndex::default();
+        let stop = CancellationToken::new();
+        let index_addr = start_index(index.clone(), stop.clone()).await;
+        let waiting = Arc::new(Mutex::new(HashMap::new()));
+        let metrics_addr = start_metrics(Arc::clone(&waiting)).await;
+        Self {
+            index,
+            waiting,
+            index_addr,
+            metrics_addr,
+            stop,
+        }
+    }
+
+    fn yaml(&self, extra: &str) -> String {
+        let m = self.metrics_addr;
+        format!(
+            r#"
+listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
+index: {{addresses: ["http://{index}"], match_timeout: 200ms}}
+budgets: {{decision: 500ms, tokenize: 200ms, drain: 2s}}
+max_body_bytes: 300000
+scrape: {{interval: 20ms, timeout: 200ms}}
+scoring: {{prefill_ms_per_token: 0.1, queue_ms_per_request: 50, hotspot_min_ms: 100}}
+pools:
+- name: p
+  models: [m]
+  adapters: [m-lora]
+  block_size: {BLOCK}
+  key_scheme: {{kind: token-chain}}
+replicas:
+- {{id: r0, pool: p, address: "10.0.0.1:8000", metrics_url: "http://{m}/metrics/r0"}}
+- {{id: r1, pool: p, address: "10.0.0.2:8000", metrics_url: "http://{m}/metrics/r1", envoy_cluster: replica_r1}}
+- {{id: r2, pool: p, address: "10.0.0.3:8000", metrics_url: "http://{m}/metrics/r2"}}
+{extra}"#,
+            index = self.index_addr,
+        )
+    }
+
+    fn hold(&self, replica: &str, prompt: &str) {
+        let keys = KeyScheme::TokenChain
+            .prompt_keys(&byte_tokens(prompt), BLOCK, None, None)
+            .unwrap();
+        self.index
+            .held
+            .lock()
+            .entry(replica.to_owned())
+            .or_default()
+            .extend(keys);
+    }
+}
+
+fn header(key: &str, value: &str) -> HeaderValue {
+    HeaderValue {
+        key: key.into(),
+        raw_value: value.as_bytes().to_vec(),
+        ..HeaderValue::default()
+    }
+}
+
+fn request_headers(
+    path: &str,
+    mode: BodySendMode,
+    metadata: Option<Metadata>,
+) -> ProcessingRequest {
+    ProcessingRequest {
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: mode as i32,
+            response_body_mode: BodySendMode::None as i32,
+            ..ProtocolConfiguration::default()
+        }),
+        metadata_context: metadata,
+        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    header(":path", path),
+                    header(":method", "POST"),
+                    header("x-gateway-destination-endpoint", "6.6.6.6:1"),
+                ],
+            }),
+            end_of_stream: false,
+            ..HttpHeaders::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..HttpBody::default()
+        })),
+        ..ProcessingRequest::default()
+    }
+}
+
+fn response_headers(served: &str) -> ProcessingRequest {
+    let lb = Struct {
+        fields: HashMap::from([(
+            "x-gateway-destination-endpoint-served".to_owned(),
+            Value {
+                kind: Some(Kind::StringValue(served.to_owned())),
+            },
+        )]),
+    };
+    ProcessingRequest {
+        metadata_context: Some(Metadata {
+            filter_metadata: HashMap::from([("envoy.lb".to_owned(), lb)]),
+            ..Metadata::default()
+        }),
+        request: Some(processing_request::Request::ResponseHeaders(
+            HttpHeaders::default(),
+        )),
+        ..ProcessingRequest::default()
+    }
+}
+
+/// An open ext_proc stream, as Envoy holds one per HTTP request.
+struct Stream {
+    tx: tokio::sync::mpsc::Sender<ProcessingRequest>,
+    rx: tonic::Streaming<ProcessingResponse>,
+}
+
+impl Stream {
+    async fn open(harness: &Harness) -> Self {
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let rx = harness
+            .client()
+            .await
+            .process(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        Self { tx, rx }
+    }
+
+    async fn send(&self, message: ProcessingRequest) {
+        self.tx.send(message).await.unwrap();
+    }
+
+    async fn recv(&mut self) -> ProcessingResponse {
+        tokio::time::timeout(Duration::from_secs(5), self.rx.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap()
+    }
+}
+
+/// What a BUFFERED exchange returned: the routing response (or immediate response).
+async fn buffered(
+    harness: &Harness,
+    path: &str,
+    request_body: &[u8],
+    metadata: Option<Metadata>,
+) -> ProcessingResponse {
+    let mut stream = Stream::open(harness).await;
+    stream
+        .send(request_headers(path, BodySendMode::Buffered, metadata))
+        .await;
+    let first = stream.recv().await;
+    assert!(
+        matches!(
+            first.response,
+            Some(processing_response::Response::RequestHeaders(_))
+        ),
+        "{first:?}"
+    );
+    stream.send(body(request_body, true)).await;
+    stream.recv().await
+}
+
+struct Routed {
+    endpoint: String,
+    metadata_endpoint: String,
+    decision: String,
+    cluster: Option<String>,
+    clear_route_cache: bool,
+}
+
+fn set_headers(
+    common: &envoy_types::pb::envoy::service::ext_proc::v3::CommonResponse,
+) -> HashMap<String, String> {
+    common
+        .header_mutation
+        .as_ref()
+        .map(|m| {
+            m.set_headers
+                .iter()
+                .filter_map(|h| h.header.as_ref())
+                .map(|h| {
+                    (
+                        h.key.clone(),
+                        String::from_utf8(h.raw_value.clone()).unwrap(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn routed(response: &ProcessingResponse) -> Routed {
+    let common = match &response.response {
+        Some(processing_response::Response::RequestBody(b)) => b.response.clone().unwrap(),
+        Some(processing_response::Response::RequestHeaders(h)) => h.response.clone().unwrap(),
+        other => panic!("not a routing response: {other:?}"),
+    };
+    let headers = set_headers(&common);
+    let lb = match &response.dynamic_metadata.as_ref().unwrap().fields["envoy.lb"].kind {
+        Some(Kind::StructValue(s)) => s.clone(),
+        other => panic!("bad metadata {other:?}"),
+    };
+    let metadata_endpoint = match &lb.fields["x-gateway-destination-endpoint"].kind {
+        Some(Kind::StringValue(s)) => s.clone(),
+        other => panic!("bad metadata {other:?}"),
+    };
+    Routed {
+        endpoint: headers["x-gateway-destination-endpoint"].clone(),
+        metadata_endpoint,
+        decision: headers["x-kvroute-decision"].clone(),
+        cluster: headers.get("x-kvroute-cluster").cloned(),
+        clear_route_cache: common.clear_route_cache,
+    }
+}
+
+fn immediate(response: &ProcessingResponse) -> (i32, serde_json::Value) {
+    match &response.response {
+        Some(processing_response::Response::ImmediateResponse(r)) => (
+            r.status.as_ref().unwrap().code,
+            serde_json::from_slice(&r.body).unwrap(),
+        ),
+        other => panic!("not an immediate response: {other:?}"),
+    }
+}
+
+fn completion(prompt: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 4}))
+        .unwrap()
+}
+
+async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn long_prefix() -> String {
+    "You are a helpful assistant. Here is a long shared document. ".repeat(20)
+}
+
+// ---------- tests ----------
+
+#[tokio::test]
+async fn buffered_decision_sets_header_and_metadata_and_follows_the_index() {
+    let replicas = Replicas::start().await;
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
+    let prefix = long_prefix();
+    replicas.hold("r1", &prefix);
+
+    for question in ["what is a?", "and what is b?"] {
+        let response = buffered(
+            &harness,
+            "/v1/completions",
+            &completion(&format!("{prefix}{question}")),
+            None,
+        )
+        .await;
+        let r = routed(&response);
+        assert_eq!(
+            r.endpoint, "10.0.0.2:8000",
+            "goes where the index says the prefix is"
+        );
+        assert_eq!(
+            r.metadata_endpoint, r.endpoint,
+            "header and envoy.lb metadata agree"
+        );
+        assert_eq!(r.decision, "precise/cache_hit");
+        assert_eq!(r.cluster.as_deref(), Some("replica_r1"));
+        assert!(r.clear_route_cache);
+    }
+    assert!(*replicas.index.calls.lock() >= 2);
+
+    // In-flight accounting: the picker counts the request until Envoy reports response headers.
+    let mut stream = Stream::open(&harness).await;
+    stream
+        .send(request_headers(
+            "/v1/chat/completions",
+            BodySendMode::Buffered,
+            None,
+        ))
+        .await;
+    stream.recv().await;
+    let chat = serde_json::json!({"model": "m-lora", "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]});
+    stream
+        .send(body(&serde_json::to_vec(&chat).unwrap(), true))
+        .await;
+    let r = routed(&stream.recv().await);
+    let id = ["r0", "r1", "r2"][["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+        .iter()
+        .position(|a| *a == r.endpoint)
+        .unwrap()];
+    let load = harness.picker.loads().replica(id);
+    assert_eq!(load.snapshot().inflight_requests, 1.0);
+    stream.send(response_headers(&r.endpoint)).await;
+    let answer = stream.recv().await;
+    assert!(matches!(
+        answer.response,
+        Some(processing_response::Response::ResponseHeaders(_))
+    ));
+    eventually("in-flight released", || {
+        load.snapshot().inflight_requests == 0.0
+    })
+    .await;
+
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+#[tokio::test]
+async fn full_duplex_defers_headers_and_echoes_the_body_in_chunks() {
+    let replicas = Replicas::start().await;
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
+    let prompt = "x".repeat(150_000);
+    let request_body = completion(&prompt);
+    let mut stream = Stream::open(&harness).await;
+    stream
+        .send(request_headers(
+            "/v1/completions",
+            BodySendMode::FullDuplexStreamed,
+            None,
+        ))
+        .await;
+    let (first, second) = request_body.split_at(70_000);
+    stream.send(body(first, false)).await;
+    stream.send(body(second, true)).await;
+
+    let headers = stream.recv().await;
+    assert!(
+        matches!(
+            headers.response,
+            Some(processing_response::Response::RequestHeaders(_))
+        ),
+        "header answer comes after the body"
+    );
+    let r = routed(&headers);
+    assert_eq!(r.metadata_endpoint, r.endpoint);
+    assert!(r.clear_route_cache);
+    let mut echoed = Vec::new();
+    loop {
+        let response = stream.recv().await;
+        let Some(processing_response::Response::RequestBody(b)) = response.response else {
+            panic!("expected body echo")
+        };
+        let Some(body_mutation::Mutation::StreamedResponse(chunk)) =
+            b.response.unwrap().body_mutation.unwrap().mutation
+        else {
+            panic!("expected streamed_response")
+        };
+        assert!(chunk.body.len() <= 62_000);
+        echoed.extend_from_slice(&chunk.body);
+        if chunk.end_of_stream {
+            break;
+        }
+    }
+    assert_eq!(echoed, request_body, "the body is passed on unchanged");
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors() {
+    let replicas = Replicas::start().await;
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
+
+    let (status, json) =
+        immediate(&buffered(&harness, "/v1/completions", b"{not json", None).await);
+    assert_eq!(status, 400);
+    assert_eq!(json["error"]["type"], "invalid_request_error");
+    assert!(
+        json["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("malformed")
+    );
+
+    let (status, json) =
+        immediate(&buffered(&harness, "/v1/chat/completions", br#"{"model":"m"}"#, None).await);
+    assert_eq!(
+        (status, json["error"]["param"].as_str()),
+        (400, Some("messages"))
+    );
+
+    let unknown =
+        serde_json::to_vec(&serde_json::json!({"model": "nope", "prompt": "hi"})).unwrap();
+    let (status, json) = immediate(&buffered(&harness, "/v1/completions", &unknown, None).await);
+    assert_eq!((status, json["error"]["code"].as_i64()), (404, Some(404)));
+
+    let huge = completion(&"y".repeat(400_000));
+    let (status, _) = immediate(&buffered(&harness, "/v1/completions", &huge, None).await);
+    assert_eq!(status, 413);
+
+    // Subset hint naming no replica of the pool → 503.
+    let hint = Struct {
+        fields: HashMap::from([(
+            "x-gateway-destination-endpoint-subset".to_owned(),
+            Value {
+                kind: Some(Kind::ListValue(ListValue {
+                    values: vec![Value {
+                        kind: Some(Kind::StringValue("9.9.9.9:1".into())),
+                    }],
+                })),
+            },
+        )]),
+    };
+    let metadata = Metadata {
+        filter_metadata: HashMap::from([("envoy.lb.subset_hint".to_owned(), hint)]),
+        ..Metadata::default()
+    };
+    let (status, json) = immediate(
+        &buffered(
+            &harness,
+            "/v1/completions",
+            &completion("hi"),
+            Some(metadata),
+        )
+        .await,
+    );
+    assert_eq!(status, 503);
+    assert_eq!(json["error"]["type"], "ServiceUnavailableError");
+
+    // The service stays up and counts what it refused.
+    let ok = buffered(&harness, "/v1/completions", &completion("fine"), None).await;
+    routed(&ok);
+    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    assert!(
+        metrics.contains("kvroute_extproc_request_errors_total{kind=\"unknown_model\"} 1"),
+        "{metrics}"
+    );
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+#[tokio::test]
+async fn subset_hint_restricts_candidates() {
+    let replicas = Replicas::start().await;
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
+    let prefix = long_prefix();
+    replicas.hold("r1", &prefix);
+    let hint = Struct {
+        fields: HashMap::from([(
+            "x-gateway-destination-endpoint-subset".to_owned(),
+            Value {
+                kind: Some(Kind::StringValue("10.0.0.3:8000".into())),
+            },
+        )]),
+    };
+    let metadata = Metadata {
+        filter_metadata: HashMap::from([("envoy.lb.subset_hint".to_owned(), hint)]),
+        ..Metadata::default()
+    };
+    let r = routed(
+        &buffered(
+            &harness,
+            "/v1/completions",
+            &completion(&prefix),
+            Some(metadata),
+        )
+        .await,
+    );
+    assert_eq!(
+        r.endpoint, "10.0.0.3:8000",
+        "only the hinted endpoint may be picked, cache or not"
+    );
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+#[tokio::test]
+async fn load_beats_cache_on_an_overloaded_replica() {
+    let replicas = Replicas::start().await;
+    let prefix = long_prefix();
+    replicas.hold("r1", &prefix);
+    replicas.waiting.lock().insert("r1".into(), 40.0);
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
+    let load = harness.picker.loads().replica("r1");
+    eventually("r1's queue scraped", || {
+        load.snapshot().scraped.waiting == 40.0
+    })
+    .await;
+
+    let r = routed(
+        &buffered(
+            &harness,
+            "/v1/completions",
+            &completion(&format!("{prefix} q")),
+            None,
+        )
+        .await,
+    );
+    assert_ne!(
+        r.endpoint, "10.0.0.2:8000",
+        "r1 holds the prefix but its queue is far too long"
+    );
+    assert!(
+        r.decision == "precise/hotspot_guard" || r.decision == "precise/load_over_cache",
+        "{}",
+        r.decision
+    );
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+#[tokio::test]
+async fn index_down_uses_the_approximate_tier_within_budget() {
+    let replicas = Replicas::start().await;
+    replicas.stop.cancel(); // the index is gone
+    let dead = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let yaml = replicas
+        .yaml("")
+        .replace(&replicas.index_addr.to_string(), &dead.to_string());
+    let harness = Harness::start(&yaml, Arc::new(ByteTokenizer)).await;
+    let prefix = long_prefix();
+
+    let first = routed(
+        &buffered(
+            &harness,
+            "/v1/completions",
+            &completion(&format!("{prefix} one")),
+            None,
+        )
+        .await,
+    );
+    for question in [" two", " three", " four"] {
+        let started = Instant::now();
+        let r = routed(
+            &buffered(
+                &harness,
+                "/v1/completions",
+                &completion(&format!("{prefix}{question}")),
+                None,
+            )
+            .await,
+        );
+        assert!(
+            started.elapsed() < Duration::from_millis(500 + 300),
+            "decided within the budget"
+        );
+        assert_eq!(
+            r.endpoint, first.endpoint,
+            "siblings follow kvroute's own routing memory"
+        );
+        assert_eq!(r.decision, "approximate/cache_hit");
+    }
+    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    assert!(
+        metrics.contains("kvroute_extproc_fallbacks_total{stage=\"index\",cause=\"unavailable\"}"),
+        "{metrics}"
+    );
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn tokenizer_failure_falls_back_to_load() {
+    let replicas = Replicas::start().await;
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(FailingTokenizer)).await;
+    let r = routed(
+        &buffered(
+            &harness,
+            "/v1/completions",
+            &completion("anything at all"),
+            None,
+        )
+        .await,
+    );
+    assert_eq!(r.decision, "load/tokenizer_failed");
+    // Client-supplied token ids need no tokenizer.
+    let ids =
+        serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": [1, 2, 3, 4, 5, 6, 7, 8]}))
+            .unwrap();
+    let r = routed(&buffered(&harness, "/v1/completions", &ids, None).await);
+    assert!(r.decision.starts_with("precise/"), "{}", r.decision);
+    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    assert!(
+        metrics.contains(
+            "kvroute_extproc_decisions_total{tier=\"load\",reason=\"tokenizer_failed\"} 1"
+        ),
+        "{metrics}"
+    );
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+#[tokio::test]
+async fn shutdown_reports_not_serving_and_readyz() {
+    let replicas = Replicas::start().await;
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", harness.grpc))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "envoy.service.ext_proc.v3.ExternalProcessor".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    assert!(
+        reqwest_text(harness.admin, "/readyz")
+            .await
+            .contains("ready")
+    );
+    assert!(reqwest_text(harness.admin, "/healthz").await.contains("ok"));
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+/// GET over plain HTTP/1.1 (no client crate needed).
+async fn reqwest_text(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut text = String::new();
+    socket.read_to_string(&mut text).await.unwrap();
+    text
+}

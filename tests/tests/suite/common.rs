@@ -1,0 +1,118 @@
+//! Shared helpers: simulator configs, KV event collection over the replay socket.
+
+use std::time::Duration;
+
+use clap::Parser as _;
+use kvroute_index::event::{EventBatch, KvEvent};
+use kvroute_index::wire::{self, ReplayItem};
+use kvroute_tests::harness::{tiny_model_dir, wait_until};
+use kvroute_tests::sim::{EngineSim, SimArgs, SimConfig};
+use zeromq::{DealerSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
+
+pub const SIM_BIN: &str = env!("CARGO_BIN_EXE_kvroute-engine-sim");
+
+/// Flags for a fast simulator with events on loopback (port 0) plus `extra`.
+pub fn sim_args(extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--model",
+        &tiny_model_dir().display().to_string(),
+        "--prefix-caching-hash-algo",
+        "sha256_cbor",
+        "--python-hash-seed",
+        "0",
+        "--block-size",
+        "32",
+        "--time-scale",
+        "0.01",
+        "--kv-events-config",
+        r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0",
+            "replay_endpoint": "tcp://*:0", "topic": "kv@sim@tiny"}"#,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// An in-process simulator.
+pub async fn start_sim(extra: &[&str]) -> EngineSim {
+    let mut argv = vec!["kvroute-engine-sim".to_owned()];
+    argv.extend(sim_args(extra));
+    let config = SimConfig::try_from(SimArgs::parse_from(argv)).unwrap();
+    EngineSim::start(config).await.unwrap()
+}
+
+/// Every batch still in the replay buffer, from seq 0, via a DEALER (vLLM's replay protocol).
+pub async fn replay_all(endpoint: &str) -> Vec<(u64, EventBatch)> {
+    let mut dealer = DealerSocket::new();
+    dealer.connect(endpoint).await.unwrap();
+    let request: Vec<bytes::Bytes> = wire::replay_request(0)
+        .into_iter()
+        .map(bytes::Bytes::from)
+        .collect();
+    dealer
+        .send(ZmqMessage::try_from(request).unwrap())
+        .await
+        .unwrap();
+    let mut batches = Vec::new();
+    loop {
+        let reply = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
+            .await
+            .expect("replay reply in time")
+            .unwrap()
+            .into_vec();
+        match wire::parse_replay_frames(&reply).unwrap() {
+            ReplayItem::Batch { seq, payload } => {
+                let decoded = wire::decode_batch(payload).unwrap();
+                assert_eq!(decoded.unknown_events, 0);
+                batches.push((seq, decoded.batch));
+            }
+            ReplayItem::End => return batches,
+        }
+    }
+}
+
+/// Polls the replay buffer until its events satisfy `done`; returns them flattened.
+pub async fn events_until(endpoint: &str, done: impl Fn(&[KvEvent]) -> bool) -> Vec<KvEvent> {
+    wait_until("kv events", Duration::from_secs(10), || async {
+        let events: Vec<KvEvent> = replay_all(endpoint)
+            .await
+            .into_iter()
+            .flat_map(|(_, b)| b.events)
+            .collect();
+        done(&events).then_some(events)
+    })
+    .await
+    .unwrap()
+}
+
+pub fn stored(events: &[KvEvent]) -> Vec<&kvroute_index::event::BlockStored> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored(s) => Some(s),
+            _ => None,
+        })
+        .collect()
+}
+
+pub fn removed_hashes(events: &[KvEvent]) -> Vec<u64> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockRemoved(r) => Some(r.block_hashes.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+/// The value of a Prometheus sample line starting with `prefix`.
+pub fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|line| line.starts_with(prefix))
+        .and_then(|line| line.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no metric {prefix} in\n{text}"))
+}
