@@ -1,8 +1,9 @@
 //! `kvroute-ext-proc --config kvroute.yaml`: the Envoy ext_proc endpoint picker.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use clap::Parser;
 use kvroute_ext_proc::{Config, ExtProc, ServeError};
 
@@ -18,6 +19,10 @@ struct Args {
     /// Config file (YAML); reloaded when it changes.
     #[arg(long, short)]
     config: PathBuf,
+    /// Write the bound addresses (`grpc=ADDR\nadmin=ADDR`) to this file once listening, so a
+    /// harness can use port 0.
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -50,19 +55,36 @@ fn main() -> ExitCode {
             .config_path(args.config)
             .bind()
             .await?;
-        server.serve(shutdown_signal()).await
+        if let Some(path) = &args.ready_file {
+            write_ready_file(path, &server)?;
+        }
+        server.serve(shutdown_signal()).await?;
+        Ok::<(), anyhow::Error>(())
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(error @ ServeError::Config(_)) => {
-            tracing::error!("invalid configuration: {:#}", anyhow::Error::from(error));
+        Err(error) if matches!(error.downcast_ref(), Some(ServeError::Config(_))) => {
+            tracing::error!("invalid configuration: {error:#}");
             ExitCode::from(EX_USAGE)
         }
         Err(error) => {
-            tracing::error!("{:#}", anyhow::Error::from(error));
+            tracing::error!("{error:#}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// Writes the bound addresses, then renames into place so a poller never reads half a file.
+fn write_ready_file(path: &Path, server: &ExtProc) -> anyhow::Result<()> {
+    let text = format!(
+        "grpc={}\nadmin={}\n",
+        server.grpc_addr()?,
+        server.admin_addr()?
+    );
+    let partial = path.with_extension("partial");
+    std::fs::write(&partial, text)
+        .and_then(|()| std::fs::rename(&partial, path))
+        .with_context(|| format!("cannot write the ready file {}", path.display()))
 }
 
 /// Resolves on SIGTERM or SIGINT.

@@ -4,6 +4,9 @@
 //! Targets: apply well above 2 M block events/s (ingest budget for decode + apply); a match in
 //! ≤ 20 µs.
 
+// A bench panics on setup errors like a test does.
+#![allow(clippy::unwrap_used)]
+
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -24,16 +27,27 @@ struct Lcg(u64);
 
 impl Lcg {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         self.0 ^ (self.0 >> 29)
     }
 }
 
 fn index_with(keys: PoolKeys, replicas: u32) -> BlockIndex {
     let index = BlockIndex::new(IndexConfig::default(), IndexMetrics::unregistered());
-    index.add_pool(PoolConfig { model: "m".into(), block_size: BLOCK_SIZE, keys }).unwrap();
+    index
+        .add_pool(PoolConfig {
+            model: "m".into(),
+            block_size: BLOCK_SIZE,
+            keys,
+        })
+        .unwrap();
     for r in 0..replicas {
-        index.add_replica(ReplicaId(r), &format!("r{r}"), "m").unwrap();
+        index
+            .add_replica(ReplicaId(r), &format!("r{r}"), "m")
+            .unwrap();
     }
     index
 }
@@ -46,25 +60,32 @@ fn steady_state(keys: PoolKeys, iters: u64) -> Duration {
     let replica = ReplicaId(0);
     let mut stored = BlockStored {
         block_hashes: vec![0; BLOCKS_PER_EVENT],
-        token_ids: (0..BLOCKS_PER_EVENT as u32 * BLOCK_SIZE).map(|t| t * 7919 % 151_936).collect(),
+        token_ids: (0..BLOCKS_PER_EVENT as u32 * BLOCK_SIZE)
+            .map(|t| t * 7919 % 151_936)
+            .collect(),
         block_size: BLOCK_SIZE,
         medium: Medium::Gpu,
         ..BlockStored::default()
     };
-    let mut removed = BlockRemoved { block_hashes: vec![0; BLOCKS_PER_EVENT], ..Default::default() };
+    let mut removed = BlockRemoved {
+        block_hashes: vec![0; BLOCKS_PER_EVENT],
+        ..Default::default()
+    };
     let runs = RESIDENT_BLOCKS / BLOCKS_PER_EVENT as u64;
     // Engine hashes of run i are a pure function of i, so eviction can name them again.
     let run_hashes = |run: u64, out: &mut [u64]| {
         let mut lcg = Lcg(run);
         out.iter_mut().for_each(|h| *h = lcg.next());
     };
-    let mut store_run = |run: u64, stored: &mut BlockStored| {
+    let store_run = |run: u64, stored: &mut BlockStored| {
         run_hashes(run, &mut stored.block_hashes);
         // A different first token per run: distinct token-chain keys, root runs only.
         stored.token_ids[0] = run as u32;
         let event = KvEvent::BlockStored(std::mem::take(stored));
         index.apply_event(replica, &event).unwrap();
-        let KvEvent::BlockStored(back) = event else { unreachable!() };
+        let KvEvent::BlockStored(back) = event else {
+            unreachable!()
+        };
         *stored = back;
     };
     for run in 0..runs {
@@ -76,7 +97,9 @@ fn steady_state(keys: PoolKeys, iters: u64) -> Duration {
         run_hashes(run - runs, &mut removed.block_hashes);
         let event = KvEvent::BlockRemoved(std::mem::take(&mut removed));
         black_box(index.apply_event(replica, &event).unwrap());
-        let KvEvent::BlockRemoved(back) = event else { unreachable!() };
+        let KvEvent::BlockRemoved(back) = event else {
+            unreachable!()
+        };
         removed = back;
     }
     start.elapsed()
@@ -123,11 +146,16 @@ fn match_index(everyone_holds_all: bool) -> (BlockIndex, Vec<u64>) {
                 ..BlockStored::default()
             })
         };
-        index.apply_event(ReplicaId(r), &event(&tokens, held, &mut lcg)).unwrap();
+        index
+            .apply_event(ReplicaId(r), &event(&tokens, held, &mut lcg))
+            .unwrap();
         for _ in 0..20_000 / 64 {
-            let other: Vec<u32> =
-                (0..64 * BLOCK_SIZE).map(|_| (lcg.next() % 151_936) as u32).collect();
-            index.apply_event(ReplicaId(r), &event(&other, 64, &mut lcg)).unwrap();
+            let other: Vec<u32> = (0..64 * BLOCK_SIZE)
+                .map(|_| (lcg.next() % 151_936) as u32)
+                .collect();
+            index
+                .apply_event(ReplicaId(r), &event(&other, 64, &mut lcg))
+                .unwrap();
         }
     }
     (index, keys)
@@ -138,9 +166,13 @@ fn find_matches(c: &mut Criterion) {
     for (name, everyone) in [("realistic_overlap", false), ("all_hold_all", true)] {
         let (index, keys) = match_index(everyone);
         let candidates: Vec<ReplicaId> = (0..REPLICAS).map(ReplicaId).collect();
-        group.bench_with_input(BenchmarkId::new("1000_blocks_64_replicas", name), &keys, |b, keys| {
-            b.iter(|| black_box(index.find_matches("m", keys, Some(&candidates)).unwrap()))
-        });
+        group.bench_with_input(
+            BenchmarkId::new("1000_blocks_64_replicas", name),
+            &keys,
+            |b, keys| {
+                b.iter(|| black_box(index.find_matches("m", keys, Some(&candidates)).unwrap()))
+            },
+        );
     }
     group.finish();
 }

@@ -131,8 +131,11 @@ pub enum FlagReason {
 
 impl FlagReason {
     /// Every reason, for pre-registering metric series.
-    pub const ALL: [FlagReason; 3] =
-        [FlagReason::HashMismatch, FlagReason::Resyncing, FlagReason::Stale];
+    pub const ALL: [FlagReason; 3] = [
+        FlagReason::HashMismatch,
+        FlagReason::Resyncing,
+        FlagReason::Stale,
+    ];
 
     /// Metric label value (also the admin API's `problem` text).
     pub fn as_label(self) -> &'static str {

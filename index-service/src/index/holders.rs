@@ -80,7 +80,10 @@ pub(crate) struct Removal {
 
 impl Holders {
     pub(crate) fn new(slot: Slot, medium: Medium) -> Self {
-        Holders::One(Holder { slot, media: MediaSet::only(medium) })
+        Holders::One(Holder {
+            slot,
+            media: MediaSet::only(medium),
+        })
     }
 
     pub(crate) fn as_slice(&self) -> &[Holder] {
@@ -99,8 +102,15 @@ impl Holders {
                 false
             }
             Holders::One(holder) => {
-                let added = Holder { slot, media: MediaSet::only(medium) };
-                let pair = if holder.slot < slot { [*holder, added] } else { [added, *holder] };
+                let added = Holder {
+                    slot,
+                    media: MediaSet::only(medium),
+                };
+                let pair = if holder.slot < slot {
+                    [*holder, added]
+                } else {
+                    [added, *holder]
+                };
                 *self = Holders::Many(Box::new(pair));
                 true
             }
@@ -112,7 +122,10 @@ impl Holders {
                 Err(at) => {
                     let mut grown = Vec::with_capacity(holders.len() + 1);
                     grown.extend_from_slice(&holders[..at]);
-                    grown.push(Holder { slot, media: MediaSet::only(medium) });
+                    grown.push(Holder {
+                        slot,
+                        media: MediaSet::only(medium),
+                    });
                     grown.extend_from_slice(&holders[at..]);
                     *holders = grown.into_boxed_slice();
                     true
@@ -123,7 +136,11 @@ impl Holders {
 
     /// Removes `medium` (or every medium when `None`) from `slot`'s holding.
     pub(crate) fn remove(&mut self, slot: Slot, medium: Option<Medium>) -> Removal {
-        let not_held = Removal { was_held: false, slot_gone: false, set_empty: false };
+        let not_held = Removal {
+            was_held: false,
+            slot_gone: false,
+            set_empty: false,
+        };
         let strip = |media: MediaSet| match medium {
             Some(medium) => (media.contains(medium), media.without(medium)),
             None => (!media.is_empty(), MediaSet::default()),
@@ -133,7 +150,11 @@ impl Holders {
                 let (was_held, left) = strip(holder.media);
                 holder.media = left;
                 let gone = left.is_empty();
-                Removal { was_held, slot_gone: gone, set_empty: gone }
+                Removal {
+                    was_held,
+                    slot_gone: gone,
+                    set_empty: gone,
+                }
             }
             Holders::One(_) => not_held,
             Holders::Many(holders) => {
@@ -143,14 +164,23 @@ impl Holders {
                 let (was_held, left) = strip(holders[at].media);
                 holders[at].media = left;
                 if !left.is_empty() {
-                    return Removal { was_held, slot_gone: false, set_empty: false };
+                    return Removal {
+                        was_held,
+                        slot_gone: false,
+                        set_empty: false,
+                    };
                 }
-                let rest: Vec<Holder> = holders.iter().filter(|h| h.slot != slot).copied().collect();
+                let rest: Vec<Holder> =
+                    holders.iter().filter(|h| h.slot != slot).copied().collect();
                 *self = match rest.as_slice() {
                     [single] => Holders::One(*single),
                     _ => Holders::Many(rest.into_boxed_slice()),
                 };
-                Removal { was_held, slot_gone: true, set_empty: false }
+                Removal {
+                    was_held,
+                    slot_gone: true,
+                    set_empty: false,
+                }
             }
         }
     }
@@ -172,7 +202,9 @@ pub(crate) struct SlotSet {
 
 impl SlotSet {
     pub(crate) fn with_slots(slots: usize) -> Self {
-        SlotSet { words: vec![0; slots.div_ceil(64)] }
+        SlotSet {
+            words: vec![0; slots.div_ceil(64)],
+        }
     }
 
     pub(crate) fn insert(&mut self, slot: Slot) {
@@ -184,7 +216,9 @@ impl SlotSet {
 
     pub(crate) fn contains(&self, slot: Slot) -> bool {
         let slot = usize::from(slot);
-        self.words.get(slot / 64).is_some_and(|word| word & (1 << (slot % 64)) != 0)
+        self.words
+            .get(slot / 64)
+            .is_some_and(|word| word & (1 << (slot % 64)) != 0)
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -238,7 +272,9 @@ pub(crate) struct KeyHasherBuilder {
 
 impl KeyHasherBuilder {
     pub(crate) fn random() -> Self {
-        KeyHasherBuilder { seed: std::collections::hash_map::RandomState::new().hash_one(0u64) }
+        KeyHasherBuilder {
+            seed: std::collections::hash_map::RandomState::new().hash_one(0u64),
+        }
     }
 
     /// The well-mixed 64-bit hash of `key` (shard choice uses its high bits, maps the low).
@@ -253,7 +289,10 @@ impl BuildHasher for KeyHasherBuilder {
     type Hasher = KeyHasher;
 
     fn build_hasher(&self) -> KeyHasher {
-        KeyHasher { builder: *self, state: 0 }
+        KeyHasher {
+            builder: *self,
+            state: 0,
+        }
     }
 }
 
@@ -295,7 +334,11 @@ pub(crate) fn table_bytes(capacity: usize, entry_size: usize) -> usize {
     }
     // Inverse of hashbrown's bucket_mask_to_capacity: small tables keep one bucket free,
     // larger ones fill to 7/8.
-    let buckets = if capacity < 8 { capacity + 1 } else { capacity / 7 * 8 };
+    let buckets = if capacity < 8 {
+        capacity + 1
+    } else {
+        capacity / 7 * 8
+    };
     buckets * entry_size + buckets + 16
 }
 
@@ -342,16 +385,37 @@ mod tests {
         assert_eq!(slots, [1, 3, 7]);
 
         let removal = holders.remove(3, Some(Medium::Gpu));
-        assert_eq!(removal, Removal { was_held: true, slot_gone: false, set_empty: false });
+        assert_eq!(
+            removal,
+            Removal {
+                was_held: true,
+                slot_gone: false,
+                set_empty: false
+            }
+        );
         let removal = holders.remove(3, Some(Medium::Gpu));
         assert!(!removal.was_held);
         let removal = holders.remove(3, Some(Medium::Cpu));
-        assert_eq!(removal, Removal { was_held: true, slot_gone: true, set_empty: false });
+        assert_eq!(
+            removal,
+            Removal {
+                was_held: true,
+                slot_gone: true,
+                set_empty: false
+            }
+        );
         assert!(!holders.remove(5, None).was_held);
         holders.remove(1, None);
         assert!(matches!(holders, Holders::One(Holder { slot: 7, .. })));
         let removal = holders.remove(7, None);
-        assert_eq!(removal, Removal { was_held: true, slot_gone: true, set_empty: true });
+        assert_eq!(
+            removal,
+            Removal {
+                was_held: true,
+                slot_gone: true,
+                set_empty: true
+            }
+        );
     }
 
     #[test]
@@ -381,7 +445,10 @@ mod tests {
             map.insert(key, key);
             let capacity = map.capacity();
             let buckets = (table_bytes(capacity, 16) - 16) / 17;
-            assert!(buckets.is_power_of_two(), "capacity {capacity} -> {buckets} buckets");
+            assert!(
+                buckets.is_power_of_two(),
+                "capacity {capacity} -> {buckets} buckets"
+            );
         }
     }
 }

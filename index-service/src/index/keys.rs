@@ -27,9 +27,9 @@ impl PoolKeys {
     /// The index side of a pool's [`KeyScheme`]; `validate` turns on vLLM-exact validation.
     pub fn from_scheme(scheme: &KeyScheme, validate: bool) -> Self {
         match scheme {
-            KeyScheme::VllmExact { hasher, .. } => {
-                PoolKeys::VllmExact { validator: validate.then(|| hasher.clone()) }
-            }
+            KeyScheme::VllmExact { hasher, .. } => PoolKeys::VllmExact {
+                validator: validate.then(|| hasher.clone()),
+            },
             KeyScheme::TokenChain => PoolKeys::TokenChain,
         }
     }
@@ -55,7 +55,11 @@ pub(crate) enum Verification {
     /// Block `block` of the run (0-based) hashes to `computed` instead of what was published.
     /// `certain` is false when the event does not publish extra keys (vLLM < 0.17), so a
     /// `cache_salt` or multimodal input the index cannot see may explain the difference.
-    Mismatch { block: usize, computed: u64, certain: bool },
+    Mismatch {
+        block: usize,
+        computed: u64,
+        certain: bool,
+    },
 }
 
 fn is_plain(extra: &Option<HashValue>) -> bool {
@@ -106,7 +110,11 @@ pub(crate) fn verify(hasher: &VllmHasher, stored: &BlockStored) -> Verification 
     match (walked, first_mismatch) {
         (Err(_), _) => Verification::Unverifiable,
         (Ok(()), None) => Verification::Verified,
-        (Ok(()), Some((block, computed))) => Verification::Mismatch { block, computed, certain },
+        (Ok(()), Some((block, computed))) => Verification::Mismatch {
+            block,
+            computed,
+            certain,
+        },
     }
 }
 
@@ -126,13 +134,22 @@ pub(crate) fn chain_keys(parent: Option<u64>, stored: &BlockStored) -> ChainRun 
     let block_size = stored.block_size as usize;
     let blocks = stored.block_hashes.len();
     let extra_of = |block: usize| {
-        stored.extra_keys.as_ref().and_then(|extra| extra.get(block)).and_then(Option::as_ref)
+        stored
+            .extra_keys
+            .as_ref()
+            .and_then(|extra| extra.get(block))
+            .and_then(Option::as_ref)
     };
     let mut key = match parent {
         Some(parent) => parent,
         None => match namespace_salt(stored, extra_of(0)) {
             Some(salt) => TokenChain::root(stored.lora_name.as_deref(), salt),
-            None => return ChainRun { keys: Vec::new(), unsupported: blocks },
+            None => {
+                return ChainRun {
+                    keys: Vec::new(),
+                    unsupported: blocks,
+                };
+            }
         },
     };
     let mut keys = Vec::with_capacity(blocks);
@@ -145,7 +162,10 @@ pub(crate) fn chain_keys(parent: Option<u64>, stored: &BlockStored) -> ChainRun 
         key = TokenChain::next(key, tokens);
         keys.push(key);
     }
-    ChainRun { unsupported: blocks - keys.len(), keys }
+    ChainRun {
+        unsupported: blocks - keys.len(),
+        keys,
+    }
 }
 
 /// The items of a block's published extra keys (vLLM publishes a tuple per block).
@@ -162,7 +182,9 @@ fn is_lora_item(stored: &BlockStored, item: &HashValue) -> bool {
     match item {
         HashValue::Int(id) => stored.lora_id == Some(*id),
         HashValue::Str(name) => stored.lora_name.as_deref() == Some(name.as_str()),
-        HashValue::Tuple(tagged) => matches!(tagged.first(), Some(HashValue::Str(tag)) if tag == "lora"),
+        HashValue::Tuple(tagged) => {
+            matches!(tagged.first(), Some(HashValue::Str(tag)) if tag == "lora")
+        }
         _ => false,
     }
 }
@@ -182,7 +204,10 @@ fn lora_only(stored: &BlockStored, extra: Option<&HashValue>) -> bool {
 
 /// The cache salt in the first block's extra keys: `Some(None)` for no salt, `None` when the
 /// block carries something else (multimodal, prompt embeds).
-fn namespace_salt<'a>(stored: &BlockStored, extra: Option<&'a HashValue>) -> Option<Option<&'a str>> {
+fn namespace_salt<'a>(
+    stored: &BlockStored,
+    extra: Option<&'a HashValue>,
+) -> Option<Option<&'a str>> {
     match after_lora(stored, items(extra)) {
         [] => Some(None),
         [HashValue::Str(salt)] => Some(Some(salt.as_str())),

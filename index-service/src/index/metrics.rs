@@ -72,8 +72,11 @@ pub(crate) enum EventKind {
 }
 
 impl EventKind {
-    const ALL: [EventKind; 3] =
-        [EventKind::BlockStored, EventKind::BlockRemoved, EventKind::AllBlocksCleared];
+    const ALL: [EventKind; 3] = [
+        EventKind::BlockStored,
+        EventKind::BlockRemoved,
+        EventKind::AllBlocksCleared,
+    ];
 
     fn as_label(self) -> &'static str {
         match self {
@@ -131,20 +134,28 @@ impl IndexMetrics {
         let mut metrics = IndexMetrics::default();
         // Resolving every fixed-label series up front also makes them export as zeros.
         for (at, kind) in EventKind::ALL.into_iter().enumerate() {
-            let label = KindLabel { kind: kind.as_label() };
+            let label = KindLabel {
+                kind: kind.as_label(),
+            };
             metrics.handles.events[at] = metrics.events_applied.get_or_create(&label).clone();
         }
         for (at, medium) in MEDIA.into_iter().enumerate() {
-            let label = MediumLabel { medium: medium.as_label() };
+            let label = MediumLabel {
+                medium: medium.as_label(),
+            };
             metrics.handles.stored[at] = metrics.blocks_stored.get_or_create(&label).clone();
             metrics.handles.removed[at] = metrics.blocks_removed.get_or_create(&label).clone();
         }
         for (at, reason) in RejectReason::ALL.into_iter().enumerate() {
-            let label = ReasonLabel { reason: reason.as_label() };
+            let label = ReasonLabel {
+                reason: reason.as_label(),
+            };
             metrics.handles.rejected[at] = metrics.blocks_rejected.get_or_create(&label).clone();
         }
         for reason in FlagReason::ALL {
-            let label = ReasonLabel { reason: reason.as_label() };
+            let label = ReasonLabel {
+                reason: reason.as_label(),
+            };
             let _ = metrics.flagged_replicas.get_or_create(&label);
             let _ = metrics.replica_flags.get_or_create(&label);
         }
@@ -165,17 +176,26 @@ impl IndexMetrics {
     }
 
     pub(crate) fn rejected(&self, reason: RejectReason, blocks: u64) {
-        let at = RejectReason::ALL.iter().position(|&r| r == reason).unwrap_or(0);
+        let at = RejectReason::ALL
+            .iter()
+            .position(|&r| r == reason)
+            .unwrap_or(0);
         self.handles.rejected[at].inc_by(blocks);
     }
 
     /// The `replica_blocks` gauge of one replica (kept by the replica; set on every change).
     pub(crate) fn replica_blocks_gauge(&self, replica: &str) -> Gauge {
-        self.replica_blocks.get_or_create(&ReplicaLabel { replica: replica.to_owned() }).clone()
+        self.replica_blocks
+            .get_or_create(&ReplicaLabel {
+                replica: replica.to_owned(),
+            })
+            .clone()
     }
 
     pub(crate) fn forget_replica(&self, replica: &str) {
-        self.replica_blocks.remove(&ReplicaLabel { replica: replica.to_owned() });
+        self.replica_blocks.remove(&ReplicaLabel {
+            replica: replica.to_owned(),
+        });
     }
 
     pub(crate) fn flag_changed(&self, old: Option<FlagReason>, new: Option<FlagReason>) {
@@ -183,10 +203,16 @@ impl IndexMetrics {
             return;
         }
         if let Some(old) = old {
-            self.flagged_replicas.get_or_create(&ReasonLabel { reason: old.as_label() }).dec();
+            self.flagged_replicas
+                .get_or_create(&ReasonLabel {
+                    reason: old.as_label(),
+                })
+                .dec();
         }
         if let Some(new) = new {
-            let label = ReasonLabel { reason: new.as_label() };
+            let label = ReasonLabel {
+                reason: new.as_label(),
+            };
             self.flagged_replicas.get_or_create(&label).inc();
             self.replica_flags.get_or_create(&label).inc();
         }

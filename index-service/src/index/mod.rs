@@ -126,7 +126,12 @@ pub struct ReplicaMatch {
 
 impl ReplicaMatch {
     fn empty(replica: ReplicaId, precise: bool) -> Self {
-        ReplicaMatch { replica, matched_blocks: 0, gpu_blocks: 0, precise }
+        ReplicaMatch {
+            replica,
+            matched_blocks: 0,
+            gpu_blocks: 0,
+            precise,
+        }
     }
 }
 
@@ -178,8 +183,7 @@ pub trait KvIndex: Send + Sync {
     /// Registers a replica of `model`'s pool; `name` is its config id (metric label).
     fn add_replica(&self, replica: ReplicaId, name: &str, model: &str) -> Result<(), IndexError>;
     /// Applies one event published by `replica`.
-    fn apply_event(&self, replica: ReplicaId, event: &KvEvent)
-    -> Result<ApplyOutcome, IndexError>;
+    fn apply_event(&self, replica: ReplicaId, event: &KvEvent) -> Result<ApplyOutcome, IndexError>;
     /// Leading blocks of `keys` held by each replica of the pool (or each of `candidates`
     /// that belongs to it), in slot order or candidate order.
     fn find_matches(
@@ -222,17 +226,26 @@ impl BlockIndex {
             .read()
             .get(model)
             .cloned()
-            .ok_or_else(|| IndexError::UnknownPool { pool: model.to_owned() })
+            .ok_or_else(|| IndexError::UnknownPool {
+                pool: model.to_owned(),
+            })
     }
 
     fn replica(&self, replica: ReplicaId) -> Result<Arc<Mutex<Replica>>, IndexError> {
-        self.replicas.read().get(&replica).cloned().ok_or(IndexError::UnknownReplica { replica })
+        self.replicas
+            .read()
+            .get(&replica)
+            .cloned()
+            .ok_or(IndexError::UnknownReplica { replica })
     }
 
     /// A pool's block size and key scheme.
     pub fn pool_info(&self, model: &str) -> Option<PoolInfo> {
         let pool = self.pool(model).ok()?;
-        Some(PoolInfo { block_size: pool.block_size, keys: pool.keys.clone() })
+        Some(PoolInfo {
+            block_size: pool.block_size,
+            keys: pool.keys.clone(),
+        })
     }
 
     /// Applies a batch of events of one replica in order (one replica lock for the batch).
@@ -259,7 +272,9 @@ impl BlockIndex {
 
     /// Excludes `replica` from precise matching (ingest: gap, staleness) until cleared.
     pub fn flag_replica(&self, replica: ReplicaId, reason: FlagReason) -> Result<(), IndexError> {
-        self.replica(replica)?.lock().set_flag(Some(reason), &self.metrics);
+        self.replica(replica)?
+            .lock()
+            .set_flag(Some(reason), &self.metrics);
         Ok(())
     }
 
@@ -295,9 +310,18 @@ impl BlockIndex {
     /// per-replica block sets), computed from capacities. Excludes allocator overhead and the
     /// fixed per-pool/per-replica structs.
     pub fn memory_bytes(&self) -> usize {
-        let pools: usize = self.pools.read().values().map(|pool| pool.memory_bytes()).sum();
+        let pools: usize = self
+            .pools
+            .read()
+            .values()
+            .map(|pool| pool.memory_bytes())
+            .sum();
         let entries: Vec<_> = self.replicas.read().values().cloned().collect();
-        pools + entries.iter().map(|entry| entry.lock().memory_bytes()).sum::<usize>()
+        pools
+            + entries
+                .iter()
+                .map(|entry| entry.lock().memory_bytes())
+                .sum::<usize>()
     }
 }
 
@@ -340,16 +364,19 @@ impl KvIndex for BlockIndex {
             return Err(IndexError::DuplicateReplica { replica });
         }
         let slot = pool.add_member(replica)?;
-        let state = Replica::new(replica, name.to_owned(), pool, slot, self.hasher, &self.metrics);
+        let state = Replica::new(
+            replica,
+            name.to_owned(),
+            pool,
+            slot,
+            self.hasher,
+            &self.metrics,
+        );
         replicas.insert(replica, Arc::new(Mutex::new(state)));
         Ok(())
     }
 
-    fn apply_event(
-        &self,
-        replica: ReplicaId,
-        event: &KvEvent,
-    ) -> Result<ApplyOutcome, IndexError> {
+    fn apply_event(&self, replica: ReplicaId, event: &KvEvent) -> Result<ApplyOutcome, IndexError> {
         self.apply_events(replica, std::slice::from_ref(event))
     }
 

@@ -98,7 +98,9 @@ impl Pool {
             block_size,
             keys,
             hasher,
-            shards: (0..shards).map(|_| RwLock::new(KeyMap::with_hasher(hasher))).collect(),
+            shards: (0..shards)
+                .map(|_| RwLock::new(KeyMap::with_hasher(hasher)))
+                .collect(),
             shard_mask: shards - 1,
             members: RwLock::new(Members::default()),
         }
@@ -112,7 +114,10 @@ impl Pool {
     /// Gives `replica` a slot (reusing freed ones).
     pub(crate) fn add_member(&self, replica: ReplicaId) -> Result<Slot, IndexError> {
         let mut members = self.members.write();
-        let member = Some(Member { replica, flag: None });
+        let member = Some(Member {
+            replica,
+            flag: None,
+        });
         let slot = match members.slots.iter().position(Option::is_none) {
             Some(free) => free,
             None => members.slots.len(),
@@ -163,14 +168,20 @@ impl Pool {
     /// Whether `slot` holds `key` in any medium.
     pub(crate) fn holds(&self, slot: Slot, key: u64) -> bool {
         let shard = self.shards[self.shard_of(key)].read();
-        shard.get(&key).is_some_and(|holders| holders.as_slice().iter().any(|h| h.slot == slot))
+        shard
+            .get(&key)
+            .is_some_and(|holders| holders.as_slice().iter().any(|h| h.slot == slot))
     }
 
     /// Removes `slot`'s holding of `key` in `medium` (every medium when `None`).
     pub(crate) fn remove(&self, slot: Slot, key: u64, medium: Option<Medium>) -> Removal {
         let mut shard = self.shards[self.shard_of(key)].write();
         let Some(holders) = shard.get_mut(&key) else {
-            return Removal { was_held: false, slot_gone: false, set_empty: false };
+            return Removal {
+                was_held: false,
+                slot_gone: false,
+                set_empty: false,
+            };
         };
         let removal = holders.remove(slot, medium);
         if removal.set_empty {
@@ -286,7 +297,9 @@ impl Pool {
         batch.reset(keys.len());
         // Counting sort of the batch's key positions by shard.
         batch.shard_of.clear();
-        batch.shard_of.extend(keys.iter().map(|&key| self.shard_of(key)));
+        batch
+            .shard_of
+            .extend(keys.iter().map(|&key| self.shard_of(key)));
         batch.starts.fill(0);
         for &shard in &batch.shard_of {
             batch.starts[shard + 1] += 1;
@@ -330,7 +343,13 @@ impl Pool {
     pub(crate) fn holdings(&self) -> usize {
         self.shards
             .iter()
-            .map(|shard| shard.read().values().map(|h| h.as_slice().len()).sum::<usize>())
+            .map(|shard| {
+                shard
+                    .read()
+                    .values()
+                    .map(|h| h.as_slice().len())
+                    .sum::<usize>()
+            })
             .sum()
     }
 

@@ -189,7 +189,8 @@ impl Replica {
         }
         self.events_applied += 1;
         self.blocks_rejected += outcome.blocks_rejected as u64;
-        self.blocks_gauge.set(i64::try_from(self.blocks.len()).unwrap_or(i64::MAX));
+        self.blocks_gauge
+            .set(i64::try_from(self.blocks.len()).unwrap_or(i64::MAX));
         outcome
     }
 
@@ -209,7 +210,10 @@ impl Replica {
         } else if stored.block_size != self.pool.block_size {
             Some(RejectReason::BlockSizeMismatch)
         } else if stored.token_ids.len() != count * block_size
-            || stored.extra_keys.as_ref().is_some_and(|extra| extra.len() != count)
+            || stored
+                .extra_keys
+                .as_ref()
+                .is_some_and(|extra| extra.len() != count)
         {
             Some(RejectReason::Malformed)
         } else {
@@ -269,14 +273,23 @@ impl Replica {
         metrics.stored(stored.medium, stored_blocks as u64);
     }
 
-    fn validate(&mut self, verification: Verification, stored: &BlockStored, metrics: &IndexMetrics) {
+    fn validate(
+        &mut self,
+        verification: Verification,
+        stored: &BlockStored,
+        metrics: &IndexMetrics,
+    ) {
         let mismatch = match verification {
             Verification::Unverifiable => return,
             Verification::Verified => {
                 self.uncertain_mismatches = 0;
                 return;
             }
-            Verification::Mismatch { block, computed, certain } => {
+            Verification::Mismatch {
+                block,
+                computed,
+                certain,
+            } => {
                 if !certain {
                     self.uncertain_mismatches += 1;
                     if self.uncertain_mismatches < UNCERTAIN_MISMATCH_STREAK {

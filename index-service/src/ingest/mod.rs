@@ -52,6 +52,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::event::EventBatch;
 
+#[cfg(any(test, feature = "test-util"))]
 pub(crate) use config::wildcard_to_unspecified;
 pub use config::{
     DEFAULT_BUFFERED_LIVE_LIMIT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RECONNECT_BACKOFF_MAX,

@@ -184,7 +184,7 @@ fn decode_array_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> 
             context: "event",
         });
     }
-    let Some(kind) = Kind::from_tag(r.str("event type")?.as_bytes()) else {
+    let Some(kind) = Kind::from_tag(r.str_raw("event type")?) else {
         for _ in 1..len {
             r.skip(1)?;
         }
@@ -205,13 +205,13 @@ fn decode_map_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> {
     let mut first_pair_read = false;
     let mut tag = None;
     if pairs > 0 && r.key()? == Some(b"type".as_slice()) {
-        tag = Some(r.str("event type")?);
+        tag = Some(r.str_raw("event type")?);
         first_pair_read = true;
     } else {
         r.rewind(body);
         for _ in 0..pairs {
             if r.key()? == Some(b"type".as_slice()) {
-                tag = Some(r.str("event type")?);
+                tag = Some(r.str_raw("event type")?);
             } else {
                 r.skip(1)?;
             }
@@ -225,7 +225,7 @@ fn decode_map_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> {
         });
     };
 
-    let kind = Kind::from_tag(tag.as_bytes());
+    let kind = Kind::from_tag(tag);
     let mut fields = Fields::default();
     for _ in usize::from(first_pair_read)..pairs {
         let field = match (kind, r.key()?) {

@@ -263,6 +263,14 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A str's raw bytes (not checked for UTF-8), for values only ever compared to known
+    /// ASCII names such as event tags.
+    pub(crate) fn str_raw(&mut self, field: &'static str) -> Result<&'a [u8], WireError> {
+        let at = self.pos;
+        self.str_bytes()?
+            .ok_or_else(|| self.type_error(field, "str", at))
+    }
+
     /// A string or nil.
     pub(crate) fn opt_str(&mut self, field: &'static str) -> Result<Option<&'a str>, WireError> {
         if self.nil()? {

@@ -5,4 +5,5 @@ mod envoy;
 mod fidelity;
 mod index_capture;
 mod sim;
+mod tokenize_parity;
 mod wasm_filter;

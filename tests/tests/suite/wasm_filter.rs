@@ -186,6 +186,23 @@ async fn spoofed_pins_and_routing_headers_from_untrusted_clients_are_ignored() {
 }
 
 #[tokio::test]
+async fn model_header_routes_to_its_pool_without_ext_proc() {
+    // The shipped config maps `text-embedding-small` to cluster `kvroute_embeddings` (replica A here).
+    let chain = Chain::start(&[]).await;
+    let (status, served) = chain
+        .request(&[("x-kvroute-model", "text-embedding-small")])
+        .await;
+    assert_eq!((status, served), (200, chain.replicas[0].addr.to_string()));
+    assert_eq!(chain.ext_proc.streams(), 0);
+    assert_eq!(chain.stat("fast_path_model_routes_total").await, 1);
+    // Another model is not a fast-path route.
+    let (status, _) = chain.request(&[("x-kvroute-model", "chat-large")]).await;
+    assert_eq!(status, 200);
+    assert_eq!(chain.ext_proc.streams(), 1);
+    assert_eq!(chain.stat("fast_path_misses_total").await, 1);
+}
+
+#[tokio::test]
 async fn learned_table_keeps_its_bound_inside_envoy() {
     // One bucket of two entries: the third distinct session evicts the oldest.
     let chain = Chain::start(&[(r#""slots":16384,"ways":4"#, r#""slots":1,"ways":2"#)]).await;

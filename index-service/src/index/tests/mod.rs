@@ -22,7 +22,10 @@ pub(crate) const CHAIN: &str = "chain-model";
 pub(crate) type MakeIndex = dyn Fn(usize) -> Box<dyn KvIndex>;
 
 pub(crate) fn block_index(max_blocks: usize) -> BlockIndex {
-    let config = IndexConfig { max_blocks_per_replica: max_blocks, shards_per_pool: 8 };
+    let config = IndexConfig {
+        max_blocks_per_replica: max_blocks,
+        shards_per_pool: 8,
+    };
     BlockIndex::new(config, IndexMetrics::unregistered())
 }
 
@@ -41,12 +44,20 @@ pub(crate) fn setup(index: &dyn KvIndex, replicas: u32) {
         block_size: BS,
         keys: PoolKeys::VllmExact { validator: None },
     };
-    let chain = PoolConfig { model: CHAIN.into(), block_size: BS, keys: PoolKeys::TokenChain };
+    let chain = PoolConfig {
+        model: CHAIN.into(),
+        block_size: BS,
+        keys: PoolKeys::TokenChain,
+    };
     index.add_pool(exact).unwrap();
     index.add_pool(chain).unwrap();
     for r in 0..replicas {
-        index.add_replica(ReplicaId(r), &format!("exact-{r}"), EXACT).unwrap();
-        index.add_replica(ReplicaId(100 + r), &format!("chain-{r}"), CHAIN).unwrap();
+        index
+            .add_replica(ReplicaId(r), &format!("exact-{r}"), EXACT)
+            .unwrap();
+        index
+            .add_replica(ReplicaId(100 + r), &format!("chain-{r}"), CHAIN)
+            .unwrap();
     }
 }
 
@@ -54,7 +65,13 @@ pub(crate) fn setup(index: &dyn KvIndex, replicas: u32) {
 /// `shared` prefixes share their first `shared` blocks.
 pub(crate) fn prompt(seed: u32, shared: usize, blocks: usize) -> Vec<u32> {
     (0..blocks * BS as usize)
-        .map(|i| if i < shared * BS as usize { i as u32 } else { seed * 10_000 + i as u32 })
+        .map(|i| {
+            if i < shared * BS as usize {
+                i as u32
+            } else {
+                seed * 10_000 + i as u32
+            }
+        })
         .collect()
 }
 
@@ -70,7 +87,11 @@ pub(crate) fn chain_keys(tokens: &[u32]) -> Vec<u64> {
 
 /// The query keys of a prompt in `model`'s scheme.
 pub(crate) fn query_keys(model: &str, tokens: &[u32]) -> Vec<u64> {
-    if model == EXACT { engine_hashes(tokens) } else { chain_keys(tokens) }
+    if model == EXACT {
+        engine_hashes(tokens)
+    } else {
+        chain_keys(tokens)
+    }
 }
 
 /// `BlockStored` for blocks `start..end` of `tokens`.

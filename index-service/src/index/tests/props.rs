@@ -18,11 +18,31 @@ fn prompts() -> Vec<Vec<u32>> {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Store { replica: u32, prompt: usize, start: usize, len: usize, medium: Medium },
-    Remove { replica: u32, prompt: usize, start: usize, len: usize, medium: Medium },
-    Clear { replica: u32 },
-    Reset { replica: u32 },
-    Query { prompt: usize, blocks: usize, candidates: Option<Vec<u32>> },
+    Store {
+        replica: u32,
+        prompt: usize,
+        start: usize,
+        len: usize,
+        medium: Medium,
+    },
+    Remove {
+        replica: u32,
+        prompt: usize,
+        start: usize,
+        len: usize,
+        medium: Medium,
+    },
+    Clear {
+        replica: u32,
+    },
+    Reset {
+        replica: u32,
+    },
+    Query {
+        prompt: usize,
+        blocks: usize,
+        candidates: Option<Vec<u32>>,
+    },
 }
 
 fn medium() -> impl Strategy<Value = Medium> {
@@ -52,18 +72,33 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn apply(index: &dyn KvIndex, op: &Op, prompts: &[Vec<u32>]) -> String {
     match *op {
-        Op::Store { replica, prompt, start, len, medium } => {
+        Op::Store {
+            replica,
+            prompt,
+            start,
+            len,
+            medium,
+        } => {
             let end = (start + len).min(PROMPT_BLOCKS);
             let event = stored(&prompts[prompt], start, end, medium);
             format!("{:?}", index.apply_event(ReplicaId(replica), &event))
         }
-        Op::Remove { replica, prompt, start, len, medium } => {
+        Op::Remove {
+            replica,
+            prompt,
+            start,
+            len,
+            medium,
+        } => {
             let end = (start + len).min(PROMPT_BLOCKS);
             let event = removed(&prompts[prompt], start, end, medium);
             format!("{:?}", index.apply_event(ReplicaId(replica), &event))
         }
         Op::Clear { replica } => {
-            format!("{:?}", index.apply_event(ReplicaId(replica), &KvEvent::AllBlocksCleared))
+            format!(
+                "{:?}",
+                index.apply_event(ReplicaId(replica), &KvEvent::AllBlocksCleared)
+            )
         }
         Op::Reset { replica } => format!("{:?}", index.reset_replica(ReplicaId(replica))),
         Op::Query { .. } => String::new(),
@@ -71,17 +106,29 @@ fn apply(index: &dyn KvIndex, op: &Op, prompts: &[Vec<u32>]) -> String {
 }
 
 fn query(index: &dyn KvIndex, op: &Op, prompts: &[Vec<u32>]) -> Vec<(String, Vec<ReplicaMatch>)> {
-    let Op::Query { prompt, blocks, ref candidates } = *op else { return Vec::new() };
+    let Op::Query {
+        prompt,
+        blocks,
+        ref candidates,
+    } = *op
+    else {
+        return Vec::new();
+    };
     let tokens = &prompts[prompt][..blocks * BS as usize];
     [EXACT, CHAIN]
         .into_iter()
         .map(|model| {
             let keys = query_keys(model, tokens);
-            let ids: Option<Vec<ReplicaId>> =
-                candidates.as_ref().map(|c| c.iter().map(|&r| ReplicaId(r)).collect());
+            let ids: Option<Vec<ReplicaId>> = candidates
+                .as_ref()
+                .map(|c| c.iter().map(|&r| ReplicaId(r)).collect());
             let found = index.find_matches(model, &keys, ids.as_deref()).unwrap();
             for m in &found {
-                assert!(m.matched_blocks as usize <= keys.len(), "{m:?} for {} keys", keys.len());
+                assert!(
+                    m.matched_blocks as usize <= keys.len(),
+                    "{m:?} for {} keys",
+                    keys.len()
+                );
                 assert!(m.gpu_blocks <= m.matched_blocks, "{m:?}");
             }
             (model.to_owned(), sorted(found))

@@ -35,7 +35,10 @@ pub(crate) struct Reference {
 
 impl Reference {
     pub(crate) fn new(max_blocks: usize) -> Self {
-        Reference { max_blocks, state: Mutex::new(State::default()) }
+        Reference {
+            max_blocks,
+            state: Mutex::new(State::default()),
+        }
     }
 }
 
@@ -55,28 +58,33 @@ impl KvIndex for Reference {
     fn add_replica(&self, replica: ReplicaId, _name: &str, model: &str) -> Result<(), IndexError> {
         let mut state = self.state.lock();
         if !state.pools.contains_key(model) {
-            return Err(IndexError::UnknownPool { pool: model.to_owned() });
+            return Err(IndexError::UnknownPool {
+                pool: model.to_owned(),
+            });
         }
         if state.replicas.contains_key(&replica) {
             return Err(IndexError::DuplicateReplica { replica });
         }
         state.next_order += 1;
         let order = state.next_order;
-        state
-            .replicas
-            .insert(replica, RefReplica { model: model.to_owned(), order, blocks: HashMap::new() });
+        state.replicas.insert(
+            replica,
+            RefReplica {
+                model: model.to_owned(),
+                order,
+                blocks: HashMap::new(),
+            },
+        );
         Ok(())
     }
 
-    fn apply_event(
-        &self,
-        replica: ReplicaId,
-        event: &KvEvent,
-    ) -> Result<ApplyOutcome, IndexError> {
+    fn apply_event(&self, replica: ReplicaId, event: &KvEvent) -> Result<ApplyOutcome, IndexError> {
         let mut state = self.state.lock();
         let state = &mut *state;
-        let entry =
-            state.replicas.get_mut(&replica).ok_or(IndexError::UnknownReplica { replica })?;
+        let entry = state
+            .replicas
+            .get_mut(&replica)
+            .ok_or(IndexError::UnknownReplica { replica })?;
         let pool = &state.pools[&entry.model];
         let mut outcome = ApplyOutcome::default();
         let reject = |outcome: &mut ApplyOutcome, reason, blocks| {
@@ -104,7 +112,11 @@ impl KvIndex for Reference {
                         continue;
                     }
                     outcome.blocks_removed += 1;
-                    if entry.blocks.get(engine).is_some_and(|(_, media)| media.is_empty()) {
+                    if entry
+                        .blocks
+                        .get(engine)
+                        .is_some_and(|(_, media)| media.is_empty())
+                    {
                         entry.blocks.remove(engine);
                     }
                 }
@@ -142,7 +154,8 @@ impl KvIndex for Reference {
                             },
                         };
                         let mut keys = Vec::new();
-                        let chained = TokenChain::keys_from_into(parent, &stored.token_ids, bs, &mut keys);
+                        let chained =
+                            TokenChain::keys_from_into(parent, &stored.token_ids, bs, &mut keys);
                         assert!(chained.is_ok());
                         keys
                     }
@@ -173,10 +186,15 @@ impl KvIndex for Reference {
     ) -> Result<Vec<ReplicaMatch>, IndexError> {
         let state = self.state.lock();
         if !state.pools.contains_key(model) {
-            return Err(IndexError::UnknownPool { pool: model.to_owned() });
+            return Err(IndexError::UnknownPool {
+                pool: model.to_owned(),
+            });
         }
-        let mut members: Vec<(&ReplicaId, &RefReplica)> =
-            state.replicas.iter().filter(|(_, r)| r.model == model).collect();
+        let mut members: Vec<(&ReplicaId, &RefReplica)> = state
+            .replicas
+            .iter()
+            .filter(|(_, r)| r.model == model)
+            .collect();
         members.sort_by_key(|(_, r)| r.order);
         let mut chosen: Vec<ReplicaId> = Vec::new();
         match candidates {
@@ -196,7 +214,9 @@ impl KvIndex for Reference {
                 .any(|(k, media)| *k == key && (!gpu_only || media.contains(&Medium::Gpu)))
         };
         let leading = |replica: &RefReplica, gpu_only: bool| {
-            keys.iter().take_while(|&&key| holds(replica, key, gpu_only)).count() as u32
+            keys.iter()
+                .take_while(|&&key| holds(replica, key, gpu_only))
+                .count() as u32
         };
         Ok(chosen
             .into_iter()
@@ -214,15 +234,20 @@ impl KvIndex for Reference {
 
     fn reset_replica(&self, replica: ReplicaId) -> Result<(), IndexError> {
         let mut state = self.state.lock();
-        let entry =
-            state.replicas.get_mut(&replica).ok_or(IndexError::UnknownReplica { replica })?;
+        let entry = state
+            .replicas
+            .get_mut(&replica)
+            .ok_or(IndexError::UnknownReplica { replica })?;
         entry.blocks.clear();
         Ok(())
     }
 
     fn remove_replica(&self, replica: ReplicaId) -> Result<(), IndexError> {
         let mut state = self.state.lock();
-        state.replicas.remove(&replica).ok_or(IndexError::UnknownReplica { replica })?;
+        state
+            .replicas
+            .remove(&replica)
+            .ok_or(IndexError::UnknownReplica { replica })?;
         Ok(())
     }
 }

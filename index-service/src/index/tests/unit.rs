@@ -8,7 +8,11 @@ use super::*;
 use crate::index::{FlagReason, RejectReason};
 
 /// vLLM golden vector: sha256_cbor, PYTHONHASHSEED "42", tokens 1..=48, block size 16.
-const GOLDEN: [u64; 3] = [16300212363532267629, 8671309795006503672, 3527878332947511115];
+const GOLDEN: [u64; 3] = [
+    16300212363532267629,
+    8671309795006503672,
+    3527878332947511115,
+];
 
 fn golden_tokens() -> Vec<u32> {
     (1..=48).collect()
@@ -28,7 +32,13 @@ fn validated_index(registry: &mut Registry) -> BlockIndex {
         },
         true,
     );
-    index.add_pool(PoolConfig { model: "m".into(), block_size: 16, keys }).unwrap();
+    index
+        .add_pool(PoolConfig {
+            model: "m".into(),
+            block_size: 16,
+            keys,
+        })
+        .unwrap();
     index.add_replica(ReplicaId(0), "r0", "m").unwrap();
     index.add_replica(ReplicaId(1), "r1", "m").unwrap();
     index
@@ -54,7 +64,9 @@ fn metrics_text(registry: &Registry) -> String {
 fn correct_hashes_validate() {
     let mut registry = Registry::default();
     let index = validated_index(&mut registry);
-    index.apply_event(ReplicaId(0), &golden_event(&GOLDEN, Some(vec![None; 3]))).unwrap();
+    index
+        .apply_event(ReplicaId(0), &golden_event(&GOLDEN, Some(vec![None; 3])))
+        .unwrap();
     let found = index.find_matches("m", &GOLDEN, None).unwrap();
     assert_eq!(counts(&found, 0), Some((3, 3)));
     assert!(found.iter().all(|m| m.precise));
@@ -71,14 +83,24 @@ fn mismatching_hashes_flag_and_exclude_the_replica() {
         era: kvroute_block_keys::ExtraKeysEra::From0_31,
     };
     let wrong_keys = wrong.prompt_keys(&golden_tokens(), 16, None, None).unwrap();
-    index.apply_event(ReplicaId(0), &golden_event(&wrong_keys, Some(vec![None; 3]))).unwrap();
-    index.apply_event(ReplicaId(1), &golden_event(&GOLDEN, Some(vec![None; 3]))).unwrap();
+    index
+        .apply_event(
+            ReplicaId(0),
+            &golden_event(&wrong_keys, Some(vec![None; 3])),
+        )
+        .unwrap();
+    index
+        .apply_event(ReplicaId(1), &golden_event(&GOLDEN, Some(vec![None; 3])))
+        .unwrap();
 
     let found = index.find_matches("m", &wrong_keys, None).unwrap();
     let flagged = found.iter().find(|m| m.replica == ReplicaId(0)).unwrap();
     assert!(!flagged.precise);
     assert_eq!(flagged.matched_blocks, 0);
-    assert_eq!(counts(&index.find_matches("m", &GOLDEN, None).unwrap(), 1), Some((3, 3)));
+    assert_eq!(
+        counts(&index.find_matches("m", &GOLDEN, None).unwrap(), 1),
+        Some((3, 3))
+    );
     let status = index.replica_status(ReplicaId(0)).unwrap();
     assert_eq!(status.flag, Some(FlagReason::HashMismatch));
     assert_eq!(status.flag.map(FlagReason::as_label), Some("hash_mismatch"));
@@ -88,8 +110,13 @@ fn mismatching_hashes_flag_and_exclude_the_replica() {
     index.reset_replica(ReplicaId(0)).unwrap();
     assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, None);
     assert!(metrics_text(&registry).contains("flagged_replicas{reason=\"hash_mismatch\"} 0"));
-    index.apply_event(ReplicaId(0), &golden_event(&GOLDEN, Some(vec![None; 3]))).unwrap();
-    assert_eq!(counts(&index.find_matches("m", &GOLDEN, None).unwrap(), 0), Some((3, 3)));
+    index
+        .apply_event(ReplicaId(0), &golden_event(&GOLDEN, Some(vec![None; 3])))
+        .unwrap();
+    assert_eq!(
+        counts(&index.find_matches("m", &GOLDEN, None).unwrap(), 0),
+        Some((3, 3))
+    );
 }
 
 #[test]
@@ -100,24 +127,37 @@ fn unpublished_extra_keys_need_a_mismatch_streak() {
     let mut salted = GOLDEN;
     salted[0] ^= 1;
     for _ in 1..8 {
-        index.apply_event(ReplicaId(0), &golden_event(&salted, None)).unwrap();
+        index
+            .apply_event(ReplicaId(0), &golden_event(&salted, None))
+            .unwrap();
     }
     assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, None);
     // A verified run resets the streak; eight mismatches in a row flag.
-    index.apply_event(ReplicaId(0), &golden_event(&GOLDEN, None)).unwrap();
+    index
+        .apply_event(ReplicaId(0), &golden_event(&GOLDEN, None))
+        .unwrap();
     for _ in 1..8 {
-        index.apply_event(ReplicaId(0), &golden_event(&salted, None)).unwrap();
+        index
+            .apply_event(ReplicaId(0), &golden_event(&salted, None))
+            .unwrap();
     }
     assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, None);
-    index.apply_event(ReplicaId(0), &golden_event(&salted, None)).unwrap();
-    assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, Some(FlagReason::HashMismatch));
+    index
+        .apply_event(ReplicaId(0), &golden_event(&salted, None))
+        .unwrap();
+    assert_eq!(
+        index.replica_status(ReplicaId(0)).unwrap().flag,
+        Some(FlagReason::HashMismatch)
+    );
 }
 
 #[test]
 fn mid_chain_runs_validate_only_with_parent_digests() {
     let mut registry = Registry::default();
     let index = validated_index(&mut registry);
-    let digests = hasher("42").chain(None, &golden_tokens(), 16, |_| None).unwrap();
+    let digests = hasher("42")
+        .chain(None, &golden_tokens(), 16, |_| None)
+        .unwrap();
     let mid_chain = |hashes: &[u64], parent_digest: Option<Vec<u8>>| {
         KvEvent::BlockStored(BlockStored {
             block_hashes: hashes.to_vec(),
@@ -130,13 +170,22 @@ fn mid_chain_runs_validate_only_with_parent_digests() {
         })
     };
     let parent = Some(digests[0].as_bytes().to_vec());
-    index.apply_event(ReplicaId(0), &mid_chain(&GOLDEN[1..], parent.clone())).unwrap();
+    index
+        .apply_event(ReplicaId(0), &mid_chain(&GOLDEN[1..], parent.clone()))
+        .unwrap();
     assert_eq!(index.replica_status(ReplicaId(0)).unwrap().flag, None);
     // Without the digest a wrong hash cannot be detected (the u64 parent cannot continue it).
-    index.apply_event(ReplicaId(1), &mid_chain(&[1, 2], None)).unwrap();
+    index
+        .apply_event(ReplicaId(1), &mid_chain(&[1, 2], None))
+        .unwrap();
     assert_eq!(index.replica_status(ReplicaId(1)).unwrap().flag, None);
-    index.apply_event(ReplicaId(1), &mid_chain(&[1, 2], parent)).unwrap();
-    assert_eq!(index.replica_status(ReplicaId(1)).unwrap().flag, Some(FlagReason::HashMismatch));
+    index
+        .apply_event(ReplicaId(1), &mid_chain(&[1, 2], parent))
+        .unwrap();
+    assert_eq!(
+        index.replica_status(ReplicaId(1)).unwrap().flag,
+        Some(FlagReason::HashMismatch)
+    );
 }
 
 #[test]
@@ -144,19 +193,35 @@ fn flags_set_by_ingest_exclude_until_cleared() {
     let index = block_index(100);
     setup(&index, 1);
     let tokens = prompt(1, 0, 2);
-    index.apply_event(ReplicaId(0), &stored(&tokens, 0, 2, Medium::Gpu)).unwrap();
-    index.flag_replica(ReplicaId(0), FlagReason::Resyncing).unwrap();
-    let found = index.find_matches(EXACT, &engine_hashes(&tokens), None).unwrap();
+    index
+        .apply_event(ReplicaId(0), &stored(&tokens, 0, 2, Medium::Gpu))
+        .unwrap();
+    index
+        .flag_replica(ReplicaId(0), FlagReason::Resyncing)
+        .unwrap();
+    let found = index
+        .find_matches(EXACT, &engine_hashes(&tokens), None)
+        .unwrap();
     assert_eq!((found[0].precise, found[0].matched_blocks), (false, 0));
     index.clear_flag(ReplicaId(0)).unwrap();
-    let found = index.find_matches(EXACT, &engine_hashes(&tokens), None).unwrap();
+    let found = index
+        .find_matches(EXACT, &engine_hashes(&tokens), None)
+        .unwrap();
     assert_eq!((found[0].precise, found[0].matched_blocks), (true, 2));
-    assert!(index.flag_replica(ReplicaId(42), FlagReason::Stale).is_err());
+    assert!(
+        index
+            .flag_replica(ReplicaId(42), FlagReason::Stale)
+            .is_err()
+    );
 }
 
 fn chain_index() -> BlockIndex {
     let index = block_index(100);
-    let pool = PoolConfig { model: "c".into(), block_size: BS, keys: PoolKeys::TokenChain };
+    let pool = PoolConfig {
+        model: "c".into(),
+        block_size: BS,
+        keys: PoolKeys::TokenChain,
+    };
     index.add_pool(pool).unwrap();
     index.add_replica(ReplicaId(0), "c0", "c").unwrap();
     index
@@ -181,10 +246,16 @@ fn token_chain_roots_runs_in_the_adapter_and_salt_namespace() {
         ..BlockStored::default()
     });
     index.apply_event(ReplicaId(0), &event).unwrap();
-    let lora = LoraRef { id: None, name: "Alice", path: None };
+    let lora = LoraRef {
+        id: None,
+        name: "Alice",
+        path: None,
+    };
     let router_keys =
         KeyScheme::TokenChain.prompt_keys(&tokens, BS as usize, Some(&lora), Some("tenant-a"));
-    let found = index.find_matches("c", &router_keys.unwrap(), None).unwrap();
+    let found = index
+        .find_matches("c", &router_keys.unwrap(), None)
+        .unwrap();
     assert_eq!(counts(&found, 0), Some((3, 3)));
     // The same tokens without the namespace are different keys.
     let found = index.find_matches("c", &chain_keys(&tokens), None).unwrap();
@@ -214,16 +285,28 @@ fn token_chain_skips_blocks_with_multimodal_extra_keys() {
 fn status_and_metrics_report_per_replica_state() {
     let mut registry = Registry::default();
     let index = BlockIndex::new(
-        IndexConfig { max_blocks_per_replica: 2, ..IndexConfig::default() },
+        IndexConfig {
+            max_blocks_per_replica: 2,
+            ..IndexConfig::default()
+        },
         IndexMetrics::register(registry.sub_registry_with_prefix("index")),
     );
     setup(&index, 1);
     let tokens = prompt(5, 0, 3);
-    index.apply_event(ReplicaId(0), &stored(&tokens, 0, 3, Medium::Gpu)).unwrap();
-    index.apply_event(ReplicaId(0), &removed(&tokens, 1, 2, Medium::Cpu)).unwrap();
+    index
+        .apply_event(ReplicaId(0), &stored(&tokens, 0, 3, Medium::Gpu))
+        .unwrap();
+    index
+        .apply_event(ReplicaId(0), &removed(&tokens, 1, 2, Medium::Cpu))
+        .unwrap();
     let status = index.replica_status(ReplicaId(0)).unwrap();
     assert_eq!(
-        (status.name.as_str(), status.model.as_str(), status.blocks, status.events_applied),
+        (
+            status.name.as_str(),
+            status.model.as_str(),
+            status.blocks,
+            status.events_applied
+        ),
         ("exact-0", EXACT, 2, 2)
     );
     assert_eq!(status.blocks_rejected, 2);
@@ -259,7 +342,9 @@ fn memory_per_holding_is_small() {
             for conversation in 0..20 {
                 let tokens = [&system[..], &prompt(r * 100 + conversation + 1, 0, 16)[..]].concat();
                 for start in (0..80).step_by(4) {
-                    index.apply_event(replica, &stored(&tokens, start, start + 4, Medium::Gpu)).unwrap();
+                    index
+                        .apply_event(replica, &stored(&tokens, start, start + 4, Medium::Gpu))
+                        .unwrap();
                 }
             }
         }
@@ -267,7 +352,10 @@ fn memory_per_holding_is_small() {
         assert_eq!(holdings, 64 * (64 + 20 * 16));
         let per_holding = index.memory_bytes() as f64 / holdings as f64;
         println!("{model}: {holdings} holdings, {per_holding:.1} bytes per holding");
-        assert!(per_holding <= 64.0, "{model}: {per_holding:.1} bytes per holding");
+        assert!(
+            per_holding <= 64.0,
+            "{model}: {per_holding:.1} bytes per holding"
+        );
     }
 }
 
@@ -282,10 +370,17 @@ fn queries_run_concurrently_with_ingest() {
             scope.spawn(move || {
                 for round in 0..50 {
                     for start in (0..32).step_by(4) {
-                        index.apply_event(ReplicaId(r), &stored(tokens, start, start + 4, Medium::Gpu)).unwrap();
+                        index
+                            .apply_event(
+                                ReplicaId(r),
+                                &stored(tokens, start, start + 4, Medium::Gpu),
+                            )
+                            .unwrap();
                     }
                     if round < 49 {
-                        index.apply_event(ReplicaId(r), &KvEvent::AllBlocksCleared).unwrap();
+                        index
+                            .apply_event(ReplicaId(r), &KvEvent::AllBlocksCleared)
+                            .unwrap();
                     }
                 }
             });
@@ -301,7 +396,11 @@ fn queries_run_concurrently_with_ingest() {
             }
         });
     });
-    let found = sorted(index.find_matches(EXACT, &engine_hashes(&tokens[0]), None).unwrap());
+    let found = sorted(
+        index
+            .find_matches(EXACT, &engine_hashes(&tokens[0]), None)
+            .unwrap(),
+    );
     let matched: Vec<u32> = found.iter().map(|m| m.matched_blocks).collect();
     assert_eq!(matched, [32, 8, 8, 8]);
 }

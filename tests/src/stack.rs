@@ -1,0 +1,923 @@
+//! [`Stack`]: the whole product as real processes on 127.0.0.1 — N `kvroute-engine-sim` replicas,
+//! `kvroute-index`, `kvroute-ext-proc` and Envoy — for the demo and end-to-end tests.
+//!
+//! Every process binds port 0 and reports its real ports (ready files, Envoy's admin); readiness
+//! is polled with deadlines. Configs are rendered from what the sims bound: the index subscribes
+//! to each sim's KV events (with replay), ext-proc knows each sim's HTTP address and `/metrics`,
+//! and Envoy runs `envoy/kvroute-override-host.yaml` itself — the documented production example,
+//! loaded and patched with the real addresses (ports, the pool's endpoints, the ext-proc address).
+//!
+//! Envoy also gets a plain round-robin listener over the same sims (no ext_proc), so one stack
+//! can compare both ways of routing. [`Routing::RoundRobin`] starts only that: sims and Envoy.
+//!
+//! Binaries are looked up next to the running executable (`target/<profile>/`, also from
+//! `target/<profile>/deps/` where test binaries live); build them first with
+//! `cargo build --bins` (tests) or `cargo build --release --bins` (the demo).
+//!
+//! Dropping the stack stops every process (Envoy first, the sims last); a panicking test gets
+//! each process's log printed.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_yaml::Value;
+
+use crate::harness::{
+    ChildGuard, Envoy, HarnessError, STARTUP_TIMEOUT, SimProcess, http, round_robin_config,
+    tiny_model_dir, wait_until, workspace_root,
+};
+
+/// The Envoy config the kvroute mode runs (relative to the workspace root).
+pub const OVERRIDE_HOST_CONFIG: &str = "envoy/kvroute-override-host.yaml";
+/// Name of the kvroute listener in [`OVERRIDE_HOST_CONFIG`].
+const KVROUTE_LISTENER: &str = "kvroute";
+/// Name given to the round-robin listener.
+const ROUND_ROBIN_LISTENER: &str = "round_robin";
+/// Model name the sims serve and the pools route.
+pub const MODEL: &str = "tiny";
+/// How long the index gets to see every sim's events after start.
+const EVENT_SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How Envoy routes requests to the sims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// Envoy's round robin alone.
+    RoundRobin,
+    /// kvroute-ext-proc picks the replica (Envoy override_host), with kvroute-index.
+    Kvroute,
+}
+
+impl Routing {
+    /// A short label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Routing::RoundRobin => "round-robin",
+            Routing::Kvroute => "kvroute",
+        }
+    }
+}
+
+/// The simulators' timing model (the sim's flags of the same names).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimTiming {
+    /// Fixed part of the time to first token, ms.
+    pub ttft_overhead_ms: f64,
+    /// Prefill per uncached prompt token, µs (prefills run one at a time per replica).
+    pub prefill_us_per_token: f64,
+    /// Per output token after the first, ms.
+    pub decode_ms_per_token: f64,
+    /// Multiplies every duration above.
+    pub time_scale: f64,
+}
+
+impl SimTiming {
+    /// Effective prefill cost per token in ms (what kvroute's scoring should assume).
+    pub fn prefill_ms_per_token(&self) -> f64 {
+        self.prefill_us_per_token * self.time_scale / 1000.0
+    }
+}
+
+impl Default for SimTiming {
+    fn default() -> Self {
+        Self {
+            ttft_overhead_ms: 5.0,
+            prefill_us_per_token: 50.0,
+            decode_ms_per_token: 10.0,
+            time_scale: 0.01,
+        }
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct StackOptions {
+    /// Number of engine simulators.
+    pub replicas: usize,
+    /// Routing mode.
+    pub routing: Routing,
+    /// Tokens per KV block (sims, index and ext-proc agree).
+    pub block_size: u32,
+    /// Usable KV blocks per replica.
+    pub kv_blocks_per_replica: usize,
+    /// Longest prompt plus output a sim accepts.
+    pub max_model_len: usize,
+    /// Most requests a sim runs at once.
+    pub max_num_seqs: usize,
+    /// Sim timing.
+    pub timing: SimTiming,
+    /// `--prefix-caching-hash-algo` (the index and ext-proc use the same).
+    pub hash_algo: String,
+    /// The engines' `PYTHONHASHSEED`.
+    pub hash_seed: String,
+    /// Where the binaries are; default: next to the current executable.
+    pub bin_dir: Option<PathBuf>,
+}
+
+impl Default for StackOptions {
+    fn default() -> Self {
+        Self {
+            replicas: 4,
+            routing: Routing::Kvroute,
+            block_size: 32,
+            kv_blocks_per_replica: 256,
+            max_model_len: 2048,
+            max_num_seqs: 256,
+            timing: SimTiming::default(),
+            hash_algo: "sha256_cbor".to_owned(),
+            hash_seed: "0".to_owned(),
+            bin_dir: None,
+        }
+    }
+}
+
+/// Why the stack could not start or be driven.
+#[derive(Debug, thiserror::Error)]
+pub enum StackError {
+    /// A process, poll or HTTP step failed.
+    #[error(transparent)]
+    Harness(#[from] HarnessError),
+    /// A binary is not built.
+    #[error("{name} not found in {}: build it first with `{hint}`", dir.display())]
+    MissingBinary {
+        /// The binary.
+        name: &'static str,
+        /// Where it was looked for.
+        dir: PathBuf,
+        /// The command that builds it.
+        hint: &'static str,
+    },
+    /// The Envoy config file does not have the shape this harness patches.
+    #[error("cannot render {OVERRIDE_HOST_CONFIG}: {detail}")]
+    EnvoyConfig {
+        /// What is missing or wrong.
+        detail: String,
+    },
+    /// A component stopped or never became ready.
+    #[error("{component} failed: {detail}\n----- {component} log -----\n{log}")]
+    Component {
+        /// Which process.
+        component: &'static str,
+        /// What happened.
+        detail: String,
+        /// Its log.
+        log: String,
+    },
+    /// The operation needs kvroute, but the stack runs round robin only.
+    #[error("the stack was started with round-robin routing; {what} is not running")]
+    NotRunning {
+        /// The component.
+        what: &'static str,
+    },
+}
+
+impl StackError {
+    /// Metric/log label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            StackError::Harness(e) => e.as_label(),
+            StackError::MissingBinary { .. } => "missing_binary",
+            StackError::EnvoyConfig { .. } => "envoy_config",
+            StackError::Component { .. } => "component",
+            StackError::NotRunning { .. } => "not_running",
+        }
+    }
+}
+
+/// The binaries a stack runs.
+#[derive(Debug, Clone)]
+struct Binaries {
+    sim: PathBuf,
+    index: PathBuf,
+    ext_proc: PathBuf,
+}
+
+/// The directory holding our binaries: `bin_dir`, else the current executable's directory (its
+/// parent when that is cargo's `deps/`).
+pub fn binary_dir(bin_dir: Option<&Path>) -> PathBuf {
+    if let Some(dir) = bin_dir {
+        return dir.to_path_buf();
+    }
+    let exe_dir = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(Path::to_path_buf))
+        .unwrap_or_default();
+    match exe_dir.file_name() {
+        Some(name) if name == "deps" => exe_dir.parent().map(Path::to_path_buf).unwrap_or(exe_dir),
+        _ => exe_dir,
+    }
+}
+
+fn locate(dir: &Path, name: &'static str) -> Result<PathBuf, StackError> {
+    let path = dir.join(name);
+    if path.is_file() {
+        return Ok(path);
+    }
+    let release = dir.file_name().is_some_and(|n| n == "release");
+    Err(StackError::MissingBinary {
+        name,
+        dir: dir.to_path_buf(),
+        hint: if release {
+            "cargo build --release --bins"
+        } else {
+            "cargo build --bins"
+        },
+    })
+}
+
+fn locate_all(options: &StackOptions) -> Result<Binaries, StackError> {
+    let dir = binary_dir(options.bin_dir.as_deref());
+    Ok(Binaries {
+        sim: locate(&dir, "kvroute-engine-sim")?,
+        index: locate(&dir, "kvroute-index")?,
+        ext_proc: locate(&dir, "kvroute-ext-proc")?,
+    })
+}
+
+/// One of our services (index or ext-proc) as a process that can be killed and restarted on the
+/// same ports (Envoy and ext-proc keep their addresses).
+#[derive(Debug)]
+struct Service {
+    name: &'static str,
+    binary: PathBuf,
+    dir: PathBuf,
+    /// The config with port 0; after the first start, rewritten with the bound ports.
+    config: String,
+    grpc: SocketAddr,
+    admin: SocketAddr,
+    guard: Option<ChildGuard>,
+    starts: u32,
+}
+
+impl Service {
+    /// Starts `binary --config <file> --ready-file <file>` and waits for its ready file and
+    /// admin `/readyz`.
+    async fn start(
+        name: &'static str,
+        binary: PathBuf,
+        dir: &Path,
+        config: String,
+    ) -> Result<Self, StackError> {
+        let unbound: SocketAddr = ([127, 0, 0, 1], 0).into();
+        let mut service = Self {
+            name,
+            binary,
+            dir: dir.to_path_buf(),
+            config,
+            grpc: unbound,
+            admin: unbound,
+            guard: None,
+            starts: 0,
+        };
+        service.spawn().await?;
+        // A restart must come back on the same ports: Envoy and ext-proc know these addresses.
+        service.config = service
+            .config
+            .replace(
+                "grpc: \"127.0.0.1:0\"",
+                &format!("grpc: \"{}\"", service.grpc),
+            )
+            .replace(
+                "admin: \"127.0.0.1:0\"",
+                &format!("admin: \"{}\"", service.admin),
+            );
+        Ok(service)
+    }
+
+    async fn spawn(&mut self) -> Result<(), StackError> {
+        self.starts += 1;
+        let file = |suffix: &str| self.dir.join(format!("{}-{}.{suffix}", self.name, self.starts));
+        let config_path = file("yaml");
+        let ready_path = file("ready");
+        std::fs::write(&config_path, &self.config).map_err(|source| HarnessError::Io {
+            path: config_path.clone(),
+            source,
+        })?;
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("--config")
+            .arg(&config_path)
+            .arg("--ready-file")
+            .arg(&ready_path);
+        let mut guard = ChildGuard::spawn(self.name, command, file("log"))?;
+        let name = self.name;
+        let ready = wait_until(&format!("{name} ready file"), STARTUP_TIMEOUT, || {
+            let exited = guard.exited();
+            let ready_path = ready_path.clone();
+            async move {
+                if let Some(status) = exited {
+                    return Some(Err(status));
+                }
+                parse_ready_file(&std::fs::read_to_string(ready_path).ok()?).map(Ok)
+            }
+        })
+        .await;
+        let (grpc, admin) = match ready {
+            Ok(Ok(addresses)) => addresses,
+            Ok(Err(status)) => {
+                return Err(StackError::Component {
+                    component: name,
+                    detail: format!("exited with {status} before ready"),
+                    log: guard.log(),
+                });
+            }
+            Err(error) => {
+                return Err(StackError::Component {
+                    component: name,
+                    detail: error.to_string(),
+                    log: guard.log(),
+                });
+            }
+        };
+        let readyz = format!("http://{admin}/readyz");
+        if let Err(error) = wait_for_ok(&readyz).await {
+            return Err(StackError::Component {
+                component: name,
+                detail: error.to_string(),
+                log: guard.log(),
+            });
+        }
+        self.grpc = grpc;
+        self.admin = admin;
+        self.guard = Some(guard);
+        Ok(())
+    }
+
+    /// SIGKILL (abrupt failure); waits until the process is gone.
+    fn kill(&mut self) {
+        if let Some(mut guard) = self.guard.take() {
+            // `kill -KILL`: unsafe is forbidden, so no libc; `stop` then reaps it.
+            let _ = Command::new("kill")
+                .args(["-KILL", &guard.id().to_string()])
+                .status();
+            guard.stop();
+            self.keep_log(&guard);
+        }
+    }
+
+    /// Appends a stopped run's log to the service's history (logs of every run stay readable).
+    fn keep_log(&self, guard: &ChildGuard) {
+        let history = self.dir.join(format!("{}-previous.log", self.name));
+        let mut text = std::fs::read_to_string(&history).unwrap_or_default();
+        text.push_str(&format!("----- run {} (killed) -----\n", self.starts));
+        text.push_str(&guard.log());
+        let _ = std::fs::write(history, text);
+    }
+
+    fn log(&self) -> String {
+        let history = self.dir.join(format!("{}-previous.log", self.name));
+        let mut text = std::fs::read_to_string(history).unwrap_or_default();
+        match &self.guard {
+            Some(guard) => text.push_str(&guard.log()),
+            None => text.push_str("(not running)\n"),
+        }
+        text
+    }
+}
+
+/// `grpc=ADDR\nadmin=ADDR` (both kvroute binaries write this).
+fn parse_ready_file(text: &str) -> Option<(SocketAddr, SocketAddr)> {
+    let field = |key: &str| {
+        text.lines()
+            .find_map(|line| line.strip_prefix(key)?.strip_prefix('='))
+            .and_then(|value| value.trim().parse().ok())
+    };
+    Some((field("grpc")?, field("admin")?))
+}
+
+async fn wait_for_ok(url: &str) -> Result<(), HarnessError> {
+    wait_until(url, STARTUP_TIMEOUT, || async move {
+        http::get(url)
+            .await
+            .ok()
+            .filter(|r| r.status.is_success())
+            .map(|_| ())
+    })
+    .await
+}
+
+/// The running stack. Dropping it stops everything.
+#[derive(Debug)]
+pub struct Stack {
+    // Field order is drop order: Envoy first, the sims last.
+    envoy: Envoy,
+    ext_proc: Option<Service>,
+    index: Option<Service>,
+    sims: Vec<SimProcess>,
+    options: StackOptions,
+    _dir: tempfile::TempDir,
+}
+
+impl Stack {
+    /// Starts the sims, then (kvroute mode) the index and ext-proc, then Envoy, each ready
+    /// before the next; in kvroute mode also waits until the index has heard from every sim.
+    pub async fn start(options: StackOptions) -> Result<Self, StackError> {
+        let binaries = locate_all(&options)?;
+        let dir = tempfile::tempdir().map_err(|source| HarnessError::Io {
+            path: PathBuf::from("tempdir"),
+            source,
+        })?;
+        let sim_binary = binaries.sim.display().to_string();
+        let mut sims = Vec::with_capacity(options.replicas);
+        for replica in 0..options.replicas {
+            sims.push(SimProcess::spawn(&sim_binary, &sim_args(&options, replica)).await?);
+        }
+        let sim_addrs: Vec<SocketAddr> = sims.iter().map(|s| s.ready.http).collect();
+
+        let (index, ext_proc, envoy_config) = match options.routing {
+            Routing::RoundRobin => {
+                let config = round_robin_config(&sim_addrs);
+                (None, None, config)
+            }
+            Routing::Kvroute => {
+                let index = Service::start(
+                    "kvroute-index",
+                    binaries.index.clone(),
+                    dir.path(),
+                    index_config(&options, &sims)?,
+                )
+                .await?;
+                let ext_proc = Service::start(
+                    "kvroute-ext-proc",
+                    binaries.ext_proc.clone(),
+                    dir.path(),
+                    ext_proc_config(&options, &sims, index.grpc),
+                )
+                .await?;
+                let text = std::fs::read_to_string(workspace_root().join(OVERRIDE_HOST_CONFIG))
+                    .map_err(|source| HarnessError::Io {
+                        path: workspace_root().join(OVERRIDE_HOST_CONFIG),
+                        source,
+                    })?;
+                let config = render_envoy_config(&text, &sim_addrs, ext_proc.grpc)?;
+                (Some(index), Some(ext_proc), config)
+            }
+        };
+        let envoy = Envoy::start(&envoy_config).await?;
+        let stack = Self {
+            envoy,
+            ext_proc,
+            index,
+            sims,
+            options,
+            _dir: dir,
+        };
+        if stack.options.routing == Routing::Kvroute {
+            stack.wait_ext_proc_healthy_in_envoy().await?;
+            stack.wait_index_synced().await?;
+        }
+        Ok(stack)
+    }
+
+    /// The options it was started with.
+    pub fn options(&self) -> &StackOptions {
+        &self.options
+    }
+
+    /// The Envoy listener that routes the stack's way.
+    pub fn envoy_addr(&self) -> SocketAddr {
+        let routing = self.options.routing;
+        self.listener(routing)
+            .or_else(|| self.listener(Routing::RoundRobin))
+            .unwrap_or_else(|| self.envoy.admin)
+    }
+
+    /// The Envoy listener routing `routing`'s way (`None` for kvroute in round-robin mode).
+    /// A kvroute stack has both: kvroute, and plain round robin over the same sims.
+    pub fn listener(&self, routing: Routing) -> Option<SocketAddr> {
+        match routing {
+            Routing::Kvroute => self.envoy.listener(KVROUTE_LISTENER),
+            Routing::RoundRobin => self
+                .envoy
+                .listener(ROUND_ROBIN_LISTENER)
+                // `round_robin_config`'s own listener name, in round-robin mode.
+                .or_else(|| self.envoy.listener("ingress")),
+        }
+    }
+
+    /// `http://<listener>` for `routing`.
+    pub fn url(&self, routing: Routing) -> Option<String> {
+        self.listener(routing).map(|addr| format!("http://{addr}"))
+    }
+
+    /// The Envoy process (admin stats).
+    pub fn envoy(&self) -> &Envoy {
+        &self.envoy
+    }
+
+    /// Envoy's admin base URL.
+    pub fn envoy_admin_url(&self) -> String {
+        format!("http://{}", self.envoy.admin)
+    }
+
+    /// The sims, in replica order (`sim-0`, `sim-1`, ...).
+    pub fn sims(&self) -> &[SimProcess] {
+        &self.sims
+    }
+
+    /// Base URLs of the sims' HTTP APIs, in replica order.
+    pub fn sim_urls(&self) -> Vec<String> {
+        self.sims.iter().map(SimProcess::base_url).collect()
+    }
+
+    /// The replica ids used in the index and ext-proc configs, in replica order.
+    pub fn replica_ids(&self) -> Vec<String> {
+        (0..self.sims.len()).map(replica_id).collect()
+    }
+
+    /// kvroute-index's admin base URL.
+    pub fn index_admin_url(&self) -> Result<String, StackError> {
+        let index = self
+            .index
+            .as_ref()
+            .ok_or(StackError::NotRunning { what: "kvroute-index" })?;
+        Ok(format!("http://{}", index.admin))
+    }
+
+    /// kvroute-ext-proc's admin base URL.
+    pub fn ext_proc_admin_url(&self) -> Result<String, StackError> {
+        let ext_proc = self.ext_proc.as_ref().ok_or(StackError::NotRunning {
+            what: "kvroute-ext-proc",
+        })?;
+        Ok(format!("http://{}", ext_proc.admin))
+    }
+
+    /// Kills kvroute-index (SIGKILL).
+    pub fn kill_index(&mut self) -> Result<(), StackError> {
+        self.index
+            .as_mut()
+            .ok_or(StackError::NotRunning { what: "kvroute-index" })?
+            .kill();
+        Ok(())
+    }
+
+    /// Starts kvroute-index again on its ports (killing it first if it runs). It resyncs from the
+    /// sims' live events and replay buffers; this does not wait for that.
+    pub async fn restart_index(&mut self) -> Result<(), StackError> {
+        let index = self
+            .index
+            .as_mut()
+            .ok_or(StackError::NotRunning { what: "kvroute-index" })?;
+        index.kill();
+        index.spawn().await
+    }
+
+    /// Kills kvroute-ext-proc (SIGKILL); Envoy fails open.
+    pub fn kill_ext_proc(&mut self) -> Result<(), StackError> {
+        self.ext_proc
+            .as_mut()
+            .ok_or(StackError::NotRunning {
+                what: "kvroute-ext-proc",
+            })?
+            .kill();
+        Ok(())
+    }
+
+    /// Starts kvroute-ext-proc again on its ports and waits until Envoy's health check sees it.
+    pub async fn restart_ext_proc(&mut self) -> Result<(), StackError> {
+        let ext_proc = self.ext_proc.as_mut().ok_or(StackError::NotRunning {
+            what: "kvroute-ext-proc",
+        })?;
+        ext_proc.kill();
+        ext_proc.spawn().await?;
+        self.wait_ext_proc_healthy_in_envoy().await
+    }
+
+    /// Every process's log, with headers.
+    pub fn logs(&self) -> String {
+        let mut text = String::new();
+        let mut section = |name: &str, log: String| {
+            text.push_str(&format!("----- {name} -----\n{log}\n"));
+        };
+        for (i, sim) in self.sims.iter().enumerate() {
+            section(&format!("kvroute-engine-sim {}", replica_id(i)), sim.log());
+        }
+        for service in [&self.index, &self.ext_proc].into_iter().flatten() {
+            section(service.name, service.log());
+        }
+        section("envoy", self.envoy.log());
+        text
+    }
+
+    /// Prints [`Stack::logs`] to stderr (for a failing run that does not panic).
+    pub fn print_logs(&self) {
+        eprintln!("{}", self.logs());
+    }
+
+    /// Resets every sim's prefix cache (`POST /reset_prefix_cache`), retrying while a sim is
+    /// still busy (vLLM refuses while requests run); in kvroute mode also waits until the index
+    /// holds no block.
+    pub async fn reset_prefix_caches(&self) -> Result<(), StackError> {
+        for url in self.sim_urls() {
+            let reset = format!("{url}/reset_prefix_cache");
+            wait_until(&reset, STARTUP_TIMEOUT, || {
+                let reset = reset.clone();
+                async move {
+                    let response = http::post_empty(&reset).await.ok()?;
+                    (response.json().ok()?["success"] == true).then_some(())
+                }
+            })
+            .await?;
+        }
+        if let Ok(admin) = self.index_admin_url() {
+            let url = format!("{admin}/v1/replicas");
+            wait_until("the index to drop every block", EVENT_SYNC_TIMEOUT, || {
+                let url = url.clone();
+                async move {
+                    let replicas = http::get(&url).await.ok()?.json().ok()?;
+                    let replicas = replicas.as_array()?;
+                    replicas
+                        .iter()
+                        .all(|r| r["blocks"].as_u64() == Some(0))
+                        .then_some(())
+                }
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Waits until the index received events from every sim: each idle sim is asked to reset its
+    /// (empty) prefix cache, which publishes one batch, until the index reports it `ready`. This
+    /// also waits out ZeroMQ's subscription handshake, where early events would be lost.
+    async fn wait_index_synced(&self) -> Result<(), StackError> {
+        let admin = self.index_admin_url()?;
+        let url = format!("{admin}/v1/replicas");
+        let ids = self.replica_ids();
+        let sims = self.sim_urls();
+        let synced = wait_until("the index to hear from every sim", EVENT_SYNC_TIMEOUT, || {
+            let url = url.clone();
+            let ids = ids.clone();
+            let sims = sims.clone();
+            async move {
+                let replicas = http::get(&url).await.ok()?.json().ok()?;
+                let ready = |id: &str| {
+                    replicas.as_array().is_some_and(|all| {
+                        all.iter()
+                            .any(|r| r["id"] == id && r["state"] == "ready")
+                    })
+                };
+                let mut all_ready = true;
+                for (id, sim) in ids.iter().zip(&sims) {
+                    if !ready(id) {
+                        all_ready = false;
+                        let _ = http::post_empty(&format!("{sim}/reset_prefix_cache")).await;
+                    }
+                }
+                all_ready.then_some(())
+            }
+        })
+        .await;
+        synced.map_err(|error| self.component_error("kvroute-index", error))
+    }
+
+    /// Waits until Envoy's health check marks the ext-proc endpoint healthy.
+    async fn wait_ext_proc_healthy_in_envoy(&self) -> Result<(), StackError> {
+        let Some(ext_proc) = &self.ext_proc else {
+            return Ok(());
+        };
+        let url = format!("{}/clusters", self.envoy_admin_url());
+        let healthy = format!("kvroute_ext_proc::{}::health_flags::healthy", ext_proc.grpc);
+        let result = wait_until("envoy to see kvroute-ext-proc healthy", STARTUP_TIMEOUT, || {
+            let url = url.clone();
+            let healthy = healthy.clone();
+            async move {
+                let text = http::get(&url).await.ok()?.text();
+                text.lines().any(|line| line.trim() == healthy).then_some(())
+            }
+        })
+        .await;
+        result.map_err(|error| self.component_error("kvroute-ext-proc", error))
+    }
+
+    fn component_error(&self, component: &'static str, error: HarnessError) -> StackError {
+        StackError::Component {
+            component,
+            detail: error.to_string(),
+            log: self.logs(),
+        }
+    }
+}
+
+fn replica_id(replica: usize) -> String {
+    format!("sim-{replica}")
+}
+
+fn event_topic(replica: usize) -> String {
+    format!("kv@{}@{MODEL}", replica_id(replica))
+}
+
+fn sim_args(options: &StackOptions, replica: usize) -> Vec<String> {
+    let timing = &options.timing;
+    let events = serde_json::json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:0",
+        "replay_endpoint": "tcp://*:0",
+        "topic": event_topic(replica),
+    });
+    [
+        ("--model", tiny_model_dir().display().to_string()),
+        ("--served-model-name", MODEL.to_owned()),
+        ("--block-size", options.block_size.to_string()),
+        ("--num-blocks", options.kv_blocks_per_replica.to_string()),
+        ("--max-model-len", options.max_model_len.to_string()),
+        ("--max-num-seqs", options.max_num_seqs.to_string()),
+        ("--prefix-caching-hash-algo", options.hash_algo.clone()),
+        ("--python-hash-seed", options.hash_seed.clone()),
+        ("--ttft-overhead-ms", timing.ttft_overhead_ms.to_string()),
+        (
+            "--prefill-us-per-token",
+            timing.prefill_us_per_token.to_string(),
+        ),
+        ("--decode-ms-per-token", timing.decode_ms_per_token.to_string()),
+        ("--time-scale", timing.time_scale.to_string()),
+        ("--kv-events-config", events.to_string()),
+    ]
+    .into_iter()
+    .flat_map(|(flag, value)| [flag.to_owned(), value])
+    .collect()
+}
+
+fn index_config(options: &StackOptions, sims: &[SimProcess]) -> Result<String, StackError> {
+    let mut replicas = String::new();
+    for (i, sim) in sims.iter().enumerate() {
+        let missing = |what: &str| StackError::Component {
+            component: "kvroute-engine-sim",
+            detail: format!("{} reported no {what} endpoint", replica_id(i)),
+            log: sim.log(),
+        };
+        let endpoint = sim.ready.kv_events.as_deref().ok_or_else(|| missing("KV events"))?;
+        let replay = sim.ready.replay.as_deref().ok_or_else(|| missing("replay"))?;
+        replicas.push_str(&format!(
+            "  - id: {id}\n    model: {MODEL}\n    events: {{endpoint: \"{endpoint}\", \
+             replay_endpoint: \"{replay}\", topic: \"{topic}\"}}\n",
+            id = replica_id(i),
+            topic = event_topic(i),
+        ));
+    }
+    Ok(format!(
+        "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
+         pools:\n  - {{model: {MODEL}, block_size: {bs}, key_scheme: vllm-exact, \
+         hash_algo: {algo}, hash_seed: \"{seed}\"}}\n\
+         replicas:\n{replicas}",
+        bs = options.block_size,
+        algo = options.hash_algo,
+        seed = options.hash_seed,
+    ))
+}
+
+fn ext_proc_config(options: &StackOptions, sims: &[SimProcess], index: SocketAddr) -> String {
+    let replicas: String = sims
+        .iter()
+        .enumerate()
+        .map(|(i, sim)| {
+            format!(
+                "- {{id: {id}, pool: {MODEL}, address: \"{addr}\", metrics_url: \"http://{addr}/metrics\"}}\n",
+                id = replica_id(i),
+                addr = sim.ready.http,
+            )
+        })
+        .collect();
+    format!(
+        "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
+         index: {{addresses: [\"http://{index}\"]}}\n\
+         scrape: {{interval: 200ms}}\n\
+         scoring: {{prefill_ms_per_token: {prefill}}}\n\
+         pools:\n\
+         - name: {MODEL}\n  models: [{MODEL}]\n  block_size: {bs}\n  \
+         key_scheme: {{kind: vllm-exact, hash_algo: {algo}, seed: \"{seed}\"}}\n  \
+         tokenizer: {{model_dir: \"{model_dir}\"}}\n\
+         replicas:\n{replicas}",
+        // The scoring's prefill cost is the sims' own, so its TTFT estimate is in real ms.
+        prefill = options.timing.prefill_ms_per_token(),
+        bs = options.block_size,
+        algo = options.hash_algo,
+        seed = options.hash_seed,
+        model_dir = tiny_model_dir().display(),
+    )
+}
+
+/// Patches the production override_host config for this stack: admin and listener on port 0,
+/// the pool's endpoints are the sims, the ext-proc cluster points at ext-proc; then adds the
+/// plain round-robin listener and cluster of [`round_robin_config`].
+pub fn render_envoy_config(
+    production: &str,
+    sims: &[SocketAddr],
+    ext_proc: SocketAddr,
+) -> Result<String, StackError> {
+    let bad = |detail: &str| StackError::EnvoyConfig {
+        detail: detail.to_owned(),
+    };
+    let parse = |text: &str| {
+        serde_yaml::from_str::<Value>(text).map_err(|e| StackError::EnvoyConfig {
+            detail: e.to_string(),
+        })
+    };
+    let mut config = parse(production)?;
+    let round_robin = parse(&round_robin_config(sims))?;
+
+    *port_of(&mut config["admin"]["address"]).ok_or_else(|| bad("no admin address"))? =
+        Value::from(0);
+    let resources = &mut config["static_resources"];
+    let listener = named(&mut resources["listeners"], KVROUTE_LISTENER)
+        .ok_or_else(|| bad("no `kvroute` listener"))?;
+    *port_of(&mut listener["address"]).ok_or_else(|| bad("no listener port"))? = Value::from(0);
+
+    let pool = named(&mut resources["clusters"], "llm_pool")
+        .ok_or_else(|| bad("no `llm_pool` cluster"))?;
+    pool["load_assignment"]["endpoints"] = endpoints(sims);
+    let ext_proc_cluster = named(&mut resources["clusters"], "kvroute_ext_proc")
+        .ok_or_else(|| bad("no `kvroute_ext_proc` cluster"))?;
+    ext_proc_cluster["load_assignment"]["endpoints"] = endpoints(&[ext_proc]);
+
+    let mut rr_listener = round_robin["static_resources"]["listeners"][0].clone();
+    rr_listener["name"] = Value::from(ROUND_ROBIN_LISTENER);
+    let rr_cluster = round_robin["static_resources"]["clusters"][0].clone();
+    for (list, item) in [("listeners", rr_listener), ("clusters", rr_cluster)] {
+        resources[list]
+            .as_sequence_mut()
+            .ok_or_else(|| bad(&format!("no {list} list")))?
+            .push(item);
+    }
+    serde_yaml::to_string(&config).map_err(|e| StackError::EnvoyConfig {
+        detail: e.to_string(),
+    })
+}
+
+fn port_of(address: &mut Value) -> Option<&mut Value> {
+    address
+        .get_mut("socket_address")?
+        .get_mut("port_value")
+}
+
+fn named<'a>(list: &'a mut Value, name: &str) -> Option<&'a mut Value> {
+    list.as_sequence_mut()?
+        .iter_mut()
+        .find(|item| item["name"] == name)
+}
+
+fn endpoints(addrs: &[SocketAddr]) -> Value {
+    let lb_endpoints: Vec<Value> = addrs
+        .iter()
+        .map(|addr| {
+            serde_yaml::from_str(&format!(
+                "endpoint: {{address: {{socket_address: {{address: \"{}\", port_value: {}}}}}}}",
+                addr.ip(),
+                addr.port()
+            ))
+            .unwrap_or(Value::Null)
+        })
+        .collect();
+    let mut group = serde_yaml::Mapping::new();
+    group.insert(Value::from("lb_endpoints"), Value::Sequence(lb_endpoints));
+    Value::Sequence(vec![Value::Mapping(group)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_the_production_config_with_real_addresses() {
+        let production =
+            std::fs::read_to_string(workspace_root().join(OVERRIDE_HOST_CONFIG)).unwrap();
+        let sims: Vec<SocketAddr> = vec![
+            "127.0.0.1:4001".parse().unwrap(),
+            "127.0.0.1:4002".parse().unwrap(),
+            "127.0.0.1:4003".parse().unwrap(),
+        ];
+        let rendered =
+            render_envoy_config(&production, &sims, "127.0.0.1:5001".parse().unwrap()).unwrap();
+        let config: Value = serde_yaml::from_str(&rendered).unwrap();
+        let resources = &config["static_resources"];
+        assert_eq!(config["admin"]["address"]["socket_address"]["port_value"], 0);
+        let names: Vec<&str> = resources["listeners"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|l| l["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, [KVROUTE_LISTENER, ROUND_ROBIN_LISTENER]);
+        assert!(!rendered.contains("18001") && !rendered.contains("50051"));
+        assert!(rendered.contains("4003") && rendered.contains("5001"));
+        // The production semantics survive: fail-open BUFFERED ext_proc, override_host pool.
+        assert!(rendered.contains("failure_mode_allow: true"));
+        assert!(rendered.contains("request_body_mode: BUFFERED"));
+        assert!(rendered.contains("envoy.load_balancing_policies.override_host"));
+        assert!(rendered.contains("remove: x-gateway-destination-endpoint"));
+    }
+
+    #[test]
+    fn ready_files_parse() {
+        assert_eq!(
+            parse_ready_file("grpc=127.0.0.1:1\nadmin=127.0.0.1:2\n"),
+            Some((
+                "127.0.0.1:1".parse().unwrap(),
+                "127.0.0.1:2".parse().unwrap()
+            ))
+        );
+        assert_eq!(parse_ready_file("grpc=127.0.0.1:1\n"), None);
+    }
+}
