@@ -18,6 +18,9 @@ for cfg in envoy/*.yaml; do
     || { echo "envoy rejected $cfg" >&2; exit 1; }
 done
 
+# The full-stack tests (tests/src/stack.rs) run other crates' binaries from target/debug.
+cargo build --bins
+
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast "$@"
 else

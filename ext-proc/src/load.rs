@@ -61,10 +61,16 @@ pub struct LoadSnapshot {
 impl ReplicaLoad {
     /// Current view.
     pub fn snapshot(&self) -> LoadSnapshot {
+        let inflight = self.inflight_requests.load(Ordering::Relaxed).max(0);
         LoadSnapshot {
             scraped: *self.scraped.lock(),
-            routed_since_scrape: self.routed_since_scrape.load(Ordering::Relaxed).max(0) as f64,
-            inflight_requests: self.inflight_requests.load(Ordering::Relaxed).max(0) as f64,
+            // A routed request the engine already answered no longer adds load the last scrape
+            // missed: only the unanswered ones count.
+            routed_since_scrape: self
+                .routed_since_scrape
+                .load(Ordering::Relaxed)
+                .clamp(0, inflight) as f64,
+            inflight_requests: inflight as f64,
             inflight_prompt_tokens: self.inflight_prompt_tokens.load(Ordering::Relaxed).max(0)
                 as f64,
         }

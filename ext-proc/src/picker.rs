@@ -274,7 +274,7 @@ impl Picker {
             self.score_with_prefix(runtime, pool_index, adapter, request, &candidates, deadline),
         )
         .await;
-        let (choice, tier, reason, keys, prompt_tokens) = match scored {
+        let (choice, tier, reason, keys, prefill_tokens) = match scored {
             Ok(Ok(found)) => found,
             Ok(Err(cause)) => self.load_only(config, pool, &candidates, cause),
             Err(_) => {
@@ -295,7 +295,7 @@ impl Picker {
             envoy_cluster: replica.envoy_cluster.clone(),
             tier,
             reason,
-            inflight: self.loads.start_request(&replica.id, prompt_tokens),
+            inflight: self.loads.start_request(&replica.id, prefill_tokens),
         })
     }
 
@@ -459,7 +459,9 @@ impl Picker {
             Tier::Approximate
         };
         let reason: Reason = choice.reason;
-        Ok((choice.index, tier, reason.as_label(), keys, prompt_tokens))
+        // The replica's pending prefill work is what it does not hold (siblings of a burst add little).
+        let prefill_tokens = prompt_tokens - cached_tokens;
+        Ok((choice.index, tier, reason.as_label(), keys, prefill_tokens))
     }
 
     fn count_fallback(&self, stage: &'static str, cause: &'static str) {

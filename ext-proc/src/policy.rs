@@ -68,9 +68,18 @@ pub struct Choice {
 }
 
 /// Queueing estimate of a replica, in ms.
+///
+/// Requests routed since the last scrape join the running batch unless that scrape showed the
+/// engine saturated (requests waiting): only then do they queue. (Counting every one as queued
+/// would scatter a burst of siblings instead of batching them where their prefix is cached.)
 pub fn queue_ms(load: &LoadSnapshot, weights: &ScoringConfig) -> f64 {
-    weights.queue_ms_per_request * (load.scraped.waiting + load.routed_since_scrape)
-        + weights.running_ms_per_request * load.scraped.running
+    let (unseen_waiting, unseen_running) = if load.scraped.waiting > 0.0 {
+        (load.routed_since_scrape, 0.0)
+    } else {
+        (0.0, load.routed_since_scrape)
+    };
+    weights.queue_ms_per_request * (load.scraped.waiting + unseen_waiting)
+        + weights.running_ms_per_request * (load.scraped.running + unseen_running)
         + weights.prefill_ms_per_token * load.inflight_prompt_tokens
         + weights.kv_usage_ms * load.scraped.kv_usage
 }

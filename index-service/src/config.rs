@@ -84,6 +84,22 @@ pub struct RawConfig {
     pub pools: Vec<RawPool>,
     /// Engines (one per data-parallel rank) whose events are ingested.
     pub replicas: Vec<RawReplica>,
+    /// kvroute-agents allowed to stream events for the replicas they own.
+    pub agents: Vec<RawAgent>,
+}
+
+/// One `agents:` entry: an agent's identity, its secret, and the replicas it may write for.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawAgent {
+    /// Agent id (as in the agent's `agent_id`).
+    pub id: String,
+    /// File holding the agent's token.
+    pub token_file: Option<String>,
+    /// Environment variable holding the agent's token.
+    pub token_env: Option<String>,
+    /// Replica ids this agent owns; a replica fed only by an agent may omit `events.endpoint`.
+    pub replicas: Vec<String>,
 }
 
 /// `listen:` section.
@@ -104,6 +120,8 @@ pub struct RawLimits {
     pub max_blocks_per_replica: Option<usize>,
     /// Milliseconds to wait for a replay before resetting the replica.
     pub replay_timeout_ms: Option<u64>,
+    /// Milliseconds an agent-fed replica may go without its agent before it is flagged stale.
+    pub agent_stale_grace_ms: Option<u64>,
 }
 
 /// One `pools:` entry.
@@ -187,7 +205,25 @@ pub struct Config {
     pub pools: Vec<PoolConfig>,
     /// Replicas, in file order.
     pub replicas: Vec<ReplicaConfig>,
+    /// Agents allowed to stream events, in file order.
+    pub agents: Vec<AgentConfig>,
+    /// How long an agent-fed replica may be without its agent before it leaves precise scoring.
+    pub agent_stale_grace: Duration,
 }
+
+/// A validated `agents:` entry (the token is loaded; it is never printed).
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Agent id.
+    pub id: String,
+    /// Its shared secret.
+    pub token: crate::agent::token::AgentToken,
+    /// Replica ids it owns.
+    pub replicas: Vec<String>,
+}
+
+/// Default [`Config::agent_stale_grace`].
+pub const DEFAULT_AGENT_STALE_GRACE: Duration = Duration::from_secs(10);
 
 /// A validated pool.
 #[derive(Debug, Clone)]
@@ -215,7 +251,7 @@ pub struct ReplicaConfig {
     pub id: String,
     /// Index into [`Config::pools`].
     pub pool: usize,
-    /// ZMQ endpoint.
+    /// ZMQ endpoint; empty for a replica fed only by its agent (no direct ZMQ ingest).
     pub endpoint: String,
     /// Connect or bind.
     pub mode: SocketMode,
@@ -237,8 +273,11 @@ impl Config {
     /// Turns the raw file into a validated config; every rule lives here.
     pub fn validate(raw: RawConfig) -> Result<Self, ConfigError> {
         let grpc_addr = parse_addr("listen.grpc", raw.listen.grpc.as_deref(), DEFAULT_GRPC_ADDR)?;
-        let admin_addr =
-            parse_addr("listen.admin", raw.listen.admin.as_deref(), DEFAULT_ADMIN_ADDR)?;
+        let admin_addr = parse_addr(
+            "listen.admin",
+            raw.listen.admin.as_deref(),
+            DEFAULT_ADMIN_ADDR,
+        )?;
         if grpc_addr == admin_addr && grpc_addr.port() != 0 {
             return Err(ConfigError::invalid(
                 "listen.admin",
@@ -263,13 +302,22 @@ impl Config {
             .map_or(DEFAULT_REPLAY_TIMEOUT, Duration::from_millis);
 
         if raw.pools.is_empty() {
-            return Err(ConfigError::invalid("pools", "[]", "at least one pool is required"));
+            return Err(ConfigError::invalid(
+                "pools",
+                "[]",
+                "at least one pool is required",
+            ));
         }
         let mut pools = Vec::with_capacity(raw.pools.len());
         for (i, pool) in raw.pools.into_iter().enumerate() {
             pools.push(validate_pool(i, pool, &pools)?);
         }
 
+        let agent_owned: HashSet<&str> = raw
+            .agents
+            .iter()
+            .flat_map(|a| a.replicas.iter().map(String::as_str))
+            .collect();
         let mut replicas = Vec::with_capacity(raw.replicas.len());
         let mut ids = HashSet::new();
         let mut bound = HashSet::new();
@@ -283,16 +331,27 @@ impl Config {
                 ));
             }
             if !ids.insert(replica.id.clone()) {
-                return Err(ConfigError::invalid(field("id"), &replica.id, "duplicate id"));
+                return Err(ConfigError::invalid(
+                    field("id"),
+                    &replica.id,
+                    "duplicate id",
+                ));
             }
             let pool = pools
                 .iter()
                 .position(|p| p.model == replica.model)
                 .ok_or_else(|| {
-                    ConfigError::invalid(field("model"), &replica.model, "no pool serves this model")
+                    ConfigError::invalid(
+                        field("model"),
+                        &replica.model,
+                        "no pool serves this model",
+                    )
                 })?;
             let events = replica.events;
-            check_endpoint(&field("events.endpoint"), &events.endpoint)?;
+            // A replica fed only by its agent needs no ZMQ endpoint here.
+            if !(events.endpoint.is_empty() && agent_owned.contains(replica.id.as_str())) {
+                check_endpoint(&field("events.endpoint"), &events.endpoint)?;
+            }
             let mode = match events.mode.as_deref() {
                 None | Some("connect") => SocketMode::Connect,
                 Some("bind") => SocketMode::Bind,
@@ -325,6 +384,12 @@ impl Config {
             });
         }
 
+        let agents = validate_agents(raw.agents, &ids)?;
+        let agent_stale_grace = raw
+            .limits
+            .agent_stale_grace_ms
+            .map_or(DEFAULT_AGENT_STALE_GRACE, Duration::from_millis);
+
         Ok(Config {
             grpc_addr,
             admin_addr,
@@ -332,17 +397,88 @@ impl Config {
             replay_timeout,
             pools,
             replicas,
+            agents,
+            agent_stale_grace,
         })
     }
 }
 
-fn validate_pool(i: usize, pool: RawPool, earlier: &[PoolConfig]) -> Result<PoolConfig, ConfigError> {
+/// Agents: unique ids, exactly one token source (loaded now), replicas that exist and have one
+/// owner each.
+fn validate_agents(
+    raw: Vec<RawAgent>,
+    replica_ids: &HashSet<String>,
+) -> Result<Vec<AgentConfig>, ConfigError> {
+    use crate::agent::token::{AgentToken, TokenSource};
+    let mut agents: Vec<AgentConfig> = Vec::with_capacity(raw.len());
+    let mut owned = HashSet::new();
+    for (i, agent) in raw.into_iter().enumerate() {
+        let field = |name: &str| format!("agents[{i}].{name}");
+        if agent.id.is_empty() || agents.iter().any(|a| a.id == agent.id) {
+            return Err(ConfigError::invalid(
+                field("id"),
+                &agent.id,
+                "must be non-empty and unique",
+            ));
+        }
+        let source = match (agent.token_file, agent.token_env) {
+            (Some(path), None) => TokenSource::File(path),
+            (None, Some(name)) => TokenSource::Env(name),
+            _ => {
+                return Err(ConfigError::invalid(
+                    field("token_file"),
+                    "",
+                    "give exactly one of token_file or token_env",
+                ));
+            }
+        };
+        let token = AgentToken::load(&source).map_err(|e| {
+            ConfigError::invalid(field("token_file"), "<secret source>", e.to_string())
+        })?;
+        for replica in &agent.replicas {
+            if !replica_ids.contains(replica) {
+                return Err(ConfigError::invalid(
+                    field("replicas"),
+                    replica,
+                    "no such replica",
+                ));
+            }
+            if !owned.insert(replica.clone()) {
+                return Err(ConfigError::invalid(
+                    field("replicas"),
+                    replica,
+                    "already owned by another agent",
+                ));
+            }
+        }
+        agents.push(AgentConfig {
+            id: agent.id,
+            token,
+            replicas: agent.replicas,
+        });
+    }
+    Ok(agents)
+}
+
+fn validate_pool(
+    i: usize,
+    pool: RawPool,
+    earlier: &[PoolConfig],
+) -> Result<PoolConfig, ConfigError> {
     let field = |name: &str| format!("pools[{i}].{name}");
     if pool.model.is_empty() {
-        return Err(ConfigError::invalid(field("model"), "", "must be non-empty"));
+        return Err(ConfigError::invalid(
+            field("model"),
+            "",
+            "must be non-empty",
+        ));
     }
     if earlier.iter().any(|p| p.model == pool.model) {
-        return Err(ConfigError::invalid(field("model"), &pool.model, "duplicate model"));
+        return Err(ConfigError::invalid(
+            field("model"),
+            &pool.model,
+            "duplicate model",
+        ));
     }
     let block_size = pool.block_size.unwrap_or(DEFAULT_BLOCK_SIZE);
     if block_size == 0 || block_size > MAX_BLOCK_SIZE {
@@ -383,9 +519,8 @@ fn validate_pool(i: usize, pool: RawPool, earlier: &[PoolConfig]) -> Result<Pool
         })?;
     }
     let vllm_version = pool.vllm_version.as_deref().unwrap_or(DEFAULT_VLLM_VERSION);
-    let vllm_era = ExtraKeysEra::for_vllm_version(vllm_version).map_err(|e| {
-        ConfigError::invalid(field("vllm_version"), vllm_version, e.to_string())
-    })?;
+    let vllm_era = ExtraKeysEra::for_vllm_version(vllm_version)
+        .map_err(|e| ConfigError::invalid(field("vllm_version"), vllm_version, e.to_string()))?;
     Ok(PoolConfig {
         model: pool.model,
         block_size,
@@ -454,8 +589,14 @@ replicas:
         assert_eq!(config.pools[1].key_scheme, KeySchemeKind::TokenChain);
         assert_eq!(config.replicas[1].pool, 1);
         assert_eq!(config.replicas[1].mode, SocketMode::Bind);
-        assert_eq!(config.replicas[0].replay_endpoint.as_deref(), Some("tcp://127.0.0.1:5558"));
-        assert_eq!(config.max_blocks_per_replica, DEFAULT_MAX_BLOCKS_PER_REPLICA);
+        assert_eq!(
+            config.replicas[0].replay_endpoint.as_deref(),
+            Some("tcp://127.0.0.1:5558")
+        );
+        assert_eq!(
+            config.max_blocks_per_replica,
+            DEFAULT_MAX_BLOCKS_PER_REPLICA
+        );
     }
 
     fn error_of(yaml: &str) -> String {
@@ -473,10 +614,19 @@ replicas:
         let cases = [
             ("pools: []", "pools"),
             ("pools: [{model: m, block_size: 0}]", "pools[0].block_size"),
-            ("pools: [{model: m, key_scheme: exact}]", "pools[0].key_scheme"),
+            (
+                "pools: [{model: m, key_scheme: exact}]",
+                "pools[0].key_scheme",
+            ),
             ("pools: [{model: m, hash_algo: md5}]", "pools[0].hash_algo"),
-            ("pools: [{model: m, hash_algo: xxhash}]", "pools[0].hash_seed"),
-            ("pools: [{model: m, vllm_version: banana}]", "pools[0].vllm_version"),
+            (
+                "pools: [{model: m, hash_algo: xxhash}]",
+                "pools[0].hash_seed",
+            ),
+            (
+                "pools: [{model: m, vllm_version: banana}]",
+                "pools[0].vllm_version",
+            ),
             ("pools: [{model: m}, {model: m}]", "pools[1].model"),
             ("listen: {grpc: nope}\npools: [{model: m}]", "listen.grpc"),
             (

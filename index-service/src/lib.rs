@@ -3,6 +3,8 @@
 //! (Skeleton: being implemented.)
 
 #[cfg(feature = "server")]
+pub mod agent;
+#[cfg(feature = "server")]
 pub mod config;
 pub mod event;
 pub mod index;

@@ -36,14 +36,82 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// Words the synthetic text is drawn from (common English; the tiny tokenizer splits most into
 /// one or two tokens).
 const WORDS: &[&str] = &[
-    "the", "model", "answer", "question", "system", "user", "data", "cache", "request", "server",
-    "time", "first", "token", "prompt", "block", "prefix", "route", "replica", "engine", "memory",
-    "fast", "slow", "good", "small", "large", "long", "short", "simple", "clear", "careful",
-    "always", "never", "often", "please", "help", "write", "read", "explain", "summarize", "list",
-    "table", "number", "value", "result", "error", "policy", "rule", "order", "account", "price",
-    "customer", "support", "product", "service", "report", "document", "section", "example",
-    "format", "language", "code", "test", "build", "deploy", "config", "network", "latency",
-    "throughput", "queue", "batch", "score", "weight", "load", "balance", "share", "group",
+    "the",
+    "model",
+    "answer",
+    "question",
+    "system",
+    "user",
+    "data",
+    "cache",
+    "request",
+    "server",
+    "time",
+    "first",
+    "token",
+    "prompt",
+    "block",
+    "prefix",
+    "route",
+    "replica",
+    "engine",
+    "memory",
+    "fast",
+    "slow",
+    "good",
+    "small",
+    "large",
+    "long",
+    "short",
+    "simple",
+    "clear",
+    "careful",
+    "always",
+    "never",
+    "often",
+    "please",
+    "help",
+    "write",
+    "read",
+    "explain",
+    "summarize",
+    "list",
+    "table",
+    "number",
+    "value",
+    "result",
+    "error",
+    "policy",
+    "rule",
+    "order",
+    "account",
+    "price",
+    "customer",
+    "support",
+    "product",
+    "service",
+    "report",
+    "document",
+    "section",
+    "example",
+    "format",
+    "language",
+    "code",
+    "test",
+    "build",
+    "deploy",
+    "config",
+    "network",
+    "latency",
+    "throughput",
+    "queue",
+    "batch",
+    "score",
+    "weight",
+    "load",
+    "balance",
+    "share",
+    "group",
 ];
 
 /// Shape and size of the workload.
@@ -149,7 +217,10 @@ pub fn build_workload(options: &WorkloadOptions) -> Vec<Conversation> {
         for system in &systems {
             let turns = (0..options.turns)
                 .map(|turn| {
-                    let question = format!("User {user} asks, turn {turn}: {}", rng.text(options.user_words));
+                    let question = format!(
+                        "User {user} asks, turn {turn}: {}",
+                        rng.text(options.user_words)
+                    );
                     (question, rng.text(options.assistant_words))
                 })
                 .collect();
@@ -254,9 +325,9 @@ pub async fn run_phase(
     conversations: &[Conversation],
     options: &WorkloadOptions,
 ) -> Result<PhaseReport, StackError> {
-    let url = stack
-        .url(routing)
-        .ok_or(StackError::NotRunning { what: "that listener" })?;
+    let url = stack.url(routing).ok_or(StackError::NotRunning {
+        what: "that listener",
+    })?;
     let endpoint = format!("{url}/v1/chat/completions");
     let before = sim_counters(stack).await?;
     let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();

@@ -90,6 +90,49 @@ impl Default for SimTiming {
     }
 }
 
+/// kvroute-ext-proc's time budgets (its config's `budgets` and `index.match_timeout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExtProcBudgets {
+    /// A whole routing decision.
+    pub decision: Duration,
+    /// Tokenization within it.
+    pub tokenize: Duration,
+    /// One `Match` on the index.
+    pub match_timeout: Duration,
+}
+
+impl ExtProcBudgets {
+    /// kvroute-ext-proc's own defaults (what production runs).
+    pub fn production() -> Self {
+        Self {
+            decision: Duration::from_millis(50),
+            tokenize: Duration::from_millis(30),
+            match_timeout: Duration::from_millis(20),
+        }
+    }
+
+    /// For unoptimised builds on a busy machine: tokenizing a long chat in a debug build can take
+    /// longer than the production budget, which would turn every test into a fallback test.
+    /// Still below Envoy's 1 s ext_proc message timeout.
+    pub fn relaxed() -> Self {
+        Self {
+            decision: Duration::from_millis(600),
+            tokenize: Duration::from_millis(400),
+            match_timeout: Duration::from_millis(200),
+        }
+    }
+
+    /// [`relaxed`](Self::relaxed) in debug builds, else [`production`](Self::production): the
+    /// binaries come from the same profile directory as the running executable.
+    pub fn for_this_build() -> Self {
+        if cfg!(debug_assertions) {
+            Self::relaxed()
+        } else {
+            Self::production()
+        }
+    }
+}
+
 /// What to start.
 #[derive(Debug, Clone)]
 pub struct StackOptions {
@@ -111,6 +154,8 @@ pub struct StackOptions {
     pub hash_algo: String,
     /// The engines' `PYTHONHASHSEED`.
     pub hash_seed: String,
+    /// kvroute-ext-proc's budgets.
+    pub budgets: ExtProcBudgets,
     /// Where the binaries are; default: next to the current executable.
     pub bin_dir: Option<PathBuf>,
 }
@@ -127,6 +172,7 @@ impl Default for StackOptions {
             timing: SimTiming::default(),
             hash_algo: "sha256_cbor".to_owned(),
             hash_seed: "0".to_owned(),
+            budgets: ExtProcBudgets::for_this_build(),
             bin_dir: None,
         }
     }
@@ -287,7 +333,10 @@ impl Service {
 
     async fn spawn(&mut self) -> Result<(), StackError> {
         self.starts += 1;
-        let file = |suffix: &str| self.dir.join(format!("{}-{}.{suffix}", self.name, self.starts));
+        let file = |suffix: &str| {
+            self.dir
+                .join(format!("{}-{}.{suffix}", self.name, self.starts))
+        };
         let config_path = file("yaml");
         let ready_path = file("ready");
         std::fs::write(&config_path, &self.config).map_err(|source| HarnessError::Io {
@@ -480,7 +529,7 @@ impl Stack {
         let routing = self.options.routing;
         self.listener(routing)
             .or_else(|| self.listener(Routing::RoundRobin))
-            .unwrap_or_else(|| self.envoy.admin)
+            .unwrap_or(self.envoy.admin)
     }
 
     /// The Envoy listener routing `routing`'s way (`None` for kvroute in round-robin mode).
@@ -528,10 +577,9 @@ impl Stack {
 
     /// kvroute-index's admin base URL.
     pub fn index_admin_url(&self) -> Result<String, StackError> {
-        let index = self
-            .index
-            .as_ref()
-            .ok_or(StackError::NotRunning { what: "kvroute-index" })?;
+        let index = self.index.as_ref().ok_or(StackError::NotRunning {
+            what: "kvroute-index",
+        })?;
         Ok(format!("http://{}", index.admin))
     }
 
@@ -547,7 +595,9 @@ impl Stack {
     pub fn kill_index(&mut self) -> Result<(), StackError> {
         self.index
             .as_mut()
-            .ok_or(StackError::NotRunning { what: "kvroute-index" })?
+            .ok_or(StackError::NotRunning {
+                what: "kvroute-index",
+            })?
             .kill();
         Ok(())
     }
@@ -555,10 +605,9 @@ impl Stack {
     /// Starts kvroute-index again on its ports (killing it first if it runs). It resyncs from the
     /// sims' live events and replay buffers; this does not wait for that.
     pub async fn restart_index(&mut self) -> Result<(), StackError> {
-        let index = self
-            .index
-            .as_mut()
-            .ok_or(StackError::NotRunning { what: "kvroute-index" })?;
+        let index = self.index.as_mut().ok_or(StackError::NotRunning {
+            what: "kvroute-index",
+        })?;
         index.kill();
         index.spawn().await
     }
@@ -646,28 +695,31 @@ impl Stack {
         let url = format!("{admin}/v1/replicas");
         let ids = self.replica_ids();
         let sims = self.sim_urls();
-        let synced = wait_until("the index to hear from every sim", EVENT_SYNC_TIMEOUT, || {
-            let url = url.clone();
-            let ids = ids.clone();
-            let sims = sims.clone();
-            async move {
-                let replicas = http::get(&url).await.ok()?.json().ok()?;
-                let ready = |id: &str| {
-                    replicas.as_array().is_some_and(|all| {
-                        all.iter()
-                            .any(|r| r["id"] == id && r["state"] == "ready")
-                    })
-                };
-                let mut all_ready = true;
-                for (id, sim) in ids.iter().zip(&sims) {
-                    if !ready(id) {
-                        all_ready = false;
-                        let _ = http::post_empty(&format!("{sim}/reset_prefix_cache")).await;
+        let synced = wait_until(
+            "the index to hear from every sim",
+            EVENT_SYNC_TIMEOUT,
+            || {
+                let url = url.clone();
+                let ids = ids.clone();
+                let sims = sims.clone();
+                async move {
+                    let replicas = http::get(&url).await.ok()?.json().ok()?;
+                    let ready = |id: &str| {
+                        replicas.as_array().is_some_and(|all| {
+                            all.iter().any(|r| r["id"] == id && r["state"] == "ready")
+                        })
+                    };
+                    let mut all_ready = true;
+                    for (id, sim) in ids.iter().zip(&sims) {
+                        if !ready(id) {
+                            all_ready = false;
+                            let _ = http::post_empty(&format!("{sim}/reset_prefix_cache")).await;
+                        }
                     }
+                    all_ready.then_some(())
                 }
-                all_ready.then_some(())
-            }
-        })
+            },
+        )
         .await;
         synced.map_err(|error| self.component_error("kvroute-index", error))
     }
@@ -679,14 +731,20 @@ impl Stack {
         };
         let url = format!("{}/clusters", self.envoy_admin_url());
         let healthy = format!("kvroute_ext_proc::{}::health_flags::healthy", ext_proc.grpc);
-        let result = wait_until("envoy to see kvroute-ext-proc healthy", STARTUP_TIMEOUT, || {
-            let url = url.clone();
-            let healthy = healthy.clone();
-            async move {
-                let text = http::get(&url).await.ok()?.text();
-                text.lines().any(|line| line.trim() == healthy).then_some(())
-            }
-        })
+        let result = wait_until(
+            "envoy to see kvroute-ext-proc healthy",
+            STARTUP_TIMEOUT,
+            || {
+                let url = url.clone();
+                let healthy = healthy.clone();
+                async move {
+                    let text = http::get(&url).await.ok()?.text();
+                    text.lines()
+                        .any(|line| line.trim() == healthy)
+                        .then_some(())
+                }
+            },
+        )
         .await;
         result.map_err(|error| self.component_error("kvroute-ext-proc", error))
     }
@@ -731,7 +789,10 @@ fn sim_args(options: &StackOptions, replica: usize) -> Vec<String> {
             "--prefill-us-per-token",
             timing.prefill_us_per_token.to_string(),
         ),
-        ("--decode-ms-per-token", timing.decode_ms_per_token.to_string()),
+        (
+            "--decode-ms-per-token",
+            timing.decode_ms_per_token.to_string(),
+        ),
         ("--time-scale", timing.time_scale.to_string()),
         ("--kv-events-config", events.to_string()),
     ]
@@ -748,8 +809,16 @@ fn index_config(options: &StackOptions, sims: &[SimProcess]) -> Result<String, S
             detail: format!("{} reported no {what} endpoint", replica_id(i)),
             log: sim.log(),
         };
-        let endpoint = sim.ready.kv_events.as_deref().ok_or_else(|| missing("KV events"))?;
-        let replay = sim.ready.replay.as_deref().ok_or_else(|| missing("replay"))?;
+        let endpoint = sim
+            .ready
+            .kv_events
+            .as_deref()
+            .ok_or_else(|| missing("KV events"))?;
+        let replay = sim
+            .ready
+            .replay
+            .as_deref()
+            .ok_or_else(|| missing("replay"))?;
         replicas.push_str(&format!(
             "  - id: {id}\n    model: {MODEL}\n    events: {{endpoint: \"{endpoint}\", \
              replay_endpoint: \"{replay}\", topic: \"{topic}\"}}\n",
@@ -782,9 +851,11 @@ fn ext_proc_config(options: &StackOptions, sims: &[SimProcess], index: SocketAdd
         .collect();
     format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
-         index: {{addresses: [\"http://{index}\"]}}\n\
+         index: {{addresses: [\"http://{index}\"], match_timeout: {match_ms}ms}}\n\
+         budgets: {{decision: {decision_ms}ms, tokenize: {tokenize_ms}ms}}\n\
          scrape: {{interval: 200ms}}\n\
-         scoring: {{prefill_ms_per_token: {prefill}}}\n\
+         scoring: {{prefill_ms_per_token: {prefill}, queue_ms_per_request: {queue}, \
+         running_ms_per_request: {running}, kv_usage_ms: {kv}, hotspot_min_ms: {hot}}}\n\
          pools:\n\
          - name: {MODEL}\n  models: [{MODEL}]\n  block_size: {bs}\n  \
          key_scheme: {{kind: vllm-exact, hash_algo: {algo}, seed: \"{seed}\"}}\n  \
@@ -792,6 +863,15 @@ fn ext_proc_config(options: &StackOptions, sims: &[SimProcess], index: SocketAdd
          replicas:\n{replicas}",
         // The scoring's prefill cost is the sims' own, so its TTFT estimate is in real ms.
         prefill = options.timing.prefill_ms_per_token(),
+        match_ms = options.budgets.match_timeout.as_millis(),
+        decision_ms = options.budgets.decision.as_millis(),
+        tokenize_ms = options.budgets.tokenize.as_millis(),
+        // The other weights are ext-proc's defaults on the same (scaled) clock: a waiting or
+        // running request costs the sims as much less as their prefill does.
+        queue = 50.0 * options.timing.time_scale,
+        running = 5.0 * options.timing.time_scale,
+        kv = 100.0 * options.timing.time_scale,
+        hot = 200.0 * options.timing.time_scale,
         bs = options.block_size,
         algo = options.hash_algo,
         seed = options.hash_seed,
@@ -847,9 +927,7 @@ pub fn render_envoy_config(
 }
 
 fn port_of(address: &mut Value) -> Option<&mut Value> {
-    address
-        .get_mut("socket_address")?
-        .get_mut("port_value")
+    address.get_mut("socket_address")?.get_mut("port_value")
 }
 
 fn named<'a>(list: &'a mut Value, name: &str) -> Option<&'a mut Value> {
@@ -892,7 +970,10 @@ mod tests {
             render_envoy_config(&production, &sims, "127.0.0.1:5001".parse().unwrap()).unwrap();
         let config: Value = serde_yaml::from_str(&rendered).unwrap();
         let resources = &config["static_resources"];
-        assert_eq!(config["admin"]["address"]["socket_address"]["port_value"], 0);
+        assert_eq!(
+            config["admin"]["address"]["socket_address"]["port_value"],
+            0
+        );
         let names: Vec<&str> = resources["listeners"]
             .as_sequence()
             .unwrap()

@@ -10,7 +10,10 @@ use kvroute_index::{config::Config, server::IndexServer};
 const EX_USAGE: u8 = 64;
 
 #[derive(Debug, Parser)]
-#[command(version, about = "kvroute KV block index: ingests vLLM KV events, answers prefix matches")]
+#[command(
+    version,
+    about = "kvroute KV block index: ingests vLLM KV events, answers prefix matches"
+)]
 struct Args {
     /// YAML configuration file.
     #[arg(long, short)]
@@ -41,7 +44,10 @@ fn main() -> ExitCode {
         }
     };
 
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("kvroute-index: cannot start the runtime: {error}");
@@ -60,7 +66,11 @@ fn main() -> ExitCode {
 async fn run(config: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
     let server = IndexServer::start(config).await?;
     if let Some(path) = ready_file {
-        let text = format!("grpc={}\nadmin={}\n", server.grpc_addr(), server.admin_addr());
+        let text = format!(
+            "grpc={}\nadmin={}\n",
+            server.grpc_addr(),
+            server.admin_addr()
+        );
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
     }
     shutdown_signal().await;

@@ -301,6 +301,14 @@ impl BlockIndex {
         statuses
     }
 
+    /// The engine hashes `replica` holds, sorted (admin debug listing; O(its blocks)).
+    pub fn replica_block_hashes(
+        &self,
+        replica: ReplicaId,
+    ) -> Result<Vec<crate::event::EngineHash>, IndexError> {
+        Ok(self.replica(replica)?.lock().engine_hashes())
+    }
+
     /// (block, replica) holdings across all pools.
     pub fn holdings(&self) -> usize {
         self.pools.read().values().map(|pool| pool.holdings()).sum()

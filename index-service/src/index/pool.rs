@@ -37,49 +37,9 @@ pub(crate) struct Pool {
     members: RwLock<Members>,
 }
 
-/// Keys looked up before the first early-exit check: most prompts stop matching early.
-const FIRST_BATCH: usize = 16;
-/// Largest batch of keys resolved per round of shard locks.
-const MAX_BATCH: usize = 256;
-
-/// Scratch space of one match walk: per batch position, the slots holding that key (any medium
-/// and GPU), as word slices laid out like [`SlotSet`].
-struct Batch {
-    words: usize,
-    present: Vec<u64>,
-    gpu: Vec<u64>,
-    shard_of: Vec<usize>,
-    starts: Vec<usize>,
-    order: Vec<usize>,
-}
-
-impl Batch {
-    fn new(words: usize, shards: usize) -> Self {
-        Batch {
-            words,
-            present: Vec::new(),
-            gpu: Vec::new(),
-            shard_of: Vec::new(),
-            starts: vec![0; shards + 1],
-            order: Vec::new(),
-        }
-    }
-
-    fn reset(&mut self, keys: usize) {
-        self.present.clear();
-        self.present.resize(keys * self.words, 0);
-        self.gpu.clear();
-        self.gpu.resize(keys * self.words, 0);
-    }
-
-    fn present(&self, at: usize) -> &[u64] {
-        &self.present[at * self.words..(at + 1) * self.words]
-    }
-
-    fn gpu(&self, at: usize) -> &[u64] {
-        &self.gpu[at * self.words..(at + 1) * self.words]
-    }
-}
+/// Keys looked up back to back before their holders are intersected: enough independent loads
+/// for the CPU to overlap their cache misses, few enough that an early mismatch wastes little.
+const CHUNK: usize = 32;
 
 /// Shard lock hold is bounded: bulk removal releases the lock after this many keys.
 const BULK_REMOVE_CHUNK: usize = 256;
@@ -170,7 +130,7 @@ impl Pool {
         let shard = self.shards[self.shard_of(key)].read();
         shard
             .get(&key)
-            .is_some_and(|holders| holders.as_slice().iter().any(|h| h.slot == slot))
+            .is_some_and(|holders| !holders.media_of(slot).is_empty())
     }
 
     /// Removes `slot`'s holding of `key` in `medium` (every medium when `None`).
@@ -259,22 +219,14 @@ impl Pool {
         let mut gpu_alive = alive.clone();
         let mut matched = vec![0u32; slot_count];
         let mut gpu_matched = vec![0u32; slot_count];
-        let mut batch = Batch::new(SlotSet::words_for(slot_count), self.shards.len());
-        let mut walked = 0;
-        let mut batch_len = FIRST_BATCH;
-        while walked < keys.len() && !alive.is_empty() {
-            let end = keys.len().min(walked + batch_len);
-            self.look_up(&keys[walked..end], &mut batch);
-            for at in 0..end - walked {
-                if alive.is_empty() {
-                    break;
-                }
-                let index = (walked + at) as u32;
-                alive.retain_words(batch.present(at), |slot| matched[slot] = index);
-                gpu_alive.retain_words(batch.gpu(at), |slot| gpu_matched[slot] = index);
-            }
-            walked = end;
-            batch_len = (batch_len * 4).min(MAX_BATCH);
+        if !alive.is_empty() {
+            self.walk(
+                keys,
+                &mut alive,
+                &mut gpu_alive,
+                &mut matched,
+                &mut gpu_matched,
+            );
         }
         // Replicas still matching after the walk hold every key.
         let total = keys.len() as u32;
@@ -290,50 +242,44 @@ impl Pool {
         reported.into_iter().map(|(_, found)| found).collect()
     }
 
-    /// Resolves the holders of `keys` into `batch`, visiting shards in order so each shard's
-    /// read lock is taken once per batch. Back-to-back lookups under one lock let the CPU
-    /// overlap their cache misses; a lock per key would serialize them (each lock is a fence).
-    fn look_up(&self, keys: &[u64], batch: &mut Batch) {
-        batch.reset(keys.len());
-        // Counting sort of the batch's key positions by shard.
-        batch.shard_of.clear();
-        batch
-            .shard_of
-            .extend(keys.iter().map(|&key| self.shard_of(key)));
-        batch.starts.fill(0);
-        for &shard in &batch.shard_of {
-            batch.starts[shard + 1] += 1;
-        }
-        for shard in 0..self.shards.len() {
-            batch.starts[shard + 1] += batch.starts[shard];
-        }
-        batch.order.resize(keys.len(), 0);
-        let mut next = batch.starts.clone();
-        for (at, &shard) in batch.shard_of.iter().enumerate() {
-            batch.order[next[shard]] = at;
-            next[shard] += 1;
-        }
-        let words = batch.words;
-        for (shard, lock) in self.shards.iter().enumerate() {
-            let (from, to) = (batch.starts[shard], batch.starts[shard + 1]);
-            if from == to {
-                continue;
-            }
-            let map = lock.read();
-            // Lookups first, in a tight loop of independent loads; expanding the (possibly
-            // 64-long) holder lists in between would fill the CPU's window and stop the overlap.
-            let found: Vec<(usize, &Holders)> = batch.order[from..to]
-                .iter()
-                .filter_map(|&at| map.get(&keys[at]).map(|holders| (at, holders)))
-                .collect();
-            for (at, holders) in found {
-                let present = &mut batch.present[at * words..(at + 1) * words];
-                for holder in holders.as_slice() {
-                    SlotSet::set_in(present, holder.slot);
+    /// Walks `keys` in order, dropping from `alive` (`gpu_alive`) each slot at the first key it
+    /// does not hold (on the GPU) and recording that key's index as its match length. Stops
+    /// once no slot is alive.
+    ///
+    /// Holds every shard's read lock for the walk (tens of µs at most): one lock per key would
+    /// cost more than the lookup, and each lock is a fence that stops the CPU from overlapping
+    /// the lookups' cache misses. Shards are locked in order and writers hold one at a time, so
+    /// concurrent walks and writers cannot deadlock.
+    fn walk(
+        &self,
+        keys: &[u64],
+        alive: &mut SlotSet,
+        gpu_alive: &mut SlotSet,
+        matched: &mut [u32],
+        gpu_matched: &mut [u32],
+    ) {
+        let maps: Vec<_> = self.shards.iter().map(|shard| shard.read()).collect();
+        let words = alive.word_count();
+        // Per chunk position, the slots holding its key (any medium, GPU), `words` words each.
+        let mut present = vec![0u64; CHUNK * words];
+        let mut gpu = vec![0u64; CHUNK * words];
+        for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
+            present.fill(0);
+            gpu.fill(0);
+            // Lookups first, in a tight loop of independent loads.
+            for (at, key) in chunk.iter().enumerate() {
+                if let Some(holders) = maps[self.shard_of(*key)].get(key) {
+                    let range = at * words..(at + 1) * words;
+                    holders.mark(&mut present[range.clone()], &mut gpu[range]);
                 }
-                let gpu = &mut batch.gpu[at * words..(at + 1) * words];
-                for holder in holders.as_slice().iter().filter(|h| h.media.has_gpu()) {
-                    SlotSet::set_in(gpu, holder.slot);
+            }
+            for at in 0..chunk.len() {
+                let index = (chunk_at * CHUNK + at) as u32;
+                let range = at * words..(at + 1) * words;
+                alive.retain_words(&present[range.clone()], |slot| matched[slot] = index);
+                gpu_alive.retain_words(&gpu[range], |slot| gpu_matched[slot] = index);
+                if alive.is_empty() {
+                    return;
                 }
             }
         }
@@ -343,13 +289,7 @@ impl Pool {
     pub(crate) fn holdings(&self) -> usize {
         self.shards
             .iter()
-            .map(|shard| {
-                shard
-                    .read()
-                    .values()
-                    .map(|h| h.as_slice().len())
-                    .sum::<usize>()
-            })
+            .map(|shard| shard.read().values().map(Holders::len).sum::<usize>())
             .sum()
     }
 

@@ -68,6 +68,14 @@ impl HeldBlocks {
         }
     }
 
+    /// The engine hashes held (debug listing; O(blocks)).
+    fn engine_hashes(&self) -> Vec<EngineHash> {
+        match self {
+            HeldBlocks::Exact(set) => set.iter().copied().collect(),
+            HeldBlocks::Chain(map) => map.keys().copied().collect(),
+        }
+    }
+
     /// Empties the set (releasing its memory) and returns the block keys it held.
     fn take_keys(&mut self) -> Vec<u64> {
         match self {
@@ -145,6 +153,13 @@ impl Replica {
 
     pub(crate) fn memory_bytes(&self) -> usize {
         self.blocks.memory_bytes()
+    }
+
+    /// Engine hashes held, sorted (admin debug listing).
+    pub(crate) fn engine_hashes(&self) -> Vec<EngineHash> {
+        let mut hashes = self.blocks.engine_hashes();
+        hashes.sort_unstable();
+        hashes
     }
 
     pub(crate) fn set_flag(&mut self, flag: Option<FlagReason>, metrics: &IndexMetrics) {

@@ -29,6 +29,7 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, cancel: Ca
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { "ready\n" }))
         .route("/v1/replicas", get(replicas))
+        .route("/v1/replicas/{id}/blocks", get(replica_blocks))
         .route("/v1/match", post(match_prompt))
         .with_state(shared);
     let result = axum::serve(listener, app)
@@ -44,14 +45,18 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
     let mut text = String::new();
     match prometheus_client::encoding::text::encode(&mut text, &shared.registry) {
         Ok(()) => (
-            [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
             text,
         )
             .into_response(),
-        Err(error) => {
-            (StatusCode::INTERNAL_SERVER_ERROR, format!("cannot encode metrics: {error}\n"))
-                .into_response()
-        }
+        Err(error) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot encode metrics: {error}\n"),
+        )
+            .into_response(),
     }
 }
 
@@ -80,6 +85,21 @@ async fn replicas(State(shared): State<Arc<Shared>>) -> Json<Vec<ReplicaJson>> {
             })
             .collect(),
     )
+}
+
+/// `GET /v1/replicas/{id}/blocks`: the engine hashes indexed for one replica (debugging and
+/// convergence tests; O(its blocks)).
+async fn replica_blocks(
+    State(shared): State<Arc<Shared>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    let Some(id) = shared.directory.replica_id(&name) else {
+        return error_response(StatusCode::NOT_FOUND, format!("unknown replica {name:?}"));
+    };
+    match shared.index.replica_block_hashes(id) {
+        Ok(blocks) => Json(serde_json::json!({ "id": name, "blocks": blocks })).into_response(),
+        Err(error) => error_response(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    }
 }
 
 /// `POST /v1/match` body: a prompt as token ids (hashed with the pool's scheme) or as keys.
@@ -179,7 +199,9 @@ fn keys_from_tokens(
         .pool(&body.model)
         .ok_or_else(|| MatchError::UnknownModel(body.model.clone()))?;
     if tokens.len() > MAX_MATCH_TOKENS || tokens.len() / pool.block_size as usize > MAX_MATCH_KEYS {
-        return Err(MatchError::TooManyKeys(tokens.len() / pool.block_size as usize));
+        return Err(MatchError::TooManyKeys(
+            tokens.len() / pool.block_size as usize,
+        ));
     }
     let lora = body.lora_name.as_deref().map(|name| LoraRef {
         id: body.lora_id,
@@ -189,9 +211,16 @@ fn keys_from_tokens(
     let started = Instant::now();
     let keys = pool
         .scheme
-        .prompt_keys(tokens, pool.block_size as usize, lora.as_ref(), body.cache_salt.as_deref())
+        .prompt_keys(
+            tokens,
+            pool.block_size as usize,
+            lora.as_ref(),
+            body.cache_salt.as_deref(),
+        )
         .map_err(|e| MatchError::Keys(e.to_string()))?;
-    shared.metrics.observe_match("hash", started.elapsed().as_secs_f64());
+    shared
+        .metrics
+        .observe_match("hash", started.elapsed().as_secs_f64());
     Ok(keys)
 }
 

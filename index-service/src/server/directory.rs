@@ -57,7 +57,10 @@ impl Directory {
                                 pool: pool.model.clone(),
                             },
                         })?;
-                    KeyScheme::VllmExact { hasher, era: pool.vllm_era }
+                    KeyScheme::VllmExact {
+                        hasher,
+                        era: pool.vllm_era,
+                    }
                 }
                 KeySchemeKind::TokenChain => KeyScheme::TokenChain,
             };
@@ -71,7 +74,11 @@ impl Directory {
                     what: format!("pool {}", pool.model),
                     source,
                 })?;
-            pools.push(PoolEntry { model: pool.model.clone(), block_size: pool.block_size, scheme });
+            pools.push(PoolEntry {
+                model: pool.model.clone(),
+                block_size: pool.block_size,
+                scheme,
+            });
         }
 
         let mut replicas = Vec::with_capacity(config.replicas.len());
@@ -79,15 +86,21 @@ impl Directory {
         for (i, replica) in config.replicas.iter().enumerate() {
             let id = ReplicaId(u32::try_from(i).unwrap_or(u32::MAX));
             let model = config.pools[replica.pool].model.clone();
-            index.add_replica(id, &replica.id, &model).map_err(|source| ServeError::Register {
-                what: format!("replica {}", replica.id),
-                source,
-            })?;
+            index
+                .add_replica(id, &replica.id, &model)
+                .map_err(|source| ServeError::Register {
+                    what: format!("replica {}", replica.id),
+                    source,
+                })?;
             let name: Arc<str> = Arc::from(replica.id.as_str());
             by_name.insert(Arc::clone(&name), id);
             replicas.push(ReplicaEntry { name, id, model });
         }
-        Ok(Directory { pools, replicas, by_name })
+        Ok(Directory {
+            pools,
+            replicas,
+            by_name,
+        })
     }
 
     /// The ingest socket of every replica.
@@ -96,14 +109,17 @@ impl Directory {
             .replicas
             .iter()
             .zip(&self.replicas)
+            // Agent-fed replicas without an endpoint have no ZMQ socket here.
+            .filter(|(replica, _)| !replica.endpoint.is_empty())
             .map(|(replica, entry)| {
                 let mode = match replica.mode {
                     SocketMode::Connect => ingest::SocketMode::Connect,
                     SocketMode::Bind => ingest::SocketMode::Bind,
                 };
-                let mut socket = IngestConfig::new(Arc::clone(&entry.name), &replica.endpoint, mode)
-                    .with_dp_rank(replica.dp_rank)
-                    .with_topic_filter(replica.topic.clone());
+                let mut socket =
+                    IngestConfig::new(Arc::clone(&entry.name), &replica.endpoint, mode)
+                        .with_dp_rank(replica.dp_rank)
+                        .with_topic_filter(replica.topic.clone());
                 socket.replay_timeout = config.replay_timeout;
                 if let Some(replay) = &replica.replay_endpoint {
                     socket = socket.with_replay_endpoint(replay.clone());
@@ -115,7 +131,10 @@ impl Directory {
 
     /// The sink the ingest tasks feed.
     pub fn sink(&self, index: Arc<BlockIndex>) -> IndexSink {
-        IndexSink { index, by_name: self.by_name.clone() }
+        IndexSink {
+            index,
+            by_name: self.by_name.clone(),
+        }
     }
 
     /// A pool by model name.

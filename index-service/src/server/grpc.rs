@@ -82,19 +82,26 @@ fn match_keys_inner(
         .pool(model)
         .ok_or_else(|| MatchError::UnknownModel(model.to_owned()))?;
     if let Some(asked) = block_size.filter(|&size| size != pool.block_size) {
-        return Err(MatchError::BlockSize { asked, pool: pool.block_size });
+        return Err(MatchError::BlockSize {
+            asked,
+            pool: pool.block_size,
+        });
     }
     if keys.len() > MAX_MATCH_KEYS {
         return Err(MatchError::TooManyKeys(keys.len()));
     }
     // Unknown candidate ids are left out: the caller's replica list may be newer than ours.
-    let candidate_ids: Vec<ReplicaId> =
-        candidates.iter().filter_map(|name| shared.directory.replica_id(name)).collect();
+    let candidate_ids: Vec<ReplicaId> = candidates
+        .iter()
+        .filter_map(|name| shared.directory.replica_id(name))
+        .collect();
     let candidates = (!candidates.is_empty()).then_some(candidate_ids.as_slice());
 
     let started = Instant::now();
     let matches = shared.index.find_matches(model, keys, candidates)?;
-    shared.metrics.observe_match("index", started.elapsed().as_secs_f64());
+    shared
+        .metrics
+        .observe_match("index", started.elapsed().as_secs_f64());
 
     let replicas = matches
         .into_iter()
@@ -123,7 +130,9 @@ pub(crate) fn replica_states(shared: &Shared, model: Option<&str>) -> Vec<api::R
         .replica_statuses(model)
         .into_iter()
         .map(|status| {
-            let socket = ingest.iter().find(|s| *s.replica.replica_id == *status.name);
+            let socket = ingest
+                .iter()
+                .find(|s| *s.replica.replica_id == *status.name);
             let (state, problem) = replica_state(status.flag, socket);
             api::ReplicaState {
                 replica_id: status.name,
@@ -199,14 +208,18 @@ impl api::kv_index_server::KvIndex for MatchService {
 pub(crate) async fn serve(
     listener: TcpListener,
     shared: Arc<Shared>,
-    health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+    health: tonic_health::pb::health_server::HealthServer<
+        impl tonic_health::pb::health_server::Health,
+    >,
     cancel: CancellationToken,
 ) {
+    let agents = shared.agents.service();
     let service = KvIndexServer::new(MatchService { shared });
     let result = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(health)
         .add_service(service)
+        .add_service(agents)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), cancel.cancelled_owned())
         .await;
     match result {

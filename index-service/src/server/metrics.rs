@@ -28,7 +28,9 @@ pub(crate) struct ServerMetrics {
 
 fn match_histogram() -> Histogram {
     // 1 µs .. ~33 ms: matches take microseconds; the tail shows lock contention.
-    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(1e-6, 2.0, 16))
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        1e-6, 2.0, 16,
+    ))
 }
 
 impl ServerMetrics {
@@ -51,10 +53,14 @@ impl ServerMetrics {
     }
 
     pub(crate) fn observe_match(&self, api: &'static str, seconds: f64) {
-        self.match_duration.get_or_create(&ApiLabel { api }).observe(seconds);
+        self.match_duration
+            .get_or_create(&ApiLabel { api })
+            .observe(seconds);
     }
 
     pub(crate) fn match_error(&self, api: &'static str, reason: &'static str) {
-        self.match_errors.get_or_create(&MatchErrorLabel { api, reason }).inc();
+        self.match_errors
+            .get_or_create(&MatchErrorLabel { api, reason })
+            .inc();
     }
 }

@@ -7,6 +7,7 @@
 //! concurrently with writes.
 
 mod admin;
+mod agent_stream;
 mod directory;
 mod grpc;
 mod metrics;
@@ -61,6 +62,7 @@ pub(crate) struct Shared {
     pub(crate) ingest: Ingest,
     pub(crate) registry: Registry,
     pub(crate) metrics: ServerMetrics,
+    pub(crate) agents: Arc<agent_stream::AgentStreams>,
 }
 
 /// A running index service.
@@ -79,10 +81,18 @@ impl IndexServer {
     pub async fn start(config: Config) -> Result<Self, ServeError> {
         let grpc_listener = TcpListener::bind(config.grpc_addr)
             .await
-            .map_err(|source| ServeError::Bind { what: "grpc", addr: config.grpc_addr, source })?;
-        let admin_listener = TcpListener::bind(config.admin_addr).await.map_err(|source| {
-            ServeError::Bind { what: "admin", addr: config.admin_addr, source }
-        })?;
+            .map_err(|source| ServeError::Bind {
+                what: "grpc",
+                addr: config.grpc_addr,
+                source,
+            })?;
+        let admin_listener = TcpListener::bind(config.admin_addr)
+            .await
+            .map_err(|source| ServeError::Bind {
+                what: "admin",
+                addr: config.admin_addr,
+                source,
+            })?;
         let grpc_addr = local_addr(&grpc_listener, "grpc", config.grpc_addr)?;
         let admin_addr = local_addr(&admin_listener, "admin", config.admin_addr)?;
 
@@ -109,7 +119,20 @@ impl IndexServer {
             ingest.spawn(socket);
         }
 
-        let shared = Arc::new(Shared { index, directory, ingest, registry, metrics });
+        let agents = agent_stream::AgentStreams::new(
+            &config,
+            Arc::clone(&index),
+            directory.clone(),
+            &mut registry,
+        );
+        let shared = Arc::new(Shared {
+            index,
+            directory,
+            ingest,
+            registry,
+            metrics,
+            agents,
+        });
         let (health, health_service) = tonic_health::server::health_reporter();
         health
             .set_serving::<crate::api::kv_index_server::KvIndexServer<grpc::MatchService>>()
@@ -118,11 +141,30 @@ impl IndexServer {
         let tasks = TaskTracker::new();
         spawn_tracked(
             &tasks,
-            grpc::serve(grpc_listener, Arc::clone(&shared), health_service, cancel.clone()),
+            grpc::serve(
+                grpc_listener,
+                Arc::clone(&shared),
+                health_service,
+                cancel.clone(),
+            ),
         );
-        spawn_tracked(&tasks, admin::serve(admin_listener, Arc::clone(&shared), cancel.clone()));
+        spawn_tracked(
+            &tasks,
+            admin::serve(admin_listener, Arc::clone(&shared), cancel.clone()),
+        );
+        spawn_tracked(
+            &tasks,
+            agent_stream::sweep_stale(Arc::clone(&shared.agents), cancel.clone()),
+        );
         tracing::info!(%grpc_addr, %admin_addr, replicas = config.replicas.len(), "kvroute-index serving");
-        Ok(IndexServer { grpc_addr, admin_addr, cancel, tasks, shared, health })
+        Ok(IndexServer {
+            grpc_addr,
+            admin_addr,
+            cancel,
+            tasks,
+            shared,
+            health,
+        })
     }
 
     /// Address the gRPC API listens on.
@@ -142,7 +184,10 @@ impl IndexServer {
             .await;
         self.cancel.cancel();
         self.tasks.close();
-        if tokio::time::timeout(SHUTDOWN_DRAIN_TIMEOUT, self.tasks.wait()).await.is_err() {
+        if tokio::time::timeout(SHUTDOWN_DRAIN_TIMEOUT, self.tasks.wait())
+            .await
+            .is_err()
+        {
             tracing::warn!(
                 timeout_ms = SHUTDOWN_DRAIN_TIMEOUT.as_millis() as u64,
                 "servers did not drain in time"
@@ -165,7 +210,9 @@ fn local_addr(
     what: &'static str,
     addr: SocketAddr,
 ) -> Result<SocketAddr, ServeError> {
-    listener.local_addr().map_err(|source| ServeError::Bind { what, addr, source })
+    listener
+        .local_addr()
+        .map_err(|source| ServeError::Bind { what, addr, source })
 }
 
 /// The service's one spawn site: every task is tracked and watches the service's token.

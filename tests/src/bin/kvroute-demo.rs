@@ -118,14 +118,14 @@ async fn run(args: Args) -> ExitCode {
             stack.print_logs();
             return ExitCode::FAILURE;
         }
-        println!("running the workload through Envoy with {} ...", routing.as_label());
+        println!(
+            "running the workload through Envoy with {} ...",
+            routing.as_label()
+        );
         match demo::run_phase(&stack, routing, &conversations, &workload_options).await {
             Ok(report) => {
                 if let Some(error) = &report.first_error {
-                    eprintln!(
-                        "  {} request(s) failed; first: {error}",
-                        report.failed
-                    );
+                    eprintln!("  {} request(s) failed; first: {error}", report.failed);
                 }
                 reports.push(report);
             }
@@ -166,11 +166,14 @@ async fn print_decisions(admin: &str) {
     let lines: Vec<String> = response
         .text()
         .lines()
-        .filter(|line| line.starts_with("kvroute_extproc_decisions_total{"))
+        .filter(|line| {
+            line.starts_with("kvroute_extproc_decisions_total{")
+                || line.starts_with("kvroute_extproc_fallbacks_total{")
+        })
         .map(|line| format!("  {line}"))
         .collect();
     if !lines.is_empty() {
-        println!("\nkvroute decisions:\n{}", lines.join("\n"));
+        println!("\nkvroute decisions and fallbacks:\n{}", lines.join("\n"));
     }
 }
 

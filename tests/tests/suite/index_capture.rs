@@ -52,8 +52,8 @@ fn load_capture() -> Capture {
             Some("zmq_pub") => {
                 let seq = record["seq"].as_u64().expect("seq");
                 let frames = record["frames_hex"].as_array().expect("frames");
-                topic = String::from_utf8(hex::decode(frames[0].as_str().unwrap()).unwrap())
-                    .unwrap();
+                topic =
+                    String::from_utf8(hex::decode(frames[0].as_str().unwrap()).unwrap()).unwrap();
                 let payload = hex::decode(frames[2].as_str().unwrap()).unwrap();
                 messages.push((seq, payload, record["decoded"].clone()));
             }
@@ -75,10 +75,18 @@ fn load_capture() -> Capture {
     }
     messages.sort_by_key(|(seq, _, _)| *seq);
     for (i, (seq, _, _)) in messages.iter().enumerate() {
-        assert_eq!(*seq, i as u64, "capture sequence numbers are contiguous from 0");
+        assert_eq!(
+            *seq, i as u64,
+            "capture sequence numbers are contiguous from 0"
+        );
     }
     let (payloads, decoded) = messages.into_iter().map(|(_, p, d)| (p, d)).unzip();
-    Capture { topic, payloads, decoded, prompts }
+    Capture {
+        topic,
+        payloads,
+        decoded,
+        prompts,
+    }
 }
 
 /// What the capture's events imply: the set of published hashes held after `decoded[..n]`.
@@ -87,7 +95,11 @@ fn held_after(decoded: &[Value]) -> HashSet<u64> {
     for batch in decoded {
         for event in batch[1].as_array().expect("events") {
             let hashes = || {
-                event["block_hashes"].as_array().into_iter().flatten().map(|h| h.as_u64().unwrap())
+                event["block_hashes"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|h| h.as_u64().unwrap())
             };
             match event["type"].as_str() {
                 Some("BlockStored") => held.extend(hashes()),
@@ -115,7 +127,9 @@ fn leading_held(keys: &[u64], held: &HashSet<u64>) -> u64 {
 
 /// Minimal HTTP/1.1 client: one request per connection.
 async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect admin");
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect admin");
     let request = format!(
         "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
          content-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -125,7 +139,10 @@ async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) 
     let mut response = String::new();
     stream.read_to_string(&mut response).await.unwrap();
     let status = response[9..12].parse().unwrap();
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
     (status, body)
 }
 
@@ -144,13 +161,18 @@ async fn last_sequence(admin: std::net::SocketAddr) -> Option<u64> {
     let (_, text) = http(admin, "GET", "/v1/replicas", "").await;
     let replicas: Value = serde_json::from_str(&text).ok()?;
     let replica = &replicas[0];
-    (replica["state"] == "ready").then(|| replica["last_sequence"].as_u64()).flatten()
+    (replica["state"] == "ready")
+        .then(|| replica["last_sequence"].as_u64())
+        .flatten()
 }
 
 async fn wait_for_sequence(admin: std::net::SocketAddr, seq: u64) {
     let start = Instant::now();
     while last_sequence(admin).await != Some(seq) {
-        assert!(start.elapsed() < DEADLINE, "index never reached sequence {seq}");
+        assert!(
+            start.elapsed() < DEADLINE,
+            "index never reached sequence {seq}"
+        );
         tokio::task::yield_now().await;
         tokio::time::sleep(Duration::from_millis(5)).await; // poll interval, not a synchronisation
     }
@@ -177,7 +199,9 @@ async fn check_prompts(admin: std::net::SocketAddr, capture: &Capture, upto: usi
 /// A prompt the capture never mentions, stored before the engine restart.
 fn ghost_batch() -> (Vec<u32>, Vec<u8>) {
     let tokens: Vec<u32> = (0..2 * BLOCK_SIZE as u32).map(|t| 1900 - t).collect();
-    let keys = scheme().prompt_keys(&tokens, BLOCK_SIZE, None, None).unwrap();
+    let keys = scheme()
+        .prompt_keys(&tokens, BLOCK_SIZE, None, None)
+        .unwrap();
     let batch = EventBatch {
         ts: 1.0,
         dp_rank: Some(0),
@@ -224,7 +248,9 @@ async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
     })
     .await
     .expect("publisher binds");
-    let server = IndexServer::start(index_config(&publisher)).await.expect("index starts");
+    let server = IndexServer::start(index_config(&publisher))
+        .await
+        .expect("index starts");
     let admin = server.admin_addr();
 
     // The engine was already running: publish until the index has the ghost prompt (this also
@@ -236,7 +262,10 @@ async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
         if matched_blocks(admin, &ghost).await == 2 {
             break;
         }
-        assert!(start.elapsed() < DEADLINE, "index never received the warm-up stream");
+        assert!(
+            start.elapsed() < DEADLINE,
+            "index never received the warm-up stream"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await; // publish interval
     }
 
@@ -247,12 +276,22 @@ async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
         if seq == 5 {
             assert_eq!(publisher.skip_seq(payload.clone()).await, 5);
         } else {
-            assert_eq!(publisher.publish(payload.clone()).await.unwrap(), seq as u64);
+            assert_eq!(
+                publisher.publish(payload.clone()).await.unwrap(),
+                seq as u64
+            );
         }
     }
     wait_for_sequence(admin, 17).await;
-    assert_eq!(matched_blocks(admin, &ghost).await, 0, "the restart reset the replica");
-    assert!(publisher.replay_requests() >= 1, "the gap was repaired through replay");
+    assert_eq!(
+        matched_blocks(admin, &ghost).await,
+        0,
+        "the restart reset the replica"
+    );
+    assert!(
+        publisher.replay_requests() >= 1,
+        "the gap was repaired through replay"
+    );
     check_prompts(admin, &capture, 17).await;
 
     // Evictions, then the capture's reset_prefix_cache (AllBlocksCleared) and one new store.
@@ -261,7 +300,10 @@ async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
     }
     wait_for_sequence(admin, 28).await;
     check_prompts(admin, &capture, 28).await;
-    publisher.publish(capture.payloads[29].clone()).await.unwrap();
+    publisher
+        .publish(capture.payloads[29].clone())
+        .await
+        .unwrap();
     wait_for_sequence(admin, 29).await;
     check_prompts(admin, &capture, 29).await;
 
@@ -272,7 +314,10 @@ async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
         "kvroute_index_ingest_resets_total{replica_id=\"engine-a\",dp_rank=\"0\",reason=\"engine_restart\"} 1",
         "kvroute_index_events_applied_total{kind=\"all_blocks_cleared\"} 1",
     ] {
-        assert!(metrics.contains(needle), "metrics lack {needle}:\n{metrics}");
+        assert!(
+            metrics.contains(needle),
+            "metrics lack {needle}:\n{metrics}"
+        );
     }
 
     server.shutdown().await;

@@ -1,9 +1,12 @@
 //! Test modules of the integration binary.
 
+mod agent;
 mod common;
+mod demo;
 mod envoy;
 mod fidelity;
 mod index_capture;
+mod routing;
 mod sim;
 mod tokenize_parity;
 mod wasm_filter;

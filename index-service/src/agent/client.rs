@@ -1,0 +1,150 @@
+//! One stream to one kvroute-index: connect, `Hello`, snapshot, then deltas until the stream
+//! breaks; reconnect with capped exponential backoff (reset once the index welcomes us).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Endpoint;
+
+use super::hub::Hub;
+use super::metrics::AgentMetrics;
+use super::token::AgentToken;
+use crate::api::{self, agent_ingest_client::AgentIngestClient};
+
+/// Bound on one connect attempt.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// HTTP/2 pings detect a silently dead index (a cut network) within about twice this.
+const KEEPALIVE: Duration = Duration::from_secs(5);
+/// Largest message we send or accept; snapshot chunks stay far below it.
+pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
+
+/// What the connection loop needs.
+#[derive(Debug, Clone)]
+pub(crate) struct StreamSettings {
+    pub(crate) index: String,
+    pub(crate) agent_id: String,
+    pub(crate) token: AgentToken,
+    pub(crate) backoff_min: Duration,
+    pub(crate) backoff_max: Duration,
+}
+
+/// Keeps one index stream up until `cancel`.
+pub(crate) async fn run(
+    settings: StreamSettings,
+    hub: Arc<Hub>,
+    metrics: AgentMetrics,
+    cancel: CancellationToken,
+) {
+    let mut delay = settings.backoff_min;
+    loop {
+        let ended = tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            ended = stream_once(&settings, &hub, &metrics) => ended,
+        };
+        metrics.set_connected(&settings.index, false);
+        metrics.stream_ended(ended.as_label());
+        if ended.welcomed {
+            delay = settings.backoff_min;
+        }
+        tracing::warn!(index = %settings.index, reason = ended.as_label(), detail = %ended.detail,
+            retry_ms = delay.as_millis() as u64, "index stream ended; reconnecting");
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(settings.backoff_max);
+    }
+    metrics.set_connected(&settings.index, false);
+}
+
+#[derive(Debug)]
+struct StreamEnd {
+    reason: &'static str,
+    detail: String,
+    welcomed: bool,
+}
+
+impl StreamEnd {
+    fn as_label(&self) -> &'static str {
+        self.reason
+    }
+}
+
+async fn stream_once(settings: &StreamSettings, hub: &Hub, metrics: &AgentMetrics) -> StreamEnd {
+    let end = |reason, detail: String, welcomed| StreamEnd {
+        reason,
+        detail,
+        welcomed,
+    };
+    let endpoint = match Endpoint::from_shared(settings.index.clone()) {
+        Ok(endpoint) => endpoint
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(KEEPALIVE)
+            .keep_alive_timeout(KEEPALIVE)
+            .keep_alive_while_idle(true),
+        Err(error) => return end("bad_uri", error.to_string(), false),
+    };
+    let channel = match endpoint.connect().await {
+        Ok(channel) => channel,
+        Err(error) => return end("connect", error.to_string(), false),
+    };
+    let mut client = AgentIngestClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+
+    // Subscribe only once connected: deltas queue for a live stream, not a dead address.
+    let (snapshot, deltas) = hub.subscribe();
+    let hello = api::AgentMessage {
+        body: Some(api::agent_message::Body::Hello(api::Hello {
+            agent_id: settings.agent_id.clone(),
+            token: settings.token.expose().to_owned(),
+            replicas: hub.replicas(),
+        })),
+    };
+    let outbound = futures::stream::iter(std::iter::once(hello).chain(snapshot))
+        .chain(ReceiverStream::new(deltas));
+    let mut inbound = match client.agent_stream(outbound).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => return end(status_label(&status), status.message().to_owned(), false),
+    };
+    let mut welcomed = false;
+    loop {
+        match inbound.message().await {
+            Ok(Some(api::IndexMessage {
+                body: Some(api::index_message::Body::Welcome(welcome)),
+            })) => {
+                welcomed = true;
+                metrics.set_connected(&settings.index, true);
+                tracing::info!(index = %settings.index, replicas = ?welcome.accepted, "index stream up");
+            }
+            Ok(Some(api::IndexMessage {
+                body: Some(api::index_message::Body::Refused(refused)),
+            })) => {
+                metrics.refused_by_index();
+                tracing::warn!(index = %settings.index, replica_id = %refused.replica_id,
+                    reason = %refused.reason, "index refused a write");
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => return end("closed", String::new(), welcomed),
+            Err(status) => {
+                return end(status_label(&status), status.message().to_owned(), welcomed);
+            }
+        }
+    }
+}
+
+fn status_label(status: &tonic::Status) -> &'static str {
+    match status.code() {
+        tonic::Code::Unauthenticated => "unauthenticated",
+        tonic::Code::PermissionDenied => "permission_denied",
+        tonic::Code::Unavailable => "unavailable",
+        tonic::Code::Cancelled => "cancelled",
+        _ => "error",
+    }
+}

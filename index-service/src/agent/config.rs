@@ -1,0 +1,300 @@
+//! `kvroute-agent` configuration (YAML, unknown keys rejected).
+//!
+//! ```yaml
+//! agent_id: node-a
+//! token_file: /var/run/secrets/kvroute-agent/token   # or token_env: KVROUTE_AGENT_TOKEN
+//! indexes: ["http://kvroute-index-0:50061", "http://kvroute-index-1:50061"]
+//! admin: 127.0.0.1:9471            # /metrics, /healthz
+//! batch_delay_ms: 20               # deltas are flushed at least this often
+//! max_blocks_per_replica: 1000000
+//! engines:
+//!   - replica: engine-a            # the id the index knows it by
+//!     endpoint: tcp://127.0.0.1:5557
+//!     replay_endpoint: tcp://127.0.0.1:5558
+//!     dp_rank: 0
+//! ```
+
+use std::{net::SocketAddr, sync::Arc, time::Duration};
+
+use serde::Deserialize;
+
+use super::token::{AgentToken, TokenError, TokenSource};
+use crate::ingest::{IngestConfig, SocketMode};
+
+/// Default admin listen address.
+pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9471";
+/// Default longest wait before pending deltas are sent.
+pub const DEFAULT_BATCH_DELAY: Duration = Duration::from_millis(20);
+/// Default pending-delta size that triggers an immediate send (approximate bytes).
+pub const DEFAULT_MAX_BATCH_BYTES: usize = 1 << 20;
+/// Default per-replica mirror cap.
+pub const DEFAULT_MAX_BLOCKS_PER_REPLICA: usize = 1_000_000;
+/// Delta messages queued per index stream before the stream is restarted from a snapshot.
+pub const DEFAULT_SUBSCRIBER_QUEUE: usize = 4096;
+
+/// The file as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawAgentConfig {
+    /// Agent id, as in the index's `agents:` section.
+    pub agent_id: String,
+    /// File holding the token.
+    pub token_file: Option<String>,
+    /// Environment variable holding the token.
+    pub token_env: Option<String>,
+    /// Index gRPC addresses (`http://host:port`), one stream each.
+    pub indexes: Vec<String>,
+    /// Admin HTTP address.
+    pub admin: Option<String>,
+    /// Longest delay before deltas are sent, in milliseconds.
+    pub batch_delay_ms: Option<u64>,
+    /// Per-replica mirror cap.
+    pub max_blocks_per_replica: Option<usize>,
+    /// Reconnect backoff cap, in milliseconds.
+    pub reconnect_backoff_max_ms: Option<u64>,
+    /// Local engines.
+    pub engines: Vec<RawEngine>,
+}
+
+/// One `engines:` entry.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawEngine {
+    /// Replica id.
+    pub replica: String,
+    /// The engine's PUB endpoint.
+    pub endpoint: String,
+    /// `connect` (default) or `bind`.
+    pub mode: Option<String>,
+    /// The engine's replay ROUTER.
+    pub replay_endpoint: Option<String>,
+    /// SUB topic prefix.
+    pub topic: Option<String>,
+    /// Data-parallel rank.
+    pub dp_rank: Option<u32>,
+}
+
+/// Why the agent config is unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentConfigError {
+    /// YAML syntax, unknown key, wrong type.
+    #[error("invalid agent config: {0}")]
+    Parse(#[from] serde_yaml::Error),
+    /// A field has a bad value.
+    #[error("invalid value for `{field}`: {value:?}: {reason}")]
+    InvalidValue {
+        /// Field path.
+        field: String,
+        /// The value.
+        value: String,
+        /// Why.
+        reason: &'static str,
+    },
+    /// The token cannot be loaded.
+    #[error("cannot load the agent token")]
+    Token(#[from] TokenError),
+}
+
+impl AgentConfigError {
+    /// Metric/log label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            AgentConfigError::Parse(_) => "parse",
+            AgentConfigError::InvalidValue { .. } => "invalid_value",
+            AgentConfigError::Token(_) => "token",
+        }
+    }
+
+    fn invalid(field: impl Into<String>, value: impl ToString, reason: &'static str) -> Self {
+        AgentConfigError::InvalidValue {
+            field: field.into(),
+            value: value.to_string(),
+            reason,
+        }
+    }
+}
+
+/// Validated agent configuration.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Agent id.
+    pub agent_id: String,
+    /// Its token.
+    pub token: AgentToken,
+    /// Index gRPC URIs.
+    pub indexes: Vec<String>,
+    /// Admin listen address.
+    pub admin_addr: SocketAddr,
+    /// Longest delta delay.
+    pub batch_delay: Duration,
+    /// Pending delta size that triggers a send.
+    pub max_batch_bytes: usize,
+    /// Mirror cap per replica.
+    pub max_blocks_per_replica: usize,
+    /// Delta queue per index stream.
+    pub subscriber_queue: usize,
+    /// First reconnect delay.
+    pub reconnect_backoff_min: Duration,
+    /// Reconnect delay cap.
+    pub reconnect_backoff_max: Duration,
+    /// One ingest socket per engine (DP rank).
+    pub engines: Vec<IngestConfig>,
+}
+
+impl AgentConfig {
+    /// Parses, validates and loads the token.
+    pub fn from_yaml(text: &str) -> Result<Self, AgentConfigError> {
+        let raw: RawAgentConfig = serde_yaml::from_str(text)?;
+        let token = match (&raw.token_file, &raw.token_env) {
+            (Some(path), None) => TokenSource::File(path.clone()),
+            (None, Some(name)) => TokenSource::Env(name.clone()),
+            _ => {
+                return Err(AgentConfigError::invalid(
+                    "token_file",
+                    "",
+                    "give exactly one of token_file or token_env",
+                ));
+            }
+        };
+        let token = AgentToken::load(&token)?;
+        Self::validate(raw, token)
+    }
+
+    /// Validates a raw config with an already loaded token.
+    pub fn validate(raw: RawAgentConfig, token: AgentToken) -> Result<Self, AgentConfigError> {
+        if raw.agent_id.is_empty() {
+            return Err(AgentConfigError::invalid(
+                "agent_id",
+                "",
+                "must be non-empty",
+            ));
+        }
+        if raw.indexes.is_empty() {
+            return Err(AgentConfigError::invalid(
+                "indexes",
+                "[]",
+                "name at least one index",
+            ));
+        }
+        for (i, index) in raw.indexes.iter().enumerate() {
+            if !(index.starts_with("http://") || index.starts_with("https://")) {
+                return Err(AgentConfigError::invalid(
+                    format!("indexes[{i}]"),
+                    index,
+                    "expected http://host:port",
+                ));
+            }
+        }
+        let admin = raw.admin.as_deref().unwrap_or(DEFAULT_ADMIN_ADDR);
+        let admin_addr = admin
+            .parse()
+            .map_err(|_| AgentConfigError::invalid("admin", admin, "expected ip:port"))?;
+        let mut engines: Vec<IngestConfig> = Vec::with_capacity(raw.engines.len());
+        for (i, engine) in raw.engines.into_iter().enumerate() {
+            let field = |name: &str| format!("engines[{i}].{name}");
+            if engine.replica.is_empty() || engines.iter().any(|e| *e.replica_id == *engine.replica)
+            {
+                return Err(AgentConfigError::invalid(
+                    field("replica"),
+                    &engine.replica,
+                    "must be non-empty and unique (one entry per DP rank, each its own replica id)",
+                ));
+            }
+            if !engine.endpoint.contains("://") {
+                return Err(AgentConfigError::invalid(
+                    field("endpoint"),
+                    &engine.endpoint,
+                    "expected a ZMQ endpoint such as tcp://127.0.0.1:5557",
+                ));
+            }
+            let mode = match engine.mode.as_deref() {
+                None | Some("connect") => SocketMode::Connect,
+                Some("bind") => SocketMode::Bind,
+                Some(other) => {
+                    return Err(AgentConfigError::invalid(
+                        field("mode"),
+                        other,
+                        "connect or bind",
+                    ));
+                }
+            };
+            let mut socket =
+                IngestConfig::new(Arc::<str>::from(engine.replica), engine.endpoint, mode)
+                    .with_dp_rank(engine.dp_rank.unwrap_or(0))
+                    .with_topic_filter(engine.topic.unwrap_or_default());
+            if let Some(replay) = engine.replay_endpoint {
+                socket = socket.with_replay_endpoint(replay);
+            }
+            engines.push(socket);
+        }
+        if engines.is_empty() {
+            return Err(AgentConfigError::invalid(
+                "engines",
+                "[]",
+                "name at least one engine",
+            ));
+        }
+        let max_blocks_per_replica = raw
+            .max_blocks_per_replica
+            .unwrap_or(DEFAULT_MAX_BLOCKS_PER_REPLICA);
+        if max_blocks_per_replica == 0 {
+            return Err(AgentConfigError::invalid(
+                "max_blocks_per_replica",
+                0,
+                "must be at least 1",
+            ));
+        }
+        Ok(AgentConfig {
+            agent_id: raw.agent_id,
+            token,
+            indexes: raw.indexes,
+            admin_addr,
+            batch_delay: raw
+                .batch_delay_ms
+                .map_or(DEFAULT_BATCH_DELAY, Duration::from_millis),
+            max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
+            max_blocks_per_replica,
+            subscriber_queue: DEFAULT_SUBSCRIBER_QUEUE,
+            reconnect_backoff_min: Duration::from_millis(100),
+            reconnect_backoff_max: raw
+                .reconnect_backoff_max_ms
+                .map_or(Duration::from_secs(5), Duration::from_millis),
+            engines,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(yaml: &str) -> Result<AgentConfig, AgentConfigError> {
+        AgentConfig::validate(serde_yaml::from_str(yaml)?, AgentToken::from_literal("t"))
+    }
+
+    #[test]
+    fn parses_and_names_bad_fields() {
+        let config = parse(
+            "agent_id: a\nindexes: ['http://127.0.0.1:1']\nengines: [{replica: r, endpoint: 'tcp://127.0.0.1:5557', replay_endpoint: 'tcp://127.0.0.1:5558'}]",
+        )
+        .unwrap();
+        assert_eq!(config.engines.len(), 1);
+        assert_eq!(config.batch_delay, DEFAULT_BATCH_DELAY);
+        let cases = [
+            ("agent_id: ''", "agent_id"),
+            ("agent_id: a\nindexes: ['127.0.0.1:1']", "indexes[0]"),
+            (
+                "agent_id: a\nindexes: ['http://h:1']\nengines: [{replica: r, endpoint: x}]",
+                "engines[0].endpoint",
+            ),
+            (
+                "agent_id: a\nindexes: ['http://h:1']\nengines: []",
+                "engines",
+            ),
+        ];
+        for (yaml, field) in cases {
+            let error = parse(yaml).unwrap_err().to_string();
+            assert!(error.contains(&format!("`{field}`")), "{yaml}: {error}");
+        }
+    }
+}

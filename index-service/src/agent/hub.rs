@@ -1,0 +1,333 @@
+//! The agent's hub: ingest writes into per-replica mirrors and pending deltas; index
+//! connections subscribe to get a snapshot followed by every later delta.
+//!
+//! One mutex guards mirrors, pending deltas and subscribers together, so a new subscriber's
+//! snapshot and the deltas it receives afterwards cannot overlap or leave a hole: pending
+//! deltas are flushed to the existing subscribers *before* the snapshot is cut.
+//!
+//! Deltas are "net" within a batch window: a reset or `AllBlocksCleared` drops the pending
+//! events before it. A subscriber whose queue is full is dropped (its connection then
+//! reconnects and starts over from a snapshot) rather than buffering without bound.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+
+use super::convert::event_to_proto;
+use super::metrics::AgentMetrics;
+use super::mirror::ReplicaMirror;
+use crate::api;
+use crate::event::{EventBatch, KvEvent};
+use crate::ingest::{EventSink, ReplicaKey, ResetReason};
+
+/// Rough protobuf size of an event, to keep messages far below gRPC's 4 MiB default.
+fn approx_size(event: &KvEvent) -> usize {
+    match event {
+        KvEvent::BlockStored(s) => 32 + s.block_hashes.len() * 10 + s.token_ids.len() * 5,
+        KvEvent::BlockRemoved(r) => 8 + r.block_hashes.len() * 10,
+        KvEvent::AllBlocksCleared => 2,
+    }
+}
+
+#[derive(Debug, Default)]
+struct PendingDelta {
+    reset: bool,
+    events: Vec<KvEvent>,
+    bytes: usize,
+}
+
+#[derive(Debug)]
+struct Subscriber {
+    tx: mpsc::Sender<api::AgentMessage>,
+}
+
+#[derive(Debug, Default)]
+struct HubState {
+    mirrors: BTreeMap<Arc<str>, ReplicaMirror>,
+    pending: BTreeMap<Arc<str>, PendingDelta>,
+    pending_bytes: usize,
+    subscribers: Vec<Subscriber>,
+}
+
+/// Limits of the hub.
+#[derive(Debug, Clone, Copy)]
+pub struct HubLimits {
+    /// Blocks mirrored per replica.
+    pub max_blocks_per_replica: usize,
+    /// Pending delta size (approximate bytes) that triggers an immediate flush.
+    pub max_batch_bytes: usize,
+    /// Messages queued per subscriber before it is dropped.
+    pub subscriber_queue: usize,
+}
+
+/// Mirrors + fan-out. Implements [`EventSink`] for the ingest tasks.
+#[derive(Debug)]
+pub struct Hub {
+    state: Mutex<HubState>,
+    limits: HubLimits,
+    metrics: AgentMetrics,
+}
+
+impl Hub {
+    /// A hub for `replicas` (their mirrors exist, empty, from the start).
+    pub fn new(replicas: &[Arc<str>], limits: HubLimits, metrics: AgentMetrics) -> Self {
+        let mut state = HubState::default();
+        for replica in replicas {
+            state.mirrors.insert(
+                Arc::clone(replica),
+                ReplicaMirror::new(limits.max_blocks_per_replica),
+            );
+        }
+        Self {
+            state: Mutex::new(state),
+            limits,
+            metrics,
+        }
+    }
+
+    /// Replica ids mirrored (what the agent claims in `Hello`).
+    pub fn replicas(&self) -> Vec<String> {
+        self.state
+            .lock()
+            .mirrors
+            .keys()
+            .map(|r| r.to_string())
+            .collect()
+    }
+
+    /// Sorted block hashes of one replica's mirror.
+    pub fn block_hashes(&self, replica: &str) -> Option<Vec<u64>> {
+        self.state
+            .lock()
+            .mirrors
+            .get(replica)
+            .map(ReplicaMirror::hashes)
+    }
+
+    /// Sends the pending deltas to every subscriber.
+    pub fn flush(&self) {
+        let mut state = self.state.lock();
+        self.flush_locked(&mut state);
+    }
+
+    /// Registers a subscriber: returns the snapshot to send first and the delta queue after it.
+    pub fn subscribe(&self) -> (Vec<api::AgentMessage>, mpsc::Receiver<api::AgentMessage>) {
+        let mut state = self.state.lock();
+        self.flush_locked(&mut state);
+        let mut messages = Vec::new();
+        for (replica, mirror) in &state.mirrors {
+            let chunks = chunk(mirror.snapshot(), self.limits.max_batch_bytes);
+            let last = chunks.len().saturating_sub(1);
+            let mut sent = 0;
+            for (i, events) in chunks.into_iter().enumerate() {
+                sent += events.len();
+                messages.push(api::AgentMessage {
+                    body: Some(api::agent_message::Body::Snapshot(api::Snapshot {
+                        replica_id: replica.to_string(),
+                        first: i == 0,
+                        last: i == last,
+                        events: events.iter().map(event_to_proto).collect(),
+                    })),
+                });
+            }
+            self.metrics.snapshot_built(mirror.len(), sent);
+        }
+        let (tx, rx) = mpsc::channel(self.limits.subscriber_queue);
+        state.subscribers.push(Subscriber { tx });
+        (messages, rx)
+    }
+
+    fn flush_locked(&self, state: &mut HubState) {
+        if state.pending.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut state.pending);
+        state.pending_bytes = 0;
+        for (replica, delta) in pending {
+            let message = api::AgentMessage {
+                body: Some(api::agent_message::Body::Delta(api::Delta {
+                    replica_id: replica.to_string(),
+                    reset: delta.reset,
+                    events: delta.events.iter().map(event_to_proto).collect(),
+                })),
+            };
+            state
+                .subscribers
+                .retain(|subscriber| match subscriber.tx.try_send(message.clone()) {
+                    Ok(()) => true,
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        self.metrics.subscriber_dropped("queue_full");
+                        false
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => false,
+                });
+            self.metrics.delta_sent(delta.events.len());
+        }
+    }
+}
+
+/// Splits snapshot events into messages of about `max_bytes` (at least one message, possibly
+/// empty, so the index always sees `first` and `last`).
+fn chunk(events: Vec<KvEvent>, max_bytes: usize) -> Vec<Vec<KvEvent>> {
+    let mut chunks = vec![Vec::new()];
+    let mut bytes = 0;
+    for event in events {
+        let size = approx_size(&event);
+        if bytes + size > max_bytes && chunks.last().is_some_and(|c| !c.is_empty()) {
+            chunks.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += size;
+        if let Some(last) = chunks.last_mut() {
+            last.push(event);
+        }
+    }
+    chunks
+}
+
+impl EventSink for Hub {
+    fn apply(&self, replica: &ReplicaKey, _seq: u64, batch: EventBatch) {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let Some(mirror) = state.mirrors.get_mut(&replica.replica_id) else {
+            return;
+        };
+        let mut forward = Vec::new();
+        for event in &batch.events {
+            let outcome = mirror.apply(event);
+            if outcome.refused_blocks > 0 {
+                self.metrics.blocks_refused(outcome.refused_blocks);
+            }
+            forward.extend(outcome.forward);
+        }
+        self.metrics
+            .set_mirror_blocks(&replica.replica_id, mirror.len());
+        let pending = state
+            .pending
+            .entry(Arc::clone(&replica.replica_id))
+            .or_default();
+        for event in forward {
+            if matches!(event, KvEvent::AllBlocksCleared) {
+                // Net change: nothing before a clear matters.
+                state.pending_bytes -= pending.bytes.min(state.pending_bytes);
+                pending.events.clear();
+                pending.bytes = 0;
+            }
+            let size = approx_size(&event);
+            pending.bytes += size;
+            state.pending_bytes += size;
+            pending.events.push(event);
+        }
+        if state.pending_bytes >= self.limits.max_batch_bytes {
+            self.flush_locked(state);
+        }
+    }
+
+    fn reset(&self, replica: &ReplicaKey, reason: ResetReason) {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let Some(mirror) = state.mirrors.get_mut(&replica.replica_id) else {
+            return;
+        };
+        tracing::info!(replica_id = %replica.replica_id, reason = reason.as_label(), "mirror reset");
+        mirror.clear();
+        self.metrics.set_mirror_blocks(&replica.replica_id, 0);
+        let pending = state
+            .pending
+            .entry(Arc::clone(&replica.replica_id))
+            .or_default();
+        state.pending_bytes -= pending.bytes.min(state.pending_bytes);
+        *pending = PendingDelta {
+            reset: true,
+            events: Vec::new(),
+            bytes: 0,
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::registry::Registry;
+
+    use super::*;
+    use crate::event::BlockStored;
+
+    fn hub(max_batch_bytes: usize, subscriber_queue: usize) -> Hub {
+        let replicas = [Arc::<str>::from("r")];
+        let limits = HubLimits {
+            max_blocks_per_replica: 100,
+            max_batch_bytes,
+            subscriber_queue,
+        };
+        Hub::new(
+            &replicas,
+            limits,
+            AgentMetrics::register(&mut Registry::default()),
+        )
+    }
+
+    fn key() -> ReplicaKey {
+        ReplicaKey {
+            replica_id: Arc::from("r"),
+            dp_rank: 0,
+        }
+    }
+
+    fn batch(hash: u64) -> EventBatch {
+        EventBatch {
+            ts: 0.0,
+            dp_rank: None,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![hash],
+                token_ids: vec![1, 2],
+                block_size: 2,
+                ..Default::default()
+            })],
+        }
+    }
+
+    fn delta_of(message: api::AgentMessage) -> api::Delta {
+        match message.body {
+            Some(api::agent_message::Body::Delta(delta)) => delta,
+            other => panic!("expected a delta, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn snapshot_then_deltas_without_overlap() {
+        let hub = hub(1 << 20, 16);
+        hub.apply(&key(), 0, batch(1));
+        let (snapshot, mut rx) = hub.subscribe();
+        assert_eq!(snapshot.len(), 1);
+        let Some(api::agent_message::Body::Snapshot(s)) = &snapshot[0].body else {
+            panic!()
+        };
+        assert!(s.first && s.last);
+        assert_eq!(s.events.len(), 1);
+        assert!(rx.try_recv().is_err(), "block 1 is in the snapshot only");
+
+        hub.apply(&key(), 1, batch(2));
+        hub.reset(&key(), ResetReason::EngineRestart);
+        hub.apply(&key(), 0, batch(3));
+        hub.flush();
+        let delta = delta_of(rx.try_recv().unwrap());
+        assert!(delta.reset, "the reset drops what came before it");
+        assert_eq!(delta.events.len(), 1);
+        assert_eq!(hub.block_hashes("r"), Some(vec![3]));
+    }
+
+    #[test]
+    fn a_full_subscriber_is_dropped_not_buffered() {
+        let hub = hub(1, 1);
+        let (_snapshot, mut rx) = hub.subscribe();
+        hub.apply(&key(), 0, batch(1)); // flushes at once (tiny batch limit): queue now full
+        hub.apply(&key(), 1, batch(2)); // dropped: the channel closes
+        assert!(rx.try_recv().is_ok());
+        assert!(matches!(
+            rx.try_recv(),
+            Err(mpsc::error::TryRecvError::Disconnected)
+        ));
+    }
+}

@@ -1,0 +1,239 @@
+//! `kvroute-agent`: mirrors the KV blocks of the engines beside it and streams them to one or
+//! more kvroute-index instances.
+//!
+//! - **Engine side**: the existing ZMQ [`Ingest`] (sequence checks, replay of gaps, resets on
+//!   engine restart) feeding a [`Hub`] instead of an index.
+//! - **Mirror** ([`mirror`]): per replica, the held blocks with what is needed to re-emit them.
+//! - **Index side** ([`client`]): per index address one gRPC `AgentStream`: `Hello` (agent id,
+//!   token, replicas), a snapshot per replica on every (re)connect, then deltas flushed every
+//!   `batch_delay` (or sooner past `max_batch_bytes`). Reconnects with capped backoff.
+//!
+//! Lifecycle: [`Agent::start`] → serving → [`Agent::shutdown`].
+//!
+//! Not done: TLS to the index (plain HTTP/2; run it on a trusted network or behind a mesh).
+
+pub mod client;
+pub mod config;
+pub mod convert;
+pub mod hub;
+pub mod metrics;
+pub mod mirror;
+pub mod token;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+
+pub use config::AgentConfig;
+pub use hub::{Hub, HubLimits};
+pub use metrics::AgentMetrics;
+
+use crate::ingest::{Ingest, IngestMetrics};
+
+/// Why the agent cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The admin listener cannot be bound.
+    #[error("cannot bind the admin listener on {addr}")]
+    Bind {
+        /// Address.
+        addr: SocketAddr,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl AgentError {
+    /// Metric/log label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            AgentError::Bind { .. } => "bind",
+        }
+    }
+}
+
+struct AdminState {
+    registry: Registry,
+    hub: Arc<Hub>,
+}
+
+/// A running agent.
+pub struct Agent {
+    admin_addr: SocketAddr,
+    hub: Arc<Hub>,
+    ingest: Ingest,
+    cancel: CancellationToken,
+    tasks: TaskTracker,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("admin_addr", &self.admin_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Agent {
+    /// Starts ingest, the index streams, the delta flusher and the admin server.
+    pub async fn start(config: AgentConfig) -> Result<Self, AgentError> {
+        let listener = TcpListener::bind(config.admin_addr)
+            .await
+            .map_err(|source| AgentError::Bind {
+                addr: config.admin_addr,
+                source,
+            })?;
+        let admin_addr = listener.local_addr().map_err(|source| AgentError::Bind {
+            addr: config.admin_addr,
+            source,
+        })?;
+
+        let mut registry = Registry::with_prefix("kvroute_agent");
+        let metrics = AgentMetrics::register(&mut registry);
+        let ingest_metrics = IngestMetrics::register(&mut registry);
+        let replicas: Vec<Arc<str>> = config
+            .engines
+            .iter()
+            .map(|e| Arc::clone(&e.replica_id))
+            .collect();
+        let hub = Arc::new(Hub::new(
+            &replicas,
+            HubLimits {
+                max_blocks_per_replica: config.max_blocks_per_replica,
+                max_batch_bytes: config.max_batch_bytes,
+                subscriber_queue: config.subscriber_queue,
+            },
+            metrics.clone(),
+        ));
+        let cancel = CancellationToken::new();
+        let ingest = Ingest::new(
+            Arc::clone(&hub) as Arc<dyn crate::ingest::EventSink>,
+            ingest_metrics,
+            cancel.child_token(),
+        );
+        for engine in &config.engines {
+            ingest.spawn(engine.clone());
+        }
+
+        let tasks = TaskTracker::new();
+        for index in &config.indexes {
+            let settings = client::StreamSettings {
+                index: index.clone(),
+                agent_id: config.agent_id.clone(),
+                token: config.token.clone(),
+                backoff_min: config.reconnect_backoff_min,
+                backoff_max: config.reconnect_backoff_max,
+            };
+            spawn_tracked(
+                &tasks,
+                client::run(settings, Arc::clone(&hub), metrics.clone(), cancel.clone()),
+            );
+        }
+        spawn_tracked(
+            &tasks,
+            flush_loop(Arc::clone(&hub), config.batch_delay, cancel.clone()),
+        );
+        let state = Arc::new(AdminState {
+            registry,
+            hub: Arc::clone(&hub),
+        });
+        spawn_tracked(&tasks, serve_admin(listener, state, cancel.clone()));
+        tracing::info!(agent_id = %config.agent_id, %admin_addr, engines = config.engines.len(),
+            indexes = config.indexes.len(), "kvroute-agent running");
+        Ok(Agent {
+            admin_addr,
+            hub,
+            ingest,
+            cancel,
+            tasks,
+        })
+    }
+
+    /// Address of `/metrics` and `/healthz`.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// The mirrors (tests, debugging).
+    pub fn hub(&self) -> &Arc<Hub> {
+        &self.hub
+    }
+
+    /// Stops the streams, the flusher, the admin server and ingest.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        self.tasks.close();
+        self.tasks.wait().await;
+        self.ingest.shutdown().await;
+    }
+}
+
+/// The agent's one spawn site: every task is tracked and watches the agent's token.
+fn spawn_tracked<F>(tasks: &TaskTracker, future: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    tasks.spawn(future);
+}
+
+async fn flush_loop(hub: Arc<Hub>, delay: std::time::Duration, cancel: CancellationToken) {
+    let mut ticker = tokio::time::interval(delay);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            _ = ticker.tick() => hub.flush(),
+        }
+    }
+}
+
+async fn serve_admin(listener: TcpListener, state: Arc<AdminState>, cancel: CancellationToken) {
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/debug/replicas/{replica}/blocks", get(blocks))
+        .with_state(state);
+    if let Err(error) = axum::serve(listener, app)
+        .with_graceful_shutdown(cancel.cancelled_owned())
+        .await
+    {
+        tracing::error!(%error, "agent admin server failed");
+    }
+}
+
+async fn metrics(State(state): State<Arc<AdminState>>) -> axum::response::Response {
+    let mut text = String::new();
+    match prometheus_client::encoding::text::encode(&mut text, &state.registry) {
+        Ok(()) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(error) => (
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            error.to_string(),
+        )
+            .into_response(),
+    }
+}
+
+async fn blocks(
+    State(state): State<Arc<AdminState>>,
+    axum::extract::Path(replica): axum::extract::Path<String>,
+) -> axum::response::Response {
+    match state.hub.block_hashes(&replica) {
+        Some(hashes) => {
+            axum::Json(serde_json::json!({ "replica": replica, "blocks": hashes })).into_response()
+        }
+        None => (axum::http::StatusCode::NOT_FOUND, "unknown replica\n").into_response(),
+    }
+}

@@ -1,0 +1,92 @@
+//! `kvroute-agent`: mirrors the local engines' KV blocks and streams them to kvroute-index.
+//! `kvroute-agent --config agent.yaml` (see `kvroute_index::agent::config`).
+
+use std::{path::PathBuf, process::ExitCode};
+
+use anyhow::Context as _;
+use clap::Parser;
+use kvroute_index::agent::{Agent, AgentConfig};
+
+/// sysexits `EX_USAGE`: bad command line or configuration, nothing was started.
+const EX_USAGE: u8 = 64;
+
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "kvroute agent: mirrors local vLLM KV events, streams them to kvroute-index"
+)]
+struct Args {
+    /// YAML configuration file.
+    #[arg(long, short)]
+    config: PathBuf,
+    /// Write the bound admin address (`admin=ADDR`) to this file once running (for harnesses).
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    let config = match std::fs::read_to_string(&args.config)
+        .with_context(|| format!("cannot read {}", args.config.display()))
+        .and_then(|text| AgentConfig::from_yaml(&text).map_err(anyhow::Error::from))
+    {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("kvroute-agent: {error:#}");
+            return ExitCode::from(EX_USAGE);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("kvroute-agent: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(config, args.ready_file)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("kvroute-agent: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(config: AgentConfig, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
+    let agent = Agent::start(config).await?;
+    if let Some(path) = ready_file {
+        std::fs::write(&path, format!("admin={}\n", agent.admin_addr()))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    shutdown_signal().await;
+    agent.shutdown().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(error) => {
+            tracing::warn!(%error, "cannot watch SIGTERM; stopping on Ctrl-C only");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    tracing::info!("shutdown signal received");
+}

@@ -1,0 +1,539 @@
+//! Index side of the agent event plane: the `kvroute.index.v1.AgentIngest/AgentStream` RPC.
+//!
+//! 1. The first message must be `Hello` (within [`HELLO_TIMEOUT`]). The agent id and token are
+//!    checked against `agents:` (constant-time compare; the token is never logged). Unknown
+//!    agent or wrong token → `UNAUTHENTICATED`; nothing is applied.
+//! 2. Replicas the `Hello` claims but the agent does not own are refused (counted); the stream
+//!    goes on for the rest. Every later write for an unowned replica is refused too.
+//! 3. `Snapshot{first}` makes this stream the replica's writer, resets the replica and keeps it
+//!    out of precise scoring (`Resyncing`) until `Snapshot{last}`. Writes from an older stream
+//!    of the same replica are refused as `superseded`.
+//! 4. `Delta`s are applied in order. Malformed events are refused and counted; a stream that
+//!    cannot be decoded (garbage, oversized) ends and is counted.
+//! 5. When no stream of its owner is connected for `agent_stale_grace`, a replica is flagged
+//!    `Stale` (out of precise scoring) by [`sweep_stale`]; the next snapshot replaces its state.
+//!
+//! Refusal reasons (`kvroute_index_agent_refused_total{reason}`): see [`Refusal`].
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use parking_lot::Mutex;
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::Registry,
+};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::Directory;
+use crate::agent::client::MAX_MESSAGE_BYTES;
+use crate::agent::convert::event_from_proto;
+use crate::agent::token::AgentToken;
+use crate::api::{self, agent_ingest_server::AgentIngestServer};
+use crate::config::Config;
+use crate::event::KvEvent;
+use crate::index::{BlockIndex, FlagReason, KvIndex, ReplicaId};
+
+/// How long a new stream may take to send `Hello`.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often agent-fed replicas are checked for staleness.
+const SWEEP_INTERVAL: Duration = Duration::from_millis(200);
+/// Refusal messages queued per stream; beyond that they are only counted.
+const MAX_QUEUED_REFUSALS: usize = 64;
+
+/// Why an agent write (or stream) was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// Unknown agent id or wrong token.
+    Unauthenticated,
+    /// The first message was not `Hello` (or none came in time).
+    NoHello,
+    /// A write for a replica this agent does not own.
+    NotOwner,
+    /// A write for a replica another (newer) stream of the agent has taken over.
+    Superseded,
+    /// A delta for a replica this stream has not sent a snapshot for.
+    NoSnapshot,
+    /// An event whose shape is invalid (list lengths, absurd block counts, empty body).
+    InvalidEvent,
+    /// A message without a body, or a second `Hello`.
+    Protocol,
+    /// The stream could not be decoded (garbage bytes, truncated frames).
+    Malformed,
+    /// A message above the size limit.
+    Oversized,
+}
+
+impl Refusal {
+    /// Metric label value.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Refusal::Unauthenticated => "unauthenticated",
+            Refusal::NoHello => "no_hello",
+            Refusal::NotOwner => "not_owner",
+            Refusal::Superseded => "superseded",
+            Refusal::NoSnapshot => "no_snapshot",
+            Refusal::InvalidEvent => "invalid_event",
+            Refusal::Protocol => "protocol",
+            Refusal::Malformed => "malformed",
+            Refusal::Oversized => "oversized",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
+#[derive(Debug, Clone, Default)]
+struct AgentStreamMetrics {
+    refused: Family<ReasonLabel, Counter>,
+    streams: Gauge,
+    snapshots: Counter,
+    deltas: Counter,
+    events: Counter,
+}
+
+impl AgentStreamMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "agent_refused",
+            "Agent streams or writes refused, by reason",
+            m.refused.clone(),
+        );
+        registry.register(
+            "agent_streams",
+            "Authenticated agent streams open",
+            m.streams.clone(),
+        );
+        registry.register(
+            "agent_snapshots",
+            "Replica snapshots received from agents",
+            m.snapshots.clone(),
+        );
+        registry.register(
+            "agent_deltas",
+            "Delta messages applied from agents",
+            m.deltas.clone(),
+        );
+        registry.register(
+            "agent_events",
+            "Events applied from agent streams",
+            m.events.clone(),
+        );
+        m
+    }
+
+    fn refused(&self, refusal: Refusal) {
+        self.refused
+            .get_or_create(&ReasonLabel {
+                reason: refusal.as_label(),
+            })
+            .inc();
+    }
+}
+
+#[derive(Debug)]
+struct AgentEntry {
+    token: AgentToken,
+    replicas: HashSet<String>,
+}
+
+/// Per agent-fed replica: who writes it and whether its agent is around.
+#[derive(Debug)]
+struct ReplicaLiveness {
+    /// Stream id of the current writer (the last one that started a snapshot).
+    writer: Option<u64>,
+    /// Streams of the owner currently connected that claimed this replica.
+    connected: usize,
+    /// When the last stream went away (or the service started).
+    since: Instant,
+    stale: bool,
+}
+
+/// Agent streams state, shared by the RPC handler and the stale sweeper.
+#[derive(Debug)]
+pub(crate) struct AgentStreams {
+    index: Arc<BlockIndex>,
+    directory: Directory,
+    agents: HashMap<String, AgentEntry>,
+    liveness: Mutex<HashMap<ReplicaId, ReplicaLiveness>>,
+    grace: Duration,
+    next_stream: AtomicU64,
+    metrics: AgentStreamMetrics,
+}
+
+impl AgentStreams {
+    pub(crate) fn new(
+        config: &Config,
+        index: Arc<BlockIndex>,
+        directory: Directory,
+        registry: &mut Registry,
+    ) -> Arc<Self> {
+        let now = Instant::now();
+        let mut liveness = HashMap::new();
+        let mut agents = HashMap::new();
+        for agent in &config.agents {
+            for replica in &agent.replicas {
+                if let Some(id) = directory.replica_id(replica) {
+                    liveness.insert(
+                        id,
+                        ReplicaLiveness {
+                            writer: None,
+                            connected: 0,
+                            since: now,
+                            stale: false,
+                        },
+                    );
+                }
+            }
+            agents.insert(
+                agent.id.clone(),
+                AgentEntry {
+                    token: agent.token.clone(),
+                    replicas: agent.replicas.iter().cloned().collect(),
+                },
+            );
+        }
+        Arc::new(Self {
+            index,
+            directory,
+            agents,
+            liveness: Mutex::new(liveness),
+            grace: config.agent_stale_grace,
+            next_stream: AtomicU64::new(1),
+            metrics: AgentStreamMetrics::register(registry),
+        })
+    }
+
+    /// The tonic service.
+    pub(crate) fn service(self: &Arc<Self>) -> AgentIngestServer<AgentService> {
+        AgentIngestServer::new(AgentService {
+            streams: Arc::clone(self),
+        })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    fn authenticate(&self, hello: &api::Hello) -> Option<&AgentEntry> {
+        let entry = self.agents.get(&hello.agent_id);
+        // Compare against something even for unknown ids, so timing does not reveal them.
+        let ok = match entry {
+            Some(entry) => entry.token.matches(&hello.token),
+            None => {
+                let _ = AgentToken::from_literal("\u{0}unknown-agent").matches(&hello.token);
+                false
+            }
+        };
+        entry.filter(|_| ok)
+    }
+
+    fn flag_stale_replicas(&self) {
+        let now = Instant::now();
+        let mut liveness = self.liveness.lock();
+        for (&id, state) in liveness.iter_mut() {
+            if state.connected == 0 && !state.stale && now.duration_since(state.since) >= self.grace
+            {
+                state.stale = true;
+                if let Err(error) = self.index.flag_replica(id, FlagReason::Stale) {
+                    tracing::warn!(replica = %id, %error, "cannot flag a stale replica");
+                } else {
+                    tracing::warn!(replica_id = ?self.directory.replica_name(id),
+                        grace_ms = self.grace.as_millis() as u64,
+                        "agent gone: replica flagged stale");
+                }
+            }
+        }
+    }
+}
+
+/// Flags agent-fed replicas whose agent has been away longer than the grace period.
+pub(crate) async fn sweep_stale(streams: Arc<AgentStreams>, cancel: CancellationToken) {
+    let mut ticker = tokio::time::interval(SWEEP_INTERVAL);
+    loop {
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => break,
+            _ = ticker.tick() => streams.flag_stale_replicas(),
+        }
+    }
+}
+
+/// The gRPC service.
+#[derive(Debug, Clone)]
+pub struct AgentService {
+    streams: Arc<AgentStreams>,
+}
+
+type IndexMessages = Pin<Box<dyn Stream<Item = Result<api::IndexMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl api::agent_ingest_server::AgentIngest for AgentService {
+    type AgentStreamStream = IndexMessages;
+
+    async fn agent_stream(
+        &self,
+        request: Request<Streaming<api::AgentMessage>>,
+    ) -> Result<Response<IndexMessages>, Status> {
+        let streams = &self.streams;
+        let mut inbound = request.into_inner();
+        let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
+            Ok(Ok(Some(api::AgentMessage {
+                body: Some(api::agent_message::Body::Hello(hello)),
+            }))) => hello,
+            Ok(Err(status)) => {
+                streams.metrics.refused(decode_refusal(&status));
+                return Err(Status::invalid_argument("cannot decode the first message"));
+            }
+            _ => {
+                streams.metrics.refused(Refusal::NoHello);
+                return Err(Status::invalid_argument("the first message must be Hello"));
+            }
+        };
+        let Some(agent) = streams.authenticate(&hello) else {
+            streams.metrics.refused(Refusal::Unauthenticated);
+            tracing::warn!(agent_id = %hello.agent_id, "agent stream refused: invalid credentials");
+            return Err(Status::unauthenticated("invalid agent credentials"));
+        };
+
+        let stream_id = streams.next_stream.fetch_add(1, Ordering::Relaxed);
+        let mut outbox = VecDeque::new();
+        let mut claimed = HashSet::new();
+        for name in &hello.replicas {
+            match streams
+                .directory
+                .replica_id(name)
+                .filter(|_| agent.replicas.contains(name))
+            {
+                Some(id) => {
+                    claimed.insert(id);
+                }
+                None => {
+                    streams.metrics.refused(Refusal::NotOwner);
+                    outbox.push_back(refused(name, Refusal::NotOwner));
+                }
+            }
+        }
+        let accepted: Vec<String> = claimed
+            .iter()
+            .filter_map(|&id| streams.directory.replica_name(id).map(|n| n.to_string()))
+            .collect();
+        outbox.push_front(api::IndexMessage {
+            body: Some(api::index_message::Body::Welcome(api::Welcome { accepted })),
+        });
+        tracing::info!(agent_id = %hello.agent_id, stream_id, replicas = claimed.len(), "agent stream open");
+
+        let session = Session::open(Arc::clone(streams), stream_id, hello.agent_id, claimed);
+        let state = (inbound, session, outbox);
+        let responses = futures::stream::unfold(
+            state,
+            |(mut inbound, mut session, mut outbox)| async move {
+                loop {
+                    if let Some(message) = outbox.pop_front() {
+                        return Some((Ok(message), (inbound, session, outbox)));
+                    }
+                    match inbound.message().await {
+                        Ok(Some(message)) => {
+                            for refusal in session.handle(message) {
+                                if outbox.len() < MAX_QUEUED_REFUSALS {
+                                    outbox.push_back(refusal);
+                                }
+                            }
+                        }
+                        Ok(None) => return None,
+                        Err(status) => {
+                            let refusal = decode_refusal(&status);
+                            session.streams.metrics.refused(refusal);
+                            tracing::warn!(agent_id = %session.agent_id, reason = refusal.as_label(),
+                            error = %status.message(), "agent stream ended");
+                            return None;
+                        }
+                    }
+                }
+            },
+        );
+        Ok(Response::new(Box::pin(responses)))
+    }
+}
+
+fn decode_refusal(status: &Status) -> Refusal {
+    match status.code() {
+        tonic::Code::OutOfRange | tonic::Code::ResourceExhausted => Refusal::Oversized,
+        _ => Refusal::Malformed,
+    }
+}
+
+fn refused(replica: &str, refusal: Refusal) -> api::IndexMessage {
+    api::IndexMessage {
+        body: Some(api::index_message::Body::Refused(api::Refused {
+            replica_id: replica.to_owned(),
+            reason: refusal.as_label().to_owned(),
+        })),
+    }
+}
+
+/// One authenticated stream; dropping it (stream over) updates the replicas' liveness.
+struct Session {
+    streams: Arc<AgentStreams>,
+    id: u64,
+    agent_id: String,
+    claimed: HashSet<ReplicaId>,
+    /// Replicas this stream has started a snapshot for.
+    snapshotted: HashSet<ReplicaId>,
+}
+
+impl Session {
+    fn open(
+        streams: Arc<AgentStreams>,
+        id: u64,
+        agent_id: String,
+        claimed: HashSet<ReplicaId>,
+    ) -> Self {
+        {
+            let mut liveness = streams.liveness.lock();
+            for replica in &claimed {
+                if let Some(state) = liveness.get_mut(replica) {
+                    state.connected += 1;
+                }
+            }
+        }
+        streams.metrics.streams.inc();
+        Self {
+            streams,
+            id,
+            agent_id,
+            claimed,
+            snapshotted: HashSet::new(),
+        }
+    }
+
+    /// Applies one message; returns refusals to report.
+    fn handle(&mut self, message: api::AgentMessage) -> Vec<api::IndexMessage> {
+        use api::agent_message::Body;
+        match message.body {
+            Some(Body::Snapshot(snapshot)) => {
+                self.streams.metrics.snapshots.inc();
+                self.write(
+                    &snapshot.replica_id,
+                    snapshot.first,
+                    snapshot.events,
+                    Some(snapshot.last),
+                )
+            }
+            Some(Body::Delta(delta)) => {
+                self.streams.metrics.deltas.inc();
+                self.write(&delta.replica_id, delta.reset, delta.events, None)
+            }
+            Some(Body::Hello(_)) | None => {
+                self.streams.metrics.refused(Refusal::Protocol);
+                vec![refused("", Refusal::Protocol)]
+            }
+        }
+    }
+
+    /// A snapshot chunk (`snapshot_last` is `Some`) or a delta; `reset` is `first` / `reset`.
+    fn write(
+        &mut self,
+        name: &str,
+        reset: bool,
+        events: Vec<api::Event>,
+        snapshot_last: Option<bool>,
+    ) -> Vec<api::IndexMessage> {
+        let streams = Arc::clone(&self.streams);
+        let refuse = |refusal: Refusal| {
+            streams.metrics.refused(refusal);
+            vec![refused(name, refusal)]
+        };
+        let Some(id) = streams
+            .directory
+            .replica_id(name)
+            .filter(|id| self.claimed.contains(id))
+        else {
+            return refuse(Refusal::NotOwner);
+        };
+        let snapshot_first = snapshot_last.is_some() && reset;
+        {
+            let mut liveness = streams.liveness.lock();
+            let Some(state) = liveness.get_mut(&id) else {
+                return refuse(Refusal::NotOwner);
+            };
+            if snapshot_first {
+                state.writer = Some(self.id);
+                state.stale = false;
+                self.snapshotted.insert(id);
+            } else if !self.snapshotted.contains(&id) {
+                return refuse(Refusal::NoSnapshot);
+            } else if state.writer != Some(self.id) {
+                return refuse(Refusal::Superseded);
+            }
+        }
+        let mut decoded: Vec<KvEvent> = Vec::with_capacity(events.len());
+        let mut invalid = 0;
+        for event in events {
+            match event_from_proto(event) {
+                Ok(event) => decoded.push(event),
+                Err(error) => {
+                    invalid += 1;
+                    tracing::debug!(
+                        replica_id = name,
+                        reason = error.as_label(),
+                        "agent event refused"
+                    );
+                }
+            }
+        }
+        if reset && let Err(error) = streams.index.reset_replica(id) {
+            tracing::warn!(replica_id = name, %error, "reset failed");
+        }
+        if snapshot_first {
+            // Out of precise scoring until the whole snapshot is in.
+            let _ = streams.index.flag_replica(id, FlagReason::Resyncing);
+        }
+        streams.metrics.events.inc_by(decoded.len() as u64);
+        if let Err(error) = streams.index.apply_events(id, &decoded) {
+            tracing::warn!(replica_id = name, %error, "agent events not applied");
+        }
+        if snapshot_last == Some(true) {
+            let flagged = streams.index.replica_status(id).ok().and_then(|s| s.flag);
+            if flagged == Some(FlagReason::Resyncing) {
+                let _ = streams.index.clear_flag(id);
+            }
+        }
+        if invalid > 0 {
+            streams
+                .metrics
+                .refused
+                .get_or_create(&ReasonLabel {
+                    reason: Refusal::InvalidEvent.as_label(),
+                })
+                .inc_by(invalid);
+            return vec![refused(name, Refusal::InvalidEvent)];
+        }
+        Vec::new()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        let now = Instant::now();
+        let mut liveness = self.streams.liveness.lock();
+        for replica in &self.claimed {
+            if let Some(state) = liveness.get_mut(replica) {
+                state.connected = state.connected.saturating_sub(1);
+                if state.connected == 0 {
+                    state.since = now;
+                }
+            }
+        }
+        self.streams.metrics.streams.dec();
+        tracing::info!(agent_id = %self.agent_id, stream_id = self.id, "agent stream closed");
+    }
+}
