@@ -1,11 +1,5 @@
-//! Compact per-key holder sets and the slot bitsets the match walk works on.
-//!
-//! Every indexed block key maps to the replicas (pool slots) holding it, each with the media it
-//! is held in. Most keys are held by one replica (the unique tail of a conversation), a few by
-//! many (shared system prompts). So a set is one inline [`Holder`], or, for two or more holders
-//! in slots below 64 (pools of up to 64 replicas), one bitset word per medium: the match walk
-//! then reads a key's holders with two word operations instead of expanding a list. Larger
-//! pools spill to a sorted list. 16 bytes in the map in every case.
+//! Holder vocabulary (slots, media, removals), the slot bitsets the match walk works on, and
+//! the block key hasher. The per-key holder sets themselves live in [`super::table`].
 
 use std::hash::{BuildHasher, Hasher};
 
@@ -15,14 +9,14 @@ use crate::event::Medium;
 pub(crate) type Slot = u16;
 
 /// Media tracked per holding; [`MediaWords`] has a word per medium in this order.
-const MEDIA: [Medium; 4] = [Medium::Gpu, Medium::Cpu, Medium::Storage, Medium::Other];
+pub(crate) const MEDIA: [Medium; 4] = [Medium::Gpu, Medium::Cpu, Medium::Storage, Medium::Other];
 
 /// The media one replica holds one block in (bit per [`Medium`], in [`MEDIA`] order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct MediaSet(u8);
 
 impl MediaSet {
-    fn index(medium: Medium) -> usize {
+    pub(crate) fn index(medium: Medium) -> usize {
         match medium {
             Medium::Gpu => 0,
             Medium::Cpu => 1,
@@ -33,6 +27,14 @@ impl MediaSet {
 
     fn bit(medium: Medium) -> u8 {
         1 << Self::index(medium)
+    }
+
+    pub(crate) fn from_bits(bits: u8) -> Self {
+        MediaSet(bits)
+    }
+
+    pub(crate) fn bits(self) -> u8 {
+        self.0
     }
 
     pub(crate) fn only(medium: Medium) -> Self {
@@ -47,11 +49,11 @@ impl MediaSet {
         self.contains(Medium::Gpu)
     }
 
-    fn with(self, medium: Medium) -> Self {
+    pub(crate) fn with(self, medium: Medium) -> Self {
         MediaSet(self.0 | Self::bit(medium))
     }
 
-    fn without(self, medium: Medium) -> Self {
+    pub(crate) fn without(self, medium: Medium) -> Self {
         MediaSet(self.0 & !Self::bit(medium))
     }
 
@@ -67,29 +69,11 @@ pub(crate) struct Holder {
     pub(crate) media: MediaSet,
 }
 
-/// Slots below this fit [`MediaWords`].
-const NARROW_SLOTS: usize = 64;
+/// Per medium (in [`MEDIA`] order), the slots below 64 holding a block: bit `s` of word `m` is
+/// set when slot `s` holds it in medium `m`.
+pub(crate) type MediaWords = [u64; MEDIA.len()];
 
-/// Per medium (in [`MEDIA`] order), the slots holding the block: bit `s` of word `m` is set when
-/// slot `s` holds it in medium `m`.
-type MediaWords = [u64; MEDIA.len()];
-
-/// Holders in slots of 64 and up, sorted by slot (a thin box keeps [`Holders`] at 16 bytes).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct WideHolders(Vec<Holder>);
-
-/// The replicas holding one block key; never empty (the key is dropped with its last holder).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Holders {
-    One(Holder),
-    /// Two or more holders, every slot below 64.
-    Narrow(Box<MediaWords>),
-    /// Two or more holders, some slot 64 or above. Rebuilt on change: sets this large are the
-    /// hot shared prefixes, which change rarely compared with how often they are read.
-    Wide(Box<WideHolders>),
-}
-
-/// What [`Holders::remove`] left behind.
+/// What removing a holding left behind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Removal {
     /// The slot held the block in the removed medium.
@@ -98,252 +82,6 @@ pub(crate) struct Removal {
     pub(crate) slot_gone: bool,
     /// No slot holds the block any more: drop the key.
     pub(crate) set_empty: bool,
-}
-
-const NOT_HELD: Removal = Removal {
-    was_held: false,
-    slot_gone: false,
-    set_empty: false,
-};
-
-fn any_medium(words: &MediaWords) -> u64 {
-    words.iter().fold(0, |any, word| any | word)
-}
-
-impl Holders {
-    pub(crate) fn new(slot: Slot, medium: Medium) -> Self {
-        Holders::One(Holder {
-            slot,
-            media: MediaSet::only(medium),
-        })
-    }
-
-    /// The compact form of a non-empty holder list sorted by slot.
-    fn from_sorted(holders: Vec<Holder>) -> Self {
-        match holders.as_slice() {
-            [single] => Holders::One(*single),
-            _ if holders.iter().all(|h| usize::from(h.slot) < NARROW_SLOTS) => {
-                let mut words = MediaWords::default();
-                for holder in &holders {
-                    for (at, &medium) in MEDIA.iter().enumerate() {
-                        if holder.media.contains(medium) {
-                            words[at] |= 1 << holder.slot;
-                        }
-                    }
-                }
-                Holders::Narrow(Box::new(words))
-            }
-            _ => Holders::Wide(Box::new(WideHolders(holders))),
-        }
-    }
-
-    /// The holders, sorted by slot (ingest paths that change the representation; O(holders)).
-    fn to_sorted(&self) -> Vec<Holder> {
-        match self {
-            Holders::One(holder) => vec![*holder],
-            Holders::Narrow(words) => {
-                let mut holders = Vec::with_capacity(any_medium(words).count_ones() as usize);
-                let mut slots = any_medium(words);
-                while slots != 0 {
-                    let slot = slots.trailing_zeros();
-                    slots &= slots - 1;
-                    let media = MediaSet(
-                        (0..MEDIA.len())
-                            .filter(|&at| words[at] & (1 << slot) != 0)
-                            .fold(0, |bits, at| bits | 1 << at),
-                    );
-                    // `slot` < 64, so it fits.
-                    holders.push(Holder {
-                        slot: slot as Slot,
-                        media,
-                    });
-                }
-                holders
-            }
-            Holders::Wide(wide) => wide.0.clone(),
-        }
-    }
-
-    /// Holders in the set.
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            Holders::One(_) => 1,
-            Holders::Narrow(words) => any_medium(words).count_ones() as usize,
-            Holders::Wide(wide) => wide.0.len(),
-        }
-    }
-
-    /// The media `slot` holds the block in (empty when it does not hold it).
-    pub(crate) fn media_of(&self, slot: Slot) -> MediaSet {
-        match self {
-            Holders::One(holder) if holder.slot == slot => holder.media,
-            Holders::One(_) => MediaSet::default(),
-            Holders::Narrow(words) if usize::from(slot) < NARROW_SLOTS => MediaSet(
-                (0..MEDIA.len())
-                    .filter(|&at| words[at] & (1 << slot) != 0)
-                    .fold(0, |bits, at| bits | 1 << at),
-            ),
-            Holders::Narrow(_) => MediaSet::default(),
-            Holders::Wide(wide) => match wide.0.binary_search_by_key(&slot, |h| h.slot) {
-                Ok(at) => wide.0[at].media,
-                Err(_) => MediaSet::default(),
-            },
-        }
-    }
-
-    /// Sets the bit of every holder in `present` and of every GPU holder in `gpu` (word slices
-    /// laid out like [`SlotSet`]; slots beyond them are ignored).
-    #[inline]
-    pub(crate) fn mark(&self, present: &mut [u64], gpu: &mut [u64]) {
-        match self {
-            Holders::One(holder) => {
-                SlotSet::set_in(present, holder.slot);
-                if holder.media.has_gpu() {
-                    SlotSet::set_in(gpu, holder.slot);
-                }
-            }
-            Holders::Narrow(words) => {
-                if let (Some(present), Some(gpu)) = (present.first_mut(), gpu.first_mut()) {
-                    *present |= any_medium(words);
-                    *gpu |= words[0];
-                }
-            }
-            Holders::Wide(wide) => {
-                for holder in &wide.0 {
-                    SlotSet::set_in(present, holder.slot);
-                    if holder.media.has_gpu() {
-                        SlotSet::set_in(gpu, holder.slot);
-                    }
-                }
-            }
-        }
-    }
-
-    /// Records that `slot` holds the block in `medium`; returns true when the slot did not hold
-    /// the block in any medium before.
-    pub(crate) fn add(&mut self, slot: Slot, medium: Medium) -> bool {
-        match self {
-            Holders::One(holder) if holder.slot == slot => {
-                holder.media = holder.media.with(medium);
-                false
-            }
-            Holders::Narrow(words) if usize::from(slot) < NARROW_SLOTS => {
-                let bit = 1 << slot;
-                let added = any_medium(words) & bit == 0;
-                words[MediaSet::index(medium)] |= bit;
-                added
-            }
-            Holders::Wide(wide) => match wide.0.binary_search_by_key(&slot, |h| h.slot) {
-                Ok(at) => {
-                    wide.0[at].media = wide.0[at].media.with(medium);
-                    false
-                }
-                Err(at) => {
-                    let holder = Holder {
-                        slot,
-                        media: MediaSet::only(medium),
-                    };
-                    wide.0.insert(at, holder);
-                    wide.0.shrink_to_fit();
-                    true
-                }
-            },
-            // A second holder, or a slot of 64 and up joining a narrow set.
-            Holders::One(_) | Holders::Narrow(_) => {
-                let mut holders = self.to_sorted();
-                let at = holders.partition_point(|h| h.slot < slot);
-                let holder = Holder {
-                    slot,
-                    media: MediaSet::only(medium),
-                };
-                holders.insert(at, holder);
-                *self = Self::from_sorted(holders);
-                true
-            }
-        }
-    }
-
-    /// Removes `medium` (or every medium when `None`) from `slot`'s holding.
-    pub(crate) fn remove(&mut self, slot: Slot, medium: Option<Medium>) -> Removal {
-        let strip = |media: MediaSet| match medium {
-            Some(medium) => (media.contains(medium), media.without(medium)),
-            None => (!media.is_empty(), MediaSet::default()),
-        };
-        match self {
-            Holders::One(holder) if holder.slot == slot => {
-                let (was_held, left) = strip(holder.media);
-                holder.media = left;
-                let gone = left.is_empty();
-                Removal {
-                    was_held,
-                    slot_gone: gone,
-                    set_empty: gone,
-                }
-            }
-            Holders::One(_) => NOT_HELD,
-            Holders::Narrow(_) if usize::from(slot) >= NARROW_SLOTS => NOT_HELD,
-            Holders::Narrow(words) => {
-                let bit = 1 << slot;
-                if any_medium(words) & bit == 0 {
-                    return NOT_HELD;
-                }
-                let was_held = match medium {
-                    Some(medium) => {
-                        let word = &mut words[MediaSet::index(medium)];
-                        let held = *word & bit != 0;
-                        *word &= !bit;
-                        held
-                    }
-                    None => {
-                        words.iter_mut().for_each(|word| *word &= !bit);
-                        true
-                    }
-                };
-                let slot_gone = any_medium(words) & bit == 0;
-                if any_medium(words).count_ones() == 1 {
-                    *self = Self::from_sorted(self.to_sorted());
-                }
-                Removal {
-                    was_held,
-                    slot_gone,
-                    set_empty: false,
-                }
-            }
-            Holders::Wide(wide) => {
-                let Ok(at) = wide.0.binary_search_by_key(&slot, |h| h.slot) else {
-                    return NOT_HELD;
-                };
-                let (was_held, left) = strip(wide.0[at].media);
-                wide.0[at].media = left;
-                if !left.is_empty() {
-                    return Removal {
-                        was_held,
-                        slot_gone: false,
-                        set_empty: false,
-                    };
-                }
-                let mut rest = std::mem::take(&mut wide.0);
-                rest.remove(at);
-                *self = Self::from_sorted(rest);
-                Removal {
-                    was_held,
-                    slot_gone: true,
-                    set_empty: false,
-                }
-            }
-        }
-    }
-
-    /// Heap bytes owned beyond the map entry itself.
-    pub(crate) fn heap_bytes(&self) -> usize {
-        match self {
-            Holders::One(_) => 0,
-            Holders::Narrow(_) => size_of::<MediaWords>(),
-            Holders::Wide(wide) => {
-                size_of::<WideHolders>() + wide.0.capacity() * size_of::<Holder>()
-            }
-        }
-    }
 }
 
 /// A set of pool slots as a bitset; the match walk intersects these once per prompt block.
@@ -383,6 +121,7 @@ impl SlotSet {
     }
 
     /// Words per set for `slots` slots.
+    #[cfg(test)]
     pub(crate) fn words_for(slots: usize) -> usize {
         slots.div_ceil(64)
     }
@@ -525,101 +264,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn holders_stay_compact() {
-        assert_eq!(std::mem::size_of::<Holders>(), 16);
-        assert_eq!(std::mem::size_of::<(u64, Holders)>(), 24);
-    }
-
-    /// The same add/remove sequence in every representation: slots `low < mid < high` all
-    /// below 64 (bitset words) or not (sorted list), shrinking to a single inline holder.
-    fn add_and_remove_media(low: Slot, mid: Slot, high: Slot) {
-        let mut holders = Holders::new(mid, Medium::Gpu);
-        assert!(!holders.add(mid, Medium::Cpu));
-        assert!(holders.add(low, Medium::Gpu));
-        assert!(holders.add(high, Medium::Storage));
-        let slots: Vec<Slot> = holders.to_sorted().iter().map(|h| h.slot).collect();
-        assert_eq!(slots, [low, mid, high]);
-        assert_eq!(holders.len(), 3);
-        assert_eq!(
-            holders.media_of(mid),
-            MediaSet::only(Medium::Gpu).with(Medium::Cpu)
-        );
-        let words = SlotSet::words_for(usize::from(high) + 1);
-        let (mut present, mut gpu) = (vec![0; words], vec![0; words]);
-        holders.mark(&mut present, &mut gpu);
-        let mut expected = (vec![0; words], vec![0; words]);
-        for slot in [low, mid, high] {
-            SlotSet::set_in(&mut expected.0, slot);
-        }
-        SlotSet::set_in(&mut expected.1, low);
-        SlotSet::set_in(&mut expected.1, mid);
-        assert_eq!((present, gpu), expected);
-
-        let removal = holders.remove(mid, Some(Medium::Gpu));
-        assert_eq!(
-            removal,
-            Removal {
-                was_held: true,
-                slot_gone: false,
-                set_empty: false
-            }
-        );
-        let removal = holders.remove(mid, Some(Medium::Gpu));
-        assert!(!removal.was_held);
-        let removal = holders.remove(mid, Some(Medium::Cpu));
-        assert_eq!(
-            removal,
-            Removal {
-                was_held: true,
-                slot_gone: true,
-                set_empty: false
-            }
-        );
-        assert!(!holders.remove(high - 1, None).was_held);
-        holders.remove(low, None);
-        assert_eq!(
-            holders.to_sorted(),
-            [Holder {
-                slot: high,
-                media: MediaSet::only(Medium::Storage)
-            }]
-        );
-        assert!(matches!(holders, Holders::One(_)));
-        let removal = holders.remove(high, None);
-        assert_eq!(
-            removal,
-            Removal {
-                was_held: true,
-                slot_gone: true,
-                set_empty: true
-            }
-        );
-    }
-
-    #[test]
-    fn add_and_remove_media_per_slot() {
-        add_and_remove_media(1, 3, 7);
-        add_and_remove_media(0, 3, 63);
-        add_and_remove_media(1, 3, 70);
-        add_and_remove_media(1, 64, 300);
-    }
-
-    #[test]
-    fn representation_follows_the_slots() {
-        let mut holders = Holders::new(5, Medium::Gpu);
-        holders.add(9, Medium::Cpu);
-        assert!(matches!(holders, Holders::Narrow(_)));
-        holders.add(100, Medium::Gpu);
-        assert!(matches!(holders, Holders::Wide(_)));
-        assert_eq!(holders.len(), 3);
-        assert!(holders.remove(100, None).slot_gone);
-        assert!(matches!(holders, Holders::Narrow(_)));
-        assert_eq!(holders.heap_bytes(), 32);
-        assert!(holders.remove(5, Some(Medium::Gpu)).slot_gone);
-        assert_eq!(holders, Holders::new(9, Medium::Cpu));
-    }
 
     #[test]
     fn slot_set_reports_dropped_members() {

@@ -39,6 +39,7 @@ mod keys;
 mod metrics;
 mod pool;
 mod replica;
+mod table;
 #[cfg(test)]
 mod tests;
 

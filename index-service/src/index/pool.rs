@@ -1,13 +1,13 @@
-//! One pool (served model): its sharded key → holders map, its replica slots, and the match walk.
+//! One pool (served model): its sharded key → holders tables, its replica slots, and the match
+//! walk.
 
 use std::collections::HashMap;
 
 use parking_lot::RwLock;
 
-use super::holders::{
-    Holders, KeyHasherBuilder, KeyMap, Removal, Slot, SlotSet, shrink_if_sparse, table_bytes,
-};
+use super::holders::{KeyHasherBuilder, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
+use super::table::{HolderTable, HolderWord};
 use super::{FlagReason, IndexError, ReplicaId, ReplicaMatch};
 use crate::event::Medium;
 
@@ -32,7 +32,7 @@ pub(crate) struct Pool {
     pub(crate) block_size: u32,
     pub(crate) keys: PoolKeys,
     hasher: KeyHasherBuilder,
-    shards: Box<[RwLock<KeyMap<Holders>>]>,
+    shards: Box<[RwLock<HolderTable>]>,
     shard_mask: usize,
     members: RwLock<Members>,
 }
@@ -59,16 +59,20 @@ impl Pool {
             keys,
             hasher,
             shards: (0..shards)
-                .map(|_| RwLock::new(KeyMap::with_hasher(hasher)))
+                .map(|_| RwLock::new(HolderTable::new(hasher)))
                 .collect(),
             shard_mask: shards - 1,
             members: RwLock::new(Members::default()),
         }
     }
 
-    fn shard_of(&self, key: u64) -> usize {
-        // Bits 40.. of the mix: the maps use the low bits for buckets and the top 7 as tags.
-        ((self.hasher.mix(key) >> 40) as usize) & self.shard_mask
+    /// `key`'s mix: its high bits pick the shard, its low bits the entry in the shard's table.
+    fn hash(&self, key: u64) -> u64 {
+        self.hasher.mix(key)
+    }
+
+    fn shard_of(&self, hash: u64) -> usize {
+        ((hash >> 40) as usize) & self.shard_mask
     }
 
     /// Gives `replica` a slot (reusing freed ones).
@@ -116,57 +120,42 @@ impl Pool {
 
     /// Records that `slot` holds `key` in `medium`.
     pub(crate) fn store(&self, slot: Slot, key: u64, medium: Medium) {
-        let mut shard = self.shards[self.shard_of(key)].write();
-        shard
-            .entry(key)
-            .and_modify(|holders| {
-                holders.add(slot, medium);
-            })
-            .or_insert_with(|| Holders::new(slot, medium));
+        let hash = self.hash(key);
+        self.shards[self.shard_of(hash)]
+            .write()
+            .add(key, hash, slot, medium);
     }
 
     /// Whether `slot` holds `key` in any medium.
     pub(crate) fn holds(&self, slot: Slot, key: u64) -> bool {
-        let shard = self.shards[self.shard_of(key)].read();
-        shard
-            .get(&key)
-            .is_some_and(|holders| !holders.media_of(slot).is_empty())
+        let hash = self.hash(key);
+        let shard = self.shards[self.shard_of(hash)].read();
+        !shard.media_of(key, hash, slot).is_empty()
     }
 
     /// Removes `slot`'s holding of `key` in `medium` (every medium when `None`).
     pub(crate) fn remove(&self, slot: Slot, key: u64, medium: Option<Medium>) -> Removal {
-        let mut shard = self.shards[self.shard_of(key)].write();
-        let Some(holders) = shard.get_mut(&key) else {
-            return Removal {
-                was_held: false,
-                slot_gone: false,
-                set_empty: false,
-            };
-        };
-        let removal = holders.remove(slot, medium);
-        if removal.set_empty {
-            shard.remove(&key);
-            shrink_if_sparse(&mut shard);
-        }
-        removal
+        let hash = self.hash(key);
+        self.shards[self.shard_of(hash)]
+            .write()
+            .remove(key, hash, slot, medium)
     }
 
     /// Removes every holding of `slot` for `keys` (consumed; reordered by shard so each shard
     /// lock is taken once per chunk instead of once per key).
-    pub(crate) fn remove_all(&self, slot: Slot, mut keys: Vec<u64>) {
-        keys.sort_unstable_by_key(|&key| self.shard_of(key));
-        for run in keys.chunk_by(|&a, &b| self.shard_of(a) == self.shard_of(b)) {
-            let Some(&first) = run.first() else { continue };
+    pub(crate) fn remove_all(&self, slot: Slot, keys: Vec<u64>) {
+        let mut hashed: Vec<(u64, u64)> =
+            keys.into_iter().map(|key| (self.hash(key), key)).collect();
+        hashed.sort_unstable_by_key(|&(hash, _)| self.shard_of(hash));
+        for run in hashed.chunk_by(|a, b| self.shard_of(a.0) == self.shard_of(b.0)) {
+            let Some(&(first, _)) = run.first() else {
+                continue;
+            };
             for chunk in run.chunks(BULK_REMOVE_CHUNK) {
                 let mut shard = self.shards[self.shard_of(first)].write();
-                for key in chunk {
-                    if let Some(holders) = shard.get_mut(key)
-                        && holders.remove(slot, None).set_empty
-                    {
-                        shard.remove(key);
-                    }
+                for &(hash, key) in chunk {
+                    shard.remove(key, hash, slot, None);
                 }
-                shrink_if_sparse(&mut shard);
             }
         }
     }
@@ -258,20 +247,26 @@ impl Pool {
         matched: &mut [u32],
         gpu_matched: &mut [u32],
     ) {
-        let maps: Vec<_> = self.shards.iter().map(|shard| shard.read()).collect();
+        let tables: Vec<_> = self.shards.iter().map(|shard| shard.read()).collect();
         let words = alive.word_count();
-        // Per chunk position, the slots holding its key (any medium, GPU), `words` words each.
+        // Per chunk position: the shard and holder word of its key, then the slots holding it
+        // (any medium, GPU) as `words` words each.
+        let mut found = [(0, HolderWord::default()); CHUNK];
         let mut present = vec![0u64; CHUNK * words];
         let mut gpu = vec![0u64; CHUNK * words];
         for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
+            // Three tight loops, each of independent loads, so the CPU overlaps their cache
+            // misses: table lines, then the holder bitsets of shared keys, then the intersection.
+            for (out, &key) in found.iter_mut().zip(chunk) {
+                let hash = self.hash(key);
+                let shard = self.shard_of(hash);
+                *out = (shard, tables[shard].holder_word(key, hash));
+            }
             present.fill(0);
             gpu.fill(0);
-            // Lookups first, in a tight loop of independent loads.
-            for (at, key) in chunk.iter().enumerate() {
-                if let Some(holders) = maps[self.shard_of(*key)].get(key) {
-                    let range = at * words..(at + 1) * words;
-                    holders.mark(&mut present[range.clone()], &mut gpu[range]);
-                }
+            for (at, &(shard, word)) in found[..chunk.len()].iter().enumerate() {
+                let range = at * words..(at + 1) * words;
+                tables[shard].mark(word, &mut present[range.clone()], &mut gpu[range]);
             }
             for at in 0..chunk.len() {
                 let index = (chunk_at * CHUNK + at) as u32;
@@ -289,20 +284,15 @@ impl Pool {
     pub(crate) fn holdings(&self) -> usize {
         self.shards
             .iter()
-            .map(|shard| shard.read().values().map(Holders::len).sum::<usize>())
+            .map(|shard| shard.read().holdings())
             .sum()
     }
 
-    /// Bytes allocated by the shard maps and their spilled holder sets.
+    /// Bytes allocated by the shard tables.
     pub(crate) fn memory_bytes(&self) -> usize {
-        let entry = std::mem::size_of::<(u64, Holders)>();
         self.shards
             .iter()
-            .map(|shard| {
-                let shard = shard.read();
-                table_bytes(shard.capacity(), entry)
-                    + shard.values().map(Holders::heap_bytes).sum::<usize>()
-            })
+            .map(|shard| shard.read().memory_bytes())
             .sum()
     }
 }

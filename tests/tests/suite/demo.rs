@@ -58,7 +58,10 @@ async fn kvroute_beats_round_robin_on_the_demo_workload() {
         .text();
     let decisions: Vec<&str> = ext_proc_metrics
         .lines()
-        .filter(|l| l.starts_with("kvroute_extproc_decisions_total{") || l.starts_with("kvroute_extproc_fallbacks_total{"))
+        .filter(|l| {
+            l.starts_with("kvroute_extproc_decisions_total{")
+                || l.starts_with("kvroute_extproc_fallbacks_total{")
+        })
         .collect();
     eprintln!("{}", decisions.join("\n"));
     assert!(

@@ -1,0 +1,695 @@
+//! One pool shard's block key → holders table, laid out for the match walk.
+//!
+//! Open addressing with linear probing over 16-byte entries (key, packed holder word), four to
+//! a 64-byte line, so a lookup is usually one cache line and the walk can issue many lookups
+//! back to back. (A std map needs a control-byte line and an entry line per lookup, and a boxed
+//! holder list a third, one after the other.) The word holds a single holder inline; sets of two
+//! or more live in side arenas: per-medium slot bitsets when every slot is below 64, so the walk
+//! ORs a key's holders in with two word operations, and sorted lists (spill) otherwise.
+//!
+//! Deletion shifts the rest of the probe run back instead of leaving tombstones, so probe runs
+//! stay short under churn.
+
+use super::holders::{
+    Holder, KeyHasherBuilder, MEDIA, MediaSet, MediaWords, Removal, Slot, SlotSet,
+};
+use crate::event::Medium;
+
+/// Entries per 64-byte line.
+const LINE: usize = 4;
+/// Smallest non-empty table, in entries.
+const MIN_CAPACITY: usize = 2 * LINE;
+/// Slots below this fit [`MediaWords`].
+const NARROW_SLOTS: usize = 64;
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Entry {
+    key: u64,
+    /// [`Holding::encode`]; 0 marks a vacant entry.
+    word: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct Line([Entry; LINE]);
+
+const TAG_BITS: u32 = 2;
+const TAG_MASK: u64 = (1 << TAG_BITS) - 1;
+const TAG_ONE: u64 = 1;
+const TAG_NARROW: u64 = 2;
+const TAG_WIDE: u64 = 3;
+
+/// A decoded holder word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holding {
+    Vacant,
+    One(Holder),
+    /// Index into the narrow arena.
+    Narrow(usize),
+    /// Index into the wide arena.
+    Wide(usize),
+}
+
+impl Holding {
+    fn decode(word: u64) -> Self {
+        match word & TAG_MASK {
+            TAG_ONE => Holding::One(Holder {
+                slot: (word >> 16) as Slot,
+                media: MediaSet::from_bits((word >> 8) as u8),
+            }),
+            TAG_NARROW => Holding::Narrow((word >> TAG_BITS) as usize),
+            TAG_WIDE => Holding::Wide((word >> TAG_BITS) as usize),
+            _ => Holding::Vacant,
+        }
+    }
+
+    fn encode(self) -> u64 {
+        match self {
+            Holding::Vacant => 0,
+            Holding::One(holder) => {
+                TAG_ONE | u64::from(holder.media.bits()) << 8 | u64::from(holder.slot) << 16
+            }
+            Holding::Narrow(at) => TAG_NARROW | (at as u64) << TAG_BITS,
+            Holding::Wide(at) => TAG_WIDE | (at as u64) << TAG_BITS,
+        }
+    }
+}
+
+/// A key's holder word as found by [`HolderTable::holder_word`] (0 when the key is absent).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct HolderWord(u64);
+
+/// Items addressed by index, with freed indexes reused.
+#[derive(Debug, Default)]
+struct Arena<T> {
+    items: Vec<T>,
+    free: Vec<usize>,
+}
+
+impl<T: Default> Arena<T> {
+    fn alloc(&mut self, item: T) -> usize {
+        match self.free.pop() {
+            Some(at) => {
+                self.items[at] = item;
+                at
+            }
+            None => {
+                self.items.push(item);
+                self.items.len() - 1
+            }
+        }
+    }
+
+    /// Frees `at`, returning its item.
+    fn release(&mut self, at: usize) -> T {
+        self.free.push(at);
+        std::mem::take(&mut self.items[at])
+    }
+}
+
+fn any_medium(words: &MediaWords) -> u64 {
+    words.iter().fold(0, |any, word| any | word)
+}
+
+fn media_in_words(words: &MediaWords, slot: Slot) -> MediaSet {
+    if usize::from(slot) >= NARROW_SLOTS {
+        return MediaSet::default();
+    }
+    MEDIA
+        .iter()
+        .enumerate()
+        .filter(|&(at, _)| words[at] & (1 << slot) != 0)
+        .fold(MediaSet::default(), |media, (_, &medium)| {
+            media.with(medium)
+        })
+}
+
+const NOT_HELD: Removal = Removal {
+    was_held: false,
+    slot_gone: false,
+    set_empty: false,
+};
+
+/// Block key → holders of one shard. See the module docs.
+#[derive(Debug)]
+pub(crate) struct HolderTable {
+    /// A power of two of lines, or none.
+    lines: Vec<Line>,
+    /// Keys present; at most 3/4 of the entries.
+    len: usize,
+    hasher: KeyHasherBuilder,
+    narrow: Arena<MediaWords>,
+    wide: Arena<Vec<Holder>>,
+}
+
+impl HolderTable {
+    pub(crate) fn new(hasher: KeyHasherBuilder) -> Self {
+        HolderTable {
+            lines: Vec::new(),
+            len: 0,
+            hasher,
+            narrow: Arena::default(),
+            wide: Arena::default(),
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        self.lines.len() * LINE
+    }
+
+    fn entry(&self, at: usize) -> Entry {
+        self.lines[at / LINE].0[at % LINE]
+    }
+
+    fn set_entry(&mut self, at: usize, entry: Entry) {
+        self.lines[at / LINE].0[at % LINE] = entry;
+    }
+
+    fn set_word(&mut self, at: usize, holding: Holding) {
+        self.lines[at / LINE].0[at % LINE].word = holding.encode();
+    }
+
+    /// Where `key`'s probe run starts; the table must not be empty.
+    fn home(&self, hash: u64) -> usize {
+        (hash as usize) & (self.capacity() - 1)
+    }
+
+    /// The entry holding `key` (whose mix is `hash`).
+    #[inline]
+    fn find(&self, key: u64, hash: u64) -> Option<usize> {
+        if self.lines.is_empty() {
+            return None;
+        }
+        let mask = self.capacity() - 1;
+        let mut at = self.home(hash);
+        loop {
+            let entry = self.entry(at);
+            if entry.word == 0 {
+                return None;
+            }
+            if entry.key == key {
+                return Some(at);
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
+    /// The first vacant entry of `hash`'s probe run; the table must have one.
+    fn vacancy(&self, hash: u64) -> usize {
+        let mask = self.capacity() - 1;
+        let mut at = self.home(hash);
+        while self.entry(at).word != 0 {
+            at = (at + 1) & mask;
+        }
+        at
+    }
+
+    /// The holder word of `key` (the match walk's first, cache-missing step).
+    #[inline]
+    pub(crate) fn holder_word(&self, key: u64, hash: u64) -> HolderWord {
+        HolderWord(self.find(key, hash).map_or(0, |at| self.entry(at).word))
+    }
+
+    /// Sets the bit of every holder of `word` in `present` and of every GPU holder in `gpu`
+    /// (word slices laid out like [`SlotSet`]; slots beyond them are ignored).
+    #[inline]
+    pub(crate) fn mark(&self, word: HolderWord, present: &mut [u64], gpu: &mut [u64]) {
+        match Holding::decode(word.0) {
+            Holding::Vacant => {}
+            Holding::One(holder) => {
+                SlotSet::set_in(present, holder.slot);
+                if holder.media.has_gpu() {
+                    SlotSet::set_in(gpu, holder.slot);
+                }
+            }
+            Holding::Narrow(at) => {
+                let words = &self.narrow.items[at];
+                if let (Some(present), Some(gpu)) = (present.first_mut(), gpu.first_mut()) {
+                    *present |= any_medium(words);
+                    *gpu |= words[0];
+                }
+            }
+            Holding::Wide(at) => {
+                for holder in &self.wide.items[at] {
+                    SlotSet::set_in(present, holder.slot);
+                    if holder.media.has_gpu() {
+                        SlotSet::set_in(gpu, holder.slot);
+                    }
+                }
+            }
+        }
+    }
+
+    fn media_in(&self, holding: Holding, slot: Slot) -> MediaSet {
+        match holding {
+            Holding::Vacant => MediaSet::default(),
+            Holding::One(holder) if holder.slot == slot => holder.media,
+            Holding::One(_) => MediaSet::default(),
+            Holding::Narrow(at) => media_in_words(&self.narrow.items[at], slot),
+            Holding::Wide(at) => {
+                let list = &self.wide.items[at];
+                match list.binary_search_by_key(&slot, |h| h.slot) {
+                    Ok(found) => list[found].media,
+                    Err(_) => MediaSet::default(),
+                }
+            }
+        }
+    }
+
+    /// The media `slot` holds `key` in (empty when it does not hold it).
+    pub(crate) fn media_of(&self, key: u64, hash: u64, slot: Slot) -> MediaSet {
+        match self.find(key, hash) {
+            Some(at) => self.media_in(Holding::decode(self.entry(at).word), slot),
+            None => MediaSet::default(),
+        }
+    }
+
+    /// The holders of `holding` sorted by slot, releasing its arena item.
+    fn take_sorted(&mut self, holding: Holding) -> Vec<Holder> {
+        match holding {
+            Holding::Vacant => Vec::new(),
+            Holding::One(holder) => vec![holder],
+            Holding::Narrow(at) => {
+                let words = self.narrow.release(at);
+                let mut slots = any_medium(&words);
+                let mut holders = Vec::with_capacity(slots.count_ones() as usize);
+                while slots != 0 {
+                    // Below 64, so it fits a slot.
+                    let slot = slots.trailing_zeros() as Slot;
+                    slots &= slots - 1;
+                    let media = media_in_words(&words, slot);
+                    holders.push(Holder { slot, media });
+                }
+                holders
+            }
+            Holding::Wide(at) => self.wide.release(at),
+        }
+    }
+
+    /// The compact form of a holder list sorted by slot.
+    fn place(&mut self, holders: Vec<Holder>) -> Holding {
+        match holders.as_slice() {
+            [] => Holding::Vacant,
+            [single] => Holding::One(*single),
+            _ if holders.iter().all(|h| usize::from(h.slot) < NARROW_SLOTS) => {
+                let mut words = MediaWords::default();
+                for holder in &holders {
+                    for (at, &medium) in MEDIA.iter().enumerate() {
+                        if holder.media.contains(medium) {
+                            words[at] |= 1 << holder.slot;
+                        }
+                    }
+                }
+                Holding::Narrow(self.narrow.alloc(words))
+            }
+            _ => {
+                let mut holders = holders;
+                holders.shrink_to_fit();
+                Holding::Wide(self.wide.alloc(holders))
+            }
+        }
+    }
+
+    /// Records that `slot` holds `key` in `medium`.
+    pub(crate) fn add(&mut self, key: u64, hash: u64, slot: Slot, medium: Medium) {
+        let Some(at) = self.find(key, hash) else {
+            self.reserve_one();
+            let at = self.vacancy(hash);
+            let holder = Holder {
+                slot,
+                media: MediaSet::only(medium),
+            };
+            self.set_entry(
+                at,
+                Entry {
+                    key,
+                    word: Holding::One(holder).encode(),
+                },
+            );
+            self.len += 1;
+            return;
+        };
+        let bit = MediaSet::index(medium);
+        match Holding::decode(self.entry(at).word) {
+            Holding::One(holder) if holder.slot == slot => {
+                let media = holder.media.with(medium);
+                self.set_word(at, Holding::One(Holder { slot, media }));
+            }
+            Holding::Narrow(item) if usize::from(slot) < NARROW_SLOTS => {
+                self.narrow.items[item][bit] |= 1 << slot;
+            }
+            Holding::Wide(item) => {
+                let list = &mut self.wide.items[item];
+                match list.binary_search_by_key(&slot, |h| h.slot) {
+                    Ok(found) => list[found].media = list[found].media.with(medium),
+                    Err(insert_at) => {
+                        let media = MediaSet::only(medium);
+                        list.insert(insert_at, Holder { slot, media });
+                        list.shrink_to_fit();
+                    }
+                }
+            }
+            // A second holder, or a slot of 64 and up joining a bitset.
+            holding => {
+                let mut holders = self.take_sorted(holding);
+                let insert_at = holders.partition_point(|h| h.slot < slot);
+                let media = MediaSet::only(medium);
+                holders.insert(insert_at, Holder { slot, media });
+                let placed = self.place(holders);
+                self.set_word(at, placed);
+            }
+        }
+    }
+
+    /// Removes `medium` (or every medium when `None`) from `slot`'s holding of `key`.
+    pub(crate) fn remove(
+        &mut self,
+        key: u64,
+        hash: u64,
+        slot: Slot,
+        medium: Option<Medium>,
+    ) -> Removal {
+        let Some(at) = self.find(key, hash) else {
+            return NOT_HELD;
+        };
+        let holding = Holding::decode(self.entry(at).word);
+        let media = self.media_in(holding, slot);
+        if media.is_empty() {
+            return NOT_HELD;
+        }
+        let (was_held, left) = match medium {
+            Some(medium) => (media.contains(medium), media.without(medium)),
+            None => (true, MediaSet::default()),
+        };
+        if !left.is_empty() {
+            match holding {
+                Holding::One(_) => self.set_word(at, Holding::One(Holder { slot, media: left })),
+                Holding::Narrow(item) => {
+                    for (word, &medium) in self.narrow.items[item].iter_mut().zip(&MEDIA) {
+                        if !left.contains(medium) {
+                            *word &= !(1 << slot);
+                        }
+                    }
+                }
+                Holding::Wide(item) => {
+                    let list = &mut self.wide.items[item];
+                    if let Ok(found) = list.binary_search_by_key(&slot, |h| h.slot) {
+                        list[found].media = left;
+                    }
+                }
+                Holding::Vacant => {}
+            }
+            return Removal {
+                was_held,
+                slot_gone: false,
+                set_empty: false,
+            };
+        }
+        if let Holding::Narrow(item) = holding {
+            let words = &mut self.narrow.items[item];
+            words.iter_mut().for_each(|word| *word &= !(1 << slot));
+            if any_medium(words).count_ones() >= 2 {
+                return Removal {
+                    was_held,
+                    slot_gone: true,
+                    set_empty: false,
+                };
+            }
+        }
+        let mut rest = self.take_sorted(holding);
+        rest.retain(|h| h.slot != slot);
+        let set_empty = rest.is_empty();
+        if set_empty {
+            self.delete(at);
+        } else {
+            let placed = self.place(rest);
+            self.set_word(at, placed);
+        }
+        self.shrink_if_sparse();
+        Removal {
+            was_held,
+            slot_gone: true,
+            set_empty,
+        }
+    }
+
+    /// Empties entry `at`, shifting later entries of its probe run back into the hole.
+    fn delete(&mut self, mut hole: usize) {
+        let mask = self.capacity() - 1;
+        let mut next = (hole + 1) & mask;
+        loop {
+            let entry = self.entry(next);
+            if entry.word == 0 {
+                break;
+            }
+            let home = self.home(self.hasher.mix(entry.key));
+            // The entry may fill the hole when the hole lies on its probe run (home..next).
+            if next.wrapping_sub(hole) & mask <= next.wrapping_sub(home) & mask {
+                self.set_entry(hole, entry);
+                hole = next;
+            }
+            next = (next + 1) & mask;
+        }
+        self.set_entry(hole, Entry::default());
+        self.len -= 1;
+    }
+
+    /// Makes room for one more key (load stays at most 3/4).
+    fn reserve_one(&mut self) {
+        if (self.len + 1) * 4 > self.capacity() * 3 {
+            self.rebuild((self.capacity() * 2).max(MIN_CAPACITY));
+        }
+    }
+
+    /// Gives memory back once the table is under 1/8 full, or its arenas' free items outnumber
+    /// 1/8 of its entries, so a replica restart does not leave the high-water mark allocated.
+    /// (Either way the O(entries) rebuild is paid for by at least entries/8 removals.)
+    fn shrink_if_sparse(&mut self) {
+        let sparse = self.len * 8 < self.capacity() && self.capacity() > MIN_CAPACITY;
+        let arenas_sparse = (self.narrow.free.len() + self.wide.free.len()) * 8 > self.capacity();
+        if self.len == 0 {
+            *self = HolderTable::new(self.hasher);
+        } else if sparse || arenas_sparse {
+            let capacity = (self.len * 2).next_power_of_two().max(MIN_CAPACITY);
+            self.rebuild(capacity.min(self.capacity()));
+        }
+    }
+
+    /// Re-inserts every key into a table of `capacity` entries (a power of two) with compacted
+    /// arenas.
+    fn rebuild(&mut self, capacity: usize) {
+        let old_lines = std::mem::replace(&mut self.lines, vec![Line::default(); capacity / LINE]);
+        let mut old_narrow = std::mem::take(&mut self.narrow);
+        let mut old_wide = std::mem::take(&mut self.wide);
+        for entry in old_lines.iter().flat_map(|line| line.0) {
+            let holding = match Holding::decode(entry.word) {
+                Holding::Vacant => continue,
+                Holding::Narrow(at) => Holding::Narrow(self.narrow.alloc(old_narrow.release(at))),
+                Holding::Wide(at) => Holding::Wide(self.wide.alloc(old_wide.release(at))),
+                one => one,
+            };
+            let at = self.vacancy(self.hasher.mix(entry.key));
+            let word = holding.encode();
+            self.set_entry(
+                at,
+                Entry {
+                    key: entry.key,
+                    word,
+                },
+            );
+        }
+    }
+
+    /// Keys present.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// (key, holder) pairs present.
+    pub(crate) fn holdings(&self) -> usize {
+        self.lines
+            .iter()
+            .flat_map(|line| line.0)
+            .map(|entry| match Holding::decode(entry.word) {
+                Holding::Vacant => 0,
+                Holding::One(_) => 1,
+                Holding::Narrow(at) => any_medium(&self.narrow.items[at]).count_ones() as usize,
+                Holding::Wide(at) => self.wide.items[at].len(),
+            })
+            .sum()
+    }
+
+    /// Bytes allocated: lines, arenas and spilled lists.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        let lists: usize = self
+            .wide
+            .items
+            .iter()
+            .map(|list| list.capacity() * size_of::<Holder>())
+            .sum();
+        self.lines.capacity() * size_of::<Line>()
+            + self.narrow.items.capacity() * size_of::<MediaWords>()
+            + self.wide.items.capacity() * size_of::<Vec<Holder>>()
+            + (self.narrow.free.capacity() + self.wide.free.capacity()) * size_of::<usize>()
+            + lists
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> HolderTable {
+        HolderTable::new(KeyHasherBuilder::random())
+    }
+
+    fn holders_of(table: &HolderTable, key: u64, slots: usize) -> (Vec<u64>, Vec<u64>) {
+        let words = SlotSet::words_for(slots);
+        let (mut present, mut gpu) = (vec![0; words], vec![0; words]);
+        let hash = table.hasher.mix(key);
+        table.mark(table.holder_word(key, hash), &mut present, &mut gpu);
+        (present, gpu)
+    }
+
+    #[test]
+    fn entries_pack_four_to_a_line() {
+        assert_eq!(size_of::<Entry>(), 16);
+        assert_eq!(size_of::<Line>(), 64);
+        for holding in [
+            Holding::Vacant,
+            Holding::One(Holder {
+                slot: Slot::MAX,
+                media: MediaSet::only(Medium::Other),
+            }),
+            Holding::Narrow(usize::MAX >> TAG_BITS),
+            Holding::Wide(12345),
+        ] {
+            assert_eq!(Holding::decode(holding.encode()), holding);
+        }
+    }
+
+    /// The same add/remove sequence in every representation: slots `low < mid < high` all
+    /// below 64 (bitset words) or not (sorted list), shrinking to a single inline holder.
+    fn add_and_remove_media(low: Slot, mid: Slot, high: Slot) {
+        let mut table = table();
+        let key = 42;
+        let hash = table.hasher.mix(key);
+        table.add(key, hash, mid, Medium::Gpu);
+        table.add(key, hash, mid, Medium::Cpu);
+        table.add(key, hash, low, Medium::Gpu);
+        table.add(key, hash, high, Medium::Storage);
+        assert_eq!(table.holdings(), 3);
+        let both = MediaSet::only(Medium::Gpu).with(Medium::Cpu);
+        assert_eq!(table.media_of(key, hash, mid), both);
+        let slots = usize::from(high) + 1;
+        let mut expected = (
+            vec![0; SlotSet::words_for(slots)],
+            vec![0; SlotSet::words_for(slots)],
+        );
+        for slot in [low, mid, high] {
+            SlotSet::set_in(&mut expected.0, slot);
+        }
+        SlotSet::set_in(&mut expected.1, low);
+        SlotSet::set_in(&mut expected.1, mid);
+        assert_eq!(holders_of(&table, key, slots), expected);
+
+        let removal = table.remove(key, hash, mid, Some(Medium::Gpu));
+        let kept = Removal {
+            was_held: true,
+            slot_gone: false,
+            set_empty: false,
+        };
+        assert_eq!(removal, kept);
+        assert!(!table.remove(key, hash, mid, Some(Medium::Gpu)).was_held);
+        let removal = table.remove(key, hash, mid, Some(Medium::Cpu));
+        let gone = Removal {
+            slot_gone: true,
+            ..kept
+        };
+        assert_eq!(removal, gone);
+        assert_eq!(table.remove(key, hash, high - 1, None), NOT_HELD);
+        assert_eq!(table.remove(key, hash, low, None), gone);
+        let word = Holding::decode(table.holder_word(key, hash).0);
+        let media = MediaSet::only(Medium::Storage);
+        assert_eq!(word, Holding::One(Holder { slot: high, media }));
+        let removal = table.remove(key, hash, high, None);
+        let emptied = Removal {
+            set_empty: true,
+            ..gone
+        };
+        assert_eq!(removal, emptied);
+        assert_eq!((table.len(), table.memory_bytes()), (0, 0));
+    }
+
+    #[test]
+    fn add_and_remove_media_per_slot() {
+        add_and_remove_media(1, 3, 7);
+        add_and_remove_media(0, 3, 63);
+        add_and_remove_media(1, 3, 70);
+        add_and_remove_media(1, 64, 300);
+    }
+
+    #[test]
+    fn representation_follows_the_slots() {
+        let mut table = table();
+        let (key, hash) = (7, table.hasher.mix(7));
+        let holding = |table: &HolderTable| Holding::decode(table.holder_word(key, hash).0);
+        table.add(key, hash, 5, Medium::Gpu);
+        table.add(key, hash, 9, Medium::Cpu);
+        assert!(matches!(holding(&table), Holding::Narrow(_)));
+        table.add(key, hash, 100, Medium::Gpu);
+        assert!(matches!(holding(&table), Holding::Wide(_)));
+        assert!(table.remove(key, hash, 100, None).slot_gone);
+        assert!(matches!(holding(&table), Holding::Narrow(_)));
+        assert!(table.remove(key, hash, 5, Some(Medium::Gpu)).slot_gone);
+        let media = MediaSet::only(Medium::Cpu);
+        assert_eq!(holding(&table), Holding::One(Holder { slot: 9, media }));
+    }
+
+    /// Many keys with colliding probe runs: every key stays findable through growth, deletion
+    /// (backward shifts) and shrinking, and memory returns to zero.
+    #[test]
+    fn churn_keeps_every_key_findable() {
+        let mut table = table();
+        let keys: Vec<u64> = (0..5_000u64).map(|k| k.wrapping_mul(0x9E37_79B9)).collect();
+        for (n, &key) in keys.iter().enumerate() {
+            let hash = table.hasher.mix(key);
+            table.add(key, hash, (n % 3) as Slot, Medium::Gpu);
+            if n % 5 == 0 {
+                table.add(key, hash, 40, Medium::Cpu);
+            }
+        }
+        assert_eq!(table.len(), keys.len());
+        assert_eq!(table.holdings(), keys.len() + keys.len().div_ceil(5));
+        for (n, &key) in keys.iter().enumerate() {
+            let hash = table.hasher.mix(key);
+            let expected = if n % 2 == 0 {
+                MediaSet::only(Medium::Gpu)
+            } else {
+                MediaSet::default()
+            };
+            if n % 2 == 0 {
+                assert_eq!(table.media_of(key, hash, (n % 3) as Slot), expected);
+            } else {
+                table.remove(key, hash, (n % 3) as Slot, None);
+                table.remove(key, hash, 40, None);
+                assert_eq!(table.media_of(key, hash, (n % 3) as Slot), expected);
+            }
+        }
+        for (n, &key) in keys.iter().enumerate().filter(|(n, _)| n % 2 == 0) {
+            let hash = table.hasher.mix(key);
+            assert_eq!(
+                table.media_of(key, hash, (n % 3) as Slot),
+                MediaSet::only(Medium::Gpu),
+                "{n}"
+            );
+            table.remove(key, hash, (n % 3) as Slot, None);
+            table.remove(key, hash, 40, None);
+        }
+        assert_eq!(
+            (table.len(), table.holdings(), table.memory_bytes()),
+            (0, 0, 0)
+        );
+    }
+}
