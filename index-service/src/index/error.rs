@@ -117,7 +117,7 @@ impl RejectReason {
 
 /// Why a replica's index entries are not trusted for precise routing. A flagged replica keeps
 /// receiving events but is reported with `precise = false` and no matched blocks until
-/// [`reset_replica`](super::BlockIndex::reset_replica) or [`clear_flag`](super::BlockIndex::clear_flag).
+/// [`reset_replica`](super::KvIndex::reset_replica) or [`clear_flag`](super::BlockIndex::clear_flag).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FlagReason {
     /// A published block hash disagrees with the hash recomputed from the event's own

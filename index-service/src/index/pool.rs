@@ -160,7 +160,7 @@ impl Pool {
         }
     }
 
-    /// Leading blocks of `keys` held per replica. See [`super::BlockIndex::find_matches`].
+    /// Leading blocks of `keys` held per replica. See [`super::KvIndex::find_matches`].
     pub(crate) fn find_matches(
         &self,
         keys: &[u64],

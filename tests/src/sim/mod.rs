@@ -1,13 +1,13 @@
 //! `kvroute-engine-sim`: one simulated vLLM replica, faithful on the wire.
 //!
 //! - OpenAI API, `/tokenize`, `/metrics`, `/health`, `/reset_prefix_cache` in vLLM's shapes
-//!   ([`api`]), tokenizing with the shared [`kvroute_tokenize`] exactly as vLLM does.
-//! - A KV block pool with vLLM's prefix-caching semantics ([`cache`]) hashed with vLLM's chain
+//!   (`api`), tokenizing with the shared [`kvroute_tokenize`] exactly as vLLM does.
+//! - A KV block pool with vLLM's prefix-caching semantics (`cache`) hashed with vLLM's chain
 //!   ([`kvroute_block_keys::VllmHasher`], same algorithm/seed options as the index).
 //! - KV events encoded by [`kvroute_index::wire::encode_batch`] (vLLM 0.32 `type` maps, or the
 //!   older tagged arrays) and published by [`kvroute_index::testing::MockVllmPublisher`]
 //!   (PUB bind/connect by vLLM's rule, 3 frames, seq from 0, ROUTER replay).
-//! - A timing model with a time-scale knob ([`engine`]).
+//! - A timing model with a time-scale knob (`engine`).
 //! - `GET /debug/blocks`: the blocks it holds, as published u64 hashes, to compare with an index.
 //!
 //! Lifecycle: [`EngineSim::start`] binds everything (port 0 allowed) and returns the real
