@@ -5,6 +5,10 @@
 //! `vllm:gpu_cache_usage_perc`); a background loop calls it every `scrape.interval`. Between
 //! scrapes, requests kvroute routed count as queued (`routed_since_scrape`), and every routed
 //! request holds an [`InflightGuard`] (requests + prompt tokens) until its response headers.
+//!
+//! Each replica also keeps the block keys of its in-flight requests ([`ReplicaLoad::inflight_shared_blocks`]):
+//! a sibling sent while its shared prefix is still being prefilled joins that prefill (the engine
+//! batches them) instead of queueing behind it, so scoring must not count that work against it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -43,6 +47,8 @@ pub struct ReplicaLoad {
     inflight_requests: AtomicI64,
     inflight_prompt_tokens: AtomicI64,
     routed_since_scrape: AtomicI64,
+    /// Block key → in-flight requests carrying it. Bounded by the in-flight requests' prompts.
+    inflight_keys: Mutex<HashMap<u64, u32>>,
 }
 
 /// A point-in-time view used for scoring.
@@ -76,6 +82,19 @@ impl ReplicaLoad {
         }
     }
 
+    /// How many leading `keys` some request in flight on this replica also carries (its prefill
+    /// computes them, or did).
+    pub fn inflight_shared_blocks(&self, keys: &[u64]) -> u32 {
+        let inflight = self.inflight_keys.lock();
+        if inflight.is_empty() {
+            return 0;
+        }
+        // Keys are chained, so a request carrying `keys[i]` carries every key before it: the
+        // in-flight ones form a leading run and a binary search finds its end.
+        let shared = keys.partition_point(|key| inflight.contains_key(key));
+        u32::try_from(shared).unwrap_or(u32::MAX)
+    }
+
     /// Whether the replica counts as ready (scrapes have not failed too often in a row).
     pub fn is_ready(&self, unready_after_failures: u32) -> bool {
         unready_after_failures == 0
@@ -88,6 +107,7 @@ impl ReplicaLoad {
 pub struct InflightGuard {
     load: Arc<ReplicaLoad>,
     prompt_tokens: i64,
+    keys: Vec<u64>,
     gauge: prometheus_client::metrics::gauge::Gauge,
 }
 
@@ -97,6 +117,17 @@ impl Drop for InflightGuard {
         self.load
             .inflight_prompt_tokens
             .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+        if !self.keys.is_empty() {
+            let mut inflight = self.load.inflight_keys.lock();
+            for key in &self.keys {
+                if let Some(count) = inflight.get_mut(key) {
+                    *count -= 1;
+                    if *count == 0 {
+                        inflight.remove(key);
+                    }
+                }
+            }
+        }
         self.gauge.dec();
     }
 }
@@ -129,10 +160,22 @@ impl LoadBoard {
         Arc::clone(self.replicas.write().entry(replica.to_owned()).or_default())
     }
 
-    /// Starts counting a request of `prompt_tokens` tokens routed to `replica`.
-    pub fn start_request(&self, replica: &str, prompt_tokens: usize) -> InflightGuard {
+    /// Starts counting a request routed to `replica`: `prompt_tokens` of prefill work it adds,
+    /// `keys` the block keys of its prompt (empty when unknown).
+    pub fn start_request(
+        &self,
+        replica: &str,
+        prompt_tokens: usize,
+        keys: Vec<u64>,
+    ) -> InflightGuard {
         let load = self.replica(replica);
         let prompt_tokens = i64::try_from(prompt_tokens).unwrap_or(i64::MAX);
+        if !keys.is_empty() {
+            let mut inflight = load.inflight_keys.lock();
+            for key in &keys {
+                *inflight.entry(*key).or_insert(0) += 1;
+            }
+        }
         load.inflight_requests.fetch_add(1, Ordering::Relaxed);
         load.inflight_prompt_tokens
             .fetch_add(prompt_tokens, Ordering::Relaxed);
@@ -148,6 +191,7 @@ impl LoadBoard {
         InflightGuard {
             load,
             prompt_tokens,
+            keys,
             gauge,
         }
     }

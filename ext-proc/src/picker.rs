@@ -6,6 +6,12 @@
 //!    `precise`, index down or late), the routed-prefix memory;
 //! 3. **load**: no tokens (tokenizer missing, failed, late) or the budget ran out: lowest queue.
 //!
+//! A decision has two steps. The slow one (tokenize, index call) runs concurrently with other
+//! decisions, under the budget. The quick one (read the prefix memory and loads, score, then record
+//! the speculative insert and the in-flight load) has no await and runs under a lock striped by
+//! the prompt's first block key: siblings of a burst, which share that key, each see all earlier
+//! siblings' choices, while unrelated prompts do not wait on each other.
+//!
 //! Nothing inside kvroute fails a request: every fallback is counted in
 //! `kvroute_extproc_fallbacks_total{stage, cause}` and the decision in
 //! `kvroute_extproc_decisions_total{tier, reason}`.
@@ -15,7 +21,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use kvroute_index::api::MatchRequest;
+use kvroute_index::api::{MatchRequest, MatchResponse};
+use parking_lot::Mutex;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Pool, Replica, TokenizerSource};
@@ -72,6 +79,30 @@ impl LoadCause {
             Self::BudgetExhausted => "budget_exhausted",
         }
     }
+}
+
+/// Number of stripes of the commit lock (decisions whose prompts start alike share a stripe).
+const COMMIT_STRIPES: usize = 16;
+
+/// What the slow step learned about a prompt.
+#[derive(Debug)]
+struct PrefixFacts {
+    /// Its block keys.
+    keys: Vec<u64>,
+    /// The index's answer, when it was asked and answered in time.
+    index_answer: Option<MatchResponse>,
+    /// Estimated prompt length in tokens.
+    prompt_tokens: usize,
+}
+
+/// The scored choice, before it is committed.
+#[derive(Debug, Clone, Copy)]
+struct Scored {
+    choice: usize,
+    tier: Tier,
+    reason: &'static str,
+    /// Prefill work the request adds on the chosen replica.
+    prefill_tokens: usize,
 }
 
 /// A routing decision. Dropping it ends the replica's in-flight accounting for the request.
@@ -162,6 +193,8 @@ pub struct Picker {
     memory: PrefixMemory,
     token_cache: TokenCache,
     metrics: Metrics,
+    /// Serialises score-and-commit of decisions sharing a leading block (see the module docs).
+    commit_locks: [Mutex<()>; COMMIT_STRIPES],
 }
 
 impl Picker {
@@ -174,6 +207,7 @@ impl Picker {
             memory: PrefixMemory::default(),
             token_cache,
             metrics,
+            commit_locks: std::array::from_fn(|_| Mutex::new(())),
         }
     }
 
@@ -269,34 +303,59 @@ impl Picker {
             });
         }
         let deadline = started + config.decision_budget;
-        let scored = tokio::time::timeout_at(
+        let facts = tokio::time::timeout_at(
             deadline.into(),
-            self.score_with_prefix(runtime, pool_index, adapter, request, &candidates, deadline),
+            self.prefix_facts(runtime, pool_index, adapter, request, &candidates, deadline),
         )
-        .await;
-        let (choice, tier, reason, keys, prefill_tokens) = match scored {
-            Ok(Ok(found)) => found,
-            Ok(Err(cause)) => self.load_only(config, pool, &candidates, cause),
-            Err(_) => {
-                self.count_fallback("decision", "budget_exhausted");
-                self.load_only(config, pool, &candidates, LoadCause::BudgetExhausted)
-            }
+        .await
+        .unwrap_or_else(|_| {
+            self.count_fallback("decision", "budget_exhausted");
+            Err(LoadCause::BudgetExhausted)
+        });
+        Ok(self.score_and_commit(config, pool, &candidates, facts))
+    }
+
+    /// The quick step: scores and records the choice (speculative insert, in-flight load) with no
+    /// await in between, so a sibling decided next sees it.
+    fn score_and_commit(
+        &self,
+        config: &Config,
+        pool: &Pool,
+        candidates: &[&Replica],
+        facts: Result<PrefixFacts, LoadCause>,
+    ) -> Decision {
+        let first_key = facts.as_ref().ok().and_then(|f| f.keys.first().copied());
+        // Lock held only for this synchronous section (microseconds), never across an await.
+        let _coalesce = first_key.map(|key| {
+            self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock()
+        });
+        let (scored, keys) = match facts {
+            Ok(facts) => match self.score_prefix(config, pool, candidates, &facts) {
+                Some(scored) => (scored, facts.keys),
+                None => (
+                    self.load_only(config, pool, candidates, LoadCause::NoPrompt),
+                    Vec::new(),
+                ),
+            },
+            Err(cause) => (self.load_only(config, pool, candidates, cause), Vec::new()),
         };
-        let replica = candidates[choice];
+        let replica = candidates[scored.choice];
         self.memory.record(
             &replica.id,
             pool.approx_capacity_blocks,
             &keys,
             Instant::now(),
         );
-        Ok(Decision {
+        Decision {
             replica_id: replica.id.clone(),
             address: replica.address,
             envoy_cluster: replica.envoy_cluster.clone(),
-            tier,
-            reason,
-            inflight: self.loads.start_request(&replica.id, prefill_tokens),
-        })
+            tier: scored.tier,
+            reason: scored.reason,
+            inflight: self
+                .loads
+                .start_request(&replica.id, scored.prefill_tokens, keys),
+        }
     }
 
     /// Load tier: no prefix information.
@@ -306,11 +365,12 @@ impl Picker {
         pool: &Pool,
         candidates: &[&Replica],
         cause: LoadCause,
-    ) -> (usize, Tier, &'static str, Vec<u64>, usize) {
+    ) -> Scored {
         let views: Vec<Candidate> = candidates
             .iter()
             .map(|r| Candidate {
                 matched_blocks: 0,
+                shared_inflight_tokens: 0,
                 load: self.loads.replica(&r.id).snapshot(),
             })
             .collect();
@@ -321,16 +381,16 @@ impl Picker {
             &config.scoring,
             &mut rand::rng(),
         );
-        (
-            choice.map_or(0, |c| c.index),
-            Tier::Load,
-            cause.as_label(),
-            Vec::new(),
-            0,
-        )
+        Scored {
+            choice: choice.map_or(0, |c| c.index),
+            tier: Tier::Load,
+            reason: cause.as_label(),
+            prefill_tokens: 0,
+        }
     }
 
-    async fn score_with_prefix(
+    /// The slow step: tokens, keys and the index's answer.
+    async fn prefix_facts(
         &self,
         runtime: &Runtime,
         pool_index: usize,
@@ -338,7 +398,7 @@ impl Picker {
         request: &ParsedRequest<'_>,
         candidates: &[&Replica],
         deadline: Instant,
-    ) -> Result<(usize, Tier, &'static str, Vec<u64>, usize), LoadCause> {
+    ) -> Result<PrefixFacts, LoadCause> {
         let config = &runtime.config;
         let pool = &config.pools[pool_index];
         if matches!(request.prompt, crate::request::Prompt::Absent) {
@@ -412,14 +472,35 @@ impl Picker {
             }
             None
         };
-        // Per-replica prefix view.
+        Ok(PrefixFacts {
+            keys,
+            index_answer,
+            prompt_tokens: tokens.estimated_len,
+        })
+    }
+
+    /// Prefix tier scoring. `None` only without candidates.
+    fn score_prefix(
+        &self,
+        config: &Config,
+        pool: &Pool,
+        candidates: &[&Replica],
+        facts: &PrefixFacts,
+    ) -> Option<Scored> {
+        let PrefixFacts {
+            keys,
+            index_answer,
+            prompt_tokens,
+        } = facts;
+        let (keys, prompt_tokens) = (keys.as_slice(), *prompt_tokens);
+        let block_size = pool.block_size as usize;
         let now = Instant::now();
         let ttl = config.scoring.speculative_ttl;
         let mut precise = Vec::with_capacity(candidates.len());
         let views: Vec<Candidate> = candidates
             .iter()
             .map(|replica| {
-                let remembered = self.memory.lookup(&replica.id, &keys, now, ttl);
+                let remembered = self.memory.lookup(&replica.id, keys, now, ttl);
                 let indexed = index_answer.as_ref().and_then(|a| {
                     a.replicas
                         .iter()
@@ -430,24 +511,24 @@ impl Picker {
                     Some(m) => m.matched_blocks.max(remembered.speculative),
                     None => remembered.approximate,
                 };
+                let load = self.loads.replica(&replica.id);
+                let shared_blocks = load.inflight_shared_blocks(keys) as usize;
                 Candidate {
                     matched_blocks,
-                    load: self.loads.replica(&replica.id).snapshot(),
+                    shared_inflight_tokens: (shared_blocks * block_size).min(prompt_tokens),
+                    load: load.snapshot(),
                 }
             })
             .collect();
-        let prompt_tokens = tokens.estimated_len;
         let choice = policy::choose(
             &views,
             prompt_tokens,
             pool.block_size,
             &config.scoring,
             &mut rand::rng(),
-        )
-        .ok_or(LoadCause::NoPrompt)?;
-        let cached_tokens = (views[choice.index].matched_blocks as usize
-            * pool.block_size as usize)
-            .min(prompt_tokens);
+        )?;
+        let cached_tokens =
+            (views[choice.index].matched_blocks as usize * block_size).min(prompt_tokens);
         if prompt_tokens > 0 {
             self.metrics
                 .predicted_cached_share
@@ -461,7 +542,12 @@ impl Picker {
         let reason: Reason = choice.reason;
         // The replica's pending prefill work is what it does not hold (siblings of a burst add little).
         let prefill_tokens = prompt_tokens - cached_tokens;
-        Ok((choice.index, tier, reason.as_label(), keys, prefill_tokens))
+        Some(Scored {
+            choice: choice.index,
+            tier,
+            reason: reason.as_label(),
+            prefill_tokens,
+        })
     }
 
     fn count_fallback(&self, stage: &'static str, cause: &'static str) {

@@ -7,12 +7,24 @@
 //!          + running_ms_per_request × running
 //!          + prefill_ms_per_token   × in-flight prompt tokens
 //!          + kv_usage_ms            × kv_usage
-//! ttft_ms  = queue_ms + prefill_ms_per_token × uncached prompt tokens
+//! ttft_ms  = queue_ms − prefill_ms_per_token × in-flight prompt tokens it shares
+//!          + prefill_ms_per_token × uncached prompt tokens
 //! ```
 //!
-//! Hotspot guard: a replica whose `queue_ms` exceeds the candidates' mean by `hotspot_factor`
-//! (and is above `hotspot_min_ms`) is skipped, unless every candidate is. Equal scores are broken
-//! at random so identical replicas share work.
+//! A burst of siblings (requests sharing a long prefix, sent at once): the first one's prefill of
+//! the prefix is in flight on its replica, and a sibling sent there joins that prefill rather than
+//! waiting for it (the engine batches them), so the shared part is not queueing for it. Without
+//! that credit a sibling would see the same cost either way (wait for the prefix there, or compute
+//! it elsewhere) and the burst would spread, computing the prefix once per replica. With it, the
+//! siblings co-locate until the running batch itself costs more than a fresh prefill elsewhere
+//! (`running_ms_per_request × siblings ≈ prefill_ms_per_token × prefix tokens`).
+//!
+//! Hotspot guard: a replica whose `queue_ms` (its whole load, credit not subtracted) exceeds the
+//! candidates' mean by `hotspot_factor` and is above `hotspot_min_ms` is skipped, unless every
+//! candidate is. When the other replicas are idle the factor always holds, so `hotspot_min_ms`
+//! is the load at which a burst starts to spill: the default 200 ms is about 4 waiting requests or
+//! 40 running ones, above what a 16-sibling burst of a few thousand tokens adds (so it co-locates)
+//! and below a melting replica. Equal scores are broken at random so identical replicas share work.
 
 use rand::Rng;
 
@@ -27,6 +39,8 @@ const TIE_EPSILON_MS: f64 = 1e-6;
 pub struct Candidate {
     /// Leading prompt blocks believed cached there.
     pub matched_blocks: u32,
+    /// Prompt tokens of this request whose prefill is already in flight there (a sibling's).
+    pub shared_inflight_tokens: usize,
     /// Current load.
     pub load: LoadSnapshot,
 }
@@ -104,8 +118,13 @@ pub fn choose(
     let all_hot = queues.iter().all(|q| hot(*q));
     let eligible = |i: usize| all_hot || !hot(queues[i]);
     let ttft = |i: usize| {
-        let cached = (candidates[i].matched_blocks as usize).saturating_mul(block_size as usize);
-        queues[i] + weights.prefill_ms_per_token * prompt_tokens.saturating_sub(cached) as f64
+        let candidate = &candidates[i];
+        let cached = (candidate.matched_blocks as usize).saturating_mul(block_size as usize);
+        let shared = (candidate.shared_inflight_tokens as f64)
+            .min(candidate.load.inflight_prompt_tokens)
+            .min(prompt_tokens as f64);
+        (queues[i] - weights.prefill_ms_per_token * shared).max(0.0)
+            + weights.prefill_ms_per_token * prompt_tokens.saturating_sub(cached) as f64
     };
     let best = (0..candidates.len())
         .filter(|i| eligible(*i))
@@ -173,6 +192,7 @@ mod tests {
     fn candidate(matched_blocks: u32, waiting: f64) -> Candidate {
         Candidate {
             matched_blocks,
+            shared_inflight_tokens: 0,
             load: LoadSnapshot {
                 scraped: Scraped {
                     waiting,

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockReadGuard};
 
 use super::holders::{KeyHasherBuilder, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
@@ -248,6 +248,54 @@ impl Pool {
         gpu_matched: &mut [u32],
     ) {
         let tables: Vec<_> = self.shards.iter().map(|shard| shard.read()).collect();
+        if let ([alive], [gpu_alive]) = (alive.words_mut(), gpu_alive.words_mut()) {
+            self.walk_one_word(&tables, keys, alive, gpu_alive, matched, gpu_matched);
+            return;
+        }
+        self.walk_words(&tables, keys, alive, gpu_alive, matched, gpu_matched);
+    }
+
+    /// [`Self::walk`] for pools of up to 64 slots: the live sets are single words.
+    fn walk_one_word(
+        &self,
+        tables: &[RwLockReadGuard<'_, HolderTable>],
+        keys: &[u64],
+        alive: &mut u64,
+        gpu_alive: &mut u64,
+        matched: &mut [u32],
+        gpu_matched: &mut [u32],
+    ) {
+        let mut found = [(0, HolderWord::default()); CHUNK];
+        for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
+            // Lookups first, in a tight loop of independent loads, so the CPU overlaps their
+            // cache misses; intersecting in between would fill its window and serialize them.
+            for (out, &key) in found.iter_mut().zip(chunk) {
+                let hash = self.hash(key);
+                let shard = self.shard_of(hash);
+                *out = (shard, tables[shard].holder_word(key, hash));
+            }
+            for (at, &(shard, word)) in found[..chunk.len()].iter().enumerate() {
+                let index = (chunk_at * CHUNK + at) as u32;
+                let (present, gpu) = tables[shard].first_words(word);
+                drop_absent(alive, present, |slot| matched[slot] = index);
+                drop_absent(gpu_alive, gpu, |slot| gpu_matched[slot] = index);
+                if *alive == 0 {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// [`Self::walk`] for pools of more than 64 slots.
+    fn walk_words(
+        &self,
+        tables: &[RwLockReadGuard<'_, HolderTable>],
+        keys: &[u64],
+        alive: &mut SlotSet,
+        gpu_alive: &mut SlotSet,
+        matched: &mut [u32],
+        gpu_matched: &mut [u32],
+    ) {
         let words = alive.word_count();
         // Per chunk position: the shard and holder word of its key, then the slots holding it
         // (any medium, GPU) as `words` words each.
@@ -255,8 +303,6 @@ impl Pool {
         let mut present = vec![0u64; CHUNK * words];
         let mut gpu = vec![0u64; CHUNK * words];
         for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
-            // Three tight loops, each of independent loads, so the CPU overlaps their cache
-            // misses: table lines, then the holder bitsets of shared keys, then the intersection.
             for (out, &key) in found.iter_mut().zip(chunk) {
                 let hash = self.hash(key);
                 let shard = self.shard_of(hash);
@@ -294,5 +340,16 @@ impl Pool {
             .iter()
             .map(|shard| shard.read().memory_bytes())
             .sum()
+    }
+}
+
+/// Clears the bits of `alive` absent from `present`, calling `on_dropped` with each.
+#[inline]
+fn drop_absent(alive: &mut u64, present: u64, mut on_dropped: impl FnMut(usize)) {
+    let mut dropped = *alive & !present;
+    *alive &= present;
+    while dropped != 0 {
+        on_dropped(dropped.trailing_zeros() as usize);
+        dropped &= dropped - 1;
     }
 }

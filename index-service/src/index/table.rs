@@ -240,6 +240,33 @@ impl HolderTable {
         }
     }
 
+    /// The holders of `word` in slots below 64, as (any medium, GPU) bitsets.
+    #[inline]
+    pub(crate) fn first_words(&self, word: HolderWord) -> (u64, u64) {
+        match Holding::decode(word.0) {
+            Holding::Vacant => (0, 0),
+            Holding::One(holder) if usize::from(holder.slot) < NARROW_SLOTS => {
+                let bit = 1 << holder.slot;
+                (bit, if holder.media.has_gpu() { bit } else { 0 })
+            }
+            Holding::One(_) => (0, 0),
+            Holding::Narrow(at) => {
+                let words = &self.narrow.items[at];
+                (any_medium(words), words[0])
+            }
+            Holding::Wide(at) => {
+                let (mut present, mut gpu) = ([0], [0]);
+                for holder in &self.wide.items[at] {
+                    SlotSet::set_in(&mut present, holder.slot);
+                    if holder.media.has_gpu() {
+                        SlotSet::set_in(&mut gpu, holder.slot);
+                    }
+                }
+                (present[0], gpu[0])
+            }
+        }
+    }
+
     fn media_in(&self, holding: Holding, slot: Slot) -> MediaSet {
         match holding {
             Holding::Vacant => MediaSet::default(),

@@ -8,5 +8,6 @@ mod fidelity;
 mod index_capture;
 mod routing;
 mod sim;
+mod sim_index;
 mod tokenize_parity;
 mod wasm_filter;

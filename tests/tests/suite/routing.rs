@@ -252,9 +252,15 @@ async fn a_burst_of_siblings_co_locates() {
     }
     let served = served_since(&stack, &before, 16).await;
     let most = served.iter().max().copied().unwrap_or(0);
+    let decisions: Vec<String> = ext_proc_metrics(&stack)
+        .await
+        .lines()
+        .filter(|l| l.starts_with("kvroute_extproc_decisions_total"))
+        .map(str::to_owned)
+        .collect();
     assert!(
         most >= 12,
-        "16 siblings sent at once should mostly co-locate: {served:?}"
+        "16 siblings sent at once should mostly co-locate: {served:?}\n{decisions:#?}"
     );
 }
 
