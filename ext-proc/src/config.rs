@@ -6,6 +6,8 @@
 //! ```yaml
 //! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9003"}
 //! index: {addresses: ["http://10.0.0.9:7070"], match_timeout: 20ms}
+//! # TLS to the index (kvroute_index::tls): addresses are then https://
+//! # index: {addresses: ["https://kvroute-index:7070"], tls: {ca: /tls/ca.crt, server_name: kvroute-index}}
 //! pools:
 //! - name: llama
 //!   models: [meta-llama/Llama-3.1-8B-Instruct]
@@ -108,6 +110,7 @@ struct RawIndex {
     addresses: Vec<String>,
     match_timeout: Option<String>,
     retry_after: Option<String>,
+    tls: Option<kvroute_index::tls::RawClientTls>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -203,6 +206,8 @@ pub struct Config {
     pub admin_addr: SocketAddr,
     /// kvroute-index addresses, tried in order (HA).
     pub index_addresses: Vec<http::Uri>,
+    /// TLS to the index (`None`: plaintext).
+    pub index_tls: Option<kvroute_index::tls::ClientTls>,
     /// Deadline for one `Match`, fail-overs included.
     pub match_timeout: Duration,
     /// How long a failed index address is skipped.
@@ -391,8 +396,14 @@ impl TryFrom<RawConfig> for Config {
             .addresses
             .iter()
             .enumerate()
-            .map(|(i, a)| http_uri(&format!("index.addresses[{i}]"), a))
+            .map(|(i, a)| index_uri(&format!("index.addresses[{i}]"), a, raw.index.tls.is_some()))
             .collect::<Result<Vec<_>, _>>()?;
+        let index_tls = raw
+            .index
+            .tls
+            .as_ref()
+            .map(|tls| kvroute_index::tls::ClientTls::load(tls, "index.tls"))
+            .transpose()?;
         let budgets = &raw.budgets;
         let decision_budget = duration(
             "budgets.decision",
@@ -421,6 +432,7 @@ impl TryFrom<RawConfig> for Config {
             grpc_addr,
             admin_addr,
             index_addresses,
+            index_tls,
             match_timeout: duration(
                 "index.match_timeout",
                 raw.index.match_timeout.as_deref(),
@@ -834,6 +846,23 @@ fn http_uri(field: &str, value: &str) -> Result<http::Uri, ConfigError> {
             "expected an http:// URL",
         ));
     }
+    Ok(uri)
+}
+
+/// An index address: `http://` plaintext, or `https://` when `index.tls` is set.
+fn index_uri(field: &str, value: &str, tls: bool) -> Result<http::Uri, ConfigError> {
+    let uri: http::Uri = value
+        .parse()
+        .map_err(|_| ConfigError::invalid(field, value, "expected an http(s):// URL"))?;
+    if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+        return Err(ConfigError::invalid(
+            field,
+            value,
+            "expected an http(s):// URL",
+        ));
+    }
+    kvroute_index::tls::check_scheme(value, tls)
+        .map_err(|reason| ConfigError::invalid(field, value, reason))?;
     Ok(uri)
 }
 

@@ -217,6 +217,9 @@ pub enum ConfigError {
         /// Why it is rejected.
         reason: &'static str,
     },
+    /// `index.tls` is unusable (missing file, not PEM, refused by rustls).
+    #[error("invalid TLS settings: {0}")]
+    Tls(#[from] kvroute_index::tls::TlsError),
 }
 
 impl ConfigError {
@@ -228,6 +231,7 @@ impl ConfigError {
             Self::Missing { .. } => "missing",
             Self::Tokenizer { .. } => "tokenizer",
             Self::InvalidValue { .. } => "invalid_value",
+            Self::Tls(_) => "tls",
         }
     }
 

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_index::api::kv_index_client::KvIndexClient;
 use kvroute_index::api::{MatchRequest, MatchResponse};
+use kvroute_index::tls::ClientTls;
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
@@ -31,20 +32,28 @@ pub struct IndexClient {
 }
 
 impl IndexClient {
-    /// Lazily connecting clients for `uris`.
-    pub fn new(uris: &[http::Uri], retry_after: Duration) -> Self {
+    /// Lazily connecting clients for `uris`, over TLS when `tls` is given.
+    pub fn new(uris: &[http::Uri], retry_after: Duration, tls: Option<&ClientTls>) -> Self {
         let addresses = uris
             .iter()
-            .map(|uri| {
-                let channel = Endpoint::from(uri.clone())
+            .filter_map(|uri| {
+                let endpoint = Endpoint::from(uri.clone())
                     .connect_timeout(CONNECT_TIMEOUT)
-                    .tcp_nodelay(true)
-                    .connect_lazy();
-                IndexAddress {
+                    .tcp_nodelay(true);
+                let endpoint = match tls.map(|tls| tls.apply(endpoint.clone())) {
+                    None => endpoint,
+                    Some(Ok(endpoint)) => endpoint,
+                    Some(Err(error)) => {
+                        // Validated with the config already; never fall back to plaintext.
+                        tracing::error!(index = %uri, %error, "index address left out: TLS setup failed");
+                        return None;
+                    }
+                };
+                Some(IndexAddress {
                     uri: uri.clone(),
-                    client: KvIndexClient::new(channel),
+                    client: KvIndexClient::new(endpoint.connect_lazy()),
                     failed_at: Mutex::new(None),
-                }
+                })
             })
             .collect();
         Self {

@@ -316,6 +316,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn inflight_keys_live_as_long_as_their_requests() {
+        let board = LoadBoard::new(Metrics::register(
+            &mut prometheus_client::registry::Registry::default(),
+        ));
+        let first = board.start_request("r0", 48, vec![1, 2, 3]);
+        let sibling = board.start_request("r0", 16, vec![1, 2, 4]);
+        let load = board.replica("r0");
+        assert_eq!(load.inflight_shared_blocks(&[1, 2, 3, 9]), 3);
+        assert_eq!(board.replica("r1").inflight_shared_blocks(&[1]), 0);
+        drop(first);
+        assert_eq!(load.inflight_shared_blocks(&[1, 2, 3]), 2);
+        drop(sibling);
+        assert_eq!(load.inflight_shared_blocks(&[1, 2, 3]), 0);
+        assert!(load.inflight_keys.lock().is_empty());
+    }
+
+    #[test]
     fn parses_vllm_exposition() {
         let text = "# HELP vllm:num_requests_waiting x\n\
             vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 3.0\n\

@@ -168,7 +168,11 @@ impl Runtime {
             };
             tokenizers.push(tokenizer);
         }
-        let index = IndexClient::new(&config.index_addresses, config.index_retry_after);
+        let index = IndexClient::new(
+            &config.index_addresses,
+            config.index_retry_after,
+            config.index_tls.as_ref(),
+        );
         Ok(Self {
             config: Arc::new(config),
             tokenizers,
@@ -326,9 +330,8 @@ impl Picker {
     ) -> Decision {
         let first_key = facts.as_ref().ok().and_then(|f| f.keys.first().copied());
         // Lock held only for this synchronous section (microseconds), never across an await.
-        let _coalesce = first_key.map(|key| {
-            self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock()
-        });
+        let _coalesce =
+            first_key.map(|key| self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock());
         let (scored, keys) = match facts {
             Ok(facts) => match self.score_prefix(config, pool, candidates, &facts) {
                 Some(scored) => (scored, facts.keys),
@@ -555,5 +558,123 @@ impl Picker {
             .fallbacks
             .get_or_create(&FallbackLabels { stage, cause })
             .inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use prometheus_client::registry::Registry;
+    use tokio::sync::Barrier;
+
+    use super::*;
+    use crate::request::{Endpoint, parse};
+    use crate::tokenizer::{TokenizeFuture, TokenizeInput};
+
+    const BURST: usize = 16;
+
+    /// One token per byte; every call waits until `BURST` calls are in flight, so all siblings
+    /// finish tokenizing together and race to score (the case a burst hits in production).
+    #[derive(Debug)]
+    struct LockstepTokenizer(Arc<Barrier>);
+
+    impl Tokenizer for LockstepTokenizer {
+        fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+            let barrier = Arc::clone(&self.0);
+            Box::pin(async move {
+                barrier.wait().await;
+                match input.as_ref() {
+                    TokenizeInput::Text { text, .. } => Ok(text.bytes().map(u32::from).collect()),
+                    TokenizeInput::Chat { messages, .. } => {
+                        Ok(messages.get().bytes().map(u32::from).collect())
+                    }
+                }
+            })
+        }
+    }
+
+    fn picker(scoring: &str) -> Picker {
+        let yaml = format!(
+            "budgets: {{decision: 2s, tokenize: 2s}}\n\
+             scoring: {scoring}\n\
+             pools:\n- {{name: p, models: [m], block_size: 16, key_scheme: {{kind: token-chain}}}}\n\
+             replicas:\n\
+             - {{id: r0, pool: p, address: \"10.0.0.1:8000\"}}\n\
+             - {{id: r1, pool: p, address: \"10.0.0.2:8000\"}}\n\
+             - {{id: r2, pool: p, address: \"10.0.0.3:8000\"}}\n\
+             - {{id: r3, pool: p, address: \"10.0.0.4:8000\"}}\n"
+        );
+        let config = Config::from_yaml(&yaml).unwrap();
+        let tasks = TaskTracker::new();
+        let runtime = Runtime::build(config, None, &tasks)
+            .unwrap()
+            .with_tokenizer(
+                0,
+                Arc::new(LockstepTokenizer(Arc::new(Barrier::new(BURST)))),
+            );
+        Picker::new(runtime, Metrics::register(&mut Registry::default()), tasks)
+    }
+
+    /// Decides `BURST` siblings (a 2000-token shared prefix) at once; keeps their in-flight guards.
+    async fn burst(picker: Arc<Picker>) -> Vec<Decision> {
+        let prefix = "ab".repeat(1000);
+        let decisions = (0..BURST).map(|i| {
+            let picker = Arc::clone(&picker);
+            let body = serde_json::json!({"model": "m", "prompt": format!("{prefix} sibling {i}")})
+                .to_string();
+            async move {
+                let request = parse(body.as_bytes(), Endpoint::Completions).unwrap();
+                picker.decide(&request, None).await.unwrap()
+            }
+        });
+        #[expect(
+            clippy::disallowed_methods,
+            reason = "test: decide on several worker threads"
+        )]
+        let handles: Vec<_> = decisions.map(tokio::spawn).collect();
+        let mut out = Vec::new();
+        for handle in handles {
+            out.push(handle.await.unwrap());
+        }
+        out
+    }
+
+    fn per_replica(decisions: &[Decision]) -> HashMap<&str, usize> {
+        let mut counts = HashMap::new();
+        for decision in decisions {
+            *counts.entry(decision.replica_id.as_str()).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn concurrent_siblings_co_locate() {
+        let picker = Arc::new(picker("{}"));
+        let decisions = burst(Arc::clone(&picker)).await;
+        let counts = per_replica(&decisions);
+        let most = counts.values().copied().max().unwrap_or(0);
+        assert!(most >= 12, "siblings spread: {counts:?}");
+        // Only the first sibling found no cached prefix; the others saw its speculative insert.
+        let cold = decisions
+            .iter()
+            .filter(|d| d.reason == "no_cache_match")
+            .count();
+        assert_eq!(cold, 1, "{counts:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn hotspot_guard_still_spills_a_burst() {
+        // A low threshold: the replica holding the prefix turns hot after a few siblings.
+        let picker = Arc::new(picker("{hotspot_min_ms: 120}"));
+        let decisions = burst(Arc::clone(&picker)).await;
+        let counts = per_replica(&decisions);
+        let most = counts.values().copied().max().unwrap_or(0);
+        assert!(most < BURST, "{counts:?}");
+        assert!(
+            decisions.iter().any(|d| d.reason == "hotspot_guard"),
+            "{counts:?}"
+        );
     }
 }

@@ -233,6 +233,23 @@ mod tests {
     }
 
     #[test]
+    fn a_sibling_joins_the_prefill_it_shares() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        // r0 is prefilling the first sibling (1024 tokens, 63 blocks shared); without the credit
+        // waiting for that prefill costs as much as redoing it on idle r1.
+        let mut first = candidate(63, 0.0);
+        first.load.inflight_prompt_tokens = 1024.0;
+        first.load.inflight_requests = 1.0;
+        let mut sibling = first;
+        sibling.shared_inflight_tokens = 1008;
+        let idle = candidate(0, 0.0);
+        let choice = choose(&[sibling, idle], 1024, 16, &weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
+        let choice = choose(&[first, idle], 1024, 16, &weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
+    }
+
+    #[test]
     fn ties_are_spread() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let c = [candidate(0, 0.0), candidate(0, 0.0), candidate(0, 0.0)];

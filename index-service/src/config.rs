@@ -8,6 +8,10 @@
 //! listen:
 //!   grpc: 127.0.0.1:50061      # Match / ReplicaState API for kvroute-ext-proc
 //!   admin: 127.0.0.1:9461      # /metrics, /healthz, /readyz, /v1/replicas, /v1/match
+//!   tls:                       # optional, gRPC only (crate::tls); clients then use https://
+//!     cert: /tls/tls.crt
+//!     key: /tls/tls.key
+//!     client_ca: /tls/ca.crt   # optional: require client certificates signed by it
 //! limits:
 //!   max_blocks_per_replica: 1000000
 //! pools:
@@ -60,6 +64,9 @@ pub enum ConfigError {
         /// Why it is rejected.
         reason: String,
     },
+    /// `listen.tls` is unusable (missing file, not PEM, key and certificate disagree).
+    #[error("invalid TLS settings: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 impl ConfigError {
@@ -110,6 +117,8 @@ pub struct RawListen {
     pub grpc: Option<String>,
     /// Admin HTTP address (`host:port`).
     pub admin: Option<String>,
+    /// TLS on the gRPC listener (the admin HTTP server stays plaintext, for probes).
+    pub tls: Option<crate::tls::RawServerTls>,
 }
 
 /// `limits:` section.
@@ -197,6 +206,8 @@ pub struct Config {
     pub grpc_addr: SocketAddr,
     /// Admin HTTP listen address.
     pub admin_addr: SocketAddr,
+    /// TLS for the gRPC listener (`None`: plaintext).
+    pub tls: Option<crate::tls::ServerTls>,
     /// Cap on blocks per replica.
     pub max_blocks_per_replica: usize,
     /// Replay deadline.
@@ -285,6 +296,12 @@ impl Config {
                 "must differ from listen.grpc (admin endpoints listen apart)",
             ));
         }
+        let tls = raw
+            .listen
+            .tls
+            .as_ref()
+            .map(|tls| crate::tls::ServerTls::load(tls, "listen.tls"))
+            .transpose()?;
         let max_blocks_per_replica = raw
             .limits
             .max_blocks_per_replica
@@ -393,6 +410,7 @@ impl Config {
         Ok(Config {
             grpc_addr,
             admin_addr,
+            tls,
             max_blocks_per_replica,
             replay_timeout,
             pools,

@@ -14,6 +14,7 @@ pub mod ingest;
 pub mod server;
 #[cfg(all(feature = "server", any(test, feature = "test-util")))]
 pub mod testing;
+pub mod tls;
 pub mod wire;
 
 /// Generated gRPC types and client/server for `kvroute.index.v1` (see `proto/`).

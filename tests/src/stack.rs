@@ -158,7 +158,16 @@ pub struct StackOptions {
     pub budgets: ExtProcBudgets,
     /// Where the binaries are; default: next to the current executable.
     pub bin_dir: Option<PathBuf>,
+    /// kvroute-index instances (1..=[`MAX_INDEX_INSTANCES`]), each subscribed to every sim;
+    /// ext-proc lists them all, the first one first (HA).
+    pub index_instances: usize,
 }
+
+/// Most kvroute-index instances a stack runs.
+pub const MAX_INDEX_INSTANCES: usize = 3;
+/// Process names of the index instances (also their log and config file names).
+const INDEX_NAMES: [&str; MAX_INDEX_INSTANCES] =
+    ["kvroute-index", "kvroute-index-2", "kvroute-index-3"];
 
 impl Default for StackOptions {
     fn default() -> Self {
@@ -174,6 +183,7 @@ impl Default for StackOptions {
             hash_seed: "0".to_owned(),
             budgets: ExtProcBudgets::for_this_build(),
             bin_dir: None,
+            index_instances: 1,
         }
     }
 }
@@ -453,6 +463,8 @@ pub struct Stack {
     envoy: Envoy,
     ext_proc: Option<Service>,
     index: Option<Service>,
+    /// Index instances beyond the first (`index_instances > 1`).
+    more_indexes: Vec<Service>,
     sims: Vec<SimProcess>,
     options: StackOptions,
     _dir: tempfile::TempDir,
@@ -474,26 +486,48 @@ impl Stack {
         }
         let sim_addrs: Vec<SocketAddr> = sims.iter().map(|s| s.ready.http).collect();
 
+        let mut more_indexes = Vec::new();
         let (index, ext_proc, envoy_config) = match options.routing {
             Routing::RoundRobin => {
                 let config = round_robin_config(&sim_addrs);
                 (None, None, config)
             }
             Routing::Kvroute => {
-                let index = Service::start(
-                    "kvroute-index",
-                    binaries.index.clone(),
-                    dir.path(),
-                    index_config(&options, &sims)?,
-                )
-                .await?;
+                let Some(names) = INDEX_NAMES
+                    .get(..options.index_instances)
+                    .filter(|n| !n.is_empty())
+                else {
+                    return Err(StackError::Component {
+                        component: "kvroute-index",
+                        detail: format!(
+                            "index_instances must be 1..={MAX_INDEX_INSTANCES}, not {}",
+                            options.index_instances
+                        ),
+                        log: String::new(),
+                    });
+                };
+                let mut indexes = Vec::with_capacity(names.len());
+                for name in names {
+                    indexes.push(
+                        Service::start(
+                            name,
+                            binaries.index.clone(),
+                            dir.path(),
+                            index_config(&options, &sims)?,
+                        )
+                        .await?,
+                    );
+                }
+                let index_addrs: Vec<SocketAddr> = indexes.iter().map(|i| i.grpc).collect();
                 let ext_proc = Service::start(
                     "kvroute-ext-proc",
                     binaries.ext_proc.clone(),
                     dir.path(),
-                    ext_proc_config(&options, &sims, index.grpc),
+                    ext_proc_config(&options, &sims, &index_addrs),
                 )
                 .await?;
+                let index = indexes.remove(0);
+                more_indexes = indexes;
                 let text = std::fs::read_to_string(workspace_root().join(OVERRIDE_HOST_CONFIG))
                     .map_err(|source| HarnessError::Io {
                         path: workspace_root().join(OVERRIDE_HOST_CONFIG),
@@ -508,6 +542,7 @@ impl Stack {
             envoy,
             ext_proc,
             index,
+            more_indexes,
             sims,
             options,
             _dir: dir,
@@ -583,6 +618,31 @@ impl Stack {
         Ok(format!("http://{}", index.admin))
     }
 
+    /// Admin base URLs of every kvroute-index instance (the first is [`Stack::index_admin_url`]).
+    pub fn index_admin_urls(&self) -> Vec<String> {
+        self.indexes()
+            .map(|index| format!("http://{}", index.admin))
+            .collect()
+    }
+
+    fn indexes(&self) -> impl Iterator<Item = &Service> {
+        self.index.iter().chain(&self.more_indexes)
+    }
+
+    /// Kills kvroute-index instance `instance` (0 = the first; SIGKILL).
+    pub fn kill_index_instance(&mut self, instance: usize) -> Result<(), StackError> {
+        let index = match instance {
+            0 => self.index.as_mut(),
+            n => self.more_indexes.get_mut(n - 1),
+        };
+        index
+            .ok_or(StackError::NotRunning {
+                what: "kvroute-index",
+            })?
+            .kill();
+        Ok(())
+    }
+
     /// kvroute-ext-proc's admin base URL.
     pub fn ext_proc_admin_url(&self) -> Result<String, StackError> {
         let ext_proc = self.ext_proc.as_ref().ok_or(StackError::NotRunning {
@@ -642,7 +702,7 @@ impl Stack {
         for (i, sim) in self.sims.iter().enumerate() {
             section(&format!("kvroute-engine-sim {}", replica_id(i)), sim.log());
         }
-        for service in [&self.index, &self.ext_proc].into_iter().flatten() {
+        for service in self.indexes().chain(&self.ext_proc) {
             section(service.name, service.log());
         }
         section("envoy", self.envoy.log());
@@ -669,7 +729,8 @@ impl Stack {
             })
             .await?;
         }
-        if let Ok(admin) = self.index_admin_url() {
+        let running = self.indexes().filter(|index| index.guard.is_some());
+        for admin in running.map(|index| format!("http://{}", index.admin)) {
             let url = format!("{admin}/v1/replicas");
             wait_until("the index to drop every block", EVENT_SYNC_TIMEOUT, || {
                 let url = url.clone();
@@ -691,7 +752,13 @@ impl Stack {
     /// (empty) prefix cache, which publishes one batch, until the index reports it `ready`. This
     /// also waits out ZeroMQ's subscription handshake, where early events would be lost.
     async fn wait_index_synced(&self) -> Result<(), StackError> {
-        let admin = self.index_admin_url()?;
+        for admin in self.index_admin_urls() {
+            self.wait_one_index_synced(&admin).await?;
+        }
+        Ok(())
+    }
+
+    async fn wait_one_index_synced(&self, admin: &str) -> Result<(), StackError> {
         let url = format!("{admin}/v1/replicas");
         let ids = self.replica_ids();
         let sims = self.sim_urls();
@@ -837,7 +904,12 @@ fn index_config(options: &StackOptions, sims: &[SimProcess]) -> Result<String, S
     ))
 }
 
-fn ext_proc_config(options: &StackOptions, sims: &[SimProcess], index: SocketAddr) -> String {
+fn ext_proc_config(options: &StackOptions, sims: &[SimProcess], indexes: &[SocketAddr]) -> String {
+    let addresses = indexes
+        .iter()
+        .map(|addr| format!("\"http://{addr}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
     let replicas: String = sims
         .iter()
         .enumerate()
@@ -851,7 +923,7 @@ fn ext_proc_config(options: &StackOptions, sims: &[SimProcess], index: SocketAdd
         .collect();
     format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
-         index: {{addresses: [\"http://{index}\"], match_timeout: {match_ms}ms}}\n\
+         index: {{addresses: [{addresses}], match_timeout: {match_ms}ms}}\n\
          budgets: {{decision: {decision_ms}ms, tokenize: {tokenize_ms}ms}}\n\
          scrape: {{interval: 200ms}}\n\
          scoring: {{prefill_ms_per_token: {prefill}, queue_ms_per_request: {queue}, \

@@ -29,6 +29,7 @@ pub(crate) struct StreamSettings {
     pub(crate) token: AgentToken,
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
+    pub(crate) tls: Option<crate::tls::ClientTls>,
 }
 
 /// Keeps one index stream up until `cancel`.
@@ -89,6 +90,13 @@ async fn stream_once(settings: &StreamSettings, hub: &Hub, metrics: &AgentMetric
             .keep_alive_timeout(KEEPALIVE)
             .keep_alive_while_idle(true),
         Err(error) => return end("bad_uri", error.to_string(), false),
+    };
+    let endpoint = match &settings.tls {
+        Some(tls) => match tls.apply(endpoint) {
+            Ok(endpoint) => endpoint,
+            Err(error) => return end("tls", error.to_string(), false),
+        },
+        None => endpoint,
     };
     let channel = match endpoint.connect().await {
         Ok(channel) => channel,

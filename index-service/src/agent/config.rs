@@ -7,6 +7,7 @@
 //! admin: 127.0.0.1:9471            # /metrics, /healthz
 //! batch_delay_ms: 20               # deltas are flushed at least this often
 //! max_blocks_per_replica: 1000000
+//! tls: {ca: /tls/ca.crt, server_name: kvroute-index}   # optional; indexes are then https://
 //! engines:
 //!   - replica: engine-a            # the id the index knows it by
 //!     endpoint: tcp://127.0.0.1:5557
@@ -54,6 +55,8 @@ pub struct RawAgentConfig {
     pub reconnect_backoff_max_ms: Option<u64>,
     /// Local engines.
     pub engines: Vec<RawEngine>,
+    /// TLS to the indexes (see [`crate::tls`]); every index address is then `https://`.
+    pub tls: Option<crate::tls::RawClientTls>,
 }
 
 /// One `engines:` entry.
@@ -93,6 +96,9 @@ pub enum AgentConfigError {
     /// The token cannot be loaded.
     #[error("cannot load the agent token")]
     Token(#[from] TokenError),
+    /// `tls` is unusable.
+    #[error("invalid TLS settings: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 impl AgentConfigError {
@@ -102,6 +108,7 @@ impl AgentConfigError {
             AgentConfigError::Parse(_) => "parse",
             AgentConfigError::InvalidValue { .. } => "invalid_value",
             AgentConfigError::Token(_) => "token",
+            AgentConfigError::Tls(_) => "tls",
         }
     }
 
@@ -139,6 +146,8 @@ pub struct AgentConfig {
     pub reconnect_backoff_max: Duration,
     /// One ingest socket per engine (DP rank).
     pub engines: Vec<IngestConfig>,
+    /// TLS to the indexes (`None`: plaintext).
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 impl AgentConfig {
@@ -184,7 +193,15 @@ impl AgentConfig {
                     "expected http://host:port",
                 ));
             }
+            crate::tls::check_scheme(index, raw.tls.is_some()).map_err(|reason| {
+                AgentConfigError::invalid(format!("indexes[{i}]"), index, reason)
+            })?;
         }
+        let tls = raw
+            .tls
+            .as_ref()
+            .map(|tls| crate::tls::ClientTls::load(tls, "tls"))
+            .transpose()?;
         let admin = raw.admin.as_deref().unwrap_or(DEFAULT_ADMIN_ADDR);
         let admin_addr = admin
             .parse()
@@ -260,6 +277,7 @@ impl AgentConfig {
                 .reconnect_backoff_max_ms
                 .map_or(Duration::from_secs(5), Duration::from_millis),
             engines,
+            tls,
         })
     }
 }

@@ -10,7 +10,7 @@
 //!
 //! Lifecycle: [`Agent::start`] → serving → [`Agent::shutdown`].
 //!
-//! Not done: TLS to the index (plain HTTP/2; run it on a trusted network or behind a mesh).
+//! TLS to the indexes is optional (`tls:` in the config, `https://` index addresses).
 
 pub mod client;
 pub mod config;
@@ -128,6 +128,7 @@ impl Agent {
                 token: config.token.clone(),
                 backoff_min: config.reconnect_backoff_min,
                 backoff_max: config.reconnect_backoff_max,
+                tls: config.tls.clone(),
             };
             spawn_tracked(
                 &tasks,

@@ -8,10 +8,12 @@
 //! # Data structure
 //!
 //! - A **pool** is one served model. Its block keys live in `shards` (a power of two of
-//!   `parking_lot::RwLock<HashMap<key, Holders>>`); `Holders` is one inline (slot, media) pair
-//!   or a boxed slice of them, so a (block, replica) holding costs ~40–60 bytes all in.
-//!   Replicas are addressed by a dense per-pool slot so a query keeps the still-matching
-//!   replicas in a bitset.
+//!   `parking_lot::RwLock<HolderTable>`): open-addressing tables of 16-byte entries (key,
+//!   packed holder word), four to a cache line. A key held by one replica stores (slot, media)
+//!   inline; a key held by several stores an index into per-medium slot bitsets (pools of up to
+//!   64 replicas) or a sorted list (larger pools). A (block, replica) holding costs ~35–45
+//!   bytes all in. Replicas are addressed by a dense per-pool slot so a query keeps the
+//!   still-matching replicas in a bitset: one word for up to 64 replicas.
 //! - A **replica** keeps the set of engine hashes it holds (token-chain pools: engine hash →
 //!   own key), behind its own mutex. Removal, `AllBlocksCleared` and resets touch only its
 //!   entries; the set also enforces the per-replica block cap.
@@ -19,9 +21,11 @@
 //! # Complexity
 //!
 //! - `apply_event`: O(blocks in the event) shard-lock acquisitions (one short write each).
-//! - `find_matches`: O(longest match + 1) shard read locks, each followed by O(holders of that
-//!   key) bit sets and O(pool replicas / 64) word operations; stops as soon as no candidate
-//!   still matches.
+//! - `find_matches`: one read lock per shard, held for the walk; then O(longest match + 1)
+//!   table lookups (usually one cache line each, issued 32 at a time so their misses overlap),
+//!   each followed by O(pool replicas / 64) word operations (O(holders) in pools of more than
+//!   64 replicas); stops as soon as no candidate still matches. Measured in BENCHMARKS.md
+//!   (`## Index`).
 //! - `reset_replica`: O(blocks of the replica), locking each shard once per 256 keys.
 //!
 //! # Bounded memory

@@ -7,7 +7,7 @@ use parking_lot::{RwLock, RwLockReadGuard};
 
 use super::holders::{KeyHasherBuilder, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
-use super::table::{HolderTable, HolderWord};
+use super::table::{HolderTable, HolderWord, HomeEntry};
 use super::{FlagReason, IndexError, ReplicaId, ReplicaMatch};
 use crate::event::Medium;
 
@@ -133,6 +133,13 @@ impl Pool {
         !shard.media_of(key, hash, slot).is_empty()
     }
 
+    /// Whether `slot` holds `key` in `medium`.
+    pub(crate) fn holds_in(&self, slot: Slot, key: u64, medium: Medium) -> bool {
+        let hash = self.hash(key);
+        let shard = self.shards[self.shard_of(hash)].read();
+        shard.media_of(key, hash, slot).contains(medium)
+    }
+
     /// Removes `slot`'s holding of `key` in `medium` (every medium when `None`).
     pub(crate) fn remove(&self, slot: Slot, key: u64, medium: Option<Medium>) -> Removal {
         let hash = self.hash(key);
@@ -255,6 +262,30 @@ impl Pool {
         self.walk_words(&tables, keys, alive, gpu_alive, matched, gpu_matched);
     }
 
+    /// Fills `found` with the shard and holder word of each of `keys` (at most [`CHUNK`]).
+    ///
+    /// Two passes: the first only loads each key's home entry, with no branch on what it
+    /// loads, so the CPU issues all the cache misses at once; the second resolves the entries
+    /// from cache. One pass would stall on every probe that does not hit the key first (the
+    /// mispredicted branch discards the lookups issued after it).
+    #[inline]
+    fn look_up(
+        &self,
+        tables: &[RwLockReadGuard<'_, HolderTable>],
+        keys: &[u64],
+        found: &mut [(usize, HolderWord); CHUNK],
+    ) {
+        let mut homes = [(0, 0, HomeEntry::default()); CHUNK];
+        for (home, &key) in homes.iter_mut().zip(keys) {
+            let hash = self.hash(key);
+            let shard = self.shard_of(hash);
+            *home = (shard, hash, tables[shard].home_entry(hash));
+        }
+        for ((out, &key), &(shard, hash, home)) in found.iter_mut().zip(keys).zip(&homes) {
+            *out = (shard, tables[shard].resolve(key, hash, home));
+        }
+    }
+
     /// [`Self::walk`] for pools of up to 64 slots: the live sets are single words.
     fn walk_one_word(
         &self,
@@ -267,13 +298,7 @@ impl Pool {
     ) {
         let mut found = [(0, HolderWord::default()); CHUNK];
         for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
-            // Lookups first, in a tight loop of independent loads, so the CPU overlaps their
-            // cache misses; intersecting in between would fill its window and serialize them.
-            for (out, &key) in found.iter_mut().zip(chunk) {
-                let hash = self.hash(key);
-                let shard = self.shard_of(hash);
-                *out = (shard, tables[shard].holder_word(key, hash));
-            }
+            self.look_up(tables, chunk, &mut found);
             for (at, &(shard, word)) in found[..chunk.len()].iter().enumerate() {
                 let index = (chunk_at * CHUNK + at) as u32;
                 let (present, gpu) = tables[shard].first_words(word);
@@ -303,11 +328,7 @@ impl Pool {
         let mut present = vec![0u64; CHUNK * words];
         let mut gpu = vec![0u64; CHUNK * words];
         for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
-            for (out, &key) in found.iter_mut().zip(chunk) {
-                let hash = self.hash(key);
-                let shard = self.shard_of(hash);
-                *out = (shard, tables[shard].holder_word(key, hash));
-            }
+            self.look_up(tables, chunk, &mut found);
             present.fill(0);
             gpu.fill(0);
             for (at, &(shard, word)) in found[..chunk.len()].iter().enumerate() {

@@ -11,7 +11,7 @@ use super::keys::{self, PoolKeys, Verification};
 use super::metrics::{EventKind, IndexMetrics};
 use super::pool::Pool;
 use super::{ApplyOutcome, FlagReason, RejectReason, ReplicaId};
-use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent};
+use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent, Medium};
 
 /// The engine blocks a replica holds, by engine hash.
 #[derive(Debug)]
@@ -115,6 +115,11 @@ pub(crate) struct Replica {
     pub(crate) events_applied: u64,
     pub(crate) blocks_rejected: u64,
     uncertain_mismatches: u32,
+    /// Copies of a block beyond the first, by (engine hash, medium). vLLM can hold several
+    /// blocks with one hash (a repeated prompt recomputes its last full block; concurrent
+    /// identical prefixes) and emits BlockStored/BlockRemoved per copy, so a hash stays held
+    /// until its last copy is removed. Only duplicates cost memory here; they are rare.
+    extra_copies: std::collections::HashMap<(EngineHash, Medium), u32>,
     /// Set by `remove_replica`: a task still holding this replica's `Arc` must not write into a
     /// slot that may be reused.
     pub(crate) removed: bool,
@@ -142,6 +147,7 @@ impl Replica {
             events_applied: 0,
             blocks_rejected: 0,
             uncertain_mismatches: 0,
+            extra_copies: std::collections::HashMap::new(),
             removed: false,
             blocks_gauge,
         }
@@ -153,6 +159,10 @@ impl Replica {
 
     pub(crate) fn memory_bytes(&self) -> usize {
         self.blocks.memory_bytes()
+            + table_bytes(
+                self.extra_copies.capacity(),
+                size_of::<((EngineHash, Medium), u32)>(),
+            )
     }
 
     /// Engine hashes held, sorted (admin debug listing).
@@ -171,6 +181,7 @@ impl Replica {
 
     /// Drops every holding of this replica (restart, `AllBlocksCleared`, unrepairable gap).
     pub(crate) fn clear(&mut self) {
+        self.extra_copies = std::collections::HashMap::new();
         let keys = self.blocks.take_keys();
         self.pool.remove_all(self.slot, keys);
         self.blocks_gauge.set(0);
@@ -270,7 +281,13 @@ impl Replica {
         let mut stored_blocks = 0;
         for (&engine, key) in stored.block_hashes.iter().zip(keys) {
             let key = match self.blocks.key_of(engine) {
-                // Another medium (or a repeat) of a block already held: keep its recorded key.
+                // Another copy in a medium that already holds it: counted, not re-stored.
+                Some(held) if self.pool.holds_in(self.slot, held, stored.medium) => {
+                    *self.extra_copies.entry((engine, stored.medium)).or_insert(0) += 1;
+                    stored_blocks += 1;
+                    continue;
+                }
+                // Another medium of a block already held: keep its recorded key.
                 Some(held) => held,
                 None if self.blocks.len() >= max_blocks => {
                     outcome.reject(RejectReason::ReplicaCapacity, 1, metrics);
@@ -345,6 +362,19 @@ impl Replica {
                 unknown += 1;
                 continue;
             };
+            if let Some(copies) = self.extra_copies.get_mut(&(engine, removed.medium)) {
+                // Another copy still holds this hash in this medium.
+                *copies -= 1;
+                if *copies == 0 {
+                    self.extra_copies.remove(&(engine, removed.medium));
+                    if self.extra_copies.is_empty() {
+                        // Give the memory back: duplicates are transient.
+                        self.extra_copies = std::collections::HashMap::new();
+                    }
+                }
+                removed_blocks += 1;
+                continue;
+            }
             let removal = self.pool.remove(self.slot, key, Some(removed.medium));
             if removal.was_held {
                 removed_blocks += 1;

@@ -79,6 +79,10 @@ impl Holding {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct HolderWord(u64);
 
+/// The first entry of a key's probe run, loaded ahead by [`HolderTable::home_entry`].
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct HomeEntry(Entry);
+
 /// Items addressed by index, with freed indexes reused.
 #[derive(Debug, Default)]
 struct Arena<T> {
@@ -208,6 +212,26 @@ impl HolderTable {
     #[inline]
     pub(crate) fn holder_word(&self, key: u64, hash: u64) -> HolderWord {
         HolderWord(self.find(key, hash).map_or(0, |at| self.entry(at).word))
+    }
+
+    /// The entry where `hash`'s probe run starts (vacant when the table is empty). Branch-free
+    /// on the loaded data, so a loop of these overlaps its cache misses.
+    #[inline]
+    pub(crate) fn home_entry(&self, hash: u64) -> HomeEntry {
+        if self.lines.is_empty() {
+            return HomeEntry::default();
+        }
+        HomeEntry(self.entry(self.home(hash)))
+    }
+
+    /// [`Self::holder_word`], given `key`'s [`Self::home_entry`] (usually `key`'s own entry).
+    #[inline]
+    pub(crate) fn resolve(&self, key: u64, hash: u64, home: HomeEntry) -> HolderWord {
+        if home.0.key == key && home.0.word != 0 {
+            HolderWord(home.0.word)
+        } else {
+            self.holder_word(key, hash)
+        }
     }
 
     /// Sets the bit of every holder of `word` in `present` and of every GPU holder in `gpu`

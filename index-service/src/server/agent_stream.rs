@@ -157,6 +157,17 @@ struct ReplicaLiveness {
     /// When the last stream went away (or the service started).
     since: Instant,
     stale: bool,
+    /// The current writer has sent its whole snapshot (`Snapshot{last}`).
+    snapshot_done: bool,
+}
+
+/// What `/v1/replicas` needs to know about an agent-fed replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AgentFeed {
+    /// Streams of the owning agent currently connected.
+    pub(crate) connected: bool,
+    /// The current writer's snapshot is complete.
+    pub(crate) snapshot_done: bool,
 }
 
 /// Agent streams state, shared by the RPC handler and the stale sweeper.
@@ -191,6 +202,7 @@ impl AgentStreams {
                             connected: 0,
                             since: now,
                             stale: false,
+                            snapshot_done: false,
                         },
                     );
                 }
@@ -234,6 +246,14 @@ impl AgentStreams {
             }
         };
         entry.filter(|_| ok)
+    }
+
+    /// Liveness of a replica fed by an agent; `None` if no agent owns it.
+    pub(crate) fn feed(&self, id: ReplicaId) -> Option<AgentFeed> {
+        self.liveness.lock().get(&id).map(|state| AgentFeed {
+            connected: state.connected > 0,
+            snapshot_done: state.snapshot_done,
+        })
     }
 
     fn flag_stale_replicas(&self) {
@@ -468,6 +488,7 @@ impl Session {
             if snapshot_first {
                 state.writer = Some(self.id);
                 state.stale = false;
+                state.snapshot_done = false;
                 self.snapshotted.insert(id);
             } else if !self.snapshotted.contains(&id) {
                 return refuse(Refusal::NoSnapshot);
@@ -502,6 +523,11 @@ impl Session {
             tracing::warn!(replica_id = name, %error, "agent events not applied");
         }
         if snapshot_last == Some(true) {
+            if let Some(state) = streams.liveness.lock().get_mut(&id)
+                && state.writer == Some(self.id)
+            {
+                state.snapshot_done = true;
+            }
             let flagged = streams.index.replica_status(id).ok().and_then(|s| s.flag);
             if flagged == Some(FlagReason::Resyncing) {
                 let _ = streams.index.clear_flag(id);

@@ -7,7 +7,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use super::Shared;
+use super::{Shared, agent_stream::AgentFeed};
 use crate::{
     api::{self, kv_index_server::KvIndexServer},
     index::{FlagReason, KvIndex, ReplicaId},
@@ -133,7 +133,8 @@ pub(crate) fn replica_states(shared: &Shared, model: Option<&str>) -> Vec<api::R
             let socket = ingest
                 .iter()
                 .find(|s| *s.replica.replica_id == *status.name);
-            let (state, problem) = replica_state(status.flag, socket);
+            let agent = shared.agents.feed(status.replica);
+            let (state, problem) = replica_state(status.flag, socket, agent);
             api::ReplicaState {
                 replica_id: status.name,
                 model: status.model,
@@ -146,23 +147,62 @@ pub(crate) fn replica_states(shared: &Shared, model: Option<&str>) -> Vec<api::R
         .collect()
 }
 
+/// A replica's state from its flag and its event sources (a ZMQ socket, an agent, or both).
 fn replica_state(
     flag: Option<FlagReason>,
     socket: Option<&ReplicaIngestSnapshot>,
+    agent: Option<AgentFeed>,
 ) -> (&'static str, String) {
     if let Some(flag) = flag {
         return ("flagged", flag.as_label().to_owned());
     }
-    match socket {
-        None => ("stale", "no event source configured".to_owned()),
-        Some(s) if !s.connected => (
-            "stale",
-            s.last_error
-                .as_ref()
-                .map_or_else(|| "not connected".to_owned(), |(_, e)| e.clone()),
-        ),
-        Some(s) if s.last_seq.is_none() => ("syncing", "no events received yet".to_owned()),
-        Some(_) => ("ready", String::new()),
+    let socket_state = socket.map(socket_state);
+    let agent_state = agent.map(agent_state);
+    match (socket_state, agent_state) {
+        (None, None) => ("stale", "no event source configured".to_owned()),
+        (Some(one), None) | (None, Some(one)) => one,
+        // Both configured: either source keeping the replica current is enough.
+        (Some(socket), Some(agent)) => {
+            let rank = |state: &str| match state {
+                "ready" => 2,
+                "syncing" => 1,
+                _ => 0,
+            };
+            if rank(agent.0) > rank(socket.0) {
+                agent
+            } else {
+                socket
+            }
+        }
+    }
+}
+
+/// Agent-fed: ready once the connected agent's snapshot is complete.
+fn agent_state(feed: AgentFeed) -> (&'static str, String) {
+    match feed {
+        AgentFeed {
+            connected: false, ..
+        } => ("stale", "agent not connected".to_owned()),
+        AgentFeed {
+            snapshot_done: false,
+            ..
+        } => ("syncing", "agent snapshot in progress".to_owned()),
+        _ => ("ready", String::new()),
+    }
+}
+
+/// ZMQ-fed: ready once connected and an event arrived.
+fn socket_state(socket: &ReplicaIngestSnapshot) -> (&'static str, String) {
+    if !socket.connected {
+        let problem = socket
+            .last_error
+            .as_ref()
+            .map_or_else(|| "not connected".to_owned(), |(_, e)| e.clone());
+        ("stale", problem)
+    } else if socket.last_seq.is_none() {
+        ("syncing", "no events received yet".to_owned())
+    } else {
+        ("ready", String::new())
     }
 }
 
@@ -206,6 +246,7 @@ impl api::kv_index_server::KvIndex for MatchService {
 
 /// Serves gRPC (with `grpc.health.v1`) until `cancel`.
 pub(crate) async fn serve(
+    mut server: tonic::transport::Server,
     listener: TcpListener,
     shared: Arc<Shared>,
     health: tonic_health::pb::health_server::HealthServer<
@@ -215,8 +256,7 @@ pub(crate) async fn serve(
 ) {
     let agents = shared.agents.service();
     let service = KvIndexServer::new(MatchService { shared });
-    let result = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
+    let result = server
         .add_service(health)
         .add_service(service)
         .add_service(agents)

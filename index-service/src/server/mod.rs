@@ -43,6 +43,9 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+    /// The gRPC listener's TLS settings were refused.
+    #[error("cannot set up TLS on the grpc listener")]
+    Tls(#[source] tonic::transport::Error),
     /// Config and index disagree (should have been caught by config validation).
     #[error("cannot register {what}")]
     Register {
@@ -94,6 +97,16 @@ impl IndexServer {
                 source,
             })?;
         let grpc_addr = local_addr(&grpc_listener, "grpc", config.grpc_addr)?;
+        let mut grpc_server = tonic::transport::Server::builder().tcp_nodelay(true);
+        if let Some(tls) = &config.tls {
+            grpc_server = grpc_server
+                .tls_config(tls.tonic_config())
+                .map_err(ServeError::Tls)?;
+            tracing::info!(
+                client_cert_required = tls.requires_client_cert(),
+                "grpc listener uses TLS"
+            );
+        }
         let admin_addr = local_addr(&admin_listener, "admin", config.admin_addr)?;
 
         let mut registry = Registry::with_prefix("kvroute_index");
@@ -142,6 +155,7 @@ impl IndexServer {
         spawn_tracked(
             &tasks,
             grpc::serve(
+                grpc_server,
                 grpc_listener,
                 Arc::clone(&shared),
                 health_service,

@@ -95,6 +95,9 @@ struct Args {
     /// Decisions per picker measurement, 1k-token prompts (32k: a twentieth).
     #[arg(long, default_value_t = 2000)]
     picker_decisions: usize,
+    /// Run kvroute-ext-proc without kvroute-index (approximate tier only) in the Envoy benches.
+    #[arg(long)]
+    without_index: bool,
 }
 
 fn main() -> ExitCode {
@@ -196,7 +199,8 @@ impl PromptSource {
 
     /// A `/v1/completions` body with a fresh prompt.
     fn body(&self, tokens: usize) -> Bytes {
-        let body = serde_json::json!({"model": MODEL, "prompt": self.prompt(tokens), "max_tokens": 1});
+        let body =
+            serde_json::json!({"model": MODEL, "prompt": self.prompt(tokens), "max_tokens": 1});
         Bytes::from(body.to_string())
     }
 
@@ -215,7 +219,10 @@ impl PromptSource {
 struct Backends {
     upstreams: Vec<SocketAddr>,
     noop: SocketAddr,
+    /// kvroute-ext-proc as `ExtProc::serve` runs it.
     kvroute: SocketAddr,
+    /// The same service and picker on sockets with TCP_NODELAY.
+    kvroute_nodelay: SocketAddr,
     stop: CancellationToken,
     tasks: TaskTracker,
     _publishers: Vec<MockVllmPublisher>,
@@ -230,7 +237,7 @@ impl Drop for Backends {
 }
 
 impl Backends {
-    async fn start() -> anyhow::Result<Self> {
+    async fn start(with_index: bool) -> anyhow::Result<Self> {
         let stop = CancellationToken::new();
         let tasks = TaskTracker::new();
         let mut upstreams = Vec::new();
@@ -264,10 +271,11 @@ impl Backends {
 
         let config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(
             &upstreams,
-            Some(index.grpc_addr()),
+            with_index.then(|| index.grpc_addr()),
         ))?;
         let server = kvroute_ext_proc::ExtProc::builder(config).bind().await?;
         let kvroute = server.grpc_addr()?;
+        let kvroute_nodelay = start_kvroute_nodelay(server.picker(), &tasks, &stop).await?;
         let shutdown = stop.clone().cancelled_owned();
         tasks.spawn(async move {
             if let Err(error) = server.serve(shutdown).await {
@@ -278,6 +286,7 @@ impl Backends {
             upstreams,
             noop,
             kvroute,
+            kvroute_nodelay,
             stop,
             tasks,
             _publishers: publishers,
@@ -364,18 +373,18 @@ impl ExternalProcessor for NoopProcessor {
         let replies = request.into_inner().map(|message| {
             let common = || Some(CommonResponse::default());
             let reply = match message?.request {
-                Some(Phase::RequestHeaders(_)) => Reply::RequestHeaders(HeadersResponse {
-                    response: common(),
-                }),
-                Some(Phase::RequestBody(_)) => Reply::RequestBody(BodyResponse {
-                    response: common(),
-                }),
-                Some(Phase::ResponseHeaders(_)) => Reply::ResponseHeaders(HeadersResponse {
-                    response: common(),
-                }),
-                Some(Phase::ResponseBody(_)) => Reply::ResponseBody(BodyResponse {
-                    response: common(),
-                }),
+                Some(Phase::RequestHeaders(_)) => {
+                    Reply::RequestHeaders(HeadersResponse { response: common() })
+                }
+                Some(Phase::RequestBody(_)) => {
+                    Reply::RequestBody(BodyResponse { response: common() })
+                }
+                Some(Phase::ResponseHeaders(_)) => {
+                    Reply::ResponseHeaders(HeadersResponse { response: common() })
+                }
+                Some(Phase::ResponseBody(_)) => {
+                    Reply::ResponseBody(BodyResponse { response: common() })
+                }
                 Some(Phase::RequestTrailers(_)) => {
                     Reply::RequestTrailers(TrailersResponse::default())
                 }
@@ -401,13 +410,37 @@ async fn start_noop_ext_proc(
     let server = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(ExternalProcessorServer::new(NoopProcessor))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            stop.clone().cancelled_owned(),
-        );
+        .serve_with_incoming_shutdown(nodelay_incoming(listener), stop.clone().cancelled_owned());
     tasks.spawn(async move {
         if let Err(error) = server.await {
             eprintln!("no-op ext_proc failed: {error}");
+        }
+    });
+    Ok(addr)
+}
+
+/// Accepted connections with TCP_NODELAY: tonic ignores `Server::tcp_nodelay` for a caller's
+/// incoming stream, so it is set here.
+fn nodelay_incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+/// kvroute's own `ExtProcService` (same picker) served on accepted sockets with TCP_NODELAY:
+/// what `ExtProc::serve` does once it sets the option on its listener.
+async fn start_kvroute_nodelay(
+    picker: Arc<kvroute_ext_proc::Picker>,
+    tasks: &TaskTracker,
+    stop: &CancellationToken,
+) -> anyhow::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let service = kvroute_ext_proc::ExtProcService::new(picker, tasks.clone());
+    let server = tonic::transport::Server::builder()
+        .add_service(ExternalProcessorServer::new(service))
+        .serve_with_incoming_shutdown(nodelay_incoming(listener), stop.clone().cancelled_owned());
+    tasks.spawn(async move {
+        if let Err(error) = server.await {
+            eprintln!("kvroute ext_proc (nodelay) failed: {error}");
         }
     });
     Ok(addr)
@@ -453,7 +486,8 @@ impl Case {
 
     /// Sends one request; returns its latency (request start → whole response body).
     async fn send(&mut self, body: Bytes) -> anyhow::Result<Duration> {
-        let mut request = hyper::Request::post(&self.url).header("content-type", "application/json");
+        let mut request =
+            hyper::Request::post(&self.url).header("content-type", "application/json");
         for (name, value) in (self.headers)(self.sent) {
             request = request.header(name, value);
         }
@@ -601,7 +635,10 @@ fn report(cases: &[Case], baseline: &str, ratios: &[(&str, &str)]) {
         );
     }
     for case in cases.iter().filter(|c| !c.decisions.is_empty()) {
-        println!("- {} decisions (tier/reason): {:?}", case.name, case.decisions);
+        println!(
+            "- {} decisions (tier/reason): {:?}",
+            case.name, case.decisions
+        );
     }
     println!();
 }
@@ -616,7 +653,7 @@ fn load_average() -> String {
 // Issue 4: plain vs no-op ext_proc vs kvroute-ext-proc
 
 async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
-    let backends = Backends::start().await?;
+    let backends = Backends::start(!args.without_index).await?;
     let config = three_listener_config(&backends);
     let envoy = Envoy::start(&config).await?;
     let listener = |name: &str| {
@@ -628,23 +665,45 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
         Case::new("plain", listener("plain")?, |_| Vec::new()),
         Case::new("noop-ext-proc", listener("noop")?, |_| Vec::new()),
         Case::new("kvroute-ext-proc", listener("kvroute")?, |_| Vec::new()),
+        Case::new(
+            "kvroute-ext-proc+nodelay",
+            listener("kvroute_nodelay")?,
+            |_| Vec::new(),
+        ),
     ];
-    println!("## extproc: Envoy {{plain, no-op ext_proc, kvroute-ext-proc}}, load {}\n", load_average());
+    println!(
+        "## extproc: Envoy {{plain, no-op ext_proc, kvroute-ext-proc}}, load {}\n",
+        load_average()
+    );
     for (tokens, samples) in [(SIZES[0], args.samples_1k), (SIZES[1], args.samples_32k)] {
         measure(&mut cases, prompts, tokens, args.reps, samples).await?;
-        println!("### {tokens}-token prompts, {} reps × {samples} per case (load {})\n", args.reps, load_average());
+        println!(
+            "### {tokens}-token prompts, {} reps × {samples} per case (load {})\n",
+            args.reps,
+            load_average()
+        );
         report(
             &cases,
             "plain",
-            &[("kvroute-ext-proc", "noop-ext-proc")],
+            &[
+                ("kvroute-ext-proc", "noop-ext-proc"),
+                ("kvroute-ext-proc+nodelay", "noop-ext-proc"),
+            ],
         );
     }
     let failures: usize = cases.iter().map(|c| c.failures).sum();
-    let ext_proc_errors = envoy
-        .stat("http.kvroute.ext_proc.streams_failed")
-        .await?
-        .unwrap_or(0);
-    println!("failed requests: {failures}; kvroute ext_proc failed streams: {ext_proc_errors}\n");
+    let mut stream_failures = Vec::new();
+    for listener in ["noop", "kvroute", "kvroute_nodelay"] {
+        let stat = format!("http.{listener}.ext_proc.streams_failed");
+        stream_failures.push(format!(
+            "{listener} {}",
+            envoy.stat(&stat).await?.unwrap_or(0)
+        ));
+    }
+    println!(
+        "failed requests: {failures}; ext_proc streams_failed: {}\n",
+        stream_failures.join(", ")
+    );
     drop(envoy);
     drop(backends);
     Ok(())
@@ -726,8 +785,8 @@ fn three_listener_config(backends: &Backends) -> String {
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
 static_resources:
-  listeners:{}{}{}
-  clusters:{}{}
+  listeners:{}{}{}{}
+  clusters:{}{}{}
   - name: replicas
     type: STATIC
     connect_timeout: 1s
@@ -755,8 +814,10 @@ static_resources:
         listener("plain", None),
         listener("noop", Some("noop_ext_proc")),
         listener("kvroute", Some("kvroute_ext_proc")),
+        listener("kvroute_nodelay", Some("kvroute_nodelay_ext_proc")),
         grpc_cluster("noop_ext_proc", backends.noop),
         grpc_cluster("kvroute_ext_proc", backends.kvroute),
+        grpc_cluster("kvroute_nodelay_ext_proc", backends.kvroute_nodelay),
     )
 }
 
@@ -766,13 +827,15 @@ static_resources:
 async fn wasm_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
     let module = std::env::var_os("KVROUTE_WASM")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target/wasm32-wasip1/wasm/kvroute_wasm_filter.wasm"));
+        .unwrap_or_else(|| {
+            workspace_root().join("target/wasm32-wasip1/wasm/kvroute_wasm_filter.wasm")
+        });
     ensure!(
         module.is_file(),
         "{} missing: cargo build --profile wasm --target wasm32-wasip1 -p kvroute-wasm-filter",
         module.display()
     );
-    let backends = Backends::start().await?;
+    let backends = Backends::start(!args.without_index).await?;
     let config = full_chain_config(&backends, &module)?;
     let envoy = Envoy::start(&config).await?;
     let listener = |name: &str| {
@@ -785,11 +848,18 @@ async fn wasm_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
     let mut cases = vec![
         Case::new("plain", listener("plain")?, |_| Vec::new()),
         // A new session per request: fast-path miss → ext_proc decides → the fallback filter learns.
-        Case::new("ext_proc path (first turns)", kvroute, move |i| session(format!("new-{i}"))),
+        Case::new("ext_proc path (first turns)", kvroute, move |i| {
+            session(format!("new-{i}"))
+        }),
         // One session, learned during warm-up: every later turn is a fast-path hit.
-        Case::new("wasm fast path (later turns)", kvroute, move |_| session("returning".to_owned())),
+        Case::new("wasm fast path (later turns)", kvroute, move |_| {
+            session("returning".to_owned())
+        }),
     ];
-    println!("## wasm: shipped envoy/kvroute-full-chain.yaml (+ a plain listener), load {}\n", load_average());
+    println!(
+        "## wasm: shipped envoy/kvroute-full-chain.yaml (+ a plain listener), load {}\n",
+        load_average()
+    );
     let stat = |name: &str| {
         let envoy = &envoy;
         let name = format!("wasmcustom.kvroute_wasm_{name}");
@@ -798,18 +868,26 @@ async fn wasm_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
     for (tokens, samples) in [(SIZES[0], args.samples_1k), (SIZES[1], args.samples_32k)] {
         // Fresh session names per size.
         let prefix = format!("{tokens}-");
-        cases[1].headers = Box::new(move |i| vec![("x-session-id".to_owned(), format!("{prefix}new-{i}"))]);
+        cases[1].headers =
+            Box::new(move |i| vec![("x-session-id".to_owned(), format!("{prefix}new-{i}"))]);
         let hits_before = stat("fast_path_session_hits_total").await?;
         let decisions_before = stat("extproc_decisions_total").await?;
         measure(&mut cases, prompts, tokens, args.reps, samples).await?;
         let hits = stat("fast_path_session_hits_total").await? - hits_before;
         let decisions = stat("extproc_decisions_total").await? - decisions_before;
-        println!("### {tokens}-token prompts, {} reps × {samples} per case (load {})\n", args.reps, load_average());
+        println!(
+            "### {tokens}-token prompts, {} reps × {samples} per case (load {})\n",
+            args.reps,
+            load_average()
+        );
         report(
             &cases,
             "plain",
             &[
-                ("wasm fast path (later turns)", "ext_proc path (first turns)"),
+                (
+                    "wasm fast path (later turns)",
+                    "ext_proc path (first turns)",
+                ),
                 ("wasm fast path (later turns)", "plain"),
             ],
         );
@@ -839,10 +917,18 @@ fn full_chain_config(backends: &Backends, module: &std::path::Path) -> anyhow::R
         ("18001".to_owned(), a.to_string()),
         ("18002".to_owned(), b.to_string()),
         ("18003".to_owned(), a.to_string()),
-        ("50051".to_owned(), backends.kvroute.port().to_string()),
+        // The ext_proc path uses kvroute's service on TCP_NODELAY sockets (see `Backends`).
+        (
+            "50051".to_owned(),
+            backends.kvroute_nodelay.port().to_string(),
+        ),
     ];
     for (from, to) in substitutions {
-        ensure!(config.contains(&from), "{} no longer contains {from:?}", shipped.display());
+        ensure!(
+            config.contains(&from),
+            "{} no longer contains {from:?}",
+            shipped.display()
+        );
         config = config.replace(&from, &to);
     }
     let mut yaml: serde_yaml::Value = serde_yaml::from_str(&config)?;
@@ -885,10 +971,18 @@ filter_chains:
 /// in-process kvroute-index. CPU time is the whole process's (`/proc/self/stat`): tokenization runs
 /// on the blocking pool and the index serves in-process, and both belong to a decision's cost.
 fn picker_bench(prompts: &PromptSource, decisions_1k: usize) -> anyhow::Result<()> {
-    println!("## picker: decide() in-process, one thread at a time, load {}\n", load_average());
-    println!("| prompt | index | decisions | wall s | CPU s | decisions / CPU s | decisions / wall s | tiers |");
+    println!(
+        "## picker: decide() in-process, one thread at a time, load {}\n",
+        load_average()
+    );
+    println!(
+        "| prompt | index | decisions | wall s | CPU s | decisions / CPU s | decisions / wall s | tiers |"
+    );
     println!("|---|---|---:|---:|---:|---:|---:|---|");
-    for (tokens, count) in [(SIZES[0], decisions_1k), (SIZES[1], (decisions_1k / 20).max(10))] {
+    for (tokens, count) in [
+        (SIZES[0], decisions_1k),
+        (SIZES[1], (decisions_1k / 20).max(10)),
+    ] {
         for with_index in [false, true] {
             let bodies: Vec<Bytes> = (0..count).map(|_| prompts.body(tokens)).collect();
             let row = std::thread::scope(|scope| {
@@ -899,7 +993,11 @@ fn picker_bench(prompts: &PromptSource, decisions_1k: usize) -> anyhow::Result<(
             })?;
             println!(
                 "| {tokens} | {} | {} | {:.2} | {:.2} | {:.0} | {:.0} | {:?} |",
-                if with_index { "in-process Match" } else { "none (events: false)" },
+                if with_index {
+                    "in-process Match"
+                } else {
+                    "none (events: false)"
+                },
                 row.decisions,
                 row.wall.as_secs_f64(),
                 row.cpu.as_secs_f64(),
@@ -998,10 +1096,18 @@ fn process_cpu() -> anyhow::Result<Duration> {
     const TICKS_PER_SECOND: f64 = 100.0;
     let stat = std::fs::read_to_string("/proc/self/stat")?;
     // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-    let rest = stat.rsplit_once(')').context("malformed /proc/self/stat")?.1;
+    let rest = stat
+        .rsplit_once(')')
+        .context("malformed /proc/self/stat")?
+        .1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let ticks = |i: usize| -> anyhow::Result<f64> {
-        Ok(fields.get(i).context("short /proc/self/stat")?.parse::<f64>()?)
+        Ok(fields
+            .get(i)
+            .context("short /proc/self/stat")?
+            .parse::<f64>()?)
     };
-    Ok(Duration::from_secs_f64((ticks(11)? + ticks(12)?) / TICKS_PER_SECOND))
+    Ok(Duration::from_secs_f64(
+        (ticks(11)? + ticks(12)?) / TICKS_PER_SECOND,
+    ))
 }

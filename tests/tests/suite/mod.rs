@@ -6,6 +6,7 @@ mod demo;
 mod envoy;
 mod fidelity;
 mod index_capture;
+mod index_ha;
 mod routing;
 mod sim;
 mod sim_index;

@@ -233,8 +233,6 @@ async fn shared_prefixes_follow_their_cache_and_unrelated_prompts_spread() {
 }
 
 #[tokio::test]
-#[ignore = "known gap: siblings decided concurrently all score before the first one's speculative \
-            insert (it lands after tokenization and the index call), so a burst spreads"]
 async fn a_burst_of_siblings_co_locates() {
     let stack = Stack::start(StackOptions::default()).await.unwrap();
     let prefix = text(2, 300);
@@ -258,8 +256,10 @@ async fn a_burst_of_siblings_co_locates() {
         .filter(|l| l.starts_with("kvroute_extproc_decisions_total"))
         .map(str::to_owned)
         .collect();
+    // The shared prefix (~1.3k tokens) is worth about 10 running requests on these weights: the
+    // siblings batch on one replica until its running load costs more than a fresh prefill elsewhere.
     assert!(
-        most >= 12,
+        most >= 10,
         "16 siblings sent at once should mostly co-locate: {served:?}\n{decisions:#?}"
     );
 }

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use kvroute_index::config::Config;
+use kvroute_index::event::KvEvent;
 use kvroute_index::server::IndexServer;
 use kvroute_tests::harness::{http, wait_until};
 use kvroute_tests::sim::EngineSim;
@@ -20,14 +21,14 @@ use rand::seq::IndexedRandom as _;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
-use super::common::start_sim;
+use super::common::{removed_hashes, replay_all, start_sim, stored};
 
 const REPLICAS: usize = 3;
 /// Room for about three long requests: every simulator must evict under this traffic.
 const NUM_BLOCKS: &str = "24";
 const IN_FLIGHT: usize = 8;
 const SEED: u64 = 0x5EED_1DE8;
-const DEADLINE: Duration = Duration::from_secs(20);
+const DEADLINE: Duration = Duration::from_secs(15);
 const POLL_INTERVAL: Duration = Duration::from_millis(25);
 /// Token ids drawn for synthetic prompts (the tiny model's vocabulary has 2000).
 const TOKEN_IDS: std::ops::Range<u32> = 3..2000;
@@ -187,7 +188,7 @@ async fn index_blocks(admin: SocketAddr, id: &str) -> BTreeSet<u64> {
 
 /// Polls until the index's view of every replica equals its simulator's block list; returns
 /// the block counts. On timeout, fails with the difference.
-async fn assert_converged(admin: SocketAddr, sims: &[EngineSim]) -> Vec<usize> {
+async fn assert_converged(phase: &str, admin: SocketAddr, sims: &[EngineSim]) -> Vec<usize> {
     let mut counts = Vec::new();
     for (i, sim) in sims.iter().enumerate() {
         let id = replica_id(i);
@@ -200,10 +201,12 @@ async fn assert_converged(admin: SocketAddr, sims: &[EngineSim]) -> Vec<usize> {
                 break;
             }
             if tokio::time::Instant::now() >= deadline {
+                let history = event_history(sim, truth.symmetric_difference(&view)).await;
                 panic!(
-                    "{id}: index diverged from the simulator after {DEADLINE:?}; only in the \
-                     simulator: {:?}; only in the index: {:?}; held by several simulator \
-                     blocks: {:?}",
+                    "{id} ({phase}): index diverged from the simulator after {DEADLINE:?}; only \
+                     in the simulator: {:?}; only in the index: {:?}; held by several simulator \
+                     blocks: {:?}; (stored, removed) per differing hash in the simulator's \
+                     events: {history:?}",
                     truth.difference(&view).collect::<Vec<_>>(),
                     view.difference(&truth).collect::<Vec<_>>(),
                     duplicated_hashes(sim).await,
@@ -221,6 +224,29 @@ async fn assert_converged(admin: SocketAddr, sims: &[EngineSim]) -> Vec<usize> {
         assert_eq!(replica["state"], "ready", "{replica}");
     }
     counts
+}
+
+/// How often the simulator's event stream (its replay buffer) stored and removed each hash.
+async fn event_history(
+    sim: &EngineSim,
+    hashes: impl Iterator<Item = &u64>,
+) -> Vec<(u64, usize, usize)> {
+    let events: Vec<KvEvent> = replay_all(sim.ready_info().replay.as_deref().unwrap())
+        .await
+        .into_iter()
+        .flat_map(|(_, batch)| batch.events)
+        .collect();
+    let stored_hashes: Vec<u64> = stored(&events)
+        .iter()
+        .flat_map(|s| s.block_hashes.iter().copied())
+        .collect();
+    let removed = removed_hashes(&events);
+    hashes
+        .map(|&h| {
+            let count = |list: &[u64]| list.iter().filter(|&&x| x == h).count();
+            (h, count(&stored_hashes), count(&removed))
+        })
+        .collect()
 }
 
 /// Sum of every sample of the counter `name` (all label sets).
@@ -242,17 +268,12 @@ async fn index_metrics(admin: SocketAddr) -> String {
         .text()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn index_view_of_three_simulators_converges_through_evictions_and_a_reset() {
-    let mut sims = Vec::new();
-    for _ in 0..REPLICAS {
-        sims.push(start_sim(&["--num-blocks", NUM_BLOCKS]).await);
-    }
-    let server = IndexServer::start(index_config(&sims))
+/// Starts the index on `sims` and waits until it follows every replica's event stream.
+async fn start_index(sims: &[EngineSim]) -> IndexServer {
+    let server = IndexServer::start(index_config(sims))
         .await
         .expect("index starts");
     let admin = server.admin_addr();
-
     // The index takes the first message it sees as the start of a stream. Resetting an idle
     // simulator publishes AllBlocksCleared and changes nothing, so repeat it until every
     // replica's subscription has delivered one (this also waits out ZMQ's join delay).
@@ -281,11 +302,22 @@ async fn index_view_of_three_simulators_converges_through_evictions_and_a_reset(
         .await
         .unwrap();
     }
+    server
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn index_view_of_three_simulators_converges_through_evictions_and_a_reset() {
+    let mut sims = Vec::new();
+    for _ in 0..REPLICAS {
+        sims.push(start_sim(&["--num-blocks", NUM_BLOCKS]).await);
+    }
+    let server = start_index(&sims).await;
+    let admin = server.admin_addr();
 
     // Phase 1: enough traffic to overflow every cache.
     let mut traffic = Traffic::new(SEED);
     send_all(&sims, traffic.requests(48)).await;
-    let counts = assert_converged(admin, &sims).await;
+    let counts = assert_converged("after evictions", admin, &sims).await;
     assert!(counts.iter().all(|&n| n > 0), "{counts:?}");
     let metrics = index_metrics(admin).await;
     let removed = counter_sum(&metrics, "kvroute_index_blocks_removed_total");
@@ -308,7 +340,7 @@ async fn index_view_of_three_simulators_converges_through_evictions_and_a_reset(
     .await
     .unwrap();
     assert!(sim_blocks(&sims[0]).await.is_empty());
-    let counts = assert_converged(admin, &sims).await;
+    let counts = assert_converged("after the reset", admin, &sims).await;
     assert_eq!(counts[0], 0);
     assert!(counts[1] > 0 && counts[2] > 0, "{counts:?}");
     let cleared_after = counter_sum(
@@ -321,11 +353,50 @@ async fn index_view_of_three_simulators_converges_through_evictions_and_a_reset(
     );
 
     send_all(&sims, traffic.requests(36)).await;
-    let counts = assert_converged(admin, &sims).await;
+    let counts = assert_converged("after traffic following the reset", admin, &sims).await;
     assert!(counts.iter().all(|&n| n > 0), "{counts:?}");
 
     server.shutdown().await;
     for sim in sims {
         sim.shutdown().await;
     }
+}
+
+/// vLLM never hits a prompt's last token, so repeating a block-aligned prompt computes its last
+/// block again: two blocks then carry the same hash (vLLM's `BlockPool` keeps both, and publishes
+/// `BlockStored` for each). Evicting one copy publishes `BlockRemoved` for the hash while the
+/// other copy stays cached and keeps serving hits, so the index must still list it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hash_held_by_two_blocks_stays_indexed_until_both_are_evicted() {
+    let sims = vec![start_sim(&["--num-blocks", "8"]).await];
+    let server = start_index(&sims).await;
+    let base = sims[0].base_url();
+    let complete = |prompt: Vec<u32>| {
+        let url = format!("{base}/v1/completions");
+        async move {
+            let response = http::post_json(&url, &json!({"prompt": prompt, "max_tokens": 1}))
+                .await
+                .unwrap();
+            assert_eq!(response.status, 200, "{}", response.text());
+            response.json().unwrap()
+        }
+    };
+    let aligned: Vec<u32> = (100..164).collect();
+    complete(aligned.clone()).await;
+    complete(aligned.clone()).await;
+    assert_eq!(
+        duplicated_hashes(&sims[0]).await.len(),
+        1,
+        "the second block, twice"
+    );
+    // Six new blocks: the free queue's head is the first copy, freed before the second.
+    complete((1000..1192).collect()).await;
+    let longer: Vec<u32> = (100..200).collect();
+    let hit = complete(longer).await;
+    assert_eq!(
+        hit["usage"]["prompt_tokens_details"]["cached_tokens"], 64,
+        "the surviving copy still serves hits"
+    );
+    assert_converged("after evicting one copy", server.admin_addr(), &sims).await;
+    server.shutdown().await;
 }

@@ -1,7 +1,9 @@
-//! A deliberately naive index: per replica, a map engine hash → (key, media), scanned linearly.
+//! A deliberately naive index: per replica, a map engine hash → (key, copies per medium), scanned
+//! linearly. A hash stays held in a medium until as many removals as stores (vLLM can hold
+//! several blocks with one hash and reports each).
 //! It states the index semantics in the plainest terms; [`BlockIndex`] must agree with it.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 
 use kvroute_block_keys::TokenChain;
 use parking_lot::Mutex;
@@ -23,7 +25,7 @@ struct State {
 struct RefReplica {
     model: String,
     order: u64,
-    blocks: HashMap<u64, (u64, BTreeSet<Medium>)>,
+    blocks: HashMap<u64, (u64, BTreeMap<Medium, u32>)>,
 }
 
 /// The reference model.
@@ -104,7 +106,14 @@ impl KvIndex for Reference {
                 }
                 for engine in &removed.block_hashes {
                     let was_held = match entry.blocks.get_mut(engine) {
-                        Some((_, media)) => media.remove(&removed.medium),
+                        Some((_, media)) => match media.get_mut(&removed.medium) {
+                            Some(copies) if *copies > 1 => {
+                                *copies -= 1;
+                                true
+                            }
+                            Some(_) => media.remove(&removed.medium).is_some(),
+                            None => false,
+                        },
                         None => false,
                     };
                     if !was_held {
@@ -166,10 +175,10 @@ impl KvIndex for Reference {
                             reject(&mut outcome, RejectReason::ReplicaCapacity, 1);
                             continue;
                         }
-                        entry.blocks.insert(*engine, (key, BTreeSet::new()));
+                        entry.blocks.insert(*engine, (key, BTreeMap::new()));
                     }
                     if let Some((_, media)) = entry.blocks.get_mut(engine) {
-                        media.insert(stored.medium);
+                        *media.entry(stored.medium).or_insert(0) += 1;
                     }
                     outcome.blocks_stored += 1;
                 }
@@ -211,7 +220,7 @@ impl KvIndex for Reference {
             replica
                 .blocks
                 .values()
-                .any(|(k, media)| *k == key && (!gpu_only || media.contains(&Medium::Gpu)))
+                .any(|(k, media)| *k == key && (!gpu_only || media.contains_key(&Medium::Gpu)))
         };
         let leading = |replica: &RefReplica, gpu_only: bool| {
             keys.iter()

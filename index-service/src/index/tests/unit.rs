@@ -404,3 +404,74 @@ fn queries_run_concurrently_with_ingest() {
     let matched: Vec<u32> = found.iter().map(|m| m.matched_blocks).collect();
     assert_eq!(matched, [32, 8, 8, 8]);
 }
+
+/// Pools of more than 64 replicas use the multi-word walk and spilled holder lists; they must
+/// agree with the reference model like small pools do (the property tests use 3 replicas).
+#[test]
+fn large_pools_agree_with_reference_model() {
+    const REPLICAS: u32 = 150;
+    let index = block_index(10_000);
+    let reference = make_reference(10_000);
+    let prompts: Vec<Vec<u32>> = (0..4).map(|seed| prompt(seed + 1, 6, 12)).collect();
+    let media = [Medium::Gpu, Medium::Cpu, Medium::Gpu, Medium::Storage];
+    for model in [&index as &dyn KvIndex, &*reference] {
+        let pool = PoolConfig {
+            model: EXACT.into(),
+            block_size: BS,
+            keys: PoolKeys::VllmExact { validator: None },
+        };
+        model.add_pool(pool).unwrap();
+        for r in 0..REPLICAS {
+            model
+                .add_replica(ReplicaId(r), &format!("r{r}"), EXACT)
+                .unwrap();
+        }
+        for r in 0..REPLICAS {
+            let tokens = &prompts[r as usize % prompts.len()];
+            let held = 1 + (r as usize * 7) % 12;
+            let medium = media[r as usize % media.len()];
+            model
+                .apply_event(ReplicaId(r), &stored(tokens, 0, held, medium))
+                .unwrap();
+            if r % 5 == 0 {
+                // A CPU copy of the first blocks, then the GPU copy of one of them goes.
+                model
+                    .apply_event(ReplicaId(r), &stored(tokens, 0, 2, Medium::Cpu))
+                    .unwrap();
+                model
+                    .apply_event(ReplicaId(r), &removed(tokens, 1, 2, medium))
+                    .unwrap();
+            }
+        }
+        // Freed slots are reused by new replicas.
+        for r in (3..REPLICAS).step_by(11) {
+            model.remove_replica(ReplicaId(r)).unwrap();
+        }
+        for r in (3..REPLICAS).step_by(22) {
+            model
+                .add_replica(ReplicaId(1_000 + r), &format!("new{r}"), EXACT)
+                .unwrap();
+            model
+                .apply_event(
+                    ReplicaId(1_000 + r),
+                    &stored(&prompts[0], 0, 9, Medium::Gpu),
+                )
+                .unwrap();
+        }
+    }
+    let some: Vec<ReplicaId> = (0..REPLICAS).step_by(3).map(ReplicaId).collect();
+    for tokens in &prompts {
+        let keys = engine_hashes(tokens);
+        for candidates in [None, Some(&some[..])] {
+            let found = sorted(index.find_matches(EXACT, &keys, candidates).unwrap());
+            let expected = sorted(reference.find_matches(EXACT, &keys, candidates).unwrap());
+            assert_eq!(found, expected);
+        }
+        // Replicas hold up to 9..12 blocks of each prompt, past the 6 shared ones.
+        let all = index.find_matches(EXACT, &keys, None).unwrap();
+        assert!(
+            all.iter()
+                .any(|m| m.matched_blocks > 6 && m.replica.0 >= 64)
+        );
+    }
+}
