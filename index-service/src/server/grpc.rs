@@ -3,7 +3,6 @@
 use std::{sync::Arc, time::Instant};
 
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
@@ -260,7 +259,11 @@ pub(crate) async fn serve(
         .add_service(health)
         .add_service(service)
         .add_service(agents)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), cancel.cancelled_owned())
+        // `Server::tcp_nodelay` does not apply to an incoming stream we pass in: set it here.
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            cancel.cancelled_owned(),
+        )
         .await;
     match result {
         Ok(()) => tracing::debug!(exit_reason = "shutdown", "grpc server stopped"),
