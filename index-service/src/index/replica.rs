@@ -283,7 +283,10 @@ impl Replica {
             let key = match self.blocks.key_of(engine) {
                 // Another copy in a medium that already holds it: counted, not re-stored.
                 Some(held) if self.pool.holds_in(self.slot, held, stored.medium) => {
-                    *self.extra_copies.entry((engine, stored.medium)).or_insert(0) += 1;
+                    *self
+                        .extra_copies
+                        .entry((engine, stored.medium))
+                        .or_insert(0) += 1;
                     stored_blocks += 1;
                     continue;
                 }
