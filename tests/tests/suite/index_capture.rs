@@ -8,7 +8,7 @@
 //! the events imply — computed here from the capture's JSON decode, independently of our decoder.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     path::PathBuf,
     time::{Duration, Instant},
 };
@@ -89,9 +89,13 @@ fn load_capture() -> Capture {
     }
 }
 
-/// What the capture's events imply: the set of published hashes held after `decoded[..n]`.
+/// What the capture's events imply: the published hashes held after `decoded[..n]`.
+///
+/// vLLM can hold several blocks with one hash (the capture's `completion_A_3_full_report` request
+/// recomputes prompt A's blocks and stores them again) and reports each store and each eviction,
+/// so a hash is held until it has been removed as often as it was stored.
 fn held_after(decoded: &[Value]) -> HashSet<u64> {
-    let mut held = HashSet::new();
+    let mut copies: HashMap<u64, u32> = HashMap::new();
     for batch in decoded {
         for event in batch[1].as_array().expect("events") {
             let hashes = || {
@@ -102,16 +106,21 @@ fn held_after(decoded: &[Value]) -> HashSet<u64> {
                     .map(|h| h.as_u64().unwrap())
             };
             match event["type"].as_str() {
-                Some("BlockStored") => held.extend(hashes()),
+                Some("BlockStored") => hashes().for_each(|h| *copies.entry(h).or_default() += 1),
                 Some("BlockRemoved") => hashes().for_each(|h| {
-                    held.remove(&h);
+                    if let Some(count) = copies.get_mut(&h) {
+                        *count -= 1;
+                        if *count == 0 {
+                            copies.remove(&h);
+                        }
+                    }
                 }),
-                Some("AllBlocksCleared") => held.clear(),
+                Some("AllBlocksCleared") => copies.clear(),
                 other => panic!("unexpected event {other:?}"),
             }
         }
     }
-    held
+    copies.into_keys().collect()
 }
 
 fn scheme() -> KeyScheme {
