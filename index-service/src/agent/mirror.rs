@@ -68,6 +68,10 @@ pub struct MirrorOutcome {
 #[derive(Debug)]
 pub struct ReplicaMirror {
     blocks: HashMap<EngineHash, MirrorBlock>,
+    /// Copies of a block beyond the first, by (hash, medium): vLLM can hold several blocks with
+    /// one hash and reports each store and eviction. Counted as the index counts them, so the
+    /// mirror, its snapshots and the index agree.
+    extra_copies: HashMap<(EngineHash, Medium), u32>,
     cap: usize,
 }
 
@@ -76,6 +80,7 @@ impl ReplicaMirror {
     pub fn new(cap: usize) -> Self {
         Self {
             blocks: HashMap::new(),
+            extra_copies: HashMap::new(),
             cap,
         }
     }
@@ -93,6 +98,7 @@ impl ReplicaMirror {
     /// Forgets everything (engine restart, unrepairable gap).
     pub fn clear(&mut self) {
         self.blocks = HashMap::new();
+        self.extra_copies = HashMap::new();
     }
 
     /// Applies one engine event and returns what to forward.
@@ -102,6 +108,14 @@ impl ReplicaMirror {
             KvEvent::BlockRemoved(removed) => {
                 let bit = medium_bit(removed.medium);
                 for hash in &removed.block_hashes {
+                    let copy = (*hash, removed.medium);
+                    if let Some(copies) = self.extra_copies.get_mut(&copy) {
+                        *copies -= 1;
+                        if *copies == 0 {
+                            self.extra_copies.remove(&copy);
+                        }
+                        continue;
+                    }
                     if let Some(block) = self.blocks.get_mut(hash) {
                         block.media &= !bit;
                         if block.media == 0 {
@@ -132,6 +146,9 @@ impl ReplicaMirror {
         let mut refused = 0;
         for (i, &hash) in stored.block_hashes.iter().enumerate() {
             if let Some(block) = self.blocks.get_mut(&hash) {
+                if block.media & bit != 0 {
+                    *self.extra_copies.entry((hash, stored.medium)).or_insert(0) += 1;
+                }
                 block.media |= bit;
                 accepted.push(i);
                 continue;
@@ -264,6 +281,16 @@ impl ReplicaMirror {
                 events.push(KvEvent::BlockStored(stored));
             }
         }
+        // Duplicate copies after every first copy, so the receiver counts them as copies.
+        let mut copies: Vec<_> = self.extra_copies.iter().collect();
+        copies.sort_unstable_by_key(|((hash, medium), _)| (*hash, medium_bit(*medium)));
+        for (&(hash, medium), &count) in copies {
+            if let Some(block) = self.blocks.get(&hash) {
+                for _ in 0..count {
+                    events.push(KvEvent::BlockStored(self.single(hash, block, medium)));
+                }
+            }
+        }
         events
     }
 
@@ -349,6 +376,26 @@ mod tests {
         assert_eq!(mirror.hashes(), vec![1]);
         mirror.apply(&KvEvent::AllBlocksCleared);
         assert!(mirror.is_empty());
+    }
+
+    #[test]
+    fn duplicate_copies_stay_until_each_is_removed_and_survive_a_snapshot() {
+        let mut mirror = ReplicaMirror::new(100);
+        mirror.apply(&stored(&[1, 2], None, Medium::Gpu));
+        mirror.apply(&stored(&[1, 2], None, Medium::Gpu));
+        mirror.apply(&removed(&[2], Medium::Gpu));
+        assert_eq!(mirror.hashes(), [1, 2], "one copy of 2 is still held");
+        let copy = rebuilt(&mirror);
+        assert_eq!(copy.hashes(), [1, 2]);
+        let mut copy = copy;
+        copy.apply(&removed(&[1], Medium::Gpu));
+        assert_eq!(
+            copy.hashes(),
+            [1, 2],
+            "the snapshot carried both copies of 1"
+        );
+        copy.apply(&removed(&[1, 2], Medium::Gpu));
+        assert!(copy.is_empty());
     }
 
     #[test]
