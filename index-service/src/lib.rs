@@ -11,6 +11,8 @@ pub mod index;
 #[cfg(feature = "server")]
 pub mod ingest;
 #[cfg(feature = "server")]
+pub mod process;
+#[cfg(feature = "server")]
 pub mod server;
 #[cfg(all(feature = "server", any(test, feature = "test-util")))]
 pub mod testing;

@@ -26,13 +26,7 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    kvroute_index::process::init_tracing();
 
     let config = match std::fs::read_to_string(&args.config)
         .with_context(|| format!("cannot read {}", args.config.display()))
@@ -69,24 +63,7 @@ async fn run(config: AgentConfig, ready_file: Option<PathBuf>) -> anyhow::Result
         std::fs::write(&path, format!("admin={}\n", agent.admin_addr()))
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    shutdown_signal().await;
+    kvroute_index::process::shutdown_signal().await;
     agent.shutdown().await;
     Ok(())
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(error) => {
-            tracing::warn!(%error, "cannot watch SIGTERM; stopping on Ctrl-C only");
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-    tracing::info!("shutdown signal received");
 }
