@@ -64,6 +64,31 @@ impl ReplayOutcome {
     }
 }
 
+/// How catching up on the batches an engine published before the ingest joined its stream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum CatchUpOutcome {
+    /// The replay held every batch from 0: the replica's blocks are complete.
+    Complete,
+    /// The replay buffer began after 0 (older batches aged out): blocks stored before it stay
+    /// unknown until they are stored again.
+    Partial,
+    /// The replay failed (see `replays` for why); the stream starts at the live message.
+    Failed,
+    /// No replay endpoint is configured; the stream starts at the live message.
+    NoReplayEndpoint,
+}
+
+impl CatchUpOutcome {
+    pub(crate) fn as_label(self) -> &'static str {
+        match self {
+            CatchUpOutcome::Complete => "complete",
+            CatchUpOutcome::Partial => "partial",
+            CatchUpOutcome::Failed => "failed",
+            CatchUpOutcome::NoReplayEndpoint => "no_replay_endpoint",
+        }
+    }
+}
+
 /// Which socket operation failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum SocketStage {
@@ -92,6 +117,7 @@ pub struct IngestMetrics {
     unknown_events_skipped: Family<ReplicaLabels, Counter>,
     gaps: Family<ReplicaLabels, Counter>,
     replays: Family<OutcomeLabels, Counter>,
+    catch_ups: Family<OutcomeLabels, Counter>,
     replay_duration: Family<ReplicaLabels, Histogram, fn() -> Histogram>,
     live_dropped_during_replay: Family<ReplicaLabels, Counter>,
     resets: Family<ReasonLabels, Counter>,
@@ -117,6 +143,7 @@ impl IngestMetrics {
             unknown_events_skipped: Family::default(),
             gaps: Family::default(),
             replays: Family::default(),
+            catch_ups: Family::default(),
             replay_duration: Family::new_with_constructor(replay_duration_histogram),
             live_dropped_during_replay: Family::default(),
             resets: Family::default(),
@@ -160,6 +187,11 @@ impl IngestMetrics {
             "replays",
             "Replay requests to the engine, by outcome",
             metrics.replays.clone(),
+        );
+        r.register(
+            "catch_ups",
+            "Catch-ups on batches an engine published before the ingest joined its stream, by outcome",
+            metrics.catch_ups.clone(),
         );
         r.register_with_unit(
             "replay_duration",
@@ -281,6 +313,17 @@ impl ReplicaMetrics {
     pub(crate) fn replay(&self, outcome: ReplayOutcome) {
         self.families
             .replays
+            .get_or_create(&OutcomeLabels {
+                replica_id: self.replica.replica_id.to_string(),
+                dp_rank: self.replica.dp_rank,
+                outcome: outcome.as_label(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn catch_up(&self, outcome: CatchUpOutcome) {
+        self.families
+            .catch_ups
             .get_or_create(&OutcomeLabels {
                 replica_id: self.replica.replica_id.to_string(),
                 dp_rank: self.replica.dp_rank,

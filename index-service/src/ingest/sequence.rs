@@ -16,6 +16,11 @@ pub const DUPLICATE_WINDOW: usize = 64;
 pub(crate) enum Verdict {
     /// The first message of the stream: apply it and start counting from it.
     First,
+    /// The first message this tracker ever sees, and the engine published batches `0..seq`
+    /// before it: catch up on them (replay from 0) before applying it. Asked once per tracker:
+    /// after [`SequenceTracker::caught_up`] (whatever the outcome), a resync or any applied
+    /// message, a fresh stream start is [`Verdict::First`].
+    Joined,
     /// The expected next message: apply it.
     Next,
     /// Already applied (same sequence number and payload): drop it.
@@ -37,12 +42,19 @@ pub(crate) struct SequenceTracker {
     expected: Option<u64>,
     /// `(seq, payload fingerprint)` of the last [`DUPLICATE_WINDOW`] applied messages.
     recent: VecDeque<(u64, u64)>,
+    /// Whether anything has happened on this stream (applied, caught up, restarted, resynced):
+    /// only a fresh tracker asks for a catch-up, so a failing one cannot repeat.
+    has_history: bool,
 }
 
 impl SequenceTracker {
     pub(crate) fn classify(&self, seq: u64, fingerprint: u64) -> Verdict {
         let Some(expected) = self.expected else {
-            return Verdict::First;
+            return if seq > 0 && !self.has_history {
+                Verdict::Joined
+            } else {
+                Verdict::First
+            };
         };
         if seq == expected {
             Verdict::Next
@@ -59,6 +71,7 @@ impl SequenceTracker {
 
     /// Records that `seq` was applied.
     pub(crate) fn applied(&mut self, seq: u64, fingerprint: u64) {
+        self.has_history = true;
         self.expected = Some(seq.saturating_add(1));
         if self.recent.len() == DUPLICATE_WINDOW {
             self.recent.pop_front();
@@ -68,14 +81,26 @@ impl SequenceTracker {
 
     /// A new engine stream: it starts at 0 and nothing of the old one counts as a duplicate.
     pub(crate) fn restart(&mut self) {
+        self.has_history = true;
         self.expected = Some(0);
         self.recent.clear();
     }
 
     /// Forgets the stream after an unrecoverable gap: the next message starts it again.
     pub(crate) fn resync(&mut self) {
+        self.has_history = true;
         self.expected = None;
         self.recent.clear();
+    }
+
+    /// Nothing has happened on this stream yet (a catch-up may run).
+    pub(crate) fn is_fresh(&self) -> bool {
+        !self.has_history
+    }
+
+    /// The catch-up asked for by [`Verdict::Joined`] has run (complete, partial or failed).
+    pub(crate) fn caught_up(&mut self) {
+        self.has_history = true;
     }
 
     /// The last applied sequence number.
@@ -107,10 +132,24 @@ mod tests {
     }
 
     #[test]
-    fn first_message_starts_the_stream_at_any_sequence() {
-        let tracker = SequenceTracker::default();
-        assert_eq!(tracker.classify(4711, 0), Verdict::First);
+    fn joining_a_stream_late_asks_for_a_catch_up_once() {
+        let mut tracker = SequenceTracker::default();
+        assert_eq!(tracker.classify(0, 0), Verdict::First);
+        assert_eq!(tracker.classify(4711, 0), Verdict::Joined);
         assert_eq!(tracker.last_applied(), None);
+        // A failed catch-up must not be retried by the same message: it starts the stream.
+        tracker.caught_up();
+        assert_eq!(tracker.classify(4711, 0), Verdict::First);
+    }
+
+    #[test]
+    fn after_resync_a_late_message_starts_the_stream_without_catch_up() {
+        let mut tracker = tracker_after(&[5]);
+        tracker.resync();
+        assert_eq!(tracker.classify(9, 0), Verdict::First);
+        let mut fresh = SequenceTracker::default();
+        fresh.resync();
+        assert_eq!(fresh.classify(9, 0), Verdict::First);
     }
 
     #[test]
@@ -164,5 +203,6 @@ mod tests {
         let mut tracker = tracker_after(&[5, 6, 7]);
         tracker.resync();
         assert_eq!(tracker.classify(42, 0), Verdict::First);
+        assert_eq!(tracker.classify(0, 0), Verdict::First);
     }
 }

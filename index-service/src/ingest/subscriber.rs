@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use zeromq::{Socket as _, SocketEvent, SocketOptions, SocketRecv as _, SubSocket, ZmqMessage};
 
 use super::backoff::Backoff;
-use super::metrics::{ReplayOutcome, ReplicaMetrics, SocketStage};
+use super::metrics::{CatchUpOutcome, ReplayOutcome, ReplicaMetrics, SocketStage};
 use super::replay::{ReplayReply, ReplaySession};
 use super::sequence::{SequenceTracker, Verdict, fingerprint};
 use super::state::ReplicaIngestState;
@@ -27,6 +27,40 @@ struct LiveMessage {
     seq: u64,
     fingerprint: u64,
     batch: DecodedBatch,
+}
+
+/// How a replay request went.
+#[derive(Debug, Clone, Copy)]
+struct ReplayResult {
+    outcome: ReplayOutcome,
+    /// The first replayed batch applied, if any.
+    first_applied: Option<u64>,
+}
+
+impl From<ReplayOutcome> for ReplayResult {
+    fn from(outcome: ReplayOutcome) -> Self {
+        Self {
+            outcome,
+            first_applied: None,
+        }
+    }
+}
+
+/// What a replay request is for.
+#[derive(Debug, Clone, Copy)]
+enum ReplayGoal {
+    /// Batches up to just before the live message `trigger_seq` are missing.
+    FillGap { trigger_seq: u64 },
+    /// Everything the engine still buffers, to its end marker (joining a running stream).
+    CatchUp,
+}
+
+impl ReplayGoal {
+    /// Whether a buffer that begins after the requested sequence is used from where it begins:
+    /// only when catching up before anything was applied (nothing in between can be missing).
+    fn accepts_late_start(self, tracker: &SequenceTracker) -> bool {
+        matches!(self, ReplayGoal::CatchUp) && tracker.expected().is_none()
+    }
 }
 
 /// Why the receive loop stopped.
@@ -201,6 +235,15 @@ impl Subscriber {
         let cancel = self.cancel.clone();
         let mut monitor = socket.monitor();
         let mut monitor_open = true;
+        if self.tracker.is_fresh() && self.config.replay_endpoint.is_some() {
+            let caught_up = match self.catch_up(None, socket).await {
+                Ok(()) => self.drain_pending(socket).await,
+                Err(stop) => Err(stop),
+            };
+            if let Err(stop) = caught_up {
+                return stop;
+            }
+        }
         loop {
             tokio::select! {
                 biased;
@@ -282,7 +325,70 @@ impl Subscriber {
                 }
             }
             Verdict::Gap { missing_from } => self.repair_gap(missing_from, live, socket).await?,
+            Verdict::Joined => self.catch_up(Some(live), socket).await?,
         }
+        Ok(())
+    }
+
+    /// Catches up on the batches the engine published before this task joined its stream (the
+    /// index or agent started or restarted after the engine): replays from 0 to the end of the
+    /// engine's buffer, so the blocks stored before the join are indexed too.
+    ///
+    /// Proactive (`trigger` `None`): when the socket opens, before any live message — an idle
+    /// engine's blocks are known at once. Reactive (`trigger` the first live message, which
+    /// showed earlier batches exist): when the proactive one could not run or failed; at most
+    /// once, so a failing replay cannot repeat.
+    async fn catch_up(
+        &mut self,
+        trigger: Option<LiveMessage>,
+        socket: &mut SubSocket,
+    ) -> Result<(), Stop> {
+        let trigger_seq = trigger.as_ref().map(|live| live.seq);
+        if let Some(live) = trigger {
+            self.tracker.caught_up();
+            // Processed right after the replay: a duplicate of a replayed batch, or the start.
+            self.pending.push_front(live);
+        }
+        let Some(endpoint) = self.config.replay_endpoint.clone() else {
+            tracing::info!(
+                replica_id = %self.replica.replica_id,
+                dp_rank = self.replica.dp_rank,
+                seq = ?trigger_seq,
+                "joined the engine's stream late and no replay endpoint is configured: blocks \
+                 stored before it stay unknown until stored again"
+            );
+            self.metrics.catch_up(CatchUpOutcome::NoReplayEndpoint);
+            return Ok(());
+        };
+        let started = Instant::now();
+        let result = self
+            .replay(&endpoint, 0, ReplayGoal::CatchUp, socket)
+            .await?;
+        let outcome = match (result.outcome, result.first_applied) {
+            (ReplayOutcome::Ok, Some(0)) => CatchUpOutcome::Complete,
+            (ReplayOutcome::Ok, Some(_)) => CatchUpOutcome::Partial,
+            (ReplayOutcome::Ok, None) => {
+                // An empty buffer: the engine has published nothing yet, so its stream starts
+                // at 0 and a later first message means the head was missed (a gap to repair).
+                if trigger_seq.is_none() {
+                    self.tracker.restart();
+                }
+                CatchUpOutcome::Complete
+            }
+            _ => CatchUpOutcome::Failed,
+        };
+        self.metrics.catch_up(outcome);
+        tracing::info!(
+            replica_id = %self.replica.replica_id,
+            dp_rank = self.replica.dp_rank,
+            seq = ?trigger_seq,
+            outcome = outcome.as_label(),
+            replay = result.outcome.as_label(),
+            first_replayed = ?result.first_applied,
+            last_applied = ?self.tracker.last_applied(),
+            elapsed_ms = started.elapsed().as_millis(),
+            "caught up on the batches published before joining the engine's stream"
+        );
         Ok(())
     }
 
@@ -314,8 +420,14 @@ impl Subscriber {
         };
         let started = Instant::now();
         let outcome = self
-            .replay(&endpoint, missing_from, trigger_seq, socket)
-            .await?;
+            .replay(
+                &endpoint,
+                missing_from,
+                ReplayGoal::FillGap { trigger_seq },
+                socket,
+            )
+            .await?
+            .outcome;
         self.metrics
             .replay_duration
             .observe(started.elapsed().as_secs_f64());
@@ -354,29 +466,30 @@ impl Subscriber {
         &mut self,
         endpoint: &str,
         missing_from: u64,
-        trigger_seq: u64,
+        goal: ReplayGoal,
         socket: &mut SubSocket,
-    ) -> Result<ReplayOutcome, Stop> {
+    ) -> Result<ReplayResult, Stop> {
+        let mut first_applied = None;
         let cancel = self.cancel.clone();
         let deadline = tokio::time::Instant::now() + self.config.replay_timeout;
         let opened = tokio::select! {
             biased;
             () = cancel.cancelled() => return Err(Stop::Cancelled),
-            () = tokio::time::sleep_until(deadline) => return Ok(ReplayOutcome::Timeout),
+            () = tokio::time::sleep_until(deadline) => return Ok(ReplayOutcome::Timeout.into()),
             opened = ReplaySession::open(endpoint, missing_from, self.config.connect_timeout) => opened,
         };
         let mut session = match opened {
             Ok(session) => session,
             Err(error) => {
                 self.replay_error(&error);
-                return Ok(ReplayOutcome::Error);
+                return Ok(ReplayOutcome::Error.into());
             }
         };
         loop {
             tokio::select! {
                 biased;
                 () = cancel.cancelled() => return Err(Stop::Cancelled),
-                () = tokio::time::sleep_until(deadline) => return Ok(ReplayOutcome::Timeout),
+                () = tokio::time::sleep_until(deadline) => return Ok(ReplayOutcome::Timeout.into()),
                 received = socket.recv() => match received {
                     Ok(message) => self.hold(message),
                     Err(error) => {
@@ -389,12 +502,20 @@ impl Subscriber {
                     match reply {
                         Err(error) => {
                             self.replay_error(&error);
-                            return Ok(ReplayOutcome::Error);
+                            return Ok(ReplayOutcome::Error.into());
                         }
-                        // The buffer ended before reaching the live stream.
-                        Ok(ReplayReply::End) => return Ok(ReplayOutcome::BufferExceeded),
+                        Ok(ReplayReply::End) => {
+                            let outcome = match goal {
+                                ReplayGoal::CatchUp => ReplayOutcome::Ok,
+                                // The buffer ended before reaching the live stream.
+                                ReplayGoal::FillGap { .. } => ReplayOutcome::BufferExceeded,
+                            };
+                            return Ok(ReplayResult { outcome, first_applied });
+                        }
                         Ok(ReplayReply::Batch { seq, .. }) if seq < expected => {}
-                        Ok(ReplayReply::Batch { seq, .. }) if seq > expected => {
+                        Ok(ReplayReply::Batch { seq, .. })
+                            if seq > expected && !goal.accepts_late_start(&self.tracker) =>
+                        {
                             // vLLM silently starts from its oldest entry when asked for older ones.
                             tracing::warn!(
                                 replica_id = %self.replica.replica_id,
@@ -403,21 +524,24 @@ impl Subscriber {
                                 first_replayed = seq,
                                 "replay does not start at the first missing batch"
                             );
-                            return Ok(ReplayOutcome::BufferExceeded);
+                            return Ok(ReplayResult { outcome: ReplayOutcome::BufferExceeded, first_applied });
                         }
                         Ok(ReplayReply::Batch { seq, payload }) => {
                             let batch = match wire::decode_batch(&payload) {
                                 Ok(batch) => batch,
                                 Err(error) => {
                                     self.decode_failed(&error, "replay");
-                                    return Ok(ReplayOutcome::Undecodable);
+                                    return Ok(ReplayResult { outcome: ReplayOutcome::Undecodable, first_applied });
                                 }
                             };
                             self.apply(seq, fingerprint(&payload), batch);
                             self.replayed_through = Some(seq);
+                            first_applied.get_or_insert(seq);
                             // Caught up with the live stream; the rest arrives (or arrived) live.
-                            if seq.saturating_add(1) >= trigger_seq {
-                                return Ok(ReplayOutcome::Ok);
+                            if let ReplayGoal::FillGap { trigger_seq } = goal
+                                && seq.saturating_add(1) >= trigger_seq
+                            {
+                                return Ok(ReplayResult { outcome: ReplayOutcome::Ok, first_applied });
                             }
                         }
                     }

@@ -3,8 +3,9 @@
 //!
 //! No sleeps: every wait is for a condition with a deadline. PUB/SUB drops messages until the
 //! subscription has reached the publisher ("slow joiner"), so each test first publishes a
-//! warm-up stream until the sink has seen a message; the ingest takes the first one it sees as
-//! the start of the stream.
+//! warm-up stream until the sink has seen a message. An ingest that joins a stream late catches
+//! up on the earlier batches from the replay socket, so a test counts replay requests from the
+//! end of its warm-up.
 
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::path::PathBuf;
@@ -134,6 +135,19 @@ impl Harness {
             applied_seqs(calls).contains(&seq)
         })
         .await;
+    }
+
+    /// Waits until one series reaches `value` (a metric counted just after the sink saw a batch).
+    async fn wait_metric(&self, series: &str, value: f64) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.metric(series) != value {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{series} stayed at {}, expected {value}",
+                self.metric(series)
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     /// Value of one series in the text exposition (0 if absent).
@@ -299,6 +313,7 @@ async fn gap_is_repaired_by_replay() {
     let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
     let harness = Harness::start(connect_config(&publisher));
     let start = warm_up(&publisher, &harness, &payloads[0]).await;
+    let replays_before = publisher.replay_requests();
 
     let skipped_a = publisher.skip_seq(payloads[1].clone()).await;
     let skipped_b = publisher.skip_seq(payloads[2].clone()).await;
@@ -326,7 +341,7 @@ async fn gap_is_repaired_by_replay() {
         "replayed batch content"
     );
     assert!(harness.sink.resets().is_empty(), "{:?}", summarize(&calls));
-    assert_eq!(publisher.replay_requests(), 1);
+    assert_eq!(publisher.replay_requests() - replays_before, 1);
     assert_eq!(harness.metric(&series("ingest_gaps_total", "")), 1.0);
     assert_eq!(
         harness.metric(&series("ingest_replays_total", ",outcome=\"ok\"")),
@@ -345,12 +360,13 @@ async fn live_messages_during_a_replay_are_held_and_applied_after_it() {
     let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
     let harness = Harness::start(connect_config(&publisher));
     let start = warm_up(&publisher, &harness, &payloads[0]).await;
+    let replays_before = publisher.replay_requests();
 
     publisher.hold_replays();
     publisher.skip_seq(payloads[1].clone()).await;
     publisher.publish(payloads[2].clone()).await.unwrap(); // start + 2: triggers the replay
     let deadline = tokio::time::Instant::now() + WAIT;
-    while publisher.replay_requests() == 0 {
+    while publisher.replay_requests() == replays_before {
         assert!(tokio::time::Instant::now() < deadline, "no replay request");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -432,6 +448,111 @@ async fn gap_older_than_the_replay_buffer_resets_and_continues() {
     harness.shutdown().await;
 }
 
+/// Publishes `count` batches nobody receives (the ingest is not running yet); they stay in the
+/// publisher's replay buffer like an engine's. Returns their sequence numbers.
+async fn publish_before_the_ingest_joins(
+    publisher: &MockVllmPublisher,
+    payloads: &[Vec<u8>],
+    count: usize,
+) -> Vec<u64> {
+    let mut seqs = Vec::new();
+    for payload in payloads.iter().cycle().take(count) {
+        seqs.push(publisher.skip_seq(payload.clone()).await);
+    }
+    seqs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joining_a_running_engine_catches_up_from_its_replay_buffer() {
+    // The index (or agent) starts after the engine: the blocks stored before it joined must be
+    // indexed too, not only what the engine publishes from then on.
+    let payloads = capture_payloads();
+    let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
+    let before = publish_before_the_ingest_joins(&publisher, &payloads, 5).await;
+    let harness = Harness::start(connect_config(&publisher));
+    // An idle engine: nothing new is published, the catch-up alone brings its batches.
+    harness.wait_applied(before[4]).await;
+    let last = warm_up(&publisher, &harness, &payloads[5]).await;
+
+    let seqs = harness.sink.applied_seqs();
+    assert_eq!(
+        seqs,
+        (0..=last).collect::<Vec<_>>(),
+        "every batch once, in order"
+    );
+    let calls = harness.sink.calls();
+    for (seq, payload) in before.iter().zip(payloads.iter()) {
+        let applied = calls.iter().find_map(|c| match c {
+            SinkCall::Apply { seq: s, batch, .. } if s == seq => Some(batch.clone()),
+            _ => None,
+        });
+        assert_eq!(applied, Some(decoded(payload)), "batch {seq} content");
+    }
+    assert!(harness.sink.resets().is_empty());
+    harness
+        .wait_metric(
+            &series("ingest_catch_ups_total", ",outcome=\"complete\""),
+            1.0,
+        )
+        .await;
+    assert_eq!(harness.metric(&series("ingest_gaps_total", "")), 0.0);
+    assert_eq!(publisher.replay_requests(), 1);
+    harness.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joining_after_the_buffer_aged_out_catches_up_on_what_it_holds() {
+    let payloads = capture_payloads();
+    let mut config = MockPublisherConfig::loopback();
+    config.buffer_steps = 3;
+    let publisher = MockVllmPublisher::start(config).await.unwrap();
+    publish_before_the_ingest_joins(&publisher, &payloads, 8).await;
+    let harness = Harness::start(connect_config(&publisher));
+    let last = warm_up(&publisher, &harness, &payloads[8]).await;
+
+    // The oldest batches aged out of the engine's buffer; the rest is applied, nothing reset.
+    let seqs = harness.sink.applied_seqs();
+    let first = seqs[0];
+    assert!(
+        first > 0 && first <= 8,
+        "starts inside the buffer: {seqs:?}"
+    );
+    assert_eq!(seqs, (first..=last).collect::<Vec<_>>());
+    assert!(harness.sink.resets().is_empty());
+    harness
+        .wait_metric(
+            &series("ingest_catch_ups_total", ",outcome=\"partial\""),
+            1.0,
+        )
+        .await;
+    harness.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joining_late_without_a_replay_endpoint_starts_at_the_live_stream() {
+    let payloads = capture_payloads();
+    let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
+    publish_before_the_ingest_joins(&publisher, &payloads, 3).await;
+    let mut config = connect_config(&publisher);
+    config.replay_endpoint = None;
+    let harness = Harness::start(config);
+    let last = warm_up(&publisher, &harness, &payloads[3]).await;
+
+    let seqs = harness.sink.applied_seqs();
+    assert!(seqs[0] >= 3, "{seqs:?}");
+    assert_eq!(seqs, (seqs[0]..=last).collect::<Vec<_>>());
+    assert!(harness.sink.resets().is_empty());
+    assert_eq!(
+        harness.metric(&series(
+            "ingest_catch_ups_total",
+            ",outcome=\"no_replay_endpoint\""
+        )),
+        1.0
+    );
+    assert_eq!(publisher.replay_requests(), 0);
+    harness.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gap_without_replay_endpoint_resets_and_continues() {
     let payloads = capture_payloads();
@@ -458,12 +579,13 @@ async fn batch_the_engine_never_buffered_resets_via_the_replay() {
     let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
     let harness = Harness::start(connect_config(&publisher));
     warm_up(&publisher, &harness, &payloads[0]).await;
+    let replays_before = publisher.replay_requests();
 
     publisher.lose_seq().await;
     let live = publisher.publish(payloads[1].clone()).await.unwrap();
     harness.wait_applied(live).await;
     assert_eq!(harness.sink.resets(), [ResetReason::GapUnrecoverable]);
-    assert_eq!(publisher.replay_requests(), 1);
+    assert_eq!(publisher.replay_requests() - replays_before, 1);
     harness.shutdown().await;
 }
 
@@ -536,6 +658,7 @@ async fn engine_restart_with_a_missed_head_replays_it_from_zero() {
     let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
     let harness = Harness::start(connect_config(&publisher));
     let start = warm_up(&publisher, &harness, &payloads[0]).await;
+    let replays_before = publisher.replay_requests();
     // Far enough ahead that the new stream's seq 1 is not a recent sequence number.
     for payload in &payloads[1..4] {
         publisher.publish(payload.clone()).await.unwrap();
@@ -560,7 +683,7 @@ async fn engine_restart_with_a_missed_head_replays_it_from_zero() {
         _ => None,
     });
     assert_eq!(head, Some(decoded(&payloads[4])));
-    assert_eq!(publisher.replay_requests(), 1);
+    assert_eq!(publisher.replay_requests() - replays_before, 1);
     harness.shutdown().await;
 }
 
@@ -680,6 +803,7 @@ async fn legacy_replay_layout_repairs_a_gap() {
     let publisher = MockVllmPublisher::start(config).await.unwrap();
     let harness = Harness::start(connect_config(&publisher).with_topic_filter("kv@"));
     let start = warm_up(&publisher, &harness, &payload).await;
+    let replays_before = publisher.replay_requests();
 
     publisher.skip_seq(payload.clone()).await;
     publisher.skip_seq(payload.clone()).await;
@@ -691,7 +815,7 @@ async fn legacy_replay_layout_repairs_a_gap() {
         &[start, start + 1, start + 2, start + 3]
     );
     assert!(harness.sink.resets().is_empty());
-    assert_eq!(publisher.replay_requests(), 1);
+    assert_eq!(publisher.replay_requests() - replays_before, 1);
     harness.shutdown().await;
 }
 
