@@ -4,8 +4,14 @@
 //! [`Ingest::spawn`] starts a task that subscribes to it, checks the 8-byte sequence frame of every
 //! message, and hands decoded batches to an [`EventSink`] strictly in sequence order:
 //!
-//! - **First message**: accepted as the start of the stream, whatever its sequence number. The
-//!   index starts from what it sees; blocks cached before that are unknown until re-stored.
+//! - **Joining**: when the socket opens, the task first catches up on what the engine published
+//!   before it joined (the index or agent started after the engine): it asks the replay ROUTER
+//!   for everything from sequence 0 and applies it, holding live messages meanwhile, so an idle
+//!   engine's blocks are known at once. If the engine's buffer no longer reaches back to 0 the
+//!   catch-up is partial (older blocks stay unknown until re-stored); if it fails (engine not up
+//!   yet), the first live message with a sequence number above 0 triggers it once more. Counted
+//!   in `ingest_catch_ups_total{outcome}`. Without a replay endpoint the first message starts the
+//!   stream, whatever its sequence number.
 //! - **`seq == last + 1`**: applied.
 //! - **`seq <= last`**: a message we already applied (same sequence number *and* same payload,
 //!   within the last [`DUPLICATE_WINDOW`] messages) is dropped and counted. Anything else means
