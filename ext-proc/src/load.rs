@@ -95,6 +95,14 @@ impl ReplicaLoad {
         u32::try_from(shared).unwrap_or(u32::MAX)
     }
 
+    /// Records a successful scrape's result, as the scrape loop does (for embedders that read the
+    /// engine's load some other way, e.g. a simulator).
+    pub fn record_scrape(&self, scraped: Scraped) {
+        *self.scraped.lock() = scraped;
+        self.routed_since_scrape.store(0, Ordering::Relaxed);
+        self.consecutive_failures.store(0, Ordering::Relaxed);
+    }
+
     /// Whether the replica counts as ready (scrapes have not failed too often in a row).
     pub fn is_ready(&self, unready_after_failures: u32) -> bool {
         unready_after_failures == 0

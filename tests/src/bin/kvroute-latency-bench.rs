@@ -26,7 +26,6 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
@@ -99,6 +98,10 @@ struct Args {
     #[arg(long)]
     without_index: bool,
 }
+
+/// Same allocator as the `kvroute-ext-proc` binary, so the in-process picker costs what it does there.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -221,8 +224,6 @@ struct Backends {
     noop: SocketAddr,
     /// kvroute-ext-proc as `ExtProc::serve` runs it.
     kvroute: SocketAddr,
-    /// The same service and picker on sockets with TCP_NODELAY.
-    kvroute_nodelay: SocketAddr,
     stop: CancellationToken,
     tasks: TaskTracker,
     _publishers: Vec<MockVllmPublisher>,
@@ -275,7 +276,6 @@ impl Backends {
         ))?;
         let server = kvroute_ext_proc::ExtProc::builder(config).bind().await?;
         let kvroute = server.grpc_addr()?;
-        let kvroute_nodelay = start_kvroute_nodelay(server.picker(), &tasks, &stop).await?;
         let shutdown = stop.clone().cancelled_owned();
         tasks.spawn(async move {
             if let Err(error) = server.serve(shutdown).await {
@@ -286,7 +286,6 @@ impl Backends {
             upstreams,
             noop,
             kvroute,
-            kvroute_nodelay,
             stop,
             tasks,
             _publishers: publishers,
@@ -423,27 +422,6 @@ async fn start_noop_ext_proc(
 /// incoming stream, so it is set here.
 fn nodelay_incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
-}
-
-/// kvroute's own `ExtProcService` (same picker) served on accepted sockets with TCP_NODELAY:
-/// what `ExtProc::serve` does once it sets the option on its listener.
-async fn start_kvroute_nodelay(
-    picker: Arc<kvroute_ext_proc::Picker>,
-    tasks: &TaskTracker,
-    stop: &CancellationToken,
-) -> anyhow::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let service = kvroute_ext_proc::ExtProcService::new(picker, tasks.clone());
-    let server = tonic::transport::Server::builder()
-        .add_service(ExternalProcessorServer::new(service))
-        .serve_with_incoming_shutdown(nodelay_incoming(listener), stop.clone().cancelled_owned());
-    tasks.spawn(async move {
-        if let Err(error) = server.await {
-            eprintln!("kvroute ext_proc (nodelay) failed: {error}");
-        }
-    });
-    Ok(addr)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -665,11 +643,6 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
         Case::new("plain", listener("plain")?, |_| Vec::new()),
         Case::new("noop-ext-proc", listener("noop")?, |_| Vec::new()),
         Case::new("kvroute-ext-proc", listener("kvroute")?, |_| Vec::new()),
-        Case::new(
-            "kvroute-ext-proc+nodelay",
-            listener("kvroute_nodelay")?,
-            |_| Vec::new(),
-        ),
     ];
     println!(
         "## extproc: Envoy {{plain, no-op ext_proc, kvroute-ext-proc}}, load {}\n",
@@ -685,15 +658,12 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
         report(
             &cases,
             "plain",
-            &[
-                ("kvroute-ext-proc", "noop-ext-proc"),
-                ("kvroute-ext-proc+nodelay", "noop-ext-proc"),
-            ],
+            &[("kvroute-ext-proc", "noop-ext-proc")],
         );
     }
     let failures: usize = cases.iter().map(|c| c.failures).sum();
     let mut stream_failures = Vec::new();
-    for listener in ["noop", "kvroute", "kvroute_nodelay"] {
+    for listener in ["noop", "kvroute"] {
         let stat = format!("http.{listener}.ext_proc.streams_failed");
         stream_failures.push(format!(
             "{listener} {}",
@@ -785,8 +755,8 @@ fn three_listener_config(backends: &Backends) -> String {
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
 static_resources:
-  listeners:{}{}{}{}
-  clusters:{}{}{}
+  listeners:{}{}{}
+  clusters:{}{}
   - name: replicas
     type: STATIC
     connect_timeout: 1s
@@ -814,10 +784,8 @@ static_resources:
         listener("plain", None),
         listener("noop", Some("noop_ext_proc")),
         listener("kvroute", Some("kvroute_ext_proc")),
-        listener("kvroute_nodelay", Some("kvroute_nodelay_ext_proc")),
         grpc_cluster("noop_ext_proc", backends.noop),
         grpc_cluster("kvroute_ext_proc", backends.kvroute),
-        grpc_cluster("kvroute_nodelay_ext_proc", backends.kvroute_nodelay),
     )
 }
 
@@ -920,11 +888,7 @@ fn full_chain_config(backends: &Backends, module: &std::path::Path) -> anyhow::R
         ("18001".to_owned(), a.to_string()),
         ("18002".to_owned(), b.to_string()),
         ("18003".to_owned(), a.to_string()),
-        // The ext_proc path uses kvroute's service on TCP_NODELAY sockets (see `Backends`).
-        (
-            "50051".to_owned(),
-            backends.kvroute_nodelay.port().to_string(),
-        ),
+        ("50051".to_owned(), backends.kvroute.port().to_string()),
     ];
     for (from, to) in substitutions {
         ensure!(

@@ -1,0 +1,127 @@
+//! Per-decision diagnostics: why a router loses where it loses.
+//!
+//! ```text
+//! cargo run --release -p kvroute-replay --example decisions -- TRACE_OR_KIND LOAD ROUTER [SEED]
+//! ```
+//!
+//! Wraps the router and records, at every decision, the engines' exact state (cached leading
+//! blocks, waiting, running) next to the choice; prints a summary of where the choice left
+//! cache on the table and how that relates to queueing and TTFT.
+#![allow(
+    clippy::print_stdout,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a diagnostic tool"
+)]
+
+use kvroute_index::event::KvEvent;
+use kvroute_replay::engine::EngineConfig;
+use kvroute_replay::routers::{Decision, Router, RouterSpec, View};
+use kvroute_replay::sim::{self, SimConfig};
+use kvroute_replay::timing::Timing;
+use kvroute_replay::trace::{self, Request};
+use kvroute_replay::workload;
+
+struct Seen {
+    cached: Vec<usize>,
+    waiting: Vec<usize>,
+    running: Vec<usize>,
+    chosen: usize,
+}
+
+struct Recorder {
+    inner: Box<dyn Router>,
+    seen: Vec<Seen>,
+}
+
+impl Router for Recorder {
+    fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
+        let decision = self.inner.route(request, view);
+        self.seen.push(Seen {
+            cached: view.engines.iter().map(|e| e.cached_prefix(request.keys())).collect(),
+            waiting: view.engines.iter().map(|e| e.waiting()).collect(),
+            running: view.engines.iter().map(|e| e.running()).collect(),
+            chosen: decision.replica,
+        });
+        decision
+    }
+    fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], now_us: u64) {
+        self.inner.on_kv_events(replica, events, now_us);
+    }
+    fn on_first_token(&mut self, replica: usize, request: &Request, now_us: u64) {
+        self.inner.on_first_token(replica, request, now_us);
+    }
+    fn on_finish(&mut self, replica: usize, request: &Request, now_us: u64) {
+        self.inner.on_finish(replica, request, now_us);
+    }
+    fn tick_interval_us(&self) -> Option<u64> {
+        self.inner.tick_interval_us()
+    }
+    fn on_tick(&mut self, view: &View<'_>) {
+        self.inner.on_tick(view);
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let source = &args[1];
+    let load: f64 = args[2].parse().unwrap();
+    let router = RouterSpec::parse(&args[3]).expect("router");
+    let seed: u64 = args.get(4).map_or(0, |s| s.parse().unwrap());
+    let requests = match workload::Kind::parse(source) {
+        Some(kind) => trace::prepare_all(&workload::generate(kind, seed + 1)).unwrap(),
+        None => trace::read_trace(std::path::Path::new(source)).unwrap(),
+    };
+    let requests = trace::compress(&requests, load);
+    let config = SimConfig {
+        replicas: 4,
+        engine: EngineConfig::default(),
+        timing: Timing::default(),
+        kv_delay_us: 50_000,
+    };
+    let mut recorder = Recorder {
+        inner: router.build(config.replicas, config.engine.blocks, seed),
+        seen: Vec::new(),
+    };
+    let result = sim::run(&requests, &config, &mut recorder).unwrap();
+    let skip = requests.len() / 10;
+    let mut lost_blocks = 0usize;
+    let mut total_blocks = 0usize;
+    let mut lost_decisions = 0usize;
+    let mut lost_ttft = Vec::new();
+    let mut kept_ttft = Vec::new();
+    let mut per_replica = vec![0usize; config.replicas];
+    for (i, seen) in recorder.seen.iter().enumerate().skip(skip) {
+        let best = *seen.cached.iter().max().unwrap();
+        let got = seen.cached[seen.chosen];
+        total_blocks += requests[i].keys().len();
+        per_replica[seen.chosen] += 1;
+        let ttft = result.outcomes[i].ttft_us as f64 / 1000.0;
+        if got < best {
+            lost_blocks += best - got;
+            lost_decisions += 1;
+            lost_ttft.push(ttft);
+            if lost_decisions <= 25 {
+                println!(
+                    "req {i:5} in={:6} best={best:3} got={got:3} cached={:?} waiting={:?} running={:?} chosen={} ttft={ttft:.0}",
+                    requests[i].input_tokens, seen.cached, seen.waiting, seen.running, seen.chosen
+                );
+            }
+        } else {
+            kept_ttft.push(ttft);
+        }
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    println!(
+        "decisions {} left-cache {lost_decisions} lost blocks {lost_blocks} of {total_blocks} keyed; ttft mean lost {:.0} kept {:.0}; per replica {per_replica:?}; busy {:?}",
+        recorder.seen.len() - skip,
+        mean(&lost_ttft),
+        mean(&kept_ttft),
+        result.busy_us.iter().map(|b| b / 1_000_000).collect::<Vec<_>>()
+    );
+    let m = kvroute_replay::metrics::measure(&requests, &result, 0.1);
+    println!(
+        "hit {:.3} p50 {:.0} p90 {:.0} p99 {:.0} imbalance {:.2}",
+        m.hit_rate, m.ttft_p50_ms, m.ttft_p90_ms, m.ttft_p99_ms, m.imbalance
+    );
+}

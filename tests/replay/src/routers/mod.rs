@@ -1,0 +1,253 @@
+//! Routers: one interface, every policy.
+//!
+//! A router sees each request when it arrives with a [`View`] of the cluster (live engines; a
+//! router decides for itself what it may read, as documented on each), and hears back what a
+//! real router would hear: first tokens, completions, the engines' KV events after the
+//! configured delay, and periodic ticks (for metric scraping).
+
+mod basic;
+mod chwbl;
+mod dynamo;
+mod kvroute;
+mod llmd;
+mod oracle;
+mod sglang;
+
+use kvroute_index::event::KvEvent;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::engine::Engine;
+use crate::timing::Timing;
+use crate::trace::Request;
+
+pub use basic::{LeastLoaded, Random, RoundRobin, SessionHash};
+pub use chwbl::ConsistentHashBoundedLoad;
+pub use dynamo::DynamoCost;
+pub use kvroute::Kvroute;
+pub use llmd::LlmdPrecise;
+pub use oracle::TtftOracle;
+pub use sglang::SglangApprox;
+
+/// The cluster at a decision.
+#[derive(Debug, Clone, Copy)]
+pub struct View<'a> {
+    /// Virtual time, µs.
+    pub now_us: u64,
+    /// Every replica's live state.
+    pub engines: &'a [Engine],
+    /// All requests of the run (by id).
+    pub requests: &'a [Request],
+    /// The engines' timing model.
+    pub timing: &'a Timing,
+}
+
+/// A routing decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    /// Chosen replica.
+    pub replica: usize,
+    /// Leading prompt blocks the router believes cached there, if it keeps such a belief.
+    pub predicted_blocks: Option<u32>,
+}
+
+impl Decision {
+    /// A decision without a cache belief.
+    pub fn to(replica: usize) -> Self {
+        Decision {
+            replica,
+            predicted_blocks: None,
+        }
+    }
+}
+
+/// A routing policy.
+pub trait Router {
+    /// Picks a replica for `request`.
+    fn route(&mut self, request: &Request, view: &View<'_>) -> Decision;
+    /// KV events a replica published, delivered after the configured delay.
+    fn on_kv_events(&mut self, _replica: usize, _events: &[KvEvent], _now_us: u64) {}
+    /// A request emitted its first token.
+    fn on_first_token(&mut self, _replica: usize, _request: &Request, _now_us: u64) {}
+    /// A request finished.
+    fn on_finish(&mut self, _replica: usize, _request: &Request, _now_us: u64) {}
+    /// How often [`Router::on_tick`] runs, if at all.
+    fn tick_interval_us(&self) -> Option<u64> {
+        None
+    }
+    /// Periodic hook (metric scrapes).
+    fn on_tick(&mut self, _view: &View<'_>) {}
+}
+
+/// Every router the comparison runs, by name.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RouterSpec {
+    /// Uniformly random.
+    Random,
+    /// Round-robin.
+    RoundRobin,
+    /// Fewest in-flight requests.
+    LeastLoaded,
+    /// Hash of the first block (session proxy).
+    SessionHash,
+    /// Consistent hashing with bounded loads on the first two blocks.
+    Chwbl,
+    /// SGLang's cache-aware router (approximate tree).
+    Sglang,
+    /// llm-d precise prefix scoring; `speculative` adds routed prefixes before events land.
+    Llmd {
+        /// Speculative indexing on.
+        speculative: bool,
+    },
+    /// Dynamo's KV router cost with this overlap weight.
+    Dynamo {
+        /// `overlap_score_weight`.
+        overlap_weight: f64,
+    },
+    /// kvroute: the real index and ext-proc policy with default scoring.
+    Kvroute,
+    /// TTFT-greedy oracle with exact engine state.
+    Oracle,
+}
+
+impl RouterSpec {
+    /// Every router, in report order.
+    pub fn all() -> Vec<RouterSpec> {
+        vec![
+            RouterSpec::Random,
+            RouterSpec::RoundRobin,
+            RouterSpec::LeastLoaded,
+            RouterSpec::SessionHash,
+            RouterSpec::Chwbl,
+            RouterSpec::Sglang,
+            RouterSpec::Llmd { speculative: false },
+            RouterSpec::Llmd { speculative: true },
+            RouterSpec::Dynamo {
+                overlap_weight: 0.5,
+            },
+            RouterSpec::Dynamo {
+                overlap_weight: 1.0,
+            },
+            RouterSpec::Dynamo {
+                overlap_weight: 2.0,
+            },
+            RouterSpec::Kvroute,
+            RouterSpec::Oracle,
+        ]
+    }
+
+    /// Report name (also accepted by [`RouterSpec::parse`]).
+    pub fn name(&self) -> String {
+        match self {
+            RouterSpec::Random => "random".to_owned(),
+            RouterSpec::RoundRobin => "round-robin".to_owned(),
+            RouterSpec::LeastLoaded => "least-loaded".to_owned(),
+            RouterSpec::SessionHash => "session-hash".to_owned(),
+            RouterSpec::Chwbl => "chwbl".to_owned(),
+            RouterSpec::Sglang => "sglang".to_owned(),
+            RouterSpec::Llmd { speculative: false } => "llmd".to_owned(),
+            RouterSpec::Llmd { speculative: true } => "llmd-spec".to_owned(),
+            RouterSpec::Dynamo { overlap_weight } => format!("dynamo-w{overlap_weight}"),
+            RouterSpec::Kvroute => "kvroute".to_owned(),
+            RouterSpec::Oracle => "oracle".to_owned(),
+        }
+    }
+
+    /// Looks a router up by its report name.
+    pub fn parse(name: &str) -> Option<RouterSpec> {
+        if let Some(weight) = name.strip_prefix("dynamo-w") {
+            return weight
+                .parse()
+                .ok()
+                .filter(|w: &f64| w.is_finite() && *w >= 0.0)
+                .map(|overlap_weight| RouterSpec::Dynamo { overlap_weight });
+        }
+        RouterSpec::all().into_iter().find(|s| s.name() == name)
+    }
+
+    /// Whether this router's decisions are expensive (it simulates every replica).
+    pub fn is_oracle(&self) -> bool {
+        matches!(self, RouterSpec::Oracle)
+    }
+
+    /// Builds the router for `replicas` replicas of `blocks` blocks each.
+    pub fn build(&self, replicas: usize, blocks: u32, seed: u64) -> Box<dyn Router> {
+        let rng = StdRng::seed_from_u64(seed);
+        match *self {
+            RouterSpec::Random => Box::new(Random::new(rng)),
+            RouterSpec::RoundRobin => Box::new(RoundRobin::default()),
+            RouterSpec::LeastLoaded => Box::new(LeastLoaded::new(replicas, rng)),
+            RouterSpec::SessionHash => Box::new(SessionHash),
+            RouterSpec::Chwbl => Box::new(ConsistentHashBoundedLoad::new(replicas)),
+            RouterSpec::Sglang => Box::new(SglangApprox::new(
+                replicas,
+                sglang::SglangConfig::default(),
+                rng,
+            )),
+            RouterSpec::Llmd { speculative } => {
+                Box::new(LlmdPrecise::new(replicas, speculative, rng))
+            }
+            RouterSpec::Dynamo { overlap_weight } => {
+                Box::new(DynamoCost::new(replicas, overlap_weight, rng))
+            }
+            RouterSpec::Kvroute => Box::new(Kvroute::new(replicas, blocks, rng)),
+            RouterSpec::Oracle => Box::new(TtftOracle::new(rng)),
+        }
+    }
+}
+
+/// Requests routed to each replica and not finished (what a proxy's least-request counts).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct InFlight {
+    counts: Vec<u32>,
+}
+
+impl InFlight {
+    pub(crate) fn new(replicas: usize) -> Self {
+        InFlight {
+            counts: vec![0; replicas],
+        }
+    }
+
+    pub(crate) fn get(&self, replica: usize) -> u32 {
+        self.counts.get(replica).copied().unwrap_or(0)
+    }
+
+    pub(crate) fn total(&self) -> u32 {
+        self.counts.iter().sum()
+    }
+
+    pub(crate) fn add(&mut self, replica: usize) {
+        if let Some(c) = self.counts.get_mut(replica) {
+            *c += 1;
+        }
+    }
+
+    pub(crate) fn remove(&mut self, replica: usize) {
+        if let Some(c) = self.counts.get_mut(replica) {
+            *c = c.saturating_sub(1);
+        }
+    }
+}
+
+/// Index of the lowest `score` (ties broken by `rng`); `None` only for `n == 0`.
+pub(crate) fn argmin_random(
+    n: usize,
+    score: impl Fn(usize) -> f64,
+    rng: &mut impl rand::Rng,
+) -> Option<usize> {
+    let scores: Vec<f64> = (0..n).map(score).collect();
+    let best = scores.iter().copied().fold(f64::INFINITY, f64::min);
+    let ties: Vec<usize> = (0..n)
+        .filter(|i| scores[*i] <= best + 1e-9 * best.abs().max(1.0))
+        .collect();
+    if ties.is_empty() {
+        return None;
+    }
+    Some(ties[rng.random_range(0..ties.len())])
+}
+
+/// Leading blocks of `keys` a predicate holds.
+pub(crate) fn leading(keys: &[u64], held: impl Fn(u64) -> bool) -> u32 {
+    keys.iter().take_while(|k| held(**k)).count() as u32
+}

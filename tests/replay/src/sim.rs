@@ -1,0 +1,248 @@
+//! The discrete-event loop: arrivals, engine steps, delayed KV-event delivery and router ticks
+//! in virtual time (µs).
+//!
+//! - An arrival is routed at once ([`Router::route`]) and queued on its replica; an idle
+//!   replica starts a step.
+//! - A step's end applies it, reports first tokens and completions to the router, and queues
+//!   the step's KV events for delivery to the router `kv_delay_us` later (one FIFO per replica:
+//!   the delay is constant, so order is kept).
+//! - Routers that poll engine metrics get a tick every [`Router::tick_interval_us`].
+//!
+//! Events at the same instant run in the order they were scheduled, so a run is a pure function
+//! of its inputs and the router's seed.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use kvroute_index::event::KvEvent;
+
+use crate::engine::{Engine, EngineConfig};
+use crate::routers::{Router, View};
+use crate::timing::Timing;
+use crate::trace::Request;
+
+/// Simulation parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SimConfig {
+    /// Replicas.
+    pub replicas: usize,
+    /// Each replica's limits.
+    pub engine: EngineConfig,
+    /// Step timing.
+    pub timing: Timing,
+    /// Delay between a step's end and its KV events reaching the router, µs.
+    pub kv_delay_us: u64,
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestOutcome {
+    /// Replica it was routed to.
+    pub replica: usize,
+    /// Arrival to first token, µs.
+    pub ttft_us: u64,
+    /// Leading prompt blocks found cached at admission.
+    pub hit_blocks: u32,
+    /// Leading blocks the router believed cached there, if it keeps such a belief.
+    pub predicted_blocks: Option<u32>,
+}
+
+/// A finished run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunResult {
+    /// Per request, by id.
+    pub outcomes: Vec<RequestOutcome>,
+    /// Per replica, time spent stepping, µs.
+    pub busy_us: Vec<u64>,
+    /// Virtual time when the last request finished, µs.
+    pub end_us: u64,
+}
+
+/// A run that could not complete.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SimError {
+    /// A request needs more KV blocks than a replica has.
+    #[error("request {request} needs {blocks} blocks, a replica has {capacity}")]
+    RequestTooLarge {
+        /// Request id.
+        request: usize,
+        /// Blocks it needs at its peak.
+        blocks: u32,
+        /// Blocks per replica.
+        capacity: u32,
+    },
+    /// The router chose a replica that does not exist.
+    #[error("router chose replica {replica} of {replicas}")]
+    BadReplica {
+        /// The choice.
+        replica: usize,
+        /// Replicas configured.
+        replicas: usize,
+    },
+    /// Some requests never got their first token.
+    #[error("{unserved} requests never served")]
+    Stalled {
+        /// How many.
+        unserved: usize,
+    },
+    /// No replicas configured.
+    #[error("no replicas")]
+    NoReplicas,
+}
+
+impl SimError {
+    /// Short label of the error kind.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            Self::RequestTooLarge { .. } => "request_too_large",
+            Self::BadReplica { .. } => "bad_replica",
+            Self::Stalled { .. } => "stalled",
+            Self::NoReplicas => "no_replicas",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Arrival(usize),
+    StepDone(usize),
+    Deliver(usize),
+    Tick,
+}
+
+/// The event queue: (time, insertion sequence) order.
+#[derive(Debug, Default)]
+struct Queue {
+    heap: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    sequence: u64,
+}
+
+impl Queue {
+    fn push(&mut self, at: u64, event: Event) {
+        self.heap.push(Reverse((at, self.sequence, event)));
+        self.sequence += 1;
+    }
+
+    fn pop(&mut self) -> Option<(u64, Event)> {
+        self.heap.pop().map(|Reverse((at, _, event))| (at, event))
+    }
+}
+
+/// Replays `requests` (sorted by arrival, ids = positions) through `router`.
+pub fn run(
+    requests: &[Request],
+    config: &SimConfig,
+    router: &mut dyn Router,
+) -> Result<RunResult, SimError> {
+    if config.replicas == 0 {
+        return Err(SimError::NoReplicas);
+    }
+    if let Some(request) = requests
+        .iter()
+        .find(|r| r.peak_blocks() > config.engine.blocks)
+    {
+        return Err(SimError::RequestTooLarge {
+            request: request.id,
+            blocks: request.peak_blocks(),
+            capacity: config.engine.blocks,
+        });
+    }
+    let mut engines: Vec<Engine> = (0..config.replicas)
+        .map(|_| Engine::new(config.engine))
+        .collect();
+    let mut deliveries: Vec<VecDeque<Vec<KvEvent>>> = vec![VecDeque::new(); config.replicas];
+    let mut outcomes: Vec<Option<RequestOutcome>> = vec![None; requests.len()];
+    let mut routed: Vec<(usize, Option<u32>)> = vec![(0, None); requests.len()];
+    let mut finished = 0;
+    let mut end_us = 0;
+    let mut queue = Queue::default();
+    for request in requests {
+        queue.push(request.arrival_us, Event::Arrival(request.id));
+    }
+    let tick = router.tick_interval_us();
+    if tick.is_some() {
+        queue.push(0, Event::Tick);
+    }
+    while let Some((now, event)) = queue.pop() {
+        match event {
+            Event::Arrival(id) => {
+                let request = &requests[id];
+                let view = View {
+                    now_us: now,
+                    engines: &engines,
+                    requests,
+                    timing: &config.timing,
+                };
+                let decision = router.route(request, &view);
+                let replica = decision.replica;
+                if replica >= engines.len() {
+                    return Err(SimError::BadReplica {
+                        replica,
+                        replicas: engines.len(),
+                    });
+                }
+                routed[id] = (replica, decision.predicted_blocks);
+                engines[replica].enqueue(request);
+                if let Some(end) = engines[replica].start_step(now, requests, &config.timing) {
+                    queue.push(end, Event::StepDone(replica));
+                }
+            }
+            Event::StepDone(replica) => {
+                let outcome = engines[replica].finish_step(requests);
+                for first in &outcome.first_tokens {
+                    let request = &requests[first.request];
+                    let (routed_to, predicted_blocks) = routed[first.request];
+                    outcomes[first.request] = Some(RequestOutcome {
+                        replica: routed_to,
+                        ttft_us: now.saturating_sub(request.arrival_us),
+                        hit_blocks: first.hit_blocks,
+                        predicted_blocks,
+                    });
+                    router.on_first_token(replica, request, now);
+                }
+                for id in &outcome.finished {
+                    router.on_finish(replica, &requests[*id], now);
+                    finished += 1;
+                    end_us = now;
+                }
+                if !outcome.events.is_empty() {
+                    deliveries[replica].push_back(outcome.events);
+                    queue.push(now + config.kv_delay_us, Event::Deliver(replica));
+                }
+                if let Some(end) = engines[replica].start_step(now, requests, &config.timing) {
+                    queue.push(end, Event::StepDone(replica));
+                }
+            }
+            Event::Deliver(replica) => {
+                if let Some(events) = deliveries[replica].pop_front() {
+                    router.on_kv_events(replica, &events, now);
+                }
+            }
+            Event::Tick => {
+                let view = View {
+                    now_us: now,
+                    engines: &engines,
+                    requests,
+                    timing: &config.timing,
+                };
+                router.on_tick(&view);
+                if let Some(interval) = tick
+                    && finished < requests.len()
+                {
+                    queue.push(now + interval.max(1), Event::Tick);
+                }
+            }
+        }
+    }
+    let unserved = outcomes.iter().filter(|o| o.is_none()).count();
+    if unserved > 0 || finished < requests.len() {
+        return Err(SimError::Stalled {
+            unserved: unserved.max(requests.len() - finished),
+        });
+    }
+    Ok(RunResult {
+        outcomes: outcomes.into_iter().flatten().collect(),
+        busy_us: engines.iter().map(Engine::busy_us).collect(),
+        end_us,
+    })
+}

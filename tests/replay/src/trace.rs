@@ -1,0 +1,294 @@
+//! Mooncake-format traces: one JSON object per line with `timestamp` (ms), `input_length`,
+//! `output_length` and `hash_ids` (one id per 512-token block of the prompt).
+//!
+//! # Block keys
+//!
+//! A hash id names a block *given everything before it* (the trace's chain is the prefix
+//! identity), so each id is mapped to a chained key, `key[i] = xxh3(key[i-1] ‖ hash_id[i])`,
+//! like vLLM's block hashes: two requests share block `i` only when they share blocks `0..=i`.
+//!
+//! # Partial blocks
+//!
+//! `hash_ids` has `ceil(input_length / 512)` entries, so unless `input_length` is a multiple of
+//! 512 the last id covers a partial block. vLLM only caches full blocks, so a partial block is
+//! never cached, matched or published: it is always prefilled, and only the leading
+//! `input_length / 512` keys ([`Request::keys`]) take part in caching and routing.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::BLOCK_TOKENS;
+
+/// One trace line as written in the file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceRecord {
+    /// Arrival time, ms from the trace start.
+    pub timestamp: u64,
+    /// Prompt tokens.
+    pub input_length: u32,
+    /// Generated tokens.
+    pub output_length: u32,
+    /// One id per 512-token prompt block (the last may be partial).
+    pub hash_ids: Vec<u64>,
+}
+
+/// A trace that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// The file could not be opened or read.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// The trace file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A line is not a valid record.
+    #[error("{path}:{line}: {reason}")]
+    BadLine {
+        /// The trace file.
+        path: PathBuf,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The file holds no request.
+    #[error("{path}: no requests")]
+    Empty {
+        /// The trace file.
+        path: PathBuf,
+    },
+}
+
+impl TraceError {
+    /// Short label of the error kind.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            Self::Io { .. } => "io",
+            Self::BadLine { .. } => "bad_line",
+            Self::Empty { .. } => "empty",
+        }
+    }
+}
+
+/// A request ready to simulate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// Position in arrival order (0-based).
+    pub id: usize,
+    /// Arrival time, µs of virtual time.
+    pub arrival_us: u64,
+    /// Prompt tokens.
+    pub input_tokens: u32,
+    /// Generated tokens (at least 1: the first token ends the prefill).
+    pub output_tokens: u32,
+    /// Chained keys of every prompt block, the partial last one included.
+    pub chain: Vec<u64>,
+    /// How many leading blocks are full (cacheable).
+    pub full_blocks: usize,
+}
+
+impl Request {
+    /// Keys of the full (cacheable) prompt blocks.
+    pub fn keys(&self) -> &[u64] {
+        &self.chain[..self.full_blocks]
+    }
+
+    /// Most KV tokens the request holds (prompt plus every generated token but the last, whose
+    /// KV is never written).
+    pub fn peak_kv_tokens(&self) -> u32 {
+        self.input_tokens + self.output_tokens.saturating_sub(1)
+    }
+
+    /// Most blocks the request holds at once.
+    pub fn peak_blocks(&self) -> u32 {
+        self.peak_kv_tokens().div_ceil(BLOCK_TOKENS)
+    }
+
+    /// Most leading blocks a cache hit may cover: vLLM always computes the last prompt token,
+    /// so a prompt that is an exact multiple of the block size can hit all blocks but one.
+    pub fn max_hit_blocks(&self) -> usize {
+        (self.input_tokens.saturating_sub(1) / BLOCK_TOKENS) as usize
+    }
+}
+
+/// Chains a trace's hash ids into block keys (see the module docs).
+pub fn chain_keys(hash_ids: &[u64]) -> Vec<u64> {
+    let mut keys = Vec::with_capacity(hash_ids.len());
+    let mut parent: u64 = 0x6b76_726f_7574_6531; // "kvroute1": the root of every chain
+    for id in hash_ids {
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&parent.to_le_bytes());
+        bytes[8..].copy_from_slice(&id.to_le_bytes());
+        parent = xxhash_rust::xxh3::xxh3_64(&bytes);
+        keys.push(parent);
+    }
+    keys
+}
+
+/// Checks one record and turns it into a request.
+pub fn prepare(id: usize, record: &TraceRecord) -> Result<Request, String> {
+    if record.input_length == 0 {
+        return Err("input_length is 0".to_owned());
+    }
+    let expected = record.input_length.div_ceil(BLOCK_TOKENS) as usize;
+    if record.hash_ids.len() != expected {
+        return Err(format!(
+            "{} hash_ids for input_length {} (expected ceil(input_length / {BLOCK_TOKENS}) = {expected})",
+            record.hash_ids.len(),
+            record.input_length
+        ));
+    }
+    Ok(Request {
+        id,
+        arrival_us: record.timestamp.saturating_mul(1000),
+        input_tokens: record.input_length,
+        output_tokens: record.output_length.max(1),
+        chain: chain_keys(&record.hash_ids),
+        full_blocks: (record.input_length / BLOCK_TOKENS) as usize,
+    })
+}
+
+/// Turns records into requests sorted by arrival (stable: equal timestamps keep file order).
+pub fn prepare_all(records: &[TraceRecord]) -> Result<Vec<Request>, (usize, String)> {
+    let mut order: Vec<usize> = (0..records.len()).collect();
+    order.sort_by_key(|i| records[*i].timestamp);
+    order
+        .iter()
+        .enumerate()
+        .map(|(id, i)| prepare(id, &records[*i]).map_err(|reason| (*i, reason)))
+        .collect()
+}
+
+/// Reads a Mooncake JSONL file. Blank lines are skipped; any other bad line is an error naming
+/// the line.
+pub fn read_records(path: &Path) -> Result<Vec<TraceRecord>, TraceError> {
+    let io = |source| TraceError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut records = Vec::new();
+    for (index, line) in BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(io)?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let record: TraceRecord = serde_json::from_str(&line).map_err(|e| TraceError::BadLine {
+            path: path.to_owned(),
+            line: index + 1,
+            reason: e.to_string(),
+        })?;
+        records.push(record);
+    }
+    if records.is_empty() {
+        return Err(TraceError::Empty {
+            path: path.to_owned(),
+        });
+    }
+    Ok(records)
+}
+
+/// Reads and prepares a trace file.
+pub fn read_trace(path: &Path) -> Result<Vec<Request>, TraceError> {
+    let records = read_records(path)?;
+    // Line numbers of checked records: non-blank lines in order.
+    prepare_all(&records).map_err(|(index, reason)| TraceError::BadLine {
+        path: path.to_owned(),
+        line: line_of_record(path, index).unwrap_or(index + 1),
+        reason,
+    })
+}
+
+/// The 1-based line of the `index`-th non-blank line.
+fn line_of_record(path: &Path, index: usize) -> Option<usize> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .nth(index)
+        .map(|(n, _)| n + 1)
+}
+
+/// Writes records as Mooncake JSONL.
+pub fn write_records(path: &Path, records: &[TraceRecord]) -> Result<(), TraceError> {
+    let io = |source| TraceError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    for record in records {
+        let line = serde_json::to_string(record).map_err(|e| io(std::io::Error::other(e)))?;
+        writeln!(out, "{line}").map_err(io)?;
+    }
+    out.flush().map_err(io)
+}
+
+/// Every request scaled in time: arrivals divided by `compression` (2 = twice the rate).
+pub fn compress(requests: &[Request], compression: f64) -> Vec<Request> {
+    requests
+        .iter()
+        .map(|r| Request {
+            arrival_us: (r.arrival_us as f64 / compression).round() as u64,
+            ..r.clone()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(text: &str) -> tempfile::NamedTempFile {
+        let mut file = tempfile::NamedTempFile::new().unwrap();
+        file.write_all(text.as_bytes()).unwrap();
+        file
+    }
+
+    #[test]
+    fn reads_and_chains() {
+        let file = write(
+            "{\"timestamp\": 5, \"input_length\": 1100, \"output_length\": 3, \"hash_ids\": [1, 2, 3]}\n\n\
+             {\"timestamp\": 1, \"input_length\": 1024, \"output_length\": 0, \"hash_ids\": [1, 9]}\n",
+        );
+        let requests = read_trace(file.path()).unwrap();
+        assert_eq!(requests.len(), 2);
+        // Sorted by arrival.
+        assert_eq!(requests[0].arrival_us, 1000);
+        assert_eq!(requests[0].output_tokens, 1);
+        assert_eq!(requests[0].keys().len(), 2);
+        assert_eq!(requests[0].max_hit_blocks(), 1);
+        assert_eq!(
+            requests[1].keys().len(),
+            2,
+            "the partial third block is not a key"
+        );
+        assert_eq!(requests[0].chain[0], requests[1].chain[0]);
+        assert_ne!(requests[0].chain[1], requests[1].chain[1]);
+        // Same id after a different parent is a different block.
+        assert_ne!(chain_keys(&[1, 2])[1], chain_keys(&[3, 2])[1]);
+    }
+
+    #[test]
+    fn bad_lines_name_their_line() {
+        let file = write(
+            "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\nnot json\n",
+        );
+        let error = read_trace(file.path()).unwrap_err();
+        assert_eq!(error.as_label(), "bad_line");
+        assert!(error.to_string().contains(":3:"), "{error}");
+        let file = write(
+            "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n\
+             {\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 1, \"hash_ids\": [1]}\n",
+        );
+        let error = read_trace(file.path()).unwrap_err();
+        assert!(error.to_string().contains(":2:"), "{error}");
+        assert_eq!(
+            read_trace(write("\n").path()).unwrap_err().as_label(),
+            "empty"
+        );
+    }
+}

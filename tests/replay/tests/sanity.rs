@@ -1,0 +1,133 @@
+//! Sanity checks of the simulator against independent computations, on the Mooncake synthetic
+//! trace (`<workspace>/../shared/traces/synthetic_trace.jsonl`).
+#![allow(clippy::unwrap_used, reason = "test helpers panic on broken fixtures")]
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use kvroute_replay::BLOCK_TOKENS;
+use kvroute_replay::bounds::lru_hit_blocks;
+use kvroute_replay::engine::EngineConfig;
+use kvroute_replay::routers::RouterSpec;
+use kvroute_replay::sim::{self, SimConfig};
+use kvroute_replay::timing::Timing;
+use kvroute_replay::trace::{self, Request, TraceRecord};
+
+fn trace_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces/synthetic_trace.jsonl")
+}
+
+fn records(n: usize) -> Vec<TraceRecord> {
+    let mut records = trace::read_records(&trace_path()).unwrap();
+    records.sort_by_key(|r| r.timestamp);
+    records.truncate(n);
+    records
+}
+
+/// The requests one at a time: each arrives long after the previous one finished.
+fn sequential(records: &[TraceRecord]) -> Vec<Request> {
+    let mut requests = trace::prepare_all(records).unwrap();
+    for (i, r) in requests.iter_mut().enumerate() {
+        r.arrival_us = i as u64 * 1_000_000_000;
+    }
+    requests
+}
+
+fn single_replica(blocks: u32) -> SimConfig {
+    SimConfig {
+        replicas: 1,
+        engine: EngineConfig {
+            blocks,
+            ..EngineConfig::default()
+        },
+        timing: Timing::default(),
+        kv_delay_us: 0,
+    }
+}
+
+fn hit_blocks(requests: &[Request], config: &SimConfig, router: RouterSpec, seed: u64) -> Vec<u32> {
+    let mut router = router.build(config.replicas, config.engine.blocks, seed);
+    let result = sim::run(requests, config, router.as_mut()).unwrap();
+    result.outcomes.iter().map(|o| o.hit_blocks).collect()
+}
+
+#[test]
+fn one_replica_matches_a_single_lru() {
+    let requests = sequential(&records(1200));
+    let blocks = 1024;
+    let simulated = hit_blocks(
+        &requests,
+        &single_replica(blocks),
+        RouterSpec::RoundRobin,
+        0,
+    );
+    let lru = lru_hit_blocks(&requests, blocks as usize);
+    let total: u32 = lru.iter().sum();
+    assert!(
+        total > 300,
+        "the trace reuses blocks under this cache size ({total})"
+    );
+    assert!(
+        lru_hit_blocks(&requests, usize::MAX).iter().sum::<u32>() > total,
+        "the cache is small enough to evict"
+    );
+    assert_eq!(simulated, lru);
+}
+
+#[test]
+fn infinite_cache_reproduces_the_traces_reuse() {
+    let records = records(1200);
+    let requests = sequential(&records);
+    let blocks: u32 = requests.iter().map(Request::peak_blocks).sum::<u32>() + 1;
+    let simulated = hit_blocks(&requests, &single_replica(blocks), RouterSpec::Random, 0);
+    // Straight from the file: full-block hash ids seen before (in full blocks), never counting
+    // the last block of a prompt that is an exact multiple of the block size (always computed).
+    let mut seen: HashSet<u64> = HashSet::new();
+    let reused: Vec<u32> = records
+        .iter()
+        .map(|r| {
+            let full = (r.input_length / BLOCK_TOKENS) as usize;
+            let hittable = ((r.input_length - 1) / BLOCK_TOKENS) as usize;
+            let n = r.hash_ids[..hittable]
+                .iter()
+                .filter(|id| seen.contains(*id))
+                .count();
+            seen.extend(r.hash_ids[..full].iter().copied());
+            n as u32
+        })
+        .collect();
+    assert!(reused.iter().sum::<u32>() > 5000);
+    assert_eq!(simulated, reused);
+}
+
+#[test]
+fn identical_seeds_give_identical_results() {
+    let requests = trace::compress(&trace::prepare_all(&records(800)).unwrap(), 4.0);
+    let config = SimConfig {
+        replicas: 4,
+        engine: EngineConfig {
+            blocks: 1024,
+            ..EngineConfig::default()
+        },
+        timing: Timing::default(),
+        kv_delay_us: 50_000,
+    };
+    for spec in [
+        RouterSpec::Random,
+        RouterSpec::Kvroute,
+        RouterSpec::Llmd { speculative: true },
+        RouterSpec::Sglang,
+    ] {
+        let run = |seed| {
+            let mut router = spec.build(4, 1024, seed);
+            sim::run(&requests, &config, router.as_mut()).unwrap()
+        };
+        assert_eq!(run(3), run(3), "{}", spec.name());
+    }
+    let mut a = RouterSpec::Random.build(4, 1024, 1);
+    let mut b = RouterSpec::Random.build(4, 1024, 2);
+    assert_ne!(
+        sim::run(&requests, &config, a.as_mut()).unwrap(),
+        sim::run(&requests, &config, b.as_mut()).unwrap()
+    );
+}

@@ -1,0 +1,617 @@
+//! A fast, exact encoder for the common byte-level BPE pipeline (GPT-2 style `tokenizer.json`).
+//!
+//! `tokenizers::Tokenizer::encode_fast` spends most of its time on bookkeeping we never read
+//! (offset alignment in `NormalizedString`, per-piece allocations, Oniguruma). [`ByteLevelBpe`]
+//! computes the same ids directly: added tokens are cut out of the raw text, each remaining
+//! segment is split by the GPT-2 pattern (a hand-written scanner, see `gpt2_split`), each piece's
+//! UTF-8 bytes start as one symbol per byte and are merged by rank exactly as `tokenizers`' BPE
+//! does, and the post-processor's special tokens wrap the result.
+//!
+//! Modelled exactly — [`ByteLevelBpe::from_tokenizer_json`] returns `Some` only for this:
+//! - `normalizer`, `truncation`, `padding`: null;
+//! - `pre_tokenizer`: `ByteLevel { add_prefix_space: false, use_regex: true }`;
+//! - `model`: BPE without dropout, continuing-subword prefix, end-of-word suffix or byte
+//!   fallback, with all 256 byte-level chars in the vocab (so `unk` can never occur); merges as
+//!   `"a b"` strings or `[a, b]` pairs; `ignore_merges` honoured;
+//! - `added_tokens` without `single_word`/`lstrip`/`rstrip` (matched leftmost-longest, first the
+//!   non-normalized ones in the raw text, then the normalized ones in what is left — the two passes
+//!   of `tokenizers`, where with no normalizer both match the raw text); ids assigned as
+//!   `tokenizers` does on load (the model's id when the content is in the vocab, else the next
+//!   free id from the vocab size);
+//! - `post_processor`: null, `ByteLevel` (offsets only), `TemplateProcessing` whose `single`
+//!   template is special tokens around exactly one `$A`, or a `Sequence` of those.
+//!
+//! Everything else (normalizers, Metaspace/SentencePiece, Llama-3/Qwen `Split` regexes,
+//! `add_prefix_space`, WordPiece, …) yields `None` and stays with `tokenizers`.
+//! [`crate::ModelTokenizer`] also cross-checks both encoders on a sample at load.
+
+mod gpt2_split;
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use daachorse::{DoubleArrayAhoCorasick, DoubleArrayAhoCorasickBuilder, MatchKind};
+use parking_lot::Mutex;
+use serde_json::Value;
+
+use crate::TokenizeError;
+
+/// Pieces at most this long (bytes) are memoized; longer ones are rare and cheap to skip.
+const CACHE_MAX_WORD_LEN: usize = 64;
+/// Entries in the word cache before it is cleared (bounds memory to a few MiB).
+const CACHE_CAPACITY: usize = 32_768;
+
+/// The exact fast encoder of one byte-level BPE `tokenizer.json`; see the module docs.
+pub struct ByteLevelBpe {
+    /// Token id of each byte's byte-level char.
+    byte_ids: [u32; 256],
+    /// `(left, right)` packed into a u64 -> its merge.
+    merges: HashMap<u64, Merge, FastHash>,
+    /// With `ignore_merges`: whole pieces (raw bytes) found in the vocab.
+    whole_words: Option<HashMap<Box<[u8]>, u32, FastHash>>,
+    added: AddedTokens,
+    /// Ids the post-processor puts before / after the text when `add_special_tokens`.
+    prefix: Vec<u32>,
+    suffix: Vec<u32>,
+    /// Memoized piece -> ids; cleared when full.
+    cache: Mutex<WordCache>,
+}
+
+impl std::fmt::Debug for ByteLevelBpe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ByteLevelBpe")
+            .field("merges", &self.merges.len())
+            .field("ignore_merges", &self.whole_words.is_some())
+            .field("prefix", &self.prefix)
+            .field("suffix", &self.suffix)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Merge {
+    rank: u32,
+    new_id: u32,
+}
+
+/// A possible merge of the symbol at `pos` with its right neighbour; ordered as `tokenizers`
+/// orders its queue (lowest rank first, then leftmost).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Candidate {
+    rank: u32,
+    pos: u32,
+    new_id: u32,
+}
+
+/// One symbol of a word being merged: a doubly linked list over the initial bytes.
+#[derive(Debug, Clone, Copy)]
+struct Symbol {
+    id: u32,
+    prev: i32,
+    next: i32,
+    alive: bool,
+}
+
+/// Buffers reused across the pieces of one `encode` call.
+#[derive(Debug, Default)]
+struct Scratch {
+    symbols: Vec<Symbol>,
+    queue: BinaryHeap<Reverse<Candidate>>,
+    word: Vec<u32>,
+}
+
+/// Why a `tokenizer.json` gets no fast path.
+enum Reject {
+    /// A valid pipeline this encoder does not model.
+    Unsupported(&'static str),
+    /// A pipeline we model, but with inconsistent content.
+    Malformed(String),
+}
+
+impl ByteLevelBpe {
+    /// Builds the fast encoder from a parsed `tokenizer.json`: `Ok(None)` when the pipeline is
+    /// not one this encoder reproduces exactly, an error when it is but its content is
+    /// inconsistent (e.g. a merge naming a token missing from the vocab).
+    pub fn from_tokenizer_json(json: &Value) -> Result<Option<Self>, TokenizeError> {
+        match Self::build(json) {
+            Ok(bpe) => Ok(Some(bpe)),
+            Err(Reject::Unsupported(what)) => {
+                tracing::debug!(unsupported = what, "no fast tokenizer path");
+                Ok(None)
+            }
+            Err(Reject::Malformed(reason)) => Err(TokenizeError::Config {
+                field: "tokenizer.json",
+                reason,
+            }),
+        }
+    }
+
+    /// Token ids of `text`, equal to `tokenizers`' `encode_fast(text, add_special_tokens)`.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(text.len() / 3 + self.prefix.len() + self.suffix.len());
+        if add_special_tokens {
+            ids.extend_from_slice(&self.prefix);
+        }
+        let mut scratch = Scratch::default();
+        self.added
+            .for_each_segment(text, &mut |segment| match segment {
+                Segment::Added(id) => ids.push(id),
+                Segment::Text(text) => {
+                    for piece in gpt2_split::split(text) {
+                        self.encode_piece(piece.as_bytes(), &mut ids, &mut scratch);
+                    }
+                }
+            });
+        if add_special_tokens {
+            ids.extend_from_slice(&self.suffix);
+        }
+        ids
+    }
+
+    fn encode_piece(&self, bytes: &[u8], out: &mut Vec<u32>, scratch: &mut Scratch) {
+        if let [byte] = bytes {
+            out.push(self.byte_ids[usize::from(*byte)]);
+            return;
+        }
+        if let Some(&id) = self.whole_words.as_ref().and_then(|words| words.get(bytes)) {
+            out.push(id);
+            return;
+        }
+        let cacheable = bytes.len() <= CACHE_MAX_WORD_LEN;
+        if cacheable && let Some(ids) = self.cache.lock().get(bytes) {
+            out.extend_from_slice(ids);
+            return;
+        }
+        self.merge_word(bytes, scratch);
+        out.extend_from_slice(&scratch.word);
+        if cacheable {
+            let mut cache = self.cache.lock();
+            if cache.len() >= CACHE_CAPACITY {
+                cache.clear();
+            }
+            cache.insert(bytes.into(), scratch.word.as_slice().into());
+        }
+    }
+
+    /// `tokenizers`' `Word::merge_all` without dropout: a queue of candidate merges; a popped
+    /// candidate is applied if its symbol is alive, has a right neighbour and that pair still
+    /// merges into the same token. Result in `scratch.word`.
+    fn merge_word(&self, bytes: &[u8], scratch: &mut Scratch) {
+        let Scratch {
+            symbols,
+            queue,
+            word,
+        } = scratch;
+        symbols.clear();
+        queue.clear();
+        word.clear();
+        let last = bytes.len().saturating_sub(1);
+        symbols.extend(bytes.iter().enumerate().map(|(i, &byte)| Symbol {
+            id: self.byte_ids[usize::from(byte)],
+            prev: i as i32 - 1,
+            next: if i == last { -1 } else { i as i32 + 1 },
+            alive: true,
+        }));
+        for (pos, pair) in symbols.windows(2).enumerate() {
+            if let Some(merge) = self.merge_of(pair[0].id, pair[1].id) {
+                queue.push(Reverse(candidate(merge, pos)));
+            }
+        }
+        while let Some(Reverse(top)) = queue.pop() {
+            let pos = top.pos as usize;
+            let current = symbols[pos];
+            if !current.alive || current.next < 0 {
+                continue;
+            }
+            let right_pos = current.next as usize;
+            let right = symbols[right_pos];
+            match self.merge_of(current.id, right.id) {
+                Some(merge) if merge.new_id == top.new_id => {}
+                _ => continue, // an outdated candidate
+            }
+            symbols[pos].id = top.new_id;
+            symbols[pos].next = right.next;
+            symbols[right_pos].alive = false;
+            if right.next >= 0 {
+                symbols[right.next as usize].prev = pos as i32;
+            }
+            if current.prev >= 0 {
+                let prev = current.prev as usize;
+                if let Some(merge) = self.merge_of(symbols[prev].id, top.new_id) {
+                    queue.push(Reverse(candidate(merge, prev)));
+                }
+            }
+            if right.next >= 0
+                && let Some(merge) = self.merge_of(top.new_id, symbols[right.next as usize].id)
+            {
+                queue.push(Reverse(candidate(merge, pos)));
+            }
+        }
+        word.extend(symbols.iter().filter(|s| s.alive).map(|s| s.id));
+    }
+
+    #[inline]
+    fn merge_of(&self, left: u32, right: u32) -> Option<Merge> {
+        self.merges.get(&pair_key(left, right)).copied()
+    }
+
+    fn build(json: &Value) -> Result<Self, Reject> {
+        use Reject::Unsupported;
+        for field in ["normalizer", "truncation", "padding"] {
+            if !json.get(field).is_none_or(Value::is_null) {
+                return Err(Unsupported(field));
+            }
+        }
+        check_pre_tokenizer(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
+        let model = json
+            .get("model")
+            .ok_or_else(|| Reject::Malformed("no model".to_owned()))?;
+        check_bpe_options(model)?;
+        let vocab = parse_vocab(model)?;
+
+        let mut byte_ids = [0; 256];
+        for (byte, slot) in byte_ids.iter_mut().enumerate() {
+            let c = byte_char(byte as u8);
+            *slot = *vocab
+                .get(c.encode_utf8(&mut [0; 4]) as &str)
+                .ok_or(Unsupported("a byte-level char is missing from the vocab"))?;
+        }
+
+        let mut merges = HashMap::default();
+        for (rank, (left, right)) in parse_merges(model)?.into_iter().enumerate() {
+            let id = |token: &str| {
+                vocab.get(token).copied().ok_or_else(|| {
+                    Reject::Malformed(format!("merge token {token:?} is not in the vocab"))
+                })
+            };
+            let merge = Merge {
+                rank: rank as u32,
+                new_id: id(&format!("{left}{right}"))?,
+            };
+            // A repeated pair keeps its last rank, as in tokenizers' map.
+            merges.insert(pair_key(id(left)?, id(right)?), merge);
+        }
+
+        let ignore_merges = match model.get("ignore_merges") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => return Err(Unsupported("model.ignore_merges")),
+        };
+        let whole_words = ignore_merges.then(|| {
+            let char_byte: HashMap<char, u8> = (0..=255u8).map(|b| (byte_char(b), b)).collect();
+            vocab
+                .iter()
+                .filter_map(|(token, &id)| {
+                    let bytes: Option<Box<[u8]>> =
+                        token.chars().map(|c| char_byte.get(&c).copied()).collect();
+                    Some((bytes?, id))
+                })
+                .collect()
+        });
+
+        let added = AddedTokens::parse(json.get("added_tokens"), &vocab)?;
+        let (prefix, suffix) =
+            parse_post_processor(json.get("post_processor").unwrap_or(&Value::Null), 0)?;
+        Ok(Self {
+            byte_ids,
+            merges,
+            whole_words,
+            added,
+            prefix,
+            suffix,
+            cache: Mutex::new(HashMap::default()),
+        })
+    }
+}
+
+fn candidate(merge: Merge, pos: usize) -> Candidate {
+    Candidate {
+        rank: merge.rank,
+        pos: pos as u32,
+        new_id: merge.new_id,
+    }
+}
+
+type FastHash = BuildHasherDefault<MulHasher>;
+type WordCache = HashMap<Box<[u8]>, Box<[u32]>, FastHash>;
+
+fn pair_key(left: u32, right: u32) -> u64 {
+    (u64::from(left) << 32) | u64::from(right)
+}
+
+/// A multiplicative (Fx-style) hasher for merge pairs and short byte strings; SipHash would
+/// dominate the lookups. Keys come from the model file and prompt text, which cannot choose
+/// collisions usefully: every table is bounded.
+#[derive(Debug, Default)]
+struct MulHasher(u64);
+
+impl Hasher for MulHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for chunk in &mut chunks {
+            let mut word = [0; 8];
+            word.copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+        let mut tail = [0; 8];
+        tail[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
+        self.write_u64(u64::from_le_bytes(tail));
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+
+    fn finish(&self) -> u64 {
+        // Fold the well-mixed high bits into the low bits the table indexes by.
+        self.0.rotate_left(26)
+    }
+}
+
+/// GPT-2's reversible byte -> char map: printable Latin-1 bytes map to themselves, the other 68
+/// bytes to U+0100.. in byte order.
+fn byte_char(byte: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable(byte) {
+        return char::from(byte);
+    }
+    let offset = (0..byte).filter(|&b| !printable(b)).count() as u32;
+    char::from_u32(256 + offset).unwrap_or(char::REPLACEMENT_CHARACTER)
+}
+
+fn check_pre_tokenizer(pre: &Value) -> Result<(), Reject> {
+    let unsupported = Reject::Unsupported("pre_tokenizer");
+    if pre.get("type").and_then(Value::as_str) != Some("ByteLevel")
+        || pre.get("add_prefix_space") != Some(&Value::Bool(false))
+        || !matches!(pre.get("use_regex"), None | Some(Value::Bool(true)))
+    {
+        return Err(unsupported);
+    }
+    Ok(())
+}
+
+fn check_bpe_options(model: &Value) -> Result<(), Reject> {
+    use Reject::Unsupported;
+    if model.get("type").and_then(Value::as_str) != Some("BPE") {
+        return Err(Unsupported("model.type"));
+    }
+    let null_or = |field: &str, ok: &dyn Fn(&Value) -> bool| {
+        model.get(field).is_none_or(|v| v.is_null() || ok(v))
+    };
+    if !null_or("dropout", &|v| v.as_f64() == Some(0.0)) {
+        return Err(Unsupported("model.dropout"));
+    }
+    for field in ["continuing_subword_prefix", "end_of_word_suffix"] {
+        if !null_or(field, &|v| v.as_str() == Some("")) {
+            return Err(Unsupported("model subword prefix/suffix"));
+        }
+    }
+    if !null_or("byte_fallback", &|v| v == &Value::Bool(false)) {
+        return Err(Unsupported("model.byte_fallback"));
+    }
+    Ok(())
+}
+
+fn parse_vocab(model: &Value) -> Result<HashMap<String, u32>, Reject> {
+    let vocab = model
+        .get("vocab")
+        .and_then(Value::as_object)
+        .ok_or_else(|| Reject::Malformed("model.vocab is not an object".to_owned()))?;
+    vocab
+        .iter()
+        .map(|(token, id)| {
+            let id = id
+                .as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| Reject::Malformed(format!("vocab id of {token:?}")))?;
+            Ok((token.clone(), id))
+        })
+        .collect()
+}
+
+/// Merges as `(left, right)` in rank order, from `"a b"` strings or `[a, b]` pairs.
+fn parse_merges(model: &Value) -> Result<Vec<(&str, &str)>, Reject> {
+    let malformed = |what: &str| Reject::Malformed(format!("model.merges: {what}"));
+    let list = model
+        .get("merges")
+        .and_then(Value::as_array)
+        .ok_or_else(|| malformed("not an array"))?;
+    let mut merges = Vec::with_capacity(list.len());
+    for merge in list {
+        match merge {
+            // The legacy merges.txt form; tokenizers skips `#version` lines.
+            Value::String(line) if line.starts_with("#version") => {}
+            Value::String(line) => {
+                let mut parts = line.split(' ');
+                match (parts.next(), parts.next(), parts.next()) {
+                    (Some(left), Some(right), None) => merges.push((left, right)),
+                    _ => return Err(malformed(line)),
+                }
+            }
+            Value::Array(pair) => match pair.as_slice() {
+                [Value::String(left), Value::String(right)] => merges.push((left, right)),
+                _ => return Err(malformed("a pair is not two strings")),
+            },
+            _ => return Err(malformed("an entry is neither a string nor a pair")),
+        }
+    }
+    Ok(merges)
+}
+
+/// The ids a post-processor adds before and after the text (only `add_special_tokens` applies
+/// them: with it false, TemplateProcessing keeps just `$A`).
+fn parse_post_processor(post: &Value, depth: u8) -> Result<(Vec<u32>, Vec<u32>), Reject> {
+    use Reject::Unsupported;
+    let (mut prefix, mut suffix) = (Vec::new(), Vec::new());
+    if post.is_null() {
+        return Ok((prefix, suffix));
+    }
+    match post.get("type").and_then(Value::as_str) {
+        Some("ByteLevel") => {} // adjusts offsets only
+        Some("Sequence") if depth < 4 => {
+            let processors = post
+                .get("processors")
+                .and_then(Value::as_array)
+                .ok_or(Unsupported("post_processor.processors"))?;
+            // Each processor wraps what the previous ones produced.
+            for processor in processors {
+                let (outer_prefix, outer_suffix) = parse_post_processor(processor, depth + 1)?;
+                prefix.splice(0..0, outer_prefix);
+                suffix.extend(outer_suffix);
+            }
+        }
+        Some("TemplateProcessing") => {
+            let pieces = post
+                .get("single")
+                .and_then(Value::as_array)
+                .ok_or(Unsupported("post_processor.single"))?;
+            let mut seen_sequence = false;
+            for piece in pieces {
+                if let Some(special) = piece.get("SpecialToken") {
+                    let name = special.get("id").and_then(Value::as_str);
+                    let ids = name
+                        .and_then(|name| post.get("special_tokens")?.get(name)?.get("ids"))
+                        .and_then(Value::as_array)
+                        .ok_or_else(|| {
+                            Reject::Malformed(format!("template special token {name:?}"))
+                        })?;
+                    let target = if seen_sequence {
+                        &mut suffix
+                    } else {
+                        &mut prefix
+                    };
+                    for id in ids {
+                        target.push(
+                            id.as_u64()
+                                .and_then(|id| u32::try_from(id).ok())
+                                .ok_or_else(|| Reject::Malformed("template id".to_owned()))?,
+                        );
+                    }
+                } else if piece.get("Sequence").and_then(|s| s.get("id")) == Some(&Value::from("A"))
+                    && !seen_sequence
+                {
+                    seen_sequence = true;
+                } else {
+                    return Err(Unsupported("post_processor template piece"));
+                }
+            }
+            if !seen_sequence {
+                return Err(Unsupported("post_processor template without $A"));
+            }
+        }
+        _ => return Err(Unsupported("post_processor")),
+    }
+    Ok((prefix, suffix))
+}
+
+/// A segment of the input: an added token, or text for the pre-tokenizer and model.
+enum Segment<'a> {
+    Added(u32),
+    Text(&'a str),
+}
+
+/// The added tokens' two leftmost-longest matchers, as `tokenizers`' `AddedVocabulary` has.
+struct AddedTokens {
+    raw: Option<DoubleArrayAhoCorasick<u32>>,
+    normalized: Option<DoubleArrayAhoCorasick<u32>>,
+}
+
+impl AddedTokens {
+    fn parse(list: Option<&Value>, vocab: &HashMap<String, u32>) -> Result<Self, Reject> {
+        use Reject::Unsupported;
+        let list = match list {
+            None | Some(Value::Null) => &Vec::new(),
+            Some(Value::Array(list)) => list,
+            Some(_) => return Err(Reject::Malformed("added_tokens".to_owned())),
+        };
+        // tokenizers ignores the listed ids: a content in the vocab keeps its vocab id, the
+        // others get consecutive ids from the vocab size.
+        let mut next_id = vocab.len() as u32;
+        let mut seen = HashSet::new();
+        let (mut raw, mut normalized) = (Vec::new(), Vec::new());
+        for token in list {
+            let flag = |name: &str| token.get(name).and_then(Value::as_bool);
+            let content = token.get("content").and_then(Value::as_str);
+            let (Some(content), Some(single_word), Some(lstrip), Some(rstrip), Some(norm)) = (
+                content,
+                flag("single_word"),
+                flag("lstrip"),
+                flag("rstrip"),
+                flag("normalized"),
+            ) else {
+                return Err(Unsupported("added token fields"));
+            };
+            if single_word || lstrip || rstrip {
+                return Err(Unsupported("added token single_word/lstrip/rstrip"));
+            }
+            if content.is_empty() {
+                continue; // tokenizers skips these
+            }
+            if !seen.insert(content) {
+                return Err(Unsupported("duplicate added token"));
+            }
+            let id = vocab.get(content).copied().unwrap_or_else(|| {
+                next_id += 1;
+                next_id - 1
+            });
+            if norm {
+                normalized.push((content, id));
+            } else {
+                raw.push((content, id));
+            }
+        }
+        Ok(Self {
+            raw: matcher(raw)?,
+            normalized: matcher(normalized)?,
+        })
+    }
+
+    /// Calls `f` on the segments of `text` in order; empty text segments are skipped.
+    fn for_each_segment<'a>(&self, text: &'a str, f: &mut dyn FnMut(Segment<'a>)) {
+        split_on(self.raw.as_ref(), text, &mut |segment| match segment {
+            Segment::Text(rest) => split_on(self.normalized.as_ref(), rest, f),
+            added => f(added),
+        });
+    }
+}
+
+fn split_on<'a>(
+    matcher: Option<&DoubleArrayAhoCorasick<u32>>,
+    text: &'a str,
+    f: &mut dyn FnMut(Segment<'a>),
+) {
+    let Some(matcher) = matcher else {
+        if !text.is_empty() {
+            f(Segment::Text(text));
+        }
+        return;
+    };
+    let mut start = 0;
+    for found in matcher.leftmost_find_iter(text) {
+        // Patterns are whole UTF-8 strings, so match bounds are char boundaries.
+        if let Some(before) = text.get(start..found.start())
+            && !before.is_empty()
+        {
+            f(Segment::Text(before));
+        }
+        f(Segment::Added(found.value()));
+        start = found.end();
+    }
+    if let Some(rest) = text.get(start..)
+        && !rest.is_empty()
+    {
+        f(Segment::Text(rest));
+    }
+}
+
+fn matcher(tokens: Vec<(&str, u32)>) -> Result<Option<DoubleArrayAhoCorasick<u32>>, Reject> {
+    if tokens.is_empty() {
+        return Ok(None);
+    }
+    DoubleArrayAhoCorasickBuilder::new()
+        .match_kind(MatchKind::LeftmostLongest)
+        .build_with_values(tokens)
+        .map(Some)
+        .map_err(|e| Reject::Malformed(format!("added tokens: {e}")))
+}
