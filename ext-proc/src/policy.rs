@@ -3,13 +3,20 @@
 //! For each candidate replica:
 //!
 //! ```text
-//! queue_ms = queue_ms_per_request   × (waiting + routed_since_scrape)
-//!          + running_ms_per_request × running
-//!          + prefill_ms_per_token   × in-flight prompt tokens
-//!          + kv_usage_ms            × kv_usage
-//! ttft_ms  = queue_ms − prefill_ms_per_token × in-flight prompt tokens it shares
-//!          + prefill_ms_per_token × uncached prompt tokens
+//! work_ms    = prefill_ms_per_token   × in-flight prompt tokens (routed by kvroute, no first token yet)
+//! waiting_ms = queue_ms_per_request   × (waiting + routed_since_scrape)
+//! queue_ms   = max(work_ms, waiting_ms)
+//!            + running_ms_per_request × running
+//!            + kv_usage_ms            × kv_usage
+//! ttft_ms    = queue_ms − prefill_ms_per_token × in-flight prompt tokens it shares
+//!            + prefill_ms_per_token × uncached prompt tokens
 //! ```
+//!
+//! Queued work counts once: `work_ms` and `waiting_ms` measure the same queue (the requests
+//! kvroute routed there and the engine has not answered), the first in tokens (exact for what
+//! kvroute routed: a 40k-token prompt is not one 4k-token one), the second in requests (the only
+//! sign of traffic kvroute did not route). Adding them would price every request kvroute routed
+//! twice and make it leave its cache too eagerly; the larger of the two is the better estimate.
 //!
 //! A burst of siblings (requests sharing a long prefix, sent at once): the first one's prefill of
 //! the prefix is in flight on its replica, and a sibling sent there joins that prefill rather than
@@ -21,10 +28,17 @@
 //!
 //! Hotspot guard: a replica whose `queue_ms` (its whole load, credit not subtracted) exceeds the
 //! candidates' mean by `hotspot_factor` and is above `hotspot_min_ms` is skipped, unless every
-//! candidate is. When the other replicas are idle the factor always holds, so `hotspot_min_ms`
-//! is the load at which a burst starts to spill: the default 200 ms is about 4 waiting requests or
-//! 40 running ones, above what a 16-sibling burst of a few thousand tokens adds (so it co-locates)
-//! and below a melting replica. Equal scores are broken at random so identical replicas share work.
+//! candidate is — but only when it is a pile-up: at least [`HOTSPOT_MIN_QUEUED`] requests queued
+//! or in flight there. The guard exists for what the per-request estimate gets wrong, a popular
+//! prefix drawing request after request to one replica; a single long prompt in flight is no
+//! such pile, its prefill is priced exactly by `work_ms`, and skipping its replica would send the
+//! requests that share its prefix to recompute it elsewhere. When the other replicas are idle the
+//! factor always holds, so `hotspot_min_ms` is the load at which a burst starts to spill: the
+//! default 200 ms is about 4 waiting requests or 40 running ones, above what a 16-sibling burst
+//! of a few thousand tokens adds (so it co-locates) and below a melting replica.
+//!
+//! Ties: estimates within [`TIE_TOLERANCE`] of the best count as equal; among them the longest
+//! cached prefix wins, then a random one, so identical replicas share work.
 
 use rand::Rng;
 
@@ -33,6 +47,17 @@ use crate::load::LoadSnapshot;
 
 /// Scores within this many milliseconds count as equal.
 const TIE_EPSILON_MS: f64 = 1e-6;
+
+/// Scores within this share of the best count as equal too. The estimate is not better than a
+/// few percent (the weights are rough), and between near-equal choices the longest cached prefix
+/// is the better one: the other computes the prefix again, work that delays every later request
+/// there. (In kvroute-replay this tolerance turned coin flips that recomputed a cached system
+/// prompt into hits; 10% began to cost load balance.)
+const TIE_TOLERANCE: f64 = 0.05;
+
+/// Requests queued or in flight on a replica before the hotspot guard may skip it: one request
+/// alone, however long, is priced by the estimate and is not a pile-up.
+pub const HOTSPOT_MIN_QUEUED: f64 = 2.0;
 
 /// One candidate as the policy sees it.
 #[derive(Debug, Clone, Copy)]
@@ -81,21 +106,37 @@ pub struct Choice {
     pub ttft_ms: f64,
 }
 
-/// Queueing estimate of a replica, in ms.
+/// Requests the engine holds but has not admitted: the scraped queue, plus requests routed since
+/// that scrape when it showed the engine saturated.
 ///
 /// Requests routed since the last scrape join the running batch unless that scrape showed the
 /// engine saturated (requests waiting): only then do they queue. (Counting every one as queued
 /// would scatter a burst of siblings instead of batching them where their prefix is cached.)
-pub fn queue_ms(load: &LoadSnapshot, weights: &ScoringConfig) -> f64 {
-    let (unseen_waiting, unseen_running) = if load.scraped.waiting > 0.0 {
-        (load.routed_since_scrape, 0.0)
+fn waiting_and_running(load: &LoadSnapshot) -> (f64, f64) {
+    if load.scraped.waiting > 0.0 {
+        (
+            load.scraped.waiting + load.routed_since_scrape,
+            load.scraped.running,
+        )
     } else {
-        (0.0, load.routed_since_scrape)
-    };
-    weights.queue_ms_per_request * (load.scraped.waiting + unseen_waiting)
-        + weights.running_ms_per_request * (load.scraped.running + unseen_running)
-        + weights.prefill_ms_per_token * load.inflight_prompt_tokens
+        (0.0, load.scraped.running + load.routed_since_scrape)
+    }
+}
+
+/// Queueing estimate of a replica, in ms (see the module docs: queued work counted once).
+pub fn queue_ms(load: &LoadSnapshot, weights: &ScoringConfig) -> f64 {
+    let (waiting, running) = waiting_and_running(load);
+    let work_ms = weights.prefill_ms_per_token * load.inflight_prompt_tokens;
+    let waiting_ms = weights.queue_ms_per_request * waiting;
+    work_ms.max(waiting_ms)
+        + weights.running_ms_per_request * running
         + weights.kv_usage_ms * load.scraped.kv_usage
+}
+
+/// Requests ahead of a new one's prefill: kvroute's own not yet answered, or the engine's
+/// queue if that is longer (traffic kvroute did not route).
+fn queued_requests(load: &LoadSnapshot) -> f64 {
+    load.inflight_requests.max(waiting_and_running(load).0)
 }
 
 /// Picks the candidate with the lowest estimated TTFT. `None` only when `candidates` is empty.
@@ -114,9 +155,17 @@ pub fn choose(
         .map(|c| queue_ms(&c.load, weights))
         .collect();
     let mean = queues.iter().sum::<f64>() / queues.len() as f64;
-    let hot = |q: f64| q > weights.hotspot_factor * mean && q > weights.hotspot_min_ms;
-    let all_hot = queues.iter().all(|q| hot(*q));
-    let eligible = |i: usize| all_hot || !hot(queues[i]);
+    let hot: Vec<bool> = candidates
+        .iter()
+        .zip(&queues)
+        .map(|(c, q)| {
+            *q > weights.hotspot_factor * mean
+                && *q > weights.hotspot_min_ms
+                && queued_requests(&c.load) >= HOTSPOT_MIN_QUEUED
+        })
+        .collect();
+    let all_hot = hot.iter().all(|h| *h);
+    let eligible = |i: usize| all_hot || !hot[i];
     let ttft = |i: usize| {
         let candidate = &candidates[i];
         let cached = (candidate.matched_blocks as usize).saturating_mul(block_size as usize);
@@ -131,10 +180,10 @@ pub fn choose(
         .map(ttft)
         .fold(f64::INFINITY, f64::min);
     let ties: Vec<usize> = (0..candidates.len())
-        .filter(|i| eligible(*i) && ttft(*i) <= best + TIE_EPSILON_MS)
+        .filter(|i| eligible(*i) && ttft(*i) <= best * (1.0 + TIE_TOLERANCE) + TIE_EPSILON_MS)
         .collect();
-    // Among equal scores prefer the longest prefix (keeps a conversation where its cache is),
-    // then pick at random.
+    // Among (nearly) equal scores prefer the longest prefix (keeps a conversation where its cache
+    // is), then pick at random.
     let longest_tied = ties
         .iter()
         .map(|i| candidates[*i].matched_blocks)
@@ -227,18 +276,51 @@ mod tests {
         w.prefill_ms_per_token = 10.0; // cache would win on TTFT alone
         let c = [candidate(64, 20.0), candidate(0, 0.0), candidate(0, 1.0)];
         let choice = choose(&c, 1024, 16, &w, &mut rng).unwrap();
-        assert_eq!((choice.index, choice.reason), (1, Reason::HotspotGuard));
+        // r1 and r2 are within the tie tolerance of each other.
+        assert_ne!(choice.index, 0);
+        assert_eq!(choice.reason, Reason::HotspotGuard);
         let all_hot = [candidate(64, 20.0)];
         assert_eq!(choose(&all_hot, 1024, 16, &w, &mut rng).unwrap().index, 0);
     }
 
     #[test]
+    fn queued_work_counts_once() {
+        // The engine's one waiting request is the one kvroute routed there (4000 tokens): its
+        // prefill is the queue, not its prefill plus a request's worth.
+        let mut routed = candidate(0, 1.0);
+        routed.load.inflight_requests = 1.0;
+        routed.load.inflight_prompt_tokens = 4000.0;
+        assert_eq!(queue_ms(&routed.load, &weights()), 400.0);
+        // Traffic kvroute did not route shows only in the engine's count.
+        assert_eq!(queue_ms(&candidate(0, 3.0).load, &weights()), 150.0);
+    }
+
+    #[test]
+    fn one_long_prompt_in_flight_is_not_a_hotspot() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        // r0 holds the whole 4096-token prompt and prefills one 2000-token request (200 ms, far
+        // above twice the mean and `hotspot_min_ms`): waiting there beats recomputing 410 ms on r1.
+        let mut holder = candidate(256, 0.0);
+        holder.load.inflight_requests = 1.0;
+        holder.load.inflight_prompt_tokens = 2000.0;
+        let idle = candidate(0, 0.0);
+        let choice = choose(&[holder, idle, idle], 4096, 16, &weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
+        // The same work as a pile of requests is a hotspot.
+        holder.load.inflight_requests = 2.0;
+        let choice = choose(&[holder, idle, idle], 4096, 16, &weights(), &mut rng).unwrap();
+        assert_eq!(choice.reason, Reason::HotspotGuard);
+        assert_ne!(choice.index, 0);
+    }
+
+    #[test]
     fn a_sibling_joins_the_prefill_it_shares() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
-        // r0 is prefilling the first sibling (1024 tokens, 63 blocks shared); without the credit
-        // waiting for that prefill costs as much as redoing it on idle r1.
+        // r0 is prefilling the first sibling (1024 tokens, 63 blocks shared) and a short
+        // unrelated prompt; without the credit waiting for that prefill costs more than redoing it
+        // on idle r1.
         let mut first = candidate(63, 0.0);
-        first.load.inflight_prompt_tokens = 1024.0;
+        first.load.inflight_prompt_tokens = 1200.0;
         first.load.inflight_requests = 1.0;
         let mut sibling = first;
         sibling.shared_inflight_tokens = 1008;
@@ -246,6 +328,23 @@ mod tests {
         let choice = choose(&[sibling, idle], 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
         let choice = choose(&[first, idle], 1024, 16, &weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
+    }
+
+    #[test]
+    fn a_near_tie_keeps_the_cache() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        // r0 holds 896 of 1024 tokens but is prefilling 940 others: 94 + 12.8 ms against 102.4 ms
+        // on idle r1. Within the tolerance: recomputing the prefix on r1 is not worth 5%.
+        let mut holder = candidate(56, 0.0);
+        holder.load.inflight_requests = 1.0;
+        holder.load.inflight_prompt_tokens = 940.0;
+        let idle = candidate(0, 0.0);
+        let choice = choose(&[holder, idle], 1024, 16, &weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
+        // Clearly slower is still left.
+        holder.load.inflight_prompt_tokens = 1200.0;
+        let choice = choose(&[holder, idle], 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
     }
 

@@ -5,13 +5,12 @@
 //! ```
 //!
 //! Wraps the router and records, at every decision, the engines' exact state (cached leading
-//! blocks, waiting, running) next to the choice; prints a summary of where the choice left
-//! cache on the table and how that relates to queueing and TTFT.
+//! blocks, waiting, running) next to the choice; prints the first decisions that left cache on
+//! the table (a replica held a longer prefix than the chosen one) and a summary. Runs 4 replicas
+//! of the default engine with a 50 ms KV-event delay, like `kvroute-replay run`'s defaults.
 #![allow(
     clippy::print_stdout,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    reason = "a diagnostic tool"
+    reason = "a diagnostic tool printing its findings"
 )]
 
 use kvroute_index::event::KvEvent;
@@ -38,7 +37,11 @@ impl Router for Recorder {
     fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
         let decision = self.inner.route(request, view);
         self.seen.push(Seen {
-            cached: view.engines.iter().map(|e| e.cached_prefix(request.keys())).collect(),
+            cached: view
+                .engines
+                .iter()
+                .map(|e| e.cached_prefix(request.keys()))
+                .collect(),
             waiting: view.engines.iter().map(|e| e.waiting()).collect(),
             running: view.engines.iter().map(|e| e.running()).collect(),
             chosen: decision.replica,
@@ -62,15 +65,22 @@ impl Router for Recorder {
     }
 }
 
-fn main() {
+fn main() -> Result<(), String> {
     let args: Vec<String> = std::env::args().collect();
-    let source = &args[1];
-    let load: f64 = args[2].parse().unwrap();
-    let router = RouterSpec::parse(&args[3]).expect("router");
-    let seed: u64 = args.get(4).map_or(0, |s| s.parse().unwrap());
+    let usage = || "usage: decisions TRACE_OR_KIND LOAD ROUTER [SEED]".to_owned();
+    let (Some(source), Some(load), Some(router)) = (args.get(1), args.get(2), args.get(3)) else {
+        return Err(usage());
+    };
+    let load: f64 = load.parse().map_err(|_| usage())?;
+    let router = RouterSpec::parse(router).ok_or_else(usage)?;
+    let seed: u64 = match args.get(4) {
+        Some(seed) => seed.parse().map_err(|_| usage())?,
+        None => 0,
+    };
     let requests = match workload::Kind::parse(source) {
-        Some(kind) => trace::prepare_all(&workload::generate(kind, seed + 1)).unwrap(),
-        None => trace::read_trace(std::path::Path::new(source)).unwrap(),
+        Some(kind) => trace::prepare_all(&workload::generate(kind, seed))
+            .map_err(|(i, reason)| format!("record {i}: {reason}"))?,
+        None => trace::read_trace(std::path::Path::new(source)).map_err(|e| e.to_string())?,
     };
     let requests = trace::compress(&requests, load);
     let config = SimConfig {
@@ -83,7 +93,7 @@ fn main() {
         inner: router.build(config.replicas, config.engine.blocks, seed),
         seen: Vec::new(),
     };
-    let result = sim::run(&requests, &config, &mut recorder).unwrap();
+    let result = sim::run(&requests, &config, &mut recorder).map_err(|e| e.to_string())?;
     let skip = requests.len() / 10;
     let mut lost_blocks = 0usize;
     let mut total_blocks = 0usize;
@@ -92,7 +102,7 @@ fn main() {
     let mut kept_ttft = Vec::new();
     let mut per_replica = vec![0usize; config.replicas];
     for (i, seen) in recorder.seen.iter().enumerate().skip(skip) {
-        let best = *seen.cached.iter().max().unwrap();
+        let best = seen.cached.iter().copied().max().unwrap_or(0);
         let got = seen.cached[seen.chosen];
         total_blocks += requests[i].keys().len();
         per_replica[seen.chosen] += 1;
@@ -117,11 +127,16 @@ fn main() {
         recorder.seen.len() - skip,
         mean(&lost_ttft),
         mean(&kept_ttft),
-        result.busy_us.iter().map(|b| b / 1_000_000).collect::<Vec<_>>()
+        result
+            .busy_us
+            .iter()
+            .map(|b| b / 1_000_000)
+            .collect::<Vec<_>>()
     );
     let m = kvroute_replay::metrics::measure(&requests, &result, 0.1);
     println!(
         "hit {:.3} p50 {:.0} p90 {:.0} p99 {:.0} imbalance {:.2}",
         m.hit_rate, m.ttft_p50_ms, m.ttft_p90_ms, m.ttft_p99_ms, m.imbalance
     );
+    Ok(())
 }

@@ -1,7 +1,10 @@
 //! The comparison grid: workloads × load points × routers × seeds, run in parallel, averaged
-//! over seeds, plus the cache-only bounds.
+//! over seeds, plus the cache-only bounds; and the search for each router's highest arrival rate
+//! meeting a TTFT objective ([`max_rate_within_slo`]).
 //!
 //! A load point is a time-compression factor: arrivals divided by it (2 = twice the rate).
+//! Seed `s` drives the router's randomness and, for a generated workload, the generator: each
+//! seed replays its own draw of the workload (a trace file is the same for every seed).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -9,16 +12,30 @@ use std::sync::mpsc;
 use crate::bounds;
 use crate::metrics::{self, RunMetrics};
 use crate::routers::RouterSpec;
-use crate::sim::{self, SimConfig, SimError};
+use crate::sim::{self, Checked, SimConfig, SimError, SloCheck};
 use crate::trace::{self, Request};
 
-/// A named request list.
+/// A named workload: one request list per seed.
 #[derive(Debug, Clone)]
 pub struct Workload {
     /// Report name.
     pub name: String,
-    /// Requests sorted by arrival.
-    pub requests: Vec<Request>,
+    /// Requests sorted by arrival, per seed (a trace: the same list for every seed).
+    pub per_seed: Vec<Vec<Request>>,
+}
+
+impl Workload {
+    /// Requests of `seed` (the last list when there are fewer lists than seeds).
+    pub fn requests(&self, seed: u64) -> &[Request] {
+        let i = (seed as usize).min(self.per_seed.len().saturating_sub(1));
+        self.per_seed.get(i).map_or(&[], Vec::as_slice)
+    }
+
+    /// Mean arrival rate over the seeds' lists, requests/s (uncompressed).
+    pub fn base_rate(&self) -> f64 {
+        let rates: Vec<f64> = self.per_seed.iter().map(|r| arrival_rate(r)).collect();
+        rates.iter().sum::<f64>() / rates.len().max(1) as f64
+    }
 }
 
 /// What to run.
@@ -93,12 +110,17 @@ pub fn run_one(
 /// Runs the whole grid. Rows come out in (workload, load, router) order, bounds after the
 /// routers of each load point.
 pub fn run_grid(workloads: &[Workload], grid: &Grid) -> Result<Vec<Row>, SimError> {
-    let compressed: Vec<Vec<Vec<Request>>> = workloads
+    // [workload][load][seed]
+    let compressed: Vec<Vec<Vec<Vec<Request>>>> = workloads
         .iter()
         .map(|w| {
             grid.loads
                 .iter()
-                .map(|f| trace::compress(&w.requests, *f))
+                .map(|f| {
+                    (0..grid.seeds)
+                        .map(|seed| trace::compress(w.requests(seed), *f))
+                        .collect()
+                })
                 .collect()
         })
         .collect();
@@ -133,7 +155,7 @@ pub fn run_grid(workloads: &[Workload], grid: &Grid) -> Result<Vec<Row>, SimErro
                         break;
                     };
                     let result = run_one(
-                        &compressed[job.workload][job.load],
+                        &compressed[job.workload][job.load][job.seed as usize],
                         &grid.sim,
                         grid.routers[job.router],
                         job.seed,
@@ -153,13 +175,34 @@ pub fn run_grid(workloads: &[Workload], grid: &Grid) -> Result<Vec<Row>, SimErro
     }
     let mut rows = Vec::new();
     for (w, workload) in workloads.iter().enumerate() {
-        let pooled = bounds::lru_hit_blocks(
-            &workload.requests,
-            grid.sim.replicas * grid.sim.engine.blocks as usize,
-        );
-        let infinite = bounds::lru_hit_blocks(&workload.requests, usize::MAX);
+        // Cache-only bounds do not depend on time: one per seed's list, at every load point.
+        let pooled_blocks = grid.sim.replicas * grid.sim.engine.blocks as usize;
+        let bound_runs = |capacity: usize| -> Vec<RunMetrics> {
+            (0..grid.seeds)
+                .map(|seed| {
+                    let requests = workload.requests(seed);
+                    let hits = bounds::lru_hit_blocks(requests, capacity);
+                    RunMetrics {
+                        requests: requests.len(),
+                        hit_rate: metrics::hit_rate_of(requests, &hits, grid.warmup),
+                        ttft_p50_ms: f64::NAN,
+                        ttft_p90_ms: f64::NAN,
+                        ttft_p99_ms: f64::NAN,
+                        ttft_mean_ms: f64::NAN,
+                        imbalance: f64::NAN,
+                        predicted_over_actual: f64::NAN,
+                        prediction_exact: f64::NAN,
+                    }
+                })
+                .collect()
+        };
+        let bounds = [
+            ("bound-pooled-lru", bound_runs(pooled_blocks)),
+            ("bound-infinite", bound_runs(usize::MAX)),
+        ];
         for (l, load) in grid.loads.iter().enumerate() {
-            let rate_rps = arrival_rate(&compressed[w][l]);
+            let rates: Vec<f64> = compressed[w][l].iter().map(|r| arrival_rate(r)).collect();
+            let rate_rps = rates.iter().sum::<f64>() / rates.len().max(1) as f64;
             for (r, router) in grid.routers.iter().enumerate() {
                 let seeds: Vec<RunMetrics> = jobs
                     .iter()
@@ -177,26 +220,15 @@ pub fn run_grid(workloads: &[Workload], grid: &Grid) -> Result<Vec<Row>, SimErro
                     seeds,
                 });
             }
-            for (name, hits) in [("bound-pooled-lru", &pooled), ("bound-infinite", &infinite)] {
-                let bound = RunMetrics {
-                    requests: workload.requests.len(),
-                    hit_rate: metrics::hit_rate_of(&workload.requests, hits, grid.warmup),
-                    ttft_p50_ms: f64::NAN,
-                    ttft_p90_ms: f64::NAN,
-                    ttft_p99_ms: f64::NAN,
-                    ttft_mean_ms: f64::NAN,
-                    imbalance: f64::NAN,
-                    predicted_over_actual: f64::NAN,
-                    prediction_exact: f64::NAN,
-                };
+            for (name, seeds) in &bounds {
                 rows.push(Row {
                     workload: workload.name.clone(),
                     load: *load,
                     rate_rps,
-                    router: name.to_owned(),
+                    router: (*name).to_owned(),
                     bound: true,
-                    mean: bound,
-                    seeds: vec![bound],
+                    mean: metrics::mean(seeds),
+                    seeds: seeds.clone(),
                 });
             }
         }
@@ -204,27 +236,184 @@ pub fn run_grid(workloads: &[Workload], grid: &Grid) -> Result<Vec<Row>, SimErro
     Ok(rows)
 }
 
-/// Per workload and router, the highest arrival rate whose mean TTFT p90 meets `slo_ms`
-/// (`None` when no load point does).
-pub fn max_rate_within_slo(rows: &[Row], slo_ms: f64) -> Vec<(String, String, Option<f64>)> {
-    let mut out: Vec<(String, String, Option<f64>)> = Vec::new();
-    for row in rows.iter().filter(|r| !r.bound) {
-        let meets = row.mean.ttft_p90_ms <= slo_ms;
-        match out
-            .iter_mut()
-            .find(|(w, r, _)| *w == row.workload && *r == row.router)
+/// A router's highest arrival rate meeting the TTFT objective on one workload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SloRate {
+    /// Workload name.
+    pub workload: String,
+    /// Router name.
+    pub router: String,
+    /// What the search found.
+    pub rate: SloBound,
+}
+
+/// The result of one max-rate search, in requests/s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SloBound {
+    /// Met at this rate and missed at `missed_at` (bisected to [`SLO_SEARCH_PRECISION`]).
+    Between {
+        /// Highest rate found meeting the objective.
+        met_at: f64,
+        /// Lowest rate found missing it.
+        missed_at: f64,
+    },
+    /// Missed already at the lowest load point, at this rate.
+    Below(f64),
+    /// Still met at the highest rate probed (the search's ceiling).
+    Above(f64),
+}
+
+/// The search stops when the bracket's rates are within this ratio.
+pub const SLO_SEARCH_PRECISION: f64 = 1.03;
+
+/// How far above the highest load point the search looks for a missing rate (factor).
+const SLO_SEARCH_CEILING: f64 = 16.0;
+
+/// Whether every seed meets the objective (TTFT p90 ≤ `slo_ms`) at compression `factor`;
+/// overloaded runs stop as soon as the objective is missed for certain.
+fn meets_slo(
+    workload: &Workload,
+    grid: &Grid,
+    router: RouterSpec,
+    factor: f64,
+    slo_ms: f64,
+) -> Result<bool, SimError> {
+    for seed in 0..grid.seeds {
+        let requests = trace::compress(workload.requests(seed), factor);
+        let skip = metrics::warmup_skip(requests.len(), grid.warmup);
+        let check = SloCheck {
+            ttft_us: (slo_ms * 1000.0).round() as u64,
+            skip,
+            max_late: metrics::allowed_above(requests.len() - skip, 90.0),
+        };
+        let mut built = router.build(grid.sim.replicas, grid.sim.engine.blocks, seed);
+        if sim::run_checked(&requests, &grid.sim, built.as_mut(), Some(check))?
+            == Checked::MissedSlo
         {
-            Some((_, _, best)) => {
-                if meets && best.is_none_or(|b| row.rate_rps > b) {
-                    *best = Some(row.rate_rps);
-                }
-            }
-            None => out.push((
-                row.workload.clone(),
-                row.router.clone(),
-                meets.then_some(row.rate_rps),
-            )),
+            return Ok(false);
         }
     }
-    out
+    Ok(true)
+}
+
+/// Searches one router's highest compression factor meeting the objective, starting from the
+/// grid's per-seed results: the bracket is the last load point met in every seed before the
+/// first one missed (doubling past the grid while still met), then bisected geometrically.
+fn search_one(
+    workload: &Workload,
+    grid: &Grid,
+    rows: &[Row],
+    router: RouterSpec,
+    slo_ms: f64,
+) -> Result<SloBound, SimError> {
+    let name = router.name();
+    let mut points: Vec<(f64, bool)> = rows
+        .iter()
+        .filter(|r| r.workload == workload.name && r.router == name)
+        .map(|r| (r.load, r.seeds.iter().all(|m| m.ttft_p90_ms <= slo_ms)))
+        .collect();
+    points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let base = workload.base_rate();
+    let Some(&(lowest, lowest_met)) = points.first() else {
+        return Ok(SloBound::Below(f64::NAN));
+    };
+    if !lowest_met {
+        return Ok(SloBound::Below(base * lowest));
+    }
+    let mut met = lowest;
+    let mut missed = None;
+    for (factor, ok) in &points {
+        if *ok {
+            met = *factor;
+        } else {
+            missed = Some(*factor);
+            break;
+        }
+    }
+    let ceiling = points.last().map_or(lowest, |p| p.0) * SLO_SEARCH_CEILING;
+    let mut missed = match missed {
+        Some(m) => m,
+        None => loop {
+            let next = met * 2.0;
+            if next > ceiling {
+                return Ok(SloBound::Above(base * met));
+            }
+            if meets_slo(workload, grid, router, next, slo_ms)? {
+                met = next;
+            } else {
+                break next;
+            }
+        },
+    };
+    while missed / met > SLO_SEARCH_PRECISION {
+        let mid = (met * missed).sqrt();
+        if meets_slo(workload, grid, router, mid, slo_ms)? {
+            met = mid;
+        } else {
+            missed = mid;
+        }
+    }
+    Ok(SloBound::Between {
+        met_at: base * met,
+        missed_at: base * missed,
+    })
+}
+
+/// Per workload and router (not bounds), the highest arrival rate at which TTFT p90 meets
+/// `slo_ms` in every seed, searched in parallel over (workload, router) pairs.
+pub fn max_rate_within_slo(
+    workloads: &[Workload],
+    grid: &Grid,
+    rows: &[Row],
+    slo_ms: f64,
+) -> Result<Vec<SloRate>, SimError> {
+    let mut pairs: Vec<(usize, usize)> = (0..workloads.len())
+        .flat_map(|w| (0..grid.routers.len()).map(move |r| (w, r)))
+        .collect();
+    // Oracle searches first: they are the slowest, so they should not be left for last.
+    pairs.sort_by_key(|(_, r)| !grid.routers[*r].is_oracle());
+    let next = AtomicUsize::new(0);
+    let (sender, receiver) = mpsc::channel();
+    std::thread::scope(|scope| {
+        for _ in 0..grid.threads.max(1) {
+            let sender = sender.clone();
+            let (pairs, next) = (&pairs, &next);
+            scope.spawn(move || {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(w, r)) = pairs.get(i) else {
+                        break;
+                    };
+                    let found = search_one(&workloads[w], grid, rows, grid.routers[r], slo_ms);
+                    if sender.send((i, found)).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    drop(sender);
+    let mut found: Vec<Option<SloBound>> = vec![None; pairs.len()];
+    for (i, result) in receiver {
+        found[i] = Some(result?);
+    }
+    let mut rates: Vec<SloRate> = pairs
+        .iter()
+        .zip(found)
+        .filter_map(|(&(w, r), rate)| {
+            Some(SloRate {
+                workload: workloads[w].name.clone(),
+                router: grid.routers[r].name(),
+                rate: rate?,
+            })
+        })
+        .collect();
+    // Back to workload, then router order.
+    let order = |rate: &SloRate| {
+        let w = workloads.iter().position(|w| w.name == rate.workload);
+        let r = grid.routers.iter().position(|r| r.name() == rate.router);
+        (w, r)
+    };
+    rates.sort_by_key(order);
+    Ok(rates)
 }

@@ -71,10 +71,11 @@ struct RunArgs {
     /// KV-event delivery delay to the routers' indexes, ms.
     #[arg(long, default_value_t = 50.0)]
     kv_delay_ms: f64,
-    /// Time-compression factors (load points), comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,6")]
+    /// Time-compression factors (load points), comma-separated. The max-rate search starts
+    /// from them and goes beyond on its own.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     loads: Vec<f64>,
-    /// Seeds per point.
+    /// Seeds per point (router randomness, and each generated workload's draw).
     #[arg(long, default_value_t = 3)]
     seeds: u64,
     /// Share of requests (by arrival) excluded as warm-up.
@@ -120,21 +121,29 @@ fn run(cli: Cli) -> Result<(), String> {
 }
 
 fn run_grid(args: RunArgs) -> Result<(), String> {
+    let seeds = args.seeds.max(1);
     let mut workloads = Vec::new();
     for path in &args.trace {
         let requests = trace::read_trace(path).map_err(|e| e.to_string())?;
         let name = path
             .file_stem()
             .map_or("trace".to_owned(), |s| s.to_string_lossy().into_owned());
-        workloads.push(Workload { name, requests });
+        workloads.push(Workload {
+            name,
+            per_seed: vec![requests],
+        });
     }
     if args.generated {
         for kind in workload::Kind::ALL {
-            let requests = trace::prepare_all(&workload::generate(kind, 1))
-                .map_err(|(i, reason)| format!("{} record {i}: {reason}", kind.name()))?;
+            let per_seed = (0..seeds)
+                .map(|seed| {
+                    trace::prepare_all(&workload::generate(kind, seed))
+                        .map_err(|(i, reason)| format!("{} record {i}: {reason}", kind.name()))
+                })
+                .collect::<Result<_, _>>()?;
             workloads.push(Workload {
                 name: kind.name().to_owned(),
-                requests,
+                per_seed,
             });
         }
     }
@@ -174,13 +183,15 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
             kv_delay_us: (args.kv_delay_ms.max(0.0) * 1000.0).round() as u64,
         },
         loads: args.loads,
-        seeds: args.seeds.max(1),
+        seeds,
         warmup: args.warmup,
         routers,
         threads: args.threads,
     };
     let started = std::time::Instant::now();
     let rows = experiment::run_grid(&workloads, &grid).map_err(|e| e.to_string())?;
+    let slo = experiment::max_rate_within_slo(&workloads, &grid, &rows, args.slo_p90_ms)
+        .map_err(|e| e.to_string())?;
     println!(
         "# kvroute-replay: {} replicas × {} blocks of 512 tokens, token budget {}, KV-event delay {} ms, {} seeds, warm-up {:.0}%\n",
         grid.sim.replicas,
@@ -190,9 +201,10 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
         grid.seeds,
         grid.warmup * 100.0
     );
-    println!("{}", report::markdown(&rows, args.slo_p90_ms));
+    println!("{}", report::markdown(&rows, &slo, args.slo_p90_ms));
     if let Some(dir) = &args.out {
-        let written = report::write_all(dir, &rows, args.slo_p90_ms).map_err(|e| e.to_string())?;
+        let written =
+            report::write_all(dir, &rows, &slo, args.slo_p90_ms).map_err(|e| e.to_string())?;
         println!("wrote {} in {}", written.join(", "), dir.display());
     }
     println!("(ran in {:.1} s)", started.elapsed().as_secs_f64());

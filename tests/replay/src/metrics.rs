@@ -28,18 +28,32 @@ pub struct RunMetrics {
     pub prediction_exact: f64,
 }
 
+/// 1-based nearest rank of the `p`-th percentile of `n` values.
+fn rank(n: usize, p: f64) -> usize {
+    (((p / 100.0) * n as f64).ceil() as usize).clamp(1, n.max(1))
+}
+
 /// Nearest-rank percentile of sorted values.
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
+    sorted[rank(sorted.len(), p) - 1]
+}
+
+/// How many of `n` values may exceed a threshold with their `p`-th percentile still within it.
+pub fn allowed_above(n: usize, p: f64) -> usize {
+    n.saturating_sub(rank(n, p))
+}
+
+/// Requests at the start of a list of `n` left out as warm-up.
+pub fn warmup_skip(n: usize, warmup: f64) -> usize {
+    ((n as f64) * warmup.clamp(0.0, 0.99)).floor() as usize
 }
 
 /// Measures a run.
 pub fn measure(requests: &[Request], result: &RunResult, warmup: f64) -> RunMetrics {
-    let skip = ((requests.len() as f64) * warmup.clamp(0.0, 0.99)).floor() as usize;
+    let skip = warmup_skip(requests.len(), warmup);
     let measured: Vec<(&Request, &crate::sim::RequestOutcome)> =
         requests.iter().zip(&result.outcomes).skip(skip).collect();
     let mut ttft: Vec<f64> = measured
@@ -96,7 +110,7 @@ pub fn measure(requests: &[Request], result: &RunResult, warmup: f64) -> RunMetr
 
 /// Token hit rate of per-request hit blocks, warm-up excluded.
 pub fn hit_rate_of(requests: &[Request], hit_blocks: &[u32], warmup: f64) -> f64 {
-    let skip = ((requests.len() as f64) * warmup.clamp(0.0, 0.99)).floor() as usize;
+    let skip = warmup_skip(requests.len(), warmup);
     let (cached, prompt) =
         requests
             .iter()
@@ -139,5 +153,9 @@ mod tests {
         assert_eq!(percentile(&v, 90.0), 9.0);
         assert_eq!(percentile(&v, 99.0), 10.0);
         assert!(percentile(&[], 50.0).is_nan());
+        // p90 of 10 values is the 9th: one value may exceed a threshold the p90 meets.
+        assert_eq!(allowed_above(10, 90.0), 1);
+        assert_eq!(allowed_above(100, 90.0), 10);
+        assert_eq!(allowed_above(0, 90.0), 0);
     }
 }

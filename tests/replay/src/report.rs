@@ -4,7 +4,8 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use crate::experiment::{Row, max_rate_within_slo};
+use crate::experiment::{Row, SloBound, SloRate};
+use crate::routers::RouterSpec;
 
 fn cell(value: f64, decimals: usize) -> String {
     if value.is_nan() {
@@ -14,8 +15,32 @@ fn cell(value: f64, decimals: usize) -> String {
     }
 }
 
-/// One markdown table per workload × load point, then the SLO table.
-pub fn markdown(rows: &[Row], slo_ms: f64) -> String {
+/// Milliseconds: one decimal below 100 ms (where routers differ by fractions), whole above.
+fn ms(value: f64) -> String {
+    cell(value, if value < 100.0 { 1 } else { 0 })
+}
+
+/// The (workload, load) points of `rows`, in order.
+fn points(rows: &[Row]) -> Vec<(String, f64)> {
+    let mut points: Vec<(String, f64)> = Vec::new();
+    for row in rows {
+        if !points
+            .iter()
+            .any(|(w, l)| *w == row.workload && l.to_bits() == row.load.to_bits())
+        {
+            points.push((row.workload.clone(), row.load));
+        }
+    }
+    points
+}
+
+fn is_anchor(router: &str) -> bool {
+    RouterSpec::parse(router).is_some_and(|spec| spec.is_anchor())
+}
+
+/// One markdown table per workload × load point, the verdict against the issue's aim, then the
+/// max-rate table.
+pub fn markdown(rows: &[Row], slo: &[SloRate], slo_ms: f64) -> String {
     let mut out = String::new();
     let mut last: Option<(String, u64)> = None;
     for row in rows {
@@ -36,31 +61,83 @@ pub fn markdown(rows: &[Row], slo_ms: f64) -> String {
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             row.router,
             cell(m.hit_rate, 3),
-            cell(m.ttft_p50_ms, 0),
-            cell(m.ttft_p90_ms, 0),
-            cell(m.ttft_p99_ms, 0),
-            cell(m.ttft_mean_ms, 0),
+            ms(m.ttft_p50_ms),
+            ms(m.ttft_p90_ms),
+            ms(m.ttft_p99_ms),
+            ms(m.ttft_mean_ms),
             cell(m.imbalance, 2),
             cell(m.predicted_over_actual, 2),
             cell(m.prediction_exact, 2),
         );
     }
-    let slo = max_rate_within_slo(rows, slo_ms);
-    let mut workloads: Vec<&String> = Vec::new();
-    for (w, _, _) in &slo {
-        if !workloads.contains(&w) {
-            workloads.push(w);
+    out.push_str(&verdict(rows));
+    out.push_str(&slo_table(slo, slo_ms));
+    out
+}
+
+/// kvroute against the issue's aim at every point: TTFT p90 below every anchor (llm-d, SGLang,
+/// Dynamo, every variant), within 1.2× the oracle, hit rate ≥ 0.9× pooled LRU, imbalance ≤ 1.2.
+fn verdict(rows: &[Row]) -> String {
+    let mut out = String::from(
+        "\n### kvroute against the aim\n\n\
+         | workload | load | kvroute p90 ms | best anchor (p90 ms) | p90 < every anchor | p90 / oracle | hit / pooled LRU | imbalance |\n\
+         |---|---:|---:|---|:---:|---:|---:|---:|\n",
+    );
+    for (workload, load) in points(rows) {
+        let at: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.workload == workload && r.load.to_bits() == load.to_bits())
+            .collect();
+        let find = |name: &str| at.iter().find(|r| r.router == name).map(|r| r.mean);
+        let Some(kvroute) = find("kvroute") else {
+            continue;
+        };
+        let anchor = at
+            .iter()
+            .filter(|r| is_anchor(&r.router))
+            .min_by(|a, b| a.mean.ttft_p90_ms.total_cmp(&b.mean.ttft_p90_ms));
+        let oracle = find("oracle").map_or(f64::NAN, |m| m.ttft_p90_ms);
+        let pooled = find("bound-pooled-lru").map_or(f64::NAN, |m| m.hit_rate);
+        let (anchor_cell, wins) = match anchor {
+            Some(a) => (
+                format!("{} ({})", a.router, ms(a.mean.ttft_p90_ms)),
+                if kvroute.ttft_p90_ms < a.mean.ttft_p90_ms {
+                    "yes"
+                } else {
+                    "no"
+                },
+            ),
+            None => ("—".to_owned(), "—"),
+        };
+        let _ = writeln!(
+            out,
+            "| {workload} | ×{load} | {} | {anchor_cell} | {wins} | {} | {} | {} |",
+            ms(kvroute.ttft_p90_ms),
+            cell(kvroute.ttft_p90_ms / oracle, 2),
+            cell(kvroute.hit_rate / pooled, 2),
+            cell(kvroute.imbalance, 2),
+        );
+    }
+    out
+}
+
+/// The max-rate table: router rows, workload columns.
+fn slo_table(slo: &[SloRate], slo_ms: f64) -> String {
+    let mut workloads: Vec<&str> = Vec::new();
+    let mut routers: Vec<&str> = Vec::new();
+    for rate in slo {
+        if !workloads.contains(&rate.workload.as_str()) {
+            workloads.push(&rate.workload);
+        }
+        if !routers.contains(&rate.router.as_str()) {
+            routers.push(&rate.router);
         }
     }
-    let mut routers: Vec<&String> = Vec::new();
-    for (_, r, _) in &slo {
-        if !routers.contains(&r) {
-            routers.push(r);
-        }
-    }
-    let _ = write!(
-        out,
-        "\n### Highest tested arrival rate (req/s) with TTFT p90 ≤ {slo_ms} ms\n\n| router |"
+    let mut out = format!(
+        "\n### Highest arrival rate (req/s) with TTFT p90 ≤ {slo_ms} ms in every seed\n\n\
+         Bisected between load points to within {:.0}%; `<` = missed already at the lowest load \
+         point, `≥` = still met at the search's ceiling.\n\n| router |",
+        (crate::experiment::SLO_SEARCH_PRECISION - 1.0) * 100.0
     );
     for w in &workloads {
         let _ = write!(out, " {w} |");
@@ -73,17 +150,35 @@ pub fn markdown(rows: &[Row], slo_ms: f64) -> String {
     for r in &routers {
         let _ = write!(out, "| {r} |");
         for w in &workloads {
-            let best = slo
+            let text = slo
                 .iter()
-                .find(|(sw, sr, _)| sw == *w && sr == *r)
-                .and_then(|(_, _, b)| *b);
-            let _ = write!(
-                out,
-                " {} |",
-                best.map_or("none".to_owned(), |b| format!("{b:.2}"))
-            );
+                .find(|s| s.workload == *w && s.router == *r)
+                .map_or("—".to_owned(), |s| match s.rate {
+                    SloBound::Between { met_at, .. } => format!("{met_at:.1}"),
+                    SloBound::Below(rate) => format!("< {rate:.1}"),
+                    SloBound::Above(rate) => format!("≥ {rate:.1}"),
+                });
+            let _ = write!(out, " {text} |");
         }
         out.push('\n');
+    }
+    out
+}
+
+/// The max-rate search as CSV.
+pub fn slo_csv(slo: &[SloRate]) -> String {
+    let mut out = String::from("workload,router,met_at_rps,missed_at_rps\n");
+    for rate in slo {
+        let (met, missed) = match rate.rate {
+            SloBound::Between { met_at, missed_at } => (met_at, missed_at),
+            SloBound::Below(rate) => (f64::NAN, rate),
+            SloBound::Above(rate) => (rate, f64::NAN),
+        };
+        let _ = writeln!(
+            out,
+            "{},{},{met:.3},{missed:.3}",
+            rate.workload, rate.router
+        );
     }
     out
 }
@@ -124,13 +219,54 @@ pub fn csv(rows: &[Row]) -> String {
     out
 }
 
-/// One plotted line: name, (x, y) points, dashed (a bound).
-type Series = (String, Vec<(f64, f64)>, bool);
+/// How a line is drawn.
+#[derive(Debug, Clone, Copy)]
+struct Style {
+    color: &'static str,
+    width: f64,
+    /// SVG `stroke-dasharray`, if any.
+    dash: Option<&'static str>,
+}
 
-const PALETTE: [&str; 16] = [
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#000000",
+/// One plotted line: name, (x, y) points, style.
+type Series = (String, Vec<(f64, f64)>, Style);
+
+/// Colours of the baselines and anchors (black and grey are kept for kvroute and the oracle).
+const PALETTE: [&str; 13] = [
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22",
+    "#17becf", "#393b79", "#e7969c", "#637939", "#ad494a",
 ];
+
+/// kvroute thick black, the oracle dotted grey, bounds dashed, the rest in palette order.
+fn style(name: &str, bound: bool, index: usize) -> Style {
+    match name {
+        "kvroute" => Style {
+            color: "#000000",
+            width: 3.5,
+            dash: None,
+        },
+        "oracle" => Style {
+            color: "#555555",
+            width: 2.0,
+            dash: Some("2,3"),
+        },
+        _ => Style {
+            color: PALETTE[index % PALETTE.len()],
+            width: 2.0,
+            dash: bound.then_some("8,4"),
+        },
+    }
+}
+
+fn stroke(style: Style) -> String {
+    let dash = style
+        .dash
+        .map_or(String::new(), |d| format!(" stroke-dasharray=\"{d}\""));
+    format!(
+        "stroke=\"{}\" stroke-width=\"{}\"{dash}",
+        style.color, style.width
+    )
+}
 
 /// A linear or log axis mapping data to pixels.
 struct Axis {
@@ -260,8 +396,7 @@ fn panel(
         (xs.from + xs.to) / 2.0,
         ys.from + 30.0
     );
-    for (i, (_, points, dashed)) in series.iter().enumerate() {
-        let color = PALETTE[i % PALETTE.len()];
+    for (_, points, style) in series {
         let path: Vec<String> = points
             .iter()
             .filter(|p| p.1.is_finite() && (!log_y || p.1 > 0.0))
@@ -270,22 +405,19 @@ fn panel(
         if path.is_empty() {
             continue;
         }
-        let dash = if *dashed {
-            " stroke-dasharray=\"6,4\""
-        } else {
-            ""
-        };
         let _ = writeln!(
             svg,
-            "<polyline points=\"{}\" fill=\"none\" stroke=\"{color}\" stroke-width=\"2\"{dash}/>",
-            path.join(" ")
+            "<polyline points=\"{}\" fill=\"none\" {}/>",
+            path.join(" "),
+            stroke(*style)
         );
         for p in &path {
             let mut xy = p.split(',');
             if let (Some(x), Some(y)) = (xy.next(), xy.next()) {
                 let _ = writeln!(
                     svg,
-                    "<circle cx=\"{x}\" cy=\"{y}\" r=\"2.5\" fill=\"{color}\"/>"
+                    "<circle cx=\"{x}\" cy=\"{y}\" r=\"2.5\" fill=\"{}\"/>",
+                    style.color
                 );
             }
         }
@@ -300,10 +432,16 @@ pub fn svg_plot(rows: &[Row], workload: &str) -> String {
             names.push((row.router.clone(), row.bound));
         }
     }
+    let styles: Vec<Style> = names
+        .iter()
+        .enumerate()
+        .map(|(i, (name, bound))| style(name, *bound, i))
+        .collect();
     let series = |metric: fn(&Row) -> f64, with_bounds: bool| -> Vec<Series> {
         names
             .iter()
-            .map(|(name, bound)| {
+            .zip(&styles)
+            .map(|((name, bound), style)| {
                 let points = if *bound && !with_bounds {
                     Vec::new()
                 } else {
@@ -312,7 +450,7 @@ pub fn svg_plot(rows: &[Row], workload: &str) -> String {
                         .map(|r| (r.rate_rps, metric(r)))
                         .collect()
                 };
-                (name.clone(), points, *bound)
+                (name.clone(), points, *style)
             })
             .collect()
     };
@@ -337,18 +475,13 @@ pub fn svg_plot(rows: &[Row], workload: &str) -> String {
         &series(|r| r.mean.hit_rate, true),
         false,
     );
-    for (i, (name, bound)) in names.iter().enumerate() {
+    for (i, ((name, _), style)) in names.iter().zip(&styles).enumerate() {
         let y = 40.0 + 18.0 * i as f64;
-        let color = PALETTE[i % PALETTE.len()];
-        let dash = if *bound {
-            " stroke-dasharray=\"6,4\""
-        } else {
-            ""
-        };
         let _ = writeln!(
             svg,
-            "<line x1=\"975\" y1=\"{y}\" x2=\"1000\" y2=\"{y}\" stroke=\"{color}\" stroke-width=\"2\"{dash}/>\
+            "<line x1=\"975\" y1=\"{y}\" x2=\"1000\" y2=\"{y}\" {}/>\
              <text x=\"1006\" y=\"{}\" font-size=\"12\">{name}</text>",
+            stroke(*style),
             y + 4.0
         );
     }
@@ -356,12 +489,23 @@ pub fn svg_plot(rows: &[Row], workload: &str) -> String {
     svg
 }
 
-/// Writes `results.csv`, `results.md` and one `plot-<workload>.svg` per workload into `dir`.
-pub fn write_all(dir: &Path, rows: &[Row], slo_ms: f64) -> std::io::Result<Vec<String>> {
+/// Writes `results.csv`, `slo.csv`, `results.md` and one `plot-<workload>.svg` per workload
+/// into `dir`.
+pub fn write_all(
+    dir: &Path,
+    rows: &[Row],
+    slo: &[SloRate],
+    slo_ms: f64,
+) -> std::io::Result<Vec<String>> {
     std::fs::create_dir_all(dir)?;
-    let mut written = vec!["results.csv".to_owned(), "results.md".to_owned()];
+    let mut written = vec![
+        "results.csv".to_owned(),
+        "slo.csv".to_owned(),
+        "results.md".to_owned(),
+    ];
     std::fs::write(dir.join("results.csv"), csv(rows))?;
-    std::fs::write(dir.join("results.md"), markdown(rows, slo_ms))?;
+    std::fs::write(dir.join("slo.csv"), slo_csv(slo))?;
+    std::fs::write(dir.join("results.md"), markdown(rows, slo, slo_ms))?;
     let mut workloads: Vec<&str> = Vec::new();
     for row in rows {
         if !workloads.contains(&row.workload.as_str()) {

@@ -10,6 +10,11 @@
 //!
 //! Events at the same instant run in the order they were scheduled, so a run is a pure function
 //! of its inputs and the router's seed.
+//!
+//! [`run_checked`] can stop a run as soon as a TTFT objective is missed for certain (more
+//! measured requests late than the percentile allows, counting requests still unserved past the
+//! objective): the max-rate search probes overloaded rates, where a full run would be slow and
+//! tell nothing more.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -56,6 +61,26 @@ pub struct RunResult {
     pub busy_us: Vec<u64>,
     /// Virtual time when the last request finished, µs.
     pub end_us: u64,
+}
+
+/// A TTFT objective a run can stop at ([`run_checked`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SloCheck {
+    /// The objective, µs.
+    pub ttft_us: u64,
+    /// Requests (by id) before this one are warm-up and not measured.
+    pub skip: usize,
+    /// Measured requests that may take longer than `ttft_us` with the objective still met.
+    pub max_late: usize,
+}
+
+/// How a checked run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Checked {
+    /// It ran to the end.
+    Done(RunResult),
+    /// More than `max_late` measured requests missed the objective; stopped there.
+    MissedSlo,
 }
 
 /// A run that could not complete.
@@ -134,6 +159,61 @@ pub fn run(
     config: &SimConfig,
     router: &mut dyn Router,
 ) -> Result<RunResult, SimError> {
+    match run_checked(requests, config, router, None)? {
+        Checked::Done(result) => Ok(result),
+        // Without a check a run always ends.
+        Checked::MissedSlo => Err(SimError::Stalled {
+            unserved: requests.len(),
+        }),
+    }
+}
+
+/// Counts measured requests that missed a [`SloCheck`], each once.
+#[derive(Debug)]
+struct Lateness {
+    check: SloCheck,
+    late: Vec<bool>,
+    count: usize,
+    /// Requests before this one were looked at for being unserved past the objective.
+    scanned: usize,
+}
+
+impl Lateness {
+    fn mark(&mut self, id: usize) {
+        if id >= self.check.skip && !self.late[id] {
+            self.late[id] = true;
+            self.count += 1;
+        }
+    }
+
+    /// Marks requests that arrived more than the objective ago and are still unserved; true
+    /// once too many are late.
+    fn missed(
+        &mut self,
+        now: u64,
+        requests: &[Request],
+        served: &[Option<RequestOutcome>],
+    ) -> bool {
+        while let Some(request) = requests.get(self.scanned) {
+            if request.arrival_us.saturating_add(self.check.ttft_us) >= now {
+                break;
+            }
+            if served[self.scanned].is_none() {
+                self.mark(self.scanned);
+            }
+            self.scanned += 1;
+        }
+        self.count > self.check.max_late
+    }
+}
+
+/// [`run`], stopping early when `slo` is missed for certain.
+pub fn run_checked(
+    requests: &[Request],
+    config: &SimConfig,
+    router: &mut dyn Router,
+    slo: Option<SloCheck>,
+) -> Result<Checked, SimError> {
     if config.replicas == 0 {
         return Err(SimError::NoReplicas);
     }
@@ -163,7 +243,18 @@ pub fn run(
     if tick.is_some() {
         queue.push(0, Event::Tick);
     }
+    let mut lateness = slo.map(|check| Lateness {
+        check,
+        late: vec![false; requests.len()],
+        count: 0,
+        scanned: 0,
+    });
     while let Some((now, event)) = queue.pop() {
+        if let Some(lateness) = &mut lateness
+            && lateness.missed(now, requests, &outcomes)
+        {
+            return Ok(Checked::MissedSlo);
+        }
         match event {
             Event::Arrival(id) => {
                 let request = &requests[id];
@@ -192,9 +283,15 @@ pub fn run(
                 for first in &outcome.first_tokens {
                     let request = &requests[first.request];
                     let (routed_to, predicted_blocks) = routed[first.request];
+                    let ttft_us = now.saturating_sub(request.arrival_us);
+                    if let Some(lateness) = &mut lateness
+                        && ttft_us > lateness.check.ttft_us
+                    {
+                        lateness.mark(first.request);
+                    }
                     outcomes[first.request] = Some(RequestOutcome {
                         replica: routed_to,
-                        ttft_us: now.saturating_sub(request.arrival_us),
+                        ttft_us,
                         hit_blocks: first.hit_blocks,
                         predicted_blocks,
                     });
@@ -240,9 +337,12 @@ pub fn run(
             unserved: unserved.max(requests.len() - finished),
         });
     }
-    Ok(RunResult {
+    if lateness.is_some_and(|l| l.count > l.check.max_late) {
+        return Ok(Checked::MissedSlo);
+    }
+    Ok(Checked::Done(RunResult {
         outcomes: outcomes.into_iter().flatten().collect(),
         busy_us: engines.iter().map(Engine::busy_us).collect(),
         end_us,
-    })
+    }))
 }

@@ -8,8 +8,9 @@ use std::path::PathBuf;
 use kvroute_replay::BLOCK_TOKENS;
 use kvroute_replay::bounds::lru_hit_blocks;
 use kvroute_replay::engine::EngineConfig;
+use kvroute_replay::metrics;
 use kvroute_replay::routers::RouterSpec;
-use kvroute_replay::sim::{self, SimConfig};
+use kvroute_replay::sim::{self, Checked, SimConfig, SloCheck};
 use kvroute_replay::timing::Timing;
 use kvroute_replay::trace::{self, Request, TraceRecord};
 
@@ -130,4 +131,39 @@ fn identical_seeds_give_identical_results() {
         sim::run(&requests, &config, a.as_mut()).unwrap(),
         sim::run(&requests, &config, b.as_mut()).unwrap()
     );
+}
+
+#[test]
+fn a_checked_run_stops_only_when_the_objective_is_missed_for_certain() {
+    let requests = trace::compress(&trace::prepare_all(&records(600)).unwrap(), 8.0);
+    let config = SimConfig {
+        replicas: 2,
+        engine: EngineConfig::default(),
+        timing: Timing::default(),
+        kv_delay_us: 50_000,
+    };
+    let skip = metrics::warmup_skip(requests.len(), 0.1);
+    let max_late = metrics::allowed_above(requests.len() - skip, 90.0);
+    let full = {
+        let mut router = RouterSpec::RoundRobin.build(2, config.engine.blocks, 0);
+        sim::run(&requests, &config, router.as_mut()).unwrap()
+    };
+    let p90 = metrics::measure(&requests, &full, 0.1).ttft_p90_ms;
+    // An objective just above the p90 is met (and the run is the full one); just below, missed.
+    for (slo_ms, met) in [(p90 + 1.0, true), (p90 - 1.0, false)] {
+        let check = SloCheck {
+            ttft_us: (slo_ms * 1000.0) as u64,
+            skip,
+            max_late,
+        };
+        let mut router = RouterSpec::RoundRobin.build(2, config.engine.blocks, 0);
+        let checked = sim::run_checked(&requests, &config, router.as_mut(), Some(check)).unwrap();
+        match checked {
+            Checked::Done(result) => {
+                assert!(met, "p90 {p90} ms missed {slo_ms} ms but the run finished");
+                assert_eq!(result, full);
+            }
+            Checked::MissedSlo => assert!(!met, "p90 {p90} ms meets {slo_ms} ms"),
+        }
+    }
 }

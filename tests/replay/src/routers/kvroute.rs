@@ -74,15 +74,7 @@ pub struct Kvroute {
 impl Kvroute {
     /// For `replicas` replicas of `blocks` KV blocks each, with ext-proc's default scoring.
     pub fn new(replicas: usize, blocks: u32, rng: StdRng) -> Self {
-        let mut s = default_scoring();
-        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<f64>().ok());
-        if let Some(v) = env("W_PREFILL") { s.prefill_ms_per_token = v; }
-        if let Some(v) = env("W_QUEUE") { s.queue_ms_per_request = v; }
-        if let Some(v) = env("W_RUNNING") { s.running_ms_per_request = v; }
-        if let Some(v) = env("W_KV") { s.kv_usage_ms = v; }
-        if let Some(v) = env("W_HOTMIN") { s.hotspot_min_ms = v; }
-        if let Some(v) = env("W_HOTF") { s.hotspot_factor = v; }
-        Self::with_scoring(replicas, blocks, s, rng)
+        Self::with_scoring(replicas, blocks, default_scoring(), rng)
     }
 
     /// With explicit scoring weights.
@@ -161,21 +153,14 @@ impl Router for Kvroute {
                 }
             })
             .collect();
-        let choice = if std::env::var_os("KVPROTO").is_some() { proto::choose(&candidates, prompt_tokens, BLOCK_TOKENS, &self.scoring, &mut self.rng) } else { policy::choose(
+        let choice = policy::choose(
             &candidates,
             prompt_tokens,
             BLOCK_TOKENS,
             &self.scoring,
             &mut self.rng,
-        ) };
+        );
         let replica = choice.map_or(0, |c| c.index);
-        if std::env::var_os("KVROUTE_DEBUG").is_some() {
-            let q: Vec<f64> = candidates.iter().map(|c| policy::queue_ms(&c.load, &self.scoring).round()).collect();
-            let m: Vec<u32> = candidates.iter().map(|c| c.matched_blocks).collect();
-            let it: Vec<f64> = candidates.iter().map(|c| c.load.inflight_prompt_tokens).collect();
-            let sc: Vec<(f64,f64,f64)> = candidates.iter().map(|c| (c.load.scraped.waiting, c.load.scraped.running, (c.load.scraped.kv_usage*100.0).round())).collect();
-            eprintln!("DBG req {} in={} matched={m:?} queue={q:?} inflight_tok={it:?} scraped={sc:?} chosen={replica} {:?}", request.id, prompt_tokens, choice.map(|c| c.reason));
-        }
         let matched = candidates.get(replica).map_or(0, |c| c.matched_blocks);
         let cached_tokens = (matched as usize * BLOCK_TOKENS as usize).min(prompt_tokens);
         let name = &self.names[replica];
@@ -214,54 +199,5 @@ impl Router for Kvroute {
                 kv_usage: engine.kv_usage(),
             });
         }
-    }
-}
-
-#[allow(clippy::all, missing_docs)]
-mod proto {
-    use kvroute_ext_proc::config::ScoringConfig;
-    use kvroute_ext_proc::load::LoadSnapshot;
-    use kvroute_ext_proc::policy::{Candidate, Choice, Reason};
-    use rand::Rng;
-    fn mode(k: &str) -> String { std::env::var(k).unwrap_or_default() }
-    /// (queue for ttft, load for guard)
-    fn parts(load: &LoadSnapshot, w: &ScoringConfig) -> (f64, f64, f64) {
-        let (uw, ur) = if load.scraped.waiting > 0.0 { (load.routed_since_scrape, 0.0) } else { (0.0, load.routed_since_scrape) };
-        let work = w.prefill_ms_per_token * load.inflight_prompt_tokens;
-        let waiting = w.queue_ms_per_request * (load.scraped.waiting + uw);
-        let batch = w.running_ms_per_request * (load.scraped.running + ur) + w.kv_usage_ms * load.scraped.kv_usage;
-        (work, waiting, batch)
-    }
-    pub fn choose(candidates: &[Candidate], prompt_tokens: usize, block_size: u32, weights: &ScoringConfig, rng: &mut impl Rng) -> Option<Choice> {
-        if candidates.is_empty() { return None; }
-        let qmode = mode("QMODE"); let gmode = mode("GMODE");
-        let shared = |i: usize| { let c = &candidates[i]; (c.shared_inflight_tokens as f64).min(c.load.inflight_prompt_tokens).min(prompt_tokens as f64) };
-        let queues: Vec<f64> = candidates.iter().map(|c| { let (wk, wt, b) = parts(&c.load, weights); if qmode == "max" { wk.max(wt) + b } else { wk + wt + b } }).collect();
-        let guard_load: Vec<f64> = (0..candidates.len()).map(|i| { let (wk, wt, b) = parts(&candidates[i].load, weights); match gmode.as_str() {
-            "crowd" => wt + b,
-            "credit" => (queues[i] - weights.prefill_ms_per_token * shared(i)).max(0.0),
-            "off" => 0.0,
-            _ => { let _ = (wk, wt, b); queues[i] } } }).collect();
-        let mean = guard_load.iter().sum::<f64>() / guard_load.len() as f64;
-        let hot = |q: f64| q > weights.hotspot_factor * mean && q > weights.hotspot_min_ms;
-        let all_hot = guard_load.iter().all(|q| hot(*q));
-        let eligible = |i: usize| all_hot || !hot(guard_load[i]);
-        let ttft = |i: usize| {
-            let c = &candidates[i];
-            let cached = (c.matched_blocks as usize).saturating_mul(block_size as usize);
-            (queues[i] - weights.prefill_ms_per_token * shared(i)).max(0.0) + weights.prefill_ms_per_token * prompt_tokens.saturating_sub(cached) as f64
-        };
-        let tie_ms: f64 = std::env::var("TIE_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(1e-6);
-        let best = (0..candidates.len()).filter(|i| eligible(*i)).map(ttft).fold(f64::INFINITY, f64::min);
-        let ties: Vec<usize> = (0..candidates.len()).filter(|i| eligible(*i) && ttft(*i) <= best + tie_ms).collect();
-        let ties: Vec<usize> = if mode("TIEMODE") == "queue" {
-            let lq = ties.iter().map(|i| queues[*i]).fold(f64::INFINITY, f64::min);
-            ties.into_iter().filter(|i| queues[*i] <= lq + 1e-6).collect()
-        } else {
-            let longest = ties.iter().map(|i| candidates[*i].matched_blocks).max().unwrap_or(0);
-            ties.into_iter().filter(|i| candidates[*i].matched_blocks == longest).collect()
-        };
-        let index = ties[rng.random_range(0..ties.len())];
-        Some(Choice { index, reason: Reason::CacheHit, ttft_ms: ttft(index) })
     }
 }

@@ -165,6 +165,15 @@ impl RouterSpec {
         RouterSpec::all().into_iter().find(|s| s.name() == name)
     }
 
+    /// Whether this is one of the anchor policies (llm-d precise, Dynamo cost, SGLang
+    /// approximate, any variant): the systems kvroute's default should beat.
+    pub fn is_anchor(&self) -> bool {
+        matches!(
+            self,
+            RouterSpec::Sglang | RouterSpec::Llmd { .. } | RouterSpec::Dynamo { .. }
+        )
+    }
+
     /// Whether this router's decisions are expensive (it simulates every replica).
     pub fn is_oracle(&self) -> bool {
         matches!(self, RouterSpec::Oracle)
