@@ -251,8 +251,10 @@ pub struct TokenCache {
     tasks: TaskTracker,
 }
 
-/// Concurrent background refills after a conversation-prefix hit.
+/// Concurrent background tokenizations finishing after a conversation-prefix hit.
 const MAX_CONCURRENT_REFILLS: usize = 2;
+/// How long a request whose conversation prefix is cached waits for its exact tokens.
+const PREFIX_HIT_WAIT: Duration = Duration::from_millis(5);
 
 impl TokenCache {
     /// A cache of `capacity` entries; refills run on `tasks`.
@@ -331,47 +333,57 @@ impl TokenCache {
             pool: pool.to_string(),
         })?;
         let input = Arc::new(owned_input(prompt));
-        if let Some((tokens, prefix_bytes)) = cached_prefix {
-            self.refill_in_background(full_key, model, tokenizer, input);
+        let mut tokenizing = tokenizer.tokenize(model, input);
+        if let Some((prefix_tokens, prefix_bytes)) = cached_prefix {
+            // The exact tokens are worth a short wait (the fast encoder needs well under a
+            // millisecond for a long conversation); past it, route on the conversation's cached
+            // prefix and let the tokenization finish in the background for the next turn.
+            let wait = budget.min(PREFIX_HIT_WAIT);
+            match tokio::time::timeout(wait, &mut tokenizing).await {
+                Ok(Ok(tokens)) => return Ok(self.remember(full_key, tokens.into())),
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, "tokenizing a conversation failed; routing on its cached prefix");
+                }
+                Err(_) => self.finish_in_background(full_key, tokenizing),
+            }
             let tail = full_bytes.saturating_sub(prefix_bytes) / ESTIMATED_BYTES_PER_TOKEN;
-            let estimated_len = tokens.len() + tail;
+            let estimated_len = prefix_tokens.len() + tail;
             return Ok(PromptTokens {
-                tokens,
+                tokens: prefix_tokens,
                 exact: false,
                 estimated_len,
                 source: TokenSource::PrefixCache,
             });
         }
-        let tokens: Arc<[u32]> =
-            match tokio::time::timeout(budget, tokenizer.tokenize(model, input)).await {
-                Ok(result) => result?.into(),
-                Err(_) => return Err(TokenizeError::Timeout { after: budget }),
-            };
-        self.entries.lock().insert(full_key, Arc::clone(&tokens));
+        let tokens: Arc<[u32]> = match tokio::time::timeout(budget, tokenizing).await {
+            Ok(result) => result?.into(),
+            Err(_) => return Err(TokenizeError::Timeout { after: budget }),
+        };
+        Ok(self.remember(full_key, tokens))
+    }
+
+    /// Caches a full tokenization and returns it as the decision's tokens.
+    fn remember(&self, key: u128, tokens: Arc<[u32]>) -> PromptTokens {
+        self.entries.lock().insert(key, Arc::clone(&tokens));
         let estimated_len = tokens.len();
-        Ok(PromptTokens {
+        PromptTokens {
             tokens,
             exact: true,
             estimated_len,
             source: TokenSource::Tokenizer,
-        })
+        }
     }
 
-    fn refill_in_background(
-        &self,
-        key: u128,
-        model: &str,
-        tokenizer: &Arc<dyn Tokenizer>,
-        input: Arc<TokenizeInput>,
-    ) {
+    /// Lets a tokenization that outran the wait finish and fill the cache (bounded: without a
+    /// free slot it is dropped, and the next turn tokenizes again).
+    fn finish_in_background(&self, key: u128, tokenizing: TokenizeFuture) {
         let Ok(permit) = Arc::clone(&self.refills).try_acquire_owned() else {
             return;
         };
-        let future = tokenizer.tokenize(model, input);
         let entries = Arc::clone(&self.entries);
         self.tasks.spawn(async move {
             let _permit = permit;
-            if let Ok(tokens) = future.await {
+            if let Ok(tokens) = tokenizing.await {
                 entries.lock().insert(key, tokens.into());
             }
         });
@@ -466,15 +478,35 @@ mod tests {
         );
     }
 
+    /// The in-process tokenizer behind a gate: answers only while the gate is open.
+    #[derive(Debug)]
+    struct GatedTokenizer {
+        inner: InProcessTokenizer,
+        open: tokio::sync::watch::Sender<bool>,
+    }
+
+    impl Tokenizer for GatedTokenizer {
+        fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+            let tokens = self.inner.tokenize(model, input);
+            let mut open = self.open.subscribe();
+            Box::pin(async move {
+                let _ = open.wait_for(|open| *open).await;
+                tokens.await
+            })
+        }
+    }
+
+    const TURN1: &str = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"}]}"#;
+    const TURN2: &str = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"},{"role":"assistant","content":"Once upon a time"},{"role":"user","content":"More"}]}"#;
+
     #[tokio::test]
-    async fn next_turn_routes_on_the_cached_conversation_prefix() {
-        let tokenizer: Arc<dyn Tokenizer> =
-            Arc::new(InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap());
+    async fn next_turn_gets_exact_tokens_and_the_cache_serves_repeats() {
+        let in_process = InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap();
+        let direct = ModelTokenizer::from_dir(TINY_MODEL).unwrap();
+        let tokenizer: Arc<dyn Tokenizer> = Arc::new(in_process);
         let cache = TokenCache::new(16, TaskTracker::new());
         let budget = Duration::from_secs(5);
-        let turn1 = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"}]}"#;
-        let turn2 = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"},{"role":"assistant","content":"Once upon a time"},{"role":"user","content":"More"}]}"#;
-        let first = parse(turn1.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let first = parse(TURN1.as_bytes(), Endpoint::ChatCompletions).unwrap();
         let t1 = cache
             .tokens(0, "m", &first.prompt, Some(&tokenizer), budget)
             .await
@@ -485,7 +517,42 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(again.source, TokenSource::Cache);
-        let second = parse(turn2.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        // The next turn's prefix is cached, but a fast tokenizer answers within the wait: exact.
+        let second = parse(TURN2.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let t2 = cache
+            .tokens(0, "m", &second.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        assert_eq!((t2.source, t2.exact), (TokenSource::Tokenizer, true));
+        let messages: serde_json::Value = serde_json::from_str(TURN2).unwrap();
+        let expected = direct.encode_chat(&messages["messages"], true).unwrap();
+        assert_eq!(&*t2.tokens, expected.as_slice());
+        // Another pool never sees pool 0's entries.
+        let other = cache
+            .tokens(1, "m", &first.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        assert_eq!(other.source, TokenSource::Tokenizer);
+    }
+
+    #[tokio::test]
+    async fn slow_tokenizer_routes_on_the_cached_prefix_and_fills_the_cache_later() {
+        let (open, _) = tokio::sync::watch::channel(true);
+        let gated = Arc::new(GatedTokenizer {
+            inner: InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap(),
+            open,
+        });
+        let tokenizer: Arc<dyn Tokenizer> = Arc::clone(&gated) as Arc<dyn Tokenizer>;
+        let cache = TokenCache::new(16, TaskTracker::new());
+        let budget = Duration::from_secs(5);
+        let first = parse(TURN1.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let t1 = cache
+            .tokens(0, "m", &first.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+
+        gated.open.send_replace(false);
+        let second = parse(TURN2.as_bytes(), Endpoint::ChatCompletions).unwrap();
         let t2 = cache
             .tokens(0, "m", &second.prompt, Some(&tokenizer), budget)
             .await
@@ -493,11 +560,23 @@ mod tests {
         assert_eq!((t2.source, t2.exact), (TokenSource::PrefixCache, false));
         assert_eq!(t2.tokens, t1.tokens);
         assert!(t2.estimated_len > t1.tokens.len());
-        // Another pool never sees pool 0's entries.
-        let other = cache
-            .tokens(1, "m", &first.prompt, Some(&tokenizer), budget)
-            .await
-            .unwrap();
-        assert_eq!(other.source, TokenSource::Tokenizer);
+
+        // The tokenization left running in the background fills the cache for the next call.
+        gated.open.send_replace(true);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            gated.open.send_replace(false);
+            let t = cache
+                .tokens(0, "m", &second.prompt, Some(&tokenizer), budget)
+                .await
+                .unwrap();
+            gated.open.send_replace(true);
+            if t.source == TokenSource::Cache {
+                assert!(t.exact && t.tokens.len() > t1.tokens.len());
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "cache never filled");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }

@@ -116,3 +116,29 @@ pub fn metric(text: &str, prefix: &str) -> f64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no metric {prefix} in\n{text}"))
 }
+
+/// The tokens kvroute-ext-proc's decision path computes for a request body sent to `path`: its
+/// body parser, a fresh token cache (so the whole prompt is tokenized) and `tokenizer`. Panics
+/// naming `case` when ext-proc refuses the body or tokenization fails.
+pub async fn decision_path_tokens(
+    tokenizer: &std::sync::Arc<dyn kvroute_ext_proc::tokenizer::Tokenizer>,
+    tasks: &tokio_util::task::TaskTracker,
+    wire: &str,
+    path: &str,
+    case: &str,
+) -> kvroute_ext_proc::tokenizer::PromptTokens {
+    use kvroute_ext_proc::request::{Endpoint, parse};
+    let parsed = parse(wire.as_bytes(), Endpoint::from_path(path))
+        .unwrap_or_else(|e| panic!("{case}: ext-proc refused {wire}: {e}"));
+    let cache = kvroute_ext_proc::tokenizer::TokenCache::new(4, tasks.clone());
+    cache
+        .tokens(
+            0,
+            &parsed.model,
+            &parsed.prompt,
+            Some(tokenizer),
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{case}: in-process tokenization failed: {e}"))
+}

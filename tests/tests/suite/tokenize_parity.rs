@@ -8,17 +8,15 @@
 //! system messages and text-part lists, and both values of the tokenization flags.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use kvroute_ext_proc::request::{Endpoint, parse};
-use kvroute_ext_proc::tokenizer::{InProcessTokenizer, TokenCache, TokenSource, Tokenizer};
+use kvroute_ext_proc::tokenizer::{InProcessTokenizer, TokenSource, Tokenizer};
 use kvroute_tests::harness::{SimProcess, http, tiny_model_dir};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Map, Value, json};
 use tokio_util::task::TaskTracker;
 
-use super::common::{SIM_BIN, sim_args};
+use super::common::{SIM_BIN, decision_path_tokens, sim_args};
 
 const CASES: usize = 200;
 const SEED: u64 = 0x6b76_726f_7574_6531;
@@ -215,20 +213,8 @@ async fn in_process_tokens_equal_the_engine_tokenize_endpoint() {
             case.body.to_string()
         };
 
-        let parsed = parse(wire.as_bytes(), Endpoint::from_path(case.path))
-            .unwrap_or_else(|e| panic!("case {i}: ext-proc refused {wire}: {e}"));
-        // A fresh cache per case: the decision path tokenizes the whole prompt exactly.
-        let cache = TokenCache::new(4, tasks.clone());
-        let ours = cache
-            .tokens(
-                0,
-                &parsed.model,
-                &parsed.prompt,
-                Some(&tokenizer),
-                Duration::from_secs(10),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("case {i}: in-process tokenization failed: {e}"));
+        let ours =
+            decision_path_tokens(&tokenizer, &tasks, &wire, case.path, &format!("case {i}")).await;
         assert!(ours.exact, "case {i}");
         assert_eq!(ours.source, TokenSource::Tokenizer, "case {i}");
 

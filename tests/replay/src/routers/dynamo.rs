@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use kvroute_index::event::KvEvent;
 use rand::rngs::StdRng;
 
-use super::{Decision, Router, View, argmin_random, leading};
+use super::{Decision, EventIndex, Router, View, argmin_random, leading};
 use crate::BLOCK_TOKENS;
 use crate::trace::Request;
 
@@ -39,7 +39,7 @@ impl Active {
 #[derive(Debug)]
 pub struct DynamoCost {
     overlap_weight: f64,
-    index: HashMap<u64, u64>,
+    index: EventIndex,
     active: Vec<Active>,
     rng: StdRng,
 }
@@ -49,7 +49,7 @@ impl DynamoCost {
     pub fn new(replicas: usize, overlap_weight: f64, rng: StdRng) -> Self {
         DynamoCost {
             overlap_weight,
-            index: HashMap::new(),
+            index: EventIndex::default(),
             active: vec![Active::default(); replicas],
             rng,
         }
@@ -65,10 +65,7 @@ impl Router for DynamoCost {
         let n = view.engines.len();
         let keys = request.keys();
         let overlap: Vec<u32> = (0..n)
-            .map(|w| {
-                let bit = 1u64 << (w % 64);
-                leading(keys, |k| self.index.get(&k).is_some_and(|m| m & bit != 0))
-            })
+            .map(|w| leading(keys, |k| self.index.holds(w, k)))
             .collect();
         let cost = |w: usize| {
             let active = &self.active[w];
@@ -112,29 +109,6 @@ impl Router for DynamoCost {
     }
 
     fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], _now_us: u64) {
-        let bit = 1u64 << (replica % 64);
-        for event in events {
-            match event {
-                KvEvent::BlockStored(stored) => {
-                    for key in &stored.block_hashes {
-                        *self.index.entry(*key).or_insert(0) |= bit;
-                    }
-                }
-                KvEvent::BlockRemoved(removed) => {
-                    for key in &removed.block_hashes {
-                        if let Some(mask) = self.index.get_mut(key) {
-                            *mask &= !bit;
-                            if *mask == 0 {
-                                self.index.remove(key);
-                            }
-                        }
-                    }
-                }
-                KvEvent::AllBlocksCleared => self.index.retain(|_, mask| {
-                    *mask &= !bit;
-                    *mask != 0
-                }),
-            }
-        }
+        self.index.apply(replica, events);
     }
 }

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use kvroute_index::event::KvEvent;
 use rand::rngs::StdRng;
 
-use super::{Decision, Router, View, argmin_random, leading};
+use super::{Decision, EventIndex, Router, View, argmin_random, leading};
 use crate::trace::Request;
 
 /// Scorer weights: prefix, queue, KV usage.
@@ -38,7 +38,7 @@ struct PodMetrics {
 #[derive(Debug)]
 pub struct LlmdPrecise {
     /// Block key → pods holding it (bit per pod; up to 64 pods).
-    index: HashMap<u64, u64>,
+    index: EventIndex,
     /// Per pod, speculative key → expiry (µs).
     speculative: Option<Vec<HashMap<u64, u64>>>,
     metrics: Vec<PodMetrics>,
@@ -49,7 +49,7 @@ impl LlmdPrecise {
     /// For `replicas` pods (at most 64).
     pub fn new(replicas: usize, speculative: bool, rng: StdRng) -> Self {
         LlmdPrecise {
-            index: HashMap::new(),
+            index: EventIndex::default(),
             speculative: speculative.then(|| vec![HashMap::new(); replicas]),
             metrics: vec![PodMetrics::default(); replicas],
             rng,
@@ -80,10 +80,9 @@ impl Router for LlmdPrecise {
         let keys = request.keys();
         let matched: Vec<u32> = (0..n)
             .map(|pod| {
-                let bit = 1u64 << (pod % 64);
                 let spec = self.speculative.as_ref().map(|s| &s[pod]);
                 leading(keys, |k| {
-                    self.index.get(&k).is_some_and(|m| m & bit != 0)
+                    self.index.holds(pod, k)
                         || spec.is_some_and(|s| s.get(&k).is_some_and(|exp| *exp > now))
                 })
             })
@@ -113,32 +112,7 @@ impl Router for LlmdPrecise {
     }
 
     fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], _now_us: u64) {
-        let bit = 1u64 << (replica % 64);
-        for event in events {
-            match event {
-                KvEvent::BlockStored(stored) => {
-                    for key in &stored.block_hashes {
-                        *self.index.entry(*key).or_insert(0) |= bit;
-                    }
-                }
-                KvEvent::BlockRemoved(removed) => {
-                    for key in &removed.block_hashes {
-                        if let Some(mask) = self.index.get_mut(key) {
-                            *mask &= !bit;
-                            if *mask == 0 {
-                                self.index.remove(key);
-                            }
-                        }
-                    }
-                }
-                KvEvent::AllBlocksCleared => {
-                    self.index.retain(|_, mask| {
-                        *mask &= !bit;
-                        *mask != 0
-                    });
-                }
-            }
-        }
+        self.index.apply(replica, events);
     }
 
     fn tick_interval_us(&self) -> Option<u64> {

@@ -257,6 +257,51 @@ pub(crate) fn argmin_random(
 }
 
 /// Leading blocks of `keys` a predicate holds.
+/// A baseline router's own index of the engines' KV events (as llm-d's and Dynamo's indexers
+/// keep one): block key → bitmask of the replicas holding it. kvroute uses the real
+/// `kvroute-index` instead.
+#[derive(Debug, Default)]
+pub(crate) struct EventIndex {
+    holders: std::collections::HashMap<u64, u64>,
+}
+
+impl EventIndex {
+    /// Applies one replica's events (replica ids beyond 63 share a bit; the simulator runs fewer).
+    pub(crate) fn apply(&mut self, replica: usize, events: &[KvEvent]) {
+        let bit = 1u64 << (replica % 64);
+        for event in events {
+            match event {
+                KvEvent::BlockStored(stored) => {
+                    for key in &stored.block_hashes {
+                        *self.holders.entry(*key).or_insert(0) |= bit;
+                    }
+                }
+                KvEvent::BlockRemoved(removed) => {
+                    for key in &removed.block_hashes {
+                        if let Some(mask) = self.holders.get_mut(key) {
+                            *mask &= !bit;
+                            if *mask == 0 {
+                                self.holders.remove(key);
+                            }
+                        }
+                    }
+                }
+                KvEvent::AllBlocksCleared => self.holders.retain(|_, mask| {
+                    *mask &= !bit;
+                    *mask != 0
+                }),
+            }
+        }
+    }
+
+    /// Whether `replica` holds block `key`.
+    pub(crate) fn holds(&self, replica: usize, key: u64) -> bool {
+        self.holders
+            .get(&key)
+            .is_some_and(|mask| mask & (1u64 << (replica % 64)) != 0)
+    }
+}
+
 pub(crate) fn leading(keys: &[u64], held: impl Fn(u64) -> bool) -> u32 {
     keys.iter().take_while(|k| held(**k)).count() as u32
 }
