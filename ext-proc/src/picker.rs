@@ -103,6 +103,8 @@ struct Scored {
     reason: &'static str,
     /// Prefill work the request adds on the chosen replica.
     prefill_tokens: usize,
+    /// Prompt tokens predicted to be in the chosen replica's prefix cache.
+    cached_tokens: usize,
 }
 
 /// A routing decision. Dropping it ends the replica's in-flight accounting for the request.
@@ -118,6 +120,8 @@ pub struct Decision {
     pub tier: Tier,
     /// Reason label.
     pub reason: &'static str,
+    /// Prompt tokens predicted to be cached on the chosen replica (0 on the load tier).
+    pub predicted_cached_tokens: usize,
     /// In-flight accounting (released at response headers or stream end).
     pub inflight: InflightGuard,
 }
@@ -355,6 +359,7 @@ impl Picker {
             envoy_cluster: replica.envoy_cluster.clone(),
             tier: scored.tier,
             reason: scored.reason,
+            predicted_cached_tokens: scored.cached_tokens,
             inflight: self
                 .loads
                 .start_request(&replica.id, scored.prefill_tokens, keys),
@@ -389,6 +394,7 @@ impl Picker {
             tier: Tier::Load,
             reason: cause.as_label(),
             prefill_tokens: 0,
+            cached_tokens: 0,
         }
     }
 
@@ -550,6 +556,7 @@ impl Picker {
             tier,
             reason: reason.as_label(),
             prefill_tokens,
+            cached_tokens,
         })
     }
 

@@ -9,7 +9,8 @@
 //!   `HeadersResponse{header_mutation, clear_route_cache}` + `dynamic_metadata`, followed by the body
 //!   echoed as `streamed_response` chunks of at most 62 000 bytes.
 //! - Response headers: in-flight accounting ends; the served endpoint
-//!   (`envoy.lb/x-gateway-destination-endpoint-served`) is compared with the decision.
+//!   (`envoy.lb/x-gateway-destination-endpoint-served`) is compared with the decision; the client
+//!   response gets `x-kvroute-decision` and `x-kvroute-predicted-cached-tokens` (debugging, tests).
 //!
 //! The decision is `x-gateway-destination-endpoint: ip:port` and the same value in `envoy.lb`
 //! metadata (GIE endpoint-picker protocol), plus `x-kvroute-cluster` when the replica has an
@@ -55,6 +56,9 @@ pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 pub const CLUSTER_HEADER: &str = "x-kvroute-cluster";
 /// Header describing the decision (`tier/reason`), for logs and tests.
 pub const DECISION_HEADER: &str = "x-kvroute-decision";
+/// Debug response header: prompt tokens the decision predicted cached on the chosen replica, to
+/// compare with the engine's `usage.prompt_tokens_details.cached_tokens`.
+pub const PREDICTED_CACHED_HEADER: &str = "x-kvroute-predicted-cached-tokens";
 /// Largest body chunk echoed in FULL_DUPLEX_STREAMED mode (Envoy's limit is ~64 KiB; GIE uses this).
 pub const MAX_STREAMED_CHUNK: usize = 62_000;
 /// Responses queued per stream before the stream task waits for Envoy to read.
@@ -231,10 +235,12 @@ impl StreamTask {
             processing_request::Request::ResponseHeaders(_) => {
                 self.observe_served(message.metadata_context.as_ref());
                 // The engine answered: the request no longer waits in its queue.
-                self.state.decision = None;
+                let decision = self.state.decision.take();
                 self.send(ProcessingResponse {
                     response: Some(processing_response::Response::ResponseHeaders(
-                        HeadersResponse::default(),
+                        HeadersResponse {
+                            response: decision.as_ref().map(debug_response_headers),
+                        },
                     )),
                     ..ProcessingResponse::default()
                 })
@@ -424,6 +430,26 @@ fn decision_headers(decision: &Decision) -> HeaderMutation {
     HeaderMutation {
         set_headers,
         ..HeaderMutation::default()
+    }
+}
+
+/// The decision echoed to the client (`x-kvroute-decision`, predicted cached tokens).
+fn debug_response_headers(decision: &Decision) -> CommonResponse {
+    CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers: vec![
+                set_header(
+                    DECISION_HEADER,
+                    &format!("{}/{}", decision.tier.as_label(), decision.reason),
+                ),
+                set_header(
+                    PREDICTED_CACHED_HEADER,
+                    &decision.predicted_cached_tokens.to_string(),
+                ),
+            ],
+            ..HeaderMutation::default()
+        }),
+        ..CommonResponse::default()
     }
 }
 

@@ -10,6 +10,9 @@
 //! Envoy also gets a plain round-robin listener over the same sims (no ext_proc), so one stack
 //! can compare both ways of routing. [`Routing::RoundRobin`] starts only that: sims and Envoy.
 //!
+//! [`Stack::start_external`] puts the same index, ext-proc and Envoy in front of engines the
+//! caller runs instead of sims (real vLLM: [`ExternalReplica`]); replica ids stay `sim-<i>`.
+//!
 //! Binaries are looked up next to the running executable (`target/<profile>/`, also from
 //! `target/<profile>/deps/` where test binaries live); build them first with
 //! `cargo build --bins` (tests) or `cargo build --release --bins` (the demo).
@@ -39,6 +42,50 @@ const ROUND_ROBIN_LISTENER: &str = "round_robin";
 pub const MODEL: &str = "tiny";
 /// How long the index gets to see every sim's events after start.
 const EVENT_SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How kvroute-index's SUB socket meets an engine's KV-event PUB socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventsMode {
+    /// The engine binds (vLLM endpoint with a wildcard, `tcp://*:P`); the index connects.
+    Connect,
+    /// The index binds; the engine connects (vLLM endpoint naming a host, `tcp://127.0.0.1:P`).
+    Bind,
+}
+
+impl EventsMode {
+    /// The index config's `events.mode` value.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            EventsMode::Connect => "connect",
+            EventsMode::Bind => "bind",
+        }
+    }
+}
+
+/// An engine the caller started and owns (e.g. real vLLM): the stack routes to it and indexes
+/// its KV events, but never starts or stops it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExternalReplica {
+    /// Its OpenAI-compatible HTTP API.
+    pub http: SocketAddr,
+    /// The KV-event endpoint of the index's SUB socket (`tcp://127.0.0.1:P`).
+    pub events: String,
+    /// Whether the index connects to `events` or binds it.
+    pub events_mode: EventsMode,
+    /// The engine's replay ROUTER endpoint.
+    pub replay: String,
+    /// The engine's KV-event topic.
+    pub topic: String,
+}
+
+/// Where the index hears one replica's events (a sim's or an external engine's).
+#[derive(Debug, Clone)]
+struct EventSource {
+    endpoint: String,
+    mode: EventsMode,
+    replay: String,
+    topic: String,
+}
 
 /// How Envoy routes requests to the sims.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -466,6 +513,8 @@ pub struct Stack {
     /// Index instances beyond the first (`index_instances > 1`).
     more_indexes: Vec<Service>,
     sims: Vec<SimProcess>,
+    /// Engines the caller owns ([`Stack::start_external`]); empty when the stack runs sims.
+    external: Vec<ExternalReplica>,
     options: StackOptions,
     _dir: tempfile::TempDir,
 }
@@ -475,16 +524,47 @@ impl Stack {
     /// before the next; in kvroute mode also waits until the index has heard from every sim.
     pub async fn start(options: StackOptions) -> Result<Self, StackError> {
         let binaries = locate_all(&options)?;
-        let dir = tempfile::tempdir().map_err(|source| HarnessError::Io {
-            path: PathBuf::from("tempdir"),
-            source,
-        })?;
         let sim_binary = binaries.sim.display().to_string();
         let mut sims = Vec::with_capacity(options.replicas);
         for replica in 0..options.replicas {
             sims.push(SimProcess::spawn(&sim_binary, &sim_args(&options, replica)).await?);
         }
-        let sim_addrs: Vec<SocketAddr> = sims.iter().map(|s| s.ready.http).collect();
+        Self::start_in_front(options, binaries, sims, Vec::new()).await
+    }
+
+    /// Like [`Stack::start`], but in front of `engines` (already serving) instead of sims:
+    /// replica `sim-<i>` is `engines[i]`; `options.replicas` and the sim settings are unused.
+    /// kvroute-engine-sim need not be built. Kvroute mode also waits until the index heard from
+    /// every engine, sending each a one-token completion so that an idle vLLM publishes.
+    pub async fn start_external(
+        options: StackOptions,
+        engines: Vec<ExternalReplica>,
+    ) -> Result<Self, StackError> {
+        let dir = binary_dir(options.bin_dir.as_deref());
+        let binaries = Binaries {
+            sim: PathBuf::new(),
+            index: locate(&dir, "kvroute-index")?,
+            ext_proc: locate(&dir, "kvroute-ext-proc")?,
+        };
+        Self::start_in_front(options, binaries, Vec::new(), engines).await
+    }
+
+    /// Starts index, ext-proc and Envoy in front of running replicas (sims or external engines).
+    async fn start_in_front(
+        options: StackOptions,
+        binaries: Binaries,
+        sims: Vec<SimProcess>,
+        external: Vec<ExternalReplica>,
+    ) -> Result<Self, StackError> {
+        let dir = tempfile::tempdir().map_err(|source| HarnessError::Io {
+            path: PathBuf::from("tempdir"),
+            source,
+        })?;
+        let sim_addrs: Vec<SocketAddr> = sims
+            .iter()
+            .map(|s| s.ready.http)
+            .chain(external.iter().map(|e| e.http))
+            .collect();
 
         let mut more_indexes = Vec::new();
         let (index, ext_proc, envoy_config) = match options.routing {
@@ -506,6 +586,7 @@ impl Stack {
                         log: String::new(),
                     });
                 };
+                let sources = event_sources(&sims, &external)?;
                 let mut indexes = Vec::with_capacity(names.len());
                 for name in names {
                     indexes.push(
@@ -513,7 +594,7 @@ impl Stack {
                             name,
                             binaries.index.clone(),
                             dir.path(),
-                            index_config(&options, &sims)?,
+                            index_config(&options, &sources),
                         )
                         .await?,
                     );
@@ -523,7 +604,7 @@ impl Stack {
                     "kvroute-ext-proc",
                     binaries.ext_proc.clone(),
                     dir.path(),
-                    ext_proc_config(&options, &sims, &index_addrs),
+                    ext_proc_config(&options, &sim_addrs, &index_addrs),
                 )
                 .await?;
                 let index = indexes.remove(0);
@@ -544,6 +625,7 @@ impl Stack {
             index,
             more_indexes,
             sims,
+            external,
             options,
             _dir: dir,
         };
@@ -600,14 +682,28 @@ impl Stack {
         &self.sims
     }
 
-    /// Base URLs of the sims' HTTP APIs, in replica order.
+    /// Base URLs of the replicas' HTTP APIs (sims or external engines), in replica order.
     pub fn sim_urls(&self) -> Vec<String> {
-        self.sims.iter().map(SimProcess::base_url).collect()
+        self.sims
+            .iter()
+            .map(SimProcess::base_url)
+            .chain(self.external.iter().map(|e| format!("http://{}", e.http)))
+            .collect()
     }
 
     /// The replica ids used in the index and ext-proc configs, in replica order.
     pub fn replica_ids(&self) -> Vec<String> {
-        (0..self.sims.len()).map(replica_id).collect()
+        (0..self.sims.len() + self.external.len())
+            .map(replica_id)
+            .collect()
+    }
+
+    /// Base URLs of the external engines (empty for sims).
+    fn external_urls(&self) -> Vec<String> {
+        self.external
+            .iter()
+            .map(|e| format!("http://{}", e.http))
+            .collect()
     }
 
     /// kvroute-index's admin base URL.
@@ -730,11 +826,17 @@ impl Stack {
             .await?;
         }
         let running = self.indexes().filter(|index| index.guard.is_some());
+        let external = self.external_urls();
         for admin in running.map(|index| format!("http://{}", index.admin)) {
             let url = format!("{admin}/v1/replicas");
             wait_until("the index to drop every block", EVENT_SYNC_TIMEOUT, || {
                 let url = url.clone();
+                let external = external.clone();
                 async move {
+                    // vLLM publishes a reset with its next engine step.
+                    for engine in &external {
+                        nudge_engine(engine).await;
+                    }
                     let replicas = http::get(&url).await.ok()?.json().ok()?;
                     let replicas = replicas.as_array()?;
                     replicas
@@ -762,6 +864,7 @@ impl Stack {
         let url = format!("{admin}/v1/replicas");
         let ids = self.replica_ids();
         let sims = self.sim_urls();
+        let external = self.external_urls();
         let synced = wait_until(
             "the index to hear from every sim",
             EVENT_SYNC_TIMEOUT,
@@ -769,6 +872,7 @@ impl Stack {
                 let url = url.clone();
                 let ids = ids.clone();
                 let sims = sims.clone();
+                let external = external.clone();
                 async move {
                     let replicas = http::get(&url).await.ok()?.json().ok()?;
                     let ready = |id: &str| {
@@ -781,6 +885,9 @@ impl Stack {
                         if !ready(id) {
                             all_ready = false;
                             let _ = http::post_empty(&format!("{sim}/reset_prefix_cache")).await;
+                            if external.contains(sim) {
+                                nudge_engine(sim).await;
+                            }
                         }
                     }
                     all_ready.then_some(())
@@ -823,6 +930,13 @@ impl Stack {
             log: self.logs(),
         }
     }
+}
+
+/// A one-token completion shorter than a block: an idle vLLM publishes queued events (a reset's
+/// `AllBlocksCleared`) only with its next engine step, and this step stores no block.
+async fn nudge_engine(base_url: &str) {
+    let body = serde_json::json!({"model": MODEL, "prompt": "sync", "max_tokens": 1});
+    let _ = http::post_json(&format!("{base_url}/v1/completions"), &body).await;
 }
 
 fn replica_id(replica: usize) -> String {
@@ -868,8 +982,12 @@ fn sim_args(options: &StackOptions, replica: usize) -> Vec<String> {
     .collect()
 }
 
-fn index_config(options: &StackOptions, sims: &[SimProcess]) -> Result<String, StackError> {
-    let mut replicas = String::new();
+/// Each replica's event source: what a sim reported it bound, or what the caller gave.
+fn event_sources(
+    sims: &[SimProcess],
+    external: &[ExternalReplica],
+) -> Result<Vec<EventSource>, StackError> {
+    let mut sources = Vec::with_capacity(sims.len() + external.len());
     for (i, sim) in sims.iter().enumerate() {
         let missing = |what: &str| StackError::Component {
             component: "kvroute-engine-sim",
@@ -879,21 +997,39 @@ fn index_config(options: &StackOptions, sims: &[SimProcess]) -> Result<String, S
         let endpoint = sim
             .ready
             .kv_events
-            .as_deref()
+            .clone()
             .ok_or_else(|| missing("KV events"))?;
-        let replay = sim
-            .ready
-            .replay
-            .as_deref()
-            .ok_or_else(|| missing("replay"))?;
+        let replay = sim.ready.replay.clone().ok_or_else(|| missing("replay"))?;
+        sources.push(EventSource {
+            endpoint,
+            mode: EventsMode::Connect,
+            replay,
+            topic: event_topic(i),
+        });
+    }
+    sources.extend(external.iter().map(|engine| EventSource {
+        endpoint: engine.events.clone(),
+        mode: engine.events_mode,
+        replay: engine.replay.clone(),
+        topic: engine.topic.clone(),
+    }));
+    Ok(sources)
+}
+
+fn index_config(options: &StackOptions, sources: &[EventSource]) -> String {
+    let mut replicas = String::new();
+    for (i, source) in sources.iter().enumerate() {
         replicas.push_str(&format!(
             "  - id: {id}\n    model: {MODEL}\n    events: {{endpoint: \"{endpoint}\", \
-             replay_endpoint: \"{replay}\", topic: \"{topic}\"}}\n",
+             mode: {mode}, replay_endpoint: \"{replay}\", topic: \"{topic}\"}}\n",
             id = replica_id(i),
-            topic = event_topic(i),
+            endpoint = source.endpoint,
+            mode = source.mode.as_label(),
+            replay = source.replay,
+            topic = source.topic,
         ));
     }
-    Ok(format!(
+    format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
          pools:\n  - {{model: {MODEL}, block_size: {bs}, key_scheme: vllm-exact, \
          hash_algo: {algo}, hash_seed: \"{seed}\"}}\n\
@@ -901,23 +1037,26 @@ fn index_config(options: &StackOptions, sims: &[SimProcess]) -> Result<String, S
         bs = options.block_size,
         algo = options.hash_algo,
         seed = options.hash_seed,
-    ))
+    )
 }
 
-fn ext_proc_config(options: &StackOptions, sims: &[SimProcess], indexes: &[SocketAddr]) -> String {
+fn ext_proc_config(
+    options: &StackOptions,
+    replicas: &[SocketAddr],
+    indexes: &[SocketAddr],
+) -> String {
     let addresses = indexes
         .iter()
         .map(|addr| format!("\"http://{addr}\""))
         .collect::<Vec<_>>()
         .join(", ");
-    let replicas: String = sims
+    let replicas: String = replicas
         .iter()
         .enumerate()
-        .map(|(i, sim)| {
+        .map(|(i, addr)| {
             format!(
                 "- {{id: {id}, pool: {MODEL}, address: \"{addr}\", metrics_url: \"http://{addr}/metrics\"}}\n",
                 id = replica_id(i),
-                addr = sim.ready.http,
             )
         })
         .collect();

@@ -655,11 +655,7 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
             args.reps,
             load_average()
         );
-        report(
-            &cases,
-            "plain",
-            &[("kvroute-ext-proc", "noop-ext-proc")],
-        );
+        report(&cases, "plain", &[("kvroute-ext-proc", "noop-ext-proc")]);
     }
     let failures: usize = cases.iter().map(|c| c.failures).sum();
     let mut stream_failures = Vec::new();

@@ -7,6 +7,7 @@ mod envoy;
 mod fidelity;
 mod index_capture;
 mod index_ha;
+mod real_vllm;
 mod routing;
 mod sim;
 mod sim_index;

