@@ -37,7 +37,7 @@
 //! default 200 ms is about 4 waiting requests or 40 running ones, above what a 16-sibling burst
 //! of a few thousand tokens adds (so it co-locates) and below a melting replica.
 //!
-//! Ties: estimates within [`TIE_TOLERANCE`] of the best count as equal; among them the longest
+//! Ties: estimates within `TIE_TOLERANCE` of the best count as equal; among them the longest
 //! cached prefix wins, then a random one, so identical replicas share work.
 
 use rand::Rng;
