@@ -54,6 +54,14 @@ agents:
     )
 }
 
+/// [`index_yaml`] for tests whose blocks are synthetic hashes, not vLLM's: hash validation off.
+fn index_yaml_synthetic_hashes(grpc: &str, token_dir: &Path) -> String {
+    index_yaml(grpc, token_dir).replace(
+        "hash_seed: \"0\"}",
+        "hash_seed: \"0\", validate_hashes: false}",
+    )
+}
+
 fn agent_config(index: SocketAddr, kv_events: &str, replay: &str) -> AgentConfig {
     let yaml = format!(
         r#"
@@ -408,10 +416,7 @@ fn snapshot(replica: &str, hashes: &[u64]) -> api::AgentMessage {
 #[tokio::test]
 async fn wrong_tokens_unowned_replicas_and_garbage_are_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let yaml = index_yaml("127.0.0.1:0", dir.path()).replace(
-        "hash_seed: \"0\"}",
-        "hash_seed: \"0\", validate_hashes: false}",
-    );
+    let yaml = index_yaml_synthetic_hashes("127.0.0.1:0", dir.path());
     let server = IndexServer::start(Config::from_yaml(&yaml).unwrap())
         .await
         .unwrap();
@@ -640,10 +645,7 @@ async fn converge_to_model(what: &str, admin: SocketAddr, engine: &ModelEngine) 
 async fn agent_repairs_gaps_and_resets_on_window_overflow_and_engine_restart() {
     const BUFFER_STEPS: usize = 4;
     let dir = tempfile::tempdir().unwrap();
-    let yaml = index_yaml("127.0.0.1:0", dir.path()).replace(
-        "hash_seed: \"0\"}",
-        "hash_seed: \"0\", validate_hashes: false}",
-    );
+    let yaml = index_yaml_synthetic_hashes("127.0.0.1:0", dir.path());
     let server = IndexServer::start(Config::from_yaml(&yaml).unwrap())
         .await
         .unwrap();
@@ -784,19 +786,14 @@ fn test_pki(dir: &Path) -> TestPki {
 async fn agent_stream_and_match_work_over_tls_and_plaintext_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let pki = test_pki(dir.path());
-    let yaml = index_yaml("127.0.0.1:0", dir.path())
-        .replace(
-            "hash_seed: \"0\"}",
-            "hash_seed: \"0\", validate_hashes: false}",
-        )
-        .replace(
-            "admin: \"127.0.0.1:0\"}",
-            &format!(
-                "admin: \"127.0.0.1:0\", tls: {{cert: \"{}\", key: \"{}\"}}}}",
-                pki.cert.display(),
-                pki.key.display()
-            ),
-        );
+    let yaml = index_yaml_synthetic_hashes("127.0.0.1:0", dir.path()).replace(
+        "admin: \"127.0.0.1:0\"}",
+        &format!(
+            "admin: \"127.0.0.1:0\", tls: {{cert: \"{}\", key: \"{}\"}}}}",
+            pki.cert.display(),
+            pki.key.display()
+        ),
+    );
     let server = IndexServer::start(Config::from_yaml(&yaml).unwrap())
         .await
         .unwrap();
@@ -958,10 +955,7 @@ async fn agent_path_benchmark() {
     const WINDOW: u64 = 256;
     const SLOW: Duration = Duration::from_secs(120);
     let dir = tempfile::tempdir().unwrap();
-    let yaml = index_yaml("127.0.0.1:0", dir.path()).replace(
-        "hash_seed: \"0\"}",
-        "hash_seed: \"0\", validate_hashes: false}",
-    );
+    let yaml = index_yaml_synthetic_hashes("127.0.0.1:0", dir.path());
     // A process, so the restart below is a real SIGKILL (the agent's stream breaks at once).
     let mut index = IndexProcess::start_with(dir.path(), &yaml).await;
     let grpc = index.grpc;
