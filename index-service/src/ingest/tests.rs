@@ -129,6 +129,16 @@ impl Harness {
         }
     }
 
+    /// Whether more than `before` live messages have arrived, within `timeout`. An applied batch
+    /// alone does not show that the live stream flows: the catch-up replay at socket open applies
+    /// what the engine buffered before the SUB's subscription reached the PUB, which drops live
+    /// messages until then.
+    async fn live_message_arrived(&self, before: u64, timeout: Duration) -> bool {
+        self.sink
+            .wait_for(timeout, |_| self.snapshot().messages_received > before)
+            .await
+    }
+
     /// Waits until `seq` has been applied.
     async fn wait_applied(&self, seq: u64) {
         self.wait_for(&format!("seq {seq} applied"), |calls| {
@@ -195,13 +205,11 @@ fn series(name: &str, extra: &str) -> String {
 /// last warm-up sequence number, after which the test's own messages follow in order.
 async fn warm_up(publisher: &MockVllmPublisher, harness: &Harness, payload: &[u8]) -> u64 {
     let deadline = tokio::time::Instant::now() + WAIT;
+    let received_before = harness.snapshot().messages_received;
     loop {
         let seq = publisher.publish(payload.to_vec()).await.unwrap();
         if harness
-            .sink
-            .wait_for(Duration::from_millis(20), |calls| {
-                !applied_seqs(calls).is_empty()
-            })
+            .live_message_arrived(received_before, Duration::from_millis(20))
             .await
         {
             // Every warm-up message published so far must be applied before the test goes on.
@@ -1037,13 +1045,11 @@ impl PyPublisher {
 
     async fn warm_up(&mut self, harness: &Harness, payload: &[u8]) -> u64 {
         let deadline = tokio::time::Instant::now() + WAIT;
+        let received_before = harness.snapshot().messages_received;
         loop {
             let seq = self.publish(payload);
             if harness
-                .sink
-                .wait_for(Duration::from_millis(20), |calls| {
-                    !applied_seqs(calls).is_empty()
-                })
+                .live_message_arrived(received_before, Duration::from_millis(20))
                 .await
             {
                 harness.wait_applied(seq).await;
