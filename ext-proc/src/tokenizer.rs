@@ -55,6 +55,16 @@ pub enum TokenizeInput {
     },
 }
 
+impl TokenizeInput {
+    /// Size of the text or the raw messages JSON, in bytes.
+    pub fn len_bytes(&self) -> usize {
+        match self {
+            Self::Text { text, .. } => text.len(),
+            Self::Chat { messages, .. } => messages.get().len(),
+        }
+    }
+}
+
 /// Boxed future returned by [`Tokenizer::tokenize`].
 pub type TokenizeFuture = Pin<Box<dyn Future<Output = Result<Vec<u32>, TokenizeError>> + Send>>;
 
@@ -63,6 +73,10 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
     /// Token ids of `input` for `model` (base or adapter name, as the client sent it).
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture;
 }
+
+/// Largest input tokenized on the calling task rather than a blocking thread, when the model
+/// has the fast encoder: ≈ 4k tokens, ≈ 0.2 ms (`cargo bench -p kvroute-tokenize --bench encode`).
+const INLINE_MAX_BYTES: usize = 16 * 1024;
 
 /// The model folder's tokenizer, in this process.
 #[derive(Debug, Clone)]
@@ -86,6 +100,11 @@ impl InProcessTokenizer {
 
 impl Tokenizer for InProcessTokenizer {
     fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+        if self.model.uses_fast_path() && input.len_bytes() <= INLINE_MAX_BYTES {
+            // Tens of microseconds: cheaper here than the hop to a blocking thread and back.
+            let result = encode(&self.model, &input);
+            return Box::pin(std::future::ready(result));
+        }
         let model = Arc::clone(&self.model);
         let task = self.tasks.spawn_blocking(move || encode(&model, &input));
         Box::pin(async move {

@@ -22,7 +22,7 @@
     reason = "the benchmark's report is its output on stdout"
 )]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::process::ExitCode;
@@ -32,15 +32,17 @@ use anyhow::{Context as _, bail, ensure};
 use axum::serve::ListenerExt as _;
 use bytes::Bytes;
 use clap::{Parser, ValueEnum};
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HeadersResponse, ProcessingRequest, ProcessingResponse,
-    TrailersResponse,
+    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ProcessingRequest,
+    ProcessingResponse, TrailersResponse,
 };
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::{Stream, StreamExt as _};
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
@@ -222,8 +224,10 @@ impl PromptSource {
 struct Backends {
     upstreams: Vec<SocketAddr>,
     noop: SocketAddr,
+    fixed: SocketAddr,
     /// kvroute-ext-proc as `ExtProc::serve` runs it.
     kvroute: SocketAddr,
+    kvroute_admin: SocketAddr,
     stop: CancellationToken,
     tasks: TaskTracker,
     _publishers: Vec<MockVllmPublisher>,
@@ -245,7 +249,8 @@ impl Backends {
         for _ in 0..2 {
             upstreams.push(start_upstream(&tasks, &stop).await?);
         }
-        let noop = start_noop_ext_proc(&tasks, &stop).await?;
+        let noop = start_processor(NoopProcessor, &tasks, &stop).await?;
+        let fixed = start_processor(FixedPicker::new(&upstreams), &tasks, &stop).await?;
 
         // The index follows two (silent) engines; kvroute-ext-proc asks it on every decision.
         let mut publishers = Vec::new();
@@ -276,6 +281,7 @@ impl Backends {
         ))?;
         let server = kvroute_ext_proc::ExtProc::builder(config).bind().await?;
         let kvroute = server.grpc_addr()?;
+        let kvroute_admin = server.admin_addr()?;
         let shutdown = stop.clone().cancelled_owned();
         tasks.spawn(async move {
             if let Err(error) = server.serve(shutdown).await {
@@ -285,7 +291,9 @@ impl Backends {
         Ok(Self {
             upstreams,
             noop,
+            fixed,
             kvroute,
+            kvroute_admin,
             stop,
             tasks,
             _publishers: publishers,
@@ -370,29 +378,8 @@ impl ExternalProcessor for NoopProcessor {
     ) -> Result<tonic::Response<ReplyStream>, tonic::Status> {
         // BUFFERED: exactly one reply per message.
         let replies = request.into_inner().map(|message| {
-            let common = || Some(CommonResponse::default());
-            let reply = match message?.request {
-                Some(Phase::RequestHeaders(_)) => {
-                    Reply::RequestHeaders(HeadersResponse { response: common() })
-                }
-                Some(Phase::RequestBody(_)) => {
-                    Reply::RequestBody(BodyResponse { response: common() })
-                }
-                Some(Phase::ResponseHeaders(_)) => {
-                    Reply::ResponseHeaders(HeadersResponse { response: common() })
-                }
-                Some(Phase::ResponseBody(_)) => {
-                    Reply::ResponseBody(BodyResponse { response: common() })
-                }
-                Some(Phase::RequestTrailers(_)) => {
-                    Reply::RequestTrailers(TrailersResponse::default())
-                }
-                Some(Phase::ResponseTrailers(_)) | None => {
-                    Reply::ResponseTrailers(TrailersResponse::default())
-                }
-            };
             Ok(ProcessingResponse {
-                response: Some(reply),
+                response: Some(noop_reply(message?.request)),
                 ..Default::default()
             })
         });
@@ -400,7 +387,125 @@ impl ExternalProcessor for NoopProcessor {
     }
 }
 
-async fn start_noop_ext_proc(
+/// The empty answer to one message of `phase`.
+fn noop_reply(phase: Option<Phase>) -> Reply {
+    let common = || Some(CommonResponse::default());
+    match phase {
+        Some(Phase::RequestHeaders(_)) => {
+            Reply::RequestHeaders(HeadersResponse { response: common() })
+        }
+        Some(Phase::RequestBody(_)) => Reply::RequestBody(BodyResponse { response: common() }),
+        Some(Phase::ResponseHeaders(_)) => {
+            Reply::ResponseHeaders(HeadersResponse { response: common() })
+        }
+        Some(Phase::ResponseBody(_)) => Reply::ResponseBody(BodyResponse { response: common() }),
+        Some(Phase::RequestTrailers(_)) => Reply::RequestTrailers(TrailersResponse::default()),
+        Some(Phase::ResponseTrailers(_)) | None => {
+            Reply::ResponseTrailers(TrailersResponse::default())
+        }
+    }
+}
+
+/// A picker that decides nothing: every request goes to the next upstream in turn, answered in
+/// exactly kvroute-ext-proc's shapes (destination header and `envoy.lb` metadata with
+/// `clear_route_cache` on the body, decision headers on the response). What Envoy itself spends
+/// obeying an endpoint picker, so `kvroute / fixed` is the cost of kvroute's decision alone.
+#[derive(Debug)]
+struct FixedPicker {
+    upstreams: Vec<String>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl FixedPicker {
+    fn new(upstreams: &[SocketAddr]) -> Self {
+        Self {
+            upstreams: upstreams.iter().map(ToString::to_string).collect(),
+            next: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+}
+
+fn set_header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_owned(),
+            raw_value: value.as_bytes().to_vec(),
+            ..HeaderValue::default()
+        }),
+        ..HeaderValueOption::default()
+    }
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for FixedPicker {
+    type ProcessStream = ReplyStream;
+
+    async fn process(
+        &self,
+        request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
+    ) -> Result<tonic::Response<ReplyStream>, tonic::Status> {
+        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let endpoint = self.upstreams[turn % self.upstreams.len()].clone();
+        let replies = request.into_inner().map(move |message| {
+            let mut dynamic_metadata = None;
+            let reply = match message?.request {
+                Some(Phase::RequestBody(_)) => {
+                    let lb = Struct {
+                        fields: HashMap::from([(
+                            "x-gateway-destination-endpoint".to_owned(),
+                            Value {
+                                kind: Some(Kind::StringValue(endpoint.clone())),
+                            },
+                        )]),
+                    };
+                    dynamic_metadata = Some(Struct {
+                        fields: HashMap::from([(
+                            "envoy.lb".to_owned(),
+                            Value {
+                                kind: Some(Kind::StructValue(lb)),
+                            },
+                        )]),
+                    });
+                    Reply::RequestBody(BodyResponse {
+                        response: Some(CommonResponse {
+                            header_mutation: Some(HeaderMutation {
+                                set_headers: vec![
+                                    set_header("x-gateway-destination-endpoint", &endpoint),
+                                    set_header(DECISION_HEADER, "fixed/turn"),
+                                ],
+                                ..HeaderMutation::default()
+                            }),
+                            clear_route_cache: true,
+                            ..CommonResponse::default()
+                        }),
+                    })
+                }
+                Some(Phase::ResponseHeaders(_)) => Reply::ResponseHeaders(HeadersResponse {
+                    response: Some(CommonResponse {
+                        header_mutation: Some(HeaderMutation {
+                            set_headers: vec![
+                                set_header(DECISION_HEADER, "fixed/turn"),
+                                set_header("x-kvroute-predicted-cached-tokens", "0"),
+                            ],
+                            ..HeaderMutation::default()
+                        }),
+                        ..CommonResponse::default()
+                    }),
+                }),
+                other => noop_reply(other),
+            };
+            Ok(ProcessingResponse {
+                response: Some(reply),
+                dynamic_metadata,
+                ..Default::default()
+            })
+        });
+        Ok(tonic::Response::new(Box::pin(replies)))
+    }
+}
+
+async fn start_processor<P: ExternalProcessor>(
+    processor: P,
     tasks: &TaskTracker,
     stop: &CancellationToken,
 ) -> anyhow::Result<SocketAddr> {
@@ -408,11 +513,11 @@ async fn start_noop_ext_proc(
     let addr = listener.local_addr()?;
     let server = tonic::transport::Server::builder()
         .tcp_nodelay(true)
-        .add_service(ExternalProcessorServer::new(NoopProcessor))
+        .add_service(ExternalProcessorServer::new(processor))
         .serve_with_incoming_shutdown(nodelay_incoming(listener), stop.clone().cancelled_owned());
     tasks.spawn(async move {
         if let Err(error) = server.await {
-            eprintln!("no-op ext_proc failed: {error}");
+            eprintln!("test ext_proc server failed: {error}");
         }
     });
     Ok(addr)
@@ -642,6 +747,7 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
     let mut cases = vec![
         Case::new("plain", listener("plain")?, |_| Vec::new()),
         Case::new("noop-ext-proc", listener("noop")?, |_| Vec::new()),
+        Case::new("fixed-picker", listener("fixed")?, |_| Vec::new()),
         Case::new("kvroute-ext-proc", listener("kvroute")?, |_| Vec::new()),
     ];
     println!(
@@ -649,17 +755,28 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
         load_average()
     );
     for (tokens, samples) in [(SIZES[0], args.samples_1k), (SIZES[1], args.samples_32k)] {
+        let before = stage_totals(backends.kvroute_admin).await?;
         measure(&mut cases, prompts, tokens, args.reps, samples).await?;
+        let stages = stage_means(before, stage_totals(backends.kvroute_admin).await?);
         println!(
             "### {tokens}-token prompts, {} reps × {samples} per case (load {})\n",
             args.reps,
             load_average()
         );
-        report(&cases, "plain", &[("kvroute-ext-proc", "noop-ext-proc")]);
+        report(
+            &cases,
+            "plain",
+            &[
+                ("kvroute-ext-proc", "noop-ext-proc"),
+                ("fixed-picker", "noop-ext-proc"),
+                ("kvroute-ext-proc", "fixed-picker"),
+            ],
+        );
+        println!("- kvroute-ext-proc's own mean timings (warm-up included): {stages}\n");
     }
     let failures: usize = cases.iter().map(|c| c.failures).sum();
     let mut stream_failures = Vec::new();
-    for listener in ["noop", "kvroute"] {
+    for listener in ["noop", "fixed", "kvroute"] {
         let stat = format!("http.{listener}.ext_proc.streams_failed");
         stream_failures.push(format!(
             "{listener} {}",
@@ -673,6 +790,45 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
     drop(envoy);
     drop(backends);
     Ok(())
+}
+
+/// kvroute-ext-proc's cumulative (sum, count) of its decision, tokenize and match durations.
+async fn stage_totals(admin: SocketAddr) -> anyhow::Result<[(f64, f64); 3]> {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let response = client
+        .get(format!("http://{admin}/metrics").parse()?)
+        .await?;
+    let text = String::from_utf8(response.into_body().collect().await?.to_bytes().to_vec())?;
+    let total = |name: &str| -> f64 {
+        text.lines()
+            .filter(|line| line.starts_with(name))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    Ok(STAGES.map(|stage| {
+        let name = format!("kvroute_extproc_{stage}_duration_seconds");
+        (
+            total(&format!("{name}_sum")),
+            total(&format!("{name}_count")),
+        )
+    }))
+}
+
+/// The stages kvroute-ext-proc times itself.
+const STAGES: [&str; 3] = ["decision", "tokenize", "match"];
+
+/// Mean stage durations between two [`stage_totals`] readings.
+fn stage_means(before: [(f64, f64); 3], after: [(f64, f64); 3]) -> String {
+    STAGES
+        .iter()
+        .zip(before.iter().zip(after.iter()))
+        .filter_map(|(stage, ((s0, c0), (s1, c1)))| {
+            let count = c1 - c0;
+            (count > 0.0).then(|| format!("{stage} {:.3} ms", 1e3 * (s1 - s0) / count))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// One Envoy, listeners `plain`, `noop`, `kvroute` → cluster `replicas` (the shipped
@@ -751,8 +907,8 @@ fn three_listener_config(backends: &Backends) -> String {
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
 static_resources:
-  listeners:{}{}{}
-  clusters:{}{}
+  listeners:{}{}{}{}
+  clusters:{}{}{}
   - name: replicas
     type: STATIC
     connect_timeout: 1s
@@ -779,8 +935,10 @@ static_resources:
 "#,
         listener("plain", None),
         listener("noop", Some("noop_ext_proc")),
+        listener("fixed", Some("fixed_ext_proc")),
         listener("kvroute", Some("kvroute_ext_proc")),
         grpc_cluster("noop_ext_proc", backends.noop),
+        grpc_cluster("fixed_ext_proc", backends.fixed),
         grpc_cluster("kvroute_ext_proc", backends.kvroute),
     )
 }
