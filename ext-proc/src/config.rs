@@ -6,6 +6,8 @@
 //! ```yaml
 //! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9003"}
 //! index: {addresses: ["http://10.0.0.9:7070"], match_timeout: 20ms}
+//! # Or the index inside this process (Match without a network hop), from a kvroute-index config:
+//! # index: {embedded: /etc/kvroute/index.yaml}
 //! # TLS to the index (kvroute_index::tls): addresses are then https://
 //! # index: {addresses: ["https://kvroute-index:7070"], tls: {ca: /tls/ca.crt, server_name: kvroute-index}}
 //! pools:
@@ -108,6 +110,7 @@ struct RawListen {
 #[serde(default, deny_unknown_fields)]
 struct RawIndex {
     addresses: Vec<String>,
+    embedded: Option<PathBuf>,
     match_timeout: Option<String>,
     retry_after: Option<String>,
     tls: Option<kvroute_index::tls::RawClientTls>,
@@ -206,6 +209,8 @@ pub struct Config {
     pub admin_addr: SocketAddr,
     /// kvroute-index addresses, tried in order (HA).
     pub index_addresses: Vec<http::Uri>,
+    /// A kvroute-index run inside this process and asked first (`index.embedded`).
+    pub embedded_index: Option<EmbeddedIndex>,
     /// TLS to the index (`None`: plaintext).
     pub index_tls: Option<kvroute_index::tls::ClientTls>,
     /// Deadline for one `Match`, fail-overs included.
@@ -234,6 +239,40 @@ pub struct Config {
     pub pools: Vec<Pool>,
     /// Replicas (non-empty); `Replica::pool` indexes `pools`.
     pub replicas: Vec<Replica>,
+}
+
+/// `index.embedded`: a kvroute-index config file, run in this process.
+#[derive(Debug, Clone)]
+pub struct EmbeddedIndex {
+    /// The file, as configured.
+    pub path: PathBuf,
+    /// Its text (a changed file is a changed config).
+    text: String,
+    /// The validated index config.
+    pub config: kvroute_index::config::Config,
+}
+
+impl PartialEq for EmbeddedIndex {
+    fn eq(&self, other: &Self) -> bool {
+        self.path == other.path && self.text == other.text
+    }
+}
+
+impl EmbeddedIndex {
+    fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let invalid = |reason: String| ConfigError::EmbeddedIndex {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| invalid(e.to_string()))?;
+        let config = kvroute_index::config::Config::from_yaml(&text)
+            .map_err(|e| invalid(format!("{:#}", anyhow::Error::from(e))))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            text,
+            config,
+        })
+    }
 }
 
 /// How Envoy sends the request body to us.
@@ -432,6 +471,12 @@ impl TryFrom<RawConfig> for Config {
             grpc_addr,
             admin_addr,
             index_addresses,
+            embedded_index: raw
+                .index
+                .embedded
+                .as_deref()
+                .map(EmbeddedIndex::load)
+                .transpose()?,
             index_tls,
             match_timeout: duration(
                 "index.match_timeout",
@@ -965,5 +1010,41 @@ replicas:
         );
         assert!(duration("f", Some("-1s"), Duration::ZERO).is_err());
         assert!(duration("f", Some("5"), Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn embedded_index_is_loaded_and_validated_with_the_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let with = |path: &std::path::Path| {
+            format!("{MINIMAL}index: {{embedded: \"{}\"}}\n", path.display())
+        };
+        let missing = dir.path().join("absent.yaml");
+        let error = error_of(&with(&missing));
+        assert!(
+            error.contains("index.embedded") && error.contains("absent.yaml"),
+            "{error}"
+        );
+
+        let invalid = dir.path().join("invalid.yaml");
+        std::fs::write(&invalid, "listen: {grpc: \"nowhere\"}\n").unwrap();
+        let error = error_of(&with(&invalid));
+        assert!(
+            error.contains("index.embedded") && error.contains("listen.grpc"),
+            "{error}"
+        );
+
+        let valid = dir.path().join("index.yaml");
+        std::fs::write(
+            &valid,
+            "listen: {grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}\n\
+             pools:\n  - {model: m, block_size: 16, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: \"0\"}\n\
+             replicas:\n  - {id: r0, model: m, events: {endpoint: \"tcp://127.0.0.1:5557\"}}\n",
+        )
+        .unwrap();
+        let config = Config::from_yaml(&with(&valid)).unwrap();
+        let embedded = config.embedded_index.as_ref().unwrap();
+        assert_eq!(embedded.path, valid);
+        assert_eq!(embedded.config.replicas.len(), 1);
+        assert!(config.index_addresses.is_empty());
     }
 }

@@ -159,6 +159,9 @@ pub enum IndexError {
         /// The last gRPC status.
         status: tonic::Status,
     },
+    /// The embedded index refused the query (e.g. a model its config does not know).
+    #[error("embedded index refused the match")]
+    Refused(#[source] kvroute_index::server::MatchError),
 }
 
 impl IndexError {
@@ -168,6 +171,7 @@ impl IndexError {
             Self::NotConfigured => "not_configured",
             Self::Timeout { .. } => "timeout",
             Self::Unavailable { .. } => "unavailable",
+            Self::Refused(_) => "refused",
         }
     }
 }
@@ -217,6 +221,14 @@ pub enum ConfigError {
         /// Why it is rejected.
         reason: &'static str,
     },
+    /// `index.embedded` names a kvroute-index config that cannot be read or is invalid.
+    #[error("index.embedded: kvroute-index config '{path}' rejected: {reason}")]
+    EmbeddedIndex {
+        /// The file.
+        path: String,
+        /// Why (the index's own validation message).
+        reason: String,
+    },
     /// `index.tls` is unusable (missing file, not PEM, refused by rustls).
     #[error("invalid TLS settings: {0}")]
     Tls(#[from] kvroute_index::tls::TlsError),
@@ -232,6 +244,7 @@ impl ConfigError {
             Self::Tokenizer { .. } => "tokenizer",
             Self::InvalidValue { .. } => "invalid_value",
             Self::Tls(_) => "tls",
+            Self::EmbeddedIndex { .. } => "embedded_index",
         }
     }
 

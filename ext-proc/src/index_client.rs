@@ -1,4 +1,5 @@
-//! Client of kvroute-index with fail-over across several addresses, under a deadline.
+//! Client of kvroute-index with fail-over across several addresses, under a deadline; or, with
+//! `index.embedded`, the index running in this process, asked directly (no network round trip).
 //!
 //! Addresses are tried in configured order, skipping any that failed within `retry_after`; a call
 //! fails over to the next address while the deadline allows. Channels connect lazily, so a dead
@@ -8,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_index::api::kv_index_client::KvIndexClient;
 use kvroute_index::api::{MatchRequest, MatchResponse};
+use kvroute_index::server::LocalMatcher;
 use kvroute_index::tls::ClientTls;
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
@@ -27,6 +29,8 @@ struct IndexAddress {
 /// The index addresses of one config snapshot.
 #[derive(Debug)]
 pub struct IndexClient {
+    /// The embedded index, asked instead of the addresses when present.
+    local: Option<LocalMatcher>,
     addresses: Vec<IndexAddress>,
     retry_after: Duration,
 }
@@ -57,14 +61,26 @@ impl IndexClient {
             })
             .collect();
         Self {
+            local: None,
             addresses,
             retry_after,
         }
     }
 
-    /// Whether any address is configured.
+    /// Asks `local` (the embedded index) instead of the addresses.
+    pub fn with_local(mut self, local: Option<LocalMatcher>) -> Self {
+        self.local = local;
+        self
+    }
+
+    /// The embedded index, if any.
+    pub fn local(&self) -> Option<&LocalMatcher> {
+        self.local.as_ref()
+    }
+
+    /// Whether an index is configured (embedded or at an address).
     pub fn is_configured(&self) -> bool {
-        !self.addresses.is_empty()
+        self.local.is_some() || !self.addresses.is_empty()
     }
 
     /// `Match` on the first healthy address, failing over until `deadline`.
@@ -73,6 +89,10 @@ impl IndexClient {
         request: MatchRequest,
         deadline: Instant,
     ) -> Result<MatchResponse, IndexError> {
+        if let Some(local) = &self.local {
+            // Microseconds in memory: no deadline to enforce, nothing to fail over to.
+            return local.r#match(&request).map_err(IndexError::Refused);
+        }
         if self.addresses.is_empty() {
             return Err(IndexError::NotConfigured);
         }

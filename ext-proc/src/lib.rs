@@ -44,7 +44,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use kvroute_index::server::IndexServer;
 use prometheus_client::registry::Registry;
+
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -82,6 +84,9 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("gRPC server failed")]
     Grpc(#[source] tonic::transport::Error),
+    /// The embedded index (`index.embedded`) could not start.
+    #[error("embedded kvroute-index failed to start")]
+    EmbeddedIndex(#[source] kvroute_index::server::ServeError),
 }
 
 impl ServeError {
@@ -91,6 +96,7 @@ impl ServeError {
             Self::Config(_) => "config",
             Self::Bind { .. } => "bind",
             Self::Grpc(_) => "grpc",
+            Self::EmbeddedIndex(_) => "embedded_index",
         }
     }
 }
@@ -130,6 +136,22 @@ impl ExtProcBuilder {
         };
         let grpc = bind("grpc", runtime.config.grpc_addr).await?;
         let admin = bind("admin", runtime.config.admin_addr).await?;
+        let embedded_index = match &runtime.config.embedded_index {
+            Some(embedded) => {
+                let index = IndexServer::start(embedded.config.clone())
+                    .await
+                    .map_err(ServeError::EmbeddedIndex)?;
+                tracing::info!(
+                    config = %embedded.path.display(),
+                    grpc = %index.grpc_addr(),
+                    admin = %index.admin_addr(),
+                    "embedded kvroute-index serving; Match is answered in process"
+                );
+                runtime = runtime.with_local_index(index.matcher());
+                Some(index)
+            }
+            None => None,
+        };
         let mut registry = Registry::default();
         let metrics = Metrics::register(&mut registry);
         let picker = Arc::new(Picker::new(runtime, metrics, tasks.clone()));
@@ -140,6 +162,7 @@ impl ExtProcBuilder {
             registry: Arc::new(registry),
             tasks,
             config_path: self.config_path,
+            embedded_index,
         })
     }
 }
@@ -153,6 +176,8 @@ pub struct ExtProc {
     registry: Arc<Registry>,
     tasks: TaskTracker,
     config_path: Option<PathBuf>,
+    /// `index.embedded`: stopped after the gRPC server has drained.
+    embedded_index: Option<IndexServer>,
 }
 
 impl ExtProc {
@@ -175,6 +200,13 @@ impl ExtProc {
         self.admin.local_addr()
     }
 
+    /// The embedded index's gRPC and admin addresses (`index.embedded`).
+    pub fn embedded_index_addrs(&self) -> Option<(SocketAddr, SocketAddr)> {
+        self.embedded_index
+            .as_ref()
+            .map(|index| (index.grpc_addr(), index.admin_addr()))
+    }
+
     /// The picker (decisions, load records).
     pub fn picker(&self) -> Arc<Picker> {
         Arc::clone(&self.picker)
@@ -189,6 +221,7 @@ impl ExtProc {
             registry,
             tasks,
             config_path,
+            embedded_index,
         } = self;
         let config = picker.runtime().config.clone();
         let background = CancellationToken::new();
@@ -228,7 +261,7 @@ impl ExtProc {
             }
         });
 
-        let service = ExtProcService::new(Arc::clone(&picker), tasks.clone());
+        let service = ExtProcService::new(Arc::clone(&picker));
         let grpc_stop = stop_accepting.clone();
         let grpc_server = tonic::transport::Server::builder()
             .tcp_nodelay(true)
@@ -278,6 +311,9 @@ impl ExtProc {
             .is_err()
         {
             tracing::warn!("background tasks did not stop in time");
+        }
+        if let Some(index) = embedded_index {
+            index.shutdown().await;
         }
         tracing::info!("kvroute-ext-proc stopped");
         result

@@ -81,11 +81,14 @@ fn main() -> ExitCode {
 
 /// Writes the bound addresses, then renames into place so a poller never reads half a file.
 fn write_ready_file(path: &Path, server: &ExtProc) -> anyhow::Result<()> {
-    let text = format!(
+    let mut text = format!(
         "grpc={}\nadmin={}\n",
         server.grpc_addr()?,
         server.admin_addr()?
     );
+    if let Some((grpc, admin)) = server.embedded_index_addrs() {
+        text.push_str(&format!("index_grpc={grpc}\nindex_admin={admin}\n"));
+    }
     let partial = path.with_extension("partial");
     std::fs::write(&partial, text)
         .and_then(|()| std::fs::rename(&partial, path))

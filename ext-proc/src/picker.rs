@@ -172,16 +172,32 @@ impl Runtime {
             };
             tokenizers.push(tokenizer);
         }
+        // The embedded index lives as long as the process: a reload keeps it (and says so when
+        // the reloaded config asks for another).
+        if let Some(previous) = previous
+            && previous.config.embedded_index != config.embedded_index
+        {
+            tracing::warn!(
+                "index.embedded changed: it takes effect when kvroute-ext-proc restarts"
+            );
+        }
         let index = IndexClient::new(
             &config.index_addresses,
             config.index_retry_after,
             config.index_tls.as_ref(),
-        );
+        )
+        .with_local(previous.and_then(|p| p.index.local().cloned()));
         Ok(Self {
             config: Arc::new(config),
             tokenizers,
             index,
         })
+    }
+
+    /// Answers `Match` from `local`, the index embedded in this process.
+    pub fn with_local_index(mut self, local: kvroute_index::server::LocalMatcher) -> Self {
+        self.index = self.index.with_local(Some(local));
+        self
     }
 
     /// Installs a tokenizer for a pool (tests and embedders).

@@ -1,4 +1,4 @@
-//! The `envoy.service.ext_proc.v3.ExternalProcessor` service: one task per HTTP request's stream.
+//! The `envoy.service.ext_proc.v3.ExternalProcessor` service: one response stream per HTTP request.
 //!
 //! Message flow (the body mode comes from `protocol_config` on the first message, else the
 //! configured `default_body_mode`):
@@ -31,11 +31,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_util::task::TaskTracker;
+use futures::StreamExt as _;
 use tonic::{Request, Response, Status, Streaming};
-use tracing::Instrument;
 
 use crate::config::BodyMode;
 use crate::error::RequestError;
@@ -61,43 +58,52 @@ pub const DECISION_HEADER: &str = "x-kvroute-decision";
 pub const PREDICTED_CACHED_HEADER: &str = "x-kvroute-predicted-cached-tokens";
 /// Largest body chunk echoed in FULL_DUPLEX_STREAMED mode (Envoy's limit is ~64 KiB; GIE uses this).
 pub const MAX_STREAMED_CHUNK: usize = 62_000;
-/// Responses queued per stream before the stream task waits for Envoy to read.
-const RESPONSE_QUEUE: usize = 16;
 
 /// The ext_proc gRPC service.
 #[derive(Debug, Clone)]
 pub struct ExtProcService {
     picker: Arc<Picker>,
-    tasks: TaskTracker,
 }
 
 impl ExtProcService {
-    /// A service deciding with `picker`; stream tasks run on `tasks`.
-    pub fn new(picker: Arc<Picker>, tasks: TaskTracker) -> Self {
-        Self { picker, tasks }
+    /// A service deciding with `picker`.
+    pub fn new(picker: Arc<Picker>) -> Self {
+        Self { picker }
     }
 }
 
 #[tonic::async_trait]
 impl ExternalProcessor for ExtProcService {
-    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+    type ProcessStream = ResponseStream;
 
     async fn process(
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let (tx, rx) = mpsc::channel(RESPONSE_QUEUE);
         let stream = StreamTask {
-            picker: Arc::clone(&self.picker),
-            tx,
+            outbox: Vec::new(),
             state: StreamState::default(),
+            _active: ActiveStream::new(self.picker.metrics().streams_active.clone()),
+            picker: Arc::clone(&self.picker),
         };
-        self.tasks.spawn(
-            stream
-                .run(request.into_inner())
-                .instrument(tracing::debug_span!("ext_proc")),
-        );
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(stream.responses(request.into_inner())))
+    }
+}
+
+/// Counts a stream in `streams_active` while it lives.
+#[derive(Debug)]
+struct ActiveStream(prometheus_client::metrics::gauge::Gauge);
+
+impl ActiveStream {
+    fn new(gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for ActiveStream {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -116,9 +122,15 @@ struct StreamState {
 
 struct StreamTask {
     picker: Arc<Picker>,
-    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    /// Responses to the message being handled.
+    outbox: Vec<ProcessingResponse>,
     state: StreamState,
+    _active: ActiveStream,
 }
+
+/// The response stream of one ext_proc call.
+pub type ResponseStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
 
 /// Whether the stream goes on after a message.
 enum Flow {
@@ -127,34 +139,43 @@ enum Flow {
 }
 
 impl StreamTask {
-    async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
-        let metrics = self.picker.metrics().streams_active.clone();
-        metrics.inc();
-        loop {
-            match inbound.message().await {
-                Ok(Some(message)) => match self.handle(message).await {
-                    Flow::Continue => {}
-                    Flow::Stop => break,
-                },
-                Ok(None) => break,
-                // Envoy resets the stream (h2 RST_STREAM) once the HTTP request is done: that is EOF.
-                Err(status) => {
-                    tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream ended");
-                    break;
+    /// The responses to `inbound`, in order: each message is handled when Envoy's side of the
+    /// stream polls for the next response, on the connection's own task — no task or channel hop
+    /// per message (they cost more than a decision on a busy host).
+    fn responses(self, inbound: Streaming<ProcessingRequest>) -> ResponseStream {
+        let stream = futures::stream::unfold(Some((self, inbound)), |next| async move {
+            let (mut task, mut inbound) = next?;
+            loop {
+                let message = match inbound.message().await {
+                    Ok(Some(message)) => message,
+                    Ok(None) => return None,
+                    // Envoy resets the stream (h2 RST_STREAM) once the HTTP request is done: EOF.
+                    Err(status) => {
+                        tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream ended");
+                        return None;
+                    }
+                };
+                let flow = task.handle(message).await;
+                let replies = std::mem::take(&mut task.outbox);
+                match flow {
+                    Flow::Continue if replies.is_empty() => continue,
+                    Flow::Continue => {
+                        let replies = futures::stream::iter(replies.into_iter().map(Ok));
+                        return Some((replies, Some((task, inbound))));
+                    }
+                    Flow::Stop => {
+                        return Some((futures::stream::iter(replies.into_iter().map(Ok)), None));
+                    }
                 }
             }
-        }
-        metrics.dec();
+        });
+        Box::pin(stream.flatten())
     }
 
-    async fn send(&self, response: ProcessingResponse) -> Flow {
-        match self.tx.send(Ok(response)).await {
-            Ok(()) => Flow::Continue,
-            Err(_) => {
-                tracing::debug!("ext_proc client went away");
-                Flow::Stop
-            }
-        }
+    /// Queues a response; the stream yields it once the current message is handled.
+    fn send(&mut self, response: ProcessingResponse) -> Flow {
+        self.outbox.push(response);
+        Flow::Continue
     }
 
     async fn handle(&mut self, message: ProcessingRequest) -> Flow {
@@ -185,7 +206,7 @@ impl StreamTask {
                 self.state.endpoint = Some(Endpoint::from_path(&path));
                 if headers.end_of_stream || !full_duplex {
                     // No body to route on (GET), or BUFFERED: answer now, decide on the body.
-                    return self.send(headers_response(CommonResponse::default())).await;
+                    return self.send(headers_response(CommonResponse::default()));
                 }
                 self.state.headers_answer_owed = true;
                 Flow::Continue
@@ -204,7 +225,7 @@ impl StreamTask {
                             kind: error.as_label(),
                         })
                         .inc();
-                    self.send(immediate_error(&error)).await;
+                    self.send(immediate_error(&error));
                     return Flow::Stop;
                 }
                 self.state.body.extend_from_slice(&chunk.body);
@@ -215,7 +236,7 @@ impl StreamTask {
                     Flow::Continue
                 } else {
                     // STREAMED / BUFFERED_PARTIAL: each chunk is answered; routing waits for the end.
-                    self.send(body_response(CommonResponse::default())).await
+                    self.send(body_response(CommonResponse::default()))
                 }
             }
             processing_request::Request::RequestTrailers(_) => {
@@ -230,7 +251,6 @@ impl StreamTask {
                     )),
                     ..ProcessingResponse::default()
                 })
-                .await
             }
             processing_request::Request::ResponseHeaders(_) => {
                 self.observe_served(message.metadata_context.as_ref());
@@ -244,7 +264,6 @@ impl StreamTask {
                     )),
                     ..ProcessingResponse::default()
                 })
-                .await
             }
             processing_request::Request::ResponseBody(chunk) => {
                 let response = if self.state.response_body_full_duplex {
@@ -261,17 +280,13 @@ impl StreamTask {
                     })),
                     ..ProcessingResponse::default()
                 })
-                .await
             }
-            processing_request::Request::ResponseTrailers(_) => {
-                self.send(ProcessingResponse {
-                    response: Some(processing_response::Response::ResponseTrailers(
-                        TrailersResponse::default(),
-                    )),
-                    ..ProcessingResponse::default()
-                })
-                .await
-            }
+            processing_request::Request::ResponseTrailers(_) => self.send(ProcessingResponse {
+                response: Some(processing_response::Response::ResponseTrailers(
+                    TrailersResponse::default(),
+                )),
+                ..ProcessingResponse::default()
+            }),
         }
     }
 
@@ -298,7 +313,7 @@ impl StreamTask {
             Ok(decision) => decision,
             Err(error) => {
                 tracing::debug!(error = %error, "request refused");
-                self.send(immediate_error(&error)).await;
+                self.send(immediate_error(&error));
                 return Flow::Stop;
             }
         };
@@ -319,12 +334,12 @@ impl StreamTask {
         if !self.state.headers_answer_owed {
             let mut response = body_response(common);
             response.dynamic_metadata = Some(metadata);
-            return self.send(response).await;
+            return self.send(response);
         }
         self.state.headers_answer_owed = false;
         let mut response = headers_response(common);
         response.dynamic_metadata = Some(metadata);
-        if let Flow::Stop = self.send(response).await {
+        if let Flow::Stop = self.send(response) {
             return Flow::Stop;
         }
         // Echo the body back; Envoy forwards these chunks upstream.
@@ -340,7 +355,7 @@ impl StreamTask {
                 body_mutation: Some(streamed(chunk.to_vec(), end)),
                 ..CommonResponse::default()
             });
-            if let Flow::Stop = self.send(response).await {
+            if let Flow::Stop = self.send(response) {
                 return Flow::Stop;
             }
         }

@@ -10,6 +10,9 @@
 //! Envoy also gets a plain round-robin listener over the same sims (no ext_proc), so one stack
 //! can compare both ways of routing. [`Routing::RoundRobin`] starts only that: sims and Envoy.
 //!
+//! [`IndexPlacement::Embedded`] runs the index inside kvroute-ext-proc (`index.embedded`, the
+//! same index config in a file) instead of as its own process.
+//!
 //! [`Stack::start_external`] puts the same index, ext-proc and Envoy in front of engines the
 //! caller runs instead of sims (real vLLM: [`ExternalReplica`]); replica ids stay `sim-<i>`.
 //!
@@ -102,6 +105,27 @@ impl Routing {
         match self {
             Routing::RoundRobin => "round-robin",
             Routing::Kvroute => "kvroute",
+        }
+    }
+}
+
+/// Where kvroute-index runs in a [`Routing::Kvroute`] stack.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum IndexPlacement {
+    /// Its own `kvroute-index` process(es); ext-proc asks them over gRPC.
+    #[default]
+    Service,
+    /// Inside kvroute-ext-proc (`index: {embedded: <index config file>}`): `Match` is answered
+    /// in memory, and the index lives and restarts with ext-proc.
+    Embedded,
+}
+
+impl IndexPlacement {
+    /// A short label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            IndexPlacement::Service => "service",
+            IndexPlacement::Embedded => "embedded",
         }
     }
 }
@@ -206,8 +230,11 @@ pub struct StackOptions {
     /// Where the binaries are; default: next to the current executable.
     pub bin_dir: Option<PathBuf>,
     /// kvroute-index instances (1..=[`MAX_INDEX_INSTANCES`]), each subscribed to every sim;
-    /// ext-proc lists them all, the first one first (HA).
+    /// ext-proc lists them all, the first one first (HA). Must be 1 with
+    /// [`IndexPlacement::Embedded`].
     pub index_instances: usize,
+    /// Whether the index is its own process or runs inside ext-proc.
+    pub index_placement: IndexPlacement,
 }
 
 /// Most kvroute-index instances a stack runs.
@@ -215,6 +242,8 @@ pub const MAX_INDEX_INSTANCES: usize = 3;
 /// Process names of the index instances (also their log and config file names).
 const INDEX_NAMES: [&str; MAX_INDEX_INSTANCES] =
     ["kvroute-index", "kvroute-index-2", "kvroute-index-3"];
+/// File name of the embedded index's config ([`IndexPlacement::Embedded`]).
+const EMBEDDED_INDEX_CONFIG: &str = "kvroute-index-embedded.yaml";
 
 impl Default for StackOptions {
     fn default() -> Self {
@@ -231,6 +260,7 @@ impl Default for StackOptions {
             budgets: ExtProcBudgets::for_this_build(),
             bin_dir: None,
             index_instances: 1,
+            index_placement: IndexPlacement::Service,
         }
     }
 }
@@ -273,6 +303,15 @@ pub enum StackError {
         /// The component.
         what: &'static str,
     },
+    /// The operation acts on the index process, but the index runs inside kvroute-ext-proc.
+    #[error(
+        "{operation} needs IndexPlacement::Service: the index is embedded in kvroute-ext-proc \
+         (restart_ext_proc restarts both)"
+    )]
+    IndexEmbedded {
+        /// The refused operation.
+        operation: &'static str,
+    },
 }
 
 impl StackError {
@@ -284,6 +323,7 @@ impl StackError {
             StackError::EnvoyConfig { .. } => "envoy_config",
             StackError::Component { .. } => "component",
             StackError::NotRunning { .. } => "not_running",
+            StackError::IndexEmbedded { .. } => "index_embedded",
         }
     }
 }
@@ -349,18 +389,32 @@ struct Service {
     config: String,
     grpc: SocketAddr,
     admin: SocketAddr,
+    /// The index this process runs itself (ext-proc with `index.embedded`).
+    embedded_index: Option<EmbeddedIndex>,
     guard: Option<ChildGuard>,
     starts: u32,
 }
 
+/// A kvroute-index running inside kvroute-ext-proc.
+#[derive(Debug)]
+struct EmbeddedIndex {
+    /// Its config file (ext-proc's `index.embedded`); after the first start, rewritten with the
+    /// bound ports like the service's own config.
+    config_path: PathBuf,
+    /// Its listeners, from ext-proc's ready file; `None` before the first start.
+    listeners: Option<Listeners>,
+}
+
 impl Service {
     /// Starts `binary --config <file> --ready-file <file>` and waits for its ready file and
-    /// admin `/readyz`.
+    /// admin `/readyz`. With `embedded_index_config` (the file ext-proc's `index.embedded`
+    /// names), also waits for the embedded index's listeners in the ready file and its `/readyz`.
     async fn start(
         name: &'static str,
         binary: PathBuf,
         dir: &Path,
         config: String,
+        embedded_index_config: Option<PathBuf>,
     ) -> Result<Self, StackError> {
         let unbound: SocketAddr = ([127, 0, 0, 1], 0).into();
         let mut service = Self {
@@ -370,21 +424,34 @@ impl Service {
             config,
             grpc: unbound,
             admin: unbound,
+            embedded_index: embedded_index_config.map(|config_path| EmbeddedIndex {
+                config_path,
+                listeners: None,
+            }),
             guard: None,
             starts: 0,
         };
         service.spawn().await?;
-        // A restart must come back on the same ports: Envoy and ext-proc know these addresses.
-        service.config = service
-            .config
-            .replace(
-                "grpc: \"127.0.0.1:0\"",
-                &format!("grpc: \"{}\"", service.grpc),
-            )
-            .replace(
-                "admin: \"127.0.0.1:0\"",
-                &format!("admin: \"{}\"", service.admin),
-            );
+        // A restart must come back on the same ports: Envoy and ext-proc know these addresses,
+        // and the embedded index's are the ones operators and tests were given.
+        service.config = pin_ports(
+            &service.config,
+            Listeners {
+                grpc: service.grpc,
+                admin: service.admin,
+            },
+        );
+        if let Some(EmbeddedIndex {
+            config_path,
+            listeners: Some(listeners),
+        }) = &service.embedded_index
+        {
+            let text = std::fs::read_to_string(config_path).map_err(|source| HarnessError::Io {
+                path: config_path.clone(),
+                source,
+            })?;
+            write_file(config_path, &pin_ports(&text, *listeners))?;
+        }
         Ok(service)
     }
 
@@ -396,10 +463,8 @@ impl Service {
         };
         let config_path = file("yaml");
         let ready_path = file("ready");
-        std::fs::write(&config_path, &self.config).map_err(|source| HarnessError::Io {
-            path: config_path.clone(),
-            source,
-        })?;
+        write_file(&config_path, &self.config)?;
+        let embedded = self.embedded_index.is_some();
         let mut command = Command::new(&self.binary);
         command
             .arg("--config")
@@ -415,11 +480,13 @@ impl Service {
                 if let Some(status) = exited {
                     return Some(Err(status));
                 }
-                parse_ready_file(&std::fs::read_to_string(ready_path).ok()?).map(Ok)
+                parse_ready_file(&std::fs::read_to_string(ready_path).ok()?)
+                    .filter(|ready| !embedded || ready.embedded_index.is_some())
+                    .map(Ok)
             }
         })
         .await;
-        let (grpc, admin) = match ready {
+        let ready = match ready {
             Ok(Ok(addresses)) => addresses,
             Ok(Err(status)) => {
                 return Err(StackError::Component {
@@ -436,18 +503,32 @@ impl Service {
                 });
             }
         };
-        let readyz = format!("http://{admin}/readyz");
-        if let Err(error) = wait_for_ok(&readyz).await {
-            return Err(StackError::Component {
-                component: name,
-                detail: error.to_string(),
-                log: guard.log(),
-            });
+        let admins = std::iter::once(ready.listeners.admin)
+            .chain(ready.embedded_index.map(|index| index.admin));
+        for admin in admins {
+            if let Err(error) = wait_for_ok(&format!("http://{admin}/readyz")).await {
+                return Err(StackError::Component {
+                    component: name,
+                    detail: error.to_string(),
+                    log: guard.log(),
+                });
+            }
         }
-        self.grpc = grpc;
-        self.admin = admin;
+        self.grpc = ready.listeners.grpc;
+        self.admin = ready.listeners.admin;
+        if let Some(index) = &mut self.embedded_index {
+            index.listeners = ready.embedded_index;
+        }
         self.guard = Some(guard);
         Ok(())
+    }
+
+    /// The embedded index's admin listener (`None` without one, or before the first start).
+    fn embedded_index_admin(&self) -> Option<SocketAddr> {
+        self.embedded_index
+            .as_ref()
+            .and_then(|index| index.listeners)
+            .map(|listeners| listeners.admin)
     }
 
     /// SIGKILL (abrupt failure); waits until the process is gone.
@@ -482,14 +563,60 @@ impl Service {
     }
 }
 
-/// `grpc=ADDR\nadmin=ADDR` (both kvroute binaries write this).
-fn parse_ready_file(text: &str) -> Option<(SocketAddr, SocketAddr)> {
+/// A process's gRPC and admin listeners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Listeners {
+    grpc: SocketAddr,
+    admin: SocketAddr,
+}
+
+/// What a ready file reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ReadyFile {
+    /// `grpc=ADDR`, `admin=ADDR` (both kvroute binaries write these).
+    listeners: Listeners,
+    /// `index_grpc=ADDR`, `index_admin=ADDR`: the index ext-proc embeds (`index.embedded`).
+    embedded_index: Option<Listeners>,
+}
+
+fn parse_ready_file(text: &str) -> Option<ReadyFile> {
     let field = |key: &str| {
         text.lines()
             .find_map(|line| line.strip_prefix(key)?.strip_prefix('='))
             .and_then(|value| value.trim().parse().ok())
     };
-    Some((field("grpc")?, field("admin")?))
+    let listeners = |grpc: &str, admin: &str| {
+        Some(Listeners {
+            grpc: field(grpc)?,
+            admin: field(admin)?,
+        })
+    };
+    Some(ReadyFile {
+        listeners: listeners("grpc", "admin")?,
+        embedded_index: listeners("index_grpc", "index_admin"),
+    })
+}
+
+/// `config` (a kvroute service or index config) listening where `bound` says instead of port 0.
+fn pin_ports(config: &str, bound: Listeners) -> String {
+    config
+        .replace(
+            "grpc: \"127.0.0.1:0\"",
+            &format!("grpc: \"{}\"", bound.grpc),
+        )
+        .replace(
+            "admin: \"127.0.0.1:0\"",
+            &format!("admin: \"{}\"", bound.admin),
+        )
+}
+
+fn write_file(path: &Path, text: &str) -> Result<(), StackError> {
+    std::fs::write(path, text).map_err(|source| {
+        StackError::from(HarnessError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    })
 }
 
 async fn wait_for_ok(url: &str) -> Result<(), HarnessError> {
@@ -588,26 +715,62 @@ impl Stack {
                 };
                 let sources = event_sources(&sims, &external)?;
                 let mut indexes = Vec::with_capacity(names.len());
-                for name in names {
-                    indexes.push(
+                let ext_proc = match options.index_placement {
+                    IndexPlacement::Service => {
+                        for name in names {
+                            indexes.push(
+                                Service::start(
+                                    name,
+                                    binaries.index.clone(),
+                                    dir.path(),
+                                    index_config(&options, &sources),
+                                    None,
+                                )
+                                .await?,
+                            );
+                        }
+                        let index_addrs: Vec<SocketAddr> = indexes.iter().map(|i| i.grpc).collect();
                         Service::start(
-                            name,
-                            binaries.index.clone(),
+                            "kvroute-ext-proc",
+                            binaries.ext_proc.clone(),
                             dir.path(),
-                            index_config(&options, &sources),
+                            ext_proc_config(
+                                &options,
+                                &sim_addrs,
+                                IndexTarget::Addresses(&index_addrs),
+                            ),
+                            None,
                         )
-                        .await?,
-                    );
-                }
-                let index_addrs: Vec<SocketAddr> = indexes.iter().map(|i| i.grpc).collect();
-                let ext_proc = Service::start(
-                    "kvroute-ext-proc",
-                    binaries.ext_proc.clone(),
-                    dir.path(),
-                    ext_proc_config(&options, &sim_addrs, &index_addrs),
-                )
-                .await?;
-                let index = indexes.remove(0);
+                        .await?
+                    }
+                    IndexPlacement::Embedded => {
+                        if options.index_instances != 1 {
+                            return Err(StackError::Component {
+                                component: "kvroute-index",
+                                detail: format!(
+                                    "an embedded index is one instance, not {}",
+                                    options.index_instances
+                                ),
+                                log: String::new(),
+                            });
+                        }
+                        let index_config_path = dir.path().join(EMBEDDED_INDEX_CONFIG);
+                        write_file(&index_config_path, &index_config(&options, &sources))?;
+                        Service::start(
+                            "kvroute-ext-proc",
+                            binaries.ext_proc.clone(),
+                            dir.path(),
+                            ext_proc_config(
+                                &options,
+                                &sim_addrs,
+                                IndexTarget::Embedded(&index_config_path),
+                            ),
+                            Some(index_config_path),
+                        )
+                        .await?
+                    }
+                };
+                let index = (!indexes.is_empty()).then(|| indexes.remove(0));
                 more_indexes = indexes;
                 let text = std::fs::read_to_string(workspace_root().join(OVERRIDE_HOST_CONFIG))
                     .map_err(|source| HarnessError::Io {
@@ -615,7 +778,7 @@ impl Stack {
                         source,
                     })?;
                 let config = render_envoy_config(&text, &sim_addrs, ext_proc.grpc)?;
-                (Some(index), Some(ext_proc), config)
+                (index, Some(ext_proc), config)
             }
         };
         let envoy = Envoy::start(&envoy_config).await?;
@@ -706,27 +869,46 @@ impl Stack {
             .collect()
     }
 
-    /// kvroute-index's admin base URL.
+    /// kvroute-index's admin base URL (the embedded index's with [`IndexPlacement::Embedded`]).
     pub fn index_admin_url(&self) -> Result<String, StackError> {
-        let index = self.index.as_ref().ok_or(StackError::NotRunning {
-            what: "kvroute-index",
-        })?;
-        Ok(format!("http://{}", index.admin))
+        self.index_admin_urls()
+            .into_iter()
+            .next()
+            .ok_or(StackError::NotRunning {
+                what: "kvroute-index",
+            })
     }
 
-    /// Admin base URLs of every kvroute-index instance (the first is [`Stack::index_admin_url`]).
+    /// Admin base URLs of every kvroute-index instance (the first is [`Stack::index_admin_url`]);
+    /// with [`IndexPlacement::Embedded`], the one inside ext-proc.
     pub fn index_admin_urls(&self) -> Vec<String> {
         self.indexes()
-            .map(|index| format!("http://{}", index.admin))
+            .map(|index| index.admin)
+            .chain(
+                self.ext_proc
+                    .as_ref()
+                    .and_then(Service::embedded_index_admin),
+            )
+            .map(|admin| format!("http://{admin}"))
             .collect()
     }
 
+    /// The index processes ([`IndexPlacement::Service`]; none when embedded).
     fn indexes(&self) -> impl Iterator<Item = &Service> {
         self.index.iter().chain(&self.more_indexes)
     }
 
+    /// Refuses an operation on the index process when the index is embedded in ext-proc.
+    fn index_is_a_process(&self, operation: &'static str) -> Result<(), StackError> {
+        match self.options.index_placement {
+            IndexPlacement::Service => Ok(()),
+            IndexPlacement::Embedded => Err(StackError::IndexEmbedded { operation }),
+        }
+    }
+
     /// Kills kvroute-index instance `instance` (0 = the first; SIGKILL).
     pub fn kill_index_instance(&mut self, instance: usize) -> Result<(), StackError> {
+        self.index_is_a_process("kill_index_instance")?;
         let index = match instance {
             0 => self.index.as_mut(),
             n => self.more_indexes.get_mut(n - 1),
@@ -749,6 +931,7 @@ impl Stack {
 
     /// Kills kvroute-index (SIGKILL).
     pub fn kill_index(&mut self) -> Result<(), StackError> {
+        self.index_is_a_process("kill_index")?;
         self.index
             .as_mut()
             .ok_or(StackError::NotRunning {
@@ -761,6 +944,7 @@ impl Stack {
     /// Starts kvroute-index again on its ports (killing it first if it runs). It resyncs from the
     /// sims' live events and replay buffers; this does not wait for that.
     pub async fn restart_index(&mut self) -> Result<(), StackError> {
+        self.index_is_a_process("restart_index")?;
         let index = self.index.as_mut().ok_or(StackError::NotRunning {
             what: "kvroute-index",
         })?;
@@ -780,6 +964,8 @@ impl Stack {
     }
 
     /// Starts kvroute-ext-proc again on its ports and waits until Envoy's health check sees it.
+    /// An embedded index restarts with it, on its own ports too; this does not wait for it to
+    /// resync (its replicas' catch-up replay and live events).
     pub async fn restart_ext_proc(&mut self) -> Result<(), StackError> {
         let ext_proc = self.ext_proc.as_mut().ok_or(StackError::NotRunning {
             what: "kvroute-ext-proc",
@@ -825,9 +1011,20 @@ impl Stack {
             })
             .await?;
         }
-        let running = self.indexes().filter(|index| index.guard.is_some());
+        let running = self
+            .indexes()
+            .filter(|index| index.guard.is_some())
+            .map(|index| index.admin);
+        let embedded = self
+            .ext_proc
+            .as_ref()
+            .filter(|ext_proc| ext_proc.guard.is_some())
+            .and_then(Service::embedded_index_admin);
         let external = self.external_urls();
-        for admin in running.map(|index| format!("http://{}", index.admin)) {
+        for admin in running
+            .chain(embedded)
+            .map(|admin| format!("http://{admin}"))
+        {
             let url = format!("{admin}/v1/replicas");
             wait_until("the index to drop every block", EVENT_SYNC_TIMEOUT, || {
                 let url = url.clone();
@@ -1040,16 +1237,30 @@ fn index_config(options: &StackOptions, sources: &[EventSource]) -> String {
     )
 }
 
+/// How ext-proc reaches the index.
+enum IndexTarget<'a> {
+    /// kvroute-index processes' gRPC listeners, tried in order.
+    Addresses(&'a [SocketAddr]),
+    /// A kvroute-index config file ext-proc runs itself.
+    Embedded(&'a Path),
+}
+
 fn ext_proc_config(
     options: &StackOptions,
     replicas: &[SocketAddr],
-    indexes: &[SocketAddr],
+    index: IndexTarget<'_>,
 ) -> String {
-    let addresses = indexes
-        .iter()
-        .map(|addr| format!("\"http://{addr}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let index = match index {
+        IndexTarget::Addresses(indexes) => {
+            let addresses = indexes
+                .iter()
+                .map(|addr| format!("\"http://{addr}\""))
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!("addresses: [{addresses}]")
+        }
+        IndexTarget::Embedded(config) => format!("embedded: \"{}\"", config.display()),
+    };
     let replicas: String = replicas
         .iter()
         .enumerate()
@@ -1062,7 +1273,7 @@ fn ext_proc_config(
         .collect();
     format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
-         index: {{addresses: [{addresses}], match_timeout: {match_ms}ms}}\n\
+         index: {{{index}, match_timeout: {match_ms}ms}}\n\
          budgets: {{decision: {decision_ms}ms, tokenize: {tokenize_ms}ms}}\n\
          scrape: {{interval: 200ms}}\n\
          scoring: {{prefill_ms_per_token: {prefill}, queue_ms_per_request: {queue}, \
@@ -1201,15 +1412,52 @@ mod tests {
         assert!(rendered.contains("remove: x-gateway-destination-endpoint"));
     }
 
+    fn listeners(grpc: u16, admin: u16) -> Listeners {
+        Listeners {
+            grpc: ([127, 0, 0, 1], grpc).into(),
+            admin: ([127, 0, 0, 1], admin).into(),
+        }
+    }
+
     #[test]
     fn ready_files_parse() {
         assert_eq!(
             parse_ready_file("grpc=127.0.0.1:1\nadmin=127.0.0.1:2\n"),
-            Some((
-                "127.0.0.1:1".parse().unwrap(),
-                "127.0.0.1:2".parse().unwrap()
-            ))
+            Some(ReadyFile {
+                listeners: listeners(1, 2),
+                embedded_index: None,
+            })
         );
         assert_eq!(parse_ready_file("grpc=127.0.0.1:1\n"), None);
+        assert_eq!(
+            parse_ready_file(
+                "grpc=127.0.0.1:1\nadmin=127.0.0.1:2\nindex_grpc=127.0.0.1:3\nindex_admin=127.0.0.1:4\n"
+            ),
+            Some(ReadyFile {
+                listeners: listeners(1, 2),
+                embedded_index: Some(listeners(3, 4)),
+            })
+        );
+        // Half an embedded index is none.
+        assert_eq!(
+            parse_ready_file("grpc=127.0.0.1:1\nadmin=127.0.0.1:2\nindex_admin=127.0.0.1:4\n")
+                .unwrap()
+                .embedded_index,
+            None
+        );
+    }
+
+    #[test]
+    fn embedded_index_configs_pin_their_bound_ports() {
+        let config = index_config(&StackOptions::default(), &[]);
+        let pinned = pin_ports(&config, listeners(3, 4));
+        assert!(pinned.starts_with("listen: {grpc: \"127.0.0.1:3\", admin: \"127.0.0.1:4\"}"));
+        let ext_proc = ext_proc_config(
+            &StackOptions::default(),
+            &[],
+            IndexTarget::Embedded(Path::new("/tmp/x/index.yaml")),
+        );
+        assert!(ext_proc.contains("index: {embedded: \"/tmp/x/index.yaml\", match_timeout: "));
+        assert!(!ext_proc.contains("addresses"));
     }
 }

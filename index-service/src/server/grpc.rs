@@ -18,7 +18,7 @@ pub const MAX_MATCH_KEYS: usize = 1 << 17;
 
 /// Why a match query was refused; mapped to gRPC / HTTP status in one place each.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum MatchError {
+pub enum MatchError {
     #[error("unknown model {0:?}")]
     UnknownModel(String),
     #[error("block size {asked} does not match the pool's {pool}")]
@@ -32,7 +32,8 @@ pub(crate) enum MatchError {
 }
 
 impl MatchError {
-    pub(crate) fn as_label(&self) -> &'static str {
+    /// Metric label.
+    pub fn as_label(&self) -> &'static str {
         match self {
             MatchError::UnknownModel(_) => "unknown_model",
             MatchError::BlockSize { .. } => "block_size_mismatch",

@@ -24,6 +24,7 @@ use crate::{
     ingest::{Ingest, IngestMetrics},
 };
 pub use directory::Directory;
+pub use grpc::MatchError;
 use metrics::ServerMetrics;
 
 /// How long in-flight requests may take to finish after shutdown starts.
@@ -66,6 +67,32 @@ pub(crate) struct Shared {
     pub(crate) registry: Registry,
     pub(crate) metrics: ServerMetrics,
     pub(crate) agents: Arc<agent_stream::AgentStreams>,
+}
+
+/// `Match` without the transport: the gRPC handler's code called in process by a router that
+/// embeds the index (kvroute-ext-proc's `index.embedded`), so a decision skips a network round
+/// trip. Counted under `api="local"`.
+#[derive(Debug, Clone)]
+pub struct LocalMatcher {
+    shared: Arc<Shared>,
+}
+
+impl LocalMatcher {
+    /// Leading blocks held per replica, exactly as the gRPC `Match` answers.
+    pub fn r#match(
+        &self,
+        request: &crate::api::MatchRequest,
+    ) -> Result<crate::api::MatchResponse, MatchError> {
+        let block_size = (request.block_size != 0).then_some(request.block_size);
+        grpc::match_keys(
+            &self.shared,
+            "local",
+            &request.model,
+            block_size,
+            &request.keys,
+            &request.candidates,
+        )
+    }
 }
 
 /// A running index service.
@@ -189,6 +216,13 @@ impl IndexServer {
     /// Address the admin HTTP server listens on.
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin_addr
+    }
+
+    /// Answers `Match` in this process, for a router embedding the index.
+    pub fn matcher(&self) -> LocalMatcher {
+        LocalMatcher {
+            shared: Arc::clone(&self.shared),
+        }
     }
 
     /// Health NOT_SERVING → stop accepting → drain (bounded) → stop ingest.

@@ -228,10 +228,13 @@ struct Backends {
     /// kvroute-ext-proc as `ExtProc::serve` runs it.
     kvroute: SocketAddr,
     kvroute_admin: SocketAddr,
+    kvroute_embedded: SocketAddr,
+    kvroute_embedded_admin: SocketAddr,
     stop: CancellationToken,
     tasks: TaskTracker,
     _publishers: Vec<MockVllmPublisher>,
     _index: kvroute_index::server::IndexServer,
+    _dir: tempfile::TempDir,
 }
 
 impl Drop for Backends {
@@ -268,51 +271,87 @@ impl Backends {
             ));
             publishers.push(publisher);
         }
-        let index_config = kvroute_index::config::Config::from_yaml(&format!(
+        let index_yaml = format!(
             "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
              pools:\n  - {{model: {MODEL}, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: \"0\"}}\n\
              replicas:\n{index_replicas}"
-        ))?;
+        );
+        let index_config = kvroute_index::config::Config::from_yaml(&index_yaml)?;
         let index = kvroute_index::server::IndexServer::start(index_config).await?;
+        // The embedded variant runs the same index config inside kvroute-ext-proc.
+        let dir = tempfile::tempdir()?;
+        let index_file = dir.path().join("index.yaml");
+        std::fs::write(&index_file, &index_yaml)?;
 
-        let config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(
-            &upstreams,
-            with_index.then(|| index.grpc_addr()),
-        ))?;
-        let server = kvroute_ext_proc::ExtProc::builder(config).bind().await?;
-        let kvroute = server.grpc_addr()?;
-        let kvroute_admin = server.admin_addr()?;
-        let shutdown = stop.clone().cancelled_owned();
-        tasks.spawn(async move {
-            if let Err(error) = server.serve(shutdown).await {
-                eprintln!("kvroute-ext-proc stopped: {error}");
-            }
-        });
+        let remote = if with_index {
+            IndexMode::Remote(index.grpc_addr())
+        } else {
+            IndexMode::None
+        };
+        let (kvroute, kvroute_admin) = start_kvroute(&upstreams, &remote, &tasks, &stop).await?;
+        let (kvroute_embedded, kvroute_embedded_admin) =
+            start_kvroute(&upstreams, &IndexMode::Embedded(index_file), &tasks, &stop).await?;
         Ok(Self {
             upstreams,
             noop,
             fixed,
             kvroute,
             kvroute_admin,
+            kvroute_embedded,
+            kvroute_embedded_admin,
             stop,
             tasks,
             _publishers: publishers,
             _index: index,
+            _dir: dir,
         })
     }
 }
 
+/// Where a kvroute-ext-proc finds its index.
+enum IndexMode {
+    /// kvroute-index over gRPC.
+    Remote(SocketAddr),
+    /// `index.embedded` with this kvroute-index config file.
+    Embedded(std::path::PathBuf),
+    /// None: the approximate tier only.
+    None,
+}
+
+/// Starts kvroute-ext-proc in this process; its gRPC and admin addresses.
+async fn start_kvroute(
+    upstreams: &[SocketAddr],
+    index: &IndexMode,
+    tasks: &TaskTracker,
+    stop: &CancellationToken,
+) -> anyhow::Result<(SocketAddr, SocketAddr)> {
+    let config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(upstreams, index))?;
+    let server = kvroute_ext_proc::ExtProc::builder(config).bind().await?;
+    let addrs = (server.grpc_addr()?, server.admin_addr()?);
+    let shutdown = stop.clone().cancelled_owned();
+    tasks.spawn(async move {
+        if let Err(error) = server.serve(shutdown).await {
+            eprintln!("kvroute-ext-proc stopped: {error}");
+        }
+    });
+    Ok(addrs)
+}
+
 /// kvroute-ext-proc YAML: one pool `tiny` (in-process tokenizer), replicas `engine-i` at
 /// `upstreams`, production budgets; with `index`, the precise tier asks it.
-fn ext_proc_config(upstreams: &[SocketAddr], index: Option<SocketAddr>) -> String {
+fn ext_proc_config(upstreams: &[SocketAddr], index: &IndexMode) -> String {
     let replicas: String = upstreams
         .iter()
         .enumerate()
         .map(|(i, addr)| format!("- {{id: engine-{i}, pool: {MODEL}, address: \"{addr}\"}}\n"))
         .collect();
     let (index, events) = match index {
-        Some(addr) => (format!("index: {{addresses: [\"http://{addr}\"]}}\n"), true),
-        None => (String::new(), false),
+        IndexMode::Remote(addr) => (format!("index: {{addresses: [\"http://{addr}\"]}}\n"), true),
+        IndexMode::Embedded(path) => (
+            format!("index: {{embedded: \"{}\"}}\n", path.display()),
+            true,
+        ),
+        IndexMode::None => (String::new(), false),
     };
     format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n{index}\
@@ -749,6 +788,7 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
         Case::new("noop-ext-proc", listener("noop")?, |_| Vec::new()),
         Case::new("fixed-picker", listener("fixed")?, |_| Vec::new()),
         Case::new("kvroute-ext-proc", listener("kvroute")?, |_| Vec::new()),
+        Case::new("kvroute-embedded", listener("embedded")?, |_| Vec::new()),
     ];
     println!(
         "## extproc: Envoy {{plain, no-op ext_proc, kvroute-ext-proc}}, load {}\n",
@@ -756,8 +796,13 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
     );
     for (tokens, samples) in [(SIZES[0], args.samples_1k), (SIZES[1], args.samples_32k)] {
         let before = stage_totals(backends.kvroute_admin).await?;
+        let before_embedded = stage_totals(backends.kvroute_embedded_admin).await?;
         measure(&mut cases, prompts, tokens, args.reps, samples).await?;
         let stages = stage_means(before, stage_totals(backends.kvroute_admin).await?);
+        let stages_embedded = stage_means(
+            before_embedded,
+            stage_totals(backends.kvroute_embedded_admin).await?,
+        );
         println!(
             "### {tokens}-token prompts, {} reps × {samples} per case (load {})\n",
             args.reps,
@@ -768,15 +813,19 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
             "plain",
             &[
                 ("kvroute-ext-proc", "noop-ext-proc"),
+                ("kvroute-embedded", "noop-ext-proc"),
                 ("fixed-picker", "noop-ext-proc"),
                 ("kvroute-ext-proc", "fixed-picker"),
+                ("kvroute-embedded", "fixed-picker"),
             ],
         );
-        println!("- kvroute-ext-proc's own mean timings (warm-up included): {stages}\n");
+        println!(
+            "- own mean timings (warm-up included): kvroute-ext-proc {stages}; kvroute-embedded {stages_embedded}\n"
+        );
     }
     let failures: usize = cases.iter().map(|c| c.failures).sum();
     let mut stream_failures = Vec::new();
-    for listener in ["noop", "fixed", "kvroute"] {
+    for listener in ["noop", "fixed", "kvroute", "embedded"] {
         let stat = format!("http.{listener}.ext_proc.streams_failed");
         stream_failures.push(format!(
             "{listener} {}",
@@ -907,8 +956,8 @@ fn three_listener_config(backends: &Backends) -> String {
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
 static_resources:
-  listeners:{}{}{}{}
-  clusters:{}{}{}
+  listeners:{}{}{}{}{}
+  clusters:{}{}{}{}
   - name: replicas
     type: STATIC
     connect_timeout: 1s
@@ -937,8 +986,10 @@ static_resources:
         listener("noop", Some("noop_ext_proc")),
         listener("fixed", Some("fixed_ext_proc")),
         listener("kvroute", Some("kvroute_ext_proc")),
+        listener("embedded", Some("embedded_ext_proc")),
         grpc_cluster("noop_ext_proc", backends.noop),
         grpc_cluster("fixed_ext_proc", backends.fixed),
+        grpc_cluster("embedded_ext_proc", backends.kvroute_embedded),
         grpc_cluster("kvroute_ext_proc", backends.kvroute),
     )
 }
@@ -1104,20 +1155,20 @@ fn picker_bench(prompts: &PromptSource, decisions_1k: usize) -> anyhow::Result<(
         (SIZES[0], decisions_1k),
         (SIZES[1], (decisions_1k / 20).max(10)),
     ] {
-        for with_index in [false, true] {
+        for index in [PickerIndex::None, PickerIndex::Grpc, PickerIndex::Embedded] {
             let bodies: Vec<Bytes> = (0..count).map(|_| prompts.body(tokens)).collect();
             let row = std::thread::scope(|scope| {
                 scope
-                    .spawn(|| picker_run(&bodies, with_index))
+                    .spawn(|| picker_run(&bodies, index))
                     .join()
                     .map_err(|_| anyhow::anyhow!("picker thread panicked"))?
             })?;
             println!(
                 "| {tokens} | {} | {} | {:.2} | {:.2} | {:.0} | {:.0} | {:?} |",
-                if with_index {
-                    "in-process Match"
-                } else {
-                    "none (events: false)"
+                match index {
+                    PickerIndex::None => "none (events: false)",
+                    PickerIndex::Grpc => "kvroute-index in-process, Match over gRPC",
+                    PickerIndex::Embedded => "embedded (`index.embedded`: Match in memory)",
                 },
                 row.decisions,
                 row.wall.as_secs_f64(),
@@ -1139,7 +1190,15 @@ struct PickerRun {
     tiers: BTreeMap<String, usize>,
 }
 
-fn picker_run(bodies: &[Bytes], with_index: bool) -> anyhow::Result<PickerRun> {
+/// How the picker bench's decisions reach the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PickerIndex {
+    None,
+    Grpc,
+    Embedded,
+}
+
+fn picker_run(bodies: &[Bytes], mode: PickerIndex) -> anyhow::Result<PickerRun> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(1)
@@ -1148,7 +1207,7 @@ fn picker_run(bodies: &[Bytes], with_index: bool) -> anyhow::Result<PickerRun> {
         let upstreams: Vec<SocketAddr> = vec!["127.0.0.1:18001".parse()?, "127.0.0.1:18002".parse()?];
         let mut publishers = Vec::new();
         let mut index = None;
-        if with_index {
+        if mode != PickerIndex::None {
             let mut replicas = String::new();
             for i in 0..2 {
                 let publisher = MockVllmPublisher::start(MockPublisherConfig {
@@ -1170,12 +1229,21 @@ fn picker_run(bodies: &[Bytes], with_index: bool) -> anyhow::Result<PickerRun> {
             ))?;
             index = Some(kvroute_index::server::IndexServer::start(config).await?);
         }
-        let config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(
-            &upstreams,
-            index.as_ref().map(|i| i.grpc_addr()),
-        ))?;
+        let index_mode = match (&index, mode) {
+            (Some(index), PickerIndex::Grpc) => IndexMode::Remote(index.grpc_addr()),
+            _ => IndexMode::None,
+        };
+        let mut config =
+            kvroute_ext_proc::Config::from_yaml(&ext_proc_config(&upstreams, &index_mode))?;
         let tasks = TaskTracker::new();
-        let runtime = kvroute_ext_proc::Runtime::build(config, None, &tasks)?;
+        if mode == PickerIndex::Embedded {
+            // `ExtProc::bind` does this for `index.embedded`; here the index is already running.
+            config.pools[0].events = true;
+        }
+        let mut runtime = kvroute_ext_proc::Runtime::build(config, None, &tasks)?;
+        if let (Some(index), PickerIndex::Embedded) = (&index, mode) {
+            runtime = runtime.with_local_index(index.matcher());
+        }
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = kvroute_ext_proc::metrics::Metrics::register(&mut registry);
         let picker = kvroute_ext_proc::Picker::new(runtime, metrics, tasks.clone());

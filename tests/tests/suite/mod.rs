@@ -3,6 +3,7 @@
 mod agent;
 mod common;
 mod demo;
+mod embedded_index;
 mod envoy;
 mod fidelity;
 mod index_capture;

@@ -1,0 +1,219 @@
+//! kvroute-ext-proc with the index inside it ([`IndexPlacement::Embedded`]): no kvroute-index
+//! process, `Match` answered in memory. Through Envoy and the sims, as [`super::routing`] does:
+//! siblings of a cached prefix go to its replica on the precise tier, the embedded index's view
+//! equals every sim's own block list, and after an ext-proc restart the catch-up replay at socket
+//! open refills the index without new engine traffic.
+//!
+//! Which replica served is read from the sims (`vllm:request_success_total` moves on exactly one
+//! sim per sequential request); the tier from the `x-kvroute-decision` response header.
+//!
+//! Needs the binaries: `cargo build --bins` before
+//! `cargo nextest run -p kvroute-tests embedded`.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use kvroute_tests::harness::{http, wait_until};
+use kvroute_tests::stack::{IndexPlacement, MODEL, Routing, Stack, StackOptions};
+use serde_json::{Value, json};
+
+use super::common::metric;
+use super::routing::{post_raw, text};
+
+/// How long a test waits for the sims' counters or the index's view to settle.
+const SETTLE: Duration = Duration::from_secs(20);
+/// Siblings of the warmed prefix sent in the first test.
+const SIBLINGS: usize = 6;
+
+async fn start_embedded() -> Stack {
+    Stack::start(StackOptions {
+        index_placement: IndexPlacement::Embedded,
+        ..StackOptions::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// Finished requests per sim, in replica order.
+async fn finished(stack: &Stack) -> Vec<u64> {
+    let mut counts = Vec::new();
+    for url in stack.sim_urls() {
+        let text = http::get(&format!("{url}/metrics")).await.unwrap().text();
+        counts.push(metric(&text, "vllm:request_success_total{") as u64);
+    }
+    counts
+}
+
+/// One completion through kvroute's listener, sent alone.
+struct Routed {
+    /// The replica that served it.
+    replica: usize,
+    /// `x-kvroute-decision` (`tier/reason`), empty when absent.
+    decision: String,
+    /// The prompt tokens the serving engine found cached.
+    cached_tokens: u64,
+}
+
+async fn route(stack: &Stack, prompt: &str) -> Routed {
+    let before = finished(stack).await;
+    let url = format!("{}/v1/completions", stack.url(Routing::Kvroute).unwrap());
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    let response = post_raw(&url, body.to_string().into_bytes(), &[]).await;
+    assert_eq!(
+        response.status,
+        200,
+        "{}\n{}",
+        response.text(),
+        stack.logs()
+    );
+    let decision = response
+        .headers
+        .get("x-kvroute-decision")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let answer: Value = response.json().unwrap();
+    let replica = wait_until("the sims to count the request", SETTLE, || async {
+        let now = finished(stack).await;
+        let delta: Vec<u64> = now.iter().zip(&before).map(|(n, b)| n - b).collect();
+        if delta.iter().sum::<u64>() != 1 {
+            return None;
+        }
+        delta.iter().position(|d| *d == 1)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", stack.logs()));
+    Routed {
+        replica,
+        decision,
+        cached_tokens: answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    }
+}
+
+/// The hashes a sim holds (its own `/debug/blocks`, one entry per hash).
+async fn sim_blocks(sim_url: &str) -> Option<BTreeSet<u64>> {
+    let answer = http::get(&format!("{sim_url}/debug/blocks"))
+        .await
+        .ok()?
+        .json()
+        .ok()?;
+    answer["blocks"]
+        .as_array()?
+        .iter()
+        .map(|b| b["hash"].as_u64())
+        .collect()
+}
+
+/// The hashes the index lists for replica `id`.
+async fn index_blocks(admin: &str, id: &str) -> Option<BTreeSet<u64>> {
+    let response = http::get(&format!("{admin}/v1/replicas/{id}/blocks"))
+        .await
+        .ok()?;
+    if !response.status.is_success() {
+        return None;
+    }
+    response.json().ok()?["blocks"]
+        .as_array()?
+        .iter()
+        .map(Value::as_u64)
+        .collect()
+}
+
+/// Waits until the embedded index's view of each of `replicas` equals that sim's own block list
+/// and holds at least `min_blocks`; on timeout, fails with the difference.
+async fn wait_converged(stack: &Stack, replicas: &[usize], min_blocks: usize, phase: &str) {
+    let admin = stack.index_admin_url().unwrap();
+    let ids = stack.replica_ids();
+    let sims = stack.sim_urls();
+    for &replica in replicas {
+        let (id, sim) = (&ids[replica], &sims[replica]);
+        let converged = wait_until(&format!("{phase}: {id} converged"), SETTLE, || async {
+            let truth = sim_blocks(sim).await?;
+            let view = index_blocks(&admin, id).await?;
+            (truth == view && view.len() >= min_blocks).then_some(())
+        })
+        .await;
+        if let Err(error) = converged {
+            let truth = sim_blocks(sim).await.unwrap_or_default();
+            let view = index_blocks(&admin, id).await.unwrap_or_default();
+            let replicas = http::get(&format!("{admin}/v1/replicas"))
+                .await
+                .map(|r| r.text())
+                .unwrap_or_else(|e| e.to_string());
+            panic!(
+                "{error}: {} blocks in the sim, {} in the index; only in the sim: {:?}; only in \
+                 the index: {:?}\nreplicas: {replicas}\n{}",
+                truth.len(),
+                view.len(),
+                truth.difference(&view).collect::<Vec<_>>(),
+                view.difference(&truth).collect::<Vec<_>>(),
+                stack.logs()
+            );
+        }
+    }
+}
+
+fn assert_precise_on(routed: &Routed, holder: usize, what: &str, stack: &Stack) {
+    assert_eq!(
+        routed.replica,
+        holder,
+        "{what} left the replica holding its prefix ({})\n{}",
+        routed.decision,
+        stack.logs()
+    );
+    assert!(
+        routed.decision.starts_with("precise/"),
+        "{what} was decided `{}`, not by the embedded index",
+        routed.decision
+    );
+    assert!(routed.cached_tokens > 0, "{what} found nothing cached");
+}
+
+#[tokio::test]
+async fn embedded_index_sends_siblings_to_their_prefix_and_mirrors_every_sim() {
+    let stack = start_embedded().await;
+    let prefix = text(41, 150);
+    let first = route(&stack, &format!("{prefix} q0")).await;
+    assert_eq!(first.cached_tokens, 0);
+    // ~1k tokens of prefix are 30+ blocks; the embedded index must hold them before siblings.
+    wait_converged(&stack, &[first.replica], 8, "warm-up").await;
+
+    for i in 1..=SIBLINGS {
+        let sibling = route(&stack, &format!("{prefix} q{i}")).await;
+        assert_precise_on(&sibling, first.replica, &format!("sibling {i}"), &stack);
+    }
+
+    // Unrelated prompts populate other replicas; then every replica's view matches its sim.
+    for seed in 0..3 {
+        route(&stack, &text(4100 + seed, 120)).await;
+    }
+    let all: Vec<usize> = (0..stack.replica_ids().len()).collect();
+    wait_converged(&stack, &all, 0, "after traffic").await;
+}
+
+#[tokio::test]
+async fn embedded_index_refills_from_the_engines_replay_after_an_ext_proc_restart() {
+    let mut stack = start_embedded().await;
+    let prefix = text(42, 150);
+    let first = route(&stack, &format!("{prefix} q0")).await;
+    let holder = first.replica;
+    wait_converged(&stack, &[holder], 8, "warm-up").await;
+    let warm = route(&stack, &format!("{prefix} q1")).await;
+    assert_precise_on(&warm, holder, "the sibling before the restart", &stack);
+    let index_admin = stack.index_admin_url().unwrap();
+
+    // The restart empties the index (and ext-proc's routing memory); no engine traffic follows,
+    // so only the catch-up replay at socket open can bring the prefix back.
+    stack.restart_ext_proc().await.unwrap();
+    assert_eq!(
+        stack.index_admin_url().unwrap(),
+        index_admin,
+        "the embedded index came back on other ports"
+    );
+    wait_converged(&stack, &[holder], 8, "after the restart").await;
+
+    let after = route(&stack, &format!("{prefix} after restart")).await;
+    assert_precise_on(&after, holder, "the sibling after the restart", &stack);
+}
