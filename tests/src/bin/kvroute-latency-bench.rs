@@ -798,10 +798,10 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
         let before = stage_totals(backends.kvroute_admin).await?;
         let before_embedded = stage_totals(backends.kvroute_embedded_admin).await?;
         measure(&mut cases, prompts, tokens, args.reps, samples).await?;
-        let stages = stage_means(before, stage_totals(backends.kvroute_admin).await?);
+        let stages = stage_means(&before, &stage_totals(backends.kvroute_admin).await?);
         let stages_embedded = stage_means(
-            before_embedded,
-            stage_totals(backends.kvroute_embedded_admin).await?,
+            &before_embedded,
+            &stage_totals(backends.kvroute_embedded_admin).await?,
         );
         println!(
             "### {tokens}-token prompts, {} reps × {samples} per case (load {})\n",
@@ -820,7 +820,7 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
             ],
         );
         println!(
-            "- own mean timings (warm-up included): kvroute-ext-proc {stages}; kvroute-embedded {stages_embedded}\n"
+            "- own timings (warm-up included): kvroute-ext-proc: {stages}. kvroute-embedded: {stages_embedded}\n"
         );
     }
     let failures: usize = cases.iter().map(|c| c.failures).sum();
@@ -841,43 +841,83 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
     Ok(())
 }
 
-/// kvroute-ext-proc's cumulative (sum, count) of its decision, tokenize and match durations.
-async fn stage_totals(admin: SocketAddr) -> anyhow::Result<[(f64, f64); 3]> {
+/// One stage's cumulative histogram in kvroute-ext-proc's `/metrics` (label sets summed).
+#[derive(Debug, Clone, Default)]
+struct StageHistogram {
+    sum: f64,
+    count: f64,
+    /// (upper bound in seconds, cumulative count), ascending.
+    buckets: Vec<(f64, f64)>,
+}
+
+/// The stages kvroute-ext-proc times itself.
+const STAGES: [&str; 3] = ["decision", "tokenize", "match"];
+
+/// kvroute-ext-proc's decision, tokenize and match histograms.
+async fn stage_totals(admin: SocketAddr) -> anyhow::Result<Vec<StageHistogram>> {
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
     let response = client
         .get(format!("http://{admin}/metrics").parse()?)
         .await?;
     let text = String::from_utf8(response.into_body().collect().await?.to_bytes().to_vec())?;
-    let total = |name: &str| -> f64 {
-        text.lines()
-            .filter(|line| line.starts_with(name))
-            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
-    Ok(STAGES.map(|stage| {
-        let name = format!("kvroute_extproc_{stage}_duration_seconds");
-        (
-            total(&format!("{name}_sum")),
-            total(&format!("{name}_count")),
-        )
-    }))
+    let value = |line: &str| line.rsplit(' ').next()?.parse::<f64>().ok();
+    Ok(STAGES
+        .iter()
+        .map(|stage| {
+            let name = format!("kvroute_extproc_{stage}_duration_seconds");
+            let mut histogram = StageHistogram::default();
+            let mut buckets: BTreeMap<u64, f64> = BTreeMap::new();
+            for line in text.lines().filter(|l| l.starts_with(&name)) {
+                let Some(v) = value(line) else { continue };
+                let rest = &line[name.len()..];
+                if rest.starts_with("_sum") {
+                    histogram.sum += v;
+                } else if rest.starts_with("_count") {
+                    histogram.count += v;
+                } else if let Some(le) = rest
+                    .split("le=\"")
+                    .nth(1)
+                    .and_then(|r| r.split('"').next())
+                    .and_then(|le| le.parse::<f64>().ok())
+                {
+                    *buckets.entry(le.to_bits()).or_default() += v;
+                }
+            }
+            histogram.buckets = buckets
+                .into_iter()
+                .map(|(bits, n)| (f64::from_bits(bits), n))
+                .collect();
+            histogram.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+            histogram
+        })
+        .collect())
 }
 
-/// The stages kvroute-ext-proc times itself.
-const STAGES: [&str; 3] = ["decision", "tokenize", "match"];
-
-/// Mean stage durations between two [`stage_totals`] readings.
-fn stage_means(before: [(f64, f64); 3], after: [(f64, f64); 3]) -> String {
+/// Mean and median bucket of each stage between two [`stage_totals`] readings.
+fn stage_means(before: &[StageHistogram], after: &[StageHistogram]) -> String {
     STAGES
         .iter()
         .zip(before.iter().zip(after.iter()))
-        .filter_map(|(stage, ((s0, c0), (s1, c1)))| {
-            let count = c1 - c0;
-            (count > 0.0).then(|| format!("{stage} {:.3} ms", 1e3 * (s1 - s0) / count))
+        .filter_map(|(stage, (b, a))| {
+            let count = a.count - b.count;
+            if count <= 0.0 {
+                return None;
+            }
+            let mean = 1e3 * (a.sum - b.sum) / count;
+            let median = a
+                .buckets
+                .iter()
+                .zip(b.buckets.iter().map(|x| x.1).chain(std::iter::repeat(0.0)))
+                .find(|((_, n), n0)| n - n0 >= count / 2.0)
+                .map(|((le, _), _)| 1e3 * le);
+            Some(match median {
+                Some(m) => format!("{stage} mean {mean:.3} ms, p50 ≤ {m:.3} ms"),
+                None => format!("{stage} mean {mean:.3} ms"),
+            })
         })
         .collect::<Vec<_>>()
-        .join(", ")
+        .join("; ")
 }
 
 /// One Envoy, listeners `plain`, `noop`, `kvroute` → cluster `replicas` (the shipped
