@@ -420,7 +420,8 @@ fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<SocketAddr>> {
     })
 }
 
-fn set_header(key: &str, value: &str) -> HeaderValueOption {
+/// A header mutation entry setting `key` to `value`.
+pub fn set_header(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
             key: key.to_owned(),
@@ -468,7 +469,8 @@ fn debug_response_headers(decision: &Decision) -> CommonResponse {
     }
 }
 
-fn destination_metadata(endpoint: &str) -> Struct {
+/// The `envoy.lb` dynamic metadata naming `endpoint` (GIE endpoint-picker protocol).
+pub fn destination_metadata(endpoint: &str) -> Struct {
     let lb = Struct {
         fields: HashMap::from([(
             DESTINATION_HEADER.to_owned(),

@@ -22,7 +22,7 @@
     reason = "the benchmark's report is its output on stdout"
 )]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::process::ExitCode;
@@ -32,7 +32,6 @@ use anyhow::{Context as _, bail, ensure};
 use axum::serve::ListenerExt as _;
 use bytes::Bytes;
 use clap::{Parser, ValueEnum};
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
@@ -42,13 +41,13 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ProcessingRequest,
     ProcessingResponse, TrailersResponse,
 };
-use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::{Stream, StreamExt as _};
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_ext_proc::request::{self, Endpoint};
+use kvroute_ext_proc::server::{destination_metadata, set_header};
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_tests::harness::{Envoy, tiny_model_dir, workspace_root};
 use kvroute_tokenize::ModelTokenizer;
@@ -464,17 +463,6 @@ impl FixedPicker {
     }
 }
 
-fn set_header(key: &str, value: &str) -> HeaderValueOption {
-    HeaderValueOption {
-        header: Some(HeaderValue {
-            key: key.to_owned(),
-            raw_value: value.as_bytes().to_vec(),
-            ..HeaderValue::default()
-        }),
-        ..HeaderValueOption::default()
-    }
-}
-
 #[tonic::async_trait]
 impl ExternalProcessor for FixedPicker {
     type ProcessStream = ReplyStream;
@@ -489,22 +477,7 @@ impl ExternalProcessor for FixedPicker {
             let mut dynamic_metadata = None;
             let reply = match message?.request {
                 Some(Phase::RequestBody(_)) => {
-                    let lb = Struct {
-                        fields: HashMap::from([(
-                            "x-gateway-destination-endpoint".to_owned(),
-                            Value {
-                                kind: Some(Kind::StringValue(endpoint.clone())),
-                            },
-                        )]),
-                    };
-                    dynamic_metadata = Some(Struct {
-                        fields: HashMap::from([(
-                            "envoy.lb".to_owned(),
-                            Value {
-                                kind: Some(Kind::StructValue(lb)),
-                            },
-                        )]),
-                    });
+                    dynamic_metadata = Some(destination_metadata(&endpoint));
                     Reply::RequestBody(BodyResponse {
                         response: Some(CommonResponse {
                             header_mutation: Some(HeaderMutation {

@@ -17,8 +17,7 @@ use kvroute_tests::harness::{http, wait_until};
 use kvroute_tests::stack::{IndexPlacement, MODEL, Routing, Stack, StackOptions};
 use serde_json::{Value, json};
 
-use super::common::metric;
-use super::routing::{post_raw, text};
+use super::routing::{finished, post_raw, text};
 
 /// How long a test waits for the sims' counters or the index's view to settle.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -32,16 +31,6 @@ async fn start_embedded() -> Stack {
     })
     .await
     .unwrap()
-}
-
-/// Finished requests per sim, in replica order.
-async fn finished(stack: &Stack) -> Vec<u64> {
-    let mut counts = Vec::new();
-    for url in stack.sim_urls() {
-        let text = http::get(&format!("{url}/metrics")).await.unwrap().text();
-        counts.push(metric(&text, "vllm:request_success_total{") as u64);
-    }
-    counts
 }
 
 /// One completion through kvroute's listener, sent alone.

@@ -75,7 +75,7 @@ fn completion(prompt: &str) -> Value {
 }
 
 /// Finished requests per sim (`vllm:request_success_total`), in replica order.
-async fn finished(stack: &Stack) -> Vec<u64> {
+pub(super) async fn finished(stack: &Stack) -> Vec<u64> {
     let mut counts = Vec::new();
     for url in stack.sim_urls() {
         let text = http::get(&format!("{url}/metrics")).await.unwrap().text();
