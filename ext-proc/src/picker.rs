@@ -700,4 +700,60 @@ mod tests {
             "{counts:?}"
         );
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn embedded_index_answers_in_process_and_survives_a_reload() {
+        let index = kvroute_index::server::IndexServer::start(
+            kvroute_index::config::Config::from_yaml(
+                "listen: {grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}\n\
+                 pools:\n  - {model: m, block_size: 16, key_scheme: token-chain}\n\
+                 replicas:\n  - {id: r0, model: m, events: {endpoint: \"tcp://127.0.0.1:9\"}}\n",
+            )
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+        let yaml = "pools:\n- {name: p, models: [m], block_size: 16, key_scheme: {kind: token-chain}}\n\
+                    replicas:\n- {id: r0, pool: p, address: \"10.0.0.1:8000\"}\n";
+        let tasks = TaskTracker::new();
+        let runtime = Runtime::build(Config::from_yaml(yaml).unwrap(), None, &tasks)
+            .unwrap()
+            .with_local_index(index.matcher());
+        async fn ask(runtime: &Runtime) -> Result<MatchResponse, crate::error::IndexError> {
+            let request = MatchRequest {
+                model: "m".to_owned(),
+                block_size: 16,
+                keys: vec![1, 2, 3],
+                candidates: vec!["r0".to_owned()],
+                ..MatchRequest::default()
+            };
+            let deadline = Instant::now() + std::time::Duration::from_secs(1);
+            runtime.index.match_prefix(request, deadline).await
+        }
+        let answer = ask(&runtime).await.unwrap();
+        assert_eq!(answer.replicas.len(), 1, "{answer:?}");
+        assert_eq!(answer.replicas[0].matched_blocks, 0);
+
+        // A reload (no index addresses at all) keeps asking the embedded index.
+        let reloaded =
+            Runtime::build(Config::from_yaml(yaml).unwrap(), Some(&runtime), &tasks).unwrap();
+        assert!(reloaded.index.is_configured());
+        assert!(ask(&reloaded).await.is_ok());
+        // A model the index does not know is refused, not a transport failure.
+        let refused = reloaded
+            .index
+            .match_prefix(
+                MatchRequest {
+                    model: "other".to_owned(),
+                    ..MatchRequest::default()
+                },
+                Instant::now() + std::time::Duration::from_secs(1),
+            )
+            .await;
+        assert!(
+            matches!(refused, Err(crate::error::IndexError::Refused(_))),
+            "{refused:?}"
+        );
+        index.shutdown().await;
+    }
 }
