@@ -38,9 +38,11 @@ use serde_json::Value;
 use crate::TokenizeError;
 
 /// Pieces at most this long (bytes) are memoized; longer ones are rare and cheap to skip.
-const CACHE_MAX_WORD_LEN: usize = 64;
-/// Entries in the word cache before it is cleared (bounds memory to a few MiB).
-const CACHE_CAPACITY: usize = 32_768;
+const CACHE_MAX_WORD_LEN: usize = 30;
+/// Most ids a cached word may have.
+const CACHE_MAX_WORD_IDS: usize = 8;
+/// Slots of the word cache (a power of two): 2 MiB, one cache line per slot.
+const CACHE_SLOTS: usize = 1 << 15;
 
 /// The exact fast encoder of one byte-level BPE `tokenizer.json`; see the module docs.
 pub struct ByteLevelBpe {
@@ -158,19 +160,18 @@ impl ByteLevelBpe {
             out.push(id);
             return;
         }
-        let cacheable = bytes.len() <= CACHE_MAX_WORD_LEN;
-        if cacheable && let Some(ids) = self.cache.lock().get(bytes) {
-            out.extend_from_slice(ids);
+        let slot = (bytes.len() <= CACHE_MAX_WORD_LEN).then(|| word_slot(bytes));
+        if let Some(slot) = slot
+            && self.cache.lock()[slot].ids_of(bytes, out)
+        {
             return;
         }
         self.merge_word(bytes, scratch);
         out.extend_from_slice(&scratch.word);
-        if cacheable {
-            let mut cache = self.cache.lock();
-            if cache.len() >= CACHE_CAPACITY {
-                cache.clear();
-            }
-            cache.insert(bytes.into(), scratch.word.as_slice().into());
+        if let Some(slot) = slot
+            && let Some(entry) = CachedWord::new(bytes, &scratch.word)
+        {
+            self.cache.lock()[slot] = entry;
         }
     }
 
@@ -300,7 +301,7 @@ impl ByteLevelBpe {
             added,
             prefix,
             suffix,
-            cache: Mutex::new(HashMap::default()),
+            cache: Mutex::new(vec![CachedWord::EMPTY; CACHE_SLOTS].into_boxed_slice()),
         })
     }
 }
@@ -314,7 +315,61 @@ fn candidate(merge: Merge, pos: usize) -> Candidate {
 }
 
 type FastHash = BuildHasherDefault<MulHasher>;
-type WordCache = HashMap<Box<[u8]>, Box<[u32]>, FastHash>;
+/// Direct-mapped memo of word → ids. A lookup reads one cache line, where a map of boxed keys and
+/// values touched four (control bytes, entry, key, ids): with the CPU caches cold, as between a
+/// router's requests, those misses were most of a tokenization (`--bench picker --cold-caches`).
+/// A colliding word overwrites the slot; the memory is fixed.
+type WordCache = Box<[CachedWord]>;
+
+/// One word cache slot: the word's bytes and its ids, inline in one cache line.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct CachedWord {
+    word_len: u8,
+    ids_len: u8,
+    word: [u8; CACHE_MAX_WORD_LEN],
+    ids: [u32; CACHE_MAX_WORD_IDS],
+}
+
+impl CachedWord {
+    const EMPTY: Self = Self {
+        word_len: 0,
+        ids_len: 0,
+        word: [0; CACHE_MAX_WORD_LEN],
+        ids: [0; CACHE_MAX_WORD_IDS],
+    };
+
+    /// A slot for `word` → `ids`, if both fit.
+    fn new(word: &[u8], ids: &[u32]) -> Option<Self> {
+        if word.is_empty() || word.len() > CACHE_MAX_WORD_LEN || ids.len() > CACHE_MAX_WORD_IDS {
+            return None;
+        }
+        let mut entry = Self::EMPTY;
+        entry.word_len = u8::try_from(word.len()).ok()?;
+        entry.ids_len = u8::try_from(ids.len()).ok()?;
+        entry.word[..word.len()].copy_from_slice(word);
+        entry.ids[..ids.len()].copy_from_slice(ids);
+        Some(entry)
+    }
+
+    /// Appends the ids to `out` if this slot holds `word`.
+    fn ids_of(&self, word: &[u8], out: &mut Vec<u32>) -> bool {
+        let len = usize::from(self.word_len);
+        if len == 0 || len != word.len() || self.word[..len] != *word {
+            return false;
+        }
+        out.extend_from_slice(&self.ids[..usize::from(self.ids_len)]);
+        true
+    }
+}
+
+/// The cache slot of `word`.
+fn word_slot(word: &[u8]) -> usize {
+    let mut hasher = MulHasher::default();
+    hasher.write(word);
+    // The top bits are the best mixed.
+    (hasher.0 >> (64 - CACHE_SLOTS.trailing_zeros())) as usize
+}
 
 fn pair_key(left: u32, right: u32) -> u64 {
     (u64::from(left) << 32) | u64::from(right)
