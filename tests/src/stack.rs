@@ -715,7 +715,8 @@ impl Stack {
                 };
                 let sources = event_sources(&sims, &external)?;
                 let mut indexes = Vec::with_capacity(names.len());
-                let ext_proc = match options.index_placement {
+                // The index processes, or the file ext-proc's embedded index reads.
+                let embedded_index_config = match options.index_placement {
                     IndexPlacement::Service => {
                         for name in names {
                             indexes.push(
@@ -729,19 +730,7 @@ impl Stack {
                                 .await?,
                             );
                         }
-                        let index_addrs: Vec<SocketAddr> = indexes.iter().map(|i| i.grpc).collect();
-                        Service::start(
-                            "kvroute-ext-proc",
-                            binaries.ext_proc.clone(),
-                            dir.path(),
-                            ext_proc_config(
-                                &options,
-                                &sim_addrs,
-                                IndexTarget::Addresses(&index_addrs),
-                            ),
-                            None,
-                        )
-                        .await?
+                        None
                     }
                     IndexPlacement::Embedded => {
                         if options.index_instances != 1 {
@@ -754,22 +743,24 @@ impl Stack {
                                 log: String::new(),
                             });
                         }
-                        let index_config_path = dir.path().join(EMBEDDED_INDEX_CONFIG);
-                        write_file(&index_config_path, &index_config(&options, &sources))?;
-                        Service::start(
-                            "kvroute-ext-proc",
-                            binaries.ext_proc.clone(),
-                            dir.path(),
-                            ext_proc_config(
-                                &options,
-                                &sim_addrs,
-                                IndexTarget::Embedded(&index_config_path),
-                            ),
-                            Some(index_config_path),
-                        )
-                        .await?
+                        let path = dir.path().join(EMBEDDED_INDEX_CONFIG);
+                        write_file(&path, &index_config(&options, &sources))?;
+                        Some(path)
                     }
                 };
+                let index_addrs: Vec<SocketAddr> = indexes.iter().map(|i| i.grpc).collect();
+                let target = match &embedded_index_config {
+                    Some(path) => IndexTarget::Embedded(path),
+                    None => IndexTarget::Addresses(&index_addrs),
+                };
+                let ext_proc = Service::start(
+                    "kvroute-ext-proc",
+                    binaries.ext_proc.clone(),
+                    dir.path(),
+                    ext_proc_config(&options, &sim_addrs, target),
+                    embedded_index_config.clone(),
+                )
+                .await?;
                 let index = (!indexes.is_empty()).then(|| indexes.remove(0));
                 more_indexes = indexes;
                 let text = std::fs::read_to_string(workspace_root().join(OVERRIDE_HOST_CONFIG))

@@ -26,7 +26,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::common::start_sim;
+use super::common::{self, start_sim};
 
 const TOKEN: &str = "agent-a-secret";
 const CONVERGE: Duration = Duration::from_secs(10);
@@ -208,32 +208,13 @@ impl Proxy {
     }
 }
 
+/// The hashes a sim holds; the sim is local and up, so failing to read it is a test failure.
 async fn sim_blocks(base: &str) -> BTreeSet<u64> {
-    let body = http::get(&format!("{base}/debug/blocks"))
-        .await
-        .unwrap()
-        .json()
-        .unwrap();
-    body["blocks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["hash"].as_u64().unwrap())
-        .collect()
+    common::sim_blocks(base).await.unwrap()
 }
 
 async fn index_blocks(admin: SocketAddr, replica: &str) -> Option<BTreeSet<u64>> {
-    let response = http::get(&format!("http://{admin}/v1/replicas/{replica}/blocks"))
-        .await
-        .ok()?;
-    let body: Value = response.json().ok()?;
-    Some(
-        body["blocks"]
-            .as_array()?
-            .iter()
-            .filter_map(Value::as_u64)
-            .collect(),
-    )
+    common::index_blocks(&format!("http://{admin}"), replica).await
 }
 
 async fn replica_state(admin: SocketAddr, replica: &str) -> Option<(String, String)> {

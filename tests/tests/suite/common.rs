@@ -1,11 +1,12 @@
 //! Shared helpers: simulator configs, KV event collection over the replay socket.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use clap::Parser as _;
 use kvroute_index::event::{EventBatch, KvEvent};
 use kvroute_index::wire::{self, ReplayItem};
-use kvroute_tests::harness::{tiny_model_dir, wait_until};
+use kvroute_tests::harness::{http, tiny_model_dir, wait_until};
 use kvroute_tests::sim::{EngineSim, SimArgs, SimConfig};
 use zeromq::{DealerSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 
@@ -141,4 +142,33 @@ pub async fn decision_path_tokens(
         )
         .await
         .unwrap_or_else(|e| panic!("{case}: in-process tokenization failed: {e}"))
+}
+
+/// The hashes a sim holds (its own `/debug/blocks`); `None` if it cannot be read.
+pub async fn sim_blocks(sim_url: &str) -> Option<BTreeSet<u64>> {
+    let answer = http::get(&format!("{sim_url}/debug/blocks"))
+        .await
+        .ok()?
+        .json()
+        .ok()?;
+    answer["blocks"]
+        .as_array()?
+        .iter()
+        .map(|b| b["hash"].as_u64())
+        .collect()
+}
+
+/// The hashes the index at `admin_url` lists for replica `id`; `None` if it cannot be read.
+pub async fn index_blocks(admin_url: &str, id: &str) -> Option<BTreeSet<u64>> {
+    let response = http::get(&format!("{admin_url}/v1/replicas/{id}/blocks"))
+        .await
+        .ok()?;
+    if !response.status.is_success() {
+        return None;
+    }
+    response.json().ok()?["blocks"]
+        .as_array()?
+        .iter()
+        .map(serde_json::Value::as_u64)
+        .collect()
 }

@@ -10,14 +10,14 @@
 //! Needs the binaries: `cargo build --bins` before
 //! `cargo nextest run -p kvroute-tests embedded`.
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 use kvroute_tests::harness::{http, wait_until};
 use kvroute_tests::stack::{IndexPlacement, MODEL, Routing, Stack, StackOptions};
 use serde_json::{Value, json};
 
-use super::routing::{finished, post_raw, text};
+use super::common::{index_blocks, sim_blocks};
+use super::routing::{finished, post_raw, served_since, text};
 
 /// How long a test waits for the sims' counters or the index's view to settle.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -62,16 +62,8 @@ async fn route(stack: &Stack, prompt: &str) -> Routed {
         .unwrap_or_default()
         .to_owned();
     let answer: Value = response.json().unwrap();
-    let replica = wait_until("the sims to count the request", SETTLE, || async {
-        let now = finished(stack).await;
-        let delta: Vec<u64> = now.iter().zip(&before).map(|(n, b)| n - b).collect();
-        if delta.iter().sum::<u64>() != 1 {
-            return None;
-        }
-        delta.iter().position(|d| *d == 1)
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}\n{}", stack.logs()));
+    let delta = served_since(stack, &before, 1).await;
+    let replica = delta.iter().position(|d| *d == 1).unwrap();
     Routed {
         replica,
         decision,
@@ -79,35 +71,6 @@ async fn route(stack: &Stack, prompt: &str) -> Routed {
             .as_u64()
             .unwrap_or(0),
     }
-}
-
-/// The hashes a sim holds (its own `/debug/blocks`, one entry per hash).
-async fn sim_blocks(sim_url: &str) -> Option<BTreeSet<u64>> {
-    let answer = http::get(&format!("{sim_url}/debug/blocks"))
-        .await
-        .ok()?
-        .json()
-        .ok()?;
-    answer["blocks"]
-        .as_array()?
-        .iter()
-        .map(|b| b["hash"].as_u64())
-        .collect()
-}
-
-/// The hashes the index lists for replica `id`.
-async fn index_blocks(admin: &str, id: &str) -> Option<BTreeSet<u64>> {
-    let response = http::get(&format!("{admin}/v1/replicas/{id}/blocks"))
-        .await
-        .ok()?;
-    if !response.status.is_success() {
-        return None;
-    }
-    response.json().ok()?["blocks"]
-        .as_array()?
-        .iter()
-        .map(Value::as_u64)
-        .collect()
 }
 
 /// Waits until the embedded index's view of each of `replicas` equals that sim's own block list

@@ -85,7 +85,7 @@ pub(super) async fn finished(stack: &Stack) -> Vec<u64> {
 }
 
 /// Waits until the sims finished `expected` more requests than `before`; returns the per-sim deltas.
-async fn served_since(stack: &Stack, before: &[u64], expected: u64) -> Vec<u64> {
+pub(super) async fn served_since(stack: &Stack, before: &[u64], expected: u64) -> Vec<u64> {
     wait_until("the sims to count the requests", SETTLE, || async {
         let now = finished(stack).await;
         let delta: Vec<u64> = now.iter().zip(before).map(|(n, b)| n - b).collect();
