@@ -86,10 +86,10 @@ struct Args {
     /// Repetitions (each one sends every case `samples` times, interleaved).
     #[arg(long, default_value_t = 3)]
     reps: usize,
-    /// Measured requests per case per repetition, 1k-token prompts.
+    /// Measured requests per case per repetition, 1k-token prompts (0: skip this size).
     #[arg(long, default_value_t = 200)]
     samples_1k: usize,
-    /// Measured requests per case per repetition, 32k-token prompts.
+    /// Measured requests per case per repetition, 32k-token prompts (0: skip this size).
     #[arg(long, default_value_t = 40)]
     samples_32k: usize,
     /// Decisions per picker measurement, 1k-token prompts (32k: a twentieth).
@@ -773,6 +773,9 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
         load_average()
     );
     for (tokens, samples) in [(SIZES[0], args.samples_1k), (SIZES[1], args.samples_32k)] {
+        if samples == 0 {
+            continue;
+        }
         let before = stage_totals(backends.kvroute_admin).await?;
         let before_embedded = stage_totals(backends.kvroute_embedded_admin).await?;
         measure(&mut cases, prompts, tokens, args.reps, samples).await?;
@@ -1057,6 +1060,9 @@ async fn wasm_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
         async move { envoy.stat(&name).await.map(|v| v.unwrap_or(0)) }
     };
     for (tokens, samples) in [(SIZES[0], args.samples_1k), (SIZES[1], args.samples_32k)] {
+        if samples == 0 {
+            continue;
+        }
         // Fresh session names per size.
         let prefix = format!("{tokens}-");
         cases[1].headers =
