@@ -41,9 +41,9 @@ use crate::TokenizeError;
 const CACHE_MAX_WORD_LEN: usize = 30;
 /// Most ids a cached word may have.
 const CACHE_MAX_WORD_IDS: usize = 8;
-/// Slots of the word cache (a power of two): 2 MiB, one cache line per slot.
-const CACHE_SLOTS: usize = 1 << 15;
-/// Pieces encoded per hold of the word cache's lock, their slots read together first.
+/// Buckets of the word cache (a power of two) of two one-cache-line slots each: 2 MiB.
+const CACHE_BUCKETS: usize = 1 << 14;
+/// Pieces encoded per hold of the word cache's lock, their buckets read together first.
 const PIECE_BATCH: usize = 64;
 
 /// The exact fast encoder of one byte-level BPE `tokenizer.json`; see the module docs.
@@ -105,10 +105,10 @@ struct Scratch {
     word: Vec<u32>,
 }
 
-/// A piece of pre-tokenized text and its word cache slot, if it may be cached.
+/// A piece of pre-tokenized text and its word cache bucket, if it may be cached.
 struct Piece<'t> {
     bytes: &'t [u8],
-    slot: Option<usize>,
+    bucket: Option<usize>,
 }
 
 impl<'t> Piece<'t> {
@@ -117,9 +117,9 @@ impl<'t> Piece<'t> {
         Self {
             bytes,
             // Single bytes map straight to their ids.
-            slot: (2..=CACHE_MAX_WORD_LEN)
+            bucket: (2..=CACHE_MAX_WORD_LEN)
                 .contains(&bytes.len())
-                .then(|| word_slot(bytes)),
+                .then(|| word_bucket(bytes)),
         }
     }
 }
@@ -185,15 +185,15 @@ impl ByteLevelBpe {
                 return;
             }
             let mut cache = self.cache.lock();
-            // Read every piece's slot before using any: the reads are independent, so the CPU
+            // Read every piece's bucket before using any: the reads are independent, so the CPU
             // overlaps their misses, where looking pieces up one by one waits for each in turn.
             // Between a router's requests the table has left the CPU caches, and those serial
             // misses were most of a tokenization (`--bench picker --cold-caches`, and in place
             // behind Envoy).
             let touched = batch
                 .iter()
-                .filter_map(|piece| piece.slot)
-                .fold(0u8, |acc, slot| acc ^ cache[slot].word_len);
+                .filter_map(|piece| piece.bucket)
+                .fold(0u8, |acc, bucket| acc ^ cache[bucket].touch());
             std::hint::black_box(touched);
             for piece in batch.iter() {
                 self.encode_piece(piece, &mut cache, out, scratch);
@@ -204,7 +204,7 @@ impl ByteLevelBpe {
     fn encode_piece(
         &self,
         piece: &Piece<'_>,
-        cache: &mut [CachedWord],
+        cache: &mut [CacheBucket],
         out: &mut Vec<u32>,
         scratch: &mut Scratch,
     ) {
@@ -217,17 +217,17 @@ impl ByteLevelBpe {
             out.push(id);
             return;
         }
-        if let Some(slot) = piece.slot
-            && cache[slot].ids_of(bytes, out)
+        if let Some(bucket) = piece.bucket
+            && cache[bucket].ids_of(bytes, out)
         {
             return;
         }
         self.merge_word(bytes, scratch);
         out.extend_from_slice(&scratch.word);
-        if let Some(slot) = piece.slot
+        if let Some(bucket) = piece.bucket
             && let Some(entry) = CachedWord::new(bytes, &scratch.word)
         {
-            cache[slot] = entry;
+            cache[bucket].store(entry);
         }
     }
 
@@ -357,7 +357,7 @@ impl ByteLevelBpe {
             added,
             prefix,
             suffix,
-            cache: Mutex::new(vec![CachedWord::EMPTY; CACHE_SLOTS].into_boxed_slice()),
+            cache: Mutex::new(vec![CacheBucket::EMPTY; CACHE_BUCKETS].into_boxed_slice()),
         })
     }
 }
@@ -371,11 +371,42 @@ fn candidate(merge: Merge, pos: usize) -> Candidate {
 }
 
 type FastHash = BuildHasherDefault<MulHasher>;
-/// Direct-mapped memo of word → ids. A lookup reads one cache line, where a map of boxed keys and
-/// values touched four (control bytes, entry, key, ids): with the CPU caches cold, as between a
-/// router's requests, those misses were most of a tokenization (`--bench picker --cold-caches`).
-/// A colliding word overwrites the slot; the memory is fixed.
-type WordCache = Box<[CachedWord]>;
+/// Memo of word → ids: a fixed table of two-slot buckets. A lookup reads one bucket, where a map of
+/// boxed keys and values touched four lines (control bytes, entry, key, ids): with the CPU caches
+/// cold, as between a router's requests, those misses were most of a tokenization
+/// (`--bench picker --cold-caches`). A third word of a bucket evicts the older of the two.
+type WordCache = Box<[CacheBucket]>;
+
+/// Two slots for words of the same hash: a word shares its bucket with another word of the
+/// prompt's vocabulary far less often than a direct-mapped slot, where such pairs evicted each
+/// other on every prompt and were merged again each time.
+#[derive(Clone, Copy)]
+#[repr(C, align(128))]
+struct CacheBucket {
+    /// The most recently stored first.
+    ways: [CachedWord; 2],
+}
+
+impl CacheBucket {
+    const EMPTY: Self = Self {
+        ways: [CachedWord::EMPTY; 2],
+    };
+
+    /// Appends the ids to `out` if this bucket holds `word`.
+    fn ids_of(&self, word: &[u8], out: &mut Vec<u32>) -> bool {
+        self.ways.iter().any(|way| way.ids_of(word, out))
+    }
+
+    fn store(&mut self, entry: CachedWord) {
+        self.ways[1] = self.ways[0];
+        self.ways[0] = entry;
+    }
+
+    /// Reads both slots (to bring them into the CPU cache).
+    fn touch(&self) -> u8 {
+        self.ways[0].word_len ^ self.ways[1].word_len
+    }
+}
 
 /// One word cache slot: the word's bytes and its ids, inline in one cache line.
 #[derive(Clone, Copy)]
@@ -419,12 +450,12 @@ impl CachedWord {
     }
 }
 
-/// The cache slot of `word`.
-fn word_slot(word: &[u8]) -> usize {
+/// The cache bucket of `word`.
+fn word_bucket(word: &[u8]) -> usize {
     let mut hasher = MulHasher::default();
     hasher.write(word);
     // The top bits are the best mixed.
-    (hasher.0 >> (64 - CACHE_SLOTS.trailing_zeros())) as usize
+    (hasher.0 >> (64 - CACHE_BUCKETS.trailing_zeros())) as usize
 }
 
 fn pair_key(left: u32, right: u32) -> u64 {
