@@ -1,4 +1,4 @@
-//! A small bounded LRU map (O(log n) per operation), used by the token cache and prefix memory.
+//! A small bounded LRU map (O(log n) per operation), used by the token cache.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
@@ -39,6 +39,7 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
     }
 
     /// Looks up without changing recency.
+    #[cfg(test)]
     pub(crate) fn peek(&self, key: &K) -> Option<&V> {
         self.entries.get(key).map(|(v, _)| v)
     }

@@ -2,8 +2,8 @@
 //!
 //! Block keys are chained (each depends on all tokens before it), so a per-replica set of keys is
 //! a prefix tree: "holds key *k*" implies "holds the whole prefix up to *k*". Each replica's set is
-//! an LRU bounded by the pool's `approx_capacity_blocks` (≈ its KV cache), with the time each key
-//! was last routed. Two readings:
+//! bounded by the pool's `approx_capacity_blocks` (≈ its KV cache) and keeps the most recently
+//! routed keys ([`RoutedKeys`]), with the time each key was last routed. Two readings:
 //! - **approximate**: leading keys present at all (replicas without usable engine events);
 //! - **speculative**: leading keys routed within the TTL, merged with the index's answer as
 //!   `max(index, speculative)` so a burst of siblings co-locates before the engine's events land.
@@ -12,9 +12,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvroute_block_keys::KeyHasherBuilder;
 use parking_lot::{Mutex, RwLock};
-
-use crate::lru::Lru;
 
 /// Leading blocks a replica is believed to hold, from kvroute's own routing history.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -25,8 +24,46 @@ pub struct Remembered {
     pub speculative: u32,
 }
 
-/// One replica's routed keys and when each was last routed there.
-type ReplicaKeys = Arc<Mutex<Lru<u64, Instant>>>;
+type ReplicaKeys = Arc<Mutex<RoutedKeys>>;
+
+/// One replica's routed keys and when each was last routed there: two generations of at most
+/// half the capacity each. Keys go into the current generation; when it is full it becomes the
+/// previous one, replacing (and reusing the table of) the generation before. So the most recent
+/// `capacity / 2` to `capacity` distinct keys are kept, at one hash-table insert per key — an
+/// exact LRU also kept an ordered index, and its cache misses were most of recording a 1k-token
+/// prompt's 62 keys.
+#[derive(Debug)]
+struct RoutedKeys {
+    generation_capacity: usize,
+    current: HashMap<u64, Instant, KeyHasherBuilder>,
+    previous: HashMap<u64, Instant, KeyHasherBuilder>,
+}
+
+impl RoutedKeys {
+    fn new(capacity: usize) -> Self {
+        let hasher = KeyHasherBuilder::random();
+        Self {
+            generation_capacity: (capacity / 2).max(1),
+            current: HashMap::with_hasher(hasher),
+            previous: HashMap::with_hasher(hasher),
+        }
+    }
+
+    fn insert(&mut self, key: u64, routed_at: Instant) {
+        if self.current.len() >= self.generation_capacity && !self.current.contains_key(&key) {
+            std::mem::swap(&mut self.current, &mut self.previous);
+            self.current.clear();
+        }
+        self.current.insert(key, routed_at);
+    }
+
+    fn get(&self, key: u64) -> Option<Instant> {
+        self.current
+            .get(&key)
+            .or_else(|| self.previous.get(&key))
+            .copied()
+    }
+}
 
 /// Per-replica routed-prefix memory.
 #[derive(Debug, Default)]
@@ -56,11 +93,11 @@ impl PrefixMemory {
         let mut remembered = Remembered::default();
         let mut speculative_run = true;
         for key in keys {
-            let Some(routed_at) = memory.peek(key) else {
+            let Some(routed_at) = memory.get(*key) else {
                 break;
             };
             remembered.approximate += 1;
-            speculative_run &= now.saturating_duration_since(*routed_at) < ttl;
+            speculative_run &= now.saturating_duration_since(routed_at) < ttl;
             if speculative_run {
                 remembered.speculative += 1;
             }
@@ -81,7 +118,7 @@ impl PrefixMemory {
             self.replicas
                 .write()
                 .entry(replica.to_owned())
-                .or_insert_with(|| Arc::new(Mutex::new(Lru::new(capacity)))),
+                .or_insert_with(|| Arc::new(Mutex::new(RoutedKeys::new(capacity)))),
         )
     }
 }
@@ -125,6 +162,25 @@ mod tests {
                 .lookup("r0", &[2, 3], now, Duration::from_secs(1))
                 .approximate,
             2
+        );
+    }
+
+    #[test]
+    fn routing_a_key_again_keeps_it_over_older_ones() {
+        let memory = PrefixMemory::default();
+        let now = Instant::now();
+        let ttl = Duration::from_secs(1);
+        memory.record("r0", 4, &[1, 2, 3, 4], now);
+        memory.record("r0", 4, &[1], now);
+        let held = |keys: &[u64]| memory.lookup("r0", keys, now, ttl).approximate;
+        assert_eq!(held(&[1]), 1, "routed again: kept");
+        assert_eq!(held(&[2]), 0, "the oldest key not routed again: dropped");
+        assert_eq!(held(&[3, 4]), 2);
+        let replica = memory.replica("r0", 4);
+        let keys = replica.lock();
+        assert!(
+            keys.current.len() + keys.previous.len() <= 4,
+            "bounded by the capacity"
         );
     }
 }
