@@ -329,7 +329,8 @@ pub struct Pool {
     pub key_scheme: KeyScheme,
     /// Whether the index has this pool's events (precise tier possible).
     pub events: bool,
-    /// Capacity of each replica's approximate prefix memory, in blocks.
+    /// Capacity of each replica's approximate prefix memory, in blocks: it keeps the most recently
+    /// routed half to all of this many.
     pub approx_capacity_blocks: usize,
     /// Where tokens come from.
     pub tokenizer: TokenizerSource,

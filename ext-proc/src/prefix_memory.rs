@@ -18,7 +18,7 @@ use parking_lot::{Mutex, RwLock};
 /// Leading blocks a replica is believed to hold, from kvroute's own routing history.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Remembered {
-    /// Leading keys routed there at any time still in the LRU.
+    /// Leading keys routed there at any time and still remembered.
     pub approximate: u32,
     /// Leading keys routed there within the speculative TTL.
     pub speculative: u32,
