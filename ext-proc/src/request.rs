@@ -89,15 +89,9 @@ struct Body<'a> {
     add_generation_prompt: Option<bool>,
 }
 
-/// The forms of `prompt`: a string, token ids, or a list of either (first one used).
+/// A string that borrows from the body unless it has escapes.
 #[derive(Deserialize)]
-#[serde(untagged)]
-enum PromptForm<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Tokens(Vec<u32>),
-    Texts(#[serde(borrow)] Vec<Cow<'a, str>>),
-    TokenLists(Vec<Vec<u32>>),
-}
+struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
 
 /// Parses a request body.
 pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, RequestError> {
@@ -141,29 +135,41 @@ fn completion(raw: &RawValue, add_special_tokens: bool) -> Result<Prompt<'_>, Re
         field: "prompt",
         reason,
     };
-    let form: PromptForm<'_> = serde_json::from_str(raw.get())
-        .map_err(|_| invalid("expected a string, a list of strings, or token ids"))?;
-    Ok(match form {
-        PromptForm::Text(text) => Prompt::Text {
-            text,
-            add_special_tokens,
-        },
-        PromptForm::Tokens(ids) if ids.is_empty() => return Err(invalid("empty")),
-        PromptForm::Tokens(ids) => Prompt::Tokens(ids),
-        PromptForm::Texts(texts) => Prompt::Text {
-            text: texts
-                .into_iter()
-                .next()
-                .ok_or_else(|| invalid("empty list"))?,
-            add_special_tokens,
-        },
-        PromptForm::TokenLists(lists) => Prompt::Tokens(
-            lists
-                .into_iter()
-                .next()
-                .filter(|l| !l.is_empty())
-                .ok_or_else(|| invalid("empty list"))?,
-        ),
+    let expected = || invalid("expected a string, a list of strings, or token ids");
+    // Dispatched on the first bytes: an untagged enum would buffer a copy of the whole prompt
+    // before trying each form.
+    let json = raw.get();
+    let after_bracket = json
+        .strip_prefix('[')
+        .map(|rest| rest.trim_start().as_bytes().first().copied());
+    Ok(match (json.as_bytes().first(), after_bracket) {
+        (Some(b'"'), _) => {
+            let Text(text) = serde_json::from_str(json).map_err(|_| expected())?;
+            Prompt::Text {
+                text,
+                add_special_tokens,
+            }
+        }
+        (_, Some(Some(b']'))) => return Err(invalid("empty")),
+        (_, Some(Some(b'"'))) => {
+            let texts: Vec<Text<'_>> = serde_json::from_str(json).map_err(|_| expected())?;
+            Prompt::Text {
+                text: texts.into_iter().next().ok_or_else(expected)?.0,
+                add_special_tokens,
+            }
+        }
+        (_, Some(Some(b'['))) => {
+            let lists: Vec<Vec<u32>> = serde_json::from_str(json).map_err(|_| expected())?;
+            Prompt::Tokens(
+                lists
+                    .into_iter()
+                    .next()
+                    .filter(|l| !l.is_empty())
+                    .ok_or_else(|| invalid("empty list"))?,
+            )
+        }
+        (_, Some(_)) => Prompt::Tokens(serde_json::from_str(json).map_err(|_| expected())?),
+        _ => return Err(expected()),
     })
 }
 
@@ -233,6 +239,15 @@ mod tests {
             Endpoint::Completions,
         );
         assert!(matches!(r.prompt, Prompt::Tokens(ref t) if t == &[4, 5]));
+        let r = parse_ok(
+            r#"{"model":"m","prompt": "a\"b\u00e9" , "max_tokens":1}"#,
+            Endpoint::Completions,
+        );
+        assert!(matches!(r.prompt, Prompt::Text { ref text, .. } if text == "a\"b\u{e9}"));
+        let r = parse_ok(r#"{"model":"m","prompt":[ 7 , 8 ]}"#, Endpoint::Completions);
+        assert!(matches!(r.prompt, Prompt::Tokens(ref t) if t == &[7, 8]));
+        let r = parse_ok(r#"{"model":"m","prompt":[ "x" ]}"#, Endpoint::Completions);
+        assert!(matches!(r.prompt, Prompt::Text { ref text, .. } if text == "x"));
     }
 
     #[test]
@@ -266,10 +281,21 @@ mod tests {
             status(r#"{"model":"m","prompt":[]}"#, Endpoint::Completions),
             400
         );
-        assert_eq!(
-            status(r#"{"model":"m","prompt":[-1]}"#, Endpoint::Completions),
-            400
-        );
+        for prompt in [
+            "[-1]",
+            "[ ]",
+            "[[]]",
+            "[\"a\",1]",
+            "[1,\"a\"]",
+            "7",
+            "{}",
+            "null",
+            "true",
+            "[",
+        ] {
+            let body = format!(r#"{{"model":"m","prompt":{prompt}}}"#);
+            assert_eq!(status(&body, Endpoint::Completions), 400, "{prompt}");
+        }
         assert_eq!(
             status(r#"{"model":"m","messages":[]}"#, Endpoint::ChatCompletions),
             400
