@@ -476,9 +476,11 @@ impl Hasher for MulHasher {
             word.copy_from_slice(chunk);
             self.write_u64(u64::from_le_bytes(word));
         }
-        let mut tail = [0; 8];
-        tail[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
-        self.write_u64(u64::from_le_bytes(tail));
+        // Shifted in byte by byte: copying the tail into a zeroed array compiled to a `memcpy`
+        // call per word hashed.
+        let tail = (chunks.remainder().iter().enumerate())
+            .fold(0, |tail, (i, &byte)| tail | u64::from(byte) << (8 * i));
+        self.write_u64(tail);
     }
 
     fn write_u64(&mut self, n: u64) {
