@@ -228,7 +228,12 @@ impl StreamTask {
                     self.send(immediate_error(&error));
                     return Flow::Stop;
                 }
-                self.state.body.extend_from_slice(&chunk.body);
+                if self.state.body.is_empty() {
+                    // A BUFFERED body arrives in one message: keep its buffer, no copy.
+                    self.state.body = chunk.body;
+                } else {
+                    self.state.body.extend_from_slice(&chunk.body);
+                }
                 if chunk.end_of_stream {
                     return self.finish_request(false).await;
                 }
