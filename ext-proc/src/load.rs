@@ -20,6 +20,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use kvroute_block_keys::KeyHasherBuilder;
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{Config, Replica};
@@ -48,7 +49,9 @@ pub struct ReplicaLoad {
     inflight_prompt_tokens: AtomicI64,
     routed_since_scrape: AtomicI64,
     /// Block key → in-flight requests carrying it. Bounded by the in-flight requests' prompts.
-    inflight_keys: Mutex<HashMap<u64, u32>>,
+    /// Block keys are hashes already: a seeded multiply mix, not SipHash (two lookups per key per
+    /// request, on the request and the response path).
+    inflight_keys: Mutex<HashMap<u64, u32, KeyHasherBuilder>>,
 }
 
 /// A point-in-time view used for scoring.
