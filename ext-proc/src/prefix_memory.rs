@@ -3,7 +3,7 @@
 //! Block keys are chained (each depends on all tokens before it), so a per-replica set of keys is
 //! a prefix tree: "holds key *k*" implies "holds the whole prefix up to *k*". Each replica's set is
 //! bounded by the pool's `approx_capacity_blocks` (≈ its KV cache) and keeps the most recently
-//! routed keys ([`RoutedKeys`]), with the time each key was last routed. Two readings:
+//! routed keys (`RoutedKeys`), with the time each key was last routed. Two readings:
 //! - **approximate**: leading keys present at all (replicas without usable engine events);
 //! - **speculative**: leading keys routed within the TTL, merged with the index's answer as
 //!   `max(index, speculative)` so a burst of siblings co-locates before the engine's events land.
