@@ -180,6 +180,9 @@ pub(crate) struct AgentStreams {
     grace: Duration,
     next_stream: AtomicU64,
     metrics: AgentStreamMetrics,
+    /// Cancelled when the server shuts down: open streams end with UNAVAILABLE instead of holding
+    /// the drain until its timeout (agents reconnect, to another instance if there is one).
+    shutdown: CancellationToken,
 }
 
 impl AgentStreams {
@@ -188,6 +191,7 @@ impl AgentStreams {
         index: Arc<BlockIndex>,
         directory: Directory,
         registry: &mut Registry,
+        shutdown: CancellationToken,
     ) -> Arc<Self> {
         let now = Instant::now();
         let mut liveness = HashMap::new();
@@ -223,6 +227,7 @@ impl AgentStreams {
             grace: config.agent_stale_grace,
             next_stream: AtomicU64::new(1),
             metrics: AgentStreamMetrics::register(registry),
+            shutdown,
         })
     }
 
@@ -352,34 +357,40 @@ impl api::agent_ingest_server::AgentIngest for AgentService {
         tracing::info!(agent_id = %hello.agent_id, stream_id, replicas = claimed.len(), "agent stream open");
 
         let session = Session::open(Arc::clone(streams), stream_id, hello.agent_id, claimed);
-        let state = (inbound, session, outbox);
-        let responses = futures::stream::unfold(
-            state,
-            |(mut inbound, mut session, mut outbox)| async move {
-                loop {
-                    if let Some(message) = outbox.pop_front() {
-                        return Some((Ok(message), (inbound, session, outbox)));
+        let state = Some((inbound, session, outbox));
+        let responses = futures::stream::unfold(state, |state| async move {
+            let (mut inbound, mut session, mut outbox) = state?;
+            loop {
+                if let Some(message) = outbox.pop_front() {
+                    return Some((Ok(message), Some((inbound, session, outbox))));
+                }
+                let received = tokio::select! {
+                    received = inbound.message() => received,
+                    () = session.streams.shutdown.cancelled() => {
+                        tracing::info!(agent_id = %session.agent_id, "agent stream closed: the index is shutting down");
+                        let closing = Status::unavailable("kvroute-index is shutting down");
+                        return Some((Err(closing), None));
                     }
-                    match inbound.message().await {
-                        Ok(Some(message)) => {
-                            for refusal in session.handle(message) {
-                                if outbox.len() < MAX_QUEUED_REFUSALS {
-                                    outbox.push_back(refusal);
-                                }
+                };
+                match received {
+                    Ok(Some(message)) => {
+                        for refusal in session.handle(message) {
+                            if outbox.len() < MAX_QUEUED_REFUSALS {
+                                outbox.push_back(refusal);
                             }
                         }
-                        Ok(None) => return None,
-                        Err(status) => {
-                            let refusal = decode_refusal(&status);
-                            session.streams.metrics.refused(refusal);
-                            tracing::warn!(agent_id = %session.agent_id, reason = refusal.as_label(),
+                    }
+                    Ok(None) => return None,
+                    Err(status) => {
+                        let refusal = decode_refusal(&status);
+                        session.streams.metrics.refused(refusal);
+                        tracing::warn!(agent_id = %session.agent_id, reason = refusal.as_label(),
                             error = %status.message(), "agent stream ended");
-                            return None;
-                        }
+                        return None;
                     }
                 }
-            },
-        );
+            }
+        });
         Ok(Response::new(Box::pin(responses)))
     }
 }

@@ -164,6 +164,7 @@ impl IndexServer {
             Arc::clone(&index),
             directory.clone(),
             &mut registry,
+            cancel.child_token(),
         );
         let shared = Arc::new(Shared {
             index,

@@ -530,6 +530,49 @@ struct ModelEngine {
     blocks: BTreeSet<u64>,
 }
 
+/// An agent's stream that stays open must not hold the index's shutdown until the drain timeout:
+/// the index ends it with UNAVAILABLE (the agent reconnects, elsewhere if it can).
+#[tokio::test]
+async fn shutdown_ends_open_agent_streams_with_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = index_yaml_synthetic_hashes("127.0.0.1:0", dir.path());
+    let server = IndexServer::start(Config::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    let mut client = AgentIngestClient::connect(format!("http://{}", server.grpc_addr()))
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    tx.send(hello(TOKEN, &["engine-a"])).await.unwrap();
+    let mut inbound = client
+        .agent_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let welcome = tokio::time::timeout(CONVERGE, inbound.message())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        welcome.and_then(|m| m.body),
+        Some(api::index_message::Body::Welcome(_))
+    ));
+
+    // `tx` stays alive: the agent has more to say. Shutting down ends the stream from the index's
+    // side with a status (a drain that timed out would instead drop the connection under it).
+    let (shut_down, closing) = tokio::join!(
+        tokio::time::timeout(CONVERGE, server.shutdown()),
+        tokio::time::timeout(CONVERGE, inbound.message()),
+    );
+    shut_down.expect("shutdown returns");
+    let status = closing
+        .expect("the stream ends")
+        .expect_err("ended by a status");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert_eq!(status.message(), "kvroute-index is shutting down");
+    drop(tx);
+}
+
 fn stored(hashes: &[u64]) -> KvEvent {
     KvEvent::BlockStored(BlockStored {
         block_hashes: hashes.to_vec(),
