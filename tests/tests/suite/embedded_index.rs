@@ -13,11 +13,11 @@
 use std::time::Duration;
 
 use kvroute_tests::harness::{http, wait_until};
-use kvroute_tests::stack::{IndexPlacement, MODEL, Routing, Stack, StackOptions};
+use kvroute_tests::stack::{IndexPlacement, MODEL, Stack, StackOptions};
 use serde_json::{Value, json};
 
 use super::common::{index_blocks, sim_blocks};
-use super::routing::{finished, post_raw, served_since, text};
+use super::routing::{route_response, text};
 
 /// How long a test waits for the sims' counters or the index's view to settle.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -44,17 +44,8 @@ struct Routed {
 }
 
 async fn route(stack: &Stack, prompt: &str) -> Routed {
-    let before = finished(stack).await;
-    let url = format!("{}/v1/completions", stack.url(Routing::Kvroute).unwrap());
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
-    let response = post_raw(&url, body.to_string().into_bytes(), &[]).await;
-    assert_eq!(
-        response.status,
-        200,
-        "{}\n{}",
-        response.text(),
-        stack.logs()
-    );
+    let (replica, response) = route_response(stack, "/v1/completions", &body, &[]).await;
     let decision = response
         .headers
         .get("x-kvroute-decision")
@@ -62,8 +53,6 @@ async fn route(stack: &Stack, prompt: &str) -> Routed {
         .unwrap_or_default()
         .to_owned();
     let answer: Value = response.json().unwrap();
-    let delta = served_since(stack, &before, 1).await;
-    let replica = delta.iter().position(|d| *d == 1).unwrap();
     Routed {
         replica,
         decision,

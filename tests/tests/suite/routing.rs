@@ -75,7 +75,7 @@ fn completion(prompt: &str) -> Value {
 }
 
 /// Finished requests per sim (`vllm:request_success_total`), in replica order.
-pub(super) async fn finished(stack: &Stack) -> Vec<u64> {
+async fn finished(stack: &Stack) -> Vec<u64> {
     let mut counts = Vec::new();
     for url in stack.sim_urls() {
         let text = http::get(&format!("{url}/metrics")).await.unwrap().text();
@@ -85,7 +85,7 @@ pub(super) async fn finished(stack: &Stack) -> Vec<u64> {
 }
 
 /// Waits until the sims finished `expected` more requests than `before`; returns the per-sim deltas.
-pub(super) async fn served_since(stack: &Stack, before: &[u64], expected: u64) -> Vec<u64> {
+async fn served_since(stack: &Stack, before: &[u64], expected: u64) -> Vec<u64> {
     wait_until("the sims to count the requests", SETTLE, || async {
         let now = finished(stack).await;
         let delta: Vec<u64> = now.iter().zip(before).map(|(n, b)| n - b).collect();
@@ -102,6 +102,17 @@ async fn route(
     body: &Value,
     headers: &[(&str, &str)],
 ) -> (usize, Value) {
+    let (replica, response) = route_response(stack, path, body, headers).await;
+    (replica, response.json().unwrap())
+}
+
+/// [`route`], returning the whole response (headers included).
+pub(super) async fn route_response(
+    stack: &Stack,
+    path: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> (usize, HttpResponse) {
     let before = finished(stack).await;
     let url = format!("{}{path}", stack.url(Routing::Kvroute).unwrap());
     let response = post_raw(&url, body.to_string().into_bytes(), headers).await;
@@ -114,7 +125,7 @@ async fn route(
     );
     let delta = served_since(stack, &before, 1).await;
     let replica = delta.iter().position(|d| *d == 1).unwrap();
-    (replica, response.json().unwrap())
+    (replica, response)
 }
 
 fn cached_tokens(body: &Value) -> u64 {
