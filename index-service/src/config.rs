@@ -33,6 +33,9 @@ use std::{collections::HashSet, net::SocketAddr, time::Duration};
 use kvroute_block_keys::{ExtraKeysEra, HashAlgo};
 use serde::Deserialize;
 
+use crate::ingest;
+use crate::zmtp::PeerFilter;
+
 /// Default gRPC listen address.
 pub const DEFAULT_GRPC_ADDR: &str = "127.0.0.1:50061";
 /// Default admin HTTP listen address.
@@ -179,6 +182,11 @@ pub struct RawEvents {
     pub topic: Option<String>,
     /// Data-parallel rank this socket carries.
     pub dp_rank: Option<u32>,
+    /// Bind mode: the engine addresses (IPs or CIDR blocks) that may connect; default any.
+    pub allowed_peers: Option<Vec<String>>,
+    /// Largest message accepted from the engine, in bytes (default 64 MiB); a peer that sends
+    /// more is dropped and counted.
+    pub max_message_bytes: Option<usize>,
 }
 
 /// How kvroute keys blocks for a pool (see design.md "Block keys").
@@ -272,6 +280,10 @@ pub struct ReplicaConfig {
     pub topic: String,
     /// Data-parallel rank.
     pub dp_rank: u32,
+    /// Bind mode: who may connect.
+    pub allowed_peers: PeerFilter,
+    /// Largest message accepted.
+    pub max_message_bytes: usize,
 }
 
 impl Config {
@@ -365,10 +377,6 @@ impl Config {
                     )
                 })?;
             let events = replica.events;
-            // A replica fed only by its agent needs no ZMQ endpoint here.
-            if !(events.endpoint.is_empty() && agent_owned.contains(replica.id.as_str())) {
-                check_endpoint(&field("events.endpoint"), &events.endpoint)?;
-            }
             let mode = match events.mode.as_deref() {
                 None | Some("connect") => SocketMode::Connect,
                 Some("bind") => SocketMode::Bind,
@@ -379,6 +387,40 @@ impl Config {
                         "expected `connect` or `bind`",
                     ));
                 }
+            };
+            let ingest_mode = match mode {
+                SocketMode::Connect => ingest::SocketMode::Connect,
+                SocketMode::Bind => ingest::SocketMode::Bind,
+            };
+            // A replica fed only by its agent needs no ZMQ endpoint here.
+            let agent_fed = events.endpoint.is_empty() && agent_owned.contains(replica.id.as_str());
+            let allowed_peers = if agent_fed {
+                PeerFilter::any()
+            } else {
+                ingest::transport_settings(
+                    &events.endpoint,
+                    ingest_mode,
+                    events.allowed_peers.as_deref(),
+                )
+                .map_err(|(name, reason)| {
+                    let value = if name == "endpoint" {
+                        events.endpoint.clone()
+                    } else {
+                        format!("{:?}", events.allowed_peers)
+                    };
+                    ConfigError::invalid(field(&format!("events.{name}")), value, reason)
+                })?
+            };
+            let max_message_bytes = match events.max_message_bytes {
+                None => ingest::DEFAULT_MAX_MESSAGE_BYTES,
+                Some(0) => {
+                    return Err(ConfigError::invalid(
+                        field("events.max_message_bytes"),
+                        0,
+                        "must be positive",
+                    ));
+                }
+                Some(bytes) => bytes,
             };
             if mode == SocketMode::Bind && !bound.insert(events.endpoint.clone()) {
                 return Err(ConfigError::invalid(
@@ -398,6 +440,8 @@ impl Config {
                 replay_endpoint: events.replay_endpoint,
                 topic: events.topic.unwrap_or_default(),
                 dp_rank: events.dp_rank.unwrap_or(0),
+                allowed_peers,
+                max_message_bytes,
             });
         }
 
@@ -558,18 +602,9 @@ fn parse_addr(field: &str, value: Option<&str>, default: &str) -> Result<SocketA
 }
 
 fn check_endpoint(field: &str, endpoint: &str) -> Result<(), ConfigError> {
-    let ok = ["tcp://", "ipc://", "inproc://"]
-        .iter()
-        .any(|scheme| endpoint.len() > scheme.len() && endpoint.starts_with(scheme));
-    if ok {
-        Ok(())
-    } else {
-        Err(ConfigError::invalid(
-            field,
-            endpoint,
-            "expected a ZMQ endpoint such as tcp://host:port",
-        ))
-    }
+    crate::zmtp::Endpoint::parse(endpoint)
+        .map(drop)
+        .map_err(|error| ConfigError::invalid(field, endpoint, error.to_string()))
 }
 
 /// Replica ids become metric label values; keep them to a safe alphabet.

@@ -18,6 +18,8 @@ pub mod server;
 pub mod testing;
 pub mod tls;
 pub mod wire;
+#[cfg(feature = "server")]
+pub mod zmtp;
 
 /// Generated gRPC types and client/server for `kvroute.index.v1` (see `proto/`).
 #[allow(missing_docs, clippy::all, clippy::pedantic)]

@@ -20,7 +20,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use serde::Deserialize;
 
 use super::token::{AgentToken, TokenError, TokenSource};
-use crate::ingest::{IngestConfig, SocketMode};
+use crate::ingest::{IngestConfig, SocketMode, transport_settings};
 
 /// Default admin listen address.
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9471";
@@ -75,6 +75,10 @@ pub struct RawEngine {
     pub topic: Option<String>,
     /// Data-parallel rank.
     pub dp_rank: Option<u32>,
+    /// Bind mode: the engine addresses (IPs or CIDR blocks) that may connect; default any.
+    pub allowed_peers: Option<Vec<String>>,
+    /// Largest message accepted from the engine, in bytes (default 64 MiB).
+    pub max_message_bytes: Option<usize>,
 }
 
 /// Why the agent config is unusable.
@@ -91,7 +95,7 @@ pub enum AgentConfigError {
         /// The value.
         value: String,
         /// Why.
-        reason: &'static str,
+        reason: String,
     },
     /// The token cannot be loaded.
     #[error("cannot load the agent token")]
@@ -112,11 +116,11 @@ impl AgentConfigError {
         }
     }
 
-    fn invalid(field: impl Into<String>, value: impl ToString, reason: &'static str) -> Self {
+    fn invalid(field: impl Into<String>, value: impl ToString, reason: impl Into<String>) -> Self {
         AgentConfigError::InvalidValue {
             field: field.into(),
             value: value.to_string(),
-            reason,
+            reason: reason.into(),
         }
     }
 }
@@ -217,13 +221,6 @@ impl AgentConfig {
                     "must be non-empty and unique (one entry per DP rank, each its own replica id)",
                 ));
             }
-            if !engine.endpoint.contains("://") {
-                return Err(AgentConfigError::invalid(
-                    field("endpoint"),
-                    &engine.endpoint,
-                    "expected a ZMQ endpoint such as tcp://127.0.0.1:5557",
-                ));
-            }
             let mode = match engine.mode.as_deref() {
                 None | Some("connect") => SocketMode::Connect,
                 Some("bind") => SocketMode::Bind,
@@ -235,10 +232,32 @@ impl AgentConfig {
                     ));
                 }
             };
+            let allowed_peers =
+                transport_settings(&engine.endpoint, mode, engine.allowed_peers.as_deref())
+                    .map_err(|(name, reason)| {
+                        let value = if name == "endpoint" {
+                            engine.endpoint.clone()
+                        } else {
+                            format!("{:?}", engine.allowed_peers)
+                        };
+                        AgentConfigError::invalid(field(name), value, reason)
+                    })?;
             let mut socket =
                 IngestConfig::new(Arc::<str>::from(engine.replica), engine.endpoint, mode)
                     .with_dp_rank(engine.dp_rank.unwrap_or(0))
-                    .with_topic_filter(engine.topic.unwrap_or_default());
+                    .with_topic_filter(engine.topic.unwrap_or_default())
+                    .with_allowed_peers(allowed_peers);
+            match engine.max_message_bytes {
+                Some(0) => {
+                    return Err(AgentConfigError::invalid(
+                        field("max_message_bytes"),
+                        0,
+                        "must be positive",
+                    ));
+                }
+                Some(bytes) => socket.max_message_bytes = bytes,
+                None => {}
+            }
             if let Some(replay) = engine.replay_endpoint {
                 socket = socket.with_replay_endpoint(replay);
             }

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::ReplicaKey;
+use crate::zmtp::{self, PeerFilter};
 
 /// How long one replay request may take, end marker included. vLLM serves replay between
 /// publishing steps (about 100 ms latency), so this leaves room for a large buffer.
@@ -17,6 +18,8 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_RECONNECT_BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Cap of the exponential reconnect backoff.
 pub const DEFAULT_RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// Largest KV-event message accepted from an engine (see [`zmtp::DEFAULT_MAX_MESSAGE_BYTES`]).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = zmtp::DEFAULT_MAX_MESSAGE_BYTES;
 
 /// Whether our SUB connects to the engine or binds for the engine to connect.
 ///
@@ -59,6 +62,42 @@ pub fn engine_binds(engine_endpoint: &str) -> bool {
         || engine_endpoint.starts_with("inproc://")
 }
 
+/// Checks a socket's transport settings as configured: the endpoint is one the transport serves,
+/// and an `allowed_peers` list parses and applies (bind mode over TCP; an ipc socket is guarded
+/// by its file's permissions, a connect-mode socket chooses its peer). Returns the filter, or the
+/// offending field (relative to the socket's section) and why.
+pub fn transport_settings(
+    endpoint: &str,
+    mode: SocketMode,
+    allowed_peers: Option<&[String]>,
+) -> Result<PeerFilter, (&'static str, String)> {
+    let parsed =
+        zmtp::Endpoint::parse(endpoint).map_err(|error| ("endpoint", error.to_string()))?;
+    let Some(entries) = allowed_peers else {
+        return Ok(PeerFilter::any());
+    };
+    if mode != SocketMode::Bind {
+        return Err((
+            "allowed_peers",
+            "applies to bind mode only (in connect mode kvroute chooses its peer)".into(),
+        ));
+    }
+    if matches!(parsed, zmtp::Endpoint::Ipc(_)) {
+        return Err((
+            "allowed_peers",
+            "applies to tcp endpoints only (an ipc socket is guarded by its file permissions)"
+                .into(),
+        ));
+    }
+    if entries.is_empty() {
+        return Err((
+            "allowed_peers",
+            "an empty list would refuse every engine".into(),
+        ));
+    }
+    PeerFilter::parse(entries).map_err(|error| ("allowed_peers", error.to_string()))
+}
+
 /// One vLLM publisher socket to ingest (one replica, or one DP rank of it).
 #[derive(Debug, Clone, PartialEq)]
 pub struct IngestConfig {
@@ -86,6 +125,10 @@ pub struct IngestConfig {
     pub reconnect_backoff_min: Duration,
     /// Reconnect delay cap.
     pub reconnect_backoff_max: Duration,
+    /// Bind mode: the peer addresses that may connect (default: any).
+    pub allowed_peers: PeerFilter,
+    /// Largest message accepted on the live or replay socket; a peer sending more is dropped.
+    pub max_message_bytes: usize,
 }
 
 impl IngestConfig {
@@ -107,7 +150,15 @@ impl IngestConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             reconnect_backoff_min: DEFAULT_RECONNECT_BACKOFF_MIN,
             reconnect_backoff_max: DEFAULT_RECONNECT_BACKOFF_MAX,
+            allowed_peers: PeerFilter::any(),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
         }
+    }
+
+    /// Bind mode: only peers inside `allowed_peers` may connect.
+    pub fn with_allowed_peers(mut self, allowed_peers: PeerFilter) -> Self {
+        self.allowed_peers = allowed_peers;
+        self
     }
 
     /// Sets the engine's replay endpoint.
@@ -136,14 +187,18 @@ impl IngestConfig {
         }
     }
 
-    /// The endpoint in the form the `zeromq` crate binds: it resolves the host by name, so
-    /// ZMQ's `*` wildcard becomes the unspecified address.
-    pub(crate) fn bind_endpoint(&self) -> String {
-        wildcard_to_unspecified(&self.endpoint)
+    /// The transport bounds for this socket's live and replay connections.
+    pub(crate) fn limits(&self) -> zmtp::Limits {
+        zmtp::Limits {
+            max_message_bytes: self.max_message_bytes,
+            handshake_timeout: self.connect_timeout,
+            ..zmtp::Limits::default()
+        }
     }
 }
 
-/// ZMQ's `tcp://*:port` as an address the `zeromq` crate can bind (it resolves hosts by name).
+/// ZMQ's `tcp://*:port` as an address the `zeromq` crate (the test publisher) can bind.
+#[cfg(any(test, feature = "test-util"))]
 pub(crate) fn wildcard_to_unspecified(endpoint: &str) -> String {
     match endpoint.strip_prefix("tcp://*:") {
         Some(port) => format!("tcp://0.0.0.0:{port}"),
@@ -181,13 +236,5 @@ mod tests {
             SocketMode::for_engine_endpoint("tcp://10.0.0.5:5557"),
             SocketMode::Bind
         );
-    }
-
-    #[test]
-    fn wildcard_bind_becomes_unspecified_address() {
-        let config = IngestConfig::new("r", "tcp://*:5557", SocketMode::Bind);
-        assert_eq!(config.bind_endpoint(), "tcp://0.0.0.0:5557");
-        let config = IngestConfig::new("r", "tcp://127.0.0.1:0", SocketMode::Bind);
-        assert_eq!(config.bind_endpoint(), "tcp://127.0.0.1:0");
     }
 }

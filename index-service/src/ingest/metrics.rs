@@ -124,6 +124,7 @@ pub struct IngestMetrics {
     last_sequence: Family<ReplicaLabels, Gauge>,
     connected: Family<ReplicaLabels, Gauge>,
     socket_errors: Family<StageLabels, Counter>,
+    refused: Family<ReasonLabels, Counter>,
     task_panics: Family<ReplicaLabels, Counter>,
 }
 
@@ -150,6 +151,7 @@ impl IngestMetrics {
             last_sequence: Family::default(),
             connected: Family::default(),
             socket_errors: Family::default(),
+            refused: Family::default(),
             task_panics: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("ingest");
@@ -223,6 +225,13 @@ impl IngestMetrics {
             "socket_errors",
             "SUB socket failures that led to re-creating the socket, by stage",
             metrics.socket_errors.clone(),
+        );
+        r.register(
+            "refused",
+            "Peers dropped and messages refused for what they sent or who they are (oversized, \
+             malformed_frame, too_many_frames, handshake, socket_type, handshake_timeout, \
+             peer_error, not_allowed, too_many_peers, topic_mismatch)",
+            metrics.refused.clone(),
         );
         r.register(
             "task_panics",
@@ -344,6 +353,13 @@ impl ReplicaMetrics {
                 dp_rank: self.replica.dp_rank,
                 stage: stage.as_label(),
             })
+            .inc();
+    }
+
+    pub(crate) fn refused(&self, reason: &'static str) {
+        self.families
+            .refused
+            .get_or_create(&reason_labels(&self.replica, reason))
             .inc();
     }
 

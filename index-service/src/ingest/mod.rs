@@ -61,8 +61,9 @@ use crate::event::EventBatch;
 #[cfg(any(test, feature = "test-util"))]
 pub(crate) use config::wildcard_to_unspecified;
 pub use config::{
-    DEFAULT_BUFFERED_LIVE_LIMIT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RECONNECT_BACKOFF_MAX,
-    DEFAULT_RECONNECT_BACKOFF_MIN, DEFAULT_REPLAY_TIMEOUT, IngestConfig, SocketMode, engine_binds,
+    DEFAULT_BUFFERED_LIVE_LIMIT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RECONNECT_BACKOFF_MAX, DEFAULT_RECONNECT_BACKOFF_MIN, DEFAULT_REPLAY_TIMEOUT,
+    IngestConfig, SocketMode, engine_binds, transport_settings,
 };
 pub use metrics::IngestMetrics;
 pub use sequence::DUPLICATE_WINDOW;

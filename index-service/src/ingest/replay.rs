@@ -5,11 +5,9 @@
 //! cheap.
 
 use bytes::Bytes;
-use zeromq::{
-    DealerSocket, Socket as _, SocketOptions, SocketRecv as _, SocketSend as _, ZmqMessage,
-};
 
 use crate::wire::{self, ReplayItem, WireError};
+use crate::zmtp::{DealerSocket, Endpoint, Limits, ZmtpError};
 
 /// Why a replay request failed at the transport level.
 #[derive(Debug, thiserror::Error)]
@@ -19,20 +17,30 @@ pub(crate) enum ReplayError {
     Connect {
         endpoint: String,
         #[source]
-        source: zeromq::ZmqError,
+        source: ZmtpError,
     },
     /// Sending the request failed.
     #[error("sending replay request")]
-    Send(#[source] zeromq::ZmqError),
-    /// Receiving a reply failed.
+    Send(#[source] ZmtpError),
+    /// Receiving a reply failed (the ROUTER went away or broke a limit).
     #[error("receiving replay reply")]
-    Recv(#[source] zeromq::ZmqError),
+    Recv(#[source] ZmtpError),
     /// A reply had a shape no vLLM release sends.
     #[error("malformed replay reply")]
     Malformed(#[source] WireError),
 }
 
 impl ReplayError {
+    /// The transport error, if the peer was refused for breaking the protocol or a limit.
+    pub(crate) fn refusal(&self) -> Option<&ZmtpError> {
+        match self {
+            ReplayError::Connect { source, .. }
+            | ReplayError::Send(source)
+            | ReplayError::Recv(source) => Some(source).filter(|error| error.is_refusal()),
+            ReplayError::Malformed(_) => None,
+        }
+    }
+
     pub(crate) fn as_label(&self) -> &'static str {
         match self {
             ReplayError::Connect { .. } => "connect",
@@ -68,33 +76,26 @@ impl ReplaySession {
     pub(crate) async fn open(
         endpoint: &str,
         start_seq: u64,
-        connect_timeout: std::time::Duration,
+        limits: Limits,
     ) -> Result<Self, ReplayError> {
-        let mut options = SocketOptions::default();
-        options.connect_timeout(connect_timeout);
-        let mut dealer = DealerSocket::with_options(options);
-        dealer
-            .connect(endpoint)
+        let connect_error = |source| ReplayError::Connect {
+            endpoint: endpoint.to_owned(),
+            source,
+        };
+        let parsed = Endpoint::parse(endpoint).map_err(connect_error)?;
+        let mut dealer = DealerSocket::connect(&parsed, limits)
             .await
-            .map_err(|source| ReplayError::Connect {
-                endpoint: endpoint.to_owned(),
-                source,
-            })?;
-        let request = ZmqMessage::try_from(
-            wire::replay_request(start_seq)
-                .into_iter()
-                .map(Bytes::from)
-                .collect::<Vec<_>>(),
-        )
-        .map_err(|_| ReplayError::Send(zeromq::ZmqError::Other("empty replay request")))?;
-        dealer.send(request).await.map_err(ReplayError::Send)?;
+            .map_err(connect_error)?;
+        dealer
+            .send(&wire::replay_request(start_seq))
+            .await
+            .map_err(ReplayError::Send)?;
         Ok(Self { dealer })
     }
 
     /// The next reply; cancel-safe (a reply is only taken when it is returned).
     pub(crate) async fn next(&mut self) -> Result<ReplayReply, ReplayError> {
-        let message = self.dealer.recv().await.map_err(ReplayError::Recv)?;
-        let frames = message.into_vec();
+        let frames = self.dealer.recv().await.map_err(ReplayError::Recv)?;
         match wire::parse_replay_frames(&frames).map_err(ReplayError::Malformed)? {
             ReplayItem::End => Ok(ReplayReply::End),
             ReplayItem::Batch { seq, payload } => {

@@ -4,9 +4,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt as _;
+use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
-use zeromq::{Socket as _, SocketEvent, SocketOptions, SocketRecv as _, SubSocket, ZmqMessage};
 
 use super::backoff::Backoff;
 use super::metrics::{CatchUpOutcome, ReplayOutcome, ReplicaMetrics, SocketStage};
@@ -15,11 +14,12 @@ use super::sequence::{SequenceTracker, Verdict, fingerprint};
 use super::state::ReplicaIngestState;
 use super::{EventSink, IngestConfig, IngestMetrics, ReplicaKey, ResetReason, SocketMode};
 use crate::wire::{self, DecodedBatch, WireError};
+use crate::zmtp::{Endpoint, SubEvent, SubSocket, ZmtpError};
 
+/// `ingest_refused_total` reason of a live message whose topic the socket did not subscribe to.
+const TOPIC_MISMATCH: &str = "topic_mismatch";
 /// At most one warning per this interval for repeated malformed input; the rest are counted.
 const WARN_INTERVAL: Duration = Duration::from_secs(10);
-/// How long closing a socket (unbinding its port) may take before it is simply dropped.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// A decoded live message waiting to be applied.
 #[derive(Debug)]
@@ -165,8 +165,6 @@ impl Subscriber {
                 Ok(mut socket) => {
                     let stop = self.pump(&mut socket, &mut backoff).await;
                     self.set_connected(false);
-                    // Unbind explicitly so a re-bind of the same port does not race the old listener.
-                    let _ = tokio::time::timeout(CLOSE_TIMEOUT, socket.close()).await;
                     stop
                 }
                 Err(error) => {
@@ -199,26 +197,30 @@ impl Subscriber {
         );
     }
 
-    /// Creates the SUB socket, subscribed, then connected or bound.
-    async fn open(&self) -> Result<SubSocket, zeromq::ZmqError> {
-        let mut options = SocketOptions::default();
-        options.connect_timeout(self.config.connect_timeout);
-        let mut socket = SubSocket::with_options(options);
-        // Subscribing first: the socket re-sends its subscriptions to every peer that connects.
-        socket.subscribe(&self.config.topic_filter).await?;
-        match self.config.mode {
-            SocketMode::Connect => socket.connect(&self.config.endpoint).await?,
+    /// Connects (and subscribes) or binds the SUB socket.
+    async fn open(&self) -> Result<SubSocket, ZmtpError> {
+        let topic = &self.config.topic_filter;
+        let limits = self.config.limits();
+        let socket = match self.config.mode {
+            SocketMode::Connect => {
+                let endpoint = Endpoint::parse(&self.config.endpoint)?;
+                SubSocket::connect(&endpoint, topic, limits).await?
+            }
             SocketMode::Bind => {
                 // After a re-create, bind the port resolved the first time (engines know it).
                 let endpoint = self
                     .state
                     .snapshot()
                     .bound_endpoint
-                    .unwrap_or_else(|| self.config.bind_endpoint());
-                let bound = socket.bind(&endpoint).await?;
-                self.state.set_bound_endpoint(bound.to_string());
+                    .unwrap_or_else(|| self.config.endpoint.clone());
+                let endpoint = Endpoint::parse(&endpoint)?;
+                let (socket, bound) =
+                    SubSocket::bind(&endpoint, topic, limits, self.config.allowed_peers.clone())
+                        .await?;
+                self.state.set_bound_endpoint(bound);
+                socket
             }
-        }
+        };
         tracing::info!(
             replica_id = %self.replica.replica_id,
             dp_rank = self.replica.dp_rank,
@@ -233,8 +235,6 @@ impl Subscriber {
     /// Receives until cancelled or the socket fails.
     async fn pump(&mut self, socket: &mut SubSocket, backoff: &mut Backoff) -> Stop {
         let cancel = self.cancel.clone();
-        let mut monitor = socket.monitor();
-        let mut monitor_open = true;
         if self.tracker.is_fresh() && self.config.replay_endpoint.is_some() {
             let caught_up = match self.catch_up(None, socket).await {
                 Ok(()) => self.drain_pending(socket).await,
@@ -248,12 +248,8 @@ impl Subscriber {
             tokio::select! {
                 biased;
                 () = cancel.cancelled() => return Stop::Cancelled,
-                event = monitor.next(), if monitor_open => match event {
-                    Some(event) => self.on_socket_event(event),
-                    None => monitor_open = false,
-                },
                 received = socket.recv() => match received {
-                    Ok(message) => {
+                    Ok(SubEvent::Message(message)) => {
                         backoff.reset();
                         if let Some(live) = self.decode_live(message) {
                             self.pending.push_back(live);
@@ -262,6 +258,7 @@ impl Subscriber {
                             return stop;
                         }
                     }
+                    Ok(event) => self.peer_event(event),
                     Err(error) => {
                         self.socket_failed(SocketStage::Recv, &error);
                         return Stop::SocketFailed;
@@ -271,15 +268,47 @@ impl Subscriber {
         }
     }
 
-    /// Connect mode: the `zeromq` crate reconnects on its own; mirror that in `connected`.
-    fn on_socket_event(&self, event: SocketEvent) {
-        if self.config.mode != SocketMode::Connect {
-            return;
-        }
+    /// A bound socket's peer came or went; a refused one is counted and logged (rate-limited).
+    fn peer_event(&mut self, event: SubEvent) {
         match event {
-            SocketEvent::Connected(..) => self.set_connected(true),
-            SocketEvent::Disconnected(_) => self.set_connected(false),
-            _ => {}
+            SubEvent::Message(_) => {}
+            SubEvent::PeerConnected { peer } => tracing::info!(
+                replica_id = %self.replica.replica_id,
+                dp_rank = self.replica.dp_rank,
+                peer,
+                "kv event publisher connected"
+            ),
+            SubEvent::PeerDropped { peer, error } => {
+                if !error.is_refusal() {
+                    tracing::info!(
+                        replica_id = %self.replica.replica_id,
+                        dp_rank = self.replica.dp_rank,
+                        peer,
+                        reason = error.as_label(),
+                        "kv event publisher disconnected"
+                    );
+                    return;
+                }
+                self.refused(&error, &peer);
+            }
+        }
+    }
+
+    /// Counts and logs (rate-limited) a peer dropped for what it sent or who it is.
+    fn refused(&mut self, error: &ZmtpError, peer: &str) {
+        self.metrics.refused(error.as_label());
+        self.state
+            .record_error(format!("peer {peer} refused: {error}"));
+        if let Some(suppressed) = self.decode_warnings.allow() {
+            tracing::warn!(
+                replica_id = %self.replica.replica_id,
+                dp_rank = self.replica.dp_rank,
+                peer,
+                reason = error.as_label(),
+                error = %error_chain(error),
+                suppressed,
+                "kv event peer refused and dropped"
+            );
         }
     }
 
@@ -476,7 +505,7 @@ impl Subscriber {
             biased;
             () = cancel.cancelled() => return Err(Stop::Cancelled),
             () = tokio::time::sleep_until(deadline) => return Ok(ReplayOutcome::Timeout.into()),
-            opened = ReplaySession::open(endpoint, missing_from, self.config.connect_timeout) => opened,
+            opened = ReplaySession::open(endpoint, missing_from, self.config.limits()) => opened,
         };
         let mut session = match opened {
             Ok(session) => session,
@@ -491,7 +520,8 @@ impl Subscriber {
                 () = cancel.cancelled() => return Err(Stop::Cancelled),
                 () = tokio::time::sleep_until(deadline) => return Ok(ReplayOutcome::Timeout.into()),
                 received = socket.recv() => match received {
-                    Ok(message) => self.hold(message),
+                    Ok(SubEvent::Message(message)) => self.hold(message),
+                    Ok(event) => self.peer_event(event),
                     Err(error) => {
                         self.socket_failed(SocketStage::Recv, &error);
                         return Err(Stop::SocketFailed);
@@ -551,7 +581,7 @@ impl Subscriber {
     }
 
     /// Holds a live message that arrived during a replay (bounded).
-    fn hold(&mut self, message: ZmqMessage) {
+    fn hold(&mut self, message: Vec<Bytes>) {
         let Some(live) = self.decode_live(message) else {
             return;
         };
@@ -563,12 +593,27 @@ impl Subscriber {
         self.pending.push_back(live);
     }
 
-    /// Validates and decodes a live message; malformed ones are counted and dropped.
-    fn decode_live(&mut self, message: ZmqMessage) -> Option<LiveMessage> {
+    /// Validates and decodes a live message; malformed ones, and ones whose topic this socket
+    /// did not subscribe to (a PUB filters by topic, a rogue one may not), are counted and dropped.
+    fn decode_live(&mut self, frames: Vec<Bytes>) -> Option<LiveMessage> {
         self.metrics.messages_received.inc();
         self.state.message_received();
-        let frames = message.into_vec();
         match wire::decode_message(&frames) {
+            Ok((topic, _, _)) if !topic.starts_with(self.config.topic_filter.as_str()) => {
+                self.metrics.refused(TOPIC_MISMATCH);
+                self.state
+                    .record_error("live message with a topic this replica does not publish".into());
+                if let Some(suppressed) = self.decode_warnings.allow() {
+                    tracing::warn!(
+                        replica_id = %self.replica.replica_id,
+                        dp_rank = self.replica.dp_rank,
+                        topic_filter = %self.config.topic_filter,
+                        suppressed,
+                        "dropping kv event message with a foreign topic"
+                    );
+                }
+                None
+            }
             Ok((_topic, seq, batch)) => Some(LiveMessage {
                 seq,
                 fingerprint: frames.last().map_or(0, |payload| fingerprint(payload)),
@@ -632,7 +677,10 @@ impl Subscriber {
         }
     }
 
-    fn replay_error(&self, error: &super::replay::ReplayError) {
+    fn replay_error(&mut self, error: &super::replay::ReplayError) {
+        if let Some(refusal) = error.refusal() {
+            self.refused(refusal, "replay");
+        }
         self.state
             .record_error(format!("replay: {}", error_chain(error)));
         tracing::warn!(
@@ -644,7 +692,10 @@ impl Subscriber {
         );
     }
 
-    fn socket_failed(&self, stage: SocketStage, error: &zeromq::ZmqError) {
+    fn socket_failed(&mut self, stage: SocketStage, error: &ZmtpError) {
+        if error.is_refusal() {
+            self.refused(error, &self.config.endpoint.clone());
+        }
         self.metrics.socket_error(stage);
         self.state
             .record_error(format!("{} failed: {error}", stage.as_label()));
@@ -653,7 +704,7 @@ impl Subscriber {
             dp_rank = self.replica.dp_rank,
             endpoint = %self.config.endpoint,
             stage = stage.as_label(),
-            %error,
+            error = %error_chain(error),
             "kv event socket failed; re-creating it after a backoff"
         );
     }

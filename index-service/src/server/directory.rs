@@ -119,8 +119,10 @@ impl Directory {
                 let mut socket =
                     IngestConfig::new(Arc::clone(&entry.name), &replica.endpoint, mode)
                         .with_dp_rank(replica.dp_rank)
-                        .with_topic_filter(replica.topic.clone());
+                        .with_topic_filter(replica.topic.clone())
+                        .with_allowed_peers(replica.allowed_peers.clone());
                 socket.replay_timeout = config.replay_timeout;
+                socket.max_message_bytes = replica.max_message_bytes;
                 if let Some(replay) = &replica.replay_endpoint {
                     socket = socket.with_replay_endpoint(replay.clone());
                 }
