@@ -95,9 +95,9 @@ fn index_binary() -> PathBuf {
 }
 
 /// A `kvroute-index` process, restartable on the same gRPC port.
-struct IndexProcess {
-    guard: ChildGuard,
-    admin: SocketAddr,
+pub(super) struct IndexProcess {
+    pub(super) guard: ChildGuard,
+    pub(super) admin: SocketAddr,
     grpc: SocketAddr,
 }
 
@@ -106,7 +106,7 @@ impl IndexProcess {
         Self::start_with(dir, &index_yaml(grpc, dir)).await
     }
 
-    async fn start_with(dir: &Path, yaml: &str) -> Self {
+    pub(super) async fn start_with(dir: &Path, yaml: &str) -> Self {
         let config = dir.join("index.yaml");
         let ready = dir.join("index.ready");
         let _ = std::fs::remove_file(&ready);
@@ -573,7 +573,7 @@ async fn shutdown_ends_open_agent_streams_with_unavailable() {
     drop(tx);
 }
 
-fn stored(hashes: &[u64]) -> KvEvent {
+pub(super) fn stored(hashes: &[u64]) -> KvEvent {
     KvEvent::BlockStored(BlockStored {
         block_hashes: hashes.to_vec(),
         token_ids: vec![7; 32 * hashes.len()],
@@ -591,7 +591,7 @@ fn removed(hashes: &[u64]) -> KvEvent {
     })
 }
 
-fn payload(event: KvEvent) -> Vec<u8> {
+pub(super) fn payload(event: KvEvent) -> Vec<u8> {
     encode_batch(
         &EventBatch {
             ts: 1.0,

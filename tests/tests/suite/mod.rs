@@ -6,6 +6,7 @@ mod demo;
 mod embedded_index;
 mod envoy;
 mod fidelity;
+mod hostile_peers;
 mod index_capture;
 mod index_ha;
 mod real_vllm;
