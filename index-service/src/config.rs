@@ -26,7 +26,19 @@
 //!     events:
 //!       endpoint: tcp://10.0.0.5:5557   # the engine binds tcp://*:5557, so we connect
 //!       replay_endpoint: tcp://10.0.0.5:5558
+//!   - id: engine-b
+//!     model: tiny
+//!     events:
+//!       endpoint: tcp://0.0.0.0:6000   # the engine connects to us (its endpoint names this host)
+//!       mode: bind
+//!       allowed_peers: [10.0.0.6]      # only these IPs / CIDR blocks may connect (default: any)
+//!       topic: kv@engine-b             # messages with another topic are refused and counted
+//!       max_message_bytes: 67108864    # a peer sending a larger message is dropped (default 64 MiB)
 //! ```
+//!
+//! A bound socket accepts any peer that can reach it unless `allowed_peers` is set: with engines
+//! you do not control on the network, set it, or run the engines in their default bind mode and
+//! let kvroute connect.
 
 use std::{collections::HashSet, net::SocketAddr, time::Duration};
 
@@ -642,6 +654,11 @@ replicas:
         assert_eq!(config.pools[1].key_scheme, KeySchemeKind::TokenChain);
         assert_eq!(config.replicas[1].pool, 1);
         assert_eq!(config.replicas[1].mode, SocketMode::Bind);
+        assert!(config.replicas[1].allowed_peers.is_open());
+        assert_eq!(
+            config.replicas[1].max_message_bytes,
+            ingest::DEFAULT_MAX_MESSAGE_BYTES
+        );
         assert_eq!(
             config.replicas[0].replay_endpoint.as_deref(),
             Some("tcp://127.0.0.1:5558")
@@ -701,6 +718,30 @@ replicas:
             (
                 "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://h:1', mode: pull}}]",
                 "replicas[0].events.mode",
+            ),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://h:1', allowed_peers: [10.0.0.1]}}]",
+                "replicas[0].events.allowed_peers",
+            ),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://0.0.0.0:1', mode: bind, allowed_peers: [10.0.0.0/33]}}]",
+                "replicas[0].events.allowed_peers",
+            ),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'ipc:///tmp/kv', mode: bind, allowed_peers: [10.0.0.1]}}]",
+                "replicas[0].events.allowed_peers",
+            ),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://0.0.0.0:1', mode: bind, allowed_peers: []}}]",
+                "replicas[0].events.allowed_peers",
+            ),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'inproc://kv'}}]",
+                "replicas[0].events.endpoint",
+            ),
+            (
+                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://h:1', max_message_bytes: 0}}]",
+                "replicas[0].events.max_message_bytes",
             ),
         ];
         for (yaml, field) in cases {

@@ -13,6 +13,8 @@
 //!     endpoint: tcp://127.0.0.1:5557
 //!     replay_endpoint: tcp://127.0.0.1:5558
 //!     dp_rank: 0
+//!     # mode: bind, allowed_peers: [10.0.0.0/24], topic, max_message_bytes: as in the index's
+//!     # replicas[].events (crate::config)
 //! ```
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
