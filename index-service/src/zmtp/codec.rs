@@ -364,6 +364,33 @@ mod tests {
         ));
     }
 
+    proptest::proptest! {
+        /// Any bytes, fed in any chunking: the decoder never panics, never hands out a frame
+        /// over the limit, and never holds more than what arrived.
+        #[test]
+        fn arbitrary_bytes_never_exceed_the_limit(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..2048),
+            chunk in 1usize..64,
+            limit in 0usize..512,
+        ) {
+            let mut buf = BytesMut::new();
+            'feed: for piece in bytes.chunks(chunk) {
+                buf.extend_from_slice(piece);
+                loop {
+                    match FrameDecoder.decode(&mut buf, limit) {
+                        Ok(Some(Frame::Message { body, .. })) => proptest::prop_assert!(body.len() <= limit),
+                        Ok(Some(Frame::Command(body))) => {
+                            proptest::prop_assert!(body.len() <= limit.min(MAX_COMMAND_BYTES));
+                        }
+                        Ok(None) => break,
+                        Err(_) => break 'feed,
+                    }
+                }
+                proptest::prop_assert!(buf.len() <= bytes.len());
+            }
+        }
+    }
+
     #[test]
     fn greeting_checks() {
         let ours = greeting();
