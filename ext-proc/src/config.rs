@@ -4,6 +4,7 @@
 //! names the field, e.g. `replicas[2].address: invalid value 'x': expected ip:port`.
 //!
 //! ```yaml
+//! # Loopback unless configured; in a pod, Envoy or the gateway reaches ext_proc from outside:
 //! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9003"}
 //! index: {addresses: ["http://10.0.0.9:7070"], match_timeout: 20ms}
 //! # Or the index inside this process (Match without a network hop), from a kvroute-index config:
@@ -32,10 +33,11 @@ use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, LoraRef, VllmHasher}
 
 use crate::error::ConfigError;
 
-/// Default ext_proc gRPC listen address (GIE's EPP port).
-pub const DEFAULT_GRPC_ADDR: &str = "0.0.0.0:9002";
-/// Default admin HTTP listen address.
-pub const DEFAULT_ADMIN_ADDR: &str = "0.0.0.0:9003";
+/// Default ext_proc gRPC listen address (GIE's EPP port). Loopback: whoever reaches this port gets
+/// routing decisions and holds in-flight slots, so listening wider is a deliberate choice.
+pub const DEFAULT_GRPC_ADDR: &str = "127.0.0.1:9002";
+/// Default admin HTTP listen address (loopback, like every listener unless configured).
+pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9003";
 /// Default deadline for one `Match` call on the index (all fail-overs included).
 pub const DEFAULT_MATCH_TIMEOUT: Duration = Duration::from_millis(20);
 /// How long an index address that failed is skipped before being tried again.
@@ -960,6 +962,7 @@ replicas:
         let config = Config::from_yaml(MINIMAL).unwrap();
         assert_eq!(config.decision_budget, DEFAULT_DECISION_BUDGET);
         assert_eq!(config.grpc_addr, DEFAULT_GRPC_ADDR.parse().unwrap());
+        assert!(config.grpc_addr.ip().is_loopback() && config.admin_addr.ip().is_loopback());
         assert_eq!(config.pools[0].tokenizer, TokenizerSource::None);
         assert_eq!(
             config

@@ -5,6 +5,7 @@ mod common;
 mod demo;
 mod embedded_index;
 mod envoy;
+mod exposure;
 mod fidelity;
 mod hostile_peers;
 mod index_capture;
