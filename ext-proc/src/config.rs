@@ -20,6 +20,10 @@
 //!   tokenizer: {model_dir: /models/llama}     # or {remote: "http://10.0.0.5:8000/tokenize"}
 //! replicas:
 //! - {id: r0, pool: llama, address: "10.0.0.5:8000", metrics_url: "http://10.0.0.5:8000/metrics"}
+//! # Debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`) reveal
+//! # whether a prompt was cached: off unless configured. `always`, or only for requests carrying
+//! # the secret (compared in constant time, removed before the request goes upstream):
+//! # debug_headers: {expose: token, token_file: /etc/kvroute/debug-token}   # header x-kvroute-debug-token
 //! ```
 
 use std::collections::{HashMap, HashSet};
@@ -30,6 +34,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, LoraRef, VllmHasher};
+use kvroute_index::agent::token::{AgentToken, TokenError, TokenSource};
 
 use crate::error::ConfigError;
 
@@ -80,6 +85,10 @@ pub const DEFAULT_REMOTE_TOKENIZE_TIMEOUT: Duration = Duration::from_millis(25);
 pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 /// vLLM release assumed when a pool does not name one (extra-key shapes of 0.11.1..0.30).
 pub const DEFAULT_VLLM_VERSION: &str = "0.11.1";
+/// Debug response headers are exposed to nobody unless configured (`debug_headers.expose`).
+pub const DEFAULT_DEBUG_EXPOSE: &str = "never";
+/// Request header carrying the debug token (`debug_headers.token_header`).
+pub const DEFAULT_DEBUG_TOKEN_HEADER: &str = "x-kvroute-debug-token";
 /// Largest accepted block size (vLLM uses 16..=256 in practice).
 const MAX_BLOCK_SIZE: u32 = 4096;
 
@@ -97,6 +106,7 @@ pub struct RawConfig {
     reload_interval: Option<String>,
     /// Body mode assumed when Envoy does not send `protocol_config` (Envoy < 1.34).
     default_body_mode: Option<String>,
+    debug_headers: RawDebugHeaders,
     pools: Vec<RawPool>,
     replicas: Vec<RawReplica>,
 }
@@ -116,6 +126,17 @@ struct RawIndex {
     match_timeout: Option<String>,
     retry_after: Option<String>,
     tls: Option<kvroute_index::tls::RawClientTls>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawDebugHeaders {
+    /// `never`, `always` or `token`.
+    expose: Option<String>,
+    /// Request header carrying the token (`token` mode).
+    token_header: Option<String>,
+    /// File holding the token (`token` mode).
+    token_file: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -237,6 +258,8 @@ pub struct Config {
     pub reload_interval: Duration,
     /// Body mode assumed when Envoy sends no `protocol_config`.
     pub default_body_mode: BodyMode,
+    /// Who gets the debug response headers.
+    pub debug_headers: DebugHeaders,
     /// Pools (non-empty).
     pub pools: Vec<Pool>,
     /// Replicas (non-empty); `Replica::pool` indexes `pools`.
@@ -274,6 +297,96 @@ impl EmbeddedIndex {
             text,
             config,
         })
+    }
+}
+
+/// Who gets the debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`).
+/// They tell a client whether its prompt (or a guess at someone else's) was cached, so they are
+/// off unless configured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DebugHeaders {
+    /// Nobody (the default).
+    Never,
+    /// Every response (trusted clients only: tests, benchmarks, a private deployment).
+    Always,
+    /// Requests whose `header` carries `token`; the header never goes upstream.
+    Token {
+        /// Lowercase request header name.
+        header: String,
+        /// The secret (never printed), compared in constant time.
+        token: AgentToken,
+    },
+}
+
+impl DebugHeaders {
+    /// Metric/log label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            Self::Never => "never",
+            Self::Always => "always",
+            Self::Token { .. } => "token",
+        }
+    }
+}
+
+/// `debug_headers`, validated.
+fn debug_headers(raw: &RawDebugHeaders) -> Result<DebugHeaders, ConfigError> {
+    let expose = raw.expose.as_deref().unwrap_or(DEFAULT_DEBUG_EXPOSE);
+    let token_only = |field: &str| {
+        ConfigError::invalid(
+            format!("debug_headers.{field}"),
+            "…",
+            "only used with `expose: token`",
+        )
+    };
+    match expose {
+        "never" | "always" => {
+            if raw.token_file.is_some() {
+                return Err(token_only("token_file"));
+            }
+            if raw.token_header.is_some() {
+                return Err(token_only("token_header"));
+            }
+            Ok(if expose == "never" {
+                DebugHeaders::Never
+            } else {
+                DebugHeaders::Always
+            })
+        }
+        "token" => {
+            let header = raw
+                .token_header
+                .as_deref()
+                .unwrap_or(DEFAULT_DEBUG_TOKEN_HEADER)
+                .to_ascii_lowercase();
+            if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+                return Err(ConfigError::invalid(
+                    "debug_headers.token_header",
+                    &header,
+                    "expected an HTTP header name",
+                ));
+            }
+            let path = raw
+                .token_file
+                .as_deref()
+                .ok_or_else(|| ConfigError::missing("debug_headers.token_file"))?;
+            let token = AgentToken::load(&TokenSource::File(path.to_owned())).map_err(|e| {
+                ConfigError::invalid(
+                    "debug_headers.token_file",
+                    path,
+                    match e {
+                        TokenError::Empty { .. } => "the file holds no token",
+                        _ => "cannot read the file",
+                    },
+                )
+            })?;
+            Ok(DebugHeaders::Token { header, token })
+        }
+        other => Err(ConfigError::invalid(
+            "debug_headers.expose",
+            other,
+            "expected never, always or token",
+        )),
     }
 }
 
@@ -535,6 +648,7 @@ impl TryFrom<RawConfig> for Config {
                     ));
                 }
             },
+            debug_headers: debug_headers(&raw.debug_headers)?,
             pools,
             replicas,
         };
@@ -1000,6 +1114,54 @@ replicas:
         );
         let dup = format!("{MINIMAL}- {{id: r0, pool: p, address: \"127.0.0.1:8001\"}}\n");
         assert!(error_of(&dup).contains("replicas[1].id"));
+    }
+
+    #[test]
+    fn debug_headers_are_off_unless_configured() {
+        assert_eq!(
+            Config::from_yaml(MINIMAL).unwrap().debug_headers,
+            DebugHeaders::Never
+        );
+        let always = format!("{MINIMAL}debug_headers: {{expose: always}}\n");
+        assert_eq!(
+            Config::from_yaml(&always).unwrap().debug_headers,
+            DebugHeaders::Always
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "s3cret\n").unwrap();
+        let token = format!(
+            "{MINIMAL}debug_headers: {{expose: token, token_header: X-Debug, token_file: \"{}\"}}\n",
+            file.display()
+        );
+        match Config::from_yaml(&token).unwrap().debug_headers {
+            DebugHeaders::Token { header, token } => {
+                assert_eq!(header, "x-debug");
+                assert!(token.matches("s3cret") && !token.matches("s3cre"));
+                assert!(!format!("{token:?}").contains("s3cret"));
+            }
+            other => panic!("{other:?}"),
+        }
+        for (yaml, field) in [
+            ("{expose: sometimes}", "debug_headers.expose"),
+            ("{expose: token}", "debug_headers.token_file"),
+            (
+                "{expose: token, token_file: /nonexistent/token}",
+                "debug_headers.token_file",
+            ),
+            (
+                "{expose: always, token_file: /x}",
+                "debug_headers.token_file",
+            ),
+            (
+                "{expose: token, token_header: \"a b\", token_file: /x}",
+                "debug_headers.token_header",
+            ),
+            ("{expose: token, bogus: 1}", "bogus"),
+        ] {
+            let error = error_of(&format!("{MINIMAL}debug_headers: {yaml}\n"));
+            assert!(error.contains(field), "{yaml}: {error}");
+        }
     }
 
     #[test]

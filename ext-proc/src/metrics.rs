@@ -77,6 +77,9 @@ pub struct Metrics {
     pub replica_ready: Family<ReplicaLabel, Gauge>,
     /// Failed `/metrics` scrapes per replica.
     pub scrape_failures: Family<ReplicaLabel, Counter>,
+    /// `debug_headers.expose: token`: requests by what their token did (`exposed`, `no_token`,
+    /// `wrong_token`).
+    pub debug_header_requests: Family<KindLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -104,6 +107,7 @@ impl Metrics {
             replica_kv_usage: Family::default(),
             replica_ready: Family::default(),
             scrape_failures: Family::default(),
+            debug_header_requests: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kvroute_extproc");
         r.register(
@@ -185,6 +189,11 @@ impl Metrics {
             "replica_scrape_failures",
             "Failed /metrics scrapes",
             metrics.scrape_failures.clone(),
+        );
+        r.register(
+            "debug_header_requests",
+            "Requests checked for the debug-header token, by result",
+            metrics.debug_header_requests.clone(),
         );
         metrics
     }

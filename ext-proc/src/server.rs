@@ -9,13 +9,17 @@
 //!   `HeadersResponse{header_mutation, clear_route_cache}` + `dynamic_metadata`, followed by the body
 //!   echoed as `streamed_response` chunks of at most 62 000 bytes.
 //! - Response headers: in-flight accounting ends; the served endpoint
-//!   (`envoy.lb/x-gateway-destination-endpoint-served`) is compared with the decision; the client
-//!   response gets `x-kvroute-decision` and `x-kvroute-predicted-cached-tokens` (debugging, tests).
+//!   (`envoy.lb/x-gateway-destination-endpoint-served`) is compared with the decision. Only when
+//!   `debug_headers` allows it (never by default) the client response gets `x-kvroute-decision`
+//!   and `x-kvroute-predicted-cached-tokens`: they reveal whether a prompt was cached, so a client
+//!   guessing another user's prompt would learn if it guessed right. With `expose: token` the
+//!   request's token header is checked in constant time and removed before the request goes
+//!   upstream.
 //!
 //! The decision is `x-gateway-destination-endpoint: ip:port` and the same value in `envoy.lb`
 //! metadata (GIE endpoint-picker protocol), plus `x-kvroute-cluster` when the replica has an
-//! Envoy cluster, and `x-kvroute-decision: tier/reason` for observability. Refused requests get an
-//! `ImmediateResponse` with an OpenAI-style JSON error.
+//! Envoy cluster, and `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
+//! requests get an `ImmediateResponse` with an OpenAI-style JSON error.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -34,7 +38,9 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::StreamExt as _;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::config::BodyMode;
+use kvroute_index::throttle::LogThrottle;
+
+use crate::config::{BodyMode, DebugHeaders};
 use crate::error::RequestError;
 use crate::picker::{Decision, Picker};
 use crate::request::{self, Endpoint};
@@ -63,13 +69,23 @@ pub const MAX_STREAMED_CHUNK: usize = 62_000;
 #[derive(Debug, Clone)]
 pub struct ExtProcService {
     picker: Arc<Picker>,
+    logs: Arc<StreamLogs>,
 }
 
 impl ExtProcService {
     /// A service deciding with `picker`.
     pub fn new(picker: Arc<Picker>) -> Self {
-        Self { picker }
+        Self {
+            picker,
+            logs: Arc::default(),
+        }
     }
+}
+
+/// Throttles of the warnings streams log for events a peer can repeat at will.
+#[derive(Debug, Default)]
+struct StreamLogs {
+    wrong_debug_token: LogThrottle,
 }
 
 #[tonic::async_trait]
@@ -85,6 +101,7 @@ impl ExternalProcessor for ExtProcService {
             state: StreamState::default(),
             _active: ActiveStream::new(self.picker.metrics().streams_active.clone()),
             picker: Arc::clone(&self.picker),
+            logs: Arc::clone(&self.logs),
         };
         Ok(Response::new(stream.responses(request.into_inner())))
     }
@@ -118,10 +135,15 @@ struct StreamState {
     headers_answer_owed: bool,
     decision: Option<Decision>,
     decided_address: Option<SocketAddr>,
+    /// Whether this request gets the debug response headers (`debug_headers`).
+    expose_debug: bool,
+    /// The debug-token header, to remove before the request goes upstream.
+    strip_header: Option<String>,
 }
 
 struct StreamTask {
     picker: Arc<Picker>,
+    logs: Arc<StreamLogs>,
     /// Responses to the message being handled.
     outbox: Vec<ProcessingResponse>,
     state: StreamState,
@@ -204,9 +226,17 @@ impl StreamTask {
             processing_request::Request::RequestHeaders(headers) => {
                 let path = header(&headers, ":path").unwrap_or_default();
                 self.state.endpoint = Some(Endpoint::from_path(&path));
+                self.check_debug_token(&headers);
                 if headers.end_of_stream || !full_duplex {
                     // No body to route on (GET), or BUFFERED: answer now, decide on the body.
-                    return self.send(headers_response(CommonResponse::default()));
+                    let strip = self.state.strip_header.take();
+                    return self.send(headers_response(CommonResponse {
+                        header_mutation: strip.map(|name| HeaderMutation {
+                            remove_headers: vec![name],
+                            ..HeaderMutation::default()
+                        }),
+                        ..CommonResponse::default()
+                    }));
                 }
                 self.state.headers_answer_owed = true;
                 Flow::Continue
@@ -261,10 +291,11 @@ impl StreamTask {
                 self.observe_served(message.metadata_context.as_ref());
                 // The engine answered: the request no longer waits in its queue.
                 let decision = self.state.decision.take();
+                let debug = decision.as_ref().filter(|_| self.state.expose_debug);
                 self.send(ProcessingResponse {
                     response: Some(processing_response::Response::ResponseHeaders(
                         HeadersResponse {
-                            response: decision.as_ref().map(debug_response_headers),
+                            response: debug.map(debug_response_headers),
                         },
                     )),
                     ..ProcessingResponse::default()
@@ -328,8 +359,15 @@ impl StreamTask {
             reason = decision.reason,
             "routed"
         );
+        let mut mutation = decision_headers(&decision);
+        if self.state.headers_answer_owed {
+            // FULL_DUPLEX: this answers the request headers, so the token header goes here.
+            mutation
+                .remove_headers
+                .extend(self.state.strip_header.take());
+        }
         let common = CommonResponse {
-            header_mutation: Some(decision_headers(&decision)),
+            header_mutation: Some(mutation),
             clear_route_cache: true,
             ..CommonResponse::default()
         };
@@ -365,6 +403,45 @@ impl StreamTask {
             }
         }
         Flow::Continue
+    }
+
+    /// Decides whether this request gets the debug response headers; in `token` mode marks the
+    /// token header (right or wrong) for removal before the request goes upstream.
+    fn check_debug_token(&mut self, headers: &HttpHeaders) {
+        let runtime = self.picker.runtime();
+        self.state.expose_debug = match &runtime.config.debug_headers {
+            DebugHeaders::Never => false,
+            DebugHeaders::Always => true,
+            DebugHeaders::Token {
+                header: name,
+                token,
+            } => {
+                let presented = header(headers, name);
+                let result = match &presented {
+                    None => "no_token",
+                    Some(value) if token.matches(value) => "exposed",
+                    Some(_) => "wrong_token",
+                };
+                self.picker
+                    .metrics()
+                    .debug_header_requests
+                    .get_or_create(&crate::metrics::KindLabel { kind: result })
+                    .inc();
+                if result == "wrong_token"
+                    && let Some(suppressed) = self.logs.wrong_debug_token.allow()
+                {
+                    tracing::warn!(
+                        header = %name,
+                        suppressed,
+                        "debug headers refused: wrong token (counted in kvroute_extproc_debug_header_requests)"
+                    );
+                }
+                if presented.is_some() {
+                    self.state.strip_header = Some(name.clone());
+                }
+                result == "exposed"
+            }
+        };
     }
 
     fn observe_served(&self, metadata: Option<&Metadata>) {
@@ -454,7 +531,8 @@ fn decision_headers(decision: &Decision) -> HeaderMutation {
     }
 }
 
-/// The decision echoed to the client (`x-kvroute-decision`, predicted cached tokens).
+/// The decision echoed to the client (`x-kvroute-decision`, predicted cached tokens), only when
+/// `debug_headers` allows it.
 fn debug_response_headers(decision: &Decision) -> CommonResponse {
     CommonResponse {
         header_mutation: Some(HeaderMutation {

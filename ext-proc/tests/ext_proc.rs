@@ -273,6 +273,22 @@ fn request_headers(
     mode: BodySendMode,
     metadata: Option<Metadata>,
 ) -> ProcessingRequest {
+    request_headers_with(path, mode, metadata, &[])
+}
+
+/// Request headers with `extra` headers besides the path, method and a spoofed destination.
+fn request_headers_with(
+    path: &str,
+    mode: BodySendMode,
+    metadata: Option<Metadata>,
+    extra: &[(&str, &str)],
+) -> ProcessingRequest {
+    let mut headers = vec![
+        header(":path", path),
+        header(":method", "POST"),
+        header("x-gateway-destination-endpoint", "6.6.6.6:1"),
+    ];
+    headers.extend(extra.iter().map(|(k, v)| header(k, v)));
     ProcessingRequest {
         protocol_config: Some(ProtocolConfiguration {
             request_body_mode: mode as i32,
@@ -281,13 +297,7 @@ fn request_headers(
         }),
         metadata_context: metadata,
         request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![
-                    header(":path", path),
-                    header(":method", "POST"),
-                    header("x-gateway-destination-endpoint", "6.6.6.6:1"),
-                ],
-            }),
+            headers: Some(HeaderMap { headers }),
             end_of_stream: false,
             ..HttpHeaders::default()
         })),
@@ -853,4 +863,150 @@ async fn reqwest_text(addr: SocketAddr, path: &str) -> String {
     let mut text = String::new();
     socket.read_to_string(&mut text).await.unwrap();
     text
+}
+
+/// What one decided exchange showed about debug headers.
+#[derive(Debug, PartialEq)]
+struct DebugExchange {
+    /// Request headers removed before the request goes upstream.
+    removed: Vec<String>,
+    /// Headers set on the client's response.
+    response: HashMap<String, String>,
+}
+
+/// One request carrying `extra` headers, decided and answered, in `mode`.
+async fn debug_exchange(
+    harness: &Harness,
+    mode: BodySendMode,
+    extra: &[(&str, &str)],
+) -> DebugExchange {
+    let mut stream = Stream::open(harness).await;
+    stream
+        .send(request_headers_with("/v1/completions", mode, None, extra))
+        .await;
+    let mut removed = Vec::new();
+    let mut collect = |common: &envoy_types::pb::envoy::service::ext_proc::v3::CommonResponse| {
+        if let Some(mutation) = &common.header_mutation {
+            removed.extend(mutation.remove_headers.iter().cloned());
+        }
+    };
+    if mode == BodySendMode::Buffered {
+        match stream.recv().await.response {
+            Some(processing_response::Response::RequestHeaders(h)) => {
+                collect(&h.response.unwrap_or_default());
+            }
+            other => panic!("not a headers answer: {other:?}"),
+        }
+    }
+    stream.send(body(&completion(&long_prefix()), true)).await;
+    let decided = stream.recv().await;
+    let r = routed(&decided);
+    match &decided.response {
+        Some(processing_response::Response::RequestHeaders(h)) => {
+            collect(h.response.as_ref().unwrap());
+        }
+        Some(processing_response::Response::RequestBody(b)) => {
+            collect(b.response.as_ref().unwrap());
+        }
+        _ => unreachable!("routed() accepted it"),
+    }
+    if mode == BodySendMode::FullDuplexStreamed {
+        // The echoed body.
+        stream.recv().await;
+    }
+    stream.send(response_headers(&r.endpoint)).await;
+    let response = match stream.recv().await.response {
+        Some(processing_response::Response::ResponseHeaders(h)) => {
+            h.response.as_ref().map(set_headers).unwrap_or_default()
+        }
+        other => panic!("not a response-headers answer: {other:?}"),
+    };
+    DebugExchange { removed, response }
+}
+
+#[tokio::test]
+async fn debug_headers_are_off_by_default_and_opt_in_by_config_or_token() {
+    let replicas = Replicas::start().await;
+    let prefix = long_prefix();
+    replicas.hold("r1", &prefix);
+    let nothing = DebugExchange {
+        removed: Vec::new(),
+        response: HashMap::new(),
+    };
+
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
+    for mode in [BodySendMode::Buffered, BodySendMode::FullDuplexStreamed] {
+        let exchange = debug_exchange(&harness, mode, &[("x-kvroute-debug-token", "guess")]).await;
+        assert_eq!(
+            exchange, nothing,
+            "{mode:?}: default config exposes nothing"
+        );
+    }
+    harness.shutdown().await;
+
+    let harness = Harness::start(
+        &replicas.yaml("debug_headers: {expose: always}\n"),
+        Arc::new(ByteTokenizer),
+    )
+    .await;
+    let exchange = debug_exchange(&harness, BodySendMode::Buffered, &[]).await;
+    assert_eq!(exchange.response["x-kvroute-decision"], "precise/cache_hit");
+    assert!(
+        exchange.response["x-kvroute-predicted-cached-tokens"]
+            .parse::<u32>()
+            .unwrap()
+            > 0
+    );
+    harness.shutdown().await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("debug-token");
+    std::fs::write(&token_file, "open-sesame\n").unwrap();
+    let yaml = replicas.yaml(&format!(
+        "debug_headers: {{expose: token, token_header: x-debug, token_file: \"{}\"}}\n",
+        token_file.display()
+    ));
+    let harness = Harness::start(&yaml, Arc::new(ByteTokenizer)).await;
+    for mode in [BodySendMode::Buffered, BodySendMode::FullDuplexStreamed] {
+        let right = debug_exchange(&harness, mode, &[("x-debug", "open-sesame")]).await;
+        assert_eq!(
+            right.removed,
+            ["x-debug"],
+            "{mode:?}: the token never goes upstream"
+        );
+        assert_eq!(
+            right.response["x-kvroute-decision"], "precise/cache_hit",
+            "{mode:?}"
+        );
+        assert!(
+            right
+                .response
+                .contains_key("x-kvroute-predicted-cached-tokens")
+        );
+
+        for wrong in ["open-sesam", "open-sesame!", "OPEN-SESAME", ""] {
+            let exchange = debug_exchange(&harness, mode, &[("x-debug", wrong)]).await;
+            assert_eq!(
+                exchange,
+                DebugExchange {
+                    removed: vec!["x-debug".to_owned()],
+                    response: HashMap::new(),
+                },
+                "{mode:?}: token {wrong:?}"
+            );
+        }
+        assert_eq!(
+            debug_exchange(&harness, mode, &[]).await,
+            nothing,
+            "{mode:?}"
+        );
+    }
+    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    for (kind, count) in [("exposed", 2), ("wrong_token", 8), ("no_token", 2)] {
+        let line =
+            format!("kvroute_extproc_debug_header_requests_total{{kind=\"{kind}\"}} {count}");
+        assert!(metrics.contains(&line), "{line} in\n{metrics}");
+    }
+    harness.shutdown().await;
+    replicas.stop.cancel();
 }

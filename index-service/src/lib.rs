@@ -16,6 +16,7 @@ pub mod process;
 pub mod server;
 #[cfg(all(feature = "server", any(test, feature = "test-util")))]
 pub mod testing;
+pub mod throttle;
 pub mod tls;
 pub mod wire;
 #[cfg(feature = "server")]

@@ -235,7 +235,28 @@ pub struct StackOptions {
     pub index_instances: usize,
     /// Whether the index is its own process or runs inside ext-proc.
     pub index_placement: IndexPlacement,
+    /// Whether ext-proc adds its debug response headers (off, as in production, unless a test
+    /// that reads them opts in).
+    pub debug_headers: DebugHeaders,
 }
+
+/// ext-proc's `debug_headers` in a stack: who gets `x-kvroute-decision` and
+/// `x-kvroute-predicted-cached-tokens` on responses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum DebugHeaders {
+    /// Nobody: ext-proc's default, what a production deployment runs.
+    #[default]
+    Off,
+    /// Every response.
+    Always,
+    /// Requests carrying this token in [`DEBUG_TOKEN_HEADER`].
+    Token(String),
+}
+
+/// The request header of [`DebugHeaders::Token`] (ext-proc's default).
+pub const DEBUG_TOKEN_HEADER: &str = "x-kvroute-debug-token";
+/// File name of the debug token ([`DebugHeaders::Token`]).
+const DEBUG_TOKEN_FILE: &str = "kvroute-debug-token";
 
 /// Most kvroute-index instances a stack runs.
 pub const MAX_INDEX_INSTANCES: usize = 3;
@@ -261,6 +282,7 @@ impl Default for StackOptions {
             bin_dir: None,
             index_instances: 1,
             index_placement: IndexPlacement::Service,
+            debug_headers: DebugHeaders::Off,
         }
     }
 }
@@ -753,11 +775,24 @@ impl Stack {
                     Some(path) => IndexTarget::Embedded(path),
                     None => IndexTarget::Addresses(&index_addrs),
                 };
+                let debug_headers = match &options.debug_headers {
+                    DebugHeaders::Off => String::new(),
+                    DebugHeaders::Always => "debug_headers: {expose: always}\n".to_owned(),
+                    DebugHeaders::Token(token) => {
+                        let path = dir.path().join(DEBUG_TOKEN_FILE);
+                        write_file(&path, token)?;
+                        format!(
+                            "debug_headers: {{expose: token, token_header: {DEBUG_TOKEN_HEADER}, \
+                             token_file: \"{}\"}}\n",
+                            path.display()
+                        )
+                    }
+                };
                 let ext_proc = Service::start(
                     "kvroute-ext-proc",
                     binaries.ext_proc.clone(),
                     dir.path(),
-                    ext_proc_config(&options, &sim_addrs, target),
+                    ext_proc_config(&options, &sim_addrs, target) + &debug_headers,
                     embedded_index_config.clone(),
                 )
                 .await?;

@@ -58,7 +58,8 @@ use tokio_util::task::TaskTracker;
 const SIZES: [usize; 2] = [1024, 32 * 1024];
 /// Requests per case sent before measuring (connections, caches, the wasm VM).
 const WARMUP_PER_CASE: usize = 10;
-/// Header the upstream echoes back: kvroute's `tier/reason` for the request.
+/// Header the upstream echoes back: kvroute's `tier/reason` on the upstream request. ext-proc runs
+/// with `debug_headers` off (the production default), so it adds no response headers of its own.
 const DECISION_HEADER: &str = "x-kvroute-decision";
 /// The model every pool serves.
 const MODEL: &str = "tiny";

@@ -13,7 +13,7 @@
 use std::time::Duration;
 
 use kvroute_tests::harness::{http, wait_until};
-use kvroute_tests::stack::{IndexPlacement, MODEL, Stack, StackOptions};
+use kvroute_tests::stack::{DebugHeaders, IndexPlacement, MODEL, Stack, StackOptions};
 use serde_json::{Value, json};
 
 use super::common::{index_blocks, sim_blocks};
@@ -27,6 +27,8 @@ const SIBLINGS: usize = 6;
 async fn start_embedded() -> Stack {
     Stack::start(StackOptions {
         index_placement: IndexPlacement::Embedded,
+        // The tier is read from `x-kvroute-decision` on responses.
+        debug_headers: DebugHeaders::Always,
         ..StackOptions::default()
     })
     .await

@@ -1,15 +1,24 @@
 //! What kvroute exposes to the network by default (issue 13): every listener binds loopback
 //! unless configured, so another host cannot reach ext_proc, the admin ports or the index's query
-//! API.
+//! API; and through Envoy a client learns nothing about what is cached unless ext-proc's
+//! `debug_headers` let it (a trusted token, or a deployment that opts in).
 //!
 //! A listener's reachability is checked from this host's own non-loopback IPv4 address, found
 //! without sending a packet (a UDP socket `connect` only picks the route); a host without one
 //! skips that half of the check and says so.
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::time::Duration;
 
 use kvroute_ext_proc::ExtProc;
+use kvroute_tests::harness::http::HttpResponse;
+use kvroute_tests::harness::{http, wait_until};
+use kvroute_tests::stack::{DEBUG_TOKEN_HEADER, DebugHeaders, MODEL, Stack, StackOptions};
+use serde_json::json;
+
+use super::common::index_blocks;
+use super::routing::{route_response, text};
 
 /// How long a connection attempt to our own address may take before it counts as not refused.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -68,7 +77,7 @@ fn assert_loopback_only(what: &str, bound: &[SocketAddr]) {
         );
     }
     let Some(ip) = non_loopback_ipv4() else {
-        println!("{what}: no non-loopback IPv4 address on this host; reachability not checked");
+        eprintln!("{what}: no non-loopback IPv4 address on this host; reachability not checked");
         return;
     };
     for addr in bound {
@@ -117,5 +126,153 @@ async fn index_listens_on_loopback_only_by_default() {
     assert!(
         agent_admin.ip().is_loopback(),
         "kvroute-agent's admin default is {agent_admin}"
+    );
+}
+
+/// Response headers whose values differ between any two responses, cached or not.
+const VOLATILE_HEADERS: [&str; 3] = ["date", "x-envoy-upstream-service-time", "content-length"];
+/// How long the index may take to hold the first request's blocks.
+const INDEXED: Duration = Duration::from_secs(20);
+
+/// A stack of two sims behind the production Envoy config, with `debug_headers`.
+async fn start(debug_headers: DebugHeaders) -> Stack {
+    Stack::start(StackOptions {
+        replicas: 2,
+        debug_headers,
+        ..StackOptions::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// One completion through kvroute: the replica that served it, the response, and the prompt
+/// tokens the engine found cached (the engine's own count, in its body).
+async fn complete(
+    stack: &Stack,
+    prompt: &str,
+    headers: &[(&str, &str)],
+) -> (usize, HttpResponse, u64) {
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    let (replica, response) = route_response(stack, "/v1/completions", &body, headers).await;
+    let cached = response.json().unwrap()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    (replica, response, cached)
+}
+
+/// Warms a prefix on one replica and waits until the index holds its blocks, so the next
+/// sibling is a precise cache hit; returns the prefix and the miss's response.
+async fn warm(stack: &Stack, seed: u64, headers: &[(&str, &str)]) -> (String, HttpResponse) {
+    let prefix = text(seed, 150);
+    let (replica, miss, cached) = complete(stack, &format!("{prefix} q0"), headers).await;
+    assert_eq!(
+        cached, 0,
+        "the first request of a new prefix found it cached"
+    );
+    let admin = stack.index_admin_url().unwrap();
+    let id = &stack.replica_ids()[replica];
+    wait_until("the index holds the warmed prefix", INDEXED, || async {
+        index_blocks(&admin, id).await.filter(|b| !b.is_empty())
+    })
+    .await
+    .unwrap();
+    (prefix, miss)
+}
+
+/// Every response header but the volatile ones, by name.
+fn stable_headers(response: &HttpResponse) -> BTreeMap<String, String> {
+    response
+        .headers
+        .iter()
+        .filter(|(name, _)| !VOLATILE_HEADERS.contains(&name.as_str()))
+        .map(|(name, value)| {
+            let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
+            (name.as_str().to_owned(), value)
+        })
+        .collect()
+}
+
+fn header<'a>(response: &'a HttpResponse, name: &str) -> Option<&'a str> {
+    response.headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+#[tokio::test]
+async fn default_config_tells_a_client_nothing_about_cache_state() {
+    let stack = start(DebugHeaders::Off).await;
+    let (prefix, miss) = warm(&stack, 131, &[]).await;
+    let (_, hit, cached) = complete(&stack, &format!("{prefix} q1"), &[]).await;
+    assert!(
+        cached > 0,
+        "the sibling was not a cache hit\n{}",
+        stack.logs()
+    );
+    let metrics = http::get(&format!("{}/metrics", stack.ext_proc_admin_url().unwrap()))
+        .await
+        .unwrap()
+        .text();
+    assert!(
+        metrics.contains("reason=\"cache_hit\""),
+        "kvroute did not decide on a cache hit, so the comparison shows nothing\n{metrics}"
+    );
+
+    for response in [&miss, &hit] {
+        let leaked: Vec<&str> = response
+            .headers
+            .keys()
+            .map(|name| name.as_str())
+            .filter(|name| name.starts_with("x-kvroute") || name.starts_with("x-gateway"))
+            .collect();
+        assert!(
+            leaked.is_empty(),
+            "routing headers on a response: {leaked:?}"
+        );
+    }
+    assert_eq!(
+        stable_headers(&miss),
+        stable_headers(&hit),
+        "a miss and a hit differ in what the client sees"
+    );
+}
+
+#[tokio::test]
+async fn debug_headers_need_the_configured_token() {
+    const TOKEN: &str = "t0ken-for-tests";
+    let stack = start(DebugHeaders::Token(TOKEN.to_owned())).await;
+    let (prefix, _) = warm(&stack, 137, &[]).await;
+
+    let (_, trusted, _) = complete(
+        &stack,
+        &format!("{prefix} q1"),
+        &[(DEBUG_TOKEN_HEADER, TOKEN)],
+    )
+    .await;
+    let decision = header(&trusted, "x-kvroute-decision").unwrap_or_default();
+    assert!(
+        decision.starts_with("precise/"),
+        "decision {decision:?}\n{}",
+        stack.logs()
+    );
+    let predicted: u64 = header(&trusted, "x-kvroute-predicted-cached-tokens")
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(predicted > 0);
+
+    for presented in [
+        &[(DEBUG_TOKEN_HEADER, "t0ken-for-test")][..],
+        &[(DEBUG_TOKEN_HEADER, "")],
+        &[],
+    ] {
+        let (_, response, _) = complete(&stack, &format!("{prefix} q2"), presented).await;
+        for name in ["x-kvroute-decision", "x-kvroute-predicted-cached-tokens"] {
+            assert_eq!(header(&response, name), None, "{name} with {presented:?}");
+        }
+    }
+    let metrics = http::get(&format!("{}/metrics", stack.ext_proc_admin_url().unwrap()))
+        .await
+        .unwrap()
+        .text();
+    assert!(
+        metrics.contains("kvroute_extproc_debug_header_requests_total{kind=\"wrong_token\"} 2"),
+        "{metrics}"
     );
 }

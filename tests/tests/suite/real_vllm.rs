@@ -33,7 +33,8 @@ use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_index::event::KvEvent;
 use kvroute_tests::harness::{ChildGuard, http, tiny_model_dir, wait_until, workspace_root};
 use kvroute_tests::stack::{
-    EventsMode, ExtProcBudgets, ExternalReplica, Routing, SimTiming, Stack, StackOptions,
+    DebugHeaders, EventsMode, ExtProcBudgets, ExternalReplica, Routing, SimTiming, Stack,
+    StackOptions,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -535,6 +536,8 @@ async fn real_vllm_end_to_end() {
                 ..SimTiming::default()
             },
             budgets: ExtProcBudgets::relaxed(),
+            // The checks compare `x-kvroute-predicted-cached-tokens` with vLLM's own count.
+            debug_headers: DebugHeaders::Always,
             ..StackOptions::default()
         },
         engines.iter().map(|e| e.external.clone()).collect(),
