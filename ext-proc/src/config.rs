@@ -24,6 +24,9 @@
 //! # whether a prompt was cached: off unless configured. `always`, or only for requests carrying
 //! # the secret (compared in constant time, removed before the request goes upstream):
 //! # debug_headers: {expose: token, token_file: /etc/kvroute/debug-token}   # header x-kvroute-debug-token
+//! # A routed request whose response headers never come stops counting as load after this; more
+//! # ext_proc streams than this are refused (defaults shown):
+//! # limits: {inflight_max_age: 10m, max_streams: 65536}
 //! ```
 
 use std::collections::{HashMap, HashSet};
@@ -85,6 +88,17 @@ pub const DEFAULT_REMOTE_TOKENIZE_TIMEOUT: Duration = Duration::from_millis(25);
 pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 /// vLLM release assumed when a pool does not name one (extra-key shapes of 0.11.1..0.30).
 pub const DEFAULT_VLLM_VERSION: &str = "0.11.1";
+/// Default longest time a routed request counts in its replica's in-flight load while Envoy has
+/// not reported its response headers (`limits.inflight_max_age`). Streaming responses report them
+/// when the engine starts answering, non-streaming ones when generation ends, so a long generation
+/// legitimately holds its slot for minutes; ten minutes covers that and still frees the slot of a
+/// stream that is never finished. Releasing early costs little: the engine's scraped
+/// `num_requests_running` still counts the request.
+pub const DEFAULT_INFLIGHT_MAX_AGE: Duration = Duration::from_secs(600);
+/// Default most ext_proc streams open at once (`limits.max_streams`); more are refused with
+/// RESOURCE_EXHAUSTED (Envoy then fails open). Above the ext_proc cluster's circuit breaker in the
+/// shipped Envoy configs (40 000), so only a peer that is not that Envoy meets it.
+pub const DEFAULT_MAX_STREAMS: usize = 65_536;
 /// Debug response headers are exposed to nobody unless configured (`debug_headers.expose`).
 pub const DEFAULT_DEBUG_EXPOSE: &str = "never";
 /// Request header carrying the debug token (`debug_headers.token_header`).
@@ -107,6 +121,7 @@ pub struct RawConfig {
     /// Body mode assumed when Envoy does not send `protocol_config` (Envoy < 1.34).
     default_body_mode: Option<String>,
     debug_headers: RawDebugHeaders,
+    limits: RawLimits,
     pools: Vec<RawPool>,
     replicas: Vec<RawReplica>,
 }
@@ -126,6 +141,13 @@ struct RawIndex {
     match_timeout: Option<String>,
     retry_after: Option<String>,
     tls: Option<kvroute_index::tls::RawClientTls>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawLimits {
+    inflight_max_age: Option<String>,
+    max_streams: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -260,6 +282,10 @@ pub struct Config {
     pub default_body_mode: BodyMode,
     /// Who gets the debug response headers.
     pub debug_headers: DebugHeaders,
+    /// Longest time a routed request holds its in-flight slot without response headers.
+    pub inflight_max_age: Duration,
+    /// Most ext_proc streams open at once.
+    pub max_streams: usize,
     /// Pools (non-empty).
     pub pools: Vec<Pool>,
     /// Replicas (non-empty); `Replica::pool` indexes `pools`.
@@ -649,6 +675,12 @@ impl TryFrom<RawConfig> for Config {
                 }
             },
             debug_headers: debug_headers(&raw.debug_headers)?,
+            inflight_max_age: duration(
+                "limits.inflight_max_age",
+                raw.limits.inflight_max_age.as_deref(),
+                DEFAULT_INFLIGHT_MAX_AGE,
+            )?,
+            max_streams: raw.limits.max_streams.unwrap_or(DEFAULT_MAX_STREAMS),
             pools,
             replicas,
         };
@@ -682,6 +714,20 @@ fn validate(config: &Config) -> Result<(), ConfigError> {
     if config.max_body_bytes == 0 {
         return Err(ConfigError::invalid(
             "max_body_bytes",
+            0,
+            "must be positive",
+        ));
+    }
+    if config.inflight_max_age.is_zero() {
+        return Err(ConfigError::invalid(
+            "limits.inflight_max_age",
+            "0",
+            "must be positive",
+        ));
+    }
+    if config.max_streams == 0 {
+        return Err(ConfigError::invalid(
+            "limits.max_streams",
             0,
             "must be positive",
         ));
@@ -1104,6 +1150,10 @@ replicas:
         assert!(error_of(&unknown_key).contains("bogus"));
         let bad_budget = format!("{MINIMAL}budgets: {{decision: 10ms, tokenize: 20ms}}\n");
         assert!(error_of(&bad_budget).contains("budgets.tokenize"));
+        let bad_age = format!("{MINIMAL}limits: {{inflight_max_age: 0s}}\n");
+        assert!(error_of(&bad_age).contains("limits.inflight_max_age"));
+        let no_streams = format!("{MINIMAL}limits: {{max_streams: 0}}\n");
+        assert!(error_of(&no_streams).contains("limits.max_streams"));
         let bad_duration = format!("{MINIMAL}index: {{match_timeout: soon}}\n");
         assert!(error_of(&bad_duration).contains("index.match_timeout"));
         let no_seed = MINIMAL.replace("sha256_cbor, seed: \"0\"", "xxhash");

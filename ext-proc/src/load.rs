@@ -113,17 +113,33 @@ impl ReplicaLoad {
     }
 }
 
-/// Counts a routed request on its replica until dropped.
+/// Counts a routed request on its replica until released or dropped.
 #[derive(Debug)]
 pub struct InflightGuard {
     load: Arc<ReplicaLoad>,
     prompt_tokens: i64,
     keys: Vec<u64>,
     gauge: prometheus_client::metrics::gauge::Gauge,
+    released: bool,
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl InflightGuard {
+    /// Whether the request still counts on its replica.
+    pub fn is_held(&self) -> bool {
+        !self.released
+    }
+
+    /// Stops counting the request (idempotent; dropping the guard does the same).
+    pub fn release(&mut self) {
+        if std::mem::replace(&mut self.released, true) {
+            return;
+        }
         self.load.inflight_requests.fetch_sub(1, Ordering::Relaxed);
         self.load
             .inflight_prompt_tokens
@@ -204,6 +220,7 @@ impl LoadBoard {
             prompt_tokens,
             keys,
             gauge,
+            released: false,
         }
     }
 
@@ -338,8 +355,13 @@ mod tests {
         assert_eq!(board.replica("r1").inflight_shared_blocks(&[1]), 0);
         drop(first);
         assert_eq!(load.inflight_shared_blocks(&[1, 2, 3]), 2);
-        drop(sibling);
+        let mut sibling = sibling;
+        sibling.release();
+        assert!(!sibling.is_held());
         assert_eq!(load.inflight_shared_blocks(&[1, 2, 3]), 0);
+        assert_eq!(load.snapshot().inflight_requests, 0.0);
+        drop(sibling);
+        assert_eq!(load.snapshot().inflight_requests, 0.0, "released once");
         assert!(load.inflight_keys.lock().is_empty());
     }
 

@@ -80,6 +80,10 @@ pub struct Metrics {
     /// `debug_headers.expose: token`: requests by what their token did (`exposed`, `no_token`,
     /// `wrong_token`).
     pub debug_header_requests: Family<KindLabel, Counter>,
+    /// In-flight slots released because Envoy never reported the response (`limits.inflight_max_age`).
+    pub inflight_expired: Family<ReplicaLabel, Counter>,
+    /// ext_proc streams refused, by reason (`max_streams`).
+    pub stream_refusals: Family<KindLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -108,6 +112,8 @@ impl Metrics {
             replica_ready: Family::default(),
             scrape_failures: Family::default(),
             debug_header_requests: Family::default(),
+            inflight_expired: Family::default(),
+            stream_refusals: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kvroute_extproc");
         r.register(
@@ -194,6 +200,16 @@ impl Metrics {
             "debug_header_requests",
             "Requests checked for the debug-header token, by result",
             metrics.debug_header_requests.clone(),
+        );
+        r.register(
+            "replica_inflight_expired",
+            "In-flight requests released after limits.inflight_max_age without response headers",
+            metrics.inflight_expired.clone(),
+        );
+        r.register(
+            "stream_refusals",
+            "ext_proc streams refused, by reason",
+            metrics.stream_refusals.clone(),
         );
         metrics
     }

@@ -16,6 +16,11 @@
 //!   request's token header is checked in constant time and removed before the request goes
 //!   upstream.
 //!
+//! - A decided request holds its in-flight slot until its response headers, or
+//!   `limits.inflight_max_age` (a stream kept open forever no longer inflates the replica's load);
+//!   expiries are counted in `kvroute_extproc_replica_inflight_expired`. More than
+//!   `limits.max_streams` open streams are refused with RESOURCE_EXHAUSTED (Envoy fails open).
+//!
 //! The decision is `x-gateway-destination-endpoint: ip:port` and the same value in `envoy.lb`
 //! metadata (GIE endpoint-picker protocol), plus `x-kvroute-cluster` when the replica has an
 //! Envoy cluster, and `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
@@ -86,6 +91,8 @@ impl ExtProcService {
 #[derive(Debug, Default)]
 struct StreamLogs {
     wrong_debug_token: LogThrottle,
+    inflight_expired: LogThrottle,
+    stream_refused: LogThrottle,
 }
 
 #[tonic::async_trait]
@@ -96,10 +103,30 @@ impl ExternalProcessor for ExtProcService {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        let metrics = self.picker.metrics();
+        let limit = self.picker.runtime().config.max_streams;
+        let Some(active) = ActiveStream::admit(metrics.streams_active.clone(), limit) else {
+            metrics
+                .stream_refusals
+                .get_or_create(&crate::metrics::KindLabel {
+                    kind: "max_streams",
+                })
+                .inc();
+            if let Some(suppressed) = self.logs.stream_refused.allow() {
+                tracing::warn!(
+                    limit,
+                    suppressed,
+                    "ext_proc stream refused: limits.max_streams open already"
+                );
+            }
+            return Err(Status::resource_exhausted(
+                "too many open ext_proc streams (limits.max_streams)",
+            ));
+        };
         let stream = StreamTask {
             outbox: Vec::new(),
             state: StreamState::default(),
-            _active: ActiveStream::new(self.picker.metrics().streams_active.clone()),
+            _active: active,
             picker: Arc::clone(&self.picker),
             logs: Arc::clone(&self.logs),
         };
@@ -112,9 +139,14 @@ impl ExternalProcessor for ExtProcService {
 struct ActiveStream(prometheus_client::metrics::gauge::Gauge);
 
 impl ActiveStream {
-    fn new(gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
-        gauge.inc();
-        Self(gauge)
+    /// Counts a new stream, unless `limit` streams are open already.
+    fn admit(gauge: prometheus_client::metrics::gauge::Gauge, limit: usize) -> Option<Self> {
+        let open_before = gauge.inc();
+        if usize::try_from(open_before).is_ok_and(|open| open >= limit) {
+            gauge.dec();
+            return None;
+        }
+        Some(Self(gauge))
     }
 }
 
@@ -135,6 +167,8 @@ struct StreamState {
     headers_answer_owed: bool,
     decision: Option<Decision>,
     decided_address: Option<SocketAddr>,
+    /// When the decision's in-flight slot is released if the response has not begun.
+    inflight_deadline: Option<tokio::time::Instant>,
     /// Whether this request gets the debug response headers (`debug_headers`).
     expose_debug: bool,
     /// The debug-token header, to remove before the request goes upstream.
@@ -168,7 +202,18 @@ impl StreamTask {
         let stream = futures::stream::unfold(Some((self, inbound)), |next| async move {
             let (mut task, mut inbound) = next?;
             loop {
-                let message = match inbound.message().await {
+                let received = match task.state.inflight_deadline {
+                    None => inbound.message().await,
+                    Some(deadline) => tokio::select! {
+                        biased;
+                        received = inbound.message() => received,
+                        () = tokio::time::sleep_until(deadline) => {
+                            task.expire_inflight();
+                            continue;
+                        }
+                    },
+                };
+                let message = match received {
                     Ok(Some(message)) => message,
                     Ok(None) => return None,
                     // Envoy resets the stream (h2 RST_STREAM) once the HTTP request is done: EOF.
@@ -291,6 +336,7 @@ impl StreamTask {
                 self.observe_served(message.metadata_context.as_ref());
                 // The engine answered: the request no longer waits in its queue.
                 let decision = self.state.decision.take();
+                self.state.inflight_deadline = None;
                 let debug = decision.as_ref().filter(|_| self.state.expose_debug);
                 self.send(ProcessingResponse {
                     response: Some(processing_response::Response::ResponseHeaders(
@@ -373,6 +419,8 @@ impl StreamTask {
         };
         let metadata = destination_metadata(&decision.address.to_string());
         self.state.decided_address = Some(decision.address);
+        self.state.inflight_deadline =
+            Some(tokio::time::Instant::now() + self.picker.runtime().config.inflight_max_age);
         self.state.decision = Some(decision);
         if !self.state.headers_answer_owed {
             let mut response = body_response(common);
@@ -442,6 +490,34 @@ impl StreamTask {
                 result == "exposed"
             }
         };
+    }
+
+    /// `limits.inflight_max_age` passed without response headers: the request stops counting on
+    /// its replica (the stream itself goes on; its response is still answered).
+    fn expire_inflight(&mut self) {
+        self.state.inflight_deadline = None;
+        let Some(decision) = self.state.decision.as_mut() else {
+            return;
+        };
+        if !decision.inflight.is_held() {
+            return;
+        }
+        decision.inflight.release();
+        self.picker
+            .metrics()
+            .inflight_expired
+            .get_or_create(&crate::metrics::ReplicaLabel {
+                replica: decision.replica_id.clone(),
+            })
+            .inc();
+        if let Some(suppressed) = self.logs.inflight_expired.allow() {
+            tracing::warn!(
+                replica_id = %decision.replica_id,
+                max_age = ?self.picker.runtime().config.inflight_max_age,
+                suppressed,
+                "in-flight slot released: no response headers within limits.inflight_max_age"
+            );
+        }
     }
 
     fn observe_served(&self, metadata: Option<&Metadata>) {

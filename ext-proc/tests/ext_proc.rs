@@ -1010,3 +1010,79 @@ async fn debug_headers_are_off_by_default_and_opt_in_by_config_or_token() {
     harness.shutdown().await;
     replicas.stop.cancel();
 }
+
+#[tokio::test]
+async fn a_stream_held_open_releases_its_inflight_slot_after_the_bound() {
+    let replicas = Replicas::start().await;
+    let harness = Harness::start(
+        &replicas.yaml("limits: {inflight_max_age: 1s, max_streams: 2}\n"),
+        Arc::new(ByteTokenizer),
+    )
+    .await;
+    let mut held = Stream::open(&harness).await;
+    held.send(request_headers(
+        "/v1/completions",
+        BodySendMode::Buffered,
+        None,
+    ))
+    .await;
+    held.recv().await;
+    held.send(body(
+        &completion("a request whose response never comes"),
+        true,
+    ))
+    .await;
+    let r = routed(&held.recv().await);
+    let id = ["r0", "r1", "r2"][["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+        .iter()
+        .position(|a| *a == r.endpoint)
+        .unwrap()];
+    let load = harness.picker.loads().replica(id);
+    assert_eq!(load.snapshot().inflight_requests, 1.0, "decided and held");
+
+    // Envoy never reports response headers: the slot goes after the bound, the stream stays.
+    eventually("in-flight slot released after the bound", || {
+        load.snapshot().inflight_requests == 0.0
+    })
+    .await;
+    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    let expired = format!("kvroute_extproc_replica_inflight_expired_total{{replica=\"{id}\"}} 1");
+    assert!(metrics.contains(&expired), "{expired} in\n{metrics}");
+
+    // A second open stream is admitted, a third refused (limits.max_streams: 2) and counted.
+    let mut second = Stream::open(&harness).await;
+    second
+        .send(request_headers(
+            "/v1/completions",
+            BodySendMode::Buffered,
+            None,
+        ))
+        .await;
+    second.recv().await;
+    let (_tx, rx) = tokio::sync::mpsc::channel::<ProcessingRequest>(1);
+    let third = harness
+        .client()
+        .await
+        .process(ReceiverStream::new(rx))
+        .await;
+    assert_eq!(
+        third.map(|_| ()).unwrap_err().code(),
+        tonic::Code::ResourceExhausted
+    );
+    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    assert!(
+        metrics.contains("kvroute_extproc_stream_refusals_total{kind=\"max_streams\"} 1"),
+        "{metrics}"
+    );
+
+    // The held stream still works: its late response is answered, and nothing is released twice.
+    held.send(response_headers(&r.endpoint)).await;
+    assert!(matches!(
+        held.recv().await.response,
+        Some(processing_response::Response::ResponseHeaders(_))
+    ));
+    assert_eq!(load.snapshot().inflight_requests, 0.0);
+    drop((held, second));
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
