@@ -11,6 +11,8 @@
 //! # index: {embedded: /etc/kvroute/index.yaml}
 //! # TLS to the index (kvroute_index::tls): addresses are then https://
 //! # index: {addresses: ["https://kvroute-index:7070"], tls: {ca: /tls/ca.crt, server_name: kvroute-index}}
+//! # The index's query_auth token, sent as `authorization: Bearer <token>` with every Match:
+//! # index: {addresses: ["http://10.0.0.9:7070"], token_file: /etc/kvroute/query-token}
 //! pools:
 //! - name: llama
 //!   models: [meta-llama/Llama-3.1-8B-Instruct]
@@ -141,6 +143,7 @@ struct RawIndex {
     match_timeout: Option<String>,
     retry_after: Option<String>,
     tls: Option<kvroute_index::tls::RawClientTls>,
+    token_file: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -258,6 +261,8 @@ pub struct Config {
     pub embedded_index: Option<EmbeddedIndex>,
     /// TLS to the index (`None`: plaintext).
     pub index_tls: Option<kvroute_index::tls::ClientTls>,
+    /// The index's `query_auth` token (`index.token_file`), sent with every `Match`.
+    pub index_token: Option<AgentToken>,
     /// Deadline for one `Match`, fail-overs included.
     pub match_timeout: Duration,
     /// How long a failed index address is skipped.
@@ -585,6 +590,36 @@ impl TryFrom<RawConfig> for Config {
             .as_ref()
             .map(|tls| kvroute_index::tls::ClientTls::load(tls, "index.tls"))
             .transpose()?;
+        let index_token = match raw.index.token_file.as_deref() {
+            None => None,
+            Some(_) if index_addresses.is_empty() => {
+                return Err(ConfigError::invalid(
+                    "index.token_file",
+                    "…",
+                    "only used with index.addresses (the embedded index needs no token)",
+                ));
+            }
+            Some(path) => {
+                let token = AgentToken::load(&TokenSource::File(path.to_owned())).map_err(|e| {
+                    ConfigError::invalid(
+                        "index.token_file",
+                        path,
+                        match e {
+                            TokenError::Empty { .. } => "the file holds no token",
+                            _ => "cannot read the file",
+                        },
+                    )
+                })?;
+                if !token.expose().bytes().all(|b| b.is_ascii_graphic()) {
+                    return Err(ConfigError::invalid(
+                        "index.token_file",
+                        path,
+                        "the token must be printable ASCII without spaces",
+                    ));
+                }
+                Some(token)
+            }
+        };
         let budgets = &raw.budgets;
         let decision_budget = duration(
             "budgets.decision",
@@ -620,6 +655,7 @@ impl TryFrom<RawConfig> for Config {
                 .map(EmbeddedIndex::load)
                 .transpose()?,
             index_tls,
+            index_token,
             match_timeout: duration(
                 "index.match_timeout",
                 raw.index.match_timeout.as_deref(),
@@ -1150,6 +1186,12 @@ replicas:
         assert!(error_of(&unknown_key).contains("bogus"));
         let bad_budget = format!("{MINIMAL}budgets: {{decision: 10ms, tokenize: 20ms}}\n");
         assert!(error_of(&bad_budget).contains("budgets.tokenize"));
+        let token_without_addresses = format!("{MINIMAL}index: {{token_file: /x}}\n");
+        assert!(error_of(&token_without_addresses).contains("index.token_file"));
+        let missing_token = format!(
+            "{MINIMAL}index: {{addresses: [\"http://127.0.0.1:1\"], token_file: /nonexistent/t}}\n"
+        );
+        assert!(error_of(&missing_token).contains("index.token_file"));
         let bad_age = format!("{MINIMAL}limits: {{inflight_max_age: 0s}}\n");
         assert!(error_of(&bad_age).contains("limits.inflight_max_age"));
         let no_streams = format!("{MINIMAL}limits: {{max_streams: 0}}\n");

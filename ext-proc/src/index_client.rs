@@ -3,10 +3,12 @@
 //!
 //! Addresses are tried in configured order, skipping any that failed within `retry_after`; a call
 //! fails over to the next address while the deadline allows. Channels connect lazily, so a dead
-//! index never delays startup.
+//! index never delays startup. With `index.token_file` every call carries
+//! `authorization: Bearer <token>` (the index's `query_auth`).
 
 use std::time::{Duration, Instant};
 
+use kvroute_index::agent::token::AgentToken;
 use kvroute_index::api::kv_index_client::KvIndexClient;
 use kvroute_index::api::{MatchRequest, MatchResponse};
 use kvroute_index::server::LocalMatcher;
@@ -33,6 +35,8 @@ pub struct IndexClient {
     local: Option<LocalMatcher>,
     addresses: Vec<IndexAddress>,
     retry_after: Duration,
+    /// `authorization: Bearer <token>` for every call (`index.token_file`).
+    authorization: Option<tonic::metadata::AsciiMetadataValue>,
 }
 
 impl IndexClient {
@@ -64,7 +68,21 @@ impl IndexClient {
             local: None,
             addresses,
             retry_after,
+            authorization: None,
         }
+    }
+
+    /// Sends `token` as `authorization: Bearer <token>` with every call (the index's `query_auth`).
+    pub fn with_token(mut self, token: Option<&AgentToken>) -> Self {
+        self.authorization = token.and_then(|token| {
+            let value = format!("Bearer {}", token.expose()).parse().ok();
+            if value.is_none() {
+                // Unreachable in practice: the config checked the token is printable ASCII.
+                tracing::error!("index.token_file: the token cannot be sent in a header");
+            }
+            value
+        });
+        self
     }
 
     /// Asks `local` (the embedded index) instead of the addresses.
@@ -119,6 +137,10 @@ impl IndexClient {
             let mut client = address.client.clone();
             let mut call = tonic::Request::new(request.clone());
             call.set_timeout(remaining);
+            if let Some(authorization) = &self.authorization {
+                call.metadata_mut()
+                    .insert(kvroute_index::server::AUTHORIZATION, authorization.clone());
+            }
             match tokio::time::timeout(remaining, client.r#match(call)).await {
                 Ok(Ok(response)) => {
                     *address.failed_at.lock() = None;

@@ -186,6 +186,7 @@ impl Runtime {
             config.index_retry_after,
             config.index_tls.as_ref(),
         )
+        .with_token(config.index_token.as_ref())
         .with_local(previous.and_then(|p| p.index.local().cloned()));
         Ok(Self {
             config: Arc::new(config),

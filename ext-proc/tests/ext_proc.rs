@@ -75,6 +75,8 @@ impl Tokenizer for FailingTokenizer {
 struct FakeIndex {
     held: Arc<Mutex<HashMap<String, HashSet<u64>>>>,
     calls: Arc<Mutex<u32>>,
+    /// The `authorization` metadata of each call.
+    authorizations: Arc<Mutex<Vec<Option<String>>>>,
 }
 
 #[tonic::async_trait]
@@ -84,6 +86,13 @@ impl KvIndex for FakeIndex {
         request: tonic::Request<MatchRequest>,
     ) -> Result<tonic::Response<MatchResponse>, tonic::Status> {
         *self.calls.lock() += 1;
+        self.authorizations.lock().push(
+            request
+                .metadata()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned),
+        );
         let request = request.into_inner();
         let held = self.held.lock();
         let replicas = request
@@ -1084,5 +1093,40 @@ async fn a_stream_held_open_releases_its_inflight_slot_after_the_bound() {
     assert_eq!(load.snapshot().inflight_requests, 0.0);
     drop((held, second));
     harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+#[tokio::test]
+async fn index_calls_carry_the_configured_query_token() {
+    let replicas = Replicas::start().await;
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
+    buffered(&harness, "/v1/completions", &completion("no token"), None).await;
+    harness.shutdown().await;
+    assert_eq!(replicas.index.authorizations.lock().as_slice(), [None]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("query-token");
+    std::fs::write(&token_file, "q-t0ken\n").unwrap();
+    let yaml = replicas.yaml("").replace(
+        "match_timeout: 200ms}",
+        &format!(
+            "match_timeout: 200ms, token_file: \"{}\"}}",
+            token_file.display()
+        ),
+    );
+    let harness = Harness::start(&yaml, Arc::new(ByteTokenizer)).await;
+    buffered(&harness, "/v1/completions", &completion("with token"), None).await;
+    harness.shutdown().await;
+    assert_eq!(
+        replicas
+            .index
+            .authorizations
+            .lock()
+            .last()
+            .cloned()
+            .flatten()
+            .as_deref(),
+        Some("Bearer q-t0ken")
+    );
     replicas.stop.cancel();
 }

@@ -12,6 +12,8 @@
 //!     cert: /tls/tls.crt
 //!     key: /tls/tls.key
 //!     client_ca: /tls/ca.crt   # optional: require client certificates signed by it
+//! query_auth:                  # optional: Match, ReplicaState and /v1/* need this bearer token
+//!   token_file: /etc/kvroute/query-token   # or token_env: KVROUTE_QUERY_TOKEN
 //! limits:
 //!   max_blocks_per_replica: 1000000
 //! pools:
@@ -108,6 +110,18 @@ pub struct RawConfig {
     pub replicas: Vec<RawReplica>,
     /// kvroute-agents allowed to stream events for the replicas they own.
     pub agents: Vec<RawAgent>,
+    /// A bearer token the query API (gRPC `Match`/`ReplicaState`, admin `/v1/*`) requires.
+    pub query_auth: Option<RawQueryAuth>,
+}
+
+/// `query_auth:` section: where the query API's bearer token comes from (exactly one source).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawQueryAuth {
+    /// File holding the token.
+    pub token_file: Option<String>,
+    /// Environment variable holding the token.
+    pub token_env: Option<String>,
 }
 
 /// One `agents:` entry: an agent's identity, its secret, and the replicas it may write for.
@@ -240,6 +254,9 @@ pub struct Config {
     pub agents: Vec<AgentConfig>,
     /// How long an agent-fed replica may be without its agent before it leaves precise scoring.
     pub agent_stale_grace: Duration,
+    /// The bearer token the query API requires (`None`: it answers anyone who can connect, so keep
+    /// it on loopback or a private network).
+    pub query_token: Option<crate::agent::token::AgentToken>,
 }
 
 /// A validated `agents:` entry (the token is loaded; it is never printed).
@@ -458,6 +475,7 @@ impl Config {
         }
 
         let agents = validate_agents(raw.agents, &ids)?;
+        let query_token = raw.query_auth.map(validate_query_auth).transpose()?;
         let agent_stale_grace = raw
             .limits
             .agent_stale_grace_ms
@@ -473,12 +491,39 @@ impl Config {
             replicas,
             agents,
             agent_stale_grace,
+            query_token,
         })
     }
 }
 
 /// Agents: unique ids, exactly one token source (loaded now), replicas that exist and have one
 /// owner each.
+/// `query_auth`: exactly one token source; the token must fit an `authorization` header.
+fn validate_query_auth(raw: RawQueryAuth) -> Result<crate::agent::token::AgentToken, ConfigError> {
+    use crate::agent::token::{AgentToken, TokenSource};
+    let (source, field) = match (raw.token_file, raw.token_env) {
+        (Some(path), None) => (TokenSource::File(path), "query_auth.token_file"),
+        (None, Some(name)) => (TokenSource::Env(name), "query_auth.token_env"),
+        _ => {
+            return Err(ConfigError::invalid(
+                "query_auth.token_file",
+                "<secret source>",
+                "give exactly one of token_file or token_env",
+            ));
+        }
+    };
+    let token = AgentToken::load(&source)
+        .map_err(|e| ConfigError::invalid(field, "<secret source>", e.to_string()))?;
+    if !token.expose().bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ConfigError::invalid(
+            field,
+            "<secret>",
+            "the token must be printable ASCII without spaces (it travels in a header)",
+        ));
+    }
+    Ok(token)
+}
+
 fn validate_agents(
     raw: Vec<RawAgent>,
     replica_ids: &HashSet<String>,
@@ -644,6 +689,38 @@ replicas:
     model: other
     events: {endpoint: "tcp://127.0.0.1:6000", mode: bind, topic: "kv@"}
 "#;
+
+    #[test]
+    fn query_auth_is_optional_and_validated() {
+        assert!(Config::from_yaml(GOOD).unwrap().query_token.is_none());
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "q-secret\n").unwrap();
+        let with = |section: &str| format!("{GOOD}query_auth: {section}\n");
+        let config =
+            Config::from_yaml(&with(&format!("{{token_file: \"{}\"}}", file.display()))).unwrap();
+        assert!(config.query_token.unwrap().matches("q-secret"));
+        let spaced = dir.path().join("spaced");
+        std::fs::write(&spaced, "two words\n").unwrap();
+        for (section, field) in [
+            ("{}".to_owned(), "query_auth.token_file"),
+            (
+                "{token_file: /nonexistent/token}".to_owned(),
+                "query_auth.token_file",
+            ),
+            (
+                format!("{{token_file: \"{}\"}}", spaced.display()),
+                "query_auth.token_file",
+            ),
+            (
+                "{token_file: a, token_env: B}".to_owned(),
+                "query_auth.token_file",
+            ),
+        ] {
+            let error = Config::from_yaml(&with(&section)).unwrap_err().to_string();
+            assert!(error.contains(field), "{section}: {error}");
+        }
+    }
 
     #[test]
     fn parses_a_good_config() {

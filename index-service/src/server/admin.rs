@@ -1,5 +1,7 @@
 //! Admin HTTP API, apart from the gRPC port: `/metrics`, `/healthz`, `/readyz`,
-//! `GET /v1/replicas` and `POST /v1/match` (so operators can ask with curl).
+//! `GET /v1/replicas` and `POST /v1/match` (so operators can ask with curl). With `query_auth` the
+//! `/v1/*` endpoints, which reveal what each replica caches, need `authorization: Bearer <token>`;
+//! the probes and `/metrics` stay open.
 
 use std::{sync::Arc, time::Instant};
 
@@ -24,13 +26,19 @@ use super::{
 pub const MAX_MATCH_TOKENS: usize = 1 << 21;
 
 pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, cancel: CancellationToken) {
+    let cache_state = Router::new()
+        .route("/v1/replicas", get(replicas))
+        .route("/v1/replicas/{id}/blocks", get(replica_blocks))
+        .route("/v1/match", post(match_prompt))
+        .route_layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&shared),
+            require_query_token,
+        ));
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(|| async { "ready\n" }))
-        .route("/v1/replicas", get(replicas))
-        .route("/v1/replicas/{id}/blocks", get(replica_blocks))
-        .route("/v1/match", post(match_prompt))
+        .merge(cache_state)
         .with_state(shared);
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(cancel.cancelled_owned())
@@ -38,6 +46,29 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, cancel: Ca
     match result {
         Ok(()) => tracing::debug!(exit_reason = "shutdown", "admin server stopped"),
         Err(error) => tracing::error!(%error, exit_reason = "error", "admin server failed"),
+    }
+}
+
+/// `query_auth`: the `/v1/*` endpoints answer only with the token.
+async fn require_query_token(
+    State(shared): State<Arc<Shared>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|value| value.as_bytes());
+    match shared.query_auth.check("http", presented) {
+        Ok(()) => next.run(request).await,
+        Err(refusal) => (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, "Bearer")],
+            Json(serde_json::json!({
+                "error": format!("query_auth token required ({})", refusal.as_label())
+            })),
+        )
+            .into_response(),
     }
 }
 

@@ -255,7 +255,22 @@ pub(crate) async fn serve(
     cancel: CancellationToken,
 ) {
     let agents = shared.agents.service();
-    let service = KvIndexServer::new(MatchService { shared });
+    let auth = Arc::clone(&shared);
+    // `query_auth`: Match and ReplicaState need the token; health and the agent stream do not.
+    let service =
+        KvIndexServer::with_interceptor(MatchService { shared }, move |request: Request<()>| {
+            let presented = request
+                .metadata()
+                .get(super::auth::AUTHORIZATION)
+                .map(|value| value.as_bytes());
+            match auth.query_auth.check("grpc", presented) {
+                Ok(()) => Ok(request),
+                Err(refusal) => Err(Status::unauthenticated(format!(
+                    "query_auth token required ({})",
+                    refusal.as_label()
+                ))),
+            }
+        });
     let result = server
         .add_service(health)
         .add_service(service)

@@ -8,6 +8,7 @@
 
 mod admin;
 mod agent_stream;
+mod auth;
 mod directory;
 mod grpc;
 mod metrics;
@@ -23,6 +24,7 @@ use crate::{
     index::{BlockIndex, IndexConfig, IndexMetrics},
     ingest::{Ingest, IngestMetrics},
 };
+pub use auth::AUTHORIZATION;
 pub use directory::Directory;
 pub use grpc::MatchError;
 use metrics::ServerMetrics;
@@ -67,6 +69,8 @@ pub(crate) struct Shared {
     pub(crate) registry: Registry,
     pub(crate) metrics: ServerMetrics,
     pub(crate) agents: Arc<agent_stream::AgentStreams>,
+    /// `query_auth`: the token gRPC `Match`/`ReplicaState` and admin `/v1/*` require.
+    pub(crate) query_auth: auth::QueryAuth,
 }
 
 /// `Match` without the transport: the gRPC handler's code called in process by a router that
@@ -140,6 +144,10 @@ impl IndexServer {
         let index_metrics = IndexMetrics::register(&mut registry);
         let ingest_metrics = IngestMetrics::register(&mut registry);
         let metrics = ServerMetrics::register(&mut registry);
+        let query_auth = auth::QueryAuth::register(config.query_token.clone(), &mut registry);
+        if query_auth.is_required() {
+            tracing::info!("query API (Match, ReplicaState, /v1/*) requires the query_auth token");
+        }
 
         let index = Arc::new(BlockIndex::new(
             IndexConfig {
@@ -173,6 +181,7 @@ impl IndexServer {
             registry,
             metrics,
             agents,
+            query_auth,
         });
         let (health, health_service) = tonic_health::server::health_reporter();
         health

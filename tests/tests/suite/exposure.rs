@@ -276,3 +276,166 @@ async fn debug_headers_need_the_configured_token() {
         "{metrics}"
     );
 }
+
+/// A kvroute-index on loopback whose query API needs `token`; its admin URL and gRPC address.
+async fn index_with_query_token(
+    dir: &std::path::Path,
+    token: &str,
+) -> kvroute_index::server::IndexServer {
+    let token_file = dir.join("query-token");
+    std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    let yaml = format!(
+        "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n{INDEX_DEFAULTS}\
+         query_auth: {{token_file: \"{}\"}}\n",
+        token_file.display()
+    );
+    kvroute_index::server::IndexServer::start(
+        kvroute_index::config::Config::from_yaml(&yaml).unwrap(),
+    )
+    .await
+    .unwrap()
+}
+
+/// `GET`/`POST` `url` with an optional `authorization` value: the status code.
+async fn admin_status(url: &str, post: Option<&str>, authorization: Option<&str>) -> u16 {
+    use http_body_util::Full;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    let mut request = match post {
+        Some(_) => hyper::Request::post(url).header("content-type", "application/json"),
+        None => hyper::Request::get(url),
+    };
+    if let Some(value) = authorization {
+        request = request.header("authorization", value);
+    }
+    let body = Full::new(bytes::Bytes::from(post.unwrap_or_default().to_owned()));
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    client
+        .request(request.body(body).unwrap())
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+#[tokio::test]
+async fn index_query_api_needs_the_token_when_configured() {
+    use kvroute_index::api::kv_index_client::KvIndexClient;
+    use kvroute_index::api::{MatchRequest, ReplicaStateRequest};
+
+    const TOKEN: &str = "query-t0ken";
+    let dir = tempfile::tempdir().unwrap();
+    let index = index_with_query_token(dir.path(), TOKEN).await;
+    let admin = format!("http://{}", index.admin_addr());
+    let right = format!("Bearer {TOKEN}");
+
+    // gRPC: Match and ReplicaState answer only with the token.
+    let mut client = KvIndexClient::connect(format!("http://{}", index.grpc_addr()))
+        .await
+        .unwrap();
+    let ask = |authorization: Option<&str>| {
+        let mut request = tonic::Request::new(MatchRequest {
+            model: "m".to_owned(),
+            keys: vec![1, 2, 3],
+            ..MatchRequest::default()
+        });
+        if let Some(value) = authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", value.parse().unwrap());
+        }
+        request
+    };
+    for (authorization, allowed) in [
+        (None, false),
+        (Some("query-t0ken"), false),
+        (Some("Bearer query-t0ke"), false),
+        (Some(right.as_str()), true),
+    ] {
+        let answer = client.r#match(ask(authorization)).await;
+        match (allowed, answer) {
+            (true, Ok(_)) => {}
+            (false, Err(status)) => assert_eq!(status.code(), tonic::Code::Unauthenticated),
+            (allowed, answer) => panic!("{authorization:?}: allowed {allowed}, got {answer:?}"),
+        }
+    }
+    let status = client
+        .replica_state(ReplicaStateRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    let mut with_token = tonic::Request::new(ReplicaStateRequest::default());
+    with_token
+        .metadata_mut()
+        .insert("authorization", right.parse().unwrap());
+    assert_eq!(
+        client
+            .replica_state(with_token)
+            .await
+            .unwrap()
+            .into_inner()
+            .replicas
+            .len(),
+        1
+    );
+
+    // Admin: the cache-state endpoints need it, the probes and /metrics do not.
+    let matched = r#"{"model":"m","prompt_keys":[1,2,3]}"#;
+    for (path, post) in [
+        ("/v1/replicas", None),
+        ("/v1/replicas/r0/blocks", None),
+        ("/v1/match", Some(matched)),
+    ] {
+        let url = format!("{admin}{path}");
+        assert_eq!(admin_status(&url, post, None).await, 401, "{path}");
+        assert_eq!(
+            admin_status(&url, post, Some("Bearer nope")).await,
+            401,
+            "{path}"
+        );
+        assert_eq!(admin_status(&url, post, Some(&right)).await, 200, "{path}");
+    }
+    for path in ["/metrics", "/healthz", "/readyz"] {
+        assert_eq!(
+            admin_status(&format!("{admin}{path}"), None, None).await,
+            200,
+            "{path}"
+        );
+    }
+
+    // ext-proc's index client sends the token from its config, and only the right one passes.
+    let uri: hyper::Uri = format!("http://{}", index.grpc_addr()).parse().unwrap();
+    let asked = |token: &'static str| {
+        let uri = uri.clone();
+        async move {
+            let token = kvroute_index::agent::token::AgentToken::from_literal(token);
+            let client = kvroute_ext_proc::index_client::IndexClient::new(
+                &[uri],
+                Duration::from_secs(1),
+                None,
+            )
+            .with_token(Some(&token));
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            client.match_prefix(ask(None).into_inner(), deadline).await
+        }
+    };
+    assert!(asked(TOKEN).await.is_ok());
+    assert!(asked("wrong").await.is_err());
+
+    let metrics = http::get(&format!("{admin}/metrics")).await.unwrap().text();
+    for (api, reason, count) in [
+        ("grpc", "missing", 2),
+        ("grpc", "malformed", 1),
+        // One from this test's client, two from ext-proc's (its last-resort pass retries the
+        // address that just failed).
+        ("grpc", "wrong_token", 3),
+        ("http", "missing", 3),
+        ("http", "wrong_token", 3),
+    ] {
+        let line = format!(
+            "kvroute_index_query_auth_refusals_total{{api=\"{api}\",reason=\"{reason}\"}} {count}"
+        );
+        assert!(metrics.contains(&line), "{line} in\n{metrics}");
+    }
+    index.shutdown().await;
+}
