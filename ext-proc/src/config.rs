@@ -6,6 +6,9 @@
 //! ```yaml
 //! # Loopback unless configured; in a pod, Envoy or the gateway reaches ext_proc from outside:
 //! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9003"}
+//! # TLS on the ext_proc port (kvroute_index::tls), optionally requiring client certificates
+//! # signed by client_ca (mTLS): Envoy's ext_proc cluster then needs an UpstreamTlsContext.
+//! #  tls: {cert: /tls/tls.crt, key: /tls/tls.key, client_ca: /tls/envoy-ca.crt}
 //! index: {addresses: ["http://10.0.0.9:7070"], match_timeout: 20ms}
 //! # Or the index inside this process (Match without a network hop), from a kvroute-index config:
 //! # index: {embedded: /etc/kvroute/index.yaml}
@@ -133,6 +136,7 @@ pub struct RawConfig {
 struct RawListen {
     grpc: Option<String>,
     admin: Option<String>,
+    tls: Option<kvroute_index::tls::RawServerTls>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -255,6 +259,8 @@ pub struct Config {
     pub grpc_addr: SocketAddr,
     /// Admin HTTP listen address (`/metrics`, `/healthz`, `/readyz`).
     pub admin_addr: SocketAddr,
+    /// TLS (and optionally client certificates) on the ext_proc gRPC port (`None`: plaintext).
+    pub grpc_tls: Option<kvroute_index::tls::ServerTls>,
     /// kvroute-index addresses, tried in order (HA).
     pub index_addresses: Vec<http::Uri>,
     /// A kvroute-index run inside this process and asked first (`index.embedded`).
@@ -577,6 +583,12 @@ impl TryFrom<RawConfig> for Config {
             raw.listen.admin.as_deref(),
             DEFAULT_ADMIN_ADDR,
         )?;
+        let grpc_tls = raw
+            .listen
+            .tls
+            .as_ref()
+            .map(|tls| kvroute_index::tls::ServerTls::load(tls, "listen.tls"))
+            .transpose()?;
         let index_addresses = raw
             .index
             .addresses
@@ -647,6 +659,7 @@ impl TryFrom<RawConfig> for Config {
         let config = Config {
             grpc_addr,
             admin_addr,
+            grpc_tls,
             index_addresses,
             embedded_index: raw
                 .index

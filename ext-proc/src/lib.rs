@@ -84,6 +84,9 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("gRPC server failed")]
     Grpc(#[source] tonic::transport::Error),
+    /// The gRPC listener's TLS settings were refused (`listen.tls`).
+    #[error("cannot set up TLS on the grpc listener")]
+    Tls(#[source] tonic::transport::Error),
     /// The embedded index (`index.embedded`) could not start.
     #[error("embedded kvroute-index failed to start")]
     EmbeddedIndex(#[source] kvroute_index::server::ServeError),
@@ -96,6 +99,7 @@ impl ServeError {
             Self::Config(_) => "config",
             Self::Bind { .. } => "bind",
             Self::Grpc(_) => "grpc",
+            Self::Tls(_) => "tls",
             Self::EmbeddedIndex(_) => "embedded_index",
         }
     }
@@ -224,6 +228,17 @@ impl ExtProc {
             embedded_index,
         } = self;
         let config = picker.runtime().config.clone();
+        // Before any task starts, so a refused TLS setup leaves nothing running.
+        let mut builder = tonic::transport::Server::builder().tcp_nodelay(true);
+        if let Some(tls) = &config.grpc_tls {
+            builder = builder
+                .tls_config(tls.tonic_config())
+                .map_err(ServeError::Tls)?;
+            tracing::info!(
+                client_cert_required = tls.requires_client_cert(),
+                "ext_proc listener uses TLS"
+            );
+        }
         let background = CancellationToken::new();
         let stop_accepting = CancellationToken::new();
         let ready = Arc::new(AtomicBool::new(true));
@@ -263,8 +278,7 @@ impl ExtProc {
 
         let service = ExtProcService::new(Arc::clone(&picker));
         let grpc_stop = stop_accepting.clone();
-        let grpc_server = tonic::transport::Server::builder()
-            .tcp_nodelay(true)
+        let grpc_server = builder
             .add_service(health_service)
             .add_service(ExternalProcessorServer::new(service))
             .serve_with_incoming_shutdown(
@@ -373,9 +387,10 @@ async fn reload_loop(
             Ok(runtime) => {
                 if runtime.config.grpc_addr != current.config.grpc_addr
                     || runtime.config.admin_addr != current.config.admin_addr
+                    || runtime.config.grpc_tls != current.config.grpc_tls
                 {
                     tracing::warn!(
-                        "listen addresses changed in config; they apply after a restart"
+                        "listen addresses or TLS changed in config; they apply after a restart"
                     );
                 }
                 picker.replace_runtime(runtime);

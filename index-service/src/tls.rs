@@ -1,6 +1,7 @@
 //! Optional TLS (rustls, ring provider) for the gRPC listeners and their clients.
 //!
-//! Server side (`kvroute-index` `listen.tls`): a certificate chain and its key, and optionally a
+//! Server side (`kvroute-index` `listen.tls`, kvroute-ext-proc `listen.tls` for its ext_proc
+//! port): a certificate chain and its key, and optionally a
 //! CA bundle that client certificates must chain to (mutual TLS). Client side (kvroute-agent
 //! `tls`, kvroute-ext-proc `index.tls`): the CA bundle that signs the index's certificate, the
 //! name to check it against (default: the URI's host), and optionally a client certificate and
@@ -77,7 +78,7 @@ impl TlsError {
 }
 
 /// `listen.tls` as written.
-#[derive(Debug, Default, Clone, Deserialize)]
+#[derive(Debug, Default, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawServerTls {
     /// PEM certificate chain (leaf first).
@@ -136,7 +137,7 @@ fn read_pem(field: &str, path: &str, expected: &'static str) -> Result<Vec<u8>, 
 }
 
 /// Validated server TLS material.
-#[derive(Clone)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct ServerTls {
     paths: RawServerTls,
     cert: Vec<u8>,

@@ -38,7 +38,7 @@ use crate::harness::{
 /// The Envoy config the kvroute mode runs (relative to the workspace root).
 pub const OVERRIDE_HOST_CONFIG: &str = "envoy/kvroute-override-host.yaml";
 /// Name of the kvroute listener in [`OVERRIDE_HOST_CONFIG`].
-const KVROUTE_LISTENER: &str = "kvroute";
+pub const KVROUTE_LISTENER: &str = "kvroute";
 /// Name given to the round-robin listener.
 const ROUND_ROBIN_LISTENER: &str = "round_robin";
 /// Model name the sims serve and the pools route.

@@ -439,3 +439,240 @@ async fn index_query_api_needs_the_token_when_configured() {
     }
     index.shutdown().await;
 }
+
+/// A CA, a `localhost` server certificate and a client certificate it signs, as PEM files.
+struct Pki {
+    ca: std::path::PathBuf,
+    server_cert: std::path::PathBuf,
+    server_key: std::path::PathBuf,
+    client_cert: std::path::PathBuf,
+    client_key: std::path::PathBuf,
+}
+
+fn pki(dir: &std::path::Path) -> Pki {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    // Distinct subject names: with rcgen's shared default, BoringSSL (Envoy) takes a leaf for
+    // self-signed and refuses it.
+    let named = |names: Vec<String>, cn: &str| {
+        let mut params = CertificateParams::new(names).unwrap();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        params
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = named(Vec::new(), "kvroute test CA");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf = |name: &str| {
+        let key = KeyPair::generate().unwrap();
+        let cert = named(vec![name.to_owned()], name)
+            .signed_by(&key, &issuer)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf("localhost");
+    let (client_cert, client_key) = leaf("envoy");
+    let pki = Pki {
+        ca: dir.join("ca.pem"),
+        server_cert: dir.join("server.pem"),
+        server_key: dir.join("server-key.pem"),
+        client_cert: dir.join("client.pem"),
+        client_key: dir.join("client-key.pem"),
+    };
+    for (path, pem) in [
+        (&pki.ca, ca.pem()),
+        (&pki.server_cert, server_cert),
+        (&pki.server_key, server_key),
+        (&pki.client_cert, client_cert),
+        (&pki.client_key, client_key),
+    ] {
+        std::fs::write(path, pem).unwrap();
+    }
+    pki
+}
+
+/// An upstream answering every request with the `x-kvroute-decision` it was sent (JSON).
+async fn decision_echo(tasks: &tokio_util::task::TaskTracker) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().fallback(|headers: axum::http::HeaderMap| async move {
+        let decision = headers
+            .get("x-kvroute-decision")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        axum::Json(json!({ "decision": decision }))
+    });
+    tasks.spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    addr
+}
+
+/// The production override_host config with ext-proc reached over mutual TLS.
+fn envoy_over_tls(upstream: SocketAddr, ext_proc: SocketAddr, pki: &Pki) -> String {
+    let text = std::fs::read_to_string(
+        kvroute_tests::harness::workspace_root().join(kvroute_tests::stack::OVERRIDE_HOST_CONFIG),
+    )
+    .unwrap();
+    let rendered = kvroute_tests::stack::render_envoy_config(&text, &[upstream], ext_proc).unwrap();
+    let mut config: serde_yaml::Value = serde_yaml::from_str(&rendered).unwrap();
+    let transport_socket: serde_yaml::Value = serde_yaml::from_str(&format!(
+        r#"
+name: envoy.transport_sockets.tls
+typed_config:
+  "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+  sni: localhost
+  common_tls_context:
+    alpn_protocols: [h2]
+    tls_certificates:
+    - certificate_chain: {{filename: "{cert}"}}
+      private_key: {{filename: "{key}"}}
+    validation_context:
+      trusted_ca: {{filename: "{ca}"}}
+      match_typed_subject_alt_names: [{{san_type: DNS, matcher: {{exact: localhost}}}}]
+"#,
+        cert = pki.client_cert.display(),
+        key = pki.client_key.display(),
+        ca = pki.ca.display(),
+    ))
+    .unwrap();
+    let clusters = config["static_resources"]["clusters"]
+        .as_sequence_mut()
+        .unwrap();
+    let cluster = clusters
+        .iter_mut()
+        .find(|c| c["name"] == "kvroute_ext_proc")
+        .unwrap();
+    cluster["transport_socket"] = transport_socket;
+    serde_yaml::to_string(&config).unwrap()
+}
+
+/// Whether an ext_proc stream can be opened with `channel` (a refused handshake fails it).
+async fn ext_proc_answers(
+    channel: Result<tonic::transport::Channel, tonic::transport::Error>,
+) -> bool {
+    use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    let Ok(channel) = channel else {
+        return false;
+    };
+    let (_tx, rx) = tokio::sync::mpsc::channel::<ProcessingRequest>(1);
+    let mut client = ExternalProcessorClient::new(channel);
+    let call = client.process(tokio_stream::wrappers::ReceiverStream::new(rx));
+    matches!(tokio::time::timeout(CONNECT_TIMEOUT, call).await, Ok(Ok(_)))
+}
+
+#[tokio::test]
+async fn ext_proc_over_mutual_tls_routes_for_envoy_and_refuses_plaintext() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = pki(dir.path());
+    let tasks = tokio_util::task::TaskTracker::new();
+    let upstream = decision_echo(&tasks).await;
+    let yaml = format!(
+        "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\", \
+         tls: {{cert: \"{}\", key: \"{}\", client_ca: \"{}\"}}}}\n\
+         pools:\n- {{name: p, models: [m], block_size: 16, key_scheme: {{kind: token-chain}}}}\n\
+         replicas:\n- {{id: r0, pool: p, address: \"{upstream}\"}}\n",
+        pki.server_cert.display(),
+        pki.server_key.display(),
+        pki.ca.display(),
+    );
+    let server = ExtProc::builder(kvroute_ext_proc::Config::from_yaml(&yaml).unwrap())
+        .bind()
+        .await
+        .unwrap();
+    let grpc = server.grpc_addr().unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let until = stop.clone().cancelled_owned();
+    tasks.spawn(async move {
+        let _ = server.serve(until).await;
+    });
+
+    // Envoy with a client certificate: its ext_proc calls decide over TLS (a failed handshake
+    // would fail open, and the upstream would see no decision).
+    let envoy = kvroute_tests::harness::Envoy::start(&envoy_over_tls(upstream, grpc, &pki))
+        .await
+        .unwrap();
+    let admin = format!("http://{}", envoy.admin);
+    let healthy = format!("kvroute_ext_proc::{grpc}::health_flags::healthy");
+    let ready = wait_until("Envoy health-checks ext-proc over TLS", INDEXED, || async {
+        let text = http::get(&format!("{admin}/clusters")).await.ok()?.text();
+        text.lines()
+            .any(|line| line.trim() == healthy)
+            .then_some(())
+    })
+    .await;
+    if let Err(error) = ready {
+        let stats = http::get(&format!("{admin}/stats?filter=kvroute_ext_proc"))
+            .await
+            .map(|r| r.text())
+            .unwrap_or_default();
+        panic!("{error}\n{stats}\n{}", envoy.log());
+    }
+    let url = format!(
+        "http://{}/v1/completions",
+        envoy
+            .listener(kvroute_tests::stack::KVROUTE_LISTENER)
+            .unwrap()
+    );
+    let response = http::post_json(
+        &url,
+        &json!({"model": "m", "prompt": "hello", "max_tokens": 1}),
+    )
+    .await
+    .unwrap();
+    let decision = response.json().unwrap()["decision"].clone();
+    assert!(
+        decision.as_str().is_some_and(|d| d.starts_with("load/")),
+        "upstream saw decision {decision}\n{}",
+        envoy.log()
+    );
+
+    // Plaintext, and TLS without a client certificate, are refused.
+    let plaintext = tonic::transport::Endpoint::from_shared(format!("http://{grpc}"))
+        .unwrap()
+        .connect()
+        .await;
+    assert!(
+        !ext_proc_answers(plaintext).await,
+        "a plaintext client got a stream"
+    );
+    let anonymous = kvroute_index::tls::ClientTls::load(
+        &kvroute_index::tls::RawClientTls {
+            ca: pki.ca.display().to_string(),
+            server_name: Some("localhost".to_owned()),
+            ..kvroute_index::tls::RawClientTls::default()
+        },
+        "tls",
+    )
+    .unwrap();
+    let https = tonic::transport::Endpoint::from_shared(format!("https://{grpc}")).unwrap();
+    let no_client_cert = match anonymous.apply(https.clone()) {
+        Ok(endpoint) => endpoint.connect().await,
+        Err(error) => Err(error),
+    };
+    assert!(
+        !ext_proc_answers(no_client_cert).await,
+        "a client without a certificate got a stream"
+    );
+    // The same client with the certificate gets one (the refusals above are about credentials).
+    let identified = kvroute_index::tls::ClientTls::load(
+        &kvroute_index::tls::RawClientTls {
+            ca: pki.ca.display().to_string(),
+            server_name: Some("localhost".to_owned()),
+            cert: Some(pki.client_cert.display().to_string()),
+            key: Some(pki.client_key.display().to_string()),
+        },
+        "tls",
+    )
+    .unwrap();
+    let channel = match identified.apply(https) {
+        Ok(endpoint) => endpoint.connect().await,
+        Err(error) => Err(error),
+    };
+    assert!(ext_proc_answers(channel).await);
+
+    stop.cancel();
+    drop(envoy);
+    tasks.close();
+}
