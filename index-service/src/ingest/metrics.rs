@@ -1,6 +1,8 @@
 //! Ingest metrics: one family per concept, labelled by replica id and DP rank from config plus
 //! fixed enums (`reason`, `outcome`, `stage`), never by message content.
 
+use std::sync::atomic::AtomicU64;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -9,6 +11,10 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use super::{ReplicaKey, ResetReason};
+
+/// A u64 gauge: sequence numbers use the whole u64 range, and an i64 gauge cannot show the top
+/// half of it (it read `i64::MAX` for every sequence number from 2^63 on).
+type SequenceGauge = Gauge<u64, AtomicU64>;
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ReplicaLabels {
@@ -121,7 +127,7 @@ pub struct IngestMetrics {
     replay_duration: Family<ReplicaLabels, Histogram, fn() -> Histogram>,
     live_dropped_during_replay: Family<ReplicaLabels, Counter>,
     resets: Family<ReasonLabels, Counter>,
-    last_sequence: Family<ReplicaLabels, Gauge>,
+    last_sequence: Family<ReplicaLabels, SequenceGauge>,
     connected: Family<ReplicaLabels, Gauge>,
     socket_errors: Family<StageLabels, Counter>,
     refused: Family<ReasonLabels, Counter>,
@@ -305,7 +311,7 @@ pub(crate) struct ReplicaMetrics {
     pub(crate) gaps: Counter,
     pub(crate) replay_duration: Histogram,
     pub(crate) live_dropped_during_replay: Counter,
-    last_sequence: Gauge,
+    last_sequence: SequenceGauge,
     connected: Gauge,
     families: IngestMetrics,
     replica: ReplicaKey,
@@ -364,8 +370,7 @@ impl ReplicaMetrics {
     }
 
     pub(crate) fn set_last_sequence(&self, seq: u64) {
-        self.last_sequence
-            .set(i64::try_from(seq).unwrap_or(i64::MAX));
+        self.last_sequence.set(seq);
     }
 
     pub(crate) fn set_connected(&self, connected: bool) {

@@ -23,6 +23,10 @@
 //!   engine's buffer no longer holds the first missing batch, the replica is reset
 //!   ([`ResetReason::GapUnrecoverable`] / [`ResetReason::ReplayFailed`]) and the stream continues
 //!   from the live message: the index never keeps serving a silently diverged replica.
+//! - **After `u64::MAX`** no message can be `last + 1`: a repeat of the last payloads is a
+//!   duplicate, anything else a restart (so a peer sending `MAX` over and over resets the replica
+//!   each time instead of piling batches onto it). `ingest_last_sequence` is a u64 gauge and
+//!   shows every sequence number exactly.
 //!
 //! A message that fails to decode is counted by [`WireError::as_label`](crate::wire::WireError::as_label)
 //! and skipped without touching the sequence state; if it was a real batch, the next good message

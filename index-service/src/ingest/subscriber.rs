@@ -59,7 +59,7 @@ impl ReplayGoal {
     /// Whether a buffer that begins after the requested sequence is used from where it begins:
     /// only when catching up before anything was applied (nothing in between can be missing).
     fn accepts_late_start(self, tracker: &SequenceTracker) -> bool {
-        matches!(self, ReplayGoal::CatchUp) && tracker.expected().is_none()
+        matches!(self, ReplayGoal::CatchUp) && !tracker.has_started()
     }
 }
 
@@ -542,7 +542,9 @@ impl Subscriber {
                             };
                             return Ok(ReplayResult { outcome, first_applied });
                         }
-                        Ok(ReplayReply::Batch { seq, .. }) if seq < expected => {}
+                        // Already applied (after u64::MAX every batch is).
+                        Ok(ReplayReply::Batch { seq, .. })
+                            if seq < expected || self.tracker.is_past_max() => {}
                         Ok(ReplayReply::Batch { seq, .. })
                             if seq > expected && !goal.accepts_late_start(&self.tracker) =>
                         {

@@ -802,6 +802,61 @@ async fn repeated_message_is_dropped_as_duplicate() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequence_max_sent_repeatedly_is_never_applied_on_top_of_itself() {
+    // Issue 13: the tracker saturated at u64::MAX, so every message carrying MAX was "next" and
+    // applied on top of the previous one, and the gauge could not show the number.
+    let payloads = capture_payloads();
+    let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
+    let mut config = connect_config(&publisher);
+    config.replay_endpoint = None;
+    let harness = Harness::start(config);
+    warm_up(&publisher, &harness, &payloads[0]).await;
+    harness.sink.clear();
+
+    let max = u64::MAX.to_be_bytes().to_vec();
+    for payload in [
+        &payloads[1],
+        &payloads[2],
+        &payloads[3],
+        &payloads[3],
+        &payloads[4],
+    ] {
+        publisher
+            .send_raw(vec![vec![], max.clone(), payload.clone()])
+            .await
+            .unwrap();
+    }
+    harness
+        .wait_for("four messages at MAX applied", |calls| {
+            applied_seqs(calls).len() >= 4
+        })
+        .await;
+    let calls = summarize(&harness.sink.calls());
+    assert_eq!(harness.sink.applied_seqs(), [u64::MAX; 4], "{calls:?}");
+    // Every applied MAX lands on a replica reset since the previous one; the repeat of the
+    // third message (same payload) is a duplicate.
+    let mut reset_since_apply = false;
+    for call in &calls {
+        if call.starts_with("apply") {
+            assert!(reset_since_apply, "applied without a reset: {calls:?}");
+            reset_since_apply = false;
+        } else {
+            reset_since_apply = true;
+        }
+    }
+    assert_eq!(
+        harness.metric(&series("ingest_duplicates_dropped_total", "")),
+        1.0
+    );
+    assert_eq!(harness.snapshot().last_seq, Some(u64::MAX));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &harness.registry).unwrap();
+    let gauge = format!("{} {}", series("ingest_last_sequence", ""), u64::MAX);
+    assert!(text.lines().any(|line| line == gauge), "{text}");
+    harness.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn legacy_replay_layout_repairs_a_gap() {
     // vLLM 0.9.0: positional payload schema and the 3-frame replay layout.
     let payload = golden_payload("S1_v0.9.0");
