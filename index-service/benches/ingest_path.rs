@@ -17,7 +17,7 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_block_keys::{HashAlgo, VllmHasher};
 use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index::index::{
-    BlockIndex, IndexConfig, IndexMetrics, KvIndex, PoolConfig, PoolKeys, ReplicaId,
+    BlockIndex, HashValidator, IndexConfig, IndexMetrics, KvIndex, PoolConfig, PoolKeys, ReplicaId,
 };
 use kvroute_index::wire::{Encoding, decode_batch, encode_batch};
 
@@ -124,7 +124,10 @@ fn bench_decode_apply(c: &mut Criterion) {
         (
             "vllm_exact_validated",
             PoolKeys::VllmExact {
-                validator: Some(hasher.clone()),
+                validator: Some(HashValidator {
+                    hasher: hasher.clone(),
+                    required: false,
+                }),
             },
         ),
     ];

@@ -22,6 +22,7 @@
 //!     key_scheme: vllm-exact   # or token-chain
 //!     hash_algo: sha256_cbor   # vLLM --prefix-caching-hash-algo
 //!     hash_seed: "0"           # the engines' PYTHONHASHSEED; omit when unset
+//!     verify_hashes: flag      # off | flag | required (refuse blocks that cannot be verified)
 //! replicas:
 //!   - id: engine-a
 //!     model: tiny
@@ -47,6 +48,7 @@ use std::{collections::HashSet, net::SocketAddr, time::Duration};
 use kvroute_block_keys::{ExtraKeysEra, HashAlgo};
 use serde::Deserialize;
 
+pub use crate::index::VerifyHashes;
 use crate::ingest;
 use crate::zmtp::PeerFilter;
 
@@ -64,6 +66,11 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 pub const DEFAULT_VLLM_VERSION: &str = "0.32.0";
 /// Largest block size accepted (vLLM's are 16..=256 in practice).
 pub const MAX_BLOCK_SIZE: u32 = 4096;
+/// Default `pools[].verify_hashes`: flag replicas whose hashes disagree, index what cannot be
+/// checked. `required` would refuse every mid-chain run of engines that publish u64 hashes
+/// (all vLLM releases before raw digests) and every LoRA block: right for untrusted engines,
+/// a silent loss of most cache hits for trusted ones.
+pub const DEFAULT_VERIFY_HASHES: VerifyHashes = VerifyHashes::Flag;
 
 /// A configuration error, naming the field and the value at fault.
 #[derive(Debug, thiserror::Error)]
@@ -178,7 +185,11 @@ pub struct RawPool {
     pub hash_seed: Option<String>,
     /// The engines' vLLM release (e.g. `0.32.0`): selects how LoRA and cache_salt enter keys.
     pub vllm_version: Option<String>,
-    /// Re-hash stored blocks from their token ids and flag replicas that disagree (vllm-exact).
+    /// vllm-exact pools: `off`, `flag` (default: re-hash stored blocks from their token ids
+    /// and flag replicas that disagree) or `required` (also refuse every run that is not
+    /// verified: mid-chain runs without a parent digest, LoRA, extra keys, mismatches).
+    pub verify_hashes: Option<String>,
+    /// Older spelling of `verify_hashes`: `true` = `flag`, `false` = `off`.
     pub validate_hashes: Option<bool>,
 }
 
@@ -288,8 +299,8 @@ pub struct PoolConfig {
     pub hash_seed: Option<String>,
     /// Extra-key shapes of the engines' vLLM release.
     pub vllm_era: ExtraKeysEra,
-    /// Whether stored blocks are re-hashed and mismatching replicas flagged.
-    pub validate_hashes: bool,
+    /// What is done with published block hashes (vllm-exact pools).
+    pub verify_hashes: VerifyHashes,
 }
 
 /// A validated replica.
@@ -637,6 +648,34 @@ fn validate_pool(
             )
         })?;
     }
+    let verify_hashes = match (pool.verify_hashes.as_deref(), pool.validate_hashes) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::invalid(
+                field("validate_hashes"),
+                "<set>",
+                "superseded by `verify_hashes`; set only one of them",
+            ));
+        }
+        (Some("off"), None) | (None, Some(false)) => VerifyHashes::Off,
+        (Some("flag"), None) | (None, Some(true)) => VerifyHashes::Flag,
+        (Some("required"), None) => VerifyHashes::Required,
+        (Some(other), None) => {
+            return Err(ConfigError::invalid(
+                field("verify_hashes"),
+                other,
+                "expected `off`, `flag` or `required`",
+            ));
+        }
+        (None, None) => DEFAULT_VERIFY_HASHES,
+    };
+    if verify_hashes == VerifyHashes::Required && key_scheme == KeySchemeKind::TokenChain {
+        return Err(ConfigError::invalid(
+            field("verify_hashes"),
+            "required",
+            "token-chain pools compute their keys from token ids and use no published hash; \
+             `required` applies to vllm-exact pools",
+        ));
+    }
     let vllm_version = pool.vllm_version.as_deref().unwrap_or(DEFAULT_VLLM_VERSION);
     let vllm_era = ExtraKeysEra::for_vllm_version(vllm_version)
         .map_err(|e| ConfigError::invalid(field("vllm_version"), vllm_version, e.to_string()))?;
@@ -647,7 +686,7 @@ fn validate_pool(
         hash_algo,
         hash_seed: pool.hash_seed,
         vllm_era,
-        validate_hashes: pool.validate_hashes.unwrap_or(true),
+        verify_hashes,
     })
 }
 
@@ -746,6 +785,22 @@ replicas:
         );
     }
 
+    #[test]
+    fn verify_hashes_defaults_to_flag_and_takes_the_older_spelling() {
+        let verify = |pool: &str| {
+            Config::from_yaml(&format!("pools: [{{model: m{pool}}}]"))
+                .unwrap()
+                .pools[0]
+                .verify_hashes
+        };
+        assert_eq!(verify(""), VerifyHashes::Flag);
+        assert_eq!(verify(", verify_hashes: off"), VerifyHashes::Off);
+        assert_eq!(verify(", verify_hashes: flag"), VerifyHashes::Flag);
+        assert_eq!(verify(", verify_hashes: required"), VerifyHashes::Required);
+        assert_eq!(verify(", validate_hashes: false"), VerifyHashes::Off);
+        assert_eq!(verify(", validate_hashes: true"), VerifyHashes::Flag);
+    }
+
     fn error_of(yaml: &str) -> String {
         Config::from_yaml(yaml).unwrap_err().to_string()
     }
@@ -775,6 +830,18 @@ replicas:
                 "pools[0].vllm_version",
             ),
             ("pools: [{model: m}, {model: m}]", "pools[1].model"),
+            (
+                "pools: [{model: m, verify_hashes: always}]",
+                "pools[0].verify_hashes",
+            ),
+            (
+                "pools: [{model: m, key_scheme: token-chain, verify_hashes: required}]",
+                "pools[0].verify_hashes",
+            ),
+            (
+                "pools: [{model: m, verify_hashes: off, validate_hashes: true}]",
+                "pools[0].validate_hashes",
+            ),
             ("listen: {grpc: nope}\npools: [{model: m}]", "listen.grpc"),
             (
                 "pools: [{model: m}]\nreplicas: [{id: a, model: x, events: {endpoint: 'tcp://h:1'}}]",

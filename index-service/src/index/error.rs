@@ -85,11 +85,17 @@ pub enum RejectReason {
     ReplicaCapacity,
     /// `BlockRemoved` for a block this replica is not known to hold.
     UnknownBlock,
+    /// `verify_hashes: required`: the run's hashes cannot be recomputed (it continues a chain
+    /// whose parent digest is not published, or carries LoRA or extra keys whose hashed form
+    /// the index cannot reproduce, or a mismatch a hidden `cache_salt` may explain).
+    Unverifiable,
+    /// `verify_hashes: required`: a published hash disagrees with the hash of its `token_ids`.
+    HashMismatch,
 }
 
 impl RejectReason {
     /// Every reason, for pre-registering metric series.
-    pub const ALL: [RejectReason; 8] = [
+    pub const ALL: [RejectReason; 10] = [
         RejectReason::Placeholder,
         RejectReason::NonFullAttentionGroup,
         RejectReason::BlockSizeMismatch,
@@ -98,6 +104,8 @@ impl RejectReason {
         RejectReason::UnsupportedExtraKeys,
         RejectReason::ReplicaCapacity,
         RejectReason::UnknownBlock,
+        RejectReason::Unverifiable,
+        RejectReason::HashMismatch,
     ];
 
     /// Metric label value.
@@ -111,6 +119,8 @@ impl RejectReason {
             RejectReason::UnsupportedExtraKeys => "unsupported_extra_keys",
             RejectReason::ReplicaCapacity => "replica_capacity",
             RejectReason::UnknownBlock => "unknown_block",
+            RejectReason::Unverifiable => "unverifiable",
+            RejectReason::HashMismatch => "hash_mismatch",
         }
     }
 }

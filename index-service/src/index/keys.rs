@@ -9,14 +9,52 @@ use kvroute_block_keys::{Digest, HashAlgo, HashValue, KeyScheme, TokenChain, Vll
 
 use crate::event::BlockStored;
 
+/// What a vLLM-exact pool does with the block hashes engines publish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VerifyHashes {
+    /// Trust the engine: published hashes are indexed as they come.
+    Off,
+    /// Re-hash stored runs from their `token_ids` where possible and flag a replica whose
+    /// hashes disagree (out of precise scoring until reset). Runs that cannot be recomputed
+    /// (mid-chain without the parent's digest, LoRA, extra keys) are indexed unchecked.
+    #[default]
+    Flag,
+    /// Like [`VerifyHashes::Flag`], and a run is indexed only if every published hash was
+    /// recomputed and matched: unverifiable and mismatching runs are refused
+    /// ([`RejectReason::Unverifiable`](super::RejectReason::Unverifiable),
+    /// [`RejectReason::HashMismatch`](super::RejectReason::HashMismatch)). For engines that
+    /// are not trusted; needs engines that publish full digests to verify runs that continue
+    /// a chain (or `sha256_cbor_64bit`), and refuses every LoRA block.
+    Required,
+}
+
+impl VerifyHashes {
+    /// Config/label spelling.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            VerifyHashes::Off => "off",
+            VerifyHashes::Flag => "flag",
+            VerifyHashes::Required => "required",
+        }
+    }
+}
+
+/// Re-hashes a vLLM-exact pool's stored runs (see [`VerifyHashes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HashValidator {
+    /// The pool's hash function, as the engines run it.
+    pub hasher: VllmHasher,
+    /// Refuse runs that are not verified, instead of only flagging replicas that disagree.
+    pub required: bool,
+}
+
 /// How a pool's block keys relate to the engine's events.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PoolKeys {
     /// The engine's published hash is the key.
     VllmExact {
-        /// Re-hashes stored blocks from their `token_ids` and flags replicas whose published
-        /// hashes disagree. `None` trusts the engine.
-        validator: Option<VllmHasher>,
+        /// Re-hashes stored blocks from their `token_ids`. `None` trusts the engine.
+        validator: Option<HashValidator>,
     },
     /// kvroute's [`TokenChain`] keys, recomputed from `token_ids`; the engine hash only
     /// identifies blocks for removal and parent lookup.
@@ -24,11 +62,15 @@ pub enum PoolKeys {
 }
 
 impl PoolKeys {
-    /// The index side of a pool's [`KeyScheme`]; `validate` turns on vLLM-exact validation.
-    pub fn from_scheme(scheme: &KeyScheme, validate: bool) -> Self {
+    /// The index side of a pool's [`KeyScheme`]; `verify` applies to vLLM-exact pools only
+    /// (token-chain keys are recomputed from `token_ids` anyway).
+    pub fn from_scheme(scheme: &KeyScheme, verify: VerifyHashes) -> Self {
         match scheme {
             KeyScheme::VllmExact { hasher, .. } => PoolKeys::VllmExact {
-                validator: validate.then(|| hasher.clone()),
+                validator: (verify != VerifyHashes::Off).then(|| HashValidator {
+                    hasher: hasher.clone(),
+                    required: verify == VerifyHashes::Required,
+                }),
             },
             KeyScheme::TokenChain => PoolKeys::TokenChain,
         }

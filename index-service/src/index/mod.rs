@@ -54,7 +54,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock};
 
 pub use error::{FlagReason, IndexError, RejectReason};
-pub use keys::PoolKeys;
+pub use keys::{HashValidator, PoolKeys, VerifyHashes};
 pub use metrics::IndexMetrics;
 
 use crate::event::KvEvent;

@@ -3,6 +3,7 @@
 
 use prometheus_client::metrics::gauge::Gauge;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::holders::{
     KeyHasherBuilder, KeyMap, KeySet, Slot, shrink_if_sparse, shrink_set_if_sparse, table_bytes,
@@ -103,6 +104,21 @@ impl HeldBlocks {
 /// misconfigured seed or algorithm mismatches every run; a salted request only some.
 const UNCERTAIN_MISMATCH_STREAK: u32 = 8;
 
+/// At most one refusal warning per replica per this interval.
+const REFUSAL_WARN_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Why a run is refused by a pool that requires verified hashes (`None`: verified).
+fn unverified(verification: Verification) -> Option<RejectReason> {
+    match verification {
+        Verification::Verified => None,
+        // A mismatch a hidden cache_salt may explain (vLLM < 0.17) is not proof either way.
+        Verification::Unverifiable | Verification::Mismatch { certain: false, .. } => {
+            Some(RejectReason::Unverifiable)
+        }
+        Verification::Mismatch { certain: true, .. } => Some(RejectReason::HashMismatch),
+    }
+}
+
 /// A registered replica. Guarded by a mutex in the index; one ingest task writes it.
 #[derive(Debug)]
 pub(crate) struct Replica {
@@ -115,6 +131,9 @@ pub(crate) struct Replica {
     pub(crate) events_applied: u64,
     pub(crate) blocks_rejected: u64,
     uncertain_mismatches: u32,
+    /// When a refused run was last logged, and runs refused since.
+    last_refusal_warning: Option<Instant>,
+    refusals_suppressed: u64,
     /// Copies of a block beyond the first, by (engine hash, medium). vLLM can hold several
     /// blocks with one hash (a repeated prompt recomputes its last full block; concurrent
     /// identical prefixes) and emits BlockStored/BlockRemoved per copy, so a hash stays held
@@ -147,6 +166,8 @@ impl Replica {
             events_applied: 0,
             blocks_rejected: 0,
             uncertain_mismatches: 0,
+            last_refusal_warning: None,
+            refusals_suppressed: 0,
             extra_copies: std::collections::HashMap::new(),
             removed: false,
             blocks_gauge,
@@ -252,10 +273,21 @@ impl Replica {
 
         let keys = match &self.pool.keys {
             PoolKeys::VllmExact { validator } => {
-                if self.flag.is_none()
-                    && let Some(validator) = validator
+                // A flagged replica is out of precise scoring already; only a pool that refuses
+                // unverified runs still needs their verdict.
+                if let Some(validator) = validator
+                    && (validator.required || self.flag.is_none())
                 {
-                    self.validate(keys::verify(validator, stored), stored, metrics);
+                    let required = validator.required;
+                    let verification = keys::verify(&validator.hasher, stored);
+                    if self.flag.is_none() {
+                        self.validate(verification, stored, metrics);
+                    }
+                    if required && let Some(reason) = unverified(verification) {
+                        outcome.reject(reason, count, metrics);
+                        self.refusal_warning(reason, count);
+                        return;
+                    }
                 }
                 stored.block_hashes.clone()
             }
@@ -306,6 +338,29 @@ impl Replica {
         }
         outcome.blocks_stored += stored_blocks;
         metrics.stored(stored.medium, stored_blocks as u64);
+    }
+
+    /// Logs a refused run, at most once per [`REFUSAL_WARN_INTERVAL`] per replica (the rest are
+    /// counted in `index_blocks_rejected_total` and summed into the next line).
+    fn refusal_warning(&mut self, reason: RejectReason, blocks: usize) {
+        let now = Instant::now();
+        self.refusals_suppressed += 1;
+        if self
+            .last_refusal_warning
+            .is_some_and(|last| now.duration_since(last) < REFUSAL_WARN_INTERVAL)
+        {
+            return;
+        }
+        self.last_refusal_warning = Some(now);
+        let runs = std::mem::take(&mut self.refusals_suppressed);
+        tracing::warn!(
+            replica = %self.name,
+            model = %self.pool.model,
+            reason = reason.as_label(),
+            blocks,
+            runs_since_last_warning = runs,
+            "stored blocks refused: the pool requires verified block hashes"
+        );
     }
 
     fn validate(

@@ -68,7 +68,7 @@ impl Directory {
                 .add_pool(PoolConfig {
                     model: pool.model.clone(),
                     block_size: pool.block_size,
-                    keys: PoolKeys::from_scheme(&scheme, pool.validate_hashes),
+                    keys: PoolKeys::from_scheme(&scheme, pool.verify_hashes),
                 })
                 .map_err(|source| ServeError::Register {
                     what: format!("pool {}", pool.model),

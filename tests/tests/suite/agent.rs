@@ -56,10 +56,8 @@ agents:
 
 /// [`index_yaml`] for tests whose blocks are synthetic hashes, not vLLM's: hash validation off.
 fn index_yaml_synthetic_hashes(grpc: &str, token_dir: &Path) -> String {
-    index_yaml(grpc, token_dir).replace(
-        "hash_seed: \"0\"}",
-        "hash_seed: \"0\", validate_hashes: false}",
-    )
+    index_yaml(grpc, token_dir)
+        .replace("hash_seed: \"0\"}", "hash_seed: \"0\", verify_hashes: off}")
 }
 
 fn agent_config(index: SocketAddr, kv_events: &str, replay: &str) -> AgentConfig {

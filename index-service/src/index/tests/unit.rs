@@ -5,7 +5,7 @@ use kvroute_block_keys::{HashAlgo, HashValue, KeyScheme, LoraRef, VllmHasher};
 use prometheus_client::registry::Registry;
 
 use super::*;
-use crate::index::{FlagReason, RejectReason};
+use crate::index::{FlagReason, RejectReason, VerifyHashes};
 
 /// vLLM golden vector: sha256_cbor, PYTHONHASHSEED "42", tokens 1..=48, block size 16.
 const GOLDEN: [u64; 3] = [
@@ -24,13 +24,18 @@ fn hasher(seed: &str) -> VllmHasher {
 
 /// An index with one validated vLLM-exact pool (block size 16) and replicas 0 and 1.
 fn validated_index(registry: &mut Registry) -> BlockIndex {
+    index_verifying(registry, VerifyHashes::Flag)
+}
+
+/// [`validated_index`] with the given verification policy.
+fn index_verifying(registry: &mut Registry, verify: VerifyHashes) -> BlockIndex {
     let index = BlockIndex::new(IndexConfig::default(), IndexMetrics::register(registry));
     let keys = PoolKeys::from_scheme(
         &KeyScheme::VllmExact {
             hasher: hasher("42"),
             era: kvroute_block_keys::ExtraKeysEra::From0_31,
         },
-        true,
+        verify,
     );
     index
         .add_pool(PoolConfig {
@@ -186,6 +191,155 @@ fn mid_chain_runs_validate_only_with_parent_digests() {
         index.replica_status(ReplicaId(1)).unwrap().flag,
         Some(FlagReason::HashMismatch)
     );
+}
+
+/// A run continuing block 0 of the golden chain: blocks 1 and 2 (`hashes`), with or without
+/// the parent's full digest.
+fn mid_chain(hashes: &[u64], parent_digest: Option<Vec<u8>>) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.to_vec(),
+        parent_block_hash: Some(GOLDEN[0]),
+        token_ids: golden_tokens()[16..].to_vec(),
+        block_size: 16,
+        extra_keys: Some(vec![None, None]),
+        parent_digest,
+        ..BlockStored::default()
+    })
+}
+
+/// The golden tokens as a run of a LoRA adapter (the index cannot recompute its hashes).
+fn lora_event(hashes: &[u64]) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.to_vec(),
+        token_ids: golden_tokens(),
+        block_size: 16,
+        extra_keys: Some(vec![None; 3]),
+        lora_id: Some(3),
+        ..BlockStored::default()
+    })
+}
+
+/// Block 0 of the golden chain alone.
+fn golden_first_block() -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: vec![GOLDEN[0]],
+        token_ids: golden_tokens()[..16].to_vec(),
+        block_size: 16,
+        extra_keys: Some(vec![None]),
+        ..BlockStored::default()
+    })
+}
+
+fn golden_parent_digest() -> Vec<u8> {
+    let digests = hasher("42")
+        .chain(None, &golden_tokens(), 16, |_| None)
+        .unwrap();
+    digests[0].as_bytes().to_vec()
+}
+
+fn rejected(registry: &Registry, reason: &str) -> String {
+    let text = metrics_text(registry);
+    let series = format!("blocks_rejected_total{{reason=\"{reason}\"}} ");
+    text.lines()
+        .find_map(|line| line.strip_prefix(&series))
+        .unwrap_or_else(|| panic!("no {series} in {text}"))
+        .to_owned()
+}
+
+#[test]
+fn flag_mode_indexes_what_it_cannot_verify() {
+    // Today's default: unverifiable runs (no parent digest, LoRA) are indexed unchecked.
+    let mut registry = Registry::default();
+    let index = index_verifying(&mut registry, VerifyHashes::Flag);
+    let lora = lora_event(&[7, 8, 9]);
+    let outcome = index.apply_event(ReplicaId(0), &lora).unwrap();
+    assert_eq!(outcome.blocks_stored, 3);
+    let outcome = index
+        .apply_event(ReplicaId(1), &mid_chain(&[1, 2], None))
+        .unwrap();
+    assert_eq!(outcome.blocks_stored, 2);
+    assert_eq!(rejected(&registry, "unverifiable"), "0");
+}
+
+#[test]
+fn required_mode_indexes_verified_runs() {
+    let mut registry = Registry::default();
+    let index = index_verifying(&mut registry, VerifyHashes::Required);
+    index
+        .apply_event(ReplicaId(0), &golden_first_block())
+        .unwrap();
+    let outcome = index
+        .apply_event(
+            ReplicaId(0),
+            &mid_chain(&GOLDEN[1..], Some(golden_parent_digest())),
+        )
+        .unwrap();
+    assert_eq!(outcome.blocks_stored, 2);
+    assert_eq!(outcome.rejection, None);
+    assert_eq!(
+        counts(&index.find_matches("m", &GOLDEN, None).unwrap(), 0),
+        Some((3, 3))
+    );
+    assert_eq!(rejected(&registry, "unverifiable"), "0");
+}
+
+#[test]
+fn required_mode_refuses_unverifiable_runs() {
+    let mut registry = Registry::default();
+    let index = index_verifying(&mut registry, VerifyHashes::Required);
+    // A rogue publisher's forged run continuing a chain: no parent digest to check it against.
+    let outcome = index
+        .apply_event(ReplicaId(0), &mid_chain(&[1, 2], None))
+        .unwrap();
+    assert_eq!(outcome.blocks_stored, 0);
+    assert_eq!(outcome.blocks_rejected, 2);
+    assert_eq!(outcome.rejection, Some(RejectReason::Unverifiable));
+    // LoRA blocks: their hashed form depends on the adapter, which the index cannot recompute.
+    let lora = lora_event(&[7, 8, 9]);
+    let outcome = index.apply_event(ReplicaId(0), &lora).unwrap();
+    assert_eq!(outcome.rejection, Some(RejectReason::Unverifiable));
+    // No published extra keys (vLLM < 0.17): a mismatch a hidden cache_salt may explain.
+    let mut salted = GOLDEN;
+    salted[0] ^= 1;
+    let outcome = index
+        .apply_event(ReplicaId(0), &golden_event(&salted, None))
+        .unwrap();
+    assert_eq!(outcome.rejection, Some(RejectReason::Unverifiable));
+
+    assert_eq!(rejected(&registry, "unverifiable"), "8");
+    let status = index.replica_status(ReplicaId(0)).unwrap();
+    assert_eq!(status.blocks, 0, "nothing unverified is indexed");
+    assert_eq!(status.blocks_rejected, 8);
+    // Nothing was wrong for sure, so the replica stays in precise scoring.
+    assert_eq!(status.flag, None);
+}
+
+#[test]
+fn required_mode_refuses_mismatching_runs_and_keeps_refusing_once_flagged() {
+    let mut registry = Registry::default();
+    let index = index_verifying(&mut registry, VerifyHashes::Required);
+    let forged = golden_event(&[11, 12, 13], Some(vec![None; 3]));
+    let outcome = index.apply_event(ReplicaId(0), &forged).unwrap();
+    assert_eq!(outcome.rejection, Some(RejectReason::HashMismatch));
+    assert_eq!(outcome.blocks_stored, 0);
+    assert_eq!(
+        index.replica_status(ReplicaId(0)).unwrap().flag,
+        Some(FlagReason::HashMismatch)
+    );
+    // Flagged replicas are not re-verified in flag mode; a required pool still checks.
+    let outcome = index.apply_event(ReplicaId(0), &forged).unwrap();
+    assert_eq!(outcome.rejection, Some(RejectReason::HashMismatch));
+    let outcome = index
+        .apply_event(ReplicaId(0), &mid_chain(&[1, 2], None))
+        .unwrap();
+    assert_eq!(outcome.rejection, Some(RejectReason::Unverifiable));
+    assert_eq!(index.replica_status(ReplicaId(0)).unwrap().blocks, 0);
+    assert_eq!(rejected(&registry, "hash_mismatch"), "6");
+    // The honest replica is unaffected.
+    let outcome = index
+        .apply_event(ReplicaId(1), &golden_event(&GOLDEN, Some(vec![None; 3])))
+        .unwrap();
+    assert_eq!(outcome.blocks_stored, 3);
 }
 
 #[test]
