@@ -565,6 +565,14 @@ fn validate_agents(
         let token = AgentToken::load(&source).map_err(|e| {
             ConfigError::invalid(field("token_file"), "<secret source>", e.to_string())
         })?;
+        let max = crate::agent::client::MAX_REPLICAS_PER_HELLO;
+        if agent.replicas.len() > max {
+            return Err(ConfigError::invalid(
+                field("replicas"),
+                agent.replicas.len(),
+                format!("an agent may own at most {max} replicas (one Hello claims them all)"),
+            ));
+        }
         for replica in &agent.replicas {
             if !replica_ids.contains(replica) {
                 return Err(ConfigError::invalid(

@@ -18,6 +18,7 @@ pub mod server;
 pub mod testing;
 pub mod throttle;
 pub mod tls;
+mod warn_limit;
 pub mod wire;
 #[cfg(feature = "server")]
 pub mod zmtp;

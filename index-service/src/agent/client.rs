@@ -13,6 +13,7 @@ use super::hub::Hub;
 use super::metrics::AgentMetrics;
 use super::token::AgentToken;
 use crate::api::{self, agent_ingest_client::AgentIngestClient};
+use crate::warn_limit::WarnLimiter;
 
 /// Bound on one connect attempt.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -20,6 +21,11 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const KEEPALIVE: Duration = Duration::from_secs(5);
 /// Largest message we send or accept; snapshot chunks stay far below it.
 pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
+/// Most replica ids one `Hello` may claim. A node runs a handful of engines; the agent's config
+/// and the index's `agents[].replicas` are held to this too, so only a broken or hostile agent
+/// reaches it, and the index refuses such a `Hello` whole (it would otherwise answer every
+/// claimed id).
+pub const MAX_REPLICAS_PER_HELLO: usize = 1024;
 
 /// What the connection loop needs.
 #[derive(Debug, Clone)]
@@ -122,6 +128,7 @@ async fn stream_once(settings: &StreamSettings, hub: &Hub, metrics: &AgentMetric
         Err(status) => return end(status_label(&status), status.message().to_owned(), false),
     };
     let mut welcomed = false;
+    let mut refusal_warnings = WarnLimiter::new(REFUSAL_WARN_INTERVAL);
     loop {
         match inbound.message().await {
             Ok(Some(api::IndexMessage {
@@ -135,8 +142,10 @@ async fn stream_once(settings: &StreamSettings, hub: &Hub, metrics: &AgentMetric
                 body: Some(api::index_message::Body::Refused(refused)),
             })) => {
                 metrics.refused_by_index();
-                tracing::warn!(index = %settings.index, replica_id = %refused.replica_id,
-                    reason = %refused.reason, "index refused a write");
+                if let Some(suppressed) = refusal_warnings.allow() {
+                    tracing::warn!(index = %settings.index, replica_id = %refused.replica_id,
+                        reason = %refused.reason, suppressed, "index refused a write");
+                }
             }
             Ok(Some(_)) => {}
             Ok(None) => return end("closed", String::new(), welcomed),
@@ -147,12 +156,17 @@ async fn stream_once(settings: &StreamSettings, hub: &Hub, metrics: &AgentMetric
     }
 }
 
+/// At most one "index refused a write" warning per stream per this interval (all are counted).
+const REFUSAL_WARN_INTERVAL: Duration = Duration::from_secs(10);
+
 fn status_label(status: &tonic::Status) -> &'static str {
     match status.code() {
         tonic::Code::Unauthenticated => "unauthenticated",
         tonic::Code::PermissionDenied => "permission_denied",
         tonic::Code::Unavailable => "unavailable",
         tonic::Code::Cancelled => "cancelled",
+        tonic::Code::InvalidArgument => "invalid_argument",
+        tonic::Code::ResourceExhausted => "resource_exhausted",
         _ => "error",
     }
 }

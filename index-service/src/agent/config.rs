@@ -272,6 +272,16 @@ impl AgentConfig {
                 "name at least one engine",
             ));
         }
+        let replicas: std::collections::HashSet<&str> =
+            engines.iter().map(|e| &*e.replica_id).collect();
+        let max = super::client::MAX_REPLICAS_PER_HELLO;
+        if replicas.len() > max {
+            return Err(AgentConfigError::invalid(
+                "engines",
+                replicas.len(),
+                "more replicas than one Hello may claim (agent::client::MAX_REPLICAS_PER_HELLO)",
+            ));
+        }
         let max_blocks_per_replica = raw
             .max_blocks_per_replica
             .unwrap_or(DEFAULT_MAX_BLOCKS_PER_REPLICA);

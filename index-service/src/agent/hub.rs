@@ -134,9 +134,19 @@ impl Hub {
             }
             self.metrics.snapshot_built(mirror.len(), sent);
         }
+        // Streams that ended since the last flush (an index that refuses every stream, idle
+        // engines) would otherwise pile up one closed sender per reconnect.
+        state
+            .subscribers
+            .retain(|subscriber| !subscriber.tx.is_closed());
         let (tx, rx) = mpsc::channel(self.limits.subscriber_queue);
         state.subscribers.push(Subscriber { tx });
         (messages, rx)
+    }
+
+    #[cfg(test)]
+    fn subscribers(&self) -> usize {
+        self.state.lock().subscribers.len()
     }
 
     fn flush_locked(&self, state: &mut HubState) {
@@ -316,6 +326,22 @@ mod tests {
         assert!(delta.reset, "the reset drops what came before it");
         assert_eq!(delta.events.len(), 1);
         assert_eq!(hub.block_hashes("r"), Some(vec![3]));
+    }
+
+    #[test]
+    fn ended_subscribers_do_not_pile_up_without_deltas() {
+        // An index that refuses every stream: the agent subscribes on each reconnect and drops
+        // the queue, and with idle engines no flush ever runs to notice.
+        let hub = hub(1 << 20, 4);
+        for _ in 0..1000 {
+            let (_snapshot, rx) = hub.subscribe();
+            drop(rx);
+        }
+        assert_eq!(hub.subscribers(), 1, "only the last one, not yet noticed");
+        let (_snapshot, _live) = hub.subscribe();
+        assert_eq!(hub.subscribers(), 1, "the ended one is gone");
+        let (_snapshot, _also_live) = hub.subscribe();
+        assert_eq!(hub.subscribers(), 2, "live subscribers stay");
     }
 
     #[test]

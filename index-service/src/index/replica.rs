@@ -3,7 +3,7 @@
 
 use prometheus_client::metrics::gauge::Gauge;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::holders::{
     KeyHasherBuilder, KeyMap, KeySet, Slot, shrink_if_sparse, shrink_set_if_sparse, table_bytes,
@@ -13,6 +13,7 @@ use super::metrics::{EventKind, IndexMetrics};
 use super::pool::Pool;
 use super::{ApplyOutcome, FlagReason, RejectReason, ReplicaId};
 use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent, Medium};
+use crate::warn_limit::WarnLimiter;
 
 /// The engine blocks a replica holds, by engine hash.
 #[derive(Debug)]
@@ -131,9 +132,8 @@ pub(crate) struct Replica {
     pub(crate) events_applied: u64,
     pub(crate) blocks_rejected: u64,
     uncertain_mismatches: u32,
-    /// When a refused run was last logged, and runs refused since.
-    last_refusal_warning: Option<Instant>,
-    refusals_suppressed: u64,
+    /// Rate limit of the warnings about refused runs.
+    refusal_warnings: WarnLimiter,
     /// Copies of a block beyond the first, by (engine hash, medium). vLLM can hold several
     /// blocks with one hash (a repeated prompt recomputes its last full block; concurrent
     /// identical prefixes) and emits BlockStored/BlockRemoved per copy, so a hash stays held
@@ -166,8 +166,7 @@ impl Replica {
             events_applied: 0,
             blocks_rejected: 0,
             uncertain_mismatches: 0,
-            last_refusal_warning: None,
-            refusals_suppressed: 0,
+            refusal_warnings: WarnLimiter::new(REFUSAL_WARN_INTERVAL),
             extra_copies: std::collections::HashMap::new(),
             removed: false,
             blocks_gauge,
@@ -343,24 +342,16 @@ impl Replica {
     /// Logs a refused run, at most once per [`REFUSAL_WARN_INTERVAL`] per replica (the rest are
     /// counted in `index_blocks_rejected_total` and summed into the next line).
     fn refusal_warning(&mut self, reason: RejectReason, blocks: usize) {
-        let now = Instant::now();
-        self.refusals_suppressed += 1;
-        if self
-            .last_refusal_warning
-            .is_some_and(|last| now.duration_since(last) < REFUSAL_WARN_INTERVAL)
-        {
-            return;
+        if let Some(suppressed) = self.refusal_warnings.allow() {
+            tracing::warn!(
+                replica = %self.name,
+                model = %self.pool.model,
+                reason = reason.as_label(),
+                blocks,
+                suppressed,
+                "stored blocks refused: the pool requires verified block hashes"
+            );
         }
-        self.last_refusal_warning = Some(now);
-        let runs = std::mem::take(&mut self.refusals_suppressed);
-        tracing::warn!(
-            replica = %self.name,
-            model = %self.pool.model,
-            reason = reason.as_label(),
-            blocks,
-            runs_since_last_warning = runs,
-            "stored blocks refused: the pool requires verified block hashes"
-        );
     }
 
     fn validate(

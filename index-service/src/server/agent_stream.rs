@@ -2,9 +2,17 @@
 //!
 //! 1. The first message must be `Hello` (within [`HELLO_TIMEOUT`]). The agent id and token are
 //!    checked against `agents:` (constant-time compare; the token is never logged). Unknown
-//!    agent or wrong token → `UNAUTHENTICATED`; nothing is applied.
+//!    agent or wrong token → `UNAUTHENTICATED`; nothing is applied. A `Hello` claiming more than
+//!    [`MAX_REPLICAS_PER_HELLO`] replicas is refused whole (`INVALID_ARGUMENT`,
+//!    `too_many_replicas`), and an agent with [`MAX_STREAMS_PER_AGENT`] streams open already
+//!    gets `RESOURCE_EXHAUSTED` (`too_many_streams`): an honest agent reaches neither.
 //! 2. Replicas the `Hello` claims but the agent does not own are refused (counted); the stream
 //!    goes on for the rest. Every later write for an unowned replica is refused too.
+//!
+//! Every per-stream queue is bounded: the outbox of `Refused` messages holds at most
+//! [`MAX_QUEUED_REFUSALS`] (the `Hello`'s refusals included; the rest are only counted), and
+//! it is drained before the next inbound message is read, so an agent that does not read its
+//! responses stalls its own stream (HTTP/2 flow control) instead of growing the index's memory.
 //! 3. `Snapshot{first}` makes this stream the replica's writer, resets the replica and keeps it
 //!    out of precise scoring (`Resyncing`) until `Snapshot{last}`. Writes from an older stream
 //!    of the same replica are refused as `superseded`.
@@ -18,7 +26,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::Stream;
@@ -32,20 +40,26 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Directory;
-use crate::agent::client::MAX_MESSAGE_BYTES;
+use crate::agent::client::{MAX_MESSAGE_BYTES, MAX_REPLICAS_PER_HELLO};
 use crate::agent::convert::event_from_proto;
 use crate::agent::token::AgentToken;
 use crate::api::{self, agent_ingest_server::AgentIngestServer};
 use crate::config::Config;
 use crate::event::KvEvent;
 use crate::index::{BlockIndex, FlagReason, KvIndex, ReplicaId};
+use crate::warn_limit::WarnLimiter;
 
 /// How long a new stream may take to send `Hello`.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often agent-fed replicas are checked for staleness.
 const SWEEP_INTERVAL: Duration = Duration::from_millis(200);
-/// Refusal messages queued per stream; beyond that they are only counted.
-const MAX_QUEUED_REFUSALS: usize = 64;
+/// `Refused` messages queued per stream; beyond that they are only counted.
+pub const MAX_QUEUED_REFUSALS: usize = 64;
+/// Streams one agent may have open at once. It opens one per index instance (a second one
+/// while a reconnect overlaps a dying stream); each stream holds a task, buffers and liveness.
+pub const MAX_STREAMS_PER_AGENT: usize = 8;
+/// At most one warning per this interval for refusals of an authenticated agent's stream.
+const REFUSAL_WARN_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Why an agent write (or stream) was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -68,6 +82,10 @@ pub enum Refusal {
     Malformed,
     /// A message above the size limit.
     Oversized,
+    /// A `Hello` claiming more than [`MAX_REPLICAS_PER_HELLO`] replicas.
+    TooManyReplicas,
+    /// The agent already has [`MAX_STREAMS_PER_AGENT`] streams open.
+    TooManyStreams,
 }
 
 impl Refusal {
@@ -83,6 +101,8 @@ impl Refusal {
             Refusal::Protocol => "protocol",
             Refusal::Malformed => "malformed",
             Refusal::Oversized => "oversized",
+            Refusal::TooManyReplicas => "too_many_replicas",
+            Refusal::TooManyStreams => "too_many_streams",
         }
     }
 }
@@ -133,11 +153,15 @@ impl AgentStreamMetrics {
     }
 
     fn refused(&self, refusal: Refusal) {
+        self.refused_by(refusal, 1);
+    }
+
+    fn refused_by(&self, refusal: Refusal, count: u64) {
         self.refused
             .get_or_create(&ReasonLabel {
                 reason: refusal.as_label(),
             })
-            .inc();
+            .inc_by(count);
     }
 }
 
@@ -145,6 +169,29 @@ impl AgentStreamMetrics {
 struct AgentEntry {
     token: AgentToken,
     replicas: HashSet<String>,
+    /// Authenticated streams of this agent open now (at most [`MAX_STREAMS_PER_AGENT`]).
+    streams: Arc<AtomicUsize>,
+}
+
+/// One of an agent's [`MAX_STREAMS_PER_AGENT`] stream slots; released on drop.
+#[derive(Debug)]
+struct StreamSlot(Arc<AtomicUsize>);
+
+impl StreamSlot {
+    fn take(streams: &Arc<AtomicUsize>) -> Option<Self> {
+        streams
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |open| {
+                (open < MAX_STREAMS_PER_AGENT).then_some(open + 1)
+            })
+            .ok()
+            .map(|_| StreamSlot(Arc::clone(streams)))
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Per agent-fed replica: who writes it and whether its agent is around.
@@ -180,6 +227,8 @@ pub(crate) struct AgentStreams {
     grace: Duration,
     next_stream: AtomicU64,
     metrics: AgentStreamMetrics,
+    /// Rate limit of warnings about authenticated agents' refused streams and claims.
+    warnings: Mutex<WarnLimiter>,
     /// Cancelled when the server shuts down: open streams end with UNAVAILABLE instead of holding
     /// the drain until its timeout (agents reconnect, to another instance if there is one).
     shutdown: CancellationToken,
@@ -216,6 +265,7 @@ impl AgentStreams {
                 AgentEntry {
                     token: agent.token.clone(),
                     replicas: agent.replicas.iter().cloned().collect(),
+                    streams: Arc::new(AtomicUsize::new(0)),
                 },
             );
         }
@@ -227,6 +277,7 @@ impl AgentStreams {
             grace: config.agent_stale_grace,
             next_stream: AtomicU64::new(1),
             metrics: AgentStreamMetrics::register(registry),
+            warnings: Mutex::new(WarnLimiter::new(REFUSAL_WARN_INTERVAL)),
             shutdown,
         })
     }
@@ -251,6 +302,20 @@ impl AgentStreams {
             }
         };
         entry.filter(|_| ok)
+    }
+
+    /// Logs a refusal of an authenticated agent's stream or claims, rate-limited (they are
+    /// counted in `agent_refused_total` whether logged or not).
+    fn warn_refused(&self, agent_id: &str, refusal: Refusal, count: usize) {
+        if let Some(suppressed) = self.warnings.lock().allow() {
+            tracing::warn!(
+                agent_id,
+                reason = refusal.as_label(),
+                count,
+                suppressed,
+                "agent stream or claims refused"
+            );
+        }
     }
 
     /// Liveness of a replica fed by an agent; `None` if no agent owns it.
@@ -329,9 +394,34 @@ impl api::agent_ingest_server::AgentIngest for AgentService {
             return Err(Status::unauthenticated("invalid agent credentials"));
         };
 
+        if hello.replicas.len() > MAX_REPLICAS_PER_HELLO {
+            streams.metrics.refused(Refusal::TooManyReplicas);
+            streams.warn_refused(
+                &hello.agent_id,
+                Refusal::TooManyReplicas,
+                hello.replicas.len(),
+            );
+            return Err(Status::invalid_argument(format!(
+                "Hello claims {} replicas; at most {MAX_REPLICAS_PER_HELLO}",
+                hello.replicas.len()
+            )));
+        }
+        let Some(slot) = StreamSlot::take(&agent.streams) else {
+            streams.metrics.refused(Refusal::TooManyStreams);
+            streams.warn_refused(
+                &hello.agent_id,
+                Refusal::TooManyStreams,
+                MAX_STREAMS_PER_AGENT,
+            );
+            return Err(Status::resource_exhausted(format!(
+                "agent has {MAX_STREAMS_PER_AGENT} streams open already"
+            )));
+        };
+
         let stream_id = streams.next_stream.fetch_add(1, Ordering::Relaxed);
         let mut outbox = VecDeque::new();
         let mut claimed = HashSet::new();
+        let mut unowned = HashSet::new();
         for name in &hello.replicas {
             match streams
                 .directory
@@ -341,11 +431,19 @@ impl api::agent_ingest_server::AgentIngest for AgentService {
                 Some(id) => {
                     claimed.insert(id);
                 }
-                None => {
-                    streams.metrics.refused(Refusal::NotOwner);
+                // Each distinct name is refused once (all counted below), at most
+                // MAX_QUEUED_REFUSALS of them by message.
+                None if unowned.insert(name.as_str()) && outbox.len() < MAX_QUEUED_REFUSALS => {
                     outbox.push_back(refused(name, Refusal::NotOwner));
                 }
+                None => {}
             }
+        }
+        if !unowned.is_empty() {
+            streams
+                .metrics
+                .refused_by(Refusal::NotOwner, unowned.len() as u64);
+            streams.warn_refused(&hello.agent_id, Refusal::NotOwner, unowned.len());
         }
         let accepted: Vec<String> = claimed
             .iter()
@@ -356,7 +454,13 @@ impl api::agent_ingest_server::AgentIngest for AgentService {
         });
         tracing::info!(agent_id = %hello.agent_id, stream_id, replicas = claimed.len(), "agent stream open");
 
-        let session = Session::open(Arc::clone(streams), stream_id, hello.agent_id, claimed);
+        let session = Session::open(
+            Arc::clone(streams),
+            stream_id,
+            hello.agent_id,
+            claimed,
+            slot,
+        );
         let state = Some((inbound, session, outbox));
         let responses = futures::stream::unfold(state, |state| async move {
             let (mut inbound, mut session, mut outbox) = state?;
@@ -419,6 +523,8 @@ struct Session {
     claimed: HashSet<ReplicaId>,
     /// Replicas this stream has started a snapshot for.
     snapshotted: HashSet<ReplicaId>,
+    /// The agent's stream slot, released when the session ends.
+    _slot: StreamSlot,
 }
 
 impl Session {
@@ -427,6 +533,7 @@ impl Session {
         id: u64,
         agent_id: String,
         claimed: HashSet<ReplicaId>,
+        slot: StreamSlot,
     ) -> Self {
         {
             let mut liveness = streams.liveness.lock();
@@ -443,6 +550,7 @@ impl Session {
             agent_id,
             claimed,
             snapshotted: HashSet::new(),
+            _slot: slot,
         }
     }
 

@@ -24,6 +24,7 @@ use crate::{
     index::{BlockIndex, IndexConfig, IndexMetrics},
     ingest::{Ingest, IngestMetrics},
 };
+pub use agent_stream::{MAX_QUEUED_REFUSALS, MAX_STREAMS_PER_AGENT};
 pub use auth::AUTHORIZATION;
 pub use directory::Directory;
 pub use grpc::MatchError;

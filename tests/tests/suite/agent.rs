@@ -522,6 +522,162 @@ async fn wrong_tokens_unowned_replicas_and_garbage_are_refused() {
     server.shutdown().await;
 }
 
+/// An open agent stream: the sender keeps it open, the receiver reads the index's answers.
+struct OpenStream {
+    tx: tokio::sync::mpsc::Sender<api::AgentMessage>,
+    inbound: tonic::Streaming<api::IndexMessage>,
+}
+
+impl OpenStream {
+    async fn open(uri: &str, hello: api::AgentMessage) -> Result<Self, tonic::Status> {
+        let mut client = AgentIngestClient::connect(uri.to_owned())
+            .await
+            .unwrap()
+            .max_encoding_message_size(kvroute_index::agent::client::MAX_MESSAGE_BYTES);
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        tx.send(hello).await.unwrap();
+        let inbound = client
+            .agent_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        Ok(Self { tx, inbound })
+    }
+
+    async fn next(&mut self) -> api::index_message::Body {
+        tokio::time::timeout(CONVERGE, self.inbound.message())
+            .await
+            .expect("the index answers")
+            .expect("the stream is up")
+            .and_then(|m| m.body)
+            .expect("a message with a body")
+    }
+}
+
+/// Issue 13: a `Hello` claiming a million replicas queued a million refusals (the per-stream
+/// cap did not apply to the `Hello` loop), and an agent could open any number of streams.
+#[tokio::test]
+async fn hello_claims_refusals_and_streams_per_agent_are_capped() {
+    use kvroute_index::agent::client::MAX_REPLICAS_PER_HELLO;
+    use kvroute_index::server::{MAX_QUEUED_REFUSALS, MAX_STREAMS_PER_AGENT};
+
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = index_yaml_synthetic_hashes("127.0.0.1:0", dir.path());
+    let server = IndexServer::start(Config::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    let admin = server.admin_addr();
+    let uri = format!("http://{}", server.grpc_addr());
+    let refused = |reason: &str| {
+        let series = format!("kvroute_index_agent_refused_total{{reason=\"{reason}\"}}");
+        async move { metric(admin, &series).await }
+    };
+
+    // A million claimed replicas: refused whole, once, before anything is queued or applied.
+    let names: Vec<String> = (0..1_000_000).map(|i| format!("r{i}")).collect();
+    let million: Vec<&str> = names.iter().map(String::as_str).collect();
+    let status = OpenStream::open(&uri, hello(TOKEN, &million))
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert_eq!(refused("too_many_replicas").await, 1);
+    assert_eq!(refused("not_owner").await, 0);
+
+    // Within the cap, but mostly unowned (and one name repeated): every distinct name counted,
+    // at most MAX_QUEUED_REFUSALS of them answered, and the stream goes on for engine-a.
+    let mut claims: Vec<&str> = vec!["engine-a"];
+    claims.extend(million[..MAX_REPLICAS_PER_HELLO - 201].iter().copied());
+    claims.extend(std::iter::repeat_n("ghost", 200));
+    assert_eq!(claims.len(), MAX_REPLICAS_PER_HELLO);
+    let mut first = OpenStream::open(&uri, hello(TOKEN, &claims)).await.unwrap();
+    let api::index_message::Body::Welcome(welcome) = first.next().await else {
+        panic!("expected Welcome first");
+    };
+    assert_eq!(welcome.accepted, ["engine-a"]);
+    for _ in 0..MAX_QUEUED_REFUSALS {
+        let api::index_message::Body::Refused(r) = first.next().await else {
+            panic!("expected a refusal");
+        };
+        assert_eq!(r.reason, "not_owner");
+    }
+    // A marker: a delta before any snapshot. The next answer is its refusal, not another
+    // of the Hello's.
+    first
+        .tx
+        .send(api::AgentMessage {
+            body: Some(api::agent_message::Body::Delta(api::Delta {
+                replica_id: "engine-a".into(),
+                reset: false,
+                events: Vec::new(),
+            })),
+        })
+        .await
+        .unwrap();
+    let api::index_message::Body::Refused(marker) = first.next().await else {
+        panic!("expected the marker's refusal");
+    };
+    assert_eq!(
+        (marker.replica_id.as_str(), marker.reason.as_str()),
+        ("engine-a", "no_snapshot")
+    );
+    assert_eq!(
+        refused("not_owner").await,
+        (MAX_REPLICAS_PER_HELLO - 201 + 1) as u64
+    );
+    first.tx.send(snapshot("engine-a", &[5])).await.unwrap();
+    wait_until("engine-a's snapshot applied", CONVERGE, || async {
+        (index_blocks(admin, "engine-a").await? == BTreeSet::from([5])).then_some(())
+    })
+    .await
+    .unwrap();
+
+    // Streams per agent: the first is open; fill the rest, then one more is refused.
+    let mut open = vec![first];
+    while open.len() < MAX_STREAMS_PER_AGENT {
+        let mut stream = OpenStream::open(&uri, hello(TOKEN, &["engine-a"]))
+            .await
+            .unwrap();
+        assert!(matches!(
+            stream.next().await,
+            api::index_message::Body::Welcome(_)
+        ));
+        open.push(stream);
+    }
+    let status = OpenStream::open(&uri, hello(TOKEN, &["engine-a"]))
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert_eq!(refused("too_many_streams").await, 1);
+    // Another agent is not affected.
+    let api::index_message::Body::Welcome(_) = OpenStream::open(&uri, {
+        let mut other = hello("other-secret", &["engine-b"]);
+        if let Some(api::agent_message::Body::Hello(h)) = &mut other.body {
+            h.agent_id = "node-b".into();
+        }
+        other
+    })
+    .await
+    .unwrap()
+    .next()
+    .await
+    else {
+        panic!("node-b welcomed");
+    };
+    // A stream that ends frees its slot.
+    drop(open.pop());
+    wait_until("a slot freed", CONVERGE, || async {
+        let mut stream = OpenStream::open(&uri, hello(TOKEN, &["engine-a"]))
+            .await
+            .ok()?;
+        matches!(stream.next().await, api::index_message::Body::Welcome(_)).then_some(stream)
+    })
+    .await
+    .unwrap();
+    drop(open);
+    server.shutdown().await;
+}
+
 /// An engine played by [`MockVllmPublisher`], with the block set its events imply.
 struct ModelEngine {
     publisher: MockVllmPublisher,
