@@ -227,7 +227,7 @@ pub(crate) struct AgentStreams {
     grace: Duration,
     next_stream: AtomicU64,
     metrics: AgentStreamMetrics,
-    /// Rate limit of warnings about authenticated agents' refused streams and claims.
+    /// Rate limit of warnings about refused streams and claims.
     warnings: Mutex<WarnLimiter>,
     /// Cancelled when the server shuts down: open streams end with UNAVAILABLE instead of holding
     /// the drain until its timeout (agents reconnect, to another instance if there is one).
@@ -304,8 +304,86 @@ impl AgentStreams {
         entry.filter(|_| ok)
     }
 
-    /// Logs a refusal of an authenticated agent's stream or claims, rate-limited (they are
-    /// counted in `agent_refused_total` whether logged or not).
+    /// Checks a `Hello` and opens the stream's session: the answers to send first (`Welcome`,
+    /// then refused claims), or the status that refuses the stream.
+    fn open_session(
+        self: &Arc<Self>,
+        hello: api::Hello,
+    ) -> Result<(Session, VecDeque<api::IndexMessage>), Status> {
+        let Some(agent) = self.authenticate(&hello) else {
+            self.metrics.refused(Refusal::Unauthenticated);
+            if let Some(suppressed) = self.warnings.lock().allow() {
+                tracing::warn!(agent_id = %hello.agent_id, suppressed,
+                    "agent stream refused: invalid credentials");
+            }
+            return Err(Status::unauthenticated("invalid agent credentials"));
+        };
+
+        if hello.replicas.len() > MAX_REPLICAS_PER_HELLO {
+            self.metrics.refused(Refusal::TooManyReplicas);
+            self.warn_refused(
+                &hello.agent_id,
+                Refusal::TooManyReplicas,
+                hello.replicas.len(),
+            );
+            return Err(Status::invalid_argument(format!(
+                "Hello claims {} replicas; at most {MAX_REPLICAS_PER_HELLO}",
+                hello.replicas.len()
+            )));
+        }
+        let Some(slot) = StreamSlot::take(&agent.streams) else {
+            self.metrics.refused(Refusal::TooManyStreams);
+            self.warn_refused(
+                &hello.agent_id,
+                Refusal::TooManyStreams,
+                MAX_STREAMS_PER_AGENT,
+            );
+            return Err(Status::resource_exhausted(format!(
+                "agent has {MAX_STREAMS_PER_AGENT} streams open already"
+            )));
+        };
+
+        let stream_id = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        let mut outbox = VecDeque::new();
+        let mut claimed = HashSet::new();
+        let mut unowned = HashSet::new();
+        for name in &hello.replicas {
+            match self
+                .directory
+                .replica_id(name)
+                .filter(|_| agent.replicas.contains(name))
+            {
+                Some(id) => {
+                    claimed.insert(id);
+                }
+                // Each distinct name is refused once (all counted below), at most
+                // MAX_QUEUED_REFUSALS of them by message.
+                None if unowned.insert(name.as_str()) && outbox.len() < MAX_QUEUED_REFUSALS => {
+                    outbox.push_back(refused(name, Refusal::NotOwner));
+                }
+                None => {}
+            }
+        }
+        if !unowned.is_empty() {
+            self.metrics
+                .refused_by(Refusal::NotOwner, unowned.len() as u64);
+            self.warn_refused(&hello.agent_id, Refusal::NotOwner, unowned.len());
+        }
+        let accepted: Vec<String> = claimed
+            .iter()
+            .filter_map(|&id| self.directory.replica_name(id).map(|n| n.to_string()))
+            .collect();
+        outbox.push_front(api::IndexMessage {
+            body: Some(api::index_message::Body::Welcome(api::Welcome { accepted })),
+        });
+        tracing::info!(agent_id = %hello.agent_id, stream_id, replicas = claimed.len(), "agent stream open");
+
+        let session = Session::open(Arc::clone(self), stream_id, hello.agent_id, claimed, slot);
+        Ok((session, outbox))
+    }
+
+    /// Logs a refusal of an agent's stream or claims, rate-limited (they are counted in
+    /// `agent_refused_total` whether logged or not).
     fn warn_refused(&self, agent_id: &str, refusal: Refusal, count: usize) {
         if let Some(suppressed) = self.warnings.lock().allow() {
             tracing::warn!(
@@ -388,79 +466,7 @@ impl api::agent_ingest_server::AgentIngest for AgentService {
                 return Err(Status::invalid_argument("the first message must be Hello"));
             }
         };
-        let Some(agent) = streams.authenticate(&hello) else {
-            streams.metrics.refused(Refusal::Unauthenticated);
-            tracing::warn!(agent_id = %hello.agent_id, "agent stream refused: invalid credentials");
-            return Err(Status::unauthenticated("invalid agent credentials"));
-        };
-
-        if hello.replicas.len() > MAX_REPLICAS_PER_HELLO {
-            streams.metrics.refused(Refusal::TooManyReplicas);
-            streams.warn_refused(
-                &hello.agent_id,
-                Refusal::TooManyReplicas,
-                hello.replicas.len(),
-            );
-            return Err(Status::invalid_argument(format!(
-                "Hello claims {} replicas; at most {MAX_REPLICAS_PER_HELLO}",
-                hello.replicas.len()
-            )));
-        }
-        let Some(slot) = StreamSlot::take(&agent.streams) else {
-            streams.metrics.refused(Refusal::TooManyStreams);
-            streams.warn_refused(
-                &hello.agent_id,
-                Refusal::TooManyStreams,
-                MAX_STREAMS_PER_AGENT,
-            );
-            return Err(Status::resource_exhausted(format!(
-                "agent has {MAX_STREAMS_PER_AGENT} streams open already"
-            )));
-        };
-
-        let stream_id = streams.next_stream.fetch_add(1, Ordering::Relaxed);
-        let mut outbox = VecDeque::new();
-        let mut claimed = HashSet::new();
-        let mut unowned = HashSet::new();
-        for name in &hello.replicas {
-            match streams
-                .directory
-                .replica_id(name)
-                .filter(|_| agent.replicas.contains(name))
-            {
-                Some(id) => {
-                    claimed.insert(id);
-                }
-                // Each distinct name is refused once (all counted below), at most
-                // MAX_QUEUED_REFUSALS of them by message.
-                None if unowned.insert(name.as_str()) && outbox.len() < MAX_QUEUED_REFUSALS => {
-                    outbox.push_back(refused(name, Refusal::NotOwner));
-                }
-                None => {}
-            }
-        }
-        if !unowned.is_empty() {
-            streams
-                .metrics
-                .refused_by(Refusal::NotOwner, unowned.len() as u64);
-            streams.warn_refused(&hello.agent_id, Refusal::NotOwner, unowned.len());
-        }
-        let accepted: Vec<String> = claimed
-            .iter()
-            .filter_map(|&id| streams.directory.replica_name(id).map(|n| n.to_string()))
-            .collect();
-        outbox.push_front(api::IndexMessage {
-            body: Some(api::index_message::Body::Welcome(api::Welcome { accepted })),
-        });
-        tracing::info!(agent_id = %hello.agent_id, stream_id, replicas = claimed.len(), "agent stream open");
-
-        let session = Session::open(
-            Arc::clone(streams),
-            stream_id,
-            hello.agent_id,
-            claimed,
-            slot,
-        );
+        let (session, outbox) = streams.open_session(hello)?;
         let state = Some((inbound, session, outbox));
         let responses = futures::stream::unfold(state, |state| async move {
             let (mut inbound, mut session, mut outbox) = state?;
@@ -680,5 +686,118 @@ impl Drop for Session {
         }
         self.streams.metrics.streams.dec();
         tracing::info!(agent_id = %self.agent_id, stream_id = self.id, "agent stream closed");
+    }
+}
+
+/// What the index does with an agent's messages once they are decoded, without the network:
+/// for fuzz targets (`fuzz/`), behind the `fuzzing` feature.
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing {
+    use std::sync::Arc;
+
+    use prometheus_client::registry::Registry;
+    use tokio_util::sync::CancellationToken;
+
+    use super::{AgentStreams, Session};
+    use crate::agent::token::AgentToken;
+    use crate::api;
+    use crate::config::{AgentConfig, Config};
+    use crate::index::{BlockIndex, IndexConfig, IndexMetrics};
+    use crate::server::Directory;
+
+    /// The agent id [`AgentStreamHarness`] knows.
+    pub const AGENT_ID: &str = "fuzz-agent";
+    /// Its token.
+    pub const TOKEN: &str = "fuzz-token";
+    /// The replicas it owns (`engine-a`, `engine-b`); `engine-c` exists and is not its own.
+    pub const REPLICAS: [&str; 3] = ["engine-a", "engine-b", "engine-c"];
+
+    const CONFIG: &str = r#"
+pools:
+  - {model: tiny, block_size: 4, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0", verify_hashes: required}
+  - {model: chain, block_size: 4, key_scheme: token-chain}
+replicas:
+  - {id: engine-a, model: tiny}
+  - {id: engine-b, model: chain}
+  - {id: engine-c, model: tiny}
+"#;
+
+    /// An index with the agent-stream handling of the server and no network.
+    #[derive(Debug)]
+    pub struct AgentStreamHarness {
+        streams: Arc<AgentStreams>,
+        index: Arc<BlockIndex>,
+    }
+
+    /// An open stream of the harness.
+    pub struct HarnessSession(Session);
+
+    impl std::fmt::Debug for HarnessSession {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("HarnessSession").finish_non_exhaustive()
+        }
+    }
+
+    impl Default for AgentStreamHarness {
+        fn default() -> Self {
+            Self::new()
+        }
+    }
+
+    impl AgentStreamHarness {
+        /// Two pools (vllm-exact with `verify_hashes: required`, token-chain), three replicas,
+        /// one agent owning two of them.
+        ///
+        /// # Panics
+        ///
+        /// If the fixed configuration does not validate (a bug in this harness).
+        #[expect(clippy::expect_used, reason = "fixed configuration of a fuzz harness")]
+        pub fn new() -> Self {
+            let mut config = Config::from_yaml(CONFIG).expect("the harness config is valid");
+            config.agents.push(AgentConfig {
+                id: AGENT_ID.to_owned(),
+                token: AgentToken::from_literal(TOKEN),
+                replicas: vec![REPLICAS[0].to_owned(), REPLICAS[1].to_owned()],
+            });
+            let mut registry = Registry::default();
+            let index = Arc::new(BlockIndex::new(
+                IndexConfig::default(),
+                IndexMetrics::register(&mut registry),
+            ));
+            let directory =
+                Directory::register(&config, &index).expect("the harness config registers");
+            let streams = AgentStreams::new(
+                &config,
+                Arc::clone(&index),
+                directory,
+                &mut registry,
+                CancellationToken::new(),
+            );
+            Self { streams, index }
+        }
+
+        /// The first message of a stream: `Some` session if it is an acceptable `Hello`.
+        pub fn open(&self, first: api::AgentMessage) -> Option<HarnessSession> {
+            let Some(api::agent_message::Body::Hello(hello)) = first.body else {
+                return None;
+            };
+            self.streams
+                .open_session(hello)
+                .ok()
+                .map(|(session, _answers)| HarnessSession(session))
+        }
+
+        /// The index behind the streams.
+        pub fn index(&self) -> &BlockIndex {
+            &self.index
+        }
+    }
+
+    impl HarnessSession {
+        /// One later message of the stream, applied as the server applies it; returns how many
+        /// answers (refusals) it produced.
+        pub fn handle(&mut self, message: api::AgentMessage) -> usize {
+            self.0.handle(message).len()
+        }
     }
 }

@@ -24,6 +24,8 @@ use crate::{
     index::{BlockIndex, IndexConfig, IndexMetrics},
     ingest::{Ingest, IngestMetrics},
 };
+#[cfg(feature = "fuzzing")]
+pub use agent_stream::fuzzing;
 pub use agent_stream::{MAX_QUEUED_REFUSALS, MAX_STREAMS_PER_AGENT};
 pub use auth::AUTHORIZATION;
 pub use directory::Directory;

@@ -19,7 +19,8 @@
 //!
 //! Decoding is defensive: declared lengths are checked against the remaining input before
 //! anything is allocated, collections are capped by the `MAX_*` limits below, and every failure
-//! is a [`WireError`]; no input makes it panic (property-tested and fuzzed in `fuzz/`).
+//! is a [`WireError`]; no input makes it panic (property-tested, and fuzzed by the `wire_*` targets in the repository's
+//! `fuzz/`).
 
 mod decode;
 mod encode;

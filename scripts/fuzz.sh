@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Fuzzes every decoder kvroute runs on network input (fuzz/: cargo-fuzz targets), each for a
+# bounded time, and fails on the first crash. Installs cargo-fuzz at a pinned version (kept in
+# ~/.cargo/bin), seeds the corpora from kvroute's own encoder and, when ../shared is there,
+# from the real vLLM captures.
+#
+#   FUZZ_SECONDS=30 (per target)   FUZZ_TARGETS="wire_batch agent_message" (default: all)
+#
+# The machines have stable Rust only; cargo-fuzz needs nightly `-Z` flags, which
+# RUSTC_BOOTSTRAP=1 allows on stable. A crash leaves its input in fuzz/artifacts/<target>/;
+# reproduce it with `RUSTC_BOOTSTRAP=1 cargo fuzz run <target> <file>` in fuzz/, then make it a
+# regression test in the normal suite before fixing it.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cargo_fuzz_version="0.13.2"
+seconds="${FUZZ_SECONDS:-30}"
+export RUSTC_BOOTSTRAP=1
+start=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - start ))s"; }
+
+if [ "$(cargo fuzz --version 2>/dev/null | awk '{print $2}')" != "$cargo_fuzz_version" ]; then
+  echo "fuzz: installing cargo-fuzz $cargo_fuzz_version" >&2
+  cargo install cargo-fuzz --version "$cargo_fuzz_version" --locked
+  echo "fuzz: cargo-fuzz installed ($(elapsed))" >&2
+fi
+
+# Seeds: regenerated every run (content-named files, so reruns overwrite), never committed.
+seeds="$root/fuzz/corpus-seeds"
+cargo run --quiet -p kvroute-index --features test-util --example fuzz_seeds -- \
+  "$seeds" "$root/../shared/vllm/captures"
+echo "fuzz: seeds written ($(elapsed))" >&2
+
+cd "$root/fuzz"
+cargo fuzz build -O
+echo "fuzz: targets built ($(elapsed))" >&2
+
+targets="${FUZZ_TARGETS:-$(cargo fuzz list)}"
+for target in $targets; do
+  corpus="corpus/$target"
+  mkdir -p "$corpus"
+  seed_dir="$seeds/$target"
+  [ -d "$seed_dir" ] || seed_dir=""
+  echo "fuzz: $target for ${seconds}s" >&2
+  # -rss_limit_mb: the decoders' caps must hold memory far below this; a breach is a finding.
+  cargo fuzz run -O "$target" "$corpus" $seed_dir -- \
+    -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+    2> "target/fuzz-$target.log" \
+    || { tail -n 60 "target/fuzz-$target.log" >&2; echo "fuzz: $target found a crash (fuzz/artifacts/$target/)" >&2; exit 1; }
+  grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "target/fuzz-$target.log" | sed "s/^/fuzz: $target /" >&2 || true
+done
+echo "fuzz: every target ran ${seconds}s without a crash ($(elapsed))" >&2
