@@ -690,8 +690,12 @@ impl Drop for Session {
 }
 
 /// What the index does with an agent's messages once they are decoded, without the network:
-/// for fuzz targets (`fuzz/`), behind the `fuzzing` feature.
-#[cfg(feature = "fuzzing")]
+/// for fuzz targets (`fuzz/`), behind the `fuzzing` feature (and in this crate's tests, so the
+/// harness itself is tested by the normal suite).
+///
+/// The replicas name ZMQ endpoints only because the config requires a source for replicas its
+/// file does not give an agent; nothing here opens a socket.
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing {
     use std::sync::Arc;
 
@@ -717,9 +721,9 @@ pools:
   - {model: tiny, block_size: 4, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0", verify_hashes: required}
   - {model: chain, block_size: 4, key_scheme: token-chain}
 replicas:
-  - {id: engine-a, model: tiny}
-  - {id: engine-b, model: chain}
-  - {id: engine-c, model: tiny}
+  - {id: engine-a, model: tiny, events: {endpoint: "tcp://127.0.0.1:9"}}
+  - {id: engine-b, model: chain, events: {endpoint: "tcp://127.0.0.1:9"}}
+  - {id: engine-c, model: tiny, events: {endpoint: "tcp://127.0.0.1:9"}}
 "#;
 
     /// An index with the agent-stream handling of the server and no network.
@@ -799,5 +803,54 @@ replicas:
         pub fn handle(&mut self, message: api::AgentMessage) -> usize {
             self.0.handle(message).len()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fuzzing::{AGENT_ID, AgentStreamHarness, REPLICAS, TOKEN};
+    use crate::api;
+    use crate::index::KvIndex as _;
+
+    fn hello(token: &str, replicas: &[&str]) -> api::AgentMessage {
+        api::AgentMessage {
+            body: Some(api::agent_message::Body::Hello(api::Hello {
+                agent_id: AGENT_ID.into(),
+                token: token.into(),
+                replicas: replicas.iter().map(|r| r.to_string()).collect(),
+            })),
+        }
+    }
+
+    /// The fuzz harness's first finding was its own config (replicas without a source); this
+    /// runs it the way the `agent_message` target does.
+    #[test]
+    fn the_fuzz_harness_opens_streams_and_applies_writes() {
+        let harness = AgentStreamHarness::new();
+        assert!(harness.open(hello("wrong", &REPLICAS)).is_none());
+        let mut session = harness
+            .open(hello(TOKEN, &REPLICAS))
+            .expect("authenticated");
+        let snapshot = |replica: &str| api::AgentMessage {
+            body: Some(api::agent_message::Body::Snapshot(api::Snapshot {
+                replica_id: replica.into(),
+                first: true,
+                last: true,
+                events: vec![api::Event {
+                    kind: Some(api::event::Kind::Stored(api::BlockStored {
+                        block_hashes: vec![1],
+                        token_ids: vec![1, 2, 3, 4],
+                        block_size: 4,
+                        ..Default::default()
+                    })),
+                }],
+            })),
+        };
+        // engine-a: vllm-exact with verify_hashes: required (hash 1 is not the tokens' hash);
+        // engine-b: token-chain; engine-c: not the agent's.
+        assert_eq!(session.handle(snapshot("engine-a")), 0);
+        assert_eq!(session.handle(snapshot("engine-b")), 0);
+        assert_eq!(session.handle(snapshot("engine-c")), 1);
+        assert!(harness.index().find_matches("tiny", &[1], None).is_ok());
     }
 }

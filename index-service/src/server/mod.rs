@@ -24,7 +24,7 @@ use crate::{
     index::{BlockIndex, IndexConfig, IndexMetrics},
     ingest::{Ingest, IngestMetrics},
 };
-#[cfg(feature = "fuzzing")]
+#[cfg(any(test, feature = "fuzzing"))]
 pub use agent_stream::fuzzing;
 pub use agent_stream::{MAX_QUEUED_REFUSALS, MAX_STREAMS_PER_AGENT};
 pub use auth::AUTHORIZATION;
