@@ -33,9 +33,10 @@ const REPLICAS: [&str; 3] = ["engine-a", "engine-b", "engine-c"];
 const MAX_DELTAS: usize = 24;
 
 /// The fuzz targets seeded here.
-const TARGETS: [&str; 4] = [
+const TARGETS: [&str; 5] = [
     "wire_batch",
     "wire_frames",
+    "zmtp_frames",
     "agent_message",
     "ext_proc_request",
 ];
@@ -149,6 +150,36 @@ fn frames(frames: &[&[u8]]) -> Vec<u8> {
     out
 }
 
+/// A ZMTP 3.0 peer's bytes: greeting (NULL mechanism), READY with `socket_type`, one message.
+fn zmtp_stream(socket_type: &[u8], message: &[&[u8]]) -> Vec<u8> {
+    fn frame(out: &mut Vec<u8>, body: &[u8], flags: u8) {
+        match u8::try_from(body.len()) {
+            Ok(len) => out.extend([flags, len]),
+            Err(_) => {
+                out.push(flags | 0x02);
+                out.extend((body.len() as u64).to_be_bytes());
+            }
+        }
+        out.extend_from_slice(body);
+    }
+    let mut out = vec![0u8; 64];
+    out[0] = 0xff;
+    out[9] = 0x7f;
+    out[10] = 3;
+    out[12..16].copy_from_slice(b"NULL");
+    let mut ready = vec![5];
+    ready.extend_from_slice(b"READY");
+    ready.push(11);
+    ready.extend_from_slice(b"Socket-Type");
+    ready.extend((socket_type.len() as u32).to_be_bytes());
+    ready.extend_from_slice(socket_type);
+    frame(&mut out, &ready, 0x04);
+    for (i, body) in message.iter().enumerate() {
+        frame(&mut out, body, u8::from(i + 1 < message.len()));
+    }
+    out
+}
+
 struct Seeds {
     out: PathBuf,
     count: usize,
@@ -176,6 +207,14 @@ impl Seeds {
     fn live_and_replay(&mut self, payload: &[u8], seq: u64) -> anyhow::Result<()> {
         let seq = seq.to_be_bytes();
         self.write("wire_batch", payload)?;
+        // What an engine's PUB and replay ROUTER send over the wire (control byte: socket type
+        // and arrival chunk size, see fuzz_targets/zmtp_frames.rs).
+        let mut live = vec![0x80];
+        live.extend(zmtp_stream(b"PUB", &[b"kv@engine-a@tiny", &seq, payload]));
+        self.write("zmtp_frames", &live)?;
+        let mut replay = vec![0x01];
+        replay.extend(zmtp_stream(b"ROUTER", &[b"", &seq, payload]));
+        self.write("zmtp_frames", &replay)?;
         self.write(
             "wire_frames",
             &frames(&[b"kv@engine-a@tiny", &seq, payload]),
@@ -259,6 +298,9 @@ impl Seeds {
                         .collect();
                     let refs: Vec<&[u8]> = decoded.iter().map(Vec::as_slice).collect();
                     self.write("wire_frames", &frames(&refs))?;
+                    let mut wire = vec![0x80];
+                    wire.extend(zmtp_stream(b"PUB", &refs));
+                    self.write("zmtp_frames", &wire)?;
                     if let Some(payload) = decoded.last() {
                         self.write("wire_batch", payload)?;
                         if let Ok(batch) = wire::decode_batch(payload) {

@@ -15,6 +15,9 @@
 //!   [`PeerFilter`] when one is configured. A refused or misbehaving peer is dropped alone; the
 //!   socket and every other peer go on.
 //!
+//! Every connection decodes its peer's bytes with [`Inbound`], a state machine without I/O
+//! (greeting, READY, messages), which is also what `fuzz/` drives.
+//!
 //! Protocol: ZMTP 3.0 (RFC 23) with the NULL mechanism, which is what vLLM's pyzmq sockets speak
 //! (libzmq downgrades from 3.1). Subscriptions are sent as messages (`0x01` + prefix), the 3.0
 //! form every PUB accepts. Transports: `tcp://host:port` (`*` binds every interface) and
@@ -26,7 +29,7 @@ mod socket;
 
 pub use codec::{Frame, FrameDecoder, GREETING_LEN, SocketType};
 pub use endpoint::{Endpoint, PeerFilter, PeerFilterError};
-pub use socket::{DealerSocket, SubEvent, SubSocket};
+pub use socket::{DealerSocket, Inbound, InboundEvent, SubEvent, SubSocket};
 
 use std::time::Duration;
 
