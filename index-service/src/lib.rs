@@ -18,7 +18,6 @@ pub mod server;
 pub mod testing;
 pub mod throttle;
 pub mod tls;
-mod warn_limit;
 pub mod wire;
 #[cfg(feature = "server")]
 pub mod zmtp;

@@ -13,7 +13,7 @@ use super::hub::Hub;
 use super::metrics::AgentMetrics;
 use super::token::AgentToken;
 use crate::api::{self, agent_ingest_client::AgentIngestClient};
-use crate::warn_limit::WarnLimiter;
+use crate::throttle::LogThrottle;
 
 /// Bound on one connect attempt.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -128,7 +128,7 @@ async fn stream_once(settings: &StreamSettings, hub: &Hub, metrics: &AgentMetric
         Err(status) => return end(status_label(&status), status.message().to_owned(), false),
     };
     let mut welcomed = false;
-    let mut refusal_warnings = WarnLimiter::new(REFUSAL_WARN_INTERVAL);
+    let refusal_warnings = LogThrottle::new(REFUSAL_WARN_INTERVAL);
     loop {
         match inbound.message().await {
             Ok(Some(api::IndexMessage {

@@ -13,7 +13,7 @@ use super::metrics::{EventKind, IndexMetrics};
 use super::pool::Pool;
 use super::{ApplyOutcome, FlagReason, RejectReason, ReplicaId};
 use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent, Medium};
-use crate::warn_limit::WarnLimiter;
+use crate::throttle::LogThrottle;
 
 /// The engine blocks a replica holds, by engine hash.
 #[derive(Debug)]
@@ -133,7 +133,7 @@ pub(crate) struct Replica {
     pub(crate) blocks_rejected: u64,
     uncertain_mismatches: u32,
     /// Rate limit of the warnings about refused runs.
-    refusal_warnings: WarnLimiter,
+    refusal_warnings: LogThrottle,
     /// Copies of a block beyond the first, by (engine hash, medium). vLLM can hold several
     /// blocks with one hash (a repeated prompt recomputes its last full block; concurrent
     /// identical prefixes) and emits BlockStored/BlockRemoved per copy, so a hash stays held
@@ -166,7 +166,7 @@ impl Replica {
             events_applied: 0,
             blocks_rejected: 0,
             uncertain_mismatches: 0,
-            refusal_warnings: WarnLimiter::new(REFUSAL_WARN_INTERVAL),
+            refusal_warnings: LogThrottle::new(REFUSAL_WARN_INTERVAL),
             extra_copies: std::collections::HashMap::new(),
             removed: false,
             blocks_gauge,

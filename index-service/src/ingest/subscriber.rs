@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
@@ -13,13 +13,12 @@ use super::replay::{ReplayReply, ReplaySession};
 use super::sequence::{SequenceTracker, Verdict, fingerprint};
 use super::state::ReplicaIngestState;
 use super::{EventSink, IngestConfig, IngestMetrics, ReplicaKey, ResetReason, SocketMode};
+use crate::throttle::LogThrottle;
 use crate::wire::{self, DecodedBatch, WireError};
 use crate::zmtp::{Endpoint, SubEvent, SubSocket, ZmtpError};
 
 /// `ingest_refused_total` reason of a live message whose topic the socket did not subscribe to.
 const TOPIC_MISMATCH: &str = "topic_mismatch";
-/// At most one warning per this interval for repeated malformed input; the rest are counted.
-const WARN_INTERVAL: Duration = Duration::from_secs(10);
 
 /// A decoded live message waiting to be applied.
 #[derive(Debug)]
@@ -71,36 +70,6 @@ enum Stop {
     SocketFailed,
 }
 
-/// Lets one warning through per interval and counts the ones held back.
-#[derive(Debug)]
-struct WarnLimiter {
-    last: Option<Instant>,
-    suppressed: u64,
-}
-
-impl WarnLimiter {
-    fn new() -> Self {
-        Self {
-            last: None,
-            suppressed: 0,
-        }
-    }
-
-    /// `Some(suppressed since the last warning)` if a warning may be logged now.
-    fn allow(&mut self) -> Option<u64> {
-        let now = Instant::now();
-        if self
-            .last
-            .is_some_and(|last| now.duration_since(last) < WARN_INTERVAL)
-        {
-            self.suppressed += 1;
-            return None;
-        }
-        self.last = Some(now);
-        Some(std::mem::take(&mut self.suppressed))
-    }
-}
-
 /// State of the task for one publisher socket.
 pub(crate) struct Subscriber {
     config: IngestConfig,
@@ -114,7 +83,7 @@ pub(crate) struct Subscriber {
     pending: VecDeque<LiveMessage>,
     /// Highest sequence number applied from the last replay: live copies up to it are expected.
     replayed_through: Option<u64>,
-    decode_warnings: WarnLimiter,
+    decode_warnings: LogThrottle,
 }
 
 impl Subscriber {
@@ -136,7 +105,7 @@ impl Subscriber {
             tracker: SequenceTracker::default(),
             pending: VecDeque::new(),
             replayed_through: None,
-            decode_warnings: WarnLimiter::new(),
+            decode_warnings: LogThrottle::default(),
         }
     }
 

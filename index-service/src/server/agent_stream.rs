@@ -47,7 +47,7 @@ use crate::api::{self, agent_ingest_server::AgentIngestServer};
 use crate::config::Config;
 use crate::event::KvEvent;
 use crate::index::{BlockIndex, FlagReason, KvIndex, ReplicaId};
-use crate::warn_limit::WarnLimiter;
+use crate::throttle::LogThrottle;
 
 /// How long a new stream may take to send `Hello`.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -228,7 +228,7 @@ pub(crate) struct AgentStreams {
     next_stream: AtomicU64,
     metrics: AgentStreamMetrics,
     /// Rate limit of warnings about refused streams and claims.
-    warnings: Mutex<WarnLimiter>,
+    warnings: LogThrottle,
     /// Cancelled when the server shuts down: open streams end with UNAVAILABLE instead of holding
     /// the drain until its timeout (agents reconnect, to another instance if there is one).
     shutdown: CancellationToken,
@@ -277,7 +277,7 @@ impl AgentStreams {
             grace: config.agent_stale_grace,
             next_stream: AtomicU64::new(1),
             metrics: AgentStreamMetrics::register(registry),
-            warnings: Mutex::new(WarnLimiter::new(REFUSAL_WARN_INTERVAL)),
+            warnings: LogThrottle::new(REFUSAL_WARN_INTERVAL),
             shutdown,
         })
     }
@@ -312,7 +312,7 @@ impl AgentStreams {
     ) -> Result<(Session, VecDeque<api::IndexMessage>), Status> {
         let Some(agent) = self.authenticate(&hello) else {
             self.metrics.refused(Refusal::Unauthenticated);
-            if let Some(suppressed) = self.warnings.lock().allow() {
+            if let Some(suppressed) = self.warnings.allow() {
                 tracing::warn!(agent_id = %hello.agent_id, suppressed,
                     "agent stream refused: invalid credentials");
             }
@@ -385,7 +385,7 @@ impl AgentStreams {
     /// Logs a refusal of an agent's stream or claims, rate-limited (they are counted in
     /// `agent_refused_total` whether logged or not).
     fn warn_refused(&self, agent_id: &str, refusal: Refusal, count: usize) {
-        if let Some(suppressed) = self.warnings.lock().allow() {
+        if let Some(suppressed) = self.warnings.allow() {
             tracing::warn!(
                 agent_id,
                 reason = refusal.as_label(),
