@@ -1,7 +1,10 @@
 //! Parsing the OpenAI request body: only what routing needs, borrowing from the body buffer.
 //!
 //! `model`, the prompt (`prompt` for `/v1/completions`, `messages` for `/v1/chat/completions`),
-//! `cache_salt` and the two tokenization flags are read; every other field is skipped by serde
+//! `cache_salt` and every other field that changes the prompt vLLM 0.32 computes are read:
+//! `add_special_tokens`, and for chat `add_generation_prompt`, `continue_final_message`,
+//! `tools`, `documents`, `chat_template_kwargs` and `reasoning_effort` (kept raw, borrowed from
+//! the body, for the tokenizer and the token-cache key). Every other field is skipped by serde
 //! without being materialized. Strings borrow from the body unless they contain escapes.
 //!
 //! A `prompt` list (vLLM's batch form) routes on its **first** element: the batch goes to one
@@ -68,9 +71,28 @@ pub enum Prompt<'a> {
         raw: &'a RawValue,
         /// vLLM's flag (default true).
         add_generation_prompt: bool,
+        /// The request's other prompt-changing fields.
+        fields: ChatFields<'a>,
     },
     /// No prompt on an endpoint that does not require one: route on load.
     Absent,
+}
+
+/// The fields of a chat request besides `messages` that change vLLM's prompt, as sent.
+#[derive(Debug, Clone, Default)]
+pub struct ChatFields<'a> {
+    /// `continue_final_message` (default false).
+    pub continue_final_message: bool,
+    /// `add_special_tokens` (default false for chat).
+    pub add_special_tokens: bool,
+    /// `tools`, raw.
+    pub tools: Option<&'a RawValue>,
+    /// `documents`, raw.
+    pub documents: Option<&'a RawValue>,
+    /// `chat_template_kwargs`, raw.
+    pub chat_template_kwargs: Option<&'a RawValue>,
+    /// `reasoning_effort`.
+    pub reasoning_effort: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -87,6 +109,21 @@ struct Body<'a> {
     add_special_tokens: Option<bool>,
     #[serde(default)]
     add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    continue_final_message: Option<bool>,
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    documents: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    reasoning_effort: Option<Cow<'a, str>>,
+}
+
+/// A raw JSON value that is `null` counts as absent (vLLM's defaults are `None`).
+fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
+    raw.filter(|r| r.get() != "null")
 }
 
 /// A string that borrows from the body unless it has escapes.
@@ -110,7 +147,15 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
     }
     let prompt = match (endpoint, parsed.prompt, parsed.messages) {
         (Endpoint::ChatCompletions, _, Some(raw)) | (Endpoint::Other, None, Some(raw)) => {
-            chat(raw, parsed.add_generation_prompt.unwrap_or(true))?
+            let fields = ChatFields {
+                continue_final_message: parsed.continue_final_message.unwrap_or(false),
+                add_special_tokens: parsed.add_special_tokens.unwrap_or(false),
+                tools: present(parsed.tools),
+                documents: present(parsed.documents),
+                chat_template_kwargs: present(parsed.chat_template_kwargs),
+                reasoning_effort: parsed.reasoning_effort,
+            };
+            chat(raw, parsed.add_generation_prompt.unwrap_or(true), fields)?
         }
         (Endpoint::Completions, Some(raw), _) | (Endpoint::Other, Some(raw), _) => {
             completion(raw, parsed.add_special_tokens.unwrap_or(true))?
@@ -173,7 +218,11 @@ fn completion(raw: &RawValue, add_special_tokens: bool) -> Result<Prompt<'_>, Re
     })
 }
 
-fn chat(raw: &RawValue, add_generation_prompt: bool) -> Result<Prompt<'_>, RequestError> {
+fn chat<'a>(
+    raw: &'a RawValue,
+    add_generation_prompt: bool,
+    fields: ChatFields<'a>,
+) -> Result<Prompt<'a>, RequestError> {
     let messages: Vec<&RawValue> =
         serde_json::from_str(raw.get()).map_err(|_| RequestError::InvalidField {
             field: "messages",
@@ -195,6 +244,7 @@ fn chat(raw: &RawValue, add_generation_prompt: bool) -> Result<Prompt<'_>, Reque
         messages,
         raw,
         add_generation_prompt,
+        fields,
     })
 }
 
@@ -265,6 +315,42 @@ mod tests {
         assert_eq!(messages.len(), 2);
         assert!(add_generation_prompt);
         assert_eq!(messages[0].get(), r#"{"role":"system","content":"s"}"#);
+    }
+
+    #[test]
+    fn chat_fields_that_change_the_prompt() {
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"f"}}],"chat_template_kwargs":{"enable_thinking":false},"reasoning_effort":"low","documents":null,"continue_final_message":true,"add_generation_prompt":false,"add_special_tokens":true}"#;
+        let Prompt::Chat {
+            fields,
+            add_generation_prompt,
+            ..
+        } = parse_ok(body, Endpoint::ChatCompletions).prompt
+        else {
+            panic!("not chat")
+        };
+        assert!(!add_generation_prompt);
+        assert!(fields.continue_final_message && fields.add_special_tokens);
+        assert_eq!(
+            fields.tools.map(RawValue::get),
+            Some(r#"[{"type":"function","function":{"name":"f"}}]"#)
+        );
+        assert_eq!(
+            fields.chat_template_kwargs.map(RawValue::get),
+            Some(r#"{"enable_thinking":false}"#)
+        );
+        assert_eq!(fields.reasoning_effort.as_deref(), Some("low"));
+        assert!(fields.documents.is_none(), "null is absent");
+        let Prompt::Chat { fields, .. } = parse_ok(
+            r#"{"model":"m","messages":[{"role":"user","content":"q"}]}"#,
+            Endpoint::ChatCompletions,
+        )
+        .prompt
+        else {
+            panic!("not chat")
+        };
+        assert!(!fields.continue_final_message && !fields.add_special_tokens);
+        assert!(fields.tools.is_none() && fields.chat_template_kwargs.is_none());
+        assert!(fields.reasoning_effort.is_none());
     }
 
     #[test]

@@ -29,7 +29,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::TokenizeError;
 use crate::lru::Lru;
-use crate::request::Prompt;
+use crate::request::{ChatFields, Prompt};
 
 /// Rough bytes per token, to estimate the length of text that was not tokenized.
 const ESTIMATED_BYTES_PER_TOKEN: usize = 4;
@@ -52,7 +52,98 @@ pub enum TokenizeInput {
         messages: Box<RawValue>,
         /// vLLM's `add_generation_prompt`.
         add_generation_prompt: bool,
+        /// The request's other prompt-changing fields.
+        fields: ChatInputFields,
     },
+}
+
+/// [`ChatFields`] owned: the chat request's prompt-changing fields besides `messages`.
+#[derive(Debug, Clone, Default)]
+pub struct ChatInputFields {
+    /// `continue_final_message`.
+    pub continue_final_message: bool,
+    /// `add_special_tokens` (default false for chat).
+    pub add_special_tokens: bool,
+    /// `tools`, raw.
+    pub tools: Option<Box<RawValue>>,
+    /// `documents`, raw.
+    pub documents: Option<Box<RawValue>>,
+    /// `chat_template_kwargs`, raw.
+    pub chat_template_kwargs: Option<Box<RawValue>>,
+    /// `reasoning_effort`.
+    pub reasoning_effort: Option<String>,
+}
+
+impl ChatInputFields {
+    /// Copies the borrowed fields.
+    pub fn from_request(fields: &ChatFields<'_>) -> Self {
+        Self {
+            continue_final_message: fields.continue_final_message,
+            add_special_tokens: fields.add_special_tokens,
+            tools: fields.tools.map(ToOwned::to_owned),
+            documents: fields.documents.map(ToOwned::to_owned),
+            chat_template_kwargs: fields.chat_template_kwargs.map(ToOwned::to_owned),
+            reasoning_effort: fields.reasoning_effort.as_deref().map(str::to_owned),
+        }
+    }
+
+    /// The options `kvroute-tokenize` renders with.
+    fn chat_options(
+        &self,
+        add_generation_prompt: bool,
+    ) -> Result<kvroute_tokenize::ChatOptions, TokenizeError> {
+        let json =
+            |raw: &Option<Box<RawValue>>| -> Result<Option<serde_json::Value>, TokenizeError> {
+                raw.as_ref()
+                    .map(|r| serde_json::from_str(r.get()))
+                    .transpose()
+                    .map_err(|e| TokenizeError::InProcess {
+                        reason: e.to_string(),
+                    })
+            };
+        let chat_template_kwargs = match json(&self.chat_template_kwargs)? {
+            None => None,
+            Some(serde_json::Value::Object(map)) => Some(map),
+            Some(_) => {
+                return Err(TokenizeError::InProcess {
+                    reason: "chat_template_kwargs must be an object".to_owned(),
+                });
+            }
+        };
+        Ok(kvroute_tokenize::ChatOptions {
+            add_generation_prompt,
+            continue_final_message: self.continue_final_message,
+            add_special_tokens: self.add_special_tokens,
+            tools: json(&self.tools)?,
+            documents: json(&self.documents)?,
+            reasoning_effort: self.reasoning_effort.clone(),
+            chat_template_kwargs,
+        })
+    }
+
+    /// Feeds every field into a cache key.
+    fn hash_into(&self, hasher: &mut Xxh3) {
+        hasher.update(&[
+            u8::from(self.continue_final_message),
+            u8::from(self.add_special_tokens),
+        ]);
+        let raw = [&self.tools, &self.documents, &self.chat_template_kwargs];
+        for part in raw {
+            hash_optional(hasher, part.as_ref().map(|r| r.get().as_bytes()));
+        }
+        hash_optional(hasher, self.reasoning_effort.as_deref().map(str::as_bytes));
+    }
+}
+
+fn hash_optional(hasher: &mut Xxh3, part: Option<&[u8]>) {
+    match part {
+        None => hasher.update(&[0]),
+        Some(bytes) => {
+            hasher.update(&[1]);
+            hasher.update(&(bytes.len() as u64).to_le_bytes());
+            hasher.update(bytes);
+        }
+    }
 }
 
 impl TokenizeInput {
@@ -60,7 +151,21 @@ impl TokenizeInput {
     pub fn len_bytes(&self) -> usize {
         match self {
             Self::Text { text, .. } => text.len(),
-            Self::Chat { messages, .. } => messages.get().len(),
+            Self::Chat {
+                messages, fields, ..
+            } => {
+                let raw = [
+                    &fields.tools,
+                    &fields.documents,
+                    &fields.chat_template_kwargs,
+                ];
+                messages.get().len()
+                    + raw
+                        .iter()
+                        .filter_map(|r| r.as_ref())
+                        .map(|r| r.get().len())
+                        .sum::<usize>()
+            }
         }
     }
 }
@@ -86,6 +191,11 @@ pub struct InProcessTokenizer {
 }
 
 impl InProcessTokenizer {
+    /// Wraps an already loaded tokenizer.
+    pub fn new(model: Arc<ModelTokenizer>, tasks: TaskTracker) -> Self {
+        Self { model, tasks }
+    }
+
     /// Loads a Hugging Face model folder.
     pub fn load(dir: &std::path::Path, tasks: TaskTracker) -> Result<Self, TokenizeError> {
         let model = ModelTokenizer::from_dir(dir).map_err(|e| TokenizeError::InProcess {
@@ -129,14 +239,14 @@ fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, Tok
         TokenizeInput::Chat {
             messages,
             add_generation_prompt,
+            fields,
         } => {
             let messages: serde_json::Value =
                 serde_json::from_str(messages.get()).map_err(|e| TokenizeError::InProcess {
                     reason: e.to_string(),
                 })?;
-            model
-                .encode_chat(&messages, *add_generation_prompt)
-                .map_err(failed)
+            let options = fields.chat_options(*add_generation_prompt)?;
+            model.encode_chat_with(&messages, &options).map_err(failed)
         }
     }
 }
@@ -204,9 +314,8 @@ impl Tokenizer for RemoteTokenizer {
             TokenizeInput::Chat {
                 messages,
                 add_generation_prompt,
-            } => serde_json::json!({
-                "model": model, "messages": messages, "add_generation_prompt": add_generation_prompt,
-            }),
+                fields,
+            } => remote_chat_body(model, messages, *add_generation_prompt, fields),
         };
         let body = serde_json::to_vec(&body).unwrap_or_default();
         let (client, url, timeout) = (self.client.clone(), self.url.clone(), self.timeout);
@@ -221,6 +330,73 @@ impl Tokenizer for RemoteTokenizer {
             }
         })
     }
+}
+
+/// The `/tokenize` body of a chat request. `/tokenize` renders like `/v1/chat/completions` but
+/// for two request-model differences in vLLM 0.32, bridged here: it has no `reasoning_effort`
+/// or `documents` fields (they are folded into `chat_template_kwargs` as the chat path folds
+/// them: `reasoning_effort`, `enable_thinking` unless set, `documents`), and it does not rename
+/// a message's `reasoning_content` to `reasoning` (done here).
+fn remote_chat_body(
+    model: &str,
+    messages: &RawValue,
+    add_generation_prompt: bool,
+    fields: &ChatInputFields,
+) -> serde_json::Value {
+    let mut body = serde_json::json!({
+        "model": model,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": fields.continue_final_message,
+        "add_special_tokens": fields.add_special_tokens,
+    });
+    let messages = if messages.get().contains("reasoning_content") {
+        match serde_json::from_str::<serde_json::Value>(messages.get()) {
+            Ok(mut parsed) => {
+                for message in parsed.as_array_mut().into_iter().flatten() {
+                    if let Some(message) = message.as_object_mut()
+                        && let Some(reasoning) = message.shift_remove("reasoning_content")
+                        && !reasoning.is_null()
+                        && message
+                            .get("reasoning")
+                            .is_none_or(serde_json::Value::is_null)
+                    {
+                        message.insert("reasoning".to_owned(), reasoning);
+                    }
+                }
+                parsed
+            }
+            Err(_) => serde_json::Value::String(messages.get().to_owned()),
+        }
+    } else {
+        serde_json::from_str(messages.get()).unwrap_or(serde_json::Value::Null)
+    };
+    body["messages"] = messages;
+    let raw = |r: &Option<Box<RawValue>>| {
+        r.as_ref()
+            .and_then(|r| serde_json::from_str::<serde_json::Value>(r.get()).ok())
+    };
+    if let Some(tools) = raw(&fields.tools) {
+        body["tools"] = tools;
+    }
+    let mut kwargs = match raw(&fields.chat_template_kwargs) {
+        Some(serde_json::Value::Object(map)) => map,
+        _ => serde_json::Map::new(),
+    };
+    if let Some(documents) = raw(&fields.documents) {
+        kwargs.insert("documents".to_owned(), documents);
+    }
+    if let Some(effort) = &fields.reasoning_effort {
+        if !kwargs.contains_key("enable_thinking") {
+            kwargs.insert("enable_thinking".to_owned(), (effort != "none").into());
+        }
+        if effort != "auto" {
+            kwargs.insert("reasoning_effort".to_owned(), effort.as_str().into());
+        }
+    }
+    if !kwargs.is_empty() {
+        body["chat_template_kwargs"] = serde_json::Value::Object(kwargs);
+    }
+    body
 }
 
 /// Tokens a decision routes on.
@@ -323,8 +499,14 @@ impl TokenCache {
             Prompt::Chat {
                 messages,
                 add_generation_prompt,
+                fields,
                 ..
-            } => conversation_keys(pool, messages, *add_generation_prompt),
+            } => conversation_keys(
+                pool,
+                messages,
+                *add_generation_prompt,
+                &ChatInputFields::from_request(fields),
+            ),
         };
         let Some(&(full_key, full_bytes)) = keys.last() else {
             return Err(TokenizeError::InProcess {
@@ -421,10 +603,12 @@ fn owned_input(prompt: &Prompt<'_>) -> TokenizeInput {
         Prompt::Chat {
             raw,
             add_generation_prompt,
+            fields,
             ..
         } => TokenizeInput::Chat {
             messages: (*raw).to_owned(),
             add_generation_prompt: *add_generation_prompt,
+            fields: ChatInputFields::from_request(fields),
         },
         Prompt::Tokens(_) | Prompt::Absent => TokenizeInput::Text {
             text: String::new(),
@@ -445,16 +629,19 @@ fn cache_key(pool: usize, kind: &[u8], flag: bool, parts: &[&[u8]]) -> u128 {
     hasher.digest128()
 }
 
-/// Cache keys of messages `0..k` for every k (last = whole conversation), with their byte sizes.
+/// Cache keys of messages `0..k` for every k (last = whole conversation), with their byte sizes;
+/// every prompt-changing field of the request is part of each key.
 fn conversation_keys(
     pool: usize,
     messages: &[&RawValue],
     add_generation_prompt: bool,
+    fields: &ChatInputFields,
 ) -> Vec<(u128, usize)> {
     let mut hasher = Xxh3::new();
     hasher.update(&(pool as u64).to_le_bytes());
     hasher.update(b"chat");
     hasher.update(&[u8::from(add_generation_prompt)]);
+    fields.hash_into(&mut hasher);
     let mut bytes = 0;
     messages
         .iter()
@@ -466,6 +653,9 @@ fn conversation_keys(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod goldens_tests;
 
 #[cfg(test)]
 mod tests {
@@ -490,6 +680,7 @@ mod tests {
         let chat = Arc::new(TokenizeInput::Chat {
             messages: RawValue::from_string(messages.to_string()).unwrap(),
             add_generation_prompt: true,
+            fields: ChatInputFields::default(),
         });
         assert_eq!(
             tokenizer.tokenize("m", chat).await.unwrap(),

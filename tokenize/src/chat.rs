@@ -1,25 +1,110 @@
-//! The chat template: compiled once, rendered with the context `transformers` gives HF templates.
+//! The chat template: compiled once, rendered as vLLM 0.32 renders it through transformers 5.
 //!
-//! transformers renders with Jinja2 `trim_blocks` + `lstrip_blocks`, loop controls, a
-//! `raise_exception` function and a `tojson` filter that is Python's `json.dumps` (no HTML
-//! escaping, `", "`/`": "` separators); templates also call Python string methods, which
-//! minijinja-contrib's `pycompat` provides. vLLM flattens text content parts into one string
-//! joined with `"\n"` before rendering (its "string" content format), and so do we.
+//! The environment is transformers' (`utils/chat_template_utils.py`): Jinja `trim_blocks` +
+//! `lstrip_blocks`, loop controls, `raise_exception`, `strftime_now` and a `tojson` that is
+//! Python's `json.dumps` (see [`crate::pyjson`]); `{% generation %}` blocks render their body.
+//! Python semantics templates rely on are added: string methods (minijinja-contrib's
+//! `pycompat`), `strip`/`lstrip`/`rstrip` and the `trim` filter with Python's whitespace set, and
+//! `None`/`True`/`False`/floats printed as Python prints them.
+//!
+//! The context is transformers' `apply_chat_template`: the named special tokens that are set,
+//! then the request's template kwargs (which override them), then `messages`, `tools`,
+//! `documents` and `add_generation_prompt`. `continue_final_message` is transformers' tag
+//! trick: the final message's text gets a marker, and the rendering is cut at it.
 
-use minijinja::value::{Kwargs, ValueKind};
-use minijinja::{Environment, Error, ErrorKind, Value, context};
+use std::sync::Arc;
 
-use crate::TokenizeError;
+use minijinja::value::ValueKind;
+use minijinja::{Environment, Error, ErrorKind, State, Value};
+
+use crate::content_format::{self, ContentFormat};
+use crate::{ChatOptions, TokenizeError, conversation, pyjson, pytime};
 
 const TEMPLATE_NAME: &str = "chat";
+/// transformers' marker for `continue_final_message`.
+const CONTINUE_FINAL_MESSAGE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+/// Template kwargs a request may not set (vLLM refuses them).
+const RESERVED_KWARGS: [&str; 2] = ["chat_template", "tokenize"];
+/// Template variables transformers sets itself; a request kwarg of the same name makes
+/// `render()` fail with a duplicate keyword in transformers.
+const CONTEXT_NAMES: [&str; 1] = ["messages"];
+/// `apply_chat_template`'s own parameters (transformers 5.19): kwargs of these names are
+/// consumed by it and never reach the template.
+const APPLY_CHAT_TEMPLATE_PARAMS: [&str; 11] = [
+    "conversation",
+    "chat_template",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+];
+/// Values vLLM's `merge_kwargs` treats as unset.
+fn is_unset(value: &serde_json::Value) -> bool {
+    value.is_null() || value.as_str() == Some("auto")
+}
 
-/// Special tokens exposed to the template by name, as transformers does.
+/// The keyword arguments vLLM hands `apply_chat_template`, in its merge order
+/// (`ChatCompletionRequest.build_chat_params`, `ChatParams.with_defaults`,
+/// `OnlineRenderer.preprocess_chat`): `{tools, tokenize}` defaults, overridden by the request's
+/// `chat_template_kwargs`, overridden by the request's own fields; unset (`None`/`"auto"`)
+/// overrides dropped at each step.
+fn template_kwargs(
+    options: &ChatOptions,
+    tools: Option<serde_json::Value>,
+) -> Result<serde_json::Map<String, serde_json::Value>, TokenizeError> {
+    let user = options.chat_template_kwargs.clone().unwrap_or_default();
+    for key in RESERVED_KWARGS {
+        if user.contains_key(key) {
+            return Err(TokenizeError::InvalidKwargs {
+                reason: format!("chat_template_kwargs may not set {key}"),
+            });
+        }
+    }
+    let mut extra = serde_json::Map::new();
+    extra.insert(
+        "add_generation_prompt".to_owned(),
+        options.add_generation_prompt.into(),
+    );
+    extra.insert(
+        "continue_final_message".to_owned(),
+        options.continue_final_message.into(),
+    );
+    extra.insert(
+        "documents".to_owned(),
+        options.documents.clone().unwrap_or(serde_json::Value::Null),
+    );
+    extra.insert(
+        "reasoning_effort".to_owned(),
+        options
+            .reasoning_effort
+            .clone()
+            .map_or(serde_json::Value::Null, Into::into),
+    );
+    if let Some(effort) = &options.reasoning_effort
+        && !user.contains_key("enable_thinking")
+    {
+        extra.insert("enable_thinking".to_owned(), (effort != "none").into());
+    }
+    let mut merged = user;
+    merged.extend(extra.into_iter().filter(|(_, v)| !is_unset(v)));
+    let mut kwargs = serde_json::Map::new();
+    if let Some(tools) = tools {
+        kwargs.insert("tools".to_owned(), tools);
+    }
+    kwargs.extend(merged.into_iter().filter(|(_, v)| !is_unset(v)));
+    Ok(kwargs)
+}
+
+/// Special tokens exposed to the template by name, as transformers does
+/// (`SPECIAL_TOKENS_ATTRIBUTES`; only those that are set).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct SpecialTokens {
-    pub(crate) bos_token: Option<String>,
-    pub(crate) eos_token: Option<String>,
-    pub(crate) pad_token: Option<String>,
-    pub(crate) unk_token: Option<String>,
+    pub(crate) named: Vec<(&'static str, String)>,
 }
 
 /// A compiled chat template.
@@ -27,186 +112,404 @@ pub(crate) struct SpecialTokens {
 pub struct ChatTemplate {
     env: Environment<'static>,
     special: SpecialTokens,
+    format: ContentFormat,
+    names_developer: bool,
+    mentions_content: bool,
+    clock: Arc<pytime::Clock>,
 }
 
 impl ChatTemplate {
     pub(crate) fn new(source: String, special: SpecialTokens) -> Result<Self, TokenizeError> {
+        let format = content_format::detect(&source);
+        // vLLM's `_detect_developer_role_support`.
+        let names_developer = source.contains("\"developer\"") || source.contains("'developer'");
+        let mentions_content = source.contains("content");
+        let source = rewrite_generation_tags(&source);
+        let clock = Arc::new(pytime::Clock::default());
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         minijinja_contrib::add_to_environment(&mut env);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_methods);
+        env.set_formatter(python_formatter);
         env.add_function("raise_exception", raise_exception);
-        env.add_filter("tojson", python_tojson);
+        let now = Arc::clone(&clock);
+        env.add_function(
+            "strftime_now",
+            move |format: String| -> Result<Value, Error> {
+                pytime::strftime(&format, now.now()).map(Value::from)
+            },
+        );
+        env.add_filter("tojson", pyjson::tojson);
+        env.add_filter("trim", python_trim);
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|source| TokenizeError::TemplateSyntax { source })?;
-        Ok(Self { env, special })
+        Ok(Self {
+            env,
+            special,
+            format,
+            names_developer,
+            mentions_content,
+            clock,
+        })
     }
 
-    /// Renders OpenAI `messages` (a JSON array of message objects).
+    /// How message content reaches this template (vLLM's detection).
+    pub fn content_format(&self) -> ContentFormat {
+        self.format
+    }
+
+    /// Renders `strftime_now` at this fixed time (Unix seconds, UTC) instead of the clock's
+    /// (tests replaying a recording).
+    pub fn fix_clock(&self, unix_seconds: i64) {
+        self.clock.fix(unix_seconds);
+    }
+
+    /// Renders OpenAI `messages` (a JSON array of message objects) with the request's options.
     pub fn render(
         &self,
         messages: &serde_json::Value,
-        add_generation_prompt: bool,
+        options: &ChatOptions,
     ) -> Result<String, TokenizeError> {
-        let messages = normalize_messages(messages)?;
+        if options.continue_final_message && options.add_generation_prompt {
+            return Err(TokenizeError::InvalidMessages {
+                reason: "continue_final_message and add_generation_prompt are both set".to_owned(),
+            });
+        }
+        let mut conversation = conversation::prepare(messages, self.format, self.names_developer)?;
+        if conversation.is_empty() {
+            return Err(TokenizeError::InvalidMessages {
+                reason: "empty conversation".to_owned(),
+            });
+        }
+        let tools = options
+            .tools
+            .as_ref()
+            .map(conversation::canonical_tools)
+            .transpose()?;
+        let kwargs = template_kwargs(options, tools)?;
+        let mut context = serde_json::Map::new();
+        for (name, token) in &self.special.named {
+            context.insert((*name).to_owned(), serde_json::Value::from(token.as_str()));
+        }
+        let mut tools = serde_json::Value::Null;
+        let mut documents = serde_json::Value::Null;
+        let mut add_generation_prompt = false;
+        for (key, value) in kwargs {
+            match key.as_str() {
+                "tools" => tools = value,
+                "documents" => documents = value,
+                "add_generation_prompt" => add_generation_prompt = value.as_bool() == Some(true),
+                name if APPLY_CHAT_TEMPLATE_PARAMS.contains(&name) => {}
+                name if CONTEXT_NAMES.contains(&name) => {
+                    return Err(TokenizeError::InvalidKwargs {
+                        reason: format!("chat_template_kwargs may not set {key}"),
+                    });
+                }
+                _ => {
+                    context.insert(key, value);
+                }
+            }
+        }
+        if let serde_json::Value::Array(docs) = &documents
+            && docs.iter().any(|d| !d.is_object())
+        {
+            return Err(TokenizeError::InvalidMessages {
+                reason: "documents must be a list of objects".to_owned(),
+            });
+        }
+        let final_text = if options.continue_final_message {
+            Some(self.mark_final_message(&mut conversation)?)
+        } else {
+            None
+        };
+        context.insert(
+            "messages".to_owned(),
+            serde_json::Value::Array(conversation),
+        );
+        context.insert("tools".to_owned(), tools);
+        context.insert("documents".to_owned(), documents);
+        context.insert(
+            "add_generation_prompt".to_owned(),
+            add_generation_prompt.into(),
+        );
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|source| TokenizeError::TemplateRender { source })?;
-        let special = &self.special;
-        template
-            .render(context! {
-                messages => Value::from_serialize(&messages),
-                add_generation_prompt => add_generation_prompt,
-                bos_token => special.bos_token,
-                eos_token => special.eos_token,
-                pad_token => special.pad_token,
-                unk_token => special.unk_token,
-            })
-            .map_err(|source| TokenizeError::TemplateRender { source })
+        let rendered = template
+            .render(Value::from_serialize(&context))
+            .map_err(|source| TokenizeError::TemplateRender { source })?;
+        match final_text {
+            Some(final_text) => cut_at_final_message(rendered, &final_text),
+            None => Ok(rendered),
+        }
+    }
+
+    /// Appends transformers' marker to the final message's (last) text; returns that text.
+    fn mark_final_message(
+        &self,
+        conversation: &mut [serde_json::Value],
+    ) -> Result<String, TokenizeError> {
+        let invalid = |reason: &str| TokenizeError::InvalidMessages {
+            reason: reason.to_owned(),
+        };
+        if !self.mentions_content {
+            return Err(invalid("the chat template does not use message content"));
+        }
+        let content = conversation
+            .last_mut()
+            .and_then(|m| m.get_mut("content"))
+            .ok_or_else(|| invalid("the final message has no content to continue"))?;
+        match content {
+            serde_json::Value::String(text) => {
+                let original = text.clone();
+                text.push_str(CONTINUE_FINAL_MESSAGE_TAG);
+                Ok(original)
+            }
+            serde_json::Value::Array(parts) => {
+                for part in parts.iter_mut().rev() {
+                    if let Some(serde_json::Value::String(text)) = part.get_mut("text") {
+                        let original = text.clone();
+                        text.push_str(CONTINUE_FINAL_MESSAGE_TAG);
+                        return Ok(original);
+                    }
+                }
+                Err(invalid("the final message has no text to continue"))
+            }
+            _ => Err(invalid("the final message has no content to continue")),
+        }
     }
 }
 
-/// Checks the message shapes and flattens list content into text, as vLLM does before rendering.
-fn normalize_messages(
-    messages: &serde_json::Value,
-) -> Result<Vec<serde_json::Value>, TokenizeError> {
-    let invalid = |reason: &str| TokenizeError::InvalidMessages {
-        reason: reason.to_owned(),
-    };
-    let list = messages
-        .as_array()
-        .ok_or_else(|| invalid("messages must be an array"))?;
-    list.iter()
-        .map(|message| {
-            let mut message = message
-                .as_object()
-                .ok_or_else(|| invalid("a message must be an object"))?
-                .clone();
-            if !message
-                .get("role")
-                .is_some_and(serde_json::Value::is_string)
-            {
-                return Err(invalid("a message needs a string role"));
-            }
-            if let Some(content) = message.get_mut("content") {
-                *content = match content.take() {
-                    serde_json::Value::Array(parts) => {
-                        serde_json::Value::String(join_text_parts(&parts)?)
-                    }
-                    text @ (serde_json::Value::String(_) | serde_json::Value::Null) => text,
-                    _ => return Err(invalid("content must be a string or a list of parts")),
-                };
-            }
-            Ok(serde_json::Value::Object(message))
-        })
-        .collect()
+/// transformers' cut after rendering with the marker.
+fn cut_at_final_message(rendered: String, final_text: &str) -> Result<String, TokenizeError> {
+    let tag = CONTINUE_FINAL_MESSAGE_TAG.trim_end();
+    if !rendered.contains(python_strip(final_text, None)) || !rendered.contains(tag) {
+        return Err(TokenizeError::InvalidMessages {
+            reason: "the final message does not appear in the rendered chat".to_owned(),
+        });
+    }
+    let at = rendered.rfind(tag).unwrap_or(rendered.len());
+    let kept = &rendered[..at];
+    if rendered[at..].starts_with(CONTINUE_FINAL_MESSAGE_TAG) {
+        Ok(kept.to_owned())
+    } else {
+        Ok(python_rstrip(kept, None).to_owned())
+    }
 }
 
-fn join_text_parts(parts: &[serde_json::Value]) -> Result<String, TokenizeError> {
-    let texts = parts
-        .iter()
-        .map(|part| match part {
-            serde_json::Value::String(text) => Ok(text.as_str()),
-            serde_json::Value::Object(part)
-                if part.get("type").and_then(|t| t.as_str()) == Some("text") =>
-            {
-                part.get("text").and_then(|t| t.as_str()).ok_or_else(|| {
-                    TokenizeError::InvalidMessages {
-                        reason: "a text part needs text".to_owned(),
-                    }
-                })
+/// Python's `str.isspace()` set: Unicode White_Space plus the separators U+001C..U+001F.
+fn is_python_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+fn strip_set(chars: Option<&str>) -> impl Fn(char) -> bool + '_ {
+    move |c| match chars {
+        Some(set) => set.contains(c),
+        None => is_python_space(c),
+    }
+}
+
+fn python_strip<'s>(s: &'s str, chars: Option<&str>) -> &'s str {
+    s.trim_matches(strip_set(chars))
+}
+
+fn python_rstrip<'s>(s: &'s str, chars: Option<&str>) -> &'s str {
+    s.trim_end_matches(strip_set(chars))
+}
+
+fn python_lstrip<'s>(s: &'s str, chars: Option<&str>) -> &'s str {
+    s.trim_start_matches(strip_set(chars))
+}
+
+/// Jinja's `trim(value, chars=None)`, which is Python's `str.strip(chars)`.
+fn python_trim(value: String, chars: Option<String>) -> String {
+    python_strip(&value, chars.as_deref()).to_owned()
+}
+
+/// Python's `strip`/`lstrip`/`rstrip` (Python whitespace, optional character set); every other
+/// method from minijinja-contrib's `pycompat`.
+fn python_methods(
+    state: &State<'_, '_>,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
+    if let (Some(s), "strip" | "lstrip" | "rstrip") = (value.as_str(), method) {
+        let chars = match args {
+            [] => None,
+            [chars] if chars.is_none() => None,
+            [chars] => Some(chars.as_str().ok_or_else(|| {
+                Error::new(ErrorKind::InvalidOperation, "strip arg must be None or str")
+            })?),
+            _ => return Err(Error::from(ErrorKind::TooManyArguments)),
+        };
+        let out = match method {
+            "strip" => python_strip(s, chars),
+            "lstrip" => python_lstrip(s, chars),
+            _ => python_rstrip(s, chars),
+        };
+        return Ok(Value::from(out));
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// Prints values as Jinja on Python does (`str()`): `None`, `True`, `False`, floats as `repr`,
+/// lists and dicts as Python's `repr` of them.
+fn python_formatter(
+    out: &mut minijinja::Output<'_>,
+    state: &State<'_, '_>,
+    value: &Value,
+) -> Result<(), Error> {
+    let text = match value.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Seq | ValueKind::Map => {
+            let mut text = String::new();
+            python_repr(value, &mut text)?;
+            text
+        }
+        ValueKind::Number if !value.is_integer() => {
+            pyjson::python_float_repr(f64::try_from(value.clone())?)
+        }
+        _ => return minijinja::escape_formatter(out, state, value),
+    };
+    out.write_str(&text).map_err(Error::from)
+}
+
+/// Python's `repr` of a JSON-like value.
+fn python_repr(value: &Value, out: &mut String) -> Result<(), Error> {
+    match value.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
+        ValueKind::Number if value.is_integer() => out.push_str(&value.to_string()),
+        ValueKind::Number => {
+            out.push_str(&pyjson::python_float_repr(f64::try_from(value.clone())?))
+        }
+        ValueKind::String => python_str_repr(value.as_str().unwrap_or_default(), out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            out.push('[');
+            for (i, item) in value.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&item, out)?;
             }
-            _ => Err(TokenizeError::InvalidMessages {
-                reason: "only text content parts are supported".to_owned(),
-            }),
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(texts.join("\n"))
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, key) in value.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&key, out)?;
+                out.push_str(": ");
+                python_repr(&value.get_item(&key)?, out)?;
+            }
+            out.push('}');
+        }
+        _ => out.push_str(&value.to_string()),
+    }
+    Ok(())
+}
+
+/// Python's `repr(str)`: single quotes unless the text has `'` and no `"`; `\\`, the quote,
+/// `\n`, `\r`, `\t` and other control characters escaped.
+fn python_str_repr(text: &str, out: &mut String) {
+    let quote = if text.contains('\'') && !text.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                out.push_str(&format!("\\x{:02x}", c as u32));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
 }
 
 fn raise_exception(message: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
 
-/// `tojson` as transformers defines it: `json.dumps(x, ensure_ascii=False, indent=indent)`.
-fn python_tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
-    kwargs.assert_all_used()?;
-    let mut out = String::new();
-    write_python_json(value, indent, 0, &mut out)?;
-    Ok(Value::from_safe_string(out))
-}
-
-fn write_python_json(
-    value: &Value,
-    indent: Option<usize>,
-    depth: usize,
-    out: &mut String,
-) -> Result<(), Error> {
-    let newline = |out: &mut String, depth: usize| {
-        if let Some(width) = indent {
-            out.push('\n');
-            out.extend(std::iter::repeat_n(' ', width * depth));
-        }
-    };
-    let item_separator = if indent.is_some() { "," } else { ", " };
-    match value.kind() {
-        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
-        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
-        ValueKind::Number if value.is_integer() => {
-            out.push_str(&i128::try_from(value.clone())?.to_string());
-        }
-        ValueKind::Number => {
-            let float = f64::try_from(value.clone())?;
-            // Python prints integral floats with a trailing ".0".
-            if float.is_finite() && float.fract() == 0.0 && float.abs() < 1e16 {
-                out.push_str(&format!("{float:.1}"));
-            } else {
-                out.push_str(&float.to_string());
+/// `{% generation %}…{% endgeneration %}` (transformers' assistant-mask extension, which renders
+/// its body unchanged) as `{% if true %}…{% endif %}`, whitespace control kept.
+fn rewrite_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        out.push_str(&rest[..start]);
+        let tag = &rest[start..];
+        let Some(end) = tag.find("%}") else {
+            out.push_str(tag);
+            return out;
+        };
+        let inner = &tag[2..end];
+        let (open_ctl, body) = split_control(inner, true);
+        let (body, close_ctl) = split_control(body, false);
+        let replacement = match body.trim() {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replacement {
+            Some(statement) => {
+                out.push_str("{%");
+                out.push_str(open_ctl);
+                out.push(' ');
+                out.push_str(statement);
+                out.push(' ');
+                out.push_str(close_ctl);
+                out.push_str("%}");
             }
+            None => out.push_str(&tag[..end + 2]),
         }
-        ValueKind::String | ValueKind::Bytes => out.push_str(&json_string(&value.to_string())),
-        ValueKind::Seq | ValueKind::Iterable => {
-            let items: Vec<Value> = value.try_iter()?.collect();
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_separator);
-                }
-                newline(out, depth + 1);
-                write_python_json(item, indent, depth + 1, out)?;
-            }
-            if !items.is_empty() {
-                newline(out, depth);
-            }
-            out.push(']');
-        }
-        ValueKind::Map => {
-            let keys: Vec<Value> = value.try_iter()?.collect();
-            out.push('{');
-            for (i, key) in keys.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_separator);
-                }
-                newline(out, depth + 1);
-                let name = key.as_str().map_or_else(|| key.to_string(), str::to_owned);
-                out.push_str(&json_string(&name));
-                out.push_str(": ");
-                write_python_json(&value.get_item(key)?, indent, depth + 1, out)?;
-            }
-            if !keys.is_empty() {
-                newline(out, depth);
-            }
-            out.push('}');
-        }
-        _ => out.push_str(&json_string(&value.to_string())),
+        rest = &tag[end + 2..];
     }
-    Ok(())
+    out.push_str(rest);
+    out
 }
 
-/// A JSON string literal with Python's `ensure_ascii=False` escaping (which is serde_json's).
-fn json_string(text: &str) -> String {
-    serde_json::Value::String(text.to_owned()).to_string()
+/// Splits a leading (or trailing) `-`/`+` whitespace-control marker off a tag's inside.
+fn split_control(inner: &str, leading: bool) -> (&str, &str) {
+    let marker = |c: char| c == '-' || c == '+';
+    if leading {
+        match inner.chars().next() {
+            Some(c) if marker(c) => (&inner[..1], &inner[1..]),
+            _ => ("", inner),
+        }
+    } else {
+        match inner.chars().last() {
+            Some(c) if marker(c) => (&inner[..inner.len() - 1], &inner[inner.len() - 1..]),
+            _ => (inner, ""),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_whitespace_and_generation_tags() {
+        assert_eq!(python_strip("\u{1c} a \u{a0}\n", None), "a");
+        assert_eq!(python_strip("xxaxx", Some("x")), "a");
+        assert_eq!(
+            rewrite_generation_tags("a{%- generation %}b{% endgeneration -%}c{% if x %}"),
+            "a{%- if true %}b{% endif -%}c{% if x %}"
+        );
+    }
 }

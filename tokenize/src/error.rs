@@ -45,6 +45,18 @@ pub enum TokenizeError {
         /// What is wrong (never the message text itself).
         reason: String,
     },
+    /// `tools` is not a list of function tools as vLLM accepts them.
+    #[error("invalid tools: {reason}")]
+    InvalidTools {
+        /// What is wrong.
+        reason: String,
+    },
+    /// `chat_template_kwargs` sets a key vLLM refuses.
+    #[error("invalid chat_template_kwargs: {reason}")]
+    InvalidKwargs {
+        /// What is wrong.
+        reason: String,
+    },
     /// Rendering failed, including the template's own `raise_exception`.
     #[error("chat template rendering failed")]
     TemplateRender {
@@ -78,6 +90,8 @@ impl TokenizeError {
             TokenizeError::TemplateSyntax { .. } => "template_syntax",
             TokenizeError::NoChatTemplate => "no_chat_template",
             TokenizeError::InvalidMessages { .. } => "invalid_messages",
+            TokenizeError::InvalidTools { .. } => "invalid_tools",
+            TokenizeError::InvalidKwargs { .. } => "invalid_kwargs",
             TokenizeError::TemplateRender { .. } => "template_render",
             TokenizeError::Encode { .. } => "encode",
             TokenizeError::Decode { .. } => "decode",
@@ -90,6 +104,8 @@ impl TokenizeError {
             self,
             TokenizeError::NoChatTemplate
                 | TokenizeError::InvalidMessages { .. }
+                | TokenizeError::InvalidTools { .. }
+                | TokenizeError::InvalidKwargs { .. }
                 | TokenizeError::TemplateRender { .. }
                 | TokenizeError::Encode { .. }
         )

@@ -7,10 +7,16 @@
 //! - [`ModelTokenizer::encode_prompt`]: what vLLM does for `/v1/completions` and `/tokenize
 //!   {"prompt"}` (`add_special_tokens=true` by default, so a Llama-style post-processor adds bos);
 //! - [`ModelTokenizer::encode_chat`]: what vLLM does for `/v1/chat/completions` and `/tokenize
-//!   {"messages"}`: text content parts joined with `"\n"`, the chat template rendered with the
-//!   context `transformers` gives it (`messages`, `add_generation_prompt`, the special tokens,
-//!   `raise_exception`, a Python-style `tojson`, Python string methods), then encoded with
-//!   `add_special_tokens=false` (the template writes bos itself).
+//!   {"messages"}`; [`ModelTokenizer::encode_chat_with`] takes every other field that changes
+//!   the prompt ([`ChatOptions`]: `tools`, `chat_template_kwargs`, `reasoning_effort`,
+//!   `documents`, `continue_final_message`, `add_special_tokens`). The messages are prepared as
+//!   vLLM 0.32 prepares them (null content → `""`, tool-call arguments parsed into objects,
+//!   only the fields vLLM keeps, `developer` → `system` where the template lacks the role,
+//!   content as a string or a parts list by vLLM's detection of the template's
+//!   [`ContentFormat`]), the template is rendered in transformers' environment (`tojson` as
+//!   Python's `json.dumps` with insertion order, `strftime_now`, `raise_exception`, Python
+//!   string methods and whitespace), and the text is encoded with the request's
+//!   `add_special_tokens` (default false: the template writes bos itself).
 //!
 //! Encoding uses [`ByteLevelBpe`], an exact re-implementation of the common byte-level BPE
 //! pipeline that is several times faster, whenever the `tokenizer.json` is one it models and it
@@ -33,13 +39,52 @@
 
 pub mod byte_bpe;
 mod chat;
+mod content_format;
+mod conversation;
 mod error;
+mod pyjson;
+mod pytime;
 
 use std::path::{Path, PathBuf};
 
 pub use byte_bpe::ByteLevelBpe;
 pub use chat::ChatTemplate;
+pub use content_format::ContentFormat;
 pub use error::TokenizeError;
+
+/// The fields of a chat request that change its prompt besides `messages` (vLLM 0.32's
+/// `ChatCompletionRequest`; `/tokenize` and `/v1/chat/completions/render` take the same).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatOptions {
+    /// `add_generation_prompt` (default true).
+    pub add_generation_prompt: bool,
+    /// `continue_final_message` (default false; not with `add_generation_prompt`).
+    pub continue_final_message: bool,
+    /// `add_special_tokens` for encoding the rendered text (default false for chat).
+    pub add_special_tokens: bool,
+    /// `tools` as sent (a list of function tools).
+    pub tools: Option<serde_json::Value>,
+    /// `documents` as sent (a list of objects).
+    pub documents: Option<serde_json::Value>,
+    /// `reasoning_effort` (vLLM also sets `enable_thinking` from it).
+    pub reasoning_effort: Option<String>,
+    /// `chat_template_kwargs` as sent.
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl Default for ChatOptions {
+    fn default() -> Self {
+        Self {
+            add_generation_prompt: true,
+            continue_final_message: false,
+            add_special_tokens: false,
+            tools: None,
+            documents: None,
+            reasoning_effort: None,
+            chat_template_kwargs: None,
+        }
+    }
+}
 
 /// A model's tokenizer and chat template, loaded once and shared (`Send + Sync`, `&self` calls).
 #[derive(Debug)]
@@ -100,21 +145,15 @@ impl ModelTokenizer {
             })?;
         let special = |name: &str| special_token(&config, name);
         let eos_token = special("eos_token");
+        let named = SPECIAL_TOKEN_NAMES
+            .iter()
+            .filter_map(|&name| Some((name, special(name)?)))
+            .collect();
         let eos_token_id = eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t));
         let template_source =
             chat_template_source(&config)?.or(chat_template_file.map(str::to_owned));
         let chat = template_source
-            .map(|source| {
-                ChatTemplate::new(
-                    source,
-                    chat::SpecialTokens {
-                        bos_token: special("bos_token"),
-                        eos_token,
-                        pad_token: special("pad_token"),
-                        unk_token: special("unk_token"),
-                    },
-                )
-            })
+            .map(|source| ChatTemplate::new(source, chat::SpecialTokens { named }))
             .transpose()?;
         Ok(Self {
             tokenizer,
@@ -156,8 +195,21 @@ impl ModelTokenizer {
         messages: &serde_json::Value,
         add_generation_prompt: bool,
     ) -> Result<String, TokenizeError> {
+        let options = ChatOptions {
+            add_generation_prompt,
+            ..ChatOptions::default()
+        };
+        self.render_chat_with(messages, &options)
+    }
+
+    /// Renders `messages` with every prompt-changing field of the request.
+    pub fn render_chat_with(
+        &self,
+        messages: &serde_json::Value,
+        options: &ChatOptions,
+    ) -> Result<String, TokenizeError> {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
-        chat.render(messages, add_generation_prompt)
+        chat.render(messages, options)
     }
 
     /// Token ids of a chat prompt: the rendered template encoded without special tokens.
@@ -168,6 +220,22 @@ impl ModelTokenizer {
     ) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(messages, add_generation_prompt)?;
         self.encode_prompt(&text, false)
+    }
+
+    /// Token ids of a chat request as vLLM computes them: [`Self::render_chat_with`], then the
+    /// text encoded with the request's `add_special_tokens`.
+    pub fn encode_chat_with(
+        &self,
+        messages: &serde_json::Value,
+        options: &ChatOptions,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let text = self.render_chat_with(messages, options)?;
+        self.encode_prompt(&text, options.add_special_tokens)
+    }
+
+    /// The chat template, if the model has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_ref()
     }
 
     /// Text of token ids (`skip_special_tokens` as in vLLM's sampling params).
@@ -252,6 +320,17 @@ fn read(path: &Path) -> Result<Vec<u8>, TokenizeError> {
         source,
     })
 }
+
+/// transformers' `SPECIAL_TOKENS_ATTRIBUTES`: the special tokens templates see by name.
+const SPECIAL_TOKEN_NAMES: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
 
 /// A special token from the config: a plain string or an `AddedToken` object with `content`.
 fn special_token(config: &serde_json::Value, name: &str) -> Option<String> {

@@ -118,8 +118,8 @@ fn hf_template_features_render() {
         {"role": "y", "content": "never"}]);
     assert_eq!(
         tokenizer.render_chat(&messages, false).unwrap(),
-        "A<B|{\"content\": \" a<b \", \"role\": \"user\"}|[1, 2.0, null, true]\n\
-         C|{\"content\": \"c\", \"role\": \"x\"}|[1, 2.0, null, true]\n"
+        "A<B|{\"role\": \"user\", \"content\": \" a<b \"}|[1, 2.0, null, true]\n\
+         C|{\"role\": \"x\", \"content\": \"c\"}|[1, 2.0, null, true]\n"
     );
 }
 
@@ -137,4 +137,148 @@ fn missing_template_and_bad_files_are_errors() {
     assert_eq!(err.as_label(), "template_syntax");
     let err = ModelTokenizer::from_dir("/nonexistent-model-dir").unwrap_err();
     assert_eq!(err.as_label(), "io");
+}
+
+/// A tokenizer over the tiny model's vocabulary with `template`.
+fn with_template(template: &str) -> ModelTokenizer {
+    let tokenizer_json = std::fs::read(format!("{FIXTURES}/tiny-model/tokenizer.json")).unwrap();
+    let config = json!({"bos_token": "<s>", "chat_template": template}).to_string();
+    ModelTokenizer::from_parts(&tokenizer_json, &config, None).unwrap()
+}
+
+#[test]
+fn messages_are_prepared_as_vllm_prepares_them() {
+    let tokenizer = with_template("{{ messages | tojson }}");
+    let messages = json!([
+        {"role": "system", "content": "s", "extra": 1},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""},
+            "b"], "name": "n"},
+        {"role": "assistant", "content": null, "reasoning_content": "r", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{\"z\": 1, \"a\": [2.0]}"},
+             "id": "c1"},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+            {"id": "c3", "type": "function", "function": {"name": "h", "arguments": "[1]"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "x"},
+            {"type": "text", "text": "y"}]},
+        {"role": "assistant", "content": "ok", "tool_calls": []},
+    ]);
+    let rendered = tokenizer
+        .render_chat_with(&messages, &ChatOptions::default())
+        .unwrap();
+    let expected = concat!(
+        r#"[{"role": "system", "content": "s"}, "#,
+        r#"{"role": "user", "content": "a\nb", "name": "n"}, "#,
+        r#"{"role": "assistant", "content": "", "tool_calls": ["#,
+        r#"{"id": "c1", "function": {"arguments": {"z": 1, "a": [2.0]}, "name": "f"}, "type": "function"}, "#,
+        r#"{"id": "c2", "function": {"arguments": {}, "name": "g"}, "type": "function"}, "#,
+        r#"{"id": "c3", "function": {"arguments": {}, "name": "h"}, "type": "function"}], "#,
+        r#""reasoning": "r", "reasoning_content": "r"}, "#,
+        r#"{"role": "tool", "content": "x\ny", "tool_call_id": "c1"}, "#,
+        r#"{"role": "assistant", "content": "ok"}]"#,
+    );
+    assert_eq!(rendered, expected);
+    // Null content is allowed on assistant messages only; tool calls need an id.
+    for bad in [
+        json!([{"role": "user", "content": null}]),
+        json!([{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+    ] {
+        let err = tokenizer.render_chat(&bad, true).unwrap_err();
+        assert_eq!(err.as_label(), "invalid_messages", "{bad}");
+    }
+}
+
+#[test]
+fn developer_becomes_system_only_where_the_template_lacks_it() {
+    let messages = json!([{"role": "system", "content": "a"}, {"role": "user", "content": "u"},
+        {"role": "developer", "content": [{"type": "text", "text": "d"}], "tools": []}]);
+    let plain = with_template("{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}");
+    assert_eq!(
+        plain.render_chat(&messages, false).unwrap(),
+        "system=a\n\nd;user=u;"
+    );
+    let aware = with_template(
+        "{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}{{ m.content }};{% endfor %}",
+    );
+    assert_eq!(aware.render_chat(&messages, false).unwrap(), "a;u;Dd;");
+}
+
+#[test]
+fn templates_that_loop_over_content_get_parts() {
+    let tokenizer = with_template(
+        "{% for m in messages %}{% for p in m.content %}[{{ p.text }}{{ p.cache_control | tojson }}]{% endfor %};{% endfor %}",
+    );
+    assert_eq!(
+        tokenizer.chat_template().unwrap().content_format(),
+        ContentFormat::OpenAi
+    );
+    let messages = json!([{"role": "user", "content": "s"}, {"role": "user", "content": [
+        {"type": "text", "text": "a", "cache_control": {"t": 1}}, {"type": "text", "text": ""}]},
+        {"role": "assistant", "content": null}]);
+    assert_eq!(
+        tokenizer.render_chat(&messages, false).unwrap(),
+        "[snull];[a{\"t\": 1}][null];;"
+    );
+}
+
+#[test]
+fn request_fields_reach_the_template() {
+    let tokenizer = with_template(
+        "{{ tools | tojson }}|{{ documents }}|{{ enable_thinking }}|{{ reasoning_effort }}|{{ x }}|\
+         {{ add_generation_prompt }}|{% for m in messages %}{{ m.content }}{% endfor %}<end>",
+    );
+    let messages =
+        json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer "}]);
+    let options = ChatOptions {
+        add_generation_prompt: false,
+        continue_final_message: true,
+        tools: Some(
+            json!([{"function": {"name": "f", "parameters": {"b": 1, "a": 2}, "strict": true,
+            "extra": 0}, "defer_loading": true}]),
+        ),
+        documents: Some(json!([{"title": "t"}])),
+        reasoning_effort: Some("none".to_owned()),
+        chat_template_kwargs: Some(
+            json!({"x": "X", "add_generation_prompt": true, "skipped": null})
+                .as_object()
+                .unwrap()
+                .clone(),
+        ),
+        ..ChatOptions::default()
+    };
+    // Tools in vLLM's canonical form; the request's own add_generation_prompt wins over the
+    // kwarg; continue_final_message cuts the rendering after the final message's text.
+    assert_eq!(
+        tokenizer.render_chat_with(&messages, &options).unwrap(),
+        concat!(
+            r#"[{"type": "function", "function": {"name": "f", "description": null, "#,
+            r#""parameters": {"b": 1, "a": 2}, "strict": true, "defer_loading": true}, "#,
+            r#""defer_loading": true}]|[{'title': 't'}]|False|none|X|False|qThe answer "#
+        )
+    );
+    let both = ChatOptions {
+        add_generation_prompt: true,
+        continue_final_message: true,
+        ..ChatOptions::default()
+    };
+    assert!(tokenizer.render_chat_with(&messages, &both).is_err());
+    let empty_tools = ChatOptions {
+        tools: Some(json!([])),
+        ..ChatOptions::default()
+    };
+    let err = tokenizer
+        .render_chat_with(&messages, &empty_tools)
+        .unwrap_err();
+    assert_eq!(err.as_label(), "invalid_tools");
+}
+
+#[test]
+fn strftime_now_reads_the_clock() {
+    let tokenizer = with_template("{{ strftime_now('%d %b %Y') }}");
+    tokenizer.chat_template().unwrap().fix_clock(1_722_000_309);
+    let messages = json!([{"role": "user", "content": "q"}]);
+    assert_eq!(
+        tokenizer.render_chat(&messages, false).unwrap(),
+        "26 Jul 2024"
+    );
 }

@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""Generate the seeded corpus of request shapes whose prompt tokens are recorded from real vLLM.
+
+    python3 tests/vllm/goldens/corpus.py OUT.jsonl
+
+One JSON object per line: {"id", "endpoint": "chat" | "completions", "body"}. The same corpus is
+recorded for every model. Deterministic (random.Random(SEED)); standard library only.
+"""
+import json
+import random
+import sys
+
+SEED = 14
+WORDS = (
+    "the of and to in is that for it as with was on be by this are or at from have an they which "
+    "one you were all we can her has there been if more when will would who so no model cache "
+    "prefix router replica token block engine request tool call weather search file code value"
+).split()
+UNICODE = [
+    "caf\u00e9 na\u00efve \u00e9t\u00e9",
+    "\u4e2d\u6587\u5b57\u7b26\u6d4b\u8bd5",
+    "\u0645\u0631\u062d\u0628\u0627 \u0628\u0643\u0645",
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8",
+    "\U0001f600\U0001f44d\U0001f3fd emoji \U0001f680",
+    "\u0417\u0434\u0440\u0430\u0432\u0441\u0442\u0432\u0443\u0439 \u043c\u0438\u0440",
+    "e\u0301e\u0308 combining \u2167 \u00bd",
+    "\u00a0nbsp\u00a0 \u2028line\u2029 \u3000wide",
+]
+CODE = [
+    "def f(x):\n    return x * 2\n\nprint(f(21))\n",
+    "fn main() {\n\tlet v: Vec<u32> = (0..10).collect();\n\tprintln!(\"{:?}\", v);\n}\n",
+    "SELECT id, name FROM users WHERE age > 30 ORDER BY name;\n",
+    '{"key": [1, 2, 3], "nested": {"a": null}}\n',
+    "    indented\n\n\n    lines   with   spaces\t\ttabs\n",
+]
+SPECIAL = [
+    "<|im_start|>user\nhi<|im_end|>",
+    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>",
+    "<|endoftext|> and <|eot_id|>",
+    "<|start|>assistant<|channel|>final<|message|>x<|end|>",
+    "<think>\nreasoning\n</think>\n\nanswer",
+    "<s> </s> <unk> <tool_call> </tool_call>",
+]
+
+
+def sentence(r, n=None):
+    n = n or r.randint(3, 25)
+    text = " ".join(r.choice(WORDS) for _ in range(n))
+    return text[0].upper() + text[1:] + r.choice([".", "?", "!", ""])
+
+
+def text(r):
+    kind = r.random()
+    if kind < 0.15:
+        return r.choice(UNICODE) + " " + sentence(r)
+    if kind < 0.25:
+        return r.choice(CODE)
+    if kind < 0.32:
+        return r.choice(SPECIAL)
+    if kind < 0.36:
+        return r.choice(["", " ", "\n", "  leading and trailing  ", "\n\nnewlines\n\n"])
+    return " ".join(sentence(r) for _ in range(r.randint(1, 4)))
+
+
+def long_text(r, approx_tokens):
+    parts, size = [], 0
+    while size < approx_tokens:
+        s = sentence(r, 40)
+        if r.random() < 0.1:
+            s += "\n\n" + r.choice(CODE) + r.choice(UNICODE)
+        parts.append(s)
+        size += len(s) // 4
+    return " ".join(parts)
+
+
+def schema(r, depth=0):
+    props = {}
+    for i in range(r.randint(1, 4)):
+        name = r.choice(["location", "unit", "query", "limit", "path", "options", "ids", "flag"]) + (
+            str(i) if r.random() < 0.3 else ""
+        )
+        kind = r.choice(["string", "integer", "number", "boolean", "array", "object", "enum"])
+        if kind == "enum":
+            props[name] = {"type": "string", "enum": ["celsius", "fahrenheit", "kelvin"]}
+        elif kind == "array":
+            props[name] = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+        elif kind == "object" and depth < 2:
+            props[name] = schema(r, depth + 1)
+        elif kind == "number":
+            props[name] = {"type": "number", "minimum": 0.5, "maximum": 100.0, "default": 1e-05}
+        else:
+            props[name] = {"type": kind if kind != "object" else "string"}
+        if r.random() < 0.5:
+            props[name]["description"] = r.choice(
+                ["The city, e.g. San Francisco", "Temp\u00e9rature \u00b0C \u2014 \u6e29\u5ea6", sentence(r), "Emoji \U0001f321"]
+            )
+    out = {"type": "object", "properties": props}
+    if r.random() < 0.7:
+        out["required"] = sorted(props)[: r.randint(0, len(props))]
+    if r.random() < 0.3:
+        out["additionalProperties"] = False
+    return out
+
+
+def tool(r, name):
+    function = {"name": name}
+    if r.random() < 0.85:
+        function["description"] = r.choice(
+            ["Get the current weather.", "Search the web \u2014 r\u00e9sultats \u641c\u7d22", sentence(r), ""]
+        )
+    if r.random() < 0.9:
+        function["parameters"] = schema(r)
+    if r.random() < 0.15:
+        function["strict"] = r.random() < 0.5
+    out = {"type": "function", "function": function}
+    if r.random() < 0.1:
+        del out["type"]
+    return out
+
+
+def arguments(r):
+    args = {r.choice(["location", "q", "n", "path"]): r.choice(["Paris", 3, 2.5, True, None, ["a", "b"], {"x": 1}])
+            for _ in range(r.randint(0, 3))}
+    style = r.random()
+    if style < 0.4:
+        return json.dumps(args)
+    if style < 0.7:
+        return json.dumps(args, separators=(",", ":"))
+    if style < 0.8:
+        return json.dumps(args, indent=2, ensure_ascii=False)
+    return r.choice(["", "{}", "not json", "[1, 2]", "42", '{"b": 1, "a": 2}', '{"u": "caf\\u00e9 \u4e2d"}'])
+
+
+def content(r, role="user"):
+    kind = r.random()
+    if kind < 0.6:
+        return text(r)
+    if kind < 0.75:
+        return [{"type": "text", "text": text(r)}]
+    if kind < 0.85:
+        return [{"type": "text", "text": text(r)} for _ in range(r.randint(2, 4))]
+    if kind < 0.9:
+        return [{"type": "text", "text": text(r), "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": text(r)}]
+    # Only an assistant's content may be null (vLLM rejects it elsewhere).
+    return r.choice(["", None, []] if role == "assistant" else ["", []])
+
+
+def conversation(r, tools):
+    messages = []
+    if r.random() < 0.6:
+        messages.append({"role": "system", "content": content(r) if r.random() < 0.3 else text(r)})
+    if r.random() < 0.15:
+        messages.append({"role": "developer", "content": text(r)})
+    calls = 0
+    for turn in range(r.randint(1, 5)):
+        user = {"role": "user", "content": content(r)}
+        if r.random() < 0.1:
+            user["name"] = r.choice(["alice", "bob_2"])
+        messages.append(user)
+        if r.random() < 0.08:
+            messages.append({"role": "developer", "content": text(r)})
+        if turn == 0 and r.random() < 0.3 and tools:
+            pass
+        if r.random() < 0.8 or turn < 1:
+            assistant = {"role": "assistant", "content": content(r, "assistant") if r.random() < 0.8 else None}
+            if tools and r.random() < 0.5:
+                n = r.randint(1, 3)
+                assistant["tool_calls"] = [
+                    {
+                        "id": f"call_{calls + i}",
+                        "type": "function",
+                        "function": {"name": r.choice(tools)["function"]["name"], "arguments": arguments(r)},
+                    }
+                    for i in range(n)
+                ]
+                if r.random() < 0.5:
+                    assistant["content"] = None
+                messages.append(assistant)
+                for i in range(n):
+                    result = {"role": "tool", "tool_call_id": f"call_{calls + i}", "content": text(r)}
+                    if r.random() < 0.2:
+                        result["content"] = [{"type": "text", "text": text(r)}, {"type": "text", "text": text(r)}]
+                    messages.append(result)
+                calls += n
+                messages.append({"role": "assistant", "content": text(r)})
+            else:
+                if r.random() < 0.15:
+                    assistant["reasoning"] = sentence(r)
+                elif r.random() < 0.1:
+                    assistant["reasoning_content"] = sentence(r)
+                if r.random() < 0.05:
+                    assistant["content"] = "<think>\n" + sentence(r) + "\n</think>\n\n" + text(r)
+                messages.append(assistant)
+    if messages[-1]["role"] == "assistant" and r.random() < 0.6:
+        messages.append({"role": "user", "content": text(r)})
+    return messages
+
+
+def chat(r):
+    body = {}
+    tools = []
+    if r.random() < 0.4:
+        names = ["get_weather", "search_web", "read_file", "run_code", "m\u00e9t\u00e9o"]
+        r.shuffle(names)
+        tools = [tool(r, names[i]) for i in range(r.randint(1, 4))]
+        body["tools"] = tools
+        choice = r.random()
+        if choice < 0.3:
+            body["tool_choice"] = "auto"
+        elif choice < 0.4:
+            body["tool_choice"] = "none"
+    body["messages"] = conversation(r, tools)
+    if r.random() < 0.2:
+        kwargs = r.choice([{"enable_thinking": False}, {"enable_thinking": True}, {"custom_flag": 1}, {"enable_thinking": None}])
+        body["chat_template_kwargs"] = kwargs
+    if r.random() < 0.1:
+        body["reasoning_effort"] = r.choice(["low", "medium", "high", "none"])
+    roll = r.random()
+    if roll < 0.08:
+        if body["messages"][-1]["role"] != "assistant":
+            body["messages"].append({"role": "assistant", "content": r.choice(["The answer is", "Sure, here", text(r) or "x"])})
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    elif roll < 0.14:
+        body["add_generation_prompt"] = False
+
+    if r.random() < 0.08:
+        body["add_special_tokens"] = r.random() < 0.7
+    if r.random() < 0.04:
+        body["documents"] = [{"title": "Doc " + str(i), "text": sentence(r)} for i in range(r.randint(1, 2))]
+    return body
+
+
+def completion(r, i):
+    body = {"prompt": text(r) or "x"}
+    if r.random() < 0.4:
+        body["add_special_tokens"] = r.random() < 0.5
+    return body
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    r = random.Random(SEED)
+    entries = []
+    for i in range(60):
+        entries.append({"id": f"completion-{i:03}", "endpoint": "completions", "body": completion(r, i)})
+    for i, tokens in enumerate([8_000, 16_000, 32_000]):
+        body = {"prompt": long_text(r, tokens), "add_special_tokens": i != 1}
+        entries.append({"id": f"completion-long-{tokens}", "endpoint": "completions", "body": body})
+    for i in range(300):
+        entries.append({"id": f"chat-{i:03}", "endpoint": "chat", "body": chat(r)})
+    # Requests vLLM rejects (400), to show what kvroute does with them.
+    user = {"role": "user", "content": "hi"}
+    rejected = [
+        {"messages": [user, {"role": "assistant", "content": "x"}], "continue_final_message": True},
+        {"messages": [{"role": "user", "content": None}]},
+        {"messages": [user], "tools": []},
+        {"messages": [user, {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+        {"messages": [user], "chat_template_kwargs": {"tokenize": True}},
+    ]
+    for i, body in enumerate(rejected):
+        entries.append({"id": f"chat-rejected-{i}", "endpoint": "chat", "body": body})
+    body = {"messages": [{"role": "system", "content": long_text(r, 9_000)}, {"role": "user", "content": text(r)}]}
+    entries.append({"id": "chat-long-9000", "endpoint": "chat", "body": body})
+    with open(sys.argv[1], "w", encoding="utf-8") as out:
+        for entry in entries:
+            out.write(json.dumps(entry, ensure_ascii=False) + "\n")
+    print(f"wrote {len(entries)} requests to {sys.argv[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
