@@ -3,7 +3,8 @@
 //! `model`, the prompt (`prompt` for `/v1/completions`, `messages` for `/v1/chat/completions`),
 //! `cache_salt` and every other field that changes the prompt vLLM 0.32 computes are read:
 //! `add_special_tokens`, and for chat `add_generation_prompt`, `continue_final_message`,
-//! `tools`, `documents`, `chat_template_kwargs` and `reasoning_effort` (kept raw, borrowed from
+//! `tools`, `documents`, `chat_template_kwargs`, `reasoning_effort` and whether a request
+//! `chat_template` is present (kept raw, borrowed from
 //! the body, for the tokenizer and the token-cache key). Every other field is skipped by serde
 //! without being materialized. Strings borrow from the body unless they contain escapes.
 //!
@@ -93,6 +94,8 @@ pub struct ChatFields<'a> {
     pub chat_template_kwargs: Option<&'a RawValue>,
     /// `reasoning_effort`.
     pub reasoning_effort: Option<Cow<'a, str>>,
+    /// Whether the request carries its own `chat_template`.
+    pub request_template: bool,
 }
 
 #[derive(Deserialize)]
@@ -119,6 +122,8 @@ struct Body<'a> {
     chat_template_kwargs: Option<&'a RawValue>,
     #[serde(borrow, default)]
     reasoning_effort: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    chat_template: Option<&'a RawValue>,
 }
 
 /// A raw JSON value that is `null` counts as absent (vLLM's defaults are `None`).
@@ -154,6 +159,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
                 documents: present(parsed.documents),
                 chat_template_kwargs: present(parsed.chat_template_kwargs),
                 reasoning_effort: parsed.reasoning_effort,
+                request_template: present(parsed.chat_template).is_some(),
             };
             chat(raw, parsed.add_generation_prompt.unwrap_or(true), fields)?
         }

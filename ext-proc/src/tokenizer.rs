@@ -72,6 +72,8 @@ pub struct ChatInputFields {
     pub chat_template_kwargs: Option<Box<RawValue>>,
     /// `reasoning_effort`.
     pub reasoning_effort: Option<String>,
+    /// Whether the request carries its own `chat_template`.
+    pub request_template: bool,
 }
 
 impl ChatInputFields {
@@ -84,6 +86,7 @@ impl ChatInputFields {
             documents: fields.documents.map(ToOwned::to_owned),
             chat_template_kwargs: fields.chat_template_kwargs.map(ToOwned::to_owned),
             reasoning_effort: fields.reasoning_effort.as_deref().map(str::to_owned),
+            request_template: fields.request_template,
         }
     }
 
@@ -118,6 +121,7 @@ impl ChatInputFields {
             documents: json(&self.documents)?,
             reasoning_effort: self.reasoning_effort.clone(),
             chat_template_kwargs,
+            request_template: self.request_template,
         })
     }
 
@@ -126,6 +130,7 @@ impl ChatInputFields {
         hasher.update(&[
             u8::from(self.continue_final_message),
             u8::from(self.add_special_tokens),
+            u8::from(self.request_template),
         ]);
         let raw = [&self.tools, &self.documents, &self.chat_template_kwargs];
         for part in raw {
@@ -311,6 +316,13 @@ impl Tokenizer for RemoteTokenizer {
             } => serde_json::json!({
                 "model": model, "prompt": text, "add_special_tokens": add_special_tokens,
             }),
+            TokenizeInput::Chat { fields, .. } if fields.request_template => {
+                // vLLM refuses an untrusted request template; never ask it to render one.
+                return Box::pin(std::future::ready(Err(TokenizeError::Remote {
+                    url: self.url.to_string(),
+                    reason: "the request carries its own chat_template".to_owned(),
+                })));
+            }
             TokenizeInput::Chat {
                 messages,
                 add_generation_prompt,
@@ -686,6 +698,70 @@ mod tests {
             tokenizer.tokenize("m", chat).await.unwrap(),
             direct.encode_chat(&messages, true).unwrap()
         );
+    }
+
+    #[test]
+    fn remote_chat_body_carries_every_prompt_field_as_tokenize_takes_them() {
+        let body = r#"{"model":"m","messages":[{"role":"assistant","content":"a","reasoning_content":"r"}],"tools":[{"type":"function","function":{"name":"f"}}],"documents":[{"title":"t"}],"reasoning_effort":"low","chat_template_kwargs":{"x":1},"continue_final_message":true,"add_generation_prompt":false,"add_special_tokens":true}"#;
+        let parsed = parse(body.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let TokenizeInput::Chat {
+            messages,
+            add_generation_prompt,
+            fields,
+        } = owned_input(&parsed.prompt)
+        else {
+            panic!("not chat")
+        };
+        let remote = remote_chat_body("m", &messages, add_generation_prompt, &fields);
+        assert_eq!(
+            remote,
+            serde_json::json!({
+                "model": "m",
+                "add_generation_prompt": false,
+                "continue_final_message": true,
+                "add_special_tokens": true,
+                "messages": [{"role": "assistant", "content": "a", "reasoning": "r"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "chat_template_kwargs": {"x": 1, "documents": [{"title": "t"}],
+                    "enable_thinking": true, "reasoning_effort": "low"},
+            })
+        );
+    }
+
+    #[test]
+    fn every_prompt_field_is_part_of_the_cache_key() {
+        let base = r#"{"model":"m","messages":[{"role":"user","content":"q"}]"#;
+        let variants = [
+            "",
+            r#","tools":[{"type":"function","function":{"name":"f"}}]"#,
+            r#","documents":[{"title":"t"}]"#,
+            r#","chat_template_kwargs":{"enable_thinking":false}"#,
+            r#","reasoning_effort":"low""#,
+            r#","continue_final_message":true"#,
+            r#","add_special_tokens":true"#,
+            r#","add_generation_prompt":false"#,
+        ];
+        let mut keys = std::collections::HashSet::new();
+        for variant in variants {
+            let body = format!("{base}{variant}}}");
+            let parsed = parse(body.as_bytes(), Endpoint::ChatCompletions).unwrap();
+            let Prompt::Chat {
+                messages,
+                add_generation_prompt,
+                fields,
+                ..
+            } = &parsed.prompt
+            else {
+                panic!("not chat")
+            };
+            let key = conversation_keys(
+                0,
+                messages,
+                *add_generation_prompt,
+                &ChatInputFields::from_request(fields),
+            );
+            assert!(keys.insert(key[0].0), "{variant} changes the key");
+        }
     }
 
     /// The in-process tokenizer behind a gate: answers only while the gate is open.

@@ -23,8 +23,8 @@ use crate::{ChatOptions, TokenizeError, conversation, pyjson, pytime};
 const TEMPLATE_NAME: &str = "chat";
 /// transformers' marker for `continue_final_message`.
 const CONTINUE_FINAL_MESSAGE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
-/// Template kwargs a request may not set (vLLM refuses them).
-const RESERVED_KWARGS: [&str; 2] = ["chat_template", "tokenize"];
+/// Template kwargs a request may not set (vLLM refuses an untrusted request template).
+const RESERVED_KWARGS: [&str; 1] = ["chat_template"];
 /// Template variables transformers sets itself; a request kwarg of the same name makes
 /// `render()` fail with a duplicate keyword in transformers.
 const CONTEXT_NAMES: [&str; 1] = ["messages"];
@@ -171,6 +171,22 @@ impl ChatTemplate {
         messages: &serde_json::Value,
         options: &ChatOptions,
     ) -> Result<String, TokenizeError> {
+        self.render_for_encoding(messages, options)
+            .map(|rendered| rendered.text)
+    }
+
+    /// [`Self::render`], and whether the request's kwargs set `tokenize` (then transformers
+    /// encodes the text itself, without special tokens, and vLLM takes those ids as they are).
+    pub(crate) fn render_for_encoding(
+        &self,
+        messages: &serde_json::Value,
+        options: &ChatOptions,
+    ) -> Result<Rendered, TokenizeError> {
+        if options.request_template {
+            return Err(TokenizeError::InvalidKwargs {
+                reason: "the request carries its own chat_template".to_owned(),
+            });
+        }
         if options.continue_final_message && options.add_generation_prompt {
             return Err(TokenizeError::InvalidMessages {
                 reason: "continue_final_message and add_generation_prompt are both set".to_owned(),
@@ -188,6 +204,7 @@ impl ChatTemplate {
             .map(conversation::canonical_tools)
             .transpose()?;
         let kwargs = template_kwargs(options, tools)?;
+        let tokenized_by_template = kwargs.get("tokenize").is_some_and(is_truthy);
         let mut context = serde_json::Map::new();
         for (name, token) in &self.special.named {
             context.insert((*name).to_owned(), serde_json::Value::from(token.as_str()));
@@ -240,10 +257,14 @@ impl ChatTemplate {
         let rendered = template
             .render(Value::from_serialize(&context))
             .map_err(|source| TokenizeError::TemplateRender { source })?;
-        match final_text {
-            Some(final_text) => cut_at_final_message(rendered, &final_text),
-            None => Ok(rendered),
-        }
+        let text = match final_text {
+            Some(final_text) => cut_at_final_message(rendered, &final_text)?,
+            None => rendered,
+        };
+        Ok(Rendered {
+            text,
+            tokenized_by_template,
+        })
     }
 
     /// Appends transformers' marker to the final message's (last) text; returns that text.
@@ -279,6 +300,26 @@ impl ChatTemplate {
             }
             _ => Err(invalid("the final message has no content to continue")),
         }
+    }
+}
+
+/// A rendered chat prompt.
+pub(crate) struct Rendered {
+    /// The text.
+    pub(crate) text: String,
+    /// Whether transformers encodes it (kwarg `tokenize`): then without special tokens.
+    pub(crate) tokenized_by_template: bool,
+}
+
+/// Python truthiness of a JSON value.
+fn is_truthy(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::Null => false,
+        serde_json::Value::Bool(b) => *b,
+        serde_json::Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
+        serde_json::Value::String(s) => !s.is_empty(),
+        serde_json::Value::Array(a) => !a.is_empty(),
+        serde_json::Value::Object(o) => !o.is_empty(),
     }
 }
 

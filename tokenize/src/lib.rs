@@ -70,6 +70,9 @@ pub struct ChatOptions {
     pub reasoning_effort: Option<String>,
     /// `chat_template_kwargs` as sent.
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Whether the request carries its own `chat_template` (vLLM refuses it unless started with
+    /// `--trust-request-chat-template`; kvroute never renders one).
+    pub request_template: bool,
 }
 
 impl Default for ChatOptions {
@@ -82,6 +85,7 @@ impl Default for ChatOptions {
             documents: None,
             reasoning_effort: None,
             chat_template_kwargs: None,
+            request_template: false,
         }
     }
 }
@@ -229,8 +233,10 @@ impl ModelTokenizer {
         messages: &serde_json::Value,
         options: &ChatOptions,
     ) -> Result<Vec<u32>, TokenizeError> {
-        let text = self.render_chat_with(messages, options)?;
-        self.encode_prompt(&text, options.add_special_tokens)
+        let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
+        let rendered = chat.render_for_encoding(messages, options)?;
+        let add_special_tokens = options.add_special_tokens && !rendered.tokenized_by_template;
+        self.encode_prompt(&rendered.text, add_special_tokens)
     }
 
     /// The chat template, if the model has one.

@@ -258,10 +258,36 @@ def main() -> int:
         {"messages": [{"role": "user", "content": None}]},
         {"messages": [user], "tools": []},
         {"messages": [user, {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-        {"messages": [user], "chat_template_kwargs": {"tokenize": True}},
+        {"messages": [user], "chat_template": "{{ messages[0].content }}"},
+        {"messages": [user], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
     ]
     for i, body in enumerate(rejected):
         entries.append({"id": f"chat-rejected-{i}", "endpoint": "chat", "body": body})
+    # Edge cases of the kwargs merge and of tool choice.
+    tools = [tool(r, "get_weather"), tool(r, "search_web")]
+    edges = [
+        {"messages": [user], "chat_template_kwargs": {"tokenize": True}, "add_special_tokens": True},
+        {"messages": [user], "chat_template_kwargs": {"tokenize": False}, "add_special_tokens": True},
+        {"messages": [user], "tools": tools, "tool_choice": "required"},
+        {"messages": [user], "tools": tools, "tool_choice": {"type": "function", "function": {"name": "search_web"}}},
+        {"messages": [user], "tools": tools, "tool_choice": "none"},
+        {"messages": [user], "tools": tools, "chat_template_kwargs": {"tools": None}},
+        {"messages": [user], "tools": tools, "chat_template_kwargs": {"tools": [tools[1]]}},
+        {"messages": [user], "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": [user], "reasoning_effort": "none"},
+        {"messages": [user], "chat_template_kwargs": {"reasoning_effort": "low", "add_generation_prompt": False}},
+        {"messages": [user], "chat_template_kwargs": {"documents": [{"title": "t", "text": "d"}]}},
+        {"messages": [user], "documents": [{"title": "a", "text": "b"}], "chat_template_kwargs": {"documents": [{"title": "t", "text": "d"}]}},
+        {"messages": [user, {"role": "assistant", "content": [{"type": "text", "text": "Part one"}, {"type": "text", "text": "part two "}]}], "continue_final_message": True, "add_generation_prompt": False},
+        {"messages": [{"role": "system", "content": "x-anthropic-billing-header: cch=1\nReal system"}, user]},
+        {"messages": [{"role": "developer", "content": "d1"}, {"role": "system", "content": "s"}, user, {"role": "developer", "content": ""}]},
+        {"messages": [user, {"role": "assistant", "content": "a", "reasoning": "r1", "reasoning_content": "r2"}, user]},
+        {"messages": [user, {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"z\": 1.0, \"a\": 1e2, \"u\": \"\\u00e9\"}"}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "refusal", "refusal": "b"}, {"type": "thinking", "thinking": "c"}]}]},
+        {"messages": [{"role": "custom_role", "content": "x", "name": "n"}, user]},
+    ]
+    for i, body in enumerate(edges):
+        entries.append({"id": f"chat-edge-{i:02}", "endpoint": "chat", "body": body})
     body = {"messages": [{"role": "system", "content": long_text(r, 9_000)}, {"role": "user", "content": text(r)}]}
     entries.append({"id": "chat-long-9000", "endpoint": "chat", "body": body})
     with open(sys.argv[1], "w", encoding="utf-8") as out:

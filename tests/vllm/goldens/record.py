@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 
-MAX_INLINE_TOKENS = 2048
+MAX_INLINE_TOKENS = 512
 TIMEOUT_SECONDS = 120
 
 
