@@ -13,7 +13,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use kvroute_tokenize::ModelTokenizer;
+use kvroute_tokenize::{ChatOptions, ModelTokenizer};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -205,6 +205,29 @@ struct ChatRequest {
     stream: bool,
     stream_options: Option<StreamOptions>,
     add_generation_prompt: Option<bool>,
+    add_special_tokens: Option<bool>,
+    #[serde(default)]
+    continue_final_message: bool,
+    tools: Option<Value>,
+    documents: Option<Value>,
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    reasoning_effort: Option<String>,
+}
+
+impl ChatRequest {
+    /// Every prompt-changing field, as vLLM's chat path reads them.
+    fn options(&self) -> ChatOptions {
+        ChatOptions {
+            add_generation_prompt: self.add_generation_prompt.unwrap_or(true),
+            continue_final_message: self.continue_final_message,
+            add_special_tokens: self.add_special_tokens.unwrap_or(false),
+            tools: self.tools.clone().filter(|t| !t.is_null()),
+            documents: self.documents.clone().filter(|d| !d.is_null()),
+            reasoning_effort: self.reasoning_effort.clone(),
+            chat_template_kwargs: self.chat_template_kwargs.clone(),
+            request_template: false,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -214,6 +237,10 @@ struct TokenizeRequest {
     messages: Option<Value>,
     add_special_tokens: Option<bool>,
     add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    continue_final_message: bool,
+    tools: Option<Value>,
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     #[serde(default)]
     return_token_strs: bool,
 }
@@ -248,13 +275,17 @@ async fn tokenize(
             prompt.encode(&state.tokenizer, request.add_special_tokens.unwrap_or(true))?
         }
         (None, Some(messages)) => {
-            let text = state
-                .tokenizer
-                .render_chat(&messages, request.add_generation_prompt.unwrap_or(true))?;
-            // vLLM's TokenizeChatRequest defaults add_special_tokens to false.
-            state
-                .tokenizer
-                .encode_prompt(&text, request.add_special_tokens.unwrap_or(false))?
+            // vLLM's TokenizeChatRequest: add_special_tokens defaults to false, and it has no
+            // reasoning_effort or documents fields.
+            let options = ChatOptions {
+                add_generation_prompt: request.add_generation_prompt.unwrap_or(true),
+                continue_final_message: request.continue_final_message,
+                add_special_tokens: request.add_special_tokens.unwrap_or(false),
+                tools: request.tools.filter(|t| !t.is_null()),
+                chat_template_kwargs: request.chat_template_kwargs,
+                ..ChatOptions::default()
+            };
+            state.tokenizer.encode_chat_with(&messages, &options)?
         }
         _ => {
             return Err(ApiError::bad_request(
@@ -311,10 +342,9 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let request: ChatRequest = parse(&body)?;
     check_model(&state, request.model.as_deref())?;
-    let generation_prompt = request.add_generation_prompt.unwrap_or(true);
     let prompt = state
         .tokenizer
-        .encode_chat(&request.messages, generation_prompt)?;
+        .encode_chat_with(&request.messages, &request.options())?;
     let max_tokens = request
         .max_completion_tokens
         .or(request.max_tokens)
