@@ -307,27 +307,40 @@ impl RemoteTokenizer {
     }
 }
 
-impl Tokenizer for RemoteTokenizer {
-    fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
-        let body = match input.as_ref() {
+impl RemoteTokenizer {
+    /// The `/tokenize` body for `input`, or `None` when vLLM would refuse to render it (a
+    /// request's own `chat_template`).
+    pub fn request_body(model: &str, input: &TokenizeInput) -> Option<serde_json::Value> {
+        match input {
             TokenizeInput::Text {
                 text,
                 add_special_tokens,
-            } => serde_json::json!({
+            } => Some(serde_json::json!({
                 "model": model, "prompt": text, "add_special_tokens": add_special_tokens,
-            }),
-            TokenizeInput::Chat { fields, .. } if fields.request_template => {
-                // vLLM refuses an untrusted request template; never ask it to render one.
-                return Box::pin(std::future::ready(Err(TokenizeError::Remote {
-                    url: self.url.to_string(),
-                    reason: "the request carries its own chat_template".to_owned(),
-                })));
-            }
+            })),
+            // vLLM refuses an untrusted request template; never ask it to render one.
+            TokenizeInput::Chat { fields, .. } if fields.request_template => None,
             TokenizeInput::Chat {
                 messages,
                 add_generation_prompt,
                 fields,
-            } => remote_chat_body(model, messages, *add_generation_prompt, fields),
+            } => Some(remote_chat_body(
+                model,
+                messages,
+                *add_generation_prompt,
+                fields,
+            )),
+        }
+    }
+}
+
+impl Tokenizer for RemoteTokenizer {
+    fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+        let Some(body) = Self::request_body(model, &input) else {
+            return Box::pin(std::future::ready(Err(TokenizeError::Remote {
+                url: self.url.to_string(),
+                reason: "the request carries its own chat_template".to_owned(),
+            })));
         };
         let body = serde_json::to_vec(&body).unwrap_or_default();
         let (client, url, timeout) = (self.client.clone(), self.url.clone(), self.timeout);
@@ -600,6 +613,16 @@ impl TokenCache {
                 entries.lock().insert(key, tokens.into());
             }
         });
+    }
+}
+
+impl TokenizeInput {
+    /// What a tokenizer is asked for a request's prompt (`None` for token ids or no prompt).
+    pub fn from_prompt(prompt: &Prompt<'_>) -> Option<Self> {
+        match prompt {
+            Prompt::Tokens(_) | Prompt::Absent => None,
+            prompt => Some(owned_input(prompt)),
+        }
     }
 }
 

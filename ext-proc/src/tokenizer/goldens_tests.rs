@@ -4,7 +4,10 @@
 //! model, the prompt token ids vLLM 0.32 computed for each (its `/v1/chat/completions/render` and
 //! `/v1/completions/render`; `bash tests/vllm/goldens/run.sh` records them). Each request is
 //! parsed as ext-proc parses bodies and tokenized by [`InProcessTokenizer`], and must give
-//! exactly vLLM's ids whenever vLLM accepted it. The tokenizer folders are not in the repository:
+//! exactly vLLM's ids whenever vLLM accepted it. The remote tokenizer is checked too: the
+//! recording sent each request's `/tokenize` body as [`RemoteTokenizer`] builds it to real
+//! vLLM, so each body must still hash as recorded and vLLM's answer to it must have equalled the
+//! render endpoint's. The tokenizer folders are not in the repository:
 //! `scripts/models.sh` fetches them (into `$KVROUTE_MODELS`, default `~/.cache/kvroute/models`),
 //! and the test skips, saying so, without them.
 
@@ -77,6 +80,24 @@ enum Outcome {
     TokenizeError(String),
 }
 
+/// The sha256 of the `/tokenize` body kvroute's remote tokenizer sends for `entry`.
+fn remote_body_digest(entry: &serde_json::Value, model: &str) -> Option<String> {
+    let mut body = entry["body"].clone();
+    body["model"] = model.into();
+    let body = serde_json::to_vec(&body).unwrap();
+    let endpoint = match entry["endpoint"].as_str() {
+        Some("chat") => Endpoint::ChatCompletions,
+        _ => Endpoint::Completions,
+    };
+    let parsed = parse(&body, endpoint).ok()?;
+    let input = TokenizeInput::from_prompt(&parsed.prompt)?;
+    let remote = RemoteTokenizer::request_body(model, &input)?;
+    Some(format!(
+        "{:x}",
+        Sha256::digest(serde_json::to_vec(&remote).unwrap())
+    ))
+}
+
 async fn kvroute_tokens(
     tokenizer: &InProcessTokenizer,
     entry: &serde_json::Value,
@@ -136,7 +157,7 @@ async fn vllm_goldens() {
             template.fix_clock(header["recorded_at"].as_i64().unwrap());
         }
         let tokenizer = InProcessTokenizer::new(Arc::clone(&model), TaskTracker::new());
-        let (mut equal, mut accepted, mut skipped) = (0, 0, 0);
+        let (mut equal, mut accepted, mut skipped, mut remote_equal) = (0, 0, 0, 0);
         let (mut rejected, mut rejected_fallback) = (0, 0);
         for (entry, golden) in corpus.iter().zip(&goldens[1..]) {
             let id = entry["id"].as_str().unwrap();
@@ -162,6 +183,24 @@ async fn vllm_goldens() {
                 continue;
             }
             accepted += 1;
+            if let Some(recorded) = golden["remote_body_sha256"].as_str() {
+                if remote_body_digest(entry, name).as_deref() != Some(recorded) {
+                    failures.push(format!(
+                        "{name}/{id}: the remote /tokenize body changed since it was checked \
+                         against vLLM; re-record (bash tests/vllm/goldens/run.sh)"
+                    ));
+                } else if golden.get("remote_sha256").is_some()
+                    || golden.get("remote_status").is_some()
+                {
+                    failures.push(format!(
+                        "{name}/{id}: vLLM's /tokenize answered kvroute's remote body with other \
+                         tokens than its chat path ({} vs {})",
+                        golden["remote_count"], golden["count"]
+                    ));
+                } else {
+                    remote_equal += 1;
+                }
+            }
             match outcome {
                 Outcome::Tokens(tokens) if digest(&tokens) == golden["sha256"] => equal += 1,
                 Outcome::Tokens(tokens) => {
@@ -199,7 +238,8 @@ async fn vllm_goldens() {
             }
         }
         eprintln!(
-            "vllm_goldens/{name}: {equal}/{accepted} accepted requests equal; {rejected} rejected by \
+            "vllm_goldens/{name}: {equal}/{accepted} accepted requests equal in process, \
+             {remote_equal}/{accepted} through the remote /tokenize body; {rejected} rejected by \
              vLLM ({rejected_fallback} of them fail in kvroute too); {skipped} skipped (no chat template)"
         );
         checked_models += 1;

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Record real vLLM's prompt tokens for every request of the corpus, against a running server.
 
-    python3 tests/vllm/goldens/record.py URL MODEL_NAME CORPUS.jsonl OUT.jsonl
+    python3 tests/vllm/goldens/record.py URL MODEL_NAME CORPUS.jsonl OUT.jsonl [BODIES.jsonl]
 
 Each request goes to the engine's own render endpoint - `/v1/chat/completions/render` or
 `/v1/completions/render`, which run exactly the preprocessing `/v1/chat/completions` and
 `/v1/completions` run (chat parsing, template, tokenization) and return the prompt's token ids -
 with `"model": MODEL_NAME` added. Chat requests also go to `/tokenize`, whose token ids are
 recorded when they differ (its request model lacks some of chat completions' normalisations).
+BODIES (from `cargo run -p kvroute-ext-proc --example remote_bodies -- MODEL_NAME`) are the
+`/tokenize` bodies kvroute's remote tokenizer sends for each request; each is sent too, and its
+sha256 recorded ("remote_body_sha256"), with "remote_count" / "remote_sha256" /
+"remote_status" only when vLLM's answer to it differs from the render endpoint's.
 
 The first line of OUT is a header: {"header": true, "model", "recorded_at" (Unix seconds, the
 clock templates' `strftime_now` read), "vllm"}. Then one line per request:
@@ -49,10 +53,16 @@ def error_message(answer):
 
 
 def main() -> int:
-    if len(sys.argv) != 5:
+    if len(sys.argv) not in (5, 6):
         print(__doc__, file=sys.stderr)
         return 2
     url, model, corpus, out_path = sys.argv[1].rstrip("/"), sys.argv[2], sys.argv[3], sys.argv[4]
+    bodies = {}
+    if len(sys.argv) == 6:
+        with open(sys.argv[5], encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                bodies[record["id"]] = record
     try:
         with urllib.request.urlopen(url + "/version", timeout=10) as response:
             version = json.loads(response.read()).get("version")
@@ -79,6 +89,14 @@ def main() -> int:
                 record["tokenize_status"] = t_status
             elif t_answer["tokens"] != tokens:
                 record.update(tokenize_count=len(t_answer["tokens"]), tokenize_sha256=digest(t_answer["tokens"]))
+            remote = bodies.get(entry["id"], {})
+            if remote.get("body") is not None:
+                record["remote_body_sha256"] = remote["sha256"]
+                r_status, r_answer = post(url + "/tokenize", remote["body"])
+                if r_status != 200:
+                    record["remote_status"] = r_status
+                elif r_answer["tokens"] != tokens:
+                    record.update(remote_count=len(r_answer["tokens"]), remote_sha256=digest(r_answer["tokens"]))
         else:
             record["error"] = error_message(answer)
         lines.append(json.dumps(record))

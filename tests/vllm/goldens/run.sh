@@ -11,7 +11,8 @@
 #    tokenizer (make_models.py);
 # 3. per model: starts `vllm serve` (with --enable-scale-out, for the render endpoints, and the
 #    hermes tool parser, which `tools` with tool_choice "auto" need), records every request
-#    (record.py) and stops the server.
+#    (record.py: the render endpoints, plain `/tokenize`, and `/tokenize` with the bodies
+#    kvroute's remote tokenizer sends, from `--example remote_bodies`) and stops the server.
 # Env: KVROUTE_CACHE (default ~/.cache/kvroute), KVROUTE_VLLM_VENV, GOLDEN_PORT (default 18471).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -28,6 +29,8 @@ eval "$(bash scripts/models.sh)"
 [ -n "${KVROUTE_MODELS:-}" ] || { echo "goldens: no tokenizer folders (scripts/models.sh)" >&2; exit 1; }
 python3 tests/vllm/goldens/corpus.py "$out/corpus.jsonl"
 "$py" tests/vllm/goldens/make_models.py "$KVROUTE_MODELS" "$models_out"
+# The /tokenize bodies kvroute's remote tokenizer sends, to check that mode against vLLM too.
+cargo build -p kvroute-ext-proc --example remote_bodies
 
 export PYTHONHASHSEED=0 VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 \
     VLLM_DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 \
@@ -49,6 +52,8 @@ for dir in "$models_out"/*/; do
         [ "$(date +%s)" -lt "$deadline" ] || { echo "goldens: $name did not start" >&2; exit 1; }
         sleep 2
     done
-    python3 tests/vllm/goldens/record.py "http://127.0.0.1:$port" "$name" "$out/corpus.jsonl" "$out/$name.jsonl"
+    bodies="$root/target/vllm-goldens-bodies-$name.jsonl"
+    target/debug/examples/remote_bodies "$name" < "$out/corpus.jsonl" > "$bodies"
+    python3 tests/vllm/goldens/record.py "http://127.0.0.1:$port" "$name" "$out/corpus.jsonl" "$out/$name.jsonl" "$bodies"
     stop
 done
