@@ -494,7 +494,7 @@ fn rewrite_generation_tags(source: &str) -> String {
     while let Some(start) = rest.find("{%") {
         out.push_str(&rest[..start]);
         let tag = &rest[start..];
-        let Some(end) = tag.find("%}") else {
+        let Some(end) = tag[2..].find("%}").map(|i| i + 2) else {
             out.push_str(tag);
             return out;
         };
@@ -552,5 +552,6 @@ mod tests {
             rewrite_generation_tags("a{%- generation %}b{% endgeneration -%}c{% if x %}"),
             "a{%- if true %}b{% endif -%}c{% if x %}"
         );
+        assert_eq!(rewrite_generation_tags("{%}{%"), "{%}{%");
     }
 }
