@@ -448,7 +448,8 @@ replicas:
 async fn bind_mode_refuses_peers_outside_the_allow_list_and_foreign_topics() {
     let dir = tempfile::tempdir().unwrap();
     let bound = format!("127.0.0.1:{}", free_port());
-    // Only 127.0.0.2 may connect: the test's peers come from 127.0.0.1, which is refused.
+    // Both sockets have an allow-list: `guarded` admits only 127.0.0.2, so the test's peers (from
+    // 127.0.0.1) are refused; `open` admits loopback and checks the topic.
     let yaml = format!(
         r#"
 listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
@@ -456,7 +457,7 @@ pools:
   - {{model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0", validate_hashes: false}}
 replicas:
   - {{id: guarded, model: tiny, events: {{endpoint: "tcp://{bound}", mode: bind, allowed_peers: ["127.0.0.2"]}}}}
-  - {{id: open, model: tiny, events: {{endpoint: "tcp://127.0.0.1:{open_port}", mode: bind, topic: "kv@open"}}}}
+  - {{id: open, model: tiny, events: {{endpoint: "tcp://127.0.0.1:{open_port}", mode: bind, topic: "kv@open", allowed_peers: ["127.0.0.0/8"]}}}}
 "#,
         open_port = free_port(),
     );
