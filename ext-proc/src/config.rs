@@ -488,6 +488,22 @@ pub struct Pool {
     pub tokenizer: TokenizerSource,
 }
 
+impl Pool {
+    /// The key of every full block of `tokens`, with the extra keys (`adapter`, `cache_salt`)
+    /// the pool's vLLM era hashes: what the picker asks the index for, and what
+    /// `kvroute-check` prints.
+    pub fn prompt_keys(
+        &self,
+        tokens: &[u32],
+        adapter: Option<&Adapter>,
+        cache_salt: Option<&str>,
+    ) -> Result<Vec<u64>, kvroute_block_keys::KeyError> {
+        let lora = adapter.map(Adapter::as_lora_ref);
+        self.key_scheme
+            .prompt_keys(tokens, self.block_size as usize, lora.as_ref(), cache_salt)
+    }
+}
+
 /// A LoRA adapter, as vLLM's `LoRARequest` names it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Adapter {

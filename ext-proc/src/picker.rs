@@ -33,7 +33,7 @@ use crate::metrics::{DecisionLabels, FallbackLabels, KindLabel, Metrics};
 use crate::policy::{self, Candidate, Reason};
 use crate::prefix_memory::PrefixMemory;
 use crate::request::ParsedRequest;
-use crate::tokenizer::{InProcessTokenizer, RemoteTokenizer, TokenCache, Tokenizer};
+use crate::tokenizer::{TokenCache, Tokenizer};
 
 /// Which tier produced a decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,22 +153,10 @@ impl Runtime {
                     .position(|old| old.tokenizer == pool.tokenizer)?;
                 p.tokenizers[j].clone()
             });
-            let tokenizer: Option<Arc<dyn Tokenizer>> = match (&pool.tokenizer, reused) {
+            let tokenizer = match (&pool.tokenizer, reused) {
                 (TokenizerSource::None, _) => None,
                 (_, Some(reused)) => Some(reused),
-                (TokenizerSource::ModelDir(dir), None) => {
-                    let loaded = InProcessTokenizer::load(dir, tasks.clone()).map_err(|e| {
-                        ConfigError::Tokenizer {
-                            field: format!("pools[{i}].tokenizer.model_dir"),
-                            path: dir.display().to_string(),
-                            reason: e.to_string(),
-                        }
-                    })?;
-                    Some(Arc::new(loaded))
-                }
-                (TokenizerSource::Remote { url, timeout }, None) => {
-                    Some(Arc::new(RemoteTokenizer::new(url.clone(), *timeout)))
-                }
+                (source, None) => crate::tokenizer::from_source(source, i, tasks)?,
             };
             tokenizers.push(tokenizer);
         }
@@ -455,15 +443,8 @@ impl Picker {
             })
             .observe(tokenize_started.elapsed().as_secs_f64());
         // Keys.
-        let lora = adapter.map(|a| a.as_lora_ref());
         let keys = pool
-            .key_scheme
-            .prompt_keys(
-                &tokens.tokens,
-                pool.block_size as usize,
-                lora.as_ref(),
-                request.cache_salt.as_deref(),
-            )
+            .prompt_keys(&tokens.tokens, adapter, request.cache_salt.as_deref())
             .map_err(|e| {
                 self.count_fallback("keys", e.as_label());
                 LoadCause::KeyError

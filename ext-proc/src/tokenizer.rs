@@ -27,7 +27,8 @@ use serde_json::value::RawValue;
 use tokio_util::task::TaskTracker;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::error::TokenizeError;
+use crate::config::TokenizerSource;
+use crate::error::{ConfigError, TokenizeError};
 use crate::lru::Lru;
 use crate::request::{ChatFields, Prompt};
 
@@ -182,6 +183,72 @@ pub type TokenizeFuture = Pin<Box<dyn Future<Output = Result<Vec<u32>, TokenizeE
 pub trait Tokenizer: Send + Sync + fmt::Debug {
     /// Token ids of `input` for `model` (base or adapter name, as the client sent it).
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture;
+
+    /// How it computes them (what `kvroute-check` reports); [`TokenizerMode::Other`] unless
+    /// overridden.
+    fn mode(&self) -> TokenizerMode {
+        TokenizerMode::Other
+    }
+}
+
+/// How a [`Tokenizer`] computes token ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerMode {
+    /// In process, with `kvroute-tokenize`'s fast byte-level BPE encoder (checked against HF at
+    /// load).
+    InProcessFast,
+    /// In process, with the Hugging Face `tokenizers` crate.
+    InProcessHf,
+    /// A remote vLLM-compatible `/tokenize`.
+    Remote,
+    /// Another implementation (tests, embedders).
+    Other,
+}
+
+impl TokenizerMode {
+    /// Where the tokens are computed: `in_process`, `remote` or `other`.
+    pub fn location(self) -> &'static str {
+        match self {
+            Self::InProcessFast | Self::InProcessHf => "in_process",
+            Self::Remote => "remote",
+            Self::Other => "other",
+        }
+    }
+
+    /// The in-process encoder, `fast` or `hf` (`None` elsewhere).
+    pub fn encoder(self) -> Option<&'static str> {
+        match self {
+            Self::InProcessFast => Some("fast"),
+            Self::InProcessHf => Some("hf"),
+            Self::Remote | Self::Other => None,
+        }
+    }
+}
+
+/// Builds the tokenizer a pool's `source` names (`None` for [`TokenizerSource::None`]); `pool`
+/// is the pool's index, for the error's field name. Loading a model folder is slow (it checks
+/// the fast encoder against HF).
+pub fn from_source(
+    source: &TokenizerSource,
+    pool: usize,
+    tasks: &TaskTracker,
+) -> Result<Option<Arc<dyn Tokenizer>>, ConfigError> {
+    Ok(match source {
+        TokenizerSource::None => None,
+        TokenizerSource::ModelDir(dir) => {
+            let loaded = InProcessTokenizer::load(dir, tasks.clone()).map_err(|e| {
+                ConfigError::Tokenizer {
+                    field: format!("pools[{pool}].tokenizer.model_dir"),
+                    path: dir.display().to_string(),
+                    reason: e.to_string(),
+                }
+            })?;
+            Some(Arc::new(loaded))
+        }
+        TokenizerSource::Remote { url, timeout } => {
+            Some(Arc::new(RemoteTokenizer::new(url.clone(), *timeout)))
+        }
+    })
 }
 
 /// Largest input tokenized on the calling task rather than a blocking thread, when the model
@@ -214,6 +281,14 @@ impl InProcessTokenizer {
 }
 
 impl Tokenizer for InProcessTokenizer {
+    fn mode(&self) -> TokenizerMode {
+        if self.model.uses_fast_path() {
+            TokenizerMode::InProcessFast
+        } else {
+            TokenizerMode::InProcessHf
+        }
+    }
+
     fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
         if self.model.uses_fast_path() && input.len_bytes() <= INLINE_MAX_BYTES {
             // Tens of microseconds: cheaper here than the hop to a blocking thread and back.
@@ -335,6 +410,10 @@ impl RemoteTokenizer {
 }
 
 impl Tokenizer for RemoteTokenizer {
+    fn mode(&self) -> TokenizerMode {
+        TokenizerMode::Remote
+    }
+
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
         let Some(body) = Self::request_body(model, &input) else {
             return Box::pin(std::future::ready(Err(TokenizeError::Remote {
