@@ -11,7 +11,8 @@
 //! (token ids + cache), [`picker`] (the tiered decision), [`policy`] (TTFT scoring),
 //! [`prefix_memory`] (approximate tier + speculative inserts), [`load`] (scraped + in-flight
 //! load), [`index_client`] (kvroute-index with fail-over), [`server`] (the ext_proc stream
-//! protocol), [`admin`] (`/metrics`, `/healthz`, `/readyz`).
+//! protocol), [`admin`] (`/metrics`, `/healthz`, `/readyz`), [`check`] (what a decision computes
+//! for one body: the `kvroute-check` command).
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -23,6 +24,7 @@
 #![deny(missing_docs)]
 
 pub mod admin;
+pub mod check;
 pub mod config;
 pub mod error;
 pub mod index_client;

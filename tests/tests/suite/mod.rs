@@ -1,6 +1,7 @@
 //! Test modules of the integration binary.
 
 mod agent;
+mod check;
 mod common;
 mod demo;
 mod embedded_index;
