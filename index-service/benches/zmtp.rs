@@ -6,7 +6,7 @@
 //! fast as the socket takes them; each side subscribes and receives `MESSAGES` of them. Reports
 //! messages/s and MB/s for both and their ratio.
 //!
-//! `cargo bench -p kvroute-index --bench zmtp`
+//! `cargo bench -p kvroute-index --features test-util --bench zmtp`
 
 #![allow(
     clippy::expect_used,
@@ -19,6 +19,7 @@
 use std::time::{Duration, Instant};
 
 use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_index::testing::zmtp_bytes;
 use kvroute_index::wire::{Encoding, encode_batch};
 use kvroute_index::zmtp::{Endpoint, Limits, SubEvent, SubSocket};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -48,34 +49,11 @@ fn payload() -> Vec<u8> {
     )
 }
 
-fn frame(out: &mut Vec<u8>, body: &[u8], more: bool, command: bool) {
-    let flags = u8::from(more) | if command { 0x04 } else { 0 };
-    match u8::try_from(body.len()) {
-        Ok(len) => out.extend([flags, len]),
-        Err(_) => {
-            out.push(flags | 0x02);
-            out.extend((body.len() as u64).to_be_bytes());
-        }
-    }
-    out.extend_from_slice(body);
-}
-
 /// Serves one subscriber: handshake, then `MESSAGES` pre-encoded messages.
 async fn publish_once(listener: &TcpListener, messages: &[u8]) {
     let (mut stream, _) = listener.accept().await.unwrap();
-    let mut greeting = vec![0u8; 64];
-    greeting[0] = 0xff;
-    greeting[9] = 0x7f;
-    greeting[10] = 3;
-    greeting[12..16].copy_from_slice(b"NULL");
-    let mut ready = vec![5];
-    ready.extend_from_slice(b"READY");
-    ready.push(11);
-    ready.extend_from_slice(b"Socket-Type");
-    ready.extend(3u32.to_be_bytes());
-    ready.extend_from_slice(b"PUB");
-    let mut hello = greeting;
-    frame(&mut hello, &ready, false, true);
+    let mut hello = zmtp_bytes::greeting();
+    hello.extend(zmtp_bytes::ready("PUB"));
     stream.write_all(&hello).await.unwrap();
     // The subscriber's greeting, READY and subscription: read and ignored.
     let mut peer = [0u8; 64];
@@ -120,13 +98,9 @@ fn main() {
         .build()
         .unwrap();
     let payload = payload();
-    let mut one = Vec::new();
-    frame(&mut one, b"", true, false);
     let mut stream = Vec::with_capacity(MESSAGES * (payload.len() + 32));
     for seq in 0..MESSAGES as u64 {
-        stream.extend_from_slice(&one);
-        frame(&mut stream, &seq.to_be_bytes(), true, false);
-        frame(&mut stream, &payload, false, false);
+        stream.extend(zmtp_bytes::message(&[b"", &seq.to_be_bytes(), &payload]));
     }
     let bytes_per_message = stream.len() / MESSAGES;
     println!(

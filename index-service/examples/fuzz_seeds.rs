@@ -21,6 +21,7 @@ use kvroute_block_keys::HashValue;
 use kvroute_index::agent::convert::event_to_proto;
 use kvroute_index::api;
 use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_index::testing::zmtp_bytes;
 use kvroute_index::wire::{self, Encoding, HashForm, Schema};
 use prost::Message as _;
 
@@ -150,36 +151,6 @@ fn frames(frames: &[&[u8]]) -> Vec<u8> {
     out
 }
 
-/// A ZMTP 3.0 peer's bytes: greeting (NULL mechanism), READY with `socket_type`, one message.
-fn zmtp_stream(socket_type: &[u8], message: &[&[u8]]) -> Vec<u8> {
-    fn frame(out: &mut Vec<u8>, body: &[u8], flags: u8) {
-        match u8::try_from(body.len()) {
-            Ok(len) => out.extend([flags, len]),
-            Err(_) => {
-                out.push(flags | 0x02);
-                out.extend((body.len() as u64).to_be_bytes());
-            }
-        }
-        out.extend_from_slice(body);
-    }
-    let mut out = vec![0u8; 64];
-    out[0] = 0xff;
-    out[9] = 0x7f;
-    out[10] = 3;
-    out[12..16].copy_from_slice(b"NULL");
-    let mut ready = vec![5];
-    ready.extend_from_slice(b"READY");
-    ready.push(11);
-    ready.extend_from_slice(b"Socket-Type");
-    ready.extend((socket_type.len() as u32).to_be_bytes());
-    ready.extend_from_slice(socket_type);
-    frame(&mut out, &ready, 0x04);
-    for (i, body) in message.iter().enumerate() {
-        frame(&mut out, body, u8::from(i + 1 < message.len()));
-    }
-    out
-}
-
 struct Seeds {
     out: PathBuf,
     count: usize,
@@ -210,10 +181,13 @@ impl Seeds {
         // What an engine's PUB and replay ROUTER send over the wire (control byte: socket type
         // and arrival chunk size, see fuzz_targets/zmtp_frames.rs).
         let mut live = vec![0x80];
-        live.extend(zmtp_stream(b"PUB", &[b"kv@engine-a@tiny", &seq, payload]));
+        live.extend(zmtp_bytes::peer_stream(
+            "PUB",
+            &[b"kv@engine-a@tiny", &seq, payload],
+        ));
         self.write("zmtp_frames", &live)?;
         let mut replay = vec![0x01];
-        replay.extend(zmtp_stream(b"ROUTER", &[b"", &seq, payload]));
+        replay.extend(zmtp_bytes::peer_stream("ROUTER", &[b"", &seq, payload]));
         self.write("zmtp_frames", &replay)?;
         self.write(
             "wire_frames",
@@ -299,7 +273,7 @@ impl Seeds {
                     let refs: Vec<&[u8]> = decoded.iter().map(Vec::as_slice).collect();
                     self.write("wire_frames", &frames(&refs))?;
                     let mut wire = vec![0x80];
-                    wire.extend(zmtp_stream(b"PUB", &refs));
+                    wire.extend(zmtp_bytes::peer_stream("PUB", &refs));
                     self.write("zmtp_frames", &wire)?;
                     if let Some(payload) = decoded.last() {
                         self.write("wire_batch", payload)?;

@@ -6,6 +6,7 @@
 
 mod publisher;
 mod sink;
+pub mod zmtp_bytes;
 
 pub use publisher::{
     DEFAULT_BUFFER_STEPS, MockPublisherConfig, MockVllmPublisher, PubMode, ReplayLayout,

@@ -15,6 +15,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvroute_index::testing::zmtp_bytes::{self, greeting, ready};
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher, PubMode};
 use kvroute_tests::harness::{ChildGuard, http, wait_until};
 use kvroute_tests::stack::binary_dir;
@@ -68,29 +69,6 @@ struct Outcome {
     closed_by_victim: bool,
     /// Body bytes of the slow frame the victim accepted before closing.
     body_sent: usize,
-}
-
-/// A ZMTP 3.0 greeting with the NULL mechanism, written out by hand (independent of kvroute's
-/// codec).
-fn greeting() -> Vec<u8> {
-    let mut greeting = vec![0u8; 64];
-    greeting[0] = 0xff;
-    greeting[9] = 0x7f;
-    greeting[10] = 3;
-    greeting[12..16].copy_from_slice(b"NULL");
-    greeting
-}
-
-fn ready(socket_type: &str) -> Vec<u8> {
-    let mut body = vec![5];
-    body.extend_from_slice(b"READY");
-    body.push(11);
-    body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&(socket_type.len() as u32).to_be_bytes());
-    body.extend_from_slice(socket_type.as_bytes());
-    let mut frame = vec![0x04, body.len() as u8];
-    frame.extend_from_slice(&body);
-    frame
 }
 
 /// 64 deterministic pseudo-random bytes (xorshift).
@@ -263,23 +241,6 @@ async fn raw_publisher(endpoint: &str) -> TcpStream {
     hello.extend(ready("PUB"));
     stream.write_all(&hello).await.unwrap();
     stream
-}
-
-/// A message's frames, encoded by hand.
-fn raw_message(frames: &[&[u8]]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for (i, frame) in frames.iter().enumerate() {
-        let more = u8::from(i + 1 < frames.len());
-        match u8::try_from(frame.len()) {
-            Ok(len) => out.extend([more, len]),
-            Err(_) => {
-                out.push(more | 0x02);
-                out.extend((frame.len() as u64).to_be_bytes());
-            }
-        }
-        out.extend_from_slice(frame);
-    }
-    out
 }
 
 /// A port free right now on 127.0.0.1 (for a socket the index binds).
@@ -474,7 +435,11 @@ replicas:
     let refused = "kvroute_index_ingest_refused_total";
     let mut rogue = raw_publisher(&format!("tcp://{bound}")).await;
     let _ = rogue
-        .write_all(&raw_message(&[b"", &0u64.to_be_bytes(), &batch(&[66])]))
+        .write_all(&zmtp_bytes::message(&[
+            b"",
+            &0u64.to_be_bytes(),
+            &batch(&[66]),
+        ]))
         .await;
     let outcome_closed = tokio::time::timeout(CLOSE_DEADLINE, async {
         let mut sink = [0u8; 256];
@@ -497,7 +462,7 @@ replicas:
     let mut seq = 0u64;
     wait_until("the foreign topic is refused", CONVERGE, || {
         seq += 1;
-        let message = raw_message(&[b"kv@other", &seq.to_be_bytes(), &batch(&[77])]);
+        let message = zmtp_bytes::message(&[b"kv@other", &seq.to_be_bytes(), &batch(&[77])]);
         let (impostor, admin) = (Arc::clone(&impostor), admin.clone());
         async move {
             impostor.lock().await.write_all(&message).await.ok()?;
