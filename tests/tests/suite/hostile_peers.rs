@@ -243,6 +243,32 @@ async fn raw_publisher(endpoint: &str) -> TcpStream {
     stream
 }
 
+/// An index config with the tests' one pool (synthetic hashes: validation off) and `replicas`
+/// (YAML list items).
+fn index_yaml(replicas: &str) -> String {
+    format!(
+        r#"
+listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
+pools:
+  - {{model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0", validate_hashes: false}}
+replicas:
+{replicas}"#
+    )
+}
+
+/// An honest engine whose PUB connects to a socket the index binds.
+async fn connecting_publisher(endpoint: String, topic: &str) -> MockVllmPublisher {
+    MockVllmPublisher::start(MockPublisherConfig {
+        endpoint,
+        mode: PubMode::Connect,
+        replay_endpoint: None,
+        topic: topic.into(),
+        ..MockPublisherConfig::loopback()
+    })
+    .await
+    .unwrap()
+}
+
 /// A port free right now on 127.0.0.1 (for a socket the index binds).
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -288,13 +314,8 @@ async fn index_survives_hostile_peers_on_every_socket_kind() {
     let rogue_pub = RogueEngine::start("PUB").await;
     let rogue_router = RogueEngine::start("ROUTER").await;
     let bound = format!("127.0.0.1:{}", free_port());
-    let yaml = format!(
-        r#"
-listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
-pools:
-  - {{model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0", validate_hashes: false}}
-replicas:
-  - {{id: honest, model: tiny, events: {{endpoint: "{}", replay_endpoint: "{}"}}}}
+    let yaml = index_yaml(&format!(
+        r#"  - {{id: honest, model: tiny, events: {{endpoint: "{}", replay_endpoint: "{}"}}}}
   - {{id: bound, model: tiny, events: {{endpoint: "tcp://{bound}", mode: bind}}}}
   - {{id: rogue-pub, model: tiny, events: {{endpoint: "{}"}}}}
   - {{id: rogue-replay, model: tiny, events: {{endpoint: "{}", replay_endpoint: "{}"}}}}
@@ -304,7 +325,7 @@ replicas:
         rogue_pub.endpoint(),
         honest_live.pub_endpoint().unwrap(),
         rogue_router.endpoint(),
-    );
+    ));
     let mut index = IndexProcess::start_with(dir.path(), &yaml).await;
     let admin = format!("http://{}", index.admin);
 
@@ -377,14 +398,7 @@ replicas:
     }
 
     // Honest engines keep ingesting, on the attacked bound socket too.
-    let engine_on_bound = MockVllmPublisher::start(MockPublisherConfig {
-        endpoint: format!("tcp://{bound}"),
-        mode: PubMode::Connect,
-        replay_endpoint: None,
-        ..MockPublisherConfig::loopback()
-    })
-    .await
-    .unwrap();
+    let engine_on_bound = connecting_publisher(format!("tcp://{bound}"), "").await;
     wait_until("honest engines indexed", CONVERGE, || async {
         // PUB/SUB drops what is sent before the subscription arrives: repeat until it lands.
         let _ = engine_on_bound.publish(batch(&[7, 8])).await;
@@ -411,17 +425,12 @@ async fn bind_mode_refuses_peers_outside_the_allow_list_and_foreign_topics() {
     let bound = format!("127.0.0.1:{}", free_port());
     // Both sockets have an allow-list: `guarded` admits only 127.0.0.2, so the test's peers (from
     // 127.0.0.1) are refused; `open` admits loopback and checks the topic.
-    let yaml = format!(
-        r#"
-listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
-pools:
-  - {{model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0", validate_hashes: false}}
-replicas:
-  - {{id: guarded, model: tiny, events: {{endpoint: "tcp://{bound}", mode: bind, allowed_peers: ["127.0.0.2"]}}}}
+    let yaml = index_yaml(&format!(
+        r#"  - {{id: guarded, model: tiny, events: {{endpoint: "tcp://{bound}", mode: bind, allowed_peers: ["127.0.0.2"]}}}}
   - {{id: open, model: tiny, events: {{endpoint: "tcp://127.0.0.1:{open_port}", mode: bind, topic: "kv@open", allowed_peers: ["127.0.0.0/8"]}}}}
 "#,
         open_port = free_port(),
-    );
+    ));
     let index = IndexProcess::start_with(dir.path(), &yaml).await;
     let admin = format!("http://{}", index.admin);
     let open_endpoint = yaml
@@ -478,15 +487,7 @@ replicas:
     .await
     .unwrap();
     drop(impostor);
-    let engine = MockVllmPublisher::start(MockPublisherConfig {
-        endpoint: open_endpoint,
-        mode: PubMode::Connect,
-        replay_endpoint: None,
-        topic: "kv@open".into(),
-        ..MockPublisherConfig::loopback()
-    })
-    .await
-    .unwrap();
+    let engine = connecting_publisher(open_endpoint, "kv@open").await;
     wait_until("the right topic is applied", CONVERGE, || async {
         let _ = engine.publish(batch(&[88])).await;
         (index_blocks(&admin, "open").await? >= 1).then_some(())
