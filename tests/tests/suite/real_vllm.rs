@@ -72,12 +72,12 @@ const WORKLOAD_SEED: u64 = 0x6b76_726f_7574_6532;
 /// Predicted and actual cached tokens may differ by one block.
 const PREDICTION_TOLERANCE: i64 = BLOCK_SIZE as i64;
 
-fn cache_dir() -> PathBuf {
+pub(super) fn cache_dir() -> PathBuf {
     let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
     std::env::var_os("KVROUTE_CACHE").map_or_else(|| home.join(".cache/kvroute"), PathBuf::from)
 }
 
-fn venv_dir() -> PathBuf {
+pub(super) fn venv_dir() -> PathBuf {
     std::env::var_os("KVROUTE_VLLM_VENV")
         .map_or_else(|| cache_dir().join("vllm-venv"), PathBuf::from)
 }
@@ -98,17 +98,38 @@ fn free_ports(count: usize) -> Vec<u16> {
         .collect()
 }
 
+/// What an engine serves: the model folder (served as [`MODEL`]), its KV cache and extra flags.
+pub(super) struct EngineSpec {
+    pub model_dir: PathBuf,
+    /// Usable KV blocks (vLLM's `--num-gpu-blocks-override` is one more: the null block).
+    pub kv_blocks: usize,
+    pub max_model_len: usize,
+    pub extra_args: Vec<String>,
+}
+
+impl EngineSpec {
+    /// The tiny model of `tests/fixtures/tiny-model/`, as [`real_vllm_end_to_end`] runs it.
+    fn tiny() -> Self {
+        Self {
+            model_dir: model_dir(),
+            kv_blocks: KV_BLOCKS,
+            max_model_len: 2048,
+            extra_args: Vec::new(),
+        }
+    }
+}
+
 /// One real vLLM engine (`tests/vllm/serve.sh`) in its own process group.
-struct VllmEngine {
+pub(super) struct VllmEngine {
     name: String,
     http: SocketAddr,
-    external: ExternalReplica,
+    pub external: ExternalReplica,
     guard: ChildGuard,
 }
 
 impl VllmEngine {
     /// Starts engine `index`; its PUB socket connects to an endpoint kvroute-index binds.
-    fn spawn(index: usize, log_dir: &Path) -> Self {
+    pub fn spawn(index: usize, log_dir: &Path, spec: &EngineSpec) -> Self {
         let ports = free_ports(3);
         let http: SocketAddr = ([127, 0, 0, 1], ports[0]).into();
         let events = format!("tcp://127.0.0.1:{}", ports[1]);
@@ -118,13 +139,15 @@ impl VllmEngine {
         let mut command = Command::new("bash");
         command
             .arg(workspace_root().join("tests/vllm/serve.sh"))
-            .arg(model_dir())
+            .arg(&spec.model_dir)
             .arg(ports[0].to_string())
             .arg(&events)
             .arg(ports[2].to_string())
             .arg(&topic)
+            .args(&spec.extra_args)
             .env("KVROUTE_VLLM_VENV", venv_dir())
-            .env("NUM_BLOCKS", (KV_BLOCKS + 1).to_string())
+            .env("NUM_BLOCKS", (spec.kv_blocks + 1).to_string())
+            .env("MAX_MODEL_LEN", spec.max_model_len.to_string())
             // Its own group, so stopping it reaches the engine-core and worker processes too.
             .process_group(0);
         let guard = ChildGuard::spawn(&name, command, log_dir.join(format!("{name}.log"))).unwrap();
@@ -142,12 +165,12 @@ impl VllmEngine {
         }
     }
 
-    fn url(&self) -> String {
+    pub fn url(&self) -> String {
         format!("http://{}", self.http)
     }
 
     /// Waits for `/health` 200; fails at once if the engine exited.
-    async fn wait_healthy(&mut self) {
+    pub async fn wait_healthy(&mut self) {
         let health = format!("{}/health", self.url());
         let guard = &mut self.guard;
         let outcome = wait_until(&format!("{} /health", self.name), ENGINE_STARTUP, || {
@@ -169,7 +192,7 @@ impl VllmEngine {
         }
     }
 
-    async fn metrics(&self) -> EngineCounters {
+    pub async fn metrics(&self) -> EngineCounters {
         let text = http::get(&format!("{}/metrics", self.url()))
             .await
             .unwrap()
@@ -214,10 +237,10 @@ fn sum_metric(text: &str, name: &str) -> f64 {
 }
 
 #[derive(Debug, Clone, Copy, Default)]
-struct EngineCounters {
-    prefix_hits: f64,
-    prefix_queries: f64,
-    requests: f64,
+pub(super) struct EngineCounters {
+    pub prefix_hits: f64,
+    pub prefix_queries: f64,
+    pub requests: f64,
 }
 
 impl std::ops::Sub for EngineCounters {
@@ -231,7 +254,7 @@ impl std::ops::Sub for EngineCounters {
     }
 }
 
-async fn counters(engines: &[VllmEngine]) -> Vec<EngineCounters> {
+pub(super) async fn counters(engines: &[VllmEngine]) -> Vec<EngineCounters> {
     let mut all = Vec::with_capacity(engines.len());
     for engine in engines {
         all.push(engine.metrics().await);
@@ -444,13 +467,13 @@ async fn send_turn(url: &str, body: &Value) -> Outcome {
 
 /// Hit rate and the busiest engine's share of requests over a run.
 #[derive(Debug, Clone, Copy)]
-struct RunStats {
-    hit_rate: f64,
-    max_request_share: f64,
-    requests: f64,
+pub(super) struct RunStats {
+    pub hit_rate: f64,
+    pub max_request_share: f64,
+    pub requests: f64,
 }
 
-fn run_stats(deltas: &[EngineCounters]) -> RunStats {
+pub(super) fn run_stats(deltas: &[EngineCounters]) -> RunStats {
     let hits: f64 = deltas.iter().map(|d| d.prefix_hits).sum();
     let queries: f64 = deltas.iter().map(|d| d.prefix_queries).sum();
     let requests: f64 = deltas.iter().map(|d| d.requests).sum();
@@ -515,7 +538,7 @@ async fn real_vllm_end_to_end() {
     // --- Engines, concurrently; then the stack in front of them.
     let started = Instant::now();
     let mut engines: Vec<VllmEngine> = (0..ENGINES)
-        .map(|i| VllmEngine::spawn(i, logs.path()))
+        .map(|i| VllmEngine::spawn(i, logs.path(), &EngineSpec::tiny()))
         .collect();
     futures::future::join_all(engines.iter_mut().map(VllmEngine::wait_healthy)).await;
     let engine_startup = started.elapsed();
