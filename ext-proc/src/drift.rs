@@ -14,7 +14,10 @@
 //! their hits). The engine side is the deltas of vLLM's `vllm:prefix_cache_hits_total` and
 //! `vllm:prefix_cache_queries_total` (tokens; `PrefixCacheStats`, which leaves preempted requests
 //! out) between two successful scrapes of its `/metrics`. A counter that goes down is an engine
-//! restart: the delta is the new value (counted since the restart), never negative.
+//! restart: the delta is the new value (counted since the restart), never negative. kvroute's
+//! side is read just before each scrape: a request counted there was answered, so the engine
+//! counted its hits before the scrape reads them (vLLM updates its counters with the scheduler
+//! step, before the response), and timing can make drift read low, not high.
 //!
 //! **Drift** over a sliding window (`drift.window`) of scrape samples, with `P` the predicted and
 //! `H` the observed cached tokens in it:
@@ -32,9 +35,12 @@
 //! no prediction) and engines batching siblings can hide drift, never create it. What raises drift
 //! without a tokenization mismatch: blocks evicted between the decision and the engine scheduling
 //! the request, speculative predictions for siblings the engine schedules before their shared
-//! prefill finished, requests the engine refused after kvroute counted them, and the two sides'
-//! timing (a request answered between the engine's stats update and the scrape). On a busy
-//! replica these are a few percent; a mismatch reads near 1. Under-prediction (the engine hits
+//! prefill finished, requests the engine refused after kvroute counted them, and a request at the
+//! window's trailing edge whose hits fell in the sample before its prediction. On a busy replica
+//! these are a few percent; a mismatch reads near 1. A mismatch that keeps kvroute's prefixes and
+//! the engine's equally stable (say, another role marker) is not over-prediction: the index never
+//! confirms kvroute's keys, so beyond `scoring.speculative_ttl` kvroute predicts nothing there,
+//! and it shows as observed well above predicted. Under-prediction (the engine hits
 //! more than predicted) is not drift here; the counters are exported for it. Several engines
 //! behind one `/metrics` (label sets) are summed, so one of them restarting while the others
 //! count on can go unnoticed as a reset and shorten one delta.

@@ -342,6 +342,7 @@ impl LoadBoard {
         replica: &Replica,
         load: &ReplicaLoad,
         engine: EngineCounters,
+        predicted: Prediction,
         config: &Config,
         label: &ReplicaLabel,
     ) {
@@ -349,7 +350,7 @@ impl LoadBoard {
         let observation =
             load.drift
                 .lock()
-                .observe(Instant::now(), engine, load.predicted(), drift_config);
+                .observe(Instant::now(), engine, predicted, drift_config);
         let metrics = &self.metrics;
         metrics
             .drift_predicted_cached_tokens
@@ -415,12 +416,15 @@ impl LoadBoard {
         let label = ReplicaLabel {
             replica: replica.id.clone(),
         };
+        // kvroute's side is read before the engine's: every request it counts was answered, so
+        // the engine counted its hits before this scrape reads them (drift can only read low).
+        let predicted = load.predicted();
         let result = tokio::time::timeout(timeout, fetch(&self.client, url)).await;
         match result.map_err(|_| "timeout".to_owned()).and_then(|r| r) {
             Ok(text) => {
                 let (scraped, prefix_cache) = parse_exposition(&text);
                 if let Some(engine) = prefix_cache {
-                    self.observe_drift(replica, &load, engine, config, &label);
+                    self.observe_drift(replica, &load, engine, predicted, config, &label);
                 }
                 *load.scraped.lock() = scraped;
                 load.routed_since_scrape.store(0, Ordering::Relaxed);
@@ -576,13 +580,8 @@ mod tests {
                 hits,
                 queries: hits * 2.0 + 1000.0,
             };
-            board.observe_drift(
-                replica,
-                &board.replica(&replica.id),
-                engine,
-                &config,
-                &label,
-            );
+            let load = board.replica(&replica.id);
+            board.observe_drift(replica, &load, engine, load.predicted(), &config, &label);
         };
         let route = |replica: &str, cached_tokens: u64| {
             let before = board.replica(replica).predicted();
