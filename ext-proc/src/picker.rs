@@ -481,9 +481,10 @@ impl Picker {
                 LoadCause::KeyError
             })?;
         // Index.
+        let asks_index = pool.events && runtime.index.is_configured() && !keys.is_empty();
         let skip = if !pool.events {
             Some(IndexSkip::PoolWithoutEvents)
-        } else if self.loads.pool_degraded(&pool.name) {
+        } else if asks_index && self.loads.pool_degraded(&pool.name) {
             Some(IndexSkip::Drift)
         } else {
             None
@@ -491,7 +492,7 @@ impl Picker {
         let index_answer = if let Some(skip) = skip {
             self.count_fallback("index", skip.as_label());
             None
-        } else if runtime.index.is_configured() && !keys.is_empty() {
+        } else if asks_index {
             let match_started = Instant::now();
             let match_deadline = deadline.min(match_started + config.match_timeout);
             let request = MatchRequest {

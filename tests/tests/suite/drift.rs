@@ -84,7 +84,8 @@ async fn a_replica_with_another_chat_template_drifts_alone_and_degrades_its_pool
     }
 
     // The mismatched sim's verdict: kvroute predicted its history cached, the engine hit none.
-    // The control's last scrape comes after the last answer, so both sides are complete.
+    // Scrapes carry the predictions of answered requests to the metrics: wait until the control
+    // sim has a verdict of its own too, with the engine's side caught up.
     let drifting = replica_label(0);
     let matching = replica_label(1);
     let settled = wait_until("sim-0 to drift and its pool to degrade", SETTLE, || async {
@@ -92,13 +93,17 @@ async fn a_replica_with_another_chat_template_drifts_alone_and_degrades_its_pool
         let sample = |family: &str, labels: &[&str]| sum_samples(&metrics, family, labels);
         let drift = sample("kvroute_extproc_drift_ratio", &[&drifting]);
         let degraded = sample("kvroute_extproc_drift_degraded", &["pool=\"tiny\""]);
-        let control_settled = sample(
-            "kvroute_extproc_drift_observed_cached_tokens_total",
-            &[&matching],
-        ) >= sample(
+        let control_predicted = sample(
             "kvroute_extproc_drift_predicted_cached_tokens_total",
             &[&matching],
         );
+        let control_settled = metrics
+            .contains(&format!("kvroute_extproc_drift_ratio{{{matching}}}"))
+            && control_predicted >= MIN_TOKENS as f64
+            && sample(
+                "kvroute_extproc_drift_observed_cached_tokens_total",
+                &[&matching],
+            ) >= control_predicted;
         (drift > 0.5 && degraded == 1.0 && control_settled).then_some(metrics)
     })
     .await;
@@ -143,8 +148,10 @@ async fn a_replica_with_another_chat_template_drifts_alone_and_degrades_its_pool
         "kvroute_extproc_drift_observed_cached_tokens_total",
         &[&matching],
     );
-    assert!(predicted >= MIN_TOKENS as f64, "{predicted}");
-    assert!(observed >= predicted, "{observed} of {predicted} predicted");
+    assert!(
+        predicted >= MIN_TOKENS as f64 && observed >= predicted,
+        "{observed} of {predicted}"
+    );
     assert_eq!(sample("kvroute_extproc_drift_ratio", &[&matching]), 0.0);
     assert_eq!(
         sample("kvroute_extproc_drift_warnings_total", &[&matching]),
