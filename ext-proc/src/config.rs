@@ -32,6 +32,11 @@
 //! # A routed request whose response headers never come stops counting as load after this; more
 //! # ext_proc streams than this are refused (defaults shown):
 //! # limits: {inflight_max_age: 10m, max_streams: 65536}
+//! # Drift between kvroute's predicted and the engines' reported cached tokens (crate::drift):
+//! # a replica whose drift over `window` passes `bound` is warned about (rate-limited); with
+//! # `action: approximate` its pool routes on the approximate tier until the drift is back at
+//! # `clear_below` (default bound / 2). No verdict before `min_tokens` predicted cached tokens.
+//! # drift: {bound: 0.5, window: 5m, min_tokens: 16384, action: warn}
 //! ```
 
 use std::collections::{HashMap, HashSet};
@@ -108,6 +113,16 @@ pub const DEFAULT_MAX_STREAMS: usize = 65_536;
 pub const DEFAULT_DEBUG_EXPOSE: &str = "never";
 /// Request header carrying the debug token (`debug_headers.token_header`).
 pub const DEFAULT_DEBUG_TOKEN_HEADER: &str = "x-kvroute-debug-token";
+/// Default drift above which a replica counts as drifting (`drift.bound`, 0..1).
+pub const DEFAULT_DRIFT_BOUND: f64 = 0.5;
+/// Default span of the drift window (`drift.window`): long enough to average a few hundred
+/// requests on a busy replica, short enough to notice a bad rollout within minutes.
+pub const DEFAULT_DRIFT_WINDOW: Duration = Duration::from_secs(300);
+/// Default predicted cached tokens a window needs before it gives a verdict (`drift.min_tokens`):
+/// a few dozen requests with a shared prefix, so one request's eviction cannot trip the bound.
+pub const DEFAULT_DRIFT_MIN_TOKENS: u64 = 16_384;
+/// Default action past the bound (`drift.action`).
+pub const DEFAULT_DRIFT_ACTION: &str = "warn";
 /// Largest accepted block size (vLLM uses 16..=256 in practice).
 const MAX_BLOCK_SIZE: u32 = 4096;
 
@@ -127,6 +142,7 @@ pub struct RawConfig {
     default_body_mode: Option<String>,
     debug_headers: RawDebugHeaders,
     limits: RawLimits,
+    drift: RawDrift,
     pools: Vec<RawPool>,
     replicas: Vec<RawReplica>,
 }
@@ -155,6 +171,17 @@ struct RawIndex {
 struct RawLimits {
     inflight_max_age: Option<String>,
     max_streams: Option<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawDrift {
+    bound: Option<f64>,
+    clear_below: Option<f64>,
+    window: Option<String>,
+    min_tokens: Option<u64>,
+    /// `warn` or `approximate`.
+    action: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -297,6 +324,8 @@ pub struct Config {
     pub inflight_max_age: Duration,
     /// Most ext_proc streams open at once.
     pub max_streams: usize,
+    /// Drift detection (`drift`).
+    pub drift: DriftConfig,
     /// Pools (non-empty).
     pub pools: Vec<Pool>,
     /// Replicas (non-empty); `Replica::pool` indexes `pools`.
@@ -425,6 +454,103 @@ fn debug_headers(raw: &RawDebugHeaders) -> Result<DebugHeaders, ConfigError> {
             "expected never, always or token",
         )),
     }
+}
+
+/// `drift`: when a replica's predicted cached tokens stop matching what its engine reports
+/// (see [`crate::drift`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DriftConfig {
+    /// Drift above which a replica starts drifting.
+    pub bound: f64,
+    /// Drift at or below which a drifting replica stops drifting (hysteresis).
+    pub clear_below: f64,
+    /// Span of the window.
+    pub window: Duration,
+    /// Predicted cached tokens the window needs for a verdict.
+    pub min_tokens: u64,
+    /// What a drifting replica causes beyond the warning.
+    pub action: DriftAction,
+}
+
+/// What a drifting replica causes (`drift.action`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DriftAction {
+    /// A rate-limited warning and the metrics only.
+    Warn,
+    /// Also its pool's decisions skip the index (the approximate tier) while it drifts.
+    Approximate,
+}
+
+impl DriftAction {
+    /// Config value and log label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Warn => "warn",
+            Self::Approximate => "approximate",
+        }
+    }
+}
+
+impl Default for DriftConfig {
+    fn default() -> Self {
+        Self {
+            bound: DEFAULT_DRIFT_BOUND,
+            clear_below: DEFAULT_DRIFT_BOUND / 2.0,
+            window: DEFAULT_DRIFT_WINDOW,
+            min_tokens: DEFAULT_DRIFT_MIN_TOKENS,
+            action: DriftAction::Warn,
+        }
+    }
+}
+
+/// `drift`, validated.
+fn drift(raw: &RawDrift) -> Result<DriftConfig, ConfigError> {
+    let share = |field: &str, value: f64| {
+        if value.is_finite() && (0.0..=1.0).contains(&value) {
+            Ok(value)
+        } else {
+            Err(ConfigError::invalid(
+                format!("drift.{field}"),
+                value,
+                "expected a number in 0..=1",
+            ))
+        }
+    };
+    let bound = share("bound", raw.bound.unwrap_or(DEFAULT_DRIFT_BOUND))?;
+    let clear_below = share("clear_below", raw.clear_below.unwrap_or(bound / 2.0))?;
+    if clear_below > bound {
+        return Err(ConfigError::invalid(
+            "drift.clear_below",
+            clear_below,
+            "must not exceed drift.bound",
+        ));
+    }
+    let window = duration("drift.window", raw.window.as_deref(), DEFAULT_DRIFT_WINDOW)?;
+    if window.is_zero() {
+        return Err(ConfigError::invalid(
+            "drift.window",
+            "0",
+            "must be positive",
+        ));
+    }
+    let action = match raw.action.as_deref().unwrap_or(DEFAULT_DRIFT_ACTION) {
+        "warn" => DriftAction::Warn,
+        "approximate" => DriftAction::Approximate,
+        other => {
+            return Err(ConfigError::invalid(
+                "drift.action",
+                other,
+                "expected warn or approximate",
+            ));
+        }
+    };
+    Ok(DriftConfig {
+        bound,
+        clear_below,
+        window,
+        min_tokens: raw.min_tokens.unwrap_or(DEFAULT_DRIFT_MIN_TOKENS),
+        action,
+    })
 }
 
 /// How Envoy sends the request body to us.
@@ -746,6 +872,7 @@ impl TryFrom<RawConfig> for Config {
                 DEFAULT_INFLIGHT_MAX_AGE,
             )?,
             max_streams: raw.limits.max_streams.unwrap_or(DEFAULT_MAX_STREAMS),
+            drift: drift(&raw.drift)?,
             pools,
             replicas,
         };
@@ -1235,6 +1362,38 @@ replicas:
         );
         let dup = format!("{MINIMAL}- {{id: r0, pool: p, address: \"127.0.0.1:8001\"}}\n");
         assert!(error_of(&dup).contains("replicas[1].id"));
+    }
+
+    #[test]
+    fn drift_defaults_and_validation() {
+        assert_eq!(
+            Config::from_yaml(MINIMAL).unwrap().drift,
+            DriftConfig::default()
+        );
+        let set = format!(
+            "{MINIMAL}drift: {{bound: 0.4, window: 30s, min_tokens: 512, action: approximate}}\n"
+        );
+        assert_eq!(
+            Config::from_yaml(&set).unwrap().drift,
+            DriftConfig {
+                bound: 0.4,
+                clear_below: 0.2,
+                window: Duration::from_secs(30),
+                min_tokens: 512,
+                action: DriftAction::Approximate,
+            }
+        );
+        for (bad, field) in [
+            ("{bound: 1.5}", "drift.bound"),
+            ("{bound: .nan}", "drift.bound"),
+            ("{bound: 0.3, clear_below: 0.4}", "drift.clear_below"),
+            ("{window: 0s}", "drift.window"),
+            ("{action: degrade}", "drift.action"),
+            ("{bogus: 1}", "bogus"),
+        ] {
+            let error = error_of(&format!("{MINIMAL}drift: {bad}\n"));
+            assert!(error.contains(field), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -10,9 +10,10 @@
 //! Module map: [`config`] (YAML → validated config), [`request`] (body parsing), [`tokenizer`]
 //! (token ids + cache), [`picker`] (the tiered decision), [`policy`] (TTFT scoring),
 //! [`prefix_memory`] (approximate tier + speculative inserts), [`load`] (scraped + in-flight
-//! load), [`index_client`] (kvroute-index with fail-over), [`server`] (the ext_proc stream
-//! protocol), [`admin`] (`/metrics`, `/healthz`, `/readyz`), [`check`] (what a decision computes
-//! for one body: the `kvroute-check` command).
+//! load), [`drift`] (predicted vs engine-reported cached tokens), [`index_client`]
+//! (kvroute-index with fail-over), [`server`] (the ext_proc stream protocol), [`admin`]
+//! (`/metrics`, `/healthz`, `/readyz`), [`check`] (what a decision computes for one body: the
+//! `kvroute-check` command).
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -26,6 +27,7 @@
 pub mod admin;
 pub mod check;
 pub mod config;
+pub mod drift;
 pub mod error;
 pub mod index_client;
 pub mod load;

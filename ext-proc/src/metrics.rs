@@ -40,6 +40,13 @@ pub struct ReplicaLabel {
     pub replica: String,
 }
 
+/// A pool label (name from config).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabel {
+    /// Pool name.
+    pub pool: String,
+}
+
 type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// All metric handles, registered once under the `kvroute_extproc` prefix.
@@ -84,6 +91,24 @@ pub struct Metrics {
     pub inflight_expired: Family<ReplicaLabel, Counter>,
     /// ext_proc streams refused, by reason (`max_streams`).
     pub stream_refusals: Family<KindLabel, Counter>,
+    /// Prompt tokens predicted cached on the replica, for its answered requests (crate::drift).
+    pub drift_predicted_cached_tokens: Family<ReplicaLabel, Counter>,
+    /// Prompt tokens of those requests (kvroute's count).
+    pub drift_predicted_prompt_tokens: Family<ReplicaLabel, Counter>,
+    /// Growth of the engine's `vllm:prefix_cache_hits_total` between scrapes.
+    pub drift_observed_cached_tokens: Family<ReplicaLabel, Counter>,
+    /// Growth of the engine's `vllm:prefix_cache_queries_total` between scrapes.
+    pub drift_observed_queried_tokens: Family<ReplicaLabel, Counter>,
+    /// The replica's drift over the window (0..1), at its last verdict.
+    pub drift: Family<ReplicaLabel, FloatGauge>,
+    /// Verdicts past `drift.bound` (each may log a warning; the lines are rate-limited).
+    pub drift_warnings: Family<ReplicaLabel, Counter>,
+    /// Engine prefix-cache counters that went down (engine restarts).
+    pub drift_counter_resets: Family<ReplicaLabel, Counter>,
+    /// 1 while the pool routes on the approximate tier because a replica drifts.
+    pub drift_degraded: Family<PoolLabel, Gauge>,
+    /// Times the pool started routing on the approximate tier because of drift.
+    pub drift_degradations: Family<PoolLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -114,6 +139,15 @@ impl Metrics {
             debug_header_requests: Family::default(),
             inflight_expired: Family::default(),
             stream_refusals: Family::default(),
+            drift_predicted_cached_tokens: Family::default(),
+            drift_predicted_prompt_tokens: Family::default(),
+            drift_observed_cached_tokens: Family::default(),
+            drift_observed_queried_tokens: Family::default(),
+            drift: Family::default(),
+            drift_warnings: Family::default(),
+            drift_counter_resets: Family::default(),
+            drift_degraded: Family::default(),
+            drift_degradations: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kvroute_extproc");
         r.register(
@@ -210,6 +244,51 @@ impl Metrics {
             "stream_refusals",
             "ext_proc streams refused, by reason",
             metrics.stream_refusals.clone(),
+        );
+        r.register(
+            "drift_predicted_cached_tokens",
+            "Prompt tokens kvroute predicted cached on the replica, for its answered requests",
+            metrics.drift_predicted_cached_tokens.clone(),
+        );
+        r.register(
+            "drift_predicted_prompt_tokens",
+            "Prompt tokens of the requests whose cached tokens kvroute predicted",
+            metrics.drift_predicted_prompt_tokens.clone(),
+        );
+        r.register(
+            "drift_observed_cached_tokens",
+            "Growth of the engine's vllm:prefix_cache_hits_total between scrapes",
+            metrics.drift_observed_cached_tokens.clone(),
+        );
+        r.register(
+            "drift_observed_queried_tokens",
+            "Growth of the engine's vllm:prefix_cache_queries_total between scrapes",
+            metrics.drift_observed_queried_tokens.clone(),
+        );
+        r.register(
+            "drift_ratio",
+            "Share of predicted cached tokens the engine did not hit over drift.window, at the last verdict",
+            metrics.drift.clone(),
+        );
+        r.register(
+            "drift_warnings",
+            "Drift verdicts past drift.bound",
+            metrics.drift_warnings.clone(),
+        );
+        r.register(
+            "drift_counter_resets",
+            "Engine prefix-cache counters that went down (engine restarts)",
+            metrics.drift_counter_resets.clone(),
+        );
+        r.register(
+            "drift_degraded",
+            "1 while the pool routes on the approximate tier because a replica drifts",
+            metrics.drift_degraded.clone(),
+        );
+        r.register(
+            "drift_degradations",
+            "Times the pool moved to the approximate tier because of drift",
+            metrics.drift_degradations.clone(),
         );
         metrics
     }

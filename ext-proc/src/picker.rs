@@ -12,6 +12,11 @@
 //! the prompt's first block key: siblings of a burst, which share that key, each see all earlier
 //! siblings' choices, while unrelated prompts do not wait on each other.
 //!
+//! Every decision with tokens also records what it predicts the replica's engine will report as
+//! cached ([`crate::drift`]); while a replica of the pool drifts and `drift.action` is
+//! `approximate`, the pool's decisions skip the index (counted as fallback stage `index`, cause
+//! `drift`) and route on the approximate tier.
+//!
 //! Nothing inside kvroute fails a request: every fallback is counted in
 //! `kvroute_extproc_fallbacks_total{stage, cause}` and the decision in
 //! `kvroute_extproc_decisions_total{tier, reason}`.
@@ -26,6 +31,7 @@ use parking_lot::Mutex;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Pool, Replica, TokenizerSource};
+use crate::drift::{Prediction, engine_hit_tokens};
 use crate::error::{ConfigError, RequestError};
 use crate::index_client::IndexClient;
 use crate::load::{InflightGuard, LoadBoard};
@@ -81,6 +87,24 @@ impl LoadCause {
     }
 }
 
+/// Why a decision with keys did not ask the index (a fallback cause label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IndexSkip {
+    /// The pool has no KV events (`events: false`).
+    PoolWithoutEvents,
+    /// A replica of the pool drifts and `drift.action` is `approximate`.
+    Drift,
+}
+
+impl IndexSkip {
+    fn as_label(self) -> &'static str {
+        match self {
+            Self::PoolWithoutEvents => "pool_without_events",
+            Self::Drift => "drift",
+        }
+    }
+}
+
 /// Number of stripes of the commit lock (decisions whose prompts start alike share a stripe).
 const COMMIT_STRIPES: usize = 16;
 
@@ -105,6 +129,8 @@ struct Scored {
     prefill_tokens: usize,
     /// Prompt tokens predicted to be in the chosen replica's prefix cache.
     cached_tokens: usize,
+    /// What the engine should report for the request (precise and approximate tiers).
+    prediction: Option<Prediction>,
 }
 
 /// A routing decision. Dropping it ends the replica's in-flight accounting for the request.
@@ -358,6 +384,12 @@ impl Picker {
             &keys,
             Instant::now(),
         );
+        let mut inflight = self
+            .loads
+            .start_request(&replica.id, scored.prefill_tokens, keys);
+        if let Some(prediction) = scored.prediction {
+            inflight = inflight.with_prediction(prediction);
+        }
         Decision {
             replica_id: replica.id.clone(),
             address: replica.address,
@@ -365,9 +397,7 @@ impl Picker {
             tier: scored.tier,
             reason: scored.reason,
             predicted_cached_tokens: scored.cached_tokens,
-            inflight: self
-                .loads
-                .start_request(&replica.id, scored.prefill_tokens, keys),
+            inflight,
         }
     }
 
@@ -400,6 +430,7 @@ impl Picker {
             reason: cause.as_label(),
             prefill_tokens: 0,
             cached_tokens: 0,
+            prediction: None,
         }
     }
 
@@ -450,7 +481,18 @@ impl Picker {
                 LoadCause::KeyError
             })?;
         // Index.
-        let index_answer = if pool.events && runtime.index.is_configured() && !keys.is_empty() {
+        let asks_index = pool.events && runtime.index.is_configured() && !keys.is_empty();
+        let skip = if !pool.events {
+            Some(IndexSkip::PoolWithoutEvents)
+        } else if asks_index && self.loads.pool_degraded(&pool.name) {
+            Some(IndexSkip::Drift)
+        } else {
+            None
+        };
+        let index_answer = if let Some(skip) = skip {
+            self.count_fallback("index", skip.as_label());
+            None
+        } else if asks_index {
             let match_started = Instant::now();
             let match_deadline = deadline.min(match_started + config.match_timeout);
             let request = MatchRequest {
@@ -474,9 +516,6 @@ impl Picker {
                 }
             }
         } else {
-            if !pool.events {
-                self.count_fallback("index", "pool_without_events");
-            }
             None
         };
         Ok(PrefixFacts {
@@ -534,8 +573,8 @@ impl Picker {
             &config.scoring,
             &mut rand::rng(),
         )?;
-        let cached_tokens =
-            (views[choice.index].matched_blocks as usize * block_size).min(prompt_tokens);
+        let matched_blocks = views[choice.index].matched_blocks;
+        let cached_tokens = (matched_blocks as usize * block_size).min(prompt_tokens);
         if prompt_tokens > 0 {
             self.metrics
                 .predicted_cached_share
@@ -555,6 +594,11 @@ impl Picker {
             reason: reason.as_label(),
             prefill_tokens,
             cached_tokens,
+            prediction: Some(Prediction {
+                cached_tokens: engine_hit_tokens(matched_blocks, prompt_tokens, pool.block_size)
+                    as u64,
+                prompt_tokens: prompt_tokens as u64,
+            }),
         })
     }
 

@@ -241,6 +241,12 @@ pub struct StackOptions {
     /// The model folder ext-proc tokenizes with (the sims always run the tiny model; a stack
     /// in front of external engines names the folder they serve).
     pub tokenizer_model_dir: PathBuf,
+    /// `--chat-template` of sim `i` (`None`, or no entry: the model folder's template, which
+    /// ext-proc tokenizes with): a replica that renders chat unlike kvroute.
+    pub sim_chat_templates: Vec<Option<String>>,
+    /// Top-level sections appended to ext-proc's config (YAML, e.g. `drift: {...}`); keys the
+    /// harness writes itself must not be repeated.
+    pub ext_proc_extra_config: String,
 }
 
 /// ext-proc's `debug_headers` in a stack: who gets `x-kvroute-decision` and
@@ -287,6 +293,8 @@ impl Default for StackOptions {
             index_placement: IndexPlacement::Service,
             debug_headers: DebugHeaders::Off,
             tokenizer_model_dir: tiny_model_dir(),
+            sim_chat_templates: Vec::new(),
+            ext_proc_extra_config: String::new(),
         }
     }
 }
@@ -796,7 +804,9 @@ impl Stack {
                     "kvroute-ext-proc",
                     binaries.ext_proc.clone(),
                     dir.path(),
-                    ext_proc_config(&options, &sim_addrs, target) + &debug_headers,
+                    ext_proc_config(&options, &sim_addrs, target)
+                        + &debug_headers
+                        + &options.ext_proc_extra_config,
                     embedded_index_config.clone(),
                 )
                 .await?;
@@ -1205,6 +1215,14 @@ fn sim_args(options: &StackOptions, replica: usize) -> Vec<String> {
         ("--kv-events-config", events.to_string()),
     ]
     .into_iter()
+    .chain(
+        options
+            .sim_chat_templates
+            .get(replica)
+            .cloned()
+            .flatten()
+            .map(|template| ("--chat-template", template)),
+    )
     .flat_map(|(flag, value)| [flag.to_owned(), value])
     .collect()
 }

@@ -97,6 +97,8 @@ pub struct ModelTokenizer {
     /// The exact fast encoder, when the pipeline is supported and passed the self-check.
     fast: Option<ByteLevelBpe>,
     chat: Option<ChatTemplate>,
+    /// What templates see by name (kept for [`Self::with_chat_template`]).
+    special: chat::SpecialTokens,
     eos_token_id: Option<u32>,
 }
 
@@ -156,15 +158,24 @@ impl ModelTokenizer {
         let eos_token_id = eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t));
         let template_source =
             chat_template_source(&config)?.or(chat_template_file.map(str::to_owned));
+        let special = chat::SpecialTokens { named };
         let chat = template_source
-            .map(|source| ChatTemplate::new(source, chat::SpecialTokens { named }))
+            .map(|source| ChatTemplate::new(source, special.clone()))
             .transpose()?;
         Ok(Self {
             tokenizer,
             fast,
             chat,
+            special,
             eos_token_id,
         })
+    }
+
+    /// Renders chat with `source` instead of the folder's template, as vLLM's `--chat-template`
+    /// does (same special tokens).
+    pub fn with_chat_template(mut self, source: String) -> Result<Self, TokenizeError> {
+        self.chat = Some(ChatTemplate::new(source, self.special.clone())?);
+        Ok(self)
     }
 
     /// Token ids of a completion prompt; `add_special_tokens` is vLLM's flag of the same name

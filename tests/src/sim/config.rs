@@ -85,6 +85,10 @@ pub struct SimArgs {
     /// Multiplies every modelled duration (0 = instant; tests use small values).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
+    /// vLLM's `--chat-template`: a file, or the template itself (a value with `{`, `}` or a
+    /// newline that is no file), rendering chat instead of the model folder's template.
+    #[arg(long)]
+    pub chat_template: Option<String>,
     /// Where to write `{"http": ..., "kv_events": ..., "replay": ...}` once bound.
     #[arg(long)]
     pub ready_file: Option<PathBuf>,
@@ -140,6 +144,8 @@ pub struct SimConfig {
     pub timing: Timing,
     /// `max_tokens` default.
     pub default_max_tokens: usize,
+    /// `--chat-template`'s text, replacing the model folder's template.
+    pub chat_template: Option<String>,
     /// Ready file.
     pub ready_file: Option<PathBuf>,
 }
@@ -262,6 +268,11 @@ impl TryFrom<SimArgs> for SimConfig {
             .map(|json| kv_events_config(json, &args))
             .transpose()?
             .flatten();
+        let chat_template = args
+            .chat_template
+            .as_deref()
+            .map(chat_template)
+            .transpose()?;
         Ok(SimConfig {
             model_dir: args.model,
             model_name: args.served_model_name,
@@ -272,8 +283,20 @@ impl TryFrom<SimArgs> for SimConfig {
             kv_events,
             timing,
             default_max_tokens: args.default_max_tokens,
+            chat_template,
             ready_file: args.ready_file,
         })
+    }
+}
+
+/// vLLM's `load_chat_template`: the file's text if `value` opens as a file, else `value` itself
+/// when it looks like a template (has `{`, `}` or a newline). vLLM's built-in template names are
+/// not served.
+fn chat_template(value: &str) -> Result<String, ConfigError> {
+    match std::fs::read_to_string(value) {
+        Ok(text) => Ok(text),
+        Err(_) if value.contains(['{', '}', '\n']) => Ok(value.to_owned()),
+        Err(e) => Err(ConfigError::new("chat-template", value, e)),
     }
 }
 

@@ -8,6 +8,8 @@
 //!   older tagged arrays) and published by [`kvroute_index::testing::MockVllmPublisher`]
 //!   (PUB bind/connect by vLLM's rule, 3 frames, seq from 0, ROUTER replay).
 //! - A timing model with a time-scale knob (`engine`).
+//! - `--chat-template` (vLLM's flag: a file or the template text) renders chat with another
+//!   template than the model folder's, e.g. to serve a replica kvroute tokenizes differently.
 //! - `GET /debug/blocks`: the blocks it holds, as published u64 hashes, to compare with an index.
 //!
 //! Lifecycle: [`EngineSim::start`] binds everything (port 0 allowed) and returns the real
@@ -101,7 +103,11 @@ pub struct EngineSim {
 impl EngineSim {
     /// Loads the model, opens the event sockets and the HTTP listener, and starts serving.
     pub async fn start(config: SimConfig) -> Result<Self, SimError> {
-        let tokenizer = Arc::new(ModelTokenizer::from_dir(&config.model_dir)?);
+        let mut tokenizer = ModelTokenizer::from_dir(&config.model_dir)?;
+        if let Some(template) = &config.chat_template {
+            tokenizer = tokenizer.with_chat_template(template.clone())?;
+        }
+        let tokenizer = Arc::new(tokenizer);
         let hasher = VllmHasher::new(config.hash_algo, config.python_hash_seed.as_deref())?;
         let cancel = CancellationToken::new();
         let tasks = TaskTracker::new();

@@ -12,6 +12,15 @@ use zeromq::{DealerSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqMes
 
 pub const SIM_BIN: &str = env!("CARGO_BIN_EXE_kvroute-engine-sim");
 
+/// A chat template unlike the tiny model's (kvroute's) in a way that breaks prefix reuse: it
+/// starts every prompt with the conversation's length, so a conversation's next turn never
+/// shares a block with its last (as templates that render history depending on later messages
+/// do). For a sim's `--chat-template`.
+pub const HISTORY_UNSTABLE_TEMPLATE: &str = "{{ bos_token }}{{ '<|conversation|>' + \
+    (messages | length) | string + ' messages\n' }}{% for message in messages %}{{ '<|' + \
+    message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}{% endfor %}\
+    {% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}";
+
 /// Flags for a fast simulator with events on loopback (port 0) plus `extra`.
 pub fn sim_args(extra: &[&str]) -> Vec<String> {
     let mut args: Vec<String> = [

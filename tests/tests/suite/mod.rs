@@ -4,6 +4,7 @@ mod agent;
 mod check;
 mod common;
 mod demo;
+mod drift;
 mod embedded_index;
 mod envoy;
 mod exposure;

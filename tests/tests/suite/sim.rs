@@ -8,7 +8,12 @@ use kvroute_tests::harness::{http, tiny_model_dir};
 use kvroute_tokenize::ModelTokenizer;
 use serde_json::{Value, json};
 
-use super::common::{events_until, metric, removed_hashes, start_sim, stored};
+use clap::Parser as _;
+use kvroute_tests::sim::{SimArgs, SimConfig};
+
+use super::common::{
+    HISTORY_UNSTABLE_TEMPLATE, events_until, metric, removed_hashes, start_sim, stored,
+};
 
 /// About 110 tokens of text: three full 32-token blocks plus a partial one.
 const PROMPT_A: &str = "Permission is hereby granted, free of charge, to any person obtaining a copy \
@@ -79,6 +84,46 @@ async fn tokenize_equals_the_shared_tokenizer() {
         .await
         .unwrap();
     assert_eq!(malformed.status, 400);
+}
+
+#[tokio::test]
+async fn chat_template_flag_replaces_the_model_template_as_a_file_or_literal() {
+    let messages = json!([{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": PROMPT_A}]);
+    let expected = tokenizer()
+        .with_chat_template(HISTORY_UNSTABLE_TEMPLATE.to_owned())
+        .unwrap()
+        .encode_chat(&messages, true)
+        .unwrap();
+    assert_ne!(expected, tokenizer().encode_chat(&messages, true).unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("template.jinja");
+    std::fs::write(&file, HISTORY_UNSTABLE_TEMPLATE).unwrap();
+    for flag in [
+        HISTORY_UNSTABLE_TEMPLATE.to_owned(),
+        file.display().to_string(),
+    ] {
+        let sim = start_sim(&["--chat-template", &flag]).await;
+        let answer = post(&sim.base_url(), "/tokenize", json!({"messages": messages})).await;
+        assert_eq!(answer["tokens"], json!(expected), "--chat-template {flag}");
+        let chat = post(
+            &sim.base_url(),
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": messages, "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(chat["usage"]["prompt_tokens"], json!(expected.len()));
+    }
+    // Neither a file nor a template: refused, as vLLM refuses it.
+    let argv = [
+        "kvroute-engine-sim",
+        "--model",
+        "m",
+        "--chat-template",
+        "no-such-template",
+    ];
+    let refused = SimConfig::try_from(SimArgs::parse_from(argv)).unwrap_err();
+    assert_eq!(refused.flag, "chat-template");
 }
 
 #[tokio::test]
