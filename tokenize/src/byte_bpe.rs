@@ -26,7 +26,9 @@
 //! [`crate::ModelTokenizer`] also cross-checks both encoders on a sample at load.
 
 mod gpt2_split;
+mod split;
 
+use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -34,6 +36,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 use daachorse::{DoubleArrayAhoCorasick, DoubleArrayAhoCorasickBuilder, MatchKind};
 use parking_lot::Mutex;
 use serde_json::Value;
+use unicode_normalization_alignments::{IsNormalized, UnicodeNormalization, is_nfc_quick};
+
+use split::SplitPattern;
 
 use crate::TokenizeError;
 
@@ -48,6 +53,9 @@ const PIECE_BATCH: usize = 64;
 
 /// The exact fast encoder of one byte-level BPE `tokenizer.json`; see the module docs.
 pub struct ByteLevelBpe {
+    /// Whether segments are NFC-normalized (the `NFC` normalizer) before pre-tokenization.
+    nfc: bool,
+    pre_tokenizer: PreTokenizer,
     /// Token id of each byte's byte-level char.
     byte_ids: [u32; 256],
     /// `(left, right)` packed into a u64 -> its merge.
@@ -65,6 +73,8 @@ pub struct ByteLevelBpe {
 impl std::fmt::Debug for ByteLevelBpe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ByteLevelBpe")
+            .field("nfc", &self.nfc)
+            .field("pre_tokenizer", &self.pre_tokenizer)
             .field("merges", &self.merges.len())
             .field("ignore_merges", &self.whole_words.is_some())
             .field("prefix", &self.prefix)
@@ -105,17 +115,31 @@ struct Scratch {
     word: Vec<u32>,
 }
 
-/// A piece of pre-tokenized text and its word cache bucket, if it may be cached.
-struct Piece<'t> {
-    bytes: &'t [u8],
+/// How text segments are cut into pieces before BPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PreTokenizer {
+    /// `ByteLevel { use_regex: true }`: the GPT-2 pattern.
+    Gpt2,
+    /// `Sequence [Split { Regex, Isolated }, ByteLevel { use_regex: false }]`.
+    Split(SplitPattern),
+}
+
+/// A piece of pre-tokenized text (a byte range of its segment) and its word cache bucket, if it
+/// may be cached. Ranges rather than slices, so the batch buffer outlives each segment's text.
+struct Piece {
+    start: usize,
+    end: usize,
     bucket: Option<usize>,
 }
 
-impl<'t> Piece<'t> {
-    fn new(piece: &'t str) -> Self {
+impl Piece {
+    fn new(segment: &str, piece: &str) -> Self {
         let bytes = piece.as_bytes();
+        // Pieces are subslices of their segment.
+        let start = piece.as_ptr() as usize - segment.as_ptr() as usize;
         Self {
-            bytes,
+            start,
+            end: start + bytes.len(),
             // Single bytes map straight to their ids.
             bucket: (2..=CACHE_MAX_WORD_LEN)
                 .contains(&bytes.len())
@@ -169,18 +193,47 @@ impl ByteLevelBpe {
         ids
     }
 
-    /// Splits `text` with the GPT-2 pattern and encodes its pieces, [`PIECE_BATCH`] at a time.
-    fn encode_text<'t>(
+    /// Normalizes `text` (a segment between added tokens), splits it with the pre-tokenizer and
+    /// encodes its pieces.
+    fn encode_text(
         &self,
-        text: &'t str,
+        text: &str,
         out: &mut Vec<u32>,
         scratch: &mut Scratch,
-        batch: &mut Vec<Piece<'t>>,
+        batch: &mut Vec<Piece>,
     ) {
-        let mut pieces = gpt2_split::split(text);
+        let text = if self.nfc {
+            nfc(text)
+        } else {
+            Cow::Borrowed(text)
+        };
+        match self.pre_tokenizer {
+            PreTokenizer::Gpt2 => {
+                self.encode_pieces(&text, gpt2_split::split(&text), out, scratch, batch);
+            }
+            PreTokenizer::Split(pattern) => {
+                self.encode_pieces(&text, pattern.split(&text), out, scratch, batch);
+            }
+        }
+    }
+
+    /// Encodes the pieces of `text`, [`PIECE_BATCH`] at a time.
+    fn encode_pieces<'t>(
+        &self,
+        text: &'t str,
+        mut pieces: impl Iterator<Item = &'t str>,
+        out: &mut Vec<u32>,
+        scratch: &mut Scratch,
+        batch: &mut Vec<Piece>,
+    ) {
         loop {
             batch.clear();
-            batch.extend(pieces.by_ref().take(PIECE_BATCH).map(Piece::new));
+            batch.extend(
+                pieces
+                    .by_ref()
+                    .take(PIECE_BATCH)
+                    .map(|piece| Piece::new(text, piece)),
+            );
             if batch.is_empty() {
                 return;
             }
@@ -196,19 +249,23 @@ impl ByteLevelBpe {
                 .fold(0u8, |acc, bucket| acc ^ cache[bucket].touch());
             std::hint::black_box(touched);
             for piece in batch.iter() {
-                self.encode_piece(piece, &mut cache, out, scratch);
+                let bytes = text
+                    .as_bytes()
+                    .get(piece.start..piece.end)
+                    .unwrap_or_default();
+                self.encode_piece(bytes, piece.bucket, &mut cache, out, scratch);
             }
         }
     }
 
     fn encode_piece(
         &self,
-        piece: &Piece<'_>,
+        bytes: &[u8],
+        bucket: Option<usize>,
         cache: &mut [CacheBucket],
         out: &mut Vec<u32>,
         scratch: &mut Scratch,
     ) {
-        let bytes = piece.bytes;
         if let [byte] = bytes {
             out.push(self.byte_ids[usize::from(*byte)]);
             return;
@@ -217,14 +274,14 @@ impl ByteLevelBpe {
             out.push(id);
             return;
         }
-        if let Some(bucket) = piece.bucket
+        if let Some(bucket) = bucket
             && cache[bucket].ids_of(bytes, out)
         {
             return;
         }
         self.merge_word(bytes, scratch);
         out.extend_from_slice(&scratch.word);
-        if let Some(bucket) = piece.bucket
+        if let Some(bucket) = bucket
             && let Some(entry) = CachedWord::new(bytes, &scratch.word)
         {
             cache[bucket].store(entry);
@@ -295,12 +352,17 @@ impl ByteLevelBpe {
 
     fn build(json: &Value) -> Result<Self, Reject> {
         use Reject::Unsupported;
-        for field in ["normalizer", "truncation", "padding"] {
+        for field in ["truncation", "padding"] {
             if !json.get(field).is_none_or(Value::is_null) {
                 return Err(Unsupported(field));
             }
         }
-        check_pre_tokenizer(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
+        let nfc = match json.get("normalizer") {
+            None | Some(Value::Null) => false,
+            Some(normalizer) if normalizer == &serde_json::json!({"type": "NFC"}) => true,
+            Some(_) => return Err(Unsupported("normalizer")),
+        };
+        let pre_tokenizer = parse_pre_tokenizer(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
         let model = json
             .get("model")
             .ok_or_else(|| Reject::Malformed("no model".to_owned()))?;
@@ -347,10 +409,12 @@ impl ByteLevelBpe {
                 .collect()
         });
 
-        let added = AddedTokens::parse(json.get("added_tokens"), &vocab)?;
+        let added = AddedTokens::parse(json.get("added_tokens"), &vocab, nfc)?;
         let (prefix, suffix) =
             parse_post_processor(json.get("post_processor").unwrap_or(&Value::Null), 0)?;
         Ok(Self {
+            nfc,
+            pre_tokenizer,
             byte_ids,
             merges,
             whole_words,
@@ -504,15 +568,58 @@ fn byte_char(byte: u8) -> char {
     char::from_u32(256 + offset).unwrap_or(char::REPLACEMENT_CHARACTER)
 }
 
-fn check_pre_tokenizer(pre: &Value) -> Result<(), Reject> {
+/// The pre-tokenizers modelled: GPT-2's `ByteLevel` alone, or a `Split` by a known regex
+/// (isolating its matches) followed by `ByteLevel` without its regex.
+fn parse_pre_tokenizer(pre: &Value) -> Result<PreTokenizer, Reject> {
     let unsupported = Reject::Unsupported("pre_tokenizer");
-    if pre.get("type").and_then(Value::as_str) != Some("ByteLevel")
-        || pre.get("add_prefix_space") != Some(&Value::Bool(false))
-        || !matches!(pre.get("use_regex"), None | Some(Value::Bool(true)))
-    {
+    fn str_of<'v>(value: &'v Value, field: &str) -> Option<&'v str> {
+        value.get(field).and_then(Value::as_str)
+    }
+    let byte_level = |value: &Value, use_regex: bool| {
+        str_of(value, "type") == Some("ByteLevel")
+            && value.get("add_prefix_space") == Some(&Value::Bool(false))
+            && match value.get("use_regex") {
+                None => use_regex, // the default is true
+                Some(flag) => flag == &Value::Bool(use_regex),
+            }
+    };
+    if byte_level(pre, true) {
+        return Ok(PreTokenizer::Gpt2);
+    }
+    if str_of(pre, "type") != Some("Sequence") {
         return Err(unsupported);
     }
-    Ok(())
+    let Some([split, last]) = pre
+        .get("pretokenizers")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+    else {
+        return Err(unsupported);
+    };
+    let pattern = split
+        .get("pattern")
+        .and_then(|pattern| str_of(pattern, "Regex"))
+        .and_then(SplitPattern::from_regex);
+    match pattern {
+        Some(pattern)
+            if str_of(split, "type") == Some("Split")
+                && str_of(split, "behavior") == Some("Isolated")
+                && split.get("invert") == Some(&Value::Bool(false))
+                && byte_level(last, false) =>
+        {
+            Ok(PreTokenizer::Split(pattern))
+        }
+        _ => Err(unsupported),
+    }
+}
+
+/// `text` in NFC, as `tokenizers`' `NFC` normalizer computes it (the same crate and tables;
+/// Unicode 9.0). Text the quick check passes is already in NFC and is not copied.
+fn nfc(text: &str) -> Cow<'_, str> {
+    if text.is_ascii() || is_nfc_quick(text.chars()) == IsNormalized::Yes {
+        return Cow::Borrowed(text);
+    }
+    Cow::Owned(text.nfc().map(|(c, _)| c).collect())
 }
 
 fn check_bpe_options(model: &Value) -> Result<(), Reject> {
@@ -662,7 +769,12 @@ struct AddedTokens {
 }
 
 impl AddedTokens {
-    fn parse(list: Option<&Value>, vocab: &HashMap<String, u32>) -> Result<Self, Reject> {
+    /// `nfc`: the normalizer, which normalized tokens are matched after (so in their NFC form).
+    fn parse(
+        list: Option<&Value>,
+        vocab: &HashMap<String, u32>,
+        nfc: bool,
+    ) -> Result<Self, Reject> {
         use Reject::Unsupported;
         let list = match list {
             None | Some(Value::Null) => &Vec::new(),
@@ -700,9 +812,14 @@ impl AddedTokens {
                 next_id - 1
             });
             if norm {
+                let content = if nfc {
+                    self::nfc(content)
+                } else {
+                    Cow::Borrowed(content)
+                };
                 normalized.push((content, id));
             } else {
-                raw.push((content, id));
+                raw.push((Cow::Borrowed(content), id));
             }
         }
         Ok(Self {
@@ -749,13 +866,19 @@ fn split_on<'a>(
     }
 }
 
-fn matcher(tokens: Vec<(&str, u32)>) -> Result<Option<DoubleArrayAhoCorasick<u32>>, Reject> {
+fn matcher(
+    tokens: Vec<(Cow<'_, str>, u32)>,
+) -> Result<Option<DoubleArrayAhoCorasick<u32>>, Reject> {
     if tokens.is_empty() {
         return Ok(None);
     }
     DoubleArrayAhoCorasickBuilder::new()
         .match_kind(MatchKind::LeftmostLongest)
-        .build_with_values(tokens)
+        .build_with_values(
+            tokens
+                .into_iter()
+                .map(|(content, id)| (content.into_owned(), id)),
+        )
         .map(Some)
         .map_err(|e| Reject::Malformed(format!("added tokens: {e}")))
 }

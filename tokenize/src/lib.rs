@@ -44,6 +44,7 @@ mod conversation;
 mod error;
 mod pyjson;
 mod pytime;
+pub mod testing;
 
 use std::path::{Path, PathBuf};
 
@@ -365,5 +366,7 @@ fn chat_template_source(config: &serde_json::Value) -> Result<Option<String>, To
 
 #[cfg(test)]
 mod fast_tests;
+#[cfg(test)]
+mod real_tests;
 #[cfg(test)]
 mod tests;
