@@ -1,32 +1,40 @@
-//! A fast, exact encoder for the common byte-level BPE pipeline (GPT-2 style `tokenizer.json`).
+//! A fast, exact encoder for byte-level BPE pipelines: GPT-2 style `tokenizer.json` and the
+//! `Split`-regex pipelines of Llama 3, Qwen2/2.5/3 and o200k (gpt-oss).
 //!
 //! `tokenizers::Tokenizer::encode_fast` spends most of its time on bookkeeping we never read
 //! (offset alignment in `NormalizedString`, per-piece allocations, Oniguruma). [`ByteLevelBpe`]
 //! computes the same ids directly: added tokens are cut out of the raw text, each remaining
-//! segment is split by the GPT-2 pattern (a hand-written scanner, see `gpt2_split`), each piece's
-//! UTF-8 bytes start as one symbol per byte and are merged by rank exactly as `tokenizers`' BPE
-//! does, and the post-processor's special tokens wrap the result.
+//! segment is NFC-normalized if the pipeline says so, split by the pre-tokenizer's pattern (a
+//! hand-written scanner: `gpt2_split`, or `split` for the `Split` regexes it recognises by their
+//! exact strings), each piece's UTF-8 bytes start as one symbol per byte and are merged by rank
+//! exactly as `tokenizers`' BPE does (or taken whole from the vocab with `ignore_merges`), and the
+//! post-processor's special tokens wrap the result. A word cache memoizes pieces.
 //!
 //! Modelled exactly — [`ByteLevelBpe::from_tokenizer_json`] returns `Some` only for this:
-//! - `normalizer`, `truncation`, `padding`: null;
-//! - `pre_tokenizer`: `ByteLevel { add_prefix_space: false, use_regex: true }`;
+//! - `normalizer`: null or `NFC` (computed by `unicode-normalization-alignments`, the crate
+//!   `tokenizers` itself runs); `truncation`, `padding`: null;
+//! - `pre_tokenizer`: `ByteLevel { add_prefix_space: false, use_regex: true }`, or a `Sequence`
+//!   of `Split { pattern: Regex(P), behavior: Isolated, invert: false }` and `ByteLevel {
+//!   add_prefix_space: false, use_regex: false }` where P is exactly Llama 3's, Qwen2's or
+//!   o200k's pattern (`split::LLAMA3`, `QWEN2`, `O200K`);
 //! - `model`: BPE without dropout, continuing-subword prefix, end-of-word suffix or byte
 //!   fallback, with all 256 byte-level chars in the vocab (so `unk` can never occur); merges as
 //!   `"a b"` strings or `[a, b]` pairs; `ignore_merges` honoured;
 //! - `added_tokens` without `single_word`/`lstrip`/`rstrip` (matched leftmost-longest, first the
-//!   non-normalized ones in the raw text, then the normalized ones in what is left — the two passes
-//!   of `tokenizers`, where with no normalizer both match the raw text); ids assigned as
-//!   `tokenizers` does on load (the model's id when the content is in the vocab, else the next
-//!   free id from the vocab size);
+//!   non-normalized ones in the raw text, then the normalized ones — in their normalized form —
+//!   in what is left, the two passes of `tokenizers`; `special` does not change encoding); ids
+//!   assigned as `tokenizers` does on load (the model's id when the content is in the vocab,
+//!   else the next free id from the vocab size);
 //! - `post_processor`: null, `ByteLevel` (offsets only), `TemplateProcessing` whose `single`
 //!   template is special tokens around exactly one `$A`, or a `Sequence` of those.
 //!
-//! Everything else (normalizers, Metaspace/SentencePiece, Llama-3/Qwen `Split` regexes,
-//! `add_prefix_space`, WordPiece, …) yields `None` and stays with `tokenizers`.
-//! [`crate::ModelTokenizer`] also cross-checks both encoders on a sample at load.
+//! Everything else (other normalizers, Metaspace/SentencePiece, other `Split` patterns or
+//! several Splits as DeepSeek-V3 has, `add_prefix_space`, WordPiece, …) yields `None` and stays
+//! with `tokenizers`. [`crate::ModelTokenizer`] also cross-checks both encoders on a sample at
+//! load and keeps `tokenizers` when they differ.
 
 mod gpt2_split;
-mod split;
+pub(crate) mod split;
 
 use std::borrow::Cow;
 use std::cmp::Reverse;
@@ -182,18 +190,39 @@ impl ByteLevelBpe {
         }
         let mut scratch = Scratch::default();
         let mut batch = Vec::with_capacity(PIECE_BATCH);
-        self.added
-            .for_each_segment(text, &mut |segment| match segment {
+        // tokenizers' two passes: non-normalized added tokens in the raw text; then each segment
+        // between them is normalized and the normalized added tokens are cut out of that.
+        split_on(
+            self.added.raw.as_ref(),
+            text,
+            &mut |segment| match segment {
                 Segment::Added(id) => ids.push(id),
-                Segment::Text(text) => self.encode_text(text, &mut ids, &mut scratch, &mut batch),
-            });
+                Segment::Text(raw) => {
+                    let normalized = if self.nfc {
+                        nfc(raw)
+                    } else {
+                        Cow::Borrowed(raw)
+                    };
+                    split_on(
+                        self.added.normalized.as_ref(),
+                        &normalized,
+                        &mut |segment| match segment {
+                            Segment::Added(id) => ids.push(id),
+                            Segment::Text(text) => {
+                                self.encode_text(text, &mut ids, &mut scratch, &mut batch);
+                            }
+                        },
+                    );
+                }
+            },
+        );
         if add_special_tokens {
             ids.extend_from_slice(&self.suffix);
         }
         ids
     }
 
-    /// Normalizes `text` (a segment between added tokens), splits it with the pre-tokenizer and
+    /// Splits `text` (a normalized segment between added tokens) with the pre-tokenizer and
     /// encodes its pieces.
     fn encode_text(
         &self,
@@ -202,17 +231,12 @@ impl ByteLevelBpe {
         scratch: &mut Scratch,
         batch: &mut Vec<Piece>,
     ) {
-        let text = if self.nfc {
-            nfc(text)
-        } else {
-            Cow::Borrowed(text)
-        };
         match self.pre_tokenizer {
             PreTokenizer::Gpt2 => {
-                self.encode_pieces(&text, gpt2_split::split(&text), out, scratch, batch);
+                self.encode_pieces(text, gpt2_split::split(text), out, scratch, batch);
             }
             PreTokenizer::Split(pattern) => {
-                self.encode_pieces(&text, pattern.split(&text), out, scratch, batch);
+                self.encode_pieces(text, pattern.split(text), out, scratch, batch);
             }
         }
     }
@@ -826,14 +850,6 @@ impl AddedTokens {
             raw: matcher(raw)?,
             normalized: matcher(normalized)?,
         })
-    }
-
-    /// Calls `f` on the segments of `text` in order; empty text segments are skipped.
-    fn for_each_segment<'a>(&self, text: &'a str, f: &mut dyn FnMut(Segment<'a>)) {
-        split_on(self.raw.as_ref(), text, &mut |segment| match segment {
-            Segment::Text(rest) => split_on(self.normalized.as_ref(), rest, f),
-            added => f(added),
-        });
     }
 }
 
