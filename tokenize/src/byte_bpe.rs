@@ -294,19 +294,24 @@ impl ByteLevelBpe {
             out.push(self.byte_ids[usize::from(*byte)]);
             return;
         }
-        if let Some(&id) = self.whole_words.as_ref().and_then(|words| words.get(bytes)) {
-            out.push(id);
-            return;
-        }
+        // The word cache first: its bucket is already in the CPU cache (read above), where the
+        // whole-word table of a 128k–200k vocabulary is a likely miss per piece.
         if let Some(bucket) = bucket
             && cache[bucket].ids_of(bytes, out)
         {
             return;
         }
-        self.merge_word(bytes, scratch);
-        out.extend_from_slice(&scratch.word);
+        let whole = self.whole_words.as_ref().and_then(|words| words.get(bytes));
+        let ids: &[u32] = match whole {
+            Some(id) => std::slice::from_ref(id),
+            None => {
+                self.merge_word(bytes, scratch);
+                &scratch.word
+            }
+        };
+        out.extend_from_slice(ids);
         if let Some(bucket) = bucket
-            && let Some(entry) = CachedWord::new(bytes, &scratch.word)
+            && let Some(entry) = CachedWord::new(bytes, ids)
         {
             cache[bucket].store(entry);
         }
@@ -387,6 +392,7 @@ impl ByteLevelBpe {
             Some(_) => return Err(Unsupported("normalizer")),
         };
         let pre_tokenizer = parse_pre_tokenizer(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
+        split::init_kind_table();
         let model = json
             .get("model")
             .ok_or_else(|| Reject::Malformed("no model".to_owned()))?;
@@ -401,16 +407,22 @@ impl ByteLevelBpe {
                 .ok_or(Unsupported("a byte-level char is missing from the vocab"))?;
         }
 
-        let mut merges = HashMap::default();
-        for (rank, (left, right)) in parse_merges(model)?.into_iter().enumerate() {
+        let merge_list = parse_merges(model)?;
+        let mut merges = HashMap::with_capacity_and_hasher(merge_list.len(), FastHash::default());
+        // One buffer for every merged token's text (200k–450k merges in real vocabularies).
+        let mut joined = String::new();
+        for (rank, (left, right)) in merge_list.into_iter().enumerate() {
             let id = |token: &str| {
                 vocab.get(token).copied().ok_or_else(|| {
                     Reject::Malformed(format!("merge token {token:?} is not in the vocab"))
                 })
             };
+            joined.clear();
+            joined.push_str(left);
+            joined.push_str(right);
             let merge = Merge {
                 rank: rank as u32,
-                new_id: id(&format!("{left}{right}"))?,
+                new_id: id(&joined)?,
             };
             // A repeated pair keeps its last rank, as in tokenizers' map.
             merges.insert(pair_key(id(left)?, id(right)?), merge);
@@ -422,12 +434,18 @@ impl ByteLevelBpe {
             Some(_) => return Err(Unsupported("model.ignore_merges")),
         };
         let whole_words = ignore_merges.then(|| {
-            let char_byte: HashMap<char, u8> = (0..=255u8).map(|b| (byte_char(b), b)).collect();
+            // Byte-level chars are all below U+0144: a table, not a map, for millions of lookups.
+            let mut char_byte = [None; 0x144];
+            for byte in 0..=255u8 {
+                if let Some(slot) = char_byte.get_mut(byte_char(byte) as usize) {
+                    *slot = Some(byte);
+                }
+            }
+            let byte_of = |c: char| char_byte.get(c as usize).copied().flatten();
             vocab
                 .iter()
                 .filter_map(|(token, &id)| {
-                    let bytes: Option<Box<[u8]>> =
-                        token.chars().map(|c| char_byte.get(&c).copied()).collect();
+                    let bytes: Option<Box<[u8]>> = token.chars().map(byte_of).collect();
                     Some((bytes?, id))
                 })
                 .collect()
@@ -668,7 +686,8 @@ fn check_bpe_options(model: &Value) -> Result<(), Reject> {
     Ok(())
 }
 
-fn parse_vocab(model: &Value) -> Result<HashMap<String, u32>, Reject> {
+/// Token -> id, borrowing the tokens from the parsed JSON.
+fn parse_vocab(model: &Value) -> Result<HashMap<&str, u32, FastHash>, Reject> {
     let vocab = model
         .get("vocab")
         .and_then(Value::as_object)
@@ -680,7 +699,7 @@ fn parse_vocab(model: &Value) -> Result<HashMap<String, u32>, Reject> {
                 .as_u64()
                 .and_then(|id| u32::try_from(id).ok())
                 .ok_or_else(|| Reject::Malformed(format!("vocab id of {token:?}")))?;
-            Ok((token.clone(), id))
+            Ok((token.as_str(), id))
         })
         .collect()
 }
@@ -796,7 +815,7 @@ impl AddedTokens {
     /// `nfc`: the normalizer, which normalized tokens are matched after (so in their NFC form).
     fn parse(
         list: Option<&Value>,
-        vocab: &HashMap<String, u32>,
+        vocab: &HashMap<&str, u32, FastHash>,
         nfc: bool,
     ) -> Result<Self, Reject> {
         use Reject::Unsupported;

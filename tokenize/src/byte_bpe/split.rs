@@ -152,8 +152,34 @@ pub(crate) fn kind_of(c: char) -> Kind {
     kind_of_non_ascii(c)
 }
 
+/// Kinds of the Basic Multilingual Plane, built once ([`init_kind_table`]): a table read instead
+/// of a binary search of the category ranges per char of CJK, Arabic, … text.
+static BMP_KINDS: std::sync::OnceLock<Box<[Kind]>> = std::sync::OnceLock::new();
+
+/// Builds the BMP kind table (64 KiB, a few ms) so no request pays for it.
+pub(crate) fn init_kind_table() {
+    BMP_KINDS.get_or_init(|| {
+        (0..0x1_0000u32)
+            .map(|code| char::from_u32(code).map_or(Kind::Other, kind_by_category))
+            .collect()
+    });
+}
+
+#[inline]
 fn kind_of_non_ascii(c: char) -> Kind {
+    if let Some(table) = BMP_KINDS.get()
+        && let Some(&kind) = table.get(c as usize)
+    {
+        return kind;
+    }
+    kind_by_category(c)
+}
+
+fn kind_by_category(c: char) -> Kind {
     use GeneralCategory::*;
+    if c.is_ascii() {
+        return ASCII_KIND[c as usize];
+    }
     if c.is_whitespace() {
         return Kind::Space;
     }
@@ -484,6 +510,16 @@ mod tests {
             for pattern in [LLAMA3, QWEN2, O200K] {
                 let split = hf_split(pattern);
                 prop_assert_eq!(pieces(pattern, &text), reference(&split, &text), "{}", pattern);
+            }
+        }
+    }
+
+    #[test]
+    fn kind_table_equals_the_category_lookup() {
+        init_kind_table();
+        for code in 0x80..0x1_0000u32 {
+            if let Some(c) = char::from_u32(code) {
+                assert_eq!(kind_of_non_ascii(c), kind_by_category(c), "U+{code:04X}");
             }
         }
     }
