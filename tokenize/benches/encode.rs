@@ -1,31 +1,29 @@
-//! Encoding ~1k- and ~32k-token prompts (license texts from tests/fixtures/corpus) with the
-//! `tokenizers` crate and with the fast byte-level BPE path; both give identical ids.
+//! Encoding ~1k- and ~32k-token prompts with the `tokenizers` crate and with the fast exact
+//! encoder, on the project's tiny model and on each real tokenizer folder present
+//! (`scripts/models.sh`: Qwen3, Llama 3.1, gpt-oss); both give identical ids (asserted).
+//! Inputs: license texts from tests/fixtures/corpus (English prose) and seeded mixed text
+//! (`kvroute_tokenize::testing::mixed_text`: code, JSON, CJK, Arabic, emoji, marks, …).
+//! Throughput is in tokens, so criterion's time per iteration of a `1k_tokens` group is the cost
+//! per ~1k tokens; the setup prints each model's load time and the memory it added.
 #![expect(
     clippy::unwrap_used,
     reason = "benchmark setup: any failure should abort the run"
 )]
 
 use std::hint::black_box;
+use std::path::PathBuf;
+use std::time::Instant;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvroute_tokenize::ModelTokenizer;
+use kvroute_tokenize::{ByteLevelBpe, ModelTokenizer};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
 
-/// The corpus text, repeated as needed, cut to about `tokens` tokens (at a char boundary).
-fn prompt(tokenizer: &ModelTokenizer, tokens: usize) -> String {
-    let mut files: Vec<_> = std::fs::read_dir(format!("{FIXTURES}/corpus"))
-        .unwrap()
-        .map(|entry| entry.unwrap().path())
-        .collect();
-    files.sort();
-    let corpus: String = files
-        .iter()
-        .map(|file| std::fs::read_to_string(file).unwrap())
-        .collect();
+/// `text` repeated as needed and cut to about `tokens` tokens (at a char boundary).
+fn prompt(tokenizer: &ModelTokenizer, source: &str, tokens: usize) -> String {
     let mut text = String::new();
     while tokenizer.encode_prompt(&text, false).unwrap().len() < tokens {
-        text.push_str(&corpus);
+        text.push_str(source);
     }
     let ratio = text.len() as f64 / tokenizer.encode_prompt(&text, false).unwrap().len() as f64;
     let mut end = ((tokens as f64 * ratio) as usize).min(text.len());
@@ -36,22 +34,100 @@ fn prompt(tokenizer: &ModelTokenizer, tokens: usize) -> String {
     text
 }
 
+fn license_corpus() -> String {
+    let mut files: Vec<_> = std::fs::read_dir(format!("{FIXTURES}/corpus"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .map(|file| std::fs::read_to_string(file).unwrap())
+        .collect()
+}
+
+/// Resident memory of this process in bytes (Linux; 0 elsewhere).
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+/// Loads a model folder, printing the load time, the part the fast encoder's build takes and
+/// the memory the load kept.
+fn load(name: &str, dir: &PathBuf) -> ModelTokenizer {
+    let before = rss_bytes();
+    let started = Instant::now();
+    let tokenizer = ModelTokenizer::from_dir(dir).unwrap();
+    let total = started.elapsed();
+    let after = rss_bytes();
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+    let started = Instant::now();
+    let fast = ByteLevelBpe::from_tokenizer_json(&json).unwrap();
+    let build = started.elapsed();
+    drop(fast);
+    eprintln!(
+        "{name}: load {:.0} ms (fast encoder build {:.0} ms of it, plus the JSON parse), \
+         RSS +{:.0} MiB; fast path: {}",
+        total.as_secs_f64() * 1e3,
+        build.as_secs_f64() * 1e3,
+        after.saturating_sub(before) as f64 / (1 << 20) as f64,
+        tokenizer.uses_fast_path(),
+    );
+    tokenizer
+}
+
+fn models() -> Vec<(String, PathBuf)> {
+    let mut models = vec![(
+        "tiny".to_owned(),
+        PathBuf::from(format!("{FIXTURES}/tiny-model")),
+    )];
+    let dir = std::env::var_os("KVROUTE_MODELS")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvroute/models"))
+        });
+    for name in ["qwen3", "llama3_1", "gptoss"] {
+        match dir.as_ref().map(|d| d.join(name)) {
+            Some(path) if path.join("tokenizer.json").is_file() => {
+                models.push((name.to_owned(), path));
+            }
+            _ => eprintln!("{name}: no tokenizer folder (bash scripts/models.sh); skipped"),
+        }
+    }
+    models
+}
+
 fn bench_encode(c: &mut Criterion) {
-    let tokenizer = ModelTokenizer::from_dir(format!("{FIXTURES}/tiny-model")).unwrap();
-    assert!(tokenizer.uses_fast_path());
-    for (name, tokens) in [("1k_tokens", 1_000), ("32k_tokens", 32_000)] {
-        let text = prompt(&tokenizer, tokens);
-        let ids = tokenizer.encode_prompt(&text, true).unwrap();
-        assert_eq!(ids, tokenizer.encode_with_tokenizers(&text, true).unwrap());
-        let mut group = c.benchmark_group(format!("encode_{name}"));
-        group.throughput(Throughput::Elements(ids.len() as u64));
-        group.bench_function("tokenizers", |b| {
-            b.iter(|| tokenizer.encode_with_tokenizers(black_box(&text), true))
-        });
-        group.bench_function("fast", |b| {
-            b.iter(|| tokenizer.encode_prompt(black_box(&text), true))
-        });
-        group.finish();
+    let license = license_corpus();
+    let mixed = kvroute_tokenize::testing::mixed_text(7, 1 << 20, &[]);
+    for (model, dir) in models() {
+        let tokenizer = load(&model, &dir);
+        assert!(tokenizer.uses_fast_path(), "{model}");
+        let inputs = [
+            ("license_1k_tokens", &license, 1_000),
+            ("mixed_1k_tokens", &mixed, 1_000),
+            ("license_32k_tokens", &license, 32_000),
+        ];
+        for (name, source, tokens) in inputs {
+            let text = prompt(&tokenizer, source, tokens);
+            let ids = tokenizer.encode_prompt(&text, true).unwrap();
+            assert_eq!(ids, tokenizer.encode_with_tokenizers(&text, true).unwrap());
+            let mut group = c.benchmark_group(format!("encode_{model}_{name}"));
+            group.throughput(Throughput::Elements(ids.len() as u64));
+            group.bench_function("tokenizers", |b| {
+                b.iter(|| tokenizer.encode_with_tokenizers(black_box(&text), true))
+            });
+            group.bench_function("fast", |b| {
+                b.iter(|| tokenizer.encode_prompt(black_box(&text), true))
+            });
+            group.finish();
+        }
     }
 }
 

@@ -1,32 +1,42 @@
-//! A fast, exact encoder for the common byte-level BPE pipeline (GPT-2 style `tokenizer.json`).
+//! A fast, exact encoder for byte-level BPE pipelines: GPT-2 style `tokenizer.json` and the
+//! `Split`-regex pipelines of Llama 3, Qwen2/2.5/3 and o200k (gpt-oss).
 //!
 //! `tokenizers::Tokenizer::encode_fast` spends most of its time on bookkeeping we never read
 //! (offset alignment in `NormalizedString`, per-piece allocations, Oniguruma). [`ByteLevelBpe`]
 //! computes the same ids directly: added tokens are cut out of the raw text, each remaining
-//! segment is split by the GPT-2 pattern (a hand-written scanner, see `gpt2_split`), each piece's
-//! UTF-8 bytes start as one symbol per byte and are merged by rank exactly as `tokenizers`' BPE
-//! does, and the post-processor's special tokens wrap the result.
+//! segment is NFC-normalized if the pipeline says so, split by the pre-tokenizer's pattern (a
+//! hand-written scanner: `gpt2_split`, or `split` for the `Split` regexes it recognises by their
+//! exact strings), each piece's UTF-8 bytes start as one symbol per byte and are merged by rank
+//! exactly as `tokenizers`' BPE does (or taken whole from the vocab with `ignore_merges`), and the
+//! post-processor's special tokens wrap the result. A word cache memoizes pieces.
 //!
 //! Modelled exactly — [`ByteLevelBpe::from_tokenizer_json`] returns `Some` only for this:
-//! - `normalizer`, `truncation`, `padding`: null;
-//! - `pre_tokenizer`: `ByteLevel { add_prefix_space: false, use_regex: true }`;
+//! - `normalizer`: null or `NFC` (computed by `unicode-normalization-alignments`, the crate
+//!   `tokenizers` itself runs); `truncation`, `padding`: null;
+//! - `pre_tokenizer`: `ByteLevel { add_prefix_space: false, use_regex: true }`, or a `Sequence`
+//!   of `Split { pattern: Regex(P), behavior: Isolated, invert: false }` and `ByteLevel {
+//!   add_prefix_space: false, use_regex: false }` where P is exactly Llama 3's, Qwen2's or
+//!   o200k's pattern (`split::LLAMA3`, `QWEN2`, `O200K`);
 //! - `model`: BPE without dropout, continuing-subword prefix, end-of-word suffix or byte
 //!   fallback, with all 256 byte-level chars in the vocab (so `unk` can never occur); merges as
 //!   `"a b"` strings or `[a, b]` pairs; `ignore_merges` honoured;
 //! - `added_tokens` without `single_word`/`lstrip`/`rstrip` (matched leftmost-longest, first the
-//!   non-normalized ones in the raw text, then the normalized ones in what is left — the two passes
-//!   of `tokenizers`, where with no normalizer both match the raw text); ids assigned as
-//!   `tokenizers` does on load (the model's id when the content is in the vocab, else the next
-//!   free id from the vocab size);
+//!   non-normalized ones in the raw text, then the normalized ones — in their normalized form —
+//!   in what is left, the two passes of `tokenizers`; `special` does not change encoding); ids
+//!   assigned as `tokenizers` does on load (the model's id when the content is in the vocab,
+//!   else the next free id from the vocab size);
 //! - `post_processor`: null, `ByteLevel` (offsets only), `TemplateProcessing` whose `single`
 //!   template is special tokens around exactly one `$A`, or a `Sequence` of those.
 //!
-//! Everything else (normalizers, Metaspace/SentencePiece, Llama-3/Qwen `Split` regexes,
-//! `add_prefix_space`, WordPiece, …) yields `None` and stays with `tokenizers`.
-//! [`crate::ModelTokenizer`] also cross-checks both encoders on a sample at load.
+//! Everything else (other normalizers, Metaspace/SentencePiece, other `Split` patterns or
+//! several Splits as DeepSeek-V3 has, `add_prefix_space`, WordPiece, …) yields `None` and stays
+//! with `tokenizers`. [`crate::ModelTokenizer`] also cross-checks both encoders on a sample at
+//! load and keeps `tokenizers` when they differ.
 
 mod gpt2_split;
+pub(crate) mod split;
 
+use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -34,6 +44,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 use daachorse::{DoubleArrayAhoCorasick, DoubleArrayAhoCorasickBuilder, MatchKind};
 use parking_lot::Mutex;
 use serde_json::Value;
+use unicode_normalization_alignments::{IsNormalized, UnicodeNormalization, is_nfc_quick};
+
+use split::SplitPattern;
 
 use crate::TokenizeError;
 
@@ -48,6 +61,9 @@ const PIECE_BATCH: usize = 64;
 
 /// The exact fast encoder of one byte-level BPE `tokenizer.json`; see the module docs.
 pub struct ByteLevelBpe {
+    /// Whether segments are NFC-normalized (the `NFC` normalizer) before pre-tokenization.
+    nfc: bool,
+    pre_tokenizer: PreTokenizer,
     /// Token id of each byte's byte-level char.
     byte_ids: [u32; 256],
     /// `(left, right)` packed into a u64 -> its merge.
@@ -65,6 +81,8 @@ pub struct ByteLevelBpe {
 impl std::fmt::Debug for ByteLevelBpe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ByteLevelBpe")
+            .field("nfc", &self.nfc)
+            .field("pre_tokenizer", &self.pre_tokenizer)
             .field("merges", &self.merges.len())
             .field("ignore_merges", &self.whole_words.is_some())
             .field("prefix", &self.prefix)
@@ -105,17 +123,31 @@ struct Scratch {
     word: Vec<u32>,
 }
 
-/// A piece of pre-tokenized text and its word cache bucket, if it may be cached.
-struct Piece<'t> {
-    bytes: &'t [u8],
+/// How text segments are cut into pieces before BPE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PreTokenizer {
+    /// `ByteLevel { use_regex: true }`: the GPT-2 pattern.
+    Gpt2,
+    /// `Sequence [Split { Regex, Isolated }, ByteLevel { use_regex: false }]`.
+    Split(SplitPattern),
+}
+
+/// A piece of pre-tokenized text (a byte range of its segment) and its word cache bucket, if it
+/// may be cached. Ranges rather than slices, so the batch buffer outlives each segment's text.
+struct Piece {
+    start: usize,
+    end: usize,
     bucket: Option<usize>,
 }
 
-impl<'t> Piece<'t> {
-    fn new(piece: &'t str) -> Self {
+impl Piece {
+    fn new(segment: &str, piece: &str) -> Self {
         let bytes = piece.as_bytes();
+        // Pieces are subslices of their segment.
+        let start = piece.as_ptr() as usize - segment.as_ptr() as usize;
         Self {
-            bytes,
+            start,
+            end: start + bytes.len(),
             // Single bytes map straight to their ids.
             bucket: (2..=CACHE_MAX_WORD_LEN)
                 .contains(&bytes.len())
@@ -158,29 +190,74 @@ impl ByteLevelBpe {
         }
         let mut scratch = Scratch::default();
         let mut batch = Vec::with_capacity(PIECE_BATCH);
-        self.added
-            .for_each_segment(text, &mut |segment| match segment {
+        // tokenizers' two passes: non-normalized added tokens in the raw text; then each segment
+        // between them is normalized and the normalized added tokens are cut out of that.
+        split_on(
+            self.added.raw.as_ref(),
+            text,
+            &mut |segment| match segment {
                 Segment::Added(id) => ids.push(id),
-                Segment::Text(text) => self.encode_text(text, &mut ids, &mut scratch, &mut batch),
-            });
+                Segment::Text(raw) => {
+                    let normalized = if self.nfc {
+                        nfc(raw)
+                    } else {
+                        Cow::Borrowed(raw)
+                    };
+                    split_on(
+                        self.added.normalized.as_ref(),
+                        &normalized,
+                        &mut |segment| match segment {
+                            Segment::Added(id) => ids.push(id),
+                            Segment::Text(text) => {
+                                self.encode_text(text, &mut ids, &mut scratch, &mut batch);
+                            }
+                        },
+                    );
+                }
+            },
+        );
         if add_special_tokens {
             ids.extend_from_slice(&self.suffix);
         }
         ids
     }
 
-    /// Splits `text` with the GPT-2 pattern and encodes its pieces, [`PIECE_BATCH`] at a time.
-    fn encode_text<'t>(
+    /// Splits `text` (a normalized segment between added tokens) with the pre-tokenizer and
+    /// encodes its pieces.
+    fn encode_text(
         &self,
-        text: &'t str,
+        text: &str,
         out: &mut Vec<u32>,
         scratch: &mut Scratch,
-        batch: &mut Vec<Piece<'t>>,
+        batch: &mut Vec<Piece>,
     ) {
-        let mut pieces = gpt2_split::split(text);
+        match self.pre_tokenizer {
+            PreTokenizer::Gpt2 => {
+                self.encode_pieces(text, gpt2_split::split(text), out, scratch, batch);
+            }
+            PreTokenizer::Split(pattern) => {
+                self.encode_pieces(text, pattern.split(text), out, scratch, batch);
+            }
+        }
+    }
+
+    /// Encodes the pieces of `text`, [`PIECE_BATCH`] at a time.
+    fn encode_pieces<'t>(
+        &self,
+        text: &'t str,
+        mut pieces: impl Iterator<Item = &'t str>,
+        out: &mut Vec<u32>,
+        scratch: &mut Scratch,
+        batch: &mut Vec<Piece>,
+    ) {
         loop {
             batch.clear();
-            batch.extend(pieces.by_ref().take(PIECE_BATCH).map(Piece::new));
+            batch.extend(
+                pieces
+                    .by_ref()
+                    .take(PIECE_BATCH)
+                    .map(|piece| Piece::new(text, piece)),
+            );
             if batch.is_empty() {
                 return;
             }
@@ -196,36 +273,45 @@ impl ByteLevelBpe {
                 .fold(0u8, |acc, bucket| acc ^ cache[bucket].touch());
             std::hint::black_box(touched);
             for piece in batch.iter() {
-                self.encode_piece(piece, &mut cache, out, scratch);
+                let bytes = text
+                    .as_bytes()
+                    .get(piece.start..piece.end)
+                    .unwrap_or_default();
+                self.encode_piece(bytes, piece.bucket, &mut cache, out, scratch);
             }
         }
     }
 
     fn encode_piece(
         &self,
-        piece: &Piece<'_>,
+        bytes: &[u8],
+        bucket: Option<usize>,
         cache: &mut [CacheBucket],
         out: &mut Vec<u32>,
         scratch: &mut Scratch,
     ) {
-        let bytes = piece.bytes;
         if let [byte] = bytes {
             out.push(self.byte_ids[usize::from(*byte)]);
             return;
         }
-        if let Some(&id) = self.whole_words.as_ref().and_then(|words| words.get(bytes)) {
-            out.push(id);
-            return;
-        }
-        if let Some(bucket) = piece.bucket
+        // The word cache first: its bucket is already in the CPU cache (read above), where the
+        // whole-word table of a 128k–200k vocabulary is a likely miss per piece.
+        if let Some(bucket) = bucket
             && cache[bucket].ids_of(bytes, out)
         {
             return;
         }
-        self.merge_word(bytes, scratch);
-        out.extend_from_slice(&scratch.word);
-        if let Some(bucket) = piece.bucket
-            && let Some(entry) = CachedWord::new(bytes, &scratch.word)
+        let whole = self.whole_words.as_ref().and_then(|words| words.get(bytes));
+        let ids: &[u32] = match whole {
+            Some(id) => std::slice::from_ref(id),
+            None => {
+                self.merge_word(bytes, scratch);
+                &scratch.word
+            }
+        };
+        out.extend_from_slice(ids);
+        if let Some(bucket) = bucket
+            && let Some(entry) = CachedWord::new(bytes, ids)
         {
             cache[bucket].store(entry);
         }
@@ -295,12 +381,18 @@ impl ByteLevelBpe {
 
     fn build(json: &Value) -> Result<Self, Reject> {
         use Reject::Unsupported;
-        for field in ["normalizer", "truncation", "padding"] {
+        for field in ["truncation", "padding"] {
             if !json.get(field).is_none_or(Value::is_null) {
                 return Err(Unsupported(field));
             }
         }
-        check_pre_tokenizer(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
+        let nfc = match json.get("normalizer") {
+            None | Some(Value::Null) => false,
+            Some(normalizer) if normalizer == &serde_json::json!({"type": "NFC"}) => true,
+            Some(_) => return Err(Unsupported("normalizer")),
+        };
+        let pre_tokenizer = parse_pre_tokenizer(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
+        split::init_kind_table();
         let model = json
             .get("model")
             .ok_or_else(|| Reject::Malformed("no model".to_owned()))?;
@@ -315,16 +407,22 @@ impl ByteLevelBpe {
                 .ok_or(Unsupported("a byte-level char is missing from the vocab"))?;
         }
 
-        let mut merges = HashMap::default();
-        for (rank, (left, right)) in parse_merges(model)?.into_iter().enumerate() {
+        let merge_list = parse_merges(model)?;
+        let mut merges = HashMap::with_capacity_and_hasher(merge_list.len(), FastHash::default());
+        // One buffer for every merged token's text (200k–450k merges in real vocabularies).
+        let mut joined = String::new();
+        for (rank, (left, right)) in merge_list.into_iter().enumerate() {
             let id = |token: &str| {
                 vocab.get(token).copied().ok_or_else(|| {
                     Reject::Malformed(format!("merge token {token:?} is not in the vocab"))
                 })
             };
+            joined.clear();
+            joined.push_str(left);
+            joined.push_str(right);
             let merge = Merge {
                 rank: rank as u32,
-                new_id: id(&format!("{left}{right}"))?,
+                new_id: id(&joined)?,
             };
             // A repeated pair keeps its last rank, as in tokenizers' map.
             merges.insert(pair_key(id(left)?, id(right)?), merge);
@@ -336,21 +434,29 @@ impl ByteLevelBpe {
             Some(_) => return Err(Unsupported("model.ignore_merges")),
         };
         let whole_words = ignore_merges.then(|| {
-            let char_byte: HashMap<char, u8> = (0..=255u8).map(|b| (byte_char(b), b)).collect();
+            // Byte-level chars are all below U+0144: a table, not a map, for millions of lookups.
+            let mut char_byte = [None; 0x144];
+            for byte in 0..=255u8 {
+                if let Some(slot) = char_byte.get_mut(byte_char(byte) as usize) {
+                    *slot = Some(byte);
+                }
+            }
+            let byte_of = |c: char| char_byte.get(c as usize).copied().flatten();
             vocab
                 .iter()
                 .filter_map(|(token, &id)| {
-                    let bytes: Option<Box<[u8]>> =
-                        token.chars().map(|c| char_byte.get(&c).copied()).collect();
+                    let bytes: Option<Box<[u8]>> = token.chars().map(byte_of).collect();
                     Some((bytes?, id))
                 })
                 .collect()
         });
 
-        let added = AddedTokens::parse(json.get("added_tokens"), &vocab)?;
+        let added = AddedTokens::parse(json.get("added_tokens"), &vocab, nfc)?;
         let (prefix, suffix) =
             parse_post_processor(json.get("post_processor").unwrap_or(&Value::Null), 0)?;
         Ok(Self {
+            nfc,
+            pre_tokenizer,
             byte_ids,
             merges,
             whole_words,
@@ -504,15 +610,58 @@ fn byte_char(byte: u8) -> char {
     char::from_u32(256 + offset).unwrap_or(char::REPLACEMENT_CHARACTER)
 }
 
-fn check_pre_tokenizer(pre: &Value) -> Result<(), Reject> {
+/// The pre-tokenizers modelled: GPT-2's `ByteLevel` alone, or a `Split` by a known regex
+/// (isolating its matches) followed by `ByteLevel` without its regex.
+fn parse_pre_tokenizer(pre: &Value) -> Result<PreTokenizer, Reject> {
     let unsupported = Reject::Unsupported("pre_tokenizer");
-    if pre.get("type").and_then(Value::as_str) != Some("ByteLevel")
-        || pre.get("add_prefix_space") != Some(&Value::Bool(false))
-        || !matches!(pre.get("use_regex"), None | Some(Value::Bool(true)))
-    {
+    fn str_of<'v>(value: &'v Value, field: &str) -> Option<&'v str> {
+        value.get(field).and_then(Value::as_str)
+    }
+    let byte_level = |value: &Value, use_regex: bool| {
+        str_of(value, "type") == Some("ByteLevel")
+            && value.get("add_prefix_space") == Some(&Value::Bool(false))
+            && match value.get("use_regex") {
+                None => use_regex, // the default is true
+                Some(flag) => flag == &Value::Bool(use_regex),
+            }
+    };
+    if byte_level(pre, true) {
+        return Ok(PreTokenizer::Gpt2);
+    }
+    if str_of(pre, "type") != Some("Sequence") {
         return Err(unsupported);
     }
-    Ok(())
+    let Some([split, last]) = pre
+        .get("pretokenizers")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+    else {
+        return Err(unsupported);
+    };
+    let pattern = split
+        .get("pattern")
+        .and_then(|pattern| str_of(pattern, "Regex"))
+        .and_then(SplitPattern::from_regex);
+    match pattern {
+        Some(pattern)
+            if str_of(split, "type") == Some("Split")
+                && str_of(split, "behavior") == Some("Isolated")
+                && split.get("invert") == Some(&Value::Bool(false))
+                && byte_level(last, false) =>
+        {
+            Ok(PreTokenizer::Split(pattern))
+        }
+        _ => Err(unsupported),
+    }
+}
+
+/// `text` in NFC, as `tokenizers`' `NFC` normalizer computes it (the same crate and tables;
+/// Unicode 9.0). Text the quick check passes is already in NFC and is not copied.
+fn nfc(text: &str) -> Cow<'_, str> {
+    if text.is_ascii() || is_nfc_quick(text.chars()) == IsNormalized::Yes {
+        return Cow::Borrowed(text);
+    }
+    Cow::Owned(text.nfc().map(|(c, _)| c).collect())
 }
 
 fn check_bpe_options(model: &Value) -> Result<(), Reject> {
@@ -537,7 +686,8 @@ fn check_bpe_options(model: &Value) -> Result<(), Reject> {
     Ok(())
 }
 
-fn parse_vocab(model: &Value) -> Result<HashMap<String, u32>, Reject> {
+/// Token -> id, borrowing the tokens from the parsed JSON.
+fn parse_vocab(model: &Value) -> Result<HashMap<&str, u32, FastHash>, Reject> {
     let vocab = model
         .get("vocab")
         .and_then(Value::as_object)
@@ -549,7 +699,7 @@ fn parse_vocab(model: &Value) -> Result<HashMap<String, u32>, Reject> {
                 .as_u64()
                 .and_then(|id| u32::try_from(id).ok())
                 .ok_or_else(|| Reject::Malformed(format!("vocab id of {token:?}")))?;
-            Ok((token.clone(), id))
+            Ok((token.as_str(), id))
         })
         .collect()
 }
@@ -662,7 +812,12 @@ struct AddedTokens {
 }
 
 impl AddedTokens {
-    fn parse(list: Option<&Value>, vocab: &HashMap<String, u32>) -> Result<Self, Reject> {
+    /// `nfc`: the normalizer, which normalized tokens are matched after (so in their NFC form).
+    fn parse(
+        list: Option<&Value>,
+        vocab: &HashMap<&str, u32, FastHash>,
+        nfc: bool,
+    ) -> Result<Self, Reject> {
         use Reject::Unsupported;
         let list = match list {
             None | Some(Value::Null) => &Vec::new(),
@@ -700,23 +855,20 @@ impl AddedTokens {
                 next_id - 1
             });
             if norm {
+                let content = if nfc {
+                    self::nfc(content)
+                } else {
+                    Cow::Borrowed(content)
+                };
                 normalized.push((content, id));
             } else {
-                raw.push((content, id));
+                raw.push((Cow::Borrowed(content), id));
             }
         }
         Ok(Self {
             raw: matcher(raw)?,
             normalized: matcher(normalized)?,
         })
-    }
-
-    /// Calls `f` on the segments of `text` in order; empty text segments are skipped.
-    fn for_each_segment<'a>(&self, text: &'a str, f: &mut dyn FnMut(Segment<'a>)) {
-        split_on(self.raw.as_ref(), text, &mut |segment| match segment {
-            Segment::Text(rest) => split_on(self.normalized.as_ref(), rest, f),
-            added => f(added),
-        });
     }
 }
 
@@ -749,13 +901,19 @@ fn split_on<'a>(
     }
 }
 
-fn matcher(tokens: Vec<(&str, u32)>) -> Result<Option<DoubleArrayAhoCorasick<u32>>, Reject> {
+fn matcher(
+    tokens: Vec<(Cow<'_, str>, u32)>,
+) -> Result<Option<DoubleArrayAhoCorasick<u32>>, Reject> {
     if tokens.is_empty() {
         return Ok(None);
     }
     DoubleArrayAhoCorasickBuilder::new()
         .match_kind(MatchKind::LeftmostLongest)
-        .build_with_values(tokens)
+        .build_with_values(
+            tokens
+                .into_iter()
+                .map(|(content, id)| (content.into_owned(), id)),
+        )
         .map(Some)
         .map_err(|e| Reject::Malformed(format!("added tokens: {e}")))
 }

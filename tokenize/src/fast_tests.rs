@@ -244,8 +244,16 @@ fn added_tokens_get_tokenizers_ids_and_normalized_ones_match_second() {
 #[test]
 fn unsupported_pipelines_fall_back_to_tokenizers() {
     type Edit = fn(&mut Value);
-    let edits: [(&str, Edit); 6] = [
-        ("normalizer", |j| j["normalizer"] = json!({"type": "NFC"})),
+    let edits: [(&str, Edit); 8] = [
+        ("normalizer", |j| j["normalizer"] = json!({"type": "NFKC"})),
+        ("split with another behaviour", |j| {
+            j["pre_tokenizer"] = split_pipeline(byte_bpe::split::LLAMA3);
+            j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = json!("Removed");
+        }),
+        ("split then ByteLevel with its regex", |j| {
+            j["pre_tokenizer"] = split_pipeline(byte_bpe::split::O200K);
+            j["pre_tokenizer"]["pretokenizers"][1]["use_regex"] = json!(true);
+        }),
         ("add_prefix_space", |j| {
             j["pre_tokenizer"]["add_prefix_space"] = json!(true)
         }),
@@ -286,6 +294,82 @@ fn unsupported_pipelines_fall_back_to_tokenizers() {
             .unwrap()
             .is_some()
     );
+}
+
+/// `Sequence [Split(pattern, Isolated), ByteLevel(use_regex: false)]`, as real tokenizers carry.
+fn split_pipeline(pattern: &str) -> Value {
+    json!({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})
+}
+
+/// The tiny model's vocab under each real pipeline (Llama 3, Qwen2 + NFC, o200k): no model
+/// folders needed, so this runs everywhere.
+fn tiny_with_real_pipelines() -> &'static [(&'static str, ModelTokenizer)] {
+    static TOKENIZERS: std::sync::OnceLock<Vec<(&'static str, ModelTokenizer)>> =
+        std::sync::OnceLock::new();
+    TOKENIZERS.get_or_init(|| {
+        use byte_bpe::split::{LLAMA3, O200K, QWEN2};
+        [
+            ("llama3", LLAMA3, false),
+            ("qwen2_nfc", QWEN2, true),
+            ("o200k", O200K, false),
+        ]
+        .into_iter()
+        .map(|(name, pattern, nfc)| {
+            let mut json = tokenizer_json();
+            json["pre_tokenizer"] = split_pipeline(pattern);
+            if nfc {
+                json["normalizer"] = json!({"type": "NFC"});
+            }
+            (name, from_json(&json))
+        })
+        .collect()
+    })
+}
+
+#[test]
+fn split_pipelines_and_nfc_use_the_fast_path_and_match() {
+    let text = corpus(50_000);
+    let mixed = crate::testing::mixed_text(3, 100_000, &["<s>", "</s>", "<|user|>"]);
+    for (name, tokenizer) in tiny_with_real_pipelines() {
+        assert!(tokenizer.uses_fast_path(), "{name}");
+        assert_same(tokenizer, &text);
+        assert_same(tokenizer, &mixed);
+        assert_same(tokenizer, SELF_CHECK_SAMPLE);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn split_pipelines_equal_tokenizers_on_random_text(text in text_strategy()) {
+        for (name, tokenizer) in tiny_with_real_pipelines() {
+            for add in [true, false] {
+                prop_assert_eq!(
+                    tokenizer.encode_prompt(&text, add).unwrap(),
+                    tokenizer.encode_with_tokenizers(&text, add).unwrap(),
+                    "{} add_special_tokens={}", name, add
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn normalized_added_tokens_match_in_nfc_form() {
+    let mut json = tokenizer_json();
+    json["normalizer"] = json!({"type": "NFC"});
+    json["pre_tokenizer"] = split_pipeline(byte_bpe::split::QWEN2);
+    json["added_tokens"].as_array_mut().unwrap().push(
+        json!({"id": 9999, "content": "cafe\u{301}!", "single_word": false, "lstrip": false,
+        "rstrip": false, "normalized": true, "special": false}),
+    );
+    let tokenizer = from_json(&json);
+    assert_same(&tokenizer, "x caf\u{e9}! cafe\u{301}! cafe\u{301}!y");
+    let id = tokenizer.encode_prompt("caf\u{e9}!", false).unwrap();
+    assert_eq!(id.len(), 1);
 }
 
 #[test]

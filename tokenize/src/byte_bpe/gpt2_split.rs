@@ -15,9 +15,10 @@
 //!
 //! Classes follow Oniguruma's Unicode tables (Unicode 16.0): `\s` is the White_Space property
 //! (= [`char::is_whitespace`]), `\p{L}` the general categories Lu/Ll/Lt/Lm/Lo and `\p{N}`
-//! Nd/Nl/No, looked up in `unicode-general-category` (also Unicode 16.0) beyond ASCII.
+//! Nd/Nl/No, looked up in `unicode-general-category` (also Unicode 16.0) beyond ASCII
+//! (through [`kind_of`], shared with the `Split` scanners).
 
-use unicode_general_category::{GeneralCategory, get_general_category};
+use super::split::{Kind, kind_of};
 
 /// The character classes the pattern distinguishes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,40 +29,13 @@ pub(crate) enum Class {
     Other,
 }
 
-/// Classes of the ASCII chars, so the common case needs no table search.
-const ASCII_CLASS: [Class; 128] = {
-    let mut table = [Class::Other; 128];
-    let mut b = 0;
-    while b < 128 {
-        table[b] = match b as u8 {
-            b'a'..=b'z' | b'A'..=b'Z' => Class::Letter,
-            b'0'..=b'9' => Class::Number,
-            // White_Space in ASCII: \t \n \v \f \r and space.
-            0x09..=0x0D | b' ' => Class::Space,
-            _ => Class::Other,
-        };
-        b += 1;
-    }
-    table
-};
-
+/// The class of `c` (from the kinds the `Split` scanners use: one set of Unicode tables).
 pub(crate) fn class_of(c: char) -> Class {
-    if c.is_ascii() {
-        return ASCII_CLASS[c as usize];
-    }
-    if c.is_whitespace() {
-        return Class::Space;
-    }
-    match get_general_category(c) {
-        GeneralCategory::UppercaseLetter
-        | GeneralCategory::LowercaseLetter
-        | GeneralCategory::TitlecaseLetter
-        | GeneralCategory::ModifierLetter
-        | GeneralCategory::OtherLetter => Class::Letter,
-        GeneralCategory::DecimalNumber
-        | GeneralCategory::LetterNumber
-        | GeneralCategory::OtherNumber => Class::Number,
-        _ => Class::Other,
+    match kind_of(c) {
+        Kind::Upper | Kind::Lower | Kind::OtherLetter => Class::Letter,
+        Kind::Number => Class::Number,
+        Kind::Newline | Kind::Space => Class::Space,
+        Kind::Mark | Kind::Other => Class::Other,
     }
 }
 

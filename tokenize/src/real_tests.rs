@@ -1,0 +1,178 @@
+//! The fast encoder against `tokenizers` on the real tokenizer folders (Qwen3, Llama 3.1,
+//! gpt-oss) that `scripts/models.sh` caches: seeded mixed text plus adversarial cases, token for
+//! token. Skipped, saying so, when the folders are absent.
+//!
+//! The always-on test runs 256 KiB per tokenizer; the 10 MiB one is `#[ignore]`d (a debug-build
+//! `tokenizers` needs minutes for it) and run by `scripts/test.sh` in release:
+//! `cargo nextest run --release -p kvroute-tokenize --run-ignored only -E 'test(/real_tokenizers/)'`.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use super::*;
+use crate::testing::{Rng, mixed_text};
+
+/// The folders `scripts/models.sh` fetches.
+const MODELS: [&str; 3] = ["qwen3", "llama3_1", "gptoss"];
+
+fn models_dir() -> Option<PathBuf> {
+    std::env::var_os("KVROUTE_MODELS")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvroute/models"))
+        })
+}
+
+/// Each real tokenizer present, loaded once per test process (`None` if that folder is absent).
+fn real(name: &str) -> Option<&'static ModelTokenizer> {
+    static LOADED: OnceLock<Vec<(&'static str, Option<ModelTokenizer>)>> = OnceLock::new();
+    let loaded = LOADED.get_or_init(|| {
+        MODELS
+            .iter()
+            .map(|&model| {
+                let dir = models_dir().map(|d| d.join(model));
+                let tokenizer = dir
+                    .filter(|d| d.join("tokenizer.json").is_file())
+                    .map(|d| ModelTokenizer::from_dir(&d).unwrap());
+                (model, tokenizer)
+            })
+            .collect()
+    });
+    loaded
+        .iter()
+        .find(|(model, _)| *model == name)
+        .and_then(|(_, tokenizer)| tokenizer.as_ref())
+}
+
+/// The real tokenizers present; prints a skip line for each missing one.
+fn present(test: &str) -> Vec<(&'static str, &'static ModelTokenizer)> {
+    MODELS
+        .iter()
+        .filter_map(|&name| {
+            let tokenizer = real(name);
+            if tokenizer.is_none() {
+                eprintln!(
+                    "SKIP {test} for {name}: no tokenizer folder; run `bash scripts/models.sh` \
+                     (sets KVROUTE_MODELS)"
+                );
+            }
+            Some((name, tokenizer?))
+        })
+        .collect()
+}
+
+fn added_contents(tokenizer: &ModelTokenizer) -> Vec<String> {
+    let mut added: Vec<_> = tokenizer
+        .tokenizer
+        .get_added_tokens_decoder()
+        .into_iter()
+        .collect();
+    added.sort_unstable_by_key(|(id, _)| *id);
+    added.into_iter().map(|(_, token)| token.content).collect()
+}
+
+/// Asserts fast == `tokenizers` on `text`, reporting the first differing token in context.
+fn assert_exact(name: &str, tokenizer: &ModelTokenizer, text: &str, add_special_tokens: bool) {
+    let fast = tokenizer.encode_prompt(text, add_special_tokens).unwrap();
+    let reference = tokenizer
+        .encode_with_tokenizers(text, add_special_tokens)
+        .unwrap();
+    if fast == reference {
+        return;
+    }
+    let at = fast
+        .iter()
+        .zip(&reference)
+        .position(|(a, b)| a != b)
+        .unwrap_or(fast.len().min(reference.len()));
+    let window = |ids: &[u32]| {
+        let lo = at.saturating_sub(3);
+        let hi = (at + 4).min(ids.len());
+        ids[lo..hi]
+            .iter()
+            .map(|&id| tokenizer.id_to_token(id).unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    panic!(
+        "{name}: fast != tokenizers at token {at} (add_special_tokens={add_special_tokens}, \
+         {} bytes of text)\n fast: {:?}\n   hf: {:?}\n text: {:?}",
+        text.len(),
+        window(&fast),
+        window(&reference),
+        if text.len() < 2000 { text } else { "(long)" },
+    );
+}
+
+/// Hand-picked inputs at the edges of the patterns, the normalizer and the added tokens.
+fn adversarial(specials: &[String]) -> Vec<String> {
+    let mut cases: Vec<String> = [
+        "", " ", "  ", "\n", "\r\n", "\r\n\r\n", " \r\n ", "\t\t\n  \n", "a  ", "  a", "a \n b",
+        "I'LL DON'T we'Re it'\u{17f} 'tis ''s '", "HTTPServer getHTTPResponse iPhone ABCdef",
+        "123456789012345678901234567890", "\u{663}\u{664}\u{665}\u{666} \u{ff11}\u{ff12}",
+        "e\u{301} \u{e9} a\u{323}\u{301} a\u{301}\u{323} \u{212b} \u{f900} \u{1100}\u{1161}\u{11a8}",
+        "\u{301}\u{301}x \u{301}", "x\u{301}Y\u{301}z", "\u{1f468}\u{200d}\u{1f469}\u{200d}\u{1f467}\u{1f44d}\u{1f3fd}",
+        "\u{a0}\u{a0}x \u{3000}\u{3000}y \u{2028}z\u{2029}", "!!!\n\n/// ...\r\n/x", "a/b/c //d",
+        "\u{4e2d}\u{6587}Abc\u{4e2d}", "\u{645}\u{64e}\u{631}\u{652}\u{62d}\u{64e}\u{628}\u{64b}\u{627}",
+        "\u{928}\u{92e}\u{938}\u{94d}\u{924}\u{947}", "\u{e2a}\u{e27}\u{e31}\u{e2a}\u{e14}\u{e35}",
+        "\u{1c5}ungla \u{2b0}\u{2b0}a \u{2160}\u{2161}",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    cases.push(" ".repeat(10_000));
+    cases.push(format!("a{}b", "\n".repeat(3000)));
+    cases.push("x".repeat(20_000));
+    cases.push("\u{4e2d}".repeat(5000));
+    cases.push("e\u{301}".repeat(3000));
+    cases.push("9".repeat(5000));
+    for special in specials {
+        cases.push(special.clone());
+        cases.push(format!(
+            "x{special}y {special}\n{special}{special} {special}"
+        ));
+        cases.push(format!("e\u{301}{special}\u{301}"));
+        cases.push(format!("'{special}s"));
+    }
+    cases
+}
+
+fn check_model(name: &str, tokenizer: &ModelTokenizer, seed: u64, bytes: usize) {
+    assert!(
+        tokenizer.uses_fast_path(),
+        "{name}: the fast encoder is not used"
+    );
+    let specials = added_contents(tokenizer);
+    for case in adversarial(&specials) {
+        for add in [true, false] {
+            assert_exact(name, tokenizer, &case, add);
+        }
+    }
+    let special_refs: Vec<&str> = specials.iter().map(String::as_str).collect();
+    let text = mixed_text(seed, bytes, &special_refs);
+    // Documents of varied length, cut anywhere (at a char boundary).
+    let mut rng = Rng::new(seed ^ 0x5eed);
+    let mut start = 0;
+    while start < text.len() {
+        let mut end = (start + 1 + rng.below(64 * 1024)).min(text.len());
+        while !text.is_char_boundary(end) {
+            end += 1;
+        }
+        assert_exact(name, tokenizer, &text[start..end], rng.below(2) == 0);
+        start = end;
+    }
+}
+
+#[test]
+fn real_tokenizers_fast_equals_tokenizers_on_mixed_text() {
+    for (name, tokenizer) in present("real_tokenizers_fast_equals_tokenizers_on_mixed_text") {
+        check_model(name, tokenizer, 1, 256 * 1024);
+    }
+}
+
+#[test]
+#[ignore = "10 MiB per tokenizer: run in release (scripts/test.sh does)"]
+fn real_tokenizers_fast_equals_tokenizers_on_10_mib() {
+    for (name, tokenizer) in present("real_tokenizers_fast_equals_tokenizers_on_10_mib") {
+        check_model(name, tokenizer, 10, 10 * 1024 * 1024);
+    }
+}
