@@ -61,6 +61,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::event::EventBatch;
+use crate::index::{FeedState, FlagReason};
 
 #[cfg(any(test, feature = "test-util"))]
 pub(crate) use config::wildcard_to_unspecified;
@@ -125,6 +126,12 @@ pub trait EventSink: Send + Sync + 'static {
     fn apply(&self, replica: &ReplicaKey, seq: u64, batch: EventBatch);
     /// Drops everything held for `replica`: later batches start from an empty cache.
     fn reset(&self, replica: &ReplicaKey, reason: ResetReason);
+    /// How the socket stands: connected, caught up, lost. Only a [`FeedState::Ready`] socket's
+    /// replica is precise. (Default: ignored, for sinks that do not answer matches.)
+    fn feed_state(&self, _replica: &ReplicaKey, _state: FeedState) {}
+    /// The stream is (`unusable`) or is no longer unusable for `reason` (e.g. its messages
+    /// cannot be decoded). (Default: ignored.)
+    fn stream_unusable(&self, _replica: &ReplicaKey, _reason: FlagReason, _unusable: bool) {}
 }
 
 /// Owns the ingest tasks: spawns one per publisher socket and stops them on cancellation.
