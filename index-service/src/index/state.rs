@@ -144,10 +144,7 @@ mod tests {
             feeds.state(Some(FlagReason::BlockSizeMismatch)),
             ReplicaState::Flagged(FlagReason::BlockSizeMismatch)
         );
-        assert_eq!(
-            feeds.state(Some(FlagReason::Stale)),
-            ReplicaState::Stale
-        );
+        assert_eq!(feeds.state(Some(FlagReason::Stale)), ReplicaState::Stale);
         feeds.set(Feed::Socket, FeedState::Disconnected);
         assert_eq!(feeds.state(None), ReplicaState::Disconnected);
         // Either feed being ready is enough.

@@ -534,7 +534,12 @@ impl Subscriber {
         };
         let started = Instant::now();
         let result = self
-            .replay(&endpoint, seq, ReplayGoal::Resume { seq, fingerprint }, socket)
+            .replay(
+                &endpoint,
+                seq,
+                ReplayGoal::Resume { seq, fingerprint },
+                socket,
+            )
             .await?;
         if result.diverged {
             tracing::info!(

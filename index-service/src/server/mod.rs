@@ -224,7 +224,9 @@ impl IndexServer {
             move |result: Result<(), String>| {
                 if let Err(error) = result {
                     tracing::error!(server = what, %error, "server failed; the process stops");
-                    failure.lock().get_or_insert(format!("{what} server failed: {error}"));
+                    failure
+                        .lock()
+                        .get_or_insert(format!("{what} server failed: {error}"));
                     failed.cancel();
                 }
             }
@@ -314,7 +316,10 @@ impl IndexServer {
                 "in-flight queries did not drain in time"
             );
         }
-        tracing::info!(drained, "listeners closed; stopping ingest and agent streams");
+        tracing::info!(
+            drained,
+            "listeners closed; stopping ingest and agent streams"
+        );
         self.cancel.cancel();
         self.tasks.close();
         if tokio::time::timeout(SHUTDOWN_DRAIN_TIMEOUT, self.tasks.wait())
