@@ -12,6 +12,14 @@
 //!   yet), the first live message with a sequence number above 0 triggers it once more. Counted
 //!   in `ingest_catch_ups_total{outcome}`. Without a replay endpoint the first message starts the
 //!   stream, whatever its sequence number.
+//! - **Reconnecting** (the socket re-opened, or a bound socket's publisher came back): the task
+//!   asks the replay buffer from the last batch applied. The same engine answers with that batch
+//!   (same payload fingerprint) and what followed; anything else — an empty buffer, another
+//!   first batch — is a restarted engine, even an idle one: [`ResetReason::EngineRestart`], then
+//!   a catch-up from 0. The sink hears [`FeedState`]s: `Syncing` until the check (or a live batch
+//!   in sequence) is done, `Ready`, `Disconnected` when the socket or its last peer goes.
+//! - **Undecodable stream**: several live messages in a row that fail
+//!   to decode flag the replica `unknown_encoding` (cleared by the next one that decodes).
 //! - **`seq == last + 1`**: applied.
 //! - **`seq <= last`**: a message we already applied (same sequence number *and* same payload,
 //!   within the last [`DUPLICATE_WINDOW`] messages) is dropped and counted. Anything else means

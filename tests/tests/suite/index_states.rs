@@ -253,7 +253,8 @@ async fn a_replica_publishing_another_block_size_is_flagged() {
     assert!(
         metrics
             .lines()
-            .any(|line| line.contains("replica_flags_total{reason=\"block_size_mismatch\"} 1")),
+            .any(|line| line
+                == "kvroute_index_replica_flags_total{reason=\"block_size_mismatch\"} 1"),
         "{metrics}"
     );
     assert_eq!(readyz(&server).await.0, 503);
