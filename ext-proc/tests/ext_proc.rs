@@ -110,6 +110,7 @@ impl KvIndex for FakeIndex {
                     matched_blocks: matched,
                     gpu_blocks: matched,
                     precise: true,
+                    ..Default::default()
                 }
             })
             .collect();

@@ -16,6 +16,9 @@
 //!   token_file: /etc/kvroute/query-token   # or token_env: KVROUTE_QUERY_TOKEN
 //! limits:
 //!   max_blocks_per_replica: 1000000
+//! readiness:                   # /readyz and gRPC health: every pool has enough ready replicas
+//!   min_ready_replicas: 1      # default 1 (a smaller pool needs all of its replicas)
+//!   min_ready_fraction: 0.0    # default 0; e.g. 0.5 = half of each pool's replicas
 //! pools:
 //!   - model: tiny
 //!     block_size: 32
@@ -119,6 +122,49 @@ pub struct RawConfig {
     pub agents: Vec<RawAgent>,
     /// A bearer token the query API (gRPC `Match`/`ReplicaState`, admin `/v1/*`) requires.
     pub query_auth: Option<RawQueryAuth>,
+    /// When `/readyz` and gRPC health say ready.
+    pub readiness: RawReadiness,
+}
+
+/// `readiness:` section.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawReadiness {
+    /// Ready replicas each pool needs (default 1; capped at the pool's replica count).
+    pub min_ready_replicas: Option<usize>,
+    /// Share of each pool's replicas that must be ready, 0.0–1.0 (default 0).
+    pub min_ready_fraction: Option<f64>,
+}
+
+/// Default [`Readiness::min_ready_replicas`]: one caught-up replica makes a pool useful.
+pub const DEFAULT_MIN_READY_REPLICAS: usize = 1;
+
+/// When a pool counts as ready: both thresholds hold. A pool with fewer replicas than
+/// `min_ready_replicas` needs all of them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Readiness {
+    /// Ready replicas each pool needs.
+    pub min_ready_replicas: usize,
+    /// Share of each pool's replicas that must be ready.
+    pub min_ready_fraction: f64,
+}
+
+impl Default for Readiness {
+    fn default() -> Self {
+        Readiness {
+            min_ready_replicas: DEFAULT_MIN_READY_REPLICAS,
+            min_ready_fraction: 0.0,
+        }
+    }
+}
+
+impl Readiness {
+    /// Ready replicas a pool of `replicas` needs.
+    pub fn required(&self, replicas: usize) -> usize {
+        // The fraction is validated to 0..=1, so the product fits.
+        let by_fraction = (self.min_ready_fraction * replicas as f64).ceil() as usize;
+        self.min_ready_replicas.max(by_fraction).min(replicas)
+    }
 }
 
 /// `query_auth:` section: where the query API's bearer token comes from (exactly one source).
@@ -268,6 +314,8 @@ pub struct Config {
     /// The bearer token the query API requires (`None`: it answers anyone who can connect, so keep
     /// it on loopback or a private network).
     pub query_token: Option<crate::agent::token::AgentToken>,
+    /// When `/readyz` and gRPC health say ready.
+    pub readiness: Readiness,
 }
 
 /// A validated `agents:` entry (the token is loaded; it is never printed).
@@ -492,7 +540,24 @@ impl Config {
             .agent_stale_grace_ms
             .map_or(DEFAULT_AGENT_STALE_GRACE, Duration::from_millis);
 
+        let fraction = raw.readiness.min_ready_fraction.unwrap_or(0.0);
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(ConfigError::invalid(
+                "readiness.min_ready_fraction",
+                fraction,
+                "must be between 0 and 1",
+            ));
+        }
+        let readiness = Readiness {
+            min_ready_replicas: raw
+                .readiness
+                .min_ready_replicas
+                .unwrap_or(DEFAULT_MIN_READY_REPLICAS),
+            min_ready_fraction: fraction,
+        };
+
         Ok(Config {
+            readiness,
             grpc_addr,
             admin_addr,
             tls,

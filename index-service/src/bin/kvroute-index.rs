@@ -67,7 +67,14 @@ async fn run(config: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> 
         );
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
     }
-    kvroute_index::process::shutdown_signal().await;
+    // A server that fails stops the process (non-zero exit) rather than leaving it half-dead.
+    let failure = tokio::select! {
+        () = kvroute_index::process::shutdown_signal() => None,
+        failure = server.failed() => Some(failure),
+    };
     server.shutdown().await;
-    Ok(())
+    match failure {
+        None => Ok(()),
+        Some(failure) => Err(anyhow::anyhow!(failure)),
+    }
 }

@@ -137,14 +137,22 @@ pub enum FlagReason {
     Resyncing,
     /// Set by ingest: no events for too long; the index may not reflect the engine.
     Stale,
+    /// The replica's events carry another `block_size` than the pool's: none of its blocks can
+    /// be indexed (the pool or the engine is misconfigured).
+    BlockSizeMismatch,
+    /// The replica's messages cannot be decoded, several in a row (an encoding or schema this
+    /// index does not know): its stream is unusable until a message decodes again.
+    UnknownEncoding,
 }
 
 impl FlagReason {
     /// Every reason, for pre-registering metric series.
-    pub const ALL: [FlagReason; 3] = [
+    pub const ALL: [FlagReason; 5] = [
         FlagReason::HashMismatch,
         FlagReason::Resyncing,
         FlagReason::Stale,
+        FlagReason::BlockSizeMismatch,
+        FlagReason::UnknownEncoding,
     ];
 
     /// Metric label value (also the admin API's `problem` text).
@@ -153,6 +161,8 @@ impl FlagReason {
             FlagReason::HashMismatch => "hash_mismatch",
             FlagReason::Resyncing => "resyncing",
             FlagReason::Stale => "stale",
+            FlagReason::BlockSizeMismatch => "block_size_mismatch",
+            FlagReason::UnknownEncoding => "unknown_encoding",
         }
     }
 }

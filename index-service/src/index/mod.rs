@@ -43,6 +43,7 @@ mod keys;
 mod metrics;
 mod pool;
 mod replica;
+mod state;
 mod table;
 #[cfg(test)]
 mod tests;
@@ -56,6 +57,7 @@ use parking_lot::{Mutex, RwLock};
 pub use error::{FlagReason, IndexError, RejectReason};
 pub use keys::{HashValidator, PoolKeys, VerifyHashes};
 pub use metrics::IndexMetrics;
+pub use state::{Feed, FeedState, ReplicaState};
 
 use crate::event::KvEvent;
 use holders::KeyHasherBuilder;
@@ -125,17 +127,21 @@ pub struct ReplicaMatch {
     pub matched_blocks: u32,
     /// Of those, the leading blocks held on the GPU.
     pub gpu_blocks: u32,
-    /// False when the replica is flagged: its counts are 0 and must not be trusted.
+    /// True only when the replica is [`ReplicaState::Ready`]; otherwise its counts are 0 and
+    /// say nothing about what it holds.
     pub precise: bool,
+    /// Why it is (not) precise.
+    pub state: ReplicaState,
 }
 
 impl ReplicaMatch {
-    fn empty(replica: ReplicaId, precise: bool) -> Self {
+    fn empty(replica: ReplicaId, state: ReplicaState) -> Self {
         ReplicaMatch {
             replica,
             matched_blocks: 0,
             gpu_blocks: 0,
-            precise,
+            precise: state.is_precise(),
+            state,
         }
     }
 }
@@ -174,6 +180,8 @@ pub struct ReplicaStatus {
     pub blocks: usize,
     /// Why it is excluded from precise matching, if it is.
     pub flag: Option<FlagReason>,
+    /// Its feeds and flag folded: only `Ready` is precise.
+    pub state: ReplicaState,
     /// Events applied since registration.
     pub events_applied: u64,
     /// Blocks not applied since registration.
@@ -289,6 +297,30 @@ impl BlockIndex {
         Ok(())
     }
 
+    /// Clears `replica`'s flag only if it is `reason` (a fault that went away, e.g. the stream
+    /// decodes again); any other flag stays.
+    pub fn clear_flag_if(&self, replica: ReplicaId, reason: FlagReason) -> Result<(), IndexError> {
+        let entry = self.replica(replica)?;
+        let mut state = entry.lock();
+        if state.flag == Some(reason) {
+            state.set_flag(None, &self.metrics);
+        }
+        Ok(())
+    }
+
+    /// Declares that `replica`'s events come (also) from `feed`, and how it stands. From the
+    /// first call on, the replica is precise only while one of its feeds is
+    /// [`FeedState::Ready`]; a replica without feeds is judged by its flag alone.
+    pub fn set_feed_state(
+        &self,
+        replica: ReplicaId,
+        feed: Feed,
+        state: FeedState,
+    ) -> Result<(), IndexError> {
+        self.replica(replica)?.lock().set_feed(feed, state);
+        Ok(())
+    }
+
     /// One replica's state.
     pub fn replica_status(&self, replica: ReplicaId) -> Result<ReplicaStatus, IndexError> {
         Ok(status_of(&self.replica(replica)?.lock()))
@@ -345,6 +377,7 @@ fn status_of(replica: &Replica) -> ReplicaStatus {
         model: replica.pool.model.clone(),
         blocks: replica.blocks(),
         flag: replica.flag,
+        state: replica.state(),
         events_applied: replica.events_applied,
         blocks_rejected: replica.blocks_rejected,
     }

@@ -8,7 +8,7 @@ use parking_lot::{RwLock, RwLockReadGuard};
 use super::holders::{KeyHasherBuilder, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
 use super::table::{HolderTable, HolderWord, HomeEntry};
-use super::{FlagReason, IndexError, ReplicaId, ReplicaMatch};
+use super::{IndexError, ReplicaId, ReplicaMatch, ReplicaState};
 use crate::event::Medium;
 
 /// Replica slots of a pool, and whether each is trusted for precise matching.
@@ -21,7 +21,8 @@ struct Members {
 #[derive(Debug, Clone, Copy)]
 struct Member {
     replica: ReplicaId,
-    flag: Option<FlagReason>,
+    /// Precise only when `Ready`.
+    state: ReplicaState,
 }
 
 /// Holdings of one pool. Replicas are addressed by their dense slot so the match walk can keep
@@ -80,7 +81,7 @@ impl Pool {
         let mut members = self.members.write();
         let member = Some(Member {
             replica,
-            flag: None,
+            state: ReplicaState::Ready,
         });
         let slot = match members.slots.iter().position(Option::is_none) {
             Some(free) => free,
@@ -111,10 +112,10 @@ impl Pool {
         }
     }
 
-    pub(crate) fn set_flag(&self, slot: Slot, flag: Option<FlagReason>) {
+    pub(crate) fn set_state(&self, slot: Slot, state: ReplicaState) {
         let mut members = self.members.write();
         if let Some(Some(member)) = members.slots.get_mut(usize::from(slot)) {
-            member.flag = flag;
+            member.state = state;
         }
     }
 
@@ -181,8 +182,7 @@ impl Pool {
             let mut report = |slot: Slot, member: &Member| {
                 if !seen.contains(slot) {
                     seen.insert(slot);
-                    let precise = member.flag.is_none();
-                    reported.push((slot, ReplicaMatch::empty(member.replica, precise)));
+                    reported.push((slot, ReplicaMatch::empty(member.replica, member.state)));
                 }
             };
             match candidates {

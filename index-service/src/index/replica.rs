@@ -11,6 +11,7 @@ use super::holders::{
 use super::keys::{self, PoolKeys, Verification};
 use super::metrics::{EventKind, IndexMetrics};
 use super::pool::Pool;
+use super::state::{Feed, FeedState, Feeds, ReplicaState};
 use super::{ApplyOutcome, FlagReason, RejectReason, ReplicaId};
 use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent, Medium};
 use crate::throttle::LogThrottle;
@@ -129,6 +130,8 @@ pub(crate) struct Replica {
     pub(crate) slot: Slot,
     blocks: HeldBlocks,
     pub(crate) flag: Option<FlagReason>,
+    /// Its event feeds (ZMQ socket, agent) and how each stands.
+    feeds: Feeds,
     pub(crate) events_applied: u64,
     pub(crate) blocks_rejected: u64,
     uncertain_mismatches: u32,
@@ -163,6 +166,7 @@ impl Replica {
             pool,
             slot,
             flag: None,
+            feeds: Feeds::default(),
             events_applied: 0,
             blocks_rejected: 0,
             uncertain_mismatches: 0,
@@ -196,7 +200,17 @@ impl Replica {
         metrics.flag_changed(self.flag, flag);
         self.flag = flag;
         self.uncertain_mismatches = 0;
-        self.pool.set_flag(self.slot, flag);
+        self.pool.set_state(self.slot, self.state());
+    }
+
+    pub(crate) fn set_feed(&mut self, feed: Feed, state: FeedState) {
+        self.feeds.set(feed, state);
+        self.pool.set_state(self.slot, self.state());
+    }
+
+    /// Its feeds and flag folded into what the Match API reports.
+    pub(crate) fn state(&self) -> ReplicaState {
+        self.feeds.state(self.flag)
     }
 
     /// Drops every holding of this replica (restart, `AllBlocksCleared`, unrepairable gap).
@@ -267,6 +281,9 @@ impl Replica {
         };
         if let Some(reason) = rejection {
             outcome.reject(reason, count, metrics);
+            if reason == RejectReason::BlockSizeMismatch {
+                self.block_size_mismatch(stored.block_size, metrics);
+            }
             return;
         }
 
@@ -337,6 +354,26 @@ impl Replica {
         }
         outcome.blocks_stored += stored_blocks;
         metrics.stored(stored.medium, stored_blocks as u64);
+    }
+
+    /// Every block of a replica whose engine uses another block size is refused: its stream is
+    /// unusable, so it is flagged (out of precise matching), with a warning per
+    /// [`REFUSAL_WARN_INTERVAL`]. The flag goes with the next reset (engine restart).
+    fn block_size_mismatch(&mut self, published: u32, metrics: &IndexMetrics) {
+        if self.flag.is_none() {
+            self.set_flag(Some(FlagReason::BlockSizeMismatch), metrics);
+        }
+        if let Some(suppressed) = self.refusal_warnings.allow() {
+            tracing::warn!(
+                replica = %self.name,
+                model = %self.pool.model,
+                published_block_size = published,
+                pool_block_size = self.pool.block_size,
+                suppressed,
+                "stored blocks refused: the engine's block_size differs from the pool's; replica \
+                 flagged (check the pool's block_size and the engine's --block-size)"
+            );
+        }
     }
 
     /// Logs a refused run, at most once per [`REFUSAL_WARN_INTERVAL`] per replica (the rest are

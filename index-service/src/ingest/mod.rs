@@ -12,6 +12,14 @@
 //!   yet), the first live message with a sequence number above 0 triggers it once more. Counted
 //!   in `ingest_catch_ups_total{outcome}`. Without a replay endpoint the first message starts the
 //!   stream, whatever its sequence number.
+//! - **Reconnecting** (the socket re-opened, or a bound socket's publisher came back): the task
+//!   asks the replay buffer from the last batch applied. The same engine answers with that batch
+//!   (same payload fingerprint) and what followed; anything else — an empty buffer, another
+//!   first batch — is a restarted engine, even an idle one: [`ResetReason::EngineRestart`], then
+//!   a catch-up from 0. The sink hears [`FeedState`]s: `Syncing` until the check (or a live batch
+//!   in sequence) is done, `Ready`, `Disconnected` when the socket or its last peer goes.
+//! - **Undecodable stream**: several live messages in a row that fail
+//!   to decode flag the replica `unknown_encoding` (cleared by the next one that decodes).
 //! - **`seq == last + 1`**: applied.
 //! - **`seq <= last`**: a message we already applied (same sequence number *and* same payload,
 //!   within the last [`DUPLICATE_WINDOW`] messages) is dropped and counted. Anything else means
@@ -61,6 +69,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::event::EventBatch;
+use crate::index::{FeedState, FlagReason};
 
 #[cfg(any(test, feature = "test-util"))]
 pub(crate) use config::wildcard_to_unspecified;
@@ -125,6 +134,12 @@ pub trait EventSink: Send + Sync + 'static {
     fn apply(&self, replica: &ReplicaKey, seq: u64, batch: EventBatch);
     /// Drops everything held for `replica`: later batches start from an empty cache.
     fn reset(&self, replica: &ReplicaKey, reason: ResetReason);
+    /// How the socket stands: connected, caught up, lost. Only a [`FeedState::Ready`] socket's
+    /// replica is precise. (Default: ignored, for sinks that do not answer matches.)
+    fn feed_state(&self, _replica: &ReplicaKey, _state: FeedState) {}
+    /// The stream is (`unusable`) or is no longer unusable for `reason` (e.g. its messages
+    /// cannot be decoded). (Default: ignored.)
+    fn stream_unusable(&self, _replica: &ReplicaKey, _reason: FlagReason, _unusable: bool) {}
 }
 
 /// Owns the ingest tasks: spawns one per publisher socket and stops them on cancellation.

@@ -135,6 +135,16 @@ impl SequenceTracker {
         self.has_history = true;
     }
 
+    /// The last applied sequence number and its payload's fingerprint.
+    pub(crate) fn last_applied_entry(&self) -> Option<(u64, u64)> {
+        self.recent.back().copied()
+    }
+
+    /// Forgets everything: the next stream is joined like a first one (catch-up from 0).
+    pub(crate) fn forget(&mut self) {
+        *self = SequenceTracker::default();
+    }
+
     /// The last applied sequence number.
     pub(crate) fn last_applied(&self) -> Option<u64> {
         self.recent.back().map(|&(seq, _)| seq)

@@ -12,13 +12,21 @@ use super::metrics::{CatchUpOutcome, ReplayOutcome, ReplicaMetrics, SocketStage}
 use super::replay::{ReplayReply, ReplaySession};
 use super::sequence::{SequenceTracker, Verdict, fingerprint};
 use super::state::ReplicaIngestState;
-use super::{EventSink, IngestConfig, IngestMetrics, ReplicaKey, ResetReason, SocketMode};
+use super::{
+    EventSink, FeedState, FlagReason, IngestConfig, IngestMetrics, ReplicaKey, ResetReason,
+    SocketMode,
+};
 use crate::throttle::LogThrottle;
 use crate::wire::{self, DecodedBatch, WireError};
 use crate::zmtp::{Endpoint, SubEvent, SubSocket, ZmtpError};
 
 /// `ingest_refused_total` reason of a live message whose topic the socket did not subscribe to.
 const TOPIC_MISMATCH: &str = "topic_mismatch";
+
+/// Live messages in a row that fail to decode before the stream is flagged unusable
+/// (`unknown_encoding`): one bad message is skipped (and the gap repaired), a stream of them
+/// means the engine speaks an encoding this index does not know.
+const UNDECODABLE_STREAK: u32 = 4;
 
 /// A decoded live message waiting to be applied.
 #[derive(Debug)]
@@ -34,6 +42,9 @@ struct ReplayResult {
     outcome: ReplayOutcome,
     /// The first replayed batch applied, if any.
     first_applied: Option<u64>,
+    /// [`ReplayGoal::Resume`]: the engine's buffer does not hold the last batch applied as it
+    /// was applied: its stream is not the one indexed (it restarted).
+    diverged: bool,
 }
 
 impl From<ReplayOutcome> for ReplayResult {
@@ -41,6 +52,7 @@ impl From<ReplayOutcome> for ReplayResult {
         Self {
             outcome,
             first_applied: None,
+            diverged: false,
         }
     }
 }
@@ -52,6 +64,9 @@ enum ReplayGoal {
     FillGap { trigger_seq: u64 },
     /// Everything the engine still buffers, to its end marker (joining a running stream).
     CatchUp,
+    /// Reconnected to a stream already followed: the buffer must start with the last batch
+    /// applied (`seq`, payload `fingerprint`), then everything after it, to its end marker.
+    Resume { seq: u64, fingerprint: u64 },
 }
 
 impl ReplayGoal {
@@ -84,6 +99,23 @@ pub(crate) struct Subscriber {
     /// Highest sequence number applied from the last replay: live copies up to it are expected.
     replayed_through: Option<u64>,
     decode_warnings: LogThrottle,
+    /// Events flow: the socket is open (connect mode) or has a peer (bind mode).
+    linked: bool,
+    /// `linked` was true once.
+    ever_linked: bool,
+    /// Publisher peers of a bound socket.
+    peers: std::collections::HashSet<String>,
+    /// Caught up since the socket (or a bound socket's peer) (re)connected: a catch-up or
+    /// resume replay ran, or a live batch was applied in sequence.
+    synced: bool,
+    /// A bound socket's peer reconnected: check the engine's stream once the current step is done.
+    resume_pending: bool,
+    /// The state last reported to the sink.
+    reported: Option<FeedState>,
+    /// Live messages in a row that failed to decode.
+    undecodable: u32,
+    /// Reported to the sink as `unknown_encoding`.
+    encoding_flagged: bool,
 }
 
 impl Subscriber {
@@ -106,7 +138,55 @@ impl Subscriber {
             pending: VecDeque::new(),
             replayed_through: None,
             decode_warnings: LogThrottle::default(),
+            linked: false,
+            ever_linked: false,
+            peers: std::collections::HashSet::new(),
+            synced: false,
+            resume_pending: false,
+            reported: None,
+            undecodable: 0,
+            encoding_flagged: false,
         }
+    }
+
+    /// Tells the sink how the feed stands, when that changed.
+    fn report_feed(&mut self) {
+        let state = if self.linked {
+            if self.synced {
+                FeedState::Ready
+            } else {
+                FeedState::Syncing
+            }
+        } else if self.ever_linked {
+            FeedState::Disconnected
+        } else {
+            FeedState::NeverConnected
+        };
+        if self.reported != Some(state) {
+            self.reported = Some(state);
+            self.sink.feed_state(&self.replica, state);
+        }
+    }
+
+    /// Events flow again (socket open, or a bound socket's first peer): not synced until the
+    /// engine's stream has been checked.
+    fn linked_up(&mut self) {
+        self.linked = true;
+        self.ever_linked = true;
+        self.synced = false;
+        self.report_feed();
+    }
+
+    fn linked_down(&mut self) {
+        self.linked = false;
+        self.peers.clear();
+        self.synced = false;
+        self.report_feed();
+    }
+
+    fn mark_synced(&mut self) {
+        self.synced = true;
+        self.report_feed();
     }
 
     /// Runs until cancelled, re-creating the socket with backoff whenever it fails.
@@ -134,6 +214,7 @@ impl Subscriber {
                 Ok(mut socket) => {
                     let stop = self.pump(&mut socket, &mut backoff).await;
                     self.set_connected(false);
+                    self.linked_down();
                     stop
                 }
                 Err(error) => {
@@ -201,19 +282,26 @@ impl Subscriber {
         Ok(socket)
     }
 
+    /// Whether events flow as soon as the socket is open (a bound socket waits for a peer).
+    fn links_on_open(&self) -> bool {
+        self.config.mode == SocketMode::Connect
+    }
+
     /// Receives until cancelled or the socket fails.
     async fn pump(&mut self, socket: &mut SubSocket, backoff: &mut Backoff) -> Stop {
         let cancel = self.cancel.clone();
-        if self.tracker.is_fresh() && self.config.replay_endpoint.is_some() {
-            let caught_up = match self.catch_up(None, socket).await {
-                Ok(()) => self.drain_pending(socket).await,
-                Err(stop) => Err(stop),
-            };
-            if let Err(stop) = caught_up {
-                return stop;
-            }
+        if self.links_on_open() {
+            self.linked_up();
+        }
+        if let Err(stop) = self.check_stream(socket).await {
+            return stop;
         }
         loop {
+            if std::mem::take(&mut self.resume_pending)
+                && let Err(stop) = self.check_stream(socket).await
+            {
+                return stop;
+            }
             tokio::select! {
                 biased;
                 () = cancel.cancelled() => return Stop::Cancelled,
@@ -241,13 +329,31 @@ impl Subscriber {
     fn peer_event(&mut self, event: SubEvent) {
         match event {
             SubEvent::Message(_) => {}
-            SubEvent::PeerConnected { peer } => tracing::info!(
-                replica_id = %self.replica.replica_id,
-                dp_rank = self.replica.dp_rank,
-                peer,
-                "kv event publisher connected"
-            ),
+            SubEvent::PeerConnected { peer } => {
+                tracing::info!(
+                    replica_id = %self.replica.replica_id,
+                    dp_rank = self.replica.dp_rank,
+                    peer = %peer,
+                    "kv event publisher connected"
+                );
+                if self.peers.insert(peer) && self.peers.len() == 1 && !self.links_on_open() {
+                    let relink = self.ever_linked;
+                    self.linked = true;
+                    self.ever_linked = true;
+                    if relink {
+                        // A publisher came back: it may be a restarted engine.
+                        self.synced = false;
+                        self.resume_pending = true;
+                    }
+                    self.report_feed();
+                }
+            }
             SubEvent::PeerDropped { peer, error } => {
+                if self.peers.remove(&peer) && self.peers.is_empty() && !self.links_on_open() {
+                    self.linked = false;
+                    self.synced = false;
+                    self.report_feed();
+                }
                 if !error.is_refusal() {
                     tracing::info!(
                         replica_id = %self.replica.replica_id,
@@ -309,6 +415,9 @@ impl Subscriber {
             // `Restart` cannot come twice: after `restart()` every sequence is >= the expected 0.
             Verdict::First | Verdict::Next | Verdict::Restart => {
                 self.apply(live.seq, live.fingerprint, live.batch);
+                if !self.synced {
+                    self.mark_synced();
+                }
             }
             Verdict::Duplicate => {
                 let covered_by_replay = self.replayed_through.is_some_and(|t| live.seq <= t);
@@ -375,6 +484,9 @@ impl Subscriber {
             }
             _ => CatchUpOutcome::Failed,
         };
+        if outcome != CatchUpOutcome::Failed {
+            self.mark_synced();
+        }
         self.metrics.catch_up(outcome);
         tracing::info!(
             replica_id = %self.replica.replica_id,
@@ -387,6 +499,79 @@ impl Subscriber {
             elapsed_ms = started.elapsed().as_millis(),
             "caught up on the batches published before joining the engine's stream"
         );
+        Ok(())
+    }
+
+    /// On every (re)connect with a replay endpoint: a fresh stream catches up from 0; a stream
+    /// already followed is resumed ([`Self::resume`]), which also tells a restarted engine —
+    /// even an idle one that publishes nothing — from the one indexed.
+    async fn check_stream(&mut self, socket: &mut SubSocket) -> Result<(), Stop> {
+        if self.config.replay_endpoint.is_none() {
+            // Nothing to ask: synced by the next live batch in sequence.
+            return Ok(());
+        }
+        if self.tracker.is_fresh() {
+            self.catch_up(None, socket).await?;
+        } else {
+            self.resume(socket).await?;
+        }
+        self.drain_pending(socket).await
+    }
+
+    /// Asks the engine's replay buffer from the last batch applied. The same engine answers with
+    /// that batch (same payload) and whatever followed it, which is applied; anything else (an
+    /// empty buffer, another first batch or payload) is a new engine stream: the replica is
+    /// reset and caught up from 0 as if joined for the first time. If the replay fails the
+    /// replica stays syncing until a live batch arrives in sequence.
+    async fn resume(&mut self, socket: &mut SubSocket) -> Result<(), Stop> {
+        let (Some(endpoint), Some((seq, fingerprint))) = (
+            self.config.replay_endpoint.clone(),
+            self.tracker.last_applied_entry(),
+        ) else {
+            // After a reset nothing is held to check: start over from 0.
+            self.tracker.forget();
+            return self.catch_up(None, socket).await;
+        };
+        let started = Instant::now();
+        let result = self
+            .replay(
+                &endpoint,
+                seq,
+                ReplayGoal::Resume { seq, fingerprint },
+                socket,
+            )
+            .await?;
+        if result.diverged {
+            tracing::info!(
+                replica_id = %self.replica.replica_id,
+                dp_rank = self.replica.dp_rank,
+                last_seq = seq,
+                first_replayed = ?result.first_applied,
+                elapsed_ms = started.elapsed().as_millis(),
+                "reconnected engine's replay buffer does not hold the last batch applied: \
+                 engine restarted"
+            );
+            self.reset(ResetReason::EngineRestart);
+            self.tracker.forget();
+            return self.catch_up(None, socket).await;
+        }
+        tracing::info!(
+            replica_id = %self.replica.replica_id,
+            dp_rank = self.replica.dp_rank,
+            last_seq = seq,
+            replay = result.outcome.as_label(),
+            last_applied = ?self.tracker.last_applied(),
+            elapsed_ms = started.elapsed().as_millis(),
+            "resumed the engine's stream after a reconnect"
+        );
+        match result.outcome {
+            ReplayOutcome::Ok => self.mark_synced(),
+            ReplayOutcome::BufferExceeded | ReplayOutcome::Undecodable => self.give_up(
+                ResetReason::GapUnrecoverable,
+                "batches published while disconnected are no longer replayable",
+            ),
+            ReplayOutcome::Timeout | ReplayOutcome::Error => {}
+        }
         Ok(())
     }
 
@@ -483,6 +668,7 @@ impl Subscriber {
                 return Ok(ReplayOutcome::Error.into());
             }
         };
+        let mut awaiting_first = true;
         loop {
             tokio::select! {
                 biased;
@@ -498,6 +684,23 @@ impl Subscriber {
                 },
                 reply = session.next() => {
                     let expected = self.tracker.expected().unwrap_or(missing_from);
+                    if let ReplayGoal::Resume { seq, fingerprint: applied } = goal
+                        && std::mem::take(&mut awaiting_first)
+                    {
+                        let same = matches!(&reply, Ok(ReplayReply::Batch { seq: first, payload })
+                            if *first == seq && fingerprint(payload) == applied);
+                        match &reply {
+                            Err(_) => {}
+                            Ok(ReplayReply::Batch { seq: first, .. }) if !same => {
+                                return Ok(ReplayResult { outcome: ReplayOutcome::Ok, first_applied: Some(*first), diverged: true });
+                            }
+                            Ok(ReplayReply::End) => {
+                                return Ok(ReplayResult { outcome: ReplayOutcome::Ok, first_applied: None, diverged: true });
+                            }
+                            // The batch applied last: already indexed, the rest follows.
+                            Ok(ReplayReply::Batch { .. }) => continue,
+                        }
+                    }
                     match reply {
                         Err(error) => {
                             self.replay_error(&error);
@@ -505,11 +708,11 @@ impl Subscriber {
                         }
                         Ok(ReplayReply::End) => {
                             let outcome = match goal {
-                                ReplayGoal::CatchUp => ReplayOutcome::Ok,
+                                ReplayGoal::CatchUp | ReplayGoal::Resume { .. } => ReplayOutcome::Ok,
                                 // The buffer ended before reaching the live stream.
                                 ReplayGoal::FillGap { .. } => ReplayOutcome::BufferExceeded,
                             };
-                            return Ok(ReplayResult { outcome, first_applied });
+                            return Ok(ReplayResult { outcome, first_applied, diverged: false });
                         }
                         // Already applied (after u64::MAX every batch is).
                         Ok(ReplayReply::Batch { seq, .. })
@@ -525,14 +728,14 @@ impl Subscriber {
                                 first_replayed = seq,
                                 "replay does not start at the first missing batch"
                             );
-                            return Ok(ReplayResult { outcome: ReplayOutcome::BufferExceeded, first_applied });
+                            return Ok(ReplayResult { outcome: ReplayOutcome::BufferExceeded, first_applied, diverged: false });
                         }
                         Ok(ReplayReply::Batch { seq, payload }) => {
                             let batch = match wire::decode_batch(&payload) {
                                 Ok(batch) => batch,
                                 Err(error) => {
                                     self.decode_failed(&error, "replay");
-                                    return Ok(ReplayResult { outcome: ReplayOutcome::Undecodable, first_applied });
+                                    return Ok(ReplayResult { outcome: ReplayOutcome::Undecodable, first_applied, diverged: false });
                                 }
                             };
                             self.apply(seq, fingerprint(&payload), batch);
@@ -542,7 +745,7 @@ impl Subscriber {
                             if let ReplayGoal::FillGap { trigger_seq } = goal
                                 && seq.saturating_add(1) >= trigger_seq
                             {
-                                return Ok(ReplayResult { outcome: ReplayOutcome::Ok, first_applied });
+                                return Ok(ReplayResult { outcome: ReplayOutcome::Ok, first_applied, diverged: false });
                             }
                         }
                     }
@@ -585,13 +788,39 @@ impl Subscriber {
                 }
                 None
             }
-            Ok((_topic, seq, batch)) => Some(LiveMessage {
-                seq,
-                fingerprint: frames.last().map_or(0, |payload| fingerprint(payload)),
-                batch,
-            }),
+            Ok((_topic, seq, batch)) => {
+                self.undecodable = 0;
+                if std::mem::take(&mut self.encoding_flagged) {
+                    tracing::info!(
+                        replica_id = %self.replica.replica_id,
+                        dp_rank = self.replica.dp_rank,
+                        "kv event messages decode again; unknown_encoding flag cleared"
+                    );
+                    self.sink
+                        .stream_unusable(&self.replica, FlagReason::UnknownEncoding, false);
+                }
+                Some(LiveMessage {
+                    seq,
+                    fingerprint: frames.last().map_or(0, |payload| fingerprint(payload)),
+                    batch,
+                })
+            }
             Err(error) => {
                 self.decode_failed(&error, "live");
+                self.undecodable = self.undecodable.saturating_add(1);
+                if self.undecodable >= UNDECODABLE_STREAK && !self.encoding_flagged {
+                    self.encoding_flagged = true;
+                    tracing::warn!(
+                        replica_id = %self.replica.replica_id,
+                        dp_rank = self.replica.dp_rank,
+                        reason = error.as_label(),
+                        in_a_row = self.undecodable,
+                        "kv event messages cannot be decoded, several in a row; replica flagged \
+                         unknown_encoding (check the engine's kv-events encoding and version)"
+                    );
+                    self.sink
+                        .stream_unusable(&self.replica, FlagReason::UnknownEncoding, true);
+                }
                 None
             }
         }
@@ -603,12 +832,12 @@ impl Subscriber {
                 .unknown_events_skipped
                 .inc_by(u64::from(decoded.unknown_events));
         }
-        // Bookkeeping first, so whoever sees the batch in the sink also sees it in the snapshot.
         self.tracker.applied(seq, fingerprint);
+        self.sink.apply(&self.replica, seq, decoded.batch);
+        // After the sink: whoever sees `last_seq` = N can find batch N in the index.
         self.metrics.batches_applied.inc();
         self.metrics.set_last_sequence(seq);
         self.state.batch_applied(seq);
-        self.sink.apply(&self.replica, seq, decoded.batch);
     }
 
     fn reset(&mut self, reason: ResetReason) {

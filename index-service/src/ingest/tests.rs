@@ -108,6 +108,20 @@ impl Harness {
         self.ingest.snapshot().pop().unwrap()
     }
 
+    /// Waits until the snapshot reports `seq` as the last applied batch (it is updated right
+    /// after the sink has the batch, so a test that saw the sink may get there first).
+    async fn wait_last_seq(&self, seq: u64) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.snapshot().last_seq != Some(seq) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "last_seq never reached {seq}: {:?}",
+                self.snapshot()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// The bound endpoint once the SUB has bound (bind mode).
     async fn bound_endpoint(&self) -> String {
         let deadline = tokio::time::Instant::now() + WAIT;
@@ -269,8 +283,8 @@ async fn applies_in_order_when_connecting_to_a_binding_engine() {
     }
     assert!(harness.sink.resets().is_empty());
 
+    harness.wait_last_seq(start + 5).await;
     let snapshot = harness.snapshot();
-    assert_eq!(snapshot.last_seq, Some(start + 5));
     assert!(snapshot.connected);
     assert_eq!(
         harness.metric(&series("ingest_last_sequence", "")),
@@ -618,7 +632,7 @@ async fn engine_restart_resets_and_starts_over() {
             ])
         })
         .await;
-    assert_eq!(harness.snapshot().last_seq, Some(1));
+    harness.wait_last_seq(1).await;
     assert_eq!(
         harness.metric(&series("ingest_resets_total", ",reason=\"engine_restart\"")),
         1.0
@@ -656,7 +670,7 @@ async fn engine_process_restart_on_the_same_port_is_detected() {
         Some("reset engine_restart"),
         "{calls:?}"
     );
-    assert_eq!(harness.snapshot().last_seq, Some(first_new));
+    harness.wait_last_seq(first_new).await;
     harness.shutdown().await;
 }
 
@@ -848,7 +862,7 @@ async fn sequence_max_sent_repeatedly_is_never_applied_on_top_of_itself() {
         harness.metric(&series("ingest_duplicates_dropped_total", "")),
         1.0
     );
-    assert_eq!(harness.snapshot().last_seq, Some(u64::MAX));
+    harness.wait_last_seq(u64::MAX).await;
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &harness.registry).unwrap();
     let gauge = format!("{} {}", series("ingest_last_sequence", ""), u64::MAX);

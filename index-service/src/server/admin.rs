@@ -25,7 +25,12 @@ use super::{
 /// Largest `token_ids` array `/v1/match` hashes.
 pub const MAX_MATCH_TOKENS: usize = 1 << 21;
 
-pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, cancel: CancellationToken) {
+/// Serves until `cancel`; an error means the server is gone.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+) -> Result<(), String> {
     let cache_state = Router::new()
         .route("/v1/replicas", get(replicas))
         .route("/v1/replicas/{id}/blocks", get(replica_blocks))
@@ -37,16 +42,30 @@ pub(crate) async fn serve(listener: TcpListener, shared: Arc<Shared>, cancel: Ca
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(|| async { "ready\n" }))
+        .route("/readyz", get(readyz))
         .merge(cache_state)
         .with_state(shared);
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(cancel.cancelled_owned())
         .await;
     match result {
-        Ok(()) => tracing::debug!(exit_reason = "shutdown", "admin server stopped"),
-        Err(error) => tracing::error!(%error, exit_reason = "error", "admin server failed"),
+        Ok(()) => {
+            tracing::debug!(exit_reason = "shutdown", "admin server stopped");
+            Ok(())
+        }
+        Err(error) => Err(error.to_string()),
     }
+}
+
+/// `/readyz`: 200 when every pool has enough ready replicas, else 503; the body says why.
+async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
+    let report = super::readiness::report(&shared);
+    let status = if report.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, report.text()).into_response()
 }
 
 /// `query_auth`: the `/v1/*` endpoints answer only with the token.
@@ -97,7 +116,9 @@ struct ReplicaJson {
     model: String,
     state: String,
     blocks: u64,
-    last_sequence: u64,
+    /// Absent before the first batch is applied.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    last_sequence: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     problem: Option<String>,
 }
@@ -168,6 +189,10 @@ struct ReplicaMatchJson {
     matched_blocks: u32,
     gpu_blocks: u32,
     precise: bool,
+    /// `ready`, `syncing`, `stale`, `disconnected`, `never_connected`, `flagged`.
+    state: &'static str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    reason: String,
 }
 
 fn error_response(status: StatusCode, message: impl Into<String>) -> Response {
@@ -208,15 +233,31 @@ async fn match_prompt(
                 .replicas
                 .into_iter()
                 .map(|m| ReplicaMatchJson {
+                    state: state_label(m.state()),
                     id: m.replica_id,
                     matched_blocks: m.matched_blocks,
                     gpu_blocks: m.gpu_blocks,
                     precise: m.precise,
+                    reason: m.reason,
                 })
                 .collect(),
         })
         .into_response(),
         Err(error) => error_response(status_of(&error), error.to_string()),
+    }
+}
+
+/// The admin API's name of a match's state (the same names `/v1/replicas` uses).
+fn state_label(condition: crate::api::ReplicaCondition) -> &'static str {
+    use crate::api::ReplicaCondition;
+    match condition {
+        ReplicaCondition::Ready => "ready",
+        ReplicaCondition::Syncing => "syncing",
+        ReplicaCondition::Stale => "stale",
+        ReplicaCondition::Disconnected => "disconnected",
+        ReplicaCondition::NeverConnected => "never_connected",
+        ReplicaCondition::Flagged => "flagged",
+        ReplicaCondition::Unspecified => "unspecified",
     }
 }
 

@@ -46,7 +46,7 @@ use crate::agent::token::AgentToken;
 use crate::api::{self, agent_ingest_server::AgentIngestServer};
 use crate::config::Config;
 use crate::event::KvEvent;
-use crate::index::{BlockIndex, FlagReason, KvIndex, ReplicaId};
+use crate::index::{BlockIndex, Feed, FeedState, FlagReason, KvIndex, ReplicaId};
 use crate::throttle::LogThrottle;
 
 /// How long a new stream may take to send `Hello`.
@@ -206,15 +206,6 @@ struct ReplicaLiveness {
     stale: bool,
     /// The current writer has sent its whole snapshot (`Snapshot{last}`).
     snapshot_done: bool,
-}
-
-/// What `/v1/replicas` needs to know about an agent-fed replica.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct AgentFeed {
-    /// Streams of the owning agent currently connected.
-    pub(crate) connected: bool,
-    /// The current writer's snapshot is complete.
-    pub(crate) snapshot_done: bool,
 }
 
 /// Agent streams state, shared by the RPC handler and the stale sweeper.
@@ -396,14 +387,6 @@ impl AgentStreams {
         }
     }
 
-    /// Liveness of a replica fed by an agent; `None` if no agent owns it.
-    pub(crate) fn feed(&self, id: ReplicaId) -> Option<AgentFeed> {
-        self.liveness.lock().get(&id).map(|state| AgentFeed {
-            connected: state.connected > 0,
-            snapshot_done: state.snapshot_done,
-        })
-    }
-
     fn flag_stale_replicas(&self) {
         let now = Instant::now();
         let mut liveness = self.liveness.lock();
@@ -546,6 +529,10 @@ impl Session {
             for replica in &claimed {
                 if let Some(state) = liveness.get_mut(replica) {
                     state.connected += 1;
+                    // What the index holds is the last writer's until this stream's snapshot.
+                    let _ = streams
+                        .index
+                        .set_feed_state(*replica, Feed::Agent, FeedState::Syncing);
                 }
             }
         }
@@ -652,6 +639,9 @@ impl Session {
                 && state.writer == Some(self.id)
             {
                 state.snapshot_done = true;
+                let _ = streams
+                    .index
+                    .set_feed_state(id, Feed::Agent, FeedState::Ready);
             }
             let flagged = streams.index.replica_status(id).ok().and_then(|s| s.flag);
             if flagged == Some(FlagReason::Resyncing) {
@@ -681,6 +671,11 @@ impl Drop for Session {
                 state.connected = state.connected.saturating_sub(1);
                 if state.connected == 0 {
                     state.since = now;
+                    let _ = self.streams.index.set_feed_state(
+                        *replica,
+                        Feed::Agent,
+                        FeedState::Disconnected,
+                    );
                 }
             }
         }

@@ -8,7 +8,7 @@ use super::ServeError;
 use crate::{
     config::{Config, KeySchemeKind, SocketMode},
     event::EventBatch,
-    index::{BlockIndex, KvIndex, PoolConfig, PoolKeys, ReplicaId},
+    index::{BlockIndex, Feed, FeedState, FlagReason, KvIndex, PoolConfig, PoolKeys, ReplicaId},
     ingest::{self, EventSink, IngestConfig, ReplicaKey, ResetReason},
 };
 
@@ -92,6 +92,23 @@ impl Directory {
                     what: format!("replica {}", replica.id),
                     source,
                 })?;
+            // Precise only once a feed has caught up: until then the index cannot vouch for it.
+            let agent_fed = config
+                .agents
+                .iter()
+                .any(|agent| agent.replicas.contains(&replica.id));
+            let feeds = [
+                (Feed::Socket, !replica.endpoint.is_empty()),
+                (Feed::Agent, agent_fed),
+            ];
+            for (feed, _) in feeds.into_iter().filter(|(_, configured)| *configured) {
+                index
+                    .set_feed_state(id, feed, FeedState::NeverConnected)
+                    .map_err(|source| ServeError::Register {
+                        what: format!("replica {}", replica.id),
+                        source,
+                    })?;
+            }
             let name: Arc<str> = Arc::from(replica.id.as_str());
             by_name.insert(Arc::clone(&name), id);
             replicas.push(ReplicaEntry { name, id, model });
@@ -137,6 +154,11 @@ impl Directory {
             index,
             by_name: self.by_name.clone(),
         }
+    }
+
+    /// Every pool, in config order.
+    pub fn pools(&self) -> &[PoolEntry] {
+        &self.pools
     }
 
     /// A pool by model name.
@@ -185,5 +207,22 @@ impl EventSink for IndexSink {
         if let Err(error) = self.index.reset_replica(id) {
             tracing::warn!(replica_id = %replica.replica_id, %error, "reset failed");
         }
+    }
+
+    fn feed_state(&self, replica: &ReplicaKey, state: FeedState) {
+        if let Some(&id) = self.by_name.get(&replica.replica_id) {
+            let _ = self.index.set_feed_state(id, Feed::Socket, state);
+        }
+    }
+
+    fn stream_unusable(&self, replica: &ReplicaKey, reason: FlagReason, unusable: bool) {
+        let Some(&id) = self.by_name.get(&replica.replica_id) else {
+            return;
+        };
+        let _ = if unusable {
+            self.index.flag_replica(id, reason)
+        } else {
+            self.index.clear_flag_if(id, reason)
+        };
     }
 }

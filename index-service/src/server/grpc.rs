@@ -6,10 +6,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use super::{Shared, agent_stream::AgentFeed};
+use super::Shared;
 use crate::{
     api::{self, kv_index_server::KvIndexServer},
-    index::{FlagReason, KvIndex, ReplicaId},
+    index::{KvIndex, ReplicaId, ReplicaState},
     ingest::ReplicaIngestSnapshot,
 };
 
@@ -63,6 +63,7 @@ pub(crate) fn match_keys(
     keys: &[u64],
     candidates: &[String],
 ) -> Result<api::MatchResponse, MatchError> {
+    let _inflight = shared.inflight.token();
     let result = match_keys_inner(shared, model, block_size, keys, candidates);
     if let Err(error) = &result {
         shared.metrics.match_error(api_name, error.as_label());
@@ -112,6 +113,8 @@ fn match_keys_inner(
                 matched_blocks: m.matched_blocks,
                 gpu_blocks: m.gpu_blocks,
                 precise: m.precise,
+                state: condition(m.state).into(),
+                reason: m.state.reason().to_owned(),
             })
         })
         .collect();
@@ -122,8 +125,22 @@ fn match_keys_inner(
     })
 }
 
-/// Ingest and index state of every replica, joined for operators.
+/// The proto's form of a replica's state.
+pub(crate) fn condition(state: ReplicaState) -> api::ReplicaCondition {
+    match state {
+        ReplicaState::Ready => api::ReplicaCondition::Ready,
+        ReplicaState::Syncing => api::ReplicaCondition::Syncing,
+        ReplicaState::Stale => api::ReplicaCondition::Stale,
+        ReplicaState::Disconnected => api::ReplicaCondition::Disconnected,
+        ReplicaState::NeverConnected => api::ReplicaCondition::NeverConnected,
+        ReplicaState::Flagged(_) => api::ReplicaCondition::Flagged,
+    }
+}
+
+/// Ingest and index state of every replica, joined for operators. The state is the index's
+/// own (the one Match answers with); the problem text adds what the feeds know.
 pub(crate) fn replica_states(shared: &Shared, model: Option<&str>) -> Vec<api::ReplicaState> {
+    let _inflight = shared.inflight.token();
     let ingest: Vec<ReplicaIngestSnapshot> = shared.ingest.snapshot();
     shared
         .index
@@ -133,76 +150,32 @@ pub(crate) fn replica_states(shared: &Shared, model: Option<&str>) -> Vec<api::R
             let socket = ingest
                 .iter()
                 .find(|s| *s.replica.replica_id == *status.name);
-            let agent = shared.agents.feed(status.replica);
-            let (state, problem) = replica_state(status.flag, socket, agent);
             api::ReplicaState {
                 replica_id: status.name,
                 model: status.model,
-                state: state.to_owned(),
+                state: status.state.as_label().to_owned(),
                 blocks: status.blocks as u64,
-                last_sequence: socket.and_then(|s| s.last_seq).unwrap_or(0),
-                problem,
+                last_sequence: socket.and_then(|s| s.last_seq),
+                problem: problem(status.state, socket),
             }
         })
         .collect()
 }
 
-/// A replica's state from its flag and its event sources (a ZMQ socket, an agent, or both).
-fn replica_state(
-    flag: Option<FlagReason>,
-    socket: Option<&ReplicaIngestSnapshot>,
-    agent: Option<AgentFeed>,
-) -> (&'static str, String) {
-    if let Some(flag) = flag {
-        return ("flagged", flag.as_label().to_owned());
-    }
-    let socket_state = socket.map(socket_state);
-    let agent_state = agent.map(agent_state);
-    match (socket_state, agent_state) {
-        (None, None) => ("stale", "no event source configured".to_owned()),
-        (Some(one), None) | (None, Some(one)) => one,
-        // Both configured: either source keeping the replica current is enough.
-        (Some(socket), Some(agent)) => {
-            let rank = |state: &str| match state {
-                "ready" => 2,
-                "syncing" => 1,
-                _ => 0,
-            };
-            if rank(agent.0) > rank(socket.0) {
-                agent
-            } else {
-                socket
-            }
+/// Why a replica is not ready, in words (empty when it is).
+fn problem(state: ReplicaState, socket: Option<&ReplicaIngestSnapshot>) -> String {
+    let last_error = || socket.and_then(|s| s.last_error.as_ref().map(|(_, e)| e.clone()));
+    match state {
+        ReplicaState::Ready => String::new(),
+        ReplicaState::Flagged(flag) => flag.as_label().to_owned(),
+        ReplicaState::Syncing => "catching up with the engine's stream".to_owned(),
+        ReplicaState::Stale => "agent not connected past its grace period".to_owned(),
+        ReplicaState::Disconnected => {
+            last_error().unwrap_or_else(|| "event stream disconnected".to_owned())
         }
-    }
-}
-
-/// Agent-fed: ready once the connected agent's snapshot is complete.
-fn agent_state(feed: AgentFeed) -> (&'static str, String) {
-    match feed {
-        AgentFeed {
-            connected: false, ..
-        } => ("stale", "agent not connected".to_owned()),
-        AgentFeed {
-            snapshot_done: false,
-            ..
-        } => ("syncing", "agent snapshot in progress".to_owned()),
-        _ => ("ready", String::new()),
-    }
-}
-
-/// ZMQ-fed: ready once connected and an event arrived.
-fn socket_state(socket: &ReplicaIngestSnapshot) -> (&'static str, String) {
-    if !socket.connected {
-        let problem = socket
-            .last_error
-            .as_ref()
-            .map_or_else(|| "not connected".to_owned(), |(_, e)| e.clone());
-        ("stale", problem)
-    } else if socket.last_seq.is_none() {
-        ("syncing", "no events received yet".to_owned())
-    } else {
-        ("ready", String::new())
+        ReplicaState::NeverConnected => {
+            last_error().unwrap_or_else(|| "event stream never connected".to_owned())
+        }
     }
 }
 
@@ -244,7 +217,7 @@ impl api::kv_index_server::KvIndex for MatchService {
     }
 }
 
-/// Serves gRPC (with `grpc.health.v1`) until `cancel`.
+/// Serves gRPC (with `grpc.health.v1`) until `cancel`; an error means the server is gone.
 pub(crate) async fn serve(
     mut server: tonic::transport::Server,
     listener: TcpListener,
@@ -253,7 +226,7 @@ pub(crate) async fn serve(
         impl tonic_health::pb::health_server::Health,
     >,
     cancel: CancellationToken,
-) {
+) -> Result<(), String> {
     let agents = shared.agents.service();
     let auth = Arc::clone(&shared);
     // `query_auth`: Match and ReplicaState need the token; health and the agent stream do not.
@@ -282,7 +255,10 @@ pub(crate) async fn serve(
         )
         .await;
     match result {
-        Ok(()) => tracing::debug!(exit_reason = "shutdown", "grpc server stopped"),
-        Err(error) => tracing::error!(%error, exit_reason = "error", "grpc server failed"),
+        Ok(()) => {
+            tracing::debug!(exit_reason = "shutdown", "grpc server stopped");
+            Ok(())
+        }
+        Err(error) => Err(error.to_string()),
     }
 }

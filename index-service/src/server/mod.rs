@@ -2,8 +2,11 @@
 //!
 //! Lifecycle: [`IndexServer::start`] binds both listeners (port 0 allowed; the bound addresses
 //! are reported), registers pools and replicas, starts one ingest task per replica socket and
-//! serves. [`IndexServer::shutdown`] marks gRPC health NOT_SERVING, stops accepting, drains,
-//! then stops the ingest tasks. Nothing here blocks a query on ingest: the index is read
+//! serves. gRPC health (`grpc.health.v1`, service `""` and `kvroute.index.v1.KvIndex`) and
+//! admin `/readyz` say SERVING only while every pool has enough ready replicas
+//! (`readiness:`). A failing server resolves [`IndexServer::failed`] (the binary exits
+//! non-zero). [`IndexServer::shutdown`] is phased: not ready, stop accepting and drain
+//! in-flight queries, then stop ingest and agent streams. Nothing here blocks a query on ingest: the index is read
 //! concurrently with writes.
 
 mod admin;
@@ -12,8 +15,13 @@ mod auth;
 mod directory;
 mod grpc;
 mod metrics;
+mod readiness;
 
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::{
+    net::SocketAddr,
+    sync::{Arc, atomic::AtomicBool},
+    time::Duration,
+};
 
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -31,6 +39,7 @@ pub use auth::AUTHORIZATION;
 pub use directory::Directory;
 pub use grpc::MatchError;
 use metrics::ServerMetrics;
+pub use readiness::{PoolReadiness, ReadinessReport};
 
 /// How long in-flight requests may take to finish after shutdown starts.
 pub const SHUTDOWN_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -74,6 +83,12 @@ pub(crate) struct Shared {
     pub(crate) agents: Arc<agent_stream::AgentStreams>,
     /// `query_auth`: the token gRPC `Match`/`ReplicaState` and admin `/v1/*` require.
     pub(crate) query_auth: auth::QueryAuth,
+    /// When a pool is ready (`readiness:`).
+    pub(crate) readiness: crate::config::Readiness,
+    /// Set when shutdown starts: not ready from then on.
+    pub(crate) draining: AtomicBool,
+    /// In-flight queries (Match, ReplicaState, `/v1/*`), drained before ingest stops.
+    pub(crate) inflight: TaskTracker,
 }
 
 /// `Match` without the transport: the gRPC handler's code called in process by a router that
@@ -107,7 +122,13 @@ impl LocalMatcher {
 pub struct IndexServer {
     grpc_addr: SocketAddr,
     admin_addr: SocketAddr,
+    /// Stops the listeners accepting (shutdown's first phase).
+    accept: CancellationToken,
+    /// Stops ingest, agent streams and the background tasks (the last phase).
     cancel: CancellationToken,
+    /// Cancelled when a server (gRPC, admin) failed; the reason is in `failure`.
+    failed: CancellationToken,
+    failure: Arc<parking_lot::Mutex<Option<String>>>,
     tasks: TaskTracker,
     shared: Arc<Shared>,
     health: tonic_health::server::HealthReporter,
@@ -185,26 +206,46 @@ impl IndexServer {
             metrics,
             agents,
             query_auth,
+            readiness: config.readiness,
+            draining: AtomicBool::new(false),
+            inflight: TaskTracker::new(),
         });
         let (health, health_service) = tonic_health::server::health_reporter();
-        health
-            .set_serving::<crate::api::kv_index_server::KvIndexServer<grpc::MatchService>>()
-            .await;
+        // Not serving until the pools are ready (the reporter starts "" as SERVING).
+        readiness::set_health(&health, false).await;
 
         let tasks = TaskTracker::new();
-        spawn_tracked(
-            &tasks,
-            grpc::serve(
-                grpc_server,
-                grpc_listener,
-                Arc::clone(&shared),
-                health_service,
-                cancel.clone(),
-            ),
+        let accept = CancellationToken::new();
+        let failed = CancellationToken::new();
+        let failure = Arc::new(parking_lot::Mutex::new(None));
+        let on_failure = |what: &'static str| {
+            let failed = failed.clone();
+            let failure = Arc::clone(&failure);
+            move |result: Result<(), String>| {
+                if let Err(error) = result {
+                    tracing::error!(server = what, %error, "server failed; the process stops");
+                    failure
+                        .lock()
+                        .get_or_insert(format!("{what} server failed: {error}"));
+                    failed.cancel();
+                }
+            }
+        };
+        let grpc_failed = on_failure("grpc");
+        let grpc = grpc::serve(
+            grpc_server,
+            grpc_listener,
+            Arc::clone(&shared),
+            health_service,
+            accept.clone(),
         );
+        spawn_tracked(&tasks, async move { grpc_failed(grpc.await) });
+        let admin_failed = on_failure("admin");
+        let admin = admin::serve(admin_listener, Arc::clone(&shared), accept.clone());
+        spawn_tracked(&tasks, async move { admin_failed(admin.await) });
         spawn_tracked(
             &tasks,
-            admin::serve(admin_listener, Arc::clone(&shared), cancel.clone()),
+            readiness::follow(Arc::clone(&shared), health.clone(), cancel.clone()),
         );
         spawn_tracked(
             &tasks,
@@ -214,7 +255,10 @@ impl IndexServer {
         Ok(IndexServer {
             grpc_addr,
             admin_addr,
+            accept,
             cancel,
+            failed,
+            failure,
             tasks,
             shared,
             health,
@@ -238,11 +282,44 @@ impl IndexServer {
         }
     }
 
-    /// Health NOT_SERVING → stop accepting → drain (bounded) → stop ingest.
+    /// Whether every pool has enough ready replicas, and why not (what `/readyz` answers).
+    pub fn readiness(&self) -> ReadinessReport {
+        readiness::report(&self.shared)
+    }
+
+    /// Resolves when the gRPC or admin server failed (with why): the process must stop and exit
+    /// non-zero rather than run half-dead. Pending forever while both serve.
+    pub async fn failed(&self) -> String {
+        self.failed.cancelled().await;
+        self.failure
+            .lock()
+            .clone()
+            .unwrap_or_else(|| "a server failed".to_owned())
+    }
+
+    /// Phased: not ready (health NOT_SERVING, `/readyz` 503) → stop accepting and drain
+    /// in-flight queries (bounded by [`SHUTDOWN_DRAIN_TIMEOUT`]) → stop ingest and agent
+    /// streams (the index stays current while queries drain) → wait for every task.
     pub async fn shutdown(mut self) {
-        self.health
-            .set_not_serving::<crate::api::kv_index_server::KvIndexServer<grpc::MatchService>>()
-            .await;
+        self.shared
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        readiness::set_health(&self.health, false).await;
+        self.accept.cancel();
+        self.shared.inflight.close();
+        let drained = tokio::time::timeout(SHUTDOWN_DRAIN_TIMEOUT, self.shared.inflight.wait())
+            .await
+            .is_ok();
+        if !drained {
+            tracing::warn!(
+                timeout_ms = SHUTDOWN_DRAIN_TIMEOUT.as_millis() as u64,
+                "in-flight queries did not drain in time"
+            );
+        }
+        tracing::info!(
+            drained,
+            "listeners closed; stopping ingest and agent streams"
+        );
         self.cancel.cancel();
         self.tasks.close();
         if tokio::time::timeout(SHUTDOWN_DRAIN_TIMEOUT, self.tasks.wait())
@@ -251,7 +328,7 @@ impl IndexServer {
         {
             tracing::warn!(
                 timeout_ms = SHUTDOWN_DRAIN_TIMEOUT.as_millis() as u64,
-                "servers did not drain in time"
+                "servers did not stop in time"
             );
         }
         match Arc::try_unwrap(self.shared) {

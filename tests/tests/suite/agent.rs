@@ -322,9 +322,9 @@ async fn index_converges_to_the_engine_after_every_fault() {
 
     // Agent gone: the replica leaves precise scoring after the grace period...
     agent.shutdown().await;
-    wait_until("replica flagged stale", CONVERGE, || async {
+    wait_until("replica stale", CONVERGE, || async {
         let (state, problem) = replica_state(index.admin, "engine-a").await?;
-        (state == "flagged" && problem == "stale").then_some(())
+        (state == "stale" && problem == "agent not connected past its grace period").then_some(())
     })
     .await
     .unwrap();
@@ -479,7 +479,10 @@ async fn wrong_tokens_unowned_replicas_and_garbage_are_refused() {
     );
     assert_eq!(
         replica_state(admin, "engine-b").await.unwrap(),
-        ("stale".to_owned(), "agent not connected".to_owned())
+        (
+            "never_connected".to_owned(),
+            "event stream never connected".to_owned()
+        )
     );
     drop(tx);
 

@@ -286,7 +286,8 @@ async fn index_with_query_token(
     std::fs::write(&token_file, format!("{token}\n")).unwrap();
     let yaml = format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n{INDEX_DEFAULTS}\
-         query_auth: {{token_file: \"{}\"}}\n",
+         query_auth: {{token_file: \"{}\"}}\n\
+         readiness: {{min_ready_replicas: 0}}\n",
         token_file.display()
     );
     kvroute_index::server::IndexServer::start(

@@ -12,6 +12,7 @@ mod fidelity;
 mod hostile_peers;
 mod index_capture;
 mod index_ha;
+mod index_states;
 mod real_vllm;
 mod real_vllm_agent;
 mod routing;

@@ -2,7 +2,7 @@
 //! runs against [`BlockIndex`] and the reference model, in both key schemes.
 
 use super::*;
-use crate::index::{IndexError, RejectReason};
+use crate::index::{FlagReason, IndexError, RejectReason, ReplicaState};
 
 /// (model, id of its replica 0) for both schemes.
 const POOLS: [(&str, u32); 2] = [(EXACT, 0), (CHAIN, 100)];
@@ -276,6 +276,17 @@ fn unusable_events_are_rejected(make: &MakeIndex) {
         });
         let outcome = index.apply_event(r, &group_one).unwrap();
         assert_eq!(outcome.rejection, Some(RejectReason::NonFullAttentionGroup));
+        // Another block size makes the whole stream unusable: the replica is flagged (not
+        // precise) until it is reset.
+        let flagged = matches(&*index, model, &tokens);
+        let mine = flagged.iter().find(|m| m.replica == r).unwrap();
+        assert!(!mine.precise, "{model}");
+        assert_eq!(
+            mine.state,
+            ReplicaState::Flagged(FlagReason::BlockSizeMismatch),
+            "{model}"
+        );
+        index.reset_replica(r).unwrap();
         assert_eq!(
             counts(&matches(&*index, model, &tokens), r0),
             Some((0, 0)),

@@ -10,7 +10,8 @@ use parking_lot::Mutex;
 
 use crate::event::{KvEvent, Medium};
 use crate::index::{
-    ApplyOutcome, IndexError, KvIndex, PoolConfig, PoolKeys, RejectReason, ReplicaId, ReplicaMatch,
+    ApplyOutcome, FlagReason, IndexError, KvIndex, PoolConfig, PoolKeys, RejectReason, ReplicaId,
+    ReplicaMatch, ReplicaState,
 };
 
 #[derive(Debug, Default)]
@@ -26,6 +27,8 @@ struct RefReplica {
     model: String,
     order: u64,
     blocks: HashMap<u64, (u64, BTreeMap<Medium, u32>)>,
+    /// An event with another block size makes the replica's stream unusable until a reset.
+    block_size_mismatch: bool,
 }
 
 /// The reference model.
@@ -75,6 +78,7 @@ impl KvIndex for Reference {
                 model: model.to_owned(),
                 order,
                 blocks: HashMap::new(),
+                block_size_mismatch: false,
             },
         );
         Ok(())
@@ -142,6 +146,7 @@ impl KvIndex for Reference {
                     return Ok(outcome);
                 }
                 if stored.block_size != pool.block_size {
+                    entry.block_size_mismatch = true;
                     reject(&mut outcome, RejectReason::BlockSizeMismatch, count);
                     return Ok(outcome);
                 }
@@ -231,11 +236,21 @@ impl KvIndex for Reference {
             .into_iter()
             .map(|id| {
                 let replica = &state.replicas[&id];
+                if replica.block_size_mismatch {
+                    return ReplicaMatch {
+                        replica: id,
+                        matched_blocks: 0,
+                        gpu_blocks: 0,
+                        precise: false,
+                        state: ReplicaState::Flagged(FlagReason::BlockSizeMismatch),
+                    };
+                }
                 ReplicaMatch {
                     replica: id,
                     matched_blocks: leading(replica, false),
                     gpu_blocks: leading(replica, true),
                     precise: true,
+                    state: ReplicaState::Ready,
                 }
             })
             .collect())
@@ -248,6 +263,7 @@ impl KvIndex for Reference {
             .get_mut(&replica)
             .ok_or(IndexError::UnknownReplica { replica })?;
         entry.blocks.clear();
+        entry.block_size_mismatch = false;
         Ok(())
     }
 
