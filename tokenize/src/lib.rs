@@ -37,6 +37,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod apis;
 pub mod byte_bpe;
 mod chat;
 mod content_format;
@@ -47,6 +48,7 @@ mod pytime;
 
 use std::path::{Path, PathBuf};
 
+pub use apis::ConvertedChat;
 pub use byte_bpe::ByteLevelBpe;
 pub use chat::ChatTemplate;
 pub use content_format::ContentFormat;
@@ -88,6 +90,15 @@ impl Default for ChatOptions {
             request_template: false,
         }
     }
+}
+
+/// An API vLLM serves by converting its requests into a chat ([`apis`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ApiKind {
+    /// OpenAI's Responses API, `/v1/responses`.
+    Responses,
+    /// Anthropic's Messages API, `/v1/messages`.
+    Messages,
 }
 
 /// A model's tokenizer and chat template, loaded once and shared (`Send + Sync`, `&self` calls).
@@ -237,6 +248,32 @@ impl ModelTokenizer {
         let rendered = chat.render_for_encoding(messages, options)?;
         let add_special_tokens = options.add_special_tokens && !rendered.tokenized_by_template;
         self.encode_prompt(&rendered.text, add_special_tokens)
+    }
+
+    /// A `/v1/responses` or `/v1/messages` request body as the chat vLLM renders for this
+    /// model ([`apis`]).
+    pub fn convert_api_request(
+        &self,
+        api: ApiKind,
+        request: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<ConvertedChat, TokenizeError> {
+        match api {
+            ApiKind::Responses => apis::responses_to_chat(request),
+            ApiKind::Messages => {
+                let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
+                apis::messages_to_chat(request, chat.merges_inline_system())
+            }
+        }
+    }
+
+    /// Token ids of a `/v1/responses` or `/v1/messages` request, as vLLM renders them.
+    pub fn encode_api_request(
+        &self,
+        api: ApiKind,
+        request: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let chat = self.convert_api_request(api, request)?;
+        self.encode_chat_with(&chat.messages, &chat.options)
     }
 
     /// The chat template, if the model has one.
