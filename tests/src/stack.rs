@@ -238,6 +238,30 @@ pub struct StackOptions {
     /// Whether ext-proc adds its debug response headers (off, as in production, unless a test
     /// that reads them opts in).
     pub debug_headers: DebugHeaders,
+    /// Where ext-proc's pool gets its tokens.
+    pub tokenizer: StackTokenizer,
+}
+
+/// ext-proc's `tokenizer` in a stack.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum StackTokenizer {
+    /// The sims' model folder, in process.
+    #[default]
+    ModelDir,
+    /// The render endpoints of sim `n` (`tokenizer: {render: http://<sim n>, timeout}`).
+    RenderSim {
+        /// Which sim.
+        sim: usize,
+        /// Per-call timeout.
+        timeout: Duration,
+    },
+    /// Render endpoints at a given base URL (a test's failing or silent server).
+    RenderUrl {
+        /// `http://host:port`.
+        url: String,
+        /// Per-call timeout.
+        timeout: Duration,
+    },
 }
 
 /// ext-proc's `debug_headers` in a stack: who gets `x-kvroute-decision` and
@@ -283,6 +307,7 @@ impl Default for StackOptions {
             index_instances: 1,
             index_placement: IndexPlacement::Service,
             debug_headers: DebugHeaders::Off,
+            tokenizer: StackTokenizer::ModelDir,
         }
     }
 }
@@ -1276,6 +1301,19 @@ fn ext_proc_config(
     replicas: &[SocketAddr],
     index: IndexTarget<'_>,
 ) -> String {
+    let tokenizer = match &options.tokenizer {
+        StackTokenizer::ModelDir => format!("{{model_dir: \"{}\"}}", tiny_model_dir().display()),
+        StackTokenizer::RenderSim { sim, timeout } => format!(
+            "{{render: \"http://{}\", timeout: {}ms}}",
+            replicas
+                .get(*sim)
+                .map_or_else(String::new, ToString::to_string),
+            timeout.as_millis()
+        ),
+        StackTokenizer::RenderUrl { url, timeout } => {
+            format!("{{render: \"{url}\", timeout: {}ms}}", timeout.as_millis())
+        }
+    };
     let index = match index {
         IndexTarget::Addresses(indexes) => {
             let addresses = indexes
@@ -1307,7 +1345,7 @@ fn ext_proc_config(
          pools:\n\
          - name: {MODEL}\n  models: [{MODEL}]\n  block_size: {bs}\n  \
          key_scheme: {{kind: vllm-exact, hash_algo: {algo}, seed: \"{seed}\"}}\n  \
-         tokenizer: {{model_dir: \"{model_dir}\"}}\n\
+         tokenizer: {tokenizer}\n\
          replicas:\n{replicas}",
         // The scoring's prefill cost is the sims' own, so its TTFT estimate is in real ms.
         prefill = options.timing.prefill_ms_per_token(),
@@ -1323,7 +1361,6 @@ fn ext_proc_config(
         bs = options.block_size,
         algo = options.hash_algo,
         seed = options.hash_seed,
-        model_dir = tiny_model_dir().display(),
     )
 }
 

@@ -12,6 +12,7 @@ mod hostile_peers;
 mod index_capture;
 mod index_ha;
 mod real_vllm;
+mod render;
 mod routing;
 mod sim;
 mod sim_index;

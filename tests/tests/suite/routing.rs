@@ -135,13 +135,13 @@ fn cached_tokens(body: &Value) -> u64 {
 }
 
 /// kvroute-ext-proc's `/metrics` text.
-async fn ext_proc_metrics(stack: &Stack) -> String {
+pub(super) async fn ext_proc_metrics(stack: &Stack) -> String {
     let url = format!("{}/metrics", stack.ext_proc_admin_url().unwrap());
     http::get(&url).await.unwrap().text()
 }
 
 /// Sum of every sample of `family` whose labels contain all of `labels` (0 when none).
-fn sum_samples(text: &str, family: &str, labels: &[&str]) -> f64 {
+pub(super) fn sum_samples(text: &str, family: &str, labels: &[&str]) -> f64 {
     text.lines()
         .filter(|line| !line.starts_with('#'))
         .filter(|line| {
