@@ -153,6 +153,7 @@ impl ChatInputFields {
             reasoning_effort: self.reasoning_effort.clone(),
             chat_template_kwargs,
             request_template: self.request_template,
+            messages_validated: true,
         })
     }
 
@@ -490,7 +491,8 @@ impl RemoteTokenizer {
                     ApiKind::Messages => kvroute_tokenize::apis::messages_to_chat(&request, false),
                 }
                 .ok()?;
-                let messages = RawValue::from_string(chat.messages.to_string()).ok()?;
+                let messages = tokenize_chat_messages(chat.messages);
+                let messages = RawValue::from_string(messages.to_string()).ok()?;
                 let fields = ChatInputFields::from_options(&chat.options);
                 Some(remote_chat_body(
                     model,
@@ -530,6 +532,29 @@ impl Tokenizer for RemoteTokenizer {
             }
         })
     }
+}
+
+/// A converted conversation as `/tokenize`'s request model takes it: Responses' `input_text` /
+/// `output_text` parts become `text` parts and an item's `type` goes (the chat path renders
+/// both the same; `/tokenize` validates messages as chat messages and refuses them).
+fn tokenize_chat_messages(mut messages: serde_json::Value) -> serde_json::Value {
+    for message in messages.as_array_mut().into_iter().flatten() {
+        let Some(message) = message.as_object_mut() else {
+            continue;
+        };
+        message.shift_remove("type");
+        let parts = message
+            .get_mut("content")
+            .and_then(serde_json::Value::as_array_mut);
+        for part in parts.into_iter().flatten() {
+            if let Some(kind) = part.get_mut("type")
+                && matches!(kind.as_str(), Some("input_text" | "output_text"))
+            {
+                *kind = "text".into();
+            }
+        }
+    }
+    messages
 }
 
 /// The engine's render endpoints (vLLM 0.32 `--enable-scale-out`): the request goes to the one

@@ -108,6 +108,10 @@ pub fn responses_to_chat(request: &Map<String, Value>) -> Result<ConvertedChat, 
             tools,
             reasoning_effort,
             chat_template_kwargs: object_kwargs(request)?,
+            // `ResponsesRequest.build_tok_params` leaves TokenizeParams' default (true), where a
+            // chat request's is false.
+            add_special_tokens: true,
+            messages_validated: false,
             ..ChatOptions::default()
         },
     })
@@ -634,6 +638,26 @@ mod tests {
                 "parameters": {"type": "object"}, "strict": null, "defer_loading": null}}])
             )
         );
+    }
+
+    #[test]
+    fn templates_that_need_system_first_merge_inline_system_messages() {
+        let template = |source: &str| {
+            crate::ChatTemplate::new(source.to_owned(), crate::chat::SpecialTokens::default())
+                .unwrap()
+        };
+        let lenient = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
+        assert!(!template(lenient).merges_inline_system());
+        // Qwen-style guard: a system message after the first raises.
+        let guarded = "{% for m in messages %}{% if m.role == 'system' and not loop.first %}\
+            {{ raise_exception('System message must be first') }}{% endif %}{{ m.content }}{% endfor %}";
+        assert!(template(guarded).merges_inline_system());
+        // vLLM probes in a bare Jinja sandbox: transformers' helpers are missing there.
+        let clock = "{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}{% endfor %}";
+        assert!(template(clock).merges_inline_system());
+        // Python string methods are Jinja2's own.
+        let methods = "{% for m in messages %}{{ m.content.strip() }}{% endfor %}";
+        assert!(!template(methods).merges_inline_system());
     }
 
     #[test]

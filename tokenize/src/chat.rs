@@ -202,7 +202,12 @@ impl ChatTemplate {
                 reason: "continue_final_message and add_generation_prompt are both set".to_owned(),
             });
         }
-        let mut conversation = conversation::prepare(messages, self.format, self.names_developer)?;
+        let mut conversation = conversation::prepare(
+            messages,
+            self.format,
+            self.names_developer,
+            options.messages_validated,
+        )?;
         if conversation.is_empty() {
             return Err(TokenizeError::InvalidMessages {
                 reason: "empty conversation".to_owned(),

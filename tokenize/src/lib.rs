@@ -75,6 +75,10 @@ pub struct ChatOptions {
     /// Whether the request carries its own `chat_template` (vLLM refuses it unless started with
     /// `--trust-request-chat-template`; kvroute never renders one).
     pub request_template: bool,
+    /// Whether vLLM validated `messages` through its chat request model (chat completions and
+    /// the Messages API, default): tool calls then come in its TypedDicts' key order. The
+    /// Responses API's converted messages are built by vLLM and never validated.
+    pub messages_validated: bool,
 }
 
 impl Default for ChatOptions {
@@ -88,6 +92,7 @@ impl Default for ChatOptions {
             reasoning_effort: None,
             chat_template_kwargs: None,
             request_template: false,
+            messages_validated: true,
         }
     }
 }

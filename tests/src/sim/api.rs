@@ -239,6 +239,7 @@ impl ChatRequest {
             reasoning_effort: self.reasoning_effort.clone(),
             chat_template_kwargs: self.chat_template_kwargs.clone(),
             request_template: false,
+            messages_validated: true,
         }
     }
 }
