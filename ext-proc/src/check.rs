@@ -378,6 +378,11 @@ mod tests {
                 "/v1/chat/completions",
                 br#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}]}"#,
             ),
+            // vLLM encodes a Responses prompt with add_special_tokens (a chat's default is off).
+            (
+                "/v1/chat/completions",
+                br#"{"model":"m","add_special_tokens":true,"messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}]}"#,
+            ),
         ] {
             let report = check(Target::ModelDir(&tiny(4)), path, body, None, &TaskTracker::new())
                 .await
@@ -386,7 +391,7 @@ mod tests {
         }
         assert_eq!(reports[0].0, "responses");
         assert_eq!(reports[1].0, "messages");
-        assert_eq!(reports[0].1, reports[2].1);
+        assert_eq!(reports[0].1, reports[3].1);
         assert_eq!(reports[1].1, reports[2].1);
     }
 

@@ -597,7 +597,7 @@ impl RenderTokenizer {
         let prefix = self.base.path().trim_end_matches('/');
         let mut parts = self.base.clone().into_parts();
         parts.path_and_query = format!("{prefix}{path}").parse().ok();
-        http::Uri::from_parts(parts).map_err(|e| TokenizeError::Remote {
+        http::Uri::from_parts(parts).map_err(|e| TokenizeError::Render {
             url: self.base.to_string(),
             reason: e.to_string(),
         })
@@ -623,7 +623,7 @@ impl RenderTokenizer {
             Err(e) => return Box::pin(std::future::ready(Err(e))),
         };
         let Some(body) = body else {
-            return Box::pin(std::future::ready(Err(TokenizeError::Remote {
+            return Box::pin(std::future::ready(Err(TokenizeError::Render {
                 url: url.to_string(),
                 reason: "vLLM would refuse to render the request".to_owned(),
             })));
@@ -636,7 +636,7 @@ impl RenderTokenizer {
             };
             match tokio::time::timeout(timeout, call).await {
                 Ok(Ok(tokens)) => Ok(tokens),
-                Ok(Err(reason)) => Err(TokenizeError::Remote {
+                Ok(Err(reason)) => Err(TokenizeError::Render {
                     url: url.to_string(),
                     reason,
                 }),
@@ -1250,21 +1250,31 @@ mod tests {
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "Hi"}
         ]);
-        let expected = direct.encode_chat(&chat, true).unwrap();
-        for (body, endpoint) in [
+        let as_chat = direct.encode_chat(&chat, true).unwrap();
+        // vLLM encodes a Responses prompt with add_special_tokens (a chat's default is off).
+        let with_special_tokens = kvroute_tokenize::ChatOptions {
+            add_special_tokens: true,
+            ..kvroute_tokenize::ChatOptions::default()
+        };
+        let as_responses = direct
+            .encode_chat_with(&chat, &with_special_tokens)
+            .unwrap();
+        for (body, endpoint, expected) in [
             (
                 r#"{"model":"m","instructions":"be brief","input":"Hi"}"#,
                 Endpoint::Responses,
+                &as_responses,
             ),
             (
                 r#"{"model":"m","max_tokens":5,"system":"be brief","messages":[{"role":"user","content":[{"type":"text","text":"Hi"}]}]}"#,
                 Endpoint::Messages,
+                &as_chat,
             ),
         ] {
             let parsed = parse(body.as_bytes(), endpoint).unwrap();
             let input = Arc::new(owned_input(&parsed.prompt));
             assert_eq!(
-                tokenizer.tokenize("m", Arc::clone(&input)).await.unwrap(),
+                &tokenizer.tokenize("m", Arc::clone(&input)).await.unwrap(),
                 expected,
                 "{body}"
             );

@@ -214,7 +214,7 @@ async fn failing_or_silent_render_endpoint_falls_back_on_load_counted() {
         );
     }
     let metrics = ext_proc_metrics(&stack).await;
-    assert_eq!(fallbacks(&metrics, "remote_error"), 3.0, "{metrics}");
+    assert_eq!(fallbacks(&metrics, "render_error"), 3.0, "{metrics}");
 
     failing.store(false, Ordering::SeqCst);
     for (i, api) in [Api::Chat, Api::Responses, Api::Messages]
