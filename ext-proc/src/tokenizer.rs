@@ -295,6 +295,7 @@ pub fn from_source(
             Some(Arc::new(RemoteTokenizer::new(url.clone(), *timeout)))
         }
         TokenizerSource::Render { url, timeout } => {
+            tracing::info!(pool, %url, ?timeout, "tokens from the engine's render endpoints");
             Some(Arc::new(RenderTokenizer::new(url.clone(), *timeout)))
         }
     })
