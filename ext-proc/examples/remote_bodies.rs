@@ -4,7 +4,8 @@
 //! cargo run -p kvroute-ext-proc --example remote_bodies -- MODEL < corpus.jsonl > bodies.jsonl
 //! ```
 //!
-//! Reads `{"id", "endpoint": "chat" | "completions", "body"}` lines (the golden corpus), parses
+//! Reads `{"id", "endpoint": "chat" | "completions" | "responses" | "messages", "body"}` lines
+//! (the golden corpus; a Responses or Messages body gives the converted chat's), parses
 //! each body as ext-proc does (with `"model": MODEL`) and writes `{"id", "body", "sha256"}`: the
 //! body kvroute would POST to `/tokenize` (`null` when it would not call it) and the sha256 of
 //! its JSON bytes. `tests/vllm/goldens/record.py` sends these to real vLLM.
@@ -28,6 +29,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let bytes = serde_json::to_vec(&body)?;
         let endpoint = match entry["endpoint"].as_str() {
             Some("chat") => Endpoint::ChatCompletions,
+            Some("responses") => Endpoint::Responses,
+            Some("messages") => Endpoint::Messages,
             _ => Endpoint::Completions,
         };
         let remote = parse(&bytes, endpoint)

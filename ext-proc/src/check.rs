@@ -97,7 +97,7 @@ impl ModelDirPool {
 pub enum CheckError {
     /// The path is not an endpoint kvroute tokenizes.
     #[error(
-        "{path}: kvroute does not tokenize this endpoint yet (only /v1/completions and /v1/chat/completions); it routes such requests on load"
+        "{path}: kvroute does not tokenize this endpoint (only /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages); it routes such requests on load"
     )]
     UnsupportedEndpoint {
         /// The path as given.
@@ -307,12 +307,16 @@ pub async fn check(
     let mode = tokenizer.as_ref().map(|t| t.mode());
     let (model_dir, url) = match &pool.tokenizer {
         TokenizerSource::ModelDir(dir) => (Some(dir.clone()), None),
-        TokenizerSource::Remote { url, .. } => (None, Some(url.to_string())),
+        TokenizerSource::Remote { url, .. } | TokenizerSource::Render { url, .. } => {
+            (None, Some(url.to_string()))
+        }
         TokenizerSource::None => (None, None),
     };
     Ok(Report {
         endpoint: match endpoint {
             Endpoint::ChatCompletions => "chat_completions",
+            Endpoint::Responses => "responses",
+            Endpoint::Messages => "messages",
             _ => "completions",
         },
         model: model.to_owned(),
@@ -362,10 +366,40 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn responses_and_messages_are_checked_as_their_chat() {
+        let mut reports = Vec::new();
+        for (path, body) in [
+            ("/v1/responses", &br#"{"model":"m","instructions":"s","input":"hi"}"#[..]),
+            (
+                "/v1/messages",
+                br#"{"model":"m","max_tokens":4,"system":"s","messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+            (
+                "/v1/chat/completions",
+                br#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}]}"#,
+            ),
+            // vLLM encodes a Responses prompt with add_special_tokens (a chat's default is off).
+            (
+                "/v1/chat/completions",
+                br#"{"model":"m","add_special_tokens":true,"messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}]}"#,
+            ),
+        ] {
+            let report = check(Target::ModelDir(&tiny(4)), path, body, None, &TaskTracker::new())
+                .await
+                .unwrap();
+            reports.push((report.endpoint, report.token_ids));
+        }
+        assert_eq!(reports[0].0, "responses");
+        assert_eq!(reports[1].0, "messages");
+        assert_eq!(reports[0].1, reports[3].1);
+        assert_eq!(reports[1].1, reports[2].1);
+    }
+
+    #[tokio::test]
     async fn other_endpoints_are_refused_by_name() {
         let error = check(
             Target::ModelDir(&tiny(4)),
-            "/v1/responses",
+            "/v1/embeddings",
             br#"{"model":"m","input":"hi"}"#,
             None,
             &TaskTracker::new(),
@@ -373,7 +407,7 @@ mod tests {
         .await
         .unwrap_err();
         assert!(error.is_usage(), "{error}");
-        assert!(error.to_string().contains("/v1/responses"), "{error}");
+        assert!(error.to_string().contains("/v1/embeddings"), "{error}");
     }
 
     #[tokio::test]

@@ -23,6 +23,8 @@
 //!   block_size: 16
 //!   key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}
 //!   tokenizer: {model_dir: /models/llama}     # or {remote: "http://10.0.0.5:8000/tokenize"}
+//!   # or the engine's own render endpoints (vLLM 0.32 --enable-scale-out; exact by construction):
+//!   # tokenizer: {render: "http://10.0.0.5:8000", timeout: 50ms}
 //! replicas:
 //! - {id: r0, pool: llama, address: "10.0.0.5:8000", metrics_url: "http://10.0.0.5:8000/metrics"}
 //! # Debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`) reveal
@@ -266,6 +268,7 @@ enum RawAdapter {
 struct RawTokenizer {
     model_dir: Option<PathBuf>,
     remote: Option<String>,
+    render: Option<String>,
     timeout: Option<String>,
 }
 
@@ -660,6 +663,14 @@ pub enum TokenizerSource {
     /// A `/tokenize` endpoint (vLLM-compatible).
     Remote {
         /// Full URL of the endpoint.
+        url: http::Uri,
+        /// Per-call timeout.
+        timeout: Duration,
+    },
+    /// The engine's render endpoints (`{url}/v1/chat/completions/render` and the like): the
+    /// whole request body goes to the one matching the request's endpoint.
+    Render {
+        /// Base URL of the engine (scheme, authority, optional path prefix).
         url: http::Uri,
         /// Per-call timeout.
         timeout: Duration,
@@ -1137,11 +1148,26 @@ fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
         Some(RawTokenizer {
             model_dir: Some(dir),
             remote: None,
+            render: None,
             timeout: None,
         }) => TokenizerSource::ModelDir(dir.clone()),
         Some(RawTokenizer {
             model_dir: None,
+            remote: None,
+            render: Some(url),
+            timeout,
+        }) => TokenizerSource::Render {
+            url: http_uri(&field("tokenizer.render"), url)?,
+            timeout: duration(
+                &field("tokenizer.timeout"),
+                timeout.as_deref(),
+                DEFAULT_REMOTE_TOKENIZE_TIMEOUT,
+            )?,
+        },
+        Some(RawTokenizer {
+            model_dir: None,
             remote: Some(url),
+            render: None,
             timeout,
         }) => TokenizerSource::Remote {
             url: http_uri(&field("tokenizer.remote"), url)?,
@@ -1155,7 +1181,7 @@ fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
             return Err(ConfigError::invalid(
                 field("tokenizer"),
                 "…",
-                "expected exactly one of model_dir or remote (timeout only with remote)",
+                "expected exactly one of model_dir, remote or render (timeout only with remote or render)",
             ));
         }
     };
@@ -1307,6 +1333,39 @@ replicas:
             Ok(_) => panic!("config should be rejected:\n{yaml}"),
             Err(e) => format!("{:#}", anyhow::Error::from(e)),
         }
+    }
+
+    #[test]
+    fn tokenizer_sources() {
+        let with = |tokenizer: &str| {
+            MINIMAL.replace(
+                "  block_size: 16\n",
+                &format!("  block_size: 16\n  tokenizer: {tokenizer}\n"),
+            )
+        };
+        let render =
+            Config::from_yaml(&with(r#"{render: "http://10.0.0.5:8000", timeout: 40ms}"#)).unwrap();
+        assert_eq!(
+            render.pools[0].tokenizer,
+            TokenizerSource::Render {
+                url: "http://10.0.0.5:8000".parse().unwrap(),
+                timeout: Duration::from_millis(40),
+            }
+        );
+        let remote =
+            Config::from_yaml(&with(r#"{remote: "http://10.0.0.5:8000/tokenize"}"#)).unwrap();
+        assert!(matches!(
+            remote.pools[0].tokenizer,
+            TokenizerSource::Remote { timeout, .. } if timeout == DEFAULT_REMOTE_TOKENIZE_TIMEOUT
+        ));
+        for bad in [
+            r#"{render: "http://a:1", remote: "http://a:1/tokenize"}"#,
+            r#"{render: "http://a:1", model_dir: /m}"#,
+            r#"{model_dir: /m, timeout: 5ms}"#,
+        ] {
+            assert!(error_of(&with(bad)).contains("pools[0].tokenizer"), "{bad}");
+        }
+        assert!(error_of(&with(r#"{render: "not a url"}"#)).contains("pools[0].tokenizer.render"));
     }
 
     #[test]

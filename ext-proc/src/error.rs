@@ -121,6 +121,15 @@ pub enum TokenizeError {
         /// What went wrong (transport error, status, bad JSON).
         reason: String,
     },
+    /// The engine's render endpoint failed (transport error, status, bad JSON, a request vLLM
+    /// would refuse).
+    #[error("render endpoint {url} failed: {reason}")]
+    Render {
+        /// The endpoint's URL.
+        url: String,
+        /// What went wrong.
+        reason: String,
+    },
     /// The in-process tokenizer failed (template error, bad input).
     #[error("in-process tokenizer failed: {reason}")]
     InProcess {
@@ -136,6 +145,7 @@ impl TokenizeError {
             Self::NotConfigured { .. } => "not_configured",
             Self::Timeout { .. } => "timeout",
             Self::Remote { .. } => "remote_error",
+            Self::Render { .. } => "render_error",
             Self::InProcess { .. } => "in_process_error",
         }
     }

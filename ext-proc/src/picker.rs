@@ -639,6 +639,9 @@ mod tests {
                     TokenizeInput::Chat { messages, .. } => {
                         Ok(messages.get().bytes().map(u32::from).collect())
                     }
+                    TokenizeInput::Api { request, .. } => {
+                        Ok(request.get().bytes().map(u32::from).collect())
+                    }
                 }
             })
         }

@@ -8,11 +8,18 @@
 //! the body, for the tokenizer and the token-cache key). Every other field is skipped by serde
 //! without being materialized. Strings borrow from the body unless they contain escapes.
 //!
+//! `/v1/responses` and `/v1/messages` keep their prompt-changing fields raw ([`Prompt::Api`]:
+//! `input`, `instructions`, `tools`, `reasoning`, `previous_response_id`; `messages`, `system`,
+//! `tools`, `thinking`, `output_config`; `chat_template_kwargs`): the tokenizer converts them to
+//! the chat vLLM renders (`kvroute_tokenize::apis`). Every prompt keeps the whole body borrowed,
+//! for a tokenizer that sends the request to the engine's render endpoint.
+//!
 //! A `prompt` list (vLLM's batch form) routes on its **first** element: the batch goes to one
 //! replica as a whole, and the first prompt is as good a representative as any.
 
 use std::borrow::Cow;
 
+use kvroute_tokenize::ApiKind;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -25,6 +32,10 @@ pub enum Endpoint {
     Completions,
     /// `/v1/chat/completions`: `messages` required.
     ChatCompletions,
+    /// `/v1/responses` (OpenAI Responses API): `input` required.
+    Responses,
+    /// `/v1/messages` (Anthropic Messages API): `messages` required.
+    Messages,
     /// Anything else: routed on a prompt if one is present, else on load alone.
     Other,
 }
@@ -36,6 +47,8 @@ impl Endpoint {
         match path {
             "/v1/completions" => Self::Completions,
             "/v1/chat/completions" => Self::ChatCompletions,
+            "/v1/responses" => Self::Responses,
+            "/v1/messages" => Self::Messages,
             _ => Self::Other,
         }
     }
@@ -61,6 +74,8 @@ pub enum Prompt<'a> {
         text: Cow<'a, str>,
         /// vLLM's flag (default true for completions).
         add_special_tokens: bool,
+        /// The whole request body.
+        body: &'a [u8],
     },
     /// Pre-tokenized completion prompt.
     Tokens(Vec<u32>),
@@ -74,6 +89,20 @@ pub enum Prompt<'a> {
         add_generation_prompt: bool,
         /// The request's other prompt-changing fields.
         fields: ChatFields<'a>,
+        /// The whole request body.
+        body: &'a [u8],
+    },
+    /// A Responses or Messages API request, converted to a chat by the tokenizer.
+    Api {
+        /// Which API.
+        api: ApiKind,
+        /// The conversation's items in order (`input` items, or `input` itself when it is a
+        /// string; `messages`), for the conversation-prefix cache keys.
+        items: Vec<&'a RawValue>,
+        /// Every prompt-changing field that is present, by name, as sent.
+        fields: Vec<(&'static str, &'a RawValue)>,
+        /// The whole request body.
+        body: &'a [u8],
     },
     /// No prompt on an endpoint that does not require one: route on load.
     Absent,
@@ -124,6 +153,20 @@ struct Body<'a> {
     reasoning_effort: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     chat_template: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    instructions: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    reasoning: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    previous_response_id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    system: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    thinking: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    output_config: Option<&'a RawValue>,
 }
 
 /// A raw JSON value that is `null` counts as absent (vLLM's defaults are `None`).
@@ -151,6 +194,38 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
         });
     }
     let prompt = match (endpoint, parsed.prompt, parsed.messages) {
+        (Endpoint::Responses, ..) => {
+            let input =
+                present(parsed.input).ok_or(RequestError::MissingField { field: "input" })?;
+            let fields = [
+                ("input", Some(input)),
+                ("instructions", parsed.instructions),
+                ("tools", parsed.tools),
+                ("reasoning", parsed.reasoning),
+                ("previous_response_id", parsed.previous_response_id),
+                ("chat_template_kwargs", parsed.chat_template_kwargs),
+            ];
+            let items = if input.get().starts_with('[') {
+                conversation_items(input, "input")?
+            } else {
+                vec![input]
+            };
+            api_prompt(ApiKind::Responses, items, &fields, body)
+        }
+        (Endpoint::Messages, _, messages) => {
+            let messages =
+                present(messages).ok_or(RequestError::MissingField { field: "messages" })?;
+            let fields = [
+                ("messages", Some(messages)),
+                ("system", parsed.system),
+                ("tools", parsed.tools),
+                ("thinking", parsed.thinking),
+                ("output_config", parsed.output_config),
+                ("chat_template_kwargs", parsed.chat_template_kwargs),
+            ];
+            let items = conversation_items(messages, "messages")?;
+            api_prompt(ApiKind::Messages, items, &fields, body)
+        }
         (Endpoint::ChatCompletions, _, Some(raw)) | (Endpoint::Other, None, Some(raw)) => {
             let fields = ChatFields {
                 continue_final_message: parsed.continue_final_message.unwrap_or(false),
@@ -161,10 +236,15 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
                 reasoning_effort: parsed.reasoning_effort,
                 request_template: present(parsed.chat_template).is_some(),
             };
-            chat(raw, parsed.add_generation_prompt.unwrap_or(true), fields)?
+            chat(
+                raw,
+                parsed.add_generation_prompt.unwrap_or(true),
+                fields,
+                body,
+            )?
         }
         (Endpoint::Completions, Some(raw), _) | (Endpoint::Other, Some(raw), _) => {
-            completion(raw, parsed.add_special_tokens.unwrap_or(true))?
+            completion(raw, parsed.add_special_tokens.unwrap_or(true), body)?
         }
         (Endpoint::ChatCompletions, _, None) => {
             return Err(RequestError::MissingField { field: "messages" });
@@ -181,7 +261,53 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
     })
 }
 
-fn completion(raw: &RawValue, add_special_tokens: bool) -> Result<Prompt<'_>, RequestError> {
+/// A non-empty list of objects (a conversation), each entry kept raw.
+fn conversation_items<'a>(
+    raw: &'a RawValue,
+    field: &'static str,
+) -> Result<Vec<&'a RawValue>, RequestError> {
+    let items: Vec<&RawValue> =
+        serde_json::from_str(raw.get()).map_err(|_| RequestError::InvalidField {
+            field,
+            reason: "expected a list",
+        })?;
+    if items.is_empty() {
+        return Err(RequestError::InvalidField {
+            field,
+            reason: "empty list",
+        });
+    }
+    if items.iter().any(|m| !m.get().starts_with('{')) {
+        return Err(RequestError::InvalidField {
+            field,
+            reason: "expected objects",
+        });
+    }
+    Ok(items)
+}
+
+fn api_prompt<'a>(
+    api: ApiKind,
+    items: Vec<&'a RawValue>,
+    fields: &[(&'static str, Option<&'a RawValue>)],
+    body: &'a [u8],
+) -> Prompt<'a> {
+    Prompt::Api {
+        api,
+        items,
+        fields: fields
+            .iter()
+            .filter_map(|&(name, raw)| Some((name, present(raw)?)))
+            .collect(),
+        body,
+    }
+}
+
+fn completion<'a>(
+    raw: &'a RawValue,
+    add_special_tokens: bool,
+    body: &'a [u8],
+) -> Result<Prompt<'a>, RequestError> {
     let invalid = |reason| RequestError::InvalidField {
         field: "prompt",
         reason,
@@ -199,6 +325,7 @@ fn completion(raw: &RawValue, add_special_tokens: bool) -> Result<Prompt<'_>, Re
             Prompt::Text {
                 text,
                 add_special_tokens,
+                body,
             }
         }
         (_, Some(Some(b']'))) => return Err(invalid("empty")),
@@ -207,6 +334,7 @@ fn completion(raw: &RawValue, add_special_tokens: bool) -> Result<Prompt<'_>, Re
             Prompt::Text {
                 text: texts.into_iter().next().ok_or_else(expected)?.0,
                 add_special_tokens,
+                body,
             }
         }
         (_, Some(Some(b'['))) => {
@@ -228,6 +356,7 @@ fn chat<'a>(
     raw: &'a RawValue,
     add_generation_prompt: bool,
     fields: ChatFields<'a>,
+    body: &'a [u8],
 ) -> Result<Prompt<'a>, RequestError> {
     let messages: Vec<&RawValue> =
         serde_json::from_str(raw.get()).map_err(|_| RequestError::InvalidField {
@@ -251,6 +380,7 @@ fn chat<'a>(
         raw,
         add_generation_prompt,
         fields,
+        body,
     })
 }
 
@@ -271,7 +401,7 @@ mod tests {
         assert_eq!(r.model, "m");
         assert_eq!(r.cache_salt.as_deref(), Some("s"));
         assert!(
-            matches!(r.prompt, Prompt::Text { ref text, add_special_tokens: true } if text == "hi")
+            matches!(r.prompt, Prompt::Text { ref text, add_special_tokens: true, .. } if text == "hi")
         );
         assert!(
             matches!(
@@ -357,6 +487,68 @@ mod tests {
         assert!(!fields.continue_final_message && !fields.add_special_tokens);
         assert!(fields.tools.is_none() && fields.chat_template_kwargs.is_none());
         assert!(fields.reasoning_effort.is_none());
+    }
+
+    #[test]
+    fn responses_and_messages_keep_their_prompt_fields_raw() {
+        assert_eq!(
+            Endpoint::from_path("/v1/responses?x=1"),
+            Endpoint::Responses
+        );
+        assert_eq!(Endpoint::from_path("/v1/messages/"), Endpoint::Messages);
+        let body = r#"{"model":"m","input":[{"role":"user","content":"q"},{"type":"function_call_output","call_id":"c","output":"o"}],"instructions":"be brief","tools":[],"reasoning":null,"temperature":0.2}"#;
+        let r = parse_ok(body, Endpoint::Responses);
+        let Prompt::Api {
+            api,
+            items,
+            fields,
+            body: whole,
+        } = r.prompt
+        else {
+            panic!("not an API prompt")
+        };
+        assert_eq!(api, ApiKind::Responses);
+        assert_eq!(items.len(), 2);
+        assert_eq!(whole, body.as_bytes());
+        let names: Vec<&str> = fields.iter().map(|(name, _)| *name).collect();
+        assert_eq!(names, ["input", "instructions", "tools"], "null is absent");
+        let r = parse_ok(r#"{"model":"m","input":"just text"}"#, Endpoint::Responses);
+        assert!(
+            matches!(r.prompt, Prompt::Api { ref items, .. } if items[0].get() == r#""just text""#)
+        );
+
+        let body = r#"{"model":"m","max_tokens":9,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":"q"}],"thinking":{"type":"disabled"},"cache_salt":"c"}"#;
+        let r = parse_ok(body, Endpoint::Messages);
+        assert_eq!(r.cache_salt.as_deref(), Some("c"));
+        let Prompt::Api {
+            api, items, fields, ..
+        } = r.prompt
+        else {
+            panic!("not an API prompt")
+        };
+        assert_eq!(api, ApiKind::Messages);
+        assert_eq!(items.len(), 1);
+        let names: Vec<&str> = fields.iter().map(|(name, _)| *name).collect();
+        assert_eq!(names, ["messages", "system", "thinking"]);
+
+        let status = |body: &str, e| parse(body.as_bytes(), e).unwrap_err().http_status();
+        assert_eq!(status(r#"{"model":"m"}"#, Endpoint::Responses), 400);
+        assert_eq!(
+            status(r#"{"model":"m","input":[]}"#, Endpoint::Responses),
+            400
+        );
+        assert_eq!(
+            status(r#"{"model":"m","input":[1]}"#, Endpoint::Responses),
+            400
+        );
+        assert_eq!(
+            status(r#"{"model":"m","system":"s"}"#, Endpoint::Messages),
+            400
+        );
+        assert_eq!(
+            status(r#"{"model":"m","messages":{}}"#, Endpoint::Messages),
+            400
+        );
     }
 
     #[test]

@@ -2,7 +2,11 @@
 //!
 //! A pool's [`Tokenizer`] is in-process ([`InProcessTokenizer`]: the model folder's HF tokenizer
 //! and chat template via `kvroute-tokenize`, run on the blocking pool so a slow encode cannot stall
-//! the decision's timer) or remote ([`RemoteTokenizer`]: a vLLM-compatible `/tokenize`).
+//! the decision's timer), remote ([`RemoteTokenizer`]: a vLLM-compatible `/tokenize`) or render
+//! ([`RenderTokenizer`]: the whole request to the engine's `/v1/.../render` endpoint matching its
+//! own, vLLM 0.32 with `--enable-scale-out`: the engine's prompt tokens, exact by construction).
+//! `/v1/responses` and `/v1/messages` requests are converted to the chat vLLM renders for them
+//! (`kvroute_tokenize::apis`) in process and for `/tokenize`; render mode posts them as sent.
 //!
 //! [`TokenCache`] keeps recent results keyed by (pool, prompt hash). For chat it also keys every
 //! conversation prefix (messages `0..k`), so turn *n+1* of a conversation finds turn *n*'s tokens:
@@ -21,7 +25,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_tokenize::ModelTokenizer;
+use kvroute_tokenize::{ApiKind, ModelTokenizer};
 use parking_lot::Mutex;
 use serde_json::value::RawValue;
 use tokio_util::task::TaskTracker;
@@ -34,7 +38,7 @@ use crate::request::{ChatFields, Prompt};
 
 /// Rough bytes per token, to estimate the length of text that was not tokenized.
 const ESTIMATED_BYTES_PER_TOKEN: usize = 4;
-/// Largest accepted `/tokenize` response body.
+/// Largest accepted `/tokenize` or render response body.
 const MAX_TOKENIZE_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 
 /// What a tokenizer is asked to tokenize (owned: it may run on another thread).
@@ -55,6 +59,13 @@ pub enum TokenizeInput {
         add_generation_prompt: bool,
         /// The request's other prompt-changing fields.
         fields: ChatInputFields,
+    },
+    /// A Responses or Messages API request's prompt-changing fields (a JSON object).
+    Api {
+        /// Which API.
+        api: ApiKind,
+        /// The fields, as sent.
+        request: Box<RawValue>,
     },
 }
 
@@ -91,6 +102,25 @@ impl ChatInputFields {
         }
     }
 
+    /// The fields of a converted chat's options (raw JSON again, for the `/tokenize` body).
+    fn from_options(options: &kvroute_tokenize::ChatOptions) -> Self {
+        let raw = |value: Option<serde_json::Value>| {
+            value.and_then(|v| RawValue::from_string(v.to_string()).ok())
+        };
+        Self {
+            continue_final_message: options.continue_final_message,
+            add_special_tokens: options.add_special_tokens,
+            tools: raw(options.tools.clone()),
+            documents: raw(options.documents.clone()),
+            chat_template_kwargs: raw(options
+                .chat_template_kwargs
+                .clone()
+                .map(serde_json::Value::Object)),
+            reasoning_effort: options.reasoning_effort.clone(),
+            request_template: options.request_template,
+        }
+    }
+
     /// The options `kvroute-tokenize` renders with.
     fn chat_options(
         &self,
@@ -123,6 +153,7 @@ impl ChatInputFields {
             reasoning_effort: self.reasoning_effort.clone(),
             chat_template_kwargs,
             request_template: self.request_template,
+            messages_validated: true,
         })
     }
 
@@ -157,6 +188,7 @@ impl TokenizeInput {
     pub fn len_bytes(&self) -> usize {
         match self {
             Self::Text { text, .. } => text.len(),
+            Self::Api { request, .. } => request.get().len(),
             Self::Chat {
                 messages, fields, ..
             } => {
@@ -184,6 +216,17 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
     /// Token ids of `input` for `model` (base or adapter name, as the client sent it).
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture;
 
+    /// Token ids of a request whose whole `body` is at hand: [`Self::tokenize`] of its prompt
+    /// unless the tokenizer sends the request itself somewhere ([`RenderTokenizer`]).
+    fn tokenize_request(
+        &self,
+        model: &str,
+        input: Arc<TokenizeInput>,
+        _body: &[u8],
+    ) -> TokenizeFuture {
+        self.tokenize(model, input)
+    }
+
     /// How it computes them (what `kvroute-check` reports); [`TokenizerMode::Other`] unless
     /// overridden.
     fn mode(&self) -> TokenizerMode {
@@ -201,16 +244,19 @@ pub enum TokenizerMode {
     InProcessHf,
     /// A remote vLLM-compatible `/tokenize`.
     Remote,
+    /// The engine's render endpoints (`/v1/chat/completions/render` and the like).
+    Render,
     /// Another implementation (tests, embedders).
     Other,
 }
 
 impl TokenizerMode {
-    /// Where the tokens are computed: `in_process`, `remote` or `other`.
+    /// Where the tokens are computed: `in_process`, `remote`, `render` or `other`.
     pub fn location(self) -> &'static str {
         match self {
             Self::InProcessFast | Self::InProcessHf => "in_process",
             Self::Remote => "remote",
+            Self::Render => "render",
             Self::Other => "other",
         }
     }
@@ -220,7 +266,7 @@ impl TokenizerMode {
         match self {
             Self::InProcessFast => Some("fast"),
             Self::InProcessHf => Some("hf"),
-            Self::Remote | Self::Other => None,
+            Self::Remote | Self::Render | Self::Other => None,
         }
     }
 }
@@ -247,6 +293,10 @@ pub fn from_source(
         }
         TokenizerSource::Remote { url, timeout } => {
             Some(Arc::new(RemoteTokenizer::new(url.clone(), *timeout)))
+        }
+        TokenizerSource::Render { url, timeout } => {
+            tracing::info!(pool, %url, ?timeout, "tokens from the engine's render endpoints");
+            Some(Arc::new(RenderTokenizer::new(url.clone(), *timeout)))
         }
     })
 }
@@ -328,7 +378,52 @@ fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, Tok
             let options = fields.chat_options(*add_generation_prompt)?;
             model.encode_chat_with(&messages, &options).map_err(failed)
         }
+        TokenizeInput::Api { api, request } => {
+            let request = api_request_object(request)?;
+            model.encode_api_request(*api, &request).map_err(failed)
+        }
     }
+}
+
+fn api_request_object(
+    request: &RawValue,
+) -> Result<serde_json::Map<String, serde_json::Value>, TokenizeError> {
+    serde_json::from_str(request.get()).map_err(|e| TokenizeError::InProcess {
+        reason: e.to_string(),
+    })
+}
+
+fn http_client() -> Client<HttpConnector, Full<Bytes>> {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+/// POSTs a JSON `body` (only `content-type` set: no client header is forwarded) and returns
+/// the success response's body, at most [`MAX_TOKENIZE_RESPONSE_BYTES`].
+async fn post_json(
+    client: Client<HttpConnector, Full<Bytes>>,
+    url: http::Uri,
+    body: Bytes,
+) -> Result<Bytes, String> {
+    let request = http::Request::post(url)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .map_err(|e| e.to_string())?;
+    let response = client
+        .request(request)
+        .await
+        .map_err(|e| format!("{e:#}"))?;
+    let status = response.status();
+    let body = http_body_util::Limited::new(response.into_body(), MAX_TOKENIZE_RESPONSE_BYTES)
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    if !status.is_success() {
+        return Err(format!("status {status}"));
+    }
+    Ok(body)
 }
 
 /// A vLLM-compatible `POST /tokenize` endpoint.
@@ -342,12 +437,10 @@ pub struct RemoteTokenizer {
 impl RemoteTokenizer {
     /// A client for `url` with a per-call `timeout`.
     pub fn new(url: http::Uri, timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
         Self {
             url,
             timeout,
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client: http_client(),
         }
     }
 
@@ -360,23 +453,7 @@ impl RemoteTokenizer {
         struct TokenizeResponse {
             tokens: Vec<u32>,
         }
-        let request = http::Request::post(url)
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| e.to_string())?;
-        let response = client
-            .request(request)
-            .await
-            .map_err(|e| format!("{e:#}"))?;
-        let status = response.status();
-        let body = http_body_util::Limited::new(response.into_body(), MAX_TOKENIZE_RESPONSE_BYTES)
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
-        if !status.is_success() {
-            return Err(format!("status {status}"));
-        }
+        let body = post_json(client, url, Bytes::from(body)).await?;
         let parsed: TokenizeResponse = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
         Ok(parsed.tokens)
     }
@@ -405,6 +482,26 @@ impl RemoteTokenizer {
                 *add_generation_prompt,
                 fields,
             )),
+            // Converted without the engine's template at hand: inline system messages of a
+            // Messages request stay in place (a template requiring system first then fails, a
+            // counted fallback; render mode is exact there).
+            TokenizeInput::Api { api, request } => {
+                let request = api_request_object(request).ok()?;
+                let chat = match api {
+                    ApiKind::Responses => kvroute_tokenize::apis::responses_to_chat(&request),
+                    ApiKind::Messages => kvroute_tokenize::apis::messages_to_chat(&request, false),
+                }
+                .ok()?;
+                let messages = tokenize_chat_messages(chat.messages);
+                let messages = RawValue::from_string(messages.to_string()).ok()?;
+                let fields = ChatInputFields::from_options(&chat.options);
+                Some(remote_chat_body(
+                    model,
+                    &messages,
+                    chat.options.add_generation_prompt,
+                    &fields,
+                ))
+            }
         }
     }
 }
@@ -418,7 +515,9 @@ impl Tokenizer for RemoteTokenizer {
         let Some(body) = Self::request_body(model, &input) else {
             return Box::pin(std::future::ready(Err(TokenizeError::Remote {
                 url: self.url.to_string(),
-                reason: "the request carries its own chat_template".to_owned(),
+                reason: "vLLM would refuse to render the request (its own chat_template, or a \
+                         Responses/Messages request that does not convert)"
+                    .to_owned(),
             })));
         };
         let body = serde_json::to_vec(&body).unwrap_or_default();
@@ -433,6 +532,167 @@ impl Tokenizer for RemoteTokenizer {
                 Err(_) => Err(TokenizeError::Timeout { after: timeout }),
             }
         })
+    }
+}
+
+/// A converted conversation as `/tokenize`'s request model takes it: Responses' `input_text` /
+/// `output_text` parts become `text` parts and an item's `type` goes (the chat path renders
+/// both the same; `/tokenize` validates messages as chat messages and refuses them).
+fn tokenize_chat_messages(mut messages: serde_json::Value) -> serde_json::Value {
+    for message in messages.as_array_mut().into_iter().flatten() {
+        let Some(message) = message.as_object_mut() else {
+            continue;
+        };
+        message.shift_remove("type");
+        let parts = message
+            .get_mut("content")
+            .and_then(serde_json::Value::as_array_mut);
+        for part in parts.into_iter().flatten() {
+            if let Some(kind) = part.get_mut("type")
+                && matches!(kind.as_str(), Some("input_text" | "output_text"))
+            {
+                *kind = "text".into();
+            }
+        }
+    }
+    messages
+}
+
+/// The engine's render endpoints (vLLM 0.32 `--enable-scale-out`): the request goes to the one
+/// matching its own endpoint (`/v1/completions/render`, `/v1/chat/completions/render`,
+/// `/v1/responses/render`, `/v1/messages/render` under the configured base URL) and the answer's
+/// `token_ids` are the engine's prompt (a completion's list answers with its first prompt's).
+/// Only the body and `content-type` are sent: no client header (authorization, cookies) leaves.
+#[derive(Debug, Clone)]
+pub struct RenderTokenizer {
+    base: http::Uri,
+    timeout: Duration,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl RenderTokenizer {
+    /// A client for the engine at `base` (`http://host:port`, optionally with a path prefix)
+    /// with a per-call `timeout`.
+    pub fn new(base: http::Uri, timeout: Duration) -> Self {
+        Self {
+            base,
+            timeout,
+            client: http_client(),
+        }
+    }
+
+    /// The render endpoint for `input`'s kind of request.
+    pub fn endpoint_url(&self, input: &TokenizeInput) -> Result<http::Uri, TokenizeError> {
+        let path = match input {
+            TokenizeInput::Text { .. } => "/v1/completions/render",
+            TokenizeInput::Chat { .. } => "/v1/chat/completions/render",
+            TokenizeInput::Api {
+                api: ApiKind::Responses,
+                ..
+            } => "/v1/responses/render",
+            TokenizeInput::Api {
+                api: ApiKind::Messages,
+                ..
+            } => "/v1/messages/render",
+        };
+        let prefix = self.base.path().trim_end_matches('/');
+        let mut parts = self.base.clone().into_parts();
+        parts.path_and_query = format!("{prefix}{path}").parse().ok();
+        http::Uri::from_parts(parts).map_err(|e| TokenizeError::Render {
+            url: self.base.to_string(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// A render body built from the prompt alone, for callers without the request body: the
+    /// `/tokenize` body (a valid chat or completion request), or the API request's fields.
+    fn body_from_input(model: &str, input: &TokenizeInput) -> Option<Vec<u8>> {
+        let body = match input {
+            TokenizeInput::Api { request, .. } => {
+                let mut request = api_request_object(request).ok()?;
+                request.insert("model".to_owned(), model.into());
+                serde_json::Value::Object(request)
+            }
+            input => RemoteTokenizer::request_body(model, input)?,
+        };
+        serde_json::to_vec(&body).ok()
+    }
+
+    fn post(&self, input: &TokenizeInput, body: Option<Bytes>) -> TokenizeFuture {
+        let url = match self.endpoint_url(input) {
+            Ok(url) => url,
+            Err(e) => return Box::pin(std::future::ready(Err(e))),
+        };
+        let Some(body) = body else {
+            return Box::pin(std::future::ready(Err(TokenizeError::Render {
+                url: url.to_string(),
+                reason: "vLLM would refuse to render the request".to_owned(),
+            })));
+        };
+        let (client, timeout) = (self.client.clone(), self.timeout);
+        Box::pin(async move {
+            let call = async {
+                let answer = post_json(client, url.clone(), body).await?;
+                render_token_ids(&answer)
+            };
+            match tokio::time::timeout(timeout, call).await {
+                Ok(Ok(tokens)) => Ok(tokens),
+                Ok(Err(reason)) => Err(TokenizeError::Render {
+                    url: url.to_string(),
+                    reason,
+                }),
+                Err(_) => Err(TokenizeError::Timeout { after: timeout }),
+            }
+        })
+    }
+}
+
+/// `token_ids` of a render answer: vLLM's `GenerateRequest` (chat, responses, messages) or a
+/// list of them (completions; the first, as routing takes a batch's first prompt).
+fn render_token_ids(answer: &[u8]) -> Result<Vec<u32>, String> {
+    #[derive(serde::Deserialize)]
+    struct Rendered {
+        token_ids: Vec<u32>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Answer {
+        One(Rendered),
+        Many(Vec<Rendered>),
+    }
+    let rendered = match serde_json::from_slice(answer).map_err(|e| e.to_string())? {
+        Answer::One(one) => one,
+        Answer::Many(many) => many
+            .into_iter()
+            .next()
+            .ok_or_else(|| "an empty list".to_owned())?,
+    };
+    if rendered.token_ids.is_empty() {
+        return Err("no token_ids".to_owned());
+    }
+    Ok(rendered.token_ids)
+}
+
+impl Tokenizer for RenderTokenizer {
+    fn mode(&self) -> TokenizerMode {
+        TokenizerMode::Render
+    }
+
+    fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+        let body = Self::body_from_input(model, &input).map(Bytes::from);
+        self.post(&input, body)
+    }
+
+    fn tokenize_request(
+        &self,
+        _model: &str,
+        input: Arc<TokenizeInput>,
+        body: &[u8],
+    ) -> TokenizeFuture {
+        // vLLM refuses an untrusted request template; never ask it to render one.
+        let refused =
+            matches!(&*input, TokenizeInput::Chat { fields, .. } if fields.request_template);
+        self.post(&input, (!refused).then(|| Bytes::copy_from_slice(body)))
     }
 }
 
@@ -594,12 +854,16 @@ impl TokenCache {
             Prompt::Text {
                 text,
                 add_special_tokens,
+                ..
             } => {
                 vec![(
                     cache_key(pool, b"text", *add_special_tokens, &[text.as_bytes()]),
                     text.len(),
                 )]
             }
+            Prompt::Api {
+                api, items, fields, ..
+            } => api_keys(pool, *api, items, fields),
             Prompt::Chat {
                 messages,
                 add_generation_prompt,
@@ -638,7 +902,12 @@ impl TokenCache {
             pool: pool.to_string(),
         })?;
         let input = Arc::new(owned_input(prompt));
-        let mut tokenizing = tokenizer.tokenize(model, input);
+        let mut tokenizing = match prompt {
+            Prompt::Text { body, .. } | Prompt::Chat { body, .. } | Prompt::Api { body, .. } => {
+                tokenizer.tokenize_request(model, input, body)
+            }
+            Prompt::Tokens(_) | Prompt::Absent => tokenizer.tokenize(model, input),
+        };
         if let Some((prefix_tokens, prefix_bytes)) = cached_prefix {
             // The exact tokens are worth a short wait (the fast encoder needs well under a
             // millisecond for a long conversation); past it, route on the conversation's cached
@@ -710,6 +979,7 @@ fn owned_input(prompt: &Prompt<'_>) -> TokenizeInput {
         Prompt::Text {
             text,
             add_special_tokens,
+            ..
         } => TokenizeInput::Text {
             text: text.clone().into_owned(),
             add_special_tokens: *add_special_tokens,
@@ -724,11 +994,69 @@ fn owned_input(prompt: &Prompt<'_>) -> TokenizeInput {
             add_generation_prompt: *add_generation_prompt,
             fields: ChatInputFields::from_request(fields),
         },
+        Prompt::Api { api, fields, .. } => TokenizeInput::Api {
+            api: *api,
+            request: api_fields_object(fields),
+        },
         Prompt::Tokens(_) | Prompt::Absent => TokenizeInput::Text {
             text: String::new(),
             add_special_tokens: false,
         },
     }
+}
+
+/// The fields as one JSON object (the raw values joined: no re-encoding).
+fn api_fields_object(fields: &[(&'static str, &RawValue)]) -> Box<RawValue> {
+    let mut json = String::from("{");
+    for (i, (name, raw)) in fields.iter().enumerate() {
+        if i > 0 {
+            json.push(',');
+        }
+        json.push('"');
+        json.push_str(name);
+        json.push_str("\":");
+        json.push_str(raw.get());
+    }
+    json.push('}');
+    RawValue::from_string(json).unwrap_or_else(|_| empty_object())
+}
+
+fn empty_object() -> Box<RawValue> {
+    // A literal that is valid JSON; the fallback never happens for raw values serde parsed.
+    serde_json::from_str("{}").unwrap_or_else(|_| RawValue::NULL.to_owned())
+}
+
+/// Cache keys of a Responses or Messages request's conversation items `0..k` for every k, like
+/// [`conversation_keys`]: every other prompt-changing field is part of each key.
+fn api_keys(
+    pool: usize,
+    api: ApiKind,
+    items: &[&RawValue],
+    fields: &[(&'static str, &RawValue)],
+) -> Vec<(u128, usize)> {
+    let mut hasher = Xxh3::new();
+    hasher.update(&(pool as u64).to_le_bytes());
+    hasher.update(match api {
+        ApiKind::Responses => b"responses",
+        ApiKind::Messages => b"messages\0",
+    });
+    for (name, raw) in fields {
+        if matches!(*name, "input" | "messages") {
+            continue;
+        }
+        hasher.update(name.as_bytes());
+        hash_optional(&mut hasher, Some(raw.get().as_bytes()));
+    }
+    let mut bytes = 0;
+    items
+        .iter()
+        .map(|item| {
+            hasher.update(&(item.get().len() as u64).to_le_bytes());
+            hasher.update(item.get().as_bytes());
+            bytes += item.get().len();
+            (hasher.digest128(), bytes)
+        })
+        .collect()
 }
 
 fn cache_key(pool: usize, kind: &[u8], flag: bool, parts: &[&[u8]]) -> u128 {
@@ -864,6 +1192,130 @@ mod tests {
             );
             assert!(keys.insert(key[0].0), "{variant} changes the key");
         }
+    }
+
+    #[test]
+    fn render_answers_and_endpoints() {
+        assert_eq!(
+            render_token_ids(br#"{"request_id":"r","token_ids":[1,2,3],"sampling_params":{}}"#),
+            Ok(vec![1, 2, 3])
+        );
+        assert_eq!(
+            render_token_ids(br#"[{"token_ids":[4,5]},{"token_ids":[6]}]"#),
+            Ok(vec![4, 5])
+        );
+        for bad in [
+            &b"[]"[..],
+            br#"{"token_ids":[]}"#,
+            br#"{"tokens":[1]}"#,
+            b"{",
+        ] {
+            assert!(render_token_ids(bad).is_err());
+        }
+        let render = RenderTokenizer::new(
+            "http://10.0.0.5:8000/engine/".parse().unwrap(),
+            Duration::from_millis(50),
+        );
+        let url = |body: &str, endpoint| {
+            let parsed = parse(body.as_bytes(), endpoint).unwrap();
+            let input = owned_input(&parsed.prompt);
+            render.endpoint_url(&input).unwrap().to_string()
+        };
+        let base = "http://10.0.0.5:8000/engine/v1";
+        assert_eq!(
+            url(r#"{"model":"m","prompt":"p"}"#, Endpoint::Completions),
+            format!("{base}/completions/render")
+        );
+        assert_eq!(
+            url(TURN1, Endpoint::ChatCompletions),
+            format!("{base}/chat/completions/render")
+        );
+        assert_eq!(
+            url(r#"{"model":"m","input":"q"}"#, Endpoint::Responses),
+            format!("{base}/responses/render")
+        );
+        assert_eq!(
+            url(
+                r#"{"model":"m","messages":[{"role":"user","content":"q"}]}"#,
+                Endpoint::Messages
+            ),
+            format!("{base}/messages/render")
+        );
+    }
+
+    #[tokio::test]
+    async fn api_requests_tokenize_as_their_chat_and_key_every_prompt_field() {
+        let tokenizer = InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap();
+        let direct = ModelTokenizer::from_dir(TINY_MODEL).unwrap();
+        let chat = serde_json::json!([
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "Hi"}
+        ]);
+        let as_chat = direct.encode_chat(&chat, true).unwrap();
+        // vLLM encodes a Responses prompt with add_special_tokens (a chat's default is off).
+        let with_special_tokens = kvroute_tokenize::ChatOptions {
+            add_special_tokens: true,
+            ..kvroute_tokenize::ChatOptions::default()
+        };
+        let as_responses = direct
+            .encode_chat_with(&chat, &with_special_tokens)
+            .unwrap();
+        for (body, endpoint, expected) in [
+            (
+                r#"{"model":"m","instructions":"be brief","input":"Hi"}"#,
+                Endpoint::Responses,
+                &as_responses,
+            ),
+            (
+                r#"{"model":"m","max_tokens":5,"system":"be brief","messages":[{"role":"user","content":[{"type":"text","text":"Hi"}]}]}"#,
+                Endpoint::Messages,
+                &as_chat,
+            ),
+        ] {
+            let parsed = parse(body.as_bytes(), endpoint).unwrap();
+            let input = Arc::new(owned_input(&parsed.prompt));
+            assert_eq!(
+                &tokenizer.tokenize("m", Arc::clone(&input)).await.unwrap(),
+                expected,
+                "{body}"
+            );
+            // The /tokenize body is the converted chat.
+            let remote = RemoteTokenizer::request_body("m", &input).unwrap();
+            assert_eq!(remote["messages"], chat, "{body}");
+        }
+        let base = r#"{"model":"m","input":[{"role":"user","content":"q"}]"#;
+        let mut keys = std::collections::HashSet::new();
+        for variant in [
+            "",
+            r#","instructions":"i""#,
+            r#","tools":[{"type":"function","name":"f"}]"#,
+            r#","reasoning":{"effort":"low"}"#,
+            r#","chat_template_kwargs":{"enable_thinking":false}"#,
+            r#","previous_response_id":"r""#,
+        ] {
+            let body = format!("{base}{variant}}}");
+            let parsed = parse(body.as_bytes(), Endpoint::Responses).unwrap();
+            let Prompt::Api {
+                api, items, fields, ..
+            } = &parsed.prompt
+            else {
+                panic!("not an API prompt")
+            };
+            let key = api_keys(0, *api, items, fields);
+            assert!(keys.insert(key[0].0), "{variant} changes the key");
+        }
+        let unchanged = format!(r#"{base},"temperature":0.1,"stream":true}}"#);
+        let parsed = parse(unchanged.as_bytes(), Endpoint::Responses).unwrap();
+        let Prompt::Api {
+            api, items, fields, ..
+        } = &parsed.prompt
+        else {
+            panic!("not an API prompt")
+        };
+        assert!(
+            keys.contains(&api_keys(0, *api, items, fields)[0].0),
+            "sampling fields are not"
+        );
     }
 
     /// The in-process tokenizer behind a gate: answers only while the gate is open.

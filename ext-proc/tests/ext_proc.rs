@@ -52,6 +52,7 @@ impl Tokenizer for ByteTokenizer {
         let tokens = match input.as_ref() {
             TokenizeInput::Text { text, .. } => byte_tokens(text),
             TokenizeInput::Chat { messages, .. } => byte_tokens(messages.get()),
+            TokenizeInput::Api { request, .. } => byte_tokens(request.get()),
         };
         Box::pin(async move { Ok(tokens) })
     }

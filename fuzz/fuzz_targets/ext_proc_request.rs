@@ -10,9 +10,11 @@ fuzz_target!(|data: &[u8]| {
     let Some((&selector, body)) = data.split_first() else {
         return;
     };
-    let endpoint = match selector % 3 {
+    let endpoint = match selector % 5 {
         0 => Endpoint::ChatCompletions,
         1 => Endpoint::Completions,
+        3 => Endpoint::Responses,
+        4 => Endpoint::Messages,
         _ => Endpoint::Other,
     };
     let _ = parse(body, endpoint);

@@ -238,15 +238,42 @@ pub struct StackOptions {
     /// Whether ext-proc adds its debug response headers (off, as in production, unless a test
     /// that reads them opts in).
     pub debug_headers: DebugHeaders,
-    /// The model folder ext-proc tokenizes with (the sims always run the tiny model; a stack
-    /// in front of external engines names the folder they serve).
-    pub tokenizer_model_dir: PathBuf,
     /// `--chat-template` of sim `i` (`None`, or no entry: the model folder's template, which
     /// ext-proc tokenizes with): a replica that renders chat unlike kvroute.
     pub sim_chat_templates: Vec<Option<String>>,
     /// Top-level sections appended to ext-proc's config (YAML, e.g. `drift: {...}`); keys the
     /// harness writes itself must not be repeated.
     pub ext_proc_extra_config: String,
+    /// Where ext-proc's pool gets its tokens.
+    pub tokenizer: StackTokenizer,
+}
+
+/// ext-proc's `tokenizer` in a stack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StackTokenizer {
+    /// A model folder, in process: the sims' tiny model by default; a stack in front of
+    /// external engines names the folder they serve.
+    ModelDir(PathBuf),
+    /// The render endpoints of sim `n` (`tokenizer: {render: http://<sim n>, timeout}`).
+    RenderSim {
+        /// Which sim.
+        sim: usize,
+        /// Per-call timeout.
+        timeout: Duration,
+    },
+    /// Render endpoints at a given base URL (a test's failing or silent server).
+    RenderUrl {
+        /// `http://host:port`.
+        url: String,
+        /// Per-call timeout.
+        timeout: Duration,
+    },
+}
+
+impl Default for StackTokenizer {
+    fn default() -> Self {
+        Self::ModelDir(tiny_model_dir())
+    }
 }
 
 /// ext-proc's `debug_headers` in a stack: who gets `x-kvroute-decision` and
@@ -292,9 +319,9 @@ impl Default for StackOptions {
             index_instances: 1,
             index_placement: IndexPlacement::Service,
             debug_headers: DebugHeaders::Off,
-            tokenizer_model_dir: tiny_model_dir(),
             sim_chat_templates: Vec::new(),
             ext_proc_extra_config: String::new(),
+            tokenizer: StackTokenizer::default(),
         }
     }
 }
@@ -1298,6 +1325,19 @@ fn ext_proc_config(
     replicas: &[SocketAddr],
     index: IndexTarget<'_>,
 ) -> String {
+    let tokenizer = match &options.tokenizer {
+        StackTokenizer::ModelDir(dir) => format!("{{model_dir: \"{}\"}}", dir.display()),
+        StackTokenizer::RenderSim { sim, timeout } => format!(
+            "{{render: \"http://{}\", timeout: {}ms}}",
+            replicas
+                .get(*sim)
+                .map_or_else(String::new, ToString::to_string),
+            timeout.as_millis()
+        ),
+        StackTokenizer::RenderUrl { url, timeout } => {
+            format!("{{render: \"{url}\", timeout: {}ms}}", timeout.as_millis())
+        }
+    };
     let index = match index {
         IndexTarget::Addresses(indexes) => {
             let addresses = indexes
@@ -1329,7 +1369,7 @@ fn ext_proc_config(
          pools:\n\
          - name: {MODEL}\n  models: [{MODEL}]\n  block_size: {bs}\n  \
          key_scheme: {{kind: vllm-exact, hash_algo: {algo}, seed: \"{seed}\"}}\n  \
-         tokenizer: {{model_dir: \"{model_dir}\"}}\n\
+         tokenizer: {tokenizer}\n\
          replicas:\n{replicas}",
         // The scoring's prefill cost is the sims' own, so its TTFT estimate is in real ms.
         prefill = options.timing.prefill_ms_per_token(),
@@ -1345,7 +1385,6 @@ fn ext_proc_config(
         bs = options.block_size,
         algo = options.hash_algo,
         seed = options.hash_seed,
-        model_dir = options.tokenizer_model_dir.display(),
     )
 }
 

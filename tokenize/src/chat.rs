@@ -115,6 +115,7 @@ pub struct ChatTemplate {
     format: ContentFormat,
     names_developer: bool,
     mentions_content: bool,
+    merges_inline_system: bool,
     clock: Arc<pytime::Clock>,
 }
 
@@ -124,6 +125,8 @@ impl ChatTemplate {
         // vLLM's `_detect_developer_role_support`.
         let names_developer = source.contains("\"developer\"") || source.contains("'developer'");
         let mentions_content = source.contains("content");
+        // Probed on the template as written: Jinja2 alone does not know `{% generation %}`.
+        let merges_inline_system = rejects_inline_system(&source);
         let source = rewrite_generation_tags(&source);
         let clock = Arc::new(pytime::Clock::default());
         let mut env = Environment::new();
@@ -150,8 +153,15 @@ impl ChatTemplate {
             format,
             names_developer,
             mentions_content,
+            merges_inline_system,
             clock,
         })
+    }
+
+    /// Whether vLLM merges a `/v1/messages` request's inline system messages into the leading
+    /// one for this template (`AnthropicServingMessages._detect_merge_inline_system`).
+    pub fn merges_inline_system(&self) -> bool {
+        self.merges_inline_system
     }
 
     /// How message content reaches this template (vLLM's detection).
@@ -192,7 +202,12 @@ impl ChatTemplate {
                 reason: "continue_final_message and add_generation_prompt are both set".to_owned(),
             });
         }
-        let mut conversation = conversation::prepare(messages, self.format, self.names_developer)?;
+        let mut conversation = conversation::prepare(
+            messages,
+            self.format,
+            self.names_developer,
+            options.messages_validated,
+        )?;
         if conversation.is_empty() {
             return Err(TokenizeError::InvalidMessages {
                 reason: "empty conversation".to_owned(),
@@ -301,6 +316,28 @@ impl ChatTemplate {
             _ => Err(invalid("the final message has no content to continue")),
         }
     }
+}
+
+/// vLLM's probe of a template for system-first ordering: it renders `[system, user, system,
+/// user]` in a bare Jinja sandbox (none of transformers' helpers, so a template calling
+/// `raise_exception` or `strftime_now` fails too) and merges inline system messages if it fails.
+fn rejects_inline_system(source: &str) -> bool {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    // Python's string methods are native in Jinja2; transformers' globals are not.
+    env.set_unknown_method_callback(python_methods);
+    if env.add_template("probe", source).is_err() {
+        return true;
+    }
+    let message = |role: &str| serde_json::json!({"role": role, "content": "t"});
+    let context = serde_json::json!({
+        "messages": [message("system"), message("user"), message("system"), message("user")],
+        "add_generation_prompt": false,
+    });
+    env.get_template("probe")
+        .and_then(|template| template.render(Value::from_serialize(&context)))
+        .is_err()
 }
 
 /// A rendered chat prompt.

@@ -86,13 +86,14 @@ pub(crate) fn prepare(
     messages: &Value,
     format: ContentFormat,
     template_names_developer: bool,
+    validated: bool,
 ) -> Result<Vec<Value>, TokenizeError> {
     let list = messages
         .as_array()
         .ok_or_else(|| invalid("messages must be an array"))?;
     let mut conversation = list
         .iter()
-        .map(|message| prepare_message(message, format))
+        .map(|message| prepare_message(message, format, validated))
         .collect::<Result<Vec<_>, _>>()?;
     let has_developer = conversation
         .iter()
@@ -112,6 +113,7 @@ pub(crate) fn prepare(
 fn prepare_message(
     message: &Value,
     format: ContentFormat,
+    validated: bool,
 ) -> Result<Map<String, Value>, TokenizeError> {
     let message = message
         .as_object()
@@ -183,7 +185,7 @@ fn prepare_message(
         "assistant" => {
             // An empty list is dropped (`_postprocess_messages`), so templates take the plain path.
             if let Some(calls) = message.get("tool_calls").filter(|c| !c.is_null()) {
-                let calls = tool_calls(calls)?;
+                let calls = tool_calls(calls, validated)?;
                 if calls.as_array().is_some_and(|c| !c.is_empty()) {
                     out.insert("tool_calls".to_owned(), calls);
                 }
@@ -323,8 +325,10 @@ fn strip_billing_header(parts: Vec<Value>) -> Vec<Value> {
 /// Assistant tool calls as vLLM validates and post-processes them: each entry needs an `id`,
 /// `type: "function"` and a `function` with `name` and `arguments`; keys in the TypedDicts'
 /// order (`id`, `function`, `type`, then any others; `arguments`, `name`, then others);
-/// `arguments` parsed into an object (`{}` when empty, invalid or not an object).
-fn tool_calls(calls: &Value) -> Result<Value, TokenizeError> {
+/// `arguments` parsed into an object (`{}` when empty, invalid or not an object). Calls vLLM
+/// built itself and never validated (`validated` false: the Responses API's) keep `name` before
+/// `arguments`, the order it builds them in.
+fn tool_calls(calls: &Value, validated: bool) -> Result<Value, TokenizeError> {
     let calls = calls
         .as_array()
         .ok_or_else(|| invalid("tool_calls must be a list"))?;
@@ -357,8 +361,13 @@ fn tool_calls(calls: &Value) -> Result<Value, TokenizeError> {
             _ => Value::Object(Map::new()),
         };
         let mut f = Map::new();
-        f.insert("arguments".to_owned(), parsed);
-        f.insert("name".to_owned(), name.clone());
+        if validated {
+            f.insert("arguments".to_owned(), parsed);
+            f.insert("name".to_owned(), name.clone());
+        } else {
+            f.insert("name".to_owned(), name.clone());
+            f.insert("arguments".to_owned(), parsed);
+        }
         for (k, v) in function {
             if k != "arguments" && k != "name" {
                 f.insert(k.clone(), v.clone());

@@ -37,6 +37,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod apis;
 pub mod byte_bpe;
 mod chat;
 mod content_format;
@@ -48,6 +49,7 @@ pub mod testing;
 
 use std::path::{Path, PathBuf};
 
+pub use apis::ConvertedChat;
 pub use byte_bpe::ByteLevelBpe;
 pub use chat::ChatTemplate;
 pub use content_format::ContentFormat;
@@ -74,6 +76,10 @@ pub struct ChatOptions {
     /// Whether the request carries its own `chat_template` (vLLM refuses it unless started with
     /// `--trust-request-chat-template`; kvroute never renders one).
     pub request_template: bool,
+    /// Whether vLLM validated `messages` through its chat request model (chat completions and
+    /// the Messages API, default): tool calls then come in its TypedDicts' key order. The
+    /// Responses API's converted messages are built by vLLM and never validated.
+    pub messages_validated: bool,
 }
 
 impl Default for ChatOptions {
@@ -87,8 +93,18 @@ impl Default for ChatOptions {
             reasoning_effort: None,
             chat_template_kwargs: None,
             request_template: false,
+            messages_validated: true,
         }
     }
+}
+
+/// An API vLLM serves by converting its requests into a chat ([`apis`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ApiKind {
+    /// OpenAI's Responses API, `/v1/responses`.
+    Responses,
+    /// Anthropic's Messages API, `/v1/messages`.
+    Messages,
 }
 
 /// A model's tokenizer and chat template, loaded once and shared (`Send + Sync`, `&self` calls).
@@ -249,6 +265,32 @@ impl ModelTokenizer {
         let rendered = chat.render_for_encoding(messages, options)?;
         let add_special_tokens = options.add_special_tokens && !rendered.tokenized_by_template;
         self.encode_prompt(&rendered.text, add_special_tokens)
+    }
+
+    /// A `/v1/responses` or `/v1/messages` request body as the chat vLLM renders for this
+    /// model ([`apis`]).
+    pub fn convert_api_request(
+        &self,
+        api: ApiKind,
+        request: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<ConvertedChat, TokenizeError> {
+        match api {
+            ApiKind::Responses => apis::responses_to_chat(request),
+            ApiKind::Messages => {
+                let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
+                apis::messages_to_chat(request, chat.merges_inline_system())
+            }
+        }
+    }
+
+    /// Token ids of a `/v1/responses` or `/v1/messages` request, as vLLM renders them.
+    pub fn encode_api_request(
+        &self,
+        api: ApiKind,
+        request: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let chat = self.convert_api_request(api, request)?;
+        self.encode_chat_with(&chat.messages, &chat.options)
     }
 
     /// The chat template, if the model has one.

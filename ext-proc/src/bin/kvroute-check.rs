@@ -23,7 +23,7 @@ const EX_DATAERR: u8 = 65;
 )]
 #[command(group = clap::ArgGroup::new("pool").required(true).args(["model_dir", "config"]))]
 struct Args {
-    /// The request's path: /v1/completions or /v1/chat/completions.
+    /// The request's path: /v1/completions, /v1/chat/completions, /v1/responses or /v1/messages.
     path: String,
     /// An HF model folder (tokenized in process); the pool's keys come from the flags below.
     #[arg(long)]

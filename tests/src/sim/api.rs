@@ -1,5 +1,12 @@
-//! The HTTP surface, in vLLM's shapes: OpenAI completions and chat (JSON and SSE), `/v1/models`,
-//! `/health`, `/tokenize`, `/metrics`, `/reset_prefix_cache` and the simulator's `/debug/blocks`.
+//! The HTTP surface, in vLLM's shapes: OpenAI completions and chat (JSON and SSE), the Responses
+//! and Anthropic Messages APIs (JSON), `/v1/models`, `/health`, `/tokenize`, the render endpoints
+//! of vLLM 0.32's `--enable-scale-out` (`/v1/{completions,chat/completions,responses,messages}/render`),
+//! `/metrics`, `/reset_prefix_cache` and the simulator's `/debug/blocks`.
+//!
+//! The render endpoints are a protocol double: they answer vLLM's `GenerateRequest` shape (a
+//! list of them for completions) with token ids computed by kvroute-tokenize, the same code
+//! kvroute's in-process tokenizer runs — so they test kvroute's render client and routing, not
+//! the tokenization itself (the goldens compare that with real vLLM).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -13,7 +20,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use kvroute_tokenize::{ChatOptions, ModelTokenizer};
+use kvroute_tokenize::{ApiKind, ChatOptions, ModelTokenizer};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -82,6 +89,12 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(messages))
+        .route("/v1/completions/render", post(render_completion))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/v1/responses/render", post(render_responses))
+        .route("/v1/messages/render", post(render_messages))
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/debug/blocks", get(debug_blocks))
@@ -226,6 +239,7 @@ impl ChatRequest {
             reasoning_effort: self.reasoning_effort.clone(),
             chat_template_kwargs: self.chat_template_kwargs.clone(),
             request_template: false,
+            messages_validated: true,
         }
     }
 }
@@ -312,6 +326,10 @@ async fn tokenize(
 enum Kind {
     Completion,
     Chat,
+    /// OpenAI Responses API (non-streaming only).
+    Responses,
+    /// Anthropic Messages API (non-streaming only).
+    Messages,
 }
 
 async fn completions(
@@ -361,6 +379,95 @@ async fn chat_completions(
     .await
 }
 
+/// A Responses or Messages request body: its model, its prompt as vLLM renders it, and
+/// whether it asks for a stream.
+fn api_prompt(
+    state: &AppState,
+    api: ApiKind,
+    body: &Bytes,
+) -> Result<(Vec<u32>, Option<usize>, bool), ApiError> {
+    let request: serde_json::Map<String, Value> = parse(body)?;
+    check_model(state, request.get("model").and_then(Value::as_str))?;
+    let prompt = state.tokenizer.encode_api_request(api, &request)?;
+    let max_tokens = ["max_output_tokens", "max_tokens"]
+        .iter()
+        .find_map(|key| request.get(*key).and_then(Value::as_u64))
+        .map(|n| n as usize);
+    let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
+    Ok((prompt, max_tokens, stream))
+}
+
+async fn responses(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    let (prompt, max_tokens, stream) = api_prompt(&state, ApiKind::Responses, &body)?;
+    let max_tokens = max_tokens.unwrap_or(state.default_max_tokens);
+    generate(state, Kind::Responses, prompt, max_tokens, stream, false).await
+}
+
+async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    let (prompt, max_tokens, stream) = api_prompt(&state, ApiKind::Messages, &body)?;
+    let max_tokens = max_tokens.unwrap_or(state.default_max_tokens);
+    generate(state, Kind::Messages, prompt, max_tokens, stream, false).await
+}
+
+/// vLLM's `GenerateRequest` as the render endpoints answer it (the fields routing reads and
+/// their neighbours; sampling parameters abbreviated).
+fn rendered(state: &AppState, prefix: &str, token_ids: Vec<u32>, body: &Value) -> Value {
+    json!({
+        "request_id": state.request_id(prefix),
+        "token_ids": token_ids,
+        "features": null,
+        "sampling_params": {"max_tokens": body.get("max_tokens").cloned().unwrap_or(Value::Null)},
+        "model": state.model_name,
+        "stream": body.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        "cache_salt": body.get("cache_salt").cloned().unwrap_or(Value::Null),
+        "priority": 0,
+    })
+}
+
+async fn render_completion(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let request: CompletionRequest = parse(&body)?;
+    check_model(&state, request.model.as_deref())?;
+    let tokens = request
+        .prompt
+        .encode(&state.tokenizer, request.add_special_tokens.unwrap_or(true))?;
+    let raw: Value = parse(&body)?;
+    Ok(Json(json!([rendered(&state, "cmpl", tokens, &raw)])))
+}
+
+async fn render_chat(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let request: ChatRequest = parse(&body)?;
+    check_model(&state, request.model.as_deref())?;
+    let tokens = state
+        .tokenizer
+        .encode_chat_with(&request.messages, &request.options())?;
+    let raw: Value = parse(&body)?;
+    Ok(Json(rendered(&state, "chatcmpl", tokens, &raw)))
+}
+
+async fn render_responses(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let (tokens, ..) = api_prompt(&state, ApiKind::Responses, &body)?;
+    let raw: Value = parse(&body)?;
+    Ok(Json(rendered(&state, "resp", tokens, &raw)))
+}
+
+async fn render_messages(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let (tokens, ..) = api_prompt(&state, ApiKind::Messages, &body)?;
+    let raw: Value = parse(&body)?;
+    Ok(Json(rendered(&state, "chatcmpl", tokens, &raw)))
+}
+
 async fn generate(
     state: Arc<AppState>,
     kind: Kind,
@@ -369,11 +476,17 @@ async fn generate(
     stream: bool,
     include_usage: bool,
 ) -> Result<Response, ApiError> {
+    if stream && matches!(kind, Kind::Responses | Kind::Messages) {
+        return Err(ApiError::bad_request(
+            "the simulator streams completions and chat completions only",
+        ));
+    }
     let sequence = state.engine.start(prompt, max_tokens).await?;
-    let id = state.request_id(if kind == Kind::Chat {
-        "chatcmpl"
-    } else {
-        "cmpl"
+    let id = state.request_id(match kind {
+        Kind::Chat => "chatcmpl",
+        Kind::Completion => "cmpl",
+        Kind::Responses => "resp",
+        Kind::Messages => "msg",
     });
     let mut generation = Generation {
         state,
@@ -456,13 +569,38 @@ impl Generation {
                 "service_tier": null, "system_fingerprint": null, "usage": self.usage(),
                 "prompt_logprobs": null, "kv_transfer_params": null,
             }),
+            Kind::Responses => {
+                let prompt = self.sequence.prompt_len();
+                let output = self.sequence.generated();
+                json!({
+                    "id": self.id, "object": "response", "created_at": unix_seconds(),
+                    "model": state.model_name, "status": "incomplete",
+                    "incomplete_details": {"reason": "max_output_tokens"},
+                    "output": [{"type": "message", "id": format!("msg_{}", self.id),
+                        "role": "assistant", "status": "incomplete",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+                    "usage": {"input_tokens": prompt, "output_tokens": output,
+                        "total_tokens": prompt + output,
+                        "input_tokens_details": {"cached_tokens": self.sequence.cached_tokens()},
+                        "output_tokens_details": {"reasoning_tokens": 0}},
+                })
+            }
+            Kind::Messages => json!({
+                "id": self.id, "type": "message", "role": "assistant", "model": state.model_name,
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": "max_tokens", "stop_sequence": null,
+                "usage": {"input_tokens": self.sequence.prompt_len(),
+                    "output_tokens": self.sequence.generated(),
+                    "cache_read_input_tokens": self.sequence.cached_tokens()},
+            }),
         }
     }
 
     fn chunk(&self, choices: Value, usage: Option<Value>) -> String {
         let object = match self.kind {
             Kind::Completion => "text_completion",
-            Kind::Chat => "chat.completion.chunk",
+            // Responses and Messages never stream here (refused in `generate`).
+            Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
         };
         let mut chunk = json!({"id": self.id, "object": object, "created": unix_seconds(),
             "model": self.state.model_name, "choices": choices});
@@ -494,8 +632,10 @@ impl Generation {
                     let choice = match self.kind {
                         Kind::Completion => json!([{"index": 0, "text": text, "logprobs": null,
                             "finish_reason": finish, "stop_reason": null}]),
-                        Kind::Chat => json!([{"index": 0, "delta": {"content": text},
-                            "logprobs": null, "finish_reason": finish}]),
+                        Kind::Chat | Kind::Responses | Kind::Messages => {
+                            json!([{"index": 0, "delta": {"content": text},
+                            "logprobs": null, "finish_reason": finish}])
+                        }
                     };
                     return Some(self.chunk(choice, None));
                 }

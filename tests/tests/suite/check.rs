@@ -200,13 +200,28 @@ fn check_refuses_a_bad_body_or_endpoint_saying_why() {
     assert!(!output.status.success(), "{stderr}");
     assert!(stderr.contains("messages"), "{stderr}");
 
-    let output = run_check(&args("/v1/responses"), r#"{"model":"tiny","input":"hi"}"#);
+    let output = run_check(&args("/v1/embeddings"), r#"{"model":"tiny","input":"hi"}"#);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(64), "{stderr}");
     assert!(
-        stderr.contains("does not tokenize this endpoint yet"),
+        stderr.contains("does not tokenize this endpoint"),
         "{stderr}"
     );
+
+    // A Responses request is tokenized as its chat; one kvroute cannot convert fails (exit 1).
+    let output = run_check(&args("/v1/responses"), r#"{"model":"tiny","input":"hi"}"#);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["endpoint"], "responses");
+    let output = run_check(
+        &args("/v1/responses"),
+        r#"{"model":"tiny","input":"hi","previous_response_id":"resp_1"}"#,
+    );
+    assert_eq!(output.status.code(), Some(1));
 
     // Neither --model-dir nor --config: bad usage.
     let output = run_check(&["/v1/completions"], "{}");

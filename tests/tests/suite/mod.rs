@@ -15,6 +15,7 @@ mod index_ha;
 mod index_states;
 mod real_vllm;
 mod real_vllm_agent;
+mod render;
 mod routing;
 mod sim;
 mod sim_index;

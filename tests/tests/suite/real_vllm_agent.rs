@@ -25,7 +25,9 @@ use std::time::Instant;
 
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_tests::harness::{http, workspace_root};
-use kvroute_tests::stack::{DebugHeaders, ExtProcBudgets, Routing, SimTiming, Stack, StackOptions};
+use kvroute_tests::stack::{
+    DebugHeaders, ExtProcBudgets, Routing, SimTiming, Stack, StackOptions, StackTokenizer,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -324,7 +326,7 @@ async fn start_stack(model_dir: &Path, engines: &[VllmEngine]) -> Stack {
             },
             budgets: ExtProcBudgets::relaxed(),
             debug_headers: DebugHeaders::Always,
-            tokenizer_model_dir: model_dir.to_path_buf(),
+            tokenizer: StackTokenizer::ModelDir(model_dir.to_path_buf()),
             bin_dir: Some(workspace_root().join("target/release")),
             ..StackOptions::default()
         },

@@ -127,6 +127,64 @@ async fn chat_template_flag_replaces_the_model_template_as_a_file_or_literal() {
 }
 
 #[tokio::test]
+async fn render_endpoints_answer_vllms_generate_request_shape() {
+    let sim = start_sim(&[]).await;
+    let base = sim.base_url();
+    let tokenizer = tokenizer();
+    let answer = post(
+        &base,
+        "/v1/completions/render",
+        json!({"model": "tiny", "prompt": PROMPT_A, "max_tokens": 3}),
+    )
+    .await;
+    let expected = tokenizer.encode_prompt(PROMPT_A, true).unwrap();
+    assert_eq!(
+        answer[0]["token_ids"],
+        json!(expected),
+        "a list for completions"
+    );
+    assert_eq!(answer[0]["model"], "tiny");
+
+    let messages = json!([{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": PROMPT_A}]);
+    let chat = json!(tokenizer.encode_chat(&messages, true).unwrap());
+    let answer = post(
+        &base,
+        "/v1/chat/completions/render",
+        json!({"messages": messages}),
+    )
+    .await;
+    assert_eq!(answer["token_ids"], chat);
+    let answer = post(
+        &base,
+        "/v1/messages/render",
+        json!({"max_tokens": 3, "system": "Be brief.", "messages": [{"role": "user", "content": PROMPT_A}]}),
+    )
+    .await;
+    assert_eq!(answer["token_ids"], chat, "Messages render as their chat");
+    let answer = post(
+        &base,
+        "/v1/responses/render",
+        json!({"instructions": "Be brief.", "input": PROMPT_A}),
+    )
+    .await;
+    assert!(
+        answer["token_ids"]
+            .as_array()
+            .is_some_and(|ids| !ids.is_empty())
+    );
+
+    // What vLLM refuses, the double refuses: a stored conversation it cannot know.
+    let refused = http::post_json(
+        &format!("{base}/v1/responses/render"),
+        &json!({"input": "a", "previous_response_id": "resp_1"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(refused.status, 400);
+}
+
+#[tokio::test]
 async fn repeated_prompt_hits_full_blocks_and_publishes_hashes_vllm_would() {
     let sim = start_sim(&[]).await;
     let base = sim.base_url();

@@ -3,7 +3,8 @@
 
     python3 tests/vllm/goldens/corpus.py OUT.jsonl
 
-One JSON object per line: {"id", "endpoint": "chat" | "completions", "body"}. The same corpus is
+One JSON object per line: {"id", "endpoint": "chat" | "completions" | "responses" | "messages",
+"body"}. The same corpus is
 recorded for every model. Deterministic (random.Random(SEED)); standard library only.
 """
 import json
@@ -238,6 +239,133 @@ def completion(r, i):
     return body
 
 
+def responses_tool(r, name):
+    """A Responses API function tool: the flat form (no nested "function")."""
+    out = {"type": "function", "name": name}
+    if r.random() < 0.85:
+        out["description"] = r.choice(["Get the current weather.", "Search \u2014 r\u00e9sultats", sentence(r)])
+    if r.random() < 0.9:
+        out["parameters"] = schema(r)
+    if r.random() < 0.2:
+        out["strict"] = r.random() < 0.5
+    return out
+
+
+def responses_input(r, tools):
+    """Responses input items: messages (string or input_text parts), assistant output messages,
+    reasoning items, function calls and their outputs, as a client replays a conversation."""
+    items = []
+    calls = 0
+    for turn in range(r.randint(1, 4)):
+        if r.random() < 0.5:
+            items.append({"role": "user", "content": text(r)})
+        else:
+            parts = [{"type": "input_text", "text": text(r)} for _ in range(r.randint(1, 3))]
+            items.append({"type": "message", "role": "user", "content": parts})
+        if r.random() < 0.1:
+            items.append({"role": r.choice(["developer", "system"]), "content": text(r)})
+        if turn == 3 or r.random() < 0.25:
+            continue
+        if r.random() < 0.3:
+            items.append({"type": "reasoning", "id": f"rs_{turn}", "summary": [],
+                          "content": [{"type": "reasoning_text", "text": sentence(r)}]})
+        if tools and r.random() < 0.5:
+            n = r.randint(1, 2)
+            for i in range(n):
+                items.append({"type": "function_call", "call_id": f"call_{calls + i}", "id": f"fc_{calls + i}",
+                              "name": r.choice(tools)["name"], "arguments": arguments(r)})
+            for i in range(n):
+                items.append({"type": "function_call_output", "call_id": f"call_{calls + i}", "output": text(r)})
+            calls += n
+        if r.random() < 0.5:
+            items.append({"type": "message", "role": "assistant", "id": f"msg_{turn}", "status": "completed",
+                          "content": [{"type": "output_text", "text": text(r), "annotations": []}]})
+        else:
+            items.append({"role": "assistant", "content": text(r)})
+    return items
+
+
+def responses(r):
+    tools = [responses_tool(r, n) for n in ("get_weather", "search_web", "read_file")[: r.randint(0, 3)]]
+    body = {"input": text(r) if r.random() < 0.15 else responses_input(r, tools), "max_output_tokens": 4}
+    if r.random() < 0.6:
+        body["instructions"] = text(r)
+    if tools:
+        body["tools"] = tools
+        if r.random() < 0.3:
+            body["tool_choice"] = r.choice(["auto", "required", "none"])
+    if r.random() < 0.15:
+        body["reasoning"] = {"effort": r.choice(["low", "medium", "high"])}
+    if r.random() < 0.1:
+        body["chat_template_kwargs"] = {"enable_thinking": r.random() < 0.5}
+    return body
+
+
+def anthropic_tool(r, name):
+    out = {"name": name, "input_schema": schema(r)}
+    if r.random() < 0.85:
+        out["description"] = r.choice(["Get the current weather.", "Search \u2014 r\u00e9sultats", sentence(r)])
+    return out
+
+
+def anthropic_blocks(r):
+    return [{"type": "text", "text": text(r)} for _ in range(r.randint(1, 3))]
+
+
+def anthropic_messages(r, tools):
+    messages = []
+    calls = 0
+    for turn in range(r.randint(1, 4)):
+        messages.append({"role": "user", "content": text(r) if r.random() < 0.5 else anthropic_blocks(r)})
+        if r.random() < 0.2:
+            continue
+        blocks = []
+        if r.random() < 0.25:
+            blocks.append({"type": "thinking", "thinking": sentence(r), "signature": "sig"})
+        if r.random() < 0.7:
+            blocks.extend(anthropic_blocks(r))
+        ids = []
+        if tools and r.random() < 0.5:
+            for _ in range(r.randint(1, 2)):
+                ids.append(f"toolu_{calls}")
+                args = {r.choice(["location", "q", "n"]): r.choice(["Paris", 3, True, ["a"], {"x": 1}])}
+                blocks.append({"type": "tool_use", "id": f"toolu_{calls}", "name": r.choice(tools)["name"], "input": args})
+                calls += 1
+        if not blocks:
+            blocks = [{"type": "text", "text": text(r)}]
+        messages.append({"role": "assistant", "content": blocks if r.random() < 0.8 or ids else text(r)})
+        if ids:
+            results = []
+            for call in ids:
+                result = {"type": "tool_result", "tool_use_id": call}
+                result["content"] = text(r) if r.random() < 0.6 else anthropic_blocks(r)
+                results.append(result)
+            if r.random() < 0.3:
+                results.append({"type": "text", "text": text(r)})
+            messages.append({"role": "user", "content": results})
+            messages.append({"role": "assistant", "content": text(r)})
+    if messages[-1]["role"] == "assistant":
+        messages.append({"role": "user", "content": text(r)})
+    return messages
+
+
+def messages(r):
+    tools = [anthropic_tool(r, n) for n in ("get_weather", "search_web")[: r.randint(0, 2)]]
+    body = {"max_tokens": 4, "messages": anthropic_messages(r, tools)}
+    roll = r.random()
+    if roll < 0.35:
+        body["system"] = text(r)
+    elif roll < 0.7:
+        body["system"] = anthropic_blocks(r)
+    if tools:
+        body["tools"] = tools
+        if r.random() < 0.3:
+            body["tool_choice"] = r.choice([{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": tools[0]["name"]}])
+    if r.random() < 0.15:
+        body["thinking"] = r.choice([{"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}])
+    return body
+
+
 def main() -> int:
     if len(sys.argv) != 2:
         print(__doc__, file=sys.stderr)
@@ -290,6 +418,42 @@ def main() -> int:
         entries.append({"id": f"chat-edge-{i:02}", "endpoint": "chat", "body": body})
     body = {"messages": [{"role": "system", "content": long_text(r, 9_000)}, {"role": "user", "content": text(r)}]}
     entries.append({"id": "chat-long-9000", "endpoint": "chat", "body": body})
+    # The Responses and Anthropic Messages APIs, from their own stream so the requests above keep
+    # their shapes.
+    r = random.Random(SEED + 1)
+    for i in range(40):
+        entries.append({"id": f"responses-{i:03}", "endpoint": "responses", "body": responses(r)})
+    for i in range(40):
+        entries.append({"id": f"messages-{i:03}", "endpoint": "messages", "body": messages(r)})
+    api_edges = [
+        ("responses", {"input": [{"role": "user", "content": "hi"},
+            {"type": "message", "role": "assistant", "id": "m", "status": "incomplete",
+             "content": [{"type": "output_text", "text": "Once upon", "annotations": []}]}]}),
+        ("responses", {"input": [{"type": "reasoning", "id": "r", "summary": [{"type": "summary_text", "text": "s"}]},
+            {"role": "user", "content": "hi"}]}),
+        ("responses", {"input": "hi", "instructions": ""}),
+        ("messages", {"max_tokens": 4, "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=1"},
+            {"type": "text", "text": "Real system"}], "messages": [{"role": "user", "content": "hi"}]}),
+        ("messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "xyz"}, {"type": "text", "text": "a"}]},
+            {"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "b"}]}]}),
+        ("messages", {"max_tokens": 4, "system": "s", "messages": [{"role": "user", "content": "a"},
+            {"role": "system", "content": "inline"}, {"role": "user", "content": "b"}]}),
+        ("messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "output_config": {"effort": "low"}}),
+    ]
+    for i, (endpoint, body) in enumerate(api_edges):
+        entries.append({"id": f"{endpoint}-edge-{i:02}", "endpoint": endpoint, "body": body})
+    # Requests vLLM rejects (400), to show what kvroute does with them.
+    api_rejected = [
+        ("responses", {"input": "hi", "previous_response_id": "resp_123"}),
+        ("responses", {"input": [{"type": "item_reference", "id": "msg_1"}]}),
+        ("responses", {"input": [{"type": "reasoning", "id": "r", "summary": [], "encrypted_content": "e"},
+            {"role": "user", "content": "hi"}]}),
+        ("messages", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "unknown_block", "x": 1}]}]}),
+    ]
+    for i, (endpoint, body) in enumerate(api_rejected):
+        entries.append({"id": f"{endpoint}-rejected-{i}", "endpoint": endpoint, "body": body})
     with open(sys.argv[1], "w", encoding="utf-8") as out:
         for entry in entries:
             out.write(json.dumps(entry, ensure_ascii=False) + "\n")

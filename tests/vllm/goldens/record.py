@@ -3,10 +3,11 @@
 
     python3 tests/vllm/goldens/record.py URL MODEL_NAME CORPUS.jsonl OUT.jsonl [BODIES.jsonl]
 
-Each request goes to the engine's own render endpoint - `/v1/chat/completions/render` or
-`/v1/completions/render`, which run exactly the preprocessing `/v1/chat/completions` and
-`/v1/completions` run (chat parsing, template, tokenization) and return the prompt's token ids -
-with `"model": MODEL_NAME` added. Chat requests also go to `/tokenize`, whose token ids are
+Each request goes to the engine's own render endpoint for its API - `/v1/chat/completions/render`,
+`/v1/completions/render`, `/v1/responses/render` or `/v1/messages/render`, which run exactly the
+preprocessing of the endpoint they extend (conversion to a chat, template, tokenization) and
+return the prompt's token ids - with `"model": MODEL_NAME` added. Chat and completion requests
+also go to `/tokenize`, whose token ids are
 recorded when they differ (its request model lacks some of chat completions' normalisations).
 BODIES (from `cargo run -p kvroute-ext-proc --example remote_bodies -- MODEL_NAME`) are the
 `/tokenize` bodies kvroute's remote tokenizer sends for each request; each is sent too, and its
@@ -27,6 +28,12 @@ import urllib.error
 import urllib.request
 
 MAX_INLINE_TOKENS = 512
+RENDER_PATHS = {
+    "completions": "/v1/completions/render",
+    "chat": "/v1/chat/completions/render",
+    "responses": "/v1/responses/render",
+    "messages": "/v1/messages/render",
+}
 TIMEOUT_SECONDS = 120
 
 
@@ -74,7 +81,7 @@ def main() -> int:
         entries = [json.loads(line) for line in f]
     for entry in entries:
         body = dict(entry["body"], model=model)
-        path = "/v1/chat/completions/render" if entry["endpoint"] == "chat" else "/v1/completions/render"
+        path = RENDER_PATHS[entry["endpoint"]]
         status, answer = post(url + path, body)
         record = {"id": entry["id"], "status": status}
         if status == 200:
@@ -84,11 +91,12 @@ def main() -> int:
             if len(tokens) <= MAX_INLINE_TOKENS:
                 record["tokens"] = tokens
             accepted += 1
-            t_status, t_answer = post(url + "/tokenize", body)
-            if t_status != 200:
-                record["tokenize_status"] = t_status
-            elif t_answer["tokens"] != tokens:
-                record.update(tokenize_count=len(t_answer["tokens"]), tokenize_sha256=digest(t_answer["tokens"]))
+            if entry["endpoint"] in ("chat", "completions"):
+                t_status, t_answer = post(url + "/tokenize", body)
+                if t_status != 200:
+                    record["tokenize_status"] = t_status
+                elif t_answer["tokens"] != tokens:
+                    record.update(tokenize_count=len(t_answer["tokens"]), tokenize_sha256=digest(t_answer["tokens"]))
             remote = bodies.get(entry["id"], {})
             if remote.get("body") is not None:
                 record["remote_body_sha256"] = remote["sha256"]
