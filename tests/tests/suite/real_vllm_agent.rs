@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_tests::harness::{http, workspace_root};
@@ -53,6 +53,8 @@ const MAX_MODEL_LEN: usize = 8192;
 const WORKLOAD_SEED: u64 = 0x6167_656e_7473_2131;
 /// Share of kvroute's requests whose prediction must be within one block of vLLM's count.
 const MIN_PREDICTION_SHARE: f64 = 0.95;
+/// The render endpoint's budget (a CPU engine renders a 1.5k-token agent prompt in ~5-20 ms).
+const RENDER_TIMEOUT: Duration = Duration::from_millis(300);
 
 fn model_dirs() -> Vec<PathBuf> {
     match std::env::var("KVROUTE_VLLM_AGENT_MODELS") {
@@ -310,9 +312,10 @@ fn within_one_block(outcome: &Outcome) -> bool {
         .is_some_and(|predicted| (predicted - outcome.cached_tokens).abs() <= BLOCK_SIZE)
 }
 
-/// kvroute in front of `engines`: release binaries (a debug build's tokenizer is several times
-/// slower than what production runs, which changes when a conversation's exact tokens are ready).
-async fn start_stack(model_dir: &Path, engines: &[VllmEngine]) -> Stack {
+/// kvroute in front of `engines`, tokenizing with `tokenizer`: release binaries (a debug build's
+/// tokenizer is several times slower than what production runs, which changes when a
+/// conversation's exact tokens are ready).
+async fn start_stack(tokenizer: StackTokenizer, engines: &[VllmEngine]) -> Stack {
     Stack::start_external(
         StackOptions {
             routing: Routing::Kvroute,
@@ -326,14 +329,36 @@ async fn start_stack(model_dir: &Path, engines: &[VllmEngine]) -> Stack {
             },
             budgets: ExtProcBudgets::relaxed(),
             debug_headers: DebugHeaders::Always,
-            tokenizer: StackTokenizer::ModelDir(model_dir.to_path_buf()),
+            tokenizer,
             bin_dir: Some(workspace_root().join("target/release")),
             ..StackOptions::default()
         },
         engines.iter().map(|e| e.external.clone()).collect(),
     )
     .await
-    .unwrap_or_else(|e| panic!("stack in front of {}: {e}", model_dir.display()))
+    .unwrap_or_else(|e| panic!("stack: {e}"))
+}
+
+/// One run of the workload: who routes, and how kvroute gets its tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Run {
+    RoundRobin,
+    /// kvroute, the model folder's tokenizer and template in process.
+    InProcess,
+    /// kvroute, every prompt from the engine's own render endpoint (engine 0's).
+    Render,
+}
+
+impl Run {
+    const ALL: [Self; 3] = [Self::RoundRobin, Self::InProcess, Self::Render];
+
+    fn as_label(self) -> &'static str {
+        match self {
+            Self::RoundRobin => "round_robin",
+            Self::InProcess => "kvroute",
+            Self::Render => "kvroute_render",
+        }
+    }
 }
 
 /// One model: engines, parity on the workload, round robin vs kvroute, predictions.
@@ -422,13 +447,25 @@ async fn run_model(model_dir: &Path, failures: &mut Vec<String>) -> Value {
 
     // --- 2 and 3. Round robin, then kvroute, each from empty caches, for both arrivals.
     let mut report = serde_json::Map::new();
-    let failures_before = failures.len();
     for arrival in [Arrival::Staggered, Arrival::Lockstep] {
-        // A fresh stack per arrival: what ext-proc remembers routing (speculative prefixes,
-        // in-flight) must not outlive the engines' caches, which are reset before each run.
-        let stack = start_stack(model_dir, &engines).await;
         let mut runs = BTreeMap::new();
-        for routing in [Routing::RoundRobin, Routing::Kvroute] {
+        for run in Run::ALL {
+            // A fresh stack per run: what ext-proc remembers routing (speculative prefixes,
+            // in-flight) must not outlive the engines' caches, which are reset before each run.
+            let tokenizer = match run {
+                Run::Render => StackTokenizer::RenderUrl {
+                    url: engines[0].url(),
+                    timeout: RENDER_TIMEOUT,
+                },
+                Run::RoundRobin | Run::InProcess => {
+                    StackTokenizer::ModelDir(model_dir.to_path_buf())
+                }
+            };
+            let stack = start_stack(tokenizer, &engines).await;
+            let routing = match run {
+                Run::RoundRobin => Routing::RoundRobin,
+                Run::InProcess | Run::Render => Routing::Kvroute,
+            };
             stack.reset_prefix_caches().await.unwrap();
             let before = counters(&engines).await;
             let started = Instant::now();
@@ -438,79 +475,74 @@ async fn run_model(model_dir: &Path, failures: &mut Vec<String>) -> Value {
             let deltas: Vec<EngineCounters> =
                 after.iter().zip(&before).map(|(a, b)| *a - *b).collect();
             let stats = run_stats(&deltas);
+            let within = outcomes.iter().filter(|o| within_one_block(o)).count();
+            let misses: Vec<String> = outcomes
+                .iter()
+                .filter(|o| run != Run::RoundRobin && !within_one_block(o))
+                .map(|o| {
+                    format!(
+                        "session {} step {}: predicted {:?}, vLLM cached {} of {} ({:?})",
+                        o.session,
+                        o.step,
+                        o.predicted_cached_tokens,
+                        o.cached_tokens,
+                        o.prompt_tokens,
+                        o.decision
+                    )
+                })
+                .collect();
             eprintln!(
-                "{name} {} {}: {stats:?} in {elapsed:.1?}",
+                "{name} {} {}: {stats:?} in {elapsed:.1?}; {within}/{} predictions within one \
+                 block; the others: {misses:#?}",
                 arrival.as_label(),
-                routing.as_label()
+                run.as_label(),
+                outcomes.len()
             );
-            runs.insert(routing.as_label(), (stats, outcomes, elapsed));
-        }
-        let (rr, _, _) = &runs["round-robin"];
-        let (kv, kv_outcomes, _) = &runs["kvroute"];
-        let within = kv_outcomes.iter().filter(|o| within_one_block(o)).count();
-        let share = within as f64 / kv_outcomes.len().max(1) as f64;
-        let misses: Vec<String> = kv_outcomes
-            .iter()
-            .filter(|o| !within_one_block(o))
-            .map(|o| {
-                format!(
-                    "session {} step {}: predicted {:?}, vLLM cached {} of {} ({:?})",
-                    o.session,
-                    o.step,
-                    o.predicted_cached_tokens,
-                    o.cached_tokens,
-                    o.prompt_tokens,
-                    o.decision
-                )
-            })
-            .collect();
-        eprintln!(
-            "{name} {}: {within}/{} predictions within one block; the others: {misses:#?}",
-            arrival.as_label(),
-            kv_outcomes.len()
-        );
-        // The claims are made for agent traffic as it arrives; lockstep is reported beside it.
-        if arrival == Arrival::Staggered {
-            if kv.hit_rate <= rr.hit_rate {
+            let share = within as f64 / outcomes.len().max(1) as f64;
+            // The claims are made for agent traffic as it arrives; lockstep is reported beside it.
+            if arrival == Arrival::Staggered
+                && run != Run::RoundRobin
+                && share < MIN_PREDICTION_SHARE
+            {
                 failures.push(format!(
-                    "{name}: kvroute hit rate {:.3} not above round robin's {:.3}",
-                    kv.hit_rate, rr.hit_rate
-                ));
-            }
-            if share < MIN_PREDICTION_SHARE {
-                failures.push(format!(
-                    "{name}: only {within}/{} predictions within one block of vLLM's \
+                    "{name} {}: only {within}/{} predictions within one block of vLLM's \
                      cached_tokens: {:?}",
-                    kv_outcomes.len(),
+                    run.as_label(),
+                    outcomes.len(),
                     &misses[..misses.len().min(8)]
                 ));
+                eprintln!("{}", stack.logs());
+            }
+            let mut decisions = BTreeMap::<String, usize>::new();
+            for outcome in &outcomes {
+                *decisions
+                    .entry(outcome.decision.clone().unwrap_or_else(|| "none".into()))
+                    .or_default() += 1;
+            }
+            runs.insert(
+                run.as_label(),
+                json!({"hit_rate": stats.hit_rate, "max_request_share": stats.max_request_share,
+                    "prompt_tokens": outcomes.iter().map(|o| o.prompt_tokens).sum::<i64>(),
+                    "cached_tokens_reported": outcomes.iter().map(|o| o.cached_tokens).sum::<i64>(),
+                    "seconds": elapsed.as_secs_f64(),
+                    "predictions_within_one_block": within, "prediction_share": share,
+                    "requests": outcomes.len(), "decisions": decisions}),
+            );
+        }
+        let hit_rate = |label: &str| runs[label]["hit_rate"].as_f64().unwrap_or(0.0);
+        if arrival == Arrival::Staggered {
+            for run in [Run::InProcess, Run::Render] {
+                if hit_rate(run.as_label()) <= hit_rate(Run::RoundRobin.as_label()) {
+                    failures.push(format!(
+                        "{name}: {} hit rate {:.3} not above round robin's {:.3}",
+                        run.as_label(),
+                        hit_rate(run.as_label()),
+                        hit_rate(Run::RoundRobin.as_label())
+                    ));
+                }
             }
         }
-        let mut decisions = BTreeMap::<String, usize>::new();
-        for outcome in kv_outcomes {
-            *decisions
-                .entry(outcome.decision.clone().unwrap_or_else(|| "none".into()))
-                .or_default() += 1;
-        }
-        let run_json = |label: &str| {
-            let (stats, outcomes, elapsed) = &runs[label];
-            json!({"hit_rate": stats.hit_rate, "max_request_share": stats.max_request_share,
-                "prompt_tokens": outcomes.iter().map(|o| o.prompt_tokens).sum::<i64>(),
-                "cached_tokens_reported": outcomes.iter().map(|o| o.cached_tokens).sum::<i64>(),
-                "seconds": elapsed.as_secs_f64()})
-        };
-        if failures.len() > failures_before {
-            eprintln!("{}", stack.logs());
-        }
-        report.insert(
-            arrival.as_label().to_owned(),
-            json!({
-                "round_robin": run_json("round-robin"),
-                "kvroute": run_json("kvroute"),
-                "predictions": {"requests": kv_outcomes.len(), "within_one_block": within,
-                    "share": share, "decisions": decisions},
-            }),
-        );
+        report.insert(arrival.as_label().to_owned(), json!(runs));
     }
     json!({
         "model": name,
