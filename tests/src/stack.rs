@@ -16,6 +16,14 @@
 //! [`Stack::start_external`] puts the same index, ext-proc and Envoy in front of engines the
 //! caller runs instead of sims (real vLLM: [`ExternalReplica`]); replica ids stay `sim-<i>`.
 //!
+//! Faults, for the restart tests and the chaos soak (`suite/soak.rs`): every process can be
+//! SIGKILLed and restarted on its own ports — the index ([`Stack::restart_index`]), ext-proc
+//! ([`Stack::restart_ext_proc`]), a sim ([`Stack::restart_sim`]: empty cache, sequence from 0)
+//! and the agent ([`Stack::restart_agent`]) that [`StackOptions::agent_replicas`] puts between
+//! some sims and the index; [`StackOptions::cuttable_event_streams`] runs a sim's KV-event stream
+//! through a [`TcpProxy`] that [`Stack::cut_events`] cuts until [`Stack::resume_events`];
+//! [`StackOptions::engine_retries`] adds [`ENGINE_RETRY_POLICY`] to Envoy's kvroute route.
+//!
 //! Binaries are looked up next to the running executable (`target/<profile>/`, also from
 //! `target/<profile>/deps/` where test binaries live); build them first with
 //! `cargo build --bins` (tests) or `cargo build --release --bins` (the demo).
@@ -31,8 +39,8 @@ use std::time::Duration;
 use serde_yaml::Value;
 
 use crate::harness::{
-    ChildGuard, Envoy, HarnessError, STARTUP_TIMEOUT, SimProcess, http, round_robin_config,
-    tiny_model_dir, wait_until, workspace_root,
+    ChildGuard, Envoy, HarnessError, STARTUP_TIMEOUT, SimProcess, TcpProxy, http,
+    round_robin_config, tiny_model_dir, wait_until, workspace_root,
 };
 
 /// The Envoy config the kvroute mode runs (relative to the workspace root).
@@ -246,7 +254,31 @@ pub struct StackOptions {
     pub ext_proc_extra_config: String,
     /// Where ext-proc's pool gets its tokens.
     pub tokenizer: StackTokenizer,
+    /// Sims whose KV events reach the index through a `kvroute-agent` process (one agent for
+    /// all of them, node id [`AGENT_ID`]) instead of the index's own subscription.
+    pub agent_replicas: Vec<usize>,
+    /// Sims whose KV-event PUB stream runs through a [`TcpProxy`] the caller can cut
+    /// ([`Stack::cut_events`]); the replay socket stays direct, as a repair path.
+    pub cuttable_event_streams: Vec<usize>,
+    /// Envoy retries a request whose engine refused the connection or reset the stream on
+    /// another endpoint ([`ENGINE_RETRY_POLICY`]); off keeps the shipped config's route as is.
+    pub engine_retries: bool,
 }
+
+/// The agent's id in a stack with [`StackOptions::agent_replicas`].
+pub const AGENT_ID: &str = "node-0";
+/// Process name (and log and config file name) of the stack's agent.
+const AGENT_NAME: &str = "kvroute-agent";
+/// The retry policy [`StackOptions::engine_retries`] adds to the kvroute route: a dead or
+/// restarting engine's refused connection (or a stream it reset before answering) is retried on
+/// another endpoint. Completions are stateless on the engine, so a retried POST is safe; a
+/// stream already answering is never retried by Envoy (its headers went downstream).
+/// `previous_hosts` keeps the retry off the failed endpoint: after the one override host is
+/// consumed, override_host's fallback (least-request) picks, and would favour the idle dead one.
+pub const ENGINE_RETRY_POLICY: &str = r#"{retry_on: "connect-failure,refused-stream,reset",
+  num_retries: 3, host_selection_retry_max_attempts: 5,
+  retry_host_predicate: [{name: envoy.retry_host_predicates.previous_hosts, typed_config:
+    {"@type": type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate}}]}"#;
 
 /// ext-proc's `tokenizer` in a stack.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -301,6 +333,10 @@ const INDEX_NAMES: [&str; MAX_INDEX_INSTANCES] =
     ["kvroute-index", "kvroute-index-2", "kvroute-index-3"];
 /// File name of the embedded index's config ([`IndexPlacement::Embedded`]).
 const EMBEDDED_INDEX_CONFIG: &str = "kvroute-index-embedded.yaml";
+/// File name of the agent's token (the index's `agents[].token_file` and the agent's own).
+const AGENT_TOKEN_FILE: &str = "kvroute-agent-token";
+/// The agent's token: a test secret.
+const AGENT_TOKEN: &str = "stack-agent-token";
 
 impl Default for StackOptions {
     fn default() -> Self {
@@ -322,6 +358,9 @@ impl Default for StackOptions {
             sim_chat_templates: Vec::new(),
             ext_proc_extra_config: String::new(),
             tokenizer: StackTokenizer::default(),
+            agent_replicas: Vec::new(),
+            cuttable_event_streams: Vec::new(),
+            engine_retries: false,
         }
     }
 }
@@ -364,6 +403,14 @@ pub enum StackError {
         /// The component.
         what: &'static str,
     },
+    /// No such replica, or it has no cuttable event stream.
+    #[error("{operation}: {detail}")]
+    NoSuchReplica {
+        /// The refused operation.
+        operation: &'static str,
+        /// What is missing.
+        detail: String,
+    },
     /// The operation acts on the index process, but the index runs inside kvroute-ext-proc.
     #[error(
         "{operation} needs IndexPlacement::Service: the index is embedded in kvroute-ext-proc \
@@ -385,6 +432,7 @@ impl StackError {
             StackError::Component { .. } => "component",
             StackError::NotRunning { .. } => "not_running",
             StackError::IndexEmbedded { .. } => "index_embedded",
+            StackError::NoSuchReplica { .. } => "no_such_replica",
         }
     }
 }
@@ -395,6 +443,8 @@ struct Binaries {
     sim: PathBuf,
     index: PathBuf,
     ext_proc: PathBuf,
+    /// Looked up only when the stack runs an agent.
+    agent: Option<PathBuf>,
 }
 
 /// The directory holding our binaries: `bin_dir`, else the current executable's directory (its
@@ -436,14 +486,27 @@ fn locate_all(options: &StackOptions) -> Result<Binaries, StackError> {
         sim: locate(&dir, "kvroute-engine-sim")?,
         index: locate(&dir, "kvroute-index")?,
         ext_proc: locate(&dir, "kvroute-ext-proc")?,
+        agent: (!options.agent_replicas.is_empty())
+            .then(|| locate(&dir, AGENT_NAME))
+            .transpose()?,
     })
 }
 
-/// One of our services (index or ext-proc) as a process that can be killed and restarted on the
-/// same ports (Envoy and ext-proc keep their addresses).
+/// What a [`Service`] reports and how it says it is up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ServiceKind {
+    /// kvroute-index or kvroute-ext-proc: `grpc=` and `admin=` in the ready file, then `/readyz`.
+    Server,
+    /// kvroute-agent: only `admin=` (it listens for nothing else), then `/healthz`.
+    Agent,
+}
+
+/// One of our services (index, ext-proc or agent) as a process that can be killed and restarted
+/// on the same ports (Envoy and ext-proc keep their addresses).
 #[derive(Debug)]
 struct Service {
     name: &'static str,
+    kind: ServiceKind,
     binary: PathBuf,
     dir: PathBuf,
     /// The config with port 0; after the first start, rewritten with the bound ports.
@@ -472,6 +535,7 @@ impl Service {
     /// names), also waits for the embedded index's listeners in the ready file and its `/readyz`.
     async fn start(
         name: &'static str,
+        kind: ServiceKind,
         binary: PathBuf,
         dir: &Path,
         config: String,
@@ -480,6 +544,7 @@ impl Service {
         let unbound: SocketAddr = ([127, 0, 0, 1], 0).into();
         let mut service = Self {
             name,
+            kind,
             binary,
             dir: dir.to_path_buf(),
             config,
@@ -526,6 +591,7 @@ impl Service {
         let ready_path = file("ready");
         write_file(&config_path, &self.config)?;
         let embedded = self.embedded_index.is_some();
+        let kind = self.kind;
         let mut command = Command::new(&self.binary);
         command
             .arg("--config")
@@ -541,9 +607,13 @@ impl Service {
                 if let Some(status) = exited {
                     return Some(Err(status));
                 }
-                parse_ready_file(&std::fs::read_to_string(ready_path).ok()?)
-                    .filter(|ready| !embedded || ready.embedded_index.is_some())
-                    .map(Ok)
+                let text = std::fs::read_to_string(ready_path).ok()?;
+                match kind {
+                    ServiceKind::Server => parse_ready_file(&text)
+                        .filter(|ready| !embedded || ready.embedded_index.is_some()),
+                    ServiceKind::Agent => parse_agent_ready_file(&text),
+                }
+                .map(Ok)
             }
         })
         .await;
@@ -566,8 +636,12 @@ impl Service {
         };
         let admins = std::iter::once(ready.listeners.admin)
             .chain(ready.embedded_index.map(|index| index.admin));
+        let probe = match kind {
+            ServiceKind::Server => "readyz",
+            ServiceKind::Agent => "healthz",
+        };
         for admin in admins {
-            if let Err(error) = wait_for_ok(&format!("http://{admin}/readyz")).await {
+            if let Err(error) = wait_for_ok(&format!("http://{admin}/{probe}")).await {
                 return Err(StackError::Component {
                     component: name,
                     detail: error.to_string(),
@@ -595,11 +669,7 @@ impl Service {
     /// SIGKILL (abrupt failure); waits until the process is gone.
     fn kill(&mut self) {
         if let Some(mut guard) = self.guard.take() {
-            // `kill -KILL`: unsafe is forbidden, so no libc; `stop` then reaps it.
-            let _ = Command::new("kill")
-                .args(["-KILL", &guard.id().to_string()])
-                .status();
-            guard.stop();
+            guard.kill();
             self.keep_log(&guard);
         }
     }
@@ -658,6 +728,21 @@ fn parse_ready_file(text: &str) -> Option<ReadyFile> {
     })
 }
 
+/// An agent's ready file (`admin=ADDR`): its admin listener, and no gRPC one.
+fn parse_agent_ready_file(text: &str) -> Option<ReadyFile> {
+    let admin = text
+        .lines()
+        .find_map(|line| line.strip_prefix("admin="))
+        .and_then(|value| value.trim().parse().ok())?;
+    Some(ReadyFile {
+        listeners: Listeners {
+            grpc: ([127, 0, 0, 1], 0).into(),
+            admin,
+        },
+        embedded_index: None,
+    })
+}
+
 /// `config` (a kvroute service or index config) listening where `bound` says instead of port 0.
 fn pin_ports(config: &str, bound: Listeners) -> String {
     config
@@ -697,10 +782,17 @@ pub struct Stack {
     // Field order is drop order: Envoy first, the sims last.
     envoy: Envoy,
     ext_proc: Option<Service>,
+    /// The kvroute-agent feeding [`StackOptions::agent_replicas`].
+    agent: Option<Service>,
     index: Option<Service>,
     /// Index instances beyond the first (`index_instances > 1`).
     more_indexes: Vec<Service>,
+    /// The cuttable KV-event links ([`StackOptions::cuttable_event_streams`]), by replica.
+    event_proxies: Vec<(usize, TcpProxy)>,
     sims: Vec<SimProcess>,
+    /// Killed sims, kept for their logs.
+    retired_sims: Vec<SimProcess>,
+    sim_binary: PathBuf,
     /// Engines the caller owns ([`Stack::start_external`]); empty when the stack runs sims.
     external: Vec<ExternalReplica>,
     options: StackOptions,
@@ -715,7 +807,7 @@ impl Stack {
         let sim_binary = binaries.sim.display().to_string();
         let mut sims = Vec::with_capacity(options.replicas);
         for replica in 0..options.replicas {
-            sims.push(SimProcess::spawn(&sim_binary, &sim_args(&options, replica)).await?);
+            sims.push(SimProcess::spawn(&sim_binary, &sim_args(&options, replica, None)).await?);
         }
         Self::start_in_front(options, binaries, sims, Vec::new()).await
     }
@@ -733,6 +825,9 @@ impl Stack {
             sim: PathBuf::new(),
             index: locate(&dir, "kvroute-index")?,
             ext_proc: locate(&dir, "kvroute-ext-proc")?,
+            agent: (!options.agent_replicas.is_empty())
+                .then(|| locate(&dir, AGENT_NAME))
+                .transpose()?,
         };
         Self::start_in_front(options, binaries, Vec::new(), engines).await
     }
@@ -755,6 +850,8 @@ impl Stack {
             .collect();
 
         let mut more_indexes = Vec::new();
+        let mut event_proxies = Vec::new();
+        let mut agent = None;
         let (index, ext_proc, envoy_config) = match options.routing {
             Routing::RoundRobin => {
                 let config = round_robin_config(&sim_addrs);
@@ -774,7 +871,47 @@ impl Stack {
                         log: String::new(),
                     });
                 };
-                let sources = event_sources(&sims, &external)?;
+                let mut sources = event_sources(&sims, &external)?;
+                for &replica in &options.cuttable_event_streams {
+                    let source = sources
+                        .get_mut(replica)
+                        .ok_or_else(|| no_replica(replica))?;
+                    let upstream = source
+                        .endpoint
+                        .strip_prefix("tcp://")
+                        .and_then(|addr| addr.parse().ok())
+                        .ok_or_else(|| StackError::NoSuchReplica {
+                            operation: "cuttable_event_streams",
+                            detail: format!("{} is not a tcp:// endpoint", source.endpoint),
+                        })?;
+                    let proxy = TcpProxy::start(upstream).await?;
+                    source.endpoint = format!("tcp://{}", proxy.addr());
+                    event_proxies.push((replica, proxy));
+                }
+                if options.agent_replicas.iter().any(|&r| r >= sources.len()) {
+                    return Err(StackError::NoSuchReplica {
+                        operation: "agent_replicas",
+                        detail: format!(
+                            "{:?} for {} replicas",
+                            options.agent_replicas,
+                            sources.len()
+                        ),
+                    });
+                }
+                if !options.agent_replicas.is_empty()
+                    && options.index_placement == IndexPlacement::Embedded
+                {
+                    return Err(StackError::IndexEmbedded {
+                        operation: "agent_replicas",
+                    });
+                }
+                let agent_token = (!options.agent_replicas.is_empty())
+                    .then(|| {
+                        let path = dir.path().join(AGENT_TOKEN_FILE);
+                        write_file(&path, AGENT_TOKEN).map(|()| path)
+                    })
+                    .transpose()?;
+                let index_yaml = index_config(&options, &sources, agent_token.as_deref());
                 let mut indexes = Vec::with_capacity(names.len());
                 // The index processes, or the file ext-proc's embedded index reads.
                 let embedded_index_config = match options.index_placement {
@@ -783,9 +920,10 @@ impl Stack {
                             indexes.push(
                                 Service::start(
                                     name,
+                                    ServiceKind::Server,
                                     binaries.index.clone(),
                                     dir.path(),
-                                    index_config(&options, &sources),
+                                    index_yaml.clone(),
                                     None,
                                 )
                                 .await?,
@@ -805,11 +943,24 @@ impl Stack {
                             });
                         }
                         let path = dir.path().join(EMBEDDED_INDEX_CONFIG);
-                        write_file(&path, &index_config(&options, &sources))?;
+                        write_file(&path, &index_yaml)?;
                         Some(path)
                     }
                 };
                 let index_addrs: Vec<SocketAddr> = indexes.iter().map(|i| i.grpc).collect();
+                if let (Some(binary), Some(token)) = (&binaries.agent, &agent_token) {
+                    agent = Some(
+                        Service::start(
+                            AGENT_NAME,
+                            ServiceKind::Agent,
+                            binary.clone(),
+                            dir.path(),
+                            agent_config(&options, &sources, &index_addrs, token),
+                            None,
+                        )
+                        .await?,
+                    );
+                }
                 let target = match &embedded_index_config {
                     Some(path) => IndexTarget::Embedded(path),
                     None => IndexTarget::Addresses(&index_addrs),
@@ -829,6 +980,7 @@ impl Stack {
                 };
                 let ext_proc = Service::start(
                     "kvroute-ext-proc",
+                    ServiceKind::Server,
                     binaries.ext_proc.clone(),
                     dir.path(),
                     ext_proc_config(&options, &sim_addrs, target)
@@ -844,7 +996,10 @@ impl Stack {
                         path: workspace_root().join(OVERRIDE_HOST_CONFIG),
                         source,
                     })?;
-                let config = render_envoy_config(&text, &sim_addrs, ext_proc.grpc)?;
+                let mut config = render_envoy_config(&text, &sim_addrs, ext_proc.grpc)?;
+                if options.engine_retries {
+                    config = with_engine_retries(&config)?;
+                }
                 (index, Some(ext_proc), config)
             }
         };
@@ -852,9 +1007,13 @@ impl Stack {
         let stack = Self {
             envoy,
             ext_proc,
+            agent,
             index,
             more_indexes,
+            event_proxies,
             sims,
+            retired_sims: Vec::new(),
+            sim_binary: binaries.sim,
             external,
             options,
             _dir: dir,
@@ -1042,16 +1201,122 @@ impl Stack {
         self.wait_ext_proc_healthy_in_envoy().await
     }
 
+    /// Kills sim `replica` (SIGKILL), as an engine crash: its requests in flight are cut and its
+    /// KV cache is gone. [`Stack::restart_sim`] brings it back.
+    pub fn kill_sim(&mut self, replica: usize) -> Result<(), StackError> {
+        self.sims
+            .get_mut(replica)
+            .ok_or_else(|| StackError::NoSuchReplica {
+                operation: "kill_sim",
+                detail: format!("no sim {replica}"),
+            })?
+            .kill();
+        Ok(())
+    }
+
+    /// Starts sim `replica` again on the ports it had (killed first if it runs): an empty cache
+    /// and event sequence numbers from 0, as a restarted vLLM. Returns once it serves `/health`;
+    /// the index's resync is not awaited.
+    pub async fn restart_sim(&mut self, replica: usize) -> Result<(), StackError> {
+        let missing = |detail: String| StackError::NoSuchReplica {
+            operation: "restart_sim",
+            detail,
+        };
+        let sim = self
+            .sims
+            .get_mut(replica)
+            .ok_or_else(|| missing(format!("no sim {replica}")))?;
+        let ports =
+            SimPorts::of(sim).ok_or_else(|| missing(format!("sim {replica} bound no events")))?;
+        sim.kill();
+        let args = sim_args(&self.options, replica, Some(ports));
+        let fresh = SimProcess::spawn(&self.sim_binary.display().to_string(), &args).await?;
+        let old = std::mem::replace(sim, fresh);
+        self.retired_sims.push(old);
+        Ok(())
+    }
+
+    /// Kills the kvroute-agent (SIGKILL); its replicas go stale in the index after the grace.
+    pub fn kill_agent(&mut self) -> Result<(), StackError> {
+        self.agent
+            .as_mut()
+            .ok_or(StackError::NotRunning {
+                what: "kvroute-agent",
+            })?
+            .kill();
+        Ok(())
+    }
+
+    /// Starts the kvroute-agent again (killed first if it runs); it catches up from its
+    /// engines' replay buffers and streams a snapshot. Returns once its admin answers.
+    pub async fn restart_agent(&mut self) -> Result<(), StackError> {
+        let agent = self.agent.as_mut().ok_or(StackError::NotRunning {
+            what: "kvroute-agent",
+        })?;
+        agent.kill();
+        agent.spawn().await
+    }
+
+    fn event_proxy(
+        &self,
+        replica: usize,
+        operation: &'static str,
+    ) -> Result<&TcpProxy, StackError> {
+        self.event_proxies
+            .iter()
+            .find_map(|(r, proxy)| (*r == replica).then_some(proxy))
+            .ok_or_else(|| StackError::NoSuchReplica {
+                operation,
+                detail: format!("sim {replica} is not in cuttable_event_streams"),
+            })
+    }
+
+    /// Cuts sim `replica`'s KV-event stream (every subscriber's connection dropped, and new
+    /// ones refused) until [`Stack::resume_events`]; what it publishes meanwhile is lost on the
+    /// live stream and only in its replay buffer.
+    pub fn cut_events(&self, replica: usize) -> Result<(), StackError> {
+        self.event_proxy(replica, "cut_events")?.pause();
+        Ok(())
+    }
+
+    /// Lets subscribers reach sim `replica`'s KV-event stream again.
+    pub fn resume_events(&self, replica: usize) -> Result<(), StackError> {
+        self.event_proxy(replica, "resume_events")?.resume();
+        Ok(())
+    }
+
+    /// The running processes by name (`kvroute-index`, `kvroute-ext-proc`, `kvroute-agent`,
+    /// `sim-<i>`, `envoy`) and process id, for resource sampling.
+    pub fn process_ids(&self) -> Vec<(String, u32)> {
+        let services = self
+            .indexes()
+            .chain(&self.ext_proc)
+            .chain(&self.agent)
+            .filter_map(|service| Some((service.name.to_owned(), service.guard.as_ref()?.id())));
+        let sims = self
+            .sims
+            .iter()
+            .enumerate()
+            .map(|(i, sim)| (replica_id(i), sim.pid()));
+        services
+            .chain(sims)
+            .chain(std::iter::once(("envoy".to_owned(), self.envoy.pid())))
+            .collect()
+    }
+
     /// Every process's log, with headers.
     pub fn logs(&self) -> String {
         let mut text = String::new();
         let mut section = |name: &str, log: String| {
             text.push_str(&format!("----- {name} -----\n{log}\n"));
         };
+        for sim in &self.retired_sims {
+            section("kvroute-engine-sim (killed)", sim.log());
+        }
         for (i, sim) in self.sims.iter().enumerate() {
             section(&format!("kvroute-engine-sim {}", replica_id(i)), sim.log());
         }
-        for service in self.indexes().chain(&self.ext_proc) {
+        for service in self.indexes().chain(&self.ext_proc).chain(&self.agent) {
             section(service.name, service.log());
         }
         section("envoy", self.envoy.log());
@@ -1211,16 +1476,39 @@ fn event_topic(replica: usize) -> String {
     format!("kv@{}@{MODEL}", replica_id(replica))
 }
 
-fn sim_args(options: &StackOptions, replica: usize) -> Vec<String> {
+/// The ports a sim bound, to restart it on them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SimPorts {
+    http: u16,
+    events: u16,
+    replay: u16,
+}
+
+impl SimPorts {
+    fn of(sim: &SimProcess) -> Option<Self> {
+        let port =
+            |endpoint: &Option<String>| endpoint.as_deref()?.rsplit(':').next()?.parse().ok();
+        Some(Self {
+            http: sim.ready.http.port(),
+            events: port(&sim.ready.kv_events)?,
+            replay: port(&sim.ready.replay)?,
+        })
+    }
+}
+
+/// A sim's flags; `ports` pins a restarted sim to the ports its predecessor bound (port 0 else).
+fn sim_args(options: &StackOptions, replica: usize, ports: Option<SimPorts>) -> Vec<String> {
     let timing = &options.timing;
+    let (http, events, replay) = ports.map_or((0, 0, 0), |p| (p.http, p.events, p.replay));
     let events = serde_json::json!({
         "enable_kv_cache_events": true,
         "publisher": "zmq",
-        "endpoint": "tcp://*:0",
-        "replay_endpoint": "tcp://*:0",
+        "endpoint": format!("tcp://*:{events}"),
+        "replay_endpoint": format!("tcp://*:{replay}"),
         "topic": event_topic(replica),
     });
     [
+        ("--port", http.to_string()),
         ("--model", tiny_model_dir().display().to_string()),
         ("--served-model-name", MODEL.to_owned()),
         ("--block-size", options.block_size.to_string()),
@@ -1288,9 +1576,19 @@ fn event_sources(
     Ok(sources)
 }
 
-fn index_config(options: &StackOptions, sources: &[EventSource]) -> String {
+/// The index's config: every replica subscribed to, except [`StackOptions::agent_replicas`], which
+/// the agent (its token in `agent_token`) owns.
+fn index_config(
+    options: &StackOptions,
+    sources: &[EventSource],
+    agent_token: Option<&Path>,
+) -> String {
     let mut replicas = String::new();
     for (i, source) in sources.iter().enumerate() {
+        if options.agent_replicas.contains(&i) {
+            replicas.push_str(&format!("  - {{id: {}, model: {MODEL}}}\n", replica_id(i)));
+            continue;
+        }
         replicas.push_str(&format!(
             "  - id: {id}\n    model: {MODEL}\n    events: {{endpoint: \"{endpoint}\", \
              mode: {mode}, replay_endpoint: \"{replay}\", topic: \"{topic}\"}}\n",
@@ -1305,11 +1603,67 @@ fn index_config(options: &StackOptions, sources: &[EventSource]) -> String {
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
          pools:\n  - {{model: {MODEL}, block_size: {bs}, key_scheme: vllm-exact, \
          hash_algo: {algo}, hash_seed: \"{seed}\"}}\n\
-         replicas:\n{replicas}",
+         replicas:\n{replicas}{agents}",
         bs = options.block_size,
         algo = options.hash_algo,
         seed = options.hash_seed,
+        agents = agent_token.map_or_else(String::new, |token| format!(
+            "agents:\n  - {{id: {AGENT_ID}, token_file: \"{}\", replicas: [{}]}}\n",
+            token.display(),
+            agent_replica_ids(options).join(", ")
+        )),
     )
+}
+
+fn agent_replica_ids(options: &StackOptions) -> Vec<String> {
+    options
+        .agent_replicas
+        .iter()
+        .map(|&replica| replica_id(replica))
+        .collect()
+}
+
+/// The agent's config: it mirrors [`StackOptions::agent_replicas`] and streams to every index.
+fn agent_config(
+    options: &StackOptions,
+    sources: &[EventSource],
+    indexes: &[SocketAddr],
+    token: &Path,
+) -> String {
+    let engines: String = options
+        .agent_replicas
+        .iter()
+        .filter_map(|&replica| sources.get(replica).map(|source| (replica, source)))
+        .map(|(replica, source)| {
+            format!(
+                "  - {{replica: {id}, endpoint: \"{endpoint}\", mode: {mode}, \
+                 replay_endpoint: \"{replay}\", topic: \"{topic}\"}}\n",
+                id = replica_id(replica),
+                endpoint = source.endpoint,
+                mode = source.mode.as_label(),
+                replay = source.replay,
+                topic = source.topic,
+            )
+        })
+        .collect();
+    let indexes = indexes
+        .iter()
+        .map(|addr| format!("\"http://{addr}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "agent_id: {AGENT_ID}\ntoken_file: \"{}\"\nindexes: [{indexes}]\n\
+         admin: \"127.0.0.1:0\"\nbatch_delay_ms: 10\nreconnect_backoff_max_ms: 200\n\
+         engines:\n{engines}",
+        token.display()
+    )
+}
+
+fn no_replica(replica: usize) -> StackError {
+    StackError::NoSuchReplica {
+        operation: "cuttable_event_streams",
+        detail: format!("no replica {replica}"),
+    }
 }
 
 /// How ext-proc reaches the index.
@@ -1435,6 +1789,34 @@ pub fn render_envoy_config(
     })
 }
 
+/// `config` (a rendered [`OVERRIDE_HOST_CONFIG`]) with [`ENGINE_RETRY_POLICY`] on every route of
+/// the kvroute listener.
+pub fn with_engine_retries(config: &str) -> Result<String, StackError> {
+    let bad = |detail: String| StackError::EnvoyConfig { detail };
+    let mut config: Value = serde_yaml::from_str(config).map_err(|e| bad(e.to_string()))?;
+    let policy: Value =
+        serde_yaml::from_str(ENGINE_RETRY_POLICY).map_err(|e| bad(e.to_string()))?;
+    let routes = config
+        .get_mut("static_resources")
+        .and_then(|resources| named(resources.get_mut("listeners")?, KVROUTE_LISTENER))
+        .and_then(|listener| listener.get_mut("filter_chains")?.get_mut(0))
+        .and_then(|chain| chain.get_mut("filters")?.get_mut(0))
+        .and_then(|manager| manager.get_mut("typed_config")?.get_mut("route_config"))
+        .and_then(|routes| routes.get_mut("virtual_hosts")?.as_sequence_mut())
+        .ok_or_else(|| bad("no virtual_hosts on the `kvroute` listener".to_owned()))?;
+    for host in routes {
+        let Some(list) = host.get_mut("routes").and_then(Value::as_sequence_mut) else {
+            continue;
+        };
+        for route in list {
+            if let Some(action) = route.get_mut("route").and_then(Value::as_mapping_mut) {
+                action.insert(Value::from("retry_policy"), policy.clone());
+            }
+        }
+    }
+    serde_yaml::to_string(&config).map_err(|e| bad(e.to_string()))
+}
+
 fn port_of(address: &mut Value) -> Option<&mut Value> {
     address.get_mut("socket_address")?.get_mut("port_value")
 }
@@ -1499,6 +1881,36 @@ mod tests {
         assert!(rendered.contains("remove: x-gateway-destination-endpoint"));
     }
 
+    #[test]
+    fn engine_retries_go_on_the_kvroute_route() {
+        let production =
+            std::fs::read_to_string(workspace_root().join(OVERRIDE_HOST_CONFIG)).unwrap();
+        let sims: Vec<SocketAddr> = vec!["127.0.0.1:4001".parse().unwrap()];
+        let rendered =
+            render_envoy_config(&production, &sims, "127.0.0.1:5001".parse().unwrap()).unwrap();
+        assert!(!rendered.contains("retry_policy"));
+        let config: Value = serde_yaml::from_str(&with_engine_retries(&rendered).unwrap()).unwrap();
+        let listener = &config["static_resources"]["listeners"][0];
+        assert_eq!(listener["name"], KVROUTE_LISTENER);
+        let route = &listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"]
+            [0]["routes"][0]["route"];
+        assert_eq!(route["cluster"], "llm_pool");
+        assert_eq!(
+            route["retry_policy"]["retry_on"],
+            "connect-failure,refused-stream,reset"
+        );
+        assert_eq!(
+            route["retry_policy"]["retry_host_predicate"][0]["name"],
+            "envoy.retry_host_predicates.previous_hosts"
+        );
+        // The round-robin listener is left alone.
+        assert!(
+            config["static_resources"]["listeners"][1]
+                .get("retry_policy")
+                .is_none()
+        );
+    }
+
     fn listeners(grpc: u16, admin: u16) -> Listeners {
         Listeners {
             grpc: ([127, 0, 0, 1], grpc).into(),
@@ -1536,7 +1948,7 @@ mod tests {
 
     #[test]
     fn embedded_index_configs_pin_their_bound_ports() {
-        let config = index_config(&StackOptions::default(), &[]);
+        let config = index_config(&StackOptions::default(), &[], None);
         let pinned = pin_ports(&config, listeners(3, 4));
         assert!(pinned.starts_with("listen: {grpc: \"127.0.0.1:3\", admin: \"127.0.0.1:4\"}"));
         let ext_proc = ext_proc_config(

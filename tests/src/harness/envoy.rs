@@ -113,6 +113,11 @@ impl Envoy {
         self.listeners.get(name).copied()
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.guard.id()
+    }
+
     /// Envoy's log so far.
     pub fn log(&self) -> String {
         self.guard.log()

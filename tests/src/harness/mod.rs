@@ -1,6 +1,6 @@
 //! Process harnesses for integration tests: a real Envoy ([`Envoy`]), our binaries such as the
-//! engine simulator ([`SimProcess`]), a small HTTP client ([`http`]) and deadline polling
-//! ([`wait_until`]).
+//! engine simulator ([`SimProcess`]), a TCP link a test can cut ([`TcpProxy`]), a small HTTP
+//! client ([`http`]) and deadline polling ([`wait_until`]).
 //!
 //! Every process listens on port 0 and reports its real ports; readiness is a polled condition
 //! with a deadline, never a fixed sleep. A [`ChildGuard`] owns each process: on drop it sends
@@ -9,6 +9,7 @@
 mod envoy;
 pub mod http;
 mod process;
+mod proxy;
 mod sim_process;
 
 use std::future::Future;
@@ -17,6 +18,7 @@ use std::time::Duration;
 
 pub use envoy::{Envoy, envoy_bin, round_robin_config};
 pub use process::ChildGuard;
+pub use proxy::TcpProxy;
 pub use sim_process::SimProcess;
 
 /// How long a process gets to become ready.

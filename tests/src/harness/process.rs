@@ -57,6 +57,16 @@ impl ChildGuard {
         self.child.try_wait().ok().flatten()
     }
 
+    /// SIGKILL (an abrupt failure: no shutdown code runs), then reaps it, so that its ports are
+    /// free for a restart once this returns.
+    pub fn kill(&mut self) {
+        if self.exited().is_some() {
+            return;
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// SIGTERM, then SIGKILL after a grace period; returns whether it exited on SIGTERM.
     pub fn stop(&mut self) -> bool {
         if self.exited().is_some() {

@@ -72,4 +72,14 @@ impl SimProcess {
     pub fn log(&self) -> String {
         self.guard.log()
     }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.guard.id()
+    }
+
+    /// SIGKILL, as an engine crash: requests in flight are cut, nothing is flushed.
+    pub fn kill(&mut self) {
+        self.guard.kill();
+    }
 }

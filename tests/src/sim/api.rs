@@ -674,10 +674,12 @@ async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Json<Value> {
 
 async fn debug_blocks(State(state): State<Arc<AppState>>) -> Json<Value> {
     let geometry = state.engine.geometry();
+    let (published_batches, blocks) = state.engine.held_blocks_at();
     Json(json!({
         "block_size": geometry.block_size,
         "num_blocks": geometry.num_blocks,
-        "blocks": state.engine.held_blocks(),
+        "published_batches": published_batches,
+        "blocks": blocks,
     }))
 }
 

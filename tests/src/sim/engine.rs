@@ -106,6 +106,9 @@ pub struct Engine {
     timing: Timing,
     hasher: VllmHasher,
     sink: Option<EventSink>,
+    /// Event batches handed to the sink; changes under the state lock with every cache change
+    /// that publishes, so two equal readings bracket a moment the block set did not change.
+    published_batches: AtomicU64,
     /// Scheduler counters.
     pub counters: EngineCounters,
 }
@@ -137,6 +140,7 @@ impl Engine {
             timing,
             hasher,
             sink,
+            published_batches: AtomicU64::new(0),
             counters: EngineCounters::default(),
         }
     }
@@ -264,6 +268,7 @@ impl Engine {
 
     fn publish(&self, events: Vec<KvEvent>) {
         if let (false, Some(sink)) = (events.is_empty(), &self.sink) {
+            self.published_batches.fetch_add(1, Ordering::Relaxed);
             sink(events);
         }
     }
@@ -280,6 +285,14 @@ impl Engine {
     /// Blocks carrying a hash (`GET /debug/blocks`).
     pub fn held_blocks(&self) -> Vec<HeldBlock> {
         self.state.lock().cache.held_blocks()
+    }
+
+    /// [`Engine::held_blocks`] with the number of event batches published so far, read together
+    /// under the state lock: the blocks are what those batches describe.
+    pub fn held_blocks_at(&self) -> (u64, Vec<HeldBlock>) {
+        let state = self.state.lock();
+        let published = self.published_batches.load(Ordering::Relaxed);
+        (published, state.cache.held_blocks())
     }
 
     /// Scheduler gauges.

@@ -10,7 +10,8 @@
 //! - A timing model with a time-scale knob (`engine`).
 //! - `--chat-template` (vLLM's flag: a file or the template text) renders chat with another
 //!   template than the model folder's, e.g. to serve a replica kvroute tokenizes differently.
-//! - `GET /debug/blocks`: the blocks it holds, as published u64 hashes, to compare with an index.
+//! - `GET /debug/blocks`: the blocks it holds, as published u64 hashes, to compare with an index,
+//!   and `published_batches` (event batches so far, read with the blocks under one lock).
 //!
 //! Lifecycle: [`EngineSim::start`] binds everything (port 0 allowed) and returns the real
 //! addresses; [`EngineSim::shutdown`] stops serving. The binary prints them as one JSON line and

@@ -19,5 +19,6 @@ mod render;
 mod routing;
 mod sim;
 mod sim_index;
+mod soak;
 mod tokenize_parity;
 mod wasm_filter;
