@@ -265,6 +265,12 @@ async fn repeated_prompt_hits_full_blocks_and_publishes_hashes_vllm_would() {
         .collect();
     assert_eq!(held, expected.into_iter().collect());
     assert_eq!(blocks["blocks"][0]["medium"], "GPU");
+    // The batch count read with the blocks is every batch the engine published (its replay
+    // buffer holds them all here).
+    assert_eq!(
+        blocks["published_batches"],
+        super::common::replay_all(&replay).await.len() as u64
+    );
 }
 
 #[tokio::test]
