@@ -20,6 +20,10 @@
 //! `target/<profile>/deps/` where test binaries live); build them first with
 //! `cargo build --bins` (tests) or `cargo build --release --bins` (the demo).
 //!
+//! [`StackOptions::events_faults`] breaks one sim's KV-event feed to the index (never connected,
+//! cut through a [`TcpRelay`] by [`Stack::cut_events`], or another block size: flagged);
+//! [`StackOptions::refusing_replicas`] adds endpoints that refuse connections (Envoy's retries).
+//!
 //! Dropping the stack stops every process (Envoy first, the sims last); a panicking test gets
 //! each process's log printed.
 
@@ -31,8 +35,8 @@ use std::time::Duration;
 use serde_yaml::Value;
 
 use crate::harness::{
-    ChildGuard, Envoy, HarnessError, STARTUP_TIMEOUT, SimProcess, http, round_robin_config,
-    tiny_model_dir, wait_until, workspace_root,
+    ChildGuard, Envoy, HarnessError, STARTUP_TIMEOUT, SimProcess, TcpRelay, http, reserve_port,
+    round_robin_config, tiny_model_dir, wait_until, workspace_root,
 };
 
 /// The Envoy config the kvroute mode runs (relative to the workspace root).
@@ -246,6 +250,26 @@ pub struct StackOptions {
     pub ext_proc_extra_config: String,
     /// Where ext-proc's pool gets its tokens.
     pub tokenizer: StackTokenizer,
+    /// A fault in what the index hears of sim `i`'s KV events (`None`, or no entry: none).
+    pub events_faults: Vec<Option<EventsFault>>,
+    /// Replicas whose address refuses connections (a reserved port nothing binds), in Envoy's
+    /// pool and ext-proc's config (ids `refusing-<i>`, kept ready by scraping sim 0's
+    /// `/metrics`) but not in the index: what Envoy meets when an engine dies under load.
+    pub refusing_replicas: usize,
+}
+
+/// A fault in one sim's KV-event feed to the index (the sim itself serves normally).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventsFault {
+    /// The index's endpoints for it lead nowhere (reserved ports nothing binds): it never
+    /// connects.
+    Unreachable,
+    /// The sim runs with this block size while the pool says [`StackOptions::block_size`]:
+    /// every block it stores is refused and the index flags it.
+    BlockSize(u32),
+    /// The index subscribes through a [`TcpRelay`], which [`Stack::cut_events`] cuts: then
+    /// it is disconnected (and cannot reconnect).
+    Relayed,
 }
 
 /// ext-proc's `tokenizer` in a stack.
@@ -322,6 +346,8 @@ impl Default for StackOptions {
             sim_chat_templates: Vec::new(),
             ext_proc_extra_config: String::new(),
             tokenizer: StackTokenizer::default(),
+            events_faults: Vec::new(),
+            refusing_replicas: 0,
         }
     }
 }
@@ -703,6 +729,8 @@ pub struct Stack {
     sims: Vec<SimProcess>,
     /// Engines the caller owns ([`Stack::start_external`]); empty when the stack runs sims.
     external: Vec<ExternalReplica>,
+    /// The relays of [`EventsFault::Relayed`] sims, by replica.
+    relays: Vec<(usize, TcpRelay)>,
     options: StackOptions,
     _dir: tempfile::TempDir,
 }
@@ -755,6 +783,7 @@ impl Stack {
             .collect();
 
         let mut more_indexes = Vec::new();
+        let mut relays = Vec::new();
         let (index, ext_proc, envoy_config) = match options.routing {
             Routing::RoundRobin => {
                 let config = round_robin_config(&sim_addrs);
@@ -774,7 +803,8 @@ impl Stack {
                         log: String::new(),
                     });
                 };
-                let sources = event_sources(&sims, &external)?;
+                let mut sources = event_sources(&sims, &external)?;
+                relays = apply_events_faults(&options, &mut sources).await?;
                 let mut indexes = Vec::with_capacity(names.len());
                 // The index processes, or the file ext-proc's embedded index reads.
                 let embedded_index_config = match options.index_placement {
@@ -827,11 +857,14 @@ impl Stack {
                         )
                     }
                 };
+                let refusing = (0..options.refusing_replicas)
+                    .map(|_| reserve_port().map(|port| SocketAddr::from(([127, 0, 0, 1], port))))
+                    .collect::<Result<Vec<_>, _>>()?;
                 let ext_proc = Service::start(
                     "kvroute-ext-proc",
                     binaries.ext_proc.clone(),
                     dir.path(),
-                    ext_proc_config(&options, &sim_addrs, target)
+                    ext_proc_config(&options, &sim_addrs, &refusing, target)
                         + &debug_headers
                         + &options.ext_proc_extra_config,
                     embedded_index_config.clone(),
@@ -844,7 +877,9 @@ impl Stack {
                         path: workspace_root().join(OVERRIDE_HOST_CONFIG),
                         source,
                     })?;
-                let config = render_envoy_config(&text, &sim_addrs, ext_proc.grpc)?;
+                let endpoints: Vec<SocketAddr> =
+                    sim_addrs.iter().chain(&refusing).copied().collect();
+                let config = render_envoy_config(&text, &endpoints, ext_proc.grpc)?;
                 (index, Some(ext_proc), config)
             }
         };
@@ -856,6 +891,7 @@ impl Stack {
             more_indexes,
             sims,
             external,
+            relays,
             options,
             _dir: dir,
         };
@@ -1042,6 +1078,20 @@ impl Stack {
         self.wait_ext_proc_healthy_in_envoy().await
     }
 
+    /// Cuts the KV-event feed of sim `replica` ([`EventsFault::Relayed`]): its connections to
+    /// the index close and new ones are refused, while the sim serves on.
+    pub async fn cut_events(&self, replica: usize) -> Result<(), StackError> {
+        let (_, relay) =
+            self.relays
+                .iter()
+                .find(|(i, _)| *i == replica)
+                .ok_or(StackError::NotRunning {
+                    what: "an events relay for that replica (EventsFault::Relayed)",
+                })?;
+        relay.cut().await;
+        Ok(())
+    }
+
     /// Every process's log, with headers.
     pub fn logs(&self) -> String {
         let mut text = String::new();
@@ -1126,8 +1176,20 @@ impl Stack {
 
     async fn wait_one_index_synced(&self, admin: &str) -> Result<(), StackError> {
         let url = format!("{admin}/v1/replicas");
-        let ids = self.replica_ids();
-        let sims = self.sim_urls();
+        // Replicas whose feed is broken by design are not waited for.
+        let (ids, sims): (Vec<String>, Vec<String>) = self
+            .replica_ids()
+            .into_iter()
+            .zip(self.sim_urls())
+            .enumerate()
+            .filter(|(i, _)| {
+                matches!(
+                    self.options.events_faults.get(*i).copied().flatten(),
+                    None | Some(EventsFault::Relayed)
+                )
+            })
+            .map(|(_, pair)| pair)
+            .unzip();
         let external = self.external_urls();
         let synced = wait_until(
             "the index to hear from every sim",
@@ -1213,6 +1275,10 @@ fn event_topic(replica: usize) -> String {
 
 fn sim_args(options: &StackOptions, replica: usize) -> Vec<String> {
     let timing = &options.timing;
+    let block_size = match options.events_faults.get(replica).copied().flatten() {
+        Some(EventsFault::BlockSize(size)) => size,
+        _ => options.block_size,
+    };
     let events = serde_json::json!({
         "enable_kv_cache_events": true,
         "publisher": "zmq",
@@ -1223,7 +1289,7 @@ fn sim_args(options: &StackOptions, replica: usize) -> Vec<String> {
     [
         ("--model", tiny_model_dir().display().to_string()),
         ("--served-model-name", MODEL.to_owned()),
-        ("--block-size", options.block_size.to_string()),
+        ("--block-size", block_size.to_string()),
         ("--num-blocks", options.kv_blocks_per_replica.to_string()),
         ("--max-model-len", options.max_model_len.to_string()),
         ("--max-num-seqs", options.max_num_seqs.to_string()),
@@ -1288,6 +1354,46 @@ fn event_sources(
     Ok(sources)
 }
 
+/// Rewrites the event sources of faulted sims ([`StackOptions::events_faults`]); returns the
+/// relays it started.
+async fn apply_events_faults(
+    options: &StackOptions,
+    sources: &mut [EventSource],
+) -> Result<Vec<(usize, TcpRelay)>, StackError> {
+    let mut relays = Vec::new();
+    for (i, source) in sources.iter_mut().enumerate() {
+        match options.events_faults.get(i).copied().flatten() {
+            None | Some(EventsFault::BlockSize(_)) => {}
+            Some(EventsFault::Unreachable) => {
+                source.endpoint = format!("tcp://127.0.0.1:{}", reserve_port()?);
+                source.replay = format!("tcp://127.0.0.1:{}", reserve_port()?);
+            }
+            Some(EventsFault::Relayed) => {
+                let target = source
+                    .endpoint
+                    .strip_prefix("tcp://")
+                    .and_then(|addr| addr.parse::<SocketAddr>().ok())
+                    // The sim binds the wildcard; the relay reaches it on loopback.
+                    .map(|addr| SocketAddr::from(([127, 0, 0, 1], addr.port())))
+                    .ok_or_else(|| StackError::Component {
+                        component: "kvroute-engine-sim",
+                        detail: format!("cannot relay endpoint {}", source.endpoint),
+                        log: String::new(),
+                    })?;
+                let relay = TcpRelay::start(target)
+                    .await
+                    .map_err(|source| HarnessError::Io {
+                        path: PathBuf::from("events relay"),
+                        source,
+                    })?;
+                source.endpoint = format!("tcp://{}", relay.addr());
+                relays.push((i, relay));
+            }
+        }
+    }
+    Ok(relays)
+}
+
 fn index_config(options: &StackOptions, sources: &[EventSource]) -> String {
     let mut replicas = String::new();
     for (i, source) in sources.iter().enumerate() {
@@ -1323,6 +1429,7 @@ enum IndexTarget<'a> {
 fn ext_proc_config(
     options: &StackOptions,
     replicas: &[SocketAddr],
+    refusing: &[SocketAddr],
     index: IndexTarget<'_>,
 ) -> String {
     let tokenizer = match &options.tokenizer {
@@ -1349,6 +1456,10 @@ fn ext_proc_config(
         }
         IndexTarget::Embedded(config) => format!("embedded: \"{}\"", config.display()),
     };
+    // Refusing replicas stay ready for ext-proc by scraping the first sim.
+    let scraped = replicas
+        .first()
+        .map_or_else(String::new, ToString::to_string);
     let replicas: String = replicas
         .iter()
         .enumerate()
@@ -1359,6 +1470,16 @@ fn ext_proc_config(
             )
         })
         .collect();
+    let refusing: String = refusing
+        .iter()
+        .enumerate()
+        .map(|(i, addr)| {
+            format!(
+                "- {{id: refusing-{i}, pool: {MODEL}, address: \"{addr}\", metrics_url: \"http://{scraped}/metrics\"}}\n"
+            )
+        })
+        .collect();
+    let replicas = replicas + &refusing;
     format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
          index: {{{index}, match_timeout: {match_ms}ms}}\n\
@@ -1541,6 +1662,7 @@ mod tests {
         assert!(pinned.starts_with("listen: {grpc: \"127.0.0.1:3\", admin: \"127.0.0.1:4\"}"));
         let ext_proc = ext_proc_config(
             &StackOptions::default(),
+            &[],
             &[],
             IndexTarget::Embedded(Path::new("/tmp/x/index.yaml")),
         );

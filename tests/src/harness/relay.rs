@@ -1,19 +1,23 @@
-//! [`TcpRelay`]: a TCP forwarder a test can cut, to sever one connection path (e.g. the index's
-//! subscription to one engine's KV events) while both ends keep running. It forwards bytes
-//! unchanged, so each end speaks its real protocol to the other.
+//! [`TcpRelay`]: a TCP forwarder a test can cut, to sever one connection path (the index's
+//! subscription to one engine's KV events, an agent's stream to the index) while both ends keep
+//! running. It forwards bytes unchanged, so each end speaks its real protocol to the other.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
+use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// Forwards every connection made to [`TcpRelay::addr`] to the target until [`TcpRelay::cut`].
+/// Forwards every connection made to [`TcpRelay::addr`] to the target.
 #[derive(Debug)]
 pub struct TcpRelay {
     addr: SocketAddr,
-    target: SocketAddr,
-    cut: CancellationToken,
+    /// Cancels the connections open now (replaced by [`TcpRelay::drop_connections`]).
+    connections: Arc<Mutex<CancellationToken>>,
+    /// Stops listening.
+    stop: CancellationToken,
     tasks: TaskTracker,
 }
 
@@ -22,13 +26,20 @@ impl TcpRelay {
     pub async fn start(target: SocketAddr) -> std::io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let cut = CancellationToken::new();
+        let connections = Arc::new(Mutex::new(CancellationToken::new()));
+        let stop = CancellationToken::new();
         let tasks = TaskTracker::new();
-        tasks.spawn(accept_loop(listener, target, cut.clone(), tasks.clone()));
+        tasks.spawn(accept_loop(
+            listener,
+            target,
+            Arc::clone(&connections),
+            stop.clone(),
+            tasks.clone(),
+        ));
         Ok(Self {
             addr,
-            target,
-            cut,
+            connections,
+            stop,
             tasks,
         })
     }
@@ -38,15 +49,17 @@ impl TcpRelay {
         self.addr
     }
 
-    /// The address it forwards to.
-    pub fn target(&self) -> SocketAddr {
-        self.target
+    /// Closes the connections open now; new ones are forwarded again.
+    pub fn drop_connections(&self) {
+        let open = std::mem::replace(&mut *self.connections.lock(), CancellationToken::new());
+        open.cancel();
     }
 
-    /// Closes every forwarded connection and stops listening (new connections are refused);
-    /// returns once all are closed.
+    /// Closes every connection and stops listening (new connections are refused); returns once
+    /// all are closed.
     pub async fn cut(&self) {
-        self.cut.cancel();
+        self.stop.cancel();
+        self.drop_connections();
         self.tasks.close();
         self.tasks.wait().await;
     }
@@ -54,32 +67,33 @@ impl TcpRelay {
 
 impl Drop for TcpRelay {
     fn drop(&mut self) {
-        self.cut.cancel();
+        self.stop.cancel();
+        self.connections.lock().cancel();
     }
 }
 
 async fn accept_loop(
     listener: TcpListener,
     target: SocketAddr,
-    cut: CancellationToken,
+    connections: Arc<Mutex<CancellationToken>>,
+    stop: CancellationToken,
     tasks: TaskTracker,
 ) {
     loop {
         let accepted = tokio::select! {
-            () = cut.cancelled() => return,
+            () = stop.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
-        let Ok((inbound, _)) = accepted else {
+        let Ok((mut inbound, _)) = accepted else {
             continue;
         };
-        let cut = cut.clone();
+        let dropped = connections.lock().clone();
         tasks.spawn(async move {
             let Ok(mut outbound) = TcpStream::connect(target).await else {
                 return; // The target is gone: dropping `inbound` closes the client's side too.
             };
-            let mut inbound = inbound;
             tokio::select! {
-                () = cut.cancelled() => {}
+                () = dropped.cancelled() => {}
                 _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
             }
         });

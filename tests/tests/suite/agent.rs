@@ -9,7 +9,6 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_index::agent::{Agent, AgentConfig};
@@ -19,12 +18,9 @@ use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Mediu
 use kvroute_index::server::IndexServer;
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{Encoding, encode_batch};
-use kvroute_tests::harness::{ChildGuard, http, wait_until};
-use parking_lot::Mutex;
+use kvroute_tests::harness::{ChildGuard, TcpRelay, http, wait_until};
 use serde_json::{Value, json};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
+use tokio::net::TcpStream;
 
 use super::common::{self, start_sim};
 
@@ -147,65 +143,6 @@ impl IndexProcess {
     }
 }
 
-/// TCP forwarder whose open connections can be cut at once.
-struct Proxy {
-    addr: SocketAddr,
-    cut: Arc<Mutex<CancellationToken>>,
-    stop: CancellationToken,
-    tasks: TaskTracker,
-}
-
-impl Proxy {
-    async fn start(upstream: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let cut = Arc::new(Mutex::new(CancellationToken::new()));
-        let stop = CancellationToken::new();
-        let tasks = TaskTracker::new();
-        let (cut2, stop2, tasks2) = (Arc::clone(&cut), stop.clone(), tasks.clone());
-        tasks.spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    () = stop2.cancelled() => break,
-                    accepted = listener.accept() => accepted,
-                };
-                let Ok((mut inbound, _)) = accepted else {
-                    continue;
-                };
-                let token = cut2.lock().clone();
-                tasks2.spawn(async move {
-                    let Ok(mut outbound) = TcpStream::connect(upstream).await else {
-                        return;
-                    };
-                    tokio::select! {
-                        () = token.cancelled() => {}
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                    }
-                });
-            }
-        });
-        Self {
-            addr,
-            cut,
-            stop,
-            tasks,
-        }
-    }
-
-    /// Drops every open connection (new ones are accepted again).
-    fn cut(&self) {
-        let old = std::mem::replace(&mut *self.cut.lock(), CancellationToken::new());
-        old.cancel();
-    }
-
-    async fn shutdown(self) {
-        self.stop.cancel();
-        self.cut();
-        self.tasks.close();
-        self.tasks.wait().await;
-    }
-}
-
 /// The hashes a sim holds; the sim is local and up, so failing to read it is a test failure.
 async fn sim_blocks(base: &str) -> BTreeSet<u64> {
     common::sim_blocks(base).await.unwrap()
@@ -274,10 +211,10 @@ async fn index_converges_to_the_engine_after_every_fault() {
 
     let mut index = IndexProcess::start(dir.path(), "127.0.0.1:0").await;
     let grpc = index.grpc;
-    let proxy = Proxy::start(grpc).await;
+    let proxy = TcpRelay::start(grpc).await.unwrap();
     // The engine is busy before the agent exists: the agent catches up from its replay buffer.
     traffic(&base, 0).await;
-    let mut agent = Agent::start(agent_config(proxy.addr, &kv, &replay))
+    let mut agent = Agent::start(agent_config(proxy.addr(), &kv, &replay))
         .await
         .unwrap();
     assert!(!sim_blocks(&base).await.is_empty());
@@ -301,7 +238,7 @@ async fn index_converges_to_the_engine_after_every_fault() {
     );
 
     // Cut the agent↔index connection, keep the engine busy meanwhile.
-    proxy.cut();
+    proxy.drop_connections();
     traffic(&base, 1).await;
     converge("after a cut connection", index.admin, &base, CONVERGE).await;
 
@@ -331,7 +268,7 @@ async fn index_converges_to_the_engine_after_every_fault() {
     // ...the engine keeps working meanwhile, and a restarted agent brings the replica back with
     // everything the engine stored, before and while it was down, with no new engine traffic.
     traffic(&base, 3).await;
-    agent = Agent::start(agent_config(proxy.addr, &kv, &replay))
+    agent = Agent::start(agent_config(proxy.addr(), &kv, &replay))
         .await
         .unwrap();
     converge("after an agent restart", index.admin, &base, CONVERGE).await;
@@ -345,7 +282,7 @@ async fn index_converges_to_the_engine_after_every_fault() {
     .await;
 
     agent.shutdown().await;
-    proxy.shutdown().await;
+    proxy.cut().await;
     index.guard.stop();
     sim.shutdown().await;
 }

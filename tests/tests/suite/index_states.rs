@@ -15,7 +15,7 @@ use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index::server::IndexServer;
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{Encoding, encode_batch};
-use kvroute_tests::harness::{http, wait_until};
+use kvroute_tests::harness::{http, reserve_port, wait_until};
 use serde_json::{Value, json};
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
@@ -72,10 +72,9 @@ fn zmq_replica(id: &str, publisher: &MockVllmPublisher) -> String {
     )
 }
 
-/// An endpoint nothing listens on (a port bound and released).
+/// An endpoint nothing listens on (a reserved port nothing binds).
 fn dead_endpoint() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("tcp://{}", listener.local_addr().unwrap())
+    format!("tcp://127.0.0.1:{}", reserve_port().unwrap())
 }
 
 async fn grpc_match(server: &IndexServer, replica: &str) -> api::ReplicaMatch {
