@@ -347,3 +347,32 @@ async fn an_idle_restarted_engine_is_detected_on_reconnect() {
     .unwrap();
     server.shutdown().await;
 }
+
+/// A stream of messages that do not decode (an encoding this index does not know) flags the
+/// replica `unknown_encoding` — not precise — and the next message that decodes clears it.
+#[tokio::test]
+async fn a_replica_whose_messages_do_not_decode_is_flagged_until_one_does() {
+    let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
+    let server = IndexServer::start(config(&zmq_replica("garbled", &publisher), ""))
+        .await
+        .unwrap();
+    wait_for_state(&server, "garbled", ReplicaCondition::Ready).await;
+    // 0xc1 is the one byte msgpack never uses: no vLLM batch starts with it.
+    for _ in 0..4 {
+        publisher.publish(vec![0xc1, 0x00]).await.unwrap();
+    }
+    let found = wait_for_state(&server, "garbled", ReplicaCondition::Flagged).await;
+    assert_eq!(found.reason, "unknown_encoding");
+    assert_not_precise(&server, "garbled", "flagged", "unknown_encoding").await;
+    publisher
+        .publish(stored_payload(&HASHES, BLOCK_SIZE))
+        .await
+        .unwrap();
+    wait_until("3 blocks matched, precise again", DEADLINE, || async {
+        let found = grpc_match(&server, "garbled").await;
+        (found.precise && found.matched_blocks == 3).then_some(())
+    })
+    .await
+    .unwrap();
+    server.shutdown().await;
+}
