@@ -281,6 +281,12 @@ pub async fn check(
                 model: model.to_owned(),
             })?;
     let pool = &config.pools[pool_index];
+    // A request naming no model is the pool's base model, as in a decision.
+    let model = if model.is_empty() {
+        pool.models[0].as_str()
+    } else {
+        model
+    };
     // Client token ids need no tokenizer, as in a decision.
     let tokenizer = tokenizer::from_source(&pool.tokenizer, pool_index, tasks)?;
     let started = Instant::now();

@@ -27,6 +27,9 @@
 //!   # tokenizer: {render: "http://10.0.0.5:8000", timeout: 50ms}
 //! replicas:
 //! - {id: r0, pool: llama, address: "10.0.0.5:8000", metrics_url: "http://10.0.0.5:8000/metrics"}
+//! # A request naming no model (vLLM serves its base model) goes to the only pool, or with
+//! # several pools to this one (without it: 400):
+//! # default_pool: llama
 //! # Debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`) reveal
 //! # whether a prompt was cached: off unless configured. `always`, or only for requests carrying
 //! # the secret (compared in constant time, removed before the request goes upstream):
@@ -145,6 +148,8 @@ pub struct RawConfig {
     debug_headers: RawDebugHeaders,
     limits: RawLimits,
     drift: RawDrift,
+    /// The pool of a request that names no model (needed only with several pools).
+    default_pool: Option<String>,
     pools: Vec<RawPool>,
     replicas: Vec<RawReplica>,
 }
@@ -329,6 +334,9 @@ pub struct Config {
     pub max_streams: usize,
     /// Drift detection (`drift`).
     pub drift: DriftConfig,
+    /// The pool of a request that names no model (vLLM serves its base model): `default_pool`,
+    /// or the only pool; `None` with several pools and no `default_pool`.
+    pub default_pool: Option<usize>,
     /// Pools (non-empty).
     pub pools: Vec<Pool>,
     /// Replicas (non-empty); `Replica::pool` indexes `pools`.
@@ -711,8 +719,12 @@ impl Config {
         Self::from_yaml(&text)
     }
 
-    /// The pool serving `model`, and the adapter when `model` is a LoRA adapter.
+    /// The pool serving `model`, and the adapter when `model` is a LoRA adapter. An empty
+    /// `model` (the request named none) is the default pool's base model, as vLLM serves it.
     pub fn pool_for_model(&self, model: &str) -> Option<(usize, Option<&Adapter>)> {
+        if model.is_empty() {
+            return self.default_pool.map(|pool| (pool, None));
+        }
         self.pools.iter().enumerate().find_map(|(i, pool)| {
             if pool.models.iter().any(|m| m == model) {
                 Some((i, None))
@@ -809,6 +821,12 @@ impl TryFrom<RawConfig> for Config {
             .enumerate()
             .map(|(i, r)| replica(i, r, &pools))
             .collect::<Result<Vec<_>, _>>()?;
+        let default_pool = match raw.default_pool.as_deref() {
+            Some(name) => Some(pools.iter().position(|p| p.name == name).ok_or_else(|| {
+                ConfigError::invalid("default_pool", name, "no pool of that name")
+            })?),
+            None => (pools.len() == 1).then_some(0),
+        };
         let config = Config {
             grpc_addr,
             admin_addr,
@@ -884,6 +902,7 @@ impl TryFrom<RawConfig> for Config {
             )?,
             max_streams: raw.limits.max_streams.unwrap_or(DEFAULT_MAX_STREAMS),
             drift: drift(&raw.drift)?,
+            default_pool,
             pools,
             replicas,
         };
@@ -1333,6 +1352,21 @@ replicas:
             Ok(_) => panic!("config should be rejected:\n{yaml}"),
             Err(e) => format!("{:#}", anyhow::Error::from(e)),
         }
+    }
+
+    #[test]
+    fn a_request_naming_no_model_goes_to_the_default_pool() {
+        let one = Config::from_yaml(MINIMAL).unwrap();
+        assert_eq!(one.pool_for_model("").map(|(pool, _)| pool), Some(0));
+        let two = MINIMAL.replace(
+            "replicas:\n",
+            "- {name: q, models: [other], block_size: 16, key_scheme: {kind: token-chain}}\nreplicas:\n",
+        );
+        assert_eq!(Config::from_yaml(&two).unwrap().pool_for_model(""), None);
+        let chosen = Config::from_yaml(&format!("{two}default_pool: q\n")).unwrap();
+        assert_eq!(chosen.pool_for_model("").map(|(pool, _)| pool), Some(1));
+        assert_eq!(chosen.pool_for_model("m").map(|(pool, _)| pool), Some(0));
+        assert!(error_of(&format!("{two}default_pool: nope\n")).contains("default_pool"));
     }
 
     #[test]

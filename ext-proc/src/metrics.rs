@@ -40,6 +40,15 @@ pub struct ReplicaLabel {
     pub replica: String,
 }
 
+/// A replica (id from config) and the state the index reported for it (a fixed enum).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaStateLabels {
+    /// Replica id.
+    pub replica: String,
+    /// `syncing`, `stale`, `disconnected`, `never_connected`, `flagged`, `ready`, `unspecified`.
+    pub state: &'static str,
+}
+
 /// A pool label (name from config).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolLabel {
@@ -70,6 +79,11 @@ pub struct Metrics {
     pub streams_active: Gauge,
     /// Served endpoint differed from the decision (Envoy fell back or retried).
     pub served_mismatch: Counter,
+    /// Candidates the index answered for without vouching (`precise: false`), by its state:
+    /// each was scored on the approximate tier.
+    pub nonprecise_replicas: Family<ReplicaStateLabels, Counter>,
+    /// Candidates absent from the index's answer (a replica id the index does not know).
+    pub unknown_replicas: Family<ReplicaLabel, Counter>,
     /// Config reloads by result.
     pub config_reloads: Family<KindLabel, Counter>,
     /// Router in-flight requests per replica.
@@ -129,6 +143,8 @@ impl Metrics {
             predicted_cached_share: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]),
             streams_active: Gauge::default(),
             served_mismatch: Counter::default(),
+            nonprecise_replicas: Family::default(),
+            unknown_replicas: Family::default(),
             config_reloads: Family::default(),
             replica_inflight: Family::default(),
             replica_waiting: Family::default(),
@@ -194,6 +210,16 @@ impl Metrics {
             "served_mismatch",
             "Envoy served another endpoint than decided",
             metrics.served_mismatch.clone(),
+        );
+        r.register(
+            "nonprecise_replicas",
+            "Candidates the index did not vouch for (scored on the approximate tier), by state",
+            metrics.nonprecise_replicas.clone(),
+        );
+        r.register(
+            "unknown_replicas",
+            "Candidates absent from the index's answer (replica id unknown to the index)",
+            metrics.unknown_replicas.clone(),
         );
         r.register(
             "config_reloads",

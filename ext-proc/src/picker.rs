@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use kvroute_index::api::{MatchRequest, MatchResponse};
+use kvroute_index::api::{MatchRequest, MatchResponse, ReplicaCondition};
 use parking_lot::Mutex;
 use tokio_util::task::TaskTracker;
 
@@ -35,7 +35,9 @@ use crate::drift::{Prediction, engine_hit_tokens};
 use crate::error::{ConfigError, RequestError};
 use crate::index_client::IndexClient;
 use crate::load::{InflightGuard, LoadBoard};
-use crate::metrics::{DecisionLabels, FallbackLabels, KindLabel, Metrics};
+use crate::metrics::{
+    DecisionLabels, FallbackLabels, KindLabel, Metrics, ReplicaLabel, ReplicaStateLabels,
+};
 use crate::policy::{self, Candidate, Reason};
 use crate::prefix_memory::PrefixMemory;
 use crate::request::ParsedRequest;
@@ -102,6 +104,19 @@ impl IndexSkip {
             Self::PoolWithoutEvents => "pool_without_events",
             Self::Drift => "drift",
         }
+    }
+}
+
+/// The metric label of a replica state the index reported.
+fn condition_label(condition: ReplicaCondition) -> &'static str {
+    match condition {
+        ReplicaCondition::Unspecified => "unspecified",
+        ReplicaCondition::Ready => "ready",
+        ReplicaCondition::Syncing => "syncing",
+        ReplicaCondition::Stale => "stale",
+        ReplicaCondition::Disconnected => "disconnected",
+        ReplicaCondition::NeverConnected => "never_connected",
+        ReplicaCondition::Flagged => "flagged",
     }
 }
 
@@ -318,12 +333,16 @@ impl Picker {
         started: Instant,
     ) -> Result<Decision, RequestError> {
         let config = &runtime.config;
-        let (pool_index, adapter) =
-            config
-                .pool_for_model(&request.model)
-                .ok_or_else(|| RequestError::UnknownModel {
+        let (pool_index, adapter) = config.pool_for_model(&request.model).ok_or_else(|| {
+            if request.model.is_empty() {
+                // Several pools and no `default_pool`: which base model is meant is unknown.
+                RequestError::MissingField { field: "model" }
+            } else {
+                RequestError::UnknownModel {
                     model: request.model.to_string(),
-                })?;
+                }
+            }
+        })?;
         let pool = &config.pools[pool_index];
         let candidates: Vec<&Replica> = config
             .replicas
@@ -449,14 +468,18 @@ impl Picker {
         if matches!(request.prompt, crate::request::Prompt::Absent) {
             return Err(LoadCause::NoPrompt);
         }
-        // Tokens.
+        // Tokens. A request naming no model is the pool's base model (the name vLLM serves first).
+        let model = match request.model.as_ref() {
+            "" => pool.models[0].as_str(),
+            named => named,
+        };
         let tokenize_started = Instant::now();
         let tokenize_budget = config
             .tokenize_budget
             .min(deadline.saturating_duration_since(tokenize_started));
         let tokens = self
             .token_cache
-            .tokens(pool_index, &request.model, &request.prompt, runtime.tokenizers[pool_index].as_ref(), tokenize_budget)
+            .tokens(pool_index, model, &request.prompt, runtime.tokenizers[pool_index].as_ref(), tokenize_budget)
             .await
             .map_err(|e| {
                 self.count_fallback("tokenize", e.as_label());
@@ -507,6 +530,7 @@ impl Picker {
                     self.metrics
                         .match_duration
                         .observe(match_started.elapsed().as_secs_f64());
+                    self.count_untrusted_candidates(pool, candidates, &answer);
                     Some(answer)
                 }
                 Err(e) => {
@@ -600,6 +624,58 @@ impl Picker {
                 prompt_tokens: prompt_tokens as u64,
             }),
         })
+    }
+
+    /// Counts (and logs at debug) every candidate the index did not vouch for: those it answered
+    /// `precise: false` for, by state, and those it left out (ids it does not know; the first
+    /// time per replica is a warning, since that is a configuration mismatch).
+    fn count_untrusted_candidates(
+        &self,
+        pool: &Pool,
+        candidates: &[&Replica],
+        answer: &MatchResponse,
+    ) {
+        for replica in candidates {
+            match answer.replicas.iter().find(|m| m.replica_id == replica.id) {
+                Some(found) if found.precise => {}
+                Some(found) => {
+                    let state = condition_label(found.state());
+                    self.metrics
+                        .nonprecise_replicas
+                        .get_or_create(&ReplicaStateLabels {
+                            replica: replica.id.clone(),
+                            state,
+                        })
+                        .inc();
+                    tracing::debug!(
+                        replica_id = %replica.id,
+                        pool = %pool.name,
+                        state,
+                        reason = %found.reason,
+                        "index does not vouch for the replica: approximate tier"
+                    );
+                }
+                None => {
+                    let seen = self
+                        .metrics
+                        .unknown_replicas
+                        .get_or_create(&ReplicaLabel {
+                            replica: replica.id.clone(),
+                        })
+                        .inc();
+                    if seen == 0 {
+                        tracing::warn!(
+                            replica_id = %replica.id,
+                            pool = %pool.name,
+                            "the index does not know this replica id (configured here, absent \
+                             from its answer): approximate tier; check both configs"
+                        );
+                    } else {
+                        tracing::debug!(replica_id = %replica.id, pool = %pool.name, "replica unknown to the index");
+                    }
+                }
+            }
+        }
     }
 
     fn count_fallback(&self, stage: &'static str, cause: &'static str) {

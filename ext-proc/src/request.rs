@@ -21,6 +21,7 @@ use std::borrow::Cow;
 
 use kvroute_tokenize::ApiKind;
 use serde::Deserialize;
+use serde::de::{IgnoredAny, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
 use crate::error::RequestError;
@@ -57,7 +58,8 @@ impl Endpoint {
 /// The routing-relevant view of a request body.
 #[derive(Debug)]
 pub struct ParsedRequest<'a> {
-    /// Requested model (base or LoRA adapter name).
+    /// Requested model (base or LoRA adapter name); empty when the request names none (absent,
+    /// `null` or `""`), which vLLM serves with its base model.
     pub model: Cow<'a, str>,
     /// What will be tokenized.
     pub prompt: Prompt<'a>,
@@ -127,46 +129,81 @@ pub struct ChatFields<'a> {
     pub request_template: bool,
 }
 
-#[derive(Deserialize)]
+/// The fields routing reads; every other is skipped. A key sent twice keeps its last value, as
+/// Python's `json.loads` does for vLLM (serde's derive would refuse the body).
+#[derive(Default)]
 struct Body<'a> {
-    #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
     prompt: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     messages: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     cache_salt: Option<Cow<'a, str>>,
-    #[serde(default)]
     add_special_tokens: Option<bool>,
-    #[serde(default)]
     add_generation_prompt: Option<bool>,
-    #[serde(default)]
     continue_final_message: Option<bool>,
-    #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     documents: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     chat_template_kwargs: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     reasoning_effort: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
     chat_template: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     input: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     instructions: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     reasoning: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     previous_response_id: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     system: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     thinking: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     output_config: Option<&'a RawValue>,
+}
+
+impl<'de> Deserialize<'de> for Body<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(BodyVisitor)
+    }
+}
+
+struct BodyVisitor;
+
+impl<'de> Visitor<'de> for BodyVisitor {
+    type Value = Body<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Body<'de>, A::Error> {
+        fn text<'de, A: MapAccess<'de>>(map: &mut A) -> Result<Option<Cow<'de, str>>, A::Error> {
+            Ok(map
+                .next_value::<Option<Text<'de>>>()?
+                .map(|Text(text)| text))
+        }
+        let mut body = Body::default();
+        while let Some(Text(key)) = map.next_key::<Text<'de>>()? {
+            match key.as_ref() {
+                "model" => body.model = text(&mut map)?,
+                "prompt" => body.prompt = map.next_value()?,
+                "messages" => body.messages = map.next_value()?,
+                "cache_salt" => body.cache_salt = text(&mut map)?,
+                "add_special_tokens" => body.add_special_tokens = map.next_value()?,
+                "add_generation_prompt" => body.add_generation_prompt = map.next_value()?,
+                "continue_final_message" => body.continue_final_message = map.next_value()?,
+                "tools" => body.tools = map.next_value()?,
+                "documents" => body.documents = map.next_value()?,
+                "chat_template_kwargs" => body.chat_template_kwargs = map.next_value()?,
+                "reasoning_effort" => body.reasoning_effort = text(&mut map)?,
+                "chat_template" => body.chat_template = map.next_value()?,
+                "input" => body.input = map.next_value()?,
+                "instructions" => body.instructions = map.next_value()?,
+                "reasoning" => body.reasoning = map.next_value()?,
+                "previous_response_id" => body.previous_response_id = map.next_value()?,
+                "system" => body.system = map.next_value()?,
+                "thinking" => body.thinking = map.next_value()?,
+                "output_config" => body.output_config = map.next_value()?,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(body)
+    }
 }
 
 /// A raw JSON value that is `null` counts as absent (vLLM's defaults are `None`).
@@ -184,15 +221,8 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
         serde_json::from_slice(body).map_err(|e| RequestError::MalformedJson {
             reason: e.to_string(),
         })?;
-    let model = parsed
-        .model
-        .ok_or(RequestError::MissingField { field: "model" })?;
-    if model.is_empty() {
-        return Err(RequestError::InvalidField {
-            field: "model",
-            reason: "empty",
-        });
-    }
+    // vLLM serves a request naming no model (absent, null, "") with its base model.
+    let model = parsed.model.unwrap_or_default();
     let prompt = match (endpoint, parsed.prompt, parsed.messages) {
         (Endpoint::Responses, ..) => {
             let input =
@@ -551,12 +581,55 @@ mod tests {
         );
     }
 
+    /// vLLM serves a request naming no model with its base model (`_is_model_supported`: a
+    /// falsy name is supported), so absent, `null` and `""` all parse, as "no model".
+    #[test]
+    fn a_request_without_model_parses_as_naming_none() {
+        for body in [
+            r#"{"prompt":"x"}"#,
+            r#"{"model":null,"prompt":"x"}"#,
+            r#"{"model":"","prompt":"x"}"#,
+        ] {
+            let r = parse_ok(body, Endpoint::Completions);
+            assert_eq!(r.model, "", "{body}");
+            assert!(matches!(r.prompt, Prompt::Text { ref text, .. } if text == "x"));
+        }
+    }
+
+    /// FastAPI hands vLLM the body through Python's `json.loads`, which keeps the last of a
+    /// duplicated key; so does the parser, for every field (serde's derive refused the body).
+    #[test]
+    fn a_duplicated_key_keeps_its_last_value() {
+        let r = parse_ok(
+            r#"{"model":"a","prompt":"first","model":"m","prompt":"second","cache_salt":"s","cache_salt":"t"}"#,
+            Endpoint::Completions,
+        );
+        assert_eq!(r.model, "m");
+        assert!(matches!(r.prompt, Prompt::Text { ref text, .. } if text == "second"));
+        assert_eq!(r.cache_salt.as_deref(), Some("t"));
+        // An escaped key is the same key.
+        let r = parse_ok(
+            r#"{"model":"a","mod\u0065l":"m","messages":[{"role":"user","content":"q"}]}"#,
+            Endpoint::ChatCompletions,
+        );
+        assert_eq!(r.model, "m");
+        // The last value decides even when it is null (None in Python, then vLLM's default).
+        let r = parse_ok(
+            r#"{"model":"m","prompt":"x","model":null}"#,
+            Endpoint::Completions,
+        );
+        assert_eq!(r.model, "");
+    }
+
     #[test]
     fn errors_map_to_statuses() {
         let status = |body: &str, e| parse(body.as_bytes(), e).unwrap_err().http_status();
         assert_eq!(status("{not json", Endpoint::Completions), 400);
-        assert_eq!(status(r#"{"prompt":"x"}"#, Endpoint::Completions), 400);
         assert_eq!(status(r#"{"model":"m"}"#, Endpoint::Completions), 400);
+        assert_eq!(
+            status(r#"{"model":5,"prompt":"x"}"#, Endpoint::Completions),
+            400
+        );
         assert_eq!(
             status(r#"{"model":"m","prompt":"x"}"#, Endpoint::ChatCompletions),
             400

@@ -29,7 +29,8 @@ use kvroute_ext_proc::tokenizer::{TokenizeFuture, TokenizeInput};
 use kvroute_ext_proc::{Config, ExtProc, Picker, Tokenizer};
 use kvroute_index::api::kv_index_server::{KvIndex, KvIndexServer};
 use kvroute_index::api::{
-    MatchRequest, MatchResponse, ReplicaMatch, ReplicaStateRequest, ReplicaStateResponse,
+    MatchRequest, MatchResponse, ReplicaCondition, ReplicaMatch, ReplicaStateRequest,
+    ReplicaStateResponse,
 };
 use parking_lot::Mutex;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -78,6 +79,10 @@ struct FakeIndex {
     calls: Arc<Mutex<u32>>,
     /// The `authorization` metadata of each call.
     authorizations: Arc<Mutex<Vec<Option<String>>>>,
+    /// Replicas answered as not precise, in this state (0 blocks, as kvroute-index answers).
+    untrusted: Arc<Mutex<HashMap<String, ReplicaCondition>>>,
+    /// Replica ids left out of every answer (kvroute-index leaves out ids it does not know).
+    unknown: Arc<Mutex<HashSet<String>>>,
 }
 
 #[tonic::async_trait]
@@ -96,10 +101,21 @@ impl KvIndex for FakeIndex {
         );
         let request = request.into_inner();
         let held = self.held.lock();
+        let (untrusted, unknown) = (self.untrusted.lock(), self.unknown.lock());
         let replicas = request
             .candidates
             .iter()
+            .filter(|id| !unknown.contains(*id))
             .map(|id| {
+                if let Some(&state) = untrusted.get(id) {
+                    return ReplicaMatch {
+                        replica_id: id.clone(),
+                        precise: false,
+                        state: state.into(),
+                        reason: "block_size_mismatch".into(),
+                        ..Default::default()
+                    };
+                }
                 let set = held.get(id);
                 let matched = request
                     .keys
@@ -111,6 +127,7 @@ impl KvIndex for FakeIndex {
                     matched_blocks: matched,
                     gpu_blocks: matched,
                     precise: true,
+                    state: ReplicaCondition::Ready.into(),
                     ..Default::default()
                 }
             })
@@ -547,6 +564,115 @@ async fn buffered_decision_sets_header_and_metadata_and_follows_the_index() {
     })
     .await;
 
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+/// The index vouches only for `ready` replicas: one it answers `precise: false` for (r1, flagged,
+/// though it holds the prefix) is scored on the approximate tier, and so is one it leaves out
+/// (r2, an id it does not know); both are counted per replica. r0 (precise) is kept busy so the
+/// choice falls on the other two.
+#[tokio::test]
+async fn replicas_the_index_does_not_vouch_for_are_approximate_and_counted() {
+    let replicas = Replicas::start().await;
+    let prefix = long_prefix();
+    replicas.hold("r1", &prefix);
+    replicas
+        .index
+        .untrusted
+        .lock()
+        .insert("r1".into(), ReplicaCondition::Flagged);
+    replicas.index.unknown.lock().insert("r2".into());
+    replicas.waiting.lock().insert("r0".into(), 40.0);
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
+    let load = harness.picker.loads().replica("r0");
+    eventually("r0's queue scraped", || {
+        load.snapshot().scraped.waiting == 40.0
+    })
+    .await;
+
+    let first = routed(&buffered(&harness, "/v1/completions", &completion(&prefix), None).await);
+    assert_ne!(first.endpoint, "10.0.0.1:8000");
+    assert!(
+        first.decision.starts_with("approximate/"),
+        "{}",
+        first.decision
+    );
+    // The routed-prefix memory (the approximate tier) follows the first decision.
+    let again = routed(
+        &buffered(
+            &harness,
+            "/v1/completions",
+            &completion(&format!("{prefix} and more")),
+            None,
+        )
+        .await,
+    );
+    assert_eq!(again.endpoint, first.endpoint);
+    assert_eq!(again.decision, "approximate/cache_hit");
+    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    for line in [
+        "kvroute_extproc_nonprecise_replicas_total{replica=\"r1\",state=\"flagged\"} 2",
+        "kvroute_extproc_unknown_replicas_total{replica=\"r2\"} 2",
+        "kvroute_extproc_decisions_total{tier=\"approximate\",reason=\"cache_hit\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
+    assert!(
+        !metrics.contains("nonprecise_replicas_total{replica=\"r0\""),
+        "{metrics}"
+    );
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+/// What vLLM serves is routed: a body naming no model (vLLM serves its base model) goes to the
+/// only pool, or to `default_pool` when there are several (without one, 400 naming `model`);
+/// a duplicated key keeps its last value, as Python's `json.loads` does for vLLM.
+#[tokio::test]
+async fn bodies_without_a_model_or_with_a_duplicated_key_are_routed() {
+    let replicas = Replicas::start().await;
+    let prefix = long_prefix();
+    replicas.hold("r1", &prefix);
+    let no_model =
+        serde_json::to_vec(&serde_json::json!({"prompt": format!("{prefix} q")})).unwrap();
+    let duplicated = format!(
+        r#"{{"model":"nope","prompt":"unrelated","model":"m","prompt":{}}}"#,
+        serde_json::to_string(&format!("{prefix} q")).unwrap()
+    );
+    let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
+    for body in [no_model.as_slice(), duplicated.as_bytes()] {
+        let r = routed(&buffered(&harness, "/v1/completions", body, None).await);
+        // Tokenized as the pool's model and matched: the prompt that counted is the last one.
+        assert_eq!(
+            (r.endpoint.as_str(), r.decision.as_str()),
+            ("10.0.0.2:8000", "precise/cache_hit")
+        );
+    }
+    harness.shutdown().await;
+
+    // A second pool: which base model a nameless request means needs `default_pool`.
+    let other_pool = "- {id: q0, pool: q, address: \"10.0.0.9:8000\"}\n";
+    let two_pools = |extra: &str| {
+        replicas.yaml(&format!("{other_pool}{extra}")).replacen(
+            "replicas:\n",
+            "- {name: q, models: [other], block_size: 4, key_scheme: {kind: token-chain}}\nreplicas:\n",
+            1,
+        )
+    };
+    let harness = Harness::start(&two_pools(""), Arc::new(ByteTokenizer)).await;
+    let (status, json) = immediate(&buffered(&harness, "/v1/completions", &no_model, None).await);
+    assert_eq!(
+        (status, json["error"]["param"].as_str()),
+        (400, Some("model"))
+    );
+    harness.shutdown().await;
+    let harness = Harness::start(&two_pools("default_pool: p\n"), Arc::new(ByteTokenizer)).await;
+    let r = routed(&buffered(&harness, "/v1/completions", &no_model, None).await);
+    assert_eq!(
+        (r.endpoint.as_str(), r.decision.as_str()),
+        ("10.0.0.2:8000", "precise/cache_hit")
+    );
     harness.shutdown().await;
     replicas.stop.cancel();
 }

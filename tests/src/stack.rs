@@ -28,6 +28,10 @@
 //! `target/<profile>/deps/` where test binaries live); build them first with
 //! `cargo build --bins` (tests) or `cargo build --release --bins` (the demo).
 //!
+//! [`StackOptions::events_faults`] breaks one sim's KV-event feed to the index (never connected,
+//! or another block size: flagged);
+//! [`StackOptions::refusing_replicas`] adds endpoints that refuse connections (Envoy's retries).
+//!
 //! Dropping the stack stops every process (Envoy first, the sims last); a panicking test gets
 //! each process's log printed.
 
@@ -39,7 +43,7 @@ use std::time::Duration;
 use serde_yaml::Value;
 
 use crate::harness::{
-    ChildGuard, Envoy, HarnessError, STARTUP_TIMEOUT, SimProcess, TcpProxy, http,
+    ChildGuard, Envoy, HarnessError, STARTUP_TIMEOUT, SimProcess, TcpProxy, http, reserve_port,
     round_robin_config, tiny_model_dir, wait_until, workspace_root,
 };
 
@@ -263,6 +267,23 @@ pub struct StackOptions {
     /// Envoy retries a request whose engine refused the connection or reset the stream on
     /// another endpoint ([`ENGINE_RETRY_POLICY`]); off keeps the shipped config's route as is.
     pub engine_retries: bool,
+    /// A fault in what the index hears of sim `i`'s KV events (`None`, or no entry: none).
+    pub events_faults: Vec<Option<EventsFault>>,
+    /// Replicas whose address refuses connections (a reserved port nothing binds), in Envoy's
+    /// pool and ext-proc's config (ids `refusing-<i>`, kept ready by scraping sim 0's
+    /// `/metrics`) but not in the index: what Envoy meets when an engine dies under load.
+    pub refusing_replicas: usize,
+}
+
+/// A fault in one sim's KV-event feed to the index (the sim itself serves normally).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventsFault {
+    /// The index's endpoints for it lead nowhere (reserved ports nothing binds): it never
+    /// connects.
+    Unreachable,
+    /// The sim runs with this block size while the pool says [`StackOptions::block_size`]:
+    /// every block it stores is refused and the index flags it.
+    BlockSize(u32),
 }
 
 /// The agent's id in a stack with [`StackOptions::agent_replicas`].
@@ -361,6 +382,8 @@ impl Default for StackOptions {
             agent_replicas: Vec::new(),
             cuttable_event_streams: Vec::new(),
             engine_retries: false,
+            events_faults: Vec::new(),
+            refusing_replicas: 0,
         }
     }
 }
@@ -912,6 +935,7 @@ impl Stack {
                     })
                     .transpose()?;
                 let index_yaml = index_config(&options, &sources, agent_token.as_deref());
+                apply_events_faults(&options, &mut sources)?;
                 let mut indexes = Vec::with_capacity(names.len());
                 // The index processes, or the file ext-proc's embedded index reads.
                 let embedded_index_config = match options.index_placement {
@@ -978,12 +1002,15 @@ impl Stack {
                         )
                     }
                 };
+                let refusing = (0..options.refusing_replicas)
+                    .map(|_| reserve_port().map(|port| SocketAddr::from(([127, 0, 0, 1], port))))
+                    .collect::<Result<Vec<_>, _>>()?;
                 let ext_proc = Service::start(
                     "kvroute-ext-proc",
                     ServiceKind::Server,
                     binaries.ext_proc.clone(),
                     dir.path(),
-                    ext_proc_config(&options, &sim_addrs, target)
+                    ext_proc_config(&options, &sim_addrs, &refusing, target)
                         + &debug_headers
                         + &options.ext_proc_extra_config,
                     embedded_index_config.clone(),
@@ -996,7 +1023,9 @@ impl Stack {
                         path: workspace_root().join(OVERRIDE_HOST_CONFIG),
                         source,
                     })?;
-                let mut config = render_envoy_config(&text, &sim_addrs, ext_proc.grpc)?;
+                let endpoints: Vec<SocketAddr> =
+                    sim_addrs.iter().chain(&refusing).copied().collect();
+                let mut config = render_envoy_config(&text, &endpoints, ext_proc.grpc)?;
                 if options.engine_retries {
                     config = with_engine_retries(&config)?;
                 }
@@ -1391,8 +1420,22 @@ impl Stack {
 
     async fn wait_one_index_synced(&self, admin: &str) -> Result<(), StackError> {
         let url = format!("{admin}/v1/replicas");
-        let ids = self.replica_ids();
-        let sims = self.sim_urls();
+        // Replicas whose feed is broken by design are not waited for.
+        let (ids, sims): (Vec<String>, Vec<String>) = self
+            .replica_ids()
+            .into_iter()
+            .zip(self.sim_urls())
+            .enumerate()
+            .filter(|(i, _)| {
+                self.options
+                    .events_faults
+                    .get(*i)
+                    .copied()
+                    .flatten()
+                    .is_none()
+            })
+            .map(|(_, pair)| pair)
+            .unzip();
         let external = self.external_urls();
         let synced = wait_until(
             "the index to hear from every sim",
@@ -1500,6 +1543,10 @@ impl SimPorts {
 fn sim_args(options: &StackOptions, replica: usize, ports: Option<SimPorts>) -> Vec<String> {
     let timing = &options.timing;
     let (http, events, replay) = ports.map_or((0, 0, 0), |p| (p.http, p.events, p.replay));
+    let block_size = match options.events_faults.get(replica).copied().flatten() {
+        Some(EventsFault::BlockSize(size)) => size,
+        _ => options.block_size,
+    };
     let events = serde_json::json!({
         "enable_kv_cache_events": true,
         "publisher": "zmq",
@@ -1511,7 +1558,7 @@ fn sim_args(options: &StackOptions, replica: usize, ports: Option<SimPorts>) -> 
         ("--port", http.to_string()),
         ("--model", tiny_model_dir().display().to_string()),
         ("--served-model-name", MODEL.to_owned()),
-        ("--block-size", options.block_size.to_string()),
+        ("--block-size", block_size.to_string()),
         ("--num-blocks", options.kv_blocks_per_replica.to_string()),
         ("--max-model-len", options.max_model_len.to_string()),
         ("--max-num-seqs", options.max_num_seqs.to_string()),
@@ -1574,6 +1621,20 @@ fn event_sources(
         topic: engine.topic.clone(),
     }));
     Ok(sources)
+}
+
+/// Rewrites the event sources of faulted sims ([`StackOptions::events_faults`]).
+fn apply_events_faults(
+    options: &StackOptions,
+    sources: &mut [EventSource],
+) -> Result<(), StackError> {
+    for (i, source) in sources.iter_mut().enumerate() {
+        if options.events_faults.get(i).copied().flatten() == Some(EventsFault::Unreachable) {
+            source.endpoint = format!("tcp://127.0.0.1:{}", reserve_port()?);
+            source.replay = format!("tcp://127.0.0.1:{}", reserve_port()?);
+        }
+    }
+    Ok(())
 }
 
 /// The index's config: every replica subscribed to, except [`StackOptions::agent_replicas`], which
@@ -1677,6 +1738,7 @@ enum IndexTarget<'a> {
 fn ext_proc_config(
     options: &StackOptions,
     replicas: &[SocketAddr],
+    refusing: &[SocketAddr],
     index: IndexTarget<'_>,
 ) -> String {
     let tokenizer = match &options.tokenizer {
@@ -1703,6 +1765,10 @@ fn ext_proc_config(
         }
         IndexTarget::Embedded(config) => format!("embedded: \"{}\"", config.display()),
     };
+    // Refusing replicas stay ready for ext-proc by scraping the first sim.
+    let scraped = replicas
+        .first()
+        .map_or_else(String::new, ToString::to_string);
     let replicas: String = replicas
         .iter()
         .enumerate()
@@ -1713,6 +1779,16 @@ fn ext_proc_config(
             )
         })
         .collect();
+    let refusing: String = refusing
+        .iter()
+        .enumerate()
+        .map(|(i, addr)| {
+            format!(
+                "- {{id: refusing-{i}, pool: {MODEL}, address: \"{addr}\", metrics_url: \"http://{scraped}/metrics\"}}\n"
+            )
+        })
+        .collect();
+    let replicas = replicas + &refusing;
     format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
          index: {{{index}, match_timeout: {match_ms}ms}}\n\
@@ -1953,6 +2029,7 @@ mod tests {
         assert!(pinned.starts_with("listen: {grpc: \"127.0.0.1:3\", admin: \"127.0.0.1:4\"}"));
         let ext_proc = ext_proc_config(
             &StackOptions::default(),
+            &[],
             &[],
             IndexTarget::Embedded(Path::new("/tmp/x/index.yaml")),
         );

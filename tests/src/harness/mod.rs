@@ -2,12 +2,14 @@
 //! engine simulator ([`SimProcess`]), a TCP link a test can cut ([`TcpProxy`]), a small HTTP
 //! client ([`http`]) and deadline polling ([`wait_until`]).
 //!
-//! Every process listens on port 0 and reports its real ports; readiness is a polled condition
+//! Every process listens on port 0 and reports its real ports (one that cannot, such as real
+//! vLLM, gets a port from [`reserve_port`], outside the ephemeral range); readiness is a polled condition
 //! with a deadline, never a fixed sleep. A [`ChildGuard`] owns each process: on drop it sends
 //! SIGTERM, then kills after a grace period, and prints the process log if the test is panicking.
 
 mod envoy;
 pub mod http;
+pub mod ports;
 mod process;
 mod proxy;
 mod sim_process;
@@ -17,6 +19,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use envoy::{Envoy, envoy_bin, round_robin_config};
+pub use ports::{reserve_port, reserve_ports};
 pub use process::ChildGuard;
 pub use proxy::TcpProxy;
 pub use sim_process::SimProcess;

@@ -13,11 +13,10 @@
 use std::time::Duration;
 
 use kvroute_tests::harness::{http, wait_until};
-use kvroute_tests::stack::{DebugHeaders, IndexPlacement, MODEL, Stack, StackOptions};
-use serde_json::{Value, json};
+use kvroute_tests::stack::{DebugHeaders, IndexPlacement, Stack, StackOptions};
 
 use super::common::{index_blocks, sim_blocks};
-use super::routing::{route_response, text};
+use super::routing::{Routed, route_decided as route, text};
 
 /// How long a test waits for the sims' counters or the index's view to settle.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -33,35 +32,6 @@ async fn start_embedded() -> Stack {
     })
     .await
     .unwrap()
-}
-
-/// One completion through kvroute's listener, sent alone.
-struct Routed {
-    /// The replica that served it.
-    replica: usize,
-    /// `x-kvroute-decision` (`tier/reason`), empty when absent.
-    decision: String,
-    /// The prompt tokens the serving engine found cached.
-    cached_tokens: u64,
-}
-
-async fn route(stack: &Stack, prompt: &str) -> Routed {
-    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
-    let (replica, response) = route_response(stack, "/v1/completions", &body, &[]).await;
-    let decision = response
-        .headers
-        .get("x-kvroute-decision")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
-    let answer: Value = response.json().unwrap();
-    Routed {
-        replica,
-        decision,
-        cached_tokens: answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0),
-    }
 }
 
 /// Waits until the embedded index's view of each of `replicas` equals that sim's own block list

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use kvroute_index::testing::zmtp_bytes::{self, greeting, ready};
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher, PubMode};
-use kvroute_tests::harness::{ChildGuard, http, wait_until};
+use kvroute_tests::harness::{ChildGuard, http, reserve_port, wait_until};
 use kvroute_tests::stack::binary_dir;
 use parking_lot::Mutex;
 use serde_json::Value;
@@ -269,13 +269,9 @@ async fn connecting_publisher(endpoint: String, topic: &str) -> MockVllmPublishe
     .unwrap()
 }
 
-/// A port free right now on 127.0.0.1 (for a socket the index binds).
+/// A port for a socket the index binds after the test picked it ([`reserve_port`]).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    reserve_port().unwrap()
 }
 
 async fn text(url: &str) -> String {

@@ -15,7 +15,7 @@ use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index::server::IndexServer;
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{Encoding, encode_batch};
-use kvroute_tests::harness::{http, wait_until};
+use kvroute_tests::harness::{http, reserve_port, wait_until};
 use serde_json::{Value, json};
 use tonic_health::pb::{
     HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
@@ -72,10 +72,9 @@ fn zmq_replica(id: &str, publisher: &MockVllmPublisher) -> String {
     )
 }
 
-/// An endpoint nothing listens on (a port bound and released).
+/// An endpoint nothing listens on (a reserved port nothing binds).
 fn dead_endpoint() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("tcp://{}", listener.local_addr().unwrap())
+    format!("tcp://127.0.0.1:{}", reserve_port().unwrap())
 }
 
 async fn grpc_match(server: &IndexServer, replica: &str) -> api::ReplicaMatch {
@@ -343,6 +342,35 @@ async fn an_idle_restarted_engine_is_detected_on_reconnect() {
         .unwrap();
     wait_until("1 block matched", DEADLINE, || async {
         (grpc_match(&server, "e").await.matched_blocks == 1).then_some(())
+    })
+    .await
+    .unwrap();
+    server.shutdown().await;
+}
+
+/// A stream of messages that do not decode (an encoding this index does not know) flags the
+/// replica `unknown_encoding` — not precise — and the next message that decodes clears it.
+#[tokio::test]
+async fn a_replica_whose_messages_do_not_decode_is_flagged_until_one_does() {
+    let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
+    let server = IndexServer::start(config(&zmq_replica("garbled", &publisher), ""))
+        .await
+        .unwrap();
+    wait_for_state(&server, "garbled", ReplicaCondition::Ready).await;
+    // 0xc1 is the one byte msgpack never uses: no vLLM batch starts with it.
+    for _ in 0..4 {
+        publisher.publish(vec![0xc1, 0x00]).await.unwrap();
+    }
+    let found = wait_for_state(&server, "garbled", ReplicaCondition::Flagged).await;
+    assert_eq!(found.reason, "unknown_encoding");
+    assert_not_precise(&server, "garbled", "flagged", "unknown_encoding").await;
+    publisher
+        .publish(stored_payload(&HASHES, BLOCK_SIZE))
+        .await
+        .unwrap();
+    wait_until("3 blocks matched, precise again", DEADLINE, || async {
+        let found = grpc_match(&server, "garbled").await;
+        (found.precise && found.matched_blocks == 3).then_some(())
     })
     .await
     .unwrap();

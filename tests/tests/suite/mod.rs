@@ -16,6 +16,7 @@ mod index_states;
 mod real_vllm;
 mod real_vllm_agent;
 mod render;
+mod replica_states;
 mod routing;
 mod sim;
 mod sim_index;

@@ -21,7 +21,7 @@
 //! (optional JSON file for the measured numbers).
 
 use std::collections::{BTreeMap, HashSet};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -31,7 +31,9 @@ use std::time::{Duration, Instant};
 use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, VllmHasher};
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_index::event::KvEvent;
-use kvroute_tests::harness::{ChildGuard, http, tiny_model_dir, wait_until, workspace_root};
+use kvroute_tests::harness::{
+    ChildGuard, http, reserve_ports, tiny_model_dir, wait_until, workspace_root,
+};
 use kvroute_tests::stack::{
     DebugHeaders, EventsMode, ExtProcBudgets, ExternalReplica, Routing, SimTiming, Stack,
     StackOptions,
@@ -87,17 +89,6 @@ fn model_dir() -> PathBuf {
         .map_or_else(|| cache_dir().join("vllm-tiny-model"), PathBuf::from)
 }
 
-/// A free 127.0.0.1 port (the listener is dropped; vLLM binds it moments later).
-fn free_ports(count: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..count)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
-}
-
 /// What an engine serves: the model folder (served as [`MODEL`]), its KV cache and extra flags.
 pub(super) struct EngineSpec {
     pub model_dir: PathBuf,
@@ -130,7 +121,9 @@ pub(super) struct VllmEngine {
 impl VllmEngine {
     /// Starts engine `index`; its PUB socket connects to an endpoint kvroute-index binds.
     pub fn spawn(index: usize, log_dir: &Path, spec: &EngineSpec) -> Self {
-        let ports = free_ports(3);
+        // vLLM binds its HTTP and replay ports (and the index the events port) tens of seconds
+        // later and cannot report them: reserved outside the ephemeral range.
+        let ports = reserve_ports(3).unwrap();
         let http: SocketAddr = ([127, 0, 0, 1], ports[0]).into();
         let events = format!("tcp://127.0.0.1:{}", ports[1]);
         let replay = format!("tcp://127.0.0.1:{}", ports[2]);

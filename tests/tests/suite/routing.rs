@@ -128,6 +128,36 @@ pub(super) async fn route_response(
     (replica, response)
 }
 
+/// One completion through kvroute's listener, sent alone.
+pub(super) struct Routed {
+    /// The replica that served it.
+    pub replica: usize,
+    /// `x-kvroute-decision` (`tier/reason`), empty when absent.
+    pub decision: String,
+    /// The prompt tokens the serving engine found cached.
+    pub cached_tokens: u64,
+}
+
+/// (Needs `debug_headers` on for the decision.)
+pub(super) async fn route_decided(stack: &Stack, prompt: &str) -> Routed {
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    let (replica, response) = route_response(stack, "/v1/completions", &body, &[]).await;
+    let decision = response
+        .headers
+        .get("x-kvroute-decision")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let answer: Value = response.json().unwrap();
+    Routed {
+        replica,
+        decision,
+        cached_tokens: answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    }
+}
+
 fn cached_tokens(body: &Value) -> u64 {
     body["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
