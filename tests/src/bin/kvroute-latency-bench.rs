@@ -71,6 +71,9 @@ const UPSTREAM_HEADER: &str = "x-bench-upstream";
 const MODEL: &str = "bench";
 /// The fixed upstream answer.
 const UPSTREAM_BODY: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+/// Where the `stages` bench cuts a prompt's leading part (at the first exact cut from here):
+/// ext-proc's inline-tokenization limit.
+const LEADING_BYTES: usize = 16 * 1024;
 /// How long the index may take to apply a published turn.
 const INDEX_SETTLE: Duration = Duration::from_secs(20);
 
@@ -265,7 +268,7 @@ impl PromptSource {
             "{} has no chat template",
             model_dir.display()
         );
-        let sample = &mixed[..floor_char_boundary(&mixed, 256 << 10)];
+        let sample = &mixed[..mixed.floor_char_boundary(256 << 10)];
         let tokens = tokenizer.encode_prompt(sample, false)?.len();
         ensure!(tokens > 0, "empty sample");
         let bytes_per_token = sample.len() as f64 / tokens as f64;
@@ -297,8 +300,10 @@ impl PromptSource {
     fn user_text(&self, tokens: usize) -> String {
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let len = (tokens as f64 * self.bytes_per_token) as usize;
-        let start = floor_char_boundary(&self.text, (n as usize).wrapping_mul(7919) % self.period);
-        let end = floor_char_boundary(&self.text, start + len);
+        let start = self
+            .text
+            .floor_char_boundary((n as usize).wrapping_mul(7919) % self.period);
+        let end = self.text.floor_char_boundary(start + len);
         format!("request {n}: {}", &self.text[start..end])
     }
 
@@ -341,15 +346,6 @@ impl PromptSource {
         let keys = pool.prompt_keys(&tokens, None, None)?;
         Ok((tokens, keys))
     }
-}
-
-/// The largest char boundary of `text` at or before `at`.
-fn floor_char_boundary(text: &str, at: usize) -> usize {
-    let mut at = at.min(text.len());
-    while !text.is_char_boundary(at) {
-        at -= 1;
-    }
-    at
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1598,23 +1594,36 @@ filter_chains:
 /// Times, in-process and one prompt at a time, each step a chat decision takes before the index:
 /// body parse, the owned copy for the tokenizer, the `messages` JSON tree, the template render,
 /// the encode and the block keys — the steps of `InProcessTokenizer` and `Pool::prompt_keys`
-/// (`Match` and scoring are in the extproc bench's own timings). Median and worst per step.
+/// (`Match` and scoring are in the extproc bench's own timings). Median and worst per step. Then
+/// the same prompt's leading part alone (`ModelTokenizer::encode_chat_leading` from
+/// [`LEADING_BYTES`]: render + encode up to the first exact cut) and its keys: what a decision
+/// that matches only the leading part would spend on it.
 fn stages_bench(prompts: &PromptSource, count: usize) -> anyhow::Result<()> {
-    const STEPS: [&str; 6] = ["parse", "copy", "messages", "render", "encode", "keys"];
+    const STEPS: [&str; 8] = [
+        "parse",
+        "copy",
+        "messages",
+        "render",
+        "encode",
+        "keys",
+        "lead render+encode",
+        "lead keys",
+    ];
     println!(
         "## stages: one chat decision's steps before Match, {count} new conversations per size, load {}\n",
         load_average()
     );
     println!(
-        "| prompt tokens | body KiB | {} | total ms (median) |",
+        "| prompt tokens | body KiB | {} | total ms (median, without lead) | lead tokens |",
         STEPS.map(|s| format!("{s} ms")).join(" | ")
     );
-    println!("|---:|---:|{}---:|", "---:|".repeat(STEPS.len()));
+    println!("|---:|---:|{}---:|---:|", "---:|".repeat(STEPS.len()));
     let pool = prompts.keys.pools.first().context("no pool")?;
     let options = kvroute_tokenize::ChatOptions::default();
     for tokens in STAGE_SIZES {
         let mut times: Vec<Vec<Duration>> = vec![Vec::with_capacity(count); STEPS.len() + 1];
         let mut measured = (0, 0);
+        let mut lead_tokens = 0;
         for _ in 0..count {
             let body = prompts.miss_body(tokens);
             let mut lap = Instant::now();
@@ -1640,8 +1649,20 @@ fn stages_bench(prompts: &PromptSource, count: usize) -> anyhow::Result<()> {
             let keys = std::hint::black_box(pool.prompt_keys(&ids, None, None)?);
             step(&mut times, 5);
             times[STEPS.len()].push(started.elapsed());
+            let leading =
+                prompts
+                    .tokenizer
+                    .encode_chat_leading(&messages, &options, LEADING_BYTES)?;
+            step(&mut times, 6);
+            let lead_keys = std::hint::black_box(pool.prompt_keys(&leading.tokens, None, None)?);
+            step(&mut times, 7);
+            ensure!(
+                ids.starts_with(&leading.tokens),
+                "leading tokens are not the prompt's first tokens"
+            );
             measured = (ids.len(), body.len());
-            drop(keys);
+            lead_tokens = leading.tokens.len();
+            drop((keys, lead_keys));
         }
         let cell = |samples: &[Duration]| {
             let (p50, _) = quantiles(samples);
@@ -1649,7 +1670,7 @@ fn stages_bench(prompts: &PromptSource, count: usize) -> anyhow::Result<()> {
             format!("{:.3} (max {:.3})", ms(p50), ms(worst))
         };
         println!(
-            "| {} | {} | {} | {:.3} |",
+            "| {} | {} | {} | {:.3} | {lead_tokens} |",
             measured.0,
             measured.1 / 1024,
             times[..STEPS.len()]
