@@ -968,6 +968,9 @@ struct Tally {
     decisions: BTreeMap<String, f64>,
     /// `stage/cause` → fallbacks.
     fallbacks: BTreeMap<String, f64>,
+    /// Token source (`tokenize_duration_seconds{kind}`: `leading`, `tokenizer`, `cache`, …) →
+    /// tokenizations; a decision that needed the whole prompt after its leading part counts twice.
+    sources: BTreeMap<String, f64>,
 }
 
 impl Tally {
@@ -980,6 +983,10 @@ impl Tally {
                     (rest, &mut tally.decisions, ["tier", "reason"])
                 } else if let Some(rest) = line.strip_prefix("kvroute_extproc_fallbacks_total{") {
                     (rest, &mut tally.fallbacks, ["stage", "cause"])
+                } else if let Some(rest) =
+                    line.strip_prefix("kvroute_extproc_tokenize_duration_seconds_count{")
+                {
+                    (rest, &mut tally.sources, ["kind", ""])
                 } else {
                     continue;
                 };
@@ -996,7 +1003,10 @@ impl Tally {
                     .map(|v| v.trim_end_matches('"').to_owned())
                     .unwrap_or_default()
             };
-            let key = format!("{}/{}", label(labels[0]), label(labels[1]));
+            let key = match labels[1] {
+                "" => label(labels[0]),
+                second => format!("{}/{}", label(labels[0]), label(second)),
+            };
             *into.entry(key).or_default() += value;
         }
         Ok(tally)
@@ -1013,6 +1023,7 @@ impl Tally {
         Self {
             decisions: diff(&self.decisions, &before.decisions),
             fallbacks: diff(&self.fallbacks, &before.fallbacks),
+            sources: diff(&self.sources, &before.sources),
         }
     }
 
@@ -1022,6 +1033,9 @@ impl Tally {
         }
         for (k, v) in &other.fallbacks {
             *self.fallbacks.entry(k.clone()).or_default() += v;
+        }
+        for (k, v) in &other.sources {
+            *self.sources.entry(k.clone()).or_default() += v;
         }
     }
 }
@@ -1039,9 +1053,10 @@ impl std::fmt::Display for Tally {
         };
         write!(
             f,
-            "decisions (tier/reason): {}; fallbacks (stage/cause): {}",
+            "decisions (tier/reason): {}; fallbacks (stage/cause): {}; tokens from: {}",
             list(&self.decisions),
-            list(&self.fallbacks)
+            list(&self.fallbacks),
+            list(&self.sources)
         )
     }
 }
