@@ -66,7 +66,8 @@ pub fn engine_hit_tokens(matched_blocks: u32, prompt_tokens: usize, block_size: 
 pub struct Prediction {
     /// Prompt tokens predicted to hit the replica's prefix cache ([`engine_hit_tokens`]).
     pub cached_tokens: u64,
-    /// Prompt tokens of the request (kvroute's count).
+    /// Prompt tokens of the request (kvroute's count; estimated at the leading part's bytes per
+    /// token when only a long prompt's leading part was tokenized).
     pub prompt_tokens: u64,
 }
 

@@ -41,7 +41,7 @@ use crate::metrics::{
 use crate::policy::{self, Candidate, Reason};
 use crate::prefix_memory::PrefixMemory;
 use crate::request::ParsedRequest;
-use crate::tokenizer::{TokenCache, Tokenizer};
+use crate::tokenizer::{PromptTokens, TokenCache, TokenSource, Tokenizer};
 
 /// Which tier produced a decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,6 +119,11 @@ fn condition_label(condition: ReplicaCondition) -> &'static str {
         ReplicaCondition::Flagged => "flagged",
     }
 }
+
+/// A prompt of at least twice this many bytes is first tokenized only up to the first exact cut
+/// from here (`kvroute_tokenize::leading_cut`; ≈ 4–6k tokens): ext-proc's inline-tokenization
+/// limit, so a 32k-token miss encodes a sixth of its prompt (BENCHMARKS.md, issue 15).
+const LEADING_BYTES: usize = 16 * 1024;
 
 /// Number of stripes of the commit lock (decisions whose prompts start alike share a stripe).
 const COMMIT_STRIPES: usize = 16;
@@ -464,11 +469,72 @@ impl Picker {
         deadline: Instant,
     ) -> Result<PrefixFacts, LoadCause> {
         let config = &runtime.config;
-        let pool = &config.pools[pool_index];
         if matches!(request.prompt, crate::request::Prompt::Absent) {
             return Err(LoadCause::NoPrompt);
         }
-        // Tokens. A request naming no model is the pool's base model (the name vLLM serves first).
+        // A long prompt first gets only its exact leading tokens. Keys are chained, so a replica
+        // holding fewer than all of their blocks holds no block past them either: unless some
+        // replica holds all of them, the match (and so the decision) is the whole prompt's.
+        let tokens = self
+            .prompt_tokens(runtime, pool_index, request, deadline, Some(LEADING_BYTES))
+            .await?;
+        let (keys, index_answer) = self
+            .keys_and_index(
+                runtime, pool_index, adapter, request, candidates, deadline, &tokens,
+            )
+            .await?;
+        let leading = PrefixFacts {
+            keys,
+            index_answer,
+            prompt_tokens: tokens.estimated_len,
+        };
+        if tokens.source != TokenSource::Leading
+            || !self.holds_all(
+                candidates,
+                &leading.keys,
+                leading.index_answer.as_ref(),
+                config,
+            )
+        {
+            return Ok(leading);
+        }
+        // Some replica holds the whole leading part: the rest can matter, so the whole prompt.
+        // Should that fail or be late, the leading part still names the holders (a lower bound
+        // of what they hold, the fallback counted).
+        let Ok(tokens) = self
+            .prompt_tokens(runtime, pool_index, request, deadline, None)
+            .await
+        else {
+            return Ok(leading);
+        };
+        let Ok((keys, index_answer)) = self
+            .keys_and_index(
+                runtime, pool_index, adapter, request, candidates, deadline, &tokens,
+            )
+            .await
+        else {
+            return Ok(leading);
+        };
+        Ok(PrefixFacts {
+            keys,
+            index_answer,
+            prompt_tokens: tokens.estimated_len,
+        })
+    }
+
+    /// The prompt's tokens within the tokenize budget (only the leading ones from `leading`
+    /// bytes on when given and possible), timed by source.
+    async fn prompt_tokens(
+        &self,
+        runtime: &Runtime,
+        pool_index: usize,
+        request: &ParsedRequest<'_>,
+        deadline: Instant,
+        leading: Option<usize>,
+    ) -> Result<PromptTokens, LoadCause> {
+        let config = &runtime.config;
+        let pool = &config.pools[pool_index];
+        // A request naming no model is the pool's base model (the name vLLM serves first).
         let model = match request.model.as_ref() {
             "" => pool.models[0].as_str(),
             named => named,
@@ -477,25 +543,96 @@ impl Picker {
         let tokenize_budget = config
             .tokenize_budget
             .min(deadline.saturating_duration_since(tokenize_started));
-        let tokens = self
-            .token_cache
-            .tokens(pool_index, model, &request.prompt, runtime.tokenizers[pool_index].as_ref(), tokenize_budget)
-            .await
-            .map_err(|e| {
-                self.count_fallback("tokenize", e.as_label());
-                tracing::debug!(error = %e, pool = %pool.name, "tokenization failed, routing on load");
-                match e {
-                    crate::error::TokenizeError::NotConfigured { .. } => LoadCause::NoTokenizer,
-                    crate::error::TokenizeError::Timeout { .. } => LoadCause::TokenizerTimeout,
-                    _ => LoadCause::TokenizerFailed,
-                }
-            })?;
+        let tokenizer = runtime.tokenizers[pool_index].as_ref();
+        let tokens = match leading {
+            Some(min_bytes) => {
+                self.token_cache
+                    .leading_tokens(
+                        pool_index,
+                        model,
+                        &request.prompt,
+                        tokenizer,
+                        tokenize_budget,
+                        min_bytes,
+                    )
+                    .await
+            }
+            None => {
+                self.token_cache
+                    .tokens(
+                        pool_index,
+                        model,
+                        &request.prompt,
+                        tokenizer,
+                        tokenize_budget,
+                    )
+                    .await
+            }
+        }
+        .map_err(|e| {
+            self.count_fallback("tokenize", e.as_label());
+            tracing::debug!(error = %e, pool = %pool.name, "tokenization failed, routing on load");
+            match e {
+                crate::error::TokenizeError::NotConfigured { .. } => LoadCause::NoTokenizer,
+                crate::error::TokenizeError::Timeout { .. } => LoadCause::TokenizerTimeout,
+                _ => LoadCause::TokenizerFailed,
+            }
+        })?;
         self.metrics
             .tokenize_duration
             .get_or_create(&KindLabel {
                 kind: tokens.source.as_label(),
             })
             .observe(tokenize_started.elapsed().as_secs_f64());
+        Ok(tokens)
+    }
+
+    /// Whether some candidate holds every block of `keys`, by the index, kvroute's memory or a
+    /// request in flight there (everything the prefix score reads).
+    fn holds_all(
+        &self,
+        candidates: &[&Replica],
+        keys: &[u64],
+        index_answer: Option<&MatchResponse>,
+        config: &Config,
+    ) -> bool {
+        let all = keys.len();
+        let indexed = index_answer.is_some_and(|answer| {
+            answer
+                .replicas
+                .iter()
+                .any(|m| m.precise && m.matched_blocks as usize >= all)
+        });
+        indexed
+            || candidates.iter().any(|replica| {
+                let remembered = self.memory.lookup(
+                    &replica.id,
+                    keys,
+                    Instant::now(),
+                    config.scoring.speculative_ttl,
+                );
+                remembered.approximate as usize >= all
+                    || self.loads.replica(&replica.id).inflight_shared_blocks(keys) as usize >= all
+            })
+    }
+
+    /// The block keys of `tokens` and, when the pool asks the index, its answer.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the decision's context, passed as prefix_facts has it"
+    )]
+    async fn keys_and_index(
+        &self,
+        runtime: &Runtime,
+        pool_index: usize,
+        adapter: Option<&crate::config::Adapter>,
+        request: &ParsedRequest<'_>,
+        candidates: &[&Replica],
+        deadline: Instant,
+        tokens: &PromptTokens,
+    ) -> Result<(Vec<u64>, Option<MatchResponse>), LoadCause> {
+        let config = &runtime.config;
+        let pool = &config.pools[pool_index];
         // Keys.
         let keys = pool
             .prompt_keys(&tokens.tokens, adapter, request.cache_salt.as_deref())
@@ -542,11 +679,7 @@ impl Picker {
         } else {
             None
         };
-        Ok(PrefixFacts {
-            keys,
-            index_answer,
-            prompt_tokens: tokens.estimated_len,
-        })
+        Ok((keys, index_answer))
     }
 
     /// Prefix tier scoring. `None` only without candidates.
@@ -860,5 +993,236 @@ mod tests {
             "{refused:?}"
         );
         index.shutdown().await;
+    }
+
+    const TINY_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-model");
+
+    /// An in-process tokenizer that cannot give leading tokens: every decision tokenizes the
+    /// whole prompt (the reference the leading rule must agree with).
+    #[derive(Debug)]
+    struct WholePromptOnly(Arc<dyn Tokenizer>);
+
+    impl Tokenizer for WholePromptOnly {
+        fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+            self.0.tokenize(model, input)
+        }
+    }
+
+    /// A picker over three replicas (no index: prefix memory and in-flight keys only) with
+    /// `tokenizer`, and the registry its metrics are in.
+    fn model_picker(tokenizer: Arc<dyn Tokenizer>) -> (Picker, Registry) {
+        let yaml = "budgets: {decision: 5s, tokenize: 5s}\n\
+                    pools:\n- {name: p, models: [m], block_size: 16, key_scheme: {kind: token-chain}}\n\
+                    replicas:\n\
+                    - {id: r0, pool: p, address: \"10.0.0.1:8000\"}\n\
+                    - {id: r1, pool: p, address: \"10.0.0.2:8000\"}\n\
+                    - {id: r2, pool: p, address: \"10.0.0.3:8000\"}\n";
+        let tasks = TaskTracker::new();
+        let runtime = Runtime::build(Config::from_yaml(yaml).unwrap(), None, &tasks)
+            .unwrap()
+            .with_tokenizer(0, tokenizer);
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        (Picker::new(runtime, metrics, tasks), registry)
+    }
+
+    /// How many decisions took their tokens from `source` (`tokenize_duration_seconds` count).
+    fn tokenized_by(registry: &Registry, source: &str) -> u64 {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        let prefix =
+            format!("kvroute_extproc_tokenize_duration_seconds_count{{kind=\"{source}\"}} ");
+        text.lines()
+            .find_map(|line| line.strip_prefix(&prefix))
+            .map_or(0, |count| count.parse().unwrap())
+    }
+
+    /// A long request to `dir`'s model (chat when it has a template) of seeded mixed text.
+    fn long_body(direct: &kvroute_tokenize::ModelTokenizer, seed: u64, turns: usize) -> String {
+        let text = |i: u64| kvroute_tokenize::testing::mixed_text(seed + i, 48 * 1024, &[]);
+        if !direct.has_chat_template() {
+            let prompt: String = (0..turns as u64).map(text).collect();
+            return serde_json::json!({"model": "m", "prompt": prompt}).to_string();
+        }
+        let mut messages = vec![serde_json::json!({"role": "user", "content": text(0)})];
+        for i in 1..turns as u64 {
+            messages.push(serde_json::json!({"role": "assistant", "content": "Noted."}));
+            messages.push(serde_json::json!({"role": "user", "content": text(i)}));
+        }
+        serde_json::json!({"model": "m", "messages": messages}).to_string()
+    }
+
+    fn endpoint(body: &str) -> Endpoint {
+        if body.contains("\"messages\"") {
+            Endpoint::ChatCompletions
+        } else {
+            Endpoint::Completions
+        }
+    }
+
+    /// What one decision of `body` shows: replica, predicted cached tokens (header and drift).
+    async fn decide_body(picker: &Picker, body: &str) -> (String, usize, u64) {
+        let request = parse(body.as_bytes(), endpoint(body)).unwrap();
+        let decision = picker.decide(&request, None).await.unwrap();
+        let (replica, cached) = (
+            decision.replica_id.clone(),
+            decision.predicted_cached_tokens,
+        );
+        let before = picker.loads().replica(&replica).predicted().cached_tokens;
+        drop(decision);
+        let drift = picker.loads().replica(&replica).predicted().cached_tokens - before;
+        (replica, cached, drift)
+    }
+
+    /// The leading-tokens rule on `dir`'s model: a long prompt nobody holds whole-leading-part
+    /// decides from its leading tokens exactly as from all of them; a replica holding all leading
+    /// blocks (memory or in flight) makes the decision tokenize the whole prompt; the next turn
+    /// and a repeat still find the conversation and the cache.
+    async fn leading_rule_on(dir: &std::path::Path) {
+        let direct = Arc::new(kvroute_tokenize::ModelTokenizer::from_dir(dir).unwrap());
+        assert!(
+            direct.uses_fast_path(),
+            "{}: no fast encoder",
+            dir.display()
+        );
+        // Loaded once (the fast encoder's self-check is slow in a debug build), shared by all.
+        let tokenizer: Arc<dyn Tokenizer> = Arc::new(crate::tokenizer::InProcessTokenizer::new(
+            Arc::clone(&direct),
+            TaskTracker::new(),
+        ));
+        let load = || Arc::clone(&tokenizer);
+        let body = long_body(&direct, 15, 1);
+        let request = parse(body.as_bytes(), endpoint(&body)).unwrap();
+        let input = Arc::new(TokenizeInput::from_prompt(&request.prompt).unwrap());
+        let whole = load().tokenize("m", Arc::clone(&input)).await.unwrap();
+        let leading = load()
+            .tokenize_leading("m", Arc::clone(&input), LEADING_BYTES)
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(!leading.complete && leading.tokens.len() < whole.len());
+        assert_eq!(
+            leading.tokens,
+            whole[..leading.tokens.len()],
+            "not a prefix"
+        );
+        let pool_keys = |picker: &Picker, tokens: &[u32]| {
+            picker.runtime().config.pools[0]
+                .prompt_keys(tokens, None, None)
+                .unwrap()
+        };
+        let leading_blocks = leading.tokens.len() / 16;
+
+        // Nobody holds every leading block: r1 holds a few, r2 all but one.
+        let (with_leading, leading_metrics) = model_picker(load());
+        let (reference, _) = model_picker(Arc::new(WholePromptOnly(load())));
+        for picker in [&with_leading, &reference] {
+            let keys = pool_keys(picker, &whole);
+            let now = Instant::now();
+            picker.memory.record("r1", 1 << 20, &keys[..3], now);
+            picker
+                .memory
+                .record("r2", 1 << 20, &keys[..leading_blocks - 1], now);
+        }
+        let decided = decide_body(&with_leading, &body).await;
+        assert_eq!(decided, decide_body(&reference, &body).await);
+        assert_eq!(decided.0, "r2");
+        assert_eq!(decided.1, (leading_blocks - 1) * 16);
+        assert_eq!(tokenized_by(&leading_metrics, "leading"), 1);
+        assert_eq!(tokenized_by(&leading_metrics, "tokenizer"), 0);
+
+        // r2 now remembers turn 1's leading blocks: turn 2 (same start) needs the whole prompt,
+        // and a repeat of it comes from the cache.
+        let turn2 = long_body(&direct, 15, 2);
+        let (replica, cached, _) = decide_body(&with_leading, &turn2).await;
+        assert_eq!(replica, "r2");
+        assert_eq!(cached, leading_blocks * 16, "turn 1's leading blocks on r2");
+        assert_eq!(tokenized_by(&leading_metrics, "leading"), 2);
+        assert_eq!(tokenized_by(&leading_metrics, "tokenizer"), 1);
+        let repeat = decide_body(&with_leading, &turn2).await;
+        assert_eq!(repeat.0, "r2");
+        assert_eq!(tokenized_by(&leading_metrics, "cache"), 1);
+
+        // A replica holding the whole prompt (memory on r1, a request in flight on r2): the
+        // decision tokenizes it whole and predicts what the reference does.
+        for holds in ["memory", "inflight"] {
+            let (with_leading, leading_metrics) = model_picker(load());
+            let (reference, _) = model_picker(Arc::new(WholePromptOnly(load())));
+            let mut guards = Vec::new();
+            for picker in [&with_leading, &reference] {
+                let keys = pool_keys(picker, &whole);
+                match holds {
+                    "memory" => picker.memory.record("r1", 1 << 20, &keys, Instant::now()),
+                    _ => guards.push(picker.loads().start_request("r2", 0, keys)),
+                }
+            }
+            let decided = decide_body(&with_leading, &body).await;
+            let expected = decide_body(&reference, &body).await;
+            assert_eq!((decided.1, decided.2), (expected.1, expected.2), "{holds}");
+            assert_eq!(tokenized_by(&leading_metrics, "leading"), 1, "{holds}");
+            assert_eq!(tokenized_by(&leading_metrics, "tokenizer"), 1, "{holds}");
+            if holds == "memory" {
+                assert_eq!(
+                    (&decided.0, &expected.0),
+                    (&"r1".to_owned(), &"r1".to_owned())
+                );
+                let keys = pool_keys(&with_leading, &whole);
+                assert_eq!(decided.1, keys.len() * 16);
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn long_prompts_decide_from_leading_tokens_exactly_on_the_tiny_model() {
+        leading_rule_on(TINY_MODEL.as_ref()).await;
+    }
+
+    #[tokio::test]
+    #[ignore = "loads real tokenizers: run in release (scripts/test.sh does)"]
+    async fn long_prompts_decide_from_leading_tokens_exactly_on_real_tokenizers() {
+        let models = std::env::var_os("KVROUTE_MODELS")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("HOME")
+                    .map(|home| std::path::PathBuf::from(home).join(".cache/kvroute/models"))
+            });
+        for name in ["qwen3", "llama3_1", "gptoss"] {
+            let Some(dir) = models.as_ref().map(|m| m.join(name)) else {
+                continue;
+            };
+            if !dir.join("tokenizer.json").is_file() {
+                eprintln!(
+                    "SKIP leading tokens for {name}: no tokenizer folder; run `bash scripts/models.sh` \
+                     (sets KVROUTE_MODELS)"
+                );
+                continue;
+            }
+            leading_rule_on(&dir).await;
+        }
+    }
+
+    #[test]
+    fn the_index_holding_every_leading_block_precisely_asks_for_the_whole_prompt() {
+        let (picker, _) = model_picker(Arc::new(LockstepTokenizer(Arc::new(Barrier::new(1)))));
+        let runtime = picker.runtime();
+        let candidates: Vec<&Replica> = runtime.config.replicas.iter().collect();
+        let keys = [1, 2, 3];
+        let answer = |precise, matched_blocks| MatchResponse {
+            replicas: vec![kvroute_index::api::ReplicaMatch {
+                replica_id: "r1".to_owned(),
+                matched_blocks,
+                precise,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let holds = |answer: Option<MatchResponse>| {
+            picker.holds_all(&candidates, &keys, answer.as_ref(), &runtime.config)
+        };
+        assert!(holds(Some(answer(true, 3))));
+        assert!(!holds(Some(answer(true, 2))));
+        // An answer the index does not vouch for counts only through kvroute's memory.
+        assert!(!holds(Some(answer(false, 3))));
+        assert!(!holds(None));
     }
 }

@@ -25,7 +25,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_tokenize::{ApiKind, ModelTokenizer};
+use kvroute_tokenize::{ApiKind, LeadingTokens, ModelTokenizer};
 use parking_lot::Mutex;
 use serde_json::value::RawValue;
 use tokio_util::task::TaskTracker;
@@ -211,10 +211,25 @@ impl TokenizeInput {
 /// Boxed future returned by [`Tokenizer::tokenize`].
 pub type TokenizeFuture = Pin<Box<dyn Future<Output = Result<Vec<u32>, TokenizeError>> + Send>>;
 
+/// Boxed future returned by [`Tokenizer::tokenize_leading`].
+pub type LeadingFuture = Pin<Box<dyn Future<Output = Result<LeadingTokens, TokenizeError>> + Send>>;
+
 /// A source of token ids for one pool.
 pub trait Tokenizer: Send + Sync + fmt::Debug {
     /// Token ids of `input` for `model` (base or adapter name, as the client sent it).
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture;
+
+    /// The exact first tokens of `input`'s prompt from its (rendered) text up to the first exact
+    /// cut at or after `min_bytes` ([`kvroute_tokenize::leading_cut`]); `None` when this
+    /// tokenizer cannot (the default: remote tokenizers, HF-only models, API requests).
+    fn tokenize_leading(
+        &self,
+        _model: &str,
+        _input: Arc<TokenizeInput>,
+        _min_bytes: usize,
+    ) -> Option<LeadingFuture> {
+        None
+    }
 
     /// Token ids of a request whose whole `body` is at hand: [`Self::tokenize`] of its prompt
     /// unless the tokenizer sends the request itself somewhere ([`RenderTokenizer`]).
@@ -352,6 +367,75 @@ impl Tokenizer for InProcessTokenizer {
                 reason: e.to_string(),
             })?
         })
+    }
+
+    fn tokenize_leading(
+        &self,
+        _model: &str,
+        input: Arc<TokenizeInput>,
+        min_bytes: usize,
+    ) -> Option<LeadingFuture> {
+        if !self.model.uses_fast_path() || matches!(*input, TokenizeInput::Api { .. }) {
+            return None;
+        }
+        // The whole body is parsed and rendered (cheap), only the leading part encoded: a
+        // fraction of a millisecond up to a few hundred KiB, so on the calling task.
+        if input.len_bytes() <= INLINE_LEADING_MAX_BYTES {
+            return Some(Box::pin(std::future::ready(encode_leading(
+                &self.model,
+                &input,
+                min_bytes,
+            ))));
+        }
+        let model = Arc::clone(&self.model);
+        let task = self
+            .tasks
+            .spawn_blocking(move || encode_leading(&model, &input, min_bytes));
+        Some(Box::pin(async move {
+            task.await.map_err(|e| TokenizeError::InProcess {
+                reason: e.to_string(),
+            })?
+        }))
+    }
+}
+
+/// Largest input whose leading part is tokenized on the calling task (parse and render of
+/// ≈ 256 KiB ≈ 0.5 ms, `kvroute-latency-bench --bench stages`).
+const INLINE_LEADING_MAX_BYTES: usize = 256 * 1024;
+
+/// [`encode`]'s leading variant (completion text and chat; API requests are not called here).
+fn encode_leading(
+    model: &ModelTokenizer,
+    input: &TokenizeInput,
+    min_bytes: usize,
+) -> Result<LeadingTokens, TokenizeError> {
+    let failed = |e: kvroute_tokenize::TokenizeError| TokenizeError::InProcess {
+        reason: e.to_string(),
+    };
+    match input {
+        TokenizeInput::Text {
+            text,
+            add_special_tokens,
+        } => model
+            .encode_prompt_leading(text, *add_special_tokens, min_bytes)
+            .map_err(failed),
+        TokenizeInput::Chat {
+            messages,
+            add_generation_prompt,
+            fields,
+        } => {
+            let messages: serde_json::Value =
+                serde_json::from_str(messages.get()).map_err(|e| TokenizeError::InProcess {
+                    reason: e.to_string(),
+                })?;
+            let options = fields.chat_options(*add_generation_prompt)?;
+            model
+                .encode_chat_leading(&messages, &options, min_bytes)
+                .map_err(failed)
+        }
+        TokenizeInput::Api { .. } => Err(TokenizeError::InProcess {
+            reason: "no leading tokens for API requests".to_owned(),
+        }),
     }
 }
 
@@ -787,6 +871,8 @@ pub enum TokenSource {
     PrefixCache,
     /// Tokenized now.
     Tokenizer,
+    /// Only the prompt's leading part was tokenized now (exact first tokens; not cached).
+    Leading,
 }
 
 impl TokenSource {
@@ -797,6 +883,7 @@ impl TokenSource {
             Self::Cache => "cache",
             Self::PrefixCache => "prefix_cache",
             Self::Tokenizer => "tokenizer",
+            Self::Leading => "leading",
         }
     }
 }
@@ -833,6 +920,36 @@ impl TokenCache {
         prompt: &Prompt<'_>,
         tokenizer: Option<&Arc<dyn Tokenizer>>,
         budget: Duration,
+    ) -> Result<PromptTokens, TokenizeError> {
+        self.tokens_with(pool, model, prompt, tokenizer, budget, None)
+            .await
+    }
+
+    /// [`Self::tokens`], except that a prompt of at least `2 × min_bytes` that neither the cache
+    /// nor a cached conversation prefix knows gets only its exact leading tokens
+    /// ([`Tokenizer::tokenize_leading`] from `min_bytes`; [`TokenSource::Leading`], `exact`
+    /// false, not cached) when the tokenizer can.
+    pub async fn leading_tokens(
+        &self,
+        pool: usize,
+        model: &str,
+        prompt: &Prompt<'_>,
+        tokenizer: Option<&Arc<dyn Tokenizer>>,
+        budget: Duration,
+        min_bytes: usize,
+    ) -> Result<PromptTokens, TokenizeError> {
+        self.tokens_with(pool, model, prompt, tokenizer, budget, Some(min_bytes))
+            .await
+    }
+
+    async fn tokens_with(
+        &self,
+        pool: usize,
+        model: &str,
+        prompt: &Prompt<'_>,
+        tokenizer: Option<&Arc<dyn Tokenizer>>,
+        budget: Duration,
+        leading_from: Option<usize>,
     ) -> Result<PromptTokens, TokenizeError> {
         let keys = match prompt {
             Prompt::Tokens(ids) => {
@@ -902,6 +1019,29 @@ impl TokenCache {
             pool: pool.to_string(),
         })?;
         let input = Arc::new(owned_input(prompt));
+        if let Some(min_bytes) = leading_from
+            && cached_prefix.is_none()
+            && full_bytes >= 2 * min_bytes
+            && let Some(leading) = tokenizer.tokenize_leading(model, Arc::clone(&input), min_bytes)
+        {
+            let leading = match tokio::time::timeout(budget, leading).await {
+                Ok(result) => result?,
+                Err(_) => return Err(TokenizeError::Timeout { after: budget }),
+            };
+            if leading.complete {
+                return Ok(self.remember(full_key, leading.tokens.into()));
+            }
+            // The rest of the prompt at the leading part's own bytes per token.
+            let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
+            let estimated_len =
+                leading.tokens.len() + rest * leading.tokens.len() / leading.text_bytes.max(1);
+            return Ok(PromptTokens {
+                tokens: leading.tokens.into(),
+                exact: false,
+                estimated_len,
+                source: TokenSource::Leading,
+            });
+        }
         let mut tokenizing = match prompt {
             Prompt::Text { body, .. } | Prompt::Chat { body, .. } | Prompt::Api { body, .. } => {
                 tokenizer.tokenize_request(model, input, body)

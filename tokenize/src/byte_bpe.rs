@@ -184,6 +184,18 @@ impl ByteLevelBpe {
 
     /// Token ids of `text`, equal to `tokenizers`' `encode_fast(text, add_special_tokens)`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
+        self.encode_parts(text, add_special_tokens, add_special_tokens)
+    }
+
+    /// [`Self::encode`] without the post-processor's trailing tokens: the ids a longer text
+    /// that starts with `text` begins with, when `text` ends at a split boundary (see
+    /// `crate::leading_cut`).
+    pub fn encode_leading(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
+        self.encode_parts(text, add_special_tokens, false)
+    }
+
+    fn encode_parts(&self, text: &str, add_prefix: bool, add_suffix: bool) -> Vec<u32> {
+        let add_special_tokens = add_prefix;
         let mut ids = Vec::with_capacity(text.len() / 3 + self.prefix.len() + self.suffix.len());
         if add_special_tokens {
             ids.extend_from_slice(&self.prefix);
@@ -216,7 +228,7 @@ impl ByteLevelBpe {
                 }
             },
         );
-        if add_special_tokens {
+        if add_suffix {
             ids.extend_from_slice(&self.suffix);
         }
         ids

@@ -117,6 +117,40 @@ pub struct ModelTokenizer {
     /// What templates see by name (kept for [`Self::with_chat_template`]).
     special: chat::SpecialTokens,
     eos_token_id: Option<u32>,
+    /// Whether [`leading_cut`] offsets are token boundaries for this model: the fast encoder
+    /// serves it (one of the byte-level `Split` pipelines it models) and no added token's content
+    /// has ASCII whitespace (so none can span a cut).
+    leading_cuts: bool,
+}
+
+/// The leading tokens of a prompt ([`ModelTokenizer::encode_prompt_leading`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeadingTokens {
+    /// The first tokens of the prompt, exactly as the whole prompt's encoding begins.
+    pub tokens: Vec<u32>,
+    /// Whether these are all of the prompt's tokens.
+    pub complete: bool,
+    /// Bytes of the (rendered) prompt text the tokens cover.
+    pub text_bytes: usize,
+    /// Bytes of the whole (rendered) prompt text.
+    pub total_bytes: usize,
+}
+
+/// The first byte offset at or after `min_bytes` where `text` can be cut without changing the
+/// tokens before it, for the byte-level BPE pipelines the fast encoder models (GPT-2, Llama 3,
+/// Qwen2/3, o200k): right after a `\n` followed by an ASCII letter, or right before a space
+/// between two ASCII letters. No `Split` pattern of those pipelines lets a piece run across
+/// either spot (a letter piece never starts with `\n` or ends before a letter; a newline piece
+/// never swallows a letter), and NFC cannot compose across them (the next char is a starter
+/// that composes with nothing before it). `None` if there is no such offset before the end.
+pub fn leading_cut(text: &str, min_bytes: usize) -> Option<usize> {
+    let bytes = text.as_bytes();
+    let from = min_bytes.max(1);
+    (from..bytes.len().saturating_sub(1)).find(|&at| {
+        let (before, here, after) = (bytes[at - 1], bytes[at], bytes[at + 1]);
+        (before == b'\n' && here.is_ascii_alphabetic())
+            || (before.is_ascii_alphabetic() && here == b' ' && after.is_ascii_alphabetic())
+    })
 }
 
 impl ModelTokenizer {
@@ -179,12 +213,18 @@ impl ModelTokenizer {
         let chat = template_source
             .map(|source| ChatTemplate::new(source, special.clone()))
             .transpose()?;
+        let leading_cuts = fast.is_some()
+            && tokenizer
+                .get_added_tokens_decoder()
+                .values()
+                .all(|token| !token.content.bytes().any(|b| b.is_ascii_whitespace()));
         Ok(Self {
             tokenizer,
             fast,
             chat,
             special,
             eos_token_id,
+            leading_cuts,
         })
     }
 
@@ -291,6 +331,50 @@ impl ModelTokenizer {
     ) -> Result<Vec<u32>, TokenizeError> {
         let chat = self.convert_api_request(api, request)?;
         self.encode_chat_with(&chat.messages, &chat.options)
+    }
+
+    /// The leading tokens of a completion prompt: the tokens of `text` up to the first
+    /// [`leading_cut`] at or after `min_bytes`, which are exactly the first tokens of
+    /// [`Self::encode_prompt`]`(text, ..)`. All of them (`complete`) when the text has no cut
+    /// there or the model's pipeline does not allow cuts.
+    pub fn encode_prompt_leading(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        min_bytes: usize,
+    ) -> Result<LeadingTokens, TokenizeError> {
+        let cut = match &self.fast {
+            Some(fast) if self.leading_cuts => leading_cut(text, min_bytes).map(|cut| (fast, cut)),
+            _ => None,
+        };
+        Ok(match cut {
+            Some((fast, cut)) => LeadingTokens {
+                tokens: fast.encode_leading(&text[..cut], add_special_tokens),
+                complete: false,
+                text_bytes: cut,
+                total_bytes: text.len(),
+            },
+            None => LeadingTokens {
+                tokens: self.encode_prompt(text, add_special_tokens)?,
+                complete: true,
+                text_bytes: text.len(),
+                total_bytes: text.len(),
+            },
+        })
+    }
+
+    /// [`Self::encode_prompt_leading`] of a chat request's rendered prompt (the whole prompt is
+    /// rendered: rendering costs a few percent of encoding).
+    pub fn encode_chat_leading(
+        &self,
+        messages: &serde_json::Value,
+        options: &ChatOptions,
+        min_bytes: usize,
+    ) -> Result<LeadingTokens, TokenizeError> {
+        let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
+        let rendered = chat.render_for_encoding(messages, options)?;
+        let add_special_tokens = options.add_special_tokens && !rendered.tokenized_by_template;
+        self.encode_prompt_leading(&rendered.text, add_special_tokens, min_bytes)
     }
 
     /// The chat template, if the model has one.

@@ -176,3 +176,76 @@ fn real_tokenizers_fast_equals_tokenizers_on_10_mib() {
         check_model(name, tokenizer, 10, 10 * 1024 * 1024);
     }
 }
+
+/// Asserts, for cuts at several offsets of `text`, that the leading tokens are exactly the first
+/// tokens of the whole text's — by `tokenizers` alone too (the property is HF's, not only the
+/// fast encoder's) — and that some cuts were taken; returns how many.
+fn assert_leading_prefix(
+    name: &str,
+    tokenizer: &ModelTokenizer,
+    text: &str,
+    rng: &mut Rng,
+) -> usize {
+    let add = rng.below(2) == 0;
+    let whole = tokenizer.encode_prompt(text, add).unwrap();
+    let whole_hf = tokenizer.encode_with_tokenizers(text, false).unwrap();
+    let mut cuts = 0;
+    for _ in 0..8 {
+        let min = rng.below(text.len().max(1));
+        let leading = tokenizer.encode_prompt_leading(text, add, min).unwrap();
+        assert_eq!(leading.total_bytes, text.len());
+        if leading.complete {
+            assert_eq!(
+                leading.tokens, whole,
+                "{name}: complete leading tokens differ"
+            );
+            continue;
+        }
+        cuts += 1;
+        let cut = leading.text_bytes;
+        assert!(
+            cut >= min && cut < text.len(),
+            "{name}: cut {cut} for min {min}"
+        );
+        assert!(
+            whole.starts_with(&leading.tokens),
+            "{name}: tokens of text[..{cut}] are not a prefix (add_special_tokens={add}); around \
+             the cut: {:?}",
+            &text[text.floor_char_boundary(cut.saturating_sub(40))
+                ..text.ceil_char_boundary(cut + 40)],
+        );
+        let hf = tokenizer
+            .encode_with_tokenizers(&text[..cut], false)
+            .unwrap();
+        assert!(
+            whole_hf.starts_with(&hf),
+            "{name}: tokenizers' tokens of text[..{cut}] are not a prefix"
+        );
+    }
+    cuts
+}
+
+/// Cuts from `leading_cut` keep the tokens before them, on mixed text (prose, code, JSON,
+/// scripts, emoji, combining marks and NFD forms, whitespace runs, added tokens whole and cut)
+/// and the adversarial cases, for every real tokenizer.
+#[test]
+fn real_tokenizers_leading_tokens_are_the_prompts_first_tokens() {
+    for (name, tokenizer) in present("real_tokenizers_leading_tokens_are_the_prompts_first_tokens")
+    {
+        assert!(tokenizer.leading_cuts, "{name}: leading cuts disabled");
+        let specials = added_contents(tokenizer);
+        let mut rng = Rng::new(0x1ead);
+        for case in adversarial(&specials) {
+            assert_leading_prefix(name, tokenizer, &case, &mut rng);
+        }
+        let special_refs: Vec<&str> = specials.iter().map(String::as_str).collect();
+        let text = mixed_text(7, 256 * 1024, &special_refs);
+        let (mut start, mut cuts) = (0, 0);
+        while start < text.len() {
+            let end = text.ceil_char_boundary((start + 1 + rng.below(32 * 1024)).min(text.len()));
+            cuts += assert_leading_prefix(name, tokenizer, &text[start..end], &mut rng);
+            start = end;
+        }
+        assert!(cuts > 100, "{name}: only {cuts} cuts taken");
+    }
+}

@@ -282,3 +282,32 @@ fn strftime_now_reads_the_clock() {
         "26 Jul 2024"
     );
 }
+
+/// The tiny model (GPT-2 byte-level pipeline): leading tokens are the prompt's first tokens, and
+/// a text without a cut after `min_bytes` is encoded whole.
+#[test]
+fn leading_tokens_are_the_prompts_first_tokens() {
+    let tokenizer = ModelTokenizer::from_dir(format!("{FIXTURES}/tiny-model")).unwrap();
+    let text = crate::testing::mixed_text(3, 64 * 1024, &[]);
+    let whole = tokenizer.encode_prompt(&text, true).unwrap();
+    let mut cuts = 0;
+    for min in (0..text.len()).step_by(997) {
+        let leading = tokenizer.encode_prompt_leading(&text, true, min).unwrap();
+        assert!(
+            whole.starts_with(&leading.tokens),
+            "cut at {}",
+            leading.text_bytes
+        );
+        cuts += usize::from(!leading.complete);
+    }
+    assert!(cuts > 50, "{cuts} cuts");
+    let no_cut = tokenizer.encode_prompt_leading("one two", true, 4).unwrap();
+    assert!(no_cut.complete);
+    assert_eq!(
+        no_cut.tokens,
+        tokenizer.encode_prompt("one two", true).unwrap()
+    );
+    assert_eq!(crate::leading_cut("ab\ncd ef", 0), Some(3));
+    assert_eq!(crate::leading_cut("ab\ncd ef", 4), Some(5));
+    assert_eq!(crate::leading_cut("ab\n cd", 0), None);
+}

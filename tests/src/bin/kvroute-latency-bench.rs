@@ -48,23 +48,34 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_ext_proc::request::{self, Endpoint};
 use kvroute_ext_proc::server::{destination_metadata, set_header};
+use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
-use kvroute_tests::harness::{Envoy, tiny_model_dir, workspace_root};
+use kvroute_index::wire::{self, Encoding};
+use kvroute_tests::harness::{Envoy, tiny_model_dir, wait_until, workspace_root};
 use kvroute_tokenize::ModelTokenizer;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// Prompt sizes measured, in tokens of the tiny model.
-const SIZES: [usize; 2] = [1024, 32 * 1024];
+/// Prompt sizes of the Envoy benches, in tokens of the model.
+const SIZES: [usize; 3] = [1024, 8 * 1024, 32 * 1024];
+/// Prompt sizes of the `stages` bench.
+const STAGE_SIZES: [usize; 4] = [1024, 8 * 1024, 32 * 1024, 128 * 1024];
 /// Requests per case sent before measuring (connections, caches, the wasm VM).
 const WARMUP_PER_CASE: usize = 10;
 /// Header the upstream echoes back: kvroute's `tier/reason` on the upstream request. ext-proc runs
 /// with `debug_headers` off (the production default), so it adds no response headers of its own.
 const DECISION_HEADER: &str = "x-kvroute-decision";
+/// Header each upstream adds to its answers: its index, so the bench knows which engine served.
+const UPSTREAM_HEADER: &str = "x-bench-upstream";
 /// The model every pool serves.
-const MODEL: &str = "tiny";
+const MODEL: &str = "bench";
 /// The fixed upstream answer.
-const UPSTREAM_BODY: &str = r#"{"id":"cmpl-bench","object":"text_completion","model":"tiny","choices":[{"index":0,"text":"ok","finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+const UPSTREAM_BODY: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+/// Where the `stages` bench cuts a prompt's leading part (at the first exact cut from here):
+/// ext-proc's inline-tokenization limit.
+const LEADING_BYTES: usize = 16 * 1024;
+/// How long the index may take to apply a published turn.
+const INDEX_SETTLE: Duration = Duration::from_secs(20);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Which {
@@ -74,7 +85,9 @@ enum Which {
     Wasm,
     /// Picker decisions per CPU second.
     Picker,
-    /// All three.
+    /// Where one chat decision's time goes (parse, render, encode, keys), in-process.
+    Stages,
+    /// Extproc, wasm and picker.
     All,
 }
 
@@ -84,18 +97,35 @@ struct Args {
     /// Which benchmark to run.
     #[arg(long, value_enum, default_value = "all")]
     bench: Which,
+    /// Hugging Face model folder whose tokenizer and chat template kvroute-ext-proc (and the
+    /// prompt generator) use; default `tests/fixtures/tiny-model`.
+    #[arg(long)]
+    model_dir: Option<std::path::PathBuf>,
+    /// Tokens per KV block (vLLM's default is 16).
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
     /// Repetitions (each one sends every case `samples` times, interleaved).
     #[arg(long, default_value_t = 3)]
     reps: usize,
     /// Measured requests per case per repetition, 1k-token prompts (0: skip this size).
     #[arg(long, default_value_t = 200)]
     samples_1k: usize,
+    /// Measured requests per case per repetition, 8k-token prompts (0: skip this size).
+    #[arg(long, default_value_t = 80)]
+    samples_8k: usize,
     /// Measured requests per case per repetition, 32k-token prompts (0: skip this size).
     #[arg(long, default_value_t = 40)]
     samples_32k: usize,
-    /// Decisions per picker measurement, 1k-token prompts (32k: a twentieth).
+    /// Extproc bench: which workloads (a cache miss: a new conversation; a hit: the next turn
+    /// of a conversation whose first turn the chosen engine holds).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "miss,hit")]
+    workloads: Vec<Workload>,
+    /// Decisions per picker measurement, 1k-token prompts (longer prompts: proportionally fewer).
     #[arg(long, default_value_t = 2000)]
     picker_decisions: usize,
+    /// Prompts per size in the `stages` bench.
+    #[arg(long, default_value_t = 20)]
+    stage_prompts: usize,
     /// Run kvroute-ext-proc without kvroute-index (approximate tier only) in the Envoy benches.
     #[arg(long)]
     without_index: bool,
@@ -104,6 +134,27 @@ struct Args {
     /// (timed around the decision alone) is meaningful then.
     #[arg(long)]
     cold_caches: bool,
+}
+
+impl Args {
+    /// `(tokens, samples)` per prompt size measured through Envoy.
+    fn sizes(&self) -> Vec<(usize, usize)> {
+        SIZES
+            .into_iter()
+            .zip([self.samples_1k, self.samples_8k, self.samples_32k])
+            .filter(|&(_, samples)| samples > 0)
+            .collect()
+    }
+}
+
+/// What the measured request of a case is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Workload {
+    /// A new conversation: nothing cached anywhere.
+    Miss,
+    /// Turn 2 of a conversation whose turn 1 went through the same listener and whose engine
+    /// then reported turn 1's blocks stored (the index holds them).
+    Hit,
 }
 
 /// Same allocator as the `kvroute-ext-proc` binary, so the in-process picker costs what it does there.
@@ -129,18 +180,35 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let prompts = PromptSource::load()?;
+    let model_dir = args.model_dir.clone().unwrap_or_else(tiny_model_dir);
+    let prompts = PromptSource::load(&model_dir, args.block_size)?;
     println!(
         "machine: {} cores, load average at start {}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         load_average()
     );
+    let measured: Vec<String> = SIZES
+        .iter()
+        .map(|&tokens| {
+            let turn = prompts.conversation(tokens);
+            Ok(format!(
+                "{tokens} → turn 1 {} tokens, turn 2 {} tokens",
+                prompts.chat_tokens(&turn.first)?.len(),
+                prompts.chat_tokens(&turn.next)?.len()
+            ))
+        })
+        .collect::<anyhow::Result<_>>()?;
     println!(
-        "prompts: {:.2} chars/token; 1k prompt = {} tokens, 32k prompt = {} tokens (measured)\n",
-        prompts.chars_per_token,
-        prompts.measured_tokens(SIZES[0])?,
-        prompts.measured_tokens(SIZES[1])?,
+        "model {} (fast encoder: {}), block size {}; chat prompts of seeded mixed text, {:.2} bytes/token; {} (measured)\n",
+        model_dir.display(),
+        prompts.tokenizer.uses_fast_path(),
+        args.block_size,
+        prompts.bytes_per_token,
+        measured.join("; "),
     );
+    if args.bench == Which::Stages {
+        stages_bench(&prompts, args.stage_prompts)?;
+    }
     if matches!(args.bench, Which::Picker | Which::All) {
         picker_bench(&prompts, args.picker_decisions, args.cold_caches)?;
     }
@@ -157,68 +225,126 @@ async fn run(args: Args) -> anyhow::Result<()> {
 // ---------------------------------------------------------------------------------------------
 // Prompts
 
-/// Unique prompts of a given token length, cut from the committed corpus.
+/// Unique chat conversations of a given token length, cut from seeded mixed text
+/// (`kvroute_tokenize::testing::mixed_text`: prose, code, JSON, several scripts, emoji), with the
+/// model whose tokens and block keys kvroute-ext-proc computes.
 struct PromptSource {
-    /// The corpus (ASCII only, so any byte offset is a char boundary), repeated to cover the
-    /// longest prompt from any start offset.
+    /// The mixed text twice over, so a prompt can start anywhere in the first copy.
     text: String,
-    /// Length of one copy of the corpus.
+    /// Length of one copy.
     period: usize,
-    chars_per_token: f64,
+    bytes_per_token: f64,
+    model_dir: std::path::PathBuf,
+    block_size: u32,
     tokenizer: ModelTokenizer,
+    /// kvroute-ext-proc's config for this model: its pool computes the block keys an engine
+    /// reports for a served turn.
+    keys: kvroute_ext_proc::Config,
     next: std::sync::atomic::AtomicU64,
 }
 
+/// A conversation's first turn and its next turn (the first plus an answer and a follow-up).
+struct Conversation {
+    first: serde_json::Value,
+    next: serde_json::Value,
+}
+
+/// Seed of the mixed text every prompt is cut from.
+const PROMPT_SEED: u64 = 0x006b_7672_6f75_7465;
+/// Bytes of mixed text generated; more than the longest prompt measured.
+const MIXED_TEXT_BYTES: usize = 4 << 20;
+/// The system message of every conversation.
+const SYSTEM_PROMPT: &str = "You are a careful assistant. Answer from the material the user gives.";
+/// The user's second message.
+const FOLLOW_UP: &str = "Thanks. Now list the three points of the text above that matter most, one line each, and say why.";
+
 impl PromptSource {
-    fn load() -> anyhow::Result<Self> {
-        let dir = workspace_root().join("tests/fixtures/corpus");
-        let mut files: Vec<_> = std::fs::read_dir(&dir)
-            .with_context(|| format!("reading {}", dir.display()))?
-            .map(|entry| entry.map(|e| e.path()))
-            .collect::<Result<_, _>>()?;
-        files.sort();
-        let mut corpus = String::new();
-        for file in files {
-            corpus.push_str(&std::fs::read_to_string(&file)?);
-            corpus.push('\n');
-        }
-        corpus.retain(|c| c.is_ascii());
-        let tokenizer = ModelTokenizer::from_dir(tiny_model_dir())?;
-        let tokens = tokenizer.encode_prompt(&corpus, false)?.len();
-        ensure!(tokens > 0, "empty corpus");
-        let chars_per_token = corpus.len() as f64 / tokens as f64;
-        let longest = (SIZES[1] as f64 * chars_per_token * 1.1) as usize;
-        let period = corpus.len();
-        let text = corpus.repeat(longest / period + 2);
+    fn load(model_dir: &std::path::Path, block_size: u32) -> anyhow::Result<Self> {
+        let mixed = kvroute_tokenize::testing::mixed_text(PROMPT_SEED, MIXED_TEXT_BYTES, &[]);
+        let tokenizer = ModelTokenizer::from_dir(model_dir)
+            .with_context(|| format!("loading {}", model_dir.display()))?;
+        ensure!(
+            tokenizer.has_chat_template(),
+            "{} has no chat template",
+            model_dir.display()
+        );
+        let sample = &mixed[..mixed.floor_char_boundary(256 << 10)];
+        let tokens = tokenizer.encode_prompt(sample, false)?.len();
+        ensure!(tokens > 0, "empty sample");
+        let bytes_per_token = sample.len() as f64 / tokens as f64;
+        let longest = (STAGE_SIZES[STAGE_SIZES.len() - 1] as f64 * bytes_per_token * 1.1) as usize;
+        ensure!(
+            longest < mixed.len(),
+            "{} bytes of mixed text cannot hold a {longest}-byte prompt",
+            mixed.len()
+        );
+        let keys = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(
+            &["127.0.0.1:1".parse()?],
+            &IndexMode::None,
+            model_dir,
+            block_size,
+        ))?;
         Ok(Self {
-            text,
-            period,
-            chars_per_token,
+            period: mixed.len(),
+            text: mixed.repeat(2),
+            bytes_per_token,
+            model_dir: model_dir.to_owned(),
+            block_size,
             tokenizer,
+            keys,
             next: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
-    /// A prompt of about `tokens` tokens that no earlier prompt shares a prefix with.
-    fn prompt(&self, tokens: usize) -> String {
+    /// User text of about `tokens` tokens that no earlier prompt shares a prefix with.
+    fn user_text(&self, tokens: usize) -> String {
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let len = (tokens as f64 * self.chars_per_token) as usize;
-        let start = (n as usize).wrapping_mul(7919) % self.period;
-        format!("request {n}: {}", &self.text[start..start + len])
+        let len = (tokens as f64 * self.bytes_per_token) as usize;
+        let start = self
+            .text
+            .floor_char_boundary((n as usize).wrapping_mul(7919) % self.period);
+        let end = self.text.floor_char_boundary(start + len);
+        format!("request {n}: {}", &self.text[start..end])
     }
 
-    /// A `/v1/completions` body with a fresh prompt.
-    fn body(&self, tokens: usize) -> Bytes {
-        let body =
-            serde_json::json!({"model": MODEL, "prompt": self.prompt(tokens), "max_tokens": 1});
+    /// A new conversation whose first turn is about `tokens` tokens.
+    fn conversation(&self, tokens: usize) -> Conversation {
+        let first = serde_json::json!([
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": self.user_text(tokens)},
+        ]);
+        let mut next = first.clone();
+        if let Some(messages) = next.as_array_mut() {
+            messages.push(serde_json::json!({"role": "assistant", "content": self.user_text(60)}));
+            messages.push(serde_json::json!({"role": "user", "content": FOLLOW_UP}));
+        }
+        Conversation { first, next }
+    }
+
+    /// A `/v1/chat/completions` body for `messages`.
+    fn body(messages: &serde_json::Value) -> Bytes {
+        let body = serde_json::json!({"model": MODEL, "messages": messages, "max_tokens": 1});
         Bytes::from(body.to_string())
     }
 
-    fn measured_tokens(&self, tokens: usize) -> anyhow::Result<usize> {
+    /// A new conversation's first turn, as a body.
+    fn miss_body(&self, tokens: usize) -> Bytes {
+        Self::body(&self.conversation(tokens).first)
+    }
+
+    /// The prompt tokens vLLM computes for `messages` (the request's defaults).
+    fn chat_tokens(&self, messages: &serde_json::Value) -> anyhow::Result<Vec<u32>> {
         Ok(self
             .tokenizer
-            .encode_prompt(&self.prompt(tokens), true)?
-            .len())
+            .encode_chat_with(messages, &kvroute_tokenize::ChatOptions::default())?)
+    }
+
+    /// The block keys an engine publishes for the full blocks of `messages`' prompt.
+    fn block_keys(&self, messages: &serde_json::Value) -> anyhow::Result<(Vec<u32>, Vec<u64>)> {
+        let tokens = self.chat_tokens(messages)?;
+        let pool = self.keys.pools.first().context("no pool")?;
+        let keys = pool.prompt_keys(&tokens, None, None)?;
+        Ok((tokens, keys))
     }
 }
 
@@ -235,9 +361,14 @@ struct Backends {
     kvroute_admin: SocketAddr,
     kvroute_embedded: SocketAddr,
     kvroute_embedded_admin: SocketAddr,
+    /// Admin address of the index each kvroute-ext-proc asks: the in-process kvroute-index
+    /// (gRPC variant) and the embedded one.
+    index_admin: SocketAddr,
+    embedded_index_admin: SocketAddr,
     stop: CancellationToken,
     tasks: TaskTracker,
-    _publishers: Vec<MockVllmPublisher>,
+    /// The engines' KV-event publishers (both indexes subscribe to them).
+    publishers: Vec<MockVllmPublisher>,
     _index: kvroute_index::server::IndexServer,
     _dir: tempfile::TempDir,
 }
@@ -250,12 +381,12 @@ impl Drop for Backends {
 }
 
 impl Backends {
-    async fn start(with_index: bool) -> anyhow::Result<Self> {
+    async fn start(with_index: bool, prompts: &PromptSource) -> anyhow::Result<Self> {
         let stop = CancellationToken::new();
         let tasks = TaskTracker::new();
         let mut upstreams = Vec::new();
-        for _ in 0..2 {
-            upstreams.push(start_upstream(&tasks, &stop).await?);
+        for i in 0..2 {
+            upstreams.push(start_upstream(i, &tasks, &stop).await?);
         }
         let noop = start_processor(NoopProcessor, &tasks, &stop).await?;
         let fixed = start_processor(FixedPicker::new(&upstreams), &tasks, &stop).await?;
@@ -276,11 +407,7 @@ impl Backends {
             ));
             publishers.push(publisher);
         }
-        let index_yaml = format!(
-            "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
-             pools:\n  - {{model: {MODEL}, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: \"0\"}}\n\
-             replicas:\n{index_replicas}"
-        );
+        let index_yaml = index_yaml(&index_replicas, prompts.block_size);
         let index_config = kvroute_index::config::Config::from_yaml(&index_yaml)?;
         let index = kvroute_index::server::IndexServer::start(index_config).await?;
         // The embedded variant runs the same index config inside kvroute-ext-proc.
@@ -293,9 +420,16 @@ impl Backends {
         } else {
             IndexMode::None
         };
-        let (kvroute, kvroute_admin) = start_kvroute(&upstreams, &remote, &tasks, &stop).await?;
-        let (kvroute_embedded, kvroute_embedded_admin) =
-            start_kvroute(&upstreams, &IndexMode::Embedded(index_file), &tasks, &stop).await?;
+        let (kvroute, kvroute_admin, _) =
+            start_kvroute(&upstreams, &remote, prompts, &tasks, &stop).await?;
+        let (kvroute_embedded, kvroute_embedded_admin, embedded_index_admin) = start_kvroute(
+            &upstreams,
+            &IndexMode::Embedded(index_file),
+            prompts,
+            &tasks,
+            &stop,
+        )
+        .await?;
         Ok(Self {
             upstreams,
             noop,
@@ -304,9 +438,11 @@ impl Backends {
             kvroute_admin,
             kvroute_embedded,
             kvroute_embedded_admin,
+            index_admin: index.admin_addr(),
+            embedded_index_admin: embedded_index_admin.context("embedded index not running")?,
             stop,
             tasks,
-            _publishers: publishers,
+            publishers,
             _index: index,
             _dir: dir,
         })
@@ -323,16 +459,36 @@ enum IndexMode {
     None,
 }
 
-/// Starts kvroute-ext-proc in this process; its gRPC and admin addresses.
+/// kvroute-index YAML: one pool of the bench's model, `replicas` (YAML list items).
+fn index_yaml(replicas: &str, block_size: u32) -> String {
+    format!(
+        "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
+         pools:\n  - {{model: {MODEL}, block_size: {block_size}, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: \"0\"}}\n\
+         replicas:\n{replicas}"
+    )
+}
+
+/// Starts kvroute-ext-proc in this process; its gRPC and admin addresses, and its embedded
+/// index's admin address.
 async fn start_kvroute(
     upstreams: &[SocketAddr],
     index: &IndexMode,
+    prompts: &PromptSource,
     tasks: &TaskTracker,
     stop: &CancellationToken,
-) -> anyhow::Result<(SocketAddr, SocketAddr)> {
-    let config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(upstreams, index))?;
+) -> anyhow::Result<(SocketAddr, SocketAddr, Option<SocketAddr>)> {
+    let config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(
+        upstreams,
+        index,
+        &prompts.model_dir,
+        prompts.block_size,
+    ))?;
     let server = kvroute_ext_proc::ExtProc::builder(config).bind().await?;
-    let addrs = (server.grpc_addr()?, server.admin_addr()?);
+    let addrs = (
+        server.grpc_addr()?,
+        server.admin_addr()?,
+        server.embedded_index_addrs().map(|(_, admin)| admin),
+    );
     let shutdown = stop.clone().cancelled_owned();
     tasks.spawn(async move {
         if let Err(error) = server.serve(shutdown).await {
@@ -342,9 +498,14 @@ async fn start_kvroute(
     Ok(addrs)
 }
 
-/// kvroute-ext-proc YAML: one pool `tiny` (in-process tokenizer), replicas `engine-i` at
+/// kvroute-ext-proc YAML: one pool (in-process tokenizer of `model_dir`), replicas `engine-i` at
 /// `upstreams`, production budgets; with `index`, the precise tier asks it.
-fn ext_proc_config(upstreams: &[SocketAddr], index: &IndexMode) -> String {
+fn ext_proc_config(
+    upstreams: &[SocketAddr],
+    index: &IndexMode,
+    model_dir: &std::path::Path,
+    block_size: u32,
+) -> String {
     let replicas: String = upstreams
         .iter()
         .enumerate()
@@ -360,36 +521,43 @@ fn ext_proc_config(upstreams: &[SocketAddr], index: &IndexMode) -> String {
     };
     format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n{index}\
-         pools:\n- name: {MODEL}\n  models: [{MODEL}]\n  block_size: 32\n  \
+         pools:\n- name: {MODEL}\n  models: [{MODEL}]\n  block_size: {block_size}\n  \
          key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}}\n  events: {events}\n  \
          tokenizer: {{model_dir: \"{}\"}}\n\
          replicas:\n{replicas}",
-        tiny_model_dir().display()
+        model_dir.display()
     )
 }
 
-/// A fixed responder: reads the whole request, answers [`UPSTREAM_BODY`], echoes kvroute's
-/// decision header. TCP_NODELAY on every accepted connection.
+/// A fixed responder: reads the whole request, answers [`UPSTREAM_BODY`] with its `index` in
+/// [`UPSTREAM_HEADER`], echoes kvroute's decision header. TCP_NODELAY on every accepted connection.
 async fn start_upstream(
+    index: usize,
     tasks: &TaskTracker,
     stop: &CancellationToken,
 ) -> anyhow::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let app = axum::Router::new()
-        .fallback(|headers: axum::http::HeaderMap, _body: Bytes| async move {
-            let mut response = axum::response::Response::new(axum::body::Body::from(UPSTREAM_BODY));
-            response.headers_mut().insert(
-                axum::http::header::CONTENT_TYPE,
-                axum::http::HeaderValue::from_static("application/json"),
-            );
-            if let Some(decision) = headers.get(DECISION_HEADER) {
+        .fallback(
+            move |headers: axum::http::HeaderMap, _body: Bytes| async move {
+                let mut response =
+                    axum::response::Response::new(axum::body::Body::from(UPSTREAM_BODY));
+                response.headers_mut().insert(
+                    axum::http::header::CONTENT_TYPE,
+                    axum::http::HeaderValue::from_static("application/json"),
+                );
                 response
                     .headers_mut()
-                    .insert(DECISION_HEADER, decision.clone());
-            }
-            response
-        })
+                    .insert(UPSTREAM_HEADER, axum::http::HeaderValue::from(index));
+                if let Some(decision) = headers.get(DECISION_HEADER) {
+                    response
+                        .headers_mut()
+                        .insert(DECISION_HEADER, decision.clone());
+                }
+                response
+            },
+        )
         .layer(axum::extract::DefaultBodyLimit::max(8 * 1024 * 1024));
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
@@ -563,6 +731,16 @@ struct Case {
     decisions: BTreeMap<String, usize>,
     failures: usize,
     sent: u64,
+    /// For a kvroute-ext-proc listener: its admin address (decision tally) and its index's
+    /// admin address (to wait until the index holds a hit's first turn).
+    kvroute: Option<KvrouteAdmin>,
+}
+
+/// Where a kvroute case's ext-proc and index answer admin requests.
+#[derive(Debug, Clone, Copy)]
+struct KvrouteAdmin {
+    ext_proc: SocketAddr,
+    index: SocketAddr,
 }
 
 impl Case {
@@ -575,18 +753,30 @@ impl Case {
         connector.set_nodelay(true);
         Self {
             name,
-            url: format!("http://{listener}/v1/completions"),
+            url: format!("http://{listener}/v1/chat/completions"),
             client: Client::builder(TokioExecutor::new()).build(connector),
             headers: Box::new(headers),
             samples: Vec::new(),
             decisions: BTreeMap::new(),
             failures: 0,
             sent: 0,
+            kvroute: None,
         }
+    }
+
+    /// This case is a kvroute-ext-proc listener with these admin addresses.
+    fn kvroute(mut self, ext_proc: SocketAddr, index: SocketAddr) -> Self {
+        self.kvroute = Some(KvrouteAdmin { ext_proc, index });
+        self
     }
 
     /// Sends one request; returns its latency (request start → whole response body).
     async fn send(&mut self, body: Bytes) -> anyhow::Result<Duration> {
+        Ok(self.send_to(body).await?.0)
+    }
+
+    /// Sends one request; returns its latency and the upstream that answered.
+    async fn send_to(&mut self, body: Bytes) -> anyhow::Result<(Duration, Option<usize>)> {
         let mut request =
             hyper::Request::post(&self.url).header("content-type", "application/json");
         for (name, value) in (self.headers)(self.sent) {
@@ -604,6 +794,10 @@ impl Case {
             .get(DECISION_HEADER)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
+        let upstream = response
+            .headers()
+            .get(UPSTREAM_HEADER)
+            .and_then(|v| v.to_str().ok()?.parse().ok());
         let body = response.into_body().collect().await?.to_bytes();
         let elapsed = started.elapsed();
         if !status.is_success() {
@@ -617,39 +811,266 @@ impl Case {
         if let Some(decision) = decision {
             *self.decisions.entry(decision).or_default() += 1;
         }
-        Ok(elapsed)
+        Ok((elapsed, upstream))
     }
 }
 
 /// Sends `samples` requests per case per repetition, interleaved request by request with the
-/// case order rotating, after a warm-up.
+/// case order rotating, after a warm-up (cache misses). For [`Workload::Hit`] each repetition first
+/// sends every kvroute case's conversations' first turns through that case (not measured), has the
+/// engine that served each one publish its blocks, waits until the index holds them, and then
+/// measures the conversations' next turns. Returns the kvroute cases' decision tally over the
+/// measured requests only.
 async fn measure(
     cases: &mut [Case],
+    engines: Option<&[MockVllmPublisher]>,
     prompts: &PromptSource,
     tokens: usize,
+    workload: Workload,
     reps: usize,
     samples: usize,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<BTreeMap<String, Tally>> {
     for _ in 0..WARMUP_PER_CASE {
         for case in cases.iter_mut() {
-            case.send(prompts.body(tokens)).await?;
+            case.send(prompts.miss_body(tokens)).await?;
         }
     }
     for case in cases.iter_mut() {
         case.decisions.clear();
         case.samples = vec![Vec::with_capacity(samples); reps];
     }
+    let mut tallies: BTreeMap<String, Tally> = BTreeMap::new();
     let n = cases.len();
     for rep in 0..reps {
+        // The measured bodies of this repetition, per case.
+        let mut bodies: Vec<Vec<Bytes>> = Vec::with_capacity(n);
+        for case in cases.iter_mut() {
+            // The first turns are not measured: their decisions are not counted.
+            let measured_decisions = case.decisions.clone();
+            let mut case_bodies = Vec::with_capacity(samples);
+            for _ in 0..samples {
+                let conversation = prompts.conversation(tokens);
+                if workload == Workload::Miss {
+                    case_bodies.push(PromptSource::body(&conversation.first));
+                    continue;
+                }
+                if let (Some(admin), Some(engines)) = (case.kvroute, engines) {
+                    let (_, served) = case
+                        .send_to(PromptSource::body(&conversation.first))
+                        .await?;
+                    let served = served.context("upstream did not say who it is")?;
+                    let engine = engines.get(served).context("no such engine")?;
+                    let keys = publish_stored(engine, prompts, &conversation.first).await?;
+                    wait_indexed(admin.index, served, &keys).await?;
+                }
+                case_bodies.push(PromptSource::body(&conversation.next));
+            }
+            case.decisions = measured_decisions;
+            bodies.push(case_bodies);
+        }
+        let mut before = Vec::new();
+        for case in cases.iter() {
+            before.push(match case.kvroute {
+                Some(admin) => Some(Tally::scrape(admin.ext_proc).await?),
+                None => None,
+            });
+        }
+        let mut queues: Vec<_> = bodies.into_iter().map(Vec::into_iter).collect();
         for i in 0..samples {
             for k in 0..n {
-                let case = &mut cases[(i + k) % n];
-                let latency = case.send(prompts.body(tokens)).await?;
-                case.samples[rep].push(latency);
+                let c = (i + k) % n;
+                let body = queues[c].next().context("a case ran out of bodies")?;
+                let latency = cases[c].send(body).await?;
+                cases[c].samples[rep].push(latency);
+            }
+        }
+        for (case, before) in cases.iter().zip(before) {
+            if let (Some(admin), Some(before)) = (case.kvroute, before) {
+                let delta = Tally::scrape(admin.ext_proc).await?.minus(&before);
+                tallies.entry(case.name.to_owned()).or_default().add(&delta);
             }
         }
     }
+    Ok(tallies)
+}
+
+/// Publishes, as `engine`'s vLLM would after prefilling `messages`, one `BlockStored` with the
+/// prompt's full blocks; returns their keys.
+async fn publish_stored(
+    engine: &MockVllmPublisher,
+    prompts: &PromptSource,
+    messages: &serde_json::Value,
+) -> anyhow::Result<Vec<u64>> {
+    let (tokens, keys) = prompts.block_keys(messages)?;
+    let block_size = prompts.block_size as usize;
+    let stored = BlockStored {
+        block_hashes: keys.clone(),
+        parent_block_hash: None,
+        token_ids: tokens[..keys.len() * block_size].to_vec(),
+        block_size: prompts.block_size,
+        medium: Medium::Gpu,
+        extra_keys: Some(vec![None; keys.len()]),
+        group_idx: Some(0),
+        ..BlockStored::default()
+    };
+    let batch = EventBatch {
+        ts: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs_f64(),
+        dp_rank: Some(0),
+        events: vec![KvEvent::BlockStored(stored)],
+    };
+    engine
+        .publish(wire::encode_batch(&batch, Encoding::V0_32))
+        .await?;
+    Ok(keys)
+}
+
+/// Waits until the index at `admin` says `engine-{engine}` holds every block of `keys`.
+async fn wait_indexed(admin: SocketAddr, engine: usize, keys: &[u64]) -> anyhow::Result<()> {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let body = Bytes::from(serde_json::json!({"model": MODEL, "prompt_keys": keys}).to_string());
+    let id = format!("engine-{engine}");
+    let url: hyper::Uri = format!("http://{admin}/v1/match").parse()?;
+    wait_until(
+        &format!("{id} holds a published turn"),
+        INDEX_SETTLE,
+        || {
+            let request = hyper::Request::post(url.clone())
+                .header("content-type", "application/json")
+                .body(Full::new(body.clone()));
+            let client = client.clone();
+            let id = id.clone();
+            async move {
+                let response = client.request(request.ok()?).await.ok()?;
+                let bytes = response.into_body().collect().await.ok()?.to_bytes();
+                let answer: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+                answer["replicas"]
+                    .as_array()?
+                    .iter()
+                    .any(|r| {
+                        r["id"] == id.as_str()
+                            && r["matched_blocks"].as_u64() == Some(keys.len() as u64)
+                    })
+                    .then_some(())
+            }
+        },
+    )
+    .await?;
     Ok(())
+}
+
+/// kvroute-ext-proc's decision and fallback counters (`/metrics`), by label set.
+#[derive(Debug, Clone, Default)]
+struct Tally {
+    /// `tier/reason` → decisions.
+    decisions: BTreeMap<String, f64>,
+    /// `stage/cause` → fallbacks.
+    fallbacks: BTreeMap<String, f64>,
+    /// Token source (`tokenize_duration_seconds{kind}`: `leading`, `tokenizer`, `cache`, …) →
+    /// tokenizations; a decision that needed the whole prompt after its leading part counts twice.
+    sources: BTreeMap<String, f64>,
+}
+
+impl Tally {
+    async fn scrape(admin: SocketAddr) -> anyhow::Result<Self> {
+        let text = metrics_text(admin).await?;
+        let mut tally = Self::default();
+        for line in text.lines() {
+            let (series, into, labels) =
+                if let Some(rest) = line.strip_prefix("kvroute_extproc_decisions_total{") {
+                    (rest, &mut tally.decisions, ["tier", "reason"])
+                } else if let Some(rest) = line.strip_prefix("kvroute_extproc_fallbacks_total{") {
+                    (rest, &mut tally.fallbacks, ["stage", "cause"])
+                } else if let Some(rest) =
+                    line.strip_prefix("kvroute_extproc_tokenize_duration_seconds_count{")
+                {
+                    (rest, &mut tally.sources, ["kind", ""])
+                } else {
+                    continue;
+                };
+            let Some((label_text, value)) = series.rsplit_once("} ") else {
+                continue;
+            };
+            let Ok(value) = value.trim().parse::<f64>() else {
+                continue;
+            };
+            let label = |name: &str| {
+                label_text
+                    .split(',')
+                    .find_map(|pair| pair.strip_prefix(&format!("{name}=\"")))
+                    .map(|v| v.trim_end_matches('"').to_owned())
+                    .unwrap_or_default()
+            };
+            let key = match labels[1] {
+                "" => label(labels[0]),
+                second => format!("{}/{}", label(labels[0]), label(second)),
+            };
+            *into.entry(key).or_default() += value;
+        }
+        Ok(tally)
+    }
+
+    fn minus(&self, before: &Self) -> Self {
+        let diff = |after: &BTreeMap<String, f64>, before: &BTreeMap<String, f64>| {
+            after
+                .iter()
+                .map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0)))
+                .filter(|(_, v)| *v > 0.0)
+                .collect()
+        };
+        Self {
+            decisions: diff(&self.decisions, &before.decisions),
+            fallbacks: diff(&self.fallbacks, &before.fallbacks),
+            sources: diff(&self.sources, &before.sources),
+        }
+    }
+
+    fn add(&mut self, other: &Self) {
+        for (k, v) in &other.decisions {
+            *self.decisions.entry(k.clone()).or_default() += v;
+        }
+        for (k, v) in &other.fallbacks {
+            *self.fallbacks.entry(k.clone()).or_default() += v;
+        }
+        for (k, v) in &other.sources {
+            *self.sources.entry(k.clone()).or_default() += v;
+        }
+    }
+}
+
+impl std::fmt::Display for Tally {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |map: &BTreeMap<String, f64>| {
+            if map.is_empty() {
+                return "none".to_owned();
+            }
+            map.iter()
+                .map(|(k, v)| format!("{k} {v:.0}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        write!(
+            f,
+            "decisions (tier/reason): {}; fallbacks (stage/cause): {}; tokens from: {}",
+            list(&self.decisions),
+            list(&self.fallbacks),
+            list(&self.sources)
+        )
+    }
+}
+
+/// The text of kvroute-ext-proc's `/metrics`.
+async fn metrics_text(admin: SocketAddr) -> anyhow::Result<String> {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let response = client
+        .get(format!("http://{admin}/metrics").parse()?)
+        .await?;
+    Ok(String::from_utf8(
+        response.into_body().collect().await?.to_bytes().to_vec(),
+    )?)
 }
 
 fn percentile(sorted: &[Duration], q: f64) -> Duration {
@@ -754,7 +1175,7 @@ fn load_average() -> String {
 // Issue 4: plain vs no-op ext_proc vs kvroute-ext-proc
 
 async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
-    let backends = Backends::start(!args.without_index).await?;
+    let backends = Backends::start(!args.without_index, prompts).await?;
     let config = three_listener_config(&backends);
     let envoy = Envoy::start(&config).await?;
     let listener = |name: &str| {
@@ -766,27 +1187,45 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
         Case::new("plain", listener("plain")?, |_| Vec::new()),
         Case::new("noop-ext-proc", listener("noop")?, |_| Vec::new()),
         Case::new("fixed-picker", listener("fixed")?, |_| Vec::new()),
-        Case::new("kvroute-ext-proc", listener("kvroute")?, |_| Vec::new()),
-        Case::new("kvroute-embedded", listener("embedded")?, |_| Vec::new()),
+        Case::new("kvroute-ext-proc", listener("kvroute")?, |_| Vec::new())
+            .kvroute(backends.kvroute_admin, backends.index_admin),
+        Case::new("kvroute-embedded", listener("embedded")?, |_| Vec::new()).kvroute(
+            backends.kvroute_embedded_admin,
+            backends.embedded_index_admin,
+        ),
     ];
     println!(
         "## extproc: Envoy {{plain, no-op ext_proc, kvroute-ext-proc}}, load {}\n",
         load_average()
     );
-    for (tokens, samples) in [(SIZES[0], args.samples_1k), (SIZES[1], args.samples_32k)] {
-        if samples == 0 {
-            continue;
-        }
+    for (workload, (tokens, samples)) in args
+        .workloads
+        .iter()
+        .flat_map(|&w| args.sizes().into_iter().map(move |size| (w, size)))
+    {
         let before = stage_totals(backends.kvroute_admin).await?;
         let before_embedded = stage_totals(backends.kvroute_embedded_admin).await?;
-        measure(&mut cases, prompts, tokens, args.reps, samples).await?;
+        let tallies = measure(
+            &mut cases,
+            Some(&backends.publishers),
+            prompts,
+            tokens,
+            workload,
+            args.reps,
+            samples,
+        )
+        .await?;
         let stages = stage_means(&before, &stage_totals(backends.kvroute_admin).await?);
         let stages_embedded = stage_means(
             &before_embedded,
             &stage_totals(backends.kvroute_embedded_admin).await?,
         );
         println!(
-            "### {tokens}-token prompts, {} reps × {samples} per case (load {})\n",
+            "### {tokens}-token chat, cache {}, {} reps × {samples} per case (load {})\n",
+            match workload {
+                Workload::Miss => "miss (new conversations)",
+                Workload::Hit => "hit (next turn; the engine holds turn 1)",
+            },
             args.reps,
             load_average()
         );
@@ -801,8 +1240,11 @@ async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()
                 ("kvroute-embedded", "fixed-picker"),
             ],
         );
+        for (case, tally) in &tallies {
+            println!("- {case} tally (ext-proc /metrics, measured requests): {tally}");
+        }
         println!(
-            "- own timings (warm-up included): kvroute-ext-proc: {stages}. kvroute-embedded: {stages_embedded}\n"
+            "- own timings (warm-up and first turns included): kvroute-ext-proc: {stages}. kvroute-embedded: {stages_embedded}\n"
         );
     }
     let failures: usize = cases.iter().map(|c| c.failures).sum();
@@ -837,12 +1279,7 @@ const STAGES: [&str; 3] = ["decision", "tokenize", "match"];
 
 /// kvroute-ext-proc's decision, tokenize and match histograms.
 async fn stage_totals(admin: SocketAddr) -> anyhow::Result<Vec<StageHistogram>> {
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
-    let response = client
-        .get(format!("http://{admin}/metrics").parse()?)
-        .await?;
-    let text = String::from_utf8(response.into_body().collect().await?.to_bytes().to_vec())?;
+    let text = metrics_text(admin).await?;
     let value = |line: &str| line.rsplit(' ').next()?.parse::<f64>().ok();
     Ok(STAGES
         .iter()
@@ -1030,7 +1467,7 @@ async fn wasm_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
         "{} missing: cargo build --profile wasm --target wasm32-wasip1 -p kvroute-wasm-filter",
         module.display()
     );
-    let backends = Backends::start(!args.without_index).await?;
+    let backends = Backends::start(!args.without_index, prompts).await?;
     let config = full_chain_config(&backends, &module)?;
     let envoy = Envoy::start(&config).await?;
     let listener = |name: &str| {
@@ -1060,17 +1497,23 @@ async fn wasm_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
         let name = format!("wasmcustom.kvroute_wasm_{name}");
         async move { envoy.stat(&name).await.map(|v| v.unwrap_or(0)) }
     };
-    for (tokens, samples) in [(SIZES[0], args.samples_1k), (SIZES[1], args.samples_32k)] {
-        if samples == 0 {
-            continue;
-        }
+    for (tokens, samples) in args.sizes() {
         // Fresh session names per size.
         let prefix = format!("{tokens}-");
         cases[1].headers =
             Box::new(move |i| vec![("x-session-id".to_owned(), format!("{prefix}new-{i}"))]);
         let hits_before = stat("fast_path_session_hits_total").await?;
         let decisions_before = stat("extproc_decisions_total").await?;
-        measure(&mut cases, prompts, tokens, args.reps, samples).await?;
+        measure(
+            &mut cases,
+            None,
+            prompts,
+            tokens,
+            Workload::Miss,
+            args.reps,
+            samples,
+        )
+        .await?;
         let hits = stat("fast_path_session_hits_total").await? - hits_before;
         let decisions = stat("extproc_decisions_total").await? - decisions_before;
         println!(
@@ -1091,7 +1534,7 @@ async fn wasm_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
         );
         let per_case = (WARMUP_PER_CASE + args.reps * samples) as u64;
         // The returning session's first turn (first size only) also asks ext_proc.
-        let learn_turn = u64::from(tokens == SIZES[0]);
+        let learn_turn = u64::from(Some(tokens) == args.sizes().first().map(|s| s.0));
         println!(
             "- check: fast-path session hits {hits} (expected ≥ {}), ext_proc decisions {decisions} (expected {})\n",
             per_case - 1,
@@ -1161,6 +1604,103 @@ filter_chains:
 }
 
 // ---------------------------------------------------------------------------------------------
+// Where a chat decision's time goes
+
+/// Times, in-process and one prompt at a time, each step a chat decision takes before the index:
+/// body parse, the owned copy for the tokenizer, the `messages` JSON tree, the template render,
+/// the encode and the block keys — the steps of `InProcessTokenizer` and `Pool::prompt_keys`
+/// (`Match` and scoring are in the extproc bench's own timings). Median and worst per step. Then
+/// the same prompt's leading part alone (`ModelTokenizer::encode_chat_leading` from
+/// [`LEADING_BYTES`]: render + encode up to the first exact cut) and its keys: what a decision
+/// that matches only the leading part would spend on it.
+fn stages_bench(prompts: &PromptSource, count: usize) -> anyhow::Result<()> {
+    const STEPS: [&str; 8] = [
+        "parse",
+        "copy",
+        "messages",
+        "render",
+        "encode",
+        "keys",
+        "lead render+encode",
+        "lead keys",
+    ];
+    println!(
+        "## stages: one chat decision's steps before Match, {count} new conversations per size, load {}\n",
+        load_average()
+    );
+    println!(
+        "| prompt tokens | body KiB | {} | total ms (median, without lead) | lead tokens |",
+        STEPS.map(|s| format!("{s} ms")).join(" | ")
+    );
+    println!("|---:|---:|{}---:|---:|", "---:|".repeat(STEPS.len()));
+    let pool = prompts.keys.pools.first().context("no pool")?;
+    let options = kvroute_tokenize::ChatOptions::default();
+    for tokens in STAGE_SIZES {
+        let mut times: Vec<Vec<Duration>> = vec![Vec::with_capacity(count); STEPS.len() + 1];
+        let mut measured = (0, 0);
+        let mut lead_tokens = 0;
+        for _ in 0..count {
+            let body = prompts.miss_body(tokens);
+            let mut lap = Instant::now();
+            let mut step = |times: &mut Vec<Vec<Duration>>, i: usize| {
+                times[i].push(lap.elapsed());
+                lap = Instant::now();
+            };
+            let started = Instant::now();
+            let parsed = request::parse(&body, Endpoint::ChatCompletions)?;
+            step(&mut times, 0);
+            let input = kvroute_ext_proc::tokenizer::TokenizeInput::from_prompt(&parsed.prompt)
+                .context("no chat prompt")?;
+            step(&mut times, 1);
+            let kvroute_ext_proc::tokenizer::TokenizeInput::Chat { messages, .. } = &input else {
+                bail!("not a chat prompt");
+            };
+            let messages: serde_json::Value = serde_json::from_str(messages.get())?;
+            step(&mut times, 2);
+            let text = prompts.tokenizer.render_chat_with(&messages, &options)?;
+            step(&mut times, 3);
+            let ids = prompts.tokenizer.encode_prompt(&text, false)?;
+            step(&mut times, 4);
+            let keys = std::hint::black_box(pool.prompt_keys(&ids, None, None)?);
+            step(&mut times, 5);
+            times[STEPS.len()].push(started.elapsed());
+            let leading =
+                prompts
+                    .tokenizer
+                    .encode_chat_leading(&messages, &options, LEADING_BYTES)?;
+            step(&mut times, 6);
+            let lead_keys = std::hint::black_box(pool.prompt_keys(&leading.tokens, None, None)?);
+            step(&mut times, 7);
+            ensure!(
+                ids.starts_with(&leading.tokens),
+                "leading tokens are not the prompt's first tokens"
+            );
+            measured = (ids.len(), body.len());
+            lead_tokens = leading.tokens.len();
+            drop((keys, lead_keys));
+        }
+        let cell = |samples: &[Duration]| {
+            let (p50, _) = quantiles(samples);
+            let worst = samples.iter().max().copied().unwrap_or_default();
+            format!("{:.3} (max {:.3})", ms(p50), ms(worst))
+        };
+        println!(
+            "| {} | {} | {} | {:.3} | {lead_tokens} |",
+            measured.0,
+            measured.1 / 1024,
+            times[..STEPS.len()]
+                .iter()
+                .map(|t| cell(t))
+                .collect::<Vec<_>>()
+                .join(" | "),
+            ms(quantiles(&times[STEPS.len()]).0),
+        );
+    }
+    println!();
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
 // Picker decisions per CPU second
 
 /// Loops `Picker::decide` (body parse → tokenize → keys → [index Match] → score) on a
@@ -1181,15 +1721,13 @@ fn picker_bench(prompts: &PromptSource, decisions_1k: usize, cold: bool) -> anyh
         "| prompt | index | decisions | wall s | CPU s | decisions / CPU s | decisions / wall s | µs / decision | tiers |"
     );
     println!("|---|---|---:|---:|---:|---:|---:|---:|---|");
-    for (tokens, count) in [
-        (SIZES[0], decisions_1k),
-        (SIZES[1], (decisions_1k / 20).max(10)),
-    ] {
+    for tokens in SIZES {
+        let count = (decisions_1k * SIZES[0] / tokens).max(10);
         for index in [PickerIndex::None, PickerIndex::Grpc, PickerIndex::Embedded] {
-            let bodies: Vec<Bytes> = (0..count).map(|_| prompts.body(tokens)).collect();
+            let bodies: Vec<Bytes> = (0..count).map(|_| prompts.miss_body(tokens)).collect();
             let row = std::thread::scope(|scope| {
                 scope
-                    .spawn(|| picker_run(&bodies, index, cold))
+                    .spawn(|| picker_run(prompts, &bodies, index, cold))
                     .join()
                     .map_err(|_| anyhow::anyhow!("picker thread panicked"))?
             })?;
@@ -1231,7 +1769,12 @@ enum PickerIndex {
     Embedded,
 }
 
-fn picker_run(bodies: &[Bytes], mode: PickerIndex, cold: bool) -> anyhow::Result<PickerRun> {
+fn picker_run(
+    prompts: &PromptSource,
+    bodies: &[Bytes],
+    mode: PickerIndex,
+    cold: bool,
+) -> anyhow::Result<PickerRun> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(1)
@@ -1255,10 +1798,9 @@ fn picker_run(bodies: &[Bytes], mode: PickerIndex, cold: bool) -> anyhow::Result
                 ));
                 publishers.push(publisher);
             }
-            let config = kvroute_index::config::Config::from_yaml(&format!(
-                "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
-                 pools:\n  - {{model: {MODEL}, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: \"0\"}}\n\
-                 replicas:\n{replicas}"
+            let config = kvroute_index::config::Config::from_yaml(&index_yaml(
+                &replicas,
+                prompts.block_size,
             ))?;
             index = Some(kvroute_index::server::IndexServer::start(config).await?);
         }
@@ -1266,8 +1808,12 @@ fn picker_run(bodies: &[Bytes], mode: PickerIndex, cold: bool) -> anyhow::Result
             (Some(index), PickerIndex::Grpc) => IndexMode::Remote(index.grpc_addr()),
             _ => IndexMode::None,
         };
-        let mut config =
-            kvroute_ext_proc::Config::from_yaml(&ext_proc_config(&upstreams, &index_mode))?;
+        let mut config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(
+            &upstreams,
+            &index_mode,
+            &prompts.model_dir,
+            prompts.block_size,
+        ))?;
         let tasks = TaskTracker::new();
         if mode == PickerIndex::Embedded {
             // `ExtProc::bind` does this for `index.embedded`; here the index is already running.
@@ -1283,7 +1829,7 @@ fn picker_run(bodies: &[Bytes], mode: PickerIndex, cold: bool) -> anyhow::Result
 
         // One untimed decision: connects the index client, starts the blocking pool.
         let mut tiers = BTreeMap::new();
-        let warm = request::parse(&bodies[0], Endpoint::Completions)?;
+        let warm = request::parse(&bodies[0], Endpoint::ChatCompletions)?;
         drop(picker.decide(&warm, None).await?);
 
         let cpu_before = process_cpu()?;
@@ -1297,7 +1843,7 @@ fn picker_run(bodies: &[Bytes], mode: PickerIndex, cold: bool) -> anyhow::Result
             }
             std::hint::black_box(&mut evictor);
             let decision_started = Instant::now();
-            let parsed = request::parse(body, Endpoint::Completions)?;
+            let parsed = request::parse(body, Endpoint::ChatCompletions)?;
             let decision = picker.decide(&parsed, None).await?;
             deciding += decision_started.elapsed();
             *tiers
