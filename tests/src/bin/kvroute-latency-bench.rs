@@ -270,7 +270,7 @@ impl Backends {
             })
             .await?;
             index_replicas.push_str(&format!(
-                "  - {{id: engine-{i}, model: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
+                "  - {{id: engine-{i}, pool: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
                 publisher.pub_endpoint().context("publisher endpoint")?,
                 publisher.replay_endpoint().context("replay endpoint")?,
             ));
@@ -278,7 +278,7 @@ impl Backends {
         }
         let index_yaml = format!(
             "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
-             pools:\n  - {{model: {MODEL}, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: \"0\"}}\n\
+             pools:\n  - {{name: {MODEL}, models: [{MODEL}], block_size: 32, key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}}}}\n\
              replicas:\n{index_replicas}"
         );
         let index_config = kvroute_index::config::Config::from_yaml(&index_yaml)?;
@@ -1249,7 +1249,7 @@ fn picker_run(bodies: &[Bytes], mode: PickerIndex, cold: bool) -> anyhow::Result
                 })
                 .await?;
                 replicas.push_str(&format!(
-                    "  - {{id: engine-{i}, model: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
+                    "  - {{id: engine-{i}, pool: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
                     publisher.pub_endpoint().context("publisher endpoint")?,
                     publisher.replay_endpoint().context("replay endpoint")?,
                 ));
@@ -1257,7 +1257,7 @@ fn picker_run(bodies: &[Bytes], mode: PickerIndex, cold: bool) -> anyhow::Result
             }
             let config = kvroute_index::config::Config::from_yaml(&format!(
                 "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
-                 pools:\n  - {{model: {MODEL}, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: \"0\"}}\n\
+                 pools:\n  - {{name: {MODEL}, models: [{MODEL}], block_size: 32, key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}}}}\n\
                  replicas:\n{replicas}"
             ))?;
             index = Some(kvroute_index::server::IndexServer::start(config).await?);

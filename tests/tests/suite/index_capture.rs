@@ -232,10 +232,10 @@ fn index_config(publisher: &MockVllmPublisher) -> Config {
         r#"
 listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
 pools:
-  - {{model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0"}}
+  - {{name: tiny, models: [tiny], block_size: 32, key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}}}}
 replicas:
   - id: engine-a
-    model: tiny
+    pool: tiny
     events:
       endpoint: "{}"
       replay_endpoint: "{}"
