@@ -11,6 +11,9 @@
 //! - **token-chain** ([`TokenChain`]): kvroute's own XXH3 chain over the token ids, independent of
 //!   engine settings; the index recomputes it from each event's `token_ids`.
 //!
+//! [`PoolKeySettings`] is a pool's `block_size` and `key_scheme` as every kvroute config writes
+//! them (one schema, one set of defaults: vLLM 0.32's).
+//!
 //! Everything here is pure and allocation-light: hashing a block serializes into one reused
 //! buffer. The hashing contract is pinned by vLLM's golden vectors and real engine captures in
 //! this crate's tests.
@@ -34,6 +37,7 @@ mod error;
 mod extra_keys;
 mod key_hash;
 mod preimage;
+mod schema;
 mod scheme;
 mod token_chain;
 mod vllm;
@@ -43,6 +47,10 @@ pub use digest::{Digest, published_u64};
 pub use error::KeyError;
 pub use extra_keys::{ExtraKeys, ExtraKeysEra, LoraRef};
 pub use key_hash::{KeyHasher, KeyHasherBuilder};
+pub use schema::{
+    DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_VLLM_VERSION, MAX_BLOCK_SIZE, PoolKeySettings,
+    RawKeyScheme, SchemeConfigError,
+};
 pub use scheme::KeyScheme;
 pub use token_chain::TokenChain;
 pub use vllm::{DEFAULT_NONE_HASH_SEED, VllmHasher};

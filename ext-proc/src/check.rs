@@ -53,7 +53,7 @@ pub struct ModelDirPool {
     pub block_size: u32,
     /// `key_scheme.kind` (`vllm-exact` when `None`).
     pub key_kind: Option<String>,
-    /// `key_scheme.hash_algo` (`sha256_cbor` when `None`).
+    /// `key_scheme.hash_algo` (vLLM's default `sha256` when `None`).
     pub hash_algo: Option<String>,
     /// `key_scheme.seed`, the engines' `PYTHONHASHSEED`.
     pub seed: Option<String>,
@@ -450,6 +450,6 @@ mod tests {
         assert_eq!(report.token_source, "client");
         assert_eq!(report.full_blocks, 2);
         assert_eq!(report.block_keys.len(), 2);
-        assert_eq!(report.key_scheme.hash_algo, Some("sha256_cbor"));
+        assert_eq!(report.key_scheme.hash_algo, Some("sha256"));
     }
 }

@@ -19,9 +19,13 @@
 //! pools:
 //! - name: llama
 //!   models: [meta-llama/Llama-3.1-8B-Instruct]
-//!   adapters: [sql-lora]
-//!   block_size: 16
-//!   key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}
+//!   adapters: [{name: sql-lora, path: /adapters/sql}]   # vLLM 0.31+ hashes the adapter's path
+//!   block_size: 16                            # default 16
+//!   # vLLM's settings; defaults are vLLM 0.32's: sha256, PYTHONHASHSEED unset, 0.32.0
+//!   key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0", vllm_version: 0.32.0}
+//!   # name, models, block_size and key_scheme are the pool schema kvroute-index shares (paste
+//!   # them into its config unchanged); adapters, events, approx_capacity_blocks and tokenizer
+//!   # are ext-proc's own.
 //!   tokenizer: {model_dir: /models/llama}     # or {remote: "http://10.0.0.5:8000/tokenize"}
 //!   # or the engine's own render endpoints (vLLM 0.32 --enable-scale-out; exact by construction):
 //!   # tokenizer: {render: "http://10.0.0.5:8000", timeout: 50ms}
@@ -51,7 +55,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, LoraRef, VllmHasher};
+use kvroute_block_keys::{KeyScheme, LoraRef, PoolKeySettings, RawKeyScheme};
 use kvroute_index::agent::token::{AgentToken, TokenError, TokenSource};
 
 use crate::error::ConfigError;
@@ -101,8 +105,8 @@ pub const DEFAULT_TOKEN_CACHE_ENTRIES: usize = 4096;
 pub const DEFAULT_REMOTE_TOKENIZE_TIMEOUT: Duration = Duration::from_millis(25);
 /// Default interval at which the config file's mtime is checked for reloads.
 pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
-/// vLLM release assumed when a pool does not name one (extra-key shapes of 0.11.1..0.30).
-pub const DEFAULT_VLLM_VERSION: &str = "0.11.1";
+/// Pool key defaults, shared with kvroute-index (`kvroute_block_keys::schema`): vLLM 0.32's.
+pub use kvroute_block_keys::{DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_VLLM_VERSION};
 /// Default longest time a routed request counts in its replica's in-flight load while Envoy has
 /// not reported its response headers (`limits.inflight_max_age`). Streaming responses report them
 /// when the engine starts answering, non-streaming ones when generation ends, so a long generation
@@ -128,8 +132,6 @@ pub const DEFAULT_DRIFT_WINDOW: Duration = Duration::from_secs(300);
 pub const DEFAULT_DRIFT_MIN_TOKENS: u64 = 16_384;
 /// Default action past the bound (`drift.action`).
 pub const DEFAULT_DRIFT_ACTION: &str = "warn";
-/// Largest accepted block size (vLLM uses 16..=256 in practice).
-const MAX_BLOCK_SIZE: u32 = 4096;
 
 /// The YAML document as written. Unknown keys are errors.
 #[derive(Debug, Default, Deserialize)]
@@ -230,28 +232,22 @@ struct RawScoring {
     speculative_ttl: Option<String>,
 }
 
+/// A pool. `name`, `models`, `block_size` and `key_scheme` are the schema every kvroute
+/// component shares (kvroute-index's pools take the same keys with the same defaults); the rest
+/// is ext-proc's own.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 struct RawPool {
     name: Option<String>,
     models: Vec<String>,
-    adapters: Vec<RawAdapter>,
     block_size: Option<u32>,
     key_scheme: RawKeyScheme,
+    // ext-proc only:
+    adapters: Vec<RawAdapter>,
     /// Whether the index receives this pool's KV events (else: approximate tier only).
     events: Option<bool>,
     approx_capacity_blocks: Option<usize>,
     tokenizer: Option<RawTokenizer>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct RawKeyScheme {
-    kind: Option<String>,
-    hash_algo: Option<String>,
-    seed: Option<String>,
-    /// The engine's vLLM release; selects how LoRA and cache_salt enter the keys.
-    vllm_version: Option<String>,
 }
 
 /// An adapter as written: its name, or `{name, id, path}` (what older/newer vLLM hash).
@@ -1104,52 +1100,11 @@ fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
             "empty adapter name",
         ));
     }
-    let block_size = raw
-        .block_size
-        .ok_or_else(|| ConfigError::missing(field("block_size")))?;
-    if block_size == 0 || block_size > MAX_BLOCK_SIZE {
-        return Err(ConfigError::invalid(
-            field("block_size"),
-            block_size,
-            "expected 1..=4096",
-        ));
-    }
-    let key_scheme = match raw.key_scheme.kind.as_deref() {
-        None | Some("vllm-exact") => {
-            let algo_name = raw.key_scheme.hash_algo.as_deref().unwrap_or("sha256_cbor");
-            let algo: HashAlgo = algo_name.parse().map_err(|_| {
-                ConfigError::invalid(
-                    field("key_scheme.hash_algo"),
-                    algo_name,
-                    "unknown or unreproducible hash algorithm",
-                )
-            })?;
-            // Without a fixed PYTHONHASHSEED most algorithms hash with a per-process random seed.
-            let hasher = VllmHasher::new(algo, raw.key_scheme.seed.as_deref())
-                .map_err(|_| ConfigError::missing(field("key_scheme.seed")))?;
-            let version = raw
-                .key_scheme
-                .vllm_version
-                .as_deref()
-                .unwrap_or(DEFAULT_VLLM_VERSION);
-            let era = ExtraKeysEra::for_vllm_version(version).map_err(|_| {
-                ConfigError::invalid(
-                    field("key_scheme.vllm_version"),
-                    version,
-                    "expected a version such as 0.11.1",
-                )
-            })?;
-            KeyScheme::VllmExact { hasher, era }
-        }
-        Some("token-chain") => KeyScheme::TokenChain,
-        Some(other) => {
-            return Err(ConfigError::invalid(
-                field("key_scheme.kind"),
-                other,
-                "expected vllm-exact or token-chain",
-            ));
-        }
-    };
+    let PoolKeySettings {
+        block_size,
+        scheme: key_scheme,
+    } = PoolKeySettings::from_raw(raw.block_size, &raw.key_scheme)
+        .map_err(|e| ConfigError::invalid(field(e.field), e.value, e.reason))?;
     if let KeyScheme::VllmExact { era, .. } = &key_scheme {
         // Check the adapters carry what this era hashes, at startup rather than per request.
         for (j, adapter) in adapters.iter().enumerate() {
@@ -1311,25 +1266,13 @@ fn index_uri(field: &str, value: &str, tls: bool) -> Result<http::Uri, ConfigErr
     Ok(uri)
 }
 
-/// Parses `250ms`, `2s`, `1.5s`, `500us`, `1m`.
+/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_index::config::parse_duration`],
+/// the one parser of every kvroute config), or `default` when absent.
 fn duration(field: &str, value: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
-    let Some(text) = value else {
-        return Ok(default);
-    };
-    let invalid = || ConfigError::invalid(field, text, "expected a duration such as 50ms, 2s, 1m");
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .ok_or_else(invalid)?;
-    let (number, unit) = text.split_at(split);
-    let number: f64 = number.parse().map_err(|_| invalid())?;
-    let seconds = match unit.trim() {
-        "us" | "µs" => number / 1e6,
-        "ms" => number / 1e3,
-        "s" => number,
-        "m" => number * 60.0,
-        _ => return Err(invalid()),
-    };
-    Duration::try_from_secs_f64(seconds).map_err(|_| invalid())
+    value.map_or(Ok(default), |text| {
+        kvroute_index::config::parse_duration(text)
+            .map_err(|e| ConfigError::invalid(field, text, e.to_string()))
+    })
 }
 
 #[cfg(test)]
@@ -1340,7 +1283,7 @@ mod tests {
 pools:
 - name: p
   models: [m]
-  adapters: [lora-a]
+  adapters: [{name: lora-a, path: /adapters/lora-a}]
   block_size: 16
   key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}
 replicas:
@@ -1551,6 +1494,64 @@ replicas:
         assert!(duration("f", Some("5"), Duration::ZERO).is_err());
     }
 
+    /// The pool schema is one: the same `pools:` block in ext-proc's and in kvroute-index's
+    /// config gives the same block size and keys, defaults included.
+    #[test]
+    fn one_pool_block_means_the_same_in_ext_proc_and_the_index() {
+        for pool in [
+            "- {name: p, models: [m]}",
+            "- {name: p, models: [m], block_size: 32, key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\", vllm_version: 0.11.1}}",
+            "- {name: p, models: [m], key_scheme: {hash_algo: xxhash, seed: \"7\"}}",
+            "- {name: p, models: [m], block_size: 64, key_scheme: {kind: token-chain}}",
+        ] {
+            let ext_proc = Config::from_yaml(&format!(
+                "pools:\n{pool}\nreplicas:\n- {{id: r0, pool: p, address: \"127.0.0.1:8000\"}}\n"
+            ))
+            .unwrap();
+            let index = kvroute_index::config::Config::from_yaml(&format!(
+                "pools:\n{pool}\nreplicas:\n- {{id: r0, pool: p, events: {{endpoint: \"tcp://127.0.0.1:5557\"}}}}\n"
+            ))
+            .unwrap();
+            let (ours, theirs) = (&ext_proc.pools[0], &index.pools[0]);
+            assert_eq!(ours.name, theirs.name, "{pool}");
+            assert_eq!(ours.models, theirs.models, "{pool}");
+            assert_eq!(ours.block_size, theirs.block_size, "{pool}");
+            assert_eq!(ours.key_scheme, theirs.key_scheme, "{pool}");
+            // And the keys themselves agree.
+            let tokens: Vec<u32> = (0..200).collect();
+            assert_eq!(
+                ours.prompt_keys(&tokens, None, None).unwrap(),
+                theirs
+                    .key_scheme
+                    .prompt_keys(&tokens, theirs.block_size as usize, None, None)
+                    .unwrap(),
+                "{pool}"
+            );
+        }
+        // The defaults are vLLM 0.32's: sha256, PYTHONHASHSEED unset, 0.32's extra keys, 16.
+        let defaults = Config::from_yaml(
+            "pools:\n- {name: p, models: [m]}\nreplicas:\n- {id: r0, pool: p, address: \"127.0.0.1:8000\"}\n",
+        )
+        .unwrap();
+        let explicit = Config::from_yaml(
+            "pools:\n- {name: p, models: [m], block_size: 16, key_scheme: {kind: vllm-exact, hash_algo: sha256, vllm_version: 0.32.0}}\nreplicas:\n- {id: r0, pool: p, address: \"127.0.0.1:8000\"}\n",
+        )
+        .unwrap();
+        assert_eq!(defaults.pools[0].key_scheme, explicit.pools[0].key_scheme);
+        assert_eq!(defaults.pools[0].block_size, 16);
+    }
+
+    #[test]
+    fn ext_proc_durations_use_the_shared_parser() {
+        for text in ["250ms", "1.5s", "500us", "1m", "5", "-1s", "1h"] {
+            assert_eq!(
+                duration("f", Some(text), Duration::ZERO).ok(),
+                kvroute_index::config::parse_duration(text).ok(),
+                "{text}"
+            );
+        }
+    }
+
     #[test]
     fn embedded_index_is_loaded_and_validated_with_the_config() {
         let dir = tempfile::tempdir().unwrap();
@@ -1576,8 +1577,8 @@ replicas:
         std::fs::write(
             &valid,
             "listen: {grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}\n\
-             pools:\n  - {model: m, block_size: 16, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: \"0\"}\n\
-             replicas:\n  - {id: r0, model: m, events: {endpoint: \"tcp://127.0.0.1:5557\"}}\n",
+             pools:\n  - {name: p, models: [m], block_size: 16, key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}}\n\
+             replicas:\n  - {id: r0, pool: p, events: {endpoint: \"tcp://127.0.0.1:5557\"}}\n",
         )
         .unwrap();
         let config = Config::from_yaml(&with(&valid)).unwrap();

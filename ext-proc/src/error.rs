@@ -229,7 +229,7 @@ pub enum ConfigError {
         /// The value as written.
         value: String,
         /// Why it is rejected.
-        reason: &'static str,
+        reason: String,
     },
     /// `index.embedded` names a kvroute-index config that cannot be read or is invalid.
     #[error("index.embedded: kvroute-index config '{path}' rejected: {reason}")]
@@ -261,12 +261,12 @@ impl ConfigError {
     pub(crate) fn invalid(
         field: impl Into<String>,
         value: impl ToString,
-        reason: &'static str,
+        reason: impl Into<String>,
     ) -> Self {
         Self::InvalidValue {
             field: field.into(),
             value: value.to_string(),
-            reason,
+            reason: reason.into(),
         }
     }
 

@@ -944,8 +944,8 @@ mod tests {
         let index = kvroute_index::server::IndexServer::start(
             kvroute_index::config::Config::from_yaml(
                 "listen: {grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}\n\
-                 pools:\n  - {model: m, block_size: 16, key_scheme: token-chain}\n\
-                 replicas:\n  - {id: r0, model: m, events: {endpoint: \"tcp://127.0.0.1:9\"}}\n",
+                 pools:\n  - {name: p, models: [m], block_size: 16, key_scheme: {kind: token-chain}}\n\
+                 replicas:\n  - {id: r0, pool: p, events: {endpoint: \"tcp://127.0.0.1:9\"}}\n",
             )
             .unwrap(),
         )

@@ -16,24 +16,25 @@
 //!   token_file: /etc/kvroute/query-token   # or token_env: KVROUTE_QUERY_TOKEN
 //! limits:
 //!   max_blocks_per_replica: 1000000
+//!   replay_timeout: 2s         # durations are strings: 500ms, 2s, 1m (one parser: parse_duration)
+//!   agent_stale_grace: 10s
 //! readiness:                   # /readyz and gRPC health: every pool has enough ready replicas
 //!   min_ready_replicas: 1      # default 1 (a smaller pool needs all of its replicas)
 //!   min_ready_fraction: 0.0    # default 0; e.g. 0.5 = half of each pool's replicas
-//! pools:
-//!   - model: tiny
-//!     block_size: 32
-//!     key_scheme: vllm-exact   # or token-chain
-//!     hash_algo: sha256_cbor   # vLLM --prefix-caching-hash-algo
-//!     hash_seed: "0"           # the engines' PYTHONHASHSEED; omit when unset
-//!     verify_hashes: flag      # off | flag | required (refuse blocks that cannot be verified)
+//! pools:                      # the pool schema shared with kvroute-ext-proc (kvroute_block_keys::schema)
+//!   - name: tiny
+//!     models: [tiny]           # served model names (as in requests' `model`)
+//!     block_size: 32           # default 16
+//!     key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0", vllm_version: 0.32.0}
+//!     verify_hashes: flag      # index only: off | flag | required (refuse blocks that cannot be verified)
 //! replicas:
 //!   - id: engine-a
-//!     model: tiny
+//!     pool: tiny
 //!     events:
 //!       endpoint: tcp://10.0.0.5:5557   # the engine binds tcp://*:5557, so we connect
 //!       replay_endpoint: tcp://10.0.0.5:5558
 //!   - id: engine-b
-//!     model: tiny
+//!     pool: tiny
 //!     events:
 //!       endpoint: tcp://0.0.0.0:6000   # the engine connects to us (its endpoint names this host)
 //!       mode: bind
@@ -42,14 +43,19 @@
 //!       max_message_bytes: 67108864    # a peer sending a larger message is dropped (default 64 MiB)
 //! ```
 //!
+//! Keys renamed when the schema was unified with ext-proc's (`model`, `hash_algo`, `hash_seed`,
+//! `vllm_version` and `validate_hashes` on a pool, `model` on a replica, the `_ms` durations) are
+//! refused with an error naming the new key.
+//!
 //! A bound socket accepts any peer that can reach it unless `allowed_peers` is set: with engines
 //! you do not control on the network, set it, or run the engines in their default bind mode and
 //! let kvroute connect.
 
 use std::{collections::HashSet, net::SocketAddr, time::Duration};
 
-use kvroute_block_keys::{ExtraKeysEra, HashAlgo};
+use kvroute_block_keys::{KeyScheme, PoolKeySettings, RawKeyScheme};
 use serde::Deserialize;
+use serde::de::IgnoredAny;
 
 pub use crate::index::VerifyHashes;
 use crate::ingest;
@@ -63,12 +69,7 @@ pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9461";
 pub const DEFAULT_MAX_BLOCKS_PER_REPLICA: usize = 1_000_000;
 /// Default wait for a replay to complete before the replica is reset instead.
 pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
-/// vLLM's default block size on GPUs.
-pub const DEFAULT_BLOCK_SIZE: u32 = 16;
-/// vLLM release assumed for extra-key shapes when a pool does not say.
-pub const DEFAULT_VLLM_VERSION: &str = "0.32.0";
-/// Largest block size accepted (vLLM's are 16..=256 in practice).
-pub const MAX_BLOCK_SIZE: u32 = 4096;
+pub use kvroute_block_keys::{DEFAULT_BLOCK_SIZE, DEFAULT_VLLM_VERSION, MAX_BLOCK_SIZE};
 /// Default `pools[].verify_hashes`: flag replicas whose hashes disagree, index what cannot be
 /// checked. `required` would refuse every mid-chain run of engines that publish u64 hashes
 /// (all vLLM releases before raw digests) and every LoRA block: right for untrusted engines,
@@ -94,6 +95,56 @@ pub enum ConfigError {
     /// `listen.tls` is unusable (missing file, not PEM, key and certificate disagree).
     #[error("invalid TLS settings: {0}")]
     Tls(#[from] crate::tls::TlsError),
+    /// A key of the older schema: refused, so a file never means two things.
+    #[error("`{old}` is now {new}")]
+    Renamed {
+        /// Dotted path of the old key, e.g. `limits.replay_timeout_ms`.
+        old: String,
+        /// The key (and form) that replaces it.
+        new: String,
+    },
+}
+
+/// Refuses a key of the older schema if it is set.
+fn renamed(set: bool, old: impl FnOnce() -> String, new: &str) -> Result<(), ConfigError> {
+    if set {
+        return Err(ConfigError::Renamed {
+            old: old(),
+            new: new.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Why a duration string is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected a duration such as 50ms, 2s, 1m")]
+pub struct DurationError;
+
+/// Parses a duration as every kvroute config writes it: a non-negative number and a unit, `us`
+/// (or `µs`), `ms`, `s` or `m` — `250ms`, `1.5s`, `500us`, `1m`. A bare number is refused (its
+/// unit would be a guess).
+pub fn parse_duration(text: &str) -> Result<Duration, DurationError> {
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .ok_or(DurationError)?;
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number.parse().map_err(|_| DurationError)?;
+    let seconds = match unit.trim() {
+        "us" | "µs" => number / 1e6,
+        "ms" => number / 1e3,
+        "s" => number,
+        "m" => number * 60.0,
+        _ => return Err(DurationError),
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|_| DurationError)
+}
+
+/// An optional duration key: its value, or `default` when absent.
+fn duration(field: &str, value: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
+    value.map_or(Ok(default), |text| {
+        parse_duration(text).map_err(|e| ConfigError::invalid(field, text, e.to_string()))
+    })
 }
 
 impl ConfigError {
@@ -209,34 +260,44 @@ pub struct RawListen {
 pub struct RawLimits {
     /// Blocks indexed per replica before further stores are refused.
     pub max_blocks_per_replica: Option<usize>,
-    /// Milliseconds to wait for a replay before resetting the replica.
-    pub replay_timeout_ms: Option<u64>,
-    /// Milliseconds an agent-fed replica may go without its agent before it is flagged stale.
-    pub agent_stale_grace_ms: Option<u64>,
+    /// How long to wait for a replay before resetting the replica (`2s`).
+    pub replay_timeout: Option<String>,
+    /// How long an agent-fed replica may go without its agent before it is flagged stale.
+    pub agent_stale_grace: Option<String>,
+    /// Older spelling of `replay_timeout` (refused).
+    pub replay_timeout_ms: Option<IgnoredAny>,
+    /// Older spelling of `agent_stale_grace` (refused).
+    pub agent_stale_grace_ms: Option<IgnoredAny>,
 }
 
-/// One `pools:` entry.
+/// One `pools:` entry. `name`, `models`, `block_size` and `key_scheme` are the schema every
+/// kvroute component shares (kvroute-ext-proc's pools take the same keys with the same
+/// defaults); `verify_hashes` is the index's own.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawPool {
-    /// Served model name (as in requests' `model`).
-    pub model: String,
+    /// Pool name (what replicas name in `pool`, and ReplicaState reports).
+    pub name: String,
+    /// Served model names (as in requests' `model`); Match selects the pool by them.
+    pub models: Vec<String>,
     /// Tokens per KV block (the engines' `--block-size`).
     pub block_size: Option<u32>,
-    /// `vllm-exact` or `token-chain`.
-    pub key_scheme: Option<String>,
-    /// vLLM `--prefix-caching-hash-algo`.
-    pub hash_algo: Option<String>,
-    /// The engines' `PYTHONHASHSEED`; absent when unset.
-    pub hash_seed: Option<String>,
-    /// The engines' vLLM release (e.g. `0.32.0`): selects how LoRA and cache_salt enter keys.
-    pub vllm_version: Option<String>,
+    /// How keys are computed: `{kind, hash_algo, seed, vllm_version}`.
+    pub key_scheme: RawKeyScheme,
     /// vllm-exact pools: `off`, `flag` (default: re-hash stored blocks from their token ids
     /// and flag replicas that disagree) or `required` (also refuse every run that is not
     /// verified: mid-chain runs without a parent digest, LoRA, extra keys, mismatches).
     pub verify_hashes: Option<String>,
-    /// Older spelling of `verify_hashes`: `true` = `flag`, `false` = `off`.
-    pub validate_hashes: Option<bool>,
+    /// Older keys, refused with the new spelling.
+    pub model: Option<IgnoredAny>,
+    /// Older spelling of `key_scheme.hash_algo`.
+    pub hash_algo: Option<IgnoredAny>,
+    /// Older spelling of `key_scheme.seed`.
+    pub hash_seed: Option<IgnoredAny>,
+    /// Older spelling of `key_scheme.vllm_version`.
+    pub vllm_version: Option<IgnoredAny>,
+    /// Older spelling of `verify_hashes`.
+    pub validate_hashes: Option<IgnoredAny>,
 }
 
 /// One `replicas:` entry.
@@ -245,10 +306,12 @@ pub struct RawPool {
 pub struct RawReplica {
     /// Replica id (unique; used in metrics labels and routing decisions).
     pub id: String,
-    /// Model of the pool it serves.
-    pub model: String,
+    /// Name of its pool.
+    pub pool: String,
     /// Where its KV events come from.
     pub events: RawEvents,
+    /// Older spelling of `pool` (refused).
+    pub model: Option<IgnoredAny>,
 }
 
 /// `replicas[].events:` section.
@@ -270,15 +333,6 @@ pub struct RawEvents {
     /// Largest message accepted from the engine, in bytes (default 64 MiB); a peer that sends
     /// more is dropped and counted.
     pub max_message_bytes: Option<usize>,
-}
-
-/// How kvroute keys blocks for a pool (see design.md "Block keys").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeySchemeKind {
-    /// The engine's published u64 hash is the key.
-    VllmExact,
-    /// kvroute's own chained key, recomputed from each event's token ids.
-    TokenChain,
 }
 
 /// Whether kvroute's SUB socket connects or binds.
@@ -335,18 +389,14 @@ pub const DEFAULT_AGENT_STALE_GRACE: Duration = Duration::from_secs(10);
 /// A validated pool.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
-    /// Served model name.
-    pub model: String,
+    /// Pool name (the index's pool key).
+    pub name: String,
+    /// Served model names.
+    pub models: Vec<String>,
     /// Tokens per block.
     pub block_size: u32,
-    /// Key scheme.
-    pub key_scheme: KeySchemeKind,
-    /// The engines' hash algorithm.
-    pub hash_algo: HashAlgo,
-    /// The engines' `PYTHONHASHSEED` (`None` = unset).
-    pub hash_seed: Option<String>,
-    /// Extra-key shapes of the engines' vLLM release.
-    pub vllm_era: ExtraKeysEra,
+    /// How prompts and published hashes become keys.
+    pub key_scheme: KeyScheme,
     /// What is done with published block hashes (vllm-exact pools).
     pub verify_hashes: VerifyHashes,
 }
@@ -413,10 +463,26 @@ impl Config {
                 "must be at least 1",
             ));
         }
-        let replay_timeout = raw
-            .limits
-            .replay_timeout_ms
-            .map_or(DEFAULT_REPLAY_TIMEOUT, Duration::from_millis);
+        renamed(
+            raw.limits.replay_timeout_ms.is_some(),
+            || "limits.replay_timeout_ms".into(),
+            "`limits.replay_timeout: \"2s\"` (a duration string)",
+        )?;
+        renamed(
+            raw.limits.agent_stale_grace_ms.is_some(),
+            || "limits.agent_stale_grace_ms".into(),
+            "`limits.agent_stale_grace: \"10s\"` (a duration string)",
+        )?;
+        let replay_timeout = duration(
+            "limits.replay_timeout",
+            raw.limits.replay_timeout.as_deref(),
+            DEFAULT_REPLAY_TIMEOUT,
+        )?;
+        let agent_stale_grace = duration(
+            "limits.agent_stale_grace",
+            raw.limits.agent_stale_grace.as_deref(),
+            DEFAULT_AGENT_STALE_GRACE,
+        )?;
 
         if raw.pools.is_empty() {
             return Err(ConfigError::invalid(
@@ -454,15 +520,16 @@ impl Config {
                     "duplicate id",
                 ));
             }
+            renamed(
+                replica.model.is_some(),
+                || field("model"),
+                "`pool: <pool name>` (pools have `name` and `models`)",
+            )?;
             let pool = pools
                 .iter()
-                .position(|p| p.model == replica.model)
+                .position(|p| p.name == replica.pool)
                 .ok_or_else(|| {
-                    ConfigError::invalid(
-                        field("model"),
-                        &replica.model,
-                        "no pool serves this model",
-                    )
+                    ConfigError::invalid(field("pool"), &replica.pool, "no pool with this name")
                 })?;
             let events = replica.events;
             let mode = match events.mode.as_deref() {
@@ -535,10 +602,6 @@ impl Config {
 
         let agents = validate_agents(raw.agents, &ids)?;
         let query_token = raw.query_auth.map(validate_query_auth).transpose()?;
-        let agent_stale_grace = raw
-            .limits
-            .agent_stale_grace_ms
-            .map_or(DEFAULT_AGENT_STALE_GRACE, Duration::from_millis);
 
         let fraction = raw.readiness.min_ready_fraction.unwrap_or(0.0);
         if !(0.0..=1.0).contains(&fraction) {
@@ -669,79 +732,73 @@ fn validate_pool(
     earlier: &[PoolConfig],
 ) -> Result<PoolConfig, ConfigError> {
     let field = |name: &str| format!("pools[{i}].{name}");
-    if pool.model.is_empty() {
+    for (old, set, new) in [
+        (
+            "model",
+            pool.model.is_some(),
+            "`name: <pool name>` and `models: [<served model>, …]`",
+        ),
+        (
+            "hash_algo",
+            pool.hash_algo.is_some(),
+            "`key_scheme.hash_algo`",
+        ),
+        ("hash_seed", pool.hash_seed.is_some(), "`key_scheme.seed`"),
+        (
+            "vllm_version",
+            pool.vllm_version.is_some(),
+            "`key_scheme.vllm_version`",
+        ),
+        (
+            "validate_hashes",
+            pool.validate_hashes.is_some(),
+            "`verify_hashes: off | flag | required`",
+        ),
+    ] {
+        renamed(set, || field(old), new)?;
+    }
+    if pool.name.is_empty() {
+        return Err(ConfigError::invalid(field("name"), "", "must be non-empty"));
+    }
+    if earlier.iter().any(|p| p.name == pool.name) {
         return Err(ConfigError::invalid(
-            field("model"),
-            "",
-            "must be non-empty",
+            field("name"),
+            &pool.name,
+            "duplicate pool name",
         ));
     }
-    if earlier.iter().any(|p| p.model == pool.model) {
+    if pool.models.is_empty() || pool.models.iter().any(String::is_empty) {
         return Err(ConfigError::invalid(
-            field("model"),
-            &pool.model,
-            "duplicate model",
+            field("models"),
+            format!("{:?}", pool.models),
+            "name at least one served model, none empty",
         ));
     }
-    let block_size = pool.block_size.unwrap_or(DEFAULT_BLOCK_SIZE);
-    if block_size == 0 || block_size > MAX_BLOCK_SIZE {
-        return Err(ConfigError::invalid(
-            field("block_size"),
-            block_size,
-            format!("must be in 1..={MAX_BLOCK_SIZE}"),
-        ));
+    for model in &pool.models {
+        if earlier.iter().any(|p| p.models.contains(model)) {
+            return Err(ConfigError::invalid(
+                field("models"),
+                model,
+                "model served by two pools",
+            ));
+        }
     }
-    let key_scheme = match pool.key_scheme.as_deref() {
-        None | Some("vllm-exact") => KeySchemeKind::VllmExact,
-        Some("token-chain") => KeySchemeKind::TokenChain,
+    let keys = PoolKeySettings::from_raw(pool.block_size, &pool.key_scheme)
+        .map_err(|e| ConfigError::invalid(field(e.field), e.value, e.reason))?;
+    let verify_hashes = match pool.verify_hashes.as_deref() {
+        None => DEFAULT_VERIFY_HASHES,
+        Some("off") => VerifyHashes::Off,
+        Some("flag") => VerifyHashes::Flag,
+        Some("required") => VerifyHashes::Required,
         Some(other) => {
-            return Err(ConfigError::invalid(
-                field("key_scheme"),
-                other,
-                "expected `vllm-exact` or `token-chain`",
-            ));
-        }
-    };
-    let algo_name = pool.hash_algo.as_deref().unwrap_or("sha256");
-    let hash_algo: HashAlgo = algo_name.parse().map_err(|_| {
-        ConfigError::invalid(
-            field("hash_algo"),
-            algo_name,
-            "expected one of sha256, sha256_cbor, xxhash, xxhash_cbor, sha256_cbor_64bit",
-        )
-    })?;
-    // Reject a config that cannot reproduce the engines' hashes up front (e.g. xxhash with no
-    // seed: vLLM then seeds randomly per process), rather than flagging every replica later.
-    if key_scheme == KeySchemeKind::VllmExact {
-        kvroute_block_keys::VllmHasher::new(hash_algo, pool.hash_seed.as_deref()).map_err(|e| {
-            ConfigError::invalid(
-                field("hash_seed"),
-                pool.hash_seed.as_deref().unwrap_or("<unset>"),
-                e.to_string(),
-            )
-        })?;
-    }
-    let verify_hashes = match (pool.verify_hashes.as_deref(), pool.validate_hashes) {
-        (Some(_), Some(_)) => {
-            return Err(ConfigError::invalid(
-                field("validate_hashes"),
-                "<set>",
-                "superseded by `verify_hashes`; set only one of them",
-            ));
-        }
-        (Some("off"), None) | (None, Some(false)) => VerifyHashes::Off,
-        (Some("flag"), None) | (None, Some(true)) => VerifyHashes::Flag,
-        (Some("required"), None) => VerifyHashes::Required,
-        (Some(other), None) => {
             return Err(ConfigError::invalid(
                 field("verify_hashes"),
                 other,
                 "expected `off`, `flag` or `required`",
             ));
         }
-        (None, None) => DEFAULT_VERIFY_HASHES,
     };
-    if verify_hashes == VerifyHashes::Required && key_scheme == KeySchemeKind::TokenChain {
+    if verify_hashes == VerifyHashes::Required && keys.scheme == KeyScheme::TokenChain {
         return Err(ConfigError::invalid(
             field("verify_hashes"),
             "required",
@@ -749,16 +806,11 @@ fn validate_pool(
              `required` applies to vllm-exact pools",
         ));
     }
-    let vllm_version = pool.vllm_version.as_deref().unwrap_or(DEFAULT_VLLM_VERSION);
-    let vllm_era = ExtraKeysEra::for_vllm_version(vllm_version)
-        .map_err(|e| ConfigError::invalid(field("vllm_version"), vllm_version, e.to_string()))?;
     Ok(PoolConfig {
-        model: pool.model,
-        block_size,
-        key_scheme,
-        hash_algo,
-        hash_seed: pool.hash_seed,
-        vllm_era,
+        name: pool.name,
+        models: pool.models,
+        block_size: keys.block_size,
+        key_scheme: keys.scheme,
         verify_hashes,
     })
 }
@@ -791,14 +843,14 @@ mod tests {
     const GOOD: &str = r#"
 listen: {grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}
 pools:
-  - {model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0"}
-  - {model: other, key_scheme: token-chain}
+  - {name: tiny, models: [tiny], block_size: 32, key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}}
+  - {name: other, models: [other, other-alias], key_scheme: {kind: token-chain}}
 replicas:
   - id: a
-    model: tiny
+    pool: tiny
     events: {endpoint: "tcp://127.0.0.1:5557", replay_endpoint: "tcp://127.0.0.1:5558"}
   - id: b
-    model: other
+    pool: other
     events: {endpoint: "tcp://127.0.0.1:6000", mode: bind, topic: "kv@"}
 "#;
 
@@ -840,7 +892,8 @@ replicas:
         assert_eq!(config.pools.len(), 2);
         assert_eq!(config.pools[0].block_size, 32);
         assert_eq!(config.pools[1].block_size, DEFAULT_BLOCK_SIZE);
-        assert_eq!(config.pools[1].key_scheme, KeySchemeKind::TokenChain);
+        assert_eq!(config.pools[1].key_scheme, KeyScheme::TokenChain);
+        assert_eq!(config.pools[1].models, ["other", "other-alias"]);
         assert_eq!(config.replicas[1].pool, 1);
         assert_eq!(config.replicas[1].mode, SocketMode::Bind);
         assert!(config.replicas[1].allowed_peers.is_open());
@@ -859,9 +912,9 @@ replicas:
     }
 
     #[test]
-    fn verify_hashes_defaults_to_flag_and_takes_the_older_spelling() {
+    fn verify_hashes_defaults_to_flag() {
         let verify = |pool: &str| {
-            Config::from_yaml(&format!("pools: [{{model: m{pool}}}]"))
+            Config::from_yaml(&format!("pools: [{{name: p, models: [m]{pool}}}]"))
                 .unwrap()
                 .pools[0]
                 .verify_hashes
@@ -870,8 +923,73 @@ replicas:
         assert_eq!(verify(", verify_hashes: off"), VerifyHashes::Off);
         assert_eq!(verify(", verify_hashes: flag"), VerifyHashes::Flag);
         assert_eq!(verify(", verify_hashes: required"), VerifyHashes::Required);
-        assert_eq!(verify(", validate_hashes: false"), VerifyHashes::Off);
-        assert_eq!(verify(", validate_hashes: true"), VerifyHashes::Flag);
+    }
+
+    #[test]
+    fn durations_are_strings() {
+        let config = Config::from_yaml(
+            "limits: {replay_timeout: 500ms, agent_stale_grace: 1m}\npools: [{name: p, models: [m]}]",
+        )
+        .unwrap();
+        assert_eq!(config.replay_timeout, Duration::from_millis(500));
+        assert_eq!(config.agent_stale_grace, Duration::from_secs(60));
+        let defaults = Config::from_yaml("pools: [{name: p, models: [m]}]").unwrap();
+        assert_eq!(defaults.replay_timeout, DEFAULT_REPLAY_TIMEOUT);
+        assert_eq!(defaults.agent_stale_grace, DEFAULT_AGENT_STALE_GRACE);
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("500us"), Ok(Duration::from_micros(500)));
+        for bad in ["5", "-1s", "1h", "", "ms", "1.2.3s"] {
+            assert_eq!(parse_duration(bad), Err(DurationError), "{bad}");
+        }
+    }
+
+    #[test]
+    fn keys_of_the_older_schema_are_refused_by_their_new_name() {
+        let pool = "{name: p, models: [m]}";
+        for (yaml, message) in [
+            (
+                format!("limits: {{replay_timeout_ms: 500}}\npools: [{pool}]"),
+                "`limits.replay_timeout_ms` is now `limits.replay_timeout: \"2s\"`",
+            ),
+            (
+                format!("limits: {{agent_stale_grace_ms: 500}}\npools: [{pool}]"),
+                "`limits.agent_stale_grace_ms` is now `limits.agent_stale_grace: \"10s\"`",
+            ),
+            (
+                "pools: [{model: m}]".to_owned(),
+                "`pools[0].model` is now `name: <pool name>` and `models: [<served model>, …]`",
+            ),
+            (
+                "pools: [{name: p, models: [m], hash_algo: sha256}]".to_owned(),
+                "`pools[0].hash_algo` is now `key_scheme.hash_algo`",
+            ),
+            (
+                "pools: [{name: p, models: [m], hash_seed: '0'}]".to_owned(),
+                "`pools[0].hash_seed` is now `key_scheme.seed`",
+            ),
+            (
+                "pools: [{name: p, models: [m], vllm_version: 0.32.0}]".to_owned(),
+                "`pools[0].vllm_version` is now `key_scheme.vllm_version`",
+            ),
+            (
+                "pools: [{name: p, models: [m], validate_hashes: true}]".to_owned(),
+                "`pools[0].validate_hashes` is now `verify_hashes: off | flag | required`",
+            ),
+            (
+                "pools: [{name: p, models: [m], key_scheme: vllm-exact}]".to_owned(),
+                "`key_scheme: vllm-exact` is now `key_scheme: {kind: vllm-exact}`",
+            ),
+            (
+                format!(
+                    "pools: [{pool}]\nreplicas: [{{id: a, model: m, events: {{endpoint: 'tcp://h:1'}}}}]"
+                ),
+                "`replicas[0].model` is now `pool: <pool name>`",
+            ),
+        ] {
+            let error = error_of(&yaml);
+            assert!(error.contains(message), "{yaml}: {error}");
+        }
     }
 
     fn error_of(yaml: &str) -> String {
@@ -880,7 +998,7 @@ replicas:
 
     #[test]
     fn unknown_keys_are_rejected_with_their_name() {
-        let err = error_of("pools: [{model: m, blocksize: 16}]");
+        let err = error_of("pools: [{name: p, models: [m], blocksize: 16}]");
         assert!(err.contains("blocksize"), "{err}");
     }
 
@@ -888,76 +1006,89 @@ replicas:
     fn bad_values_name_the_field() {
         let cases = [
             ("pools: []", "pools"),
-            ("pools: [{model: m, block_size: 0}]", "pools[0].block_size"),
             (
-                "pools: [{model: m, key_scheme: exact}]",
-                "pools[0].key_scheme",
-            ),
-            ("pools: [{model: m, hash_algo: md5}]", "pools[0].hash_algo"),
-            (
-                "pools: [{model: m, hash_algo: xxhash}]",
-                "pools[0].hash_seed",
+                "pools: [{name: p, models: [m], block_size: 0}]",
+                "pools[0].block_size",
             ),
             (
-                "pools: [{model: m, vllm_version: banana}]",
-                "pools[0].vllm_version",
+                "pools: [{name: p, models: [m], key_scheme: {kind: exact}}]",
+                "pools[0].key_scheme.kind",
             ),
-            ("pools: [{model: m}, {model: m}]", "pools[1].model"),
             (
-                "pools: [{model: m, verify_hashes: always}]",
+                "pools: [{name: p, models: [m], key_scheme: {hash_algo: md5}}]",
+                "pools[0].key_scheme.hash_algo",
+            ),
+            (
+                "pools: [{name: p, models: [m], key_scheme: {hash_algo: xxhash}}]",
+                "pools[0].key_scheme.seed",
+            ),
+            (
+                "pools: [{name: p, models: [m], key_scheme: {vllm_version: banana}}]",
+                "pools[0].key_scheme.vllm_version",
+            ),
+            (
+                "pools: [{name: p, models: [m]}, {name: p, models: [n]}]",
+                "pools[1].name",
+            ),
+            (
+                "pools: [{name: p, models: [m], verify_hashes: always}]",
                 "pools[0].verify_hashes",
             ),
             (
-                "pools: [{model: m, key_scheme: token-chain, verify_hashes: required}]",
+                "pools: [{name: p, models: [m], key_scheme: {kind: token-chain}, verify_hashes: required}]",
                 "pools[0].verify_hashes",
             ),
             (
-                "pools: [{model: m, verify_hashes: off, validate_hashes: true}]",
-                "pools[0].validate_hashes",
+                "pools: [{name: p, models: [m]}, {name: q, models: [m]}]",
+                "pools[1].models",
             ),
-            ("listen: {grpc: nope}\npools: [{model: m}]", "listen.grpc"),
+            ("pools: [{name: p}]", "pools[0].models"),
             (
-                "pools: [{model: m}]\nreplicas: [{id: a, model: x, events: {endpoint: 'tcp://h:1'}}]",
-                "replicas[0].model",
+                "listen: {grpc: nope}\npools: [{name: m, models: [m]}]",
+                "listen.grpc",
             ),
             (
-                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'h:1'}}]",
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: x, events: {endpoint: 'tcp://h:1'}}]",
+                "replicas[0].pool",
+            ),
+            (
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'h:1'}}]",
                 "replicas[0].events.endpoint",
             ),
             (
-                "pools: [{model: m}]\nreplicas: [{id: 'a b', model: m, events: {endpoint: 'tcp://h:1'}}]",
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: 'a b', pool: m, events: {endpoint: 'tcp://h:1'}}]",
                 "replicas[0].id",
             ),
             (
-                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://h:1'}}, {id: a, model: m, events: {endpoint: 'tcp://h:2'}}]",
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'tcp://h:1'}}, {id: a, pool: m, events: {endpoint: 'tcp://h:2'}}]",
                 "replicas[1].id",
             ),
             (
-                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://h:1', mode: pull}}]",
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'tcp://h:1', mode: pull}}]",
                 "replicas[0].events.mode",
             ),
             (
-                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://h:1', allowed_peers: [10.0.0.1]}}]",
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'tcp://h:1', allowed_peers: [10.0.0.1]}}]",
                 "replicas[0].events.allowed_peers",
             ),
             (
-                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://0.0.0.0:1', mode: bind, allowed_peers: [10.0.0.0/33]}}]",
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'tcp://0.0.0.0:1', mode: bind, allowed_peers: [10.0.0.0/33]}}]",
                 "replicas[0].events.allowed_peers",
             ),
             (
-                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'ipc:///tmp/kv', mode: bind, allowed_peers: [10.0.0.1]}}]",
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'ipc:///tmp/kv', mode: bind, allowed_peers: [10.0.0.1]}}]",
                 "replicas[0].events.allowed_peers",
             ),
             (
-                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://0.0.0.0:1', mode: bind, allowed_peers: []}}]",
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'tcp://0.0.0.0:1', mode: bind, allowed_peers: []}}]",
                 "replicas[0].events.allowed_peers",
             ),
             (
-                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'inproc://kv'}}]",
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'inproc://kv'}}]",
                 "replicas[0].events.endpoint",
             ),
             (
-                "pools: [{model: m}]\nreplicas: [{id: a, model: m, events: {endpoint: 'tcp://h:1', max_message_bytes: 0}}]",
+                "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'tcp://h:1', max_message_bytes: 0}}]",
                 "replicas[0].events.max_message_bytes",
             ),
         ];

@@ -1647,11 +1647,11 @@ fn index_config(
     let mut replicas = String::new();
     for (i, source) in sources.iter().enumerate() {
         if options.agent_replicas.contains(&i) {
-            replicas.push_str(&format!("  - {{id: {}, model: {MODEL}}}\n", replica_id(i)));
+            replicas.push_str(&format!("  - {{id: {}, pool: {MODEL}}}\n", replica_id(i)));
             continue;
         }
         replicas.push_str(&format!(
-            "  - id: {id}\n    model: {MODEL}\n    events: {{endpoint: \"{endpoint}\", \
+            "  - id: {id}\n    pool: {MODEL}\n    events: {{endpoint: \"{endpoint}\", \
              mode: {mode}, replay_endpoint: \"{replay}\", topic: \"{topic}\"}}\n",
             id = replica_id(i),
             endpoint = source.endpoint,
@@ -1662,17 +1662,27 @@ fn index_config(
     }
     format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
-         pools:\n  - {{model: {MODEL}, block_size: {bs}, key_scheme: vllm-exact, \
-         hash_algo: {algo}, hash_seed: \"{seed}\"}}\n\
+         pools:\n- {{{pool}}}\n\
          replicas:\n{replicas}{agents}",
-        bs = options.block_size,
-        algo = options.hash_algo,
-        seed = options.hash_seed,
+        pool = pool_schema(options),
         agents = agent_token.map_or_else(String::new, |token| format!(
             "agents:\n  - {{id: {AGENT_ID}, token_file: \"{}\", replicas: [{}]}}\n",
             token.display(),
             agent_replica_ids(options).join(", ")
         )),
+    )
+}
+
+/// The stack's pool in the schema ext-proc and the index share (`name`, `models`, `block_size`,
+/// `key_scheme`), as the keys of a flow mapping: the same text goes into both configs, so both
+/// key prompts alike by construction.
+fn pool_schema(options: &StackOptions) -> String {
+    format!(
+        "name: {MODEL}, models: [{MODEL}], block_size: {bs}, \
+         key_scheme: {{kind: vllm-exact, hash_algo: {algo}, seed: \"{seed}\"}}",
+        bs = options.block_size,
+        algo = options.hash_algo,
+        seed = options.hash_seed,
     )
 }
 
@@ -1714,7 +1724,7 @@ fn agent_config(
         .join(", ");
     format!(
         "agent_id: {AGENT_ID}\ntoken_file: \"{}\"\nindexes: [{indexes}]\n\
-         admin: \"127.0.0.1:0\"\nbatch_delay_ms: 10\nreconnect_backoff_max_ms: 200\n\
+         admin: \"127.0.0.1:0\"\nbatch_delay: 10ms\nreconnect_backoff_max: 200ms\n\
          engines:\n{engines}",
         token.display()
     )
@@ -1796,10 +1806,7 @@ fn ext_proc_config(
          scrape: {{interval: 200ms}}\n\
          scoring: {{prefill_ms_per_token: {prefill}, queue_ms_per_request: {queue}, \
          running_ms_per_request: {running}, kv_usage_ms: {kv}, hotspot_min_ms: {hot}}}\n\
-         pools:\n\
-         - name: {MODEL}\n  models: [{MODEL}]\n  block_size: {bs}\n  \
-         key_scheme: {{kind: vllm-exact, hash_algo: {algo}, seed: \"{seed}\"}}\n  \
-         tokenizer: {tokenizer}\n\
+         pools:\n- {{{pool}, tokenizer: {tokenizer}}}\n\
          replicas:\n{replicas}",
         // The scoring's prefill cost is the sims' own, so its TTFT estimate is in real ms.
         prefill = options.timing.prefill_ms_per_token(),
@@ -1812,9 +1819,7 @@ fn ext_proc_config(
         running = 5.0 * options.timing.time_scale,
         kv = 100.0 * options.timing.time_scale,
         hot = 200.0 * options.timing.time_scale,
-        bs = options.block_size,
-        algo = options.hash_algo,
-        seed = options.hash_seed,
+        pool = pool_schema(options),
     )
 }
 

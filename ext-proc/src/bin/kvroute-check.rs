@@ -40,7 +40,7 @@ struct Args {
     /// With --model-dir: `vllm-exact` (default) or `token-chain`.
     #[arg(long, conflicts_with = "config")]
     key_scheme: Option<String>,
-    /// With --model-dir: vLLM's --prefix-caching-hash-algo (default sha256_cbor).
+    /// With --model-dir: vLLM's --prefix-caching-hash-algo (default sha256, vLLM's).
     #[arg(long, conflicts_with = "config")]
     hash_algo: Option<String>,
     /// With --model-dir: the engines' PYTHONHASHSEED.

@@ -5,7 +5,8 @@
 //! token_file: /var/run/secrets/kvroute-agent/token   # or token_env: KVROUTE_AGENT_TOKEN
 //! indexes: ["http://kvroute-index-0:50061", "http://kvroute-index-1:50061"]
 //! admin: 127.0.0.1:9471            # /metrics, /healthz
-//! batch_delay_ms: 20               # deltas are flushed at least this often
+//! batch_delay: 20ms                # deltas are flushed at least this often
+//! reconnect_backoff_max: 5s        # durations as in every kvroute config (config::parse_duration)
 //! max_blocks_per_replica: 1000000
 //! tls: {ca: /tls/ca.crt, server_name: kvroute-index}   # optional; indexes are then https://
 //! engines:
@@ -20,6 +21,7 @@
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use serde::Deserialize;
+use serde::de::IgnoredAny;
 
 use super::token::{AgentToken, TokenError, TokenSource};
 use crate::ingest::{IngestConfig, SocketMode, transport_settings};
@@ -34,6 +36,8 @@ pub const DEFAULT_MAX_BATCH_BYTES: usize = 1 << 20;
 pub const DEFAULT_MAX_BLOCKS_PER_REPLICA: usize = 1_000_000;
 /// Delta messages queued per index stream before the stream is restarted from a snapshot.
 pub const DEFAULT_SUBSCRIBER_QUEUE: usize = 4096;
+/// Default cap on the delay between reconnects to an index.
+pub const DEFAULT_RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// The file as written.
 #[derive(Debug, Default, Deserialize)]
@@ -49,12 +53,16 @@ pub struct RawAgentConfig {
     pub indexes: Vec<String>,
     /// Admin HTTP address.
     pub admin: Option<String>,
-    /// Longest delay before deltas are sent, in milliseconds.
-    pub batch_delay_ms: Option<u64>,
+    /// Longest delay before deltas are sent (`20ms`).
+    pub batch_delay: Option<String>,
     /// Per-replica mirror cap.
     pub max_blocks_per_replica: Option<usize>,
-    /// Reconnect backoff cap, in milliseconds.
-    pub reconnect_backoff_max_ms: Option<u64>,
+    /// Reconnect backoff cap (`5s`).
+    pub reconnect_backoff_max: Option<String>,
+    /// Older spelling of `batch_delay` (refused).
+    pub batch_delay_ms: Option<IgnoredAny>,
+    /// Older spelling of `reconnect_backoff_max` (refused).
+    pub reconnect_backoff_max_ms: Option<IgnoredAny>,
     /// Local engines.
     pub engines: Vec<RawEngine>,
     /// TLS to the indexes (see [`crate::tls`]); every index address is then `https://`.
@@ -105,6 +113,14 @@ pub enum AgentConfigError {
     /// `tls` is unusable.
     #[error("invalid TLS settings: {0}")]
     Tls(#[from] crate::tls::TlsError),
+    /// A key of the older schema: refused, so a file never means two things.
+    #[error("`{old}` is now {new}")]
+    Renamed {
+        /// The old key.
+        old: &'static str,
+        /// The key (and form) that replaces it.
+        new: &'static str,
+    },
 }
 
 impl AgentConfigError {
@@ -115,6 +131,7 @@ impl AgentConfigError {
             AgentConfigError::InvalidValue { .. } => "invalid_value",
             AgentConfigError::Token(_) => "token",
             AgentConfigError::Tls(_) => "tls",
+            AgentConfigError::Renamed { .. } => "renamed",
         }
     }
 
@@ -177,6 +194,38 @@ impl AgentConfig {
 
     /// Validates a raw config with an already loaded token.
     pub fn validate(raw: RawAgentConfig, token: AgentToken) -> Result<Self, AgentConfigError> {
+        for (set, old, new) in [
+            (
+                raw.batch_delay_ms.is_some(),
+                "batch_delay_ms",
+                "`batch_delay: \"20ms\"` (a duration string)",
+            ),
+            (
+                raw.reconnect_backoff_max_ms.is_some(),
+                "reconnect_backoff_max_ms",
+                "`reconnect_backoff_max: \"5s\"` (a duration string)",
+            ),
+        ] {
+            if set {
+                return Err(AgentConfigError::Renamed { old, new });
+            }
+        }
+        let duration = |field: &str, value: Option<&str>, default: Duration| {
+            value.map_or(Ok(default), |text| {
+                crate::config::parse_duration(text)
+                    .map_err(|e| AgentConfigError::invalid(field, text, e.to_string()))
+            })
+        };
+        let batch_delay = duration(
+            "batch_delay",
+            raw.batch_delay.as_deref(),
+            DEFAULT_BATCH_DELAY,
+        )?;
+        let reconnect_backoff_max = duration(
+            "reconnect_backoff_max",
+            raw.reconnect_backoff_max.as_deref(),
+            DEFAULT_RECONNECT_BACKOFF_MAX,
+        )?;
         if raw.agent_id.is_empty() {
             return Err(AgentConfigError::invalid(
                 "agent_id",
@@ -297,16 +346,12 @@ impl AgentConfig {
             token,
             indexes: raw.indexes,
             admin_addr,
-            batch_delay: raw
-                .batch_delay_ms
-                .map_or(DEFAULT_BATCH_DELAY, Duration::from_millis),
+            batch_delay,
             max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
             max_blocks_per_replica,
             subscriber_queue: DEFAULT_SUBSCRIBER_QUEUE,
             reconnect_backoff_min: Duration::from_millis(100),
-            reconnect_backoff_max: raw
-                .reconnect_backoff_max_ms
-                .map_or(Duration::from_secs(5), Duration::from_millis),
+            reconnect_backoff_max,
             engines,
             tls,
         })
@@ -344,6 +389,31 @@ mod tests {
         for (yaml, field) in cases {
             let error = parse(yaml).unwrap_err().to_string();
             assert!(error.contains(&format!("`{field}`")), "{yaml}: {error}");
+        }
+    }
+
+    #[test]
+    fn durations_are_strings_and_the_ms_keys_are_refused_by_their_new_name() {
+        let base = "agent_id: a\nindexes: ['http://127.0.0.1:1']\nengines: [{replica: r, endpoint: 'tcp://127.0.0.1:5557'}]\n";
+        let config = parse(&format!(
+            "{base}batch_delay: 5ms\nreconnect_backoff_max: 1.5s"
+        ))
+        .unwrap();
+        assert_eq!(config.batch_delay, Duration::from_millis(5));
+        assert_eq!(config.reconnect_backoff_max, Duration::from_millis(1500));
+        for (yaml, message) in [
+            (
+                "batch_delay_ms: 5",
+                "`batch_delay_ms` is now `batch_delay: \"20ms\"`",
+            ),
+            (
+                "reconnect_backoff_max_ms: 200",
+                "`reconnect_backoff_max_ms` is now `reconnect_backoff_max: \"5s\"`",
+            ),
+            ("batch_delay: 5", "`batch_delay`"),
+        ] {
+            let error = parse(&format!("{base}{yaml}")).unwrap_err().to_string();
+            assert!(error.contains(message), "{yaml}: {error}");
         }
     }
 }

@@ -713,12 +713,12 @@ pub mod fuzzing {
 
     const CONFIG: &str = r#"
 pools:
-  - {model: tiny, block_size: 4, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0", verify_hashes: required}
-  - {model: chain, block_size: 4, key_scheme: token-chain}
+  - {name: tiny, models: [tiny], block_size: 4, key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}, verify_hashes: required}
+  - {name: chain, models: [chain], block_size: 4, key_scheme: {kind: token-chain}}
 replicas:
-  - {id: engine-a, model: tiny, events: {endpoint: "tcp://127.0.0.1:9"}}
-  - {id: engine-b, model: chain, events: {endpoint: "tcp://127.0.0.1:9"}}
-  - {id: engine-c, model: tiny, events: {endpoint: "tcp://127.0.0.1:9"}}
+  - {id: engine-a, pool: tiny, events: {endpoint: "tcp://127.0.0.1:9"}}
+  - {id: engine-b, pool: chain, events: {endpoint: "tcp://127.0.0.1:9"}}
+  - {id: engine-c, pool: tiny, events: {endpoint: "tcp://127.0.0.1:9"}}
 "#;
 
     /// An index with the agent-stream handling of the server and no network.

@@ -2,11 +2,11 @@
 
 use std::{collections::HashMap, sync::Arc};
 
-use kvroute_block_keys::{KeyScheme, VllmHasher};
+use kvroute_block_keys::KeyScheme;
 
 use super::ServeError;
 use crate::{
-    config::{Config, KeySchemeKind, SocketMode},
+    config::{Config, SocketMode},
     event::EventBatch,
     index::{BlockIndex, Feed, FeedState, FlagReason, KvIndex, PoolConfig, PoolKeys, ReplicaId},
     ingest::{self, EventSink, IngestConfig, ReplicaKey, ResetReason},
@@ -15,8 +15,10 @@ use crate::{
 /// A configured pool, with what queries need to turn tokens into keys.
 #[derive(Debug, Clone)]
 pub struct PoolEntry {
-    /// Served model name.
-    pub model: String,
+    /// Pool name (the index's pool key).
+    pub name: String,
+    /// Served model names (what Match requests name).
+    pub models: Vec<String>,
     /// Tokens per block.
     pub block_size: u32,
     /// How prompts become keys.
@@ -30,8 +32,8 @@ pub struct ReplicaEntry {
     pub name: Arc<str>,
     /// Dense index id.
     pub id: ReplicaId,
-    /// Its pool's model.
-    pub model: String,
+    /// Its pool's name.
+    pub pool: String,
 }
 
 /// Lookup tables built once from the config.
@@ -47,37 +49,21 @@ impl Directory {
     pub fn register(config: &Config, index: &BlockIndex) -> Result<Self, ServeError> {
         let mut pools = Vec::with_capacity(config.pools.len());
         for pool in &config.pools {
-            let scheme = match pool.key_scheme {
-                KeySchemeKind::VllmExact => {
-                    // Validated with the config already; a failure here is a bug, reported.
-                    let hasher = VllmHasher::new(pool.hash_algo, pool.hash_seed.as_deref())
-                        .map_err(|e| ServeError::Register {
-                            what: format!("pool {} ({e})", pool.model),
-                            source: crate::index::IndexError::UnknownPool {
-                                pool: pool.model.clone(),
-                            },
-                        })?;
-                    KeyScheme::VllmExact {
-                        hasher,
-                        era: pool.vllm_era,
-                    }
-                }
-                KeySchemeKind::TokenChain => KeyScheme::TokenChain,
-            };
             index
                 .add_pool(PoolConfig {
-                    model: pool.model.clone(),
+                    model: pool.name.clone(),
                     block_size: pool.block_size,
-                    keys: PoolKeys::from_scheme(&scheme, pool.verify_hashes),
+                    keys: PoolKeys::from_scheme(&pool.key_scheme, pool.verify_hashes),
                 })
                 .map_err(|source| ServeError::Register {
-                    what: format!("pool {}", pool.model),
+                    what: format!("pool {}", pool.name),
                     source,
                 })?;
             pools.push(PoolEntry {
-                model: pool.model.clone(),
+                name: pool.name.clone(),
+                models: pool.models.clone(),
                 block_size: pool.block_size,
-                scheme,
+                scheme: pool.key_scheme.clone(),
             });
         }
 
@@ -85,9 +71,9 @@ impl Directory {
         let mut by_name = HashMap::with_capacity(config.replicas.len());
         for (i, replica) in config.replicas.iter().enumerate() {
             let id = ReplicaId(u32::try_from(i).unwrap_or(u32::MAX));
-            let model = config.pools[replica.pool].model.clone();
+            let pool = config.pools[replica.pool].name.clone();
             index
-                .add_replica(id, &replica.id, &model)
+                .add_replica(id, &replica.id, &pool)
                 .map_err(|source| ServeError::Register {
                     what: format!("replica {}", replica.id),
                     source,
@@ -111,7 +97,7 @@ impl Directory {
             }
             let name: Arc<str> = Arc::from(replica.id.as_str());
             by_name.insert(Arc::clone(&name), id);
-            replicas.push(ReplicaEntry { name, id, model });
+            replicas.push(ReplicaEntry { name, id, pool });
         }
         Ok(Directory {
             pools,
@@ -161,9 +147,17 @@ impl Directory {
         &self.pools
     }
 
-    /// A pool by model name.
+    /// The pool serving `model` (one of its `models`).
     pub fn pool(&self, model: &str) -> Option<&PoolEntry> {
-        self.pools.iter().find(|pool| pool.model == model)
+        self.pools
+            .iter()
+            .find(|pool| pool.models.iter().any(|m| m == model))
+    }
+
+    /// The index's pool key for a ReplicaState filter: the pool serving `name` as a model, else
+    /// `name` itself (a pool name).
+    pub fn pool_key<'a>(&'a self, name: &'a str) -> &'a str {
+        self.pool(name).map_or(name, |pool| pool.name.as_str())
     }
 
     /// Every replica, in config order.

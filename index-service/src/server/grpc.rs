@@ -99,7 +99,7 @@ fn match_keys_inner(
     let candidates = (!candidates.is_empty()).then_some(candidate_ids.as_slice());
 
     let started = Instant::now();
-    let matches = shared.index.find_matches(model, keys, candidates)?;
+    let matches = shared.index.find_matches(&pool.name, keys, candidates)?;
     shared
         .metrics
         .observe_match("index", started.elapsed().as_secs_f64());
@@ -144,7 +144,7 @@ pub(crate) fn replica_states(shared: &Shared, model: Option<&str>) -> Vec<api::R
     let ingest: Vec<ReplicaIngestSnapshot> = shared.ingest.snapshot();
     shared
         .index
-        .replica_statuses(model)
+        .replica_statuses(model.map(|name| shared.directory.pool_key(name)))
         .into_iter()
         .map(|status| {
             let socket = ingest

@@ -20,8 +20,8 @@ const FOLLOW_INTERVAL: Duration = Duration::from_millis(100);
 /// One pool's readiness.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PoolReadiness {
-    /// Its model.
-    pub model: String,
+    /// Its name.
+    pub pool: String,
     /// Enough replicas are ready.
     pub ready: bool,
     /// Replicas ready now.
@@ -56,7 +56,7 @@ impl ReadinessReport {
             let verdict = if pool.ready { "ready" } else { "not ready" };
             text.push_str(&format!(
                 "pool {}: {verdict}: {}/{} replicas ready, {} required",
-                pool.model, pool.ready_replicas, pool.replicas, pool.required
+                pool.pool, pool.ready_replicas, pool.replicas, pool.required
             ));
             if !pool.not_ready.is_empty() {
                 let list: Vec<String> = pool
@@ -80,14 +80,14 @@ pub(crate) fn report(shared: &Shared) -> ReadinessReport {
         .pools()
         .iter()
         .map(|pool| {
-            let members: Vec<_> = statuses.iter().filter(|s| s.model == pool.model).collect();
+            let members: Vec<_> = statuses.iter().filter(|s| s.model == pool.name).collect();
             let ready_replicas = members
                 .iter()
                 .filter(|s| s.state == ReplicaState::Ready)
                 .count();
             let required = shared.readiness.required(members.len());
             PoolReadiness {
-                model: pool.model.clone(),
+                pool: pool.name.clone(),
                 ready: ready_replicas >= required,
                 ready_replicas,
                 required,

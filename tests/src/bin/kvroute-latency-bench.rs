@@ -401,7 +401,7 @@ impl Backends {
             })
             .await?;
             index_replicas.push_str(&format!(
-                "  - {{id: engine-{i}, model: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
+                "  - {{id: engine-{i}, pool: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
                 publisher.pub_endpoint().context("publisher endpoint")?,
                 publisher.replay_endpoint().context("replay endpoint")?,
             ));
@@ -463,7 +463,7 @@ enum IndexMode {
 fn index_yaml(replicas: &str, block_size: u32) -> String {
     format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
-         pools:\n  - {{model: {MODEL}, block_size: {block_size}, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: \"0\"}}\n\
+         pools:\n  - {{name: {MODEL}, models: [{MODEL}], block_size: {block_size}, key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}}}}\n\
          replicas:\n{replicas}"
     )
 }
@@ -1792,7 +1792,7 @@ fn picker_run(
                 })
                 .await?;
                 replicas.push_str(&format!(
-                    "  - {{id: engine-{i}, model: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
+                    "  - {{id: engine-{i}, pool: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
                     publisher.pub_endpoint().context("publisher endpoint")?,
                     publisher.replay_endpoint().context("replay endpoint")?,
                 ));

@@ -35,12 +35,12 @@ fn index_yaml(grpc: &str, token_dir: &Path) -> String {
     format!(
         r#"
 listen: {{grpc: "{grpc}", admin: "127.0.0.1:0"}}
-limits: {{agent_stale_grace_ms: 300}}
+limits: {{agent_stale_grace: 300ms}}
 pools:
-  - {{model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0"}}
+  - {{name: tiny, models: [tiny], block_size: 32, key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}}}}
 replicas:
-  - {{id: engine-a, model: tiny}}
-  - {{id: engine-b, model: tiny}}
+  - {{id: engine-a, pool: tiny}}
+  - {{id: engine-b, pool: tiny}}
 agents:
   - {{id: node-a, token_file: "{}", replicas: [engine-a]}}
   - {{id: node-b, token_file: "{}", replicas: [engine-b]}}
@@ -52,8 +52,7 @@ agents:
 
 /// [`index_yaml`] for tests whose blocks are synthetic hashes, not vLLM's: hash validation off.
 fn index_yaml_synthetic_hashes(grpc: &str, token_dir: &Path) -> String {
-    index_yaml(grpc, token_dir)
-        .replace("hash_seed: \"0\"}", "hash_seed: \"0\", verify_hashes: off}")
+    index_yaml(grpc, token_dir).replace("seed: \"0\"}}", "seed: \"0\"}, verify_hashes: off}")
 }
 
 fn agent_config(index: SocketAddr, kv_events: &str, replay: &str) -> AgentConfig {
@@ -63,8 +62,8 @@ agent_id: node-a
 token_env: UNUSED
 indexes: ["http://{index}"]
 admin: 127.0.0.1:0
-batch_delay_ms: 10
-reconnect_backoff_max_ms: 200
+batch_delay: 10ms
+reconnect_backoff_max: 200ms
 engines:
   - {{replica: engine-a, endpoint: "{kv_events}", replay_endpoint: "{replay}"}}
 "#
@@ -930,7 +929,7 @@ async fn agent_stream_and_match_work_over_tls_and_plaintext_is_refused() {
         pki.ca.display()
     );
     let raw: kvroute_index::agent::config::RawAgentConfig = serde_yaml::from_str(&format!(
-        "agent_id: node-a\nindexes: [\"https://{grpc}\"]\nadmin: 127.0.0.1:0\nbatch_delay_ms: 10\n\
+        "agent_id: node-a\nindexes: [\"https://{grpc}\"]\nadmin: 127.0.0.1:0\nbatch_delay: 10ms\n\
          engines: [{{replica: engine-a, endpoint: \"{kv}\", replay_endpoint: \"{replay}\"}}]\n{tls_yaml}"
     ))
     .unwrap();

@@ -72,12 +72,13 @@ fn u64s(value: &serde_json::Value) -> Vec<u64> {
 fn vllm_keys(
     tokens: &[u32],
     block_size: usize,
+    algo: HashAlgo,
     version: &str,
     lora: Option<&LoraRef<'_>>,
     salt: Option<&str>,
 ) -> Vec<u64> {
     KeyScheme::VllmExact {
-        hasher: VllmHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap(),
+        hasher: VllmHasher::new(algo, Some("0")).unwrap(),
         era: ExtraKeysEra::for_vllm_version(version).unwrap(),
     }
     .prompt_keys(tokens, block_size, lora, salt)
@@ -123,13 +124,14 @@ async fn check_prints_the_decision_paths_tokens_and_vllm_block_keys() {
         let keys = u64s(&report["block_keys"]);
         assert_eq!(
             keys,
-            vllm_keys(&tokens, 4, "0.11.1", None, None),
+            // The pool schema's defaults: vLLM 0.32's sha256 and extra keys.
+            vllm_keys(&tokens, 4, HashAlgo::Sha256, "0.32.0", None, None),
             "{path}: block keys"
         );
         assert!(keys.len() >= 4, "{path}: too few blocks to mean much");
         assert_eq!(report["full_blocks"], tokens.len() / 4, "{path}");
         assert_eq!(report["block_size"], 4);
-        assert_eq!(report["key_scheme"]["hash_algo"], "sha256_cbor");
+        assert_eq!(report["key_scheme"]["hash_algo"], "sha256");
         assert_eq!(report["key_scheme"]["seed"], "0");
         assert_eq!(report["tokenizer"]["mode"], "in_process", "{report}");
         assert_eq!(report["tokenizer"]["encoder"], "fast", "{report}");
@@ -177,11 +179,21 @@ async fn check_with_a_config_applies_the_adapter_and_cache_salt() {
     let keys = u64s(&report["block_keys"]);
     assert_eq!(
         keys,
-        vllm_keys(&tokens, 8, "0.32.0", Some(&lora), Some("tenant-7"))
+        vllm_keys(
+            &tokens,
+            8,
+            HashAlgo::Sha256Cbor,
+            "0.32.0",
+            Some(&lora),
+            Some("tenant-7")
+        )
     );
     assert!(!keys.is_empty());
     // The extras change every key: without them the chain is another.
-    assert_ne!(keys, vllm_keys(&tokens, 8, "0.32.0", None, None));
+    assert_ne!(
+        keys,
+        vllm_keys(&tokens, 8, HashAlgo::Sha256Cbor, "0.32.0", None, None)
+    );
 }
 
 #[test]

@@ -34,9 +34,9 @@ replicas:
 /// A kvroute-index config with nothing but a pool and a replica (whose engine is absent).
 const INDEX_DEFAULTS: &str = r#"
 pools:
-- {model: m, block_size: 16, key_scheme: token-chain}
+- {name: m, models: [m], block_size: 16, key_scheme: {kind: token-chain}}
 replicas:
-- {id: r0, model: m, events: {endpoint: "tcp://127.0.0.1:9"}}
+- {id: r0, pool: m, events: {endpoint: "tcp://127.0.0.1:9"}}
 "#;
 
 /// This host's address on the route to a private network, if it has one that is not loopback.

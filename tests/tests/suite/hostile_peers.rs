@@ -250,7 +250,7 @@ fn index_yaml(replicas: &str) -> String {
         r#"
 listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
 pools:
-  - {{model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0", validate_hashes: false}}
+  - {{name: tiny, models: [tiny], block_size: 32, key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}}, verify_hashes: off}}
 replicas:
 {replicas}"#
     )
@@ -311,10 +311,10 @@ async fn index_survives_hostile_peers_on_every_socket_kind() {
     let rogue_router = RogueEngine::start("ROUTER").await;
     let bound = format!("127.0.0.1:{}", free_port());
     let yaml = index_yaml(&format!(
-        r#"  - {{id: honest, model: tiny, events: {{endpoint: "{}", replay_endpoint: "{}"}}}}
-  - {{id: bound, model: tiny, events: {{endpoint: "tcp://{bound}", mode: bind}}}}
-  - {{id: rogue-pub, model: tiny, events: {{endpoint: "{}"}}}}
-  - {{id: rogue-replay, model: tiny, events: {{endpoint: "{}", replay_endpoint: "{}"}}}}
+        r#"  - {{id: honest, pool: tiny, events: {{endpoint: "{}", replay_endpoint: "{}"}}}}
+  - {{id: bound, pool: tiny, events: {{endpoint: "tcp://{bound}", mode: bind}}}}
+  - {{id: rogue-pub, pool: tiny, events: {{endpoint: "{}"}}}}
+  - {{id: rogue-replay, pool: tiny, events: {{endpoint: "{}", replay_endpoint: "{}"}}}}
 "#,
         honest.pub_endpoint().unwrap(),
         honest.replay_endpoint().unwrap(),
@@ -422,8 +422,8 @@ async fn bind_mode_refuses_peers_outside_the_allow_list_and_foreign_topics() {
     // Both sockets have an allow-list: `guarded` admits only 127.0.0.2, so the test's peers (from
     // 127.0.0.1) are refused; `open` admits loopback and checks the topic.
     let yaml = index_yaml(&format!(
-        r#"  - {{id: guarded, model: tiny, events: {{endpoint: "tcp://{bound}", mode: bind, allowed_peers: ["127.0.0.2"]}}}}
-  - {{id: open, model: tiny, events: {{endpoint: "tcp://127.0.0.1:{open_port}", mode: bind, topic: "kv@open", allowed_peers: ["127.0.0.0/8"]}}}}
+        r#"  - {{id: guarded, pool: tiny, events: {{endpoint: "tcp://{bound}", mode: bind, allowed_peers: ["127.0.0.2"]}}}}
+  - {{id: open, pool: tiny, events: {{endpoint: "tcp://127.0.0.1:{open_port}", mode: bind, topic: "kv@open", allowed_peers: ["127.0.0.0/8"]}}}}
 "#,
         open_port = free_port(),
     ));

@@ -155,15 +155,35 @@ async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) 
     (status, body)
 }
 
-async fn matched_blocks(admin: std::net::SocketAddr, tokens: &[u32]) -> u64 {
+/// The replica's answer for `tokens`: whether the index vouches for it, and its matched blocks.
+async fn match_answer(admin: std::net::SocketAddr, tokens: &[u32]) -> (bool, u64) {
     let body = serde_json::json!({ "model": "tiny", "token_ids": tokens }).to_string();
     let (status, text) = http(admin, "POST", "/v1/match", &body).await;
     assert_eq!(status, 200, "{text}");
     let response: Value = serde_json::from_str(&text).unwrap();
     let replica = &response["replicas"][0];
     assert_eq!(replica["id"], "engine-a");
-    assert_eq!(replica["precise"], true, "{text}");
-    replica["matched_blocks"].as_u64().unwrap()
+    (
+        replica["precise"].as_bool().unwrap(),
+        replica["matched_blocks"].as_u64().unwrap(),
+    )
+}
+
+/// Matched blocks once the index vouches for the replica again (it is `syncing`, so not
+/// precise, while a restart's catch-up runs).
+async fn matched_blocks(admin: std::net::SocketAddr, tokens: &[u32]) -> u64 {
+    let start = Instant::now();
+    loop {
+        let (precise, blocks) = match_answer(admin, tokens).await;
+        if precise {
+            return blocks;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the replica never became precise"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await; // poll interval
+    }
 }
 
 async fn last_sequence(admin: std::net::SocketAddr) -> Option<u64> {
@@ -232,10 +252,10 @@ fn index_config(publisher: &MockVllmPublisher) -> Config {
         r#"
 listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
 pools:
-  - {{model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0"}}
+  - {{name: tiny, models: [tiny], block_size: 32, key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}}}}
 replicas:
   - id: engine-a
-    model: tiny
+    pool: tiny
     events:
       endpoint: "{}"
       replay_endpoint: "{}"
@@ -268,7 +288,7 @@ async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
     let start = Instant::now();
     loop {
         publisher.publish(ghost_payload.clone()).await.unwrap();
-        if matched_blocks(admin, &ghost).await == 2 {
+        if match_answer(admin, &ghost).await == (true, 2) {
             break;
         }
         assert!(

@@ -55,7 +55,7 @@ fn config(replicas: &str, extra: &str) -> Config {
         r#"
 listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
 pools:
-  - {{model: {MODEL}, block_size: {BLOCK_SIZE}, key_scheme: vllm-exact, verify_hashes: "off"}}
+  - {{name: {MODEL}, models: [{MODEL}], block_size: {BLOCK_SIZE}, key_scheme: {{kind: vllm-exact}}, verify_hashes: "off"}}
 replicas:
 {replicas}
 {extra}
@@ -66,7 +66,7 @@ replicas:
 
 fn zmq_replica(id: &str, publisher: &MockVllmPublisher) -> String {
     format!(
-        "  - {{id: {id}, model: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\"}}}}\n",
+        "  - {{id: {id}, pool: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\"}}}}\n",
         publisher.pub_endpoint().unwrap(),
         publisher.replay_endpoint().unwrap()
     )
@@ -180,7 +180,7 @@ async fn assert_not_precise(server: &IndexServer, replica: &str, state: &str, re
 async fn a_never_connected_replica_is_not_precise_and_its_pool_not_ready() {
     let server = IndexServer::start(config(
         &format!(
-            "  - {{id: lost, model: {MODEL}, events: {{endpoint: \"{}\"}}}}\n",
+            "  - {{id: lost, pool: {MODEL}, events: {{endpoint: \"{}\"}}}}\n",
             dead_endpoint()
         ),
         "",
@@ -213,9 +213,9 @@ async fn an_agent_replica_whose_agent_never_came_goes_stale() {
     let token = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(token.path(), "secret-token-of-the-agent").unwrap();
     let server = IndexServer::start(config(
-        &format!("  - {{id: remote, model: {MODEL}}}\n"),
+        &format!("  - {{id: remote, pool: {MODEL}}}\n"),
         &format!(
-            "agents:\n  - {{id: node-a, token_file: \"{}\", replicas: [remote]}}\nlimits: {{agent_stale_grace_ms: 200}}\nreadiness: {{min_ready_replicas: 0}}",
+            "agents:\n  - {{id: node-a, token_file: \"{}\", replicas: [remote]}}\nlimits: {{agent_stale_grace: 200ms}}\nreadiness: {{min_ready_replicas: 0}}",
             token.path().display()
         ),
     ))

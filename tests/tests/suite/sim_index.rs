@@ -56,7 +56,7 @@ fn index_config(sims: &[EngineSim]) -> Config {
             format!(
                 r#"
   - id: {}
-    model: tiny
+    pool: tiny
     events:
       endpoint: "{}"
       replay_endpoint: "{}"
@@ -71,7 +71,7 @@ fn index_config(sims: &[EngineSim]) -> Config {
         r#"
 listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
 pools:
-  - {{model: tiny, block_size: 32, key_scheme: vllm-exact, hash_algo: sha256_cbor, hash_seed: "0"}}
+  - {{name: tiny, models: [tiny], block_size: 32, key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}}}}
 replicas:{replicas}
 "#
     ))
