@@ -231,6 +231,12 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
         None
     }
 
+    /// How long a request whose conversation prefix is cached waits for its exact tokens before
+    /// it routes on that prefix (within the tokenize budget). In process: [`PREFIX_HIT_WAIT`].
+    fn prefix_hit_wait(&self) -> Duration {
+        PREFIX_HIT_WAIT
+    }
+
     /// Token ids of a request whose whole `body` is at hand: [`Self::tokenize`] of its prompt
     /// unless the tokenizer sends the request itself somewhere ([`RenderTokenizer`]).
     fn tokenize_request(
@@ -595,6 +601,12 @@ impl Tokenizer for RemoteTokenizer {
         TokenizerMode::Remote
     }
 
+    /// The whole budget: an engine is asked for exactness, and its round trip alone outlasts
+    /// the in-process wait (routing on an older turn's prefix under-predicts every next turn).
+    fn prefix_hit_wait(&self) -> Duration {
+        Duration::MAX
+    }
+
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
         let Some(body) = Self::request_body(model, &input) else {
             return Box::pin(std::future::ready(Err(TokenizeError::Remote {
@@ -760,6 +772,11 @@ fn render_token_ids(answer: &[u8]) -> Result<Vec<u32>, String> {
 impl Tokenizer for RenderTokenizer {
     fn mode(&self) -> TokenizerMode {
         TokenizerMode::Render
+    }
+
+    /// The whole budget, as [`RemoteTokenizer`]: the mode exists to be exact.
+    fn prefix_hit_wait(&self) -> Duration {
+        Duration::MAX
     }
 
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
@@ -1050,9 +1067,10 @@ impl TokenCache {
         };
         if let Some((prefix_tokens, prefix_bytes)) = cached_prefix {
             // The exact tokens are worth a short wait (the fast encoder needs well under a
-            // millisecond for a long conversation); past it, route on the conversation's cached
+            // millisecond for a long conversation; a network tokenizer gets the whole budget);
+            // past it, route on the conversation's cached
             // prefix and let the tokenization finish in the background for the next turn.
-            let wait = budget.min(PREFIX_HIT_WAIT);
+            let wait = budget.min(tokenizer.prefix_hit_wait());
             match tokio::time::timeout(wait, &mut tokenizing).await {
                 Ok(Ok(tokens)) => return Ok(self.remember(full_key, tokens.into())),
                 Ok(Err(error)) => {
@@ -1474,6 +1492,56 @@ mod tests {
                 tokens.await
             })
         }
+    }
+
+    /// The in-process tokenizer answering after `delay`, waited for like a network tokenizer.
+    #[derive(Debug)]
+    struct SlowExactTokenizer {
+        inner: InProcessTokenizer,
+        delay: Duration,
+    }
+
+    impl Tokenizer for SlowExactTokenizer {
+        fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+            let tokens = self.inner.tokenize(model, input);
+            let delay = self.delay;
+            Box::pin(async move {
+                tokio::time::sleep(delay).await; // the engine's round trip (the workload)
+                tokens.await
+            })
+        }
+
+        fn prefix_hit_wait(&self) -> Duration {
+            Duration::MAX
+        }
+    }
+
+    #[tokio::test]
+    async fn a_network_tokenizer_is_waited_for_on_a_prefix_hit() {
+        let tokenizer: Arc<dyn Tokenizer> = Arc::new(SlowExactTokenizer {
+            inner: InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap(),
+            delay: PREFIX_HIT_WAIT * 10,
+        });
+        let cache = TokenCache::new(16, TaskTracker::new());
+        let budget = Duration::from_secs(5);
+        let first = parse(TURN1.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        cache
+            .tokens(0, "m", &first.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        // Turn 1 is a cached prefix of turn 2, yet the answer is turn 2's exact tokens.
+        let second = parse(TURN2.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let t2 = cache
+            .tokens(0, "m", &second.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        assert_eq!((t2.source, t2.exact), (TokenSource::Tokenizer, true));
+        let messages: serde_json::Value = serde_json::from_str(TURN2).unwrap();
+        let expected = ModelTokenizer::from_dir(TINY_MODEL)
+            .unwrap()
+            .encode_chat(&messages["messages"], true)
+            .unwrap();
+        assert_eq!(&*t2.tokens, expected.as_slice());
     }
 
     const TURN1: &str = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"}]}"#;
