@@ -1,5 +1,6 @@
 //! Process harnesses for integration tests: a real Envoy ([`Envoy`]), our binaries such as the
-//! engine simulator ([`SimProcess`]), a small HTTP client ([`http`]) and deadline polling
+//! engine simulator ([`SimProcess`]), a small HTTP client ([`http`]), an ext_proc client playing
+//! Envoy ([`ext_proc`]) and deadline polling
 //! ([`wait_until`]).
 //!
 //! Every process listens on port 0 and reports its real ports; readiness is a polled condition
@@ -7,6 +8,7 @@
 //! SIGTERM, then kills after a grace period, and prints the process log if the test is panicking.
 
 mod envoy;
+pub mod ext_proc;
 pub mod http;
 mod process;
 mod sim_process;
