@@ -1330,10 +1330,7 @@ impl TokenCache {
 
     /// Lets a tokenization that outran the wait finish and fill the cache (bounded: without a
     /// free slot it is dropped, and the next turn tokenizes again).
-    fn finish_in_background(
-        &self,
-        caching: CachingFuture,
-    ) {
+    fn finish_in_background(&self, caching: CachingFuture) {
         let Ok(permit) = Arc::clone(&self.refills).try_acquire_owned() else {
             return;
         };
