@@ -24,7 +24,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{Config, TokenizerSource};
 use crate::error::{ConfigError, RequestError, TokenizeError};
 use crate::request::{self, Endpoint};
-use crate::tokenizer::{self, TokenCache, TokenSource, TokenizerMode};
+use crate::tokenizer::{self, TokenCache, TokenLimits, TokenSource, TokenizerMode};
 
 /// How long the check waits for tokens. Far above a decision's budget: the check reports the
 /// tokens and how long they took (against `budgets.tokenize`) rather than falling back.
@@ -290,7 +290,7 @@ pub async fn check(
     // Client token ids need no tokenizer, as in a decision.
     let tokenizer = tokenizer::from_source(&pool.tokenizer, pool_index, tasks)?;
     let started = Instant::now();
-    let tokens = TokenCache::new(1, tasks.clone())
+    let tokens = TokenCache::new(TokenLimits::from_config(config), tasks.clone())
         .tokens(
             pool_index,
             model,

@@ -41,6 +41,15 @@
 //! # A routed request whose response headers never come stops counting as load after this; more
 //! # ext_proc streams than this are refused (defaults shown):
 //! # limits: {inflight_max_age: 10m, max_streams: 65536}
+//! # Memory and CPU of tokenization (defaults shown; read at start): the token cache holds at
+//! # most `token_cache_bytes` (tokens at 4 bytes each plus a fixed cost per entry) and
+//! # `token_cache_entries`; at most `tokenize_concurrency` in-process tokenizations run on
+//! # blocking threads at once (default: the number of CPUs), a decision that gets no slot within
+//! # its tokenize budget falls back (`fallbacks_total{stage="tokenize",cause="busy"}`), and a
+//! # prompt over `tokenize_max_prompt_bytes` is not tokenized whole in process
+//! # (`cause="prompt_too_large"`; its leading tokens still are).
+//! # token_cache_bytes: 268435456
+//! # limits: {tokenize_concurrency: 2, tokenize_max_prompt_bytes: 2097152}
 //! # Drift between kvroute's predicted and the engines' reported cached tokens (crate::drift):
 //! # a replica whose drift over `window` passes `bound` is warned about (rate-limited); with
 //! # `action: approximate` its pool routes on the approximate tier until the drift is back at
@@ -101,6 +110,15 @@ pub const DEFAULT_SPECULATIVE_TTL: Duration = Duration::from_secs(5);
 pub const DEFAULT_APPROX_CAPACITY_BLOCKS: usize = 65_536;
 /// Default number of cached tokenizations (whole prompts / conversation prefixes).
 pub const DEFAULT_TOKEN_CACHE_ENTRIES: usize = 4096;
+/// Default bytes the token cache may account for (`token_cache_bytes`): 256 MiB ≈ 64M tokens.
+pub const DEFAULT_TOKEN_CACHE_BYTES: usize = 256 * 1024 * 1024;
+/// Default largest prompt (text, or the messages and other prompt fields' JSON) tokenized whole
+/// in process (`limits.tokenize_max_prompt_bytes`): a fast-encoder tokenization of this much
+/// takes ≈ 25 ms in a release build, within the default tokenize budget.
+pub const DEFAULT_TOKENIZE_MAX_PROMPT_BYTES: usize = 2 * 1024 * 1024;
+/// Default most in-process tokenizations on blocking threads at once
+/// (`limits.tokenize_concurrency`): the number of CPUs (this when it cannot be read).
+pub const DEFAULT_TOKENIZE_CONCURRENCY_FALLBACK: usize = 2;
 /// Default timeout of a remote `/tokenize` call.
 pub const DEFAULT_REMOTE_TOKENIZE_TIMEOUT: Duration = Duration::from_millis(25);
 /// Default interval at which the config file's mtime is checked for reloads.
@@ -133,6 +151,14 @@ pub const DEFAULT_DRIFT_MIN_TOKENS: u64 = 16_384;
 /// Default action past the bound (`drift.action`).
 pub const DEFAULT_DRIFT_ACTION: &str = "warn";
 
+/// The default of `limits.tokenize_concurrency`: the number of CPUs this process may use.
+pub fn default_tokenize_concurrency() -> usize {
+    std::thread::available_parallelism().map_or(
+        DEFAULT_TOKENIZE_CONCURRENCY_FALLBACK,
+        std::num::NonZero::get,
+    )
+}
+
 /// The YAML document as written. Unknown keys are errors.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -144,6 +170,7 @@ pub struct RawConfig {
     scrape: RawScrape,
     scoring: RawScoring,
     token_cache_entries: Option<usize>,
+    token_cache_bytes: Option<usize>,
     reload_interval: Option<String>,
     /// Body mode assumed when Envoy does not send `protocol_config` (Envoy < 1.34).
     default_body_mode: Option<String>,
@@ -180,6 +207,8 @@ struct RawIndex {
 struct RawLimits {
     inflight_max_age: Option<String>,
     max_streams: Option<usize>,
+    tokenize_concurrency: Option<usize>,
+    tokenize_max_prompt_bytes: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -318,6 +347,12 @@ pub struct Config {
     pub scoring: ScoringConfig,
     /// Entries of the tokenization cache.
     pub token_cache_entries: usize,
+    /// Bytes the tokenization cache may account for.
+    pub token_cache_bytes: usize,
+    /// Most in-process tokenizations running on blocking threads at once.
+    pub tokenize_concurrency: usize,
+    /// Largest prompt tokenized whole in process, in bytes.
+    pub tokenize_max_prompt_bytes: usize,
     /// Config file poll interval.
     pub reload_interval: Duration,
     /// Body mode assumed when Envoy sends no `protocol_config`.
@@ -874,6 +909,15 @@ impl TryFrom<RawConfig> for Config {
             token_cache_entries: raw
                 .token_cache_entries
                 .unwrap_or(DEFAULT_TOKEN_CACHE_ENTRIES),
+            token_cache_bytes: raw.token_cache_bytes.unwrap_or(DEFAULT_TOKEN_CACHE_BYTES),
+            tokenize_concurrency: raw
+                .limits
+                .tokenize_concurrency
+                .unwrap_or_else(default_tokenize_concurrency),
+            tokenize_max_prompt_bytes: raw
+                .limits
+                .tokenize_max_prompt_bytes
+                .unwrap_or(DEFAULT_TOKENIZE_MAX_PROMPT_BYTES),
             reload_interval: duration(
                 "reload_interval",
                 raw.reload_interval.as_deref(),
@@ -940,6 +984,13 @@ fn validate(config: &Config) -> Result<(), ConfigError> {
         return Err(ConfigError::invalid(
             "limits.inflight_max_age",
             "0",
+            "must be positive",
+        ));
+    }
+    if config.tokenize_concurrency == 0 {
+        return Err(ConfigError::invalid(
+            "limits.tokenize_concurrency",
+            0,
             "must be positive",
         ));
     }
@@ -1349,6 +1400,12 @@ replicas:
     fn minimal_config_gets_defaults() {
         let config = Config::from_yaml(MINIMAL).unwrap();
         assert_eq!(config.decision_budget, DEFAULT_DECISION_BUDGET);
+        assert_eq!(config.token_cache_bytes, DEFAULT_TOKEN_CACHE_BYTES);
+        assert_eq!(
+            config.tokenize_max_prompt_bytes,
+            DEFAULT_TOKENIZE_MAX_PROMPT_BYTES
+        );
+        assert!(config.tokenize_concurrency >= 1);
         assert_eq!(config.grpc_addr, DEFAULT_GRPC_ADDR.parse().unwrap());
         assert!(config.grpc_addr.ip().is_loopback() && config.admin_addr.ip().is_loopback());
         assert_eq!(config.pools[0].tokenizer, TokenizerSource::None);
@@ -1388,6 +1445,8 @@ replicas:
         assert!(error_of(&bad_age).contains("limits.inflight_max_age"));
         let no_streams = format!("{MINIMAL}limits: {{max_streams: 0}}\n");
         assert!(error_of(&no_streams).contains("limits.max_streams"));
+        let no_slots = format!("{MINIMAL}limits: {{tokenize_concurrency: 0}}\n");
+        assert!(error_of(&no_slots).contains("limits.tokenize_concurrency"));
         let bad_duration = format!("{MINIMAL}index: {{match_timeout: soon}}\n");
         assert!(error_of(&bad_duration).contains("index.match_timeout"));
         let no_seed = MINIMAL.replace("sha256_cbor, seed: \"0\"", "xxhash");

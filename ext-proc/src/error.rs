@@ -113,6 +113,21 @@ pub enum TokenizeError {
         /// The budget that elapsed.
         after: Duration,
     },
+    /// Every in-process tokenization slot stayed taken (by longer prompts) for the whole budget.
+    #[error("no in-process tokenization slot became free within {waited:?}")]
+    Busy {
+        /// How long the decision waited for one.
+        waited: Duration,
+    },
+    /// The prompt is larger than in-process tokenization takes whole
+    /// (`limits.tokenize_max_prompt_bytes`).
+    #[error("prompt of {bytes} bytes exceeds the in-process tokenization limit of {limit} bytes")]
+    PromptTooLarge {
+        /// The prompt's size (text, or the messages and other prompt fields' JSON).
+        bytes: usize,
+        /// The configured limit.
+        limit: usize,
+    },
     /// The remote `/tokenize` call failed.
     #[error("remote tokenizer at {url} failed: {reason}")]
     Remote {
@@ -144,6 +159,8 @@ impl TokenizeError {
         match self {
             Self::NotConfigured { .. } => "not_configured",
             Self::Timeout { .. } => "timeout",
+            Self::Busy { .. } => "busy",
+            Self::PromptTooLarge { .. } => "prompt_too_large",
             Self::Remote { .. } => "remote_error",
             Self::Render { .. } => "render_error",
             Self::InProcess { .. } => "in_process_error",

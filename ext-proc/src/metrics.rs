@@ -73,6 +73,16 @@ pub struct Metrics {
     pub tokenize_duration: Family<KindLabel, Histogram>,
     /// Index `Match` latency (successful calls).
     pub match_duration: Histogram,
+    /// Bytes the token cache accounts for (tokens at 4 bytes plus a fixed cost per entry).
+    pub token_cache_bytes: Gauge,
+    /// Entries of the token cache.
+    pub token_cache_entries: Gauge,
+    /// In-process tokenizations running on blocking threads (at most `limits.tokenize_concurrency`),
+    /// those whose decision stopped waiting included.
+    pub tokenize_blocking_in_flight: Gauge,
+    /// In-process tokenizations that outlived their decision's wait and finished in the
+    /// background (their slot held until then).
+    pub tokenize_abandoned: Counter,
     /// Share of the prompt predicted to be cached on the chosen replica.
     pub predicted_cached_share: Histogram,
     /// Open ext_proc streams.
@@ -140,6 +150,10 @@ impl Metrics {
             decision_duration: latency_histogram(),
             tokenize_duration: Family::new_with_constructor(latency_histogram),
             match_duration: latency_histogram(),
+            token_cache_bytes: Gauge::default(),
+            token_cache_entries: Gauge::default(),
+            tokenize_blocking_in_flight: Gauge::default(),
+            tokenize_abandoned: Counter::default(),
             predicted_cached_share: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]),
             streams_active: Gauge::default(),
             served_mismatch: Counter::default(),
@@ -195,6 +209,26 @@ impl Metrics {
             "match_duration_seconds",
             "Index Match call latency",
             metrics.match_duration.clone(),
+        );
+        r.register(
+            "token_cache_bytes",
+            "Bytes the token cache accounts for (4 per token plus a fixed cost per entry)",
+            metrics.token_cache_bytes.clone(),
+        );
+        r.register(
+            "token_cache_entries",
+            "Entries of the token cache",
+            metrics.token_cache_entries.clone(),
+        );
+        r.register(
+            "tokenize_blocking_in_flight",
+            "In-process tokenizations running on blocking threads, abandoned ones included",
+            metrics.tokenize_blocking_in_flight.clone(),
+        );
+        r.register(
+            "tokenize_abandoned",
+            "In-process tokenizations that outlived their decision's wait and finished in the background",
+            metrics.tokenize_abandoned.clone(),
         );
         r.register(
             "predicted_cached_share",

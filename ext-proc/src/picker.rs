@@ -41,7 +41,7 @@ use crate::metrics::{
 use crate::policy::{self, Candidate, Reason};
 use crate::prefix_memory::PrefixMemory;
 use crate::request::ParsedRequest;
-use crate::tokenizer::{PromptTokens, TokenCache, TokenSource, Tokenizer};
+use crate::tokenizer::{PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer};
 
 /// Which tier produced a decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -259,7 +259,8 @@ pub struct Picker {
 impl Picker {
     /// A picker over `runtime`.
     pub fn new(runtime: Runtime, metrics: Metrics, tasks: TaskTracker) -> Self {
-        let token_cache = TokenCache::new(runtime.config.token_cache_entries, tasks);
+        let token_cache = TokenCache::new(TokenLimits::from_config(&runtime.config), tasks)
+            .with_metrics(&metrics);
         Self {
             runtime: ArcSwap::from_pointee(runtime),
             loads: LoadBoard::new(metrics.clone()),

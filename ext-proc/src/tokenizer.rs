@@ -18,7 +18,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -27,13 +27,16 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_tokenize::{ApiKind, LeadingTokens, ModelTokenizer};
 use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use serde_json::value::RawValue;
 use tokio_util::task::TaskTracker;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::config::TokenizerSource;
+use crate::config::{Config, TokenizerSource};
 use crate::error::{ConfigError, TokenizeError};
 use crate::lru::Lru;
+use crate::metrics::Metrics;
 use crate::request::{ChatFields, Prompt};
 
 /// Rough bytes per token, to estimate the length of text that was not tokenized.
@@ -253,6 +256,14 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
     fn mode(&self) -> TokenizerMode {
         TokenizerMode::Other
     }
+
+    /// Whether tokenizing `input` (only its leading tokens when `leading`) runs on a blocking
+    /// thread of this process. [`TokenCache`] then takes one of its slots first, within the
+    /// decision's budget, and holds it until the work ends, even once the decision stopped
+    /// waiting; such work is also subject to its prompt-size limit. No, unless overridden.
+    fn runs_blocking(&self, _input: &TokenizeInput, _leading: bool) -> bool {
+        false
+    }
 }
 
 /// How a [`Tokenizer`] computes token ids.
@@ -351,6 +362,18 @@ impl InProcessTokenizer {
     }
 }
 
+impl InProcessTokenizer {
+    /// Whether `input` is tokenized whole on the calling task.
+    fn inline(&self, input: &TokenizeInput) -> bool {
+        self.model.uses_fast_path() && input.len_bytes() <= INLINE_MAX_BYTES
+    }
+
+    /// Whether [`Tokenizer::tokenize_leading`] answers for `input`.
+    fn gives_leading(&self, input: &TokenizeInput) -> bool {
+        self.model.uses_fast_path() && !matches!(input, TokenizeInput::Api { .. })
+    }
+}
+
 impl Tokenizer for InProcessTokenizer {
     fn mode(&self) -> TokenizerMode {
         if self.model.uses_fast_path() {
@@ -360,8 +383,16 @@ impl Tokenizer for InProcessTokenizer {
         }
     }
 
+    fn runs_blocking(&self, input: &TokenizeInput, leading: bool) -> bool {
+        if leading {
+            self.gives_leading(input) && input.len_bytes() > INLINE_LEADING_MAX_BYTES
+        } else {
+            !self.inline(input)
+        }
+    }
+
     fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
-        if self.model.uses_fast_path() && input.len_bytes() <= INLINE_MAX_BYTES {
+        if self.inline(&input) {
             // Tens of microseconds: cheaper here than the hop to a blocking thread and back.
             let result = encode(&self.model, &input);
             return Box::pin(std::future::ready(result));
@@ -381,7 +412,7 @@ impl Tokenizer for InProcessTokenizer {
         input: Arc<TokenizeInput>,
         min_bytes: usize,
     ) -> Option<LeadingFuture> {
-        if !self.model.uses_fast_path() || matches!(*input, TokenizeInput::Api { .. }) {
+        if !self.gives_leading(&input) {
             return None;
         }
         // The whole body is parsed and rendered (cheap), only the leading part encoded: a
@@ -905,14 +936,98 @@ impl TokenSource {
     }
 }
 
-/// Recent tokenizations, keyed by (pool, prompt or conversation-prefix hash).
+/// Bounds of a [`TokenCache`] and of the in-process tokenizations it starts (config:
+/// `token_cache_entries`, `token_cache_bytes`, `limits.tokenize_concurrency`,
+/// `limits.tokenize_max_prompt_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenLimits {
+    /// Most cached tokenizations.
+    pub cache_entries: usize,
+    /// Most bytes the cached tokenizations account for ([`cache_entry_bytes`] each).
+    pub cache_bytes: usize,
+    /// Most tokenizations on blocking threads at once, abandoned ones included.
+    pub concurrency: usize,
+    /// Largest prompt tokenized whole on a blocking thread, in bytes.
+    pub max_prompt_bytes: usize,
+}
+
+impl TokenLimits {
+    /// The limits `config` sets.
+    pub fn from_config(config: &Config) -> Self {
+        Self {
+            cache_entries: config.token_cache_entries,
+            cache_bytes: config.token_cache_bytes,
+            concurrency: config.tokenize_concurrency,
+            max_prompt_bytes: config.tokenize_max_prompt_bytes,
+        }
+    }
+}
+
+impl Default for TokenLimits {
+    /// The config's defaults.
+    fn default() -> Self {
+        Self {
+            cache_entries: crate::config::DEFAULT_TOKEN_CACHE_ENTRIES,
+            cache_bytes: crate::config::DEFAULT_TOKEN_CACHE_BYTES,
+            concurrency: crate::config::default_tokenize_concurrency(),
+            max_prompt_bytes: crate::config::DEFAULT_TOKENIZE_MAX_PROMPT_BYTES,
+        }
+    }
+}
+
+/// What one cached tokenization accounts for besides its tokens: its 16-byte key, the `Arc`'s
+/// counts, its slot in the map (value, age, weight; the table at most half empty) and in the
+/// age index.
+const CACHE_ENTRY_OVERHEAD_BYTES: usize = 160;
+
+/// The bytes a cached tokenization of `tokens` accounts for: 4 per token plus
+/// [`CACHE_ENTRY_OVERHEAD_BYTES`].
+pub fn cache_entry_bytes(tokens: &[u32]) -> usize {
+    CACHE_ENTRY_OVERHEAD_BYTES + std::mem::size_of_val(tokens)
+}
+
+/// At most one "prompt too large" line per this long (the rest counted in the fallbacks).
+const TOO_LARGE_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Recent tokenizations, keyed by (pool, prompt or conversation-prefix hash), bounded by entries
+/// and bytes; and the slots bounding the blocking tokenizations started for them.
 #[derive(Debug)]
 pub struct TokenCache {
     entries: Arc<Mutex<Lru<u128, Arc<[u32]>>>>,
     /// Background full tokenizations after a prefix hit; bounded so they never pile up.
     refills: Arc<tokio::sync::Semaphore>,
+    /// One permit per tokenization running on a blocking thread.
+    blocking: Arc<tokio::sync::Semaphore>,
+    max_prompt_bytes: usize,
+    gauges: CacheGauges,
+    last_too_large_log: Mutex<Option<Instant>>,
     tasks: TaskTracker,
 }
+
+/// The cache's gauges (unregistered until [`TokenCache::with_metrics`]).
+#[derive(Debug, Clone, Default)]
+struct CacheGauges {
+    bytes: Gauge,
+    entries: Gauge,
+    blocking_in_flight: Gauge,
+    abandoned: Counter,
+}
+
+/// A taken blocking-tokenization slot; counted in flight until dropped.
+#[derive(Debug)]
+struct BlockingSlot {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    in_flight: Gauge,
+}
+
+impl Drop for BlockingSlot {
+    fn drop(&mut self) {
+        self.in_flight.dec();
+    }
+}
+
+/// A whole tokenization that caches its result as it ends.
+type CachingFuture = Pin<Box<dyn Future<Output = Result<Arc<[u32]>, TokenizeError>> + Send>>;
 
 /// Concurrent background tokenizations finishing after a conversation-prefix hit.
 const MAX_CONCURRENT_REFILLS: usize = 2;
@@ -920,13 +1035,36 @@ const MAX_CONCURRENT_REFILLS: usize = 2;
 const PREFIX_HIT_WAIT: Duration = Duration::from_millis(5);
 
 impl TokenCache {
-    /// A cache of `capacity` entries; refills run on `tasks`.
-    pub fn new(capacity: usize, tasks: TaskTracker) -> Self {
+    /// A cache within `limits`; refills and blocking tokenizations run on `tasks`.
+    pub fn new(limits: TokenLimits, tasks: TaskTracker) -> Self {
         Self {
-            entries: Arc::new(Mutex::new(Lru::new(capacity))),
+            entries: Arc::new(Mutex::new(Lru::new(
+                limits.cache_entries,
+                limits.cache_bytes,
+            ))),
             refills: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REFILLS)),
+            blocking: Arc::new(tokio::sync::Semaphore::new(limits.concurrency.max(1))),
+            max_prompt_bytes: limits.max_prompt_bytes,
+            gauges: CacheGauges::default(),
+            last_too_large_log: Mutex::new(None),
             tasks,
         }
+    }
+
+    /// Reports the cache's size and the blocking tokenizations in `metrics`.
+    pub fn with_metrics(mut self, metrics: &Metrics) -> Self {
+        self.gauges = CacheGauges {
+            bytes: metrics.token_cache_bytes.clone(),
+            entries: metrics.token_cache_entries.clone(),
+            blocking_in_flight: metrics.tokenize_blocking_in_flight.clone(),
+            abandoned: metrics.tokenize_abandoned.clone(),
+        };
+        self
+    }
+
+    /// Bytes the cached tokenizations account for.
+    pub fn bytes(&self) -> usize {
+        self.entries.lock().bytes()
     }
 
     /// Tokens of `prompt`, from the client, the cache or `tokenizer` (bounded by `budget`).
@@ -968,6 +1106,7 @@ impl TokenCache {
         budget: Duration,
         leading_from: Option<usize>,
     ) -> Result<PromptTokens, TokenizeError> {
+        let deadline = tokio::time::Instant::now() + budget;
         let keys = match prompt {
             Prompt::Tokens(ids) => {
                 return Ok(PromptTokens {
@@ -1039,31 +1178,59 @@ impl TokenCache {
         if let Some(min_bytes) = leading_from
             && cached_prefix.is_none()
             && full_bytes >= 2 * min_bytes
-            && let Some(leading) = tokenizer.tokenize_leading(model, Arc::clone(&input), min_bytes)
         {
-            let leading = match tokio::time::timeout(budget, leading).await {
-                Ok(result) => result?,
-                Err(_) => return Err(TokenizeError::Timeout { after: budget }),
+            let slot = if tokenizer.runs_blocking(&input, true) {
+                Some(self.blocking_slot(deadline, budget).await?)
+            } else {
+                None
             };
-            if leading.complete {
-                return Ok(self.remember(full_key, leading.tokens.into()));
+            if let Some(leading) = tokenizer.tokenize_leading(model, Arc::clone(&input), min_bytes)
+            {
+                let leading = self.bounded(leading, slot, deadline, budget).await?;
+                if leading.complete {
+                    let tokens: Arc<[u32]> = leading.tokens.into();
+                    self.insert(full_key, Arc::clone(&tokens));
+                    return Ok(tokenized(tokens));
+                }
+                // The rest of the prompt at the leading part's own bytes per token.
+                let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
+                let estimated_len =
+                    leading.tokens.len() + rest * leading.tokens.len() / leading.text_bytes.max(1);
+                return Ok(PromptTokens {
+                    tokens: leading.tokens.into(),
+                    exact: false,
+                    estimated_len,
+                    source: TokenSource::Leading,
+                });
             }
-            // The rest of the prompt at the leading part's own bytes per token.
-            let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
-            let estimated_len =
-                leading.tokens.len() + rest * leading.tokens.len() / leading.text_bytes.max(1);
-            return Ok(PromptTokens {
-                tokens: leading.tokens.into(),
-                exact: false,
-                estimated_len,
-                source: TokenSource::Leading,
-            });
         }
-        let mut tokenizing = match prompt {
+        let slot = if tokenizer.runs_blocking(&input, false) {
+            let bytes = input.len_bytes();
+            if bytes > self.max_prompt_bytes {
+                self.log_too_large(bytes);
+                return Err(TokenizeError::PromptTooLarge {
+                    bytes,
+                    limit: self.max_prompt_bytes,
+                });
+            }
+            Some(self.blocking_slot(deadline, budget).await?)
+        } else {
+            None
+        };
+        let tokenizing = match prompt {
             Prompt::Text { body, .. } | Prompt::Chat { body, .. } | Prompt::Api { body, .. } => {
                 tokenizer.tokenize_request(model, input, body)
             }
             Prompt::Tokens(_) | Prompt::Absent => tokenizer.tokenize(model, input),
+        };
+        let entries = Arc::clone(&self.entries);
+        let gauges = self.gauges.clone();
+        // Whoever finishes the tokenization caches it: this decision, or, once it stopped
+        // waiting, the task left running it.
+        let caching = async move {
+            let tokens: Arc<[u32]> = tokenizing.await?.into();
+            insert_into(&entries, &gauges, full_key, Arc::clone(&tokens));
+            Ok(tokens)
         };
         if let Some((prefix_tokens, prefix_bytes)) = cached_prefix {
             // The exact tokens are worth a short wait (the fast encoder needs well under a
@@ -1071,12 +1238,27 @@ impl TokenCache {
             // past it, route on the conversation's cached
             // prefix and let the tokenization finish in the background for the next turn.
             let wait = budget.min(tokenizer.prefix_hit_wait());
-            match tokio::time::timeout(wait, &mut tokenizing).await {
-                Ok(Ok(tokens)) => return Ok(self.remember(full_key, tokens.into())),
-                Ok(Err(error)) => {
+            let wait_until = tokio::time::Instant::now() + wait;
+            let exact = match slot {
+                // Already a task of its own, which finishes (and caches) if this stops waiting.
+                Some(slot) => self.bounded(caching, Some(slot), wait_until, wait).await,
+                None => {
+                    let mut caching = Box::pin(caching);
+                    match tokio::time::timeout_at(wait_until, &mut caching).await {
+                        Ok(result) => result,
+                        Err(_) => {
+                            self.finish_in_background(caching);
+                            Err(TokenizeError::Timeout { after: wait })
+                        }
+                    }
+                }
+            };
+            match exact {
+                Ok(tokens) => return Ok(tokenized(tokens)),
+                Err(TokenizeError::Timeout { .. }) => {}
+                Err(error) => {
                     tracing::debug!(%error, "tokenizing a conversation failed; routing on its cached prefix");
                 }
-                Err(_) => self.finish_in_background(full_key, tokenizing),
             }
             let tail = full_bytes.saturating_sub(prefix_bytes) / ESTIMATED_BYTES_PER_TOKEN;
             let estimated_len = prefix_tokens.len() + tail;
@@ -1087,38 +1269,118 @@ impl TokenCache {
                 source: TokenSource::PrefixCache,
             });
         }
-        let tokens: Arc<[u32]> = match tokio::time::timeout(budget, tokenizing).await {
-            Ok(result) => result?.into(),
-            Err(_) => return Err(TokenizeError::Timeout { after: budget }),
-        };
-        Ok(self.remember(full_key, tokens))
+        self.bounded(caching, slot, deadline, budget)
+            .await
+            .map(tokenized)
     }
 
-    /// Caches a full tokenization and returns it as the decision's tokens.
-    fn remember(&self, key: u128, tokens: Arc<[u32]>) -> PromptTokens {
-        self.entries.lock().insert(key, Arc::clone(&tokens));
-        let estimated_len = tokens.len();
-        PromptTokens {
-            tokens,
-            exact: true,
-            estimated_len,
-            source: TokenSource::Tokenizer,
+    /// A free blocking slot by `deadline`, or [`TokenizeError::Busy`]: a decision never queues
+    /// past its budget behind longer prompts.
+    async fn blocking_slot(
+        &self,
+        deadline: tokio::time::Instant,
+        budget: Duration,
+    ) -> Result<BlockingSlot, TokenizeError> {
+        let busy = || TokenizeError::Busy { waited: budget };
+        let permit = tokio::time::timeout_at(deadline, Arc::clone(&self.blocking).acquire_owned())
+            .await
+            .map_err(|_| busy())?
+            .map_err(|_| busy())?;
+        self.gauges.blocking_in_flight.inc();
+        Ok(BlockingSlot {
+            _permit: permit,
+            in_flight: self.gauges.blocking_in_flight.clone(),
+        })
+    }
+
+    /// `work`'s result by `deadline` ([`TokenizeError::Timeout`] after `budget` otherwise). Work
+    /// holding a blocking `slot` runs as a task of its own that keeps the slot until the work
+    /// ends: the blocking thread cannot be stopped, so its slot is what bounds how many
+    /// abandoned ones run, and its result is dropped (or cached, by `work`) as it ends.
+    async fn bounded<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = Result<T, TokenizeError>> + Send + 'static,
+        slot: Option<BlockingSlot>,
+        deadline: tokio::time::Instant,
+        budget: Duration,
+    ) -> Result<T, TokenizeError> {
+        let timeout = || TokenizeError::Timeout { after: budget };
+        let Some(slot) = slot else {
+            return tokio::time::timeout_at(deadline, work)
+                .await
+                .map_err(|_| timeout())?;
+        };
+        let task = self.tasks.spawn(async move {
+            let _slot = slot;
+            work.await
+        });
+        match tokio::time::timeout_at(deadline, task).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(e)) => Err(TokenizeError::InProcess {
+                reason: e.to_string(),
+            }),
+            Err(_) => {
+                self.gauges.abandoned.inc();
+                Err(timeout())
+            }
+        }
+    }
+
+    /// Caches a full tokenization.
+    fn insert(&self, key: u128, tokens: Arc<[u32]>) {
+        insert_into(&self.entries, &self.gauges, key, tokens);
+    }
+
+    /// One warning per [`TOO_LARGE_LOG_EVERY`]; every such prompt is counted by the caller.
+    fn log_too_large(&self, bytes: usize) {
+        let now = Instant::now();
+        let mut last = self.last_too_large_log.lock();
+        if last.is_none_or(|at| now.duration_since(at) >= TOO_LARGE_LOG_EVERY) {
+            *last = Some(now);
+            tracing::warn!(
+                bytes,
+                limit = self.max_prompt_bytes,
+                "prompt too large to tokenize whole in process (limits.tokenize_max_prompt_bytes); \
+                 routing on the next tier (counted in fallbacks_total{{stage=\"tokenize\",cause=\"prompt_too_large\"}})"
+            );
         }
     }
 
     /// Lets a tokenization that outran the wait finish and fill the cache (bounded: without a
     /// free slot it is dropped, and the next turn tokenizes again).
-    fn finish_in_background(&self, key: u128, tokenizing: TokenizeFuture) {
+    fn finish_in_background(&self, caching: CachingFuture) {
         let Ok(permit) = Arc::clone(&self.refills).try_acquire_owned() else {
             return;
         };
-        let entries = Arc::clone(&self.entries);
         self.tasks.spawn(async move {
             let _permit = permit;
-            if let Ok(tokens) = tokenizing.await {
-                entries.lock().insert(key, tokens.into());
-            }
+            let _ = caching.await;
         });
+    }
+}
+
+/// Caches `tokens` under `key` (an entry heavier than the whole cache is not kept).
+fn insert_into(
+    entries: &Mutex<Lru<u128, Arc<[u32]>>>,
+    gauges: &CacheGauges,
+    key: u128,
+    tokens: Arc<[u32]>,
+) {
+    let bytes = cache_entry_bytes(&tokens);
+    let mut entries = entries.lock();
+    entries.insert(key, tokens, bytes);
+    gauges.bytes.set(entries.bytes() as i64);
+    gauges.entries.set(entries.len() as i64);
+}
+
+/// A whole tokenization as a decision's tokens.
+fn tokenized(tokens: Arc<[u32]>) -> PromptTokens {
+    let estimated_len = tokens.len();
+    PromptTokens {
+        tokens,
+        exact: true,
+        estimated_len,
+        source: TokenSource::Tokenizer,
     }
 }
 
@@ -1522,7 +1784,7 @@ mod tests {
             inner: InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap(),
             delay: PREFIX_HIT_WAIT * 10,
         });
-        let cache = TokenCache::new(16, TaskTracker::new());
+        let cache = TokenCache::new(TokenLimits::default(), TaskTracker::new());
         let budget = Duration::from_secs(5);
         let first = parse(TURN1.as_bytes(), Endpoint::ChatCompletions).unwrap();
         cache
@@ -1552,7 +1814,7 @@ mod tests {
         let in_process = InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap();
         let direct = ModelTokenizer::from_dir(TINY_MODEL).unwrap();
         let tokenizer: Arc<dyn Tokenizer> = Arc::new(in_process);
-        let cache = TokenCache::new(16, TaskTracker::new());
+        let cache = TokenCache::new(TokenLimits::default(), TaskTracker::new());
         let budget = Duration::from_secs(5);
         let first = parse(TURN1.as_bytes(), Endpoint::ChatCompletions).unwrap();
         let t1 = cache
@@ -1591,7 +1853,7 @@ mod tests {
             open,
         });
         let tokenizer: Arc<dyn Tokenizer> = Arc::clone(&gated) as Arc<dyn Tokenizer>;
-        let cache = TokenCache::new(16, TaskTracker::new());
+        let cache = TokenCache::new(TokenLimits::default(), TaskTracker::new());
         let budget = Duration::from_secs(5);
         let first = parse(TURN1.as_bytes(), Endpoint::ChatCompletions).unwrap();
         let t1 = cache
@@ -1626,5 +1888,221 @@ mod tests {
             assert!(tokio::time::Instant::now() < deadline, "cache never filled");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// One token per byte, on a blocking thread (`runs_blocking`) that waits until the gate is
+    /// open; counts the calls that started.
+    #[derive(Debug)]
+    struct GatedBlocking {
+        open: tokio::sync::watch::Sender<bool>,
+        started: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl GatedBlocking {
+        fn new() -> Arc<Self> {
+            Arc::new(Self {
+                open: tokio::sync::watch::channel(false).0,
+                started: Arc::default(),
+            })
+        }
+    }
+
+    impl Tokenizer for GatedBlocking {
+        fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+            let bytes = |input: &TokenizeInput| match input {
+                TokenizeInput::Text { text, .. } => text.bytes().map(u32::from).collect(),
+                _ => Vec::new(),
+            };
+            if !self.runs_blocking(&input, false) {
+                return Box::pin(std::future::ready(Ok(bytes(&input))));
+            }
+            let mut open = self.open.subscribe();
+            let started = Arc::clone(&self.started);
+            let work = tokio::task::spawn_blocking(move || {
+                started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let gate = open.wait_for(|open| *open);
+                let _ = tokio::runtime::Handle::current().block_on(gate);
+                bytes(&input)
+            });
+            Box::pin(async move {
+                work.await.map_err(|e| TokenizeError::InProcess {
+                    reason: e.to_string(),
+                })
+            })
+        }
+
+        fn runs_blocking(&self, input: &TokenizeInput, _leading: bool) -> bool {
+            input.len_bytes() > 8
+        }
+    }
+
+    fn completion(text: &str) -> String {
+        serde_json::json!({"model": "m", "prompt": text}).to_string()
+    }
+
+    async fn tokens_of(
+        cache: &TokenCache,
+        tokenizer: &Arc<dyn Tokenizer>,
+        body: &str,
+        budget: Duration,
+    ) -> Result<PromptTokens, TokenizeError> {
+        let parsed = parse(body.as_bytes(), Endpoint::Completions).unwrap();
+        cache
+            .tokens(0, "m", &parsed.prompt, Some(tokenizer), budget)
+            .await
+    }
+
+    async fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !condition() {
+            assert!(tokio::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn the_cache_is_bounded_by_bytes_and_counts_every_entry() {
+        let metrics = Metrics::register(&mut prometheus_client::registry::Registry::default());
+        let limits = TokenLimits {
+            cache_bytes: 64 * 1024,
+            ..TokenLimits::default()
+        };
+        let cache = TokenCache::new(limits, TaskTracker::new()).with_metrics(&metrics);
+        let gated = GatedBlocking::new();
+        gated.open.send_replace(true);
+        let tokenizer: Arc<dyn Tokenizer> = gated;
+        let budget = Duration::from_secs(10);
+        // 100 distinct prompts of 1000 tokens: 100 × (4000 + overhead) bytes, far over the bound.
+        for i in 0..100 {
+            let text = format!("{i:04}{}", "x".repeat(996));
+            let tokens = tokens_of(&cache, &tokenizer, &completion(&text), budget)
+                .await
+                .unwrap();
+            assert_eq!(tokens.tokens.len(), 1000);
+            assert!(cache.bytes() <= limits.cache_bytes, "{}", cache.bytes());
+        }
+        let entry = cache_entry_bytes(&[0; 1000]);
+        assert_eq!(
+            cache.bytes(),
+            limits.cache_bytes / entry * entry,
+            "kept full"
+        );
+        assert_eq!(metrics.token_cache_bytes.get(), cache.bytes() as i64);
+        assert_eq!(
+            metrics.token_cache_entries.get(),
+            (limits.cache_bytes / entry) as i64
+        );
+        // The most recent ones stay; the oldest went.
+        let last = completion(&format!("0099{}", "x".repeat(996)));
+        let first = completion(&format!("0000{}", "x".repeat(996)));
+        assert_eq!(
+            tokens_of(&cache, &tokenizer, &last, budget)
+                .await
+                .unwrap()
+                .source,
+            TokenSource::Cache
+        );
+        assert_eq!(
+            tokens_of(&cache, &tokenizer, &first, budget)
+                .await
+                .unwrap()
+                .source,
+            TokenSource::Tokenizer
+        );
+    }
+
+    #[tokio::test]
+    async fn blocking_tokenizations_are_capped_and_a_late_one_finishes_holding_its_slot() {
+        let metrics = Metrics::register(&mut prometheus_client::registry::Registry::default());
+        let limits = TokenLimits {
+            concurrency: 1,
+            max_prompt_bytes: 1000,
+            ..TokenLimits::default()
+        };
+        let tasks = TaskTracker::new();
+        let cache = TokenCache::new(limits, tasks.clone()).with_metrics(&metrics);
+        let gated = GatedBlocking::new();
+        let tokenizer: Arc<dyn Tokenizer> = Arc::clone(&gated) as Arc<dyn Tokenizer>;
+        let short = Duration::from_millis(20);
+        let long_prompt = completion(&"a".repeat(900));
+        // Its decision stops waiting; the work goes on, holding the only slot.
+        let late = tokens_of(&cache, &tokenizer, &long_prompt, short).await;
+        assert!(
+            matches!(late, Err(TokenizeError::Timeout { .. })),
+            "{late:?}"
+        );
+        let started = || gated.started.load(std::sync::atomic::Ordering::SeqCst);
+        wait_for("the late work started", || started() == 1).await;
+        assert_eq!(metrics.tokenize_blocking_in_flight.get(), 1);
+        assert_eq!(metrics.tokenize_abandoned.get(), 1);
+        // The next blocking one gets no slot within its budget and does not start.
+        let busy = tokens_of(&cache, &tokenizer, &completion(&"b".repeat(900)), short).await;
+        assert!(matches!(busy, Err(TokenizeError::Busy { .. })), "{busy:?}");
+        assert_eq!(started(), 1);
+        // Work that does not block needs no slot.
+        let small = tokens_of(&cache, &tokenizer, &completion("hi"), short).await;
+        assert_eq!(small.unwrap().tokens.len(), 2);
+        // Too large for in-process tokenization: refused at once, before any slot.
+        let huge = tokens_of(&cache, &tokenizer, &completion(&"c".repeat(1001)), short).await;
+        assert!(
+            matches!(
+                huge,
+                Err(TokenizeError::PromptTooLarge {
+                    bytes: 1001,
+                    limit: 1000
+                })
+            ),
+            "{huge:?}"
+        );
+        // The abandoned work ends, frees its slot and leaves its (bounded) result in the cache.
+        gated.open.send_replace(true);
+        wait_for("the slot is freed", || {
+            metrics.tokenize_blocking_in_flight.get() == 0
+        })
+        .await;
+        let again = tokens_of(&cache, &tokenizer, &long_prompt, short).await;
+        assert_eq!(again.unwrap().source, TokenSource::Cache);
+        let next = tokens_of(&cache, &tokenizer, &completion(&"b".repeat(900)), short).await;
+        assert_eq!(next.unwrap().source, TokenSource::Tokenizer);
+        tasks.close();
+        tasks.wait().await;
+    }
+
+    #[tokio::test]
+    async fn in_process_tokenizer_refuses_prompts_over_the_limit_and_inlines_small_ones() {
+        let tokenizer: Arc<dyn Tokenizer> =
+            Arc::new(InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap());
+        let limits = TokenLimits {
+            concurrency: 1,
+            max_prompt_bytes: 64 * 1024,
+            ..TokenLimits::default()
+        };
+        let cache = TokenCache::new(limits, TaskTracker::new());
+        let budget = Duration::from_secs(10);
+        let over = completion(&"word ".repeat(13 * 1024 + 1));
+        let refused = tokens_of(&cache, &tokenizer, &over, budget).await;
+        assert!(
+            matches!(refused, Err(TokenizeError::PromptTooLarge { .. })),
+            "{refused:?}"
+        );
+        // Its leading tokens are still computed (bounded work: a cut from the leading part).
+        let parsed = parse(over.as_bytes(), Endpoint::Completions).unwrap();
+        let leading = cache
+            .leading_tokens(0, "m", &parsed.prompt, Some(&tokenizer), budget, 16 * 1024)
+            .await
+            .unwrap();
+        assert_eq!(leading.source, TokenSource::Leading);
+        let small = completion("Hello world");
+        assert!(
+            !tokenizer.runs_blocking(
+                &owned_input(
+                    &parse(small.as_bytes(), Endpoint::Completions)
+                        .unwrap()
+                        .prompt
+                ),
+                false
+            )
+        );
+        assert!(tokenizer.runs_blocking(&owned_input(&parsed.prompt), false));
     }
 }

@@ -799,6 +799,58 @@ async fn wait_for_ok(url: &str) -> Result<(), HarnessError> {
     .await
 }
 
+/// kvroute-ext-proc on its own (no Envoy, sims or index), for tests that speak ext_proc to it as
+/// Envoy does and watch the process itself (its `/metrics`, its memory in `/proc`). Dropping it
+/// stops the process.
+#[derive(Debug)]
+pub struct ExtProcProcess {
+    service: Service,
+    _dir: tempfile::TempDir,
+}
+
+impl ExtProcProcess {
+    /// Starts the binary from `bin_dir` (default: next to the current executable) with
+    /// `config`, whose `listen` must use port 0 (`grpc: "127.0.0.1:0", admin: "127.0.0.1:0"`),
+    /// and waits until it is ready.
+    pub async fn start(config: &str, bin_dir: Option<&Path>) -> Result<Self, StackError> {
+        let binary = locate(&binary_dir(bin_dir), "kvroute-ext-proc")?;
+        let dir = tempfile::tempdir().map_err(|source| HarnessError::Io {
+            path: PathBuf::from("tempdir"),
+            source,
+        })?;
+        let service = Service::start(
+            "kvroute-ext-proc",
+            ServiceKind::Server,
+            binary,
+            dir.path(),
+            config.to_owned(),
+            None,
+        )
+        .await?;
+        Ok(Self { service, _dir: dir })
+    }
+
+    /// The ext_proc gRPC listener.
+    pub fn grpc(&self) -> SocketAddr {
+        self.service.grpc
+    }
+
+    /// `http://<admin listener>`.
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", self.service.admin)
+    }
+
+    /// The process id (`None` once stopped).
+    pub fn pid(&self) -> Option<u32> {
+        self.service.guard.as_ref().map(ChildGuard::id)
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        self.service.log()
+    }
+}
+
 /// The running stack. Dropping it stops everything.
 #[derive(Debug)]
 pub struct Stack {

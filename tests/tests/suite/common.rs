@@ -140,7 +140,10 @@ pub async fn decision_path_tokens(
     use kvroute_ext_proc::request::{Endpoint, parse};
     let parsed = parse(wire.as_bytes(), Endpoint::from_path(path))
         .unwrap_or_else(|e| panic!("{case}: ext-proc refused {wire}: {e}"));
-    let cache = kvroute_ext_proc::tokenizer::TokenCache::new(4, tasks.clone());
+    let cache = kvroute_ext_proc::tokenizer::TokenCache::new(
+        kvroute_ext_proc::tokenizer::TokenLimits::default(),
+        tasks.clone(),
+    );
     cache
         .tokens(
             0,

@@ -13,6 +13,7 @@ mod hostile_peers;
 mod index_capture;
 mod index_ha;
 mod index_states;
+mod memory;
 mod real_vllm;
 mod real_vllm_agent;
 mod render;
