@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use kvroute_index::api::{MatchRequest, MatchResponse, ReplicaCondition};
+use kvroute_index::api::{MatchRequest, MatchResponse};
 use parking_lot::Mutex;
 use tokio_util::task::TaskTracker;
 
@@ -104,19 +104,6 @@ impl IndexSkip {
             Self::PoolWithoutEvents => "pool_without_events",
             Self::Drift => "drift",
         }
-    }
-}
-
-/// The metric label of a replica state the index reported.
-fn condition_label(condition: ReplicaCondition) -> &'static str {
-    match condition {
-        ReplicaCondition::Unspecified => "unspecified",
-        ReplicaCondition::Ready => "ready",
-        ReplicaCondition::Syncing => "syncing",
-        ReplicaCondition::Stale => "stale",
-        ReplicaCondition::Disconnected => "disconnected",
-        ReplicaCondition::NeverConnected => "never_connected",
-        ReplicaCondition::Flagged => "flagged",
     }
 }
 
@@ -773,7 +760,7 @@ impl Picker {
             match answer.replicas.iter().find(|m| m.replica_id == replica.id) {
                 Some(found) if found.precise => {}
                 Some(found) => {
-                    let state = condition_label(found.state());
+                    let state = found.state().label();
                     self.metrics
                         .nonprecise_replicas
                         .get_or_create(&ReplicaStateLabels {

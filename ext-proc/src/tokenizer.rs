@@ -461,10 +461,7 @@ fn encode_leading(
             add_generation_prompt,
             fields,
         } => {
-            let messages: serde_json::Value =
-                serde_json::from_str(messages.get()).map_err(|e| TokenizeError::InProcess {
-                    reason: e.to_string(),
-                })?;
+            let messages = chat_messages(messages)?;
             let options = fields.chat_options(*add_generation_prompt)?;
             model
                 .encode_chat_leading(&messages, &options, min_bytes)
@@ -474,6 +471,13 @@ fn encode_leading(
             reason: "no leading tokens for API requests".to_owned(),
         }),
     }
+}
+
+/// A chat request's `messages`, as the template renders them.
+fn chat_messages(messages: &RawValue) -> Result<serde_json::Value, TokenizeError> {
+    serde_json::from_str(messages.get()).map_err(|e| TokenizeError::InProcess {
+        reason: e.to_string(),
+    })
 }
 
 fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
@@ -492,10 +496,7 @@ fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, Tok
             add_generation_prompt,
             fields,
         } => {
-            let messages: serde_json::Value =
-                serde_json::from_str(messages.get()).map_err(|e| TokenizeError::InProcess {
-                    reason: e.to_string(),
-                })?;
+            let messages = chat_messages(messages)?;
             let options = fields.chat_options(*add_generation_prompt)?;
             model.encode_chat_with(&messages, &options).map_err(failed)
         }

@@ -26,4 +26,19 @@ pub mod zmtp;
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
 pub mod api {
     tonic::include_proto!("kvroute.index.v1");
+
+    impl ReplicaCondition {
+        /// The state's name in metrics, logs and the admin API (`/v1/replicas`, `/v1/match`).
+        pub fn label(self) -> &'static str {
+            match self {
+                Self::Unspecified => "unspecified",
+                Self::Ready => "ready",
+                Self::Syncing => "syncing",
+                Self::Stale => "stale",
+                Self::Disconnected => "disconnected",
+                Self::NeverConnected => "never_connected",
+                Self::Flagged => "flagged",
+            }
+        }
+    }
 }

@@ -233,7 +233,7 @@ async fn match_prompt(
                 .replicas
                 .into_iter()
                 .map(|m| ReplicaMatchJson {
-                    state: state_label(m.state()),
+                    state: m.state().label(),
                     id: m.replica_id,
                     matched_blocks: m.matched_blocks,
                     gpu_blocks: m.gpu_blocks,
@@ -244,20 +244,6 @@ async fn match_prompt(
         })
         .into_response(),
         Err(error) => error_response(status_of(&error), error.to_string()),
-    }
-}
-
-/// The admin API's name of a match's state (the same names `/v1/replicas` uses).
-fn state_label(condition: crate::api::ReplicaCondition) -> &'static str {
-    use crate::api::ReplicaCondition;
-    match condition {
-        ReplicaCondition::Ready => "ready",
-        ReplicaCondition::Syncing => "syncing",
-        ReplicaCondition::Stale => "stale",
-        ReplicaCondition::Disconnected => "disconnected",
-        ReplicaCondition::NeverConnected => "never_connected",
-        ReplicaCondition::Flagged => "flagged",
-        ReplicaCondition::Unspecified => "unspecified",
     }
 }
 
