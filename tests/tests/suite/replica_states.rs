@@ -1,6 +1,7 @@
-//! Through real Envoy, kvroute-ext-proc and kvroute-index in front of four sims: the replicas
+//! Through real Envoy, kvroute-ext-proc and kvroute-index in front of five sims: the replicas
 //! the index cannot vouch for — one whose event feed never connected, one whose feed was cut
-//! (disconnected), one publishing another block size (flagged) — are not precise, and routing
+//! (disconnected), one publishing another block size (flagged), one whose kvroute-agent died
+//! (stale) — are not precise, and routing
 //! treats them as approximate: a follow-up of a prompt they served goes back to them on the
 //! approximate tier (ext-proc's routed-prefix memory) and hits their cache, counted in
 //! ext-proc's `decisions_total{tier="approximate"}` and `nonprecise_replicas_total{state}`,
@@ -23,8 +24,10 @@ const HEALTHY: usize = 0;
 const NEVER_CONNECTED: usize = 1;
 const CUT: usize = 2;
 const WRONG_BLOCK_SIZE: usize = 3;
-/// Prompts tried until each replica has served one first (load ties break at random: four
-/// replicas all get one within a few; 60 misses one with probability ~1e-7).
+const AGENT_GONE: usize = 4;
+const REPLICAS: usize = 5;
+/// Prompts tried until each replica has served one first (load ties break at random: five
+/// replicas all get one within a few; 60 misses one with probability ~1e-5).
 const MAX_PROMPTS: u64 = 60;
 
 /// `/v1/replicas` entry of `id`.
@@ -52,14 +55,15 @@ async fn wait_state(stack: &Stack, replica_index: usize, state: &str) {
 
 #[tokio::test]
 async fn replicas_the_index_cannot_vouch_for_are_routed_on_the_approximate_tier() {
-    let mut faults = vec![None; 4];
+    let mut faults = vec![None; REPLICAS];
     faults[NEVER_CONNECTED] = Some(EventsFault::Unreachable);
     // The pool (index and ext-proc) says 32.
     faults[WRONG_BLOCK_SIZE] = Some(EventsFault::BlockSize(16));
-    let stack = Stack::start(StackOptions {
-        replicas: 4,
+    let mut stack = Stack::start(StackOptions {
+        replicas: REPLICAS,
         debug_headers: DebugHeaders::Always,
         events_faults: faults,
+        agent_replicas: vec![AGENT_GONE],
         cuttable_event_streams: vec![CUT],
         ..StackOptions::default()
     })
@@ -72,8 +76,11 @@ async fn replicas_the_index_cannot_vouch_for_are_routed_on_the_approximate_tier(
     wait_state(&stack, CUT, "disconnected").await;
     wait_state(&stack, NEVER_CONNECTED, "never_connected").await;
     wait_state(&stack, HEALTHY, "ready").await;
+    // The agent feeding the last replica dies: past the index's agent_stale_grace it is stale.
+    stack.kill_agent().unwrap();
+    wait_state(&stack, AGENT_GONE, "stale").await;
 
-    let mut follow_ups: [Option<String>; 4] = Default::default();
+    let mut follow_ups: [Option<String>; REPLICAS] = Default::default();
     for seed in 0..MAX_PROMPTS {
         if follow_ups.iter().all(Option::is_some) {
             break;
@@ -127,12 +134,14 @@ async fn replicas_the_index_cannot_vouch_for_are_routed_on_the_approximate_tier(
             "precise/cache_hit",
             "approximate/cache_hit",
             "approximate/cache_hit",
+            "approximate/cache_hit",
             "approximate/cache_hit"
         ],
-        "follow-ups of sim-0 (healthy), sim-1 (never connected), sim-2 (cut), sim-3 (block size)"
+        "follow-ups of sim-0 (healthy), sim-1 (never connected), sim-2 (cut), sim-3 (block size), \
+         sim-4 (agent gone)"
     );
 
-    // The index vouches for none of the three; ext-proc counted each by its state.
+    // The index vouches for none of the four; ext-proc counted each by its state.
     let problem = replica(&admin, &ids[WRONG_BLOCK_SIZE]).await.unwrap();
     assert_eq!(problem["problem"], "block_size_mismatch", "{problem}");
     let metrics = ext_proc_metrics(&stack).await;
@@ -141,6 +150,7 @@ async fn replicas_the_index_cannot_vouch_for_are_routed_on_the_approximate_tier(
         (NEVER_CONNECTED, "never_connected"),
         (CUT, "disconnected"),
         (WRONG_BLOCK_SIZE, "flagged"),
+        (AGENT_GONE, "stale"),
     ] {
         let labels = [
             format!("replica=\"{}\"", ids[i]),
@@ -160,7 +170,7 @@ async fn replicas_the_index_cannot_vouch_for_are_routed_on_the_approximate_tier(
             &metrics,
             "kvroute_extproc_decisions_total",
             &["tier=\"approximate\"", "reason=\"cache_hit\""]
-        ) >= 3.0,
+        ) >= 4.0,
         "{metrics}"
     );
     assert_eq!(
