@@ -290,9 +290,9 @@ pub enum EventsFault {
 pub const AGENT_ID: &str = "node-0";
 /// Process name (and log and config file name) of the stack's agent.
 const AGENT_NAME: &str = "kvroute-agent";
-/// The retry policy [`StackOptions::engine_retries`] adds to the kvroute route: a dead or
-/// restarting engine's refused connection (or a stream it reset before answering) is retried on
-/// another endpoint. Completions are stateless on the engine, so a retried POST is safe; a
+/// The retry policy [`StackOptions::engine_retries`] puts on the kvroute route: the shipped one
+/// (`connect-failure,refused-stream`) plus `reset`, so a stream an engine reset before answering
+/// (a SIGKILL mid-request, as the soak does) is retried on another endpoint too. Completions are stateless on the engine, so a retried POST is safe; a
 /// stream already answering is never retried by Envoy (its headers went downstream).
 /// `previous_hosts` keeps the retry off the failed endpoint: after the one override host is
 /// consumed, override_host's fallback (least-request) picks, and would favour the idle dead one.
@@ -947,6 +947,7 @@ impl Stack {
                     });
                 };
                 let mut sources = event_sources(&sims, &external)?;
+                apply_events_faults(&options, &mut sources)?;
                 for &replica in &options.cuttable_event_streams {
                     let source = sources
                         .get_mut(replica)
@@ -987,7 +988,6 @@ impl Stack {
                     })
                     .transpose()?;
                 let index_yaml = index_config(&options, &sources, agent_token.as_deref());
-                apply_events_faults(&options, &mut sources)?;
                 let mut indexes = Vec::with_capacity(names.len());
                 // The index processes, or the file ext-proc's embedded index reads.
                 let embedded_index_config = match options.index_placement {
@@ -2021,12 +2021,21 @@ mod tests {
         let sims: Vec<SocketAddr> = vec!["127.0.0.1:4001".parse().unwrap()];
         let rendered =
             render_envoy_config(&production, &sims, "127.0.0.1:5001".parse().unwrap()).unwrap();
-        assert!(!rendered.contains("retry_policy"));
+        let kvroute_route = |config: &Value| {
+            let listener = &config["static_resources"]["listeners"][0];
+            assert_eq!(listener["name"], KVROUTE_LISTENER);
+            listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
+                ["virtual_hosts"][0]["routes"][0]["route"]
+                .clone()
+        };
+        // The shipped policy retries refused connections only; the stack's adds `reset`.
+        let shipped: Value = serde_yaml::from_str(&rendered).unwrap();
+        assert_eq!(
+            kvroute_route(&shipped)["retry_policy"]["retry_on"],
+            "connect-failure,refused-stream"
+        );
         let config: Value = serde_yaml::from_str(&with_engine_retries(&rendered).unwrap()).unwrap();
-        let listener = &config["static_resources"]["listeners"][0];
-        assert_eq!(listener["name"], KVROUTE_LISTENER);
-        let route = &listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"]
-            [0]["routes"][0]["route"];
+        let route = kvroute_route(&config);
         assert_eq!(route["cluster"], "llm_pool");
         assert_eq!(
             route["retry_policy"]["retry_on"],
