@@ -235,7 +235,7 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
     }
 
     /// How long a request whose conversation prefix is cached waits for its exact tokens before
-    /// it routes on that prefix (within the tokenize budget). In process: [`PREFIX_HIT_WAIT`].
+    /// it routes on that prefix (within the tokenize budget). In process: `PREFIX_HIT_WAIT` (5 ms).
     fn prefix_hit_wait(&self) -> Duration {
         PREFIX_HIT_WAIT
     }
@@ -982,7 +982,7 @@ impl Default for TokenLimits {
 const CACHE_ENTRY_OVERHEAD_BYTES: usize = 160;
 
 /// The bytes a cached tokenization of `tokens` accounts for: 4 per token plus
-/// [`CACHE_ENTRY_OVERHEAD_BYTES`].
+/// `CACHE_ENTRY_OVERHEAD_BYTES`.
 pub fn cache_entry_bytes(tokens: &[u32]) -> usize {
     CACHE_ENTRY_OVERHEAD_BYTES + std::mem::size_of_val(tokens)
 }
