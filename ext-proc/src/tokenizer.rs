@@ -446,9 +446,6 @@ fn encode_leading(
     input: &TokenizeInput,
     min_bytes: usize,
 ) -> Result<LeadingTokens, TokenizeError> {
-    let failed = |e: kvroute_tokenize::TokenizeError| TokenizeError::InProcess {
-        reason: e.to_string(),
-    };
     match input {
         TokenizeInput::Text {
             text,
@@ -473,6 +470,13 @@ fn encode_leading(
     }
 }
 
+/// An in-process tokenizer's failure as a decision's tokenize error.
+fn failed(e: kvroute_tokenize::TokenizeError) -> TokenizeError {
+    TokenizeError::InProcess {
+        reason: e.to_string(),
+    }
+}
+
 /// A chat request's `messages`, as the template renders them.
 fn chat_messages(messages: &RawValue) -> Result<serde_json::Value, TokenizeError> {
     serde_json::from_str(messages.get()).map_err(|e| TokenizeError::InProcess {
@@ -481,9 +485,6 @@ fn chat_messages(messages: &RawValue) -> Result<serde_json::Value, TokenizeError
 }
 
 fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
-    let failed = |e: kvroute_tokenize::TokenizeError| TokenizeError::InProcess {
-        reason: e.to_string(),
-    };
     match input {
         TokenizeInput::Text {
             text,
