@@ -23,12 +23,6 @@ cargo build --bins
 
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast "$@"
-  # The fast encoder against tokenizers on 10 MiB per real tokenizer, and ext-proc's leading-tokens
-  # rule on them (skip without the folders); in release: a debug-build tokenizers takes minutes.
-  cargo nextest run --release -p kvroute-tokenize -p kvroute-ext-proc --run-ignored only \
-    -E 'test(/real_tokenizers/)'
 else
   cargo test --workspace --no-fail-fast "$@"
-  cargo test --release -p kvroute-tokenize real_tokenizers -- --ignored
-  cargo test --release -p kvroute-ext-proc real_tokenizers -- --ignored
 fi

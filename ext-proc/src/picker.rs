@@ -71,6 +71,10 @@ enum LoadCause {
     NoTokenizer,
     TokenizerFailed,
     TokenizerTimeout,
+    /// Every in-process tokenization slot stayed taken for the whole budget.
+    TokenizerBusy,
+    /// The prompt exceeds `limits.tokenize_max_prompt_bytes` (and has no usable leading part).
+    PromptTooLarge,
     KeyError,
     NoPrompt,
     BudgetExhausted,
@@ -82,6 +86,8 @@ impl LoadCause {
             Self::NoTokenizer => "no_tokenizer",
             Self::TokenizerFailed => "tokenizer_failed",
             Self::TokenizerTimeout => "tokenizer_timeout",
+            Self::TokenizerBusy => "tokenizer_busy",
+            Self::PromptTooLarge => "prompt_too_large",
             Self::KeyError => "key_error",
             Self::NoPrompt => "no_prompt",
             Self::BudgetExhausted => "budget_exhausted",
@@ -563,7 +569,11 @@ impl Picker {
             match e {
                 crate::error::TokenizeError::NotConfigured { .. } => LoadCause::NoTokenizer,
                 crate::error::TokenizeError::Timeout { .. } => LoadCause::TokenizerTimeout,
-                _ => LoadCause::TokenizerFailed,
+                crate::error::TokenizeError::Busy { .. } => LoadCause::TokenizerBusy,
+                crate::error::TokenizeError::PromptTooLarge { .. } => LoadCause::PromptTooLarge,
+                crate::error::TokenizeError::Remote { .. }
+                | crate::error::TokenizeError::Render { .. }
+                | crate::error::TokenizeError::InProcess { .. } => LoadCause::TokenizerFailed,
             }
         })?;
         self.metrics
@@ -1166,7 +1176,6 @@ mod tests {
     }
 
     #[tokio::test]
-    #[ignore = "loads real tokenizers: run in release (scripts/test.sh does)"]
     async fn long_prompts_decide_from_leading_tokens_exactly_on_real_tokenizers() {
         let models = std::env::var_os("KVROUTE_MODELS")
             .map(std::path::PathBuf::from)
@@ -1187,6 +1196,78 @@ mod tests {
             }
             leading_rule_on(&dir).await;
         }
+    }
+
+    /// One token per byte on a blocking slot; every call but the first returns at once, the first
+    /// waits until `release` is notified (a long prompt holding the only slot).
+    #[derive(Debug)]
+    struct SlotHoldingTokenizer {
+        calls: std::sync::atomic::AtomicUsize,
+        release: Arc<tokio::sync::Notify>,
+    }
+
+    impl Tokenizer for SlotHoldingTokenizer {
+        fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+            let first = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+            let release = Arc::clone(&self.release);
+            Box::pin(async move {
+                if first {
+                    release.notified().await;
+                }
+                match input.as_ref() {
+                    TokenizeInput::Text { text, .. } => Ok(text.bytes().map(u32::from).collect()),
+                    other => Ok(vec![0; other.len_bytes()]),
+                }
+            })
+        }
+
+        fn runs_blocking(&self, _input: &TokenizeInput, _leading: bool) -> bool {
+            true
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_tokenization_says_why_in_the_load_decision() {
+        let yaml = "budgets: {decision: 2s, tokenize: 200ms}\n\
+                    limits: {tokenize_concurrency: 1, tokenize_max_prompt_bytes: 1024}\n\
+                    pools:\n- {name: p, models: [m], block_size: 16, key_scheme: {kind: token-chain}}\n\
+                    replicas:\n- {id: r0, pool: p, address: \"10.0.0.1:8000\"}\n";
+        let release = Arc::new(tokio::sync::Notify::new());
+        let tasks = TaskTracker::new();
+        let runtime = Runtime::build(Config::from_yaml(yaml).unwrap(), None, &tasks)
+            .unwrap()
+            .with_tokenizer(
+                0,
+                Arc::new(SlotHoldingTokenizer {
+                    calls: std::sync::atomic::AtomicUsize::new(0),
+                    release: Arc::clone(&release),
+                }),
+            );
+        let picker = Picker::new(runtime, Metrics::register(&mut Registry::default()), tasks);
+        let decide = |prompt: String| {
+            let picker = &picker;
+            async move {
+                let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
+                let request = parse(body.as_bytes(), Endpoint::Completions).unwrap();
+                let decision = picker.decide(&request, None).await.unwrap();
+                (decision.tier, decision.reason)
+            }
+        };
+
+        assert_eq!(
+            decide("x".repeat(2048)).await,
+            (Tier::Load, "prompt_too_large")
+        );
+        // The first prompt outlives its budget on the only slot; the next one finds no slot.
+        assert_eq!(
+            decide("first ".repeat(20)).await,
+            (Tier::Load, "tokenizer_timeout")
+        );
+        assert_eq!(
+            decide("second ".repeat(20)).await,
+            (Tier::Load, "tokenizer_busy")
+        );
+        release.notify_one();
     }
 
     #[test]

@@ -2,9 +2,8 @@
 //! gpt-oss) that `scripts/models.sh` caches: seeded mixed text plus adversarial cases, token for
 //! token. Skipped, saying so, when the folders are absent.
 //!
-//! The always-on test runs 256 KiB per tokenizer; the 10 MiB one is `#[ignore]`d (a debug-build
-//! `tokenizers` needs minutes for it) and run by `scripts/test.sh` in release:
-//! `cargo nextest run --release -p kvroute-tokenize --run-ignored only -E 'test(/real_tokenizers/)'`.
+//! 10 MiB per tokenizer, in the normal debug test build: the workspace's `profile.dev` optimises
+//! this crate and `tokenizers` (a fully unoptimised `tokenizers` needs minutes for it).
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -163,14 +162,6 @@ fn check_model(name: &str, tokenizer: &ModelTokenizer, seed: u64, bytes: usize) 
 }
 
 #[test]
-fn real_tokenizers_fast_equals_tokenizers_on_mixed_text() {
-    for (name, tokenizer) in present("real_tokenizers_fast_equals_tokenizers_on_mixed_text") {
-        check_model(name, tokenizer, 1, 256 * 1024);
-    }
-}
-
-#[test]
-#[ignore = "10 MiB per tokenizer: run in release (scripts/test.sh does)"]
 fn real_tokenizers_fast_equals_tokenizers_on_10_mib() {
     for (name, tokenizer) in present("real_tokenizers_fast_equals_tokenizers_on_10_mib") {
         check_model(name, tokenizer, 10, 10 * 1024 * 1024);
