@@ -67,6 +67,14 @@ use serde::Deserialize;
 use kvroute_block_keys::{KeyScheme, LoraRef, PoolKeySettings, RawKeyScheme};
 use kvroute_index::agent::token::{AgentToken, TokenError, TokenSource};
 
+use kvroute_routing::ScoringConfig;
+use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
+use kvroute_routing::scoring::{
+    DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_KV_USAGE_MS,
+    DEFAULT_PREFILL_MS_PER_TOKEN, DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RUNNING_MS_PER_REQUEST,
+    DEFAULT_SPECULATIVE_TTL,
+};
+
 use crate::error::ConfigError;
 
 /// Default ext_proc gRPC listen address (GIE's EPP port). Loopback: whoever reaches this port gets
@@ -86,26 +94,10 @@ pub const DEFAULT_TOKENIZE_BUDGET: Duration = Duration::from_millis(30);
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default request body limit (Envoy's default BUFFERED limit is 1 MiB; FULL_DUPLEX passes more).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
-/// Default interval between scrapes of each replica's `/metrics`.
-pub const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(500);
 /// Default timeout of one `/metrics` scrape.
 pub const DEFAULT_SCRAPE_TIMEOUT: Duration = Duration::from_millis(400);
 /// Consecutive failed scrapes after which a replica counts as not ready.
 pub const DEFAULT_UNREADY_AFTER_FAILURES: u32 = 3;
-/// Default per-token prefill cost, in milliseconds (uncached prompt tokens).
-pub const DEFAULT_PREFILL_MS_PER_TOKEN: f64 = 0.05;
-/// Default cost of each waiting (queued) request ahead, in milliseconds.
-pub const DEFAULT_QUEUE_MS_PER_REQUEST: f64 = 50.0;
-/// Default cost of each running request (batch interference), in milliseconds.
-pub const DEFAULT_RUNNING_MS_PER_REQUEST: f64 = 5.0;
-/// Default penalty at 100% KV-cache usage (preemption risk), in milliseconds.
-pub const DEFAULT_KV_USAGE_MS: f64 = 100.0;
-/// A replica whose load exceeds the pool mean by this factor is skipped (hotspot guard).
-pub const DEFAULT_HOTSPOT_FACTOR: f64 = 2.0;
-/// Loads below this (ms) never trip the hotspot guard (an idle pool has tiny means).
-pub const DEFAULT_HOTSPOT_MIN_MS: f64 = 200.0;
-/// How long a routed prefix counts as held by its replica before the engine's events confirm it.
-pub const DEFAULT_SPECULATIVE_TTL: Duration = Duration::from_secs(5);
 /// Default capacity (blocks) of each replica's approximate prefix memory.
 pub const DEFAULT_APPROX_CAPACITY_BLOCKS: usize = 65_536;
 /// Default number of cached tokenizations (whole prompts / conversation prefixes).
@@ -613,25 +605,6 @@ pub struct ScrapeConfig {
     pub timeout: Duration,
     /// Consecutive failures after which the replica is not ready.
     pub unready_after_failures: u32,
-}
-
-/// Weights of the default policy (estimated time to first token, in ms).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ScoringConfig {
-    /// Prefill cost per uncached prompt token.
-    pub prefill_ms_per_token: f64,
-    /// Cost per waiting request.
-    pub queue_ms_per_request: f64,
-    /// Cost per running request.
-    pub running_ms_per_request: f64,
-    /// Cost at 100% KV-cache usage.
-    pub kv_usage_ms: f64,
-    /// Hotspot guard factor over the pool mean load.
-    pub hotspot_factor: f64,
-    /// Loads below this never trip the guard.
-    pub hotspot_min_ms: f64,
-    /// Lifetime of a speculative prefix insert.
-    pub speculative_ttl: Duration,
 }
 
 /// A pool: replicas serving the same model(s) with one block size and key scheme.

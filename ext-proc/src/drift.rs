@@ -4,7 +4,7 @@
 //! kvroute predicts, for every request it routes with tokens (precise or approximate tier), how many
 //! prompt tokens the chosen replica already has cached: the matched leading blocks × block size,
 //! capped as vLLM caps a hit (`KVCacheManager.get_computed_blocks`: the last prompt token is always
-//! recomputed, so at most `(prompt_len - 1) / block_size` full blocks hit; [`engine_hit_tokens`]).
+//! recomputed, so at most `(prompt_len - 1) / block_size` full blocks hit; [`kvroute_routing::load::engine_hit_tokens`]).
 //! If kvroute's tokens differ from the engine's (another chat template, tokenizer revision or
 //! template kwarg default), those predictions stop matching silently: the index cannot confirm
 //! kvroute's keys, and kvroute's own routing memory predicts reuse the engine does not find.
@@ -48,28 +48,9 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use kvroute_routing::load::Prediction;
+
 use crate::config::DriftConfig;
-
-/// Prompt tokens vLLM reports as prefix-cache hits for a request of `prompt_tokens` tokens whose
-/// first `matched_blocks` blocks are cached: whole blocks only, and never the last prompt token.
-pub fn engine_hit_tokens(matched_blocks: u32, prompt_tokens: usize, block_size: u32) -> usize {
-    let block_size = block_size as usize;
-    if block_size == 0 {
-        return 0;
-    }
-    let max_blocks = prompt_tokens.saturating_sub(1) / block_size;
-    (matched_blocks as usize).min(max_blocks) * block_size
-}
-
-/// What kvroute predicted for one routed request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Prediction {
-    /// Prompt tokens predicted to hit the replica's prefix cache ([`engine_hit_tokens`]).
-    pub cached_tokens: u64,
-    /// Prompt tokens of the request (kvroute's count; estimated at the leading part's bytes per
-    /// token when only a long prompt's leading part was tokenized).
-    pub prompt_tokens: u64,
-}
 
 /// The engine's cumulative prefix-cache counters, as scraped.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -301,19 +282,6 @@ mod tests {
                 &self.config,
             )
         }
-    }
-
-    #[test]
-    fn hit_tokens_follow_vllms_rule() {
-        // Whole blocks, and a full hit still recomputes the last prompt token.
-        assert_eq!(engine_hit_tokens(4, 64, 16), 48);
-        assert_eq!(engine_hit_tokens(4, 65, 16), 64);
-        assert_eq!(engine_hit_tokens(2, 65, 16), 32);
-        assert_eq!(engine_hit_tokens(9, 0, 16), 0);
-        assert_eq!(engine_hit_tokens(9, 1, 16), 0);
-        assert_eq!(engine_hit_tokens(1, 17, 16), 16);
-        assert_eq!(engine_hit_tokens(1, 16, 16), 0);
-        assert_eq!(engine_hit_tokens(3, 100, 0), 0);
     }
 
     #[test]

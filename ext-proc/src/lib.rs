@@ -8,9 +8,9 @@
 //! `budgets.drain`), background tasks (metrics scraping, config reload) stop, and it returns.
 //!
 //! Module map: [`config`] (YAML → validated config), [`request`] (body parsing), [`tokenizer`]
-//! (token ids + cache), [`picker`] (the tiered decision), [`policy`] (TTFT scoring),
-//! [`prefix_memory`] (approximate tier + speculative inserts), [`load`] (scraped + in-flight
-//! load), [`drift`] (predicted vs engine-reported cached tokens), [`index_client`]
+//! (token ids + cache), [`picker`] (the tiered decision: tokens, keys and the index's answer,
+//! then `kvroute_routing`'s score-and-commit step), [`scrape`] (engine load and drift from each
+//! replica's `/metrics`), [`drift`] (predicted vs engine-reported cached tokens), [`index_client`]
 //! (kvroute-index with fail-over), [`server`] (the ext_proc stream protocol), [`admin`]
 //! (`/metrics`, `/healthz`, `/readyz`), [`check`] (what a decision computes for one body: the
 //! `kvroute-check` command).
@@ -30,13 +30,11 @@ pub mod config;
 pub mod drift;
 pub mod error;
 pub mod index_client;
-pub mod load;
 mod lru;
 pub mod metrics;
 pub mod picker;
-pub mod policy;
-pub mod prefix_memory;
 pub mod request;
+pub mod scrape;
 pub mod server;
 pub mod tokenizer;
 
@@ -345,7 +343,7 @@ async fn scrape_loop(picker: Arc<Picker>, cancel: CancellationToken) {
         tokio::select! {
             biased;
             () = cancel.cancelled() => break,
-            () = picker.loads().scrape_all(&runtime.config) => {}
+            () = picker.scrape_all(&runtime.config) => {}
         }
         tokio::select! {
             biased;

@@ -27,43 +27,22 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use kvroute_index::api::{MatchRequest, MatchResponse};
-use parking_lot::Mutex;
+use kvroute_routing::load::{InflightGuard, LoadBoard};
+use kvroute_routing::policy::Reason;
+use kvroute_routing::{PromptFacts, RouteRequest, Router};
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Pool, Replica, TokenizerSource};
-use crate::drift::{Prediction, engine_hit_tokens};
 use crate::error::{ConfigError, RequestError};
 use crate::index_client::IndexClient;
-use crate::load::{InflightGuard, LoadBoard};
 use crate::metrics::{
     DecisionLabels, FallbackLabels, KindLabel, Metrics, ReplicaLabel, ReplicaStateLabels,
 };
-use crate::policy::{self, Candidate, Reason};
-use crate::prefix_memory::PrefixMemory;
 use crate::request::ParsedRequest;
+use crate::scrape::Scraper;
 use crate::tokenizer::{PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer};
 
-/// Which tier produced a decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tier {
-    /// From the KV-event index.
-    Precise,
-    /// From kvroute's own routing memory.
-    Approximate,
-    /// From load alone.
-    Load,
-}
-
-impl Tier {
-    /// Metric label.
-    pub fn as_label(self) -> &'static str {
-        match self {
-            Self::Precise => "precise",
-            Self::Approximate => "approximate",
-            Self::Load => "load",
-        }
-    }
-}
+pub use kvroute_routing::Tier;
 
 /// Why a load-tier decision had no prefix information (a metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,9 +97,6 @@ impl IndexSkip {
 /// limit, so a 32k-token miss encodes a sixth of its prompt (BENCHMARKS.md, issue 15).
 const LEADING_BYTES: usize = 16 * 1024;
 
-/// Number of stripes of the commit lock (decisions whose prompts start alike share a stripe).
-const COMMIT_STRIPES: usize = 16;
-
 /// What the slow step learned about a prompt.
 #[derive(Debug)]
 struct PrefixFacts {
@@ -130,20 +106,6 @@ struct PrefixFacts {
     index_answer: Option<MatchResponse>,
     /// Estimated prompt length in tokens.
     prompt_tokens: usize,
-}
-
-/// The scored choice, before it is committed.
-#[derive(Debug, Clone, Copy)]
-struct Scored {
-    choice: usize,
-    tier: Tier,
-    reason: &'static str,
-    /// Prefill work the request adds on the chosen replica.
-    prefill_tokens: usize,
-    /// Prompt tokens predicted to be in the chosen replica's prefix cache.
-    cached_tokens: usize,
-    /// What the engine should report for the request (precise and approximate tiers).
-    prediction: Option<Prediction>,
 }
 
 /// A routing decision. Dropping it ends the replica's in-flight accounting for the request.
@@ -241,12 +203,11 @@ impl Runtime {
 #[derive(Debug)]
 pub struct Picker {
     runtime: ArcSwap<Runtime>,
-    loads: LoadBoard,
-    memory: PrefixMemory,
+    /// Loads, routed-prefix memory and the score-and-commit step.
+    router: Router,
+    scraper: Scraper,
     token_cache: TokenCache,
     metrics: Metrics,
-    /// Serialises score-and-commit of decisions sharing a leading block (see the module docs).
-    commit_locks: [Mutex<()>; COMMIT_STRIPES],
 }
 
 impl Picker {
@@ -256,12 +217,22 @@ impl Picker {
             .with_metrics(&metrics);
         Self {
             runtime: ArcSwap::from_pointee(runtime),
-            loads: LoadBoard::new(metrics.clone()),
-            memory: PrefixMemory::default(),
+            router: Router::new(Scraper::load_board(&metrics)),
+            scraper: Scraper::new(metrics.clone()),
             token_cache,
             metrics,
-            commit_locks: std::array::from_fn(|_| Mutex::new(())),
         }
+    }
+
+    /// Breaks ties between equal estimates with a generator seeded by `seed` (reproducible runs:
+    /// simulations, and the test that the replay simulator decides as this picker does); by
+    /// default the generator is seeded from the OS. Call before routing: it starts a fresh board.
+    pub fn with_tie_seed(mut self, seed: u64) -> Self {
+        self.router = Router::with_rng(
+            Scraper::load_board(&self.metrics),
+            rand::SeedableRng::seed_from_u64(seed),
+        );
+        self
     }
 
     /// The current snapshot.
@@ -277,14 +248,19 @@ impl Picker {
             .iter()
             .map(|r| r.id.clone())
             .collect();
-        self.memory.retain(|id| ids.contains(id));
-        self.loads.retain(|id| ids.contains(id));
+        self.router.retain(|id| ids.contains(id));
+        self.scraper.retain(|id| ids.contains(id));
         self.runtime.store(Arc::new(runtime));
     }
 
     /// Replica load records (scraper and tests).
     pub fn loads(&self) -> &LoadBoard {
-        &self.loads
+        self.router.loads()
+    }
+
+    /// Scrapes every replica's engine once (the scrape loop's step).
+    pub async fn scrape_all(&self, config: &Config) {
+        self.scraper.scrape_all(self.router.loads(), config).await;
     }
 
     /// Metric handles.
@@ -349,7 +325,7 @@ impl Picker {
             .filter(|r| r.pool == pool_index)
             .filter(|r| subset.is_none_or(|s| s.contains(&r.address)))
             .filter(|r| {
-                self.loads
+                self.loads()
                     .replica(&r.id)
                     .is_ready(config.scrape.unready_after_failures)
             })
@@ -369,87 +345,71 @@ impl Picker {
             self.count_fallback("decision", "budget_exhausted");
             Err(LoadCause::BudgetExhausted)
         });
-        Ok(self.score_and_commit(config, pool, &candidates, facts))
+        self.score_and_commit(config, pool, &candidates, facts)
+            .ok_or_else(|| RequestError::NoReadyReplica {
+                model: request.model.to_string(),
+            })
     }
 
-    /// The quick step: scores and records the choice (speculative insert, in-flight load) with no
-    /// await in between, so a sibling decided next sees it.
+    /// The quick step: the routing core scores and records the choice (speculative insert,
+    /// in-flight load) under its commit stripe, so a sibling decided next sees it. `None` only
+    /// without candidates.
     fn score_and_commit(
         &self,
         config: &Config,
         pool: &Pool,
         candidates: &[&Replica],
         facts: Result<PrefixFacts, LoadCause>,
-    ) -> Decision {
-        let first_key = facts.as_ref().ok().and_then(|f| f.keys.first().copied());
-        // Lock held only for this synchronous section (microseconds), never across an await.
-        let _coalesce =
-            first_key.map(|key| self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock());
-        let (scored, keys) = match facts {
-            Ok(facts) => match self.score_prefix(config, pool, candidates, &facts) {
-                Some(scored) => (scored, facts.keys),
-                None => (
-                    self.load_only(config, pool, candidates, LoadCause::NoPrompt),
-                    Vec::new(),
-                ),
-            },
-            Err(cause) => (self.load_only(config, pool, candidates, cause), Vec::new()),
+    ) -> Option<Decision> {
+        let ids: Vec<&str> = candidates.iter().map(|r| r.id.as_str()).collect();
+        let (prompt, load_cause) = match facts {
+            Ok(facts) => {
+                let indexed = candidates
+                    .iter()
+                    .map(|replica| {
+                        let answer = facts.index_answer.as_ref()?;
+                        answer
+                            .replicas
+                            .iter()
+                            .find(|m| m.replica_id == replica.id && m.precise)
+                            .map(|m| m.matched_blocks)
+                    })
+                    .collect();
+                let prompt = PromptFacts {
+                    keys: facts.keys,
+                    prompt_tokens: facts.prompt_tokens,
+                    indexed,
+                };
+                (Some(prompt), LoadCause::NoPrompt)
+            }
+            Err(cause) => (None, cause),
         };
-        let replica = candidates[scored.choice];
-        self.memory.record(
-            &replica.id,
-            pool.approx_capacity_blocks,
-            &keys,
-            Instant::now(),
-        );
-        let mut inflight = self
-            .loads
-            .start_request(&replica.id, scored.prefill_tokens, keys);
-        if let Some(prediction) = scored.prediction {
-            inflight = inflight.with_prediction(prediction);
+        let prompt_tokens = prompt.as_ref().map_or(0, |p| p.prompt_tokens);
+        let routed = self.router.score_and_commit(RouteRequest {
+            candidates: &ids,
+            prompt,
+            block_size: pool.block_size,
+            capacity_blocks: pool.approx_capacity_blocks,
+            scoring: &config.scoring,
+            now: Instant::now(),
+        })?;
+        if routed.tier != Tier::Load && prompt_tokens > 0 {
+            self.metrics
+                .predicted_cached_share
+                .observe(routed.cached_tokens as f64 / prompt_tokens as f64);
         }
-        Decision {
+        let replica = candidates[routed.choice];
+        Some(Decision {
             replica_id: replica.id.clone(),
             address: replica.address,
             envoy_cluster: replica.envoy_cluster.clone(),
-            tier: scored.tier,
-            reason: scored.reason,
-            predicted_cached_tokens: scored.cached_tokens,
-            inflight,
-        }
-    }
-
-    /// Load tier: no prefix information.
-    fn load_only(
-        &self,
-        config: &Config,
-        pool: &Pool,
-        candidates: &[&Replica],
-        cause: LoadCause,
-    ) -> Scored {
-        let views: Vec<Candidate> = candidates
-            .iter()
-            .map(|r| Candidate {
-                matched_blocks: 0,
-                shared_inflight_tokens: 0,
-                load: self.loads.replica(&r.id).snapshot(),
-            })
-            .collect();
-        let choice = policy::choose(
-            &views,
-            0,
-            pool.block_size,
-            &config.scoring,
-            &mut rand::rng(),
-        );
-        Scored {
-            choice: choice.map_or(0, |c| c.index),
-            tier: Tier::Load,
-            reason: cause.as_label(),
-            prefill_tokens: 0,
-            cached_tokens: 0,
-            prediction: None,
-        }
+            tier: routed.tier,
+            reason: routed
+                .reason
+                .map_or(load_cause.as_label(), Reason::as_label),
+            predicted_cached_tokens: routed.cached_tokens,
+            inflight: routed.inflight,
+        })
     }
 
     /// The slow step: tokens, keys and the index's answer.
@@ -601,17 +561,11 @@ impl Picker {
                 .iter()
                 .any(|m| m.precise && m.matched_blocks as usize >= all)
         });
+        let ids: Vec<&str> = candidates.iter().map(|r| r.id.as_str()).collect();
         indexed
-            || candidates.iter().any(|replica| {
-                let remembered = self.memory.lookup(
-                    &replica.id,
-                    keys,
-                    Instant::now(),
-                    config.scoring.speculative_ttl,
-                );
-                remembered.approximate as usize >= all
-                    || self.loads.replica(&replica.id).inflight_shared_blocks(keys) as usize >= all
-            })
+            || self
+                .router
+                .remembers_all(&ids, keys, Instant::now(), config.scoring.speculative_ttl)
     }
 
     /// The block keys of `tokens` and, when the pool asks the index, its answer.
@@ -642,7 +596,7 @@ impl Picker {
         let asks_index = pool.events && runtime.index.is_configured() && !keys.is_empty();
         let skip = if !pool.events {
             Some(IndexSkip::PoolWithoutEvents)
-        } else if asks_index && self.loads.pool_degraded(&pool.name) {
+        } else if asks_index && self.scraper.pool_degraded(&pool.name) {
             Some(IndexSkip::Drift)
         } else {
             None
@@ -678,83 +632,6 @@ impl Picker {
             None
         };
         Ok((keys, index_answer))
-    }
-
-    /// Prefix tier scoring. `None` only without candidates.
-    fn score_prefix(
-        &self,
-        config: &Config,
-        pool: &Pool,
-        candidates: &[&Replica],
-        facts: &PrefixFacts,
-    ) -> Option<Scored> {
-        let PrefixFacts {
-            keys,
-            index_answer,
-            prompt_tokens,
-        } = facts;
-        let (keys, prompt_tokens) = (keys.as_slice(), *prompt_tokens);
-        let block_size = pool.block_size as usize;
-        let now = Instant::now();
-        let ttl = config.scoring.speculative_ttl;
-        let mut precise = Vec::with_capacity(candidates.len());
-        let views: Vec<Candidate> = candidates
-            .iter()
-            .map(|replica| {
-                let remembered = self.memory.lookup(&replica.id, keys, now, ttl);
-                let indexed = index_answer.as_ref().and_then(|a| {
-                    a.replicas
-                        .iter()
-                        .find(|m| m.replica_id == replica.id && m.precise)
-                });
-                precise.push(indexed.is_some());
-                let matched_blocks = match indexed {
-                    Some(m) => m.matched_blocks.max(remembered.speculative),
-                    None => remembered.approximate,
-                };
-                let load = self.loads.replica(&replica.id);
-                let shared_blocks = load.inflight_shared_blocks(keys) as usize;
-                Candidate {
-                    matched_blocks,
-                    shared_inflight_tokens: (shared_blocks * block_size).min(prompt_tokens),
-                    load: load.snapshot(),
-                }
-            })
-            .collect();
-        let choice = policy::choose(
-            &views,
-            prompt_tokens,
-            pool.block_size,
-            &config.scoring,
-            &mut rand::rng(),
-        )?;
-        let matched_blocks = views[choice.index].matched_blocks;
-        let cached_tokens = (matched_blocks as usize * block_size).min(prompt_tokens);
-        if prompt_tokens > 0 {
-            self.metrics
-                .predicted_cached_share
-                .observe(cached_tokens as f64 / prompt_tokens as f64);
-        }
-        let tier = if precise[choice.index] {
-            Tier::Precise
-        } else {
-            Tier::Approximate
-        };
-        let reason: Reason = choice.reason;
-        // The replica's pending prefill work is what it does not hold (siblings of a burst add little).
-        let prefill_tokens = prompt_tokens - cached_tokens;
-        Some(Scored {
-            choice: choice.index,
-            tier,
-            reason: reason.as_label(),
-            prefill_tokens,
-            cached_tokens,
-            prediction: Some(Prediction {
-                cached_tokens: engine_hit_tokens(matched_blocks, prompt_tokens, pool.block_size)
-                    as u64,
-                prompt_tokens: prompt_tokens as u64,
-            }),
-        })
     }
 
     /// Counts (and logs at debug) every candidate the index did not vouch for: those it answered
@@ -1117,9 +994,13 @@ mod tests {
         for picker in [&with_leading, &reference] {
             let keys = pool_keys(picker, &whole);
             let now = Instant::now();
-            picker.memory.record("r1", 1 << 20, &keys[..3], now);
             picker
-                .memory
+                .router
+                .memory()
+                .record("r1", 1 << 20, &keys[..3], now);
+            picker
+                .router
+                .memory()
                 .record("r2", 1 << 20, &keys[..leading_blocks - 1], now);
         }
         let decided = decide_body(&with_leading, &body).await;
@@ -1150,7 +1031,10 @@ mod tests {
             for picker in [&with_leading, &reference] {
                 let keys = pool_keys(picker, &whole);
                 match holds {
-                    "memory" => picker.memory.record("r1", 1 << 20, &keys, Instant::now()),
+                    "memory" => picker
+                        .router
+                        .memory()
+                        .record("r1", 1 << 20, &keys, Instant::now()),
                     _ => guards.push(picker.loads().start_request("r2", 0, keys)),
                 }
             }

@@ -42,8 +42,8 @@
 
 use rand::Rng;
 
-use crate::config::ScoringConfig;
 use crate::load::LoadSnapshot;
+use crate::scoring::ScoringConfig;
 
 /// Scores within this many milliseconds count as equal.
 const TIE_EPSILON_MS: f64 = 1e-6;

@@ -1,24 +1,18 @@
-//! Replica load: scraped engine metrics plus kvroute's own in-flight accounting.
+//! Engine scrapes: each replica's vLLM `/metrics` read every `scrape.interval` into the routing
+//! core's load board, and drift detection on the same read.
 //!
-//! [`LoadBoard::scrape_all`] reads each replica's vLLM `/metrics` (`vllm:num_requests_waiting`,
-//! `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, falling back to the older
-//! `vllm:gpu_cache_usage_perc`); a background loop calls it every `scrape.interval`. Between
-//! scrapes, requests kvroute routed count as queued (`routed_since_scrape`), and every routed
-//! request holds an [`InflightGuard`] (requests + prompt tokens) until its response headers.
+//! [`Scraper::scrape_all`] reads `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+//! `vllm:kv_cache_usage_perc` (falling back to the older `vllm:gpu_cache_usage_perc`) and records
+//! them with [`ReplicaLoad::record_scrape`]; failures in a row make a replica unready.
 //!
 //! The same scrape reads the engine's prefix-cache counters (`vllm:prefix_cache_hits_total`,
 //! `vllm:prefix_cache_queries_total`) for drift detection ([`crate::drift`]): a routed request's
-//! [`InflightGuard`] carries kvroute's prediction of its cached tokens and adds it to the
-//! replica's predicted side when it is released; each scrape compares both sides over the window,
-//! and [`LoadBoard::pool_degraded`] says which pools route on the approximate tier because of it.
-//!
-//! Each replica also keeps the block keys of its in-flight requests ([`ReplicaLoad::inflight_shared_blocks`]):
-//! a sibling sent while its shared prefix is still being prefilled joins that prefill (the engine
-//! batches them) instead of queueing behind it, so scoring must not count that work against it.
+//! in-flight guard carries kvroute's prediction of its cached tokens and adds it to the replica's
+//! predicted side when it is released; each scrape compares both sides over the window, and
+//! [`Scraper::pool_degraded`] says which pools route on the approximate tier because of it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -26,256 +20,78 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_block_keys::KeyHasherBuilder;
 use kvroute_index::throttle::LogThrottle;
+use kvroute_routing::load::{LoadBoard, Prediction, ReplicaLoad, Scraped};
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{Config, DriftAction, Replica};
-use crate::drift::{DriftWindow, EngineCounters, Prediction, Transition};
+use crate::drift::{DriftWindow, EngineCounters, Transition};
 use crate::metrics::{Metrics, PoolLabel, ReplicaLabel};
 
 /// Largest accepted `/metrics` body.
 const MAX_METRICS_BYTES: usize = 4 * 1024 * 1024;
 
-/// Engine-reported load from the last successful scrape.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Scraped {
-    /// Requests waiting in the engine's queue.
-    pub waiting: f64,
-    /// Requests running in the engine's batch.
-    pub running: f64,
-    /// KV-cache usage, 0..1.
-    pub kv_usage: f64,
-}
-
-/// Live load of one replica.
+/// One replica's drift state.
 #[derive(Debug, Default)]
-pub struct ReplicaLoad {
-    scraped: Mutex<Scraped>,
-    consecutive_failures: AtomicU32,
-    inflight_requests: AtomicI64,
-    inflight_prompt_tokens: AtomicI64,
-    routed_since_scrape: AtomicI64,
-    /// Block key → in-flight requests carrying it. Bounded by the in-flight requests' prompts.
-    /// Block keys are hashes already: a seeded multiply mix, not SipHash (two lookups per key per
-    /// request, on the request and the response path).
-    inflight_keys: Mutex<HashMap<u64, u32, KeyHasherBuilder>>,
-    /// Predicted cached tokens of answered requests (the drift's predicted side).
-    predicted_cached_tokens: AtomicU64,
-    /// Prompt tokens of those requests.
-    predicted_prompt_tokens: AtomicU64,
-    drift: Mutex<DriftWindow>,
+struct ReplicaDrift {
+    window: Mutex<DriftWindow>,
     /// The "drift past the bound" warning of this replica.
-    drift_log: LogThrottle,
+    log: LogThrottle,
 }
 
-/// A point-in-time view used for scoring.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct LoadSnapshot {
-    /// Last scraped engine load.
-    pub scraped: Scraped,
-    /// Routed since the last scrape (not yet visible in `scraped`).
-    pub routed_since_scrape: f64,
-    /// Routed by kvroute and not yet answered.
-    pub inflight_requests: f64,
-    /// Prompt tokens of those requests.
-    pub inflight_prompt_tokens: f64,
-}
-
-impl ReplicaLoad {
-    /// Current view.
-    pub fn snapshot(&self) -> LoadSnapshot {
-        let inflight = self.inflight_requests.load(Ordering::Relaxed).max(0);
-        LoadSnapshot {
-            scraped: *self.scraped.lock(),
-            // A routed request the engine already answered no longer adds load the last scrape
-            // missed: only the unanswered ones count.
-            routed_since_scrape: self
-                .routed_since_scrape
-                .load(Ordering::Relaxed)
-                .clamp(0, inflight) as f64,
-            inflight_requests: inflight as f64,
-            inflight_prompt_tokens: self.inflight_prompt_tokens.load(Ordering::Relaxed).max(0)
-                as f64,
-        }
-    }
-
-    /// How many leading `keys` some request in flight on this replica also carries (its prefill
-    /// computes them, or did).
-    pub fn inflight_shared_blocks(&self, keys: &[u64]) -> u32 {
-        let inflight = self.inflight_keys.lock();
-        if inflight.is_empty() {
-            return 0;
-        }
-        // Keys are chained, so a request carrying `keys[i]` carries every key before it: the
-        // in-flight ones form a leading run and a binary search finds its end.
-        let shared = keys.partition_point(|key| inflight.contains_key(key));
-        u32::try_from(shared).unwrap_or(u32::MAX)
-    }
-
-    /// Records a successful scrape's result, as the scrape loop does (for embedders that read the
-    /// engine's load some other way, e.g. a simulator).
-    pub fn record_scrape(&self, scraped: Scraped) {
-        *self.scraped.lock() = scraped;
-        self.routed_since_scrape.store(0, Ordering::Relaxed);
-        self.consecutive_failures.store(0, Ordering::Relaxed);
-    }
-
-    /// kvroute's side of the drift so far: the predictions of the replica's answered requests.
-    pub fn predicted(&self) -> Prediction {
-        Prediction {
-            cached_tokens: self.predicted_cached_tokens.load(Ordering::Relaxed),
-            prompt_tokens: self.predicted_prompt_tokens.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Whether the last drift verdict says kvroute's predictions do not match this engine.
-    pub fn is_drifting(&self) -> bool {
-        self.drift.lock().is_drifting()
-    }
-
-    /// Whether the replica counts as ready (scrapes have not failed too often in a row).
-    pub fn is_ready(&self, unready_after_failures: u32) -> bool {
-        unready_after_failures == 0
-            || self.consecutive_failures.load(Ordering::Relaxed) < unready_after_failures
-    }
-}
-
-/// Counts a routed request on its replica until released or dropped.
+/// Scrapes every configured replica's engine and tracks drift.
 #[derive(Debug)]
-pub struct InflightGuard {
-    load: Arc<ReplicaLoad>,
-    prompt_tokens: i64,
-    keys: Vec<u64>,
-    /// kvroute's prediction for the request, added to the drift's predicted side on release.
-    prediction: Option<Prediction>,
-    gauge: prometheus_client::metrics::gauge::Gauge,
-    released: bool,
-}
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        self.release();
-    }
-}
-
-impl InflightGuard {
-    /// Whether the request still counts on its replica.
-    pub fn is_held(&self) -> bool {
-        !self.released
-    }
-
-    /// Counts `prediction` on the replica's predicted side once the request is answered
-    /// (released): by then the engine has scheduled it and counted its prefix-cache hits.
-    pub fn with_prediction(mut self, prediction: Prediction) -> Self {
-        self.prediction = Some(prediction);
-        self
-    }
-
-    /// Stops counting the request (idempotent; dropping the guard does the same).
-    pub fn release(&mut self) {
-        if std::mem::replace(&mut self.released, true) {
-            return;
-        }
-        if let Some(prediction) = self.prediction {
-            self.load
-                .predicted_cached_tokens
-                .fetch_add(prediction.cached_tokens, Ordering::Relaxed);
-            self.load
-                .predicted_prompt_tokens
-                .fetch_add(prediction.prompt_tokens, Ordering::Relaxed);
-        }
-        self.load.inflight_requests.fetch_sub(1, Ordering::Relaxed);
-        self.load
-            .inflight_prompt_tokens
-            .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
-        if !self.keys.is_empty() {
-            let mut inflight = self.load.inflight_keys.lock();
-            for key in &self.keys {
-                if let Some(count) = inflight.get_mut(key) {
-                    *count -= 1;
-                    if *count == 0 {
-                        inflight.remove(key);
-                    }
-                }
-            }
-        }
-        self.gauge.dec();
-    }
-}
-
-/// Load of every configured replica.
-#[derive(Debug)]
-pub struct LoadBoard {
-    replicas: RwLock<HashMap<String, Arc<ReplicaLoad>>>,
+pub struct Scraper {
+    drift: RwLock<HashMap<String, Arc<ReplicaDrift>>>,
     /// Pools routing on the approximate tier because a replica drifts (`drift.action: approximate`).
     degraded_pools: RwLock<HashSet<String>>,
     client: Client<HttpConnector, Empty<Bytes>>,
     metrics: Metrics,
 }
 
-impl LoadBoard {
-    /// An empty board.
+impl Scraper {
+    /// A scraper with no history.
     pub fn new(metrics: Metrics) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         Self {
-            replicas: RwLock::default(),
+            drift: RwLock::default(),
             degraded_pools: RwLock::default(),
             client: Client::builder(TokioExecutor::new()).build(connector),
             metrics,
         }
     }
 
-    /// The load record of `replica` (created on first use).
-    pub fn replica(&self, replica: &str) -> Arc<ReplicaLoad> {
-        if let Some(load) = self.replicas.read().get(replica) {
-            return Arc::clone(load);
-        }
-        Arc::clone(self.replicas.write().entry(replica.to_owned()).or_default())
+    /// The load board the picker routes on, its in-flight counts mirrored to `metrics`.
+    pub fn load_board(metrics: &Metrics) -> LoadBoard {
+        let gauges = metrics.replica_inflight.clone();
+        LoadBoard::with_inflight_gauges(Box::new(move |replica| {
+            gauges
+                .get_or_create(&ReplicaLabel {
+                    replica: replica.to_owned(),
+                })
+                .clone()
+        }))
     }
 
-    /// Starts counting a request routed to `replica`: `prompt_tokens` of prefill work it adds,
-    /// `keys` the block keys of its prompt (empty when unknown).
-    pub fn start_request(
-        &self,
-        replica: &str,
-        prompt_tokens: usize,
-        keys: Vec<u64>,
-    ) -> InflightGuard {
-        let load = self.replica(replica);
-        let prompt_tokens = i64::try_from(prompt_tokens).unwrap_or(i64::MAX);
-        if !keys.is_empty() {
-            let mut inflight = load.inflight_keys.lock();
-            for key in &keys {
-                *inflight.entry(*key).or_insert(0) += 1;
-            }
+    fn replica_drift(&self, replica: &str) -> Arc<ReplicaDrift> {
+        if let Some(drift) = self.drift.read().get(replica) {
+            return Arc::clone(drift);
         }
-        load.inflight_requests.fetch_add(1, Ordering::Relaxed);
-        load.inflight_prompt_tokens
-            .fetch_add(prompt_tokens, Ordering::Relaxed);
-        load.routed_since_scrape.fetch_add(1, Ordering::Relaxed);
-        let gauge = self
-            .metrics
-            .replica_inflight
-            .get_or_create(&ReplicaLabel {
-                replica: replica.to_owned(),
-            })
-            .clone();
-        gauge.inc();
-        InflightGuard {
-            load,
-            prompt_tokens,
-            keys,
-            prediction: None,
-            gauge,
-            released: false,
-        }
+        Arc::clone(self.drift.write().entry(replica.to_owned()).or_default())
+    }
+
+    /// Whether the last drift verdict says kvroute's predictions do not match this engine.
+    pub fn is_drifting(&self, replica: &str) -> bool {
+        self.drift
+            .read()
+            .get(replica)
+            .is_some_and(|drift| drift.window.lock().is_drifting())
     }
 
     /// Forgets replicas no longer configured.
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
-        self.replicas.write().retain(|id, _| keep(id));
+        self.drift.write().retain(|id, _| keep(id));
     }
 
     /// Whether `pool`'s decisions skip the index because one of its replicas drifts.
@@ -286,10 +102,10 @@ impl LoadBoard {
 
     /// Scrapes every replica with a `metrics_url` once, concurrently, then updates which pools
     /// are degraded by drift.
-    pub async fn scrape_all(&self, config: &Config) {
+    pub async fn scrape_all(&self, loads: &LoadBoard, config: &Config) {
         let scrapes = config.replicas.iter().filter_map(|replica| {
             let url = replica.metrics_url.clone()?;
-            Some(self.scrape_one(replica, url, config))
+            Some(self.scrape_one(loads.replica(&replica.id), replica, url, config))
         });
         futures::future::join_all(scrapes).await;
         self.update_degraded_pools(config);
@@ -303,7 +119,7 @@ impl LoadBoard {
             let drifting: Vec<&str> = config
                 .replicas
                 .iter()
-                .filter(|r| r.pool == i && self.replica(&r.id).is_drifting())
+                .filter(|r| r.pool == i && self.is_drifting(&r.id))
                 .map(|r| r.id.as_str())
                 .collect();
             let is_degraded = approximate && !drifting.is_empty();
@@ -340,15 +156,16 @@ impl LoadBoard {
     fn observe_drift(
         &self,
         replica: &Replica,
-        load: &ReplicaLoad,
         engine: EngineCounters,
         predicted: Prediction,
         config: &Config,
         label: &ReplicaLabel,
     ) {
         let drift_config = &config.drift;
+        let drift_state = self.replica_drift(&replica.id);
         let observation =
-            load.drift
+            drift_state
+                .window
                 .lock()
                 .observe(Instant::now(), engine, predicted, drift_config);
         let metrics = &self.metrics;
@@ -393,7 +210,7 @@ impl LoadBoard {
         metrics.drift.get_or_create(label).set(drift);
         if drift > drift_config.bound {
             metrics.drift_warnings.get_or_create(label).inc();
-            if let Some(suppressed) = load.drift_log.allow() {
+            if let Some(suppressed) = drift_state.log.allow() {
                 tracing::warn!(
                     replica_id = %replica.id,
                     pool,
@@ -410,9 +227,14 @@ impl LoadBoard {
         }
     }
 
-    async fn scrape_one(&self, replica: &Replica, url: http::Uri, config: &Config) {
+    async fn scrape_one(
+        &self,
+        load: Arc<ReplicaLoad>,
+        replica: &Replica,
+        url: http::Uri,
+        config: &Config,
+    ) {
         let timeout: Duration = config.scrape.timeout;
-        let load = self.replica(&replica.id);
         let label = ReplicaLabel {
             replica: replica.id.clone(),
         };
@@ -424,11 +246,9 @@ impl LoadBoard {
             Ok(text) => {
                 let (scraped, prefix_cache) = parse_exposition(&text);
                 if let Some(engine) = prefix_cache {
-                    self.observe_drift(replica, &load, engine, predicted, config, &label);
+                    self.observe_drift(replica, engine, predicted, config, &label);
                 }
-                *load.scraped.lock() = scraped;
-                load.routed_since_scrape.store(0, Ordering::Relaxed);
-                load.consecutive_failures.store(0, Ordering::Relaxed);
+                load.record_scrape(scraped);
                 self.metrics
                     .replica_waiting
                     .get_or_create(&label)
@@ -444,7 +264,7 @@ impl LoadBoard {
                 self.metrics.replica_ready.get_or_create(&label).set(1);
             }
             Err(error) => {
-                let failures = load.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+                let failures = load.record_scrape_failure();
                 self.metrics.scrape_failures.get_or_create(&label).inc();
                 let ready = load.is_ready(config.scrape.unready_after_failures);
                 self.metrics
@@ -535,28 +355,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn inflight_keys_live_as_long_as_their_requests() {
-        let board = LoadBoard::new(Metrics::register(
-            &mut prometheus_client::registry::Registry::default(),
-        ));
-        let first = board.start_request("r0", 48, vec![1, 2, 3]);
-        let sibling = board.start_request("r0", 16, vec![1, 2, 4]);
-        let load = board.replica("r0");
-        assert_eq!(load.inflight_shared_blocks(&[1, 2, 3, 9]), 3);
-        assert_eq!(board.replica("r1").inflight_shared_blocks(&[1]), 0);
-        drop(first);
-        assert_eq!(load.inflight_shared_blocks(&[1, 2, 3]), 2);
-        let mut sibling = sibling;
-        sibling.release();
-        assert!(!sibling.is_held());
-        assert_eq!(load.inflight_shared_blocks(&[1, 2, 3]), 0);
-        assert_eq!(load.snapshot().inflight_requests, 0.0);
-        drop(sibling);
-        assert_eq!(load.snapshot().inflight_requests, 0.0, "released once");
-        assert!(load.inflight_keys.lock().is_empty());
-    }
-
-    #[test]
     fn drift_degrades_the_pool_of_a_drifting_replica_until_it_clears() {
         let config = Config::from_yaml(
             "drift: {bound: 0.5, clear_below: 0.2, window: 1m, min_tokens: 100, action: approximate}\n\
@@ -570,7 +368,9 @@ mod tests {
         )
         .unwrap();
         let mut registry = prometheus_client::registry::Registry::default();
-        let board = LoadBoard::new(Metrics::register(&mut registry));
+        let metrics = Metrics::register(&mut registry);
+        let scraper = Scraper::new(metrics.clone());
+        let board = Scraper::load_board(&metrics);
         let scrape = |replica: usize, hits: f64| {
             let replica = &config.replicas[replica];
             let label = ReplicaLabel {
@@ -580,8 +380,8 @@ mod tests {
                 hits,
                 queries: hits * 2.0 + 1000.0,
             };
-            let load = board.replica(&replica.id);
-            board.observe_drift(replica, &load, engine, load.predicted(), &config, &label);
+            let predicted = board.replica(&replica.id).predicted();
+            scraper.observe_drift(replica, engine, predicted, &config, &label);
         };
         let route = |replica: &str, cached_tokens: u64| {
             let before = board.replica(replica).predicted();
@@ -610,10 +410,10 @@ mod tests {
         scrape(0, 50.0); // r0's engine hit 50 of 1000: drift 0.95
         scrape(1, 1000.0);
         scrape(2, 1000.0);
-        board.update_degraded_pools(&config);
-        assert!(board.replica("r0").is_drifting());
-        assert!(!board.replica("r1").is_drifting());
-        assert!(board.pool_degraded("p") && !board.pool_degraded("q"));
+        scraper.update_degraded_pools(&config);
+        assert!(scraper.is_drifting("r0"));
+        assert!(!scraper.is_drifting("r1"));
+        assert!(scraper.pool_degraded("p") && !scraper.pool_degraded("q"));
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         for line in [
@@ -634,16 +434,16 @@ mod tests {
         // it hits what kvroute predicts from then on. The window holds 10000 predicted and
         // 50 + 30 + 9000 hit tokens: drift 0.092, under clear_below, and the pool recovers.
         scrape(0, 30.0);
-        board.update_degraded_pools(&config);
+        scraper.update_degraded_pools(&config);
         assert!(
-            board.pool_degraded("p"),
+            scraper.pool_degraded("p"),
             "still drifting: 1000 predicted, 80 hit"
         );
         route("r0", 9000);
         scrape(0, 9030.0);
-        board.update_degraded_pools(&config);
-        assert!(!board.replica("r0").is_drifting());
-        assert!(!board.pool_degraded("p"));
+        scraper.update_degraded_pools(&config);
+        assert!(!scraper.is_drifting("r0"));
+        assert!(!scraper.pool_degraded("p"));
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         assert!(

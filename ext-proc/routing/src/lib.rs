@@ -1,0 +1,23 @@
+//! kvroute's routing core: given a request's block keys, what the index says each replica holds
+//! and each replica's load, choose a replica and record the choice.
+//!
+//! - [`policy`]: the default scoring policy (estimated time to first token, lowest wins) and
+//!   [`ScoringConfig`], its weights, with the shipped defaults.
+//! - [`load`]: replica load — the engine's scraped gauges and kvroute's in-flight accounting.
+//! - [`prefix_memory`]: what kvroute itself routed where (approximate tier, speculative inserts).
+//! - [`Router`]: the one score-and-commit step over them.
+//!
+//! Synchronous and free of I/O: ext-proc's picker calls it after tokenizing and asking the index;
+//! kvroute-replay calls the same step on simulated time, so its routing-quality figures are the
+//! shipped router's.
+
+#![deny(missing_docs)]
+
+pub mod load;
+pub mod policy;
+pub mod prefix_memory;
+mod router;
+pub mod scoring;
+
+pub use router::{PromptFacts, RouteRequest, Routed, Router, Tier};
+pub use scoring::ScoringConfig;

@@ -1,0 +1,351 @@
+//! Replica load as scoring reads it: the engine's last scraped gauges plus kvroute's own
+//! in-flight accounting.
+//!
+//! Between scrapes, requests kvroute routed count as queued (`routed_since_scrape`), and every
+//! routed request holds an [`InflightGuard`] (requests + prompt tokens) until its response
+//! headers. Whoever reads the engine's load (ext-proc's scrape loop, a simulator) records it with
+//! [`ReplicaLoad::record_scrape`].
+//!
+//! Each replica also keeps the block keys of its in-flight requests
+//! ([`ReplicaLoad::inflight_shared_blocks`]): a sibling sent while its shared prefix is still being
+//! prefilled joins that prefill (the engine batches them) instead of queueing behind it, so
+//! scoring must not count that work against it.
+//!
+//! A guard can carry kvroute's [`Prediction`] for its request; released, it adds it to the
+//! replica's predicted side ([`ReplicaLoad::predicted`]), which ext-proc's drift detection
+//! compares with the engine's own prefix-cache counters.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use kvroute_block_keys::KeyHasherBuilder;
+use parking_lot::{Mutex, RwLock};
+use prometheus_client::metrics::gauge::Gauge;
+
+/// Default interval between reads of each replica's load (ext-proc's `scrape.interval`): how
+/// stale the scraped part of a [`LoadSnapshot`] gets.
+pub const DEFAULT_SCRAPE_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Engine-reported load from the last successful scrape.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Scraped {
+    /// Requests waiting in the engine's queue.
+    pub waiting: f64,
+    /// Requests running in the engine's batch.
+    pub running: f64,
+    /// KV-cache usage, 0..1.
+    pub kv_usage: f64,
+}
+
+/// A point-in-time view used for scoring.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LoadSnapshot {
+    /// Last scraped engine load.
+    pub scraped: Scraped,
+    /// Routed since the last scrape (not yet visible in `scraped`).
+    pub routed_since_scrape: f64,
+    /// Routed by kvroute and not yet answered.
+    pub inflight_requests: f64,
+    /// Prompt tokens of those requests.
+    pub inflight_prompt_tokens: f64,
+}
+
+/// What kvroute predicted for one routed request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Prediction {
+    /// Prompt tokens predicted to hit the replica's prefix cache ([`engine_hit_tokens`]).
+    pub cached_tokens: u64,
+    /// Prompt tokens of the request (kvroute's count; estimated at the leading part's bytes per
+    /// token when only a long prompt's leading part was tokenized).
+    pub prompt_tokens: u64,
+}
+
+/// Prompt tokens vLLM reports as prefix-cache hits for a request of `prompt_tokens` tokens whose
+/// first `matched_blocks` blocks are cached: whole blocks only, and never the last prompt token.
+pub fn engine_hit_tokens(matched_blocks: u32, prompt_tokens: usize, block_size: u32) -> usize {
+    let block_size = block_size as usize;
+    if block_size == 0 {
+        return 0;
+    }
+    let max_blocks = prompt_tokens.saturating_sub(1) / block_size;
+    (matched_blocks as usize).min(max_blocks) * block_size
+}
+
+/// Live load of one replica.
+#[derive(Debug, Default)]
+pub struct ReplicaLoad {
+    scraped: Mutex<Scraped>,
+    consecutive_failures: AtomicU32,
+    inflight_requests: AtomicI64,
+    inflight_prompt_tokens: AtomicI64,
+    routed_since_scrape: AtomicI64,
+    /// Block key → in-flight requests carrying it. Bounded by the in-flight requests' prompts.
+    /// Block keys are hashes already: a seeded multiply mix, not SipHash (two lookups per key per
+    /// request, on the request and the response path).
+    inflight_keys: Mutex<HashMap<u64, u32, KeyHasherBuilder>>,
+    /// Predicted cached tokens of answered requests (the drift's predicted side).
+    predicted_cached_tokens: AtomicU64,
+    /// Prompt tokens of those requests.
+    predicted_prompt_tokens: AtomicU64,
+    /// Mirrors `inflight_requests` (a metric).
+    inflight_gauge: Gauge,
+}
+
+impl ReplicaLoad {
+    /// Current view.
+    pub fn snapshot(&self) -> LoadSnapshot {
+        let inflight = self.inflight_requests.load(Ordering::Relaxed).max(0);
+        LoadSnapshot {
+            scraped: *self.scraped.lock(),
+            // A routed request the engine already answered no longer adds load the last scrape
+            // missed: only the unanswered ones count.
+            routed_since_scrape: self
+                .routed_since_scrape
+                .load(Ordering::Relaxed)
+                .clamp(0, inflight) as f64,
+            inflight_requests: inflight as f64,
+            inflight_prompt_tokens: self.inflight_prompt_tokens.load(Ordering::Relaxed).max(0)
+                as f64,
+        }
+    }
+
+    /// How many leading `keys` some request in flight on this replica also carries (its prefill
+    /// computes them, or did).
+    pub fn inflight_shared_blocks(&self, keys: &[u64]) -> u32 {
+        let inflight = self.inflight_keys.lock();
+        if inflight.is_empty() {
+            return 0;
+        }
+        // Keys are chained, so a request carrying `keys[i]` carries every key before it: the
+        // in-flight ones form a leading run and a binary search finds its end.
+        let shared = keys.partition_point(|key| inflight.contains_key(key));
+        u32::try_from(shared).unwrap_or(u32::MAX)
+    }
+
+    /// Records a successful read of the engine's load.
+    pub fn record_scrape(&self, scraped: Scraped) {
+        *self.scraped.lock() = scraped;
+        self.routed_since_scrape.store(0, Ordering::Relaxed);
+        self.consecutive_failures.store(0, Ordering::Relaxed);
+    }
+
+    /// Records a failed read; returns the failures in a row so far.
+    pub fn record_scrape_failure(&self) -> u32 {
+        self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// kvroute's side of the drift so far: the predictions of the replica's answered requests.
+    pub fn predicted(&self) -> Prediction {
+        Prediction {
+            cached_tokens: self.predicted_cached_tokens.load(Ordering::Relaxed),
+            prompt_tokens: self.predicted_prompt_tokens.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether the replica counts as ready (scrapes have not failed too often in a row; 0: always).
+    pub fn is_ready(&self, unready_after_failures: u32) -> bool {
+        unready_after_failures == 0
+            || self.consecutive_failures.load(Ordering::Relaxed) < unready_after_failures
+    }
+}
+
+/// Counts a routed request on its replica until released or dropped.
+#[derive(Debug)]
+pub struct InflightGuard {
+    load: Arc<ReplicaLoad>,
+    prompt_tokens: i64,
+    keys: Vec<u64>,
+    /// kvroute's prediction for the request, added to the drift's predicted side on release.
+    prediction: Option<Prediction>,
+    released: bool,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl InflightGuard {
+    /// Whether the request still counts on its replica.
+    pub fn is_held(&self) -> bool {
+        !self.released
+    }
+
+    /// Counts `prediction` on the replica's predicted side once the request is answered
+    /// (released): by then the engine has scheduled it and counted its prefix-cache hits.
+    pub fn with_prediction(mut self, prediction: Prediction) -> Self {
+        self.prediction = Some(prediction);
+        self
+    }
+
+    /// Stops counting the request (idempotent; dropping the guard does the same).
+    pub fn release(&mut self) {
+        if std::mem::replace(&mut self.released, true) {
+            return;
+        }
+        let load = &self.load;
+        if let Some(prediction) = self.prediction {
+            load.predicted_cached_tokens
+                .fetch_add(prediction.cached_tokens, Ordering::Relaxed);
+            load.predicted_prompt_tokens
+                .fetch_add(prediction.prompt_tokens, Ordering::Relaxed);
+        }
+        load.inflight_requests.fetch_sub(1, Ordering::Relaxed);
+        load.inflight_prompt_tokens
+            .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+        if !self.keys.is_empty() {
+            let mut inflight = load.inflight_keys.lock();
+            for key in &self.keys {
+                if let Some(count) = inflight.get_mut(key) {
+                    *count -= 1;
+                    if *count == 0 {
+                        inflight.remove(key);
+                    }
+                }
+            }
+        }
+        load.inflight_gauge.dec();
+    }
+}
+
+/// Makes the gauge a replica's in-flight count is mirrored to (a registered metric).
+pub type InflightGaugeFor = Box<dyn Fn(&str) -> Gauge + Send + Sync>;
+
+/// Load of every replica, created on first use.
+#[derive(Default)]
+pub struct LoadBoard {
+    replicas: RwLock<HashMap<String, Arc<ReplicaLoad>>>,
+    inflight_gauge_for: Option<InflightGaugeFor>,
+}
+
+impl fmt::Debug for LoadBoard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoadBoard")
+            .field("replicas", &self.replicas.read().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoadBoard {
+    /// A board whose replicas mirror their in-flight count to `gauge_for(replica)`.
+    pub fn with_inflight_gauges(gauge_for: InflightGaugeFor) -> Self {
+        Self {
+            replicas: RwLock::default(),
+            inflight_gauge_for: Some(gauge_for),
+        }
+    }
+
+    /// The load record of `replica` (created on first use).
+    pub fn replica(&self, replica: &str) -> Arc<ReplicaLoad> {
+        if let Some(load) = self.replicas.read().get(replica) {
+            return Arc::clone(load);
+        }
+        let mut replicas = self.replicas.write();
+        Arc::clone(replicas.entry(replica.to_owned()).or_insert_with(|| {
+            Arc::new(ReplicaLoad {
+                inflight_gauge: self
+                    .inflight_gauge_for
+                    .as_ref()
+                    .map_or_else(Gauge::default, |gauge_for| gauge_for(replica)),
+                ..ReplicaLoad::default()
+            })
+        }))
+    }
+
+    /// Starts counting a request routed to `replica`: `prompt_tokens` of prefill work it adds,
+    /// `keys` the block keys of its prompt (empty when unknown).
+    pub fn start_request(
+        &self,
+        replica: &str,
+        prompt_tokens: usize,
+        keys: Vec<u64>,
+    ) -> InflightGuard {
+        let load = self.replica(replica);
+        let prompt_tokens = i64::try_from(prompt_tokens).unwrap_or(i64::MAX);
+        if !keys.is_empty() {
+            let mut inflight = load.inflight_keys.lock();
+            for key in &keys {
+                *inflight.entry(*key).or_insert(0) += 1;
+            }
+        }
+        load.inflight_requests.fetch_add(1, Ordering::Relaxed);
+        load.inflight_prompt_tokens
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
+        load.routed_since_scrape.fetch_add(1, Ordering::Relaxed);
+        load.inflight_gauge.inc();
+        InflightGuard {
+            load,
+            prompt_tokens,
+            keys,
+            prediction: None,
+            released: false,
+        }
+    }
+
+    /// Forgets replicas `keep` says no.
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        self.replicas.write().retain(|id, _| keep(id));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inflight_keys_live_as_long_as_their_requests() {
+        let board = LoadBoard::default();
+        let first = board.start_request("r0", 48, vec![1, 2, 3]);
+        let sibling = board.start_request("r0", 16, vec![1, 2, 4]);
+        let load = board.replica("r0");
+        assert_eq!(load.inflight_shared_blocks(&[1, 2, 3, 9]), 3);
+        assert_eq!(board.replica("r1").inflight_shared_blocks(&[1]), 0);
+        drop(first);
+        assert_eq!(load.inflight_shared_blocks(&[1, 2, 3]), 2);
+        let mut sibling = sibling;
+        sibling.release();
+        assert!(!sibling.is_held());
+        assert_eq!(load.inflight_shared_blocks(&[1, 2, 3]), 0);
+        assert_eq!(load.snapshot().inflight_requests, 0.0);
+        drop(sibling);
+        assert_eq!(load.snapshot().inflight_requests, 0.0, "released once");
+        assert!(load.inflight_keys.lock().is_empty());
+    }
+
+    #[test]
+    fn a_released_prediction_counts_once_on_the_predicted_side() {
+        let board = LoadBoard::default();
+        let guard = board
+            .start_request("r0", 10, Vec::new())
+            .with_prediction(Prediction {
+                cached_tokens: 32,
+                prompt_tokens: 64,
+            });
+        assert_eq!(board.replica("r0").predicted(), Prediction::default());
+        drop(guard);
+        assert_eq!(
+            board.replica("r0").predicted(),
+            Prediction {
+                cached_tokens: 32,
+                prompt_tokens: 64
+            }
+        );
+    }
+
+    #[test]
+    fn hit_tokens_follow_vllms_rule() {
+        // Whole blocks, and a full hit still recomputes the last prompt token.
+        assert_eq!(engine_hit_tokens(4, 64, 16), 48);
+        assert_eq!(engine_hit_tokens(4, 65, 16), 64);
+        assert_eq!(engine_hit_tokens(2, 65, 16), 32);
+        assert_eq!(engine_hit_tokens(9, 0, 16), 0);
+        assert_eq!(engine_hit_tokens(9, 1, 16), 0);
+        assert_eq!(engine_hit_tokens(1, 17, 16), 16);
+        assert_eq!(engine_hit_tokens(1, 16, 16), 0);
+        assert_eq!(engine_hit_tokens(3, 100, 0), 0);
+    }
+}

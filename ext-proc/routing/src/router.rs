@@ -1,0 +1,380 @@
+//! The one score-and-commit step: what every kvroute router (ext-proc's picker, kvroute-replay's
+//! simulation of it) runs once it knows a request's block keys and the index's answer.
+//!
+//! Per candidate replica the policy sees:
+//! - `matched_blocks`: with a precise index answer for it, `max(index, speculative)` — the index,
+//!   or kvroute's own inserts of the last `speculative_ttl` when its events have not landed yet;
+//!   without one (no index, no events, the index does not vouch for it), the approximate memory
+//!   of everything routed there;
+//! - the in-flight prompt tokens it shares with a sibling already being prefilled there;
+//! - its load snapshot.
+//!
+//! The choice is then committed before anyone else scores: the chosen replica remembers the keys
+//! (speculative insert) and counts the request in flight. Decisions whose first block key is the
+//! same (siblings of a burst) take the same commit stripe, so each sees the previous one's
+//! commit; nothing here waits on I/O, so the stripe is held for microseconds.
+
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use crate::load::{InflightGuard, LoadBoard, Prediction, engine_hit_tokens};
+use crate::policy::{self, Candidate, Reason};
+use crate::prefix_memory::PrefixMemory;
+use crate::scoring::ScoringConfig;
+
+/// Number of stripes of the commit lock (decisions whose prompts start alike share a stripe).
+const COMMIT_STRIPES: usize = 16;
+
+/// Which information decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// The index vouched for the chosen replica's cached prefix.
+    Precise,
+    /// kvroute's own memory of what it routed (no usable events for the chosen replica).
+    Approximate,
+    /// Load alone (no prefix information).
+    Load,
+}
+
+impl Tier {
+    /// Metric label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Precise => "precise",
+            Self::Approximate => "approximate",
+            Self::Load => "load",
+        }
+    }
+}
+
+/// What is known about a request's prompt.
+#[derive(Debug, Clone, Default)]
+pub struct PromptFacts {
+    /// Its block keys (chained).
+    pub keys: Vec<u64>,
+    /// Its length in tokens (estimated when only a leading part was tokenized).
+    pub prompt_tokens: usize,
+    /// Per candidate (same order), the leading blocks the index holds there, when the index
+    /// answered and vouches for that replica (`precise`); `None` otherwise. Shorter than the
+    /// candidates means `None` for the rest.
+    pub indexed: Vec<Option<u32>>,
+}
+
+/// One request to route.
+#[derive(Debug)]
+pub struct RouteRequest<'a> {
+    /// Candidate replica ids (non-empty to get a choice).
+    pub candidates: &'a [&'a str],
+    /// The prompt's facts; `None` routes on load alone.
+    pub prompt: Option<PromptFacts>,
+    /// The pool's block size in tokens.
+    pub block_size: u32,
+    /// The pool's approximate memory capacity per replica, in blocks.
+    pub capacity_blocks: usize,
+    /// The policy's weights.
+    pub scoring: &'a ScoringConfig,
+    /// The decision's time (a simulator passes its virtual clock).
+    pub now: Instant,
+}
+
+/// A committed choice. Dropping `inflight` ends the replica's in-flight accounting.
+#[derive(Debug)]
+pub struct Routed {
+    /// Index into the candidates.
+    pub choice: usize,
+    /// Which information decided.
+    pub tier: Tier,
+    /// The policy's reason; `None` on the load tier (the caller knows why it had no prompt).
+    pub reason: Option<Reason>,
+    /// Leading blocks believed cached on the chosen replica.
+    pub matched_blocks: u32,
+    /// Prompt tokens believed cached there (`matched_blocks` × block size, at most the prompt).
+    pub cached_tokens: usize,
+    /// What the engine should report as its prefix-cache hit (precise and approximate tiers).
+    pub prediction: Option<Prediction>,
+    /// The request's in-flight accounting on the chosen replica.
+    pub inflight: InflightGuard,
+}
+
+/// Replica loads, routed-prefix memory and the commit step over them.
+#[derive(Debug)]
+pub struct Router {
+    loads: LoadBoard,
+    memory: PrefixMemory,
+    commit_locks: [Mutex<()>; COMMIT_STRIPES],
+    /// Breaks ties between equal estimates; seeded for reproducible runs.
+    rng: Mutex<StdRng>,
+}
+
+impl Router {
+    /// A router over `loads`, ties broken by an OS-seeded generator.
+    pub fn new(loads: LoadBoard) -> Self {
+        Self::with_rng(loads, StdRng::from_os_rng())
+    }
+
+    /// A router whose ties follow `rng` (simulations, tests).
+    pub fn with_rng(loads: LoadBoard, rng: StdRng) -> Self {
+        Self {
+            loads,
+            memory: PrefixMemory::default(),
+            commit_locks: std::array::from_fn(|_| Mutex::new(())),
+            rng: Mutex::new(rng),
+        }
+    }
+
+    /// Replica loads (scrapers record into it; responses release their guards).
+    pub fn loads(&self) -> &LoadBoard {
+        &self.loads
+    }
+
+    /// What kvroute routed where (tests and simulations seed it).
+    pub fn memory(&self) -> &PrefixMemory {
+        &self.memory
+    }
+
+    /// Forgets replicas `keep` says no (a reload removed them).
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        self.memory.retain(&keep);
+        self.loads.retain(&keep);
+    }
+
+    /// Whether some candidate holds every block of `keys` by kvroute's memory or a request in
+    /// flight there (what scoring reads besides the index).
+    pub fn remembers_all(
+        &self,
+        candidates: &[&str],
+        keys: &[u64],
+        now: Instant,
+        ttl: Duration,
+    ) -> bool {
+        let all = keys.len();
+        candidates.iter().any(|replica| {
+            self.memory.lookup(replica, keys, now, ttl).approximate as usize >= all
+                || self.loads.replica(replica).inflight_shared_blocks(keys) as usize >= all
+        })
+    }
+
+    /// Scores `request`'s candidates and commits the choice. `None` only without candidates.
+    pub fn score_and_commit(&self, request: RouteRequest<'_>) -> Option<Routed> {
+        let RouteRequest {
+            candidates,
+            prompt,
+            block_size,
+            capacity_blocks,
+            scoring,
+            now,
+        } = request;
+        if candidates.is_empty() {
+            return None;
+        }
+        let first_key = prompt.as_ref().and_then(|p| p.keys.first().copied());
+        let _commit =
+            first_key.map(|key| self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock());
+        let Some(prompt) = prompt else {
+            return Some(self.commit_load_only(candidates, scoring));
+        };
+        let PromptFacts {
+            keys,
+            prompt_tokens,
+            indexed,
+        } = prompt;
+        let views: Vec<Candidate> = candidates
+            .iter()
+            .enumerate()
+            .map(|(i, replica)| {
+                let remembered = self
+                    .memory
+                    .lookup(replica, &keys, now, scoring.speculative_ttl);
+                let matched_blocks = match indexed.get(i).copied().flatten() {
+                    Some(matched) => matched.max(remembered.speculative),
+                    None => remembered.approximate,
+                };
+                let load = self.loads.replica(replica);
+                let shared_blocks = load.inflight_shared_blocks(&keys) as usize;
+                Candidate {
+                    matched_blocks,
+                    shared_inflight_tokens: (shared_blocks * block_size as usize)
+                        .min(prompt_tokens),
+                    load: load.snapshot(),
+                }
+            })
+            .collect();
+        let choice = policy::choose(
+            &views,
+            prompt_tokens,
+            block_size,
+            scoring,
+            &mut *self.rng.lock(),
+        )?;
+        let matched_blocks = views[choice.index].matched_blocks;
+        let cached_tokens = (matched_blocks as usize * block_size as usize).min(prompt_tokens);
+        let tier = if indexed.get(choice.index).copied().flatten().is_some() {
+            Tier::Precise
+        } else {
+            Tier::Approximate
+        };
+        let prediction = Prediction {
+            cached_tokens: engine_hit_tokens(matched_blocks, prompt_tokens, block_size) as u64,
+            prompt_tokens: prompt_tokens as u64,
+        };
+        let replica = candidates[choice.index];
+        self.memory.record(replica, capacity_blocks, &keys, now);
+        // The replica's pending prefill work is what it does not hold (siblings of a burst add
+        // little).
+        let inflight = self
+            .loads
+            .start_request(replica, prompt_tokens - cached_tokens, keys)
+            .with_prediction(prediction);
+        Some(Routed {
+            choice: choice.index,
+            tier,
+            reason: Some(choice.reason),
+            matched_blocks,
+            cached_tokens,
+            prediction: Some(prediction),
+            inflight,
+        })
+    }
+
+    /// Load tier: no prefix information.
+    fn commit_load_only(&self, candidates: &[&str], scoring: &ScoringConfig) -> Routed {
+        let views: Vec<Candidate> = candidates
+            .iter()
+            .map(|replica| Candidate {
+                matched_blocks: 0,
+                shared_inflight_tokens: 0,
+                load: self.loads.replica(replica).snapshot(),
+            })
+            .collect();
+        // The block size does not matter with nothing matched.
+        let choice =
+            policy::choose(&views, 0, 1, scoring, &mut *self.rng.lock()).map_or(0, |c| c.index);
+        Routed {
+            choice,
+            tier: Tier::Load,
+            reason: None,
+            matched_blocks: 0,
+            cached_tokens: 0,
+            prediction: None,
+            inflight: self.loads.start_request(candidates[choice], 0, Vec::new()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request<'a>(
+        candidates: &'a [&'a str],
+        prompt: Option<PromptFacts>,
+        scoring: &'a ScoringConfig,
+        now: Instant,
+    ) -> RouteRequest<'a> {
+        RouteRequest {
+            candidates,
+            prompt,
+            block_size: 16,
+            capacity_blocks: 1024,
+            scoring,
+            now,
+        }
+    }
+
+    fn prompt(keys: &[u64], indexed: Vec<Option<u32>>) -> Option<PromptFacts> {
+        Some(PromptFacts {
+            keys: keys.to_vec(),
+            prompt_tokens: keys.len() * 16 + 5,
+            indexed,
+        })
+    }
+
+    #[test]
+    fn the_index_decides_precisely_and_a_commit_is_seen_by_the_next_sibling() {
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let scoring = ScoringConfig::default();
+        let now = Instant::now();
+        let candidates = ["r0", "r1", "r2"];
+        let keys: Vec<u64> = (1..=100).collect();
+        let first = router
+            .score_and_commit(request(
+                &candidates,
+                prompt(&keys, vec![Some(0), Some(60), Some(10)]),
+                &scoring,
+                now,
+            ))
+            .unwrap();
+        assert_eq!(
+            (first.choice, first.tier, first.reason, first.matched_blocks),
+            (1, Tier::Precise, Some(Reason::CacheHit), 60)
+        );
+        assert_eq!(first.cached_tokens, 960);
+        // The index has not seen the first request's blocks: the speculative insert carries it.
+        let sibling = router
+            .score_and_commit(request(
+                &candidates,
+                prompt(&keys, vec![Some(0), Some(60), Some(10)]),
+                &scoring,
+                now,
+            ))
+            .unwrap();
+        assert_eq!((sibling.choice, sibling.matched_blocks), (1, 100));
+        assert_eq!(
+            router.loads().replica("r1").snapshot().inflight_requests,
+            2.0
+        );
+    }
+
+    #[test]
+    fn a_replica_the_index_does_not_vouch_for_scores_on_memory_alone() {
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let scoring = ScoringConfig::default();
+        let now = Instant::now();
+        let keys = [21, 22, 23];
+        drop(router.score_and_commit(request(&["r0"], prompt(&keys, Vec::new()), &scoring, now)));
+        // Long after the speculative TTL: r0 still holds the keys by the approximate memory.
+        let later = now + scoring.speculative_ttl * 10;
+        let routed = router
+            .score_and_commit(request(
+                &["r1", "r0"],
+                prompt(&keys, vec![Some(1)]),
+                &scoring,
+                later,
+            ))
+            .unwrap();
+        assert_eq!(
+            (routed.choice, routed.tier, routed.matched_blocks),
+            (1, Tier::Approximate, 3)
+        );
+        assert!(router.remembers_all(&["r0"], &keys, later, scoring.speculative_ttl));
+        assert!(!router.remembers_all(&["r1"], &keys, later, scoring.speculative_ttl));
+    }
+
+    #[test]
+    fn no_prompt_routes_on_load_and_counts_the_request() {
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let scoring = ScoringConfig::default();
+        let busy = router.loads().start_request("r0", 4000, Vec::new());
+        let routed = router
+            .score_and_commit(request(&["r0", "r1"], None, &scoring, Instant::now()))
+            .unwrap();
+        assert_eq!(
+            (routed.choice, routed.tier, routed.reason),
+            (1, Tier::Load, None)
+        );
+        assert_eq!(routed.prediction, None);
+        assert_eq!(
+            router.loads().replica("r1").snapshot().inflight_requests,
+            1.0
+        );
+        drop(busy);
+        assert!(
+            router
+                .score_and_commit(request(&[], None, &scoring, Instant::now()))
+                .is_none()
+        );
+    }
+}

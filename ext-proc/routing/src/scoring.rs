@@ -1,0 +1,52 @@
+//! The default policy's weights and their defaults (ext-proc's `scoring:` config section).
+
+use std::time::Duration;
+
+/// Default per-token prefill cost, in milliseconds (uncached prompt tokens).
+pub const DEFAULT_PREFILL_MS_PER_TOKEN: f64 = 0.05;
+/// Default cost of each waiting (queued) request ahead, in milliseconds.
+pub const DEFAULT_QUEUE_MS_PER_REQUEST: f64 = 50.0;
+/// Default cost of each running request (batch interference), in milliseconds.
+pub const DEFAULT_RUNNING_MS_PER_REQUEST: f64 = 5.0;
+/// Default penalty at 100% KV-cache usage (preemption risk), in milliseconds.
+pub const DEFAULT_KV_USAGE_MS: f64 = 100.0;
+/// A replica whose load exceeds the pool mean by this factor is skipped (hotspot guard).
+pub const DEFAULT_HOTSPOT_FACTOR: f64 = 2.0;
+/// Loads below this (ms) never trip the hotspot guard (an idle pool has tiny means).
+pub const DEFAULT_HOTSPOT_MIN_MS: f64 = 200.0;
+/// How long a routed prefix counts as held by its replica before the engine's events confirm it.
+pub const DEFAULT_SPECULATIVE_TTL: Duration = Duration::from_secs(5);
+
+/// Weights of the default policy (estimated time to first token, in ms).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoringConfig {
+    /// Prefill cost per uncached prompt token.
+    pub prefill_ms_per_token: f64,
+    /// Cost per waiting request.
+    pub queue_ms_per_request: f64,
+    /// Cost per running request.
+    pub running_ms_per_request: f64,
+    /// Cost at 100% KV-cache usage.
+    pub kv_usage_ms: f64,
+    /// Hotspot guard factor over the pool mean load.
+    pub hotspot_factor: f64,
+    /// Loads below this never trip the guard.
+    pub hotspot_min_ms: f64,
+    /// Lifetime of a speculative prefix insert.
+    pub speculative_ttl: Duration,
+}
+
+impl Default for ScoringConfig {
+    /// The shipped defaults (what an empty `scoring:` section gives).
+    fn default() -> Self {
+        Self {
+            prefill_ms_per_token: DEFAULT_PREFILL_MS_PER_TOKEN,
+            queue_ms_per_request: DEFAULT_QUEUE_MS_PER_REQUEST,
+            running_ms_per_request: DEFAULT_RUNNING_MS_PER_REQUEST,
+            kv_usage_ms: DEFAULT_KV_USAGE_MS,
+            hotspot_factor: DEFAULT_HOTSPOT_FACTOR,
+            hotspot_min_ms: DEFAULT_HOTSPOT_MIN_MS,
+            speculative_ttl: DEFAULT_SPECULATIVE_TTL,
+        }
+    }
+}
