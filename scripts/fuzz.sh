@@ -33,8 +33,9 @@ fi
 
 # Seeds: regenerated every run (content-named files, so reruns overwrite), never committed.
 seeds="$root/fuzz/corpus-seeds"
-cargo run --quiet -p kvroute-index --features test-util --example fuzz_seeds -- \
-  "$seeds" "$root/../shared/vllm/captures"
+# Captures: the project's own (tests/fixtures/vllm/) and, when present, the shared folder's
+# (KVROUTE_SHARED, default ../shared).
+cargo run --quiet -p kvroute-index --features test-util --example fuzz_seeds -- "$seeds"
 echo "fuzz: seeds written ($(elapsed))" >&2
 
 cd "$root/fuzz"

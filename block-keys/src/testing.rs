@@ -24,7 +24,8 @@ pub const SHARED_ENV: &str = "KVROUTE_SHARED";
 
 /// The workspace root (this crate lives one level below it).
 pub fn workspace_root() -> PathBuf {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/..")).to_path_buf()
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
 }
 
 /// A file of the project's own fixtures: `tests/fixtures/<rel>`.
@@ -36,7 +37,10 @@ pub fn fixture(rel: &str) -> PathBuf {
 pub fn shared_dir() -> Option<PathBuf> {
     let dir = std::env::var_os(SHARED_ENV)
         .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("../shared"));
+        .unwrap_or_else(|| {
+            let root = workspace_root();
+            root.parent().unwrap_or(&root).join("shared")
+        });
     dir.is_dir().then_some(dir)
 }
 
