@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fuzzes every decoder kvroute runs on network input (fuzz/: cargo-fuzz targets), each for a
 # bounded time, and fails on the first crash. Installs cargo-fuzz at a pinned version (kept in
-# ~/.cargo/bin), seeds the corpora from kvroute's own encoder and, when ../shared is there,
-# from the real vLLM captures.
+# ~/.cargo/bin), seeds the corpora from kvroute's own encoder and real vLLM captures (the
+# project's own in tests/fixtures/vllm/, and the shared folder's when it is there).
 #
 #   FUZZ_SECONDS=30 (per target)   FUZZ_TARGETS="wire_batch agent_message" (default: all)
 #   FUZZ_SANITIZER=none (default) | address
