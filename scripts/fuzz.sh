@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fuzzes every decoder kvroute runs on network input (fuzz/: cargo-fuzz targets), each for a
 # bounded time, and fails on the first crash. Installs cargo-fuzz at a pinned version (kept in
-# ~/.cargo/bin), seeds the corpora from kvroute's own encoder and, when ../shared is there,
-# from the real vLLM captures.
+# ~/.cargo/bin), seeds the corpora from kvroute's own encoder and real vLLM captures (the
+# project's own in tests/fixtures/vllm/, and the shared folder's when it is there).
 #
 #   FUZZ_SECONDS=30 (per target)   FUZZ_TARGETS="wire_batch agent_message" (default: all)
 #   FUZZ_SANITIZER=none (default) | address
@@ -33,8 +33,9 @@ fi
 
 # Seeds: regenerated every run (content-named files, so reruns overwrite), never committed.
 seeds="$root/fuzz/corpus-seeds"
-cargo run --quiet -p kvroute-index --features test-util --example fuzz_seeds -- \
-  "$seeds" "$root/../shared/vllm/captures"
+# Captures: the project's own (tests/fixtures/vllm/) and, when present, the shared folder's
+# (KVROUTE_SHARED, default ../shared).
+cargo run --quiet -p kvroute-index --features test-util --example fuzz_seeds -- "$seeds"
 echo "fuzz: seeds written ($(elapsed))" >&2
 
 cd "$root/fuzz"

