@@ -35,8 +35,12 @@ fi
 seeds="$root/fuzz/corpus-seeds"
 # Captures: the project's own (tests/fixtures/vllm/) and, when present, the shared folder's
 # (KVROUTE_SHARED, default ../shared).
-cargo run --quiet -p kvroute-index --features test-util --example fuzz_seeds -- "$seeds"
-echo "fuzz: seeds written ($(elapsed))" >&2
+# FUZZ_SEEDS_WRITTEN=1: the caller already ran this (CI does, while the test build is still there
+# to reuse).
+if [ -z "${FUZZ_SEEDS_WRITTEN:-}" ]; then
+  cargo run --quiet -p kvroute-index --features test-util --example fuzz_seeds -- "$seeds"
+  echo "fuzz: seeds written ($(elapsed))" >&2
+fi
 
 cd "$root/fuzz"
 cargo fuzz build -O --sanitizer "$sanitizer"
