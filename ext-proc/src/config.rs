@@ -65,7 +65,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use kvroute_block_keys::{KeyScheme, LoraRef, PoolKeySettings, RawKeyScheme};
-use kvroute_index::agent::token::{AgentToken, TokenError, TokenSource};
+use kvroute_index::duration::parse_duration;
+use kvroute_index::token::{AgentToken, TokenError, TokenSource};
 
 use kvroute_routing::ScoringConfig;
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
@@ -374,7 +375,7 @@ pub struct EmbeddedIndex {
     /// Its text (a changed file is a changed config).
     text: String,
     /// The validated index config.
-    pub config: kvroute_index::config::Config,
+    pub config: crate::embedded::IndexConfig,
 }
 
 impl PartialEq for EmbeddedIndex {
@@ -390,7 +391,7 @@ impl EmbeddedIndex {
             reason,
         };
         let text = std::fs::read_to_string(path).map_err(|e| invalid(e.to_string()))?;
-        let config = kvroute_index::config::Config::from_yaml(&text)
+        let config = crate::embedded::IndexConfig::from_yaml(&text)
             .map_err(|e| invalid(format!("{:#}", anyhow::Error::from(e))))?;
         Ok(Self {
             path: path.to_path_buf(),
@@ -1290,12 +1291,11 @@ fn index_uri(field: &str, value: &str, tls: bool) -> Result<http::Uri, ConfigErr
     Ok(uri)
 }
 
-/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_index::config::parse_duration`],
+/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_index::duration::parse_duration`],
 /// the one parser of every kvroute config), or `default` when absent.
 fn duration(field: &str, value: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
     value.map_or(Ok(default), |text| {
-        kvroute_index::config::parse_duration(text)
-            .map_err(|e| ConfigError::invalid(field, text, e.to_string()))
+        parse_duration(text).map_err(|e| ConfigError::invalid(field, text, e.to_string()))
     })
 }
 
@@ -1528,6 +1528,7 @@ replicas:
 
     /// The pool schema is one: the same `pools:` block in ext-proc's and in kvroute-index's
     /// config gives the same block size and keys, defaults included.
+    #[cfg(feature = "embedded-index")]
     #[test]
     fn one_pool_block_means_the_same_in_ext_proc_and_the_index() {
         for pool in [
@@ -1578,12 +1579,13 @@ replicas:
         for text in ["250ms", "1.5s", "500us", "1m", "5", "-1s", "1h"] {
             assert_eq!(
                 duration("f", Some(text), Duration::ZERO).ok(),
-                kvroute_index::config::parse_duration(text).ok(),
+                parse_duration(text).ok(),
                 "{text}"
             );
         }
     }
 
+    #[cfg(feature = "embedded-index")]
     #[test]
     fn embedded_index_is_loaded_and_validated_with_the_config() {
         let dir = tempfile::tempdir().unwrap();

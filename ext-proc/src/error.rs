@@ -188,7 +188,7 @@ pub enum IndexError {
     },
     /// The embedded index refused the query (e.g. a model its config does not know).
     #[error("embedded index refused the match")]
-    Refused(#[source] kvroute_index::server::MatchError),
+    Refused(#[source] crate::embedded::MatchError),
 }
 
 impl IndexError {

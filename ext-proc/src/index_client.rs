@@ -8,14 +8,14 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_index::agent::token::AgentToken;
 use kvroute_index::api::kv_index_client::KvIndexClient;
 use kvroute_index::api::{MatchRequest, MatchResponse};
-use kvroute_index::server::LocalMatcher;
 use kvroute_index::tls::ClientTls;
+use kvroute_index::token::{AUTHORIZATION, AgentToken};
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::embedded::LocalMatcher;
 use crate::error::IndexError;
 
 /// How long establishing a connection to one index address may take.
@@ -139,7 +139,7 @@ impl IndexClient {
             call.set_timeout(remaining);
             if let Some(authorization) = &self.authorization {
                 call.metadata_mut()
-                    .insert(kvroute_index::server::AUTHORIZATION, authorization.clone());
+                    .insert(AUTHORIZATION, authorization.clone());
             }
             match tokio::time::timeout(remaining, client.r#match(call)).await {
                 Ok(Ok(response)) => {

@@ -28,6 +28,7 @@ pub mod admin;
 pub mod check;
 pub mod config;
 pub mod drift;
+pub mod embedded;
 pub mod error;
 pub mod index_client;
 mod lru;
@@ -45,8 +46,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
+use embedded::IndexServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-use kvroute_index::server::IndexServer;
 use prometheus_client::registry::Registry;
 
 use tokio::net::TcpListener;
@@ -91,7 +92,7 @@ pub enum ServeError {
     Tls(#[source] tonic::transport::Error),
     /// The embedded index (`index.embedded`) could not start.
     #[error("embedded kvroute-index failed to start")]
-    EmbeddedIndex(#[source] kvroute_index::server::ServeError),
+    EmbeddedIndex(#[source] embedded::ServeError),
 }
 
 impl ServeError {
@@ -144,6 +145,8 @@ impl ExtProcBuilder {
         let admin = bind("admin", runtime.config.admin_addr).await?;
         let embedded_index = match &runtime.config.embedded_index {
             Some(embedded) => {
+                // Without the feature `index` is uninhabited and what follows unreachable.
+                #[cfg_attr(not(feature = "embedded-index"), allow(unused_variables))]
                 let index = IndexServer::start(embedded.config.clone())
                     .await
                     .map_err(ServeError::EmbeddedIndex)?;

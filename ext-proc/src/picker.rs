@@ -185,7 +185,7 @@ impl Runtime {
     }
 
     /// Answers `Match` from `local`, the index embedded in this process.
-    pub fn with_local_index(mut self, local: kvroute_index::server::LocalMatcher) -> Self {
+    pub fn with_local_index(mut self, local: crate::embedded::LocalMatcher) -> Self {
         self.index = self.index.with_local(Some(local));
         self
     }
@@ -814,6 +814,7 @@ mod tests {
         );
     }
 
+    #[cfg(feature = "embedded-index")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn embedded_index_answers_in_process_and_survives_a_reload() {
         let index = kvroute_index::server::IndexServer::start(

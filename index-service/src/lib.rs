@@ -6,6 +6,7 @@
 pub mod agent;
 #[cfg(feature = "server")]
 pub mod config;
+pub mod duration;
 pub mod event;
 pub mod index;
 #[cfg(feature = "server")]
@@ -18,6 +19,7 @@ pub mod server;
 pub mod testing;
 pub mod throttle;
 pub mod tls;
+pub mod token;
 pub mod wire;
 #[cfg(feature = "server")]
 pub mod zmtp;

@@ -18,7 +18,7 @@ pub mod convert;
 pub mod hub;
 pub mod metrics;
 pub mod mirror;
-pub mod token;
+pub use crate::token;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

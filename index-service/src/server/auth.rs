@@ -13,8 +13,7 @@ use prometheus_client::{
 
 use crate::{agent::token::AgentToken, throttle::LogThrottle};
 
-/// The request header (gRPC metadata key) carrying the token.
-pub const AUTHORIZATION: &str = "authorization";
+pub use crate::token::AUTHORIZATION;
 
 /// Why a query was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,10 @@
-//! The shared secret an agent presents in `Hello`: loaded from a file or an environment
-//! variable, compared in constant time, and never printed (`Debug` is redacted).
+//! A shared secret (an agent's `Hello`, the query API's bearer token): loaded from a file or an
+//! environment variable, compared in constant time, and never printed (`Debug` is redacted).
 
 use std::fmt;
+
+/// The request header (gRPC metadata key) carrying a token: `authorization: Bearer <token>`.
+pub const AUTHORIZATION: &str = "authorization";
 
 /// Where a token comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
