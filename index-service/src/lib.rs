@@ -1,6 +1,20 @@
-//! kvroute-index: the KV block index behind kvroute's routing decisions.
+//! kvroute-index: which replica holds which prompt blocks, learned from vLLM's KV-cache events,
+//! answered as "how many leading blocks of these keys does each replica hold".
 //!
-//! (Skeleton: being implemented.)
+//! Always compiled (what a client such as ext-proc needs, and the index core):
+//! - [`event`]: the domain events (blocks stored, removed, all cleared) every decoder produces;
+//! - [`wire`]: every vLLM msgpack encoding of those events, the ZMQ live and replay frames — the
+//!   only module that knows msgpack;
+//! - [`index`]: the block index (per-shard tables, replica bitsets, copy counts, replica states);
+//! - [`api`]: the gRPC types and client of `kvroute.index.v1` (`Match`, `ReplicaState`);
+//! - [`tls`], [`token`] (shared secrets, the `authorization` header), [`duration`] (the one
+//!   duration format of every kvroute config), [`throttle`] (rate-limited warnings).
+//!
+//! The `server` feature (default) adds the service: [`zmtp`] (kvroute's own bounded ZMTP 3 SUB and
+//! DEALER sockets), [`ingest`] (subscription, replay catch-up, sequence tracking and resets per
+//! replica), [`agent`] (the per-node mirror and its stream), [`server`] (gRPC, the agent stream,
+//! admin HTTP), [`config`] and [`process`]; the binaries `kvroute-index` and `kvroute-agent`.
+//! `test-util` adds `testing`: a vLLM-exact publisher for tests.
 
 #[cfg(feature = "server")]
 pub mod agent;
