@@ -83,6 +83,10 @@ pub struct Metrics {
     /// In-process tokenizations that outlived their decision's wait and finished in the
     /// background (their slot held until then).
     pub tokenize_abandoned: Counter,
+    /// Whole tokenizations of a long prompt decided from its leading tokens that were not started
+    /// in the background (no free slot, or over the size limit): that conversation's next turn
+    /// tokenizes it again.
+    pub tokenize_background_skipped: Counter,
     /// Share of the prompt predicted to be cached on the chosen replica.
     pub predicted_cached_share: Histogram,
     /// Open ext_proc streams.
@@ -154,6 +158,7 @@ impl Metrics {
             token_cache_entries: Gauge::default(),
             tokenize_blocking_in_flight: Gauge::default(),
             tokenize_abandoned: Counter::default(),
+            tokenize_background_skipped: Counter::default(),
             predicted_cached_share: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]),
             streams_active: Gauge::default(),
             served_mismatch: Counter::default(),
@@ -229,6 +234,11 @@ impl Metrics {
             "tokenize_abandoned",
             "In-process tokenizations that outlived their decision's wait and finished in the background",
             metrics.tokenize_abandoned.clone(),
+        );
+        r.register(
+            "tokenize_background_skipped",
+            "Whole tokenizations after a leading-tokens decision not started (no free slot, too large)",
+            metrics.tokenize_background_skipped.clone(),
         );
         r.register(
             "predicted_cached_share",

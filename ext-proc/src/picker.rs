@@ -913,6 +913,27 @@ mod tests {
             .map_or(0, |count| count.parse().unwrap())
     }
 
+    /// Waits (10 s at most) until the token cache holds `entries` entries.
+    async fn wait_for_cached_entries(registry: &Registry, entries: i64) {
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+            let held = text
+                .lines()
+                .find_map(|line| line.strip_prefix("kvroute_extproc_token_cache_entries "))
+                .map_or(0, |n| n.parse().unwrap());
+            if held >= entries {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{held} cache entries, not {entries}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     /// A long request to `dir`'s model (chat when it has a template) of seeded mixed text.
     fn long_body(direct: &kvroute_tokenize::ModelTokenizer, seed: u64, turns: usize) -> String {
         let text = |i: u64| kvroute_tokenize::testing::mixed_text(seed + i, 48 * 1024, &[]);
@@ -1011,14 +1032,26 @@ mod tests {
         assert_eq!(tokenized_by(&leading_metrics, "leading"), 1);
         assert_eq!(tokenized_by(&leading_metrics, "tokenizer"), 0);
 
-        // r2 now remembers turn 1's leading blocks: turn 2 (same start) needs the whole prompt,
-        // and a repeat of it comes from the cache.
+        // Turn 1 was decided from its leading tokens; its whole tokenization finishes in the
+        // background, so turn 2 (same start) finds it as its cached prefix instead of paying for
+        // a leading part and then the whole prompt. r2 remembers turn 1's leading blocks.
+        wait_for_cached_entries(&leading_metrics, 1).await;
         let turn2 = long_body(&direct, 15, 2);
         let (replica, cached, _) = decide_body(&with_leading, &turn2).await;
         assert_eq!(replica, "r2");
         assert_eq!(cached, leading_blocks * 16, "turn 1's leading blocks on r2");
-        assert_eq!(tokenized_by(&leading_metrics, "leading"), 2);
-        assert_eq!(tokenized_by(&leading_metrics, "tokenizer"), 1);
+        assert_eq!(
+            tokenized_by(&leading_metrics, "leading"),
+            1,
+            "turn 2 not leading"
+        );
+        assert_eq!(
+            tokenized_by(&leading_metrics, "tokenizer")
+                + tokenized_by(&leading_metrics, "prefix_cache"),
+            1
+        );
+        // A repeat of turn 2 comes from the cache.
+        wait_for_cached_entries(&leading_metrics, 2).await;
         let repeat = decide_body(&with_leading, &turn2).await;
         assert_eq!(repeat.0, "r2");
         assert_eq!(tokenized_by(&leading_metrics, "cache"), 1);

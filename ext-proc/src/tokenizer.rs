@@ -1013,6 +1013,8 @@ struct CacheGauges {
     entries: Gauge,
     blocking_in_flight: Gauge,
     abandoned: Counter,
+    /// Whole tokenizations after a leading decision not started (no free slot, too large).
+    background_skipped: Counter,
 }
 
 /// A taken blocking-tokenization slot; counted in flight until dropped.
@@ -1060,6 +1062,7 @@ impl TokenCache {
             entries: metrics.token_cache_entries.clone(),
             blocking_in_flight: metrics.tokenize_blocking_in_flight.clone(),
             abandoned: metrics.tokenize_abandoned.clone(),
+            background_skipped: metrics.tokenize_background_skipped.clone(),
         };
         self
     }
@@ -1194,6 +1197,9 @@ impl TokenCache {
                     self.insert(full_key, Arc::clone(&tokens));
                     return Ok(tokenized(tokens));
                 }
+                // The next turn starts with this whole prompt and, were it not cached, would pay
+                // for its leading part and then all of it.
+                self.complete_later(model, tokenizer, &input, prompt, full_key);
                 // The rest of the prompt at the leading part's own bytes per token.
                 let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
                 let estimated_len =
@@ -1346,6 +1352,58 @@ impl TokenCache {
                  routing on the next tier (counted in fallbacks_total{{stage=\"tokenize\",cause=\"prompt_too_large\"}})"
             );
         }
+    }
+
+    /// Tokenizes a prompt whose decision used only its leading tokens, whole, in the background,
+    /// and caches it, so the conversation's next turn finds it as its cached prefix. Only with a
+    /// free refill slot and, for blocking work, a free blocking slot taken now (never waited
+    /// for: decisions come first), and within the prompt-size limit; otherwise skipped.
+    fn complete_later(
+        &self,
+        model: &str,
+        tokenizer: &Arc<dyn Tokenizer>,
+        input: &Arc<TokenizeInput>,
+        prompt: &Prompt<'_>,
+        key: u128,
+    ) {
+        let skipped = |why: &str| {
+            self.gauges.background_skipped.inc();
+            tracing::debug!(why, "whole tokenization after a leading decision skipped");
+        };
+        let blocking = tokenizer.runs_blocking(input, false);
+        if blocking && input.len_bytes() > self.max_prompt_bytes {
+            return skipped("prompt over limits.tokenize_max_prompt_bytes");
+        }
+        let Ok(refill) = Arc::clone(&self.refills).try_acquire_owned() else {
+            return skipped("refills busy");
+        };
+        let slot = if blocking {
+            let Ok(permit) = Arc::clone(&self.blocking).try_acquire_owned() else {
+                return skipped("blocking slots busy");
+            };
+            self.gauges.blocking_in_flight.inc();
+            Some(BlockingSlot {
+                _permit: permit,
+                in_flight: self.gauges.blocking_in_flight.clone(),
+            })
+        } else {
+            None
+        };
+        let tokenizing = match prompt {
+            Prompt::Text { body, .. } | Prompt::Chat { body, .. } | Prompt::Api { body, .. } => {
+                tokenizer.tokenize_request(model, Arc::clone(input), body)
+            }
+            Prompt::Tokens(_) | Prompt::Absent => return,
+        };
+        let entries = Arc::clone(&self.entries);
+        let gauges = self.gauges.clone();
+        self.tasks.spawn(async move {
+            let _held = (refill, slot);
+            match tokenizing.await {
+                Ok(tokens) => insert_into(&entries, &gauges, key, tokens.into()),
+                Err(error) => tracing::debug!(%error, "background whole tokenization failed"),
+            }
+        });
     }
 
     /// Lets a tokenization that outran the wait finish and fill the cache (bounded: without a
