@@ -1001,6 +1001,8 @@ pub struct TokenCache {
     /// One permit per tokenization running on a blocking thread.
     blocking: Arc<tokio::sync::Semaphore>,
     max_prompt_bytes: usize,
+    /// Recent cost of whole blocking tokenizations, picoseconds per prompt byte (0: none yet).
+    blocking_ps_per_byte: Arc<std::sync::atomic::AtomicU64>,
     gauges: CacheGauges,
     last_too_large_log: Mutex<Option<Instant>>,
     tasks: TaskTracker,
@@ -1049,6 +1051,7 @@ impl TokenCache {
             refills: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REFILLS)),
             blocking: Arc::new(tokio::sync::Semaphore::new(limits.concurrency.max(1))),
             max_prompt_bytes: limits.max_prompt_bytes,
+            blocking_ps_per_byte: Arc::default(),
             gauges: CacheGauges::default(),
             last_too_large_log: Mutex::new(None),
             tasks,
@@ -1233,10 +1236,17 @@ impl TokenCache {
         };
         let entries = Arc::clone(&self.entries);
         let gauges = self.gauges.clone();
+        let rate = slot
+            .is_some()
+            .then(|| Arc::clone(&self.blocking_ps_per_byte));
         // Whoever finishes the tokenization caches it: this decision, or, once it stopped
         // waiting, the task left running it.
         let caching = async move {
+            let started = Instant::now();
             let tokens: Arc<[u32]> = tokenizing.await?.into();
+            if let Some(rate) = rate {
+                record_rate(&rate, started.elapsed(), full_bytes);
+            }
             insert_into(&entries, &gauges, full_key, Arc::clone(&tokens));
             Ok(tokens)
         };
@@ -1245,7 +1255,12 @@ impl TokenCache {
             // millisecond for a long conversation; a network tokenizer gets the whole budget);
             // past it, route on the conversation's cached
             // prefix and let the tokenization finish in the background for the next turn.
-            let wait = budget.min(tokenizer.prefix_hit_wait());
+            let mut wait = budget.min(tokenizer.prefix_hit_wait());
+            // A long prompt whose whole tokenization recently took longer than the wait: waiting
+            // would only add the wait (32k tokens take ≈ 10 ms; the next turn reuses them).
+            if slot.is_some() && self.expected_blocking(full_bytes) > wait {
+                wait = Duration::ZERO;
+            }
             let wait_until = tokio::time::Instant::now() + wait;
             let exact = match slot {
                 // Already a task of its own, which finishes (and caches) if this stops waiting.
@@ -1334,6 +1349,15 @@ impl TokenCache {
         }
     }
 
+    /// What a whole blocking tokenization of `bytes` is expected to take, from recent ones
+    /// (zero before any).
+    fn expected_blocking(&self, bytes: usize) -> Duration {
+        let ps_per_byte = self
+            .blocking_ps_per_byte
+            .load(std::sync::atomic::Ordering::Relaxed);
+        Duration::from_nanos(ps_per_byte.saturating_mul(bytes as u64) / 1000)
+    }
+
     /// Caches a full tokenization.
     fn insert(&self, key: u128, tokens: Arc<[u32]>) {
         insert_into(&self.entries, &self.gauges, key, tokens);
@@ -1417,6 +1441,21 @@ impl TokenCache {
             let _ = caching.await;
         });
     }
+}
+
+/// Folds one blocking tokenization (`elapsed` for `bytes`) into the recent cost per byte (an
+/// exponential average over about eight).
+fn record_rate(rate: &std::sync::atomic::AtomicU64, elapsed: Duration, bytes: usize) {
+    use std::sync::atomic::Ordering;
+    let sample = u64::try_from(elapsed.as_nanos().saturating_mul(1000) / bytes.max(1) as u128)
+        .unwrap_or(u64::MAX);
+    let _ = rate.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+        Some(if old == 0 {
+            sample
+        } else {
+            old - old / 8 + sample / 8
+        })
+    });
 }
 
 /// Caches `tokens` under `key` (an entry heavier than the whole cache is not kept).
@@ -1585,6 +1624,31 @@ mod tests {
     use crate::request::{Endpoint, parse};
 
     const TINY_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-model");
+
+    #[test]
+    fn the_expected_cost_of_a_blocking_tokenization_follows_recent_ones() {
+        let cache = TokenCache::new(TokenLimits::default(), TaskTracker::new());
+        assert_eq!(
+            cache.expected_blocking(100_000),
+            Duration::ZERO,
+            "nothing measured yet"
+        );
+        // 10 ms for 100 kB: 100 ns per byte.
+        record_rate(
+            &cache.blocking_ps_per_byte,
+            Duration::from_millis(10),
+            100_000,
+        );
+        assert_eq!(cache.expected_blocking(100_000), Duration::from_millis(10));
+        assert_eq!(cache.expected_blocking(50_000), Duration::from_millis(5));
+        // One faster sample moves the average an eighth of the way.
+        record_rate(
+            &cache.blocking_ps_per_byte,
+            Duration::from_millis(2),
+            100_000,
+        );
+        assert_eq!(cache.expected_blocking(100_000), Duration::from_millis(9));
+    }
 
     #[tokio::test]
     async fn in_process_equals_the_model_tokenizer() {
