@@ -65,6 +65,8 @@ for line in metadata.splitlines():
     if pinned not in lines:
         lines.append(pinned)
 lines.append("msgpack")
+# vLLM's xxhash block-hash algorithms import it (tests/vllm/golden.py computes their vectors).
+lines.append("xxhash==4.1.0")
 print("\n".join(lines))
 PYEOF
 
