@@ -36,6 +36,8 @@ from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils as kcu
 
+from fixture_json import jsonable
+
 BLOCK_SIZE = 16
 ALGOS = ["sha256_cbor", "sha256", "xxhash_cbor", "xxhash"]
 # None: PYTHONHASHSEED unset (vLLM's fixed default for sha256*; xxhash* would be random, so
@@ -159,16 +161,6 @@ def extra_keys_vectors():
                 "event_int_u64": [published(h, True) for h in hashes],
             })
     return vectors
-
-
-def jsonable(value):
-    if isinstance(value, bytes):
-        return {"$bytes_hex": value.hex()}
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
 
 
 def event_payloads():

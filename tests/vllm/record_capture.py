@@ -43,6 +43,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from fixture_json import jsonable
+
 HERE = Path(__file__).resolve().parent
 TOPIC = "kv@127.0.0.1@tiny"
 QUIET_S = 2.0
@@ -60,17 +62,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def jsonable(value):
-    """A generic msgpack decode as JSON: bytes become {"$bytes_hex": ...}."""
-    if isinstance(value, bytes):
-        return {"$bytes_hex": value.hex()}
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
 
 
 def http(method: str, url: str, body=None, timeout=600):
