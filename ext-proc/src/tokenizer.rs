@@ -1228,12 +1228,7 @@ impl TokenCache {
         } else {
             None
         };
-        let tokenizing = match prompt {
-            Prompt::Text { body, .. } | Prompt::Chat { body, .. } | Prompt::Api { body, .. } => {
-                tokenizer.tokenize_request(model, input, body)
-            }
-            Prompt::Tokens(_) | Prompt::Absent => tokenizer.tokenize(model, input),
-        };
+        let tokenizing = start_tokenizing(tokenizer.as_ref(), model, input, prompt);
         let entries = Arc::clone(&self.entries);
         let gauges = self.gauges.clone();
         let rate = slot
@@ -1309,11 +1304,16 @@ impl TokenCache {
             .await
             .map_err(|_| busy())?
             .map_err(|_| busy())?;
+        Ok(self.taken_slot(permit))
+    }
+
+    /// `permit` as a blocking slot, counted in flight until dropped.
+    fn taken_slot(&self, permit: tokio::sync::OwnedSemaphorePermit) -> BlockingSlot {
         self.gauges.blocking_in_flight.inc();
-        Ok(BlockingSlot {
+        BlockingSlot {
             _permit: permit,
             in_flight: self.gauges.blocking_in_flight.clone(),
-        })
+        }
     }
 
     /// `work`'s result by `deadline` ([`TokenizeError::Timeout`] after `budget` otherwise). Work
@@ -1405,20 +1405,11 @@ impl TokenCache {
             let Ok(permit) = Arc::clone(&self.blocking).try_acquire_owned() else {
                 return skipped("blocking slots busy");
             };
-            self.gauges.blocking_in_flight.inc();
-            Some(BlockingSlot {
-                _permit: permit,
-                in_flight: self.gauges.blocking_in_flight.clone(),
-            })
+            Some(self.taken_slot(permit))
         } else {
             None
         };
-        let tokenizing = match prompt {
-            Prompt::Text { body, .. } | Prompt::Chat { body, .. } | Prompt::Api { body, .. } => {
-                tokenizer.tokenize_request(model, Arc::clone(input), body)
-            }
-            Prompt::Tokens(_) | Prompt::Absent => return,
-        };
+        let tokenizing = start_tokenizing(tokenizer.as_ref(), model, Arc::clone(input), prompt);
         let entries = Arc::clone(&self.entries);
         let gauges = self.gauges.clone();
         self.tasks.spawn(async move {
@@ -1440,6 +1431,22 @@ impl TokenCache {
             let _permit = permit;
             let _ = caching.await;
         });
+    }
+}
+
+/// The whole tokenization of `prompt` (`input` is its owned form): the request's own body goes
+/// along for tokenizers that send it on (render).
+fn start_tokenizing(
+    tokenizer: &dyn Tokenizer,
+    model: &str,
+    input: Arc<TokenizeInput>,
+    prompt: &Prompt<'_>,
+) -> TokenizeFuture {
+    match prompt {
+        Prompt::Text { body, .. } | Prompt::Chat { body, .. } | Prompt::Api { body, .. } => {
+            tokenizer.tokenize_request(model, input, body)
+        }
+        Prompt::Tokens(_) | Prompt::Absent => tokenizer.tokenize(model, input),
     }
 }
 
