@@ -6,13 +6,13 @@
 //! ```yaml
 //! # Loopback unless configured; in a pod, Envoy or the gateway reaches ext_proc from outside:
 //! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9003"}
-//! # TLS on the ext_proc port (kvroute_index::tls), optionally requiring client certificates
+//! # TLS on the ext_proc port (kvroute_index_api::tls), optionally requiring client certificates
 //! # signed by client_ca (mTLS): Envoy's ext_proc cluster then needs an UpstreamTlsContext.
 //! #  tls: {cert: /tls/tls.crt, key: /tls/tls.key, client_ca: /tls/envoy-ca.crt}
 //! index: {addresses: ["http://10.0.0.9:7070"], match_timeout: 20ms}
 //! # Or the index inside this process (Match without a network hop), from a kvroute-index config:
 //! # index: {embedded: /etc/kvroute/index.yaml}
-//! # TLS to the index (kvroute_index::tls): addresses are then https://
+//! # TLS to the index (kvroute_index_api::tls): addresses are then https://
 //! # index: {addresses: ["https://kvroute-index:7070"], tls: {ca: /tls/ca.crt, server_name: kvroute-index}}
 //! # The index's query_auth token, sent as `authorization: Bearer <token>` with every Match:
 //! # index: {addresses: ["http://10.0.0.9:7070"], token_file: /etc/kvroute/query-token}
@@ -65,8 +65,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use kvroute_block_keys::{KeyScheme, LoraRef, PoolKeySettings, RawKeyScheme};
-use kvroute_index::duration::parse_duration;
-use kvroute_index::token::{AgentToken, TokenError, TokenSource};
+use kvroute_index_api::duration::parse_duration;
+use kvroute_index_api::token::{AgentToken, TokenError, TokenSource};
 
 use kvroute_routing::ScoringConfig;
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
@@ -181,7 +181,7 @@ pub struct RawConfig {
 struct RawListen {
     grpc: Option<String>,
     admin: Option<String>,
-    tls: Option<kvroute_index::tls::RawServerTls>,
+    tls: Option<kvroute_index_api::tls::RawServerTls>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -191,7 +191,7 @@ struct RawIndex {
     embedded: Option<PathBuf>,
     match_timeout: Option<String>,
     retry_after: Option<String>,
-    tls: Option<kvroute_index::tls::RawClientTls>,
+    tls: Option<kvroute_index_api::tls::RawClientTls>,
     token_file: Option<String>,
 }
 
@@ -313,13 +313,13 @@ pub struct Config {
     /// Admin HTTP listen address (`/metrics`, `/healthz`, `/readyz`).
     pub admin_addr: SocketAddr,
     /// TLS (and optionally client certificates) on the ext_proc gRPC port (`None`: plaintext).
-    pub grpc_tls: Option<kvroute_index::tls::ServerTls>,
+    pub grpc_tls: Option<kvroute_index_api::tls::ServerTls>,
     /// kvroute-index addresses, tried in order (HA).
     pub index_addresses: Vec<http::Uri>,
     /// A kvroute-index run inside this process and asked first (`index.embedded`).
     pub embedded_index: Option<EmbeddedIndex>,
     /// TLS to the index (`None`: plaintext).
-    pub index_tls: Option<kvroute_index::tls::ClientTls>,
+    pub index_tls: Option<kvroute_index_api::tls::ClientTls>,
     /// The index's `query_auth` token (`index.token_file`), sent with every `Match`.
     pub index_token: Option<AgentToken>,
     /// Deadline for one `Match`, fail-overs included.
@@ -757,7 +757,7 @@ impl TryFrom<RawConfig> for Config {
             .listen
             .tls
             .as_ref()
-            .map(|tls| kvroute_index::tls::ServerTls::load(tls, "listen.tls"))
+            .map(|tls| kvroute_index_api::tls::ServerTls::load(tls, "listen.tls"))
             .transpose()?;
         let index_addresses = raw
             .index
@@ -770,7 +770,7 @@ impl TryFrom<RawConfig> for Config {
             .index
             .tls
             .as_ref()
-            .map(|tls| kvroute_index::tls::ClientTls::load(tls, "index.tls"))
+            .map(|tls| kvroute_index_api::tls::ClientTls::load(tls, "index.tls"))
             .transpose()?;
         let index_token = match raw.index.token_file.as_deref() {
             None => None,
@@ -1286,12 +1286,12 @@ fn index_uri(field: &str, value: &str, tls: bool) -> Result<http::Uri, ConfigErr
             "expected an http(s):// URL",
         ));
     }
-    kvroute_index::tls::check_scheme(value, tls)
+    kvroute_index_api::tls::check_scheme(value, tls)
         .map_err(|reason| ConfigError::invalid(field, value, reason))?;
     Ok(uri)
 }
 
-/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_index::duration::parse_duration`],
+/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_index_api::duration::parse_duration`],
 /// the one parser of every kvroute config), or `default` when absent.
 fn duration(field: &str, value: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
     value.map_or(Ok(default), |text| {

@@ -19,7 +19,7 @@ pub use absent::{IndexConfig, IndexServer, LocalMatcher, MatchError, ServeError}
 mod absent {
     use std::net::SocketAddr;
 
-    use kvroute_index::api::{MatchRequest, MatchResponse};
+    use kvroute_index_api::api::{MatchRequest, MatchResponse};
 
     /// Why `index.embedded` cannot be used.
     #[derive(Debug, thiserror::Error)]

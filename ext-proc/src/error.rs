@@ -258,7 +258,7 @@ pub enum ConfigError {
     },
     /// `index.tls` is unusable (missing file, not PEM, refused by rustls).
     #[error("invalid TLS settings: {0}")]
-    Tls(#[from] kvroute_index::tls::TlsError),
+    Tls(#[from] kvroute_index_api::tls::TlsError),
 }
 
 impl ConfigError {

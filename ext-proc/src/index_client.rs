@@ -8,10 +8,10 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_index::api::kv_index_client::KvIndexClient;
-use kvroute_index::api::{MatchRequest, MatchResponse};
-use kvroute_index::tls::ClientTls;
-use kvroute_index::token::{AUTHORIZATION, AgentToken};
+use kvroute_index_api::api::kv_index_client::KvIndexClient;
+use kvroute_index_api::api::{MatchRequest, MatchResponse};
+use kvroute_index_api::tls::ClientTls;
+use kvroute_index_api::token::{AUTHORIZATION, AgentToken};
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 

@@ -20,7 +20,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_index::throttle::LogThrottle;
+use kvroute_index_core::throttle::LogThrottle;
 use kvroute_routing::load::{LoadBoard, Prediction, ReplicaLoad, Scraped};
 use parking_lot::{Mutex, RwLock};
 

@@ -43,7 +43,7 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::StreamExt as _;
 use tonic::{Request, Response, Status, Streaming};
 
-use kvroute_index::throttle::LogThrottle;
+use kvroute_index_core::throttle::LogThrottle;
 
 use crate::config::{BodyMode, DebugHeaders};
 use crate::error::RequestError;

@@ -27,8 +27,8 @@ use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvroute_block_keys::KeyScheme;
 use kvroute_ext_proc::tokenizer::{TokenizeFuture, TokenizeInput};
 use kvroute_ext_proc::{Config, ExtProc, Picker, Tokenizer};
-use kvroute_index::api::kv_index_server::{KvIndex, KvIndexServer};
-use kvroute_index::api::{
+use kvroute_index_api::api::kv_index_server::{KvIndex, KvIndexServer};
+use kvroute_index_api::api::{
     MatchRequest, MatchResponse, ReplicaCondition, ReplicaMatch, ReplicaStateRequest,
     ReplicaStateResponse,
 };

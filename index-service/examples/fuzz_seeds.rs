@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use kvroute_block_keys::HashValue;
 use kvroute_block_keys::testing::{fixture, shared_dir};
-use kvroute_index::agent::convert::event_to_proto;
+use kvroute_index::agent_protocol::event_to_proto;
 use kvroute_index::api;
 use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index::testing::zmtp_bytes;

@@ -345,7 +345,7 @@ pub struct Config {
     pub agent_stale_grace: Duration,
     /// The bearer token the query API requires (`None`: it answers anyone who can connect, so keep
     /// it on loopback or a private network).
-    pub query_token: Option<crate::agent::token::AgentToken>,
+    pub query_token: Option<crate::token::AgentToken>,
     /// When `/readyz` and gRPC health say ready.
     pub readiness: Readiness,
 }
@@ -356,7 +356,7 @@ pub struct AgentConfig {
     /// Agent id.
     pub id: String,
     /// Its shared secret.
-    pub token: crate::agent::token::AgentToken,
+    pub token: crate::token::AgentToken,
     /// Replica ids it owns.
     pub replicas: Vec<String>,
 }
@@ -616,8 +616,8 @@ impl Config {
 /// Agents: unique ids, exactly one token source (loaded now), replicas that exist and have one
 /// owner each.
 /// `query_auth`: exactly one token source; the token must fit an `authorization` header.
-fn validate_query_auth(raw: RawQueryAuth) -> Result<crate::agent::token::AgentToken, ConfigError> {
-    use crate::agent::token::{AgentToken, TokenSource};
+fn validate_query_auth(raw: RawQueryAuth) -> Result<crate::token::AgentToken, ConfigError> {
+    use crate::token::{AgentToken, TokenSource};
     let (source, field) = match (raw.token_file, raw.token_env) {
         (Some(path), None) => (TokenSource::File(path), "query_auth.token_file"),
         (None, Some(name)) => (TokenSource::Env(name), "query_auth.token_env"),
@@ -645,7 +645,7 @@ fn validate_agents(
     raw: Vec<RawAgent>,
     replica_ids: &HashSet<String>,
 ) -> Result<Vec<AgentConfig>, ConfigError> {
-    use crate::agent::token::{AgentToken, TokenSource};
+    use crate::token::{AgentToken, TokenSource};
     let mut agents: Vec<AgentConfig> = Vec::with_capacity(raw.len());
     let mut owned = HashSet::new();
     for (i, agent) in raw.into_iter().enumerate() {
@@ -671,7 +671,7 @@ fn validate_agents(
         let token = AgentToken::load(&source).map_err(|e| {
             ConfigError::invalid(field("token_file"), "<secret source>", e.to_string())
         })?;
-        let max = crate::agent::client::MAX_REPLICAS_PER_HELLO;
+        let max = crate::agent_protocol::MAX_REPLICAS_PER_HELLO;
         if agent.replicas.len() > max {
             return Err(ConfigError::invalid(
                 field("replicas"),

@@ -40,14 +40,14 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Directory;
-use crate::agent::client::{MAX_MESSAGE_BYTES, MAX_REPLICAS_PER_HELLO};
-use crate::agent::convert::event_from_proto;
-use crate::agent::token::AgentToken;
+use crate::agent_protocol::event_from_proto;
+use crate::agent_protocol::{MAX_MESSAGE_BYTES, MAX_REPLICAS_PER_HELLO};
 use crate::api::{self, agent_ingest_server::AgentIngestServer};
 use crate::config::Config;
 use crate::event::KvEvent;
 use crate::index::{BlockIndex, Feed, FeedState, FlagReason, KvIndex, ReplicaId};
 use crate::throttle::LogThrottle;
+use crate::token::AgentToken;
 
 /// How long a new stream may take to send `Hello`.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -698,11 +698,11 @@ pub mod fuzzing {
     use tokio_util::sync::CancellationToken;
 
     use super::{AgentStreams, Session};
-    use crate::agent::token::AgentToken;
     use crate::api;
     use crate::config::{AgentConfig, Config};
     use crate::index::{BlockIndex, IndexConfig, IndexMetrics};
     use crate::server::Directory;
+    use crate::token::AgentToken;
 
     /// The agent id [`AgentStreamHarness`] knows.
     pub const AGENT_ID: &str = "fuzz-agent";

@@ -11,7 +11,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::{agent::token::AgentToken, throttle::LogThrottle};
+use crate::{throttle::LogThrottle, token::AgentToken};
 
 pub use crate::token::AUTHORIZATION;
 

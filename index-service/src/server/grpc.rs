@@ -19,14 +19,24 @@ pub const MAX_MATCH_KEYS: usize = 1 << 17;
 /// Why a match query was refused; mapped to gRPC / HTTP status in one place each.
 #[derive(Debug, thiserror::Error)]
 pub enum MatchError {
+    /// No pool serves this model.
     #[error("unknown model {0:?}")]
     UnknownModel(String),
+    /// The query's keys were computed for another block size than the pool's engines use.
     #[error("block size {asked} does not match the pool's {pool}")]
-    BlockSize { asked: u32, pool: u32 },
+    BlockSize {
+        /// The query's block size.
+        asked: u32,
+        /// The pool's.
+        pool: u32,
+    },
+    /// More keys than [`MAX_MATCH_KEYS`].
     #[error("too many keys: {0} (limit {MAX_MATCH_KEYS})")]
     TooManyKeys(usize),
+    /// The keys could not be computed from the request's tokens.
     #[error("cannot compute keys: {0}")]
     Keys(String),
+    /// The index refused the query.
     #[error("index error: {0}")]
     Index(#[from] crate::index::IndexError),
 }

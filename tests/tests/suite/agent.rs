@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvroute_index::agent::{Agent, AgentConfig};
+use kvroute_agent::{Agent, AgentConfig};
 use kvroute_index::api::{self, agent_ingest_client::AgentIngestClient};
 use kvroute_index::config::Config;
 use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
@@ -69,11 +69,7 @@ engines:
 "#
     );
     let raw = serde_yaml::from_str(&yaml).unwrap();
-    AgentConfig::validate(
-        raw,
-        kvroute_index::agent::token::AgentToken::from_literal(TOKEN),
-    )
-    .unwrap()
+    AgentConfig::validate(raw, kvroute_index::token::AgentToken::from_literal(TOKEN)).unwrap()
 }
 
 fn index_binary() -> PathBuf {
@@ -472,7 +468,7 @@ impl OpenStream {
         let mut client = AgentIngestClient::connect(uri.to_owned())
             .await
             .unwrap()
-            .max_encoding_message_size(kvroute_index::agent::client::MAX_MESSAGE_BYTES);
+            .max_encoding_message_size(kvroute_index::agent_protocol::MAX_MESSAGE_BYTES);
         let (tx, rx) = tokio::sync::mpsc::channel(8);
         tx.send(hello).await.unwrap();
         let inbound = client
@@ -496,7 +492,7 @@ impl OpenStream {
 /// cap did not apply to the `Hello` loop), and an agent could open any number of streams.
 #[tokio::test]
 async fn hello_claims_refusals_and_streams_per_agent_are_capped() {
-    use kvroute_index::agent::client::MAX_REPLICAS_PER_HELLO;
+    use kvroute_index::agent_protocol::MAX_REPLICAS_PER_HELLO;
     use kvroute_index::server::{MAX_QUEUED_REFUSALS, MAX_STREAMS_PER_AGENT};
 
     let dir = tempfile::tempdir().unwrap();
@@ -928,16 +924,13 @@ async fn agent_stream_and_match_work_over_tls_and_plaintext_is_refused() {
         "tls: {{ca: \"{}\", server_name: localhost}}\n",
         pki.ca.display()
     );
-    let raw: kvroute_index::agent::config::RawAgentConfig = serde_yaml::from_str(&format!(
+    let raw: kvroute_agent::config::RawAgentConfig = serde_yaml::from_str(&format!(
         "agent_id: node-a\nindexes: [\"https://{grpc}\"]\nadmin: 127.0.0.1:0\nbatch_delay: 10ms\n\
          engines: [{{replica: engine-a, endpoint: \"{kv}\", replay_endpoint: \"{replay}\"}}]\n{tls_yaml}"
     ))
     .unwrap();
-    let agent_config = AgentConfig::validate(
-        raw,
-        kvroute_index::agent::token::AgentToken::from_literal(TOKEN),
-    )
-    .unwrap();
+    let agent_config =
+        AgentConfig::validate(raw, kvroute_index::token::AgentToken::from_literal(TOKEN)).unwrap();
     assert!(agent_config.tls.is_some());
     let agent = Agent::start(agent_config).await.unwrap();
 
@@ -1041,7 +1034,7 @@ fn tls_config_errors_name_the_field() {
     );
     let error = AgentConfig::validate(
         serde_yaml::from_str(&yaml).unwrap(),
-        kvroute_index::agent::token::AgentToken::from_literal("t"),
+        kvroute_index::token::AgentToken::from_literal("t"),
     )
     .unwrap_err()
     .to_string();

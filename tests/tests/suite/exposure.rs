@@ -120,9 +120,7 @@ async fn index_listens_on_loopback_only_by_default() {
     assert_loopback_only("kvroute-index", &[index.grpc_addr(), index.admin_addr()]);
     index.shutdown().await;
 
-    let agent_admin: SocketAddr = kvroute_index::agent::config::DEFAULT_ADMIN_ADDR
-        .parse()
-        .unwrap();
+    let agent_admin: SocketAddr = kvroute_agent::config::DEFAULT_ADMIN_ADDR.parse().unwrap();
     assert!(
         agent_admin.ip().is_loopback(),
         "kvroute-agent's admin default is {agent_admin}"
@@ -409,7 +407,7 @@ async fn index_query_api_needs_the_token_when_configured() {
     let asked = |token: &'static str| {
         let uri = uri.clone();
         async move {
-            let token = kvroute_index::agent::token::AgentToken::from_literal(token);
+            let token = kvroute_index::token::AgentToken::from_literal(token);
             let client = kvroute_ext_proc::index_client::IndexClient::new(
                 &[uri],
                 Duration::from_secs(1),

@@ -15,12 +15,12 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 
-use super::convert::event_to_proto;
 use super::metrics::AgentMetrics;
 use super::mirror::ReplicaMirror;
-use crate::api;
-use crate::event::{EventBatch, KvEvent};
-use crate::ingest::{EventSink, ReplicaKey, ResetReason};
+use kvroute_index::ingest::{EventSink, ReplicaKey, ResetReason};
+use kvroute_index_api::agent_protocol::event_to_proto;
+use kvroute_index_api::api;
+use kvroute_index_core::event::{EventBatch, KvEvent};
 
 /// Rough protobuf size of an event, to keep messages far below gRPC's 4 MiB default.
 fn approx_size(event: &KvEvent) -> usize {
@@ -262,7 +262,7 @@ mod tests {
     use prometheus_client::registry::Registry;
 
     use super::*;
-    use crate::event::BlockStored;
+    use kvroute_index_core::event::BlockStored;
 
     fn hub(max_batch_bytes: usize, subscriber_queue: usize) -> Hub {
         let replicas = [Arc::<str>::from("r")];

@@ -1,4 +1,4 @@
-//! `kvroute-agent`: mirrors the KV blocks of the engines beside it and streams them to one or
+//! kvroute-agent: mirrors the KV blocks of the engines beside it and streams them to one or
 //! more kvroute-index instances.
 //!
 //! - **Engine side**: the existing ZMQ [`Ingest`] (sequence checks, replay of gaps, resets on
@@ -12,13 +12,14 @@
 //!
 //! TLS to the indexes is optional (`tls:` in the config, `https://` index addresses).
 
+#![deny(missing_docs)]
+
 pub mod client;
 pub mod config;
-pub mod convert;
 pub mod hub;
 pub mod metrics;
 pub mod mirror;
-pub use crate::token;
+pub use kvroute_index_api::token;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -32,7 +33,7 @@ pub use config::AgentConfig;
 pub use hub::{Hub, HubLimits};
 pub use metrics::AgentMetrics;
 
-use crate::ingest::{Ingest, IngestMetrics};
+use kvroute_index::ingest::{Ingest, IngestMetrics};
 
 /// Why the agent cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -112,7 +113,7 @@ impl Agent {
         ));
         let cancel = CancellationToken::new();
         let ingest = Ingest::new(
-            Arc::clone(&hub) as Arc<dyn crate::ingest::EventSink>,
+            Arc::clone(&hub) as Arc<dyn kvroute_index::ingest::EventSink>,
             ingest_metrics,
             cancel.child_token(),
         );

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use kvroute_block_keys::HashValue;
 
-use crate::event::{BlockStored, EngineHash, KvEvent, Medium};
+use kvroute_index_core::event::{BlockStored, EngineHash, KvEvent, Medium};
 
 const MEDIA: [Medium; 4] = [Medium::Gpu, Medium::Cpu, Medium::Storage, Medium::Other];
 
@@ -332,7 +332,7 @@ fn has_extra_keys(block: &MirrorBlock) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::BlockRemoved;
+    use kvroute_index_core::event::BlockRemoved;
 
     fn stored(hashes: &[u64], parent: Option<u64>, medium: Medium) -> KvEvent {
         KvEvent::BlockStored(BlockStored {

@@ -6,7 +6,7 @@
 //! indexes: ["http://kvroute-index-0:50061", "http://kvroute-index-1:50061"]
 //! admin: 127.0.0.1:9471            # /metrics, /healthz
 //! batch_delay: 20ms                # deltas are flushed at least this often
-//! reconnect_backoff_max: 5s        # durations as in every kvroute config (config::parse_duration)
+//! reconnect_backoff_max: 5s        # durations as in every kvroute config (kvroute_index_api::duration)
 //! max_blocks_per_replica: 1000000
 //! tls: {ca: /tls/ca.crt, server_name: kvroute-index}   # optional; indexes are then https://
 //! engines:
@@ -15,7 +15,7 @@
 //!     replay_endpoint: tcp://127.0.0.1:5558
 //!     dp_rank: 0
 //!     # mode: bind, allowed_peers: [10.0.0.0/24], topic, max_message_bytes: as in the index's
-//!     # replicas[].events (crate::config)
+//!     # replicas[].events (kvroute_index::config)
 //! ```
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
@@ -23,8 +23,8 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
-use super::token::{AgentToken, TokenError, TokenSource};
-use crate::ingest::{IngestConfig, SocketMode, transport_settings};
+use kvroute_index::ingest::{IngestConfig, SocketMode, transport_settings};
+use kvroute_index_api::token::{AgentToken, TokenError, TokenSource};
 
 /// Default admin listen address.
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9471";
@@ -65,8 +65,8 @@ pub struct RawAgentConfig {
     pub reconnect_backoff_max_ms: Option<IgnoredAny>,
     /// Local engines.
     pub engines: Vec<RawEngine>,
-    /// TLS to the indexes (see [`crate::tls`]); every index address is then `https://`.
-    pub tls: Option<crate::tls::RawClientTls>,
+    /// TLS to the indexes (see [`kvroute_index_api::tls`]); every index address is then `https://`.
+    pub tls: Option<kvroute_index_api::tls::RawClientTls>,
 }
 
 /// One `engines:` entry.
@@ -112,7 +112,7 @@ pub enum AgentConfigError {
     Token(#[from] TokenError),
     /// `tls` is unusable.
     #[error("invalid TLS settings: {0}")]
-    Tls(#[from] crate::tls::TlsError),
+    Tls(#[from] kvroute_index_api::tls::TlsError),
     /// A key of the older schema: refused, so a file never means two things.
     #[error("`{old}` is now {new}")]
     Renamed {
@@ -170,7 +170,7 @@ pub struct AgentConfig {
     /// One ingest socket per engine (DP rank).
     pub engines: Vec<IngestConfig>,
     /// TLS to the indexes (`None`: plaintext).
-    pub tls: Option<crate::tls::ClientTls>,
+    pub tls: Option<kvroute_index_api::tls::ClientTls>,
 }
 
 impl AgentConfig {
@@ -212,7 +212,7 @@ impl AgentConfig {
         }
         let duration = |field: &str, value: Option<&str>, default: Duration| {
             value.map_or(Ok(default), |text| {
-                crate::config::parse_duration(text)
+                kvroute_index_api::duration::parse_duration(text)
                     .map_err(|e| AgentConfigError::invalid(field, text, e.to_string()))
             })
         };
@@ -248,14 +248,14 @@ impl AgentConfig {
                     "expected http://host:port",
                 ));
             }
-            crate::tls::check_scheme(index, raw.tls.is_some()).map_err(|reason| {
+            kvroute_index_api::tls::check_scheme(index, raw.tls.is_some()).map_err(|reason| {
                 AgentConfigError::invalid(format!("indexes[{i}]"), index, reason)
             })?;
         }
         let tls = raw
             .tls
             .as_ref()
-            .map(|tls| crate::tls::ClientTls::load(tls, "tls"))
+            .map(|tls| kvroute_index_api::tls::ClientTls::load(tls, "tls"))
             .transpose()?;
         let admin = raw.admin.as_deref().unwrap_or(DEFAULT_ADMIN_ADDR);
         let admin_addr = admin
@@ -323,12 +323,12 @@ impl AgentConfig {
         }
         let replicas: std::collections::HashSet<&str> =
             engines.iter().map(|e| &*e.replica_id).collect();
-        let max = super::client::MAX_REPLICAS_PER_HELLO;
+        let max = kvroute_index_api::agent_protocol::MAX_REPLICAS_PER_HELLO;
         if replicas.len() > max {
             return Err(AgentConfigError::invalid(
                 "engines",
                 replicas.len(),
-                "more replicas than one Hello may claim (agent::client::MAX_REPLICAS_PER_HELLO)",
+                "more replicas than one Hello may claim (agent_protocol::MAX_REPLICAS_PER_HELLO)",
             ));
         }
         let max_blocks_per_replica = raw

@@ -11,21 +11,15 @@ use tonic::transport::Endpoint;
 
 use super::hub::Hub;
 use super::metrics::AgentMetrics;
-use super::token::AgentToken;
-use crate::api::{self, agent_ingest_client::AgentIngestClient};
-use crate::throttle::LogThrottle;
+use kvroute_index_api::agent_protocol::MAX_MESSAGE_BYTES;
+use kvroute_index_api::api::{self, agent_ingest_client::AgentIngestClient};
+use kvroute_index_api::token::AgentToken;
+use kvroute_index_core::throttle::LogThrottle;
 
 /// Bound on one connect attempt.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// HTTP/2 pings detect a silently dead index (a cut network) within about twice this.
 const KEEPALIVE: Duration = Duration::from_secs(5);
-/// Largest message we send or accept; snapshot chunks stay far below it.
-pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
-/// Most replica ids one `Hello` may claim. A node runs a handful of engines; the agent's config
-/// and the index's `agents[].replicas` are held to this too, so only a broken or hostile agent
-/// reaches it, and the index refuses such a `Hello` whole (it would otherwise answer every
-/// claimed id).
-pub const MAX_REPLICAS_PER_HELLO: usize = 1024;
 
 /// What the connection loop needs.
 #[derive(Debug, Clone)]
@@ -35,7 +29,7 @@ pub(crate) struct StreamSettings {
     pub(crate) token: AgentToken,
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
-    pub(crate) tls: Option<crate::tls::ClientTls>,
+    pub(crate) tls: Option<kvroute_index_api::tls::ClientTls>,
 }
 
 /// Keeps one index stream up until `cancel`.

@@ -6,15 +6,17 @@
 //! `shared/vllm/kv-events-spec.md` §1–§2.
 //!
 //! ```
-//! use kvroute_index::wire::{self, Encoding};
-//! use kvroute_index::event::{EventBatch, KvEvent};
+//! # #[cfg(feature = "encode")] {
+//! use kvroute_index_core::wire::{self, Encoding};
+//! use kvroute_index_core::event::{EventBatch, KvEvent};
 //!
 //! let batch = EventBatch { ts: 1.5, dp_rank: Some(0), events: vec![KvEvent::AllBlocksCleared] };
 //! let payload = wire::encode_batch(&batch, Encoding::V0_32);
 //! let frames = [b"kv@pod-a@model".to_vec(), 7u64.to_be_bytes().to_vec(), payload];
 //! let (topic, seq, decoded) = wire::decode_message(&frames)?;
 //! assert_eq!((topic, seq, decoded.batch), ("kv@pod-a@model", 7, batch));
-//! # Ok::<(), wire::WireError>(())
+//! # }
+//! # Ok::<(), kvroute_index_core::wire::WireError>(())
 //! ```
 //!
 //! Decoding is defensive: declared lengths are checked against the remaining input before
@@ -23,6 +25,8 @@
 //! `fuzz/`).
 
 mod decode;
+// The encoder is test support (feature `encode`): production only decodes.
+#[cfg(any(test, feature = "encode"))]
 mod encode;
 mod error;
 mod frames;
@@ -32,6 +36,7 @@ mod reader;
 mod tests;
 
 pub use decode::decode_batch;
+#[cfg(any(test, feature = "encode"))]
 pub use encode::{Encoding, HashForm, Schema, encode_batch, encode_batch_with_digests};
 pub use error::WireError;
 pub use frames::{ReplayItem, decode_message, parse_replay_frames, replay_request};

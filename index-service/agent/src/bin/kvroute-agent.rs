@@ -1,11 +1,11 @@
 //! `kvroute-agent`: mirrors the local engines' KV blocks and streams them to kvroute-index.
-//! `kvroute-agent --config agent.yaml` (see `kvroute_index::agent::config`).
+//! `kvroute-agent --config agent.yaml` (see `kvroute_agent::config`).
 
 use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::Context as _;
 use clap::Parser;
-use kvroute_index::agent::{Agent, AgentConfig};
+use kvroute_agent::{Agent, AgentConfig};
 
 /// sysexits `EX_USAGE`: bad command line or configuration, nothing was started.
 const EX_USAGE: u8 = 64;

@@ -1,12 +1,23 @@
-//! Domain events ([`crate::event`]) ↔ the agent protocol's protobuf messages.
+//! The agent stream (`AgentIngest.AgentStream`): its limits, and domain events
+//! ([`kvroute_index_core::event`]) ↔ its protobuf messages.
 //!
 //! Both directions are total on well-formed input; the index side validates shapes (block
 //! counts, token lengths) separately in [`validate_stored`] before applying anything.
 
 use kvroute_block_keys::HashValue;
 
+use kvroute_index_core::event::{BlockRemoved, BlockStored, KvEvent, Medium};
+
 use crate::api;
-use crate::event::{BlockRemoved, BlockStored, KvEvent, Medium};
+
+/// Largest message either end of the agent stream sends or accepts; snapshot chunks stay far
+/// below it.
+pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
+/// Most replica ids one `Hello` may claim. A node runs a handful of engines; the agent's config
+/// and the index's `agents[].replicas` are held to this too, so only a broken or hostile agent
+/// reaches it, and the index refuses such a `Hello` whole (it would otherwise answer every
+/// claimed id).
+pub const MAX_REPLICAS_PER_HELLO: usize = 1024;
 
 /// Most blocks one agent event may carry; vLLM's largest single store is one request's blocks.
 pub const MAX_BLOCKS_PER_EVENT: usize = 1 << 17;
