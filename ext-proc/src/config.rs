@@ -492,7 +492,7 @@ fn debug_headers(raw: &RawDebugHeaders) -> Result<DebugHeaders, ConfigError> {
 }
 
 /// `drift`: when a replica's predicted cached tokens stop matching what its engine reports
-/// (see [`crate::drift`]).
+/// (see the `drift` module).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DriftConfig {
     /// Drift above which a replica starts drifting.

@@ -7,13 +7,15 @@
 //! gRPC health goes NOT_SERVING, the listener stops accepting, open streams drain (bounded by
 //! `budgets.drain`), background tasks (metrics scraping, config reload) stop, and it returns.
 //!
-//! Module map: [`config`] (YAML → validated config), [`request`] (body parsing), [`tokenizer`]
-//! (token ids + cache), [`picker`] (the tiered decision: tokens, keys and the index's answer,
-//! then `kvroute_routing`'s score-and-commit step), [`scrape`] (engine load and drift from each
-//! replica's `/metrics`), [`drift`] (predicted vs engine-reported cached tokens), [`index_client`]
-//! (kvroute-index with fail-over), [`server`] (the ext_proc stream protocol), [`admin`]
-//! (`/metrics`, `/healthz`, `/readyz`), [`check`] (what a decision computes for one body: the
-//! `kvroute-check` command).
+//! Public modules, for the binaries and embedders: [`config`] (YAML → validated config),
+//! [`request`] (body parsing), [`tokenizer`] (token ids + cache; the [`Tokenizer`] trait an
+//! embedder can supply), [`picker`] (the tiered decision: tokens, keys and the index's answer,
+//! then `kvroute_routing`'s score-and-commit step), [`metrics`] (what a [`Picker`] records),
+//! [`index_client`] (kvroute-index with fail-over), [`server`] (the ext_proc stream protocol and
+//! the routing headers it sets), [`check`] (what a decision computes for one body: the
+//! `kvroute-check` command), [`error`]. Internal: `scrape` (engine load and drift from each
+//! replica's `/metrics`), `drift` (predicted vs engine-reported cached tokens), `admin`
+//! (`/metrics`, `/healthz`, `/readyz`), `embedded` (the in-process index of `index.embedded`).
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -24,18 +26,18 @@
 //! ```
 #![deny(missing_docs)]
 
-pub mod admin;
+mod admin;
 pub mod check;
 pub mod config;
-pub mod drift;
-pub mod embedded;
+mod drift;
+mod embedded;
 pub mod error;
 pub mod index_client;
 mod lru;
 pub mod metrics;
 pub mod picker;
 pub mod request;
-pub mod scrape;
+mod scrape;
 pub mod server;
 pub mod tokenizer;
 

@@ -13,7 +13,7 @@
 //! siblings' choices, while unrelated prompts do not wait on each other.
 //!
 //! Every decision with tokens also records what it predicts the replica's engine will report as
-//! cached ([`crate::drift`]); while a replica of the pool drifts and `drift.action` is
+//! cached (the `drift` module); while a replica of the pool drifts and `drift.action` is
 //! `approximate`, the pool's decisions skip the index (counted as fallback stage `index`, cause
 //! `drift`) and route on the approximate tier.
 //!

@@ -300,7 +300,8 @@ async fn fetch(
 
 /// Reads the load gauges from Prometheus text. Series with several label sets (several models or
 /// engines behind one server) are summed; KV usage takes the maximum.
-pub fn parse_vllm_metrics(text: &str) -> Scraped {
+#[cfg(test)]
+fn parse_vllm_metrics(text: &str) -> Scraped {
     parse_exposition(text).0
 }
 

@@ -30,7 +30,7 @@ pub enum MatchError {
         /// The pool's.
         pool: u32,
     },
-    /// More keys than [`MAX_MATCH_KEYS`].
+    /// More keys than a match accepts (`MAX_MATCH_KEYS`).
     #[error("too many keys: {0} (limit {MAX_MATCH_KEYS})")]
     TooManyKeys(usize),
     /// The keys could not be computed from the request's tokens.
