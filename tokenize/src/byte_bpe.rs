@@ -669,11 +669,47 @@ fn parse_pre_tokenizer(pre: &Value) -> Result<PreTokenizer, Reject> {
 
 /// `text` in NFC, as `tokenizers`' `NFC` normalizer computes it (the same crate and tables;
 /// Unicode 9.0). Text the quick check passes is already in NFC and is not copied.
+///
+/// Only the chunks that fail the quick check are normalized. A chunk starts before an ASCII
+/// character followed by non-ASCII ones (or at the text's start) and ends before the next ASCII
+/// character: an ASCII character is a starter (combining class 0, NFC_QC=Yes) that is never the
+/// second character of a canonical composition, so nothing before it composes or reorders with
+/// anything after it, and NFC of the text is the NFC of its chunks, concatenated. (The ASCII
+/// character opening a chunk can take a following combining mark: `e` + U+0301.) One NFD word in
+/// a long prompt then costs its chunk, not a normalization of the whole prompt.
 fn nfc(text: &str) -> Cow<'_, str> {
-    if text.is_ascii() || is_nfc_quick(text.chars()) == IsNormalized::Yes {
+    if text.is_ascii() {
         return Cow::Borrowed(text);
     }
-    Cow::Owned(text.nfc().map(|(c, _)| c).collect())
+    let bytes = text.as_bytes();
+    let mut normalized: Option<String> = None;
+    // `copied`: how much of `text` the owned copy (once there is one) already holds.
+    let mut copied = 0;
+    let mut at = 0;
+    while let Some(offset) = bytes[at..].iter().position(|b| !b.is_ascii()) {
+        let first_non_ascii = at + offset;
+        let start = first_non_ascii.saturating_sub(1).max(at);
+        let end = bytes[first_non_ascii..]
+            .iter()
+            .position(u8::is_ascii)
+            .map_or(bytes.len(), |n| first_non_ascii + n);
+        // Both ends are at ASCII bytes or the text's ends: char boundaries.
+        let chunk = text.get(start..end).unwrap_or_default();
+        if is_nfc_quick(chunk.chars()) != IsNormalized::Yes {
+            let out = normalized.get_or_insert_with(|| String::with_capacity(text.len() + 16));
+            out.push_str(text.get(copied..start).unwrap_or_default());
+            out.extend(chunk.nfc().map(|(c, _)| c));
+            copied = end;
+        }
+        at = end;
+    }
+    match normalized {
+        None => Cow::Borrowed(text),
+        Some(mut out) => {
+            out.push_str(text.get(copied..).unwrap_or_default());
+            Cow::Owned(out)
+        }
+    }
 }
 
 fn check_bpe_options(model: &Value) -> Result<(), Reject> {
@@ -928,4 +964,57 @@ fn matcher(
         )
         .map(Some)
         .map_err(|e| Reject::Malformed(format!("added tokens: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use unicode_normalization_alignments::UnicodeNormalization;
+
+    fn whole_nfc(text: &str) -> String {
+        text.nfc().map(|(c, _)| c).collect()
+    }
+
+    #[test]
+    fn chunked_nfc_equals_nfc_of_the_whole_text() {
+        let adversarial = [
+            "",
+            "e\u{301}",
+            "\u{301}e",
+            "e\u{301}\u{327}x\u{327}\u{301}",
+            "ab\u{301}c\u{308}\u{304}",
+            "\u{1100}\u{1161}\u{11a8} \u{1100}\u{1161}",
+            "A\u{30a}\u{1e0a}\u{323}\u{301}",
+            "\u{0b47}\u{0b3e}z\u{0dd9}\u{0dcf}",
+            "e\u{301}\u{301}\u{301}e",
+            "\u{fb01}\u{212b}\u{2126}q",
+            "x\u{338}=\u{338}<\u{338}",
+            "already é nfc ü",
+        ];
+        for text in adversarial {
+            assert_eq!(super::nfc(text), whole_nfc(text), "{text:?}");
+        }
+        let mut normalized = 0;
+        for seed in 0..300 {
+            let text = crate::testing::mixed_text(seed, 4096, &[]);
+            let chunked = super::nfc(&text);
+            assert_eq!(chunked, whole_nfc(&text), "seed {seed}");
+            match chunked {
+                Cow::Borrowed(_) => assert_eq!(text, whole_nfc(&text), "seed {seed}: not NFC"),
+                Cow::Owned(_) => normalized += 1,
+            }
+        }
+        assert!(
+            normalized > 100,
+            "only {normalized} of 300 texts needed normalizing"
+        );
+    }
+
+    #[test]
+    fn text_in_nfc_is_not_copied() {
+        assert!(matches!(super::nfc("plain ascii"), Cow::Borrowed(_)));
+        assert!(matches!(super::nfc("déjà vu, ☃ 中文"), Cow::Borrowed(_)));
+        assert!(matches!(super::nfc("de\u{301}ja\u{300}"), Cow::Owned(_)));
+    }
 }
