@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
-use super::holders::{KeyHasherBuilder, Removal, Slot, SlotSet};
+use super::holders::{KeyHasherBuilder, MediaSet, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
 use super::table::{HolderTable, HolderWord, HomeEntry, Layout, LayoutView, Storage, read_fence};
 use super::{IndexError, ReplicaId, ReplicaMatch, ReplicaState};
@@ -127,12 +127,20 @@ impl Pool {
         }
     }
 
-    /// Records that `slot` holds `key` in `medium`.
-    pub(crate) fn store(&self, slot: Slot, key: u64, medium: Medium) {
+    /// Records that `slot` holds `key` in `medium`; returns the media it held `key` in before.
+    pub(crate) fn store(&self, slot: Slot, key: u64, medium: Medium) -> MediaSet {
         let hash = self.hash(key);
         self.shards[self.shard_of(hash)]
             .lock()
-            .add(key, hash, slot, medium);
+            .add(key, hash, slot, medium)
+    }
+
+    /// The keys `slot` holds (O(pool keys), one shard lock at a time: resets and listings).
+    pub(crate) fn keys_of(&self, slot: Slot) -> Vec<u64> {
+        self.shards
+            .iter()
+            .flat_map(|shard| shard.lock().keys_held_by(slot))
+            .collect()
     }
 
     /// Whether `slot` holds `key` in any medium.

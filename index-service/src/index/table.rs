@@ -654,12 +654,12 @@ impl HolderTable {
         }
     }
 
-    /// Records that `slot` holds `key` in `medium`.
-    pub(crate) fn add(&mut self, key: u64, hash: u64, slot: Slot, medium: Medium) {
-        self.write(|table| table.add_inner(key, hash, slot, medium));
+    /// Records that `slot` holds `key` in `medium`; returns the media it held `key` in before.
+    pub(crate) fn add(&mut self, key: u64, hash: u64, slot: Slot, medium: Medium) -> MediaSet {
+        self.write(|table| table.add_inner(key, hash, slot, medium))
     }
 
-    fn add_inner(&mut self, key: u64, hash: u64, slot: Slot, medium: Medium) {
+    fn add_inner(&mut self, key: u64, hash: u64, slot: Slot, medium: Medium) -> MediaSet {
         let Some(at) = self.find(key, hash) else {
             self.reserve_one();
             let at = Self::vacancy(&self.storage, hash);
@@ -675,10 +675,12 @@ impl HolderTable {
                 },
             );
             self.len += 1;
-            return;
+            return MediaSet::default();
         };
         let bit = MediaSet::index(medium);
-        match Holding::decode(self.entry(at).word) {
+        let holding = Holding::decode(self.entry(at).word);
+        let before = self.media_in(holding, slot);
+        match holding {
             Holding::One(holder) if holder.slot == slot => {
                 let media = holder.media.with(medium);
                 self.set_word(at, Holding::One(Holder { slot, media }));
@@ -711,6 +713,16 @@ impl HolderTable {
                 self.set_word(at, placed);
             }
         }
+        before
+    }
+
+    /// The keys `slot` holds in any medium (O(entries): resets and debug listings only).
+    pub(crate) fn keys_held_by(&self, slot: Slot) -> Vec<u64> {
+        (0..self.capacity())
+            .map(|at| self.entry(at))
+            .filter(|entry| !self.media_in(Holding::decode(entry.word), slot).is_empty())
+            .map(|entry| entry.key)
+            .collect()
     }
 
     /// Removes `medium` (or every medium when `None`) from `slot`'s holding of `key`.
