@@ -49,6 +49,14 @@ impl HeldBlocks {
         }
     }
 
+    /// A token-chain pool's key for `engine` (`None` for exact pools and unknown blocks).
+    fn key_of_chain(&self, engine: EngineHash) -> Option<u64> {
+        match self {
+            HeldBlocks::Exact { .. } => None,
+            HeldBlocks::Chain(map) => map.get(&engine).copied(),
+        }
+    }
+
     /// Records a block the replica did not hold.
     fn insert(&mut self, engine: EngineHash, key: u64) {
         match self {
@@ -325,6 +333,7 @@ impl Replica {
             }
         };
 
+        self.pool.prefetch(&keys);
         let mut stored_blocks = 0;
         for (&engine, key) in stored.block_hashes.iter().zip(keys) {
             // Exact pools under the cap: one table write says whether the block is new, held
@@ -459,10 +468,20 @@ impl Replica {
         }
         let mut removed_blocks = 0;
         let mut unknown = 0;
+        let exact = matches!(self.blocks, HeldBlocks::Exact { .. });
+        if exact {
+            self.pool.prefetch(&removed.block_hashes);
+        }
         for &engine in &removed.block_hashes {
-            let Some(key) = self.blocks.key_of(engine, &self.pool, self.slot) else {
-                unknown += 1;
-                continue;
+            let key = match self.blocks.key_of_chain(engine) {
+                // Exact pools: the removal below finds out whether the block is held (copies
+                // are counted only for held blocks).
+                _ if exact => engine,
+                Some(key) => key,
+                None => {
+                    unknown += 1;
+                    continue;
+                }
             };
             if let Some(copies) = self.extra_copies.get_mut(&(engine, removed.medium)) {
                 // Another copy still holds this hash in this medium.
@@ -483,7 +502,8 @@ impl Replica {
             } else {
                 unknown += 1;
             }
-            if removal.slot_gone || !removal.was_held && !self.pool.holds(self.slot, key) {
+            if removal.slot_gone || !exact && !removal.was_held && !self.pool.holds(self.slot, key)
+            {
                 self.blocks.remove(engine);
             }
         }

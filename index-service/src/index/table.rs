@@ -275,6 +275,13 @@ impl Storage {
         HomeEntry(self.load(home_of(hash, capacity)))
     }
 
+    /// Loads `hash`'s home line and returns a word of it (a writer's prefetch: see
+    /// [`super::pool::Pool::prefetch`]).
+    #[inline]
+    pub(crate) fn touch(&self, hash: u64) -> u64 {
+        self.home_entry(hash).0.word
+    }
+
     /// The holder word of `key` (whose mix is `hash`). Bounded: a torn read of a table being
     /// changed may show no vacancy, and is rejected by the version check anyway.
     #[inline]
