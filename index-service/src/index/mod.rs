@@ -9,7 +9,7 @@
 //!
 //! - A **pool** is one served model. Its block keys live in `shards` (a power of two of
 //!   `HolderTable`s): open-addressing tables of 16-byte entries (key, packed holder word),
-//!   four to a cache line, grown by half so they stay 1/2–3/4 full. A key held by one replica
+//!   four to a cache line, at most 3/4 full. A key held by one replica
 //!   stores (slot, media) inline; a key held by several stores an index into per-medium slot
 //!   bitsets (pools of up to 64 replicas) or a sorted list (larger pools). A (block, replica)
 //!   holding costs ~25–45 bytes all in. Replicas are addressed by a dense per-pool slot so a

@@ -5,9 +5,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::holders::{
-    KeyHasherBuilder, KeyMap, Slot, shrink_if_sparse, table_bytes,
-};
+use super::holders::{KeyHasherBuilder, KeyMap, Slot, shrink_if_sparse, table_bytes};
 use super::keys::{self, PoolKeys, Verification};
 use super::metrics::{EventKind, IndexMetrics};
 use super::pool::Pool;

@@ -369,9 +369,10 @@ impl Storage {
 }
 
 /// Where a probe run for `hash` starts in a table of `capacity` entries: the low 32 bits of the
-/// mix scaled to the capacity (the high bits pick the shard). Any capacity works, so tables
-/// grow by half instead of doubling: 3/8 to 3/4 full becomes 1/2 to 3/4, a quarter less memory
-/// per key on average.
+/// mix scaled to the capacity (the high bits pick the shard), so any whole number of lines
+/// works (a shrunk table is sized to its keys). Growth still doubles: growing by half (tables
+/// 1/2–3/4 full) saved memory but doubled the match walk's time at fleet scale, more keys
+/// sitting off their home entry (BENCHMARKS.md, issue 19).
 #[inline]
 fn home_of(hash: u64, capacity: usize) -> usize {
     ((u64::from(hash as u32) * capacity as u64) >> 32) as usize
@@ -846,7 +847,7 @@ impl HolderTable {
     /// Makes room for one more key (load stays at most 3/4).
     fn reserve_one(&mut self) {
         if (self.len + 1) * 4 > self.capacity() * 3 {
-            self.rebuild(lines_for(self.capacity() + self.capacity() / 2) * LINE);
+            self.rebuild(lines_for(self.capacity() * 2) * LINE);
         }
     }
 

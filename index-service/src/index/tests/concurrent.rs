@@ -101,11 +101,17 @@ fn lock_free_reads_agree_with_reference_model_at_quiescent_points() {
                             let (model, keys) = &queries[walks % queries.len()];
                             walks += 1;
                             let found = index.find_matches(model, keys, None).unwrap();
-                            let stable = if *model == EXACT { STABLE } else { 100 + STABLE };
+                            let stable = if *model == EXACT {
+                                STABLE
+                            } else {
+                                100 + STABLE
+                            };
                             let full = keys.len() as u32;
                             assert_eq!(counts(&found, stable), Some((full, full)), "{found:?}");
                             for m in &found {
-                                assert!(m.gpu_blocks <= m.matched_blocks && m.matched_blocks <= full);
+                                assert!(
+                                    m.gpu_blocks <= m.matched_blocks && m.matched_blocks <= full
+                                );
                             }
                         }
                         walks
