@@ -1,5 +1,6 @@
-//! One replica's ingest state: which engine blocks it holds (so removals and resets touch only
-//! its own entries), its flag, and the event application logic.
+//! One replica's ingest state: how many engine blocks it holds (token-chain pools: which, and
+//! their own keys, so removals and resets touch only its entries), its flag, and the event
+//! application logic.
 
 use prometheus_client::metrics::gauge::Gauge;
 use std::sync::Arc;
