@@ -165,9 +165,6 @@ impl SlotSet {
 /// A `u64`-keyed map using [`KeyHasherBuilder`].
 pub(crate) type KeyMap<V> = std::collections::HashMap<u64, V, KeyHasherBuilder>;
 
-/// A `u64` set using [`KeyHasherBuilder`].
-pub(crate) type KeySet = std::collections::HashSet<u64, KeyHasherBuilder>;
-
 /// Bytes a std/hashbrown table with this capacity has allocated for `(K, V)` entries:
 /// buckets of entries plus one control byte per bucket and a 16-byte control tail.
 pub(crate) fn table_bytes(capacity: usize, entry_size: usize) -> usize {
@@ -193,17 +190,6 @@ where
 {
     if map.len() * 4 < map.capacity() {
         map.shrink_to(map.len() * 2);
-    }
-}
-
-/// [`shrink_if_sparse`] for sets.
-pub(crate) fn shrink_set_if_sparse<K, S>(set: &mut std::collections::HashSet<K, S>)
-where
-    K: Eq + std::hash::Hash,
-    S: BuildHasher,
-{
-    if set.len() * 4 < set.capacity() {
-        set.shrink_to(set.len() * 2);
     }
 }
 

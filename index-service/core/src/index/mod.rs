@@ -8,25 +8,33 @@
 //! # Data structure
 //!
 //! - A **pool** is one served model. Its block keys live in `shards` (a power of two of
-//!   `parking_lot::RwLock<HolderTable>`): open-addressing tables of 16-byte entries (key,
-//!   packed holder word), four to a cache line. A key held by one replica stores (slot, media)
-//!   inline; a key held by several stores an index into per-medium slot bitsets (pools of up to
-//!   64 replicas) or a sorted list (larger pools). A (block, replica) holding costs ~35–45
-//!   bytes all in. Replicas are addressed by a dense per-pool slot so a query keeps the
-//!   still-matching replicas in a bitset: one word for up to 64 replicas.
-//! - A **replica** keeps the set of engine hashes it holds (token-chain pools: engine hash →
-//!   own key), behind its own mutex. Removal, `AllBlocksCleared` and resets touch only its
-//!   entries; the set also enforces the per-replica block cap.
+//!   `HolderTable`s): open-addressing tables of 16-byte entries (key, packed holder word),
+//!   four to a cache line, at most 3/4 full. A key held by one replica
+//!   stores (slot, media) inline; a key held by several stores an index into per-medium slot
+//!   bitsets (pools of up to 64 replicas) or a sorted list (larger pools). A (block, replica)
+//!   holding costs ~25–45 bytes all in. Replicas are addressed by a dense per-pool slot so a
+//!   query keeps the still-matching replicas in a bitset: one word for up to 64 replicas.
+//! - **Readers never wait for writers.** Each shard's writers serialise on its mutex; match
+//!   walks take no lock: entries and bitsets are atomics under a per-shard version (a seqlock:
+//!   odd while a write is under way, checked after each read, read again on a change), and a
+//!   table that grows or shrinks is a new storage published through an `ArcSwap` layout, the
+//!   old one left odd so a reader still on it moves over (see `table`).
+//! - A **replica** of a token-chain pool keeps its engine hash → own key map; one of a
+//!   vLLM-exact pool keeps only its block count (the pool's tables already say which keys its
+//!   slot holds). Both are behind the replica's own mutex, and the count enforces the
+//!   per-replica block cap.
 //!
 //! # Complexity
 //!
-//! - `apply_event`: O(blocks in the event) shard-lock acquisitions (one short write each).
-//! - `find_matches`: one read lock per shard, held for the walk; then O(longest match + 1)
-//!   table lookups (usually one cache line each, issued 32 at a time so their misses overlap),
+//! - `apply_event`: O(blocks in the event) shard-mutex acquisitions (one short write each).
+//! - `find_matches`: no lock; O(longest match + 1) table lookups (usually one cache line each,
+//!   issued 32 at a time so their misses overlap, each checked against its shard's version),
 //!   each followed by O(pool replicas / 64) word operations (O(holders) in pools of more than
-//!   64 replicas); stops as soon as no candidate still matches. Measured in BENCHMARKS.md
-//!   (`## Index`).
-//! - `reset_replica`: O(blocks of the replica), locking each shard once per 256 keys.
+//!   64 replicas, whose spilled lists sit behind a read lock); stops as soon as no candidate
+//!   still matches. Measured in BENCHMARKS.md (`## Index`, issue 19).
+//! - `reset_replica`: token-chain pools O(blocks of the replica); vLLM-exact pools scan the
+//!   pool's tables for the replica's slot (O(pool keys), one shard lock at a time; resets are
+//!   engine restarts). Removal locks each shard once per 256 keys.
 //!
 //! # Bounded memory
 //!

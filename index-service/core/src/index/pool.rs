@@ -2,12 +2,13 @@
 //! walk.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use parking_lot::{RwLock, RwLockReadGuard};
+use parking_lot::{Mutex, RwLock};
 
-use super::holders::{KeyHasherBuilder, Removal, Slot, SlotSet};
+use super::holders::{KeyHasherBuilder, MediaSet, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
-use super::table::{HolderTable, HolderWord, HomeEntry};
+use super::table::{HolderTable, HolderWord, HomeEntry, Layout, LayoutView, Storage, read_fence};
 use super::{IndexError, ReplicaId, ReplicaMatch, ReplicaState};
 use crate::event::Medium;
 
@@ -33,7 +34,10 @@ pub(crate) struct Pool {
     pub(crate) block_size: u32,
     pub(crate) keys: PoolKeys,
     hasher: KeyHasherBuilder,
-    shards: Box<[RwLock<HolderTable>]>,
+    /// Each shard's table, locked by its writers only.
+    shards: Box<[Mutex<HolderTable>]>,
+    /// Where match walks read the shards, without locks.
+    layout: Arc<Layout>,
     shard_mask: usize,
     members: RwLock<Members>,
 }
@@ -41,6 +45,10 @@ pub(crate) struct Pool {
 /// Keys looked up back to back before their holders are intersected: enough independent loads
 /// for the CPU to overlap their cache misses, few enough that an early mismatch wastes little.
 const CHUNK: usize = 32;
+
+/// Optimistic reads of one key before a walk reads it under its shard's writer lock instead
+/// (only a shard rewritten through every try gets there).
+const OPTIMISTIC_TRIES: usize = 64;
 
 /// Shard lock hold is bounded: bulk removal releases the lock after this many keys.
 const BULK_REMOVE_CHUNK: usize = 256;
@@ -54,14 +62,14 @@ impl Pool {
         hasher: KeyHasherBuilder,
     ) -> Self {
         let shards = shards.clamp(1, 1 << 16).next_power_of_two();
+        let (layout, tables) = Layout::with_tables(shards, hasher);
         Pool {
             model,
             block_size,
             keys,
             hasher,
-            shards: (0..shards)
-                .map(|_| RwLock::new(HolderTable::new(hasher)))
-                .collect(),
+            shards: tables.into_iter().map(Mutex::new).collect(),
+            layout,
             shard_mask: shards - 1,
             members: RwLock::new(Members::default()),
         }
@@ -119,25 +127,46 @@ impl Pool {
         }
     }
 
-    /// Records that `slot` holds `key` in `medium`.
-    pub(crate) fn store(&self, slot: Slot, key: u64, medium: Medium) {
+    /// Records that `slot` holds `key` in `medium`; returns the media it held `key` in before.
+    pub(crate) fn store(&self, slot: Slot, key: u64, medium: Medium) -> MediaSet {
         let hash = self.hash(key);
         self.shards[self.shard_of(hash)]
-            .write()
-            .add(key, hash, slot, medium);
+            .lock()
+            .add(key, hash, slot, medium)
+    }
+
+    /// Loads the home lines of `keys` (lock-free, like a walk) before a writer goes through
+    /// them one by one: their cache misses overlap instead of costing one each in turn under
+    /// the shard locks (at fleet scale nearly every write misses).
+    pub(crate) fn prefetch(&self, keys: &[u64]) {
+        let view = self.layout.view();
+        let mut loaded = 0;
+        for &key in keys {
+            let hash = self.hash(key);
+            loaded ^= view[self.shard_of(hash)].touch(hash);
+        }
+        std::hint::black_box(loaded);
+    }
+
+    /// The keys `slot` holds (O(pool keys), one shard lock at a time: resets and listings).
+    pub(crate) fn keys_of(&self, slot: Slot) -> Vec<u64> {
+        self.shards
+            .iter()
+            .flat_map(|shard| shard.lock().keys_held_by(slot))
+            .collect()
     }
 
     /// Whether `slot` holds `key` in any medium.
     pub(crate) fn holds(&self, slot: Slot, key: u64) -> bool {
         let hash = self.hash(key);
-        let shard = self.shards[self.shard_of(hash)].read();
+        let shard = self.shards[self.shard_of(hash)].lock();
         !shard.media_of(key, hash, slot).is_empty()
     }
 
     /// Whether `slot` holds `key` in `medium`.
     pub(crate) fn holds_in(&self, slot: Slot, key: u64, medium: Medium) -> bool {
         let hash = self.hash(key);
-        let shard = self.shards[self.shard_of(hash)].read();
+        let shard = self.shards[self.shard_of(hash)].lock();
         shard.media_of(key, hash, slot).contains(medium)
     }
 
@@ -145,7 +174,7 @@ impl Pool {
     pub(crate) fn remove(&self, slot: Slot, key: u64, medium: Option<Medium>) -> Removal {
         let hash = self.hash(key);
         self.shards[self.shard_of(hash)]
-            .write()
+            .lock()
             .remove(key, hash, slot, medium)
     }
 
@@ -160,7 +189,7 @@ impl Pool {
                 continue;
             };
             for chunk in run.chunks(BULK_REMOVE_CHUNK) {
-                let mut shard = self.shards[self.shard_of(first)].write();
+                let mut shard = self.shards[self.shard_of(first)].lock();
                 for &(hash, key) in chunk {
                     shard.remove(key, hash, slot, None);
                 }
@@ -242,10 +271,10 @@ impl Pool {
     /// does not hold (on the GPU) and recording that key's index as its match length. Stops
     /// once no slot is alive.
     ///
-    /// Holds every shard's read lock for the walk (tens of µs at most): one lock per key would
-    /// cost more than the lookup, and each lock is a fence that stops the CPU from overlapping
-    /// the lookups' cache misses. Shards are locked in order and writers hold one at a time, so
-    /// concurrent walks and writers cannot deadlock.
+    /// Takes no lock: each key's holders are read optimistically from its shard's storage and
+    /// checked against the shard's version (see [`super::table`]), so a walk never waits for
+    /// ingest. Each key's holders are one state of that key; a walk running beside writers
+    /// may see keys at different moments, as requests and events interleave anyway.
     fn walk(
         &self,
         keys: &[u64],
@@ -254,15 +283,17 @@ impl Pool {
         matched: &mut [u32],
         gpu_matched: &mut [u32],
     ) {
-        let tables: Vec<_> = self.shards.iter().map(|shard| shard.read()).collect();
+        let mut view = self.layout.view();
         if let ([alive], [gpu_alive]) = (alive.words_mut(), gpu_alive.words_mut()) {
-            self.walk_one_word(&tables, keys, alive, gpu_alive, matched, gpu_matched);
+            self.walk_one_word(&mut view, keys, alive, gpu_alive, matched, gpu_matched);
             return;
         }
-        self.walk_words(&tables, keys, alive, gpu_alive, matched, gpu_matched);
+        self.walk_words(&mut view, keys, alive, gpu_alive, matched, gpu_matched);
     }
 
-    /// Fills `found` with the shard and holder word of each of `keys` (at most [`CHUNK`]).
+    /// Calls `decode` with the holder word of each of `keys` (at most [`CHUNK`]) and its
+    /// position, from a version-checked read of the key's shard; a key whose shard changed
+    /// under the read is read again (and decoded again: `decode` must overwrite).
     ///
     /// Two passes: the first only loads each key's home entry, with no branch on what it
     /// loads, so the CPU issues all the cache misses at once; the second resolves the entries
@@ -271,37 +302,79 @@ impl Pool {
     #[inline]
     fn look_up(
         &self,
-        tables: &[RwLockReadGuard<'_, HolderTable>],
+        view: &mut LayoutView,
         keys: &[u64],
-        found: &mut [(usize, HolderWord); CHUNK],
+        mut decode: impl FnMut(&Storage, HolderWord, usize),
     ) {
-        let mut homes = [(0, 0, HomeEntry::default()); CHUNK];
+        let mut homes = [(0, 0, 0, HomeEntry::default()); CHUNK];
         for (home, &key) in homes.iter_mut().zip(keys) {
             let hash = self.hash(key);
             let shard = self.shard_of(hash);
-            *home = (shard, hash, tables[shard].home_entry(hash));
+            let storage = &view[shard];
+            let version = storage.read_begin();
+            *home = (shard, hash, version, storage.home_entry(hash));
         }
-        for ((out, &key), &(shard, hash, home)) in found.iter_mut().zip(keys).zip(&homes) {
-            *out = (shard, tables[shard].resolve(key, hash, home));
+        for (at, (&key, &(shard, hash, _, home))) in keys.iter().zip(&homes).enumerate() {
+            let storage = &view[shard];
+            decode(storage, storage.resolve(key, hash, home), at);
         }
+        read_fence();
+        for (at, (&key, &(shard, hash, version, _))) in keys.iter().zip(&homes).enumerate() {
+            if !view[shard].read_valid(version) {
+                self.read_again(view, key, hash, shard, &mut |storage, word| {
+                    decode(storage, word, at)
+                });
+            }
+        }
+    }
+
+    /// A key whose optimistic read met a write: read until a try sees no write, then (the
+    /// shard busy through every try) under the writer's lock.
+    #[cold]
+    fn read_again(
+        &self,
+        view: &mut LayoutView,
+        key: u64,
+        hash: u64,
+        shard: usize,
+        decode: &mut dyn FnMut(&Storage, HolderWord),
+    ) {
+        for _ in 0..OPTIMISTIC_TRIES {
+            // A replaced storage stays odd: load the layout again to find its successor.
+            *view = self.layout.view();
+            let storage = &view[shard];
+            let version = storage.read_begin();
+            if version & 1 == 0 {
+                decode(storage, storage.holder_word(key, hash));
+                read_fence();
+                if storage.read_valid(version) {
+                    return;
+                }
+            }
+            std::hint::spin_loop();
+        }
+        let table = self.shards[shard].lock();
+        let storage = table.storage();
+        decode(storage, storage.holder_word(key, hash));
     }
 
     /// [`Self::walk`] for pools of up to 64 slots: the live sets are single words.
     fn walk_one_word(
         &self,
-        tables: &[RwLockReadGuard<'_, HolderTable>],
+        view: &mut LayoutView,
         keys: &[u64],
         alive: &mut u64,
         gpu_alive: &mut u64,
         matched: &mut [u32],
         gpu_matched: &mut [u32],
     ) {
-        let mut found = [(0, HolderWord::default()); CHUNK];
+        let mut bits = [(0, 0); CHUNK];
         for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
-            self.look_up(tables, chunk, &mut found);
-            for (at, &(shard, word)) in found[..chunk.len()].iter().enumerate() {
+            self.look_up(view, chunk, |storage, word, at| {
+                bits[at] = storage.first_words(word)
+            });
+            for (at, &(present, gpu)) in bits[..chunk.len()].iter().enumerate() {
                 let index = (chunk_at * CHUNK + at) as u32;
-                let (present, gpu) = tables[shard].first_words(word);
                 drop_absent(alive, present, |slot| matched[slot] = index);
                 drop_absent(gpu_alive, gpu, |slot| gpu_matched[slot] = index);
                 if *alive == 0 {
@@ -314,7 +387,7 @@ impl Pool {
     /// [`Self::walk`] for pools of more than 64 slots.
     fn walk_words(
         &self,
-        tables: &[RwLockReadGuard<'_, HolderTable>],
+        view: &mut LayoutView,
         keys: &[u64],
         alive: &mut SlotSet,
         gpu_alive: &mut SlotSet,
@@ -322,19 +395,16 @@ impl Pool {
         gpu_matched: &mut [u32],
     ) {
         let words = alive.word_count();
-        // Per chunk position: the shard and holder word of its key, then the slots holding it
-        // (any medium, GPU) as `words` words each.
-        let mut found = [(0, HolderWord::default()); CHUNK];
+        // Per chunk position: the slots holding its key (any medium, GPU) as `words` words each.
         let mut present = vec![0u64; CHUNK * words];
         let mut gpu = vec![0u64; CHUNK * words];
         for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
-            self.look_up(tables, chunk, &mut found);
-            present.fill(0);
-            gpu.fill(0);
-            for (at, &(shard, word)) in found[..chunk.len()].iter().enumerate() {
+            self.look_up(view, chunk, |storage, word, at| {
                 let range = at * words..(at + 1) * words;
-                tables[shard].mark(word, &mut present[range.clone()], &mut gpu[range]);
-            }
+                present[range.clone()].fill(0);
+                gpu[range.clone()].fill(0);
+                storage.mark(word, &mut present[range.clone()], &mut gpu[range]);
+            });
             for at in 0..chunk.len() {
                 let index = (chunk_at * CHUNK + at) as u32;
                 let range = at * words..(at + 1) * words;
@@ -351,7 +421,7 @@ impl Pool {
     pub(crate) fn holdings(&self) -> usize {
         self.shards
             .iter()
-            .map(|shard| shard.read().holdings())
+            .map(|shard| shard.lock().holdings())
             .sum()
     }
 
@@ -359,7 +429,7 @@ impl Pool {
     pub(crate) fn memory_bytes(&self) -> usize {
         self.shards
             .iter()
-            .map(|shard| shard.read().memory_bytes())
+            .map(|shard| shard.lock().memory_bytes())
             .sum()
     }
 }

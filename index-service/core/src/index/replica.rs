@@ -1,13 +1,12 @@
-//! One replica's ingest state: which engine blocks it holds (so removals and resets touch only
-//! its own entries), its flag, and the event application logic.
+//! One replica's ingest state: how many engine blocks it holds (token-chain pools: which, and
+//! their own keys, so removals and resets touch only its entries), its flag, and the event
+//! application logic.
 
 use prometheus_client::metrics::gauge::Gauge;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::holders::{
-    KeyHasherBuilder, KeyMap, KeySet, Slot, shrink_if_sparse, shrink_set_if_sparse, table_bytes,
-};
+use super::holders::{KeyHasherBuilder, KeyMap, Slot, shrink_if_sparse, table_bytes};
 use super::keys::{self, PoolKeys, Verification};
 use super::metrics::{EventKind, IndexMetrics};
 use super::pool::Pool;
@@ -19,8 +18,10 @@ use crate::throttle::LogThrottle;
 /// The engine blocks a replica holds, by engine hash.
 #[derive(Debug)]
 enum HeldBlocks {
-    /// vLLM-exact pools: the engine hash is the block key.
-    Exact(KeySet),
+    /// vLLM-exact pools: the engine hash is the block key, so the pool's table already says
+    /// which keys the replica holds; only their number (the cap, the gauge) is kept here. A
+    /// reset or listing scans the pool's tables instead (rare: restarts, `AllBlocksCleared`).
+    Exact { count: usize },
     /// Token-chain pools: engine hash → kvroute's own key (parent lookup and removal).
     Chain(KeyMap<u64>),
 }
@@ -28,42 +29,47 @@ enum HeldBlocks {
 impl HeldBlocks {
     fn new(keys: &PoolKeys, hasher: KeyHasherBuilder) -> Self {
         match keys {
-            PoolKeys::VllmExact { .. } => HeldBlocks::Exact(KeySet::with_hasher(hasher)),
+            PoolKeys::VllmExact { .. } => HeldBlocks::Exact { count: 0 },
             PoolKeys::TokenChain => HeldBlocks::Chain(KeyMap::with_hasher(hasher)),
         }
     }
 
     fn len(&self) -> usize {
         match self {
-            HeldBlocks::Exact(set) => set.len(),
+            HeldBlocks::Exact { count } => *count,
             HeldBlocks::Chain(map) => map.len(),
         }
     }
 
-    fn key_of(&self, engine: EngineHash) -> Option<u64> {
+    fn key_of(&self, engine: EngineHash, pool: &Pool, slot: Slot) -> Option<u64> {
         match self {
-            HeldBlocks::Exact(set) => set.contains(&engine).then_some(engine),
+            HeldBlocks::Exact { .. } => pool.holds(slot, engine).then_some(engine),
             HeldBlocks::Chain(map) => map.get(&engine).copied(),
         }
     }
 
+    /// A token-chain pool's key for `engine` (`None` for exact pools and unknown blocks).
+    fn key_of_chain(&self, engine: EngineHash) -> Option<u64> {
+        match self {
+            HeldBlocks::Exact { .. } => None,
+            HeldBlocks::Chain(map) => map.get(&engine).copied(),
+        }
+    }
+
+    /// Records a block the replica did not hold.
     fn insert(&mut self, engine: EngineHash, key: u64) {
         match self {
-            HeldBlocks::Exact(set) => {
-                set.insert(engine);
-            }
+            HeldBlocks::Exact { count } => *count += 1,
             HeldBlocks::Chain(map) => {
                 map.insert(engine, key);
             }
         }
     }
 
+    /// Forgets a block the replica no longer holds in any medium.
     fn remove(&mut self, engine: EngineHash) {
         match self {
-            HeldBlocks::Exact(set) => {
-                set.remove(&engine);
-                shrink_set_if_sparse(set);
-            }
+            HeldBlocks::Exact { count } => *count = count.saturating_sub(1),
             HeldBlocks::Chain(map) => {
                 map.remove(&engine);
                 shrink_if_sparse(map);
@@ -71,20 +77,20 @@ impl HeldBlocks {
         }
     }
 
-    /// The engine hashes held (debug listing; O(blocks)).
-    fn engine_hashes(&self) -> Vec<EngineHash> {
+    /// The engine hashes held (debug listing; O(blocks), O(pool keys) for exact pools).
+    fn engine_hashes(&self, pool: &Pool, slot: Slot) -> Vec<EngineHash> {
         match self {
-            HeldBlocks::Exact(set) => set.iter().copied().collect(),
+            HeldBlocks::Exact { .. } => pool.keys_of(slot),
             HeldBlocks::Chain(map) => map.keys().copied().collect(),
         }
     }
 
     /// Empties the set (releasing its memory) and returns the block keys it held.
-    fn take_keys(&mut self) -> Vec<u64> {
+    fn take_keys(&mut self, pool: &Pool, slot: Slot) -> Vec<u64> {
         match self {
-            HeldBlocks::Exact(set) => {
-                let empty = KeySet::with_hasher(*set.hasher());
-                std::mem::replace(set, empty).into_iter().collect()
+            HeldBlocks::Exact { count } => {
+                *count = 0;
+                pool.keys_of(slot)
             }
             HeldBlocks::Chain(map) => {
                 let empty = KeyMap::with_hasher(*map.hasher());
@@ -95,7 +101,7 @@ impl HeldBlocks {
 
     fn memory_bytes(&self) -> usize {
         match self {
-            HeldBlocks::Exact(set) => table_bytes(set.capacity(), size_of::<u64>()),
+            HeldBlocks::Exact { .. } => 0,
             HeldBlocks::Chain(map) => table_bytes(map.capacity(), size_of::<(u64, u64)>()),
         }
     }
@@ -191,7 +197,7 @@ impl Replica {
 
     /// Engine hashes held, sorted (admin debug listing).
     pub(crate) fn engine_hashes(&self) -> Vec<EngineHash> {
-        let mut hashes = self.blocks.engine_hashes();
+        let mut hashes = self.blocks.engine_hashes(&self.pool, self.slot);
         hashes.sort_unstable();
         hashes
     }
@@ -216,7 +222,7 @@ impl Replica {
     /// Drops every holding of this replica (restart, `AllBlocksCleared`, unrepairable gap).
     pub(crate) fn clear(&mut self) {
         self.extra_copies = std::collections::HashMap::new();
-        let keys = self.blocks.take_keys();
+        let keys = self.blocks.take_keys(&self.pool, self.slot);
         self.pool.remove_all(self.slot, keys);
         self.blocks_gauge.set(0);
     }
@@ -310,7 +316,7 @@ impl Replica {
             PoolKeys::TokenChain => {
                 let parent = match stored.parent_block_hash {
                     None => None,
-                    Some(engine) => match self.blocks.key_of(engine) {
+                    Some(engine) => match self.blocks.key_of(engine, &self.pool, self.slot) {
                         Some(key) => Some(key),
                         None => {
                             outcome.reject(RejectReason::ParentUnknown, count, metrics);
@@ -326,9 +332,27 @@ impl Replica {
             }
         };
 
+        self.pool.prefetch(&keys);
         let mut stored_blocks = 0;
         for (&engine, key) in stored.block_hashes.iter().zip(keys) {
-            let key = match self.blocks.key_of(engine) {
+            // Exact pools under the cap: one table write says whether the block is new, held
+            // in another medium, or another copy (storing a held medium again changes nothing).
+            if let HeldBlocks::Exact { count } = &mut self.blocks
+                && *count < max_blocks
+            {
+                let before = self.pool.store(self.slot, key, stored.medium);
+                if before.contains(stored.medium) {
+                    *self
+                        .extra_copies
+                        .entry((engine, stored.medium))
+                        .or_insert(0) += 1;
+                } else if before.is_empty() {
+                    *count += 1;
+                }
+                stored_blocks += 1;
+                continue;
+            }
+            let key = match self.blocks.key_of(engine, &self.pool, self.slot) {
                 // Another copy in a medium that already holds it: counted, not re-stored.
                 Some(held) if self.pool.holds_in(self.slot, held, stored.medium) => {
                     *self
@@ -443,10 +467,20 @@ impl Replica {
         }
         let mut removed_blocks = 0;
         let mut unknown = 0;
+        let exact = matches!(self.blocks, HeldBlocks::Exact { .. });
+        if exact {
+            self.pool.prefetch(&removed.block_hashes);
+        }
         for &engine in &removed.block_hashes {
-            let Some(key) = self.blocks.key_of(engine) else {
-                unknown += 1;
-                continue;
+            let key = match self.blocks.key_of_chain(engine) {
+                // Exact pools: the removal below finds out whether the block is held (copies
+                // are counted only for held blocks).
+                _ if exact => engine,
+                Some(key) => key,
+                None => {
+                    unknown += 1;
+                    continue;
+                }
             };
             if let Some(copies) = self.extra_copies.get_mut(&(engine, removed.medium)) {
                 // Another copy still holds this hash in this medium.
@@ -467,7 +501,8 @@ impl Replica {
             } else {
                 unknown += 1;
             }
-            if removal.slot_gone || !removal.was_held && !self.pool.holds(self.slot, key) {
+            if removal.slot_gone || !exact && !removal.was_held && !self.pool.holds(self.slot, key)
+            {
                 self.blocks.remove(engine);
             }
         }

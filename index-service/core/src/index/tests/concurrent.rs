@@ -1,0 +1,145 @@
+//! Writers and readers at once: match walks read the shard tables without locks while ingest
+//! changes them (see `index::table`). Readers check what must hold at every moment (a replica
+//! nobody writes always reports its exact counts, however the keys it shares with the writers
+//! change representation, grow or shrink their tables); at each quiescent point, every answer
+//! must be the reference model's after the same events.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::*;
+
+const WRITERS: u32 = 3;
+/// Replica 3 of each pool holds every prompt and is never written after setup.
+const STABLE: u32 = 3;
+const PROMPTS: u32 = 12;
+const PROMPT_BLOCKS: usize = 24;
+const ROUNDS: usize = 6;
+const OPS_PER_ROUND: usize = 300;
+
+/// Prompts sharing 4–10 leading blocks: the stable replica shares keys with every writer.
+fn prompts() -> Vec<Vec<u32>> {
+    (0..PROMPTS)
+        .map(|seed| prompt(seed + 1, 4 + seed as usize % 7, PROMPT_BLOCKS))
+        .collect()
+}
+
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) % n as u64) as usize
+    }
+}
+
+/// One writer's events for one round: runs stored and removed in several media, and now and
+/// then everything cleared (tables shrink to nothing and grow again under the readers).
+fn writer_events(writer: u32, round: usize, prompts: &[Vec<u32>]) -> Vec<KvEvent> {
+    let mut lcg = Lcg(u64::from(writer) << 32 | round as u64);
+    let media = [Medium::Gpu, Medium::Gpu, Medium::Cpu, Medium::Storage];
+    (0..OPS_PER_ROUND)
+        .map(|_| {
+            let tokens = &prompts[lcg.below(prompts.len())];
+            let start = lcg.below(PROMPT_BLOCKS);
+            let end = (start + 1 + lcg.below(8)).min(PROMPT_BLOCKS);
+            let medium = media[lcg.below(media.len())];
+            match lcg.below(20) {
+                0 => KvEvent::AllBlocksCleared,
+                1..=12 => stored(tokens, start, end, medium),
+                _ => removed(tokens, start, end, medium),
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn lock_free_reads_agree_with_reference_model_at_quiescent_points() {
+    let index = block_index(10_000);
+    let reference = make_reference(10_000);
+    let prompts = prompts();
+    for model in [&index as &dyn KvIndex, &*reference] {
+        setup(model, STABLE + 1);
+        for (stable, _) in [(ReplicaId(STABLE), EXACT), (ReplicaId(100 + STABLE), CHAIN)] {
+            for tokens in &prompts {
+                let event = stored(tokens, 0, PROMPT_BLOCKS, Medium::Gpu);
+                model.apply_event(stable, &event).unwrap();
+            }
+        }
+    }
+    let queries: Vec<(&str, Vec<u64>)> = [EXACT, CHAIN]
+        .into_iter()
+        .flat_map(|model| prompts.iter().map(move |p| (model, query_keys(model, p))))
+        .collect();
+
+    for round in 0..ROUNDS {
+        let events: Vec<Vec<KvEvent>> = (0..WRITERS)
+            .map(|w| writer_events(w, round, &prompts))
+            .collect();
+        let writing = AtomicBool::new(true);
+        std::thread::scope(|scope| {
+            let writers: Vec<_> = (0..WRITERS)
+                .map(|w| {
+                    let (index, events) = (&index, &events[w as usize]);
+                    scope.spawn(move || {
+                        for event in events {
+                            for replica in [ReplicaId(w), ReplicaId(100 + w)] {
+                                index.apply_event(replica, event).unwrap();
+                            }
+                        }
+                    })
+                })
+                .collect();
+            let readers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (index, queries, writing) = (&index, &queries, &writing);
+                    scope.spawn(move || {
+                        let mut walks = 0;
+                        while writing.load(Ordering::Relaxed) || walks < queries.len() {
+                            let (model, keys) = &queries[walks % queries.len()];
+                            walks += 1;
+                            let found = index.find_matches(model, keys, None).unwrap();
+                            let stable = if *model == EXACT {
+                                STABLE
+                            } else {
+                                100 + STABLE
+                            };
+                            let full = keys.len() as u32;
+                            assert_eq!(counts(&found, stable), Some((full, full)), "{found:?}");
+                            for m in &found {
+                                assert!(
+                                    m.gpu_blocks <= m.matched_blocks && m.matched_blocks <= full
+                                );
+                            }
+                        }
+                        walks
+                    })
+                })
+                .collect();
+            for writer in writers {
+                writer.join().unwrap();
+            }
+            writing.store(false, Ordering::Relaxed);
+            for reader in readers {
+                assert!(reader.join().unwrap() > 0);
+            }
+        });
+
+        // Quiescent: replay the same events into the reference (replicas are independent, so
+        // each one's own order is all that matters) and compare every answer.
+        for (w, events) in (0..WRITERS).zip(&events) {
+            for event in events {
+                for replica in [ReplicaId(w), ReplicaId(100 + w)] {
+                    reference.apply_event(replica, event).unwrap();
+                }
+            }
+        }
+        for (model, keys) in &queries {
+            let found = sorted(index.find_matches(model, keys, None).unwrap());
+            let expected = sorted(reference.find_matches(model, keys, None).unwrap());
+            assert_eq!(found, expected, "round {round}, {model}");
+        }
+    }
+}
