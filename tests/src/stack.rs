@@ -145,11 +145,11 @@ impl IndexPlacement {
 /// The simulators' timing model (the sim's flags of the same names).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SimTiming {
-    /// Fixed part of the time to first token, ms.
+    /// Fixed cost of an engine step that prefills, ms.
     pub ttft_overhead_ms: f64,
-    /// Prefill per uncached prompt token, µs (prefills run one at a time per replica).
+    /// Prefill per uncached prompt token in a step, µs (prefills batched per step per replica).
     pub prefill_us_per_token: f64,
-    /// Per output token after the first, ms.
+    /// A decode-only step (one token for every running request), ms.
     pub decode_ms_per_token: f64,
     /// Multiplies every duration above.
     pub time_scale: f64,

@@ -17,7 +17,7 @@ use kvroute_index::event::KvEvent;
 use kvroute_replay::engine::EngineConfig;
 use kvroute_replay::routers::{Decision, Router, RouterSpec, View};
 use kvroute_replay::sim::{self, SimConfig};
-use kvroute_replay::timing::Timing;
+use kvroute_replay::timing::MockerFit;
 use kvroute_replay::trace::{self, Request};
 use kvroute_replay::workload;
 
@@ -86,7 +86,7 @@ fn main() -> Result<(), String> {
     let config = SimConfig {
         replicas: 4,
         engine: EngineConfig::default(),
-        timing: Timing::default(),
+        timing: MockerFit::default(),
         kv_delay_us: 50_000,
     };
     let mut recorder = Recorder {

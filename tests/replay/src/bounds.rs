@@ -8,8 +8,8 @@
 
 use std::collections::HashSet;
 
-use crate::lru::KeyLru;
 use crate::trace::Request;
+use kvroute_engine_model::lru::KeyLru;
 
 /// Leading blocks each request finds cached in one LRU of `capacity` blocks, requests served
 /// one after another in order.

@@ -1,7 +1,8 @@
 //! kvroute-replay: a trace-driven, virtual-time simulator of routing quality.
 //!
 //! Replays Mooncake-format traces ([`trace`]) against N simulated vLLM-style replicas
-//! ([`engine`], [`pool`], [`timing`]) in virtual time ([`sim`]), routed by one of the
+//! ([`engine`]: the shared `kvroute-engine-model`, with its [`timing`] models) in virtual time
+//! ([`sim`]), routed by one of the
 //! [`routers`]: the baselines people deploy (random, round-robin, least-loaded, session hash,
 //! consistent hashing with bounded loads, SGLang's approximate tree, llm-d's precise scorer,
 //! Dynamo's cost function), kvroute's own index and scorer (the real `kvroute-index` and
@@ -14,15 +15,14 @@
 pub mod bounds;
 pub mod engine;
 pub mod experiment;
-pub mod lru;
 pub mod metrics;
-pub mod pool;
 pub mod report;
 pub mod routers;
 pub mod sim;
-pub mod timing;
 pub mod trace;
 pub mod workload;
+
+pub use kvroute_engine_model::timing;
 
 /// Tokens per KV block: the Mooncake traces' hash-id granularity, used for the simulated
 /// engines' block pools and kvroute's index alike.

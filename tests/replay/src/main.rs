@@ -17,7 +17,7 @@ use kvroute_replay::engine::EngineConfig;
 use kvroute_replay::experiment::{self, Grid, Workload};
 use kvroute_replay::routers::RouterSpec;
 use kvroute_replay::sim::SimConfig;
-use kvroute_replay::timing::Timing;
+use kvroute_replay::timing::MockerFit;
 use kvroute_replay::{report, trace, workload};
 
 #[derive(Debug, Parser)]
@@ -177,7 +177,7 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
                 token_budget: args.token_budget.max(1),
                 max_seqs: args.max_seqs.max(1),
             },
-            timing: Timing {
+            timing: MockerFit {
                 scale: args.time_scale,
             },
             kv_delay_us: (args.kv_delay_ms.max(0.0) * 1000.0).round() as u64,

@@ -23,8 +23,8 @@ use kvroute_index::event::KvEvent;
 
 use crate::engine::{Engine, EngineConfig};
 use crate::routers::{Router, View};
-use crate::timing::Timing;
 use crate::trace::Request;
+use kvroute_engine_model::MockerFit;
 
 /// Simulation parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -34,7 +34,7 @@ pub struct SimConfig {
     /// Each replica's limits.
     pub engine: EngineConfig,
     /// Step timing.
-    pub timing: Timing,
+    pub timing: MockerFit,
     /// Delay between a step's end and its KV events reaching the router, µs.
     pub kv_delay_us: u64,
 }
@@ -274,22 +274,22 @@ pub fn run_checked(
                 }
                 routed[id] = (replica, decision.predicted_blocks);
                 engines[replica].enqueue(request);
-                if let Some(end) = engines[replica].start_step(now, requests, &config.timing) {
+                if let Some(end) = engines[replica].start_step(now, &config.timing) {
                     queue.push(end, Event::StepDone(replica));
                 }
             }
             Event::StepDone(replica) => {
-                let outcome = engines[replica].finish_step(requests);
+                let outcome = engines[replica].finish_step();
                 for first in &outcome.first_tokens {
-                    let request = &requests[first.request];
-                    let (routed_to, predicted_blocks) = routed[first.request];
+                    let request = &requests[first.id];
+                    let (routed_to, predicted_blocks) = routed[first.id];
                     let ttft_us = now.saturating_sub(request.arrival_us);
                     if let Some(lateness) = &mut lateness
                         && ttft_us > lateness.check.ttft_us
                     {
-                        lateness.mark(first.request);
+                        lateness.mark(first.id);
                     }
-                    outcomes[first.request] = Some(RequestOutcome {
+                    outcomes[first.id] = Some(RequestOutcome {
                         replica: routed_to,
                         ttft_us,
                         hit_blocks: first.hit_blocks,
@@ -306,7 +306,7 @@ pub fn run_checked(
                     deliveries[replica].push_back(outcome.events);
                     queue.push(now + config.kv_delay_us, Event::Deliver(replica));
                 }
-                if let Some(end) = engines[replica].start_step(now, requests, &config.timing) {
+                if let Some(end) = engines[replica].start_step(now, &config.timing) {
                     queue.push(end, Event::StepDone(replica));
                 }
             }

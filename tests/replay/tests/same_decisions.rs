@@ -16,7 +16,7 @@ use kvroute_ext_proc::request::{Endpoint, parse};
 use kvroute_ext_proc::{Config, Decision as PickerDecision, Picker, Runtime};
 use kvroute_replay::BLOCK_TOKENS;
 use kvroute_replay::routers::{Kvroute, Router, View};
-use kvroute_replay::timing::Timing;
+use kvroute_replay::timing::MockerFit;
 use kvroute_replay::trace::Request;
 use kvroute_routing::load::Scraped;
 use rand::SeedableRng;
@@ -73,7 +73,7 @@ async fn replay_decides_as_the_picker_does() {
         rand::rngs::StdRng::seed_from_u64(SEED),
     )
     .without_events();
-    let timing = Timing::default();
+    let timing = MockerFit::default();
     let pool = picker.runtime().config.pools[0].clone();
     let mut held: HashMap<usize, (PickerDecision, Request)> = HashMap::new();
     let mut routed = [0usize; REPLICAS];

@@ -12,7 +12,7 @@ use kvroute_replay::engine::EngineConfig;
 use kvroute_replay::metrics;
 use kvroute_replay::routers::RouterSpec;
 use kvroute_replay::sim::{self, Checked, SimConfig, SloCheck};
-use kvroute_replay::timing::Timing;
+use kvroute_replay::timing::MockerFit;
 use kvroute_replay::trace::{self, Request, TraceRecord};
 
 /// The trace's first `n` records by time, or `None` (and a SKIP line) without the shared folder.
@@ -40,7 +40,7 @@ fn single_replica(blocks: u32) -> SimConfig {
             blocks,
             ..EngineConfig::default()
         },
-        timing: Timing::default(),
+        timing: MockerFit::default(),
         kv_delay_us: 0,
     }
 }
@@ -117,7 +117,7 @@ fn identical_seeds_give_identical_results() {
             blocks: 1024,
             ..EngineConfig::default()
         },
-        timing: Timing::default(),
+        timing: MockerFit::default(),
         kv_delay_us: 50_000,
     };
     for spec in [
@@ -150,7 +150,7 @@ fn a_checked_run_stops_only_when_the_objective_is_missed_for_certain() {
     let config = SimConfig {
         replicas: 2,
         engine: EngineConfig::default(),
-        timing: Timing::default(),
+        timing: MockerFit::default(),
         kv_delay_us: 50_000,
     };
     let skip = metrics::warmup_skip(requests.len(), 0.1);

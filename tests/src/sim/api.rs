@@ -481,7 +481,8 @@ async fn generate(
             "the simulator streams completions and chat completions only",
         ));
     }
-    let sequence = state.engine.start(prompt, max_tokens).await?;
+    let output = (0..max_tokens).map(|k| state.filler(k).0).collect();
+    let sequence = state.engine.start(prompt, output).await?;
     let id = state.request_id(match kind {
         Kind::Chat => "chatcmpl",
         Kind::Completion => "cmpl",
@@ -531,9 +532,8 @@ struct Generation {
 
 impl Generation {
     async fn next_text(&mut self) -> Option<String> {
-        let (token, text) = self.state.filler(self.sequence.generated()).clone();
-        self.sequence.next_token(token).await?;
-        Some(text)
+        let k = self.sequence.next_token().await?;
+        Some(self.state.filler(k).1.clone())
     }
 
     fn usage(&self) -> Value {
@@ -675,6 +675,11 @@ async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Json<Value> {
 async fn debug_blocks(State(state): State<Arc<AppState>>) -> Json<Value> {
     let geometry = state.engine.geometry();
     let (published_batches, blocks) = state.engine.held_blocks_at();
+    // Every block is in vLLM's GPU block pool.
+    let blocks: Vec<Value> = blocks
+        .iter()
+        .map(|b| json!({"hash": b.hash, "medium": "GPU", "ref_cnt": b.ref_cnt}))
+        .collect();
     Json(json!({
         "block_size": geometry.block_size,
         "num_blocks": geometry.num_blocks,

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kvroute_block_keys::HashAlgo;
+use kvroute_engine_model::Linear;
 use kvroute_index::wire::{Encoding, HashForm, Schema};
 
 const DEFAULT_MODEL_NAME: &str = "tiny";
@@ -51,6 +52,10 @@ pub struct SimArgs {
     /// Most requests running at once; more wait in FIFO order.
     #[arg(long, default_value_t = DEFAULT_MAX_NUM_SEQS)]
     pub max_num_seqs: usize,
+    /// Tokens computed per engine step (prefill chunks plus one per decoding request); longer
+    /// prompts prefill in chunks. Default: `--max-model-len` (any accepted prompt in one step).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
     /// `--prefix-caching-hash-algo`.
     #[arg(long, default_value = "sha256")]
     pub prefix_caching_hash_algo: String,
@@ -73,13 +78,13 @@ pub struct SimArgs {
     /// `max_tokens` when a request gives none.
     #[arg(long, default_value_t = DEFAULT_MAX_TOKENS)]
     pub default_max_tokens: usize,
-    /// Fixed part of the time to first token, milliseconds.
+    /// Fixed cost of an engine step that prefills, milliseconds (part of every TTFT).
     #[arg(long, default_value_t = DEFAULT_TTFT_OVERHEAD_MS)]
     pub ttft_overhead_ms: f64,
-    /// Prefill cost per uncached prompt token, microseconds (prefills run one at a time).
+    /// Prefill cost per uncached prompt token in a step, microseconds.
     #[arg(long, default_value_t = DEFAULT_PREFILL_US_PER_TOKEN)]
     pub prefill_us_per_token: f64,
-    /// Time per output token after the first, milliseconds.
+    /// Duration of a decode-only step (one token for every running request), milliseconds.
     #[arg(long, default_value_t = DEFAULT_DECODE_MS_PER_TOKEN)]
     pub decode_ms_per_token: f64,
     /// Multiplies every modelled duration (0 = instant; tests use small values).
@@ -140,8 +145,8 @@ pub struct SimConfig {
     pub python_hash_seed: Option<String>,
     /// KV event publishing, when enabled.
     pub kv_events: Option<KvEventsConfig>,
-    /// Timing model.
-    pub timing: Timing,
+    /// Step timing model.
+    pub timing: Linear,
     /// `max_tokens` default.
     pub default_max_tokens: usize,
     /// `--chat-template`'s text, replacing the model folder's template.
@@ -161,6 +166,8 @@ pub struct CacheGeometry {
     pub max_model_len: usize,
     /// Most running requests.
     pub max_num_seqs: usize,
+    /// Tokens computed per step.
+    pub max_num_batched_tokens: usize,
 }
 
 /// Where and how KV events are published.
@@ -182,17 +189,6 @@ pub struct KvEventsConfig {
     pub encoding: Encoding,
     /// `data_parallel_rank` of every batch.
     pub dp_rank: u32,
-}
-
-/// The timing model, already scaled by `time_scale`.
-#[derive(Debug, Clone, Copy)]
-pub struct Timing {
-    /// Fixed part of TTFT.
-    pub ttft_overhead: Duration,
-    /// Prefill per uncached prompt token.
-    pub prefill_per_token: Duration,
-    /// Per output token after the first.
-    pub decode_per_token: Duration,
 }
 
 /// A flag value that cannot be used.
@@ -238,6 +234,10 @@ impl TryFrom<SimArgs> for SimConfig {
             num_blocks: positive("num-blocks", args.num_blocks)?,
             max_model_len: positive("max-model-len", args.max_model_len)?,
             max_num_seqs: positive("max-num-seqs", args.max_num_seqs)?,
+            max_num_batched_tokens: positive(
+                "max-num-batched-tokens",
+                args.max_num_batched_tokens.unwrap_or(args.max_model_len),
+            )?,
         };
         let hash_algo: HashAlgo = args.prefix_caching_hash_algo.parse().map_err(|e| {
             ConfigError::new(
@@ -257,10 +257,10 @@ impl TryFrom<SimArgs> for SimConfig {
                 "must be >= 0",
             ));
         }
-        let timing = Timing {
-            ttft_overhead: duration("ttft-overhead-ms", args.ttft_overhead_ms, 1e-3)?,
+        let timing = Linear {
+            prefill_overhead: duration("ttft-overhead-ms", args.ttft_overhead_ms, 1e-3)?,
             prefill_per_token: duration("prefill-us-per-token", args.prefill_us_per_token, 1e-6)?,
-            decode_per_token: duration("decode-ms-per-token", args.decode_ms_per_token, 1e-3)?,
+            decode: duration("decode-ms-per-token", args.decode_ms_per_token, 1e-3)?,
         };
         let kv_events = args
             .kv_events_config

@@ -1,25 +1,28 @@
-//! The simulated engine: FIFO admission under `max_num_seqs` and free KV blocks, the timing model,
-//! block bookkeeping as tokens are computed, and vLLM's scheduler counters.
+//! The simulated engine: the shared vLLM-style engine model
+//! ([`kvroute_engine_model::Scheduler`]: block pool with prefix caching and LRU eviction,
+//! continuous batching with chunked prefill, preemption) stepped in real time by
+//! [`Engine::run`], with its [`Linear`] timing model, and vLLM's scheduler counters.
 //!
-//! Timing: a request waits for admission, then its prefill takes `ttft_overhead + uncached prompt
-//! tokens × prefill_per_token`, run one prefill at a time (a later prefill queues behind earlier
-//! ones, as in a token-budgeted engine step); each further output token takes `decode_per_token`.
-//!
-//! Every cache operation's events go out as one batch (one "engine step"), in order, through the
-//! event sink, under the state lock so batches are sequenced exactly as they happened.
+//! - A request is queued with its prompt and its (known in advance) output tokens, so every
+//!   full block — decoded ones too — is hashed with vLLM's chain and cached as vLLM would.
+//! - Each step's KV events (evictions, stores) go out as one batch through the event sink, under
+//!   the state lock, when the step is scheduled: the blocks `/debug/blocks` lists are always
+//!   what the published batches describe. (vLLM publishes the same batch one forward pass later,
+//!   when the step's output is processed.)
+//! - A client that leaves aborts its request (blocks freed), as vLLM does on disconnect.
 
-use std::collections::VecDeque;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvroute_block_keys::{Digest, VllmHasher};
+use kvroute_engine_model::{HeldBlock, Linear, NewSeq, Scheduler, SchedulerConfig, SeqId};
 use kvroute_index::event::KvEvent;
 use parking_lot::Mutex;
-use tokio::sync::oneshot;
-use tokio::time::Instant;
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
 
-use super::cache::{BlockId, HeldBlock, KvCache};
-use super::config::{CacheGeometry, Timing};
+use super::config::CacheGeometry;
 
 /// Receives each step's events (the publisher); `None` when events are off.
 pub type EventSink = Box<dyn Fn(Vec<KvEvent>) + Send + Sync>;
@@ -80,32 +83,39 @@ pub struct EngineGauges {
     pub kv_cache_usage: f64,
 }
 
-struct Waiting {
-    digests: Vec<Digest>,
-    prompt_len: usize,
-    total_blocks: usize,
-    admit: oneshot::Sender<Admitted>,
+/// What a request's client has been told so far.
+#[derive(Debug, Clone, Copy, Default)]
+struct Progress {
+    /// Output tokens produced.
+    emitted: usize,
+    /// Leading prompt blocks found cached (set with the first token).
+    hit_blocks: usize,
+    /// All its tokens are out.
+    finished: bool,
 }
 
-struct Admitted {
-    blocks: Vec<BlockId>,
-    hit_blocks: usize,
+#[derive(Debug)]
+struct Tracked {
+    prompt_len: usize,
+    progress: watch::Sender<Progress>,
 }
 
 struct State {
-    cache: KvCache,
-    waiting: VecDeque<Waiting>,
-    running: usize,
-    prefill_free_at: Instant,
+    scheduler: Scheduler<Digest>,
+    tracked: HashMap<SeqId, Tracked>,
+    next_id: SeqId,
+    shut_down: bool,
 }
 
 /// The engine shared by all requests.
 pub struct Engine {
     state: Mutex<State>,
     geometry: CacheGeometry,
-    timing: Timing,
+    timing: Linear,
     hasher: VllmHasher,
     sink: Option<EventSink>,
+    /// Wakes [`Engine::run`] when a request is queued.
+    work: Notify,
     /// Event batches handed to the sink; changes under the state lock with every cache change
     /// that publishes, so two equal readings bracket a moment the block set did not change.
     published_batches: AtomicU64,
@@ -122,43 +132,117 @@ impl std::fmt::Debug for Engine {
 }
 
 impl Engine {
-    /// An idle engine.
+    /// An idle engine; [`Engine::run`] steps it.
     pub fn new(
         geometry: CacheGeometry,
-        timing: Timing,
+        timing: Linear,
         hasher: VllmHasher,
         sink: Option<EventSink>,
     ) -> Self {
+        let scheduler = Scheduler::new(SchedulerConfig {
+            num_blocks: geometry.num_blocks,
+            block_size: geometry.block_size,
+            token_budget: u32::try_from(geometry.max_num_batched_tokens).unwrap_or(u32::MAX),
+            max_seqs: geometry.max_num_seqs,
+        });
         Self {
             state: Mutex::new(State {
-                cache: KvCache::new(geometry.num_blocks, geometry.block_size),
-                waiting: VecDeque::new(),
-                running: 0,
-                prefill_free_at: Instant::now(),
+                scheduler,
+                tracked: HashMap::new(),
+                next_id: 0,
+                shut_down: false,
             }),
             geometry,
             timing,
             hasher,
             sink,
+            work: Notify::new(),
             published_batches: AtomicU64::new(0),
             counters: EngineCounters::default(),
         }
     }
 
-    /// Queues a request and waits until it is admitted and its prefill is done: the caller then
-    /// holds the first output token's moment. Dropping the future (client gone) gives up its slot.
+    /// The engine loop: schedules a step, waits its duration, completes it, until `cancel`.
+    /// Then every request still queued or running ends ([`EngineError::ShuttingDown`], or a
+    /// stream cut short).
+    pub async fn run(self: Arc<Self>, cancel: CancellationToken) {
+        loop {
+            let duration = {
+                let mut state = self.state.lock();
+                let duration = state.scheduler.start_step(&self.timing);
+                let events = state.scheduler.take_events();
+                self.publish(events);
+                duration
+            };
+            let Some(duration) = duration else {
+                tokio::select! {
+                    () = cancel.cancelled() => break,
+                    () = self.work.notified() => continue,
+                }
+            };
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(duration) => {}
+            }
+            self.finish_step();
+        }
+        let mut state = self.state.lock();
+        state.shut_down = true;
+        state.tracked.clear();
+    }
+
+    fn finish_step(&self) {
+        let mut state = self.state.lock();
+        let outcome = state.scheduler.finish_step();
+        self.publish(outcome.events);
+        let bs = self.geometry.block_size;
+        let add = |counter: &AtomicU64, n: usize| {
+            counter.fetch_add(n as u64, Ordering::Relaxed);
+        };
+        for first in &outcome.first_tokens {
+            let Some(tracked) = state.tracked.get(&first.id) else {
+                continue;
+            };
+            let hit_tokens = first.hit_blocks as usize * bs;
+            add(&self.counters.prefix_cache_queries, tracked.prompt_len);
+            add(&self.counters.prefix_cache_hits, hit_tokens);
+            add(&self.counters.prompt_tokens, tracked.prompt_len);
+            tracked
+                .progress
+                .send_modify(|p| p.hit_blocks = first.hit_blocks as usize);
+        }
+        add(&self.counters.generation_tokens, outcome.emitted.len());
+        for id in &outcome.emitted {
+            if let Some(tracked) = state.tracked.get(id) {
+                tracked.progress.send_modify(|p| p.emitted += 1);
+            }
+        }
+        add(&self.counters.requests_finished, outcome.finished.len());
+        for id in &outcome.finished {
+            if let Some(tracked) = state.tracked.remove(id) {
+                tracked.progress.send_modify(|p| p.finished = true);
+            }
+        }
+    }
+
+    /// Queues a request and waits until its first output token: the caller then holds the
+    /// first token's moment. `output` are the token ids it will generate (`max_tokens` of
+    /// them). Dropping the future (client gone) aborts the request.
     pub async fn start(
         self: &Arc<Self>,
         prompt: Vec<u32>,
-        max_tokens: usize,
+        output: Vec<u32>,
     ) -> Result<Sequence, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        let needed = prompt.len() + max_tokens;
+        let max_tokens = output.len();
+        let prompt_len = prompt.len();
+        let needed = prompt_len + max_tokens;
         let bs = self.geometry.block_size;
         // KV slots for every computed token; the last sampled token is never computed.
-        let total_blocks = (needed - 1).div_ceil(bs);
+        let computed = needed.saturating_sub(1).max(prompt_len);
+        let total_blocks = computed.div_ceil(bs);
         let max = self
             .geometry
             .max_model_len
@@ -166,98 +250,59 @@ impl Engine {
         if needed > self.geometry.max_model_len || total_blocks > self.geometry.num_blocks {
             return Err(EngineError::TooLong { needed, max });
         }
-        let digests = self.hash_blocks(None, &prompt);
-        let (admit, admitted) = oneshot::channel();
-        {
+        let mut tokens = prompt;
+        tokens.extend(output);
+        let keys = self.hash_blocks(&tokens[..computed]);
+        let (progress, mut watched) = watch::channel(Progress::default());
+        let id = {
             let mut state = self.state.lock();
-            state.waiting.push_back(Waiting {
-                digests: digests.clone(),
-                prompt_len: prompt.len(),
-                total_blocks,
-                admit,
+            if state.shut_down {
+                return Err(EngineError::ShuttingDown);
+            }
+            let id = state.next_id;
+            state.next_id += 1;
+            state.scheduler.enqueue(NewSeq {
+                id,
+                prompt_len: prompt_len as u32,
+                output_len: max_tokens.max(1) as u32,
+                keys: keys.into(),
+                tokens: Some(tokens.into()),
             });
-            self.admit_waiting(&mut state);
-        }
-        // The sender lives in the queue until admission; it is only dropped with the engine.
-        let Admitted { blocks, hit_blocks } =
-            admitted.await.map_err(|_| EngineError::ShuttingDown)?;
-        let prompt_len = prompt.len();
-        // Built before the prefill wait so a client leaving during it frees the blocks.
-        let sequence = Sequence {
+            state.tracked.insert(
+                id,
+                Tracked {
+                    prompt_len,
+                    progress,
+                },
+            );
+            id
+        };
+        self.work.notify_one();
+        // Built before the wait so a client leaving during it aborts the request.
+        let mut sequence = Sequence {
             engine: Arc::clone(self),
-            tokens: prompt,
+            id,
             prompt_len,
-            digests,
-            blocks,
-            hit_blocks,
-            cached_blocks: hit_blocks,
-            generated: 0,
             max_tokens,
+            consumed: 0,
+            hit_blocks: 0,
             finished: false,
+            progress: watched.clone(),
         };
-        let uncached = prompt_len - hit_blocks * bs;
-        let prefill_done = {
-            let mut state = self.state.lock();
-            let start = state.prefill_free_at.max(Instant::now());
-            let done =
-                start + self.timing.ttft_overhead + self.timing.prefill_per_token * uncached as u32;
-            state.prefill_free_at = done;
-            done
-        };
-        tokio::time::sleep_until(prefill_done).await;
+        let first = watched
+            .wait_for(|p| p.emitted > 0)
+            .await
+            .map_err(|_| EngineError::ShuttingDown)?;
+        sequence.hit_blocks = first.hit_blocks;
+        drop(first);
         Ok(sequence)
     }
 
-    /// Admits waiting requests in FIFO order while a slot and enough blocks are free.
-    fn admit_waiting(&self, state: &mut State) {
-        let mut events = Vec::new();
-        while let Some(front) = state.waiting.front() {
-            if front.admit.is_closed() {
-                state.waiting.pop_front();
-                continue;
-            }
-            if state.running >= self.geometry.max_num_seqs {
-                break;
-            }
-            let Some(allocation) = state.cache.allocate(
-                &front.digests,
-                front.prompt_len,
-                front.total_blocks,
-                &mut events,
-            ) else {
-                break;
-            };
-            let Some(waiting) = state.waiting.pop_front() else {
-                break;
-            };
-            let bs = self.geometry.block_size as u64;
-            self.counters
-                .prefix_cache_queries
-                .fetch_add(waiting.prompt_len as u64, Ordering::Relaxed);
-            self.counters
-                .prefix_cache_hits
-                .fetch_add(allocation.hit_blocks as u64 * bs, Ordering::Relaxed);
-            self.counters
-                .prompt_tokens
-                .fetch_add(waiting.prompt_len as u64, Ordering::Relaxed);
-            let admitted = Admitted {
-                blocks: allocation.blocks,
-                hit_blocks: allocation.hit_blocks,
-            };
-            match waiting.admit.send(admitted) {
-                Ok(()) => state.running += 1,
-                // The client left between the check above and now.
-                Err(admitted) => state.cache.free(&admitted.blocks),
-            }
-        }
-        self.publish(events);
-    }
-
-    fn hash_blocks(&self, parent: Option<&Digest>, tokens: &[u32]) -> Vec<Digest> {
+    fn hash_blocks(&self, tokens: &[u32]) -> Vec<Digest> {
         let mut digests = Vec::new();
         // Only fails for a zero block size, which the config rejects.
         let _ = self.hasher.chain_into(
-            parent,
+            None,
             tokens,
             self.geometry.block_size,
             |_| None,
@@ -276,15 +321,15 @@ impl Engine {
     /// `POST /reset_prefix_cache`.
     pub fn reset_prefix_cache(&self) -> bool {
         let mut state = self.state.lock();
-        let mut events = Vec::new();
-        let done = state.cache.reset(&mut events);
+        let done = state.scheduler.reset_prefix_cache();
+        let events = state.scheduler.take_events();
         self.publish(events);
         done
     }
 
     /// Blocks carrying a hash (`GET /debug/blocks`).
     pub fn held_blocks(&self) -> Vec<HeldBlock> {
-        self.state.lock().cache.held_blocks()
+        self.state.lock().scheduler.held_blocks()
     }
 
     /// [`Engine::held_blocks`] with the number of event batches published so far, read together
@@ -292,20 +337,16 @@ impl Engine {
     pub fn held_blocks_at(&self) -> (u64, Vec<HeldBlock>) {
         let state = self.state.lock();
         let published = self.published_batches.load(Ordering::Relaxed);
-        (published, state.cache.held_blocks())
+        (published, state.scheduler.held_blocks())
     }
 
     /// Scheduler gauges.
     pub fn gauges(&self) -> EngineGauges {
         let state = self.state.lock();
         EngineGauges {
-            waiting: state
-                .waiting
-                .iter()
-                .filter(|w| !w.admit.is_closed())
-                .count(),
-            running: state.running,
-            kv_cache_usage: state.cache.usage(),
+            waiting: state.scheduler.waiting(),
+            running: state.scheduler.running(),
+            kv_cache_usage: state.scheduler.kv_usage(),
         }
     }
 
@@ -313,27 +354,34 @@ impl Engine {
     pub fn geometry(&self) -> CacheGeometry {
         self.geometry
     }
+
+    fn abort(&self, id: SeqId) {
+        let mut state = self.state.lock();
+        state.tracked.remove(&id);
+        if state.scheduler.abort(id) {
+            // Freed blocks may let a waiting request in.
+            self.work.notify_one();
+        }
+    }
 }
 
-/// A running request, after prefill. Dropping it (finished or client gone) frees its blocks.
+/// A running request, after its first token. Dropping it (finished or client gone) ends it.
 pub struct Sequence {
     engine: Arc<Engine>,
-    tokens: Vec<u32>,
+    id: SeqId,
     prompt_len: usize,
-    digests: Vec<Digest>,
-    blocks: Vec<BlockId>,
-    hit_blocks: usize,
-    cached_blocks: usize,
-    generated: usize,
     max_tokens: usize,
+    consumed: usize,
+    hit_blocks: usize,
     finished: bool,
+    progress: watch::Receiver<Progress>,
 }
 
 impl std::fmt::Debug for Sequence {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Sequence")
             .field("prompt_len", &self.prompt_len)
-            .field("generated", &self.generated)
+            .field("generated", &self.consumed)
             .finish_non_exhaustive()
     }
 }
@@ -349,81 +397,44 @@ impl Sequence {
         self.prompt_len
     }
 
-    /// Output tokens so far.
+    /// Output tokens handed out so far.
     pub fn generated(&self) -> usize {
-        self.generated
+        self.consumed
     }
 
     /// Output tokens still to come.
     pub fn remaining(&self) -> usize {
-        self.max_tokens - self.generated
+        self.max_tokens - self.consumed
     }
 
-    /// Records the next output token, waiting the decode time for every token after the first.
-    /// `None` once `max_tokens` are out (the request then finishes and frees its blocks).
-    pub async fn next_token(&mut self, token: u32) -> Option<u32> {
-        if self.generated >= self.max_tokens {
+    /// Waits for the next output token; its position in the output. `None` once `max_tokens`
+    /// are out, or if the engine shut down (the request then ends).
+    pub async fn next_token(&mut self) -> Option<usize> {
+        if self.consumed >= self.max_tokens {
             self.finish();
             return None;
         }
-        if self.generated > 0 {
-            tokio::time::sleep(self.engine.timing.decode_per_token).await;
+        let consumed = self.consumed;
+        let produced = self
+            .progress
+            .wait_for(|p| p.emitted > consumed)
+            .await
+            .is_ok();
+        if !produced {
+            self.finish();
+            return None;
         }
-        self.generated += 1;
-        self.tokens.push(token);
-        self.engine
-            .counters
-            .generation_tokens
-            .fetch_add(1, Ordering::Relaxed);
-        self.cache_computed_blocks();
-        Some(token)
+        self.consumed += 1;
+        Some(consumed)
     }
 
-    /// Caches blocks that became full: the prompt at the first token, then one block every
-    /// `block_size` decoded tokens. The newest sampled token has no KV yet, so it is excluded.
-    fn cache_computed_blocks(&mut self) {
-        let bs = self.engine.geometry.block_size;
-        let computed = self.tokens.len() - 1;
-        let full = (computed / bs).min(self.blocks.len());
-        if full <= self.cached_blocks {
-            return;
-        }
-        if self.digests.len() < full {
-            let start = self.digests.len();
-            let parent = self.digests.last().copied();
-            let more = self
-                .engine
-                .hash_blocks(parent.as_ref(), &self.tokens[start * bs..full * bs]);
-            self.digests.extend(more);
-        }
-        let mut events = Vec::new();
-        let mut state = self.engine.state.lock();
-        state.cache.cache_blocks(
-            &self.blocks,
-            &self.digests,
-            self.cached_blocks,
-            full,
-            &self.tokens,
-            &mut events,
-        );
-        self.engine.publish(events);
-        drop(state);
-        self.cached_blocks = full;
-    }
-
-    /// Ends the request and frees its blocks (idempotent; also done on drop).
+    /// Ends the request (idempotent; also done on drop): a request still running is aborted and
+    /// its blocks freed.
     pub fn finish(&mut self) {
         if std::mem::replace(&mut self.finished, true) {
             return;
         }
-        let mut state = self.engine.state.lock();
-        state.cache.free(&self.blocks);
-        state.running = state.running.saturating_sub(1);
-        self.engine
-            .counters
-            .requests_finished
-            .fetch_add(1, Ordering::Relaxed);
-        self.engine.admit_waiting(&mut state);
+        self.engine.abort(self.id);
     }
 }
 

@@ -2,12 +2,14 @@
 //!
 //! - OpenAI API, `/tokenize`, `/metrics`, `/health`, `/reset_prefix_cache` in vLLM's shapes
 //!   (`api`), tokenizing with the shared [`kvroute_tokenize`] exactly as vLLM does.
-//! - A KV block pool with vLLM's prefix-caching semantics (`cache`) hashed with vLLM's chain
-//!   ([`kvroute_block_keys::VllmHasher`], same algorithm/seed options as the index).
+//! - vLLM's block pool and step scheduler: the shared [`kvroute_engine_model`] (prefix caching,
+//!   LRU eviction, continuous batching, chunked prefill), stepped in real time (`engine`), block
+//!   keys hashed with vLLM's chain ([`kvroute_block_keys::VllmHasher`], same algorithm/seed
+//!   options as the index).
 //! - KV events encoded by [`kvroute_index::wire::encode_batch`] (vLLM 0.32 `type` maps, or the
 //!   older tagged arrays) and published by [`kvroute_index::testing::MockVllmPublisher`]
 //!   (PUB bind/connect by vLLM's rule, 3 frames, seq from 0, ROUTER replay).
-//! - A timing model with a time-scale knob (`engine`).
+//! - A step timing model ([`kvroute_engine_model::Linear`]) with a time-scale knob.
 //! - `--chat-template` (vLLM's flag: a file or the template text) renders chat with another
 //!   template than the model folder's, e.g. to serve a replica kvroute tokenizes differently.
 //! - `GET /debug/blocks`: the blocks it holds, as published u64 hashes, to compare with an index,
@@ -18,7 +20,6 @@
 //! writes them to `--ready-file` ([`ReadyInfo`]) for process harnesses.
 
 mod api;
-mod cache;
 mod config;
 mod engine;
 mod metrics;
@@ -38,8 +39,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use cache::{Allocation, BlockId, HeldBlock, KvCache};
-pub use config::{CacheGeometry, ConfigError, KvEventsConfig, SimArgs, SimConfig, Timing, binds};
+pub use config::{CacheGeometry, ConfigError, KvEventsConfig, SimArgs, SimConfig, binds};
 pub use engine::{Engine, EngineError, EventSink, Sequence};
 
 /// Why the simulator could not start.
@@ -149,6 +149,7 @@ impl EngineSim {
         };
 
         let engine = Arc::new(Engine::new(config.cache, config.timing, hasher, sink));
+        tasks.spawn(Arc::clone(&engine).run(cancel.clone()));
         let info = metrics::MetricsInfo {
             engine: "0".to_owned(),
             hash_algo: config.hash_algo.to_string(),

@@ -3,7 +3,6 @@
 mod agent;
 mod check;
 mod common;
-mod demo;
 mod drift;
 mod embedded_index;
 mod envoy;

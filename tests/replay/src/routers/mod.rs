@@ -18,8 +18,8 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 
 use crate::engine::Engine;
-use crate::timing::Timing;
 use crate::trace::Request;
+use kvroute_engine_model::TimingModel;
 
 pub use basic::{LeastLoaded, Random, RoundRobin, SessionHash};
 pub use chwbl::ConsistentHashBoundedLoad;
@@ -39,7 +39,7 @@ pub struct View<'a> {
     /// All requests of the run (by id).
     pub requests: &'a [Request],
     /// The engines' timing model.
-    pub timing: &'a Timing,
+    pub timing: &'a dyn TimingModel,
 }
 
 /// A routing decision.

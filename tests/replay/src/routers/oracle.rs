@@ -26,7 +26,7 @@ impl Router for TtftOracle {
         let predictions: Vec<_> = view
             .engines
             .iter()
-            .map(|engine| engine.predict(request, view.requests, view.timing, view.now_us))
+            .map(|engine| engine.predict(request, view.timing, view.now_us))
             .collect();
         let replica = argmin_random(
             predictions.len(),

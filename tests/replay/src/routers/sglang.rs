@@ -18,8 +18,8 @@ use rand::rngs::StdRng;
 
 use super::{Decision, InFlight, Router, View, argmin_random, leading};
 use crate::BLOCK_TOKENS;
-use crate::lru::KeyLru;
 use crate::trace::Request;
+use kvroute_engine_model::lru::KeyLru;
 
 /// The policy's knobs.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,7 +1,7 @@
 //! The demo's workload, smaller, through the full stack: kvroute must cache better than Envoy's
 //! round robin over the same simulators, and no request may fail.
 
-use kvroute_tests::demo::{self, WorkloadOptions};
+use kvroute_demo::{self as demo, WorkloadOptions};
 use kvroute_tests::harness::http;
 use kvroute_tests::stack::{Routing, SimTiming, Stack, StackOptions};
 

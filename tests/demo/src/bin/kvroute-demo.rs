@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use kvroute_tests::demo::{self, PhaseReport, WorkloadOptions};
+use kvroute_demo::{self as demo, PhaseReport, WorkloadOptions};
 use kvroute_tests::harness::http;
 use kvroute_tests::stack::{Routing, SimTiming, Stack, StackOptions};
 

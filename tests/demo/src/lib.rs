@@ -27,8 +27,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 
-use crate::harness::{HarnessError, http};
-use crate::stack::{MODEL, Routing, Stack, StackError};
+use kvroute_tests::harness::{HarnessError, http};
+use kvroute_tests::stack::{MODEL, Routing, Stack, StackError};
 
 /// Longest a single request may take before it counts as failed.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
