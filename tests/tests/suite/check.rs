@@ -40,12 +40,11 @@ fn run_check(args: &[&str], body: &str) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(body.as_bytes())
-        .unwrap();
+    // A refused command line exits before reading its body: the pipe may then be closed.
+    let written = child.stdin.take().unwrap().write_all(body.as_bytes());
+    if let Err(error) = written {
+        assert_eq!(error.kind(), std::io::ErrorKind::BrokenPipe, "{error}");
+    }
     child.wait_with_output().unwrap()
 }
 
