@@ -3,7 +3,7 @@
 
 #![no_main]
 
-use kvroute_index::wire::{Encoding, decode_batch, encode_batch};
+use kvroute_index_core::wire::{Encoding, decode_batch, encode_batch};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
