@@ -5,7 +5,14 @@
 //!
 //! ```yaml
 //! # Loopback unless configured; in a pod, Envoy or the gateway reaches ext_proc from outside:
-//! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9003"}
+//! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9090"}
+//! # gRPC health (`grpc.health.v1`: "", liveness, readiness, inference-extension and the ext_proc
+//! # service's name) is always served on the ext_proc port; `health` adds a plaintext port for
+//! # probes (GIE's 9003). `secure_serving: true` without `tls` serves TLS with a self-signed
+//! # certificate made at start (GIE's and llm-d's `--secure-serving`; Envoy then needs an
+//! # UpstreamTlsContext that does not verify it).
+//! #  health: "0.0.0.0:9003"
+//! #  secure_serving: true
 //! # TLS on the ext_proc port (kvroute_index_api::tls), optionally requiring client certificates
 //! # signed by client_ca (mTLS): Envoy's ext_proc cluster then needs an UpstreamTlsContext.
 //! #  tls: {cert: /tls/tls.crt, key: /tls/tls.key, client_ca: /tls/envoy-ca.crt}
@@ -55,7 +62,15 @@
 //! # `action: approximate` its pool routes on the approximate tier until the drift is back at
 //! # `clear_below` (default bound / 2). No verdict before `min_tokens` predicted cached tokens.
 //! # drift: {bound: 0.5, window: 5m, min_tokens: 16384, action: warn}
+//! # GIE endpoint-picker protocol: after the chosen endpoint, this many fallbacks (best first) in
+//! # `x-gateway-destination-endpoint` and its `envoy.lb` metadata, which a proxy's retries walk;
+//! # 0 sends the chosen endpoint alone. With `shedding`, a request is refused with 429 when every
+//! # ready replica of its pool is saturated (GIE's defaults: 5 waiting requests or 80% KV cache);
+//! # off unless configured.
+//! # epp: {fallbacks: 2, shedding: {queue_depth: 5, kv_cache_usage: 0.8}}
 //! ```
+//!
+//! The flags GIE's and llm-d's charts pass override the file (see [`Overrides`]).
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -81,8 +96,16 @@ use crate::error::ConfigError;
 /// Default ext_proc gRPC listen address (GIE's EPP port). Loopback: whoever reaches this port gets
 /// routing decisions and holds in-flight slots, so listening wider is a deliberate choice.
 pub const DEFAULT_GRPC_ADDR: &str = "127.0.0.1:9002";
-/// Default admin HTTP listen address (loopback, like every listener unless configured).
-pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9003";
+/// Default admin HTTP listen address (loopback, like every listener unless configured). GIE's
+/// metrics port: its 9003 is the gRPC health port (`listen.health`).
+pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9090";
+/// Default fallback endpoints after the chosen one (`epp.fallbacks`): two more replicas cover
+/// one failed retry and one more without spreading a conversation's retries over the pool.
+pub const DEFAULT_EPP_FALLBACKS: usize = 2;
+/// Waiting requests at which a replica counts as saturated for shedding (GIE's default).
+pub const DEFAULT_SHED_QUEUE_DEPTH: f64 = 5.0;
+/// KV-cache usage (0..1) at which a replica counts as saturated for shedding (GIE's default).
+pub const DEFAULT_SHED_KV_CACHE_USAGE: f64 = 0.8;
 /// Default deadline for one `Match` call on the index (all fail-overs included).
 pub const DEFAULT_MATCH_TIMEOUT: Duration = Duration::from_millis(20);
 /// How long an index address that failed is skipped before being tried again.
@@ -170,6 +193,7 @@ pub struct RawConfig {
     debug_headers: RawDebugHeaders,
     limits: RawLimits,
     drift: RawDrift,
+    epp: RawEpp,
     /// The pool of a request that names no model (needed only with several pools).
     default_pool: Option<String>,
     pools: Vec<RawPool>,
@@ -181,7 +205,66 @@ pub struct RawConfig {
 struct RawListen {
     grpc: Option<String>,
     admin: Option<String>,
+    health: Option<String>,
     tls: Option<kvroute_index_api::tls::RawServerTls>,
+    secure_serving: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawEpp {
+    fallbacks: Option<usize>,
+    shedding: Option<RawShedding>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawShedding {
+    queue_depth: Option<f64>,
+    kv_cache_usage: Option<f64>,
+}
+
+/// Command-line settings that override the file: the flags GIE's and llm-d's EPP charts pass
+/// (`--grpc-port`, `--grpc-health-port`, `--metrics-port`, `--secure-serving`, `--cert-path`).
+/// A port flag listens on all interfaces (`0.0.0.0:port`), as those charts expect. Applied on
+/// every reload too.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Overrides {
+    /// `listen.grpc` = `0.0.0.0:port`.
+    pub grpc_port: Option<u16>,
+    /// `listen.health` = `0.0.0.0:port`.
+    pub health_port: Option<u16>,
+    /// `listen.admin` = `0.0.0.0:port` (`/metrics`).
+    pub metrics_port: Option<u16>,
+    /// `listen.secure_serving`.
+    pub secure_serving: Option<bool>,
+    /// `listen.tls` = `{cert: DIR/tls.crt, key: DIR/tls.key}` (a Kubernetes TLS Secret's keys).
+    pub cert_dir: Option<PathBuf>,
+}
+
+impl Overrides {
+    fn apply(&self, raw: &mut RawConfig) {
+        let all_interfaces = |port: u16| format!("0.0.0.0:{port}");
+        if let Some(port) = self.grpc_port {
+            raw.listen.grpc = Some(all_interfaces(port));
+        }
+        if let Some(port) = self.health_port {
+            raw.listen.health = Some(all_interfaces(port));
+        }
+        if let Some(port) = self.metrics_port {
+            raw.listen.admin = Some(all_interfaces(port));
+        }
+        if let Some(secure) = self.secure_serving {
+            raw.listen.secure_serving = Some(secure);
+        }
+        if let Some(dir) = &self.cert_dir {
+            raw.listen.tls = Some(kvroute_index_api::tls::RawServerTls {
+                cert: dir.join("tls.crt").display().to_string(),
+                key: dir.join("tls.key").display().to_string(),
+                client_ca: None,
+            });
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -312,6 +395,12 @@ pub struct Config {
     pub grpc_addr: SocketAddr,
     /// Admin HTTP listen address (`/metrics`, `/healthz`, `/readyz`).
     pub admin_addr: SocketAddr,
+    /// A second, plaintext gRPC health listener for probes (`listen.health`).
+    pub health_addr: Option<SocketAddr>,
+    /// TLS with a self-signed certificate when `grpc_tls` is not given (`listen.secure_serving`).
+    pub secure_serving: bool,
+    /// GIE endpoint-picker protocol settings (`epp`).
+    pub epp: EppConfig,
     /// TLS (and optionally client certificates) on the ext_proc gRPC port (`None`: plaintext).
     pub grpc_tls: Option<kvroute_index_api::tls::ServerTls>,
     /// kvroute-index addresses, tried in order (HA).
@@ -588,6 +677,24 @@ fn drift(raw: &RawDrift) -> Result<DriftConfig, ConfigError> {
     })
 }
 
+/// `epp`: what the endpoint-picker protocol answers beyond the chosen endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EppConfig {
+    /// Fallback endpoints after the chosen one, best first.
+    pub fallbacks: usize,
+    /// Refuse with 429 when every ready replica is saturated (`None`: never).
+    pub shedding: Option<Shedding>,
+}
+
+/// When a replica counts as saturated: either bound reached (GIE's saturation detector).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shedding {
+    /// Waiting requests (scraped queue depth).
+    pub queue_depth: f64,
+    /// KV-cache usage, 0..1.
+    pub kv_cache_usage: f64,
+}
+
 /// How Envoy sends the request body to us.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BodyMode {
@@ -710,18 +817,32 @@ pub struct Replica {
 impl Config {
     /// Parses and validates YAML text.
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
-        let raw: RawConfig =
+        Self::from_yaml_with(text, &Overrides::default())
+    }
+
+    /// Parses and validates YAML with command-line `overrides` applied first.
+    pub fn from_yaml_with(text: &str, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let mut raw: RawConfig =
             serde_yaml::from_str(text).map_err(|source| ConfigError::Yaml { source })?;
+        overrides.apply(&mut raw);
         Self::try_from(raw)
     }
 
     /// Reads, parses and validates a YAML file.
     pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        Self::from_file_with(path, &Overrides::default())
+    }
+
+    /// Reads, parses and validates a YAML file with command-line `overrides` applied.
+    pub fn from_file_with(
+        path: &std::path::Path,
+        overrides: &Overrides,
+    ) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        Self::from_yaml(&text)
+        Self::from_yaml_with(&text, overrides)
     }
 
     /// The pool serving `model`, and the adapter when `model` is a LoRA adapter. An empty
@@ -753,6 +874,13 @@ impl TryFrom<RawConfig> for Config {
             raw.listen.admin.as_deref(),
             DEFAULT_ADMIN_ADDR,
         )?;
+        let health_addr = raw
+            .listen
+            .health
+            .as_deref()
+            .map(|addr| socket_addr("listen.health", Some(addr), addr))
+            .transpose()?;
+        let epp = epp(&raw.epp)?;
         let grpc_tls = raw
             .listen
             .tls
@@ -835,6 +963,9 @@ impl TryFrom<RawConfig> for Config {
         let config = Config {
             grpc_addr,
             admin_addr,
+            health_addr,
+            secure_serving: raw.listen.secure_serving.unwrap_or(false),
+            epp,
             grpc_tls,
             index_addresses,
             embedded_index: raw
@@ -987,6 +1118,16 @@ fn validate(config: &Config) -> Result<(), ConfigError> {
             "listen.admin",
             config.admin_addr,
             "must differ from listen.grpc",
+        ));
+    }
+    if let Some(health) = config.health_addr
+        && health.port() != 0
+        && (health == config.grpc_addr || health == config.admin_addr)
+    {
+        return Err(ConfigError::invalid(
+            "listen.health",
+            health,
+            "must differ from listen.grpc and listen.admin",
         ));
     }
     let mut names = HashMap::new();
@@ -1253,6 +1394,39 @@ fn replica(i: usize, raw: &RawReplica, pools: &[Pool]) -> Result<Replica, Config
     })
 }
 
+fn epp(raw: &RawEpp) -> Result<EppConfig, ConfigError> {
+    let shedding = raw
+        .shedding
+        .as_ref()
+        .map(|shed| {
+            let queue_depth = shed.queue_depth.unwrap_or(DEFAULT_SHED_QUEUE_DEPTH);
+            if !(queue_depth.is_finite() && queue_depth >= 1.0) {
+                return Err(ConfigError::invalid(
+                    "epp.shedding.queue_depth",
+                    queue_depth,
+                    "must be at least 1",
+                ));
+            }
+            let kv_cache_usage = shed.kv_cache_usage.unwrap_or(DEFAULT_SHED_KV_CACHE_USAGE);
+            if !(kv_cache_usage > 0.0 && kv_cache_usage <= 1.0) {
+                return Err(ConfigError::invalid(
+                    "epp.shedding.kv_cache_usage",
+                    kv_cache_usage,
+                    "must be in (0, 1]",
+                ));
+            }
+            Ok(Shedding {
+                queue_depth,
+                kv_cache_usage,
+            })
+        })
+        .transpose()?;
+    Ok(EppConfig {
+        fallbacks: raw.fallbacks.unwrap_or(DEFAULT_EPP_FALLBACKS),
+        shedding,
+    })
+}
+
 fn socket_addr(field: &str, value: Option<&str>, default: &str) -> Result<SocketAddr, ConfigError> {
     let value = value.unwrap_or(default);
     value
@@ -1367,6 +1541,64 @@ replicas:
             assert!(error_of(&with(bad)).contains("pools[0].tokenizer"), "{bad}");
         }
         assert!(error_of(&with(r#"{render: "not a url"}"#)).contains("pools[0].tokenizer.render"));
+    }
+
+    #[test]
+    fn epp_defaults_overrides_and_bad_values() {
+        let config = Config::from_yaml(MINIMAL).unwrap();
+        assert_eq!(config.epp.fallbacks, DEFAULT_EPP_FALLBACKS);
+        assert_eq!(config.epp.shedding, None);
+        assert_eq!(config.admin_addr, DEFAULT_ADMIN_ADDR.parse().unwrap());
+        assert_eq!((config.health_addr, config.secure_serving), (None, false));
+
+        let shedding = format!("{MINIMAL}epp: {{fallbacks: 0, shedding: {{queue_depth: 3}}}}\n");
+        let config = Config::from_yaml(&shedding).unwrap();
+        assert_eq!(config.epp.fallbacks, 0);
+        assert_eq!(
+            config.epp.shedding,
+            Some(Shedding {
+                queue_depth: 3.0,
+                kv_cache_usage: DEFAULT_SHED_KV_CACHE_USAGE
+            })
+        );
+        for (bad, field) in [
+            (
+                "epp: {shedding: {queue_depth: 0}}",
+                "epp.shedding.queue_depth",
+            ),
+            (
+                "epp: {shedding: {kv_cache_usage: 1.5}}",
+                "epp.shedding.kv_cache_usage",
+            ),
+            ("listen: {health: \"127.0.0.1:9090\"}", "listen.health"),
+            ("listen: {health: nowhere}", "listen.health"),
+        ] {
+            let error = Config::from_yaml(&format!("{MINIMAL}{bad}\n")).unwrap_err();
+            assert!(error.to_string().contains(field), "{bad}: {error}");
+        }
+
+        // The chart flags win over the file, on all interfaces.
+        let dir = tempfile::tempdir().unwrap();
+        let overrides = Overrides {
+            grpc_port: Some(9002),
+            health_port: Some(9003),
+            metrics_port: Some(9090),
+            secure_serving: Some(true),
+            cert_dir: None,
+        };
+        let file = format!("{MINIMAL}listen: {{grpc: \"127.0.0.1:1\", secure_serving: false}}\n");
+        let config = Config::from_yaml_with(&file, &overrides).unwrap();
+        assert_eq!(config.grpc_addr, "0.0.0.0:9002".parse().unwrap());
+        assert_eq!(config.health_addr, Some("0.0.0.0:9003".parse().unwrap()));
+        assert_eq!(config.admin_addr, "0.0.0.0:9090".parse().unwrap());
+        assert!(config.secure_serving);
+        // `--cert-path` names a TLS Secret's directory: its files must be there.
+        let with_certs = Overrides {
+            cert_dir: Some(dir.path().to_path_buf()),
+            ..Overrides::default()
+        };
+        let error = Config::from_yaml_with(MINIMAL, &with_certs).unwrap_err();
+        assert!(error.to_string().contains("listen.tls.cert"), "{error}");
     }
 
     #[test]

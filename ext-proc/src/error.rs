@@ -48,6 +48,12 @@ pub enum RequestError {
         /// The requested model name.
         model: String,
     },
+    /// `epp.shedding`: every ready replica of the pool is saturated (GIE's 429).
+    #[error("every replica for model '{model}' is saturated; retry later")]
+    Saturated {
+        /// The requested model name.
+        model: String,
+    },
 }
 
 impl RequestError {
@@ -60,6 +66,7 @@ impl RequestError {
             Self::UnknownModel { .. } => 404,
             Self::BodyTooLarge { .. } => 413,
             Self::NoReadyReplica { .. } => 503,
+            Self::Saturated { .. } => 429,
         }
     }
 
@@ -72,6 +79,7 @@ impl RequestError {
             Self::UnknownModel { .. } => "unknown_model",
             Self::BodyTooLarge { .. } => "body_too_large",
             Self::NoReadyReplica { .. } => "no_ready_replica",
+            Self::Saturated { .. } => "saturated",
         }
     }
 
@@ -85,6 +93,7 @@ impl RequestError {
             Self::UnknownModel { .. } => ("NotFoundError", Some("model")),
             Self::BodyTooLarge { .. } => ("invalid_request_error", None),
             Self::NoReadyReplica { .. } => ("ServiceUnavailableError", None),
+            Self::Saturated { .. } => ("RateLimitError", None),
         };
         let body = serde_json::json!({
             "error": {

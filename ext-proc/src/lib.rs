@@ -66,8 +66,9 @@ use metrics::{KindLabel, Metrics};
 
 /// How long background tasks get to stop after cancellation.
 const BACKGROUND_STOP_TIMEOUT: Duration = Duration::from_secs(2);
-/// gRPC health service names GIE gateways probe besides the ext_proc service itself.
-const GIE_HEALTH_SERVICES: [&str; 3] = ["", "liveness", "readiness"];
+/// gRPC health service names GIE gateways and charts probe besides the ext_proc service itself
+/// (`inference-extension`: GIE's and llm-d's manifests; liveness/readiness: the EPP protocol).
+const GIE_HEALTH_SERVICES: [&str; 4] = ["", "liveness", "readiness", "inference-extension"];
 
 /// Why the server could not start or stopped abnormally.
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +93,9 @@ pub enum ServeError {
     /// The gRPC listener's TLS settings were refused (`listen.tls`).
     #[error("cannot set up TLS on the grpc listener")]
     Tls(#[source] tonic::transport::Error),
+    /// `listen.secure_serving`: no self-signed certificate could be made.
+    #[error("cannot make a self-signed certificate for secure serving")]
+    SelfSigned(#[source] rcgen::Error),
     /// The embedded index (`index.embedded`) could not start.
     #[error("embedded kvroute-index failed to start")]
     EmbeddedIndex(#[source] embedded::ServeError),
@@ -104,7 +108,7 @@ impl ServeError {
             Self::Config(_) => "config",
             Self::Bind { .. } => "bind",
             Self::Grpc(_) => "grpc",
-            Self::Tls(_) => "tls",
+            Self::Tls(_) | Self::SelfSigned(_) => "tls",
             Self::EmbeddedIndex(_) => "embedded_index",
         }
     }
@@ -115,6 +119,7 @@ impl ServeError {
 pub struct ExtProcBuilder {
     config: Config,
     config_path: Option<PathBuf>,
+    overrides: config::Overrides,
     tokenizers: Vec<(usize, Arc<dyn Tokenizer>)>,
 }
 
@@ -122,6 +127,12 @@ impl ExtProcBuilder {
     /// Watches `path` (mtime) and reloads the config when it changes.
     pub fn config_path(mut self, path: PathBuf) -> Self {
         self.config_path = Some(path);
+        self
+    }
+
+    /// Command-line settings re-applied to the file on every reload.
+    pub fn overrides(mut self, overrides: config::Overrides) -> Self {
+        self.overrides = overrides;
         self
     }
 
@@ -145,6 +156,10 @@ impl ExtProcBuilder {
         };
         let grpc = bind("grpc", runtime.config.grpc_addr).await?;
         let admin = bind("admin", runtime.config.admin_addr).await?;
+        let health = match runtime.config.health_addr {
+            Some(addr) => Some(bind("health", addr).await?),
+            None => None,
+        };
         let embedded_index = match &runtime.config.embedded_index {
             Some(embedded) => {
                 // Without the feature `index` is uninhabited and what follows unreachable.
@@ -170,9 +185,11 @@ impl ExtProcBuilder {
             picker,
             grpc,
             admin,
+            health,
             registry: Arc::new(registry),
             tasks,
             config_path: self.config_path,
+            overrides: self.overrides,
             embedded_index,
         })
     }
@@ -184,9 +201,12 @@ pub struct ExtProc {
     picker: Arc<Picker>,
     grpc: TcpListener,
     admin: TcpListener,
+    /// `listen.health`: gRPC health only, plaintext (for probes).
+    health: Option<TcpListener>,
     registry: Arc<Registry>,
     tasks: TaskTracker,
     config_path: Option<PathBuf>,
+    overrides: config::Overrides,
     /// `index.embedded`: stopped after the gRPC server has drained.
     embedded_index: Option<IndexServer>,
 }
@@ -197,6 +217,7 @@ impl ExtProc {
         ExtProcBuilder {
             config,
             config_path: None,
+            overrides: config::Overrides::default(),
             tokenizers: Vec::new(),
         }
     }
@@ -209,6 +230,11 @@ impl ExtProc {
     /// The bound admin address.
     pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
         self.admin.local_addr()
+    }
+
+    /// The bound gRPC health address (`listen.health`).
+    pub fn health_addr(&self) -> Option<std::io::Result<SocketAddr>> {
+        self.health.as_ref().map(TcpListener::local_addr)
     }
 
     /// The embedded index's gRPC and admin addresses (`index.embedded`).
@@ -229,9 +255,11 @@ impl ExtProc {
             picker,
             grpc,
             admin,
+            health: health_listener,
             registry,
             tasks,
             config_path,
+            overrides,
             embedded_index,
         } = self;
         let config = picker.runtime().config.clone();
@@ -245,6 +273,12 @@ impl ExtProc {
                 client_cert_required = tls.requires_client_cert(),
                 "ext_proc listener uses TLS"
             );
+        } else if config.secure_serving {
+            let identity = self_signed_identity().map_err(ServeError::SelfSigned)?;
+            builder = builder
+                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+                .map_err(ServeError::Tls)?;
+            tracing::info!("ext_proc listener uses TLS with a self-signed certificate");
         }
         let background = CancellationToken::new();
         let stop_accepting = CancellationToken::new();
@@ -260,11 +294,28 @@ impl ExtProc {
                 .await;
         }
 
+        if let Some(listener) = health_listener {
+            let health_stop = background.clone();
+            let probes = health_service.clone();
+            tasks.spawn(async move {
+                let served = tonic::transport::Server::builder()
+                    .add_service(probes)
+                    .serve_with_incoming_shutdown(
+                        tonic::transport::server::TcpIncoming::from(listener),
+                        health_stop.cancelled_owned(),
+                    )
+                    .await;
+                if let Err(error) = served {
+                    tracing::error!(%error, "gRPC health server failed");
+                }
+            });
+        }
         tasks.spawn(scrape_loop(Arc::clone(&picker), background.clone()));
         if let Some(path) = config_path {
             tasks.spawn(reload_loop(
                 Arc::clone(&picker),
                 path,
+                overrides,
                 tasks.clone(),
                 background.clone(),
             ));
@@ -359,9 +410,31 @@ async fn scrape_loop(picker: Arc<Picker>, cancel: CancellationToken) {
     tracing::debug!(exit_reason = "cancelled", "metrics scraper stopped");
 }
 
+/// A fresh self-signed certificate for `listen.secure_serving` (what GIE's `--secure-serving`
+/// does): encryption without identity, for gateways configured not to verify the EPP.
+fn self_signed_identity() -> Result<tonic::transport::Identity, rcgen::Error> {
+    let mut names = vec!["localhost".to_owned(), "kvroute-ext-proc".to_owned()];
+    if let Ok(host) = std::env::var("HOSTNAME")
+        && !host.is_empty()
+    {
+        names.push(host);
+    }
+    let key = rcgen::KeyPair::generate()?;
+    let mut params = rcgen::CertificateParams::new(names)?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "kvroute-ext-proc (self-signed)");
+    let cert = params.self_signed(&key)?;
+    Ok(tonic::transport::Identity::from_pem(
+        cert.pem(),
+        key.serialize_pem(),
+    ))
+}
+
 async fn reload_loop(
     picker: Arc<Picker>,
     path: PathBuf,
+    overrides: config::Overrides,
     tasks: TaskTracker,
     cancel: CancellationToken,
 ) {
@@ -387,14 +460,16 @@ async fn reload_loop(
                 .inc();
         };
         let current = picker.runtime();
-        let built = Config::from_file(&path)
+        let built = Config::from_file_with(&path, &overrides)
             .and_then(|config| Runtime::build(config, Some(&current), &tasks));
         match built {
             Ok(runtime) if *runtime.config == *current.config => count("unchanged"),
             Ok(runtime) => {
                 if runtime.config.grpc_addr != current.config.grpc_addr
                     || runtime.config.admin_addr != current.config.admin_addr
+                    || runtime.config.health_addr != current.config.health_addr
                     || runtime.config.grpc_tls != current.config.grpc_tls
+                    || runtime.config.secure_serving != current.config.secure_serving
                 {
                     tracing::warn!(
                         "listen addresses or TLS changed in config; they apply after a restart"

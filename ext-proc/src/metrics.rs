@@ -91,8 +91,10 @@ pub struct Metrics {
     pub predicted_cached_share: Histogram,
     /// Open ext_proc streams.
     pub streams_active: Gauge,
-    /// Served endpoint differed from the decision (Envoy fell back or retried).
+    /// Served endpoint differed from the decision and its fallbacks (Envoy balanced it itself).
     pub served_mismatch: Counter,
+    /// A fallback endpoint served the request (a retry walked the destination list).
+    pub served_fallback: Counter,
     /// Candidates the index answered for without vouching (`precise: false`), by its state:
     /// each was scored on the approximate tier.
     pub nonprecise_replicas: Family<ReplicaStateLabels, Counter>,
@@ -162,6 +164,7 @@ impl Metrics {
             predicted_cached_share: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]),
             streams_active: Gauge::default(),
             served_mismatch: Counter::default(),
+            served_fallback: Counter::default(),
             nonprecise_replicas: Family::default(),
             unknown_replicas: Family::default(),
             config_reloads: Family::default(),
@@ -252,8 +255,13 @@ impl Metrics {
         );
         r.register(
             "served_mismatch",
-            "Envoy served another endpoint than decided",
+            "Envoy served another endpoint than decided or listed as a fallback",
             metrics.served_mismatch.clone(),
+        );
+        r.register(
+            "served_fallback",
+            "A fallback endpoint of the destination list served the request (a retry)",
+            metrics.served_fallback.clone(),
         );
         r.register(
             "nonprecise_replicas",

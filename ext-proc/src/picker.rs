@@ -125,6 +125,21 @@ pub struct Decision {
     pub predicted_cached_tokens: usize,
     /// In-flight accounting (released at response headers or stream end).
     pub inflight: InflightGuard,
+    /// Where a proxy's retries go if the chosen replica fails, best first (`epp.fallbacks`).
+    pub fallbacks: Vec<SocketAddr>,
+}
+
+impl Decision {
+    /// The GIE destination value: the chosen `ip:port`, then the fallbacks, comma-separated
+    /// (the same string goes in the header and in `envoy.lb` metadata).
+    pub fn destination(&self) -> String {
+        let mut value = self.address.to_string();
+        for fallback in &self.fallbacks {
+            value.push(',');
+            value.push_str(&fallback.to_string());
+        }
+        value
+    }
 }
 
 /// One config snapshot with what was built from it.
@@ -335,6 +350,15 @@ impl Picker {
                 model: request.model.to_string(),
             });
         }
+        if let Some(shedding) = &config.epp.shedding
+            && candidates
+                .iter()
+                .all(|r| self.is_saturated(&r.id, shedding))
+        {
+            return Err(RequestError::Saturated {
+                model: request.model.to_string(),
+            });
+        }
         let deadline = started + config.decision_budget;
         let facts = tokio::time::timeout_at(
             deadline.into(),
@@ -349,6 +373,12 @@ impl Picker {
             .ok_or_else(|| RequestError::NoReadyReplica {
                 model: request.model.to_string(),
             })
+    }
+
+    /// GIE's saturation test on the last scrape: queue or KV cache at its bound.
+    fn is_saturated(&self, replica: &str, shedding: &crate::config::Shedding) -> bool {
+        let scraped = self.loads().replica(replica).snapshot().scraped;
+        scraped.waiting >= shedding.queue_depth || scraped.kv_usage >= shedding.kv_cache_usage
     }
 
     /// The quick step: the routing core scores and records the choice (speculative insert,
@@ -399,7 +429,14 @@ impl Picker {
                 .observe(routed.cached_tokens as f64 / prompt_tokens as f64);
         }
         let replica = candidates[routed.choice];
+        let fallbacks = routed
+            .fallbacks
+            .iter()
+            .take(config.epp.fallbacks)
+            .map(|&i| candidates[i].address)
+            .collect();
         Some(Decision {
+            fallbacks,
             replica_id: replica.id.clone(),
             address: replica.address,
             envoy_cluster: replica.envoy_cluster.clone(),

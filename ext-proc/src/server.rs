@@ -21,10 +21,15 @@
 //!   expiries are counted in `kvroute_extproc_replica_inflight_expired`. More than
 //!   `limits.max_streams` open streams are refused with RESOURCE_EXHAUSTED (Envoy fails open).
 //!
-//! The decision is `x-gateway-destination-endpoint: ip:port` and the same value in `envoy.lb`
+//! The decision is `x-gateway-destination-endpoint: ip:port[,ip:port…]` (the chosen endpoint, then
+//! `epp.fallbacks` more, best first, for a proxy's retries) and the same value in `envoy.lb`
 //! metadata (GIE endpoint-picker protocol), plus `x-kvroute-cluster` when the replica has an
 //! Envoy cluster, and `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
-//! requests get an `ImmediateResponse` with an OpenAI-style JSON error.
+//! requests get an `ImmediateResponse` with an OpenAI-style JSON error: 400/404/413 for bad
+//! requests, 503 with no ready replica, 429 when `epp.shedding` finds the pool saturated. A
+//! request without a body (headers with end of stream) is routed on load in the headers answer;
+//! when no pool can be inferred (several pools, no `default_pool`) it goes on without a decision
+//! (Envoy balances it), counted in `request_errors_total{kind="missing_field"}`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -272,8 +277,11 @@ impl StreamTask {
                 let path = header(&headers, ":path").unwrap_or_default();
                 self.state.endpoint = Some(Endpoint::from_path(&path));
                 self.check_debug_token(&headers);
-                if headers.end_of_stream || !full_duplex {
-                    // No body to route on (GET), or BUFFERED: answer now, decide on the body.
+                if headers.end_of_stream {
+                    return self.route_bodyless().await;
+                }
+                if !full_duplex {
+                    // BUFFERED: answer now, decide on the body.
                     let strip = self.state.strip_header.take();
                     return self.send(headers_response(CommonResponse {
                         header_mutation: strip.map(|name| HeaderMutation {
@@ -372,6 +380,56 @@ impl StreamTask {
         }
     }
 
+    /// No body will come (a GET, or an empty POST): route on load in the headers answer.
+    async fn route_bodyless(&mut self) -> Flow {
+        let request = request::ParsedRequest {
+            model: std::borrow::Cow::Borrowed(""),
+            prompt: request::Prompt::Absent,
+            cache_salt: None,
+        };
+        let strip = self.state.strip_header.take();
+        let decided = self
+            .picker
+            .decide(&request, self.state.subset.as_deref())
+            .await;
+        let decision = match decided {
+            Ok(decision) => decision,
+            Err(RequestError::MissingField { .. }) => {
+                // Several pools and no default: which one is meant is unknown; Envoy balances it.
+                tracing::debug!("bodyless request names no pool; passed on without a decision");
+                return self.send(headers_response(CommonResponse {
+                    header_mutation: strip.map(|name| HeaderMutation {
+                        remove_headers: vec![name],
+                        ..HeaderMutation::default()
+                    }),
+                    ..CommonResponse::default()
+                }));
+            }
+            Err(error) => {
+                self.send(immediate_error(&error));
+                return Flow::Stop;
+            }
+        };
+        let mut mutation = decision_headers(&decision);
+        mutation.remove_headers.extend(strip);
+        let mut response = headers_response(CommonResponse {
+            header_mutation: Some(mutation),
+            clear_route_cache: true,
+            ..CommonResponse::default()
+        });
+        response.dynamic_metadata = Some(destination_metadata(&decision.destination()));
+        self.commit_decision(decision);
+        self.send(response)
+    }
+
+    /// Holds the decision until its response (in-flight accounting, served-endpoint check).
+    fn commit_decision(&mut self, decision: Decision) {
+        self.state.decided_address = Some(decision.address);
+        self.state.inflight_deadline =
+            Some(tokio::time::Instant::now() + self.picker.runtime().config.inflight_max_age);
+        self.state.decision = Some(decision);
+    }
+
     /// The body is complete: decide and answer in the mode's shape.
     async fn finish_request(&mut self, trailers_follow: bool) -> Flow {
         let endpoint = self.state.endpoint.unwrap_or(Endpoint::Other);
@@ -417,11 +475,8 @@ impl StreamTask {
             clear_route_cache: true,
             ..CommonResponse::default()
         };
-        let metadata = destination_metadata(&decision.address.to_string());
-        self.state.decided_address = Some(decision.address);
-        self.state.inflight_deadline =
-            Some(tokio::time::Instant::now() + self.picker.runtime().config.inflight_max_age);
-        self.state.decision = Some(decision);
+        let metadata = destination_metadata(&decision.destination());
+        self.commit_decision(decision);
         if !self.state.headers_answer_owed {
             let mut response = body_response(common);
             response.dynamic_metadata = Some(metadata);
@@ -528,9 +583,23 @@ impl StreamTask {
                 Some(Kind::StringValue(s)) => s.parse::<SocketAddr>().ok(),
                 _ => None,
             });
-        if let (Some(served), Some(decided)) = (served, self.state.decided_address)
-            && served != decided
-        {
+        let Some(served) = served else { return };
+        let Some(decided) = self.state.decided_address else {
+            return;
+        };
+        if served == decided {
+            return;
+        }
+        let fallback = self
+            .state
+            .decision
+            .as_ref()
+            .is_some_and(|d| d.fallbacks.contains(&served));
+        if fallback {
+            // A retry walked the list (the chosen endpoint failed).
+            self.picker.metrics().served_fallback.inc();
+            tracing::debug!(%served, %decided, "Envoy served a fallback endpoint");
+        } else {
             self.picker.metrics().served_mismatch.inc();
             tracing::debug!(%served, %decided, "Envoy served another endpoint than decided");
         }
@@ -592,7 +661,7 @@ pub fn set_header(key: &str, value: &str) -> HeaderValueOption {
 
 fn decision_headers(decision: &Decision) -> HeaderMutation {
     let mut set_headers = vec![
-        set_header(DESTINATION_HEADER, &decision.address.to_string()),
+        set_header(DESTINATION_HEADER, &decision.destination()),
         set_header(
             DECISION_HEADER,
             &format!("{}/{}", decision.tier.as_label(), decision.reason),

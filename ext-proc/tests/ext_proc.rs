@@ -421,8 +421,14 @@ async fn buffered(
 }
 
 struct Routed {
+    /// The chosen endpoint (the destination list's first entry).
     endpoint: String,
-    metadata_endpoint: String,
+    /// The rest of the list, best first.
+    fallbacks: Vec<String>,
+    /// The whole header value.
+    destination: String,
+    /// The whole `envoy.lb` metadata value.
+    metadata_destination: String,
     decision: String,
     cluster: Option<String>,
     clear_route_cache: bool,
@@ -460,13 +466,17 @@ fn routed(response: &ProcessingResponse) -> Routed {
         Some(Kind::StructValue(s)) => s.clone(),
         other => panic!("bad metadata {other:?}"),
     };
-    let metadata_endpoint = match &lb.fields["x-gateway-destination-endpoint"].kind {
+    let metadata_destination = match &lb.fields["x-gateway-destination-endpoint"].kind {
         Some(Kind::StringValue(s)) => s.clone(),
         other => panic!("bad metadata {other:?}"),
     };
+    let destination = headers["x-gateway-destination-endpoint"].clone();
+    let mut list = destination.split(',').map(str::to_owned);
     Routed {
-        endpoint: headers["x-gateway-destination-endpoint"].clone(),
-        metadata_endpoint,
+        endpoint: list.next().unwrap_or_default(),
+        fallbacks: list.collect(),
+        destination,
+        metadata_destination,
         decision: headers["x-kvroute-decision"].clone(),
         cluster: headers.get("x-kvroute-cluster").cloned(),
         clear_route_cache: common.clear_route_cache,
@@ -523,8 +533,17 @@ async fn buffered_decision_sets_header_and_metadata_and_follows_the_index() {
             "goes where the index says the prefix is"
         );
         assert_eq!(
-            r.metadata_endpoint, r.endpoint,
+            r.metadata_destination, r.destination,
             "header and envoy.lb metadata agree"
+        );
+        // GIE's fallback list: the two other replicas (epp.fallbacks defaults to 2), once each.
+        let mut fallbacks = r.fallbacks.clone();
+        fallbacks.sort();
+        assert_eq!(
+            fallbacks,
+            ["10.0.0.1:8000", "10.0.0.3:8000"],
+            "{}",
+            r.destination
         );
         assert_eq!(r.decision, "precise/cache_hit");
         assert_eq!(r.cluster.as_deref(), Some("replica_r1"));
@@ -704,7 +723,7 @@ async fn full_duplex_defers_headers_and_echoes_the_body_in_chunks() {
         "header answer comes after the body"
     );
     let r = routed(&headers);
-    assert_eq!(r.metadata_endpoint, r.endpoint);
+    assert_eq!(r.metadata_destination, r.destination);
     assert!(r.clear_route_cache);
     let mut echoed = Vec::new();
     loop {

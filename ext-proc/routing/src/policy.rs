@@ -139,6 +139,47 @@ fn queued_requests(load: &LoadSnapshot) -> f64 {
     load.inflight_requests.max(waiting_and_running(load).0)
 }
 
+/// Estimated time to first token on `candidate`, ms: its queue (`queue_ms`) less a sibling's
+/// prefill already in flight there, plus the prefill of what it does not hold.
+fn estimated_ttft_ms(
+    candidate: &Candidate,
+    queue_ms: f64,
+    prompt_tokens: usize,
+    block_size: u32,
+    weights: &ScoringConfig,
+) -> f64 {
+    let cached = (candidate.matched_blocks as usize).saturating_mul(block_size as usize);
+    let shared = (candidate.shared_inflight_tokens as f64)
+        .min(candidate.load.inflight_prompt_tokens)
+        .min(prompt_tokens as f64);
+    (queue_ms - weights.prefill_ms_per_token * shared).max(0.0)
+        + weights.prefill_ms_per_token * prompt_tokens.saturating_sub(cached) as f64
+}
+
+/// The candidates other than `chosen`, best first by estimated TTFT (ties: longer prefix, then
+/// index): the fallback endpoints a proxy's retries walk when the chosen one fails (GIE's
+/// endpoint list). Hotspots are not skipped here: a fallback is only used when better ones failed.
+pub fn fallback_order(
+    candidates: &[Candidate],
+    chosen: usize,
+    prompt_tokens: usize,
+    block_size: u32,
+    weights: &ScoringConfig,
+) -> Vec<usize> {
+    let mut ranked: Vec<(f64, u32, usize)> = candidates
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != chosen)
+        .map(|(i, c)| {
+            let queue = queue_ms(&c.load, weights);
+            let ttft = estimated_ttft_ms(c, queue, prompt_tokens, block_size, weights);
+            (ttft, c.matched_blocks, i)
+        })
+        .collect();
+    ranked.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
+    ranked.into_iter().map(|(_, _, i)| i).collect()
+}
+
 /// Picks the candidate with the lowest estimated TTFT. `None` only when `candidates` is empty.
 pub fn choose(
     candidates: &[Candidate],
@@ -167,13 +208,13 @@ pub fn choose(
     let all_hot = hot.iter().all(|h| *h);
     let eligible = |i: usize| all_hot || !hot[i];
     let ttft = |i: usize| {
-        let candidate = &candidates[i];
-        let cached = (candidate.matched_blocks as usize).saturating_mul(block_size as usize);
-        let shared = (candidate.shared_inflight_tokens as f64)
-            .min(candidate.load.inflight_prompt_tokens)
-            .min(prompt_tokens as f64);
-        (queues[i] - weights.prefill_ms_per_token * shared).max(0.0)
-            + weights.prefill_ms_per_token * prompt_tokens.saturating_sub(cached) as f64
+        estimated_ttft_ms(
+            &candidates[i],
+            queues[i],
+            prompt_tokens,
+            block_size,
+            weights,
+        )
     };
     let best = (0..candidates.len())
         .filter(|i| eligible(*i))
@@ -250,6 +291,22 @@ mod tests {
                 ..LoadSnapshot::default()
             },
         }
+    }
+
+    #[test]
+    fn fallbacks_are_the_others_best_estimate_first() {
+        // r1 holds most but is chosen; r2 holds some, r0 none; r3 holds as much as r2 but queues.
+        let c = [
+            candidate(0, 0.0),
+            candidate(60, 0.0),
+            candidate(10, 0.0),
+            candidate(10, 3.0),
+        ];
+        assert_eq!(fallback_order(&c, 1, 1024, 16, &weights()), vec![2, 0, 3]);
+        assert_eq!(
+            fallback_order(&c[..1], 0, 1024, 16, &weights()),
+            Vec::<usize>::new()
+        );
     }
 
     #[test]

@@ -97,6 +97,8 @@ pub struct Routed {
     pub prediction: Option<Prediction>,
     /// The request's in-flight accounting on the chosen replica.
     pub inflight: InflightGuard,
+    /// The other candidates, best first (`policy::fallback_order`): where a proxy's retries go.
+    pub fallbacks: Vec<usize>,
 }
 
 /// Replica loads, routed-prefix memory and the commit step over them.
@@ -209,6 +211,8 @@ impl Router {
             scoring,
             &mut *self.rng.lock(),
         )?;
+        let fallbacks =
+            policy::fallback_order(&views, choice.index, prompt_tokens, block_size, scoring);
         let matched_blocks = views[choice.index].matched_blocks;
         let cached_tokens = (matched_blocks as usize * block_size as usize).min(prompt_tokens);
         let tier = if indexed.get(choice.index).copied().flatten().is_some() {
@@ -236,6 +240,7 @@ impl Router {
             cached_tokens,
             prediction: Some(prediction),
             inflight,
+            fallbacks,
         })
     }
 
@@ -260,6 +265,7 @@ impl Router {
             cached_tokens: 0,
             prediction: None,
             inflight: self.loads.start_request(candidates[choice], 0, Vec::new()),
+            fallbacks: policy::fallback_order(&views, choice, 0, 1, scoring),
         }
     }
 }

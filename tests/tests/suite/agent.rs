@@ -409,12 +409,12 @@ async fn wrong_tokens_unowned_replicas_and_garbage_are_refused() {
         replica_state(admin, "engine-a").await.unwrap(),
         ("ready".to_owned(), String::new())
     );
-    assert_eq!(
-        replica_state(admin, "engine-b").await.unwrap(),
-        (
-            "never_connected".to_owned(),
-            "event stream never connected".to_owned()
-        )
+    // engine-b's agent never streamed it: never connected, or stale once this file's short
+    // `agent_stale_grace` (300 ms) has passed on a slow machine; never ready or unconfigured.
+    let (state, _) = replica_state(admin, "engine-b").await.unwrap();
+    assert!(
+        state == "never_connected" || state == "stale",
+        "engine-b reported {state}"
     );
     drop(tx);
 

@@ -6,6 +6,7 @@ mod common;
 mod drift;
 mod embedded_index;
 mod envoy;
+mod epp;
 mod exposure;
 mod fidelity;
 mod hostile_peers;

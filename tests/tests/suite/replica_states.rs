@@ -181,8 +181,9 @@ async fn replicas_the_index_cannot_vouch_for_are_routed_on_the_approximate_tier(
 
 /// An endpoint that refuses connections while ext-proc still routes to it (an engine that just
 /// died, before the scraper marks it unready): Envoy's shipped retry policy
-/// (`connect-failure,refused-stream`, previous_hosts) sends the request to another endpoint, and
-/// the client never sees the failure.
+/// (`connect-failure,refused-stream`) sends the request to the next endpoint of ext-proc's GIE
+/// destination list (`chosen,fallback,…`, the same in header and metadata), and the client never
+/// sees the failure.
 #[tokio::test]
 async fn a_request_whose_endpoint_refuses_connections_is_retried_elsewhere() {
     let stack = Stack::start(StackOptions {
@@ -214,12 +215,17 @@ async fn a_request_whose_endpoint_refuses_connections_is_retried_elsewhere() {
             .unwrap_or(0)
             > 0
     );
-    // ext-proc chose it (unknown to the index, so not precise), and heard from Envoy that
-    // another endpoint served.
+    // ext-proc chose it (unknown to the index, so not precise), and heard from Envoy that its
+    // first fallback served: the retry walked the list, not Envoy's own balancer.
     let metrics = ext_proc_metrics(&stack).await;
     assert!(
-        sum_samples(&metrics, "kvroute_extproc_served_mismatch_total", &[]) > 0.0,
+        sum_samples(&metrics, "kvroute_extproc_served_fallback_total", &[]) > 0.0,
         "{metrics}"
+    );
+    assert_eq!(
+        sum_samples(&metrics, "kvroute_extproc_served_mismatch_total", &[]),
+        0.0,
+        "a retry left the destination list\n{metrics}"
     );
     assert!(
         sum_samples(
