@@ -8,13 +8,14 @@ eval "$(bash scripts/setup.sh | sed 's/^/export /')"
 
 # The proxy-wasm module is a test input (Envoy loads it), so build it first.
 cargo build --profile wasm --target wasm32-wasip1 -p kvroute-wasm-filter
-export KVROUTE_WASM="$root/target/wasm32-wasip1/wasm/kvroute_wasm_filter.wasm"
+target_dir="${CARGO_TARGET_DIR:-$root/target}"
+export KVROUTE_WASM="$target_dir/wasm32-wasip1/wasm/kvroute_wasm_filter.wasm"
 
 # Every Envoy config we ship must be accepted by the Envoy we test against.
 for cfg in envoy/*.yaml; do
   [ -e "$cfg" ] || continue
-  sed "s#WASM_FILTER_PATH#$KVROUTE_WASM#g" "$cfg" > "target/validate-$(basename "$cfg")"
-  "$ENVOY_BIN" --mode validate -c "target/validate-$(basename "$cfg")" --log-level error >/dev/null \
+  sed "s#WASM_FILTER_PATH#$KVROUTE_WASM#g" "$cfg" > "$target_dir/validate-$(basename "$cfg")"
+  "$ENVOY_BIN" --mode validate -c "$target_dir/validate-$(basename "$cfg")" --log-level error >/dev/null \
     || { echo "envoy rejected $cfg" >&2; exit 1; }
 done
 
