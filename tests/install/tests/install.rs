@@ -130,6 +130,8 @@ fn every_install_renders_and_every_document_is_its_kind() {
     };
     for install in &installs {
         let agents = install.name != "agentless";
+        // Envoy Gateway and Envoy AI Gateway dial the picker with TLS.
+        let tls = install.name.starts_with("envoy-");
         let count = |kind| install.of_kind(kind).count();
         let expected = [
             ("Deployment", 1),
@@ -137,7 +139,7 @@ fn every_install_renders_and_every_document_is_its_kind() {
             ("DaemonSet", usize::from(agents)),
             ("Service", 3),
             ("ConfigMap", 2 + usize::from(agents)),
-            ("Secret", 2),
+            ("Secret", 2 + usize::from(tls)),
             ("ServiceAccount", 2 + usize::from(agents)),
             ("Role", 1),
             ("RoleBinding", 1),
@@ -178,8 +180,8 @@ fn every_install_renders_and_every_document_is_its_kind() {
         // Tokens are generated, never empty, and not the same secret twice.
         let tokens: BTreeSet<Vec<u8>> = install
             .of_kind("Secret")
-            .map(|doc| match &doc.object {
-                Object::Secret(s) => s.data.as_ref().unwrap()["token"].0.clone(),
+            .filter_map(|doc| match &doc.object {
+                Object::Secret(s) => Some(s.data.as_ref()?.get("token")?.0.clone()),
                 _ => unreachable!(),
             })
             .collect();
@@ -567,14 +569,24 @@ fn services_containers_probes_configs_and_references_agree_on_names_and_ports() 
                 );
             }
             if let Parsed::ExtProc(c) = &l.config {
-                let grpc = l
+                // TLS on the ext_proc port exactly where a gateway dials it with TLS.
+                assert_eq!(
+                    c.grpc_tls.is_some(),
+                    install.name.starts_with("envoy-"),
+                    "{}",
+                    install.name
+                );
+                let readiness = l
                     .container
                     .readiness_probe
                     .as_ref()
-                    .and_then(|p| p.grpc.as_ref())
-                    .expect("gRPC readiness");
-                assert_eq!(i32::from(c.grpc_addr.port()), grpc.port);
-                assert_eq!(grpc.service.as_deref(), Some("readiness"));
+                    .and_then(|p| p.http_get.as_ref())
+                    .expect("HTTP readiness");
+                assert_eq!(readiness.path.as_deref(), Some("/readyz"));
+                assert_eq!(
+                    container_port(l.container, &readiness.port),
+                    Some(c.admin_addr.port())
+                );
             }
         }
         // Every Service selects exactly one workload, and each of its ports reaches a port the

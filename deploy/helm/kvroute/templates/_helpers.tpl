@@ -31,6 +31,11 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- .Values.queryToken.existingSecret | default (printf "%s-query-token" (include "kvroute.fullname" .)) -}}
 {{- end -}}
 
+{{- define "kvroute.extProcTlsSecret" -}}
+{{- .Values.extProc.tls.secretName | default (printf "%s-ext-proc-tls" (include "kvroute.fullname" .)) -}}
+{{- end -}}
+{{- define "kvroute.extProcTlsDir" -}}/var/run/secrets/kvroute-ext-proc-tls{{- end -}}
+
 {{/* Where the Secrets are mounted (key `token`). */}}
 {{- define "kvroute.agentTokenDir" -}}/var/run/secrets/kvroute-agent{{- end -}}
 {{- define "kvroute.queryTokenDir" -}}/var/run/secrets/kvroute-query{{- end -}}
@@ -68,7 +73,12 @@ seccompProfile: {type: RuntimeDefault}
 
 {{/* kvroute-ext-proc's config (ext-proc/src/config.rs). */}}
 {{- define "kvroute.extProcConfig" -}}
-listen: {grpc: "0.0.0.0:{{ .Values.extProc.grpcPort }}", admin: "0.0.0.0:{{ .Values.extProc.adminPort }}"}
+listen:
+  grpc: "0.0.0.0:{{ .Values.extProc.grpcPort }}"
+  admin: "0.0.0.0:{{ .Values.extProc.adminPort }}"
+{{- if ne .Values.extProc.tls.mode "none" }}
+  tls: {cert: {{ include "kvroute.extProcTlsDir" . }}/tls.crt, key: {{ include "kvroute.extProcTlsDir" . }}/tls.key}
+{{- end }}
 index:
   addresses:
 {{- include "kvroute.indexUrls" . | trim | nindent 4 }}
