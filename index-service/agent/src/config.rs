@@ -1,7 +1,7 @@
 //! `kvroute-agent` configuration (YAML, unknown keys rejected).
 //!
 //! ```yaml
-//! agent_id: node-a
+//! agent_id: node-a                 # or agent_id_env: NODE_NAME (below)
 //! token_file: /var/run/secrets/kvroute-agent/token   # or token_env: KVROUTE_AGENT_TOKEN
 //! indexes: ["http://kvroute-index-0:50061", "http://kvroute-index-1:50061"]
 //! admin: 127.0.0.1:9471            # /metrics, /healthz
@@ -17,6 +17,13 @@
 //!     # mode: bind, allowed_peers: [10.0.0.0/24], topic, max_message_bytes: as in the index's
 //!     # replicas[].events (kvroute_index::config)
 //! ```
+//!
+//! One config for every node (a DaemonSet's ConfigMap): `agent_id_env: NODE_NAME` takes the
+//! agent id from that environment variable (in Kubernetes, `env: [{name: NODE_NAME, valueFrom:
+//! {fieldRef: {fieldPath: spec.nodeName}}}]`), and `{agent_id}` in an engine's `replica` is
+//! replaced by it, so node `gpu-1` mirrors `replica: "{agent_id}-engine-0"` as `gpu-1-engine-0`.
+//! It is the only placeholder; any other `{`/`}` in a replica id is refused. An unset or empty
+//! variable, or both `agent_id` and `agent_id_env`, is an error naming the key.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -45,6 +52,9 @@ pub const DEFAULT_RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(5);
 pub struct RawAgentConfig {
     /// Agent id, as in the index's `agents:` section.
     pub agent_id: String,
+    /// Environment variable holding the agent id (instead of `agent_id`), e.g. `NODE_NAME` set
+    /// from the downward API; resolved by [`RawAgentConfig::resolve_agent_id`].
+    pub agent_id_env: Option<String>,
     /// File holding the token.
     pub token_file: Option<String>,
     /// Environment variable holding the token.
@@ -69,11 +79,46 @@ pub struct RawAgentConfig {
     pub tls: Option<kvroute_index_api::tls::RawClientTls>,
 }
 
+/// The placeholder in `engines[].replica` replaced by the agent id.
+pub const AGENT_ID_PLACEHOLDER: &str = "{agent_id}";
+
+impl RawAgentConfig {
+    /// Takes `agent_id` from the environment variable `agent_id_env` names, looked up through
+    /// `env` (the process environment in [`AgentConfig::from_yaml`]; a map in tests).
+    pub fn resolve_agent_id(
+        &mut self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), AgentConfigError> {
+        let Some(name) = self.agent_id_env.take() else {
+            return Ok(());
+        };
+        if !self.agent_id.is_empty() {
+            return Err(AgentConfigError::invalid(
+                "agent_id_env",
+                name,
+                "give agent_id or agent_id_env, not both",
+            ));
+        }
+        match env(&name) {
+            Some(id) if !id.is_empty() => {
+                self.agent_id = id;
+                Ok(())
+            }
+            _ => Err(AgentConfigError::invalid(
+                "agent_id_env",
+                name,
+                "the environment variable is unset or empty (in Kubernetes: set it from the \
+                 downward API, fieldRef spec.nodeName)",
+            )),
+        }
+    }
+}
+
 /// One `engines:` entry.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawEngine {
-    /// Replica id.
+    /// Replica id; `{agent_id}` in it is replaced by the agent id.
     pub replica: String,
     /// The engine's PUB endpoint.
     pub endpoint: String,
@@ -174,9 +219,19 @@ pub struct AgentConfig {
 }
 
 impl AgentConfig {
-    /// Parses, validates and loads the token.
+    /// Parses, validates and loads the token; `agent_id_env` is read from the process
+    /// environment.
     pub fn from_yaml(text: &str) -> Result<Self, AgentConfigError> {
-        let raw: RawAgentConfig = serde_yaml::from_str(text)?;
+        Self::from_yaml_with_env(text, |name| std::env::var(name).ok())
+    }
+
+    /// [`AgentConfig::from_yaml`] with `agent_id_env` looked up through `env`.
+    pub fn from_yaml_with_env(
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, AgentConfigError> {
+        let mut raw: RawAgentConfig = serde_yaml::from_str(text)?;
+        raw.resolve_agent_id(env)?;
         let token = match (&raw.token_file, &raw.token_env) {
             (Some(path), None) => TokenSource::File(path.clone()),
             (None, Some(name)) => TokenSource::Env(name.clone()),
@@ -192,8 +247,16 @@ impl AgentConfig {
         Self::validate(raw, token)
     }
 
-    /// Validates a raw config with an already loaded token.
+    /// Validates a raw config with an already loaded token (`agent_id_env` already resolved:
+    /// [`RawAgentConfig::resolve_agent_id`]).
     pub fn validate(raw: RawAgentConfig, token: AgentToken) -> Result<Self, AgentConfigError> {
+        if let Some(name) = &raw.agent_id_env {
+            return Err(AgentConfigError::invalid(
+                "agent_id_env",
+                name,
+                "not resolved: RawAgentConfig::resolve_agent_id reads it",
+            ));
+        }
         for (set, old, new) in [
             (
                 raw.batch_delay_ms.is_some(),
@@ -262,8 +325,17 @@ impl AgentConfig {
             .parse()
             .map_err(|_| AgentConfigError::invalid("admin", admin, "expected ip:port"))?;
         let mut engines: Vec<IngestConfig> = Vec::with_capacity(raw.engines.len());
-        for (i, engine) in raw.engines.into_iter().enumerate() {
+        for (i, mut engine) in raw.engines.into_iter().enumerate() {
             let field = |name: &str| format!("engines[{i}].{name}");
+            let replica = engine.replica.replace(AGENT_ID_PLACEHOLDER, &raw.agent_id);
+            if replica.contains(['{', '}']) {
+                return Err(AgentConfigError::invalid(
+                    field("replica"),
+                    &engine.replica,
+                    "`{agent_id}` is the only placeholder",
+                ));
+            }
+            engine.replica = replica;
             if engine.replica.is_empty() || engines.iter().any(|e| *e.replica_id == *engine.replica)
             {
                 return Err(AgentConfigError::invalid(
@@ -415,5 +487,70 @@ mod tests {
             let error = parse(&format!("{base}{yaml}")).unwrap_err().to_string();
             assert!(error.contains(message), "{yaml}: {error}");
         }
+    }
+
+    #[test]
+    fn agent_id_from_the_environment_names_every_replica_of_the_node() {
+        // One DaemonSet config: NODE_NAME from the downward API gives each node its identity.
+        let yaml = "agent_id_env: NODE_NAME\ntoken_file: /nonexistent/token\nindexes: ['http://127.0.0.1:1']\n\
+                    engines: [{replica: '{agent_id}-engine-0', endpoint: 'tcp://127.0.0.1:5557'}, \
+                    {replica: 'shared-{agent_id}', endpoint: 'tcp://127.0.0.1:5567'}]\n";
+        let node =
+            |node: &'static str| move |name: &str| (name == "NODE_NAME").then(|| node.to_owned());
+        let resolve = |env: &dyn Fn(&str) -> Option<String>| {
+            let mut raw: RawAgentConfig = serde_yaml::from_str(yaml).unwrap();
+            raw.resolve_agent_id(env)?;
+            AgentConfig::validate(raw, AgentToken::from_literal("t"))
+        };
+        for name in ["gpu-1", "gpu-2"] {
+            let config = resolve(&node(name)).unwrap();
+            assert_eq!(config.agent_id, name);
+            let replicas: Vec<&str> = config.engines.iter().map(|e| &*e.replica_id).collect();
+            assert_eq!(
+                replicas,
+                [format!("{name}-engine-0"), format!("shared-{name}")]
+            );
+        }
+        // Unset or empty: refused, naming the key and the variable.
+        for env in [
+            &(|_: &str| None) as &dyn Fn(&str) -> Option<String>,
+            &|_: &str| Some(String::new()),
+        ] {
+            let error = resolve(env).unwrap_err().to_string();
+            assert!(
+                error.contains("`agent_id_env`") && error.contains("NODE_NAME"),
+                "{error}"
+            );
+        }
+        // from_yaml_with_env resolves before the token is loaded (a missing token file is the
+        // next error, not the id).
+        let error = AgentConfig::from_yaml_with_env(yaml, node("gpu-1")).unwrap_err();
+        assert!(matches!(error, AgentConfigError::Token(_)), "{error}");
+        let error = AgentConfig::from_yaml_with_env(yaml, |_| None)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("`agent_id_env`"), "{error}");
+    }
+
+    #[test]
+    fn agent_id_env_is_refused_beside_agent_id_unresolved_or_with_another_placeholder() {
+        let base = "indexes: ['http://127.0.0.1:1']\nengines: [{replica: r, endpoint: 'tcp://127.0.0.1:5557'}]\n";
+        let mut raw: RawAgentConfig =
+            serde_yaml::from_str(&format!("{base}agent_id: a\nagent_id_env: NODE_NAME")).unwrap();
+        let error = raw
+            .resolve_agent_id(|_| Some("n".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("not both"), "{error}");
+        let error = parse(&format!("{base}agent_id_env: NODE_NAME"))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("not resolved"), "{error}");
+        let yaml = "agent_id: a\nindexes: ['http://127.0.0.1:1']\nengines: [{replica: '{node}-0', endpoint: 'tcp://127.0.0.1:5557'}]";
+        let error = parse(yaml).unwrap_err().to_string();
+        assert!(
+            error.contains("`engines[0].replica`") && error.contains("only placeholder"),
+            "{error}"
+        );
     }
 }

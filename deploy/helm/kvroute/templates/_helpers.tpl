@@ -1,0 +1,154 @@
+{{/* Names: every object is "<fullname>-<component>"; fullname is the release name by default. */}}
+{{- define "kvroute.fullname" -}}
+{{- default .Release.Name .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvroute.labels" -}}
+app.kubernetes.io/name: kvroute
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* Selector labels of one component: call with (list $ "ext-proc"). */}}
+{{- define "kvroute.selector" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: kvroute
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "kvroute.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "kvroute.agentTokenSecret" -}}
+{{- .Values.agentToken.existingSecret | default (printf "%s-agent-token" (include "kvroute.fullname" .)) -}}
+{{- end -}}
+
+{{- define "kvroute.queryTokenSecret" -}}
+{{- .Values.queryToken.existingSecret | default (printf "%s-query-token" (include "kvroute.fullname" .)) -}}
+{{- end -}}
+
+{{- define "kvroute.extProcTlsSecret" -}}
+{{- .Values.extProc.tls.secretName | default (printf "%s-ext-proc-tls" (include "kvroute.fullname" .)) -}}
+{{- end -}}
+{{- define "kvroute.extProcTlsDir" -}}/var/run/secrets/kvroute-ext-proc-tls{{- end -}}
+
+{{/* Where the Secrets are mounted (key `token`). */}}
+{{- define "kvroute.agentTokenDir" -}}/var/run/secrets/kvroute-agent{{- end -}}
+{{- define "kvroute.queryTokenDir" -}}/var/run/secrets/kvroute-query{{- end -}}
+
+{{/* The index pods' stable names, one gRPC URL each (agents stream to every pod; ext-proc
+     tries them in order). */}}
+{{- define "kvroute.indexUrls" -}}
+{{- $fullname := include "kvroute.fullname" . -}}
+{{- range $i := until (int .Values.index.replicas) }}
+{{ printf "- http://%s-index-%d.%s-index-headless.%s.svc:%d" $fullname $i $fullname $.Release.Namespace (int $.Values.index.grpcPort) }}
+{{- end -}}
+{{- end -}}
+
+{{/* The pool schema ext-proc and the index share (kvroute_block_keys::schema). */}}
+{{- define "kvroute.poolSchema" -}}
+name: {{ .Values.pool.name | quote }}
+models: {{ toJson .Values.pool.models }}
+block_size: {{ .Values.pool.blockSize }}
+key_scheme: {{ toJson .Values.pool.keyScheme }}
+{{- end -}}
+
+{{/* Pod hardening shared by every kvroute container. */}}
+{{- define "kvroute.containerSecurity" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities: {drop: [ALL]}
+{{- end -}}
+{{- define "kvroute.podSecurity" -}}
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+
+{{/* kvroute-ext-proc's config (ext-proc/src/config.rs). */}}
+{{- define "kvroute.extProcConfig" -}}
+listen:
+  grpc: "0.0.0.0:{{ .Values.extProc.grpcPort }}"
+  admin: "0.0.0.0:{{ .Values.extProc.adminPort }}"
+{{- if ne .Values.extProc.tls.mode "none" }}
+  tls: {cert: {{ include "kvroute.extProcTlsDir" . }}/tls.crt, key: {{ include "kvroute.extProcTlsDir" . }}/tls.key}
+{{- end }}
+index:
+  addresses:
+{{- include "kvroute.indexUrls" . | trim | nindent 4 }}
+  match_timeout: {{ .Values.extProc.matchTimeout }}
+  token_file: {{ include "kvroute.queryTokenDir" . }}/token
+pools:
+  - {{ include "kvroute.poolSchema" . | indent 4 | trim }}
+    tokenizer: {{ toJson .Values.pool.tokenizer }}
+replicas:
+{{- range $node := .Values.nodes }}
+{{- range $engine := $.Values.engines }}
+  - id: {{ printf "%s-%s" $node.name $engine.name | quote }}
+    pool: {{ $.Values.pool.name | quote }}
+    address: "{{ $node.address }}:{{ $engine.port }}"
+    metrics_url: "http://{{ $node.address }}:{{ $engine.port }}/metrics"
+{{- end }}
+{{- end }}
+{{- with .Values.extProc.extraConfig }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* kvroute-index's config (index-service/src/config.rs). */}}
+{{- define "kvroute.indexConfig" -}}
+listen: {grpc: "0.0.0.0:{{ .Values.index.grpcPort }}", admin: "0.0.0.0:{{ .Values.index.adminPort }}"}
+query_auth: {token_file: {{ include "kvroute.queryTokenDir" . }}/token}
+limits:
+  max_blocks_per_replica: {{ int .Values.index.limits.max_blocks_per_replica }}
+  agent_stale_grace: {{ .Values.index.limits.agent_stale_grace }}
+pools:
+  - {{ include "kvroute.poolSchema" . | indent 4 | trim }}
+replicas:
+{{- range $node := .Values.nodes }}
+{{- range $engine := $.Values.engines }}
+  - id: {{ printf "%s-%s" $node.name $engine.name | quote }}
+    pool: {{ $.Values.pool.name | quote }}
+{{- if not $.Values.agent.enabled }}
+    events:
+      endpoint: "tcp://{{ $node.address }}:{{ $engine.events }}"
+      replay_endpoint: "tcp://{{ $node.address }}:{{ $engine.replay }}"
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if .Values.agent.enabled }}
+# One agent per node, its id the node name (the agent's NODE_NAME); all share one token.
+agents:
+{{- range $node := .Values.nodes }}
+  - id: {{ $node.name | quote }}
+    token_file: {{ include "kvroute.agentTokenDir" $ }}/token
+    replicas: [{{- range $i, $engine := $.Values.engines }}{{ if $i }}, {{ end }}{{ printf "%s-%s" $node.name $engine.name | quote }}{{ end }}]
+{{- end }}
+{{- end }}
+{{- with .Values.index.extraConfig }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* kvroute-agent's config (index-service/agent/src/config.rs): one file for every node. */}}
+{{- define "kvroute.agentConfig" -}}
+agent_id_env: NODE_NAME
+token_file: {{ include "kvroute.agentTokenDir" . }}/token
+indexes:
+{{- include "kvroute.indexUrls" . | trim | nindent 2 }}
+admin: "0.0.0.0:{{ .Values.agent.adminPort }}"
+batch_delay: {{ .Values.agent.batchDelay }}
+max_blocks_per_replica: {{ int .Values.agent.maxBlocksPerReplica }}
+engines:
+{{- range $engine := .Values.engines }}
+  - replica: "{agent_id}-{{ $engine.name }}"
+    endpoint: "tcp://127.0.0.1:{{ $engine.events }}"
+    replay_endpoint: "tcp://127.0.0.1:{{ $engine.replay }}"
+{{- end }}
+{{- end -}}

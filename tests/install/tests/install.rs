@@ -1,0 +1,872 @@
+//! The Kubernetes install (deploy/helm/kvroute), rendered by Helm's own engine for the default
+//! values and every example values file: each document is the kind it claims (typed round trip),
+//! each kvroute binary accepts the config its pod would read (files laid out as the pod mounts
+//! them), and names and ports agree across Services, containers, probes, configs, the
+//! InferencePool, the routes and the example vLLM pool. Skips, saying so, without the engine
+//! (`bash scripts/setup.sh` installs it; under CI its absence fails).
+
+// Helpers outside `#[test]` fns fail the test by panicking, exactly like the tests themselves.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test code: a panic is a failure"
+)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Container, PodSpec, Probe, Service};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kvroute_install_tests::{
+    Doc, NAMESPACE, Object, crd, parse_stream, render, renderer, repo_root,
+};
+
+/// Every install the tests render: the default values, then each example alone.
+const INSTALLS: &[(&str, &[&str])] = &[
+    ("defaults", &[]),
+    ("istio", &["deploy/helm/examples/istio.yaml"]),
+    (
+        "envoy-gateway",
+        &["deploy/helm/examples/envoy-gateway.yaml"],
+    ),
+    (
+        "envoy-ai-gateway",
+        &["deploy/helm/examples/envoy-ai-gateway.yaml"],
+    ),
+    ("agentless", &["deploy/helm/examples/agentless.yaml"]),
+];
+
+struct Install {
+    name: &'static str,
+    docs: Vec<Doc>,
+}
+
+impl Install {
+    fn find(&self, kind: &str, name: &str) -> &Doc {
+        self.docs
+            .iter()
+            .find(|d| d.kind() == kind && d.name() == name)
+            .unwrap_or_else(|| panic!("{}: no {kind} {name:?}", self.name))
+    }
+
+    fn of_kind<'a>(&'a self, kind: &'a str) -> impl Iterator<Item = &'a Doc> + 'a {
+        self.docs.iter().filter(move |d| d.kind() == kind)
+    }
+
+    /// Deployments, StatefulSets and DaemonSets: (doc, pod labels, pod spec).
+    fn workloads(&self) -> Vec<(&Doc, BTreeMap<String, String>, &PodSpec)> {
+        self.docs
+            .iter()
+            .filter_map(|doc| {
+                let template = match &doc.object {
+                    Object::Deployment(d) => &d.spec.template,
+                    Object::StatefulSet(s) => &s.spec.template,
+                    Object::DaemonSet(d) => &d.spec.template,
+                    _ => return None,
+                };
+                let labels = template
+                    .metadata
+                    .as_ref()?
+                    .labels
+                    .clone()
+                    .unwrap_or_default();
+                Some((doc, labels, template.spec.as_ref()?))
+            })
+            .collect()
+    }
+
+    fn service(&self, name: &str) -> &Service {
+        match &self.find("Service", name).object {
+            Object::Service(s) => s,
+            _ => unreachable!(),
+        }
+    }
+}
+
+/// The renders, or `None` (printed SKIP) without the Helm engine.
+fn installs(test: &str) -> Option<Vec<Install>> {
+    let Some(python) = renderer() else {
+        eprintln!(
+            "SKIP {test}: no Python with Helm's engine (helm_python; bash scripts/setup.sh installs helm-python-sdk)"
+        );
+        return None;
+    };
+    Some(
+        INSTALLS
+            .iter()
+            .map(|(name, values)| {
+                let stream = render(&python, values).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let docs = parse_stream(&stream).unwrap_or_else(|e| panic!("{name}: {e}"));
+                Install { name, docs }
+            })
+            .collect(),
+    )
+}
+
+#[test]
+fn every_example_values_file_is_rendered() {
+    let dir = repo_root().join("deploy/helm/examples");
+    let on_disk: BTreeSet<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| {
+            format!(
+                "deploy/helm/examples/{}",
+                e.unwrap().file_name().to_string_lossy()
+            )
+        })
+        .collect();
+    let tested: BTreeSet<String> = INSTALLS
+        .iter()
+        .flat_map(|(_, files)| files.iter().map(|f| f.to_string()))
+        .collect();
+    assert_eq!(on_disk, tested, "add each example to INSTALLS");
+}
+
+#[test]
+fn every_install_renders_and_every_document_is_its_kind() {
+    let Some(installs) = installs("every_install_renders_and_every_document_is_its_kind") else {
+        return;
+    };
+    for install in &installs {
+        let agents = install.name != "agentless";
+        // Envoy Gateway and Envoy AI Gateway dial the picker with TLS.
+        let tls = install.name.starts_with("envoy-");
+        let count = |kind| install.of_kind(kind).count();
+        let expected = [
+            ("Deployment", 1),
+            ("StatefulSet", 1),
+            ("DaemonSet", usize::from(agents)),
+            ("Service", 3),
+            ("ConfigMap", 2 + usize::from(agents)),
+            ("Secret", 2 + usize::from(tls)),
+            ("ServiceAccount", 2 + usize::from(agents)),
+            ("Role", 1),
+            ("RoleBinding", 1),
+            ("InferencePool", 1),
+            (
+                "HTTPRoute",
+                usize::from(matches!(install.name, "istio" | "envoy-gateway")),
+            ),
+            (
+                "AIGatewayRoute",
+                usize::from(install.name == "envoy-ai-gateway"),
+            ),
+        ];
+        for (kind, n) in expected {
+            assert_eq!(count(kind), n, "{}: {kind}", install.name);
+        }
+        assert_eq!(
+            install.docs.len(),
+            expected.iter().map(|(_, n)| n).sum::<usize>(),
+            "{}: unexpected documents",
+            install.name
+        );
+        let mut seen = BTreeSet::new();
+        for doc in &install.docs {
+            assert!(
+                seen.insert((doc.kind(), doc.name())),
+                "{}: {} {} twice",
+                install.name,
+                doc.kind(),
+                doc.name()
+            );
+            assert_eq!(
+                doc.value["metadata"]["namespace"], NAMESPACE,
+                "{}: {}",
+                install.name, doc.source
+            );
+        }
+        // Tokens are generated, never empty, and not the same secret twice.
+        let tokens: BTreeSet<Vec<u8>> = install
+            .of_kind("Secret")
+            .filter_map(|doc| match &doc.object {
+                Object::Secret(s) => Some(s.data.as_ref()?.get("token")?.0.clone()),
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(tokens.len(), 2, "{}", install.name);
+        assert!(tokens.iter().all(|t| t.len() >= 32), "{}", install.name);
+    }
+}
+
+#[test]
+fn a_misspelled_or_misplaced_key_fails_the_kind_check() {
+    let deployment = "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: x}\nspec:\n  replica: 2\n  selector: {matchLabels: {a: b}}\n  template: {metadata: {labels: {a: b}}, spec: {containers: [{name: c, image: i}]}}\n";
+    let error = parse_stream(deployment).unwrap_err();
+    assert!(error.contains("/spec/replica (lost)"), "{error}");
+    assert!(parse_stream(&deployment.replace("replica:", "replicas:")).is_ok());
+    // The pre-v1 spelling of the picker's port is not InferencePool v1.
+    let pool = "apiVersion: inference.networking.k8s.io/v1\nkind: InferencePool\nmetadata: {name: p}\nspec:\n  selector: {matchLabels: {app: v}}\n  targetPorts: [{number: 8000}]\n  endpointPickerRef: {name: epp, portNumber: 9002}\n";
+    let error = parse_stream(pool).unwrap_err();
+    assert!(error.contains("portNumber"), "{error}");
+    assert!(parse_stream(&pool.replace("portNumber: 9002", "port: {number: 9002}")).is_ok());
+    let error = parse_stream("apiVersion: v1\nkind: Pdo\nmetadata: {name: x}\n").unwrap_err();
+    assert!(error.contains("no type"), "{error}");
+}
+
+/// A kvroute config as the binary that reads it parsed it.
+enum Parsed {
+    ExtProc(Box<kvroute_ext_proc::Config>),
+    Index(Box<kvroute_index::config::Config>),
+    /// One per node the DaemonSet runs on (its NODE_NAME).
+    Agent(Vec<(String, kvroute_agent::AgentConfig)>),
+}
+
+struct Loaded<'a> {
+    workload: &'a Doc,
+    labels: BTreeMap<String, String>,
+    pod: &'a PodSpec,
+    container: &'a Container,
+    config: Parsed,
+}
+
+/// Each kvroute container's config, read as its pod would: the ConfigMaps and Secrets it
+/// mounts written out under a temporary root, the `--config` file taken from there (so a file
+/// no ConfigMap holds fails), the paths inside the config pointed at the same root.
+fn load_configs(install: &Install) -> Vec<Loaded<'_>> {
+    let mut loaded = Vec::new();
+    for (workload, labels, pod) in install.workloads() {
+        for container in &pod.containers {
+            let command = container.command.clone().unwrap_or_default();
+            let binary = Path::new(&command[0])
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            let at = command
+                .iter()
+                .position(|a| a == "--config")
+                .expect("--config");
+            let config_path = &command[at + 1];
+            let root = tempfile::tempdir().unwrap();
+            let mut mounts = Vec::new();
+            for mount in container.volume_mounts.iter().flatten() {
+                let volume = pod
+                    .volumes
+                    .iter()
+                    .flatten()
+                    .find(|v| v.name == mount.name)
+                    .unwrap_or_else(|| {
+                        panic!(
+                            "{}: {}: mount {} has no volume",
+                            install.name,
+                            workload.name(),
+                            mount.name
+                        )
+                    });
+                let files: Vec<(String, Vec<u8>)> = if let Some(cm) = &volume.config_map {
+                    match &install.find("ConfigMap", &cm.name).object {
+                        Object::ConfigMap(c) => c
+                            .data
+                            .clone()
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(|(k, v)| (k, v.into_bytes()))
+                            .collect(),
+                        _ => unreachable!(),
+                    }
+                } else if let Some(secret) = &volume.secret {
+                    match &install
+                        .find("Secret", secret.secret_name.as_deref().unwrap())
+                        .object
+                    {
+                        Object::Secret(s) => s
+                            .data
+                            .clone()
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(|(k, v)| (k, v.0))
+                            .collect(),
+                        _ => unreachable!(),
+                    }
+                } else {
+                    panic!(
+                        "{}: volume {} is neither a ConfigMap nor a Secret",
+                        install.name, volume.name
+                    );
+                };
+                let dir = root.path().join(mount.mount_path.trim_start_matches('/'));
+                std::fs::create_dir_all(&dir).unwrap();
+                for (key, bytes) in files {
+                    std::fs::write(dir.join(key), bytes).unwrap();
+                }
+                mounts.push((
+                    format!("{}/", mount.mount_path),
+                    format!("{}/", dir.display()),
+                ));
+            }
+            let on_disk = root.path().join(config_path.trim_start_matches('/'));
+            let mut text = std::fs::read_to_string(&on_disk).unwrap_or_else(|e| {
+                panic!(
+                    "{}: {}: {config_path} is in no mounted ConfigMap: {e}",
+                    install.name,
+                    workload.name()
+                )
+            });
+            for (in_pod, here) in &mounts {
+                text = text.replace(in_pod, here);
+            }
+            let context = format!("{}: {} ({binary})", install.name, workload.name());
+            let config = match binary.as_str() {
+                "kvroute-ext-proc" => Parsed::ExtProc(Box::new(
+                    kvroute_ext_proc::Config::from_yaml(&text)
+                        .unwrap_or_else(|e| panic!("{context}: {e}\n{text}")),
+                )),
+                "kvroute-index" => Parsed::Index(Box::new(
+                    kvroute_index::config::Config::from_yaml(&text)
+                        .unwrap_or_else(|e| panic!("{context}: {e}\n{text}")),
+                )),
+                "kvroute-agent" => Parsed::Agent(
+                    scheduled_nodes(pod)
+                        .into_iter()
+                        .map(|node| {
+                            let env = |name: &str| container_env(container, name, &node);
+                            let config = kvroute_agent::AgentConfig::from_yaml_with_env(&text, env)
+                                .unwrap_or_else(|e| panic!("{context} on {node}: {e}\n{text}"));
+                            (node, config)
+                        })
+                        .collect(),
+                ),
+                other => panic!("{context}: not a kvroute binary: {other}"),
+            };
+            loaded.push(Loaded {
+                workload,
+                labels: labels.clone(),
+                pod,
+                container,
+                config,
+            });
+        }
+    }
+    loaded
+}
+
+/// The nodes a pod may run on by its required node affinity on `metadata.name`.
+fn scheduled_nodes(pod: &PodSpec) -> Vec<String> {
+    pod.affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .map(|r| {
+            r.node_selector_terms
+                .iter()
+                .flat_map(|t| t.match_fields.iter().flatten())
+                .filter(|f| f.key == "metadata.name" && f.operator == "In")
+                .flat_map(|f| f.values.clone().unwrap_or_default())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// What the kubelet would put in the container's environment for `name` on `node`.
+fn container_env(container: &Container, name: &str, node: &str) -> Option<String> {
+    let var = container.env.iter().flatten().find(|v| v.name == name)?;
+    if let Some(value) = &var.value {
+        return Some(value.clone());
+    }
+    let field = var.value_from.as_ref()?.field_ref.as_ref()?;
+    assert_eq!(
+        field.field_path, "spec.nodeName",
+        "{name}: only spec.nodeName is modelled"
+    );
+    Some(node.to_owned())
+}
+
+#[test]
+fn every_binary_accepts_the_config_its_pod_mounts_and_agents_are_who_the_index_expects() {
+    let Some(installs) = installs(
+        "every_binary_accepts_the_config_its_pod_mounts_and_agents_are_who_the_index_expects",
+    ) else {
+        return;
+    };
+    for install in &installs {
+        let loaded = load_configs(install);
+        let index = loaded.iter().find_map(|l| match &l.config {
+            Parsed::Index(c) => Some(c),
+            _ => None,
+        });
+        let index = index.unwrap_or_else(|| panic!("{}: no index", install.name));
+        let ext_proc = loaded.iter().find_map(|l| match &l.config {
+            Parsed::ExtProc(c) => Some(c),
+            _ => None,
+        });
+        let ext_proc = ext_proc.unwrap_or_else(|| panic!("{}: no ext-proc", install.name));
+        // ext-proc routes to the replicas the index tracks, in the pool both name.
+        let ext_ids: BTreeSet<&str> = ext_proc.replicas.iter().map(|r| r.id.as_str()).collect();
+        let index_ids: BTreeSet<&str> = index.replicas.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ext_ids, index_ids, "{}", install.name);
+        assert_eq!(ext_proc.pools[0].name, index.pools[0].name);
+        assert_eq!(ext_proc.pools[0].block_size, index.pools[0].block_size);
+        assert!(
+            ext_proc.index_token.is_some(),
+            "{}: ext-proc sends the query token",
+            install.name
+        );
+        assert!(
+            index.query_token.is_some(),
+            "{}: the index requires it",
+            install.name
+        );
+        let agents: Vec<&(String, kvroute_agent::AgentConfig)> = loaded
+            .iter()
+            .filter_map(|l| match &l.config {
+                Parsed::Agent(per_node) => Some(per_node),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        if install.name == "agentless" {
+            assert!(agents.is_empty() && index.agents.is_empty());
+            assert!(
+                index.replicas.iter().all(|r| !r.endpoint.is_empty()),
+                "the index subscribes itself"
+            );
+            continue;
+        }
+        // Each node's agent is the index's agent of that id, owning exactly its replicas, and
+        // together they feed every replica.
+        assert_eq!(agents.len(), index.agents.len(), "{}", install.name);
+        for (node, agent) in &agents {
+            assert_eq!(&agent.agent_id, node);
+            let expected = index
+                .agents
+                .iter()
+                .find(|a| a.id == *node)
+                .unwrap_or_else(|| panic!("no index agent {node}"));
+            let mirrored: BTreeSet<&str> = agent.engines.iter().map(|e| &*e.replica_id).collect();
+            let owned: BTreeSet<&str> = expected.replicas.iter().map(String::as_str).collect();
+            assert_eq!(mirrored, owned, "{node}");
+            assert!(
+                expected.token.matches(agent.token.expose()),
+                "{node}: the index expects the token the agent sends"
+            );
+        }
+        let fed: BTreeSet<&str> = agents
+            .iter()
+            .flat_map(|(_, a)| a.engines.iter().map(|e| &*e.replica_id))
+            .collect();
+        assert_eq!(fed, index_ids, "{}", install.name);
+    }
+}
+
+/// The container port a Service's or probe's target names (by name or number).
+fn container_port(container: &Container, target: &IntOrString) -> Option<u16> {
+    container.ports.iter().flatten().find_map(|p| {
+        let hit = match target {
+            IntOrString::Int(n) => p.container_port == *n,
+            IntOrString::String(name) => p.name.as_deref() == Some(name.as_str()),
+        };
+        hit.then(|| u16::try_from(p.container_port).unwrap())
+    })
+}
+
+/// The ports a kvroute config listens on, by container port name; every one on all interfaces.
+fn listen_ports(config: &Parsed) -> Vec<(&'static str, std::net::SocketAddr)> {
+    match config {
+        Parsed::ExtProc(c) => vec![("grpc", c.grpc_addr), ("admin", c.admin_addr)],
+        Parsed::Index(c) => vec![("grpc", c.grpc_addr), ("admin", c.admin_addr)],
+        Parsed::Agent(per_node) => vec![("admin", per_node[0].1.admin_addr)],
+    }
+}
+
+/// `http://<pod>.<headless service>.<namespace>.svc:<port>` of every index pod, in order.
+fn index_urls(install: &Install, loaded: &[Loaded<'_>]) -> Vec<String> {
+    let doc = install.of_kind("StatefulSet").next().unwrap();
+    let Object::StatefulSet(sts) = &doc.object else {
+        unreachable!()
+    };
+    let sts: &StatefulSet = sts;
+    let spec = &sts.spec;
+    let headless = install.service(spec.service_name.as_deref().unwrap());
+    let headless_spec = headless.spec.as_ref().unwrap();
+    assert_eq!(
+        headless_spec.cluster_ip.as_deref(),
+        Some("None"),
+        "per-pod names need a headless Service"
+    );
+    assert_eq!(
+        headless_spec.publish_not_ready_addresses,
+        Some(true),
+        "agents must reach index pods before they are ready"
+    );
+    let port = &headless_spec.ports.as_ref().unwrap()[0];
+    let index = loaded
+        .iter()
+        .find(|l| l.workload.name() == doc.name())
+        .unwrap();
+    let Parsed::Index(config) = &index.config else {
+        unreachable!()
+    };
+    assert_eq!(
+        container_port(index.container, port.target_port.as_ref().unwrap()),
+        Some(config.grpc_addr.port()),
+        "the headless Service reaches the index's gRPC listener"
+    );
+    (0..spec.replicas.unwrap())
+        .map(|i| {
+            format!(
+                "http://{}-{i}.{}.{NAMESPACE}.svc:{}",
+                doc.name(),
+                headless.metadata.name.as_deref().unwrap(),
+                port.port
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn services_containers_probes_configs_and_references_agree_on_names_and_ports() {
+    let Some(installs) =
+        installs("services_containers_probes_configs_and_references_agree_on_names_and_ports")
+    else {
+        return;
+    };
+    for install in &installs {
+        let loaded = load_configs(install);
+        // Containers declare the ports their binary listens on, on all interfaces.
+        for l in &loaded {
+            for (name, addr) in listen_ports(&l.config) {
+                assert!(
+                    addr.ip().is_unspecified(),
+                    "{}: {} listens on {addr}: a Service cannot reach loopback",
+                    install.name,
+                    l.workload.name()
+                );
+                assert_eq!(
+                    container_port(l.container, &IntOrString::String(name.into())),
+                    Some(addr.port()),
+                    "{}: {} container port {name}",
+                    install.name,
+                    l.workload.name()
+                );
+            }
+            // Probes ask a port the binary serves.
+            let served: BTreeSet<u16> = listen_ports(&l.config)
+                .iter()
+                .map(|(_, a)| a.port())
+                .collect();
+            let probes: [&Option<Probe>; 2] =
+                [&l.container.liveness_probe, &l.container.readiness_probe];
+            for probe in probes.into_iter().flatten() {
+                let port = match (&probe.http_get, &probe.grpc) {
+                    (Some(http), None) => container_port(l.container, &http.port),
+                    (None, Some(grpc)) => u16::try_from(grpc.port).ok(),
+                    _ => panic!(
+                        "{}: {}: a probe is one of httpGet or grpc",
+                        install.name,
+                        l.workload.name()
+                    ),
+                };
+                assert!(
+                    port.is_some_and(|p| served.contains(&p)),
+                    "{}: {} probes {port:?}, serves {served:?}",
+                    install.name,
+                    l.workload.name()
+                );
+            }
+            if let Parsed::ExtProc(c) = &l.config {
+                // TLS on the ext_proc port exactly where a gateway dials it with TLS.
+                assert_eq!(
+                    c.grpc_tls.is_some(),
+                    install.name.starts_with("envoy-"),
+                    "{}",
+                    install.name
+                );
+                let readiness = l
+                    .container
+                    .readiness_probe
+                    .as_ref()
+                    .and_then(|p| p.http_get.as_ref())
+                    .expect("HTTP readiness");
+                assert_eq!(readiness.path.as_deref(), Some("/readyz"));
+                assert_eq!(
+                    container_port(l.container, &readiness.port),
+                    Some(c.admin_addr.port())
+                );
+            }
+        }
+        // Every Service selects exactly one workload, and each of its ports reaches a port the
+        // workload's binary listens on.
+        for doc in install.of_kind("Service") {
+            let Object::Service(service) = &doc.object else {
+                unreachable!()
+            };
+            let spec = service.spec.as_ref().unwrap();
+            let selector = spec.selector.clone().unwrap_or_default();
+            let selected: Vec<&Loaded<'_>> = loaded
+                .iter()
+                .filter(|l| {
+                    !selector.is_empty() && selector.iter().all(|(k, v)| l.labels.get(k) == Some(v))
+                })
+                .collect();
+            assert_eq!(
+                selected.len(),
+                1,
+                "{}: Service {} selects {} workloads",
+                install.name,
+                doc.name(),
+                selected.len()
+            );
+            let target = selected[0];
+            let served: BTreeSet<u16> = listen_ports(&target.config)
+                .iter()
+                .map(|(_, a)| a.port())
+                .collect();
+            for port in spec.ports.iter().flatten() {
+                let reached = container_port(target.container, port.target_port.as_ref().unwrap());
+                assert!(
+                    reached.is_some_and(|p| served.contains(&p)),
+                    "{}: Service {} port {} reaches {reached:?}",
+                    install.name,
+                    doc.name(),
+                    port.port
+                );
+            }
+        }
+        // ext-proc and the agents reach every index pod by its stable name.
+        let urls = index_urls(install, &loaded);
+        for l in &loaded {
+            match &l.config {
+                Parsed::ExtProc(c) => {
+                    let got: Vec<String> = c
+                        .index_addresses
+                        .iter()
+                        .map(|u| u.to_string().trim_end_matches('/').to_owned())
+                        .collect();
+                    assert_eq!(got, urls, "{}: ext-proc index.addresses", install.name);
+                }
+                Parsed::Agent(per_node) => {
+                    for (node, agent) in per_node {
+                        assert_eq!(
+                            agent.indexes, urls,
+                            "{}: {node}'s agent indexes",
+                            install.name
+                        );
+                    }
+                }
+                Parsed::Index(_) => {}
+            }
+        }
+        // The InferencePool's picker is the ext-proc Service's gRPC port.
+        let Object::InferencePool(pool) = &install.of_kind("InferencePool").next().unwrap().object
+        else {
+            unreachable!()
+        };
+        let picker = &pool.spec.endpoint_picker_ref;
+        assert_eq!(picker.kind.as_deref(), Some("Service"));
+        assert_eq!(
+            picker.failure_mode,
+            Some(crd::FailureMode::FailOpen),
+            "kvroute never refuses a request because a part of kvroute is unwell"
+        );
+        let service = install.service(&picker.name);
+        let number = picker.port.unwrap().number;
+        let port = service
+            .spec
+            .as_ref()
+            .unwrap()
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.port == i32::from(number))
+            .expect("picker port on the Service");
+        let ext_proc = loaded
+            .iter()
+            .find(|l| matches!(l.config, Parsed::ExtProc(_)))
+            .unwrap();
+        let Parsed::ExtProc(config) = &ext_proc.config else {
+            unreachable!()
+        };
+        assert_eq!(
+            container_port(ext_proc.container, port.target_port.as_ref().unwrap()),
+            Some(config.grpc_addr.port())
+        );
+        assert_eq!(
+            port.app_protocol.as_deref(),
+            Some("http2"),
+            "ext_proc is gRPC: the gateway's cluster must speak HTTP/2"
+        );
+        // ext-proc routes to the pool's target port; the routes name the pool.
+        let target = pool.spec.target_ports[0].number;
+        for replica in &config.replicas {
+            assert_eq!(
+                replica.address.port(),
+                target,
+                "{}: replica {}",
+                install.name,
+                replica.id
+            );
+        }
+        let pool_name = pool.metadata.name.as_deref().unwrap();
+        let mut backends = Vec::new();
+        for doc in &install.docs {
+            match &doc.object {
+                Object::HttpRoute(r) => backends.extend(
+                    r.spec
+                        .rules
+                        .iter()
+                        .flat_map(|r| r.backend_refs.iter().flatten()),
+                ),
+                Object::AiGatewayRoute(r) => {
+                    backends.extend(r.spec.rules.iter().flat_map(|r| r.backend_refs.iter()))
+                }
+                _ => {}
+            }
+        }
+        for backend in backends {
+            assert_eq!(
+                backend.group.as_deref(),
+                Some("inference.networking.k8s.io")
+            );
+            assert_eq!(backend.kind.as_deref(), Some("InferencePool"));
+            assert_eq!(backend.name, pool_name);
+        }
+        // Least privilege: read-only, three resources, bound to ext-proc's account only.
+        let Object::Role(role) = &install.of_kind("Role").next().unwrap().object else {
+            unreachable!()
+        };
+        for rule in role.rules.iter().flatten() {
+            assert_eq!(rule.verbs, ["get", "list", "watch"]);
+        }
+        let resources: BTreeSet<String> = role
+            .rules
+            .iter()
+            .flatten()
+            .flat_map(|r| r.resources.clone().unwrap_or_default())
+            .collect();
+        assert_eq!(
+            resources,
+            ["endpointslices", "inferencepools", "pods"]
+                .map(String::from)
+                .into()
+        );
+        let Object::RoleBinding(binding) = &install.of_kind("RoleBinding").next().unwrap().object
+        else {
+            unreachable!()
+        };
+        let subjects = binding.subjects.clone().unwrap_or_default();
+        assert_eq!(subjects.len(), 1);
+        assert_eq!(
+            Some(&subjects[0].name),
+            ext_proc.pod.service_account_name.as_ref()
+        );
+    }
+}
+
+/// `--name=value` from a container's args.
+fn arg<'a>(container: &'a Container, name: &str) -> &'a str {
+    container
+        .args
+        .iter()
+        .flatten()
+        .find_map(|a| a.strip_prefix(&format!("{name}=")))
+        .unwrap_or_else(|| panic!("vLLM arg {name}"))
+}
+
+#[test]
+fn the_example_vllm_pool_is_the_one_the_chart_defaults_describe() {
+    let Some(installs) = installs("the_example_vllm_pool_is_the_one_the_chart_defaults_describe")
+    else {
+        return;
+    };
+    let install = &installs[0];
+    let text =
+        std::fs::read_to_string(repo_root().join("deploy/kubernetes/vllm-example.yaml")).unwrap();
+    let example = Install {
+        name: "vllm-example",
+        docs: parse_stream(&text).unwrap(),
+    };
+    let (_, labels, pod) = example.workloads().into_iter().next().unwrap();
+    let vllm = &pod.containers[0];
+    let Object::InferencePool(pool) = &install.of_kind("InferencePool").next().unwrap().object
+    else {
+        unreachable!()
+    };
+    assert!(
+        pool.spec
+            .selector
+            .match_labels
+            .iter()
+            .all(|(k, v)| labels.get(k) == Some(v)),
+        "the pool selects the vLLM pods"
+    );
+    let port = pool.spec.target_ports[0].number;
+    assert_eq!(
+        container_port(vllm, &IntOrString::String("http".into())),
+        Some(port)
+    );
+    assert_eq!(arg(vllm, "--port"), port.to_string());
+    // The engines hash blocks the way the pool's key scheme says.
+    let loaded = load_configs(install);
+    let Some(Parsed::ExtProc(ext_proc)) = loaded
+        .iter()
+        .map(|l| &l.config)
+        .find(|c| matches!(c, Parsed::ExtProc(_)))
+    else {
+        unreachable!()
+    };
+    let config_map = install.find("ConfigMap", "kvroute-ext-proc");
+    let written: serde_yaml::Value =
+        serde_yaml::from_str(config_map.value["data"]["ext-proc.yaml"].as_str().unwrap()).unwrap();
+    let scheme = &written["pools"][0]["key_scheme"];
+    assert_eq!(
+        arg(vllm, "--block-size"),
+        ext_proc.pools[0].block_size.to_string()
+    );
+    assert_eq!(
+        arg(vllm, "--prefix-caching-hash-algo"),
+        scheme["hash_algo"].as_str().unwrap()
+    );
+    let seed = vllm
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "PYTHONHASHSEED")
+        .and_then(|e| e.value.clone());
+    assert_eq!(seed.as_deref(), scheme["seed"].as_str(), "PYTHONHASHSEED");
+    // The tokenizer asks the engines' Service, which reaches their API port.
+    let kvroute_ext_proc::config::TokenizerSource::Remote { url, .. } =
+        &ext_proc.pools[0].tokenizer
+    else {
+        panic!("the defaults tokenize through the engines' /tokenize");
+    };
+    let service = example.service(url.host().unwrap());
+    let service_port = service
+        .spec
+        .as_ref()
+        .unwrap()
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| Some(p.port) == url.port_u16().map(i32::from))
+        .expect("tokenizer port");
+    assert_eq!(
+        container_port(vllm, service_port.target_port.as_ref().unwrap()),
+        Some(port)
+    );
+    // KV events on the node's loopback, at the ports the agent subscribes to.
+    assert_eq!(
+        pod.host_network,
+        Some(true),
+        "the agent reads loopback: the engines share the node's network"
+    );
+    let events: serde_json::Value = serde_json::from_str(arg(vllm, "--kv-events-config")).unwrap();
+    let Some(Parsed::Agent(per_node)) = loaded
+        .iter()
+        .map(|l| &l.config)
+        .find(|c| matches!(c, Parsed::Agent(_)))
+    else {
+        unreachable!()
+    };
+    let engine = &per_node[0].1.engines[0];
+    assert_eq!(events["endpoint"].as_str(), Some(engine.endpoint.as_str()));
+    assert_eq!(
+        events["replay_endpoint"].as_str(),
+        engine.replay_endpoint.as_deref()
+    );
+    assert_eq!(events["enable_kv_cache_events"], true);
+}
