@@ -38,6 +38,10 @@
 //!   # tokenizer: {render: "http://10.0.0.5:8000", timeout: 50ms}
 //! replicas:
 //! - {id: r0, pool: llama, address: "10.0.0.5:8000", metrics_url: "http://10.0.0.5:8000/metrics"}
+//! # Or a pool learns its replicas from Kubernetes instead (no `replicas:` entry may name it):
+//! # the Ready pods of a GIE InferencePool or a label selector, kept up to date while running
+//! # (kvroute_discovery::config has every key; pod annotations in kvroute_discovery::replica):
+//! #   discovery: {kubernetes: {namespace: llm, inference_pool: llama}}
 //! # A request naming no model (vLLM serves its base model) goes to the only pool, or with
 //! # several pools to this one (without it: 400):
 //! # default_pool: llama
@@ -353,6 +357,14 @@ struct RawPool {
     events: Option<bool>,
     approx_capacity_blocks: Option<usize>,
     tokenizer: Option<RawTokenizer>,
+    discovery: Option<RawDiscovery>,
+}
+
+/// `pools[].discovery`: where the pool's replicas come from instead of `replicas:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RawDiscovery {
+    kubernetes: Option<kvroute_discovery::RawKubernetes>,
 }
 
 /// An adapter as written: its name, or `{name, id, path}` (what older/newer vLLM hash).
@@ -735,6 +747,8 @@ pub struct Pool {
     pub approx_capacity_blocks: usize,
     /// Where tokens come from.
     pub tokenizer: TokenizerSource,
+    /// Replicas discovered from Kubernetes (`discovery.kubernetes`) instead of `replicas:`.
+    pub discovery: Option<kvroute_discovery::KubernetesSource>,
 }
 
 impl Pool {
@@ -1061,8 +1075,21 @@ fn validate(config: &Config) -> Result<(), ConfigError> {
     if config.pools.is_empty() {
         return Err(ConfigError::missing("pools"));
     }
-    if config.replicas.is_empty() {
+    let discovered = |pool: usize| config.pools[pool].discovery.is_some();
+    if config.replicas.is_empty() && !(0..config.pools.len()).any(discovered) {
         return Err(ConfigError::missing("replicas"));
+    }
+    if let Some((i, replica)) = config
+        .replicas
+        .iter()
+        .enumerate()
+        .find(|(_, r)| discovered(r.pool))
+    {
+        return Err(ConfigError::invalid(
+            format!("replicas[{i}].pool"),
+            &config.pools[replica.pool].name,
+            "this pool discovers its replicas (pools[].discovery); a static replica cannot join it",
+        ));
     }
     if config.tokenize_budget > config.decision_budget {
         return Err(ConfigError::invalid(
@@ -1335,6 +1362,23 @@ fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
             "must be positive",
         ));
     }
+    let discovery = match &raw.discovery {
+        None => None,
+        Some(RawDiscovery { kubernetes: None }) => {
+            return Err(ConfigError::missing(field("discovery.kubernetes")));
+        }
+        Some(RawDiscovery {
+            kubernetes: Some(kubernetes),
+        }) => Some(
+            kvroute_discovery::KubernetesSource::try_from(kubernetes.clone()).map_err(|e| {
+                ConfigError::invalid(
+                    field(&format!("discovery.kubernetes.{}", e.field)),
+                    e.value,
+                    e.reason,
+                )
+            })?,
+        ),
+    };
     Ok(Pool {
         name,
         models: raw.models.clone(),
@@ -1344,6 +1388,7 @@ fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
         events: raw.events.unwrap_or(true),
         approx_capacity_blocks,
         tokenizer,
+        discovery,
     })
 }
 

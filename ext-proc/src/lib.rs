@@ -15,7 +15,9 @@
 //! the routing headers it sets), [`check`] (what a decision computes for one body: the
 //! `kvroute-check` command), [`error`]. Internal: `scrape` (engine load and drift from each
 //! replica's `/metrics`), `drift` (predicted vs engine-reported cached tokens), `admin`
-//! (`/metrics`, `/healthz`, `/readyz`), `embedded` (the in-process index of `index.embedded`).
+//! (`/metrics`, `/healthz`, `/readyz`), `embedded` (the in-process index of `index.embedded`),
+//! `discovery` (pools whose replicas come from Kubernetes, `pools[].discovery`: each snapshot
+//! swaps the pool's replicas in, as a reload does).
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -29,6 +31,7 @@
 mod admin;
 pub mod check;
 pub mod config;
+mod discovery;
 mod drift;
 mod embedded;
 pub mod error;
@@ -99,6 +102,9 @@ pub enum ServeError {
     /// The embedded index (`index.embedded`) could not start.
     #[error("embedded kvroute-index failed to start")]
     EmbeddedIndex(#[source] embedded::ServeError),
+    /// Kubernetes discovery (`pools[].discovery`) could not connect to the API server.
+    #[error("kubernetes discovery failed to start")]
+    Discovery(#[source] kvroute_discovery::StartError),
 }
 
 impl ServeError {
@@ -110,6 +116,7 @@ impl ServeError {
             Self::Grpc(_) => "grpc",
             Self::Tls(_) | Self::SelfSigned(_) => "tls",
             Self::EmbeddedIndex(_) => "embedded_index",
+            Self::Discovery(_) => "discovery",
         }
     }
 }
@@ -181,6 +188,9 @@ impl ExtProcBuilder {
         let mut registry = Registry::default();
         let metrics = Metrics::register(&mut registry);
         let picker = Arc::new(Picker::new(runtime, metrics, tasks.clone()));
+        let discovery =
+            discovery::ReplicaDiscovery::new(Arc::clone(&picker), &mut registry, tasks.clone());
+        discovery.reconcile().await.map_err(ServeError::Discovery)?;
         Ok(ExtProc {
             picker,
             grpc,
@@ -191,6 +201,7 @@ impl ExtProcBuilder {
             config_path: self.config_path,
             overrides: self.overrides,
             embedded_index,
+            discovery,
         })
     }
 }
@@ -209,6 +220,8 @@ pub struct ExtProc {
     overrides: config::Overrides,
     /// `index.embedded`: stopped after the gRPC server has drained.
     embedded_index: Option<IndexServer>,
+    /// `pools[].discovery`: stopped with the background tasks.
+    discovery: Arc<discovery::ReplicaDiscovery>,
 }
 
 impl ExtProc {
@@ -261,6 +274,7 @@ impl ExtProc {
             config_path,
             overrides,
             embedded_index,
+            discovery,
         } = self;
         let config = picker.runtime().config.clone();
         // Before any task starts, so a refused TLS setup leaves nothing running.
@@ -314,6 +328,7 @@ impl ExtProc {
         if let Some(path) = config_path {
             tasks.spawn(reload_loop(
                 Arc::clone(&picker),
+                Arc::clone(&discovery),
                 path,
                 overrides,
                 tasks.clone(),
@@ -377,6 +392,7 @@ impl ExtProc {
             }
         };
         background.cancel();
+        discovery.stop();
         tasks.close();
         if tokio::time::timeout(BACKGROUND_STOP_TIMEOUT, tasks.wait())
             .await
@@ -433,6 +449,7 @@ fn self_signed_identity() -> Result<tonic::transport::Identity, rcgen::Error> {
 
 async fn reload_loop(
     picker: Arc<Picker>,
+    discovery: Arc<discovery::ReplicaDiscovery>,
     path: PathBuf,
     overrides: config::Overrides,
     tasks: TaskTracker,
@@ -461,6 +478,11 @@ async fn reload_loop(
         };
         let current = picker.runtime();
         let built = Config::from_file_with(&path, &overrides)
+            .map(|mut config| {
+                // The file has no discovered replicas: keep the current ones.
+                discovery.merge_into(&mut config);
+                config
+            })
             .and_then(|config| Runtime::build(config, Some(&current), &tasks));
         match built {
             Ok(runtime) if *runtime.config == *current.config => count("unchanged"),
@@ -476,6 +498,10 @@ async fn reload_loop(
                     );
                 }
                 picker.replace_runtime(runtime);
+                // Sources whose section changed restart; snapshots newer than the merge apply.
+                if let Err(error) = discovery.reconcile().await {
+                    tracing::error!(error = %error, "discovery after reload failed to start; those pools keep no replicas");
+                }
                 count("applied");
                 tracing::info!(path = %path.display(), "config reloaded");
             }

@@ -1592,6 +1592,21 @@ impl SimPorts {
 }
 
 /// A sim's flags; `ports` pins a restarted sim to the ports its predecessor bound (port 0 else).
+/// Starts `options.replicas` sims as [`Stack::start`] does, without anything in front of them
+/// (tests that put their own ext-proc and Envoy there).
+pub async fn start_sims(options: &StackOptions) -> Result<Vec<SimProcess>, StackError> {
+    let sim = locate(
+        &binary_dir(options.bin_dir.as_deref()),
+        "kvroute-engine-sim",
+    )?;
+    let binary = sim.display().to_string();
+    let mut sims = Vec::with_capacity(options.replicas);
+    for replica in 0..options.replicas {
+        sims.push(SimProcess::spawn(&binary, &sim_args(options, replica, None)).await?);
+    }
+    Ok(sims)
+}
+
 fn sim_args(options: &StackOptions, replica: usize, ports: Option<SimPorts>) -> Vec<String> {
     let timing = &options.timing;
     let (http, events, replay) = ports.map_or((0, 0, 0), |p| (p.http, p.events, p.replay));
@@ -1728,7 +1743,9 @@ fn index_config(
 /// The stack's pool in the schema ext-proc and the index share (`name`, `models`, `block_size`,
 /// `key_scheme`), as the keys of a flow mapping: the same text goes into both configs, so both
 /// key prompts alike by construction.
-fn pool_schema(options: &StackOptions) -> String {
+/// The pool's shared schema keys (`name, models, block_size, key_scheme`) for the sims of
+/// `options`, as a YAML flow-mapping body.
+pub fn pool_schema(options: &StackOptions) -> String {
     format!(
         "name: {MODEL}, models: [{MODEL}], block_size: {bs}, \
          key_scheme: {{kind: vllm-exact, hash_algo: {algo}, seed: \"{seed}\"}}",

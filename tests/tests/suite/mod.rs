@@ -3,6 +3,7 @@
 mod agent;
 mod check;
 mod common;
+mod discovery;
 mod drift;
 mod embedded_index;
 mod envoy;

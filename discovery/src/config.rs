@@ -1,0 +1,406 @@
+//! The `kubernetes:` discovery section every kvroute component shares: YAML → [`RawKubernetes`]
+//! (unknown keys rejected) → validated [`KubernetesSource`].
+//!
+//! ```yaml
+//! kubernetes:
+//!   namespace: llm                 # default: the client's namespace (in a pod: its own)
+//!   inference_pool: llama          # a GIE v1 InferencePool: its selector and targetPorts
+//!   # or a plain label selector (matchLabels) and the port to route to (number or the name of
+//!   # a container port, resolved per pod like a Service's targetPort):
+//!   # selector: {app: vllm-llama}
+//!   # target_port: http
+//!   # Defaults of the KV-event ports a pod's annotations do not set (see crate::replica):
+//!   # kv_events_port: 5557
+//!   # kv_replay_port: 5558          # or null: no replay socket
+//!   # Where the API server is: in-cluster (service account) by default, or
+//!   # kubeconfig: /etc/kvroute/kubeconfig
+//!   # api_url: "http://127.0.0.1:6443"   # plain URL, no credentials (tests, kubectl proxy)
+//!   # node_name: worker-3         # only pods on this node (the agent: from the downward API)
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+/// vLLM's default `--kv-events-config` endpoint port (`tcp://*:5557`).
+pub const DEFAULT_KV_EVENTS_PORT: u16 = 5557;
+/// The replay ROUTER port kvroute assumes (vLLM has no default replay endpoint; 5558 is what
+/// vLLM's examples, llm-d and Dynamo deployments bind).
+pub const DEFAULT_KV_REPLAY_PORT: u16 = 5558;
+
+/// The section as written. Unknown keys are errors.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawKubernetes {
+    namespace: Option<String>,
+    inference_pool: Option<String>,
+    selector: Option<BTreeMap<String, String>>,
+    target_port: Option<RawPort>,
+    kv_events_port: Option<u16>,
+    /// `Some(None)`: written as `null`, no replay socket.
+    #[serde(deserialize_with = "explicit_null")]
+    kv_replay_port: Option<Option<u16>>,
+    kubeconfig: Option<PathBuf>,
+    api_url: Option<String>,
+    node_name: Option<String>,
+}
+
+fn explicit_null<'de, D>(deserializer: D) -> Result<Option<Option<u16>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    Option::<u16>::deserialize(deserializer).map(Some)
+}
+
+/// A port as written: a number or a container port's name.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum RawPort {
+    Number(u16),
+    Name(String),
+}
+
+/// Which pods, and which of their ports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// A GIE v1 InferencePool in the namespace: its `spec.selector.matchLabels` select the
+    /// pods, its `spec.targetPorts[].number` are the ports (one replica per port: a rank).
+    InferencePool(String),
+    /// Pods matching these labels, routed on `port`.
+    Selector {
+        /// `matchLabels` (non-empty).
+        labels: BTreeMap<String, String>,
+        /// The port.
+        port: TargetPort,
+    },
+}
+
+/// The port a replica is routed on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TargetPort {
+    /// The same number on every pod.
+    Number(u16),
+    /// The pod's container port of this name (its number may differ per pod).
+    Name(String),
+}
+
+/// How to reach the API server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Connection {
+    /// The pod's service account (`KUBERNETES_SERVICE_HOST`, the mounted token and CA).
+    InCluster,
+    /// A kubeconfig file (its current context).
+    Kubeconfig(PathBuf),
+    /// A plain URL, without credentials.
+    Url(http::Uri),
+}
+
+/// A validated `kubernetes:` section.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubernetesSource {
+    /// The namespace (`None`: the client's default namespace).
+    pub namespace: Option<String>,
+    /// Which pods.
+    pub target: Target,
+    /// Only pods scheduled on this node (`spec.nodeName`).
+    pub node_name: Option<String>,
+    /// KV-event PUB port of rank 0 when a pod does not annotate one.
+    pub kv_events_port: u16,
+    /// Replay ROUTER port of rank 0 when a pod does not annotate one (`None`: no replay).
+    pub kv_replay_port: Option<u16>,
+    /// The API server.
+    pub connection: Connection,
+}
+
+/// A rejected `kubernetes:` section: the field (relative to the section) and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: invalid value '{value}': {reason}")]
+pub struct ConfigError {
+    /// The field, e.g. `selector`.
+    pub field: &'static str,
+    /// The value as written.
+    pub value: String,
+    /// Why.
+    pub reason: &'static str,
+}
+
+impl ConfigError {
+    fn new(field: &'static str, value: impl std::fmt::Display, reason: &'static str) -> Self {
+        Self {
+            field,
+            value: value.to_string(),
+            reason,
+        }
+    }
+}
+
+impl KubernetesSource {
+    /// The same source restricted to pods on `node` (the agent's own node).
+    pub fn on_node(mut self, node: impl Into<String>) -> Self {
+        self.node_name = Some(node.into());
+        self
+    }
+}
+
+impl TryFrom<RawKubernetes> for KubernetesSource {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawKubernetes) -> Result<Self, Self::Error> {
+        if let Some(namespace) = raw.namespace.as_deref()
+            && !is_dns_label(namespace)
+        {
+            return Err(ConfigError::new(
+                "namespace",
+                namespace,
+                "expected a Kubernetes namespace name (DNS label)",
+            ));
+        }
+        let target = match (raw.inference_pool, raw.selector) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    "selector",
+                    "…",
+                    "inference_pool and selector are mutually exclusive",
+                ));
+            }
+            (None, None) => {
+                return Err(ConfigError::new(
+                    "inference_pool",
+                    "",
+                    "one of inference_pool or selector is required",
+                ));
+            }
+            (Some(pool), None) => {
+                if !is_dns_subdomain(&pool) {
+                    return Err(ConfigError::new(
+                        "inference_pool",
+                        pool,
+                        "expected an object name",
+                    ));
+                }
+                if let Some(port) = &raw.target_port {
+                    return Err(ConfigError::new(
+                        "target_port",
+                        port_text(port),
+                        "the InferencePool's targetPorts decide the ports",
+                    ));
+                }
+                Target::InferencePool(pool)
+            }
+            (None, Some(labels)) => {
+                if labels.is_empty() {
+                    return Err(ConfigError::new(
+                        "selector",
+                        "{}",
+                        "an empty selector would select every pod in the namespace",
+                    ));
+                }
+                if let Some((key, value)) = labels
+                    .iter()
+                    .find(|(k, v)| !is_label_key(k) || !is_label_value(v))
+                {
+                    return Err(ConfigError::new(
+                        "selector",
+                        format!("{key}={value}"),
+                        "expected a label key and value",
+                    ));
+                }
+                let port = match raw.target_port {
+                    None => {
+                        return Err(ConfigError::new(
+                            "target_port",
+                            "",
+                            "required with selector",
+                        ));
+                    }
+                    Some(RawPort::Number(0)) => {
+                        return Err(ConfigError::new("target_port", 0, "must be 1-65535"));
+                    }
+                    Some(RawPort::Number(n)) => TargetPort::Number(n),
+                    Some(RawPort::Name(name)) if is_port_name(&name) => TargetPort::Name(name),
+                    Some(RawPort::Name(name)) => {
+                        return Err(ConfigError::new(
+                            "target_port",
+                            name,
+                            "expected a port number or a container port name",
+                        ));
+                    }
+                };
+                Target::Selector { labels, port }
+            }
+        };
+        let connection = match (raw.kubeconfig, raw.api_url) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    "api_url",
+                    "…",
+                    "kubeconfig and api_url are mutually exclusive",
+                ));
+            }
+            (Some(path), None) => Connection::Kubeconfig(path),
+            (None, Some(url)) => {
+                let uri: http::Uri = url
+                    .parse()
+                    .map_err(|_| ConfigError::new("api_url", &url, "expected a URL"))?;
+                if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+                    return Err(ConfigError::new(
+                        "api_url",
+                        url,
+                        "expected http:// or https:// with a host",
+                    ));
+                }
+                Connection::Url(uri)
+            }
+            (None, None) => Connection::InCluster,
+        };
+        let kv_events_port = raw.kv_events_port.unwrap_or(DEFAULT_KV_EVENTS_PORT);
+        let kv_replay_port = raw.kv_replay_port.unwrap_or(Some(DEFAULT_KV_REPLAY_PORT));
+        if kv_events_port == 0 || kv_replay_port == Some(0) {
+            return Err(ConfigError::new(
+                "kv_events_port",
+                0,
+                "ports must be 1-65535",
+            ));
+        }
+        if let Some(node) = raw.node_name.as_deref()
+            && !is_dns_subdomain(node)
+        {
+            return Err(ConfigError::new("node_name", node, "expected a node name"));
+        }
+        Ok(Self {
+            namespace: raw.namespace,
+            target,
+            node_name: raw.node_name,
+            kv_events_port,
+            kv_replay_port,
+            connection,
+        })
+    }
+}
+
+fn port_text(port: &RawPort) -> String {
+    match port {
+        RawPort::Number(n) => n.to_string(),
+        RawPort::Name(name) => name.clone(),
+    }
+}
+
+/// RFC 1123 label: what namespace names are.
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// RFC 1123 subdomain: what object and node names are.
+fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= 253 && s.split('.').all(is_dns_label)
+}
+
+/// A label key: optional `prefix/` (a subdomain) and a name.
+fn is_label_key(key: &str) -> bool {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    prefix.is_none_or(is_dns_subdomain) && !name.is_empty() && is_label_value(name)
+}
+
+/// A label value: at most 63 alphanumerics, `-`, `_`, `.`, starting and ending alphanumeric.
+fn is_label_value(value: &str) -> bool {
+    value.is_empty()
+        || (value.len() <= 63
+            && value
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            && value.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && value.ends_with(|c: char| c.is_ascii_alphanumeric()))
+}
+
+/// An IANA service name: what container port names are (at most 15, lowercase, a letter).
+fn is_port_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 15
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && name.bytes().any(|b| b.is_ascii_lowercase())
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(yaml: &str) -> Result<KubernetesSource, String> {
+        let raw: RawKubernetes = serde_yaml::from_str(yaml).map_err(|e| e.to_string())?;
+        KubernetesSource::try_from(raw).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn an_inference_pool_gets_the_defaults() {
+        let source = parse("{namespace: llm, inference_pool: llama}").unwrap();
+        assert_eq!(source.target, Target::InferencePool("llama".into()));
+        assert_eq!(source.kv_events_port, 5557);
+        assert_eq!(source.kv_replay_port, Some(5558));
+        assert_eq!(source.connection, Connection::InCluster);
+        assert_eq!(source.node_name, None);
+    }
+
+    #[test]
+    fn a_selector_takes_a_port_number_or_name() {
+        let source =
+            parse("{selector: {app: vllm}, target_port: http, kv_replay_port: null}").unwrap();
+        assert_eq!(
+            source.target,
+            Target::Selector {
+                labels: [("app".to_owned(), "vllm".to_owned())].into(),
+                port: TargetPort::Name("http".into()),
+            }
+        );
+        assert_eq!(source.kv_replay_port, None);
+        let numbered = parse("{selector: {app: vllm}, target_port: 8000}").unwrap();
+        assert!(matches!(
+            numbered.target,
+            Target::Selector {
+                port: TargetPort::Number(8000),
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        for (yaml, field) in [
+            ("{inference_pool: a, selector: {app: b}}", "selector"),
+            ("{namespace: llm}", "inference_pool"),
+            ("{selector: {}, target_port: 1}", "selector"),
+            ("{selector: {app: b}}", "target_port"),
+            ("{inference_pool: a, target_port: 80}", "target_port"),
+            (
+                "{selector: {app: b}, target_port: Not_A_Name}",
+                "target_port",
+            ),
+            (
+                "{inference_pool: a, kubeconfig: /k, api_url: \"http://x\"}",
+                "api_url",
+            ),
+            ("{inference_pool: a, api_url: \"ftp://x\"}", "api_url"),
+            ("{inference_pool: a, namespace: Bad_NS}", "namespace"),
+            ("{selector: {\"bad key!\": b}, target_port: 1}", "selector"),
+        ] {
+            let error = parse(yaml).unwrap_err();
+            assert!(error.starts_with(field), "{yaml}: {error}");
+        }
+        assert!(
+            parse("{inference_pool: a, unknown: 1}")
+                .unwrap_err()
+                .contains("unknown")
+        );
+    }
+}
