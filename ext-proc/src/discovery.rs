@@ -243,21 +243,23 @@ async fn follow(
     }
 }
 
-/// Replaces the replicas of every pool in `snapshots` (by pool name) with the snapshot's, in its
-/// order; reports each one left out.
+/// Replaces the replicas of every pool with a synced snapshot in `snapshots` (by pool name) with
+/// the snapshot's, in its order; reports each one left out.
 fn merge(
     config: &mut Config,
     snapshots: &BTreeMap<String, Arc<Snapshot>>,
     mut refused: impl FnMut(&str, &str, Refusal),
 ) {
+    // A source that has not listed yet (just started or restarted) leaves its pool as it is.
+    let replaced = |pool: &crate::config::Pool| {
+        pool.discovery.is_some() && snapshots.get(&pool.name).is_some_and(|s| s.synced)
+    };
     let pools = &config.pools;
-    config
-        .replicas
-        .retain(|r| pools[r.pool].discovery.is_none());
+    config.replicas.retain(|r| !replaced(&pools[r.pool]));
     let mut ids: HashSet<String> = config.replicas.iter().map(|r| r.id.clone()).collect();
     let mut addresses: HashSet<_> = config.replicas.iter().map(|r| r.address).collect();
     for (pool_index, pool) in config.pools.iter().enumerate() {
-        if pool.discovery.is_none() {
+        if !replaced(pool) {
             continue;
         }
         let Some(snapshot) = snapshots.get(&pool.name) else {
