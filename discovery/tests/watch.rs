@@ -263,12 +263,9 @@ async fn a_restarted_api_server_is_resumed_from_the_last_version() {
                 .is_some_and(|v| v >= seen)
     }));
     assert_eq!(f.server.gone_sent(), 0);
-    let metrics = f.metrics();
-    // The dropped connection and the refused reconnects were counted.
-    assert!(
-        metrics.contains(r#"discovery_watch_errors_total{source="pool-a",watch="pods""#),
-        "{metrics}"
-    );
+    // No error count is asserted: a stop can end the watch as a clean end of stream (kube-rs then
+    // just watches again) or, if the client reconnects before the resume, as refused connects —
+    // which one depends on timing (it flaked 3 in 5 runs).
     f.shutdown().await;
 }
 
