@@ -497,8 +497,12 @@ async fn joining_a_running_engine_catches_up_from_its_replay_buffer() {
             1.0,
         )
         .await;
-    assert_eq!(harness.metric(&series("ingest_gaps_total", "")), 0.0);
-    assert_eq!(publisher.replay_requests(), 1);
+    // One replay for the catch-up. The warm-up may add one more: a live batch published before
+    // the subscription reached the engine is lost (ZeroMQ's slow joiner), the next one shows the
+    // gap, and a replay repairs it — every batch was still applied once, in order (above).
+    let gaps = harness.metric(&series("ingest_gaps_total", ""));
+    assert!(gaps <= 1.0, "at most the warm-up's slow-joiner gap: {gaps}");
+    assert_eq!(publisher.replay_requests(), 1 + gaps as u64);
     harness.shutdown().await;
 }
 

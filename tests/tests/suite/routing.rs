@@ -290,7 +290,7 @@ async fn a_burst_of_siblings_co_locates() {
         assert_eq!(response.status, 200, "{}", response.text());
     }
     let served = served_since(&stack, &before, 16).await;
-    let most = served.iter().max().copied().unwrap_or(0);
+    let holders = served.iter().filter(|&&n| n > 0).count();
     let decisions: Vec<String> = ext_proc_metrics(&stack)
         .await
         .lines()
@@ -298,10 +298,13 @@ async fn a_burst_of_siblings_co_locates() {
         .map(str::to_owned)
         .collect();
     // The shared prefix (~1.3k tokens) is worth about 10 running requests on these weights: the
-    // siblings batch on one replica until its running load costs more than a fresh prefill elsewhere.
+    // siblings batch on one replica until its running load costs more than a fresh prefill
+    // elsewhere, and the overflow then shares the second holder's copy. A third replica would pay
+    // off only past ~20 in flight, so 16 siblings occupy at most two replicas however they
+    // interleave (how many land on each depends on how many finished before the rest arrived).
     assert!(
-        most >= 10,
-        "16 siblings sent at once should mostly co-locate: {served:?}\n{decisions:#?}"
+        holders <= 2,
+        "16 siblings sent at once should co-locate on at most two replicas: {served:?}\n{decisions:#?}"
     );
 }
 
