@@ -53,6 +53,15 @@ where
     Option::<u16>::deserialize(deserializer).map(Some)
 }
 
+/// `pools[].discovery:` as kvroute-ext-proc and kvroute-index write it: where a pool's replicas
+/// come from instead of its static `replicas:` list (Kubernetes is the one source today).
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawPoolDiscovery {
+    /// The `kubernetes:` section ([`RawKubernetes`]); required.
+    pub kubernetes: Option<RawKubernetes>,
+}
+
 /// A port as written: a number or a container port's name.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]

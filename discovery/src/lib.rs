@@ -47,7 +47,9 @@ pub mod replica;
 pub mod testing;
 mod watch;
 
-pub use config::{Connection, KubernetesSource, RawKubernetes, Target, TargetPort};
+pub use config::{
+    Connection, KubernetesSource, RawKubernetes, RawPoolDiscovery, Target, TargetPort,
+};
 pub use metrics::DiscoveryMetrics;
 pub use replica::{Replica, Snapshot};
 pub use watch::{Discovery, StartError};

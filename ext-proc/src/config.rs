@@ -357,14 +357,8 @@ struct RawPool {
     events: Option<bool>,
     approx_capacity_blocks: Option<usize>,
     tokenizer: Option<RawTokenizer>,
-    discovery: Option<RawDiscovery>,
-}
-
-/// `pools[].discovery`: where the pool's replicas come from instead of `replicas:`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct RawDiscovery {
-    kubernetes: Option<kvroute_discovery::RawKubernetes>,
+    /// `pools[].discovery`: where the pool's replicas come from instead of `replicas:`.
+    discovery: Option<kvroute_discovery::RawPoolDiscovery>,
 }
 
 /// An adapter as written: its name, or `{name, id, path}` (what older/newer vLLM hash).
@@ -1364,10 +1358,10 @@ fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
     }
     let discovery = match &raw.discovery {
         None => None,
-        Some(RawDiscovery { kubernetes: None }) => {
+        Some(kvroute_discovery::RawPoolDiscovery { kubernetes: None }) => {
             return Err(ConfigError::missing(field("discovery.kubernetes")));
         }
-        Some(RawDiscovery {
+        Some(kvroute_discovery::RawPoolDiscovery {
             kubernetes: Some(kubernetes),
         }) => Some(
             kvroute_discovery::KubernetesSource::try_from(kubernetes.clone()).map_err(|e| {

@@ -18,6 +18,8 @@
 //!   max_blocks_per_replica: 1000000
 //!   replay_timeout: 2s         # durations are strings: 500ms, 2s, 1m (one parser: parse_duration)
 //!   agent_stale_grace: 10s
+//! reload_interval: 2s         # the file is re-read when it changes: `replicas:` apply at once,
+//!                              # anything else after a restart (logged)
 //! readiness:                   # /readyz and gRPC health: every pool has enough ready replicas
 //!   min_ready_replicas: 1      # default 1 (a smaller pool needs all of its replicas)
 //!   min_ready_fraction: 0.0    # default 0; e.g. 0.5 = half of each pool's replicas
@@ -27,6 +29,10 @@
 //!     block_size: 32           # default 16
 //!     key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0", vllm_version: 0.32.0}
 //!     verify_hashes: flag      # index only: off | flag | required (refuse blocks that cannot be verified)
+//!   - name: llama              # replicas from Kubernetes instead of `replicas:` (the section
+//!     models: [llama]          # kvroute-ext-proc's pools take, kvroute_discovery::config): the
+//!     discovery:               # Ready pods' KV-event ports are subscribed to directly; a pod
+//!       kubernetes: {namespace: llm, inference_pool: llama}   # that leaves takes its blocks along
 //! replicas:
 //!   - id: engine-a
 //!     pool: tiny
@@ -65,6 +71,8 @@ use crate::zmtp::PeerFilter;
 pub const DEFAULT_GRPC_ADDR: &str = "127.0.0.1:50061";
 /// Default admin HTTP listen address.
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9461";
+/// Default interval at which the config file's modification time is checked for a reload.
+pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 /// Default cap on blocks indexed per replica (a flood of events cannot exhaust memory).
 pub const DEFAULT_MAX_BLOCKS_PER_REPLICA: usize = 1_000_000;
 /// Default wait for a replay to complete before the replica is reset instead.
@@ -153,6 +161,8 @@ pub struct RawConfig {
     pub query_auth: Option<RawQueryAuth>,
     /// When `/readyz` and gRPC health say ready.
     pub readiness: RawReadiness,
+    /// How often the config file's modification time is checked for a reload (`2s`).
+    pub reload_interval: Option<String>,
 }
 
 /// `readiness:` section.
@@ -266,6 +276,10 @@ pub struct RawPool {
     /// and flag replicas that disagree) or `required` (also refuse every run that is not
     /// verified: mid-chain runs without a parent digest, LoRA, extra keys, mismatches).
     pub verify_hashes: Option<String>,
+    /// Where the pool's replicas come from instead of `replicas:` (Kubernetes; the section
+    /// kvroute-ext-proc's pools take, `kvroute_discovery::config`). Discovered replicas are
+    /// subscribed to directly at their pods' KV-event ports.
+    pub discovery: Option<kvroute_discovery::RawPoolDiscovery>,
     /// Older keys, refused with the new spelling.
     pub model: Option<IgnoredAny>,
     /// Older spelling of `key_scheme.hash_algo`.
@@ -348,6 +362,8 @@ pub struct Config {
     pub query_token: Option<crate::token::AgentToken>,
     /// When `/readyz` and gRPC health say ready.
     pub readiness: Readiness,
+    /// How often the config file is checked for a reload.
+    pub reload_interval: Duration,
 }
 
 /// A validated `agents:` entry (the token is loaded; it is never printed).
@@ -377,6 +393,8 @@ pub struct PoolConfig {
     pub key_scheme: KeyScheme,
     /// What is done with published block hashes (vllm-exact pools).
     pub verify_hashes: VerifyHashes,
+    /// Replicas discovered from Kubernetes instead of `replicas:`.
+    pub discovery: Option<kvroute_discovery::KubernetesSource>,
 }
 
 /// A validated replica.
@@ -509,6 +527,13 @@ impl Config {
                 .ok_or_else(|| {
                     ConfigError::invalid(field("pool"), &replica.pool, "no pool with this name")
                 })?;
+            if pools[pool].discovery.is_some() {
+                return Err(ConfigError::invalid(
+                    field("pool"),
+                    &replica.pool,
+                    "this pool discovers its replicas (pools[].discovery); a static replica cannot join it",
+                ));
+            }
             let events = replica.events;
             let mode = match events.mode.as_deref() {
                 None | Some("connect") => SocketMode::Connect,
@@ -597,8 +622,14 @@ impl Config {
             min_ready_fraction: fraction,
         };
 
+        let reload_interval = duration(
+            "reload_interval",
+            raw.reload_interval.as_deref(),
+            DEFAULT_RELOAD_INTERVAL,
+        )?;
         Ok(Config {
             readiness,
+            reload_interval,
             grpc_addr,
             admin_addr,
             tls,
@@ -784,13 +815,66 @@ fn validate_pool(
              `required` applies to vllm-exact pools",
         ));
     }
+    let discovery = match pool.discovery {
+        None => None,
+        Some(kvroute_discovery::RawPoolDiscovery { kubernetes: None }) => {
+            return Err(ConfigError::invalid(
+                field("discovery.kubernetes"),
+                "",
+                "required (the one discovery source)",
+            ));
+        }
+        Some(kvroute_discovery::RawPoolDiscovery {
+            kubernetes: Some(kubernetes),
+        }) => Some(
+            kvroute_discovery::KubernetesSource::try_from(kubernetes).map_err(|e| {
+                ConfigError::invalid(
+                    field(&format!("discovery.kubernetes.{}", e.field)),
+                    e.value,
+                    e.reason,
+                )
+            })?,
+        ),
+    };
     Ok(PoolConfig {
         name: pool.name,
         models: pool.models,
         block_size: keys.block_size,
         key_scheme: keys.scheme,
         verify_hashes,
+        discovery,
     })
+}
+
+impl ReplicaConfig {
+    /// A replica discovery found (`pools[pool].discovery`): kvroute connects to its pod's
+    /// KV-event PUB socket and replay ROUTER, with the defaults a static replica gets. `Err`
+    /// names what is wrong with the endpoints the pod's annotations produced.
+    pub fn discovered(
+        pool: usize,
+        replica: &kvroute_discovery::Replica,
+    ) -> Result<ReplicaConfig, String> {
+        if !is_label_safe(&replica.id) {
+            return Err(format!("replica id {:?} is not label-safe", replica.id));
+        }
+        let allowed_peers =
+            ingest::transport_settings(&replica.kv_events, ingest::SocketMode::Connect, None)
+                .map_err(|(name, reason)| format!("{name} {}: {reason}", replica.kv_events))?;
+        if let Some(replay) = &replica.kv_replay {
+            check_endpoint("replay_endpoint", replay).map_err(|e| e.to_string())?;
+        }
+        Ok(ReplicaConfig {
+            id: replica.id.clone(),
+            pool,
+            endpoint: replica.kv_events.clone(),
+            mode: SocketMode::Connect,
+            replay_endpoint: replica.kv_replay.clone(),
+            topic: replica.kv_topic.clone(),
+            dp_rank: 0,
+            allowed_peers,
+            max_message_bytes: ingest::DEFAULT_MAX_MESSAGE_BYTES,
+        })
+    }
 }
 
 fn parse_addr(field: &str, value: Option<&str>, default: &str) -> Result<SocketAddr, ConfigError> {

@@ -604,6 +604,11 @@ impl Service {
         Ok(service)
     }
 
+    /// The config file of the current (last) start.
+    fn config_path(&self) -> PathBuf {
+        self.dir.join(format!("{}-{}.yaml", self.name, self.starts))
+    }
+
     async fn spawn(&mut self) -> Result<(), StackError> {
         self.starts += 1;
         let file = |suffix: &str| {
@@ -799,27 +804,43 @@ async fn wait_for_ok(url: &str) -> Result<(), HarnessError> {
     .await
 }
 
-/// kvroute-ext-proc on its own (no Envoy, sims or index), for tests that speak ext_proc to it as
-/// Envoy does and watch the process itself (its `/metrics`, its memory in `/proc`). Dropping it
-/// stops the process.
+/// kvroute-ext-proc (or kvroute-index) on its own (no Envoy, sims or other kvroute process),
+/// for tests that speak to it as Envoy or ext-proc do and watch the process itself (its
+/// `/metrics`, its memory in `/proc`, its config file). Dropping it stops the process.
 #[derive(Debug)]
-pub struct ExtProcProcess {
+pub struct ServerProcess {
     service: Service,
     _dir: tempfile::TempDir,
 }
 
-impl ExtProcProcess {
-    /// Starts the binary from `bin_dir` (default: next to the current executable) with
+/// The name most tests know it by: they run kvroute-ext-proc.
+pub type ExtProcProcess = ServerProcess;
+
+impl ServerProcess {
+    /// Starts kvroute-ext-proc from `bin_dir` (default: next to the current executable) with
     /// `config`, whose `listen` must use port 0 (`grpc: "127.0.0.1:0", admin: "127.0.0.1:0"`),
     /// and waits until it is ready.
     pub async fn start(config: &str, bin_dir: Option<&Path>) -> Result<Self, StackError> {
-        let binary = locate(&binary_dir(bin_dir), "kvroute-ext-proc")?;
+        Self::start_binary("kvroute-ext-proc", config, bin_dir).await
+    }
+
+    /// [`ServerProcess::start`] for kvroute-index.
+    pub async fn start_index(config: &str, bin_dir: Option<&Path>) -> Result<Self, StackError> {
+        Self::start_binary("kvroute-index", config, bin_dir).await
+    }
+
+    async fn start_binary(
+        name: &'static str,
+        config: &str,
+        bin_dir: Option<&Path>,
+    ) -> Result<Self, StackError> {
+        let binary = locate(&binary_dir(bin_dir), name)?;
         let dir = tempfile::tempdir().map_err(|source| HarnessError::Io {
             path: PathBuf::from("tempdir"),
             source,
         })?;
         let service = Service::start(
-            "kvroute-ext-proc",
+            name,
             ServiceKind::Server,
             binary,
             dir.path(),
@@ -828,6 +849,11 @@ impl ExtProcProcess {
         )
         .await?;
         Ok(Self { service, _dir: dir })
+    }
+
+    /// The config file the running process reads (rewrite it to make it reload).
+    pub fn config_path(&self) -> PathBuf {
+        self.service.config_path()
     }
 
     /// The ext_proc gRPC listener.
@@ -1567,7 +1593,8 @@ fn replica_id(replica: usize) -> String {
     format!("sim-{replica}")
 }
 
-fn event_topic(replica: usize) -> String {
+/// The KV-event topic sim `replica` publishes on.
+pub fn event_topic(replica: usize) -> String {
     format!("kv@{}@{MODEL}", replica_id(replica))
 }
 

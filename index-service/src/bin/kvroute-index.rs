@@ -48,7 +48,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(config, args.ready_file)) {
+    match runtime.block_on(run(config, args.config, args.ready_file)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("kvroute-index: {error:#}");
@@ -57,8 +57,10 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(config: Config, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
+async fn run(config: Config, path: PathBuf, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
+    let reload_interval = config.reload_interval;
     let server = IndexServer::start(config).await?;
+    server.watch_config(path, reload_interval);
     if let Some(path) = ready_file {
         let text = format!(
             "grpc={}\nadmin={}\n",

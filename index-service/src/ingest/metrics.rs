@@ -252,6 +252,23 @@ impl IngestMetrics {
         Self::register(&mut Registry::default())
     }
 
+    /// Drops a stopped socket's per-replica series, so replicas that come and go (pods) do not
+    /// grow the exposition forever. (Series labelled by reason or outcome as well stay: their
+    /// label sets are few per replica and keep the history of why it was reset.)
+    pub(crate) fn forget(&self, replica: &ReplicaKey) {
+        let labels = replica_labels(replica);
+        self.messages_received.remove(&labels);
+        self.batches_applied.remove(&labels);
+        self.duplicates_dropped.remove(&labels);
+        self.unknown_events_skipped.remove(&labels);
+        self.gaps.remove(&labels);
+        self.replay_duration.remove(&labels);
+        self.live_dropped_during_replay.remove(&labels);
+        self.last_sequence.remove(&labels);
+        self.connected.remove(&labels);
+        self.task_panics.remove(&labels);
+    }
+
     /// Pre-resolved per-replica handles for the hot path.
     pub(crate) fn for_replica(&self, replica: &ReplicaKey) -> ReplicaMetrics {
         let labels = replica_labels(replica);

@@ -148,7 +148,15 @@ pub struct Ingest {
     metrics: IngestMetrics,
     cancel: CancellationToken,
     tasks: TaskTracker,
-    replicas: Mutex<Vec<Arc<ReplicaIngestState>>>,
+    replicas: Mutex<Vec<Socket>>,
+}
+
+/// One running socket task: its state for the admin API and how to stop it alone.
+struct Socket {
+    key: ReplicaKey,
+    state: Arc<ReplicaIngestState>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for Ingest {
@@ -176,23 +184,60 @@ impl Ingest {
         }
     }
 
-    /// Starts the task for one publisher socket (tracked by `self.tasks`, stopped by `self.cancel`).
+    /// Starts the task for one publisher socket (tracked by `self.tasks`, stopped by `self.cancel`
+    /// or [`Ingest::stop`]).
     pub fn spawn(&self, config: IngestConfig) {
         let state = Arc::new(ReplicaIngestState::new(&config));
-        self.replicas.lock().push(Arc::clone(&state));
+        let stop = self.cancel.child_token();
+        let key = config.replica_key();
         let task = supervise(
             config,
             Arc::clone(&self.sink),
             self.metrics.clone(),
-            state,
-            self.cancel.clone(),
+            Arc::clone(&state),
+            stop.clone(),
         );
-        self.tasks.spawn(task);
+        let task = self.tasks.spawn(task);
+        self.replicas.lock().push(Socket {
+            key,
+            state,
+            stop,
+            task,
+        });
+    }
+
+    /// Stops every socket task of `replica_id` (all its data-parallel ranks) and waits until they
+    /// have closed their sockets, so nothing they received reaches the sink afterwards (a replica
+    /// of the same name may be added again at once). Forgets their metric series. Returns how
+    /// many were stopped.
+    pub async fn stop(&self, replica_id: &str) -> usize {
+        let stopped: Vec<Socket> = {
+            let mut replicas = self.replicas.lock();
+            let (stopped, kept) = std::mem::take(&mut *replicas)
+                .into_iter()
+                .partition(|socket| &*socket.key.replica_id == replica_id);
+            *replicas = kept;
+            stopped
+        };
+        for socket in &stopped {
+            socket.stop.cancel();
+        }
+        let count = stopped.len();
+        for socket in stopped {
+            // The task only ends by cancellation or a panic already caught by `supervise`.
+            let _ = socket.task.await;
+            self.metrics.forget(&socket.key);
+        }
+        count
     }
 
     /// Per-socket ingest state, cheap enough for every admin request.
     pub fn snapshot(&self) -> Vec<ReplicaIngestSnapshot> {
-        self.replicas.lock().iter().map(|s| s.snapshot()).collect()
+        self.replicas
+            .lock()
+            .iter()
+            .map(|socket| socket.state.snapshot())
+            .collect()
     }
 
     /// Cancels every task and waits until they have closed their sockets.

@@ -1,14 +1,22 @@
 //! Names ↔ ids: the configured replicas and pools as the index and the ingest tasks know them.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+};
+
+use parking_lot::RwLock;
 
 use kvroute_block_keys::KeyScheme;
 
 use super::ServeError;
 use crate::{
-    config::{Config, SocketMode},
+    config::{Config, ReplicaConfig, SocketMode},
     event::EventBatch,
-    index::{BlockIndex, Feed, FeedState, FlagReason, KvIndex, PoolConfig, PoolKeys, ReplicaId},
+    index::{
+        BlockIndex, Feed, FeedState, FlagReason, IndexError, KvIndex, PoolConfig, PoolKeys,
+        ReplicaId,
+    },
     ingest::{self, EventSink, IngestConfig, ReplicaKey, ResetReason},
 };
 
@@ -25,27 +33,35 @@ pub struct PoolEntry {
     pub scheme: KeyScheme,
 }
 
-/// A configured replica.
+/// A replica the index knows (from `replicas:` or discovery).
 #[derive(Debug, Clone)]
 pub struct ReplicaEntry {
     /// Config id.
     pub name: Arc<str>,
-    /// Dense index id.
+    /// Index id (never reused while the process runs: a late batch of a removed replica cannot
+    /// land on a newer one).
     pub id: ReplicaId,
     /// Its pool's name.
     pub pool: String,
 }
 
-/// Lookup tables built once from the config.
+/// The replicas: they come and go (discovery, reloads), so every clone shares one table.
+#[derive(Debug, Default)]
+struct ReplicaTable {
+    entries: BTreeMap<ReplicaId, ReplicaEntry>,
+    by_name: HashMap<Arc<str>, ReplicaId>,
+    next_id: u32,
+}
+
+/// Lookup tables: pools fixed at start, replicas shared and changing.
 #[derive(Debug, Clone)]
 pub struct Directory {
-    pools: Vec<PoolEntry>,
-    replicas: Vec<ReplicaEntry>,
-    by_name: HashMap<Arc<str>, ReplicaId>,
+    pools: Arc<[PoolEntry]>,
+    replicas: Arc<RwLock<ReplicaTable>>,
 }
 
 impl Directory {
-    /// Registers every pool and replica of `config` in `index`.
+    /// Registers every pool and static replica of `config` in `index`.
     pub fn register(config: &Config, index: &BlockIndex) -> Result<Self, ServeError> {
         let mut pools = Vec::with_capacity(config.pools.len());
         for pool in &config.pools {
@@ -66,79 +82,97 @@ impl Directory {
                 scheme: pool.key_scheme.clone(),
             });
         }
-
-        let mut replicas = Vec::with_capacity(config.replicas.len());
-        let mut by_name = HashMap::with_capacity(config.replicas.len());
-        for (i, replica) in config.replicas.iter().enumerate() {
-            let id = ReplicaId(u32::try_from(i).unwrap_or(u32::MAX));
-            let pool = config.pools[replica.pool].name.clone();
-            index
-                .add_replica(id, &replica.id, &pool)
-                .map_err(|source| ServeError::Register {
-                    what: format!("replica {}", replica.id),
-                    source,
-                })?;
-            // Precise only once a feed has caught up: until then the index cannot vouch for it.
-            let agent_fed = config
-                .agents
-                .iter()
-                .any(|agent| agent.replicas.contains(&replica.id));
-            let feeds = [
-                (Feed::Socket, !replica.endpoint.is_empty()),
-                (Feed::Agent, agent_fed),
-            ];
-            for (feed, _) in feeds.into_iter().filter(|(_, configured)| *configured) {
-                index
-                    .set_feed_state(id, feed, FeedState::NeverConnected)
-                    .map_err(|source| ServeError::Register {
-                        what: format!("replica {}", replica.id),
-                        source,
-                    })?;
-            }
-            let name: Arc<str> = Arc::from(replica.id.as_str());
-            by_name.insert(Arc::clone(&name), id);
-            replicas.push(ReplicaEntry { name, id, pool });
+        let directory = Directory {
+            pools: pools.into(),
+            replicas: Arc::default(),
+        };
+        for replica in &config.replicas {
+            directory.add(config, index, replica)?;
         }
-        Ok(Directory {
-            pools,
-            replicas,
-            by_name,
-        })
+        Ok(directory)
     }
 
-    /// The ingest socket of every replica.
-    pub fn ingest_configs(&self, config: &Config) -> Vec<IngestConfig> {
-        config
-            .replicas
+    /// Adds one replica to the table and the index, its feeds `never_connected` until they catch
+    /// up (the index cannot vouch for it before).
+    pub fn add(
+        &self,
+        config: &Config,
+        index: &BlockIndex,
+        replica: &ReplicaConfig,
+    ) -> Result<ReplicaId, ServeError> {
+        let register_error = |source| ServeError::Register {
+            what: format!("replica {}", replica.id),
+            source,
+        };
+        let pool = config.pools[replica.pool].name.clone();
+        let mut table = self.replicas.write();
+        if table.by_name.contains_key(replica.id.as_str()) {
+            return Err(register_error(IndexError::DuplicateReplica {
+                replica: table.by_name[replica.id.as_str()],
+            }));
+        }
+        let id = ReplicaId(table.next_id);
+        index
+            .add_replica(id, &replica.id, &pool)
+            .map_err(register_error)?;
+        table.next_id = table.next_id.saturating_add(1);
+        let agent_fed = config
+            .agents
             .iter()
-            .zip(&self.replicas)
-            // Agent-fed replicas without an endpoint have no ZMQ socket here.
-            .filter(|(replica, _)| !replica.endpoint.is_empty())
-            .map(|(replica, entry)| {
-                let mode = match replica.mode {
-                    SocketMode::Connect => ingest::SocketMode::Connect,
-                    SocketMode::Bind => ingest::SocketMode::Bind,
-                };
-                let mut socket =
-                    IngestConfig::new(Arc::clone(&entry.name), &replica.endpoint, mode)
-                        .with_dp_rank(replica.dp_rank)
-                        .with_topic_filter(replica.topic.clone())
-                        .with_allowed_peers(replica.allowed_peers.clone());
-                socket.replay_timeout = config.replay_timeout;
-                socket.max_message_bytes = replica.max_message_bytes;
-                if let Some(replay) = &replica.replay_endpoint {
-                    socket = socket.with_replay_endpoint(replay.clone());
-                }
-                socket
-            })
-            .collect()
+            .any(|agent| agent.replicas.contains(&replica.id));
+        let feeds = [
+            (Feed::Socket, !replica.endpoint.is_empty()),
+            (Feed::Agent, agent_fed),
+        ];
+        for (feed, _) in feeds.into_iter().filter(|(_, configured)| *configured) {
+            index
+                .set_feed_state(id, feed, FeedState::NeverConnected)
+                .map_err(register_error)?;
+        }
+        let name: Arc<str> = Arc::from(replica.id.as_str());
+        table.by_name.insert(Arc::clone(&name), id);
+        table.entries.insert(id, ReplicaEntry { name, id, pool });
+        Ok(id)
+    }
+
+    /// Removes a replica from the table and the index (its blocks are dropped). Stop its ingest
+    /// first, so no batch of it arrives afterwards.
+    pub fn remove(&self, index: &BlockIndex, name: &str) -> Option<ReplicaId> {
+        let mut table = self.replicas.write();
+        let id = table.by_name.remove(name)?;
+        table.entries.remove(&id);
+        if let Err(error) = index.remove_replica(id) {
+            tracing::warn!(replica_id = name, %error, "replica was not in the index");
+        }
+        Some(id)
+    }
+
+    /// The ingest socket of a replica (`None`: agent-fed only, no ZMQ socket here).
+    pub fn ingest_config(config: &Config, replica: &ReplicaConfig) -> Option<IngestConfig> {
+        if replica.endpoint.is_empty() {
+            return None;
+        }
+        let mode = match replica.mode {
+            SocketMode::Connect => ingest::SocketMode::Connect,
+            SocketMode::Bind => ingest::SocketMode::Bind,
+        };
+        let mut socket = IngestConfig::new(Arc::from(replica.id.as_str()), &replica.endpoint, mode)
+            .with_dp_rank(replica.dp_rank)
+            .with_topic_filter(replica.topic.clone())
+            .with_allowed_peers(replica.allowed_peers.clone());
+        socket.replay_timeout = config.replay_timeout;
+        socket.max_message_bytes = replica.max_message_bytes;
+        if let Some(replay) = &replica.replay_endpoint {
+            socket = socket.with_replay_endpoint(replay.clone());
+        }
+        Some(socket)
     }
 
     /// The sink the ingest tasks feed.
     pub fn sink(&self, index: Arc<BlockIndex>) -> IndexSink {
         IndexSink {
             index,
-            by_name: self.by_name.clone(),
+            directory: self.clone(),
         }
     }
 
@@ -160,19 +194,23 @@ impl Directory {
         self.pool(name).map_or(name, |pool| pool.name.as_str())
     }
 
-    /// Every replica, in config order.
-    pub fn replicas(&self) -> &[ReplicaEntry] {
-        &self.replicas
+    /// Every replica now, in the order they were added.
+    pub fn replicas(&self) -> Vec<ReplicaEntry> {
+        self.replicas.read().entries.values().cloned().collect()
     }
 
     /// A replica's index id by config id.
     pub fn replica_id(&self, name: &str) -> Option<ReplicaId> {
-        self.by_name.get(name).copied()
+        self.replicas.read().by_name.get(name).copied()
     }
 
     /// A replica's config id by index id.
-    pub fn replica_name(&self, id: ReplicaId) -> Option<&Arc<str>> {
-        self.replicas.get(id.0 as usize).map(|entry| &entry.name)
+    pub fn replica_name(&self, id: ReplicaId) -> Option<Arc<str>> {
+        self.replicas
+            .read()
+            .entries
+            .get(&id)
+            .map(|entry| Arc::clone(&entry.name))
     }
 }
 
@@ -180,12 +218,12 @@ impl Directory {
 #[derive(Debug)]
 pub struct IndexSink {
     index: Arc<BlockIndex>,
-    by_name: HashMap<Arc<str>, ReplicaId>,
+    directory: Directory,
 }
 
 impl EventSink for IndexSink {
     fn apply(&self, replica: &ReplicaKey, seq: u64, batch: EventBatch) {
-        let Some(&id) = self.by_name.get(&replica.replica_id) else {
+        let Some(id) = self.directory.replica_id(&replica.replica_id) else {
             return;
         };
         if let Err(error) = self.index.apply_events(id, &batch.events) {
@@ -194,7 +232,7 @@ impl EventSink for IndexSink {
     }
 
     fn reset(&self, replica: &ReplicaKey, reason: ResetReason) {
-        let Some(&id) = self.by_name.get(&replica.replica_id) else {
+        let Some(id) = self.directory.replica_id(&replica.replica_id) else {
             return;
         };
         tracing::info!(replica_id = %replica.replica_id, reason = reason.as_label(), "replica reset");
@@ -204,13 +242,13 @@ impl EventSink for IndexSink {
     }
 
     fn feed_state(&self, replica: &ReplicaKey, state: FeedState) {
-        if let Some(&id) = self.by_name.get(&replica.replica_id) {
+        if let Some(id) = self.directory.replica_id(&replica.replica_id) {
             let _ = self.index.set_feed_state(id, Feed::Socket, state);
         }
     }
 
     fn stream_unusable(&self, replica: &ReplicaKey, reason: FlagReason, unusable: bool) {
-        let Some(&id) = self.by_name.get(&replica.replica_id) else {
+        let Some(id) = self.directory.replica_id(&replica.replica_id) else {
             return;
         };
         let _ = if unusable {

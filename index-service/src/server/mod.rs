@@ -16,6 +16,7 @@ mod directory;
 mod grpc;
 mod metrics;
 mod readiness;
+mod replicas;
 
 use std::{
     net::SocketAddr,
@@ -61,6 +62,9 @@ pub enum ServeError {
     /// The gRPC listener's TLS settings were refused.
     #[error("cannot set up TLS on the grpc listener")]
     Tls(#[source] tonic::transport::Error),
+    /// A pool's Kubernetes discovery could not start (no credentials, bad kubeconfig).
+    #[error("cannot start replica discovery")]
+    Discovery(#[source] kvroute_discovery::StartError),
     /// Config and index disagree (should have been caught by config validation).
     #[error("cannot register {what}")]
     Register {
@@ -89,6 +93,8 @@ pub(crate) struct Shared {
     pub(crate) draining: AtomicBool,
     /// In-flight queries (Match, ReplicaState, `/v1/*`), drained before ingest stops.
     pub(crate) inflight: TaskTracker,
+    /// The replicas as discovery and reloads change them.
+    pub(crate) replicas: replicas::ReplicaSet,
 }
 
 /// `Match` without the transport: the gRPC handler's code called in process by a router that
@@ -187,9 +193,12 @@ impl IndexServer {
             ingest_metrics,
             cancel.child_token(),
         );
-        for socket in directory.ingest_configs(&config) {
-            ingest.spawn(socket);
+        for replica in &config.replicas {
+            if let Some(socket) = Directory::ingest_config(&config, replica) {
+                ingest.spawn(socket);
+            }
         }
+        let replica_set = replicas::ReplicaSet::new(Arc::new(config.clone()), &mut registry);
 
         let agents = agent_stream::AgentStreams::new(
             &config,
@@ -209,7 +218,13 @@ impl IndexServer {
             readiness: config.readiness,
             draining: AtomicBool::new(false),
             inflight: TaskTracker::new(),
+            replicas: replica_set,
         });
+        if let Err(error) = replicas::ReplicaSet::start(&shared).await {
+            cancel.cancel();
+            shared.replicas.shutdown().await;
+            return Err(ServeError::Discovery(error));
+        }
         let (health, health_service) = tonic_health::server::health_reporter();
         // Not serving until the pools are ready (the reporter starts "" as SERVING).
         readiness::set_health(&health, false).await;
@@ -287,6 +302,19 @@ impl IndexServer {
         readiness::report(&self.shared)
     }
 
+    /// Follows the config file at `path`: when its modification time changes (checked every
+    /// `interval`) it is read again and its static `replicas:` replace the running ones (pools,
+    /// listeners, agents, limits and discovery sections apply after a restart: a change there is
+    /// logged). A file that does not parse or validate is refused, logged and counted
+    /// (`kvroute_index_config_reloads_total{outcome}`); the running replicas stay.
+    pub fn watch_config(&self, path: std::path::PathBuf, interval: Duration) {
+        let shared = Arc::clone(&self.shared);
+        let cancel = self.cancel.clone();
+        spawn_tracked(&self.tasks, async move {
+            replicas::follow_config_file(shared, path, interval, cancel).await;
+        });
+    }
+
     /// Resolves when the gRPC or admin server failed (with why): the process must stop and exit
     /// non-zero rather than run half-dead. Pending forever while both serve.
     pub async fn failed(&self) -> String {
@@ -320,6 +348,7 @@ impl IndexServer {
             drained,
             "listeners closed; stopping ingest and agent streams"
         );
+        self.shared.replicas.shutdown().await;
         self.cancel.cancel();
         self.tasks.close();
         if tokio::time::timeout(SHUTDOWN_DRAIN_TIMEOUT, self.tasks.wait())
