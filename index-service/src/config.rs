@@ -20,6 +20,8 @@
 //!   agent_stale_grace: 10s
 //! reload_interval: 2s         # the file is re-read when it changes: `replicas:` apply at once,
 //!                              # anything else after a restart (logged)
+//! node_agents:                 # with discovery: each node's kvroute-agent (id = node name) feeds
+//!   token_file: /etc/kvroute/agent-token   # the discovered replicas on its node; one shared token
 //! readiness:                   # /readyz and gRPC health: every pool has enough ready replicas
 //!   min_ready_replicas: 1      # default 1 (a smaller pool needs all of its replicas)
 //!   min_ready_fraction: 0.0    # default 0; e.g. 0.5 = half of each pool's replicas
@@ -157,6 +159,10 @@ pub struct RawConfig {
     pub replicas: Vec<RawReplica>,
     /// kvroute-agents allowed to stream events for the replicas they own.
     pub agents: Vec<RawAgent>,
+    /// With `pools[].discovery`: one kvroute-agent per node feeds the discovered replicas on its
+    /// node (its id the node name), all sharing this token. Without it the index subscribes to
+    /// discovered pods directly.
+    pub node_agents: Option<RawQueryAuth>,
     /// A bearer token the query API (gRPC `Match`/`ReplicaState`, admin `/v1/*`) requires.
     pub query_auth: Option<RawQueryAuth>,
     /// When `/readyz` and gRPC health say ready.
@@ -355,6 +361,9 @@ pub struct Config {
     pub replicas: Vec<ReplicaConfig>,
     /// Agents allowed to stream events, in file order.
     pub agents: Vec<AgentConfig>,
+    /// `node_agents`: the token every node's agent presents; `None`: discovered replicas are
+    /// subscribed to directly.
+    pub node_agents: Option<crate::token::AgentToken>,
     /// How long an agent-fed replica may be without its agent before it leaves precise scoring.
     pub agent_stale_grace: Duration,
     /// The bearer token the query API requires (`None`: it answers anyone who can connect, so keep
@@ -418,6 +427,9 @@ pub struct ReplicaConfig {
     pub allowed_peers: PeerFilter,
     /// Largest message accepted.
     pub max_message_bytes: usize,
+    /// The node a discovered replica runs on (its node agent feeds it when `node_agents` is
+    /// set); `None` for static replicas.
+    pub node: Option<String>,
 }
 
 impl Config {
@@ -600,10 +612,22 @@ impl Config {
                 dp_rank: events.dp_rank.unwrap_or(0),
                 allowed_peers,
                 max_message_bytes,
+                node: None,
             });
         }
 
         let agents = validate_agents(raw.agents, &ids)?;
+        let node_agents = raw
+            .node_agents
+            .map(|raw| load_token(raw, "node_agents"))
+            .transpose()?;
+        if node_agents.is_some() && pools.iter().all(|p| p.discovery.is_none()) {
+            return Err(ConfigError::invalid(
+                "node_agents",
+                "<secret source>",
+                "node agents feed discovered replicas: give a pool `discovery:`",
+            ));
+        }
         let query_token = raw.query_auth.map(validate_query_auth).transpose()?;
 
         let fraction = raw.readiness.min_ready_fraction.unwrap_or(0.0);
@@ -638,6 +662,7 @@ impl Config {
             pools,
             replicas,
             agents,
+            node_agents,
             agent_stale_grace,
             query_token,
         })
@@ -648,28 +673,34 @@ impl Config {
 /// owner each.
 /// `query_auth`: exactly one token source; the token must fit an `authorization` header.
 fn validate_query_auth(raw: RawQueryAuth) -> Result<crate::token::AgentToken, ConfigError> {
-    use crate::token::{AgentToken, TokenSource};
-    let (source, field) = match (raw.token_file, raw.token_env) {
-        (Some(path), None) => (TokenSource::File(path), "query_auth.token_file"),
-        (None, Some(name)) => (TokenSource::Env(name), "query_auth.token_env"),
-        _ => {
-            return Err(ConfigError::invalid(
-                "query_auth.token_file",
-                "<secret source>",
-                "give exactly one of token_file or token_env",
-            ));
-        }
-    };
-    let token = AgentToken::load(&source)
-        .map_err(|e| ConfigError::invalid(field, "<secret source>", e.to_string()))?;
+    let token = load_token(raw, "query_auth")?;
     if !token.expose().bytes().all(|b| b.is_ascii_graphic()) {
         return Err(ConfigError::invalid(
-            field,
+            "query_auth",
             "<secret>",
             "the token must be printable ASCII without spaces (it travels in a header)",
         ));
     }
     Ok(token)
+}
+
+/// A `{token_file | token_env}` section (`section` names it in errors): exactly one source,
+/// loaded now.
+fn load_token(raw: RawQueryAuth, section: &str) -> Result<crate::token::AgentToken, ConfigError> {
+    use crate::token::{AgentToken, TokenSource};
+    let (source, field) = match (raw.token_file, raw.token_env) {
+        (Some(path), None) => (TokenSource::File(path), format!("{section}.token_file")),
+        (None, Some(name)) => (TokenSource::Env(name), format!("{section}.token_env")),
+        _ => {
+            return Err(ConfigError::invalid(
+                format!("{section}.token_file"),
+                "<secret source>",
+                "give exactly one of token_file or token_env",
+            ));
+        }
+    };
+    AgentToken::load(&source)
+        .map_err(|e| ConfigError::invalid(field, "<secret source>", e.to_string()))
 }
 
 fn validate_agents(
@@ -848,14 +879,33 @@ fn validate_pool(
 
 impl ReplicaConfig {
     /// A replica discovery found (`pools[pool].discovery`): kvroute connects to its pod's
-    /// KV-event PUB socket and replay ROUTER, with the defaults a static replica gets. `Err`
-    /// names what is wrong with the endpoints the pod's annotations produced.
+    /// KV-event PUB socket and replay ROUTER, with the defaults a static replica gets — or, with
+    /// `node_agent_fed`, opens no socket: its node's agent feeds it. `Err` names what is wrong
+    /// with the endpoints the pod's annotations produced.
     pub fn discovered(
         pool: usize,
         replica: &kvroute_discovery::Replica,
+        node_agent_fed: bool,
     ) -> Result<ReplicaConfig, String> {
         if !is_label_safe(&replica.id) {
             return Err(format!("replica id {:?} is not label-safe", replica.id));
+        }
+        if node_agent_fed {
+            let Some(node) = replica.node.clone() else {
+                return Err("the pod names no node, so no node agent can feed it".to_owned());
+            };
+            return Ok(ReplicaConfig {
+                id: replica.id.clone(),
+                pool,
+                endpoint: String::new(),
+                mode: SocketMode::Connect,
+                replay_endpoint: None,
+                topic: String::new(),
+                dp_rank: 0,
+                allowed_peers: PeerFilter::any(),
+                max_message_bytes: ingest::DEFAULT_MAX_MESSAGE_BYTES,
+                node: Some(node),
+            });
         }
         let allowed_peers =
             ingest::transport_settings(&replica.kv_events, ingest::SocketMode::Connect, None)
@@ -873,6 +923,7 @@ impl ReplicaConfig {
             dp_rank: 0,
             allowed_peers,
             max_message_bytes: ingest::DEFAULT_MAX_MESSAGE_BYTES,
+            node: replica.node.clone(),
         })
     }
 }

@@ -58,6 +58,13 @@ pub const MAX_QUEUED_REFUSALS: usize = 64;
 /// Streams one agent may have open at once. It opens one per index instance (a second one
 /// while a reconnect overlaps a dying stream); each stream holds a task, buffers and liveness.
 pub const MAX_STREAMS_PER_AGENT: usize = 8;
+/// Distinct node agents (`node_agents`) the index keeps stream counts for: a cluster's node count
+/// with room to spare; past it a new agent id is refused (ids are authenticated, but bounded all
+/// the same).
+pub const MAX_NODE_AGENTS: usize = 16_384;
+/// Ownership changes queued for open node-agent streams; a stream that falls further behind
+/// closes (its agent reconnects and claims afresh).
+const RECLAIM_QUEUE: usize = 256;
 /// At most one warning per this interval for refusals of an authenticated agent's stream.
 const REFUSAL_WARN_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -165,6 +172,33 @@ impl AgentStreamMetrics {
     }
 }
 
+/// Who an authenticated stream belongs to.
+enum Owner<'a> {
+    /// A static `agents:` entry: it owns the replicas listed there.
+    Listed(&'a AgentEntry),
+    /// A node agent (`node_agents`): it owns the agent-fed replicas discovered on the node its
+    /// id names, whatever they are now.
+    Node(Arc<AtomicUsize>),
+}
+
+impl Owner<'_> {
+    fn streams(&self) -> &Arc<AtomicUsize> {
+        match self {
+            Owner::Listed(entry) => &entry.streams,
+            Owner::Node(streams) => streams,
+        }
+    }
+
+    fn owns(&self, directory: &Directory, agent_id: &str, replica: &str) -> bool {
+        match self {
+            Owner::Listed(entry) => entry.replicas.contains(replica),
+            Owner::Node(_) => directory
+                .replica(replica)
+                .is_some_and(|r| r.agent_fed && r.node.as_deref() == Some(agent_id)),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct AgentEntry {
     token: AgentToken,
@@ -214,6 +248,13 @@ pub(crate) struct AgentStreams {
     index: Arc<BlockIndex>,
     directory: Directory,
     agents: HashMap<String, AgentEntry>,
+    /// `node_agents`: the token every node agent presents.
+    node_token: Option<AgentToken>,
+    /// Open streams per node agent id (bounded by [`MAX_NODE_AGENTS`]).
+    node_streams: Mutex<HashMap<String, Arc<AtomicUsize>>>,
+    /// A replica joined a node (node, its id): that node's open streams that did not claim it end,
+    /// so the agent reconnects and claims it.
+    reclaim: tokio::sync::broadcast::Sender<(String, ReplicaId)>,
     liveness: Mutex<HashMap<ReplicaId, ReplicaLiveness>>,
     grace: Duration,
     next_stream: AtomicU64,
@@ -264,6 +305,9 @@ impl AgentStreams {
             index,
             directory,
             agents,
+            node_token: config.node_agents.clone(),
+            node_streams: Mutex::new(HashMap::new()),
+            reclaim: tokio::sync::broadcast::channel(RECLAIM_QUEUE).0,
             liveness: Mutex::new(liveness),
             grace: config.agent_stale_grace,
             next_stream: AtomicU64::new(1),
@@ -282,17 +326,59 @@ impl AgentStreams {
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 
-    fn authenticate(&self, hello: &api::Hello) -> Option<&AgentEntry> {
+    fn authenticate(&self, hello: &api::Hello) -> Option<Owner<'_>> {
         let entry = self.agents.get(&hello.agent_id);
         // Compare against something even for unknown ids, so timing does not reveal them.
-        let ok = match entry {
-            Some(entry) => entry.token.matches(&hello.token),
-            None => {
-                let _ = AgentToken::from_literal("\u{0}unknown-agent").matches(&hello.token);
-                false
+        match (entry, &self.node_token) {
+            (Some(entry), _) => entry
+                .token
+                .matches(&hello.token)
+                .then_some(Owner::Listed(entry)),
+            (None, Some(token)) => {
+                if !token.matches(&hello.token) || hello.agent_id.is_empty() {
+                    return None;
+                }
+                let mut streams = self.node_streams.lock();
+                if !streams.contains_key(&hello.agent_id) && streams.len() >= MAX_NODE_AGENTS {
+                    tracing::warn!(
+                        limit = MAX_NODE_AGENTS,
+                        "node agent refused: too many node agents"
+                    );
+                    return None;
+                }
+                let count = streams.entry(hello.agent_id.clone()).or_default();
+                Some(Owner::Node(Arc::clone(count)))
             }
-        };
-        entry.filter(|_| ok)
+            (None, None) => {
+                let _ = AgentToken::from_literal("\u{0}unknown-agent").matches(&hello.token);
+                None
+            }
+        }
+    }
+
+    /// An agent-fed replica joined (discovery, reload): its liveness is tracked from now (stale
+    /// after the grace period if no agent claims it), and the open streams of its node's agent
+    /// are told, so one that did not claim it reconnects and does.
+    pub(crate) fn track(&self, replica: ReplicaId, node: Option<&str>) {
+        self.liveness
+            .lock()
+            .entry(replica)
+            .or_insert_with(|| ReplicaLiveness {
+                writer: None,
+                connected: 0,
+                since: Instant::now(),
+                stale: false,
+                snapshot_done: false,
+            });
+        if let Some(node) = node {
+            // No receiver: no stream of that node is open, nothing to tell.
+            let _ = self.reclaim.send((node.to_owned(), replica));
+        }
+    }
+
+    /// A replica left the index: nothing of it is tracked any more.
+    pub(crate) fn untrack(&self, replica: ReplicaId) {
+        self.liveness.lock().remove(&replica);
     }
 
     /// Checks a `Hello` and opens the stream's session: the answers to send first (`Welcome`,
@@ -322,7 +408,7 @@ impl AgentStreams {
                 hello.replicas.len()
             )));
         }
-        let Some(slot) = StreamSlot::take(&agent.streams) else {
+        let Some(slot) = StreamSlot::take(agent.streams()) else {
             self.metrics.refused(Refusal::TooManyStreams);
             self.warn_refused(
                 &hello.agent_id,
@@ -342,7 +428,7 @@ impl AgentStreams {
             match self
                 .directory
                 .replica_id(name)
-                .filter(|_| agent.replicas.contains(name))
+                .filter(|_| agent.owns(&self.directory, &hello.agent_id, name))
             {
                 Some(id) => {
                     claimed.insert(id);
@@ -369,7 +455,15 @@ impl AgentStreams {
         });
         tracing::info!(agent_id = %hello.agent_id, stream_id, replicas = claimed.len(), "agent stream open");
 
-        let session = Session::open(Arc::clone(self), stream_id, hello.agent_id, claimed, slot);
+        let reclaim = matches!(agent, Owner::Node(_)).then(|| self.reclaim.subscribe());
+        let session = Session::open(
+            Arc::clone(self),
+            stream_id,
+            hello.agent_id,
+            claimed,
+            slot,
+            reclaim,
+        );
         Ok((session, outbox))
     }
 
@@ -464,6 +558,11 @@ impl api::agent_ingest_server::AgentIngest for AgentService {
                         let closing = Status::unavailable("kvroute-index is shutting down");
                         return Some((Err(closing), None));
                     }
+                    () = unclaimed_replica_joined(&mut session.reclaim, &session.agent_id, &session.claimed) => {
+                        tracing::info!(agent_id = %session.agent_id, "agent stream closed: a replica joined its node; the agent reconnects to claim it");
+                        let closing = Status::unavailable("a replica joined this node: reconnect and claim it");
+                        return Some((Err(closing), None));
+                    }
                 };
                 match received {
                     Ok(Some(message)) => {
@@ -485,6 +584,29 @@ impl api::agent_ingest_server::AgentIngest for AgentService {
             }
         });
         Ok(Response::new(Box::pin(responses)))
+    }
+}
+
+/// Resolves when a replica joins `node`'s agent (this stream's `agent_id`) that the stream did not
+/// claim, or the stream fell behind the queue of such changes; never for a listed agent's stream
+/// (`reclaim` is `None`).
+async fn unclaimed_replica_joined(
+    reclaim: &mut Option<tokio::sync::broadcast::Receiver<(String, ReplicaId)>>,
+    node: &str,
+    claimed: &HashSet<ReplicaId>,
+) {
+    let Some(reclaim) = reclaim else {
+        return std::future::pending().await;
+    };
+    loop {
+        match reclaim.recv().await {
+            Ok((joined, replica)) if joined == node && !claimed.contains(&replica) => return,
+            Ok(_) => {}
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => return,
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                return std::future::pending().await;
+            }
+        }
     }
 }
 
@@ -514,6 +636,8 @@ struct Session {
     snapshotted: HashSet<ReplicaId>,
     /// The agent's stream slot, released when the session ends.
     _slot: StreamSlot,
+    /// A node agent's: replicas joining its node (see [`unclaimed_replica_joined`]).
+    reclaim: Option<tokio::sync::broadcast::Receiver<(String, ReplicaId)>>,
 }
 
 impl Session {
@@ -523,6 +647,7 @@ impl Session {
         agent_id: String,
         claimed: HashSet<ReplicaId>,
         slot: StreamSlot,
+        reclaim: Option<tokio::sync::broadcast::Receiver<(String, ReplicaId)>>,
     ) -> Self {
         {
             let mut liveness = streams.liveness.lock();
@@ -544,6 +669,7 @@ impl Session {
             claimed,
             snapshotted: HashSet::new(),
             _slot: slot,
+            reclaim,
         }
     }
 

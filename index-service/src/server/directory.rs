@@ -43,6 +43,10 @@ pub struct ReplicaEntry {
     pub id: ReplicaId,
     /// Its pool's name.
     pub pool: String,
+    /// The node it runs on (discovered replicas; its node agent may feed it).
+    pub node: Option<String>,
+    /// Fed by an agent (a static `agents:` owner, or its node's agent).
+    pub agent_fed: bool,
 }
 
 /// The replicas: they come and go (discovery, reloads), so every clone shares one table.
@@ -119,7 +123,10 @@ impl Directory {
         let agent_fed = config
             .agents
             .iter()
-            .any(|agent| agent.replicas.contains(&replica.id));
+            .any(|agent| agent.replicas.contains(&replica.id))
+            || (config.node_agents.is_some()
+                && replica.endpoint.is_empty()
+                && replica.node.is_some());
         let feeds = [
             (Feed::Socket, !replica.endpoint.is_empty()),
             (Feed::Agent, agent_fed),
@@ -131,7 +138,16 @@ impl Directory {
         }
         let name: Arc<str> = Arc::from(replica.id.as_str());
         table.by_name.insert(Arc::clone(&name), id);
-        table.entries.insert(id, ReplicaEntry { name, id, pool });
+        table.entries.insert(
+            id,
+            ReplicaEntry {
+                name,
+                id,
+                pool,
+                node: replica.node.clone(),
+                agent_fed,
+            },
+        );
         Ok(id)
     }
 
@@ -202,6 +218,20 @@ impl Directory {
     /// A replica's index id by config id.
     pub fn replica_id(&self, name: &str) -> Option<ReplicaId> {
         self.replicas.read().by_name.get(name).copied()
+    }
+
+    /// The node a replica runs on, by config id (`None`: unknown replica or not discovered).
+    pub fn replica_node(&self, name: &str) -> Option<String> {
+        let table = self.replicas.read();
+        let id = table.by_name.get(name)?;
+        table.entries.get(id)?.node.clone()
+    }
+
+    /// A replica by config id.
+    pub fn replica(&self, name: &str) -> Option<ReplicaEntry> {
+        let table = self.replicas.read();
+        let id = table.by_name.get(name)?;
+        table.entries.get(id).cloned()
     }
 
     /// A replica's config id by index id.

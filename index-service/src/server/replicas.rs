@@ -242,7 +242,8 @@ impl ReplicaSet {
         for id in gone {
             state.running.remove(&id);
             shared.ingest.stop(&id).await;
-            if shared.directory.remove(&shared.index, &id).is_some() {
+            if let Some(replica) = shared.directory.remove(&shared.index, &id) {
+                shared.agents.untrack(replica);
                 self.count_change("removed");
                 tracing::info!(replica_id = %id, "replica left; its blocks are dropped");
             }
@@ -252,7 +253,12 @@ impl ReplicaSet {
                 continue;
             }
             match shared.directory.add(&state.config, &shared.index, &replica) {
-                Ok(_) => {
+                Ok(replica_id) => {
+                    if let Some(entry) = shared.directory.replica(&id)
+                        && entry.agent_fed
+                    {
+                        shared.agents.track(replica_id, entry.node.as_deref());
+                    }
                     if let Some(socket) = Directory::ingest_config(&state.config, &replica) {
                         shared.ingest.spawn(socket);
                     }
@@ -330,7 +336,7 @@ impl ReplicaSet {
                     self.refuse(&pool.name, &replica.id, Refusal::ModelMismatch);
                     return None;
                 }
-                match ReplicaConfig::discovered(pool_index, replica) {
+                match ReplicaConfig::discovered(pool_index, replica, config.node_agents.is_some()) {
                     Ok(replica) => Some(replica),
                     Err(why) => {
                         tracing::warn!(pool = %pool.name, replica_id = %replica.id, %why, "discovered replica not usable");
