@@ -402,7 +402,7 @@ mod tests {
             IngestConfig::new("engine-a", "tcp://127.0.0.1:5557", SocketMode::Connect);
         let mut refusals = Vec::new();
         let wanted = wanted(
-            &[static_engine.clone()],
+            std::slice::from_ref(&static_engine),
             &[replica("pod-1", 6000), replica("engine-a", 6100)],
             |id, why| refusals.push((id.to_owned(), why)),
         );
