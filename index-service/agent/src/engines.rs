@@ -7,7 +7,7 @@
 //! id a static engine already has is left out, as is any beyond what one `Hello` may claim
 //! (`kvroute_agent_engines_refused_total{reason}`, logged).
 //!
-//! One task ([`Supervisor::run`]) owns the set and changes it when a discovery snapshot arrives
+//! One task (`Supervisor::run`) owns the set and changes it when a discovery snapshot arrives
 //! or the config file changes (mtime checked every `reload_interval`, as ext-proc does). A
 //! change stops the ingest of each removed (or re-pointed) engine before its mirror goes, adds
 //! the new mirrors before their ingest starts, and hands the new set to the [`Hub`], which
@@ -277,8 +277,14 @@ impl Supervisor {
     pub(crate) async fn run(mut self, cancel: CancellationToken) {
         let modified = |path: &PathBuf| std::fs::metadata(path).and_then(|m| m.modified()).ok();
         let mut last_seen: Option<SystemTime> = self.path.as_ref().and_then(modified);
+        // A ticker, not a sleep per turn: frequent snapshots must not postpone the file check.
+        let mut interval = self.config.reload_interval;
+        let mut ticker = reload_ticker(interval);
         loop {
-            let interval = self.config.reload_interval;
+            if interval != self.config.reload_interval {
+                interval = self.config.reload_interval;
+                ticker = reload_ticker(interval);
+            }
             tokio::select! {
                 biased;
                 () = cancel.cancelled() => break,
@@ -298,7 +304,7 @@ impl Supervisor {
                         self.apply().await;
                     }
                 }
-                () = tokio::time::sleep(interval), if self.path.is_some() => {
+                _ = ticker.tick(), if self.path.is_some() => {
                     let Some(path) = self.path.clone() else { continue };
                     let now_seen = modified(&path);
                     if now_seen != last_seen {
@@ -367,6 +373,12 @@ impl Supervisor {
         self.metrics.config_reload("applied");
         tracing::info!(path = %path.display(), engines = self.engines.running.len(), "config reloaded");
     }
+}
+
+fn reload_ticker(period: std::time::Duration) -> tokio::time::Interval {
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticker
 }
 
 /// Whether the watch published a new snapshot (`false`: it ended); never resolves without one.

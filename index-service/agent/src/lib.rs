@@ -1,7 +1,7 @@
 //! kvroute-agent: mirrors the KV blocks of the engines beside it and streams them to one or
 //! more kvroute-index instances.
 //!
-//! - **Engine side**: the existing ZMQ [`Ingest`] (sequence checks, replay of gaps, resets on
+//! - **Engine side**: the existing ZMQ [`Ingest`](kvroute_index::ingest::Ingest) (sequence checks, replay of gaps, resets on
 //!   engine restart) feeding a [`Hub`] instead of an index.
 //! - **Mirror** ([`mirror`]): per replica, the held blocks with what is needed to re-emit them.
 //! - **Index side** ([`client`]): per index address one gRPC `AgentStream`: `Hello` (agent id,
