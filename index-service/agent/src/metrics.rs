@@ -123,8 +123,8 @@ impl AgentMetrics {
         );
         registry.register(
             "engines_refused",
-            "Engines left out, by reason (duplicate_id: the id is taken; too_many_replicas: \
-             beyond what one Hello may claim)",
+            "Discovered engines left out each time the engine set is recomputed, by reason \
+             (duplicate_id: a static engine has the id; too_many_replicas: beyond one Hello)",
             m.engines_refused.clone(),
         );
         registry.register(
