@@ -1,5 +1,6 @@
 //! One stream to one kvroute-index: connect, `Hello`, snapshot, then deltas until the stream
-//! breaks; reconnect with capped exponential backoff (reset once the index welcomes us).
+//! breaks; reconnect with capped exponential backoff (reset once the index welcomes us). A
+//! stream the hub ended because its replica set changed reopens at once, claiming the new set.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,6 +48,13 @@ pub(crate) async fn run(
             ended = stream_once(&settings, &hub, &metrics) => ended,
         };
         metrics.set_connected(&settings.index, false);
+        if ended.generation.is_some_and(|g| g != hub.generation()) {
+            // Not a failure: the index must hear the new claims (a new Hello) now.
+            metrics.stream_ended("replicas_changed");
+            tracing::info!(index = %settings.index, "replica set changed; reopening the index stream");
+            delay = settings.backoff_min;
+            continue;
+        }
         metrics.stream_ended(ended.as_label());
         if ended.welcomed {
             delay = settings.backoff_min;
@@ -68,6 +76,8 @@ struct StreamEnd {
     reason: &'static str,
     detail: String,
     welcomed: bool,
+    /// The hub generation the stream subscribed at (`None`: it never subscribed).
+    generation: Option<u64>,
 }
 
 impl StreamEnd {
@@ -81,6 +91,7 @@ async fn stream_once(settings: &StreamSettings, hub: &Hub, metrics: &AgentMetric
         reason,
         detail,
         welcomed,
+        generation: None,
     };
     let endpoint = match Endpoint::from_shared(settings.index.clone()) {
         Ok(endpoint) => endpoint
@@ -107,16 +118,21 @@ async fn stream_once(settings: &StreamSettings, hub: &Hub, metrics: &AgentMetric
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
 
     // Subscribe only once connected: deltas queue for a live stream, not a dead address.
-    let (snapshot, deltas) = hub.subscribe();
+    let subscription = hub.subscribe();
+    let generation = Some(subscription.generation);
+    let end = |reason, detail: String, welcomed| StreamEnd {
+        generation,
+        ..end(reason, detail, welcomed)
+    };
     let hello = api::AgentMessage {
         body: Some(api::agent_message::Body::Hello(api::Hello {
             agent_id: settings.agent_id.clone(),
             token: settings.token.expose().to_owned(),
-            replicas: hub.replicas(),
+            replicas: subscription.replicas,
         })),
     };
-    let outbound = futures::stream::iter(std::iter::once(hello).chain(snapshot))
-        .chain(ReceiverStream::new(deltas));
+    let outbound = futures::stream::iter(std::iter::once(hello).chain(subscription.snapshot))
+        .chain(ReceiverStream::new(subscription.deltas));
     let mut inbound = match client.agent_stream(outbound).await {
         Ok(response) => response.into_inner(),
         Err(status) => return end(status_label(&status), status.message().to_owned(), false),

@@ -16,7 +16,27 @@
 //!     dp_rank: 0
 //!     # mode: bind, allowed_peers: [10.0.0.0/24], topic, max_message_bytes: as in the index's
 //!     # replicas[].events (kvroute_index::config)
+//! # Engines learned from Kubernetes as well (or instead: engines may then be empty): the Ready
+//! # pods on this agent's node. The section is every kvroute component's (kvroute_discovery::config;
+//! # pod annotations for the KV-event ports and topic: kvroute_discovery::replica).
+//! discovery:
+//!   kubernetes: {namespace: llm, inference_pool: llama}   # node_name: default the agent id
+//! reload_interval: 2s              # how often the file's mtime is checked
 //! ```
+//!
+//! **Discovery**: each discovered replica is an engine with mode `connect`, `endpoint` its
+//! `kv_events`, `replay_endpoint` its `kv_replay`, `topic` its `kv_topic`, and replica id the
+//! discovered id (pod name, or `<pod>-rank<N>`), which ext-proc and the index use as well. Only
+//! pods on one node are watched: `kubernetes.node_name`, or by default the agent id, so with
+//! `agent_id_env: NODE_NAME` (below) each agent watches its own node. A discovered id that a
+//! static engine already has is left out (counted, logged). The index must list the ids in the
+//! agent's `agents[].replicas` to accept them.
+//!
+//! **Reload**: the running agent re-reads the file when its mtime changes. `engines`,
+//! `discovery` and `reload_interval` apply at once ([`RELOADABLE_KEYS`]); a change to any other
+//! key is logged and counted (`kvroute_agent_config_restart_required_total{key}`) and its
+//! running value kept. A file that does not validate changes nothing
+//! (`kvroute_agent_config_reloads_total{outcome="rejected"}`).
 //!
 //! One config for every node (a DaemonSet's ConfigMap): `agent_id_env: NODE_NAME` takes the
 //! agent id from that environment variable (in Kubernetes, `env: [{name: NODE_NAME, valueFrom:
@@ -41,6 +61,8 @@ pub const DEFAULT_BATCH_DELAY: Duration = Duration::from_millis(20);
 pub const DEFAULT_MAX_BATCH_BYTES: usize = 1 << 20;
 /// Default per-replica mirror cap.
 pub const DEFAULT_MAX_BLOCKS_PER_REPLICA: usize = 1_000_000;
+/// Default interval at which the config file's mtime is checked for a reload (ext-proc's too).
+pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 /// Delta messages queued per index stream before the stream is restarted from a snapshot.
 pub const DEFAULT_SUBSCRIBER_QUEUE: usize = 4096;
 /// Default cap on the delay between reconnects to an index.
@@ -77,6 +99,19 @@ pub struct RawAgentConfig {
     pub engines: Vec<RawEngine>,
     /// TLS to the indexes (see [`kvroute_index_api::tls`]); every index address is then `https://`.
     pub tls: Option<kvroute_index_api::tls::RawClientTls>,
+    /// Engines learned from Kubernetes: the Ready pods on this agent's node.
+    pub discovery: Option<RawDiscovery>,
+    /// How often the config file is checked for changes (`2s`).
+    pub reload_interval: Option<String>,
+}
+
+/// `discovery:`: where engines come from besides `engines:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawDiscovery {
+    /// The `kubernetes:` section every kvroute component shares ([`kvroute_discovery::config`]);
+    /// without `node_name`, the node is the agent id.
+    pub kubernetes: Option<kvroute_discovery::RawKubernetes>,
 }
 
 /// The placeholder in `engines[].replica` replaced by the agent id.
@@ -189,6 +224,42 @@ impl AgentConfigError {
     }
 }
 
+/// The keys a running agent applies from a changed file (the rest need a restart).
+pub const RELOADABLE_KEYS: [&str; 3] = ["engines", "discovery", "reload_interval"];
+
+/// A re-read config file ([`AgentConfig::reload_from_yaml`]).
+#[derive(Debug)]
+pub struct Reload {
+    /// The config to run: the file's reloadable keys, the running values of the others.
+    pub config: AgentConfig,
+    /// Keys the file changed that only apply after a restart (their new values are ignored).
+    pub restart_required: Vec<&'static str>,
+}
+
+fn parse_raw(
+    text: &str,
+    env: &impl Fn(&str) -> Option<String>,
+) -> Result<RawAgentConfig, AgentConfigError> {
+    let mut raw: RawAgentConfig = serde_yaml::from_str(text)?;
+    raw.resolve_agent_id(env)?;
+    Ok(raw)
+}
+
+fn load_token(raw: &RawAgentConfig) -> Result<AgentToken, AgentConfigError> {
+    let token = match (&raw.token_file, &raw.token_env) {
+        (Some(path), None) => TokenSource::File(path.clone()),
+        (None, Some(name)) => TokenSource::Env(name.clone()),
+        _ => {
+            return Err(AgentConfigError::invalid(
+                "token_file",
+                "",
+                "give exactly one of token_file or token_env",
+            ));
+        }
+    };
+    Ok(AgentToken::load(&token)?)
+}
+
 /// Validated agent configuration.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -216,6 +287,10 @@ pub struct AgentConfig {
     pub engines: Vec<IngestConfig>,
     /// TLS to the indexes (`None`: plaintext).
     pub tls: Option<kvroute_index_api::tls::ClientTls>,
+    /// Engines from Kubernetes, restricted to one node (`node_name`, or the agent id).
+    pub discovery: Option<kvroute_discovery::KubernetesSource>,
+    /// How often the config file's mtime is checked (when the agent watches its file).
+    pub reload_interval: Duration,
 }
 
 impl AgentConfig {
@@ -230,21 +305,64 @@ impl AgentConfig {
         text: &str,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, AgentConfigError> {
-        let mut raw: RawAgentConfig = serde_yaml::from_str(text)?;
-        raw.resolve_agent_id(env)?;
-        let token = match (&raw.token_file, &raw.token_env) {
-            (Some(path), None) => TokenSource::File(path.clone()),
-            (None, Some(name)) => TokenSource::Env(name.clone()),
-            _ => {
-                return Err(AgentConfigError::invalid(
-                    "token_file",
-                    "",
-                    "give exactly one of token_file or token_env",
-                ));
-            }
-        };
-        let token = AgentToken::load(&token)?;
+        let raw = parse_raw(text, &env)?;
+        let token = load_token(&raw)?;
         Self::validate(raw, token)
+    }
+
+    /// Re-reads the file of a running agent ([`AgentConfig::from_yaml`]'s rules): the file
+    /// must be valid as a whole, and only [`RELOADABLE_KEYS`] take effect; every other key
+    /// keeps its running value and is named in [`Reload::restart_required`] if the file
+    /// changed it.
+    pub fn reload_from_yaml(&self, text: &str) -> Result<Reload, AgentConfigError> {
+        self.reload_from_yaml_with_env(text, |name| std::env::var(name).ok())
+    }
+
+    /// [`AgentConfig::reload_from_yaml`] with `agent_id_env` looked up through `env`.
+    pub fn reload_from_yaml_with_env(
+        &self,
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Reload, AgentConfigError> {
+        let raw = parse_raw(text, &env)?;
+        let token = load_token(&raw)?;
+        let mut file = Self::validate(raw, token)?;
+        let mut restart_required = Vec::new();
+        for (key, changed) in [
+            ("agent_id", file.agent_id != self.agent_id),
+            ("token", file.token != self.token),
+            ("indexes", file.indexes != self.indexes),
+            ("admin", file.admin_addr != self.admin_addr),
+            ("batch_delay", file.batch_delay != self.batch_delay),
+            (
+                "max_blocks_per_replica",
+                file.max_blocks_per_replica != self.max_blocks_per_replica,
+            ),
+            (
+                "reconnect_backoff_max",
+                file.reconnect_backoff_max != self.reconnect_backoff_max,
+            ),
+            ("tls", file.tls != self.tls),
+        ] {
+            if changed {
+                restart_required.push(key);
+            }
+        }
+        if file.agent_id != self.agent_id {
+            // `{agent_id}` in replica ids and the default discovery node follow the running id.
+            let mut raw = parse_raw(text, &env)?;
+            raw.agent_id.clone_from(&self.agent_id);
+            file = Self::validate(raw, self.token.clone())?;
+        }
+        Ok(Reload {
+            config: AgentConfig {
+                engines: file.engines,
+                discovery: file.discovery,
+                reload_interval: file.reload_interval,
+                ..self.clone()
+            },
+            restart_required,
+        })
     }
 
     /// Validates a raw config with an already loaded token (`agent_id_env` already resolved:
@@ -386,11 +504,52 @@ impl AgentConfig {
             }
             engines.push(socket);
         }
-        if engines.is_empty() {
+        let discovery = match raw.discovery {
+            None => None,
+            Some(RawDiscovery { kubernetes: None }) => {
+                return Err(AgentConfigError::invalid(
+                    "discovery.kubernetes",
+                    "",
+                    "required in discovery",
+                ));
+            }
+            Some(RawDiscovery {
+                kubernetes: Some(kubernetes),
+            }) => {
+                let source =
+                    kvroute_discovery::KubernetesSource::try_from(kubernetes).map_err(|e| {
+                        AgentConfigError::invalid(
+                            format!("discovery.kubernetes.{}", e.field),
+                            e.value,
+                            e.reason,
+                        )
+                    })?;
+                // An agent mirrors its own node's engines: with agent_id_env: NODE_NAME (the
+                // downward API's spec.nodeName) the agent id is the node name.
+                let node = source
+                    .node_name
+                    .clone()
+                    .unwrap_or_else(|| raw.agent_id.clone());
+                Some(source.on_node(node))
+            }
+        };
+        if engines.is_empty() && discovery.is_none() {
             return Err(AgentConfigError::invalid(
                 "engines",
                 "[]",
-                "name at least one engine",
+                "name at least one engine (or discover them: discovery.kubernetes)",
+            ));
+        }
+        let reload_interval = duration(
+            "reload_interval",
+            raw.reload_interval.as_deref(),
+            DEFAULT_RELOAD_INTERVAL,
+        )?;
+        if reload_interval.is_zero() {
+            return Err(AgentConfigError::invalid(
+                "reload_interval",
+                "0s",
+                "must be positive",
             ));
         }
         let replicas: std::collections::HashSet<&str> =
@@ -426,6 +585,8 @@ impl AgentConfig {
             reconnect_backoff_max,
             engines,
             tls,
+            discovery,
+            reload_interval,
         })
     }
 }
@@ -552,5 +713,90 @@ mod tests {
             error.contains("`engines[0].replica`") && error.contains("only placeholder"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn discovery_watches_the_agent_id_as_node_unless_named_and_allows_no_static_engines() {
+        let base = "agent_id: gpu-1\nindexes: ['http://127.0.0.1:1']\n";
+        let config = parse(&format!(
+            "{base}discovery: {{kubernetes: {{selector: {{app: vllm}}, target_port: http}}}}"
+        ))
+        .unwrap();
+        assert!(config.engines.is_empty());
+        let source = config.discovery.unwrap();
+        assert_eq!(source.node_name.as_deref(), Some("gpu-1"));
+        let named = parse(&format!(
+            "{base}discovery: {{kubernetes: {{inference_pool: llama, node_name: worker-3}}}}"
+        ))
+        .unwrap();
+        assert_eq!(
+            named.discovery.unwrap().node_name.as_deref(),
+            Some("worker-3")
+        );
+        for (yaml, field) in [
+            ("discovery: {}", "`discovery.kubernetes`"),
+            (
+                "discovery: {kubernetes: {selector: {app: vllm}}}",
+                "`discovery.kubernetes.target_port`",
+            ),
+            (
+                "discovery: {kubernetes: {inference_pool: a, nope: 1}}",
+                "nope",
+            ),
+            ("", "`engines`"),
+        ] {
+            let error = parse(&format!("{base}{yaml}")).unwrap_err().to_string();
+            assert!(error.contains(field), "{yaml}: {error}");
+        }
+    }
+
+    #[test]
+    fn a_reload_applies_engines_and_keeps_what_needs_a_restart() {
+        let token =
+            std::env::temp_dir().join(format!("kvroute-agent-reload-{}", std::process::id()));
+        std::fs::write(&token, "t").unwrap();
+        let file = |index: &str, endpoint: &str, id: &str| {
+            format!(
+                "agent_id: {id}\ntoken_file: '{}'\nindexes: ['{index}']\n\
+                 engines: [{{replica: '{{agent_id}}-e', endpoint: '{endpoint}'}}]\n",
+                token.display()
+            )
+        };
+        let env = |_: &str| None;
+        let running = AgentConfig::from_yaml_with_env(
+            &file("http://127.0.0.1:1", "tcp://127.0.0.1:5557", "a"),
+            env,
+        )
+        .unwrap();
+
+        let same = running
+            .reload_from_yaml_with_env(
+                &file("http://127.0.0.1:1", "tcp://127.0.0.1:5557", "a"),
+                env,
+            )
+            .unwrap();
+        assert!(same.restart_required.is_empty());
+        assert_eq!(same.config.engines, running.engines);
+
+        let moved = running
+            .reload_from_yaml_with_env(
+                &file("http://127.0.0.1:2", "tcp://127.0.0.1:6000", "b"),
+                env,
+            )
+            .unwrap();
+        assert_eq!(moved.restart_required, ["agent_id", "indexes"]);
+        assert_eq!(moved.config.agent_id, "a", "kept");
+        assert_eq!(moved.config.indexes, ["http://127.0.0.1:1"], "kept");
+        assert_eq!(moved.config.engines[0].endpoint, "tcp://127.0.0.1:6000");
+        assert_eq!(
+            &*moved.config.engines[0].replica_id, "a-e",
+            "the placeholder follows the running id"
+        );
+
+        let error = running
+            .reload_from_yaml_with_env("agent_id: a\nengines: 3", env)
+            .unwrap_err();
+        assert_eq!(error.as_label(), "parse");
+        let _ = std::fs::remove_file(&token);
     }
 }

@@ -8,6 +8,12 @@
 //! Deltas are "net" within a batch window: a reset or `AllBlocksCleared` drops the pending
 //! events before it. A subscriber whose queue is full is dropped (its connection then
 //! reconnects and starts over from a snapshot) rather than buffering without bound.
+//!
+//! The replica set can change while running ([`Hub::set_replicas`]: discovery, a config
+//! reload). The index learns which replicas an agent claims from the `Hello` of each stream, so
+//! a change ends every subscription (after a reset delta for each removed replica, so the index
+//! forgets its blocks at once); the streams reopen with a `Hello` claiming the new set and a
+//! fresh snapshot.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -49,6 +55,24 @@ struct HubState {
     pending: BTreeMap<Arc<str>, PendingDelta>,
     pending_bytes: usize,
     subscribers: Vec<Subscriber>,
+    /// Bumped whenever the replica set changes: a subscription of an older generation claims
+    /// a stale set.
+    generation: u64,
+}
+
+/// What an index stream sends on (re)connecting: the `Hello` claims, the snapshot, then the
+/// deltas as they come.
+#[derive(Debug)]
+pub struct Subscription {
+    /// The replicas to claim in `Hello` (those the snapshot covers).
+    pub replicas: Vec<String>,
+    /// Snapshot messages, one or more per replica.
+    pub snapshot: Vec<api::AgentMessage>,
+    /// Later deltas; closed when the hub drops the subscription (queue full, replica set
+    /// changed).
+    pub deltas: mpsc::Receiver<api::AgentMessage>,
+    /// The replica-set generation the subscription was cut at ([`Hub::generation`]).
+    pub generation: u64,
 }
 
 /// Limits of the hub.
@@ -112,8 +136,70 @@ impl Hub {
         self.flush_locked(&mut state);
     }
 
-    /// Registers a subscriber: returns the snapshot to send first and the delta queue after it.
-    pub fn subscribe(&self) -> (Vec<api::AgentMessage>, mpsc::Receiver<api::AgentMessage>) {
+    /// The replica-set generation: changes whenever [`Hub::set_replicas`] changes the set.
+    pub fn generation(&self) -> u64 {
+        self.state.lock().generation
+    }
+
+    /// Makes `replicas` the mirrored set. Mirrors of the others are dropped (the connected
+    /// indexes first get a reset delta for each, so they forget its blocks); new ones start
+    /// empty. `restarted` are kept replicas whose engine changed (a new pod behind the same
+    /// id): their mirrors start over empty, with a reset delta. If the set changed, every
+    /// subscription ends (after its queued deltas) so the streams reopen claiming the new set.
+    /// Returns whether the set changed.
+    pub fn set_replicas(&self, replicas: &[Arc<str>], restarted: &[Arc<str>]) -> bool {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let wanted: std::collections::BTreeSet<&Arc<str>> = replicas.iter().collect();
+        let removed: Vec<Arc<str>> = state
+            .mirrors
+            .keys()
+            .filter(|r| !wanted.contains(r))
+            .cloned()
+            .collect();
+        let added: Vec<&Arc<str>> = replicas
+            .iter()
+            .filter(|r| !state.mirrors.contains_key(*r))
+            .collect();
+        let changed = !removed.is_empty() || !added.is_empty();
+        for replica in removed.iter().chain(restarted) {
+            if let Some(mirror) = state.mirrors.get_mut(replica) {
+                mirror.clear();
+                let pending = state.pending.entry(Arc::clone(replica)).or_default();
+                state.pending_bytes -= pending.bytes.min(state.pending_bytes);
+                *pending = PendingDelta {
+                    reset: true,
+                    events: Vec::new(),
+                    bytes: 0,
+                };
+            }
+        }
+        self.flush_locked(state);
+        for replica in &removed {
+            state.mirrors.remove(replica);
+            self.metrics.forget_replica(replica);
+        }
+        for replica in restarted {
+            self.metrics.set_mirror_blocks(replica, 0);
+        }
+        for replica in added {
+            state.mirrors.insert(
+                Arc::clone(replica),
+                ReplicaMirror::new(self.limits.max_blocks_per_replica),
+            );
+            self.metrics.set_mirror_blocks(replica, 0);
+        }
+        if changed {
+            state.generation += 1;
+            // Dropping the senders ends each stream once its queued deltas are sent.
+            state.subscribers.clear();
+        }
+        changed
+    }
+
+    /// Registers a subscriber: the `Hello` claims and snapshot to send first, the delta queue
+    /// after it.
+    pub fn subscribe(&self) -> Subscription {
         let mut state = self.state.lock();
         self.flush_locked(&mut state);
         let mut messages = Vec::new();
@@ -141,7 +227,12 @@ impl Hub {
             .retain(|subscriber| !subscriber.tx.is_closed());
         let (tx, rx) = mpsc::channel(self.limits.subscriber_queue);
         state.subscribers.push(Subscriber { tx });
-        (messages, rx)
+        Subscription {
+            replicas: state.mirrors.keys().map(|r| r.to_string()).collect(),
+            snapshot: messages,
+            deltas: rx,
+            generation: state.generation,
+        }
     }
 
     #[cfg(test)]
@@ -309,7 +400,11 @@ mod tests {
     fn snapshot_then_deltas_without_overlap() {
         let hub = hub(1 << 20, 16);
         hub.apply(&key(), 0, batch(1));
-        let (snapshot, mut rx) = hub.subscribe();
+        let Subscription {
+            snapshot,
+            deltas: mut rx,
+            ..
+        } = hub.subscribe();
         assert_eq!(snapshot.len(), 1);
         let Some(api::agent_message::Body::Snapshot(s)) = &snapshot[0].body else {
             panic!()
@@ -334,20 +429,19 @@ mod tests {
         // the queue, and with idle engines no flush ever runs to notice.
         let hub = hub(1 << 20, 4);
         for _ in 0..1000 {
-            let (_snapshot, rx) = hub.subscribe();
-            drop(rx);
+            drop(hub.subscribe());
         }
         assert_eq!(hub.subscribers(), 1, "only the last one, not yet noticed");
-        let (_snapshot, _live) = hub.subscribe();
+        let _live = hub.subscribe();
         assert_eq!(hub.subscribers(), 1, "the ended one is gone");
-        let (_snapshot, _also_live) = hub.subscribe();
+        let _also_live = hub.subscribe();
         assert_eq!(hub.subscribers(), 2, "live subscribers stay");
     }
 
     #[test]
     fn a_full_subscriber_is_dropped_not_buffered() {
         let hub = hub(1, 1);
-        let (_snapshot, mut rx) = hub.subscribe();
+        let mut rx = hub.subscribe().deltas;
         hub.apply(&key(), 0, batch(1)); // flushes at once (tiny batch limit): queue now full
         hub.apply(&key(), 1, batch(2)); // dropped: the channel closes
         assert!(rx.try_recv().is_ok());
@@ -355,5 +449,45 @@ mod tests {
             rx.try_recv(),
             Err(mpsc::error::TryRecvError::Disconnected)
         ));
+    }
+
+    #[test]
+    fn a_new_replica_set_resets_the_removed_and_ends_every_subscription() {
+        let hub = hub(1 << 20, 16);
+        hub.apply(&key(), 0, batch(1));
+        let mut old = hub.subscribe();
+        assert_eq!(old.replicas, ["r"]);
+        let (r, s) = (Arc::<str>::from("r"), Arc::<str>::from("s"));
+        assert!(!hub.set_replicas(std::slice::from_ref(&r), &[]), "same set");
+        assert_eq!(hub.generation(), old.generation);
+
+        assert!(hub.set_replicas(std::slice::from_ref(&s), &[]));
+        let delta = delta_of(old.deltas.try_recv().unwrap());
+        assert_eq!((delta.replica_id.as_str(), delta.reset), ("r", true));
+        assert!(delta.events.is_empty(), "the index forgets r's blocks");
+        assert!(matches!(
+            old.deltas.try_recv(),
+            Err(mpsc::error::TryRecvError::Disconnected)
+        ));
+        assert_ne!(hub.generation(), old.generation);
+        assert_eq!(hub.block_hashes("r"), None, "r's mirror is dropped");
+        hub.apply(&key(), 1, batch(2)); // a late batch of the removed engine: ignored
+        assert_eq!(hub.block_hashes("r"), None);
+
+        let mut new = hub.subscribe();
+        assert_eq!(new.replicas, ["s"]);
+        assert_eq!(new.snapshot.len(), 1, "s's (empty) snapshot");
+        // A restarted engine behind a kept id: its mirror starts over, the index is told.
+        let s_key = ReplicaKey {
+            replica_id: Arc::clone(&s),
+            dp_rank: 0,
+        };
+        hub.apply(&s_key, 0, batch(3));
+        assert!(!hub.set_replicas(std::slice::from_ref(&s), std::slice::from_ref(&s)));
+        assert_eq!(hub.block_hashes("s"), Some(vec![]));
+        let delta = delta_of(new.deltas.try_recv().unwrap());
+        assert!(delta.reset && delta.events.is_empty(), "{delta:?}");
+        assert!(new.deltas.try_recv().is_err(), "the stream stays open");
+        assert!(!new.deltas.is_closed());
     }
 }

@@ -1,14 +1,18 @@
 //! kvroute-agent: mirrors the KV blocks of the engines beside it and streams them to one or
 //! more kvroute-index instances.
 //!
-//! - **Engine side**: the existing ZMQ [`Ingest`] (sequence checks, replay of gaps, resets on
+//! - **Engine side**: the existing ZMQ [`Ingest`](kvroute_index::ingest::Ingest) (sequence checks, replay of gaps, resets on
 //!   engine restart) feeding a [`Hub`] instead of an index.
 //! - **Mirror** ([`mirror`]): per replica, the held blocks with what is needed to re-emit them.
 //! - **Index side** ([`client`]): per index address one gRPC `AgentStream`: `Hello` (agent id,
 //!   token, replicas), a snapshot per replica on every (re)connect, then deltas flushed every
 //!   `batch_delay` (or sooner past `max_batch_bytes`). Reconnects with capped backoff.
 //!
-//! Lifecycle: [`Agent::start`] → serving → [`Agent::shutdown`].
+//! - **Engines** ([`engines`]): `engines:` from the config plus, with `discovery:`, the Ready
+//!   pods on the agent's node, learned from Kubernetes; the set follows the pods and, with
+//!   [`Agent::start_reloading`], the config file, without a restart.
+//!
+//! Lifecycle: [`Agent::start`] (or [`Agent::start_reloading`]) → serving → [`Agent::shutdown`].
 //!
 //! TLS to the indexes is optional (`tls:` in the config, `https://` index addresses).
 
@@ -16,12 +20,14 @@
 
 pub mod client;
 pub mod config;
+pub mod engines;
 pub mod hub;
 pub mod metrics;
 pub mod mirror;
 pub use kvroute_index_api::token;
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
@@ -33,7 +39,7 @@ pub use config::AgentConfig;
 pub use hub::{Hub, HubLimits};
 pub use metrics::AgentMetrics;
 
-use kvroute_index::ingest::{Ingest, IngestMetrics};
+use kvroute_index::ingest::IngestMetrics;
 
 /// Why the agent cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +53,10 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
+    /// `discovery.kubernetes` cannot reach the API server (no in-cluster credentials, a bad
+    /// kubeconfig).
+    #[error("cannot start engine discovery")]
+    Discovery(#[from] kvroute_discovery::StartError),
 }
 
 impl AgentError {
@@ -54,6 +64,7 @@ impl AgentError {
     pub fn as_label(&self) -> &'static str {
         match self {
             AgentError::Bind { .. } => "bind",
+            AgentError::Discovery(_) => "discovery",
         }
     }
 }
@@ -67,7 +78,6 @@ struct AdminState {
 pub struct Agent {
     admin_addr: SocketAddr,
     hub: Arc<Hub>,
-    ingest: Ingest,
     cancel: CancellationToken,
     tasks: TaskTracker,
 }
@@ -83,6 +93,17 @@ impl std::fmt::Debug for Agent {
 impl Agent {
     /// Starts ingest, the index streams, the delta flusher and the admin server.
     pub async fn start(config: AgentConfig) -> Result<Self, AgentError> {
+        Self::start_with(config, None).await
+    }
+
+    /// [`Agent::start`], and reloads `path` (the file `config` was read from) when its mtime
+    /// changes: `engines` and `discovery` apply at once, other changed keys are reported and
+    /// kept ([`config::AgentConfig::reload_from_yaml`]).
+    pub async fn start_reloading(config: AgentConfig, path: PathBuf) -> Result<Self, AgentError> {
+        Self::start_with(config, Some(path)).await
+    }
+
+    async fn start_with(config: AgentConfig, path: Option<PathBuf>) -> Result<Self, AgentError> {
         let listener = TcpListener::bind(config.admin_addr)
             .await
             .map_err(|source| AgentError::Bind {
@@ -97,13 +118,10 @@ impl Agent {
         let mut registry = Registry::with_prefix("kvroute_agent");
         let metrics = AgentMetrics::register(&mut registry);
         let ingest_metrics = IngestMetrics::register(&mut registry);
-        let replicas: Vec<Arc<str>> = config
-            .engines
-            .iter()
-            .map(|e| Arc::clone(&e.replica_id))
-            .collect();
+        let discovery_metrics = kvroute_discovery::DiscoveryMetrics::register(&mut registry);
+        // Mirrors come with the engines (the supervisor adds them).
         let hub = Arc::new(Hub::new(
-            &replicas,
+            &[],
             HubLimits {
                 max_blocks_per_replica: config.max_blocks_per_replica,
                 max_batch_bytes: config.max_batch_bytes,
@@ -112,16 +130,33 @@ impl Agent {
             metrics.clone(),
         ));
         let cancel = CancellationToken::new();
-        let ingest = Ingest::new(
-            Arc::clone(&hub) as Arc<dyn kvroute_index::ingest::EventSink>,
+        let tasks = TaskTracker::new();
+        let engines = engines::Engines::new(
+            Arc::clone(&hub),
             ingest_metrics,
+            metrics.clone(),
             cancel.child_token(),
         );
-        for engine in &config.engines {
-            ingest.spawn(engine.clone());
-        }
+        // The static engines are in the hub before the first Hello claims them.
+        let supervisor = match engines::Supervisor::start(
+            engines,
+            config.clone(),
+            path,
+            discovery_metrics,
+            tasks.clone(),
+        )
+        .await
+        {
+            Ok(supervisor) => supervisor,
+            Err(error) => {
+                cancel.cancel();
+                tasks.close();
+                tasks.wait().await;
+                return Err(error.into());
+            }
+        };
+        spawn_tracked(&tasks, supervisor.run(cancel.clone()));
 
-        let tasks = TaskTracker::new();
         for index in &config.indexes {
             let settings = client::StreamSettings {
                 index: index.clone(),
@@ -146,11 +181,11 @@ impl Agent {
         });
         spawn_tracked(&tasks, serve_admin(listener, state, cancel.clone()));
         tracing::info!(agent_id = %config.agent_id, %admin_addr, engines = config.engines.len(),
-            indexes = config.indexes.len(), "kvroute-agent running");
+            discovery = config.discovery.is_some(), indexes = config.indexes.len(),
+            "kvroute-agent running");
         Ok(Agent {
             admin_addr,
             hub,
-            ingest,
             cancel,
             tasks,
         })
@@ -166,12 +201,11 @@ impl Agent {
         &self.hub
     }
 
-    /// Stops the streams, the flusher, the admin server and ingest.
+    /// Stops the streams, the flusher, the admin server, discovery and ingest.
     pub async fn shutdown(self) {
         self.cancel.cancel();
         self.tasks.close();
         self.tasks.wait().await;
-        self.ingest.shutdown().await;
     }
 }
 

@@ -22,6 +22,21 @@ struct ReasonLabel {
     reason: &'static str,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct SourceLabel {
+    source: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct KeyLabel {
+    key: &'static str,
+}
+
 /// Agent metrics; cheap to clone.
 #[derive(Debug, Clone, Default)]
 pub struct AgentMetrics {
@@ -36,6 +51,10 @@ pub struct AgentMetrics {
     connects: Family<IndexLabel, Counter>,
     stream_ends: Family<ReasonLabel, Counter>,
     refused_by_index: Counter,
+    engines: Family<SourceLabel, Gauge>,
+    engines_refused: Family<ReasonLabel, Counter>,
+    config_reloads: Family<OutcomeLabel, Counter>,
+    restart_required: Family<KeyLabel, Counter>,
 }
 
 impl AgentMetrics {
@@ -97,7 +116,56 @@ impl AgentMetrics {
             "Writes the index refused (see its kvroute_index_agent_refused_total)",
             m.refused_by_index.clone(),
         );
+        registry.register(
+            "engines",
+            "Engines mirrored, by source (static: engines:, discovered: Kubernetes)",
+            m.engines.clone(),
+        );
+        registry.register(
+            "engines_refused",
+            "Discovered engines left out each time the engine set is recomputed, by reason \
+             (duplicate_id: a static engine has the id; too_many_replicas: beyond one Hello)",
+            m.engines_refused.clone(),
+        );
+        registry.register(
+            "config_reloads",
+            "Config file changes seen, by outcome (applied, unchanged, rejected)",
+            m.config_reloads.clone(),
+        );
+        registry.register(
+            "config_restart_required",
+            "Reloads that changed a key only a restart applies (the running value is kept), by key",
+            m.restart_required.clone(),
+        );
         m
+    }
+
+    pub(crate) fn forget_replica(&self, replica: &str) {
+        self.mirror_blocks.remove(&ReplicaLabel {
+            replica: replica.to_owned(),
+        });
+    }
+
+    pub(crate) fn set_engines(&self, source: &'static str, engines: usize) {
+        self.engines
+            .get_or_create(&SourceLabel { source })
+            .set(i64::try_from(engines).unwrap_or(i64::MAX));
+    }
+
+    pub(crate) fn engine_refused(&self, reason: &'static str) {
+        self.engines_refused
+            .get_or_create(&ReasonLabel { reason })
+            .inc();
+    }
+
+    pub(crate) fn config_reload(&self, outcome: &'static str) {
+        self.config_reloads
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
+    }
+
+    pub(crate) fn restart_required(&self, key: &'static str) {
+        self.restart_required.get_or_create(&KeyLabel { key }).inc();
     }
 
     pub(crate) fn set_mirror_blocks(&self, replica: &str, blocks: usize) {

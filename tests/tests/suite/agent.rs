@@ -143,11 +143,11 @@ async fn sim_blocks(base: &str) -> BTreeSet<u64> {
     common::sim_blocks(base).await.unwrap()
 }
 
-async fn index_blocks(admin: SocketAddr, replica: &str) -> Option<BTreeSet<u64>> {
+pub(super) async fn index_blocks(admin: SocketAddr, replica: &str) -> Option<BTreeSet<u64>> {
     common::index_blocks(&format!("http://{admin}"), replica).await
 }
 
-async fn replica_state(admin: SocketAddr, replica: &str) -> Option<(String, String)> {
+pub(super) async fn replica_state(admin: SocketAddr, replica: &str) -> Option<(String, String)> {
     let body: Value = http::get(&format!("http://{admin}/v1/replicas"))
         .await
         .ok()?
@@ -282,7 +282,7 @@ async fn index_converges_to_the_engine_after_every_fault() {
     sim.shutdown().await;
 }
 
-async fn metric(admin: SocketAddr, series: &str) -> u64 {
+pub(super) async fn metric(admin: SocketAddr, series: &str) -> u64 {
     let text = http::get(&format!("http://{admin}/metrics"))
         .await
         .unwrap()
@@ -1123,9 +1123,11 @@ async fn agent_path_benchmark() {
 
     // 2. Snapshot of 1M blocks: size on the wire and time to build it.
     let started = Instant::now();
-    let (snapshot, receiver) = agent.hub().subscribe();
+    let kvroute_agent::hub::Subscription {
+        snapshot, deltas, ..
+    } = agent.hub().subscribe();
     let built = started.elapsed();
-    drop(receiver);
+    drop(deltas);
     let bytes: usize = snapshot
         .iter()
         .map(prost::Message::encoded_len)

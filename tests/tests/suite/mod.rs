@@ -1,6 +1,7 @@
 //! Test modules of the integration binary.
 
 mod agent;
+mod agent_engines;
 mod check;
 mod common;
 mod discovery;

@@ -1,5 +1,6 @@
 //! `kvroute-agent`: mirrors the local engines' KV blocks and streams them to kvroute-index.
-//! `kvroute-agent --config agent.yaml` (see `kvroute_agent::config`).
+//! `kvroute-agent --config agent.yaml` (see `kvroute_agent::config`); the file is reloaded
+//! when it changes (`kvroute_agent::engines`).
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -48,7 +49,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(config, args.ready_file)) {
+    match runtime.block_on(run(config, args.config, args.ready_file)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("kvroute-agent: {error:#}");
@@ -57,8 +58,12 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(config: AgentConfig, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
-    let agent = Agent::start(config).await?;
+async fn run(
+    config: AgentConfig,
+    path: PathBuf,
+    ready_file: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let agent = Agent::start_reloading(config, path).await?;
     if let Some(path) = ready_file {
         std::fs::write(&path, format!("admin={}\n", agent.admin_addr()))
             .with_context(|| format!("cannot write {}", path.display()))?;
