@@ -312,3 +312,75 @@ async fn a_config_reload_changes_the_engines_and_a_bad_file_changes_nothing() {
     engine_x.shutdown().await;
     engine_y.shutdown().await;
 }
+
+/// Both sides discover: the index lists the pool's pods itself (`pools[].discovery`) and lets
+/// each node's agent feed the pods on its node (`node_agents`); the agent mirrors its node's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_agents_feed_a_discovering_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, TOKEN).unwrap();
+    let api = ApiServer::start().await.unwrap();
+    let engine_a = engine_with(&[1, 2]).await;
+    let engine_b = engine_with(&[3]).await;
+    api.apply_pod(NS, &pod("pod-a", "node-a", 8001, &engine_a));
+    api.apply_pod(NS, &pod("pod-b", "node-b", 8002, &engine_b));
+    let discovery = format!(
+        "discovery: {{kubernetes: {{namespace: {NS}, selector: {{app: vllm}}, target_port: http, \
+         api_url: \"{}\"}}}}",
+        api.url()
+    );
+    let yaml = format!(
+        "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
+         limits: {{agent_stale_grace: 300ms}}\n\
+         node_agents: {{token_file: \"{}\"}}\n\
+         pools:\n  - {{name: tiny, models: [tiny], block_size: 32, key_scheme: {{kind: vllm-exact, \
+         hash_algo: sha256_cbor, seed: \"0\"}}, verify_hashes: off, {discovery}}}\n",
+        token.display(),
+    );
+    let index = IndexServer::start(Config::from_yaml(&yaml).unwrap())
+        .await
+        .unwrap();
+    let admin = index.admin_addr();
+    let mut file = ConfigFile {
+        path: dir.path().join("agent.yaml"),
+        version: 0,
+    };
+    let agent = start_agent(
+        &mut file,
+        &agent_yaml(
+            dir.path(),
+            index.grpc_addr(),
+            &format!("engines: []\n{discovery}\n"),
+        ),
+    )
+    .await;
+
+    // node-a's pod is fed by node-a's agent; node-b has no agent, so its pod never syncs.
+    until_index(admin, "pod-a", &[1, 2], "ready").await;
+    let (state, _) = replica_state(admin, "pod-b").await.unwrap();
+    assert_ne!(state, "ready", "nobody feeds pod-b");
+
+    // A new pod on node-a: whichever of index and agent sees it first, it ends up fed.
+    let engine_c = engine_with(&[5]).await;
+    api.apply_pod(NS, &pod("pod-c", "node-a", 8003, &engine_c));
+    until_index(admin, "pod-c", &[5], "ready").await;
+    until_index(admin, "pod-a", &[1, 2], "ready").await;
+
+    // Deleted: it leaves the index with its blocks; the other pods stay as they were.
+    assert!(api.delete_pod(NS, "pod-a"));
+    wait_until("pod-a to leave the index", DEADLINE, || async {
+        replica_state(admin, "pod-a").await.is_none().then_some(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(index_blocks(admin, "pod-a").await, None);
+    until_index(admin, "pod-c", &[5], "ready").await;
+    until_mirrored(&agent, &["pod-c"]).await;
+
+    agent.shutdown().await;
+    index.shutdown().await;
+    engine_a.shutdown().await;
+    engine_b.shutdown().await;
+    engine_c.shutdown().await;
+}
