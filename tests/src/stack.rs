@@ -51,6 +51,8 @@ use crate::harness::{
 pub const OVERRIDE_HOST_CONFIG: &str = "envoy/kvroute-override-host.yaml";
 /// Name of the kvroute listener in [`OVERRIDE_HOST_CONFIG`].
 pub const KVROUTE_LISTENER: &str = "kvroute";
+/// The shipped Envoy configs' cluster of kvroute-ext-proc (its health check marks it healthy).
+pub const EXT_PROC_CLUSTER: &str = "kvroute_ext_proc";
 /// Name given to the round-robin listener.
 const ROUND_ROBIN_LISTENER: &str = "round_robin";
 /// Model name the sims serve and the pools route.
@@ -1553,23 +1555,10 @@ impl Stack {
         let Some(ext_proc) = &self.ext_proc else {
             return Ok(());
         };
-        let url = format!("{}/clusters", self.envoy_admin_url());
-        let healthy = format!("kvroute_ext_proc::{}::health_flags::healthy", ext_proc.grpc);
-        let result = wait_until(
-            "envoy to see kvroute-ext-proc healthy",
-            STARTUP_TIMEOUT,
-            || {
-                let url = url.clone();
-                let healthy = healthy.clone();
-                async move {
-                    let text = http::get(&url).await.ok()?.text();
-                    text.lines()
-                        .any(|line| line.trim() == healthy)
-                        .then_some(())
-                }
-            },
-        )
-        .await;
+        let result = self
+            .envoy
+            .wait_endpoint_healthy(EXT_PROC_CLUSTER, ext_proc.grpc, STARTUP_TIMEOUT)
+            .await;
         result.map_err(|error| self.component_error("kvroute-ext-proc", error))
     }
 
@@ -1948,7 +1937,7 @@ pub fn render_envoy_config(
     let pool = named(&mut resources["clusters"], "llm_pool")
         .ok_or_else(|| bad("no `llm_pool` cluster"))?;
     pool["load_assignment"]["endpoints"] = endpoints(sims);
-    let ext_proc_cluster = named(&mut resources["clusters"], "kvroute_ext_proc")
+    let ext_proc_cluster = named(&mut resources["clusters"], EXT_PROC_CLUSTER)
         .ok_or_else(|| bad("no `kvroute_ext_proc` cluster"))?;
     ext_proc_cluster["load_assignment"]["endpoints"] = endpoints(&[ext_proc]);
 

@@ -123,6 +123,34 @@ impl Envoy {
         self.guard.log()
     }
 
+    /// Waits (up to `within`) until Envoy's active health check marks `endpoint` of `cluster`
+    /// healthy (admin `/clusters`: `<cluster>::<endpoint>::health_flags::healthy`). Until then a
+    /// fail-open ext_proc filter skips the call, so tests that expect decisions wait for this.
+    pub async fn wait_endpoint_healthy(
+        &self,
+        cluster: &str,
+        endpoint: SocketAddr,
+        within: std::time::Duration,
+    ) -> Result<(), HarnessError> {
+        let url = format!("http://{}/clusters", self.admin);
+        let healthy = format!("{cluster}::{endpoint}::health_flags::healthy");
+        wait_until(
+            &format!("envoy to see {cluster} {endpoint} healthy"),
+            within,
+            || {
+                let url = url.clone();
+                let healthy = healthy.clone();
+                async move {
+                    let text = http::get(&url).await.ok()?.text();
+                    text.lines()
+                        .any(|line| line.trim() == healthy)
+                        .then_some(())
+                }
+            },
+        )
+        .await
+    }
+
     /// A counter or gauge from admin `/stats` (`None` if absent).
     pub async fn stat(&self, name: &str) -> Result<Option<u64>, HarnessError> {
         let text = http::get(&format!("http://{}/stats?filter=^{name}$", self.admin))

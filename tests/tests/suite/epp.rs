@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use kvroute_ext_proc::ExtProc;
 use kvroute_tests::harness::{Envoy, http, wait_until, workspace_root};
-use kvroute_tests::stack::{KVROUTE_LISTENER, OVERRIDE_HOST_CONFIG, render_envoy_config};
+use kvroute_tests::stack::{
+    EXT_PROC_CLUSTER, KVROUTE_LISTENER, OVERRIDE_HOST_CONFIG, render_envoy_config,
+};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -156,20 +158,35 @@ fn ext_proc_filter(config: &mut serde_yaml::Value) -> &mut serde_yaml::Value {
 /// open and the upstream sees no decision).
 async fn start_envoy(config: &str, ext_proc: SocketAddr) -> (Envoy, String) {
     let envoy = Envoy::start(config).await.unwrap();
-    let admin = format!("http://{}", envoy.admin);
-    let healthy = format!("kvroute_ext_proc::{ext_proc}::health_flags::healthy");
-    let ready = wait_until("Envoy health-checks ext-proc", SETTLE, || async {
-        let text = http::get(&format!("{admin}/clusters")).await.ok()?.text();
-        text.lines()
-            .any(|line| line.trim() == healthy)
-            .then_some(())
-    })
-    .await;
-    if let Err(error) = ready {
+    if let Err(error) = envoy
+        .wait_endpoint_healthy(EXT_PROC_CLUSTER, ext_proc, SETTLE)
+        .await
+    {
         panic!("{error}\n{}", envoy.log());
     }
     let url = format!("http://{}", envoy.listener(KVROUTE_LISTENER).unwrap());
     (envoy, url)
+}
+
+/// Posts a one-token completion through `url` (Envoy's kvroute listener) and asserts that the
+/// engine double saw a load-tier decision (the double knows no prompt cache).
+async fn post_routed_on_load(url: &str, envoy: &Envoy) {
+    let response = http::post_json(
+        &format!("{url}/v1/completions"),
+        &json!({"model": "m", "prompt": "hello", "max_tokens": 1}),
+    )
+    .await
+    .unwrap();
+    let seen = response.json().unwrap_or_default();
+    assert!(
+        seen["decision"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("load/")),
+        "{} {}\n{}",
+        response.status,
+        response.text(),
+        envoy.log()
+    );
 }
 
 #[tokio::test]
@@ -266,21 +283,7 @@ typed_config:
         .unwrap();
     });
     let (envoy, url) = start_envoy(&config, picker.grpc).await;
-    let seen = http::post_json(
-        &format!("{url}/v1/completions"),
-        &json!({"model": "m", "prompt": "hello", "max_tokens": 1}),
-    )
-    .await
-    .unwrap()
-    .json()
-    .unwrap();
-    assert!(
-        seen["decision"]
-            .as_str()
-            .is_some_and(|d| d.starts_with("load/")),
-        "{seen}\n{}",
-        envoy.log()
-    );
+    post_routed_on_load(&url, &envoy).await;
     // And the listener speaks only TLS: a plaintext gRPC health check fails.
     let plaintext = tonic::transport::Endpoint::from_shared(format!("http://{}", picker.grpc))
         .unwrap()
@@ -344,21 +347,8 @@ async fn the_health_port_answers_every_probed_service_name() {
         ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["health_check_config"] =
             serde_yaml::from_str(&format!("{{port_value: {}}}", health.port())).unwrap();
     });
-    let (_envoy, url) = start_envoy(&config, picker.grpc).await;
-    let seen = http::post_json(
-        &format!("{url}/v1/completions"),
-        &json!({"model": "m", "prompt": "hello", "max_tokens": 1}),
-    )
-    .await
-    .unwrap()
-    .json()
-    .unwrap();
-    assert!(
-        seen["decision"]
-            .as_str()
-            .is_some_and(|d| d.starts_with("load/")),
-        "{seen}"
-    );
+    let (envoy, url) = start_envoy(&config, picker.grpc).await;
+    post_routed_on_load(&url, &envoy).await;
 }
 
 #[tokio::test]

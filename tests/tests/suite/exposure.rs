@@ -14,7 +14,9 @@ use std::time::Duration;
 use kvroute_ext_proc::ExtProc;
 use kvroute_tests::harness::http::HttpResponse;
 use kvroute_tests::harness::{http, wait_until};
-use kvroute_tests::stack::{DEBUG_TOKEN_HEADER, DebugHeaders, MODEL, Stack, StackOptions};
+use kvroute_tests::stack::{
+    DEBUG_TOKEN_HEADER, DebugHeaders, EXT_PROC_CLUSTER, MODEL, Stack, StackOptions,
+};
 use serde_json::json;
 
 use super::common::index_blocks;
@@ -593,14 +595,9 @@ async fn ext_proc_over_mutual_tls_routes_for_envoy_and_refuses_plaintext() {
         .await
         .unwrap();
     let admin = format!("http://{}", envoy.admin);
-    let healthy = format!("kvroute_ext_proc::{grpc}::health_flags::healthy");
-    let ready = wait_until("Envoy health-checks ext-proc over TLS", INDEXED, || async {
-        let text = http::get(&format!("{admin}/clusters")).await.ok()?.text();
-        text.lines()
-            .any(|line| line.trim() == healthy)
-            .then_some(())
-    })
-    .await;
+    let ready = envoy
+        .wait_endpoint_healthy(EXT_PROC_CLUSTER, grpc, INDEXED)
+        .await;
     if let Err(error) = ready {
         let stats = http::get(&format!("{admin}/stats?filter=kvroute_ext_proc"))
             .await
