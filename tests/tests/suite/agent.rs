@@ -18,7 +18,7 @@ use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Mediu
 use kvroute_index::server::IndexServer;
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{Encoding, encode_batch};
-use kvroute_tests::harness::{ChildGuard, TcpProxy, http, wait_until};
+use kvroute_tests::harness::{ChildGuard, TcpProxy, http, metrics, wait_until};
 use serde_json::{Value, json};
 use tokio::net::TcpStream;
 
@@ -287,9 +287,7 @@ pub(super) async fn metric(admin: SocketAddr, series: &str) -> u64 {
         .await
         .unwrap()
         .text();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
-        .unwrap_or(0.0) as u64
+    metrics::sample(&text, series).unwrap_or(0.0) as u64
 }
 
 fn hello(token: &str, replicas: &[&str]) -> api::AgentMessage {
@@ -729,10 +727,7 @@ async fn metric_sum(admin: SocketAddr, family: &str, label: &str) -> u64 {
         .await
         .unwrap()
         .text();
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{family}{{")) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+    metrics::sum(&text, family, &[label]) as u64
 }
 
 async fn converge_to_model(what: &str, admin: SocketAddr, engine: &ModelEngine) {

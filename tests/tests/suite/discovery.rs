@@ -15,7 +15,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvroute_discovery::testing::{ApiServer, TestPod};
-use kvroute_tests::harness::{Envoy, SimProcess, http, tiny_model_dir, wait_until, workspace_root};
+use kvroute_tests::harness::{
+    Envoy, SimProcess, http, metrics, tiny_model_dir, wait_until, workspace_root,
+};
 use kvroute_tests::stack::{
     ExtProcBudgets, ExtProcProcess, KVROUTE_LISTENER, MODEL, OVERRIDE_HOST_CONFIG, ServerProcess,
     StackOptions, event_topic, pool_schema, render_envoy_config, start_sims,
@@ -437,10 +439,10 @@ async fn the_index_reloads_its_static_replicas() {
         let url = format!("{}/metrics", index.admin_url());
         async move {
             let text = http::get(&url).await.ok()?.text();
-            let series = format!("kvroute_index_config_reloads_total{{outcome=\"{outcome}\"}} ");
-            text.lines()
-                .find_map(|line| line.strip_prefix(series.as_str()))
-                .and_then(|value| value.parse::<f64>().ok())
+            metrics::sample(
+                &text,
+                &format!("kvroute_index_config_reloads_total{{outcome=\"{outcome}\"}}"),
+            )
         }
     };
     wait_until("the bad reload to be refused", DEADLINE, || async {

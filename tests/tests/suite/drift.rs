@@ -9,12 +9,12 @@
 
 use std::time::Duration;
 
-use kvroute_tests::harness::wait_until;
+use kvroute_tests::harness::{metrics, wait_until};
 use kvroute_tests::stack::{MODEL, Stack, StackOptions};
 use serde_json::{Value, json};
 
 use super::common::HISTORY_UNSTABLE_TEMPLATE;
-use super::routing::{ext_proc_metrics, route_response, sum_samples, text};
+use super::routing::{ext_proc_metrics, route_response, text};
 
 /// How long the test waits for scrapes to carry a verdict.
 const SETTLE: Duration = Duration::from_secs(30);
@@ -90,7 +90,7 @@ async fn a_replica_with_another_chat_template_drifts_alone_and_degrades_its_pool
     let matching = replica_label(1);
     let settled = wait_until("sim-0 to drift and its pool to degrade", SETTLE, || async {
         let metrics = ext_proc_metrics(&stack).await;
-        let sample = |family: &str, labels: &[&str]| sum_samples(&metrics, family, labels);
+        let sample = |family: &str, labels: &[&str]| metrics::sum(&metrics, family, labels);
         let drift = sample("kvroute_extproc_drift_ratio", &[&drifting]);
         let degraded = sample("kvroute_extproc_drift_degraded", &["pool=\"tiny\""]);
         let control_predicted = sample(
@@ -115,7 +115,7 @@ async fn a_replica_with_another_chat_template_drifts_alone_and_degrades_its_pool
             stack.logs()
         ),
     };
-    let sample = |family: &str, labels: &[&str]| sum_samples(&metrics, family, labels);
+    let sample = |family: &str, labels: &[&str]| metrics::sum(&metrics, family, labels);
     assert!(
         sample(
             "kvroute_extproc_drift_predicted_cached_tokens_total",
@@ -167,14 +167,14 @@ async fn a_replica_with_another_chat_template_drifts_alone_and_degrades_its_pool
 
     // Degraded: the pool's decisions skip the index and use the approximate tier, counted.
     let fallbacks = |metrics: &str| {
-        sum_samples(
+        metrics::sum(
             metrics,
             "kvroute_extproc_fallbacks_total",
             &["stage=\"index\"", "cause=\"drift\""],
         )
     };
     let approximate = |metrics: &str| {
-        sum_samples(
+        metrics::sum(
             metrics,
             "kvroute_extproc_decisions_total",
             &["tier=\"approximate\""],
@@ -198,12 +198,12 @@ async fn a_replica_with_another_chat_template_drifts_alone_and_degrades_its_pool
     );
     assert_eq!(approximate(&after) - approximate(&before), TURNS as f64);
     assert_eq!(
-        sum_samples(
+        metrics::sum(
             &after,
             "kvroute_extproc_decisions_total",
             &["tier=\"precise\""]
         ),
-        sum_samples(
+        metrics::sum(
             &before,
             "kvroute_extproc_decisions_total",
             &["tier=\"precise\""]

@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use kvroute_index::testing::zmtp_bytes::{self, greeting, ready};
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher, PubMode};
+use kvroute_tests::harness::metrics::{proc_status_kib, sum};
 use kvroute_tests::harness::{ChildGuard, http, reserve_port, wait_until};
 use kvroute_tests::stack::binary_dir;
 use parking_lot::Mutex;
@@ -209,25 +210,6 @@ fn assert_refused(what: &str, outcomes: &[(Probe, Outcome)]) {
     assert_eq!(seen.len(), PROBES.len(), "{what}: not every probe played");
 }
 
-/// Peak resident set of a process, from `/proc/<pid>/status` (kB).
-fn peak_rss_kb(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
-/// Sum of `family`'s samples whose labels contain every one of `labels`.
-fn sum(text: &str, family: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{family}{{")))
-        .filter(|l| labels.iter().all(|label| l.contains(label)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// A hand-written ZMTP PUB connected to `endpoint` (`tcp://host:port`): it ignores what the
 /// subscriber sends, subscriptions included.
 async fn raw_publisher(endpoint: &str) -> TcpStream {
@@ -370,7 +352,7 @@ async fn index_survives_hostile_peers_on_every_socket_kind() {
     assert_refused("connected SUB", &rogue_pub.shutdown().await);
     assert_refused("replay DEALER", &rogue_router.shutdown().await);
     assert!(played_pub >= PROBES.len());
-    let peak = peak_rss_kb(index.guard.id());
+    let peak = proc_status_kib(index.guard.id(), "VmHWM").unwrap();
     assert!(peak < MAX_PEAK_RSS_KB, "kvroute-index peaked at {peak} kB");
 
     // Every refusal is counted by reason, per replica.
@@ -560,7 +542,7 @@ engines:
         agent.log()
     );
     assert_refused("agent SUB", &rogue_pub.shutdown().await);
-    let peak = peak_rss_kb(agent.id());
+    let peak = proc_status_kib(agent.id(), "VmHWM").unwrap();
     assert!(peak < MAX_PEAK_RSS_KB, "kvroute-agent peaked at {peak} kB");
     let metrics = text(&format!("{admin}/metrics")).await;
     assert!(

@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use kvroute_tests::harness::metrics::sum;
 use kvroute_tests::harness::{http, wait_until};
 use kvroute_tests::stack::{MODEL, Routing, Stack, StackOptions};
 use serde_json::{Value, json};
@@ -18,14 +19,6 @@ const REQUESTS_PER_WORKER: usize = 15;
 const WORKERS: usize = 2;
 /// Completed requests (all workers) after which the first index is killed.
 const KILL_AFTER: usize = 8;
-
-/// Sum of every sample of `family` whose labels contain `label`.
-fn sum(text: &str, family: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{family}{{")) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
 
 async fn ext_proc_metrics(stack: &Stack) -> String {
     let url = format!("{}/metrics", stack.ext_proc_admin_url().unwrap());
@@ -124,7 +117,7 @@ async fn ext_proc_keeps_routing_precisely_when_one_of_two_indexes_dies_mid_load(
 
     let after = ext_proc_metrics(&stack).await;
     let delta =
-        |family: &str, label: &str| sum(&after, family, label) - sum(&before, family, label);
+        |family: &str, label: &str| sum(&after, family, &[label]) - sum(&before, family, &[label]);
     let requests = (WORKERS * REQUESTS_PER_WORKER) as f64;
     assert_eq!(
         delta("kvroute_extproc_decisions_total", ""),

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_tests::harness::ext_proc::{ExtProcAnswer, ExtProcClient};
-use kvroute_tests::harness::{http, tiny_model_dir};
+use kvroute_tests::harness::{http, metrics, tiny_model_dir};
 use kvroute_tests::stack::{ExtProcBudgets, ExtProcProcess};
 
 use super::common::metric;
@@ -57,13 +57,8 @@ fn config() -> String {
 
 /// `VmHWM` or `VmRSS` of `pid`, in bytes.
 fn memory(pid: u32, field: &str) -> usize {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: usize = status
-        .lines()
-        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|value| value.trim().strip_suffix("kB")?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {field} in {status}"));
-    kib * 1024
+    let kib = metrics::proc_status_kib(pid, field).unwrap_or_else(|| panic!("no {field} of {pid}"));
+    usize::try_from(kib).unwrap() * 1024
 }
 
 /// `PROMPT_BYTES` of text, distinct per `i`: a shared leading part (a system prompt, the same
@@ -226,16 +221,12 @@ async fn huge_prompts(distinct_prompts: usize) {
     );
 }
 
-fn fallbacks(metrics: &str, cause: &str) -> f64 {
-    metrics
-        .lines()
-        .find(|line| {
-            line.starts_with("kvroute_extproc_fallbacks_total{")
-                && line.contains("stage=\"tokenize\"")
-                && line.contains(&format!("cause=\"{cause}\""))
-        })
-        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0)
+fn fallbacks(text: &str, cause: &str) -> f64 {
+    metrics::sum(
+        text,
+        "kvroute_extproc_fallbacks_total",
+        &["stage=\"tokenize\"", &format!("cause=\"{cause}\"")],
+    )
 }
 
 fn count(tiers: &[String]) -> std::collections::BTreeMap<&str, usize> {

@@ -32,7 +32,7 @@ use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, VllmHasher};
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_index::event::KvEvent;
 use kvroute_tests::harness::{
-    ChildGuard, http, reserve_ports, tiny_model_dir, wait_until, workspace_root,
+    ChildGuard, http, metrics, reserve_ports, tiny_model_dir, wait_until, workspace_root,
 };
 use kvroute_tests::stack::{
     DebugHeaders, EventsMode, ExtProcBudgets, ExternalReplica, Routing, SimTiming, Stack,
@@ -191,9 +191,9 @@ impl VllmEngine {
             .unwrap()
             .text();
         EngineCounters {
-            prefix_hits: sum_metric(&text, "vllm:prefix_cache_hits_total"),
-            prefix_queries: sum_metric(&text, "vllm:prefix_cache_queries_total"),
-            requests: sum_metric(&text, "vllm:request_success_total"),
+            prefix_hits: metrics::sum(&text, "vllm:prefix_cache_hits_total", &[]),
+            prefix_queries: metrics::sum(&text, "vllm:prefix_cache_queries_total", &[]),
+            requests: metrics::sum(&text, "vllm:request_success_total", &[]),
         }
     }
 }
@@ -216,17 +216,6 @@ impl Drop for VllmEngine {
         // Whatever of the group is left (the leader may have gone first).
         signal("-KILL");
     }
-}
-
-/// The sum of every sample of a counter (all label sets).
-fn sum_metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|line| {
-            line.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 #[derive(Debug, Clone, Copy, Default)]

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use kvroute_tests::harness::wait_until;
+use kvroute_tests::harness::{metrics, wait_until};
 use kvroute_tests::stack::{DebugHeaders, MODEL, Stack, StackOptions, StackTokenizer};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::common::index_blocks;
-use super::routing::{ext_proc_metrics, route_response, sum_samples, text};
+use super::routing::{ext_proc_metrics, route_response, text};
 
 /// How long a test waits for the index to hold a warmed prefix.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -134,7 +134,7 @@ async fn render_mode_sends_chat_responses_and_messages_siblings_to_their_prefix(
     }
     let metrics = ext_proc_metrics(&stack).await;
     assert_eq!(
-        sum_samples(
+        metrics::sum(
             &metrics,
             "kvroute_extproc_fallbacks_total",
             &["stage=\"tokenize\""]
@@ -196,7 +196,7 @@ async fn failing_or_silent_render_endpoint_falls_back_on_load_counted() {
     let stack = start(StackTokenizer::RenderUrl { url, timeout }).await;
     let prefix = text(61, 60);
     let fallbacks = |metrics: &str, cause: &str| {
-        sum_samples(
+        metrics::sum(
             metrics,
             "kvroute_extproc_fallbacks_total",
             &["stage=\"tokenize\"", &format!("cause=\"{cause}\"")],

@@ -12,11 +12,11 @@
 
 use std::time::Duration;
 
-use kvroute_tests::harness::{http, wait_until};
+use kvroute_tests::harness::{http, metrics, wait_until};
 use kvroute_tests::stack::{DebugHeaders, EventsFault, Stack, StackOptions};
 use serde_json::Value;
 
-use super::routing::{ext_proc_metrics, route_decided, sum_samples, text};
+use super::routing::{ext_proc_metrics, route_decided, text};
 
 const SETTLE: Duration = Duration::from_secs(20);
 /// Replica roles, in replica order.
@@ -158,15 +158,19 @@ async fn replicas_the_index_cannot_vouch_for_are_routed_on_the_approximate_tier(
         ];
         let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
         assert!(
-            sum_samples(&metrics, family, &labels) > 0.0,
+            metrics::sum(&metrics, family, &labels) > 0.0,
             "{} not counted as {state}:\n{metrics}",
             ids[i]
         );
     }
     let healthy = format!("replica=\"{}\"", ids[HEALTHY]);
-    assert_eq!(sum_samples(&metrics, family, &[&healthy]), 0.0, "{metrics}");
+    assert_eq!(
+        metrics::sum(&metrics, family, &[&healthy]),
+        0.0,
+        "{metrics}"
+    );
     assert!(
-        sum_samples(
+        metrics::sum(
             &metrics,
             "kvroute_extproc_decisions_total",
             &["tier=\"approximate\"", "reason=\"cache_hit\""]
@@ -174,7 +178,7 @@ async fn replicas_the_index_cannot_vouch_for_are_routed_on_the_approximate_tier(
         "{metrics}"
     );
     assert_eq!(
-        sum_samples(&metrics, "kvroute_extproc_unknown_replicas_total", &[]),
+        metrics::sum(&metrics, "kvroute_extproc_unknown_replicas_total", &[]),
         0.0
     );
 }
@@ -219,16 +223,16 @@ async fn a_request_whose_endpoint_refuses_connections_is_retried_elsewhere() {
     // first fallback served: the retry walked the list, not Envoy's own balancer.
     let metrics = ext_proc_metrics(&stack).await;
     assert!(
-        sum_samples(&metrics, "kvroute_extproc_served_fallback_total", &[]) > 0.0,
+        metrics::sum(&metrics, "kvroute_extproc_served_fallback_total", &[]) > 0.0,
         "{metrics}"
     );
     assert_eq!(
-        sum_samples(&metrics, "kvroute_extproc_served_mismatch_total", &[]),
+        metrics::sum(&metrics, "kvroute_extproc_served_mismatch_total", &[]),
         0.0,
         "a retry left the destination list\n{metrics}"
     );
     assert!(
-        sum_samples(
+        metrics::sum(
             &metrics,
             "kvroute_extproc_unknown_replicas_total",
             &["replica=\"refusing-0\""]

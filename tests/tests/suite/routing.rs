@@ -16,7 +16,7 @@ use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvroute_tests::harness::http::{self, HttpResponse};
-use kvroute_tests::harness::{Envoy, SimProcess, wait_until, workspace_root};
+use kvroute_tests::harness::{Envoy, SimProcess, metrics, wait_until, workspace_root};
 use kvroute_tests::stack::{
     MODEL, OVERRIDE_HOST_CONFIG, Routing, Stack, StackOptions, render_envoy_config,
 };
@@ -170,19 +170,6 @@ pub(super) async fn ext_proc_metrics(stack: &Stack) -> String {
     http::get(&url).await.unwrap().text()
 }
 
-/// Sum of every sample of `family` whose labels contain all of `labels` (0 when none).
-pub(super) fn sum_samples(text: &str, family: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|line| !line.starts_with('#'))
-        .filter(|line| {
-            line.strip_prefix(family)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter(|line| labels.iter().all(|l| line.contains(l)))
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// Leading blocks of `prompt` (as the sims tokenize it) the index says each replica holds.
 async fn index_matches(stack: &Stack, prompt: &str) -> Vec<u64> {
     let tokens = http::post_json(
@@ -248,7 +235,7 @@ async fn shared_prefixes_follow_their_cache_and_unrelated_prompts_spread() {
     }
     let metrics = ext_proc_metrics(&stack).await;
     assert!(
-        sum_samples(
+        metrics::sum(
             &metrics,
             "kvroute_extproc_decisions_total",
             &["tier=\"precise\"", "reason=\"cache_hit\""]
@@ -345,7 +332,7 @@ async fn a_busy_replica_stops_receiving_work_even_for_its_cached_prefix() {
         let running = format!("replica=\"{}\"", stack.replica_ids()[holder]);
         wait_until("kvroute to see the busy replica", SETTLE, || async {
             let metrics = ext_proc_metrics(&stack).await;
-            let seen = sum_samples(
+            let seen = metrics::sum(
                 &metrics,
                 "kvroute_extproc_replica_running_requests",
                 &[&running],
@@ -368,11 +355,11 @@ async fn a_busy_replica_stops_receiving_work_even_for_its_cached_prefix() {
     );
     // The first probe left the cached prefix for load; later ones follow it to its new home.
     let metrics = ext_proc_metrics(&stack).await;
-    let avoided = sum_samples(
+    let avoided = metrics::sum(
         &metrics,
         "kvroute_extproc_decisions_total",
         &["reason=\"hotspot_guard\""],
-    ) + sum_samples(
+    ) + metrics::sum(
         &metrics,
         "kvroute_extproc_decisions_total",
         &["reason=\"load_over_cache\""],
@@ -417,7 +404,7 @@ async fn requests_keep_flowing_when_the_index_or_ext_proc_dies() {
     }
     let metrics = ext_proc_metrics(&stack).await;
     assert!(
-        sum_samples(
+        metrics::sum(
             &metrics,
             "kvroute_extproc_fallbacks_total",
             &["stage=\"index\""]
@@ -425,7 +412,7 @@ async fn requests_keep_flowing_when_the_index_or_ext_proc_dies() {
         "{metrics}"
     );
     assert!(
-        sum_samples(
+        metrics::sum(
             &metrics,
             "kvroute_extproc_decisions_total",
             &["tier=\"approximate\""]
@@ -467,7 +454,7 @@ async fn requests_keep_flowing_when_the_index_or_ext_proc_dies() {
     assert_eq!(body["object"], "text_completion");
     let metrics = ext_proc_metrics(&stack).await;
     assert!(
-        sum_samples(&metrics, "kvroute_extproc_decisions_total", &[]) >= 1.0,
+        metrics::sum(&metrics, "kvroute_extproc_decisions_total", &[]) >= 1.0,
         "{metrics}"
     );
 }
@@ -680,14 +667,14 @@ async fn a_failing_tokenizer_routes_on_load_and_is_counted() {
         assert_eq!(response.status, 200, "{}", response.text());
     }
     let metrics = ext_proc.metrics().await;
-    let load_tier = sum_samples(
+    let load_tier = metrics::sum(
         &metrics,
         "kvroute_extproc_decisions_total",
         &["tier=\"load\"", "reason=\"tokenizer_failed\""],
     );
     assert_eq!(load_tier, 10.0, "{metrics}");
     assert!(
-        sum_samples(
+        metrics::sum(
             &metrics,
             "kvroute_extproc_fallbacks_total",
             &["stage=\"tokenize\""]

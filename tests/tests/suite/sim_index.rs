@@ -14,7 +14,7 @@ use futures::StreamExt as _;
 use kvroute_index::config::Config;
 use kvroute_index::event::KvEvent;
 use kvroute_index::server::IndexServer;
-use kvroute_tests::harness::{http, wait_until};
+use kvroute_tests::harness::{http, metrics, wait_until};
 use kvroute_tests::sim::EngineSim;
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom as _;
@@ -249,18 +249,6 @@ async fn event_history(
         .collect()
 }
 
-/// Sum of every sample of the counter `name` (all label sets).
-fn counter_sum(metrics: &str, name: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|line| {
-            line.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 async fn index_metrics(admin: SocketAddr) -> String {
     http::get(&format!("http://{admin}/metrics"))
         .await
@@ -320,16 +308,17 @@ async fn index_view_of_three_simulators_converges_through_evictions_and_a_reset(
     let counts = assert_converged("after evictions", admin, &sims).await;
     assert!(counts.iter().all(|&n| n > 0), "{counts:?}");
     let metrics = index_metrics(admin).await;
-    let removed = counter_sum(&metrics, "kvroute_index_blocks_removed_total");
+    let removed = metrics::sum(&metrics, "kvroute_index_blocks_removed_total", &[]);
     assert!(
         removed > 0.0,
         "no BlockRemoved reached the index:\n{metrics}"
     );
 
     // Phase 2: one simulator forgets everything, then traffic resumes.
-    let cleared_before = counter_sum(
+    let cleared_before = metrics::sum(
         &metrics,
         "kvroute_index_events_applied_total{kind=\"all_blocks_cleared\"}",
+        &[],
     );
     let reset_url = format!("{}/reset_prefix_cache", sims[0].base_url());
     // A finished request's blocks are released just after its response; retry until idle.
@@ -343,9 +332,10 @@ async fn index_view_of_three_simulators_converges_through_evictions_and_a_reset(
     let counts = assert_converged("after the reset", admin, &sims).await;
     assert_eq!(counts[0], 0);
     assert!(counts[1] > 0 && counts[2] > 0, "{counts:?}");
-    let cleared_after = counter_sum(
+    let cleared_after = metrics::sum(
         &index_metrics(admin).await,
         "kvroute_index_events_applied_total{kind=\"all_blocks_cleared\"}",
+        &[],
     );
     assert!(
         cleared_after > cleared_before,

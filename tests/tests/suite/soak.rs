@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvroute_tests::harness::{http, wait_until};
+use kvroute_tests::harness::{http, metrics, wait_until};
 use kvroute_tests::stack::{MODEL, Routing, Stack, StackOptions};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
@@ -207,15 +207,7 @@ struct Memory {
 }
 
 fn rss_kib(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()
+    metrics::proc_status_kib(pid, "VmRSS")
 }
 
 async fn sample_memory(memory: Arc<Memory>, stop: CancellationToken) {
