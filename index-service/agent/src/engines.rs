@@ -154,7 +154,13 @@ impl Engines {
         for id in stale {
             if let Some(running) = self.running.remove(&id) {
                 tracing::info!(replica_id = %id, source = running.source.as_label(), "engine leaves; stopping its ingest");
-                stopping.push(running.ingest.shutdown());
+                let ingest = running.ingest;
+                let id = Arc::clone(&id);
+                // `stop` also forgets the engine's per-replica ingest series.
+                stopping.push(async move {
+                    ingest.stop(&id).await;
+                    ingest.shutdown().await;
+                });
             }
             if wanted.contains_key(&id) {
                 restarted.push(id);

@@ -225,6 +225,10 @@ async fn the_agent_mirrors_the_ready_pods_of_its_node_as_they_come_and_go() {
         !text.contains(mirror_series),
         "a removed mirror leaves no series behind:\n{text}"
     );
+    assert!(
+        !text.contains("kvroute_agent_ingest_connected{replica_id=\"pod-a\""),
+        "a stopped ingest leaves no per-replica series behind:\n{text}"
+    );
 
     // Ready again: mirrored from a fresh catch-up, claimed again.
     api.apply_pod(NS, &pod("pod-a", "node-a", 8001, &engine_a));
