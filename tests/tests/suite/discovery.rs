@@ -195,8 +195,13 @@ async fn replicas_join_and_leave_routing_through_the_api_server_alone() {
 
     // Deleted: after the deletion is observed, no request goes to it (the sim still runs, so a
     // request sent there would be served and counted).
+    let deleted = Instant::now();
     assert!(api.delete_pod(NS, "sim-0"));
     until_routable(&ext_proc, 1).await;
+    println!(
+        "discovery: a deleted pod left ext-proc's routing {:?} after the API server deleted it",
+        deleted.elapsed()
+    );
     let delta = send(&envoy, &sims, "deleted", 20).await;
     assert_eq!(delta, vec![0, 0, 20], "only sim-2 is a Ready pod now");
 
@@ -353,11 +358,16 @@ async fn the_index_follows_the_pods_and_drops_a_deleted_pods_blocks() {
     );
 
     // Deleted: the index drops the pod and its blocks, the router sends the prefix elsewhere.
+    let deleted = Instant::now();
     assert!(api.delete_pod(NS, &holder_id));
     let replicas = until_index(&index, "the index to drop the deleted pod", |r| {
         r.len() == 1 && r.iter().all(|(id, _, _)| *id != holder_id)
     })
     .await;
+    println!(
+        "discovery: the index dropped a deleted pod and its blocks {:?} after the API server deleted it",
+        deleted.elapsed()
+    );
     until_routable(&ext_proc, 1).await;
     let index_metrics = http::get(&format!("{}/metrics", index.admin_url()))
         .await
