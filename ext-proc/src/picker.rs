@@ -449,6 +449,22 @@ impl Picker {
         })
     }
 
+    /// Envoy served `decision`'s request on `served`, not the chosen replica (a retry walked the
+    /// fallback list, or the proxy ignored the destination): the served replica is remembered as
+    /// holding the prompt's blocks, and the chosen one gets no prediction for it. An address that
+    /// is no replica of the running config is left alone.
+    pub fn served_elsewhere(&self, decision: &mut Decision, served: SocketAddr) {
+        let keys = decision.inflight.served_elsewhere();
+        let runtime = self.runtime();
+        let config = &runtime.config;
+        let Some(replica) = config.replicas.iter().find(|r| r.address == served) else {
+            return;
+        };
+        let capacity = config.pools[replica.pool].approx_capacity_blocks;
+        self.router
+            .remember_served(&replica.id, capacity, &keys, Instant::now());
+    }
+
     /// The slow step: tokens, keys and the index's answer.
     async fn prefix_facts(
         &self,

@@ -575,7 +575,7 @@ impl StreamTask {
         }
     }
 
-    fn observe_served(&self, metadata: Option<&Metadata>) {
+    fn observe_served(&mut self, metadata: Option<&Metadata>) {
         let served = metadata
             .and_then(|m| m.filter_metadata.get(LB_NAMESPACE))
             .and_then(|s| s.fields.get(SERVED_KEY))
@@ -595,6 +595,9 @@ impl StreamTask {
             .decision
             .as_ref()
             .is_some_and(|d| d.fallbacks.contains(&served));
+        if let Some(decision) = self.state.decision.as_mut() {
+            self.picker.served_elsewhere(decision, served);
+        }
         if fallback {
             // A retry walked the list (the chosen endpoint failed).
             self.picker.metrics().served_fallback.inc();

@@ -182,6 +182,14 @@ impl InflightGuard {
         self
     }
 
+    /// The proxy served the request on another replica (a retry walked the fallback list): the
+    /// prediction was for this one, which never scheduled it, so it is not counted in its drift.
+    /// Returns the prompt's block keys, for the replica that did serve it.
+    pub fn served_elsewhere(&mut self) -> Vec<u64> {
+        self.prediction = None;
+        self.keys.clone()
+    }
+
     /// Stops counting the request (idempotent; dropping the guard does the same).
     pub fn release(&mut self) {
         if std::mem::replace(&mut self.released, true) {

@@ -143,6 +143,22 @@ impl Router {
         self.loads.retain(&keep);
     }
 
+    /// A request was served by `replica`, not the one chosen (a retry walked the fallback list):
+    /// that replica computed the prompt's blocks, so the approximate tier remembers them there.
+    /// (The chosen one keeps its memory of them until it ages out: it may hold them from an
+    /// earlier request, and memory is only ever a hint the index overrides.)
+    pub fn remember_served(
+        &self,
+        replica: &str,
+        capacity_blocks: usize,
+        keys: &[u64],
+        now: Instant,
+    ) {
+        if !keys.is_empty() {
+            self.memory.record(replica, capacity_blocks, keys, now);
+        }
+    }
+
     /// Whether some candidate holds every block of `keys` by kvroute's memory or a request in
     /// flight there (what scoring reads besides the index).
     pub fn remembers_all(
@@ -331,6 +347,39 @@ mod tests {
         assert_eq!(
             router.loads().replica("r1").snapshot().inflight_requests,
             2.0
+        );
+    }
+
+    #[test]
+    fn a_request_served_on_a_fallback_is_remembered_there_and_predicts_nothing_for_the_chosen() {
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let scoring = ScoringConfig::default();
+        let now = Instant::now();
+        let candidates = ["r0", "r1"];
+        let keys: Vec<u64> = (1..=10).collect();
+        let mut routed = router
+            .score_and_commit(request(
+                &candidates,
+                prompt(&keys, vec![None, None]),
+                &scoring,
+                now,
+            ))
+            .unwrap();
+        let chosen = candidates[routed.choice];
+        let served = candidates[1 - routed.choice];
+        let served_keys = routed.inflight.served_elsewhere();
+        assert_eq!(served_keys, keys);
+        router.remember_served(served, 1024, &served_keys, now);
+        routed.inflight.release();
+        let ttl = scoring.speculative_ttl;
+        assert_eq!(
+            router.memory().lookup(served, &keys, now, ttl).approximate,
+            10
+        );
+        assert_eq!(
+            router.loads().replica(chosen).predicted().prompt_tokens,
+            0,
+            "the chosen replica never scheduled it: no prediction counts there"
         );
     }
 
