@@ -10,6 +10,7 @@
 
 mod envoy;
 pub mod ext_proc;
+pub mod health;
 pub mod http;
 pub mod metrics;
 pub mod ports;

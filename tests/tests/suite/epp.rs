@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvroute_ext_proc::ExtProc;
-use kvroute_tests::harness::{Envoy, http, wait_until, workspace_root};
+use kvroute_tests::harness::{Envoy, health, http, wait_until, workspace_root};
 use kvroute_tests::stack::{
     EXT_PROC_CLUSTER, KVROUTE_LISTENER, OVERRIDE_HOST_CONFIG, render_envoy_config,
 };
@@ -285,19 +285,11 @@ typed_config:
     let (envoy, url) = start_envoy(&config, picker.grpc).await;
     post_routed_on_load(&url, &envoy).await;
     // And the listener speaks only TLS: a plaintext gRPC health check fails.
-    let plaintext = tonic::transport::Endpoint::from_shared(format!("http://{}", picker.grpc))
-        .unwrap()
-        .connect_timeout(Duration::from_secs(2))
-        .connect()
-        .await;
-    let answered = match plaintext {
-        Ok(channel) => tonic_health::pb::health_client::HealthClient::new(channel)
-            .check(tonic_health::pb::HealthCheckRequest::default())
-            .await
-            .is_ok(),
-        Err(_) => false,
-    };
-    assert!(!answered, "a plaintext client was answered");
+    let answered = health::check(&format!("http://{}", picker.grpc), "").await;
+    assert!(
+        answered.is_err(),
+        "a plaintext client was answered: {answered:?}"
+    );
 }
 
 #[tokio::test]
@@ -311,12 +303,6 @@ async fn the_health_port_answers_every_probed_service_name() {
     )
     .await;
     let health = picker.health.unwrap();
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{health}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
     for service in [
         "",
         "liveness",
@@ -324,17 +310,10 @@ async fn the_health_port_answers_every_probed_service_name() {
         "inference-extension",
         "envoy.service.ext_proc.v3.ExternalProcessor",
     ] {
-        let status = client
-            .check(tonic_health::pb::HealthCheckRequest {
-                service: service.to_owned(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .status;
+        let status = health::check(&format!("http://{health}"), service).await;
         assert_eq!(
             status,
-            tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+            Ok(tonic_health::pb::health_check_response::ServingStatus::Serving),
             "{service:?}"
         );
     }
@@ -447,22 +426,13 @@ async fn the_gie_chart_flags_set_the_listeners() {
         .await
         .unwrap();
     assert!(metrics.status.is_success());
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", ports[1]))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let status = tonic_health::pb::health_client::HealthClient::new(channel)
-        .check(tonic_health::pb::HealthCheckRequest {
-            service: "inference-extension".to_owned(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status;
     assert_eq!(
-        status,
-        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+        health::check(
+            &format!("http://127.0.0.1:{}", ports[1]),
+            "inference-extension"
+        )
+        .await,
+        Ok(tonic_health::pb::health_check_response::ServingStatus::Serving)
     );
     assert!(
         process.log().contains("--zap-encoder"),

@@ -17,9 +17,7 @@ use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{Encoding, encode_batch};
 use kvroute_tests::harness::{http, reserve_port, wait_until};
 use serde_json::{Value, json};
-use tonic_health::pb::{
-    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
-};
+use tonic_health::pb::health_check_response::ServingStatus;
 
 const MODEL: &str = "m";
 const BLOCK_SIZE: u32 = 4;
@@ -133,21 +131,9 @@ async fn readyz(server: &IndexServer) -> (u16, String) {
 }
 
 async fn health(server: &IndexServer, service: &str) -> ServingStatus {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", server.grpc_addr()))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = HealthClient::new(channel);
-    let status = client
-        .check(HealthCheckRequest {
-            service: service.into(),
-        })
+    kvroute_tests::harness::health::check(&format!("http://{}", server.grpc_addr()), service)
         .await
         .unwrap()
-        .into_inner()
-        .status;
-    ServingStatus::try_from(status).unwrap()
 }
 
 /// Waits until gRPC `Match` reports `replica` in `state` (returns the answer).
