@@ -2,7 +2,8 @@
 //! body is routed, a saturated pool is shed with 429, the self-signed `secure_serving` listener
 //! serves Envoy's ext_proc calls, the health port answers every service name GIE's charts and
 //! Envoy probe, FULL_DUPLEX_STREAMED carries a 4 MiB body both ways, and the chart flags set the
-//! listeners. (The fallback list honoured by a retry: `replica_states.rs`.)
+//! listeners; and why the shipped configs buffer instead (an ext-proc dying mid-request fails
+//! open only then). (The fallback list honoured by a retry: `replica_states.rs`.)
 //!
 //! The upstream is an engine double: it answers any request with what Envoy forwarded (the
 //! decision headers, the body length) or echoes the body, and serves vLLM's load gauges on
@@ -439,4 +440,98 @@ async fn the_gie_chart_flags_set_the_listeners() {
         "the ignored flags are logged\n{}",
         process.log()
     );
+}
+
+/// What a client gets when kvroute-ext-proc's link dies while Envoy is between the request's
+/// headers and the end of its body, in body mode `mode`: the status and the upstream's view.
+async fn ext_proc_dies_mid_request(mode: &str) -> (u16, serde_json::Value) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let tasks = TaskTracker::new();
+    let upstream = engine_double(&tasks, Arc::default()).await;
+    let picker = start_picker(&tasks, upstream, "").await;
+    let link = kvroute_tests::harness::TcpProxy::start(picker.grpc)
+        .await
+        .unwrap();
+    let config = envoy_config(upstream, link.addr(), |config| {
+        let processing = &mut ext_proc_filter(config)["typed_config"]["processing_mode"];
+        processing["request_body_mode"] = mode.into();
+        if mode == "FULL_DUPLEX_STREAMED" {
+            processing["request_trailer_mode"] = "SEND".into();
+        }
+    });
+    let (envoy, _) = start_envoy(&config, link.addr()).await;
+    let body = json!({"model": "m", "prompt": "kv ".repeat(20_000), "max_tokens": 1}).to_string();
+    let (first, rest) = body.as_bytes().split_at(body.len() / 2);
+
+    let mut client = tokio::net::TcpStream::connect(envoy.listener(KVROUTE_LISTENER).unwrap())
+        .await
+        .unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: kvroute\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    client.write_all(head.as_bytes()).await.unwrap();
+    client.write_all(first).await.unwrap();
+    // Envoy has opened the request's ext_proc stream (and, streaming, sent it the first half).
+    let sent = "http.kvroute.ext_proc.stream_msgs_sent";
+    let wanted = if mode == "FULL_DUPLEX_STREAMED" { 2 } else { 1 };
+    wait_until(
+        "Envoy to talk to ext-proc about the request",
+        SETTLE,
+        || async { (envoy.stat(sent).await.ok()?.unwrap_or(0) >= wanted).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", envoy.log()));
+    link.pause();
+    client.write_all(rest).await.unwrap();
+    let mut response = Vec::new();
+    tokio::time::timeout(SETTLE, client.read_to_end(&mut response))
+        .await
+        .expect("Envoy answers")
+        .unwrap();
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0);
+    let seen = response
+        .split_once("\r\n\r\n")
+        .and_then(|(_, body)| serde_json::from_str(body.trim()).ok())
+        .unwrap_or(serde_json::Value::Null);
+    let fail_open = envoy
+        .stat("http.kvroute.ext_proc.failure_mode_allowed")
+        .await
+        .unwrap()
+        .unwrap_or(0);
+    (
+        status,
+        json!({"upstream": seen, "failure_mode_allowed": fail_open, "body_bytes": body.len()}),
+    )
+}
+
+/// Why the shipped configs keep BUFFERED although GIE's gateways stream: with BUFFERED, Envoy
+/// holds the body, so when ext-proc's link dies mid-request `failure_mode_allow` sends the whole
+/// request on undecided; with FULL_DUPLEX_STREAMED the body already went to ext-proc and Envoy
+/// answers 500. (Measured through Envoy 1.40, the link cut after Envoy sent ext-proc the headers
+/// — and, streaming, the first half of the body.)
+#[tokio::test]
+async fn an_ext_proc_that_dies_mid_request_fails_open_only_when_envoy_buffers_the_body() {
+    let (status, seen) = ext_proc_dies_mid_request("BUFFERED").await;
+    assert_eq!(status, 200, "{seen}");
+    assert_eq!(seen["upstream"]["body_bytes"], seen["body_bytes"], "{seen}");
+    assert_eq!(
+        seen["upstream"]["decision"],
+        serde_json::Value::Null,
+        "{seen}"
+    );
+    assert_eq!(seen["failure_mode_allowed"], 1, "{seen}");
+
+    let (status, seen) = ext_proc_dies_mid_request("FULL_DUPLEX_STREAMED").await;
+    assert_eq!(
+        status, 500,
+        "if a streamed body survives ext-proc's death, the shipped configs can stream: {seen}"
+    );
+    assert_eq!(seen["failure_mode_allowed"], 0, "{seen}");
 }
