@@ -1,8 +1,12 @@
 //! The Kubernetes install (deploy/helm/kvroute), rendered by Helm's own engine for the default
 //! values and every example values file: each document is the kind it claims (typed round trip),
 //! each kvroute binary accepts the config its pod would read (files laid out as the pod mounts
-//! them), and names and ports agree across Services, containers, probes, configs, the
-//! InferencePool, the routes and the example vLLM pool. Skips, saying so, without the engine
+//! them), all three discover the one pool (no static replicas; the agents are the index's node
+//! agents), the RBAC grants exactly what discovery reads to each account, and names and ports
+//! agree across Services, containers, probes (ext-proc's: gRPC `inference-extension` on 9003),
+//! configs, the InferencePool, the routes and the example vLLM pool, whose pod the rendered
+//! `discovery:` sections find through kvroute-discovery's API server double (a real API server
+//! cannot be installed here). Skips, saying so, without the engine
 //! (`bash scripts/setup.sh` installs it; under CI its absence fails).
 
 // Helpers outside `#[test]` fns fail the test by panicking, exactly like the tests themselves.
@@ -14,13 +18,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Container, PodSpec, Probe, Service};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kvroute_discovery::testing::{ApiServer, Resource};
 use kvroute_install_tests::{
     Doc, NAMESPACE, Object, crd, parse_stream, render, renderer, repo_root,
 };
+use tokio_util::task::TaskTracker;
 
 /// Every install the tests render: the default values, then each example alone.
 const INSTALLS: &[(&str, &[&str])] = &[
@@ -35,6 +42,10 @@ const INSTALLS: &[(&str, &[&str])] = &[
         &["deploy/helm/examples/envoy-ai-gateway.yaml"],
     ),
     ("agentless", &["deploy/helm/examples/agentless.yaml"]),
+    (
+        "istio-envoyfilter",
+        &["deploy/helm/examples/istio-envoyfilter.yaml"],
+    ),
 ];
 
 struct Install {
@@ -130,8 +141,6 @@ fn every_install_renders_and_every_document_is_its_kind() {
     };
     for install in &installs {
         let agents = install.name != "agentless";
-        // Envoy Gateway and Envoy AI Gateway dial the picker with TLS.
-        let tls = install.name.starts_with("envoy-");
         let count = |kind| install.of_kind(kind).count();
         let expected = [
             ("Deployment", 1),
@@ -139,11 +148,15 @@ fn every_install_renders_and_every_document_is_its_kind() {
             ("DaemonSet", usize::from(agents)),
             ("Service", 3),
             ("ConfigMap", 2 + usize::from(agents)),
-            ("Secret", 2 + usize::from(tls)),
+            // The tokens; ext_proc's self-signed certificate is made by each pod at start.
+            ("Secret", 2),
             ("ServiceAccount", 2 + usize::from(agents)),
             ("Role", 1),
             ("RoleBinding", 1),
-            ("InferencePool", 1),
+            (
+                "InferencePool",
+                usize::from(install.name != "istio-envoyfilter"),
+            ),
             (
                 "HTTPRoute",
                 usize::from(matches!(install.name, "istio" | "envoy-gateway")),
@@ -318,8 +331,9 @@ fn load_configs(install: &Install) -> Vec<Loaded<'_>> {
                         .unwrap_or_else(|e| panic!("{context}: {e}\n{text}")),
                 )),
                 "kvroute-agent" => Parsed::Agent(
-                    scheduled_nodes(pod)
-                        .into_iter()
+                    NODES
+                        .iter()
+                        .map(|node| node.to_string())
                         .map(|node| {
                             let env = |name: &str| container_env(container, name, &node);
                             let config = kvroute_agent::AgentConfig::from_yaml_with_env(&text, env)
@@ -342,25 +356,9 @@ fn load_configs(install: &Install) -> Vec<Loaded<'_>> {
     loaded
 }
 
-/// The nodes a pod may run on by its required node affinity on `metadata.name`.
-fn scheduled_nodes(pod: &PodSpec) -> Vec<String> {
-    pod.affinity
-        .as_ref()
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|n| {
-            n.required_during_scheduling_ignored_during_execution
-                .as_ref()
-        })
-        .map(|r| {
-            r.node_selector_terms
-                .iter()
-                .flat_map(|t| t.match_fields.iter().flatten())
-                .filter(|f| f.key == "metadata.name" && f.operator == "In")
-                .flat_map(|f| f.values.clone().unwrap_or_default())
-                .collect()
-        })
-        .unwrap_or_default()
-}
+/// The nodes the agent DaemonSet's pods are modelled on (it runs on every node its selector and
+/// tolerations allow; any names do).
+const NODES: [&str; 2] = ["gpu-node-1", "gpu-node-2"];
 
 /// What the kubelet would put in the container's environment for `name` on `node`.
 fn container_env(container: &Container, name: &str, node: &str) -> Option<String> {
@@ -377,10 +375,10 @@ fn container_env(container: &Container, name: &str, node: &str) -> Option<String
 }
 
 #[test]
-fn every_binary_accepts_the_config_its_pod_mounts_and_agents_are_who_the_index_expects() {
-    let Some(installs) = installs(
-        "every_binary_accepts_the_config_its_pod_mounts_and_agents_are_who_the_index_expects",
-    ) else {
+fn every_binary_accepts_the_config_its_pod_mounts_and_all_discover_the_one_pool() {
+    let Some(installs) =
+        installs("every_binary_accepts_the_config_its_pod_mounts_and_all_discover_the_one_pool")
+    else {
         return;
     };
     for install in &installs {
@@ -395,10 +393,6 @@ fn every_binary_accepts_the_config_its_pod_mounts_and_agents_are_who_the_index_e
             _ => None,
         });
         let ext_proc = ext_proc.unwrap_or_else(|| panic!("{}: no ext-proc", install.name));
-        // ext-proc routes to the replicas the index tracks, in the pool both name.
-        let ext_ids: BTreeSet<&str> = ext_proc.replicas.iter().map(|r| r.id.as_str()).collect();
-        let index_ids: BTreeSet<&str> = index.replicas.iter().map(|r| r.id.as_str()).collect();
-        assert_eq!(ext_ids, index_ids, "{}", install.name);
         assert_eq!(ext_proc.pools[0].name, index.pools[0].name);
         assert_eq!(ext_proc.pools[0].block_size, index.pools[0].block_size);
         assert!(
@@ -411,6 +405,40 @@ fn every_binary_accepts_the_config_its_pod_mounts_and_agents_are_who_the_index_e
             "{}: the index requires it",
             install.name
         );
+        // No static replicas: both discover the pool's pods, in-cluster, in the release
+        // namespace.
+        assert!(
+            ext_proc.replicas.is_empty() && index.replicas.is_empty() && index.agents.is_empty(),
+            "{}: static replicas",
+            install.name
+        );
+        let source = ext_proc.pools[0]
+            .discovery
+            .clone()
+            .unwrap_or_else(|| panic!("{}: ext-proc discovers no pool", install.name));
+        assert_eq!(index.pools[0].discovery.as_ref(), Some(&source));
+        assert_eq!(source.namespace.as_deref(), Some(NAMESPACE));
+        match install.of_kind("InferencePool").next() {
+            Some(pool) => assert_eq!(
+                source.target,
+                kvroute_discovery::Target::InferencePool(pool.name().to_owned()),
+                "{}: the pool the chart creates",
+                install.name
+            ),
+            // Without GIE's CRDs: the pods by label (the example vLLM pool's test discovers
+            // them with this section).
+            None => assert!(
+                matches!(&source.target, kvroute_discovery::Target::Selector { labels, .. } if !labels.is_empty()),
+                "{}: {:?}",
+                install.name,
+                source.target
+            ),
+        }
+        assert_eq!(source.connection, kvroute_discovery::Connection::InCluster);
+        assert_eq!(
+            source.node_name, None,
+            "ext-proc and the index see every node"
+        );
         let agents: Vec<&(String, kvroute_agent::AgentConfig)> = loaded
             .iter()
             .filter_map(|l| match &l.config {
@@ -420,36 +448,34 @@ fn every_binary_accepts_the_config_its_pod_mounts_and_agents_are_who_the_index_e
             .flatten()
             .collect();
         if install.name == "agentless" {
-            assert!(agents.is_empty() && index.agents.is_empty());
+            assert!(agents.is_empty());
             assert!(
-                index.replicas.iter().all(|r| !r.endpoint.is_empty()),
-                "the index subscribes itself"
+                index.node_agents.is_none(),
+                "{}: the index subscribes to the discovered pods itself",
+                install.name
             );
             continue;
         }
-        // Each node's agent is the index's agent of that id, owning exactly its replicas, and
-        // together they feed every replica.
-        assert_eq!(agents.len(), index.agents.len(), "{}", install.name);
+        // Each node's agent is the node agent the index expects: its id the node name, the
+        // shared token, the same pool's pods on its own node only, nothing static.
+        let node_agents = index
+            .node_agents
+            .as_ref()
+            .unwrap_or_else(|| panic!("{}: the index takes no node agents", install.name));
+        assert_eq!(agents.len(), NODES.len(), "{}", install.name);
         for (node, agent) in &agents {
             assert_eq!(&agent.agent_id, node);
-            let expected = index
-                .agents
-                .iter()
-                .find(|a| a.id == *node)
-                .unwrap_or_else(|| panic!("no index agent {node}"));
-            let mirrored: BTreeSet<&str> = agent.engines.iter().map(|e| &*e.replica_id).collect();
-            let owned: BTreeSet<&str> = expected.replicas.iter().map(String::as_str).collect();
-            assert_eq!(mirrored, owned, "{node}");
+            assert!(agent.engines.is_empty(), "{node}: static engines");
+            assert_eq!(
+                agent.discovery.as_ref(),
+                Some(&source.clone().on_node(node.as_str())),
+                "{node}: the agent discovers the pool's pods on its node"
+            );
             assert!(
-                expected.token.matches(agent.token.expose()),
+                node_agents.matches(agent.token.expose()),
                 "{node}: the index expects the token the agent sends"
             );
         }
-        let fed: BTreeSet<&str> = agents
-            .iter()
-            .flat_map(|(_, a)| a.engines.iter().map(|e| &*e.replica_id))
-            .collect();
-        assert_eq!(fed, index_ids, "{}", install.name);
     }
 }
 
@@ -467,7 +493,11 @@ fn container_port(container: &Container, target: &IntOrString) -> Option<u16> {
 /// The ports a kvroute config listens on, by container port name; every one on all interfaces.
 fn listen_ports(config: &Parsed) -> Vec<(&'static str, std::net::SocketAddr)> {
     match config {
-        Parsed::ExtProc(c) => vec![("grpc", c.grpc_addr), ("admin", c.admin_addr)],
+        Parsed::ExtProc(c) => {
+            let mut ports = vec![("grpc", c.grpc_addr), ("admin", c.admin_addr)];
+            ports.extend(c.health_addr.map(|a| ("grpc-health", a)));
+            ports
+        }
         Parsed::Index(c) => vec![("grpc", c.grpc_addr), ("admin", c.admin_addr)],
         Parsed::Agent(per_node) => vec![("admin", per_node[0].1.admin_addr)],
     }
@@ -569,24 +599,31 @@ fn services_containers_probes_configs_and_references_agree_on_names_and_ports() 
                 );
             }
             if let Parsed::ExtProc(c) = &l.config {
-                // TLS on the ext_proc port exactly where a gateway dials it with TLS.
-                assert_eq!(
-                    c.grpc_tls.is_some(),
-                    install.name.starts_with("envoy-"),
-                    "{}",
-                    install.name
-                );
-                let readiness = l
-                    .container
-                    .readiness_probe
-                    .as_ref()
-                    .and_then(|p| p.http_get.as_ref())
-                    .expect("HTTP readiness");
-                assert_eq!(readiness.path.as_deref(), Some("/readyz"));
-                assert_eq!(
-                    container_port(l.container, &readiness.port),
-                    Some(c.admin_addr.port())
-                );
+                // TLS on the ext_proc port exactly where a gateway dials it with TLS (and
+                // accepts any certificate): self-signed at start, no certificate to mount.
+                let tls = install.name.starts_with("envoy-");
+                assert_eq!(c.secure_serving, tls, "{}", install.name);
+                assert!(c.grpc_tls.is_none(), "{}", install.name);
+                // GIE's and llm-d's probes: gRPC health `inference-extension` on the plaintext
+                // health port, 9003, whatever the ext_proc port speaks.
+                let health = c.health_addr.expect("listen.health");
+                assert_eq!(health.port(), 9003, "{}", install.name);
+                for (what, probe) in [
+                    ("liveness", &l.container.liveness_probe),
+                    ("readiness", &l.container.readiness_probe),
+                ] {
+                    let grpc = probe
+                        .as_ref()
+                        .and_then(|p| p.grpc.as_ref())
+                        .unwrap_or_else(|| panic!("{}: {what}: not a gRPC probe", install.name));
+                    assert_eq!(grpc.port, i32::from(health.port()), "{what}");
+                    assert_eq!(
+                        grpc.service.as_deref(),
+                        Some("inference-extension"),
+                        "{what}"
+                    );
+                }
+                assert_eq!(c.admin_addr.port(), 9090, "metrics on the admin port");
             }
         }
         // Every Service selects exactly one workload, and each of its ports reaches a port the
@@ -651,9 +688,76 @@ fn services_containers_probes_configs_and_references_agree_on_names_and_ports() 
                 Parsed::Index(_) => {}
             }
         }
-        // The InferencePool's picker is the ext-proc Service's gRPC port.
-        let Object::InferencePool(pool) = &install.of_kind("InferencePool").next().unwrap().object
+        // Least privilege: read-only pods and InferencePools (what discovery watches), bound
+        // to the account of every kvroute workload, each of which mounts its token.
+        let Object::Role(role) = &install.of_kind("Role").next().unwrap().object else {
+            unreachable!()
+        };
+        let mut granted = BTreeSet::new();
+        for rule in role.rules.iter().flatten() {
+            assert_eq!(rule.verbs, ["get", "list", "watch"], "{}", install.name);
+            for group in rule.api_groups.iter().flatten() {
+                for resource in rule.resources.iter().flatten() {
+                    granted.insert((group.as_str(), resource.as_str()));
+                }
+            }
+        }
+        assert_eq!(
+            granted,
+            [
+                ("", "pods"),
+                ("inference.networking.k8s.io", "inferencepools")
+            ]
+            .into(),
+            "{}",
+            install.name
+        );
+        let Object::RoleBinding(binding) = &install.of_kind("RoleBinding").next().unwrap().object
         else {
+            unreachable!()
+        };
+        assert_eq!(binding.role_ref.kind, "Role");
+        assert_eq!(Some(&binding.role_ref.name), role.metadata.name.as_ref());
+        let subjects: BTreeSet<&str> = binding
+            .subjects
+            .iter()
+            .flatten()
+            .inspect(|s| {
+                assert_eq!(s.kind, "ServiceAccount");
+                assert_eq!(s.namespace.as_deref(), Some(NAMESPACE));
+            })
+            .map(|s| s.name.as_str())
+            .collect();
+        let accounts: BTreeSet<&str> = loaded
+            .iter()
+            .map(|l| {
+                assert_ne!(
+                    l.pod.automount_service_account_token,
+                    Some(false),
+                    "{}: {}: discovery needs the account's token",
+                    install.name,
+                    l.workload.name()
+                );
+                l.pod.service_account_name.as_deref().unwrap()
+            })
+            .collect();
+        assert_eq!(accounts.len(), loaded.len(), "one account per workload");
+        assert_eq!(subjects, accounts, "{}", install.name);
+        let service_accounts: BTreeSet<&str> =
+            install.of_kind("ServiceAccount").map(Doc::name).collect();
+        assert_eq!(service_accounts, accounts, "{}", install.name);
+        // The InferencePool's picker is the ext-proc Service's gRPC port.
+        let Some(pool) = install.of_kind("InferencePool").next() else {
+            // No pool (istio-envoyfilter): nothing routes to one.
+            assert_eq!(
+                install.of_kind("HTTPRoute").count() + install.of_kind("AIGatewayRoute").count(),
+                0,
+                "{}",
+                install.name
+            );
+            continue;
+        };
+        let Object::InferencePool(pool) = &pool.object else {
             unreachable!()
         };
         let picker = &pool.spec.endpoint_picker_ref;
@@ -690,17 +794,7 @@ fn services_containers_probes_configs_and_references_agree_on_names_and_ports() 
             Some("http2"),
             "ext_proc is gRPC: the gateway's cluster must speak HTTP/2"
         );
-        // ext-proc routes to the pool's target port; the routes name the pool.
-        let target = pool.spec.target_ports[0].number;
-        for replica in &config.replicas {
-            assert_eq!(
-                replica.address.port(),
-                target,
-                "{}: replica {}",
-                install.name,
-                replica.id
-            );
-        }
+        // The routes name the pool.
         let pool_name = pool.metadata.name.as_deref().unwrap();
         let mut backends = Vec::new();
         for doc in &install.docs {
@@ -725,35 +819,6 @@ fn services_containers_probes_configs_and_references_agree_on_names_and_ports() 
             assert_eq!(backend.kind.as_deref(), Some("InferencePool"));
             assert_eq!(backend.name, pool_name);
         }
-        // Least privilege: read-only, three resources, bound to ext-proc's account only.
-        let Object::Role(role) = &install.of_kind("Role").next().unwrap().object else {
-            unreachable!()
-        };
-        for rule in role.rules.iter().flatten() {
-            assert_eq!(rule.verbs, ["get", "list", "watch"]);
-        }
-        let resources: BTreeSet<String> = role
-            .rules
-            .iter()
-            .flatten()
-            .flat_map(|r| r.resources.clone().unwrap_or_default())
-            .collect();
-        assert_eq!(
-            resources,
-            ["endpointslices", "inferencepools", "pods"]
-                .map(String::from)
-                .into()
-        );
-        let Object::RoleBinding(binding) = &install.of_kind("RoleBinding").next().unwrap().object
-        else {
-            unreachable!()
-        };
-        let subjects = binding.subjects.clone().unwrap_or_default();
-        assert_eq!(subjects.len(), 1);
-        assert_eq!(
-            Some(&subjects[0].name),
-            ext_proc.pod.service_account_name.as_ref()
-        );
     }
 }
 
@@ -767,8 +832,8 @@ fn arg<'a>(container: &'a Container, name: &str) -> &'a str {
         .unwrap_or_else(|| panic!("vLLM arg {name}"))
 }
 
-#[test]
-fn the_example_vllm_pool_is_the_one_the_chart_defaults_describe() {
+#[tokio::test]
+async fn the_example_vllm_pool_is_the_one_the_chart_defaults_describe() {
     let Some(installs) = installs("the_example_vllm_pool_is_the_one_the_chart_defaults_describe")
     else {
         return;
@@ -848,13 +913,71 @@ fn the_example_vllm_pool_is_the_one_the_chart_defaults_describe() {
         container_port(vllm, service_port.target_port.as_ref().unwrap()),
         Some(port)
     );
-    // KV events on the node's loopback, at the ports the agent subscribes to.
-    assert_eq!(
-        pod.host_network,
-        Some(true),
-        "the agent reads loopback: the engines share the node's network"
-    );
+    // The engine binds its KV-event sockets on the pod's addresses, at the ports its
+    // annotations tell discovery.
     let events: serde_json::Value = serde_json::from_str(arg(vllm, "--kv-events-config")).unwrap();
+    assert_eq!(events["enable_kv_cache_events"], true);
+    let template = &example.workloads().into_iter().next().unwrap().0.value["spec"]["template"];
+    let annotation = |key: &str| template["metadata"]["annotations"][key].as_str().unwrap();
+    for (key, annotation_key, port_name) in [
+        (
+            "endpoint",
+            kvroute_discovery::replica::ANNOTATION_KV_EVENTS_PORT,
+            "kv-events",
+        ),
+        (
+            "replay_endpoint",
+            kvroute_discovery::replica::ANNOTATION_KV_REPLAY_PORT,
+            "kv-replay",
+        ),
+    ] {
+        let port = annotation(annotation_key);
+        assert_eq!(
+            events[key].as_str(),
+            Some(format!("tcp://*:{port}").as_str()),
+            "{key}"
+        );
+        assert_eq!(
+            container_port(vllm, &IntOrString::String(port_name.into())).map(|p| p.to_string()),
+            Some(port.to_owned()),
+            "{port_name}"
+        );
+    }
+    // What each component discovers from this pod (Ready, on the first node) and the pool the
+    // chart renders, served by the API server double: the endpoint Envoy routes to, the
+    // metrics ext-proc scrapes, and the KV-event sockets the engine binds.
+    let server = ApiServer::start().await.unwrap();
+    let pool_doc = install.of_kind("InferencePool").next().unwrap();
+    server.apply(Resource::InferencePools, NAMESPACE, pool_doc.value.clone());
+    let mut pod = serde_json::json!({
+        "metadata": template["metadata"].clone(),
+        "spec": template["spec"].clone(),
+        "status": {
+            "phase": "Running",
+            "podIP": "10.1.2.3",
+            "podIPs": [{"ip": "10.1.2.3"}],
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    });
+    pod["metadata"]["name"] = "vllm-llama-0".into();
+    pod["spec"]["nodeName"] = NODES[0].into();
+    server.apply(Resource::Pods, NAMESPACE, pod);
+    let replay_port = annotation(kvroute_discovery::replica::ANNOTATION_KV_REPLAY_PORT);
+    let expected = kvroute_discovery::Replica {
+        id: "vllm-llama-0".into(),
+        pod: "vllm-llama-0".into(),
+        rank: 0,
+        address: format!("10.1.2.3:{port}").parse().unwrap(),
+        metrics_url: format!("http://10.1.2.3:{port}/metrics"),
+        kv_events: format!(
+            "tcp://10.1.2.3:{}",
+            annotation(kvroute_discovery::replica::ANNOTATION_KV_EVENTS_PORT)
+        ),
+        kv_replay: Some(format!("tcp://10.1.2.3:{replay_port}")),
+        kv_topic: String::new(),
+        model: None,
+        node: Some(NODES[0].into()),
+    };
     let Some(Parsed::Agent(per_node)) = loaded
         .iter()
         .map(|l| &l.config)
@@ -862,11 +985,60 @@ fn the_example_vllm_pool_is_the_one_the_chart_defaults_describe() {
     else {
         unreachable!()
     };
-    let engine = &per_node[0].1.engines[0];
-    assert_eq!(events["endpoint"].as_str(), Some(engine.endpoint.as_str()));
-    assert_eq!(
-        events["replay_endpoint"].as_str(),
-        engine.replay_endpoint.as_deref()
-    );
-    assert_eq!(events["enable_kv_cache_events"], true);
+    let mut sources = vec![(
+        "ext-proc",
+        ext_proc.pools[0].discovery.clone().unwrap(),
+        true,
+    )];
+    for (node, agent) in per_node {
+        let on_this_node = node == NODES[0];
+        sources.push(("agent", agent.discovery.clone().unwrap(), on_this_node));
+    }
+    // Without an InferencePool: the chart's selector and target port find the same pod.
+    let by_selector = installs
+        .iter()
+        .find(|i| i.name == "istio-envoyfilter")
+        .unwrap();
+    let selector_source = load_configs(by_selector)
+        .iter()
+        .find_map(|l| match &l.config {
+            Parsed::ExtProc(c) => c.pools[0].discovery.clone(),
+            _ => None,
+        })
+        .unwrap();
+    sources.push(("ext-proc by selector", selector_source, true));
+    for (who, mut source, sees_pod) in sources {
+        source.connection = kvroute_discovery::Connection::Url(server.url().parse().unwrap());
+        let node = source.node_name.clone();
+        let snapshot = discover(source).await;
+        let expected: Vec<_> = if sees_pod {
+            vec![expected.clone()]
+        } else {
+            Vec::new()
+        };
+        assert_eq!(snapshot.replicas, expected, "{who} on {node:?}");
+    }
+}
+
+/// The first complete snapshot `source` discovers (a deadline, not a sleep).
+async fn discover(source: kvroute_discovery::KubernetesSource) -> kvroute_discovery::Snapshot {
+    const DEADLINE: Duration = Duration::from_secs(30);
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = kvroute_discovery::DiscoveryMetrics::register(&mut registry);
+    let tasks = TaskTracker::new();
+    let discovery = kvroute_discovery::Discovery::start("llama", source, &metrics, &tasks)
+        .await
+        .unwrap();
+    let mut snapshots = discovery.snapshots();
+    let snapshot: kvroute_discovery::Snapshot = {
+        let synced = tokio::time::timeout(DEADLINE, snapshots.wait_for(|s| s.synced))
+            .await
+            .expect("a synced snapshot within the deadline")
+            .unwrap();
+        (**synced).clone()
+    };
+    discovery.stop();
+    tasks.close();
+    tokio::time::timeout(DEADLINE, tasks.wait()).await.unwrap();
+    snapshot
 }

@@ -32,7 +32,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{- define "kvroute.extProcTlsSecret" -}}
-{{- .Values.extProc.tls.secretName | default (printf "%s-ext-proc-tls" (include "kvroute.fullname" .)) -}}
+{{- .Values.extProc.tls.secretName -}}
 {{- end -}}
 {{- define "kvroute.extProcTlsDir" -}}/var/run/secrets/kvroute-ext-proc-tls{{- end -}}
 
@@ -71,13 +71,35 @@ runAsGroup: 65532
 seccompProfile: {type: RuntimeDefault}
 {{- end -}}
 
-{{/* kvroute-ext-proc's config (ext-proc/src/config.rs). */}}
+{{/* The `kubernetes:` discovery section every kvroute component reads (kvroute_discovery::config):
+     the pool's pods in the release namespace, through the InferencePool or the label selector.
+     In-cluster connection: each pod's service account (rbac.yaml). One line of JSON. */}}
+{{- define "kvroute.discovery" -}}
+{{- $kubernetes := dict "namespace" .Release.Namespace -}}
+{{- if eq .Values.pool.discovery "inferencePool" -}}
+{{- $_ := set $kubernetes "inference_pool" .Values.pool.name -}}
+{{- else if eq .Values.pool.discovery "selector" -}}
+{{- $_ := set $kubernetes "selector" .Values.pool.selector -}}
+{{- $_ := set $kubernetes "target_port" .Values.pool.targetPort -}}
+{{- else -}}
+{{- fail (printf "pool.discovery: %q is neither inferencePool nor selector" .Values.pool.discovery) -}}
+{{- end -}}
+{{- toJson (dict "kubernetes" $kubernetes) -}}
+{{- end -}}
+
+{{/* kvroute-ext-proc's config (ext-proc/src/config.rs). The pool's replicas are discovered:
+     routed at podIP:targetPort, scraped at their /metrics. */}}
 {{- define "kvroute.extProcConfig" -}}
 listen:
   grpc: "0.0.0.0:{{ .Values.extProc.grpcPort }}"
   admin: "0.0.0.0:{{ .Values.extProc.adminPort }}"
-{{- if ne .Values.extProc.tls.mode "none" }}
+  health: "0.0.0.0:{{ .Values.extProc.healthPort }}"
+{{- if eq .Values.extProc.tls.mode "selfSigned" }}
+  secure_serving: true
+{{- else if eq .Values.extProc.tls.mode "secret" }}
   tls: {cert: {{ include "kvroute.extProcTlsDir" . }}/tls.crt, key: {{ include "kvroute.extProcTlsDir" . }}/tls.key}
+{{- else if ne .Values.extProc.tls.mode "none" }}
+{{- fail (printf "extProc.tls.mode: %q is none, selfSigned or secret" .Values.extProc.tls.mode) }}
 {{- end }}
 index:
   addresses:
@@ -87,21 +109,15 @@ index:
 pools:
   - {{ include "kvroute.poolSchema" . | indent 4 | trim }}
     tokenizer: {{ toJson .Values.pool.tokenizer }}
-replicas:
-{{- range $node := .Values.nodes }}
-{{- range $engine := $.Values.engines }}
-  - id: {{ printf "%s-%s" $node.name $engine.name | quote }}
-    pool: {{ $.Values.pool.name | quote }}
-    address: "{{ $node.address }}:{{ $engine.port }}"
-    metrics_url: "http://{{ $node.address }}:{{ $engine.port }}/metrics"
-{{- end }}
-{{- end }}
+    discovery: {{ include "kvroute.discovery" . }}
 {{- with .Values.extProc.extraConfig }}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
 
-{{/* kvroute-index's config (index-service/src/config.rs). */}}
+{{/* kvroute-index's config (index-service/src/config.rs). With agents, each node's agent
+     (id = node name) feeds the discovered replicas on its node, all with one token; without,
+     the index subscribes to each discovered pod's KV-event ports itself. */}}
 {{- define "kvroute.indexConfig" -}}
 listen: {grpc: "0.0.0.0:{{ .Values.index.grpcPort }}", admin: "0.0.0.0:{{ .Values.index.adminPort }}"}
 query_auth: {token_file: {{ include "kvroute.queryTokenDir" . }}/token}
@@ -110,33 +126,18 @@ limits:
   agent_stale_grace: {{ .Values.index.limits.agent_stale_grace }}
 pools:
   - {{ include "kvroute.poolSchema" . | indent 4 | trim }}
-replicas:
-{{- range $node := .Values.nodes }}
-{{- range $engine := $.Values.engines }}
-  - id: {{ printf "%s-%s" $node.name $engine.name | quote }}
-    pool: {{ $.Values.pool.name | quote }}
-{{- if not $.Values.agent.enabled }}
-    events:
-      endpoint: "tcp://{{ $node.address }}:{{ $engine.events }}"
-      replay_endpoint: "tcp://{{ $node.address }}:{{ $engine.replay }}"
-{{- end }}
-{{- end }}
-{{- end }}
+    discovery: {{ include "kvroute.discovery" . }}
 {{- if .Values.agent.enabled }}
-# One agent per node, its id the node name (the agent's NODE_NAME); all share one token.
-agents:
-{{- range $node := .Values.nodes }}
-  - id: {{ $node.name | quote }}
-    token_file: {{ include "kvroute.agentTokenDir" $ }}/token
-    replicas: [{{- range $i, $engine := $.Values.engines }}{{ if $i }}, {{ end }}{{ printf "%s-%s" $node.name $engine.name | quote }}{{ end }}]
-{{- end }}
+node_agents: {token_file: {{ include "kvroute.agentTokenDir" . }}/token}
 {{- end }}
 {{- with .Values.index.extraConfig }}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
 
-{{/* kvroute-agent's config (index-service/agent/src/config.rs): one file for every node. */}}
+{{/* kvroute-agent's config (index-service/agent/src/config.rs): one file for every node. The
+     agent id is the node name (NODE_NAME), and discovery without node_name watches the pods
+     on the agent's own node. */}}
 {{- define "kvroute.agentConfig" -}}
 agent_id_env: NODE_NAME
 token_file: {{ include "kvroute.agentTokenDir" . }}/token
@@ -145,10 +146,6 @@ indexes:
 admin: "0.0.0.0:{{ .Values.agent.adminPort }}"
 batch_delay: {{ .Values.agent.batchDelay }}
 max_blocks_per_replica: {{ int .Values.agent.maxBlocksPerReplica }}
-engines:
-{{- range $engine := .Values.engines }}
-  - replica: "{agent_id}-{{ $engine.name }}"
-    endpoint: "tcp://127.0.0.1:{{ $engine.events }}"
-    replay_endpoint: "tcp://127.0.0.1:{{ $engine.replay }}"
-{{- end }}
+engines: []
+discovery: {{ include "kvroute.discovery" . }}
 {{- end -}}
