@@ -23,6 +23,9 @@ pub(super) async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow
             backends.embedded_index_admin,
         ),
     ];
+    cases.retain(|c| {
+        c.name == "plain" || args.cases.is_empty() || args.cases.iter().any(|n| n == c.name)
+    });
     println!(
         "## extproc: Envoy {{plain, no-op ext_proc, kvroute-ext-proc}}, load {}\n",
         load_average()

@@ -133,6 +133,13 @@ struct Args {
     /// Run kvroute-ext-proc without kvroute-index (approximate tier only) in the Envoy benches.
     #[arg(long)]
     without_index: bool,
+    /// Extproc bench: measure only these cases (`plain`, `noop-ext-proc`, `fixed-picker`,
+    /// `kvroute-ext-proc`, `kvroute-embedded`; default all). `plain` is always measured (the
+    /// baseline). The others still run, idle: a case left out sends no traffic, so its
+    /// ext-proc does no tokenization of its own (a 32k prompt's whole tokenization for the
+    /// next turn runs in the background, ≈ 3–10 ms of CPU on this 2-core host).
+    #[arg(long, value_delimiter = ',')]
+    cases: Vec<String>,
     /// Picker bench: evict the CPU caches (write 32 MiB) before every decision, as a router's
     /// decision runs between the proxy's and the client's turns. Only the µs / decision column
     /// (timed around the decision alone) is meaningful then.
