@@ -673,10 +673,15 @@ impl Config {
 /// owner each.
 /// `query_auth`: exactly one token source; the token must fit an `authorization` header.
 fn validate_query_auth(raw: RawQueryAuth) -> Result<crate::token::AgentToken, ConfigError> {
+    let field = if raw.token_env.is_some() && raw.token_file.is_none() {
+        "query_auth.token_env"
+    } else {
+        "query_auth.token_file"
+    };
     let token = load_token(raw, "query_auth")?;
     if !token.expose().bytes().all(|b| b.is_ascii_graphic()) {
         return Err(ConfigError::invalid(
-            "query_auth",
+            field,
             "<secret>",
             "the token must be printable ASCII without spaces (it travels in a header)",
         ));
