@@ -178,6 +178,7 @@ mod tests {
                 input_length: input,
                 output_length: output,
                 hash_ids: ids.to_vec(),
+                session_id: None,
             },
         )
         .unwrap()
