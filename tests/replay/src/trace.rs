@@ -304,6 +304,58 @@ pub fn compress(requests: &[Request], compression: f64) -> Vec<Request> {
         .collect()
 }
 
+/// The trace's timestamp resolution, µs: the greatest common divisor of its arrival times
+/// (Mooncake timestamps are whole ms, so at least 1000; a trace stamped in whole seconds gives
+/// 1 000 000). 1000 when every request arrives at 0.
+pub fn timestamp_resolution_us(requests: &[Request]) -> u64 {
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    match requests.iter().fold(0, |acc, r| gcd(acc, r.arrival_us)) {
+        0 => 1000,
+        resolution => resolution,
+    }
+}
+
+/// Spreads each request uniformly within its timestamp's resolution: a request stamped `t`
+/// arrives in `[t, t + resolution)` (and before the next timestamp), drawn from `seed`.
+/// `requests` must be sorted by arrival (as [`prepare_all`] leaves them). The offsets drawn for requests that
+/// share a timestamp are sorted and handed out in file order, so arrival order (and every id)
+/// is unchanged: a conversation's turn never overtakes the previous one, and the later of two
+/// requests stamped together still arrives later. What changes is that a burst stamped at one
+/// instant no longer reaches the router within one microsecond, before any engine or metric
+/// can move.
+pub fn jitter(requests: &[Request], resolution_us: u64, seed: u64) -> Vec<Request> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut out = requests.to_vec();
+    let mut start = 0;
+    while start < out.len() {
+        let stamp = out[start].arrival_us;
+        let end = start
+            + out[start..]
+                .iter()
+                .take_while(|r| r.arrival_us == stamp)
+                .count();
+        // Never past the next timestamp, whatever resolution the caller gives.
+        let span = out
+            .get(end)
+            .map_or(resolution_us, |next| next.arrival_us.saturating_sub(stamp))
+            .min(resolution_us)
+            .max(1);
+        let mut offsets: Vec<u64> = (start..end).map(|_| rng.random_range(0..span)).collect();
+        offsets.sort_unstable();
+        for (request, offset) in out[start..end].iter_mut().zip(offsets) {
+            request.arrival_us = stamp + offset;
+        }
+        start = end;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -377,6 +429,53 @@ mod tests {
         );
         let plain = serde_json::to_string(&record(vec![1], None)).unwrap();
         assert!(!plain.contains("session"), "{plain}");
+    }
+
+    fn stamped(ms: &[u64]) -> Vec<Request> {
+        let records: Vec<TraceRecord> = ms
+            .iter()
+            .map(|&timestamp| TraceRecord {
+                timestamp,
+                input_length: 10,
+                output_length: 1,
+                hash_ids: vec![timestamp],
+                session_id: None,
+            })
+            .collect();
+        prepare_all(&records).unwrap()
+    }
+
+    #[test]
+    fn jitter_spreads_within_the_resolution_keeping_order() {
+        let requests = stamped(&[0, 0, 0, 5, 5, 7, 1000, 1000, 1000, 1000]);
+        assert_eq!(timestamp_resolution_us(&requests), 1000);
+        assert_eq!(
+            timestamp_resolution_us(&stamped(&[0, 2000, 6000])),
+            2_000_000
+        );
+        assert_eq!(timestamp_resolution_us(&stamped(&[0, 0])), 1000);
+        let jittered = jitter(&requests, 1000, 3);
+        assert_eq!(jittered, jitter(&requests, 1000, 3), "seeded");
+        assert_ne!(jittered, jitter(&requests, 1000, 4));
+        for (raw, moved) in requests.iter().zip(&jittered) {
+            assert_eq!(raw.id, moved.id);
+            assert_eq!(raw.chain, moved.chain);
+            assert!((raw.arrival_us..raw.arrival_us + 1000).contains(&moved.arrival_us));
+        }
+        // Order kept, within a timestamp and across: ids stay positions in arrival order.
+        assert!(
+            jittered
+                .windows(2)
+                .all(|w| w[0].arrival_us <= w[1].arrival_us)
+        );
+        // A burst no longer lands on one instant.
+        let burst: std::collections::HashSet<u64> =
+            jittered[6..].iter().map(|r| r.arrival_us).collect();
+        assert!(burst.len() > 1, "{burst:?}");
+        // A resolution larger than the gap to the next timestamp is clipped to the gap.
+        let wide = jitter(&requests, 1_000_000, 3);
+        assert!(wide.windows(2).all(|w| w[0].arrival_us <= w[1].arrival_us));
+        assert!(wide[..3].iter().all(|r| r.arrival_us < 5000));
     }
 
     #[test]
