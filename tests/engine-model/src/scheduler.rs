@@ -461,7 +461,13 @@ mod tests {
         assert_eq!(outcomes[0].first_tokens[0].hit_blocks, 2);
         assert_eq!(
             total,
-            Duration::from_micros(MockerFit::default().step_us(76, 0)),
+            Duration::from_micros(MockerFit::default().step_us(
+                &[PrefillChunk {
+                    tokens: 76,
+                    context: 1024
+                }],
+                0
+            )),
             "only the uncached tail is prefilled"
         );
     }

@@ -1,10 +1,9 @@
 //! How long one engine step takes: a [`TimingModel`] maps a step's work ([`StepWork`]: each
 //! prefill chunk with the context it attends to, and the decoding sequences) to a duration.
 //!
-//! - [`MockerFit`]: routing-quality replay's model, NVIDIA Dynamo mocker's H100-class fit.
+//! - [`MockerFit`]: routing-quality replay's model, NVIDIA Dynamo mocker's H100-class fit with
+//!   an attention term over the context each chunk reads.
 //! - [`Linear`]: the engine simulator's model, a fixed cost plus a cost per prefill token.
-//!
-//! A new model (e.g. one whose prefill cost grows with the chunk's context) is one more impl.
 
 use std::time::Duration;
 
@@ -40,60 +39,111 @@ pub trait TimingModel: std::fmt::Debug {
     fn step_duration(&self, work: &StepWork<'_>) -> Duration;
 }
 
-/// Dynamo mocker's fit (an H100-class GPU, 8B-class model):
+/// Dynamo mocker's prefill fit (an H100-class GPU, 8B-class model), extended with the context
+/// a chunk attends to; decode as the mocker's vLLM-like step floor plus a per-sequence cost.
 ///
 /// ```text
-/// prefill_ms(u) = 4.21e-7·u² + 1.518e-2·u + 16.5        u = uncached prompt tokens in the step
-/// step_ms       = scale · ( (u > 0 ? prefill_ms(u) : DECODE_BASE_MS) + DECODE_MS_PER_SEQ · d )
+/// chunk_ms(u, c) = 1.518344e-2·u + 4.209989e-7·u·(2c + u)      u = chunk tokens, c = context
+/// prefill_ms     = 16.50142 + Σ chunk_ms                        (a step with any prefill)
+/// step_ms        = prefill_scale · prefill_ms (or 0) + decode_scale · (base + 0.1 · d)
+///                  base = DECODE_BASE_MS in a decode-only step, 0 in a mixed one
 /// ```
 ///
-/// - Prefill is quadratic because attention over a long chunk costs more per token.
-/// - Decode: `d` sequences generating one token each. A decode-only step costs a floor
-///   ([`MockerFit::DECODE_BASE_MS`], reading the weights once per step) plus
-///   [`MockerFit::DECODE_MS_PER_SEQ`] per sequence (reading its KV and its share of the batch's
-///   matmuls), so time per token falls with batch size while the step itself grows: 10 ms
-///   alone, 20 ms at 100 sequences. In a mixed step the prefill term already includes the
-///   fixed cost.
-/// - `scale` multiplies everything (2 = a GPU half as fast). Durations are whole µs (≥ 1).
+/// **Where the shape and the coefficients come from.** Dynamo's mocker prices a prefill as
+/// `4.209989e-7·t² + 1.518344e-2·t + 16.50142` ms for `t` new tokens
+/// (`PerfModel::Polynomial` in `ai-dynamo/dynamo` `lib/mocker/src/common/perf_model.rs` at
+/// f80944a4c0c3; the planner's synthetic sweep notes it is fitted over prompt lengths at
+/// prefix 0, i.e. whole prompts from an empty cache). The mocker feeds it only the new tokens
+/// (`isl − prefix`), so a chunk or a hit-extended prompt costs as if it started from nothing;
+/// the AI Configurator model it can call instead takes the prefix as an input
+/// (`AicCallback::predict_prefill(batch_size, effective_isl, prefix)`), because attention over
+/// the cached prefix is real work. Here the quadratic term is that attention: a chunk of `u`
+/// tokens after `c` computed ones forms `u·c + u²/2` causal query–key pairs, priced at
+/// `2 × 4.209989e-7` ms per pair so that a whole prompt from an empty context costs exactly the
+/// mocker's fit, and a prompt split into chunks costs the same attention in total
+/// (`Σ u_i·(2c_i + u_i) = N²`) instead of `Σ u_i²` (which made recomputing a 100k-token
+/// history 2.1 s instead of 5.7 s). The linear term (weights, MLP) and the per-step fixed cost
+/// are the fit's. Attention is per request: two requests' chunks in one step do not attend to
+/// each other, so their quadratic terms add, where the mocker squares the batch's total.
+///
+/// **Decode**: `d` sequences generating one token each. A decode-only step costs a floor
+/// ([`MockerFit::DECODE_BASE_MS`], reading the weights once per step) plus
+/// [`MockerFit::DECODE_MS_PER_SEQ`] per sequence, so time per token falls with batch size while
+/// the step grows: 10 ms alone, 20 ms at 100 sequences. In a mixed step the prefill's fixed
+/// cost already covers the weights.
+///
+/// `prefill_scale` and `decode_scale` multiply their parts (2 = a GPU half as fast at it);
+/// durations are whole µs (≥ 1).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MockerFit {
-    /// Multiplies every step's duration.
-    pub scale: f64,
+    /// Multiplies the prefill part of every step.
+    pub prefill_scale: f64,
+    /// Multiplies the decode part of every step.
+    pub decode_scale: f64,
 }
 
 impl Default for MockerFit {
     fn default() -> Self {
-        MockerFit { scale: 1.0 }
+        MockerFit::scaled(1.0)
     }
 }
 
 impl MockerFit {
+    /// Fixed cost of a step that prefills, ms (the fit's constant).
+    pub const PREFILL_BASE_MS: f64 = 16.50142;
+    /// Cost per prompt token computed, ms (the fit's linear term).
+    pub const PREFILL_MS_PER_TOKEN: f64 = 1.518344e-2;
+    /// The fit's quadratic coefficient, ms per token²: half the cost of one causal query–key pair.
+    pub const ATTENTION_MS_PER_TOKEN_SQUARED: f64 = 4.209989e-7;
     /// Fixed cost of a decode-only step, ms.
     pub const DECODE_BASE_MS: f64 = 10.0;
     /// Added cost per decoding sequence in a step, ms.
     pub const DECODE_MS_PER_SEQ: f64 = 0.1;
 
-    /// Prefill time of `uncached` tokens in one step, ms.
-    pub fn prefill_ms(uncached: u32) -> f64 {
-        let u = f64::from(uncached);
-        4.21e-7 * u * u + 1.518e-2 * u + 16.5
+    /// Both parts multiplied by `scale` (the old single `--time-scale`).
+    pub fn scaled(scale: f64) -> Self {
+        MockerFit {
+            prefill_scale: scale,
+            decode_scale: scale,
+        }
     }
 
-    /// Duration of a step computing `prefill_tokens` prompt tokens and `decodes` decode tokens, µs.
-    pub fn step_us(&self, prefill_tokens: u32, decodes: u32) -> u64 {
-        let base = if prefill_tokens > 0 {
-            Self::prefill_ms(prefill_tokens)
+    /// Cost of one chunk of `tokens` after `context` computed tokens of the same request, ms,
+    /// without the step's fixed cost.
+    pub fn chunk_ms(tokens: u32, context: u32) -> f64 {
+        let (u, c) = (f64::from(tokens), f64::from(context));
+        Self::PREFILL_MS_PER_TOKEN * u + Self::ATTENTION_MS_PER_TOKEN_SQUARED * u * (2.0 * c + u)
+    }
+
+    /// Prefill time of a step computing `chunks`, ms (0 when there are none).
+    pub fn prefill_ms(chunks: &[PrefillChunk]) -> f64 {
+        if chunks.iter().all(|chunk| chunk.tokens == 0) {
+            return 0.0;
+        }
+        Self::PREFILL_BASE_MS
+            + chunks
+                .iter()
+                .map(|chunk| Self::chunk_ms(chunk.tokens, chunk.context))
+                .sum::<f64>()
+    }
+
+    /// Duration of a step computing `chunks` and `decodes` decode tokens, µs.
+    pub fn step_us(&self, chunks: &[PrefillChunk], decodes: u32) -> u64 {
+        let prefill = Self::prefill_ms(chunks);
+        let base = if prefill > 0.0 {
+            0.0
         } else {
             Self::DECODE_BASE_MS
         };
-        let ms = self.scale * (base + Self::DECODE_MS_PER_SEQ * f64::from(decodes));
+        let decode = base + Self::DECODE_MS_PER_SEQ * f64::from(decodes);
+        let ms = self.prefill_scale * prefill + self.decode_scale * decode;
         (ms * 1000.0).round().max(1.0) as u64
     }
 }
 
 impl TimingModel for MockerFit {
     fn step_duration(&self, work: &StepWork<'_>) -> Duration {
-        Duration::from_micros(self.step_us(work.prefill_tokens(), work.decodes))
+        Duration::from_micros(self.step_us(work.prefill, work.decodes))
     }
 }
 
@@ -128,30 +178,89 @@ impl TimingModel for Linear {
 mod tests {
     use super::*;
 
+    fn chunk(tokens: u32, context: u32) -> PrefillChunk {
+        PrefillChunk { tokens, context }
+    }
+
     #[test]
     fn mocker_fit_documented_points() {
         let t = MockerFit::default();
-        assert_eq!(t.step_us(0, 1), 10_100);
-        assert_eq!(t.step_us(0, 100), 20_000);
-        // 8192 tokens: 28.253 + 124.355 + 16.5 ms.
-        assert_eq!(t.step_us(8192, 0), 169_107);
-        let slow = MockerFit { scale: 2.0 };
-        assert_eq!(slow.step_us(0, 100), 40_000);
-        let chunks = [
-            PrefillChunk {
-                tokens: 8000,
-                context: 0,
-            },
-            PrefillChunk {
-                tokens: 192,
-                context: 512,
-            },
-        ];
-        let work = StepWork {
-            prefill: &chunks,
-            decodes: 0,
+        assert_eq!(t.step_us(&[], 1), 10_100);
+        assert_eq!(t.step_us(&[], 100), 20_000);
+        // 8192 tokens from an empty context: the mocker's fit, 28.253 + 124.383 + 16.501 ms.
+        assert_eq!(t.step_us(&[chunk(8192, 0)], 0), 169_137);
+        let slow = MockerFit::scaled(2.0);
+        assert_eq!(slow.step_us(&[], 100), 40_000);
+        // The knobs are separate: a slower prefill leaves decode-only steps alone.
+        let slow_prefill = MockerFit {
+            prefill_scale: 2.0,
+            decode_scale: 1.0,
         };
-        assert_eq!(t.step_duration(&work), Duration::from_micros(169_107));
+        assert_eq!(slow_prefill.step_us(&[], 100), 20_000);
+        assert_eq!(slow_prefill.step_us(&[chunk(8192, 0)], 0), 338_274);
+        let mixed = StepWork {
+            prefill: &[chunk(8192, 0)],
+            decodes: 10,
+        };
+        assert_eq!(
+            slow_prefill.step_duration(&mixed),
+            Duration::from_micros(338_274 + 1_000)
+        );
+    }
+
+    /// The mocker's fit applied to a whole prompt from an empty context, ms.
+    fn whole_prompt_fit_ms(tokens: u32) -> f64 {
+        let t = f64::from(tokens);
+        4.209989e-7 * t * t + 1.518344e-2 * t + 16.50142
+    }
+
+    #[test]
+    fn context_makes_a_long_recompute_cost_what_the_fit_says() {
+        let t = MockerFit::default();
+        // Recompute a 100k-token history in 8192-token chunks, each reading what came before.
+        let total = 100_000u32;
+        let mut with_context = 0u64;
+        let mut empty_context = 0u64;
+        let mut done = 0;
+        let mut steps = 0;
+        while done < total {
+            let tokens = (total - done).min(8192);
+            with_context += t.step_us(&[chunk(tokens, done)], 0);
+            empty_context += t.step_us(&[chunk(tokens, 0)], 0);
+            done += tokens;
+            steps += 1;
+        }
+        // The old model: every chunk as if from nothing (≈ 2.1 s).
+        assert!(
+            (2_000_000..2_200_000).contains(&empty_context),
+            "{empty_context}"
+        );
+        assert!(
+            with_context > 2 * empty_context,
+            "{with_context} vs {empty_context}"
+        );
+        // The fit over the whole prompt, plus each extra step's fixed cost, within rounding.
+        let expected_ms =
+            whole_prompt_fit_ms(total) + f64::from(steps - 1) * MockerFit::PREFILL_BASE_MS;
+        let got_ms = with_context as f64 / 1000.0;
+        assert!(
+            (got_ms - expected_ms).abs() < 0.01 * f64::from(steps),
+            "{got_ms} vs {expected_ms}"
+        );
+        assert!((5_900.0..6_000.0).contains(&got_ms), "{got_ms}");
+    }
+
+    #[test]
+    fn a_hit_prefix_is_read_not_recomputed() {
+        let t = MockerFit::default();
+        let cold = t.step_us(&[chunk(40_000, 0)], 0);
+        let tail_after_hit = t.step_us(&[chunk(1_000, 39_000)], 0);
+        let tail_alone = t.step_us(&[chunk(1_000, 0)], 0);
+        assert!(tail_alone < tail_after_hit && tail_after_hit < cold / 10);
+        // Two requests' chunks in one step do not attend to each other.
+        let two = t.step_us(&[chunk(4096, 0), chunk(4096, 0)], 0);
+        let one = t.step_us(&[chunk(8192, 0)], 0);
+        assert!(two < one);
     }
 
     #[test]

@@ -178,6 +178,7 @@ mod tests {
                 input_length: input,
                 output_length: output,
                 hash_ids: ids.to_vec(),
+                session_id: None,
             },
         )
         .unwrap()
@@ -204,7 +205,11 @@ mod tests {
         }
         let predicted = engine.predict(&requests[1], &timing, now).unwrap();
         assert_eq!(predicted.hit_blocks, 2);
-        assert_eq!(predicted.ttft_us, timing.step_us(76, 0));
+        let tail = kvroute_engine_model::PrefillChunk {
+            tokens: 76,
+            context: 1024,
+        };
+        assert_eq!(predicted.ttft_us, timing.step_us(&[tail], 0));
         engine.enqueue(&requests[1]);
         let end = engine.start_step(now, &timing).unwrap();
         assert_eq!(end - now, predicted.ttft_us);

@@ -53,6 +53,51 @@ pub struct Grid {
     pub routers: Vec<RouterSpec>,
     /// Worker threads.
     pub threads: usize,
+    /// Report progress on stderr (every 5% of runs, with elapsed time).
+    pub progress: bool,
+}
+
+/// Progress of a batch of runs, printed to stderr each time another 5% is done.
+#[derive(Debug)]
+struct Progress {
+    label: &'static str,
+    total: usize,
+    done: AtomicUsize,
+    started: std::time::Instant,
+    enabled: bool,
+}
+
+impl Progress {
+    /// Percent between reports.
+    const STEP_PERCENT: usize = 5;
+
+    fn new(label: &'static str, total: usize, enabled: bool) -> Self {
+        Progress {
+            label,
+            total,
+            done: AtomicUsize::new(0),
+            started: std::time::Instant::now(),
+            enabled,
+        }
+    }
+
+    /// Counts one finished run; reports when it crosses a step.
+    fn finished_one(&self) {
+        let done = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+        if !self.enabled || self.total == 0 {
+            return;
+        }
+        let step = |n: usize| n * 100 / self.total / Self::STEP_PERCENT;
+        if step(done) != step(done - 1) || done == self.total {
+            eprintln!(
+                "kvroute-replay: {}: {done}/{} ({}%), {:.0} s",
+                self.label,
+                self.total,
+                done * 100 / self.total,
+                self.started.elapsed().as_secs_f64()
+            );
+        }
+    }
 }
 
 /// One table row: a router (or bound) at one load point of one workload, averaged over seeds.
@@ -143,11 +188,12 @@ pub fn run_grid(workloads: &[Workload], grid: &Grid) -> Result<Vec<Row>, SimErro
         }
     }
     let next = AtomicUsize::new(0);
+    let progress = Progress::new("load-point runs", jobs.len(), grid.progress);
     let (sender, receiver) = mpsc::channel();
     std::thread::scope(|scope| {
         for _ in 0..grid.threads.max(1) {
             let sender = sender.clone();
-            let (jobs, next, compressed) = (&jobs, &next, &compressed);
+            let (jobs, next, compressed, progress) = (&jobs, &next, &compressed, &progress);
             scope.spawn(move || {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -161,6 +207,7 @@ pub fn run_grid(workloads: &[Workload], grid: &Grid) -> Result<Vec<Row>, SimErro
                         job.seed,
                         grid.warmup,
                     );
+                    progress.finished_one();
                     if sender.send((i, result)).is_err() {
                         break;
                     }
@@ -373,11 +420,12 @@ pub fn max_rate_within_slo(
     // Oracle searches first: they are the slowest, so they should not be left for last.
     pairs.sort_by_key(|(_, r)| !grid.routers[*r].is_oracle());
     let next = AtomicUsize::new(0);
+    let progress = Progress::new("max-rate searches", pairs.len(), grid.progress);
     let (sender, receiver) = mpsc::channel();
     std::thread::scope(|scope| {
         for _ in 0..grid.threads.max(1) {
             let sender = sender.clone();
-            let (pairs, next) = (&pairs, &next);
+            let (pairs, next, progress) = (&pairs, &next, &progress);
             scope.spawn(move || {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -385,6 +433,7 @@ pub fn max_rate_within_slo(
                         break;
                     };
                     let found = search_one(&workloads[w], grid, rows, grid.routers[r], slo_ms);
+                    progress.finished_one();
                     if sender.send((i, found)).is_err() {
                         break;
                     }

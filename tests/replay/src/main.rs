@@ -1,7 +1,7 @@
 //! `kvroute-replay`: runs the routing comparison, or writes a synthetic workload.
 //!
 //! ```text
-//! kvroute-replay run --trace ../shared/traces/synthetic_trace.jsonl --generated --out DIR
+//! kvroute-replay run --trace ../shared/traces/synthetic_trace.jsonl --generated --arrival-jitter --out DIR
 //! kvroute-replay generate --kind fan-out --out fan-out.jsonl
 //! ```
 #![allow(
@@ -53,6 +53,11 @@ struct RunArgs {
     /// Also run the three generated workloads (shared-prefix, multi-turn, fan-out).
     #[arg(long)]
     generated: bool,
+    /// Also run every workload with its arrivals spread uniformly within the trace's timestamp
+    /// resolution (seeded by the run's seed; order kept), reported as `<workload>+jitter` beside
+    /// the raw arrivals.
+    #[arg(long)]
+    arrival_jitter: bool,
     /// Replicas.
     #[arg(long, default_value_t = 4)]
     replicas: usize,
@@ -65,9 +70,16 @@ struct RunArgs {
     /// Requests running at once per replica.
     #[arg(long, default_value_t = 256)]
     max_seqs: usize,
-    /// Multiplies every step's duration.
+    /// Multiplies every step's duration, prefill and decode alike (kept as the one knob it
+    /// was; composes with the two below).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
+    /// Multiplies the prefill part of every step (on top of --time-scale).
+    #[arg(long, default_value_t = 1.0)]
+    prefill_scale: f64,
+    /// Multiplies the decode part of every step (on top of --time-scale).
+    #[arg(long, default_value_t = 1.0)]
+    decode_scale: f64,
     /// KV-event delivery delay to the routers' indexes, ms.
     #[arg(long, default_value_t = 50.0)]
     kv_delay_ms: f64,
@@ -150,6 +162,25 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
     if workloads.is_empty() {
         return Err("nothing to run: give --trace PATH and/or --generated".to_owned());
     }
+    if args.arrival_jitter {
+        let jittered: Vec<Workload> = workloads
+            .iter()
+            .map(|raw| {
+                let per_seed = (0..seeds)
+                    .map(|seed| {
+                        let requests = raw.requests(seed);
+                        let resolution = trace::timestamp_resolution_us(requests);
+                        trace::jitter(requests, resolution, seed)
+                    })
+                    .collect();
+                Workload {
+                    name: format!("{}+jitter", raw.name),
+                    per_seed,
+                }
+            })
+            .collect();
+        workloads.extend(jittered);
+    }
     let routers = if args.routers.is_empty() {
         RouterSpec::all()
     } else {
@@ -169,6 +200,15 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
     if args.loads.iter().any(|l| !l.is_finite() || *l <= 0.0) {
         return Err("--loads must be positive".to_owned());
     }
+    for (flag, value) in [
+        ("--time-scale", args.time_scale),
+        ("--prefill-scale", args.prefill_scale),
+        ("--decode-scale", args.decode_scale),
+    ] {
+        if !value.is_finite() || value <= 0.0 {
+            return Err(format!("{flag} must be positive, got {value}"));
+        }
+    }
     let grid = Grid {
         sim: SimConfig {
             replicas: args.replicas,
@@ -178,7 +218,8 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
                 max_seqs: args.max_seqs.max(1),
             },
             timing: MockerFit {
-                scale: args.time_scale,
+                prefill_scale: args.time_scale * args.prefill_scale,
+                decode_scale: args.time_scale * args.decode_scale,
             },
             kv_delay_us: (args.kv_delay_ms.max(0.0) * 1000.0).round() as u64,
         },
@@ -187,16 +228,19 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
         warmup: args.warmup,
         routers,
         threads: args.threads,
+        progress: true,
     };
     let started = std::time::Instant::now();
     let rows = experiment::run_grid(&workloads, &grid).map_err(|e| e.to_string())?;
     let slo = experiment::max_rate_within_slo(&workloads, &grid, &rows, args.slo_p90_ms)
         .map_err(|e| e.to_string())?;
     println!(
-        "# kvroute-replay: {} replicas × {} blocks of 512 tokens, token budget {}, KV-event delay {} ms, {} seeds, warm-up {:.0}%\n",
+        "# kvroute-replay: {} replicas × {} blocks of 512 tokens, token budget {}, prefill × {}, decode × {}, KV-event delay {} ms, {} seeds, warm-up {:.0}%\n",
         grid.sim.replicas,
         grid.sim.engine.blocks,
         grid.sim.engine.token_budget,
+        grid.sim.timing.prefill_scale,
+        grid.sim.timing.decode_scale,
         args.kv_delay_ms,
         grid.seeds,
         grid.warmup * 100.0

@@ -219,6 +219,80 @@ pub fn csv(rows: &[Row]) -> String {
     out
 }
 
+/// A point marker's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Marker {
+    Circle,
+    Square,
+    TriangleUp,
+    TriangleDown,
+    Diamond,
+    Cross,
+    Plus,
+}
+
+impl Marker {
+    /// Every shape, for routers without a fixed style.
+    const ALL: [Marker; 7] = [
+        Marker::Circle,
+        Marker::Square,
+        Marker::TriangleUp,
+        Marker::TriangleDown,
+        Marker::Diamond,
+        Marker::Cross,
+        Marker::Plus,
+    ];
+
+    /// The marker at (x, y), filled or hollow (hollow: the value is beyond the axis cap).
+    fn svg(self, x: f64, y: f64, color: &str, hollow: bool) -> String {
+        let r = 4.0;
+        let paint = if hollow {
+            format!("fill=\"white\" stroke=\"{color}\" stroke-width=\"1.5\"")
+        } else {
+            format!("fill=\"{color}\" stroke=\"{color}\"")
+        };
+        let polygon = |points: &[(f64, f64)]| {
+            let points: Vec<String> = points
+                .iter()
+                .map(|(dx, dy)| format!("{:.1},{:.1}", x + dx, y + dy))
+                .collect();
+            format!("<polygon points=\"{}\" {paint}/>", points.join(" "))
+        };
+        match self {
+            Marker::Circle => format!("<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"{r}\" {paint}/>"),
+            Marker::Square => polygon(&[(-r, -r), (r, -r), (r, r), (-r, r)]),
+            Marker::TriangleUp => polygon(&[(0.0, -r - 1.0), (r + 1.0, r), (-r - 1.0, r)]),
+            Marker::TriangleDown => polygon(&[(0.0, r + 1.0), (r + 1.0, -r), (-r - 1.0, -r)]),
+            Marker::Diamond => polygon(&[
+                (0.0, -r - 1.0),
+                (r + 1.0, 0.0),
+                (0.0, r + 1.0),
+                (-r - 1.0, 0.0),
+            ]),
+            Marker::Cross | Marker::Plus => {
+                let (a, b) = if self == Marker::Cross {
+                    ((-r, -r, r, r), (-r, r, r, -r))
+                } else {
+                    ((-r - 1.0, 0.0, r + 1.0, 0.0), (0.0, -r - 1.0, 0.0, r + 1.0))
+                };
+                let width = if hollow { 1.5 } else { 2.5 };
+                [a, b]
+                    .iter()
+                    .map(|(x1, y1, x2, y2)| {
+                        format!(
+                            "<line x1=\"{:.1}\" y1=\"{:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"{color}\" stroke-width=\"{width}\"/>",
+                            x + x1,
+                            y + y1,
+                            x + x2,
+                            y + y2
+                        )
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
 /// How a line is drawn.
 #[derive(Debug, Clone, Copy)]
 struct Style {
@@ -226,34 +300,66 @@ struct Style {
     width: f64,
     /// SVG `stroke-dasharray`, if any.
     dash: Option<&'static str>,
+    marker: Marker,
 }
 
 /// One plotted line: name, (x, y) points, style.
 type Series = (String, Vec<(f64, f64)>, Style);
 
-/// Colours of the baselines and anchors (black and grey are kept for kvroute and the oracle).
-const PALETTE: [&str; 13] = [
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22",
-    "#17becf", "#393b79", "#e7969c", "#637939", "#ad494a",
-];
+/// Colours for routers without a fixed style (distinct from every fixed one).
+const SPARE_COLORS: [&str; 4] = ["#ad494a", "#e7969c", "#8ca252", "#de9ed6"];
 
-/// kvroute thick black, the oracle dotted grey, bounds dashed, the rest in palette order.
-fn style(name: &str, bound: bool, index: usize) -> Style {
+/// Each router's own colour and marker, no two alike: kvroute thick black, the oracle dotted
+/// grey, the bounds dashed light grey; a router not listed (another Dynamo weight) gets a spare
+/// colour and a marker by position.
+fn style(name: &str, index: usize) -> Style {
+    let fixed = |color, marker| Style {
+        color,
+        width: 2.0,
+        dash: None,
+        marker,
+    };
     match name {
+        "random" => fixed("#1f77b4", Marker::Circle),
+        "round-robin" => fixed("#ff7f0e", Marker::Square),
+        "least-loaded" => fixed("#2ca02c", Marker::TriangleUp),
+        "session-hash" => fixed("#d62728", Marker::Diamond),
+        "chwbl" => fixed("#9467bd", Marker::TriangleDown),
+        "sglang" => fixed("#8c564b", Marker::Square),
+        "llmd" => fixed("#e377c2", Marker::Circle),
+        "llmd-spec" => fixed("#17becf", Marker::TriangleUp),
+        "dynamo-w0.5" => fixed("#bcbd22", Marker::Diamond),
+        "dynamo-w1" => fixed("#637939", Marker::Cross),
+        "dynamo-w2" => fixed("#393b79", Marker::Plus),
         "kvroute" => Style {
             color: "#000000",
             width: 3.5,
             dash: None,
+            marker: Marker::Circle,
         },
         "oracle" => Style {
             color: "#555555",
             width: 2.0,
             dash: Some("2,3"),
+            marker: Marker::Square,
+        },
+        "bound-pooled-lru" => Style {
+            color: "#999999",
+            width: 2.0,
+            dash: Some("8,4"),
+            marker: Marker::TriangleDown,
+        },
+        "bound-infinite" => Style {
+            color: "#bbbbbb",
+            width: 2.0,
+            dash: Some("8,4"),
+            marker: Marker::Diamond,
         },
         _ => Style {
-            color: PALETTE[index % PALETTE.len()],
+            color: SPARE_COLORS[index % SPARE_COLORS.len()],
             width: 2.0,
-            dash: bound.then_some("8,4"),
+            dash: Some("5,2"),
+            marker: Marker::ALL[index % Marker::ALL.len()],
         },
     }
 }
@@ -336,8 +442,10 @@ fn panel(
     title: &str,
     series: &[Series],
     log_y: bool,
+    cap: Option<f64>,
 ) {
     let (x0, y0) = origin;
+    let capped = |v: f64| cap.map_or(v, |c| v.min(c));
     let (w, h) = size;
     let xs = Axis::new(
         series.iter().flat_map(|s| s.1.iter().map(|p| p.0)),
@@ -346,7 +454,10 @@ fn panel(
         x0 + w - 10.0,
     );
     let ys = Axis::new(
-        series.iter().flat_map(|s| s.1.iter().map(|p| p.1)),
+        series
+            .iter()
+            .flat_map(|s| s.1.iter().map(|p| capped(p.1)))
+            .chain(cap),
         log_y,
         y0 + h - 40.0,
         y0 + 30.0,
@@ -396,36 +507,54 @@ fn panel(
         (xs.from + xs.to) / 2.0,
         ys.from + 30.0
     );
+    if let Some(cap) = cap {
+        let y = ys.map(cap);
+        let _ = writeln!(
+            svg,
+            "<line x1=\"{:.1}\" y1=\"{y:.1}\" x2=\"{:.1}\" y2=\"{y:.1}\" stroke=\"#c00\" stroke-dasharray=\"4,4\"/>\
+             <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"10\" fill=\"#c00\" text-anchor=\"end\">cap (hollow: beyond)</text>",
+            xs.from,
+            xs.to,
+            xs.to - 4.0,
+            y - 4.0
+        );
+    }
     for (_, points, style) in series {
-        let path: Vec<String> = points
+        let shown: Vec<(f64, f64, bool)> = points
             .iter()
             .filter(|p| p.1.is_finite() && (!log_y || p.1 > 0.0))
-            .map(|(x, y)| format!("{:.1},{:.1}", xs.map(*x), ys.map(*y)))
+            .map(|(x, y)| {
+                let beyond = cap.is_some_and(|c| *y > c);
+                (xs.map(*x), ys.map(capped(*y)), beyond)
+            })
             .collect();
-        if path.is_empty() {
+        if shown.is_empty() {
             continue;
         }
+        let path: Vec<String> = shown
+            .iter()
+            .map(|(x, y, _)| format!("{x:.1},{y:.1}"))
+            .collect();
         let _ = writeln!(
             svg,
             "<polyline points=\"{}\" fill=\"none\" {}/>",
             path.join(" "),
             stroke(*style)
         );
-        for p in &path {
-            let mut xy = p.split(',');
-            if let (Some(x), Some(y)) = (xy.next(), xy.next()) {
-                let _ = writeln!(
-                    svg,
-                    "<circle cx=\"{x}\" cy=\"{y}\" r=\"2.5\" fill=\"{}\"/>",
-                    style.color
-                );
-            }
+        for (x, y, beyond) in &shown {
+            let _ = writeln!(svg, "{}", style.marker.svg(*x, *y, style.color, *beyond));
         }
     }
 }
 
-/// An SVG with TTFT p90 vs rate (log scale) and hit rate vs rate for one workload.
-pub fn svg_plot(rows: &[Row], workload: &str) -> String {
+/// How far above the objective the TTFT axis reaches: a baseline beyond it is drawn on the cap
+/// (hollow markers) instead of stretching the log axis over everyone else.
+pub const TTFT_AXIS_CAP_OVER_SLO: f64 = 4.0;
+
+/// An SVG with TTFT p90 vs rate (log scale, capped at [`TTFT_AXIS_CAP_OVER_SLO`] × the
+/// objective) and hit rate vs rate for one workload; every router has its own colour and
+/// marker.
+pub fn svg_plot(rows: &[Row], workload: &str, slo_ms: f64) -> String {
     let mut names: Vec<(String, bool)> = Vec::new();
     for row in rows.iter().filter(|r| r.workload == workload) {
         if !names.iter().any(|(n, _)| *n == row.router) {
@@ -435,7 +564,7 @@ pub fn svg_plot(rows: &[Row], workload: &str) -> String {
     let styles: Vec<Style> = names
         .iter()
         .enumerate()
-        .map(|(i, (name, bound))| style(name, *bound, i))
+        .map(|(i, (name, _))| style(name, i))
         .collect();
     let series = |metric: fn(&Row) -> f64, with_bounds: bool| -> Vec<Series> {
         names
@@ -463,9 +592,13 @@ pub fn svg_plot(rows: &[Row], workload: &str) -> String {
         &mut svg,
         (0.0, 0.0),
         (480.0, height),
-        &format!("{workload}: TTFT p90 (ms, log)"),
+        &format!(
+            "{workload}: TTFT p90 (ms, log, capped at {:.0})",
+            slo_ms * TTFT_AXIS_CAP_OVER_SLO
+        ),
         &series(|r| r.mean.ttft_p90_ms, false),
         true,
+        (slo_ms.is_finite() && slo_ms > 0.0).then_some(slo_ms * TTFT_AXIS_CAP_OVER_SLO),
     );
     panel(
         &mut svg,
@@ -474,14 +607,16 @@ pub fn svg_plot(rows: &[Row], workload: &str) -> String {
         &format!("{workload}: token hit rate"),
         &series(|r| r.mean.hit_rate, true),
         false,
+        None,
     );
     for (i, ((name, _), style)) in names.iter().zip(&styles).enumerate() {
         let y = 40.0 + 18.0 * i as f64;
         let _ = writeln!(
             svg,
-            "<line x1=\"975\" y1=\"{y}\" x2=\"1000\" y2=\"{y}\" {}/>\
+            "<line x1=\"975\" y1=\"{y}\" x2=\"1000\" y2=\"{y}\" {}/>{}\
              <text x=\"1006\" y=\"{}\" font-size=\"12\">{name}</text>",
             stroke(*style),
+            style.marker.svg(987.5, y, style.color, false),
             y + 4.0
         );
     }
@@ -514,8 +649,71 @@ pub fn write_all(
     }
     for workload in workloads {
         let name = format!("plot-{workload}.svg");
-        std::fs::write(dir.join(&name), svg_plot(rows, workload))?;
+        std::fs::write(dir.join(&name), svg_plot(rows, workload, slo_ms))?;
         written.push(name);
     }
     Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::RunMetrics;
+
+    #[test]
+    fn every_router_and_bound_has_its_own_colour_and_marker() {
+        let mut names: Vec<String> = RouterSpec::all().iter().map(RouterSpec::name).collect();
+        names.extend(["bound-pooled-lru".to_owned(), "bound-infinite".to_owned()]);
+        let styles: Vec<Style> = names.iter().enumerate().map(|(i, n)| style(n, i)).collect();
+        for (i, a) in styles.iter().enumerate() {
+            for (j, b) in styles.iter().enumerate().skip(i + 1) {
+                assert_ne!(a.color, b.color, "{} and {}", names[i], names[j]);
+            }
+        }
+        // Markers repeat only across clearly different colours; no two routers share both.
+        let pairs: std::collections::HashSet<(&str, Marker)> =
+            styles.iter().map(|s| (s.color, s.marker)).collect();
+        assert_eq!(pairs.len(), styles.len());
+    }
+
+    #[test]
+    fn ttft_axis_is_capped_and_beyond_points_are_hollow() {
+        let row = |router: &str, rate_rps: f64, p90: f64| Row {
+            workload: "w".to_owned(),
+            load: 1.0,
+            rate_rps,
+            router: router.to_owned(),
+            bound: false,
+            mean: RunMetrics {
+                requests: 1,
+                hit_rate: 0.5,
+                ttft_p50_ms: p90,
+                ttft_p90_ms: p90,
+                ttft_p99_ms: p90,
+                ttft_mean_ms: p90,
+                imbalance: 1.0,
+                predicted_over_actual: f64::NAN,
+                prediction_exact: f64::NAN,
+            },
+            seeds: Vec::new(),
+        };
+        let rows = [
+            row("kvroute", 1.0, 300.0),
+            row("kvroute", 2.0, 500.0),
+            row("session-hash", 1.0, 900_000.0),
+            row("session-hash", 2.0, 2_000_000.0),
+        ];
+        let svg = svg_plot(&rows, "w", 2000.0);
+        assert!(
+            svg.contains("capped at 8000"),
+            "the title says the axis is capped"
+        );
+        // The top tick is the cap's decade, not the outlier's.
+        assert!(svg.contains(">10000<") && !svg.contains(">1000000<"));
+        assert!(
+            svg.contains("fill=\"white\" stroke=\"#d62728\""),
+            "outliers drawn hollow"
+        );
+        assert!(!svg.contains("fill=\"white\" stroke=\"#000000\""));
+    }
 }

@@ -13,6 +13,14 @@
 //! 512 the last id covers a partial block. vLLM only caches full blocks, so a partial block is
 //! never cached, matched or published: it is always prefilled, and only the leading
 //! `input_length / 512` keys ([`Request::keys`]) take part in caching and routing.
+//!
+//! # Sessions
+//!
+//! A record may carry a `session_id` (alias `conversation_id`; a number or a string): the
+//! conversation, user or agent it belongs to. [`Request::session`] is a hash of it, or, when the
+//! trace has none (the Mooncake traces do not), of the first [`SESSION_PREFIX_BLOCKS`] blocks:
+//! the chained key of block `min(full blocks, 8) − 1`, which names those blocks and everything
+//! before them (the partial first block when there is no full one).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -20,6 +28,40 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::BLOCK_TOKENS;
+
+/// Leading blocks that stand in for a session when a record names none: 8 × 512 = 4096 tokens,
+/// long enough to get past a system prompt shared by every conversation (the first block alone
+/// sent a whole multi-turn trace to one replica), short enough that a conversation's turns
+/// keep one key once its first turn is that long.
+pub const SESSION_PREFIX_BLOCKS: usize = 8;
+
+/// A record's session, conversation or user id, as the trace spells it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SessionId {
+    /// A numeric id.
+    Number(u64),
+    /// A textual id.
+    Text(String),
+}
+
+impl SessionId {
+    /// The id's 64-bit key (xxh3 of its bytes, a tag byte keeping `7` and `"7"` apart).
+    pub fn key(&self) -> u64 {
+        let mut bytes = Vec::new();
+        match self {
+            SessionId::Number(n) => {
+                bytes.push(0);
+                bytes.extend_from_slice(&n.to_le_bytes());
+            }
+            SessionId::Text(text) => {
+                bytes.push(1);
+                bytes.extend_from_slice(text.as_bytes());
+            }
+        }
+        xxhash_rust::xxh3::xxh3_64(&bytes)
+    }
+}
 
 /// One trace line as written in the file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -32,6 +74,13 @@ pub struct TraceRecord {
     pub output_length: u32,
     /// One id per 512-token prompt block (the last may be partial).
     pub hash_ids: Vec<u64>,
+    /// The session (conversation, user, agent) the request belongs to, if the trace says.
+    #[serde(
+        default,
+        alias = "conversation_id",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub session_id: Option<SessionId>,
 }
 
 /// A trace that could not be read.
@@ -89,6 +138,8 @@ pub struct Request {
     pub chain: Vec<u64>,
     /// How many leading blocks are full (cacheable).
     pub full_blocks: usize,
+    /// Session key: the record's session id hashed, else the prefix key (see the module docs).
+    pub session: u64,
 }
 
 impl Request {
@@ -142,14 +193,29 @@ pub fn prepare(id: usize, record: &TraceRecord) -> Result<Request, String> {
             record.input_length
         ));
     }
+    let chain = chain_keys(&record.hash_ids);
+    let full_blocks = (record.input_length / BLOCK_TOKENS) as usize;
+    let session = match &record.session_id {
+        Some(session) => session.key(),
+        None => prefix_session_key(&chain, full_blocks),
+    };
     Ok(Request {
         id,
         arrival_us: record.timestamp.saturating_mul(1000),
         input_tokens: record.input_length,
         output_tokens: record.output_length.max(1),
-        chain: chain_keys(&record.hash_ids),
-        full_blocks: (record.input_length / BLOCK_TOKENS) as usize,
+        chain,
+        full_blocks,
+        session,
     })
+}
+
+/// The session key of a request without a session id: the chained key of its first
+/// [`SESSION_PREFIX_BLOCKS`] full blocks (fewer if it has fewer; its first, partial, block if
+/// it has none).
+pub fn prefix_session_key(chain: &[u64], full_blocks: usize) -> u64 {
+    let blocks = full_blocks.clamp(1, SESSION_PREFIX_BLOCKS);
+    chain.get(blocks - 1).or(chain.last()).copied().unwrap_or(0)
 }
 
 /// Turns records into requests sorted by arrival (stable: equal timestamps keep file order).
@@ -238,6 +304,58 @@ pub fn compress(requests: &[Request], compression: f64) -> Vec<Request> {
         .collect()
 }
 
+/// The trace's timestamp resolution, µs: the greatest common divisor of its arrival times
+/// (Mooncake timestamps are whole ms, so at least 1000; a trace stamped in whole seconds gives
+/// 1 000 000). 1000 when every request arrives at 0.
+pub fn timestamp_resolution_us(requests: &[Request]) -> u64 {
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    match requests.iter().fold(0, |acc, r| gcd(acc, r.arrival_us)) {
+        0 => 1000,
+        resolution => resolution,
+    }
+}
+
+/// Spreads each request uniformly within its timestamp's resolution: a request stamped `t`
+/// arrives in `[t, t + resolution)` (and before the next timestamp), drawn from `seed`.
+/// `requests` must be sorted by arrival (as [`prepare_all`] leaves them). The offsets drawn for requests that
+/// share a timestamp are sorted and handed out in file order, so arrival order (and every id)
+/// is unchanged: a conversation's turn never overtakes the previous one, and the later of two
+/// requests stamped together still arrives later. What changes is that a burst stamped at one
+/// instant no longer reaches the router within one microsecond, before any engine or metric
+/// can move.
+pub fn jitter(requests: &[Request], resolution_us: u64, seed: u64) -> Vec<Request> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut out = requests.to_vec();
+    let mut start = 0;
+    while start < out.len() {
+        let stamp = out[start].arrival_us;
+        let end = start
+            + out[start..]
+                .iter()
+                .take_while(|r| r.arrival_us == stamp)
+                .count();
+        // Never past the next timestamp, whatever resolution the caller gives.
+        let span = out
+            .get(end)
+            .map_or(resolution_us, |next| next.arrival_us.saturating_sub(stamp))
+            .min(resolution_us)
+            .max(1);
+        let mut offsets: Vec<u64> = (start..end).map(|_| rng.random_range(0..span)).collect();
+        offsets.sort_unstable();
+        for (request, offset) in out[start..end].iter_mut().zip(offsets) {
+            request.arrival_us = stamp + offset;
+        }
+        start = end;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,6 +388,94 @@ mod tests {
         assert_ne!(requests[0].chain[1], requests[1].chain[1]);
         // Same id after a different parent is a different block.
         assert_ne!(chain_keys(&[1, 2])[1], chain_keys(&[3, 2])[1]);
+    }
+
+    #[test]
+    fn session_key_is_the_id_else_the_leading_blocks() {
+        let record = |ids: Vec<u64>, session_id| TraceRecord {
+            timestamp: 0,
+            input_length: ids.len() as u32 * BLOCK_TOKENS,
+            output_length: 1,
+            hash_ids: ids,
+            session_id,
+        };
+        let key = |ids: Vec<u64>, session| prepare(0, &record(ids, session)).unwrap().session;
+        // No id: requests sharing only a first (system prompt) block get different keys …
+        assert_ne!(key(vec![1, 2], None), key(vec![1, 3], None));
+        // … and a conversation's turns keep one once it has SESSION_PREFIX_BLOCKS blocks.
+        let turn: Vec<u64> = (0..SESSION_PREFIX_BLOCKS as u64).collect();
+        let mut longer = turn.clone();
+        longer.extend([90, 91, 92]);
+        assert_eq!(key(turn.clone(), None), key(longer.clone(), None));
+        // An id wins over the prompt: same id, different prompts → same key; ids are typed.
+        let seven = Some(SessionId::Number(7));
+        assert_eq!(key(vec![1], seven.clone()), key(longer, seven.clone()));
+        assert_ne!(
+            key(vec![1], seven),
+            key(vec![1], Some(SessionId::Text("7".to_owned())))
+        );
+        // Read from JSON under either name, numeric or textual; absent stays absent on write.
+        let line = |field: &str| {
+            format!(
+                "{{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1], {field}}}\n"
+            )
+        };
+        let file = write(&(line("\"session_id\": 5") + &line("\"conversation_id\": \"c-9\"")));
+        let records = read_records(file.path()).unwrap();
+        assert_eq!(records[0].session_id, Some(SessionId::Number(5)));
+        assert_eq!(
+            records[1].session_id,
+            Some(SessionId::Text("c-9".to_owned()))
+        );
+        let plain = serde_json::to_string(&record(vec![1], None)).unwrap();
+        assert!(!plain.contains("session"), "{plain}");
+    }
+
+    fn stamped(ms: &[u64]) -> Vec<Request> {
+        let records: Vec<TraceRecord> = ms
+            .iter()
+            .map(|&timestamp| TraceRecord {
+                timestamp,
+                input_length: 10,
+                output_length: 1,
+                hash_ids: vec![timestamp],
+                session_id: None,
+            })
+            .collect();
+        prepare_all(&records).unwrap()
+    }
+
+    #[test]
+    fn jitter_spreads_within_the_resolution_keeping_order() {
+        let requests = stamped(&[0, 0, 0, 5, 5, 7, 1000, 1000, 1000, 1000]);
+        assert_eq!(timestamp_resolution_us(&requests), 1000);
+        assert_eq!(
+            timestamp_resolution_us(&stamped(&[0, 2000, 6000])),
+            2_000_000
+        );
+        assert_eq!(timestamp_resolution_us(&stamped(&[0, 0])), 1000);
+        let jittered = jitter(&requests, 1000, 3);
+        assert_eq!(jittered, jitter(&requests, 1000, 3), "seeded");
+        assert_ne!(jittered, jitter(&requests, 1000, 4));
+        for (raw, moved) in requests.iter().zip(&jittered) {
+            assert_eq!(raw.id, moved.id);
+            assert_eq!(raw.chain, moved.chain);
+            assert!((raw.arrival_us..raw.arrival_us + 1000).contains(&moved.arrival_us));
+        }
+        // Order kept, within a timestamp and across: ids stay positions in arrival order.
+        assert!(
+            jittered
+                .windows(2)
+                .all(|w| w[0].arrival_us <= w[1].arrival_us)
+        );
+        // A burst no longer lands on one instant.
+        let burst: std::collections::HashSet<u64> =
+            jittered[6..].iter().map(|r| r.arrival_us).collect();
+        assert!(burst.len() > 1, "{burst:?}");
+        // A resolution larger than the gap to the next timestamp is clipped to the gap.
+        let wide = jitter(&requests, 1_000_000, 3);
+        assert!(wide.windows(2).all(|w| w[0].arrival_us <= w[1].arrival_us));
+        assert!(wide[..3].iter().all(|r| r.arrival_us < 5000));
     }
 
     #[test]

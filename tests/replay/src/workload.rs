@@ -9,6 +9,9 @@
 //! - [`Kind::FanOut`]: agents that fan out bursts of siblings sharing a long context (all sent
 //!   within a few ms), then merge the results into a longer context for the next round.
 //!
+//! Every record carries its session id (the user, conversation or agent), so session-sticky
+//! routing has the key a real deployment would send.
+//!
 //! Deterministic given the seed. Fresh hash ids come from one counter, so ids never collide
 //! across groups, users, conversations or agents.
 
@@ -16,7 +19,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::BLOCK_TOKENS;
-use crate::trace::TraceRecord;
+use crate::trace::{SessionId, TraceRecord};
 
 /// Which workload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,8 +84,16 @@ impl Generator {
         -mean * u.ln()
     }
 
-    /// A record whose prompt is `prefix` (full blocks) followed by `extra` new tokens.
-    fn record(&mut self, at_ms: f64, prefix: &[u64], extra: u32, output: u32) -> TraceRecord {
+    /// A record of `session` whose prompt is `prefix` (full blocks) followed by `extra` new
+    /// tokens.
+    fn record(
+        &mut self,
+        session: u64,
+        at_ms: f64,
+        prefix: &[u64],
+        extra: u32,
+        output: u32,
+    ) -> TraceRecord {
         let input = prefix.len() as u32 * BLOCK_TOKENS + extra;
         let mut hash_ids = prefix.to_vec();
         let tail = input.div_ceil(BLOCK_TOKENS) as usize - prefix.len();
@@ -92,6 +103,7 @@ impl Generator {
             input_length: input,
             output_length: output,
             hash_ids,
+            session_id: Some(SessionId::Number(session)),
         }
     }
 
@@ -121,7 +133,8 @@ impl Generator {
                 let u = self.rng.random_range(0..USERS);
                 let question = self.rng.random_range(64..1024);
                 let output = self.rng.random_range(64..512);
-                self.record(t, &groups[g][u].clone(), question, output)
+                let user = (g * USERS + u) as u64;
+                self.record(user, t, &groups[g][u].clone(), question, output)
             })
             .collect()
     }
@@ -134,7 +147,7 @@ impl Generator {
         let system = self.fresh(SYSTEM_BLOCKS);
         let mut records = Vec::new();
         let mut start = 0.0;
-        for _ in 0..CONVERSATIONS {
+        for conversation in 0..CONVERSATIONS as u64 {
             start += self.exp(1000.0 / START_RATE_PER_S);
             let turns = self.rng.random_range(2..=10);
             let mut t = start;
@@ -143,7 +156,7 @@ impl Generator {
             let mut loose: u32 = self.rng.random_range(200..2000);
             for _ in 0..turns {
                 let output = self.rng.random_range(100..600);
-                let record = self.record(t, &history, loose, output);
+                let record = self.record(conversation, t, &history, loose, output);
                 // Next prompt: this prompt's full blocks, then its partial block, the answer
                 // and a new message (a partial block's content changes, so it gets a new id).
                 let full = (record.input_length / BLOCK_TOKENS) as usize;
@@ -164,7 +177,7 @@ impl Generator {
         let tools = self.fresh(TOOL_PROMPT_BLOCKS);
         let mut records = Vec::new();
         let mut start = 0.0;
-        for _ in 0..AGENTS {
+        for agent in 0..AGENTS as u64 {
             start += self.exp(1000.0 / START_RATE_PER_S);
             let mut context = tools.clone();
             let task = self.rng.random_range(4..16);
@@ -177,7 +190,7 @@ impl Generator {
                     let jitter = self.rng.random_range(0.0..5.0);
                     let instruction = self.rng.random_range(32..480);
                     let output = self.rng.random_range(50..300);
-                    records.push(self.record(t + jitter, &context, instruction, output));
+                    records.push(self.record(agent, t + jitter, &context, instruction, output));
                 }
                 // The merged results extend the context for the next round.
                 let merged = self.rng.random_range(2..8);

@@ -88,6 +88,7 @@ async fn replay_decides_as_the_picker_does() {
             input_tokens: tokens.len() as u32,
             output_tokens: 1,
             full_blocks: keys.len(),
+            session: u64::from(i),
             chain: keys,
         };
         let body = serde_json::json!({"model": "m", "prompt": tokens}).to_string();

@@ -74,14 +74,16 @@ impl Router for LeastLoaded {
     }
 }
 
-/// Sticky sessions: the trace has no session ids, so the first block stands in for one (a
-/// conversation's first block is its system prompt plus first message, the same every turn).
+/// Sticky sessions (a proxy hashing a session header): [`Request::session`], the record's
+/// session id when the trace has one (the generated workloads do: user, conversation, agent),
+/// else the key of its first [`crate::trace::SESSION_PREFIX_BLOCKS`] blocks. The first block
+/// alone was the key before: on a trace whose every request opens with the same system prompt
+/// block it sent everything to one replica.
 #[derive(Debug)]
 pub struct SessionHash;
 
 impl Router for SessionHash {
     fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
-        let key = request.chain.first().copied().unwrap_or(0);
-        Decision::to((key % view.engines.len() as u64) as usize)
+        Decision::to((request.session % view.engines.len() as u64) as usize)
     }
 }

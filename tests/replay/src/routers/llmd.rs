@@ -1,16 +1,28 @@
 //! llm-d's inference scheduler with the precise prefix-cache scorer.
 //!
-//! Score = 3·prefix + 2·queue + 2·kv (the "precise prefix cache" profile's weights); highest
-//! wins, ties random:
-//! - prefix: the share of the prompt's blocks each pod holds as a leading run, per its
-//!   KV-event index (matched blocks / prompt blocks, as llm-d's prefix scorers);
+//! Score = 2·prefix + 1·kv + 1·queue (the precise-prefix-cache-aware guide's scheduling
+//! profile); `max-score-picker`: highest wins, ties random:
+//! - prefix: each pod's longest run of the prompt's leading blocks in its KV-event index
+//!   (`computeScoresFromKeyToPods`), min-max normalised over the pods that matched at least
+//!   one block (`indexedScoresToNormalizedScoredPods`: `(s − min) / (max − min)`, 1 when all
+//!   matched pods tie); a pod that matched nothing scores 0. So one matched block against none
+//!   scores as high as a full hit: the scorer ranks, it does not weigh how much is saved.
 //! - queue: waiting requests, min-max normalised and inverted (`(max − q) / (max − min)`,
 //!   all 1 when equal), as the GIE queue scorer;
-//! - kv: `1 − KV-cache usage`.
+//! - kv: `1 − KV-cache usage` (the kv-cache-utilization scorer).
 //!
-//! Metrics are scraped every 50 ms (GIE's default refresh). The index is fed by the engines'
-//! KV events after the configured delay. With speculative indexing the chosen pod is credited
-//! with the prompt's blocks at once, for `SPECULATIVE_TTL_US` or until events confirm them.
+//! Metrics are scraped every 50 ms (GIE's `refresh-metrics-interval` default). The index is
+//! fed by the engines' KV events after the configured delay. With speculative indexing
+//! (`speculativeIndexing: true`) the chosen pod is credited with the prompt's blocks at once
+//! (`PreRequest`), for the speculative TTL (default 30 s) or until events confirm them.
+//!
+//! Checked against `llm-d/llm-d-inference-scheduler` `pkg/plugins/scorer/precise_prefix_cache.go`
+//! at 17abea8af978 (scoring, speculative TTL) and `pkg/plugins/scorer/utils.go` at 2202f3ca5437
+//! (normalisation); `llm-d/llm-d` `guides/precise-prefix-cache-aware/scheduler/
+//! precise-prefix-cache-aware.values.yaml` at 019a3f3fb1c1 (weights); the GIE queue scorer
+//! (`pkg/epp/scheduling/framework/plugins/scorer/queue.go`) and its refresh flag. Before this
+//! check the baseline weighted 3/2/2, scored prefix as matched / prompt blocks (unnormalised)
+//! and kept speculative entries 2 s.
 
 use std::collections::HashMap;
 
@@ -21,11 +33,11 @@ use super::{Decision, EventIndex, Router, View, argmin_random, leading};
 use crate::trace::Request;
 
 /// Scorer weights: prefix, queue, KV usage.
-const WEIGHTS: (f64, f64, f64) = (3.0, 2.0, 2.0);
+const WEIGHTS: (f64, f64, f64) = (2.0, 1.0, 1.0);
 /// Metrics refresh interval.
 const SCRAPE_US: u64 = 50_000;
-/// Lifetime of a speculative entry.
-const SPECULATIVE_TTL_US: u64 = 2_000_000;
+/// Lifetime of a speculative entry (`defaultSpeculativeTTL`).
+const SPECULATIVE_TTL_US: u64 = 30_000_000;
 
 /// Scraped pod metrics.
 #[derive(Debug, Clone, Copy, Default)]
@@ -55,6 +67,25 @@ impl LlmdPrecise {
             rng,
         }
     }
+}
+
+/// llm-d's prefix normalisation: min-max over the pods that matched a block, 0 for the rest.
+fn normalized_prefix(matched: &[u32]) -> Vec<f64> {
+    let scored = matched.iter().copied().filter(|m| *m > 0);
+    let max = scored.clone().max().unwrap_or(0);
+    let min = scored.min().unwrap_or(0);
+    matched
+        .iter()
+        .map(|m| {
+            if *m == 0 {
+                0.0
+            } else if max == min {
+                1.0
+            } else {
+                f64::from(m - min) / f64::from(max - min)
+            }
+        })
+        .collect()
 }
 
 /// Inverted min-max normalisation to 0..1: the lowest value scores 1 (all 1 when equal).
@@ -87,8 +118,7 @@ impl Router for LlmdPrecise {
                 })
             })
             .collect();
-        let blocks = request.chain.len().max(1) as f64;
-        let prefix: Vec<f64> = matched.iter().map(|m| f64::from(*m) / blocks).collect();
+        let prefix = normalized_prefix(&matched);
         let queue = inverted_min_max(&self.metrics.iter().map(|m| m.waiting).collect::<Vec<_>>());
         let (wp, wq, wk) = WEIGHTS;
         let metrics = &self.metrics;
@@ -126,5 +156,18 @@ impl Router for LlmdPrecise {
                 kv_usage: engine.kv_usage(),
             };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_scores_rank_matched_pods_and_zero_the_rest() {
+        assert_eq!(normalized_prefix(&[0, 3, 7, 5]), [0.0, 0.0, 1.0, 0.5]);
+        assert_eq!(normalized_prefix(&[0, 1, 0]), [0.0, 1.0, 0.0]);
+        assert_eq!(normalized_prefix(&[2, 2]), [1.0, 1.0]);
+        assert_eq!(normalized_prefix(&[0, 0]), [0.0, 0.0]);
     }
 }

@@ -88,7 +88,7 @@ pub enum RouterSpec {
     RoundRobin,
     /// Fewest in-flight requests.
     LeastLoaded,
-    /// Hash of the first block (session proxy).
+    /// Hash of the session id (or of the first blocks when the trace has none).
     SessionHash,
     /// Consistent hashing with bounded loads on the first two blocks.
     Chwbl,

@@ -7,12 +7,19 @@
 //! - If the system is imbalanced — `max − min > balance_abs_threshold` and
 //!   `max > balance_rel_threshold · min` — route to the least loaded worker.
 //! - Otherwise, if the best match rate (matched / prompt tokens) exceeds `cache_threshold`,
-//!   route to that worker; else to the worker with the smallest tree (most free cache).
-//! - The prompt is inserted into the chosen worker's tree.
+//!   route to that worker; else to the least loaded worker. (Older `sgl-router` releases sent
+//!   a low-match request to the worker with the smallest tree; the current policy uses the
+//!   least loaded, which the baseline did not.)
+//! - The prompt is inserted into the chosen worker's tree (in the imbalanced branch too).
 //!
-//! Defaults are the current gateway's (`router_args.py`: cache_threshold 0.3,
-//! balance_abs_threshold 64, balance_rel_threshold 1.5); older `sglang_router` releases used
-//! 0.5 / 32 / 1.0001.
+//! Defaults are the gateway's command-line ones (cache_threshold 0.3, balance_abs_threshold
+//! 64, balance_rel_threshold 1.5, max_tree_size 2^26 characters); the library's
+//! `CacheAwareConfig::default()` (0.5 / 32 / 1.1) applies only when the policy is built in code.
+//!
+//! Checked against `sgl-project/sglang` `sgl-model-gateway/src/policies/cache_aware.rs`
+//! (`CacheAwarePolicy::select_worker`) at b93974f140de. Deviation kept: when several workers
+//! share the longest match, SGLang's tree names one tenant of the deepest node; here the tie is
+//! random.
 
 use rand::rngs::StdRng;
 
@@ -93,8 +100,7 @@ impl Router for SglangApprox {
             if rate > self.config.cache_threshold {
                 best
             } else {
-                let trees = &self.trees;
-                argmin_random(n, |i| trees[i].len() as f64, &mut self.rng)
+                argmin_random(n, |i| f64::from(loads[i]), &mut self.rng)
             }
         }
         .unwrap_or(0);
