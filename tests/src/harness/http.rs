@@ -29,6 +29,15 @@ impl HttpResponse {
         })
     }
 
+    /// Header `name` as text; empty when absent or not UTF-8.
+    pub fn header(&self, name: &str) -> String {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    }
+
     /// The body as text.
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()

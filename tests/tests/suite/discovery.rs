@@ -325,12 +325,7 @@ async fn the_index_follows_the_pods_and_drops_a_deleted_pods_blocks() {
             let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
             let response = http::post_json(&url, &body).await.unwrap();
             assert_eq!(response.status, 200, "{}", response.text());
-            let decision = response
-                .headers
-                .get("x-kvroute-decision")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or_default()
-                .to_owned();
+            let decision = response.header("x-kvroute-decision");
             let delta = wait_until("the sims to count the request", DEADLINE, || async {
                 let now = served(sims).await;
                 let delta: Vec<u64> = now.iter().zip(&before).map(|(n, b)| n - b).collect();

@@ -78,12 +78,7 @@ struct Routed {
 async fn route(stack: &Stack, api: Api, prefix: &str, question: &str) -> Routed {
     let (replica, response) =
         route_response(stack, api.path(), &api.body(prefix, question), &[]).await;
-    let decision = response
-        .headers
-        .get("x-kvroute-decision")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
+    let decision = response.header("x-kvroute-decision");
     let answer: Value = response.json().unwrap();
     Routed {
         replica,

@@ -142,12 +142,7 @@ pub(super) struct Routed {
 pub(super) async fn route_decided(stack: &Stack, prompt: &str) -> Routed {
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
     let (replica, response) = route_response(stack, "/v1/completions", &body, &[]).await;
-    let decision = response
-        .headers
-        .get("x-kvroute-decision")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
+    let decision = response.header("x-kvroute-decision");
     let answer: Value = response.json().unwrap();
     Routed {
         replica,
