@@ -1039,6 +1039,10 @@ type CachingFuture = Pin<Box<dyn Future<Output = Result<Arc<[u32]>, TokenizeErro
 const MAX_CONCURRENT_REFILLS: usize = 2;
 /// How long a request whose conversation prefix is cached waits for its exact tokens.
 const PREFIX_HIT_WAIT: Duration = Duration::from_millis(5);
+/// A conversation-prefix hit waits for its exact tokens only when a blocking whole tokenization
+/// of its size is expected within this (measured: a 32k Qwen3 hit that waited cost 5× the no-op
+/// ext_proc's p50, 3.5× routing on its cached prefix; BENCHMARKS.md, issue 15).
+const PREFIX_HIT_MAX_EXPECTED: Duration = Duration::from_millis(1);
 
 impl TokenCache {
     /// A cache within `limits`; refills and blocking tokenizations run on `tasks`.
@@ -1251,9 +1255,13 @@ impl TokenCache {
             // past it, route on the conversation's cached
             // prefix and let the tokenization finish in the background for the next turn.
             let mut wait = budget.min(tokenizer.prefix_hit_wait());
-            // A long prompt whose whole tokenization recently took longer than the wait: waiting
-            // would only add the wait (32k tokens take ≈ 10 ms; the next turn reuses them).
-            if slot.is_some() && self.expected_blocking(full_bytes) > wait {
+            // A prompt whose blocking whole tokenization is not expected within
+            // `PREFIX_HIT_MAX_EXPECTED`: waiting would add more than the routing path is allowed
+            // to cost (32k tokens take ≈ 3 ms); the cached prefix is exact, and the next turn
+            // reuses the whole tokens the background task caches.
+            if slot.is_some()
+                && self.expected_blocking(full_bytes) > PREFIX_HIT_MAX_EXPECTED.min(wait)
+            {
                 wait = Duration::ZERO;
             }
             let wait_until = tokio::time::Instant::now() + wait;

@@ -484,12 +484,19 @@ async fn ext_proc_dies_mid_request(mode: &str) -> (u16, serde_json::Value) {
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", envoy.log()));
     link.pause();
-    client.write_all(rest).await.unwrap();
+    // Envoy may answer (and close) before it reads the rest, so the kernel may reset the
+    // connection under the write or after the answer: what counts is the answer received.
+    let _ = client.write_all(rest).await;
     let mut response = Vec::new();
-    tokio::time::timeout(SETTLE, client.read_to_end(&mut response))
+    match tokio::time::timeout(SETTLE, client.read_to_end(&mut response))
         .await
         .expect("Envoy answers")
-        .unwrap();
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && !response.is_empty() => {}
+        read => {
+            read.unwrap();
+        }
+    }
     let response = String::from_utf8_lossy(&response).into_owned();
     let status = response
         .split(' ')
