@@ -3,8 +3,12 @@
 
 use super::*;
 
-pub(super) async fn extproc_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
-    let backends = Backends::start(!args.without_index, prompts).await?;
+pub(super) async fn extproc_bench(
+    args: &Args,
+    prompts: &PromptSource,
+    ext_procs: &tokio::runtime::Handle,
+) -> anyhow::Result<()> {
+    let backends = Backends::start(!args.without_index, prompts, ext_procs).await?;
     let config = three_listener_config(&backends);
     let envoy = Envoy::start(&config).await?;
     let listener = |name: &str| {

@@ -145,6 +145,13 @@ struct Args {
     /// (timed around the decision alone) is meaningful then.
     #[arg(long)]
     cold_caches: bool,
+    /// Envoy benches: run the ext_procs (no-op, fixed, kvroute-ext-proc and its kvroute-index)
+    /// on a runtime of their own pinned to the last CPU, and Envoy, the client and the engine
+    /// doubles on the other CPUs — as an endpoint picker runs in a Deployment of its own, where
+    /// Envoy's and the client's work does not evict its caches between decisions. Default: all
+    /// share every CPU.
+    #[arg(long)]
+    pin_ext_procs: bool,
 }
 
 impl Args {
@@ -179,6 +186,13 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    let placement = match Placement::new(args.pin_ext_procs) {
+        Ok(placement) => placement,
+        Err(error) => {
+            eprintln!("cannot place the bench: {error:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -186,7 +200,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args)) {
+    let ext_procs = placement
+        .runtime
+        .as_ref()
+        .map_or_else(|| runtime.handle().clone(), |r| r.handle().clone());
+    match runtime.block_on(run(args, ext_procs, placement.description)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("kvroute-latency-bench failed: {error:#}");
@@ -195,11 +213,69 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
+/// Where the ext_procs run (`--pin-ext-procs`).
+struct Placement {
+    /// Their own runtime, its threads on the last CPU; `None`: the bench's runtime.
+    runtime: Option<tokio::runtime::Runtime>,
+    description: String,
+}
+
+impl Placement {
+    /// Pinned: this thread — and so every thread and process it starts later (the bench's
+    /// runtime, Envoy) — moves to all CPUs but the last; the ext_procs' runtime (one worker, and
+    /// its blocking threads) to the last.
+    fn new(pinned: bool) -> anyhow::Result<Self> {
+        use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
+        use nix::unistd::Pid;
+        if !pinned {
+            return Ok(Self {
+                runtime: None,
+                description: "every process and thread shares every CPU".to_owned(),
+            });
+        }
+        let allowed = sched_getaffinity(Pid::from_raw(0))?;
+        let cpus: Vec<usize> = (0..CpuSet::count())
+            .filter(|&cpu| allowed.is_set(cpu).unwrap_or(false))
+            .collect();
+        let [others @ .., own] = cpus.as_slice() else {
+            bail!("no CPU allowed");
+        };
+        ensure!(!others.is_empty(), "--pin-ext-procs needs at least 2 CPUs");
+        let mut rest = CpuSet::new();
+        for &cpu in others {
+            rest.set(cpu)?;
+        }
+        let mut alone = CpuSet::new();
+        alone.set(*own)?;
+        sched_setaffinity(Pid::from_raw(0), &rest)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("ext-procs")
+            .on_thread_start(move || {
+                if let Err(error) = sched_setaffinity(Pid::from_raw(0), &alone) {
+                    eprintln!("cannot pin an ext_proc thread: {error}");
+                }
+            })
+            .enable_all()
+            .build()?;
+        Ok(Self {
+            runtime: Some(runtime),
+            description: format!(
+                "ext_procs and kvroute-index pinned to CPU {own} (one runtime worker); Envoy, client and engine doubles to CPUs {others:?}"
+            ),
+        })
+    }
+}
+
+async fn run(
+    args: Args,
+    ext_procs: tokio::runtime::Handle,
+    placement: String,
+) -> anyhow::Result<()> {
     let model_dir = args.model_dir.clone().unwrap_or_else(tiny_model_dir);
     let prompts = PromptSource::load(&model_dir, args.block_size)?;
     println!(
-        "machine: {} cores, load average at start {}",
+        "machine: {} cores, load average at start {}; {placement}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         load_average()
     );
@@ -229,10 +305,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         picker::picker_bench(&prompts, args.picker_decisions, args.cold_caches)?;
     }
     if matches!(args.bench, Which::Extproc | Which::All) {
-        extproc::extproc_bench(&args, &prompts).await?;
+        extproc::extproc_bench(&args, &prompts, &ext_procs).await?;
     }
     if matches!(args.bench, Which::Wasm | Which::All) {
-        wasm::wasm_bench(&args, &prompts).await?;
+        wasm::wasm_bench(&args, &prompts, &ext_procs).await?;
     }
     println!("load average at end {}", load_average());
     Ok(())
@@ -397,15 +473,36 @@ impl Drop for Backends {
 }
 
 impl Backends {
-    async fn start(with_index: bool, prompts: &PromptSource) -> anyhow::Result<Self> {
+    /// The engine doubles on this runtime; the ext_procs and kvroute-index on `ext_procs`.
+    async fn start(
+        with_index: bool,
+        prompts: &PromptSource,
+        ext_procs: &tokio::runtime::Handle,
+    ) -> anyhow::Result<Self> {
         let stop = CancellationToken::new();
         let tasks = TaskTracker::new();
         let mut upstreams = Vec::new();
         for i in 0..2 {
             upstreams.push(start_upstream(i, &tasks, &stop).await?);
         }
-        let noop = start_processor(NoopProcessor, &tasks, &stop).await?;
-        let fixed = start_processor(FixedPicker::new(&upstreams), &tasks, &stop).await?;
+        // Started on `ext_procs`, so the tasks they spawn live there.
+        let on_ext_procs =
+            async |start: Pin<Box<dyn Future<Output = anyhow::Result<_>> + Send>>| {
+                ext_procs
+                    .spawn(start)
+                    .await
+                    .context("an ext_proc's start task")?
+            };
+        let (t, s) = (tasks.clone(), stop.clone());
+        let noop = on_ext_procs(Box::pin(async move {
+            start_processor(NoopProcessor, &t, &s).await
+        }))
+        .await?;
+        let (t, s, fixed_picker) = (tasks.clone(), stop.clone(), FixedPicker::new(&upstreams));
+        let fixed = on_ext_procs(Box::pin(async move {
+            start_processor(fixed_picker, &t, &s).await
+        }))
+        .await?;
 
         // The index follows two (silent) engines; kvroute-ext-proc asks it on every decision.
         let mut publishers = Vec::new();
@@ -425,7 +522,10 @@ impl Backends {
         }
         let index_yaml = index_yaml(&index_replicas, prompts.block_size);
         let index_config = kvroute_index::config::Config::from_yaml(&index_yaml)?;
-        let index = kvroute_index::server::IndexServer::start(index_config).await?;
+        let index = ext_procs
+            .spawn(kvroute_index::server::IndexServer::start(index_config))
+            .await
+            .context("kvroute-index's start task")??;
         // The embedded variant runs the same index config inside kvroute-ext-proc.
         let dir = tempfile::tempdir()?;
         let index_file = dir.path().join("index.yaml");
@@ -436,16 +536,19 @@ impl Backends {
         } else {
             IndexMode::None
         };
-        let (kvroute, kvroute_admin, _) =
-            start_kvroute(&upstreams, &remote, prompts, &tasks, &stop).await?;
-        let (kvroute_embedded, kvroute_embedded_admin, embedded_index_admin) = start_kvroute(
-            &upstreams,
-            &IndexMode::Embedded(index_file),
-            prompts,
-            &tasks,
-            &stop,
-        )
-        .await?;
+        let kvroute_on_ext_procs = async |index: IndexMode| {
+            let (u, t, s) = (upstreams.clone(), tasks.clone(), stop.clone());
+            let (model_dir, block_size) = (prompts.model_dir.clone(), prompts.block_size);
+            ext_procs
+                .spawn(
+                    async move { start_kvroute(&u, &index, &model_dir, block_size, &t, &s).await },
+                )
+                .await
+                .context("kvroute-ext-proc's start task")?
+        };
+        let (kvroute, kvroute_admin, _) = kvroute_on_ext_procs(remote).await?;
+        let (kvroute_embedded, kvroute_embedded_admin, embedded_index_admin) =
+            kvroute_on_ext_procs(IndexMode::Embedded(index_file)).await?;
         Ok(Self {
             upstreams,
             noop,
@@ -489,15 +592,13 @@ fn index_yaml(replicas: &str, block_size: u32) -> String {
 async fn start_kvroute(
     upstreams: &[SocketAddr],
     index: &IndexMode,
-    prompts: &PromptSource,
+    model_dir: &std::path::Path,
+    block_size: u32,
     tasks: &TaskTracker,
     stop: &CancellationToken,
 ) -> anyhow::Result<(SocketAddr, SocketAddr, Option<SocketAddr>)> {
     let config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(
-        upstreams,
-        index,
-        &prompts.model_dir,
-        prompts.block_size,
+        upstreams, index, model_dir, block_size,
     ))?;
     let server = kvroute_ext_proc::ExtProc::builder(config).bind().await?;
     let addrs = (

@@ -2,7 +2,11 @@
 
 use super::*;
 
-pub(super) async fn wasm_bench(args: &Args, prompts: &PromptSource) -> anyhow::Result<()> {
+pub(super) async fn wasm_bench(
+    args: &Args,
+    prompts: &PromptSource,
+    ext_procs: &tokio::runtime::Handle,
+) -> anyhow::Result<()> {
     let module = std::env::var_os("KVROUTE_WASM")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| {
@@ -13,7 +17,7 @@ pub(super) async fn wasm_bench(args: &Args, prompts: &PromptSource) -> anyhow::R
         "{} missing: cargo build --profile wasm --target wasm32-wasip1 -p kvroute-wasm-filter",
         module.display()
     );
-    let backends = Backends::start(!args.without_index, prompts).await?;
+    let backends = Backends::start(!args.without_index, prompts, ext_procs).await?;
     let config = full_chain_config(&backends, &module)?;
     let envoy = Envoy::start(&config).await?;
     let listener = |name: &str| {
