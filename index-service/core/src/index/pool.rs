@@ -45,6 +45,7 @@ pub(crate) struct Pool {
 /// Keys looked up back to back before their holders are intersected: enough independent loads
 /// for the CPU to overlap their cache misses, few enough that an early mismatch wastes little.
 const CHUNK: usize = 32;
+const _: () = assert!(CHUNK <= 64, "look_up marks a chunk's stale keys in one u64");
 
 /// Optimistic reads of one key before a walk reads it under its shard's writer lock instead
 /// (only a shard rewritten through every try gets there).
@@ -319,12 +320,23 @@ impl Pool {
             decode(storage, storage.resolve(key, hash, home), at);
         }
         read_fence();
-        for (at, (&key, &(shard, hash, version, _))) in keys.iter().zip(&homes).enumerate() {
-            if !view[shard].read_valid(version) {
-                self.read_again(view, key, hash, shard, &mut |storage, word| {
-                    decode(storage, word, at)
-                });
-            }
+        // Every key is checked against the storage it was read from before any is read again:
+        // `read_again` loads a new layout, whose successor storage may by chance carry the
+        // version an older read began at.
+        let stale = homes
+            .iter()
+            .take(keys.len())
+            .enumerate()
+            .filter(|&(_, &(shard, _, version, _))| !view[shard].read_valid(version))
+            .fold(0u64, |stale, (at, _)| stale | 1 << at);
+        let mut rest = stale;
+        while rest != 0 {
+            let at = rest.trailing_zeros() as usize;
+            rest &= rest - 1;
+            let (shard, hash, _, _) = homes[at];
+            self.read_again(view, keys[at], hash, shard, &mut |storage, word| {
+                decode(storage, word, at)
+            });
         }
     }
 
