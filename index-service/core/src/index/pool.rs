@@ -323,16 +323,15 @@ impl Pool {
         // Every key is checked against the storage it was read from before any is read again:
         // `read_again` loads a new layout, whose successor storage may by chance carry the
         // version an older read began at.
-        let stale = homes
+        let mut stale = homes
             .iter()
             .take(keys.len())
             .enumerate()
             .filter(|&(_, &(shard, _, version, _))| !view[shard].read_valid(version))
             .fold(0u64, |stale, (at, _)| stale | 1 << at);
-        let mut rest = stale;
-        while rest != 0 {
-            let at = rest.trailing_zeros() as usize;
-            rest &= rest - 1;
+        while stale != 0 {
+            let at = stale.trailing_zeros() as usize;
+            stale &= stale - 1;
             let (shard, hash, _, _) = homes[at];
             self.read_again(view, keys[at], hash, shard, &mut |storage, word| {
                 decode(storage, word, at)
