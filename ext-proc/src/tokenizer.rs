@@ -38,6 +38,7 @@ use crate::error::{ConfigError, TokenizeError};
 use crate::lru::Lru;
 use crate::metrics::Metrics;
 use crate::request::{ChatFields, Prompt};
+use background::BackgroundLane;
 
 /// Rough bytes per token, to estimate the length of text that was not tokenized.
 const ESTIMATED_BYTES_PER_TOKEN: usize = 4;
@@ -251,6 +252,14 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
         self.tokenize(model, input)
     }
 
+    /// Starts the whole tokenization of a prompt no decision waits for (the cache filled for a
+    /// conversation's next turn) on work of its own at low CPU priority, so that it never
+    /// competes with decisions. [`Later::Unsupported`] (the default): the cache runs it as it
+    /// runs a decision's, bounded by its blocking slots.
+    fn tokenize_later(&self, _model: &str, _input: Arc<TokenizeInput>) -> Later {
+        Later::Unsupported
+    }
+
     /// How it computes them (what `kvroute-check` reports); [`TokenizerMode::Other`] unless
     /// overridden.
     fn mode(&self) -> TokenizerMode {
@@ -263,6 +272,26 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
     /// waiting; such work is also subject to its prompt-size limit. No, unless overridden.
     fn runs_blocking(&self, _input: &TokenizeInput, _leading: bool) -> bool {
         false
+    }
+}
+
+/// What [`Tokenizer::tokenize_later`] did.
+pub enum Later {
+    /// Running in the background; the tokens arrive on the future.
+    Started(TokenizeFuture),
+    /// The background lane is full: skipped (counted by the cache).
+    Full,
+    /// No background lane: the cache runs it on its own terms.
+    Unsupported,
+}
+
+impl fmt::Debug for Later {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Started(_) => "Started",
+            Self::Full => "Full",
+            Self::Unsupported => "Unsupported",
+        })
     }
 }
 
@@ -342,12 +371,26 @@ const INLINE_MAX_BYTES: usize = 16 * 1024;
 pub struct InProcessTokenizer {
     model: Arc<ModelTokenizer>,
     tasks: TaskTracker,
+    /// Whole tokenizations for later turns (`None`: its thread could not start; they then run
+    /// on the blocking pool).
+    later: Option<Arc<BackgroundLane>>,
 }
 
 impl InProcessTokenizer {
     /// Wraps an already loaded tokenizer.
     pub fn new(model: Arc<ModelTokenizer>, tasks: TaskTracker) -> Self {
-        Self { model, tasks }
+        let later = match BackgroundLane::start() {
+            Ok(lane) => Some(Arc::new(lane)),
+            Err(error) => {
+                tracing::warn!(%error, "no background tokenization thread; later turns' tokenizations share the blocking pool");
+                None
+            }
+        };
+        Self {
+            model,
+            tasks,
+            later,
+        }
     }
 
     /// Loads a Hugging Face model folder.
@@ -355,10 +398,7 @@ impl InProcessTokenizer {
         let model = ModelTokenizer::from_dir(dir).map_err(|e| TokenizeError::InProcess {
             reason: format!("{e:#}"),
         })?;
-        Ok(Self {
-            model: Arc::new(model),
-            tasks,
-        })
+        Ok(Self::new(Arc::new(model), tasks))
     }
 }
 
@@ -404,6 +444,21 @@ impl Tokenizer for InProcessTokenizer {
                 reason: e.to_string(),
             })?
         })
+    }
+
+    fn tokenize_later(&self, _model: &str, input: Arc<TokenizeInput>) -> Later {
+        let Some(lane) = &self.later else {
+            return Later::Unsupported;
+        };
+        let model = Arc::clone(&self.model);
+        match lane.run(move || encode(&model, &input)) {
+            Some(result) => Later::Started(Box::pin(async move {
+                result.await.map_err(|_| TokenizeError::InProcess {
+                    reason: "the background tokenization panicked".to_owned(),
+                })?
+            })),
+            None => Later::Full,
+        }
     }
 
     fn tokenize_leading(
@@ -1219,6 +1274,21 @@ impl TokenCache {
                 });
             }
         }
+        if let Some((prefix_tokens, prefix_bytes)) = &cached_prefix
+            && tokenizer.runs_blocking(&input, false)
+            && self.expected_blocking(full_bytes)
+                > PREFIX_HIT_MAX_EXPECTED.min(budget.min(tokenizer.prefix_hit_wait()))
+        {
+            // Its whole tokenization is not expected within `PREFIX_HIT_MAX_EXPECTED`: waiting
+            // would add more than the routing path may cost (32k tokens take ≈ 3 ms). The cached
+            // prefix is exact; the whole tokens follow in the background for the next turn.
+            self.complete_later(model, tokenizer, &input, prompt, full_key);
+            return Ok(on_cached_prefix(
+                Arc::clone(prefix_tokens),
+                *prefix_bytes,
+                full_bytes,
+            ));
+        }
         let slot = if tokenizer.runs_blocking(&input, false) {
             let bytes = input.len_bytes();
             if bytes > self.max_prompt_bytes {
@@ -1254,16 +1324,7 @@ impl TokenCache {
             // millisecond for a long conversation; a network tokenizer gets the whole budget);
             // past it, route on the conversation's cached
             // prefix and let the tokenization finish in the background for the next turn.
-            let mut wait = budget.min(tokenizer.prefix_hit_wait());
-            // A prompt whose blocking whole tokenization is not expected within
-            // `PREFIX_HIT_MAX_EXPECTED`: waiting would add more than the routing path is allowed
-            // to cost (32k tokens take ≈ 3 ms); the cached prefix is exact, and the next turn
-            // reuses the whole tokens the background task caches.
-            if slot.is_some()
-                && self.expected_blocking(full_bytes) > PREFIX_HIT_MAX_EXPECTED.min(wait)
-            {
-                wait = Duration::ZERO;
-            }
+            let wait = budget.min(tokenizer.prefix_hit_wait());
             let wait_until = tokio::time::Instant::now() + wait;
             let exact = match slot {
                 // Already a task of its own, which finishes (and caches) if this stops waiting.
@@ -1286,14 +1347,7 @@ impl TokenCache {
                     tracing::debug!(%error, "tokenizing a conversation failed; routing on its cached prefix");
                 }
             }
-            let tail = full_bytes.saturating_sub(prefix_bytes) / ESTIMATED_BYTES_PER_TOKEN;
-            let estimated_len = prefix_tokens.len() + tail;
-            return Ok(PromptTokens {
-                tokens: prefix_tokens,
-                exact: false,
-                estimated_len,
-                source: TokenSource::PrefixCache,
-            });
+            return Ok(on_cached_prefix(prefix_tokens, prefix_bytes, full_bytes));
         }
         self.bounded(caching, slot, deadline, budget)
             .await
@@ -1386,10 +1440,12 @@ impl TokenCache {
         }
     }
 
-    /// Tokenizes a prompt whose decision used only its leading tokens, whole, in the background,
-    /// and caches it, so the conversation's next turn finds it as its cached prefix. Only with a
-    /// free refill slot and, for blocking work, a free blocking slot taken now (never waited
-    /// for: decisions come first), and within the prompt-size limit; otherwise skipped.
+    /// Tokenizes a prompt whose decision used only its leading tokens (or its conversation's
+    /// cached prefix), whole, in the background, and caches it, so the conversation's next turn
+    /// finds it as its cached prefix. Within the prompt-size limit, on the tokenizer's own
+    /// low-priority lane when it has one (bounded by the lane's queue), else with a free refill
+    /// slot and, for blocking work, a free blocking slot taken now (never waited for: decisions
+    /// come first); otherwise skipped, counted.
     fn complete_later(
         &self,
         model: &str,
@@ -1400,11 +1456,28 @@ impl TokenCache {
     ) {
         let skipped = |why: &str| {
             self.gauges.background_skipped.inc();
-            tracing::debug!(why, "whole tokenization after a leading decision skipped");
+            tracing::debug!(why, "whole tokenization for a later turn skipped");
         };
         let blocking = tokenizer.runs_blocking(input, false);
         if blocking && input.len_bytes() > self.max_prompt_bytes {
             return skipped("prompt over limits.tokenize_max_prompt_bytes");
+        }
+        let entries = Arc::clone(&self.entries);
+        let gauges = self.gauges.clone();
+        match tokenizer.tokenize_later(model, Arc::clone(input)) {
+            Later::Started(tokenizing) => {
+                self.tasks.spawn(async move {
+                    match tokenizing.await {
+                        Ok(tokens) => insert_into(&entries, &gauges, key, tokens.into()),
+                        Err(error) => {
+                            tracing::debug!(%error, "background whole tokenization failed");
+                        }
+                    }
+                });
+                return;
+            }
+            Later::Full => return skipped("background lane full"),
+            Later::Unsupported => {}
         }
         let Ok(refill) = Arc::clone(&self.refills).try_acquire_owned() else {
             return skipped("refills busy");
@@ -1418,8 +1491,6 @@ impl TokenCache {
             None
         };
         let tokenizing = start_tokenizing(tokenizer.as_ref(), model, Arc::clone(input), prompt);
-        let entries = Arc::clone(&self.entries);
-        let gauges = self.gauges.clone();
         self.tasks.spawn(async move {
             let _held = (refill, slot);
             match tokenizing.await {
@@ -1439,6 +1510,22 @@ impl TokenCache {
             let _permit = permit;
             let _ = caching.await;
         });
+    }
+}
+
+/// A prompt of `full_bytes` routed on its conversation's cached prefix (`prefix_bytes` of it);
+/// the rest estimated.
+fn on_cached_prefix(
+    prefix_tokens: Arc<[u32]>,
+    prefix_bytes: usize,
+    full_bytes: usize,
+) -> PromptTokens {
+    let tail = full_bytes.saturating_sub(prefix_bytes) / ESTIMATED_BYTES_PER_TOKEN;
+    PromptTokens {
+        estimated_len: prefix_tokens.len() + tail,
+        tokens: prefix_tokens,
+        exact: false,
+        source: TokenSource::PrefixCache,
     }
 }
 
@@ -1630,6 +1717,7 @@ fn conversation_keys(
         .collect()
 }
 
+mod background;
 #[cfg(test)]
 mod goldens_tests;
 
@@ -1982,6 +2070,66 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(other.source, TokenSource::Tokenizer);
+    }
+
+    #[tokio::test]
+    async fn a_hit_too_long_to_wait_for_routes_at_once_and_the_lane_caches_the_whole_turn() {
+        let tokenizer: Arc<dyn Tokenizer> =
+            Arc::new(InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap());
+        let direct = ModelTokenizer::from_dir(TINY_MODEL).unwrap();
+        let cache = TokenCache::new(TokenLimits::default(), TaskTracker::new());
+        let budget = Duration::from_secs(5);
+        // Longer than INLINE_MAX_BYTES: both turns run blocking.
+        let story = "Once upon a time, in a land of long prompts, ".repeat(500);
+        let turn1 = serde_json::json!({"model": "m", "messages": [
+            {"role": "user", "content": story}]})
+        .to_string();
+        let turn2 = serde_json::json!({"model": "m", "messages": [
+            {"role": "user", "content": story},
+            {"role": "assistant", "content": "And then?"},
+            {"role": "user", "content": "More"}]})
+        .to_string();
+        let first = parse(turn1.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let t1 = cache
+            .tokens(0, "m", &first.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        assert_eq!(t1.source, TokenSource::Tokenizer);
+        // Recent blocking tokenizations say this prompt takes far over PREFIX_HIT_MAX_EXPECTED.
+        cache
+            .blocking_ps_per_byte
+            .store(1_000_000, std::sync::atomic::Ordering::Relaxed);
+        let second = parse(turn2.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let t2 = cache
+            .tokens(0, "m", &second.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        assert_eq!((t2.source, t2.exact), (TokenSource::PrefixCache, false));
+        assert_eq!(t2.tokens, t1.tokens);
+        assert_eq!(
+            cache.gauges.blocking_in_flight.get(),
+            0,
+            "no blocking slot taken"
+        );
+        // The lane tokenizes turn 2 whole and caches it, exactly.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let cached = loop {
+            let t = cache
+                .tokens(0, "m", &second.prompt, Some(&tokenizer), budget)
+                .await
+                .unwrap();
+            if t.source == TokenSource::Cache {
+                break t.tokens;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the lane never cached turn 2"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        let messages: serde_json::Value = serde_json::from_str(&turn2).unwrap();
+        let expected = direct.encode_chat(&messages["messages"], true).unwrap();
+        assert_eq!(&*cached, expected.as_slice());
     }
 
     #[tokio::test]
