@@ -48,6 +48,11 @@ impl<K: Hash + Eq + Clone, V> Lru<K, V> {
         Some(value)
     }
 
+    /// Whether `key` is held (recency unchanged).
+    pub(crate) fn contains(&self, key: &K) -> bool {
+        self.entries.contains_key(key)
+    }
+
     /// Looks up without changing recency.
     #[cfg(test)]
     pub(crate) fn peek(&self, key: &K) -> Option<&V> {

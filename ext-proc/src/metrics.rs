@@ -80,6 +80,8 @@ pub struct Metrics {
     /// In-process tokenizations running on blocking threads (at most `limits.tokenize_concurrency`),
     /// those whose decision stopped waiting included.
     pub tokenize_blocking_in_flight: Gauge,
+    /// Whole tokenizations for a later turn queued or running on the low-priority lane.
+    pub tokenize_background_queued: Gauge,
     /// In-process tokenizations that outlived their decision's wait and finished in the
     /// background (their slot held until then).
     pub tokenize_abandoned: Counter,
@@ -159,6 +161,7 @@ impl Metrics {
             token_cache_bytes: Gauge::default(),
             token_cache_entries: Gauge::default(),
             tokenize_blocking_in_flight: Gauge::default(),
+            tokenize_background_queued: Gauge::default(),
             tokenize_abandoned: Counter::default(),
             tokenize_background_skipped: Counter::default(),
             predicted_cached_share: Histogram::new([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]),
@@ -239,8 +242,13 @@ impl Metrics {
             metrics.tokenize_abandoned.clone(),
         );
         r.register(
+            "tokenize_background_queued",
+            "Whole tokenizations for a later turn queued or running on the low-priority background thread",
+            metrics.tokenize_background_queued.clone(),
+        );
+        r.register(
             "tokenize_background_skipped",
-            "Whole tokenizations after a leading-tokens decision not started (no free slot, too large)",
+            "Whole tokenizations for a later turn not started (background queue full, no free slot, too large)",
             metrics.tokenize_background_skipped.clone(),
         );
         r.register(

@@ -40,7 +40,7 @@ use crate::metrics::{
 };
 use crate::request::ParsedRequest;
 use crate::scrape::Scraper;
-use crate::tokenizer::{PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer};
+use crate::tokenizer::{KeysJob, PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer};
 
 pub use kvroute_routing::Tier;
 
@@ -96,6 +96,27 @@ impl IndexSkip {
 /// from here (`kvroute_tokenize::leading_cut`; ≈ 4–6k tokens): ext-proc's inline-tokenization
 /// limit, so a 32k-token miss encodes a sixth of its prompt (BENCHMARKS.md, issue 15).
 const LEADING_BYTES: usize = 16 * 1024;
+
+/// How a request's block keys are computed (`pool`'s scheme and block size, its adapter and
+/// salt), for a background whole tokenization to cache them with the tokens.
+fn keys_job(pool: &Pool, adapter: Option<&crate::config::Adapter>, salt: Option<&str>) -> KeysJob {
+    let scheme = pool.key_scheme.clone();
+    let block_size = pool.block_size;
+    let adapter = adapter.cloned();
+    let salt = salt.map(str::to_owned);
+    let fingerprint = xxhash_rust::xxh3::xxh3_64(
+        format!("{scheme:?}/{block_size}/{adapter:?}/{salt:?}").as_bytes(),
+    );
+    KeysJob {
+        fingerprint,
+        compute: Arc::new(move |tokens: &[u32]| {
+            let lora = adapter.as_ref().map(crate::config::Adapter::as_lora_ref);
+            scheme
+                .prompt_keys(tokens, block_size as usize, lora.as_ref(), salt.as_deref())
+                .ok()
+        }),
+    }
+}
 
 /// What the slow step learned about a prompt.
 #[derive(Debug)]
@@ -482,12 +503,23 @@ impl Picker {
         // A long prompt first gets only its exact leading tokens. Keys are chained, so a replica
         // holding fewer than all of their blocks holds no block past them either: unless some
         // replica holds all of them, the match (and so the decision) is the whole prompt's.
+        let keys_job = keys_job(
+            &config.pools[pool_index],
+            adapter,
+            request.cache_salt.as_deref(),
+        );
         let tokens = self
-            .prompt_tokens(runtime, pool_index, request, deadline, Some(LEADING_BYTES))
+            .prompt_tokens(
+                runtime,
+                pool_index,
+                request,
+                deadline,
+                Some((LEADING_BYTES, &keys_job)),
+            )
             .await?;
         let (keys, index_answer) = self
             .keys_and_index(
-                runtime, pool_index, adapter, request, candidates, deadline, &tokens,
+                runtime, pool_index, adapter, request, candidates, deadline, &tokens, &keys_job,
             )
             .await?;
         let leading = PrefixFacts {
@@ -516,7 +548,7 @@ impl Picker {
         };
         let Ok((keys, index_answer)) = self
             .keys_and_index(
-                runtime, pool_index, adapter, request, candidates, deadline, &tokens,
+                runtime, pool_index, adapter, request, candidates, deadline, &tokens, &keys_job,
             )
             .await
         else {
@@ -530,14 +562,15 @@ impl Picker {
     }
 
     /// The prompt's tokens within the tokenize budget (only the leading ones from `leading`
-    /// bytes on when given and possible), timed by source.
+    /// bytes on when given and possible; a whole tokenization left for the next turn caches
+    /// the keys its job computes), timed by source.
     async fn prompt_tokens(
         &self,
         runtime: &Runtime,
         pool_index: usize,
         request: &ParsedRequest<'_>,
         deadline: Instant,
-        leading: Option<usize>,
+        leading: Option<(usize, &KeysJob)>,
     ) -> Result<PromptTokens, LoadCause> {
         let config = &runtime.config;
         let pool = &config.pools[pool_index];
@@ -552,7 +585,7 @@ impl Picker {
             .min(deadline.saturating_duration_since(tokenize_started));
         let tokenizer = runtime.tokenizers[pool_index].as_ref();
         let tokens = match leading {
-            Some(min_bytes) => {
+            Some((min_bytes, keys_job)) => {
                 self.token_cache
                     .leading_tokens(
                         pool_index,
@@ -561,6 +594,7 @@ impl Picker {
                         tokenizer,
                         tokenize_budget,
                         min_bytes,
+                        Some(keys_job),
                     )
                     .await
             }
@@ -621,7 +655,8 @@ impl Picker {
                 .remembers_all(&ids, keys, Instant::now(), config.scoring.speculative_ttl)
     }
 
-    /// The block keys of `tokens` and, when the pool asks the index, its answer.
+    /// The block keys of `tokens` (cached with them when their fingerprint is `keys_job`'s) and,
+    /// when the pool asks the index, its answer.
     #[expect(
         clippy::too_many_arguments,
         reason = "the decision's context, passed as prefix_facts has it"
@@ -635,16 +670,25 @@ impl Picker {
         candidates: &[&Replica],
         deadline: Instant,
         tokens: &PromptTokens,
+        keys_job: &KeysJob,
     ) -> Result<(Vec<u64>, Option<MatchResponse>), LoadCause> {
         let config = &runtime.config;
         let pool = &config.pools[pool_index];
         // Keys.
-        let keys = pool
-            .prompt_keys(&tokens.tokens, adapter, request.cache_salt.as_deref())
-            .map_err(|e| {
-                self.count_fallback("keys", e.as_label());
-                LoadCause::KeyError
-            })?;
+        let keys = match &tokens.keys {
+            Some(cached)
+                if cached.fingerprint == keys_job.fingerprint
+                    && cached.keys.len() == tokens.tokens.len() / pool.block_size as usize =>
+            {
+                cached.keys.to_vec()
+            }
+            _ => pool
+                .prompt_keys(&tokens.tokens, adapter, request.cache_salt.as_deref())
+                .map_err(|e| {
+                    self.count_fallback("keys", e.as_label());
+                    LoadCause::KeyError
+                })?,
+        };
         // Index.
         let asks_index = pool.events && runtime.index.is_configured() && !keys.is_empty();
         let skip = if !pool.events {
@@ -1133,7 +1177,14 @@ mod tests {
             let expected = decide_body(&reference, &body).await;
             assert_eq!((decided.1, decided.2), (expected.1, expected.2), "{holds}");
             assert_eq!(tokenized_by(&leading_metrics, "leading"), 1, "{holds}");
-            assert_eq!(tokenized_by(&leading_metrics, "tokenizer"), 1, "{holds}");
+            // Whole: tokenized by the decision, or by the background job turn 1 left, if that
+            // ended first.
+            assert_eq!(
+                tokenized_by(&leading_metrics, "tokenizer")
+                    + tokenized_by(&leading_metrics, "cache"),
+                1,
+                "{holds}"
+            );
             if holds == "memory" {
                 assert_eq!(
                     (&decided.0, &expected.0),

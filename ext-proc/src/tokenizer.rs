@@ -252,12 +252,11 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
         self.tokenize(model, input)
     }
 
-    /// Starts the whole tokenization of a prompt no decision waits for (the cache filled for a
-    /// conversation's next turn) on work of its own at low CPU priority, so that it never
-    /// competes with decisions. [`Later::Unsupported`] (the default): the cache runs it as it
-    /// runs a decision's, bounded by its blocking slots.
-    fn tokenize_later(&self, _model: &str, _input: Arc<TokenizeInput>) -> Later {
-        Later::Unsupported
+    /// `input`'s tokens computed on the calling thread, for tokenizers that run in this process
+    /// (`None`, the default, elsewhere): what [`TokenCache`]'s low-priority lane runs to fill
+    /// the cache for a conversation's next turn.
+    fn tokenize_now(&self, _input: &TokenizeInput) -> Option<Result<Vec<u32>, TokenizeError>> {
+        None
     }
 
     /// How it computes them (what `kvroute-check` reports); [`TokenizerMode::Other`] unless
@@ -272,26 +271,6 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
     /// waiting; such work is also subject to its prompt-size limit. No, unless overridden.
     fn runs_blocking(&self, _input: &TokenizeInput, _leading: bool) -> bool {
         false
-    }
-}
-
-/// What [`Tokenizer::tokenize_later`] did.
-pub enum Later {
-    /// Running in the background; the tokens arrive on the future.
-    Started(TokenizeFuture),
-    /// The background lane is full: skipped (counted by the cache).
-    Full,
-    /// No background lane: the cache runs it on its own terms.
-    Unsupported,
-}
-
-impl fmt::Debug for Later {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Started(_) => "Started",
-            Self::Full => "Full",
-            Self::Unsupported => "Unsupported",
-        })
     }
 }
 
@@ -371,26 +350,12 @@ const INLINE_MAX_BYTES: usize = 16 * 1024;
 pub struct InProcessTokenizer {
     model: Arc<ModelTokenizer>,
     tasks: TaskTracker,
-    /// Whole tokenizations for later turns (`None`: its thread could not start; they then run
-    /// on the blocking pool).
-    later: Option<Arc<BackgroundLane>>,
 }
 
 impl InProcessTokenizer {
     /// Wraps an already loaded tokenizer.
     pub fn new(model: Arc<ModelTokenizer>, tasks: TaskTracker) -> Self {
-        let later = match BackgroundLane::start() {
-            Ok(lane) => Some(Arc::new(lane)),
-            Err(error) => {
-                tracing::warn!(%error, "no background tokenization thread; later turns' tokenizations share the blocking pool");
-                None
-            }
-        };
-        Self {
-            model,
-            tasks,
-            later,
-        }
+        Self { model, tasks }
     }
 
     /// Loads a Hugging Face model folder.
@@ -446,19 +411,8 @@ impl Tokenizer for InProcessTokenizer {
         })
     }
 
-    fn tokenize_later(&self, _model: &str, input: Arc<TokenizeInput>) -> Later {
-        let Some(lane) = &self.later else {
-            return Later::Unsupported;
-        };
-        let model = Arc::clone(&self.model);
-        match lane.run(move || encode(&model, &input)) {
-            Some(result) => Later::Started(Box::pin(async move {
-                result.await.map_err(|_| TokenizeError::InProcess {
-                    reason: "the background tokenization panicked".to_owned(),
-                })?
-            })),
-            None => Later::Full,
-        }
+    fn tokenize_now(&self, input: &TokenizeInput) -> Option<Result<Vec<u32>, TokenizeError>> {
+        Some(encode(&self.model, input))
     }
 
     fn tokenize_leading(
@@ -963,6 +917,46 @@ pub struct PromptTokens {
     pub estimated_len: usize,
     /// Where the tokens came from.
     pub source: TokenSource,
+    /// The block keys of `tokens`, when they came from the cache with keys a background
+    /// tokenization computed for them (check the fingerprint before use).
+    pub keys: Option<CachedKeys>,
+}
+
+/// Block keys cached with the tokens they are the keys of.
+#[derive(Debug, Clone)]
+pub struct CachedKeys {
+    /// What the keys depend on besides the tokens ([`KeysJob::fingerprint`]).
+    pub fingerprint: u64,
+    /// The key of every full block.
+    pub keys: Arc<[u64]>,
+}
+
+/// How a decision computes a prompt's block keys: handed to a background whole tokenization so
+/// that it caches the keys with the tokens, and the next turn, routed on them, hashes nothing.
+#[derive(Clone)]
+pub struct KeysJob {
+    /// Everything the keys depend on besides the tokens (key scheme, block size, adapter, salt).
+    pub fingerprint: u64,
+    /// The keys of every full block of the tokens (`None`: they cannot be computed).
+    pub compute: Arc<ComputeKeys>,
+}
+
+/// [`KeysJob::compute`]'s function.
+pub type ComputeKeys = dyn Fn(&[u32]) -> Option<Vec<u64>> + Send + Sync;
+
+impl fmt::Debug for KeysJob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeysJob")
+            .field("fingerprint", &self.fingerprint)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A cached tokenization.
+#[derive(Debug)]
+struct CacheEntry {
+    tokens: Arc<[u32]>,
+    keys: Option<CachedKeys>,
 }
 
 /// Where a decision's tokens came from (a metric label).
@@ -1050,7 +1044,10 @@ const TOO_LARGE_LOG_EVERY: Duration = Duration::from_secs(10);
 /// and bytes; and the slots bounding the blocking tokenizations started for them.
 #[derive(Debug)]
 pub struct TokenCache {
-    entries: Arc<Mutex<Lru<u128, Arc<[u32]>>>>,
+    entries: Arc<Mutex<Lru<u128, CacheEntry>>>,
+    /// Whole tokenizations for a later turn, at low CPU priority (`None`: its thread could not
+    /// start; they then run on the blocking pool, bounded by `refills`).
+    lane: Option<Arc<BackgroundLane>>,
     /// Background full tokenizations after a prefix hit; bounded so they never pile up.
     refills: Arc<tokio::sync::Semaphore>,
     /// One permit per tokenization running on a blocking thread.
@@ -1070,8 +1067,10 @@ struct CacheGauges {
     entries: Gauge,
     blocking_in_flight: Gauge,
     abandoned: Counter,
-    /// Whole tokenizations after a leading decision not started (no free slot, too large).
+    /// Whole tokenizations for a later turn not started (lane full, no free slot, too large).
     background_skipped: Counter,
+    /// Whole tokenizations for a later turn queued or running on the lane.
+    background_queued: Gauge,
 }
 
 /// A taken blocking-tokenization slot; counted in flight until dropped.
@@ -1084,6 +1083,22 @@ struct BlockingSlot {
 impl Drop for BlockingSlot {
     fn drop(&mut self) {
         self.in_flight.dec();
+    }
+}
+
+/// One lane job in its gauge, from [`Queued::count`] until dropped.
+struct Queued(Gauge);
+
+impl Queued {
+    fn count(gauge: &Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -1107,6 +1122,13 @@ impl TokenCache {
                 limits.cache_entries,
                 limits.cache_bytes,
             ))),
+            lane: match BackgroundLane::start() {
+                Ok(lane) => Some(Arc::new(lane)),
+                Err(error) => {
+                    tracing::warn!(%error, "no background tokenization thread: later turns' tokenizations share the blocking pool");
+                    None
+                }
+            },
             refills: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REFILLS)),
             blocking: Arc::new(tokio::sync::Semaphore::new(limits.concurrency.max(1))),
             max_prompt_bytes: limits.max_prompt_bytes,
@@ -1125,6 +1147,7 @@ impl TokenCache {
             blocking_in_flight: metrics.tokenize_blocking_in_flight.clone(),
             abandoned: metrics.tokenize_abandoned.clone(),
             background_skipped: metrics.tokenize_background_skipped.clone(),
+            background_queued: metrics.tokenize_background_queued.clone(),
         };
         self
     }
@@ -1143,14 +1166,19 @@ impl TokenCache {
         tokenizer: Option<&Arc<dyn Tokenizer>>,
         budget: Duration,
     ) -> Result<PromptTokens, TokenizeError> {
-        self.tokens_with(pool, model, prompt, tokenizer, budget, None)
+        self.tokens_with(pool, model, prompt, tokenizer, budget, None, None)
             .await
     }
 
     /// [`Self::tokens`], except that a prompt of at least `2 × min_bytes` that neither the cache
     /// nor a cached conversation prefix knows gets only its exact leading tokens
     /// ([`Tokenizer::tokenize_leading`] from `min_bytes`; [`TokenSource::Leading`], `exact`
-    /// false, not cached) when the tokenizer can.
+    /// false, not cached) when the tokenizer can. A whole tokenization left to the background
+    /// for the next turn also caches the block keys `keys` computes.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the decision's tokenize context, as the picker has it"
+    )]
     pub async fn leading_tokens(
         &self,
         pool: usize,
@@ -1159,11 +1187,24 @@ impl TokenCache {
         tokenizer: Option<&Arc<dyn Tokenizer>>,
         budget: Duration,
         min_bytes: usize,
+        keys: Option<&KeysJob>,
     ) -> Result<PromptTokens, TokenizeError> {
-        self.tokens_with(pool, model, prompt, tokenizer, budget, Some(min_bytes))
-            .await
+        self.tokens_with(
+            pool,
+            model,
+            prompt,
+            tokenizer,
+            budget,
+            Some(min_bytes),
+            keys,
+        )
+        .await
     }
 
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the decision's tokenize context, as the picker has it"
+    )]
     async fn tokens_with(
         &self,
         pool: usize,
@@ -1172,6 +1213,7 @@ impl TokenCache {
         tokenizer: Option<&Arc<dyn Tokenizer>>,
         budget: Duration,
         leading_from: Option<usize>,
+        keys_job: Option<&KeysJob>,
     ) -> Result<PromptTokens, TokenizeError> {
         let deadline = tokio::time::Instant::now() + budget;
         let keys = match prompt {
@@ -1181,6 +1223,7 @@ impl TokenCache {
                     exact: true,
                     estimated_len: ids.len(),
                     source: TokenSource::Client,
+                    keys: None,
                 });
             }
             Prompt::Absent => {
@@ -1189,6 +1232,7 @@ impl TokenCache {
                     exact: true,
                     estimated_len: 0,
                     source: TokenSource::Client,
+                    keys: None,
                 });
             }
             Prompt::Text {
@@ -1223,20 +1267,20 @@ impl TokenCache {
         };
         let cached_prefix = {
             let mut entries = self.entries.lock();
-            if let Some(tokens) = entries.get(&full_key) {
-                let tokens = Arc::clone(tokens);
-                let estimated_len = tokens.len();
+            if let Some(entry) = entries.get(&full_key) {
                 return Ok(PromptTokens {
-                    tokens,
+                    tokens: Arc::clone(&entry.tokens),
                     exact: true,
-                    estimated_len,
+                    estimated_len: entry.tokens.len(),
                     source: TokenSource::Cache,
+                    keys: entry.keys.clone(),
                 });
             }
-            keys.iter()
-                .rev()
-                .skip(1)
-                .find_map(|(key, bytes)| entries.get(key).map(|t| (Arc::clone(t), *bytes)))
+            keys.iter().rev().skip(1).find_map(|(key, bytes)| {
+                entries
+                    .get(key)
+                    .map(|entry| (Arc::clone(&entry.tokens), *bytes, entry.keys.clone()))
+            })
         };
         let tokenizer = tokenizer.ok_or_else(|| TokenizeError::NotConfigured {
             pool: pool.to_string(),
@@ -1261,7 +1305,7 @@ impl TokenCache {
                 }
                 // The next turn starts with this whole prompt and, were it not cached, would pay
                 // for its leading part and then all of it.
-                self.complete_later(model, tokenizer, &input, prompt, full_key);
+                self.complete_later(model, tokenizer, &input, prompt, full_key, keys_job);
                 // The rest of the prompt at the leading part's own bytes per token.
                 let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
                 let estimated_len =
@@ -1271,10 +1315,11 @@ impl TokenCache {
                     exact: false,
                     estimated_len,
                     source: TokenSource::Leading,
+                    keys: None,
                 });
             }
         }
-        if let Some((prefix_tokens, prefix_bytes)) = &cached_prefix
+        if let Some((prefix_tokens, prefix_bytes, prefix_keys)) = &cached_prefix
             && tokenizer.runs_blocking(&input, false)
             && self.expected_blocking(full_bytes)
                 > PREFIX_HIT_MAX_EXPECTED.min(budget.min(tokenizer.prefix_hit_wait()))
@@ -1282,11 +1327,12 @@ impl TokenCache {
             // Its whole tokenization is not expected within `PREFIX_HIT_MAX_EXPECTED`: waiting
             // would add more than the routing path may cost (32k tokens take ≈ 3 ms). The cached
             // prefix is exact; the whole tokens follow in the background for the next turn.
-            self.complete_later(model, tokenizer, &input, prompt, full_key);
+            self.complete_later(model, tokenizer, &input, prompt, full_key, keys_job);
             return Ok(on_cached_prefix(
                 Arc::clone(prefix_tokens),
                 *prefix_bytes,
                 full_bytes,
+                prefix_keys.clone(),
             ));
         }
         let slot = if tokenizer.runs_blocking(&input, false) {
@@ -1319,7 +1365,7 @@ impl TokenCache {
             insert_into(&entries, &gauges, full_key, Arc::clone(&tokens));
             Ok(tokens)
         };
-        if let Some((prefix_tokens, prefix_bytes)) = cached_prefix {
+        if let Some((prefix_tokens, prefix_bytes, prefix_keys)) = cached_prefix {
             // The exact tokens are worth a short wait (the fast encoder needs well under a
             // millisecond for a long conversation; a network tokenizer gets the whole budget);
             // past it, route on the conversation's cached
@@ -1347,7 +1393,12 @@ impl TokenCache {
                     tracing::debug!(%error, "tokenizing a conversation failed; routing on its cached prefix");
                 }
             }
-            return Ok(on_cached_prefix(prefix_tokens, prefix_bytes, full_bytes));
+            return Ok(on_cached_prefix(
+                prefix_tokens,
+                prefix_bytes,
+                full_bytes,
+                prefix_keys,
+            ));
         }
         self.bounded(caching, slot, deadline, budget)
             .await
@@ -1441,11 +1492,11 @@ impl TokenCache {
     }
 
     /// Tokenizes a prompt whose decision used only its leading tokens (or its conversation's
-    /// cached prefix), whole, in the background, and caches it, so the conversation's next turn
-    /// finds it as its cached prefix. Within the prompt-size limit, on the tokenizer's own
-    /// low-priority lane when it has one (bounded by the lane's queue), else with a free refill
-    /// slot and, for blocking work, a free blocking slot taken now (never waited for: decisions
-    /// come first); otherwise skipped, counted.
+    /// cached prefix), whole, in the background, and caches it (with the block keys `keys_job`
+    /// computes), so the conversation's next turn finds it as its cached prefix. Within the
+    /// prompt-size limit; for in-process tokenizers on the cache's low-priority lane (bounded by
+    /// its queue), for others with a free refill slot and, for blocking work, a free blocking
+    /// slot taken now (never waited for: decisions come first); otherwise skipped, counted.
     fn complete_later(
         &self,
         model: &str,
@@ -1453,6 +1504,7 @@ impl TokenCache {
         input: &Arc<TokenizeInput>,
         prompt: &Prompt<'_>,
         key: u128,
+        keys_job: Option<&KeysJob>,
     ) {
         let skipped = |why: &str| {
             self.gauges.background_skipped.inc();
@@ -1464,20 +1516,41 @@ impl TokenCache {
         }
         let entries = Arc::clone(&self.entries);
         let gauges = self.gauges.clone();
-        match tokenizer.tokenize_later(model, Arc::clone(input)) {
-            Later::Started(tokenizing) => {
-                self.tasks.spawn(async move {
-                    match tokenizing.await {
-                        Ok(tokens) => insert_into(&entries, &gauges, key, tokens.into()),
-                        Err(error) => {
-                            tracing::debug!(%error, "background whole tokenization failed");
-                        }
+        if let Some(lane) = &self.lane
+            && tokenizer.mode().location() == "in_process"
+        {
+            let tokenizer = Arc::clone(tokenizer);
+            let input = Arc::clone(input);
+            let keys_job = keys_job.cloned();
+            // Counted from here until the job ends, or is dropped unrun (refused, lane stopped).
+            let queued = Queued::count(&self.gauges.background_queued);
+            let queued = lane.run(move || {
+                let _queued = queued;
+                // Another request's job for the same prompt may have run first.
+                if entries.lock().contains(&key) {
+                    return;
+                }
+                match tokenizer.tokenize_now(&input) {
+                    Some(Ok(tokens)) => {
+                        let tokens: Arc<[u32]> = tokens.into();
+                        let keys = keys_job.and_then(|job| {
+                            Some(CachedKeys {
+                                fingerprint: job.fingerprint,
+                                keys: (job.compute)(&tokens)?.into(),
+                            })
+                        });
+                        insert_entry(&entries, &gauges, key, CacheEntry { tokens, keys });
                     }
-                });
-                return;
+                    Some(Err(error)) => {
+                        tracing::debug!(%error, "background whole tokenization failed");
+                    }
+                    None => {}
+                }
+            });
+            if !queued {
+                skipped("background lane full");
             }
-            Later::Full => return skipped("background lane full"),
-            Later::Unsupported => {}
+            return;
         }
         let Ok(refill) = Arc::clone(&self.refills).try_acquire_owned() else {
             return skipped("refills busy");
@@ -1519,6 +1592,7 @@ fn on_cached_prefix(
     prefix_tokens: Arc<[u32]>,
     prefix_bytes: usize,
     full_bytes: usize,
+    keys: Option<CachedKeys>,
 ) -> PromptTokens {
     let tail = full_bytes.saturating_sub(prefix_bytes) / ESTIMATED_BYTES_PER_TOKEN;
     PromptTokens {
@@ -1526,6 +1600,7 @@ fn on_cached_prefix(
         tokens: prefix_tokens,
         exact: false,
         source: TokenSource::PrefixCache,
+        keys,
     }
 }
 
@@ -1562,14 +1637,28 @@ fn record_rate(rate: &std::sync::atomic::AtomicU64, elapsed: Duration, bytes: us
 
 /// Caches `tokens` under `key` (an entry heavier than the whole cache is not kept).
 fn insert_into(
-    entries: &Mutex<Lru<u128, Arc<[u32]>>>,
+    entries: &Mutex<Lru<u128, CacheEntry>>,
     gauges: &CacheGauges,
     key: u128,
     tokens: Arc<[u32]>,
 ) {
-    let bytes = cache_entry_bytes(&tokens);
+    insert_entry(entries, gauges, key, CacheEntry { tokens, keys: None });
+}
+
+/// Caches `entry` (its keys weigh in beside its tokens).
+fn insert_entry(
+    entries: &Mutex<Lru<u128, CacheEntry>>,
+    gauges: &CacheGauges,
+    key: u128,
+    entry: CacheEntry,
+) {
+    let bytes = cache_entry_bytes(&entry.tokens)
+        + entry
+            .keys
+            .as_ref()
+            .map_or(0, |k| std::mem::size_of_val(&*k.keys));
     let mut entries = entries.lock();
-    entries.insert(key, tokens, bytes);
+    entries.insert(key, entry, bytes);
     gauges.bytes.set(entries.bytes() as i64);
     gauges.entries.set(entries.len() as i64);
 }
@@ -1582,6 +1671,7 @@ fn tokenized(tokens: Arc<[u32]>) -> PromptTokens {
         exact: true,
         estimated_len,
         source: TokenSource::Tokenizer,
+        keys: None,
     }
 }
 
@@ -2100,11 +2190,33 @@ mod tests {
             .blocking_ps_per_byte
             .store(1_000_000, std::sync::atomic::Ordering::Relaxed);
         let second = parse(turn2.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        // The decision's key function: the lane caches its keys with the whole tokens.
+        let keys_job = KeysJob {
+            fingerprint: 42,
+            compute: Arc::new(|tokens: &[u32]| {
+                Some(
+                    tokens
+                        .chunks_exact(16)
+                        .map(|block| block.iter().map(|&t| u64::from(t)).sum())
+                        .collect(),
+                )
+            }),
+        };
+        let no_leading = usize::MAX / 2;
         let t2 = cache
-            .tokens(0, "m", &second.prompt, Some(&tokenizer), budget)
+            .leading_tokens(
+                0,
+                "m",
+                &second.prompt,
+                Some(&tokenizer),
+                budget,
+                no_leading,
+                Some(&keys_job),
+            )
             .await
             .unwrap();
         assert_eq!((t2.source, t2.exact), (TokenSource::PrefixCache, false));
+        assert!(t2.keys.is_none(), "turn 1 was cached without keys");
         assert_eq!(t2.tokens, t1.tokens);
         assert_eq!(
             cache.gauges.blocking_in_flight.get(),
@@ -2115,11 +2227,19 @@ mod tests {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let cached = loop {
             let t = cache
-                .tokens(0, "m", &second.prompt, Some(&tokenizer), budget)
+                .leading_tokens(
+                    0,
+                    "m",
+                    &second.prompt,
+                    Some(&tokenizer),
+                    budget,
+                    no_leading,
+                    Some(&keys_job),
+                )
                 .await
                 .unwrap();
             if t.source == TokenSource::Cache {
-                break t.tokens;
+                break t;
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
@@ -2129,7 +2249,17 @@ mod tests {
         };
         let messages: serde_json::Value = serde_json::from_str(&turn2).unwrap();
         let expected = direct.encode_chat(&messages["messages"], true).unwrap();
-        assert_eq!(&*cached, expected.as_slice());
+        assert_eq!(&*cached.tokens, expected.as_slice());
+        let keys = cached.keys.expect("cached with its keys");
+        assert_eq!(keys.fingerprint, 42);
+        assert_eq!(
+            &*keys.keys,
+            (keys_job.compute)(&expected).unwrap().as_slice()
+        );
+        wait_for("the lane's jobs all ended", || {
+            cache.gauges.background_queued.get() == 0
+        })
+        .await;
     }
 
     #[tokio::test]
@@ -2375,7 +2505,15 @@ mod tests {
         // Its leading tokens are still computed (bounded work: a cut from the leading part).
         let parsed = parse(over.as_bytes(), Endpoint::Completions).unwrap();
         let leading = cache
-            .leading_tokens(0, "m", &parsed.prompt, Some(&tokenizer), budget, 16 * 1024)
+            .leading_tokens(
+                0,
+                "m",
+                &parsed.prompt,
+                Some(&tokenizer),
+                budget,
+                16 * 1024,
+                None,
+            )
             .await
             .unwrap();
         assert_eq!(leading.source, TokenSource::Leading);

@@ -53,18 +53,12 @@ impl BackgroundLane {
         })
     }
 
-    /// Queues `work`; its result arrives on the receiver (closed if it panicked). `None` when
-    /// the queue is full: background work is skipped, never waited for.
-    pub(crate) fn run<T: Send + 'static>(
-        &self,
-        work: impl FnOnce() -> T + Send + 'static,
-    ) -> Option<tokio::sync::oneshot::Receiver<T>> {
-        let (done, result) = tokio::sync::oneshot::channel();
-        let job: Job = Box::new(move || {
-            let _ = done.send(work());
-        });
-        self.jobs.as_ref()?.try_send(job).ok()?;
-        Some(result)
+    /// Queues `job`; `false` when the queue is full (background work is skipped, never waited
+    /// for) or the lane has stopped.
+    pub(crate) fn run(&self, job: impl FnOnce() + Send + 'static) -> bool {
+        self.jobs
+            .as_ref()
+            .is_some_and(|jobs| jobs.try_send(Box::new(job)).is_ok())
     }
 }
 
@@ -93,44 +87,55 @@ fn lower_priority() {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::mpsc::{Receiver, channel};
+    use std::time::Duration;
+
     use super::*;
 
-    #[tokio::test]
-    async fn runs_work_at_low_priority_and_refuses_past_its_queue() {
+    fn within_deadline<T>(results: &Receiver<T>) -> T {
+        results
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the lane ran the job")
+    }
+
+    #[test]
+    fn runs_work_at_low_priority_and_refuses_past_its_queue() {
         let lane = BackgroundLane::start().expect("lane");
         #[cfg(target_os = "linux")]
         {
-            let nice = lane
-                .run(|| rustix::process::getpriority_process(None))
-                .expect("queued")
-                .await
-                .expect("ran");
-            // `getpriority_process(None)` on the lane thread reads that thread's own nice value.
-            assert_eq!(nice.expect("getpriority"), NICE);
+            let (done, nice) = channel();
+            // On the lane thread `getpriority_process(None)` reads that thread's own nice value.
+            assert!(lane.run(move || {
+                let _ = done.send(rustix::process::getpriority_process(None));
+            }));
+            assert_eq!(within_deadline(&nice).expect("getpriority"), NICE);
         }
         // Hold the lane with one job, fill its queue, and the next is refused.
-        let (release, blocked) = std::sync::mpsc::channel::<()>();
-        let (running, started) = std::sync::mpsc::channel::<()>();
-        let first = lane
-            .run(move || {
-                let _ = running.send(());
-                let _ = blocked.recv();
-            })
-            .expect("first");
-        started
-            .recv_timeout(std::time::Duration::from_secs(10))
-            .expect("the first job started");
-        let queued: Vec<_> = (0..QUEUED_JOBS)
-            .map(|i| lane.run(move || i).expect("queued"))
-            .collect();
-        assert!(lane.run(|| ()).is_none(), "a full lane refuses");
-        release.send(()).expect("release");
-        first.await.expect("first ran");
-        for (i, result) in queued.into_iter().enumerate() {
-            assert_eq!(result.await.expect("ran"), i);
+        let (release, blocked) = channel::<()>();
+        let (running, started) = channel::<()>();
+        assert!(lane.run(move || {
+            let _ = running.send(());
+            let _ = blocked.recv();
+        }));
+        within_deadline(&started);
+        let (done, results) = channel();
+        for i in 0..QUEUED_JOBS {
+            let done = done.clone();
+            assert!(lane.run(move || {
+                let _ = done.send(i);
+            }));
         }
-        let panicked = lane.run(|| panic!("boom")).expect("queued");
-        assert!(panicked.await.is_err(), "a panic closes its result");
-        assert_eq!(lane.run(|| 7).expect("queued").await.expect("ran"), 7);
+        assert!(!lane.run(|| ()), "a full lane refuses");
+        release.send(()).expect("release");
+        for i in 0..QUEUED_JOBS {
+            assert_eq!(within_deadline(&results), i, "in order");
+        }
+        // A panicking job does not end the lane.
+        assert!(lane.run(|| panic!("a tokenizer bug")));
+        let done_after = done.clone();
+        assert!(lane.run(move || {
+            let _ = done_after.send(7);
+        }));
+        assert_eq!(within_deadline(&results), 7);
     }
 }

@@ -984,6 +984,13 @@ async fn measure(
             }
             case.decisions = measured_decisions;
             bodies.push(case_bodies);
+            // A next turn follows its first turn's answer (generation: far longer than a whole
+            // tokenization), so ext-proc's background work for the first turns has ended first.
+            if workload == Workload::Hit
+                && let Some(admin) = case.kvroute
+            {
+                wait_background_idle(admin.ext_proc).await?;
+            }
         }
         let mut before = Vec::new();
         for case in cases.iter() {
@@ -1041,6 +1048,24 @@ async fn publish_stored(
         .publish(wire::encode_batch(&batch, Encoding::V0_32))
         .await?;
     Ok(keys)
+}
+
+/// Waits until ext-proc at `admin` has no whole tokenization for a later turn queued or running
+/// (`kvroute_extproc_tokenize_background_queued` 0).
+async fn wait_background_idle(admin: SocketAddr) -> anyhow::Result<()> {
+    wait_until(
+        "ext-proc's background tokenizations ended",
+        INDEX_SETTLE,
+        || async move {
+            let text = metrics_text(admin).await.ok()?;
+            text.lines()
+                .find_map(|line| line.strip_prefix("kvroute_extproc_tokenize_background_queued "))
+                .is_some_and(|value| value.trim() == "0")
+                .then_some(())
+        },
+    )
+    .await?;
+    Ok(())
 }
 
 /// Waits until the index at `admin` says `engine-{engine}` holds every block of `keys`.
