@@ -25,6 +25,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvroute_block_keys::KeyScheme;
+use kvroute_ext_proc::config::DEFAULT_DEBUG_TOKEN_HEADER;
+use kvroute_ext_proc::server::{
+    CLUSTER_HEADER, DECISION_HEADER, DESTINATION_HEADER, LB_NAMESPACE, PREDICTED_CACHED_HEADER,
+    SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE,
+};
 use kvroute_ext_proc::tokenizer::{TokenizeFuture, TokenizeInput};
 use kvroute_ext_proc::{Config, ExtProc, Picker, Tokenizer};
 use kvroute_index_api::api::kv_index_server::{KvIndex, KvIndexServer};
@@ -314,7 +319,7 @@ fn request_headers_with(
     let mut headers = vec![
         header(":path", path),
         header(":method", "POST"),
-        header("x-gateway-destination-endpoint", "6.6.6.6:1"),
+        header(DESTINATION_HEADER, "6.6.6.6:1"),
     ];
     headers.extend(extra.iter().map(|(k, v)| header(k, v)));
     ProcessingRequest {
@@ -347,7 +352,7 @@ fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
 fn response_headers(served: &str) -> ProcessingRequest {
     let lb = Struct {
         fields: HashMap::from([(
-            "x-gateway-destination-endpoint-served".to_owned(),
+            SERVED_KEY.to_owned(),
             Value {
                 kind: Some(Kind::StringValue(served.to_owned())),
             },
@@ -355,7 +360,7 @@ fn response_headers(served: &str) -> ProcessingRequest {
     };
     ProcessingRequest {
         metadata_context: Some(Metadata {
-            filter_metadata: HashMap::from([("envoy.lb".to_owned(), lb)]),
+            filter_metadata: HashMap::from([(LB_NAMESPACE.to_owned(), lb)]),
             ..Metadata::default()
         }),
         request: Some(processing_request::Request::ResponseHeaders(
@@ -462,23 +467,23 @@ fn routed(response: &ProcessingResponse) -> Routed {
         other => panic!("not a routing response: {other:?}"),
     };
     let headers = set_headers(&common);
-    let lb = match &response.dynamic_metadata.as_ref().unwrap().fields["envoy.lb"].kind {
+    let lb = match &response.dynamic_metadata.as_ref().unwrap().fields[LB_NAMESPACE].kind {
         Some(Kind::StructValue(s)) => s.clone(),
         other => panic!("bad metadata {other:?}"),
     };
-    let metadata_destination = match &lb.fields["x-gateway-destination-endpoint"].kind {
+    let metadata_destination = match &lb.fields[DESTINATION_HEADER].kind {
         Some(Kind::StringValue(s)) => s.clone(),
         other => panic!("bad metadata {other:?}"),
     };
-    let destination = headers["x-gateway-destination-endpoint"].clone();
+    let destination = headers[DESTINATION_HEADER].clone();
     let mut list = destination.split(',').map(str::to_owned);
     Routed {
         endpoint: list.next().unwrap_or_default(),
         fallbacks: list.collect(),
         destination,
         metadata_destination,
-        decision: headers["x-kvroute-decision"].clone(),
-        cluster: headers.get("x-kvroute-cluster").cloned(),
+        decision: headers[DECISION_HEADER].clone(),
+        cluster: headers.get(CLUSTER_HEADER).cloned(),
         clear_route_cache: common.clear_route_cache,
     }
 }
@@ -782,7 +787,7 @@ async fn bad_requests_get_openai_errors() {
     // Subset hint naming no replica of the pool → 503.
     let hint = Struct {
         fields: HashMap::from([(
-            "x-gateway-destination-endpoint-subset".to_owned(),
+            SUBSET_KEY.to_owned(),
             Value {
                 kind: Some(Kind::ListValue(ListValue {
                     values: vec![Value {
@@ -793,7 +798,7 @@ async fn bad_requests_get_openai_errors() {
         )]),
     };
     let metadata = Metadata {
-        filter_metadata: HashMap::from([("envoy.lb.subset_hint".to_owned(), hint)]),
+        filter_metadata: HashMap::from([(SUBSET_NAMESPACE.to_owned(), hint)]),
         ..Metadata::default()
     };
     let (status, json) = immediate(
@@ -828,14 +833,14 @@ async fn subset_hint_restricts_candidates() {
     replicas.hold("r1", &prefix);
     let hint = Struct {
         fields: HashMap::from([(
-            "x-gateway-destination-endpoint-subset".to_owned(),
+            SUBSET_KEY.to_owned(),
             Value {
                 kind: Some(Kind::StringValue("10.0.0.3:8000".into())),
             },
         )]),
     };
     let metadata = Metadata {
-        filter_metadata: HashMap::from([("envoy.lb.subset_hint".to_owned(), hint)]),
+        filter_metadata: HashMap::from([(SUBSET_NAMESPACE.to_owned(), hint)]),
         ..Metadata::default()
     };
     let r = routed(
@@ -1092,7 +1097,8 @@ async fn debug_headers_are_off_by_default_and_opt_in_by_config_or_token() {
 
     let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
     for mode in [BodySendMode::Buffered, BodySendMode::FullDuplexStreamed] {
-        let exchange = debug_exchange(&harness, mode, &[("x-kvroute-debug-token", "guess")]).await;
+        let exchange =
+            debug_exchange(&harness, mode, &[(DEFAULT_DEBUG_TOKEN_HEADER, "guess")]).await;
         assert_eq!(
             exchange, nothing,
             "{mode:?}: default config exposes nothing"
@@ -1106,9 +1112,9 @@ async fn debug_headers_are_off_by_default_and_opt_in_by_config_or_token() {
     )
     .await;
     let exchange = debug_exchange(&harness, BodySendMode::Buffered, &[]).await;
-    assert_eq!(exchange.response["x-kvroute-decision"], "precise/cache_hit");
+    assert_eq!(exchange.response[DECISION_HEADER], "precise/cache_hit");
     assert!(
-        exchange.response["x-kvroute-predicted-cached-tokens"]
+        exchange.response[PREDICTED_CACHED_HEADER]
             .parse::<u32>()
             .unwrap()
             > 0
@@ -1131,14 +1137,10 @@ async fn debug_headers_are_off_by_default_and_opt_in_by_config_or_token() {
             "{mode:?}: the token never goes upstream"
         );
         assert_eq!(
-            right.response["x-kvroute-decision"], "precise/cache_hit",
+            right.response[DECISION_HEADER], "precise/cache_hit",
             "{mode:?}"
         );
-        assert!(
-            right
-                .response
-                .contains_key("x-kvroute-predicted-cached-tokens")
-        );
+        assert!(right.response.contains_key(PREDICTED_CACHED_HEADER));
 
         for wrong in ["open-sesam", "open-sesame!", "OPEN-SESAME", ""] {
             let exchange = debug_exchange(&harness, mode, &[("x-debug", wrong)]).await;

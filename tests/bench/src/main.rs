@@ -51,7 +51,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_ext_proc::request::{self, Endpoint};
-use kvroute_ext_proc::server::{destination_metadata, set_header};
+use kvroute_ext_proc::server::{
+    DECISION_HEADER, DESTINATION_HEADER, PREDICTED_CACHED_HEADER, destination_metadata, set_header,
+};
 use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{self, Encoding};
@@ -66,9 +68,6 @@ const SIZES: [usize; 3] = [1024, 8 * 1024, 32 * 1024];
 const STAGE_SIZES: [usize; 4] = [1024, 8 * 1024, 32 * 1024, 128 * 1024];
 /// Requests per case sent before measuring (connections, caches, the wasm VM).
 const WARMUP_PER_CASE: usize = 10;
-/// Header the upstream echoes back: kvroute's `tier/reason` on the upstream request. ext-proc runs
-/// with `debug_headers` off (the production default), so it adds no response headers of its own.
-const DECISION_HEADER: &str = "x-kvroute-decision";
 /// Header each upstream adds to its answers: its index, so the bench knows which engine served.
 const UPSTREAM_HEADER: &str = "x-bench-upstream";
 /// The model every pool serves.
@@ -667,6 +666,8 @@ async fn start_upstream(
                 response
                     .headers_mut()
                     .insert(UPSTREAM_HEADER, axum::http::HeaderValue::from(index));
+                // Echoed back: kvroute's `tier/reason` on the upstream request. ext-proc runs with
+                // `debug_headers` off (the production default), so it adds no response headers.
                 if let Some(decision) = headers.get(DECISION_HEADER) {
                     response
                         .headers_mut()
@@ -773,7 +774,7 @@ impl ExternalProcessor for FixedPicker {
                         response: Some(CommonResponse {
                             header_mutation: Some(HeaderMutation {
                                 set_headers: vec![
-                                    set_header("x-gateway-destination-endpoint", &endpoint),
+                                    set_header(DESTINATION_HEADER, &endpoint),
                                     set_header(DECISION_HEADER, "fixed/turn"),
                                 ],
                                 ..HeaderMutation::default()
@@ -788,7 +789,7 @@ impl ExternalProcessor for FixedPicker {
                         header_mutation: Some(HeaderMutation {
                             set_headers: vec![
                                 set_header(DECISION_HEADER, "fixed/turn"),
-                                set_header("x-kvroute-predicted-cached-tokens", "0"),
+                                set_header(PREDICTED_CACHED_HEADER, "0"),
                             ],
                             ..HeaderMutation::default()
                         }),

@@ -33,14 +33,20 @@ use futures::{Stream, StreamExt as _};
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use kvroute_ext_proc::server::{DESTINATION_HEADER, LB_NAMESPACE};
 use kvroute_tests::harness::{Envoy, wait_until, workspace_root};
+use kvroute_wasm_filter::config::{
+    DEFAULT_MARKER_HEADER, DEFAULT_PIN_HEADER, DEFAULT_SESSION_HEADER,
+};
 use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-const DECISION_HEADER: &str = "x-gateway-destination-endpoint";
-const SESSION_HEADER: &str = "x-session-id";
+/// Header of the pin's shared secret, as the shipped chain's comment suggests (it has no default).
+const PIN_TOKEN_HEADER: &str = "x-kvroute-pin-token";
 const PIN_TOKEN: &str = "test-pin-secret";
+/// The fast path's `model_header` in the shipped chain.
+const MODEL_HEADER: &str = "x-kvroute-model";
 
 // ---------------------------------------------------------------------------------------------
 // Tests
@@ -93,7 +99,7 @@ async fn later_turns_of_a_session_skip_ext_proc_and_keep_their_replica() {
         .collect::<Vec<_>>();
     let marked = seen
         .iter()
-        .filter(|h| h.get("x-kvroute-fast-path").map(String::as_str) == Some("1"));
+        .filter(|h| h.get(DEFAULT_MARKER_HEADER).map(String::as_str) == Some("1"));
     assert_eq!(marked.count(), 12);
 }
 
@@ -147,10 +153,10 @@ async fn spoofed_pins_and_routing_headers_from_untrusted_clients_are_ignored() {
     for (i, target) in [&a, &b, &a, &b].into_iter().enumerate() {
         let session = format!("spoof-{i}");
         let headers = [
-            ("x-kvroute-pin", target.as_str()),
-            (DECISION_HEADER, target.as_str()),
-            ("x-kvroute-fast-path", "1"),
-            (SESSION_HEADER, session.as_str()),
+            (DEFAULT_PIN_HEADER, target.as_str()),
+            (DESTINATION_HEADER, target.as_str()),
+            (DEFAULT_MARKER_HEADER, "1"),
+            (DEFAULT_SESSION_HEADER, session.as_str()),
         ];
         let (status, served) = chain.request(&headers).await;
         assert_eq!(status, 200);
@@ -167,8 +173,8 @@ async fn spoofed_pins_and_routing_headers_from_untrusted_clients_are_ignored() {
     // With the token the pin routes directly, and neither pin nor token reaches the replica.
     for target in [&a, &b] {
         let headers = [
-            ("x-kvroute-pin", target.as_str()),
-            ("x-kvroute-pin-token", PIN_TOKEN),
+            (DEFAULT_PIN_HEADER, target.as_str()),
+            (PIN_TOKEN_HEADER, PIN_TOKEN),
         ];
         let (status, served) = chain.request(&headers).await;
         assert_eq!((status, &served), (200, target));
@@ -178,8 +184,8 @@ async fn spoofed_pins_and_routing_headers_from_untrusted_clients_are_ignored() {
     for replica in &chain.replicas {
         for headers in replica.seen.lock().iter() {
             assert!(
-                !headers.contains_key("x-kvroute-pin")
-                    && !headers.contains_key("x-kvroute-pin-token")
+                !headers.contains_key(DEFAULT_PIN_HEADER)
+                    && !headers.contains_key(PIN_TOKEN_HEADER)
             );
         }
     }
@@ -190,13 +196,13 @@ async fn model_header_routes_to_its_pool_without_ext_proc() {
     // The shipped config maps `text-embedding-small` to cluster `kvroute_embeddings` (replica A here).
     let chain = Chain::start(&[]).await;
     let (status, served) = chain
-        .request(&[("x-kvroute-model", "text-embedding-small")])
+        .request(&[(MODEL_HEADER, "text-embedding-small")])
         .await;
     assert_eq!((status, served), (200, chain.replicas[0].addr.to_string()));
     assert_eq!(chain.ext_proc.streams(), 0);
     assert_eq!(chain.stat("fast_path_model_routes_total").await, 1);
     // Another model is not a fast-path route.
-    let (status, _) = chain.request(&[("x-kvroute-model", "chat-large")]).await;
+    let (status, _) = chain.request(&[(MODEL_HEADER, "chat-large")]).await;
     assert_eq!(status, 200);
     assert_eq!(chain.ext_proc.streams(), 1);
     assert_eq!(chain.stat("fast_path_misses_total").await, 1);
@@ -241,7 +247,7 @@ impl Chain {
         let shipped = workspace_root().join("envoy/kvroute-full-chain.yaml");
         let mut config = std::fs::read_to_string(&shipped).unwrap();
         let pin = format!(
-            r#"{{"role":"fast_path","pin":{{"token_header":"x-kvroute-pin-token","token":"{PIN_TOKEN}"}},"#
+            r#"{{"role":"fast_path","pin":{{"token_header":"{PIN_TOKEN_HEADER}","token":"{PIN_TOKEN}"}},"#
         );
         let substitutions = [
             (
@@ -281,7 +287,7 @@ impl Chain {
 
     /// One chat turn of `session`; asserts success and returns the replica address that served it.
     async fn turn(&self, session: &str, extra: &[(&str, &str)]) -> String {
-        let mut headers = vec![(SESSION_HEADER, session)];
+        let mut headers = vec![(DEFAULT_SESSION_HEADER, session)];
         headers.extend_from_slice(extra);
         let (status, served) = self.request(&headers).await;
         assert_eq!(status, 200, "turn of {session}\n{}", self.envoy.log());
@@ -482,7 +488,7 @@ fn reply(message: ProcessingRequest, decision: &str) -> ProcessingResponse {
         header_mutation: Some(HeaderMutation {
             set_headers: vec![HeaderValueOption {
                 header: Some(HeaderValue {
-                    key: DECISION_HEADER.to_owned(),
+                    key: DESTINATION_HEADER.to_owned(),
                     raw_value: decision.as_bytes().to_vec(),
                     ..Default::default()
                 }),
@@ -495,11 +501,11 @@ fn reply(message: ProcessingRequest, decision: &str) -> ProcessingResponse {
     };
     let metadata = Struct {
         fields: [(
-            "envoy.lb".to_owned(),
+            LB_NAMESPACE.to_owned(),
             Value {
                 kind: Some(Kind::StructValue(Struct {
                     fields: [(
-                        DECISION_HEADER.to_owned(),
+                        DESTINATION_HEADER.to_owned(),
                         Value {
                             kind: Some(Kind::StringValue(decision.to_owned())),
                         },
