@@ -196,11 +196,20 @@ struct Harness {
 impl Harness {
     async fn start(yaml: &str, tokenizer: Arc<dyn Tokenizer>) -> Self {
         let config = Config::from_yaml(yaml).unwrap();
-        let server = ExtProc::builder(config)
-            .tokenizer(0, tokenizer)
-            .bind()
-            .await
-            .unwrap();
+        Self::serve(ExtProc::builder(config).tokenizer(0, tokenizer)).await
+    }
+
+    /// ext-proc started from the file at `path`, following it as the binary does.
+    async fn start_following(path: &std::path::Path, tokenizer: Arc<dyn Tokenizer>) -> Self {
+        let config = Config::from_file(path).unwrap();
+        let builder = ExtProc::builder(config)
+            .config_path(path.to_owned())
+            .tokenizer(0, tokenizer);
+        Self::serve(builder).await
+    }
+
+    async fn serve(builder: kvroute_ext_proc::ExtProcBuilder) -> Self {
+        let server = builder.bind().await.unwrap();
         let grpc = server.grpc_addr().unwrap();
         let admin = server.admin_addr().unwrap();
         let picker = server.picker();
@@ -1083,6 +1092,64 @@ async fn debug_exchange(
         other => panic!("not a response-headers answer: {other:?}"),
     };
     DebugExchange { removed, response }
+}
+
+#[tokio::test]
+async fn a_changed_config_file_applies_and_a_bad_one_is_counted_and_changes_nothing() {
+    let replicas = Replicas::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ext-proc.yaml");
+    let yaml = |scrape_interval: &str| {
+        replicas.yaml("reload_interval: 20ms\n").replace(
+            "interval: 20ms, timeout",
+            &format!("interval: {scrape_interval}, timeout"),
+        )
+    };
+    let mut mtime = std::time::SystemTime::UNIX_EPOCH;
+    let mut write = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        // Explicit and distinct: two writes within the filesystem's timestamp granularity would
+        // look like one.
+        mtime += Duration::from_secs(1);
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+    };
+    write(&yaml("20ms"));
+    let harness = Harness::start_following(&path, Arc::new(ByteTokenizer)).await;
+    let scrape_interval = || harness.picker.runtime().config.scrape.interval;
+    assert_eq!(scrape_interval(), Duration::from_millis(20));
+
+    write(&yaml("30ms"));
+    eventually("the rewritten file applied", || {
+        scrape_interval() == Duration::from_millis(30)
+    })
+    .await;
+
+    write("pools: [not a pool\n");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let rejected = "kvroute_extproc_config_reloads_total{kind=\"rejected\"} 1";
+    loop {
+        let metrics = reqwest_text(harness.admin, "/metrics").await;
+        if metrics.contains(rejected) {
+            assert!(
+                metrics.contains("kvroute_extproc_config_reloads_total{kind=\"applied\"} 1"),
+                "{metrics}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "no {rejected} in\n{metrics}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        scrape_interval(),
+        Duration::from_millis(30),
+        "a bad file keeps the running config"
+    );
+    harness.shutdown().await;
 }
 
 #[tokio::test]
