@@ -282,8 +282,8 @@ static_resources:
         listener("fixed", Some("fixed_ext_proc")),
         listener("kvroute", Some("kvroute_ext_proc")),
         listener("embedded", Some("embedded_ext_proc")),
-        grpc_cluster("noop_ext_proc", backends.noop),
-        grpc_cluster("fixed_ext_proc", backends.fixed),
+        grpc_cluster("noop_ext_proc", backends.noop.addr()),
+        grpc_cluster("fixed_ext_proc", backends.fixed.addr()),
         grpc_cluster("embedded_ext_proc", backends.kvroute_embedded),
         grpc_cluster("kvroute_ext_proc", backends.kvroute),
     )

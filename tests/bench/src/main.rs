@@ -28,7 +28,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -36,27 +35,16 @@ use anyhow::{Context as _, bail, ensure};
 use axum::serve::ListenerExt as _;
 use bytes::Bytes;
 use clap::{Parser, ValueEnum};
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
-    ExternalProcessor, ExternalProcessorServer,
-};
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ProcessingRequest,
-    ProcessingResponse, TrailersResponse,
-};
-use futures::{Stream, StreamExt as _};
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_ext_proc::request::{self, Endpoint};
-use kvroute_ext_proc::server::{
-    DECISION_HEADER, DESTINATION_HEADER, PREDICTED_CACHED_HEADER, destination_metadata, set_header,
-};
+use kvroute_ext_proc::server::DECISION_HEADER;
 use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{self, Encoding};
+use kvroute_tests::harness::ext_proc::{FakeExtProc, FakeRouting};
 use kvroute_tests::harness::{Envoy, tiny_model_dir, wait_until, workspace_root};
 use kvroute_tokenize::ModelTokenizer;
 use tokio_util::sync::CancellationToken;
@@ -445,8 +433,11 @@ impl PromptSource {
 /// Everything in-process besides Envoy; stopped on drop.
 struct Backends {
     upstreams: Vec<SocketAddr>,
-    noop: SocketAddr,
-    fixed: SocketAddr,
+    /// The harness's fake ext_procs: an empty answer to every message, and the upstreams in turn
+    /// in kvroute-ext-proc's shapes (what Envoy spends obeying an endpoint picker, so
+    /// `kvroute / fixed` is the cost of kvroute's decision alone).
+    noop: FakeExtProc,
+    fixed: FakeExtProc,
     /// kvroute-ext-proc as `ExtProc::serve` runs it.
     kvroute: SocketAddr,
     kvroute_admin: SocketAddr,
@@ -485,23 +476,16 @@ impl Backends {
             upstreams.push(start_upstream(i, &tasks, &stop).await?);
         }
         // Started on `ext_procs`, so the tasks they spawn live there.
-        let on_ext_procs =
-            async |start: Pin<Box<dyn Future<Output = anyhow::Result<_>> + Send>>| {
-                ext_procs
-                    .spawn(start)
-                    .await
-                    .context("an ext_proc's start task")?
-            };
-        let (t, s) = (tasks.clone(), stop.clone());
-        let noop = on_ext_procs(Box::pin(async move {
-            start_processor(NoopProcessor, &t, &s).await
-        }))
-        .await?;
-        let (t, s, fixed_picker) = (tasks.clone(), stop.clone(), FixedPicker::new(&upstreams));
-        let fixed = on_ext_procs(Box::pin(async move {
-            start_processor(fixed_picker, &t, &s).await
-        }))
-        .await?;
+        let noop = ext_procs
+            .spawn(FakeExtProc::start(FakeRouting::Noop))
+            .await
+            .context("the no-op ext_proc's start task")??;
+        let fixed_turns =
+            FakeRouting::RoundRobin(upstreams.iter().map(ToString::to_string).collect());
+        let fixed = ext_procs
+            .spawn(FakeExtProc::start(fixed_turns))
+            .await
+            .context("the fixed ext_proc's start task")??;
 
         // The index follows two (silent) engines; kvroute-ext-proc asks it on every decision.
         let mut publishers = Vec::new();
@@ -690,147 +674,6 @@ async fn start_upstream(
         }
     });
     Ok(addr)
-}
-
-/// The no-op ext_proc server: one empty `CommonResponse` per message, nothing decided.
-#[derive(Debug)]
-struct NoopProcessor;
-
-type ReplyStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, tonic::Status>> + Send>>;
-
-#[tonic::async_trait]
-impl ExternalProcessor for NoopProcessor {
-    type ProcessStream = ReplyStream;
-
-    async fn process(
-        &self,
-        request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
-    ) -> Result<tonic::Response<ReplyStream>, tonic::Status> {
-        // BUFFERED: exactly one reply per message.
-        let replies = request.into_inner().map(|message| {
-            Ok(ProcessingResponse {
-                response: Some(noop_reply(message?.request)),
-                ..Default::default()
-            })
-        });
-        Ok(tonic::Response::new(Box::pin(replies)))
-    }
-}
-
-/// The empty answer to one message of `phase`.
-fn noop_reply(phase: Option<Phase>) -> Reply {
-    let common = || Some(CommonResponse::default());
-    match phase {
-        Some(Phase::RequestHeaders(_)) => {
-            Reply::RequestHeaders(HeadersResponse { response: common() })
-        }
-        Some(Phase::RequestBody(_)) => Reply::RequestBody(BodyResponse { response: common() }),
-        Some(Phase::ResponseHeaders(_)) => {
-            Reply::ResponseHeaders(HeadersResponse { response: common() })
-        }
-        Some(Phase::ResponseBody(_)) => Reply::ResponseBody(BodyResponse { response: common() }),
-        Some(Phase::RequestTrailers(_)) => Reply::RequestTrailers(TrailersResponse::default()),
-        Some(Phase::ResponseTrailers(_)) | None => {
-            Reply::ResponseTrailers(TrailersResponse::default())
-        }
-    }
-}
-
-/// A picker that decides nothing: every request goes to the next upstream in turn, answered in
-/// exactly kvroute-ext-proc's shapes (destination header and `envoy.lb` metadata with
-/// `clear_route_cache` on the body, decision headers on the response). What Envoy itself spends
-/// obeying an endpoint picker, so `kvroute / fixed` is the cost of kvroute's decision alone.
-#[derive(Debug)]
-struct FixedPicker {
-    upstreams: Vec<String>,
-    next: std::sync::atomic::AtomicUsize,
-}
-
-impl FixedPicker {
-    fn new(upstreams: &[SocketAddr]) -> Self {
-        Self {
-            upstreams: upstreams.iter().map(ToString::to_string).collect(),
-            next: std::sync::atomic::AtomicUsize::new(0),
-        }
-    }
-}
-
-#[tonic::async_trait]
-impl ExternalProcessor for FixedPicker {
-    type ProcessStream = ReplyStream;
-
-    async fn process(
-        &self,
-        request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
-    ) -> Result<tonic::Response<ReplyStream>, tonic::Status> {
-        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let endpoint = self.upstreams[turn % self.upstreams.len()].clone();
-        let replies = request.into_inner().map(move |message| {
-            let mut dynamic_metadata = None;
-            let reply = match message?.request {
-                Some(Phase::RequestBody(_)) => {
-                    dynamic_metadata = Some(destination_metadata(&endpoint));
-                    Reply::RequestBody(BodyResponse {
-                        response: Some(CommonResponse {
-                            header_mutation: Some(HeaderMutation {
-                                set_headers: vec![
-                                    set_header(DESTINATION_HEADER, &endpoint),
-                                    set_header(DECISION_HEADER, "fixed/turn"),
-                                ],
-                                ..HeaderMutation::default()
-                            }),
-                            clear_route_cache: true,
-                            ..CommonResponse::default()
-                        }),
-                    })
-                }
-                Some(Phase::ResponseHeaders(_)) => Reply::ResponseHeaders(HeadersResponse {
-                    response: Some(CommonResponse {
-                        header_mutation: Some(HeaderMutation {
-                            set_headers: vec![
-                                set_header(DECISION_HEADER, "fixed/turn"),
-                                set_header(PREDICTED_CACHED_HEADER, "0"),
-                            ],
-                            ..HeaderMutation::default()
-                        }),
-                        ..CommonResponse::default()
-                    }),
-                }),
-                other => noop_reply(other),
-            };
-            Ok(ProcessingResponse {
-                response: Some(reply),
-                dynamic_metadata,
-                ..Default::default()
-            })
-        });
-        Ok(tonic::Response::new(Box::pin(replies)))
-    }
-}
-
-async fn start_processor<P: ExternalProcessor>(
-    processor: P,
-    tasks: &TaskTracker,
-    stop: &CancellationToken,
-) -> anyhow::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .add_service(ExternalProcessorServer::new(processor))
-        .serve_with_incoming_shutdown(nodelay_incoming(listener), stop.clone().cancelled_owned());
-    tasks.spawn(async move {
-        if let Err(error) = server.await {
-            eprintln!("test ext_proc server failed: {error}");
-        }
-    });
-    Ok(addr)
-}
-
-/// Accepted connections with TCP_NODELAY: tonic ignores `Server::tcp_nodelay` for a caller's
-/// incoming stream, so it is set here.
-fn nodelay_incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
-    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 // ---------------------------------------------------------------------------------------------
