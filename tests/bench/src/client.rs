@@ -262,37 +262,32 @@ impl Tally {
     async fn scrape(admin: SocketAddr) -> anyhow::Result<Self> {
         let text = metrics_text(admin).await?;
         let mut tally = Self::default();
-        for line in text.lines() {
-            let (series, into, labels) =
-                if let Some(rest) = line.strip_prefix("kvroute_extproc_decisions_total{") {
-                    (rest, &mut tally.decisions, ["tier", "reason"])
-                } else if let Some(rest) = line.strip_prefix("kvroute_extproc_fallbacks_total{") {
-                    (rest, &mut tally.fallbacks, ["stage", "cause"])
-                } else if let Some(rest) =
-                    line.strip_prefix("kvroute_extproc_tokenize_duration_seconds_count{")
-                {
-                    (rest, &mut tally.sources, ["kind", ""])
-                } else {
-                    continue;
+        let families = [
+            (
+                "kvroute_extproc_decisions_total",
+                &mut tally.decisions,
+                ["tier", "reason"],
+            ),
+            (
+                "kvroute_extproc_fallbacks_total",
+                &mut tally.fallbacks,
+                ["stage", "cause"],
+            ),
+            (
+                "kvroute_extproc_tokenize_duration_seconds_count",
+                &mut tally.sources,
+                ["kind", ""],
+            ),
+        ];
+        for (family, into, [first, second]) in families {
+            for (line, value) in metrics::samples(&text, family, &[]) {
+                let label = |name| metrics::label(line, name).unwrap_or_default();
+                let key = match second {
+                    "" => label(first).to_owned(),
+                    second => format!("{}/{}", label(first), label(second)),
                 };
-            let Some((label_text, value)) = series.rsplit_once("} ") else {
-                continue;
-            };
-            let Ok(value) = value.trim().parse::<f64>() else {
-                continue;
-            };
-            let label = |name: &str| {
-                label_text
-                    .split(',')
-                    .find_map(|pair| pair.strip_prefix(&format!("{name}=\"")))
-                    .map(|v| v.trim_end_matches('"').to_owned())
-                    .unwrap_or_default()
-            };
-            let key = match labels[1] {
-                "" => label(labels[0]),
-                second => format!("{}/{}", label(labels[0]), label(second)),
-            };
-            *into.entry(key).or_default() += value;
+                *into.entry(key).or_default() += value;
+            }
         }
         Ok(tally)
     }

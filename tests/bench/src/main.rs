@@ -46,7 +46,7 @@ use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{self, Encoding};
 use kvroute_tests::harness::ext_proc::{FakeExtProc, FakeRouting};
-use kvroute_tests::harness::{Envoy, tiny_model_dir, wait_until, workspace_root};
+use kvroute_tests::harness::{Envoy, metrics, tiny_model_dir, wait_until, workspace_root};
 use kvroute_tokenize::ModelTokenizer;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;

@@ -25,7 +25,7 @@ use kvroute_tests::stack::{
 };
 use serde_json::{Value, json};
 
-use super::common::metric;
+use super::common::{family_total, metric};
 
 const NS: &str = "llm";
 /// A generous bound for a condition; the join latency is measured and printed, not asserted.
@@ -100,7 +100,7 @@ async fn served(sims: &[SimProcess]) -> Vec<u64> {
             .await
             .unwrap()
             .text();
-        counts.push(metric(&text, "vllm:request_success_total{") as u64);
+        counts.push(family_total(&text, "vllm:request_success_total") as u64);
     }
     counts
 }

@@ -24,7 +24,7 @@ use kvroute_tests::stack::{
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::common::{SIM_BIN, metric, sim_args};
+use super::common::{SIM_BIN, family_total, sim_args};
 
 /// How long a test waits for counters/metrics to settle.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -80,7 +80,7 @@ async fn finished(stack: &Stack) -> Vec<u64> {
     let mut counts = Vec::new();
     for url in stack.sim_urls() {
         let text = http::get(&format!("{url}/metrics")).await.unwrap().text();
-        counts.push(metric(&text, "vllm:request_success_total{") as u64);
+        counts.push(family_total(&text, "vllm:request_success_total") as u64);
     }
     counts
 }
