@@ -49,10 +49,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use embedded::IndexServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use kvroute_index_api::config_file::ConfigFileWatch;
 use prometheus_client::registry::Registry;
 
 use tokio::net::TcpListener;
@@ -191,6 +192,11 @@ impl ExtProcBuilder {
         let discovery =
             discovery::ReplicaDiscovery::new(Arc::clone(&picker), &mut registry, tasks.clone());
         discovery.reconcile().await.map_err(ServeError::Discovery)?;
+        // Followed from bind on, so a change before `serve` runs is not lost.
+        let reload_interval = picker.runtime().config.reload_interval;
+        let config_file = self
+            .config_path
+            .map(|path| ConfigFileWatch::new(path, reload_interval));
         Ok(ExtProc {
             picker,
             grpc,
@@ -198,7 +204,7 @@ impl ExtProcBuilder {
             health,
             registry: Arc::new(registry),
             tasks,
-            config_path: self.config_path,
+            config_file,
             overrides: self.overrides,
             embedded_index,
             discovery,
@@ -216,7 +222,8 @@ pub struct ExtProc {
     health: Option<TcpListener>,
     registry: Arc<Registry>,
     tasks: TaskTracker,
-    config_path: Option<PathBuf>,
+    /// The config file followed by reloads (`ExtProcBuilder::config_path`).
+    config_file: Option<ConfigFileWatch>,
     overrides: config::Overrides,
     /// `index.embedded`: stopped after the gRPC server has drained.
     embedded_index: Option<IndexServer>,
@@ -271,7 +278,7 @@ impl ExtProc {
             health: health_listener,
             registry,
             tasks,
-            config_path,
+            config_file,
             overrides,
             embedded_index,
             discovery,
@@ -325,11 +332,11 @@ impl ExtProc {
             });
         }
         tasks.spawn(scrape_loop(Arc::clone(&picker), background.clone()));
-        if let Some(path) = config_path {
+        if let Some(watch) = config_file {
             tasks.spawn(reload_loop(
                 Arc::clone(&picker),
                 Arc::clone(&discovery),
-                path,
+                watch,
                 overrides,
                 tasks.clone(),
                 background.clone(),
@@ -450,25 +457,20 @@ fn self_signed_identity() -> Result<tonic::transport::Identity, rcgen::Error> {
 async fn reload_loop(
     picker: Arc<Picker>,
     discovery: Arc<discovery::ReplicaDiscovery>,
-    path: PathBuf,
+    mut watch: ConfigFileWatch,
     overrides: config::Overrides,
     tasks: TaskTracker,
     cancel: CancellationToken,
 ) {
-    let modified = |path: &PathBuf| std::fs::metadata(path).and_then(|m| m.modified()).ok();
-    let mut last_seen: Option<SystemTime> = modified(&path);
     loop {
-        let interval = picker.runtime().config.reload_interval;
+        // A reload may change the period.
+        watch.set_interval(picker.runtime().config.reload_interval);
         tokio::select! {
             biased;
             () = cancel.cancelled() => break,
-            () = tokio::time::sleep(interval) => {}
+            () = watch.changed() => {}
         }
-        let now_seen = modified(&path);
-        if now_seen == last_seen {
-            continue;
-        }
-        last_seen = now_seen;
+        let path = watch.path();
         let count = |kind| {
             picker
                 .metrics()
@@ -477,7 +479,7 @@ async fn reload_loop(
                 .inc();
         };
         let current = picker.runtime();
-        let built = Config::from_file_with(&path, &overrides)
+        let built = Config::from_file_with(path, &overrides)
             .map(|mut config| {
                 // The file has no discovered replicas: keep the current ones.
                 discovery.merge_into(&mut config);

@@ -25,6 +25,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
 use kvroute_block_keys::KeyScheme;
+use kvroute_ext_proc::config::DEFAULT_DEBUG_TOKEN_HEADER;
+use kvroute_ext_proc::server::{
+    CLUSTER_HEADER, DECISION_HEADER, DESTINATION_HEADER, LB_NAMESPACE, PREDICTED_CACHED_HEADER,
+    SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE,
+};
 use kvroute_ext_proc::tokenizer::{TokenizeFuture, TokenizeInput};
 use kvroute_ext_proc::{Config, ExtProc, Picker, Tokenizer};
 use kvroute_index_api::api::kv_index_server::{KvIndex, KvIndexServer};
@@ -191,11 +196,20 @@ struct Harness {
 impl Harness {
     async fn start(yaml: &str, tokenizer: Arc<dyn Tokenizer>) -> Self {
         let config = Config::from_yaml(yaml).unwrap();
-        let server = ExtProc::builder(config)
-            .tokenizer(0, tokenizer)
-            .bind()
-            .await
-            .unwrap();
+        Self::serve(ExtProc::builder(config).tokenizer(0, tokenizer)).await
+    }
+
+    /// ext-proc started from the file at `path`, following it as the binary does.
+    async fn start_following(path: &std::path::Path, tokenizer: Arc<dyn Tokenizer>) -> Self {
+        let config = Config::from_file(path).unwrap();
+        let builder = ExtProc::builder(config)
+            .config_path(path.to_owned())
+            .tokenizer(0, tokenizer);
+        Self::serve(builder).await
+    }
+
+    async fn serve(builder: kvroute_ext_proc::ExtProcBuilder) -> Self {
+        let server = builder.bind().await.unwrap();
         let grpc = server.grpc_addr().unwrap();
         let admin = server.admin_addr().unwrap();
         let picker = server.picker();
@@ -314,7 +328,7 @@ fn request_headers_with(
     let mut headers = vec![
         header(":path", path),
         header(":method", "POST"),
-        header("x-gateway-destination-endpoint", "6.6.6.6:1"),
+        header(DESTINATION_HEADER, "6.6.6.6:1"),
     ];
     headers.extend(extra.iter().map(|(k, v)| header(k, v)));
     ProcessingRequest {
@@ -347,7 +361,7 @@ fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
 fn response_headers(served: &str) -> ProcessingRequest {
     let lb = Struct {
         fields: HashMap::from([(
-            "x-gateway-destination-endpoint-served".to_owned(),
+            SERVED_KEY.to_owned(),
             Value {
                 kind: Some(Kind::StringValue(served.to_owned())),
             },
@@ -355,7 +369,7 @@ fn response_headers(served: &str) -> ProcessingRequest {
     };
     ProcessingRequest {
         metadata_context: Some(Metadata {
-            filter_metadata: HashMap::from([("envoy.lb".to_owned(), lb)]),
+            filter_metadata: HashMap::from([(LB_NAMESPACE.to_owned(), lb)]),
             ..Metadata::default()
         }),
         request: Some(processing_request::Request::ResponseHeaders(
@@ -462,23 +476,23 @@ fn routed(response: &ProcessingResponse) -> Routed {
         other => panic!("not a routing response: {other:?}"),
     };
     let headers = set_headers(&common);
-    let lb = match &response.dynamic_metadata.as_ref().unwrap().fields["envoy.lb"].kind {
+    let lb = match &response.dynamic_metadata.as_ref().unwrap().fields[LB_NAMESPACE].kind {
         Some(Kind::StructValue(s)) => s.clone(),
         other => panic!("bad metadata {other:?}"),
     };
-    let metadata_destination = match &lb.fields["x-gateway-destination-endpoint"].kind {
+    let metadata_destination = match &lb.fields[DESTINATION_HEADER].kind {
         Some(Kind::StringValue(s)) => s.clone(),
         other => panic!("bad metadata {other:?}"),
     };
-    let destination = headers["x-gateway-destination-endpoint"].clone();
+    let destination = headers[DESTINATION_HEADER].clone();
     let mut list = destination.split(',').map(str::to_owned);
     Routed {
         endpoint: list.next().unwrap_or_default(),
         fallbacks: list.collect(),
         destination,
         metadata_destination,
-        decision: headers["x-kvroute-decision"].clone(),
-        cluster: headers.get("x-kvroute-cluster").cloned(),
+        decision: headers[DECISION_HEADER].clone(),
+        cluster: headers.get(CLUSTER_HEADER).cloned(),
         clear_route_cache: common.clear_route_cache,
     }
 }
@@ -782,7 +796,7 @@ async fn bad_requests_get_openai_errors() {
     // Subset hint naming no replica of the pool → 503.
     let hint = Struct {
         fields: HashMap::from([(
-            "x-gateway-destination-endpoint-subset".to_owned(),
+            SUBSET_KEY.to_owned(),
             Value {
                 kind: Some(Kind::ListValue(ListValue {
                     values: vec![Value {
@@ -793,7 +807,7 @@ async fn bad_requests_get_openai_errors() {
         )]),
     };
     let metadata = Metadata {
-        filter_metadata: HashMap::from([("envoy.lb.subset_hint".to_owned(), hint)]),
+        filter_metadata: HashMap::from([(SUBSET_NAMESPACE.to_owned(), hint)]),
         ..Metadata::default()
     };
     let (status, json) = immediate(
@@ -828,14 +842,14 @@ async fn subset_hint_restricts_candidates() {
     replicas.hold("r1", &prefix);
     let hint = Struct {
         fields: HashMap::from([(
-            "x-gateway-destination-endpoint-subset".to_owned(),
+            SUBSET_KEY.to_owned(),
             Value {
                 kind: Some(Kind::StringValue("10.0.0.3:8000".into())),
             },
         )]),
     };
     let metadata = Metadata {
-        filter_metadata: HashMap::from([("envoy.lb.subset_hint".to_owned(), hint)]),
+        filter_metadata: HashMap::from([(SUBSET_NAMESPACE.to_owned(), hint)]),
         ..Metadata::default()
     };
     let r = routed(
@@ -1081,6 +1095,64 @@ async fn debug_exchange(
 }
 
 #[tokio::test]
+async fn a_changed_config_file_applies_and_a_bad_one_is_counted_and_changes_nothing() {
+    let replicas = Replicas::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ext-proc.yaml");
+    let yaml = |scrape_interval: &str| {
+        replicas.yaml("reload_interval: 20ms\n").replace(
+            "interval: 20ms, timeout",
+            &format!("interval: {scrape_interval}, timeout"),
+        )
+    };
+    let mut mtime = std::time::SystemTime::UNIX_EPOCH;
+    let mut write = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        // Explicit and distinct: two writes within the filesystem's timestamp granularity would
+        // look like one.
+        mtime += Duration::from_secs(1);
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+    };
+    write(&yaml("20ms"));
+    let harness = Harness::start_following(&path, Arc::new(ByteTokenizer)).await;
+    let scrape_interval = || harness.picker.runtime().config.scrape.interval;
+    assert_eq!(scrape_interval(), Duration::from_millis(20));
+
+    write(&yaml("30ms"));
+    eventually("the rewritten file applied", || {
+        scrape_interval() == Duration::from_millis(30)
+    })
+    .await;
+
+    write("pools: [not a pool\n");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let rejected = "kvroute_extproc_config_reloads_total{kind=\"rejected\"} 1";
+    loop {
+        let metrics = reqwest_text(harness.admin, "/metrics").await;
+        if metrics.contains(rejected) {
+            assert!(
+                metrics.contains("kvroute_extproc_config_reloads_total{kind=\"applied\"} 1"),
+                "{metrics}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "no {rejected} in\n{metrics}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        scrape_interval(),
+        Duration::from_millis(30),
+        "a bad file keeps the running config"
+    );
+    harness.shutdown().await;
+}
+
+#[tokio::test]
 async fn debug_headers_are_off_by_default_and_opt_in_by_config_or_token() {
     let replicas = Replicas::start().await;
     let prefix = long_prefix();
@@ -1092,7 +1164,8 @@ async fn debug_headers_are_off_by_default_and_opt_in_by_config_or_token() {
 
     let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
     for mode in [BodySendMode::Buffered, BodySendMode::FullDuplexStreamed] {
-        let exchange = debug_exchange(&harness, mode, &[("x-kvroute-debug-token", "guess")]).await;
+        let exchange =
+            debug_exchange(&harness, mode, &[(DEFAULT_DEBUG_TOKEN_HEADER, "guess")]).await;
         assert_eq!(
             exchange, nothing,
             "{mode:?}: default config exposes nothing"
@@ -1106,9 +1179,9 @@ async fn debug_headers_are_off_by_default_and_opt_in_by_config_or_token() {
     )
     .await;
     let exchange = debug_exchange(&harness, BodySendMode::Buffered, &[]).await;
-    assert_eq!(exchange.response["x-kvroute-decision"], "precise/cache_hit");
+    assert_eq!(exchange.response[DECISION_HEADER], "precise/cache_hit");
     assert!(
-        exchange.response["x-kvroute-predicted-cached-tokens"]
+        exchange.response[PREDICTED_CACHED_HEADER]
             .parse::<u32>()
             .unwrap()
             > 0
@@ -1131,14 +1204,10 @@ async fn debug_headers_are_off_by_default_and_opt_in_by_config_or_token() {
             "{mode:?}: the token never goes upstream"
         );
         assert_eq!(
-            right.response["x-kvroute-decision"], "precise/cache_hit",
+            right.response[DECISION_HEADER], "precise/cache_hit",
             "{mode:?}"
         );
-        assert!(
-            right
-                .response
-                .contains_key("x-kvroute-predicted-cached-tokens")
-        );
+        assert!(right.response.contains_key(PREDICTED_CACHED_HEADER));
 
         for wrong in ["open-sesam", "open-sesame!", "OPEN-SESAME", ""] {
             let exchange = debug_exchange(&harness, mode, &[("x-debug", wrong)]).await;

@@ -8,22 +8,23 @@
 //! (`kvroute_agent_engines_refused_total{reason}`, logged).
 //!
 //! One task (`Supervisor::run`) owns the set and changes it when a discovery snapshot arrives
-//! or the config file changes (mtime checked every `reload_interval`, as ext-proc does). A
-//! change stops the ingest of each removed (or re-pointed) engine before its mirror goes, adds
-//! the new mirrors before their ingest starts, and hands the new set to the [`Hub`], which
-//! makes the index streams reopen with a `Hello` claiming it. A file that does not validate,
-//! or whose new discovery section cannot start, changes nothing (`config_reloads_total
-//! {outcome="rejected"}`); keys only a restart applies keep their running value
-//! (`config_restart_required_total{key}`, a warning).
+//! or the config file changes (mtime checked every `reload_interval` by the watcher ext-proc
+//! and the index use too, [`kvroute_index_api::config_file`]). A change stops the ingest of
+//! each removed (or re-pointed) engine before its mirror goes, adds the new mirrors before
+//! their ingest starts, and hands the new set to the [`Hub`], which makes the index streams
+//! reopen with a `Hello` claiming it. A file that does not validate, or whose new discovery
+//! section cannot start, changes nothing (`config_reloads_total{outcome="rejected"}`); keys
+//! only a restart applies keep their running value (`config_restart_required_total{key}`, a
+//! warning).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use kvroute_discovery::{Discovery, DiscoveryMetrics, KubernetesSource, Replica, Snapshot};
 use kvroute_index::ingest::{EventSink, Ingest, IngestConfig, IngestMetrics, SocketMode};
 use kvroute_index_api::agent_protocol::MAX_REPLICAS_PER_HELLO;
+use kvroute_index_api::config_file::ConfigFileWatch;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -212,8 +213,8 @@ struct RunningDiscovery {
 pub(crate) struct Supervisor {
     engines: Engines,
     config: AgentConfig,
-    /// The file to watch (`None`: no reloads).
-    path: Option<PathBuf>,
+    /// The config file followed (`None`: no reloads).
+    config_file: Option<ConfigFileWatch>,
     discovery: Option<RunningDiscovery>,
     /// The replicas of the last synced snapshot (kept while a restarted watch has not listed).
     discovered: Vec<Replica>,
@@ -232,11 +233,12 @@ impl Supervisor {
         tasks: TaskTracker,
     ) -> Result<Self, kvroute_discovery::StartError> {
         let metrics = engines.metrics.clone();
+        let config_file = path.map(|path| ConfigFileWatch::new(path, config.reload_interval));
         let mut supervisor = Self {
             engines,
             discovery: None,
             config,
-            path,
+            config_file,
             discovered: Vec::new(),
             discovery_metrics,
             tasks,
@@ -281,15 +283,10 @@ impl Supervisor {
 
     /// Follows discovery and the config file until `cancel`, then stops every engine.
     pub(crate) async fn run(mut self, cancel: CancellationToken) {
-        let modified = |path: &PathBuf| std::fs::metadata(path).and_then(|m| m.modified()).ok();
-        let mut last_seen: Option<SystemTime> = self.path.as_ref().and_then(modified);
-        // A ticker, not a sleep per turn: frequent snapshots must not postpone the file check.
-        let mut interval = self.config.reload_interval;
-        let mut ticker = reload_ticker(interval);
         loop {
-            if interval != self.config.reload_interval {
-                interval = self.config.reload_interval;
-                ticker = reload_ticker(interval);
+            // A reload may change the period.
+            if let Some(watch) = &mut self.config_file {
+                watch.set_interval(self.config.reload_interval);
             }
             tokio::select! {
                 biased;
@@ -310,13 +307,11 @@ impl Supervisor {
                         self.apply().await;
                     }
                 }
-                _ = ticker.tick(), if self.path.is_some() => {
-                    let Some(path) = self.path.clone() else { continue };
-                    let now_seen = modified(&path);
-                    if now_seen != last_seen {
-                        last_seen = now_seen;
-                        self.reload(&path).await;
-                    }
+                () = next_change(&mut self.config_file) => {
+                    let Some(path) = self.config_file.as_ref().map(|w| w.path().to_owned()) else {
+                        continue;
+                    };
+                    self.reload(&path).await;
                 }
             }
         }
@@ -324,7 +319,7 @@ impl Supervisor {
         self.engines.shutdown().await;
     }
 
-    async fn reload(&mut self, path: &PathBuf) {
+    async fn reload(&mut self, path: &Path) {
         let reload = std::fs::read_to_string(path)
             .map_err(|error| error.to_string())
             .and_then(|text| {
@@ -381,10 +376,13 @@ impl Supervisor {
     }
 }
 
-fn reload_ticker(period: std::time::Duration) -> tokio::time::Interval {
-    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    ticker
+/// Resolves when the followed config file changed; never without one.
+async fn next_change(config_file: &mut Option<ConfigFileWatch>) {
+    match config_file {
+        // Cancel-safe (its docs): losing the race to a snapshot loses no change.
+        Some(watch) => watch.changed().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Whether the watch published a new snapshot (`false`: it ended); never resolves without one.

@@ -6,7 +6,8 @@
 //!   its protobuf messages (both ends use it: the agent sends, the index validates and applies);
 //! - [`tls`]: TLS settings of every kvroute gRPC endpoint, server and client side;
 //! - [`token`]: shared secrets (agent and query tokens) and the `authorization` header;
-//! - [`duration`]: the one duration format of every kvroute config (`250ms`, `2s`, `1m`).
+//! - [`duration`]: the one duration format of every kvroute config (`250ms`, `2s`, `1m`);
+//! - [`config_file`]: the one config-file watcher ext-proc, the index and the agent reload through.
 //!
 //! ext-proc depends on this crate (and on the I/O-free `kvroute-index-core`) to query a remote
 //! index; only its `embedded-index` feature brings in the service.
@@ -14,6 +15,7 @@
 #![deny(missing_docs)]
 
 pub mod agent_protocol;
+pub mod config_file;
 pub mod duration;
 pub mod tls;
 pub mod token;

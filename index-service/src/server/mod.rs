@@ -24,6 +24,7 @@ use std::{
     time::Duration,
 };
 
+use kvroute_index_api::config_file::ConfigFileWatch;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
@@ -310,8 +311,10 @@ impl IndexServer {
     pub fn watch_config(&self, path: std::path::PathBuf, interval: Duration) {
         let shared = Arc::clone(&self.shared);
         let cancel = self.cancel.clone();
+        // Made here, not in the task, so a change before the task first runs is not lost.
+        let watch = ConfigFileWatch::new(path, interval);
         spawn_tracked(&self.tasks, async move {
-            replicas::follow_config_file(shared, path, interval, cancel).await;
+            replicas::follow_config_file(shared, watch, cancel).await;
         });
     }
 

@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use kvroute_discovery::{Discovery, DiscoveryMetrics, Snapshot};
+use kvroute_index_api::config_file::ConfigFileWatch;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -420,24 +421,17 @@ fn restart_only(config: &Config) -> String {
 /// [`super::IndexServer::watch_config`]'s loop.
 pub(crate) async fn follow_config_file(
     shared: Arc<Shared>,
-    path: std::path::PathBuf,
-    interval: std::time::Duration,
+    mut watch: ConfigFileWatch,
     cancel: CancellationToken,
 ) {
-    let modified = |path: &std::path::Path| std::fs::metadata(path).and_then(|m| m.modified()).ok();
-    let mut last_seen = modified(&path);
     loop {
         tokio::select! {
             biased;
             () = cancel.cancelled() => break,
-            () = tokio::time::sleep(interval) => {}
+            () = watch.changed() => {}
         }
-        let now_seen = modified(&path);
-        if now_seen == last_seen {
-            continue;
-        }
-        last_seen = now_seen;
-        let parsed = std::fs::read_to_string(&path)
+        let path = watch.path();
+        let parsed = std::fs::read_to_string(path)
             .map_err(|e| e.to_string())
             .and_then(|text| Config::from_yaml(&text).map_err(|e| e.to_string()));
         match parsed {

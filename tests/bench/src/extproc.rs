@@ -116,26 +116,18 @@ const STAGES: [&str; 3] = ["decision", "tokenize", "match"];
 /// kvroute-ext-proc's decision, tokenize and match histograms.
 async fn stage_totals(admin: SocketAddr) -> anyhow::Result<Vec<StageHistogram>> {
     let text = metrics_text(admin).await?;
-    let value = |line: &str| line.rsplit(' ').next()?.parse::<f64>().ok();
     Ok(STAGES
         .iter()
         .map(|stage| {
             let name = format!("kvroute_extproc_{stage}_duration_seconds");
-            let mut histogram = StageHistogram::default();
+            let mut histogram = StageHistogram {
+                sum: metrics::sum(&text, &format!("{name}_sum"), &[]),
+                count: metrics::sum(&text, &format!("{name}_count"), &[]),
+                buckets: Vec::new(),
+            };
             let mut buckets: BTreeMap<u64, f64> = BTreeMap::new();
-            for line in text.lines().filter(|l| l.starts_with(&name)) {
-                let Some(v) = value(line) else { continue };
-                let rest = &line[name.len()..];
-                if rest.starts_with("_sum") {
-                    histogram.sum += v;
-                } else if rest.starts_with("_count") {
-                    histogram.count += v;
-                } else if let Some(le) = rest
-                    .split("le=\"")
-                    .nth(1)
-                    .and_then(|r| r.split('"').next())
-                    .and_then(|le| le.parse::<f64>().ok())
-                {
+            for (line, v) in metrics::samples(&text, &format!("{name}_bucket"), &[]) {
+                if let Some(le) = metrics::label(line, "le").and_then(|le| le.parse::<f64>().ok()) {
                     *buckets.entry(le.to_bits()).or_default() += v;
                 }
             }
@@ -282,8 +274,8 @@ static_resources:
         listener("fixed", Some("fixed_ext_proc")),
         listener("kvroute", Some("kvroute_ext_proc")),
         listener("embedded", Some("embedded_ext_proc")),
-        grpc_cluster("noop_ext_proc", backends.noop),
-        grpc_cluster("fixed_ext_proc", backends.fixed),
+        grpc_cluster("noop_ext_proc", backends.noop.addr()),
+        grpc_cluster("fixed_ext_proc", backends.fixed.addr()),
         grpc_cluster("embedded_ext_proc", backends.kvroute_embedded),
         grpc_cluster("kvroute_ext_proc", backends.kvroute),
     )

@@ -27,7 +27,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 
-use kvroute_tests::harness::{HarnessError, http};
+use kvroute_tests::harness::{HarnessError, http, metrics};
 use kvroute_tests::stack::{MODEL, Routing, Stack, StackError};
 
 /// Longest a single request may take before it counts as failed.
@@ -250,27 +250,14 @@ struct SimCounters {
     successes: f64,
 }
 
-/// Sums the samples of `name` (any labels) in Prometheus text.
-fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter_map(|line| {
-            let rest = line.strip_prefix(name)?;
-            if !(rest.starts_with('{') || rest.starts_with(' ')) {
-                return None;
-            }
-            rest.rsplit_once(' ')?.1.trim().parse::<f64>().ok()
-        })
-        .sum()
-}
-
 async fn sim_counters(stack: &Stack) -> Result<Vec<SimCounters>, HarnessError> {
     let mut all = Vec::new();
     for url in stack.sim_urls() {
         let text = http::get(&format!("{url}/metrics")).await?.text();
         all.push(SimCounters {
-            hits: metric_sum(&text, "vllm:prefix_cache_hits_total"),
-            queries: metric_sum(&text, "vllm:prefix_cache_queries_total"),
-            successes: metric_sum(&text, "vllm:request_success_total"),
+            hits: metrics::sum(&text, "vllm:prefix_cache_hits_total", &[]),
+            queries: metrics::sum(&text, "vllm:prefix_cache_queries_total", &[]),
+            successes: metrics::sum(&text, "vllm:request_success_total", &[]),
         });
     }
     Ok(all)
@@ -557,13 +544,6 @@ mod tests {
         let last = a[0].messages(2);
         assert_eq!(last.as_array().unwrap().len(), 6);
         assert_eq!(last[2]["content"], a[0].turns[0].1.as_str());
-    }
-
-    #[test]
-    fn metric_sums_ignore_other_names() {
-        let text = "# TYPE x counter\nvllm:a_total{m=\"t\"} 3.0\nvllm:a_total{m=\"u\"} 2\n\
-                    vllm:a_created{m=\"t\"} 9\nvllm:ab_total 100\n";
-        assert_eq!(metric_sum(text, "vllm:a_total"), 5.0);
     }
 
     #[test]

@@ -36,6 +36,18 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// The value of label `name` in a sample `line` as [`samples`] yields it (`family{a="x"} 1`);
+/// `None` when the line has no such label. Values are kvroute's and the engines' label values:
+/// no escaped quotes or commas.
+pub fn label<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    let (_, labels) = line.split_once('{')?;
+    let (labels, _) = labels.rsplit_once('}')?;
+    labels.split(',').find_map(|pair| {
+        let (key, value) = pair.split_once('=')?;
+        (key.trim() == name).then(|| value.trim().trim_matches('"'))
+    })
+}
+
 /// A `kB` field of `/proc/<pid>/status` (`VmRSS`, `VmHWM`), in KiB; `None` when the process or
 /// the field is gone.
 pub fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
@@ -72,6 +84,17 @@ mod tests {
             Some(2.0)
         );
         assert_eq!(sample(TEXT, "x_total"), None);
+    }
+
+    #[test]
+    fn labels_are_read_by_name() {
+        let lines: Vec<&str> = samples(TEXT, "x_total", &[])
+            .map(|(line, _)| line)
+            .collect();
+        assert_eq!(label(lines[0], "reason"), Some("gap"));
+        assert_eq!(label(lines[1], "replica"), Some("a"));
+        assert_eq!(label(lines[1], "replica_id"), None);
+        assert_eq!(label("y 1.5", "reason"), None);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Process harnesses for integration tests: a real Envoy ([`Envoy`]), our binaries such as the
 //! engine simulator ([`SimProcess`]), a TCP link a test can cut ([`TcpProxy`]), a small HTTP
-//! client ([`http`]), an ext_proc client playing Envoy ([`ext_proc`]), the one `/metrics` and
-//! `/proc` parser ([`metrics`]) and deadline polling ([`wait_until`]).
+//! client ([`http`]), an ext_proc client playing Envoy and the one fake ext_proc ([`ext_proc`]),
+//! the one `/metrics` and `/proc` parser ([`metrics`]) and deadline polling ([`wait_until`]).
 //!
 //! Every process listens on port 0 and reports its real ports (one that cannot, such as real
 //! vLLM, gets a port from [`reserve_port`], outside the ephemeral range); readiness is a polled condition

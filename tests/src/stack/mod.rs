@@ -345,7 +345,7 @@ pub enum DebugHeaders {
 }
 
 /// The request header of [`DebugHeaders::Token`] (ext-proc's default).
-pub const DEBUG_TOKEN_HEADER: &str = "x-kvroute-debug-token";
+pub const DEBUG_TOKEN_HEADER: &str = kvroute_ext_proc::config::DEFAULT_DEBUG_TOKEN_HEADER;
 /// File name of the debug token ([`DebugHeaders::Token`]).
 const DEBUG_TOKEN_FILE: &str = "kvroute-debug-token";
 

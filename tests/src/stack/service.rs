@@ -63,6 +63,9 @@ pub(super) fn locate_all(options: &StackOptions) -> Result<Binaries, StackError>
 pub(super) enum ServiceKind {
     /// kvroute-index or kvroute-ext-proc: `grpc=` and `admin=` in the ready file, then `/readyz`.
     Server,
+    /// A server whose readiness the test watches itself (an index whose replicas become ready
+    /// later, or never): the ready file, then only `/healthz`.
+    ServerLive,
     /// kvroute-agent: only `admin=` (it listens for nothing else), then `/healthz`.
     Agent,
 }
@@ -180,7 +183,7 @@ impl Service {
                 }
                 let text = std::fs::read_to_string(ready_path).ok()?;
                 match kind {
-                    ServiceKind::Server => parse_ready_file(&text)
+                    ServiceKind::Server | ServiceKind::ServerLive => parse_ready_file(&text)
                         .filter(|ready| !embedded || ready.embedded_index.is_some()),
                     ServiceKind::Agent => parse_agent_ready_file(&text),
                 }
@@ -209,7 +212,7 @@ impl Service {
             .chain(ready.embedded_index.map(|index| index.admin));
         let probe = match kind {
             ServiceKind::Server => "readyz",
-            ServiceKind::Agent => "healthz",
+            ServiceKind::ServerLive | ServiceKind::Agent => "healthz",
         };
         for admin in admins {
             if let Err(error) = wait_for_ok(&format!("http://{admin}/{probe}")).await {
@@ -364,16 +367,28 @@ impl ServerProcess {
     /// `config`, whose `listen` must use port 0 (`grpc: "127.0.0.1:0", admin: "127.0.0.1:0"`),
     /// and waits until it is ready.
     pub async fn start(config: &str, bin_dir: Option<&Path>) -> Result<Self, StackError> {
-        Self::start_binary("kvroute-ext-proc", config, bin_dir).await
+        Self::start_binary("kvroute-ext-proc", ServiceKind::Server, config, bin_dir).await
     }
 
     /// [`ServerProcess::start`] for kvroute-index.
     pub async fn start_index(config: &str, bin_dir: Option<&Path>) -> Result<Self, StackError> {
-        Self::start_binary("kvroute-index", config, bin_dir).await
+        Self::start_binary("kvroute-index", ServiceKind::Server, config, bin_dir).await
+    }
+
+    /// [`ServerProcess::start_index`] that returns once the index listens (and answers
+    /// `/healthz`), not waiting for `/readyz`: for tests that watch its replicas become ready (an
+    /// agent connecting, a restart's catch-up) or that never make them ready. A
+    /// [`ServerProcess::restart`] waits the same way.
+    pub async fn start_index_listening(
+        config: &str,
+        bin_dir: Option<&Path>,
+    ) -> Result<Self, StackError> {
+        Self::start_binary("kvroute-index", ServiceKind::ServerLive, config, bin_dir).await
     }
 
     pub(super) async fn start_binary(
         name: &'static str,
+        kind: ServiceKind,
         config: &str,
         bin_dir: Option<&Path>,
     ) -> Result<Self, StackError> {
@@ -382,15 +397,8 @@ impl ServerProcess {
             path: PathBuf::from("tempdir"),
             source,
         })?;
-        let service = Service::start(
-            name,
-            ServiceKind::Server,
-            binary,
-            dir.path(),
-            config.to_owned(),
-            None,
-        )
-        .await?;
+        let service =
+            Service::start(name, kind, binary, dir.path(), config.to_owned(), None).await?;
         Ok(Self { service, _dir: dir })
     }
 
@@ -404,9 +412,33 @@ impl ServerProcess {
         self.service.grpc
     }
 
+    /// The admin listener.
+    pub fn admin(&self) -> SocketAddr {
+        self.service.admin
+    }
+
     /// `http://<admin listener>`.
     pub fn admin_url(&self) -> String {
-        format!("http://{}", self.service.admin)
+        format!("http://{}", self.admin())
+    }
+
+    /// SIGKILL (an abrupt failure: no shutdown code runs); returns once the process is gone and
+    /// its ports are free.
+    pub fn kill(&mut self) {
+        self.service.kill();
+    }
+
+    /// Starts the process again (after [`ServerProcess::kill`], or killing it first) with the
+    /// same config on the same ports, and waits as its first start did.
+    pub async fn restart(&mut self) -> Result<(), StackError> {
+        self.service.kill();
+        self.service.spawn().await
+    }
+
+    /// The exit status once the process has exited on its own; `None` while it runs (or after
+    /// [`ServerProcess::kill`]).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.service.guard.as_mut().and_then(ChildGuard::exited)
     }
 
     /// The process id (`None` once stopped).

@@ -8,7 +8,6 @@
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvroute_agent::{Agent, AgentConfig};
@@ -18,7 +17,8 @@ use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Mediu
 use kvroute_index::server::IndexServer;
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{Encoding, encode_batch};
-use kvroute_tests::harness::{ChildGuard, TcpProxy, http, metrics, wait_until};
+use kvroute_tests::harness::{TcpProxy, http, metrics, wait_until};
+use kvroute_tests::stack::ServerProcess;
 use serde_json::{Value, json};
 use tokio::net::TcpStream;
 
@@ -72,70 +72,12 @@ engines:
     AgentConfig::validate(raw, kvroute_index::token::AgentToken::from_literal(TOKEN)).unwrap()
 }
 
-fn index_binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(Path::parent).unwrap();
-    let path = dir.join("kvroute-index");
-    assert!(
-        path.is_file(),
-        "build it first: cargo build -p kvroute-index --bins ({path:?})"
-    );
-    path
-}
-
-/// A `kvroute-index` process, restartable on the same gRPC port.
-pub(super) struct IndexProcess {
-    pub(super) guard: ChildGuard,
-    pub(super) admin: SocketAddr,
-    grpc: SocketAddr,
-}
-
-impl IndexProcess {
-    async fn start(dir: &Path, grpc: &str) -> Self {
-        Self::start_with(dir, &index_yaml(grpc, dir)).await
-    }
-
-    pub(super) async fn start_with(dir: &Path, yaml: &str) -> Self {
-        let config = dir.join("index.yaml");
-        let ready = dir.join("index.ready");
-        let _ = std::fs::remove_file(&ready);
-        std::fs::write(&config, yaml).unwrap();
-        let mut command = Command::new(index_binary());
-        command
-            .arg("--config")
-            .arg(&config)
-            .arg("--ready-file")
-            .arg(&ready);
-        let guard = ChildGuard::spawn("kvroute-index", command, dir.join("index.log")).unwrap();
-        let text = wait_until("index ready file", CONVERGE, || async {
-            std::fs::read_to_string(&ready)
-                .ok()
-                .filter(|t| t.contains("admin="))
-        })
+/// A `kvroute-index` process, restartable on the same ports; it returns once listening (its
+/// replicas become ready as the tests' agents connect).
+pub(super) async fn index_process(yaml: &str) -> ServerProcess {
+    ServerProcess::start_index_listening(yaml, None)
         .await
-        .unwrap_or_else(|e| panic!("{e}: {}", guard.log()));
-        let addr = |key: &str| -> SocketAddr {
-            text.lines()
-                .find_map(|l| l.strip_prefix(key))
-                .and_then(|a| a.parse().ok())
-                .unwrap()
-        };
-        Self {
-            admin: addr("admin="),
-            grpc: addr("grpc="),
-            guard,
-        }
-    }
-
-    fn kill9(&mut self) {
-        let status = Command::new("kill")
-            .args(["-KILL", &self.guard.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        // Reap it: until it is gone its port is still bound and a restart cannot take it.
-        self.guard.stop();
-    }
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The hashes a sim holds; the sim is local and up, so failing to read it is a test failure.
@@ -204,8 +146,8 @@ async fn index_converges_to_the_engine_after_every_fault() {
     let kv = sim.ready_info().kv_events.clone().unwrap();
     let replay = sim.ready_info().replay.clone().unwrap();
 
-    let mut index = IndexProcess::start(dir.path(), "127.0.0.1:0").await;
-    let grpc = index.grpc;
+    let mut index = index_process(&index_yaml("127.0.0.1:0", dir.path())).await;
+    let grpc = index.grpc();
     let proxy = TcpProxy::start(grpc).await.unwrap();
     // The engine is busy before the agent exists: the agent catches up from its replay buffer.
     traffic(&base, 0).await;
@@ -213,16 +155,16 @@ async fn index_converges_to_the_engine_after_every_fault() {
         .await
         .unwrap();
     assert!(!sim_blocks(&base).await.is_empty());
-    converge("initial convergence", index.admin, &base, CONVERGE).await;
+    converge("initial convergence", index.admin(), &base, CONVERGE).await;
 
     // SIGKILL the index, restart it on the same port: the agent's snapshot alone must rebuild
     // the replica (no engine traffic) within 2 s of the restart.
-    index.kill9();
-    index = IndexProcess::start(dir.path(), &grpc.to_string()).await;
+    index.kill();
+    index.restart().await.unwrap();
     let restarted = Instant::now();
     converge(
         "after index SIGKILL + restart",
-        index.admin,
+        index.admin(),
         &base,
         Duration::from_secs(2),
     )
@@ -235,18 +177,18 @@ async fn index_converges_to_the_engine_after_every_fault() {
     // Cut the agent↔index connection, keep the engine busy meanwhile.
     proxy.cut();
     traffic(&base, 1).await;
-    converge("after a cut connection", index.admin, &base, CONVERGE).await;
+    converge("after a cut connection", index.admin(), &base, CONVERGE).await;
 
     // AllBlocksCleared, then new traffic.
     let reset = http::post_json(&format!("{base}/reset_prefix_cache"), &json!({}))
         .await
         .unwrap();
     assert!(reset.status.is_success());
-    converge("after AllBlocksCleared", index.admin, &base, CONVERGE).await;
+    converge("after AllBlocksCleared", index.admin(), &base, CONVERGE).await;
     traffic(&base, 2).await;
     converge(
         "after traffic following the clear",
-        index.admin,
+        index.admin(),
         &base,
         CONVERGE,
     )
@@ -255,7 +197,7 @@ async fn index_converges_to_the_engine_after_every_fault() {
     // Agent gone: the replica leaves precise scoring after the grace period...
     agent.shutdown().await;
     wait_until("replica stale", CONVERGE, || async {
-        let (state, problem) = replica_state(index.admin, "engine-a").await?;
+        let (state, problem) = replica_state(index.admin(), "engine-a").await?;
         (state == "stale" && problem == "agent not connected past its grace period").then_some(())
     })
     .await
@@ -266,11 +208,11 @@ async fn index_converges_to_the_engine_after_every_fault() {
     agent = Agent::start(agent_config(proxy.addr(), &kv, &replay))
         .await
         .unwrap();
-    converge("after an agent restart", index.admin, &base, CONVERGE).await;
+    converge("after an agent restart", index.admin(), &base, CONVERGE).await;
     traffic(&base, 4).await;
     converge(
         "after traffic following the agent restart",
-        index.admin,
+        index.admin(),
         &base,
         CONVERGE,
     )
@@ -278,7 +220,7 @@ async fn index_converges_to_the_engine_after_every_fault() {
 
     agent.shutdown().await;
     proxy.shutdown().await;
-    index.guard.stop();
+    drop(index);
     sim.shutdown().await;
 }
 
@@ -1062,8 +1004,8 @@ async fn agent_path_benchmark() {
     let dir = tempfile::tempdir().unwrap();
     let yaml = index_yaml_synthetic_hashes("127.0.0.1:0", dir.path());
     // A process, so the restart below is a real SIGKILL (the agent's stream breaks at once).
-    let mut index = IndexProcess::start_with(dir.path(), &yaml).await;
-    let grpc = index.grpc;
+    let mut index = index_process(&yaml).await;
+    let grpc = index.grpc();
     let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
     let kv = publisher.pub_endpoint().unwrap().to_owned();
     let replay = publisher.replay_endpoint().unwrap().to_owned();
@@ -1080,7 +1022,7 @@ async fn agent_path_benchmark() {
         publisher.publish(payload(stored(&[0]))).await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await; // publish interval
     }
-    let admin = index.admin;
+    let admin = index.admin();
     wait_until("block 0 indexed", SLOW, || async {
         (held_block_count(admin).await? == 1).then_some(())
     })
@@ -1136,11 +1078,10 @@ async fn agent_path_benchmark() {
 
     // 3. Index SIGKILLed and restarted on the same port: converges from the agent's snapshot
     // (timed from the restart command: process start, reconnect, transfer, apply).
-    index.kill9();
-    let yaml = yaml.replace("grpc: \"127.0.0.1:0\"", &format!("grpc: \"{grpc}\""));
+    index.kill();
     let started = Instant::now();
-    let index = IndexProcess::start_with(dir.path(), &yaml).await;
-    let admin = index.admin;
+    index.restart().await.unwrap();
+    let admin = index.admin();
     wait_until("restarted index holds every block", SLOW, || async {
         (held_block_count(admin).await? == BLOCKS).then_some(())
     })

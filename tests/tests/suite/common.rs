@@ -6,7 +6,7 @@ use std::time::Duration;
 use clap::Parser as _;
 use kvroute_index::event::{EventBatch, KvEvent};
 use kvroute_index::wire::{self, ReplayItem};
-use kvroute_tests::harness::{http, tiny_model_dir, wait_until};
+use kvroute_tests::harness::{http, metrics, tiny_model_dir, wait_until};
 use kvroute_tests::sim::{EngineSim, SimArgs, SimConfig};
 use zeromq::{DealerSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 
@@ -118,13 +118,20 @@ pub fn removed_hashes(events: &[KvEvent]) -> Vec<u64> {
         .collect()
 }
 
-/// The value of a Prometheus sample line starting with `prefix`.
-pub fn metric(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .find(|line| line.starts_with(prefix))
-        .and_then(|line| line.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no metric {prefix} in\n{text}"))
+/// The value of the sample written exactly `series` (`name{labels}`, or a bare name); panics,
+/// printing the text, when it is absent.
+pub fn metric(text: &str, series: &str) -> f64 {
+    metrics::sample(text, series).unwrap_or_else(|| panic!("no metric {series} in\n{text}"))
+}
+
+/// The sum of `family`'s samples, whatever their labels; panics, printing the text, when it has
+/// none.
+pub fn family_total(text: &str, family: &str) -> f64 {
+    let values: Vec<f64> = metrics::samples(text, family, &[])
+        .map(|(_, v)| v)
+        .collect();
+    assert!(!values.is_empty(), "no metric {family} in\n{text}");
+    values.iter().sum()
 }
 
 /// The tokens kvroute-ext-proc's decision path computes for a request body sent to `path`: its

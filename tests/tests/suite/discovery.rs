@@ -15,6 +15,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvroute_discovery::testing::{ApiServer, TestPod};
+use kvroute_ext_proc::server::DECISION_HEADER;
 use kvroute_tests::harness::{
     Envoy, SimProcess, http, metrics, tiny_model_dir, wait_until, workspace_root,
 };
@@ -24,7 +25,7 @@ use kvroute_tests::stack::{
 };
 use serde_json::{Value, json};
 
-use super::common::metric;
+use super::common::{family_total, metric};
 
 const NS: &str = "llm";
 /// A generous bound for a condition; the join latency is measured and printed, not asserted.
@@ -99,7 +100,7 @@ async fn served(sims: &[SimProcess]) -> Vec<u64> {
             .await
             .unwrap()
             .text();
-        counts.push(metric(&text, "vllm:request_success_total{") as u64);
+        counts.push(family_total(&text, "vllm:request_success_total") as u64);
     }
     counts
 }
@@ -325,7 +326,7 @@ async fn the_index_follows_the_pods_and_drops_a_deleted_pods_blocks() {
             let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
             let response = http::post_json(&url, &body).await.unwrap();
             assert_eq!(response.status, 200, "{}", response.text());
-            let decision = response.header("x-kvroute-decision");
+            let decision = response.header(DECISION_HEADER);
             let delta = wait_until("the sims to count the request", DEADLINE, || async {
                 let now = served(sims).await;
                 let delta: Vec<u64> = now.iter().zip(&before).map(|(n, b)| n - b).collect();

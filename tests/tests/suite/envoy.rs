@@ -5,7 +5,7 @@
 use kvroute_tests::harness::{Envoy, SimProcess, http, round_robin_config};
 use serde_json::{Value, json};
 
-use super::common::{SIM_BIN, metric, sim_args};
+use super::common::{SIM_BIN, family_total, sim_args};
 
 const REPLICAS: usize = 3;
 const PROMPT: &str = "Envoy in front of the engine simulator: the same prompt sent once per replica \
@@ -163,7 +163,7 @@ async fn envoy_round_robin_serves_openai_requests_from_three_simulators() {
             .await
             .unwrap()
             .text();
-        let hits = metric(&metrics, "vllm:prefix_cache_hits_total{");
+        let hits = family_total(&metrics, "vllm:prefix_cache_hits_total");
         assert!(hits > 0.0, "every replica served a hit:\n{}", sim.log());
     }
     assert_eq!(

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvroute_ext_proc::ExtProc;
+use kvroute_ext_proc::server::{DECISION_HEADER, DESTINATION_HEADER};
 use kvroute_tests::harness::{Envoy, health, http, wait_until, workspace_root};
 use kvroute_tests::stack::{
     EXT_PROC_CLUSTER, KVROUTE_LISTENER, OVERRIDE_HOST_CONFIG, render_envoy_config,
@@ -63,8 +64,8 @@ async fn engine_double(tasks: &TaskTracker, waiting: Arc<AtomicU64>) -> SocketAd
                         .map(str::to_owned)
                 };
                 axum::Json(json!({
-                    "decision": header("x-kvroute-decision"),
-                    "destination": header("x-gateway-destination-endpoint"),
+                    "decision": header(DECISION_HEADER),
+                    "destination": header(DESTINATION_HEADER),
                     "body_bytes": body.len(),
                 }))
             },

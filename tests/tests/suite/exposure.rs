@@ -12,6 +12,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::time::Duration;
 
 use kvroute_ext_proc::ExtProc;
+use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
 use kvroute_tests::harness::http::HttpResponse;
 use kvroute_tests::harness::{http, wait_until};
 use kvroute_tests::stack::{
@@ -246,13 +247,13 @@ async fn debug_headers_need_the_configured_token() {
         &[(DEBUG_TOKEN_HEADER, TOKEN)],
     )
     .await;
-    let decision = header(&trusted, "x-kvroute-decision").unwrap_or_default();
+    let decision = header(&trusted, DECISION_HEADER).unwrap_or_default();
     assert!(
         decision.starts_with("precise/"),
         "decision {decision:?}\n{}",
         stack.logs()
     );
-    let predicted: u64 = header(&trusted, "x-kvroute-predicted-cached-tokens")
+    let predicted: u64 = header(&trusted, PREDICTED_CACHED_HEADER)
         .and_then(|v| v.parse().ok())
         .unwrap();
     assert!(predicted > 0);
@@ -263,7 +264,7 @@ async fn debug_headers_need_the_configured_token() {
         &[],
     ] {
         let (_, response, _) = complete(&stack, &format!("{prefix} q2"), presented).await;
-        for name in ["x-kvroute-decision", "x-kvroute-predicted-cached-tokens"] {
+        for name in [DECISION_HEADER, PREDICTED_CACHED_HEADER] {
             assert_eq!(header(&response, name), None, "{name} with {presented:?}");
         }
     }
@@ -498,7 +499,7 @@ async fn decision_echo(tasks: &tokio_util::task::TaskTracker) -> SocketAddr {
     let addr = listener.local_addr().unwrap();
     let app = axum::Router::new().fallback(|headers: axum::http::HeaderMap| async move {
         let decision = headers
-            .get("x-kvroute-decision")
+            .get(DECISION_HEADER)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         axum::Json(json!({ "decision": decision }))

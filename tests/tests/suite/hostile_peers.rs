@@ -27,7 +27,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::agent::{IndexProcess, payload, stored};
+use super::agent::{index_process, payload, stored};
 
 const CONVERGE: Duration = Duration::from_secs(20);
 /// How long a probe waits for the victim to close the connection.
@@ -280,7 +280,6 @@ fn batch(hashes: &[u64]) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn index_survives_hostile_peers_on_every_socket_kind() {
-    let dir = tempfile::tempdir().unwrap();
     let honest = MockVllmPublisher::bind_loopback().await.unwrap();
     // An honest live stream whose replay ROUTER is hostile: every catch-up or gap repair meets it.
     let honest_live = MockVllmPublisher::start(MockPublisherConfig {
@@ -304,8 +303,8 @@ async fn index_survives_hostile_peers_on_every_socket_kind() {
         honest_live.pub_endpoint().unwrap(),
         rogue_router.endpoint(),
     ));
-    let mut index = IndexProcess::start_with(dir.path(), &yaml).await;
-    let admin = format!("http://{}", index.admin);
+    let mut index = index_process(&yaml).await;
+    let admin = index.admin_url();
 
     // The bound SUB: anyone can connect and play every probe.
     let mut bound_outcomes = Vec::new();
@@ -324,7 +323,7 @@ async fn index_survives_hostile_peers_on_every_socket_kind() {
         || async { rogue_pub.played_all().then_some(()) },
     )
     .await
-    .unwrap_or_else(|e| panic!("{e}: {}", index.guard.log()));
+    .unwrap_or_else(|e| panic!("{e}: {}", index.log()));
     // The replay DEALER meets the rogue ROUTER at each gap on the honest live stream.
     let mut hash = 1_000;
     wait_until("every probe played on the replay DEALER", CONVERGE, || {
@@ -340,19 +339,19 @@ async fn index_survives_hostile_peers_on_every_socket_kind() {
         }
     })
     .await
-    .unwrap_or_else(|e| panic!("{e}: {}", index.guard.log()));
+    .unwrap_or_else(|e| panic!("{e}: {}", index.log()));
 
     assert!(
-        index.guard.exited().is_none(),
+        index.exited().is_none(),
         "kvroute-index died:\n{}",
-        index.guard.log()
+        index.log()
     );
     assert_refused("bound SUB", &bound_outcomes);
     let played_pub = rogue_pub.played();
     assert_refused("connected SUB", &rogue_pub.shutdown().await);
     assert_refused("replay DEALER", &rogue_router.shutdown().await);
     assert!(played_pub >= PROBES.len());
-    let peak = proc_status_kib(index.guard.id(), "VmHWM").unwrap();
+    let peak = proc_status_kib(index.pid().unwrap(), "VmHWM").unwrap();
     assert!(peak < MAX_PEAK_RSS_KB, "kvroute-index peaked at {peak} kB");
 
     // Every refusal is counted by reason, per replica.
@@ -386,11 +385,11 @@ async fn index_survives_hostile_peers_on_every_socket_kind() {
         (honest_blocks >= 3 && bound_blocks >= 2).then_some(())
     })
     .await
-    .unwrap_or_else(|e| panic!("{e}: {}", index.guard.log()));
+    .unwrap_or_else(|e| panic!("{e}: {}", index.log()));
     assert!(
-        index.guard.exited().is_none(),
+        index.exited().is_none(),
         "kvroute-index died:\n{}",
-        index.guard.log()
+        index.log()
     );
     engine_on_bound.shutdown().await;
     honest.shutdown().await;
@@ -399,7 +398,6 @@ async fn index_survives_hostile_peers_on_every_socket_kind() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bind_mode_refuses_peers_outside_the_allow_list_and_foreign_topics() {
-    let dir = tempfile::tempdir().unwrap();
     let bound = format!("127.0.0.1:{}", free_port());
     // Both sockets have an allow-list: `guarded` admits only 127.0.0.2, so the test's peers (from
     // 127.0.0.1) are refused; `open` admits loopback and checks the topic.
@@ -409,8 +407,8 @@ async fn bind_mode_refuses_peers_outside_the_allow_list_and_foreign_topics() {
 "#,
         open_port = free_port(),
     ));
-    let index = IndexProcess::start_with(dir.path(), &yaml).await;
-    let admin = format!("http://{}", index.admin);
+    let index = index_process(&yaml).await;
+    let admin = index.admin_url();
     let open_endpoint = yaml
         .lines()
         .find(|l| l.contains("id: open"))

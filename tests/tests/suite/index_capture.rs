@@ -23,6 +23,7 @@ use kvroute_index::{
     testing::{MockPublisherConfig, MockVllmPublisher},
     wire::{Encoding, encode_batch},
 };
+use kvroute_tests::harness::wait_until;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -171,18 +172,12 @@ async fn match_answer(admin: std::net::SocketAddr, tokens: &[u32]) -> (bool, u64
 /// Matched blocks once the index vouches for the replica again (it is `syncing`, so not
 /// precise, while a restart's catch-up runs).
 async fn matched_blocks(admin: std::net::SocketAddr, tokens: &[u32]) -> u64 {
-    let start = Instant::now();
-    loop {
+    wait_until("the replica to be precise again", DEADLINE, || async {
         let (precise, blocks) = match_answer(admin, tokens).await;
-        if precise {
-            return blocks;
-        }
-        assert!(
-            start.elapsed() < DEADLINE,
-            "the replica never became precise"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await; // poll interval
-    }
+        precise.then_some(blocks)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 async fn last_sequence(admin: std::net::SocketAddr) -> Option<u64> {
@@ -195,15 +190,13 @@ async fn last_sequence(admin: std::net::SocketAddr) -> Option<u64> {
 }
 
 async fn wait_for_sequence(admin: std::net::SocketAddr, seq: u64) {
-    let start = Instant::now();
-    while last_sequence(admin).await != Some(seq) {
-        assert!(
-            start.elapsed() < DEADLINE,
-            "index never reached sequence {seq}"
-        );
-        tokio::task::yield_now().await;
-        tokio::time::sleep(Duration::from_millis(5)).await; // poll interval, not a synchronisation
-    }
+    wait_until(
+        &format!("the index at sequence {seq}"),
+        DEADLINE,
+        || async { (last_sequence(admin).await == Some(seq)).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
 }
 
 async fn check_prompts(admin: std::net::SocketAddr, capture: &Capture, upto: usize) {

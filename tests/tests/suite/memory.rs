@@ -11,6 +11,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use kvroute_ext_proc::server::DECISION_HEADER;
 use kvroute_tests::harness::ext_proc::{ExtProcAnswer, ExtProcClient};
 use kvroute_tests::harness::{http, metrics, tiny_model_dir};
 use kvroute_tests::stack::{ExtProcBudgets, ExtProcProcess};
@@ -88,7 +89,7 @@ fn chat(content: &str) -> Vec<u8> {
 /// The tier of a routed answer (`precise`, `approximate`, `load`).
 fn tier(answer: &ExtProcAnswer) -> String {
     let decision = answer
-        .header("x-kvroute-decision")
+        .header(DECISION_HEADER)
         .unwrap_or_else(|| panic!("not routed: {answer:?}"));
     decision.split('/').next().unwrap_or_default().to_owned()
 }

@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_tests::harness::{http, workspace_root};
 use kvroute_tests::stack::{
@@ -258,9 +259,8 @@ async fn send(url: &str, body: &Value, session: usize, step: usize) -> Outcome {
         cached_tokens: usage["prompt_tokens_details"]["cached_tokens"]
             .as_i64()
             .unwrap_or(0),
-        predicted_cached_tokens: header("x-kvroute-predicted-cached-tokens")
-            .and_then(|v| v.parse().ok()),
-        decision: header("x-kvroute-decision"),
+        predicted_cached_tokens: header(PREDICTED_CACHED_HEADER).and_then(|v| v.parse().ok()),
+        decision: header(DECISION_HEADER),
     }
 }
 

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use kvroute_ext_proc::server::DECISION_HEADER;
 use kvroute_tests::harness::{metrics, wait_until};
 use kvroute_tests::stack::{DebugHeaders, MODEL, Stack, StackOptions, StackTokenizer};
 use serde_json::{Value, json};
@@ -78,7 +79,7 @@ struct Routed {
 async fn route(stack: &Stack, api: Api, prefix: &str, question: &str) -> Routed {
     let (replica, response) =
         route_response(stack, api.path(), &api.body(prefix, question), &[]).await;
-    let decision = response.header("x-kvroute-decision");
+    let decision = response.header(DECISION_HEADER);
     let answer: Value = response.json().unwrap();
     Routed {
         replica,

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use kvroute_ext_proc::server::{CLUSTER_HEADER, DECISION_HEADER, DESTINATION_HEADER};
 use kvroute_tests::harness::http::{self, HttpResponse};
 use kvroute_tests::harness::{Envoy, SimProcess, metrics, wait_until, workspace_root};
 use kvroute_tests::stack::{
@@ -23,7 +24,7 @@ use kvroute_tests::stack::{
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::common::{SIM_BIN, metric, sim_args};
+use super::common::{SIM_BIN, family_total, sim_args};
 
 /// How long a test waits for counters/metrics to settle.
 const SETTLE: Duration = Duration::from_secs(20);
@@ -79,7 +80,7 @@ async fn finished(stack: &Stack) -> Vec<u64> {
     let mut counts = Vec::new();
     for url in stack.sim_urls() {
         let text = http::get(&format!("{url}/metrics")).await.unwrap().text();
-        counts.push(metric(&text, "vllm:request_success_total{") as u64);
+        counts.push(family_total(&text, "vllm:request_success_total") as u64);
     }
     counts
 }
@@ -142,7 +143,7 @@ pub(super) struct Routed {
 pub(super) async fn route_decided(stack: &Stack, prompt: &str) -> Routed {
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
     let (replica, response) = route_response(stack, "/v1/completions", &body, &[]).await;
-    let decision = response.header("x-kvroute-decision");
+    let decision = response.header(DECISION_HEADER);
     let answer: Value = response.json().unwrap();
     Routed {
         replica,
@@ -511,7 +512,7 @@ async fn bad_requests_get_json_errors_and_spoofed_destinations_are_ignored() {
     .await;
     let other = (holder + 1) % stack.sims().len();
     let spoof = stack.sims()[other].ready.http.to_string();
-    let spoofed = [("x-gateway-destination-endpoint", spoof.as_str())];
+    let spoofed = [(DESTINATION_HEADER, spoof.as_str())];
     for i in 1..=4 {
         let (replica, _) = route(
             &stack,
@@ -755,7 +756,7 @@ async fn cluster_header_deployment_routes_per_replica_cluster_and_fails_open() {
         let body = completion(&format!("{prefix} q{i}"))
             .to_string()
             .into_bytes();
-        let response = post_raw(&url, body, &[("x-kvroute-cluster", other)]).await;
+        let response = post_raw(&url, body, &[(CLUSTER_HEADER, other)]).await;
         assert_eq!(response.status, 200, "{}", response.text());
         let cached = cached_tokens(&response.json().unwrap());
         assert!(cached > 0, "request {i} missed the cache");
@@ -769,7 +770,7 @@ async fn cluster_header_deployment_routes_per_replica_cluster_and_fails_open() {
         let response = post_raw(
             &url,
             completion(&text(500 + i, 20)).to_string().into_bytes(),
-            &[("x-kvroute-cluster", other)],
+            &[(CLUSTER_HEADER, other)],
         )
         .await;
         assert_eq!(response.status, 200, "{}", response.text());

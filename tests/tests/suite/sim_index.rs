@@ -29,7 +29,6 @@ const NUM_BLOCKS: &str = "24";
 const IN_FLIGHT: usize = 8;
 const SEED: u64 = 0x5EED_1DE8;
 const DEADLINE: Duration = Duration::from_secs(15);
-const POLL_INTERVAL: Duration = Duration::from_millis(25);
 /// Token ids drawn for synthetic prompts (the tiny model's vocabulary has 2000).
 const TOKEN_IDS: std::ops::Range<u32> = 3..2000;
 const WORDS: &[&str] = &[
@@ -192,15 +191,16 @@ async fn assert_converged(phase: &str, admin: SocketAddr, sims: &[EngineSim]) ->
     let mut counts = Vec::new();
     for (i, sim) in sims.iter().enumerate() {
         let id = replica_id(i);
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-        loop {
+        let converged = wait_until(&format!("{id} ({phase}) to converge"), DEADLINE, || async {
             let truth = sim_blocks(sim).await;
-            let view = index_blocks(admin, &id).await;
-            if truth == view {
-                counts.push(truth.len());
-                break;
-            }
-            if tokio::time::Instant::now() >= deadline {
+            (truth == index_blocks(admin, &id).await).then_some(truth.len())
+        })
+        .await;
+        match converged {
+            Ok(blocks) => counts.push(blocks),
+            Err(_) => {
+                let truth = sim_blocks(sim).await;
+                let view = index_blocks(admin, &id).await;
                 let history = event_history(sim, truth.symmetric_difference(&view)).await;
                 panic!(
                     "{id} ({phase}): index diverged from the simulator after {DEADLINE:?}; only \
@@ -212,7 +212,6 @@ async fn assert_converged(phase: &str, admin: SocketAddr, sims: &[EngineSim]) ->
                     duplicated_hashes(sim).await,
                 );
             }
-            tokio::time::sleep(POLL_INTERVAL).await;
         }
     }
     let replicas = http::get(&format!("http://{admin}/v1/replicas"))

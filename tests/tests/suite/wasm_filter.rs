@@ -2,9 +2,9 @@
 //! `envoy/kvroute-full-chain.yaml` (ports and replica addresses substituted): client header strip →
 //! wasm fast path → ext_proc (skipped on the fast-path marker) → wasm fallback → override_host pool.
 //!
-//! ext_proc is a small in-test `ExternalProcessor` (BUFFERED protocol, GIE-style header + `envoy.lb`
-//! metadata) that hands out replicas in rotation and counts its streams; upstream replicas are tiny
-//! HTTP servers that answer with their name and remember the headers they saw.
+//! ext_proc is the harness's [`FakeExtProc`], handing out the replicas in rotation in
+//! kvroute-ext-proc's shapes (header + `envoy.lb` metadata) and counting its streams; upstream
+//! replicas are tiny HTTP servers that answer with their name and remember the headers they saw.
 //! The module comes from `$KVROUTE_WASM` (scripts/test.sh builds it), else the default
 //! `target/wasm32-wasip1/wasm/kvroute_wasm_filter.wasm`; without it these tests fail with the command
 //! that builds it.
@@ -12,35 +12,27 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
-    ExternalProcessor, ExternalProcessorServer,
-};
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ProcessingRequest,
-    ProcessingResponse,
-};
-use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use futures::{Stream, StreamExt as _};
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kvroute_tests::harness::{Envoy, wait_until, workspace_root};
+use kvroute_ext_proc::server::DESTINATION_HEADER;
+use kvroute_tests::harness::ext_proc::{FakeExtProc, FakeRouting};
+use kvroute_tests::harness::{Envoy, workspace_root};
+use kvroute_wasm_filter::config::{
+    DEFAULT_MARKER_HEADER, DEFAULT_PIN_HEADER, DEFAULT_SESSION_HEADER,
+};
 use parking_lot::Mutex;
-use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-const DECISION_HEADER: &str = "x-gateway-destination-endpoint";
-const SESSION_HEADER: &str = "x-session-id";
+/// Header of the pin's shared secret, as the shipped chain's comment suggests (it has no default).
+const PIN_TOKEN_HEADER: &str = "x-kvroute-pin-token";
 const PIN_TOKEN: &str = "test-pin-secret";
+/// The fast path's `model_header` in the shipped chain.
+const MODEL_HEADER: &str = "x-kvroute-model";
 
 // ---------------------------------------------------------------------------------------------
 // Tests
@@ -93,7 +85,7 @@ async fn later_turns_of_a_session_skip_ext_proc_and_keep_their_replica() {
         .collect::<Vec<_>>();
     let marked = seen
         .iter()
-        .filter(|h| h.get("x-kvroute-fast-path").map(String::as_str) == Some("1"));
+        .filter(|h| h.get(DEFAULT_MARKER_HEADER).map(String::as_str) == Some("1"));
     assert_eq!(marked.count(), 12);
 }
 
@@ -101,7 +93,7 @@ async fn later_turns_of_a_session_skip_ext_proc_and_keep_their_replica() {
 async fn with_ext_proc_stopped_sessions_stick_through_the_fallback_and_nothing_fails() {
     let chain = Chain::start(&[]).await;
     let learned = chain.turn("learned-before-outage", &[]).await;
-    chain.ext_proc.stop().await;
+    chain.ext_proc.stop().await.unwrap();
 
     assert_eq!(
         chain.turn("learned-before-outage", &[]).await,
@@ -147,15 +139,15 @@ async fn spoofed_pins_and_routing_headers_from_untrusted_clients_are_ignored() {
     for (i, target) in [&a, &b, &a, &b].into_iter().enumerate() {
         let session = format!("spoof-{i}");
         let headers = [
-            ("x-kvroute-pin", target.as_str()),
-            (DECISION_HEADER, target.as_str()),
-            ("x-kvroute-fast-path", "1"),
-            (SESSION_HEADER, session.as_str()),
+            (DEFAULT_PIN_HEADER, target.as_str()),
+            (DESTINATION_HEADER, target.as_str()),
+            (DEFAULT_MARKER_HEADER, "1"),
+            (DEFAULT_SESSION_HEADER, session.as_str()),
         ];
         let (status, served) = chain.request(&headers).await;
         assert_eq!(status, 200);
         assert_eq!(
-            served,
+            Some(served),
             chain.ext_proc.last_decision(),
             "ext_proc, not the client, chose"
         );
@@ -167,8 +159,8 @@ async fn spoofed_pins_and_routing_headers_from_untrusted_clients_are_ignored() {
     // With the token the pin routes directly, and neither pin nor token reaches the replica.
     for target in [&a, &b] {
         let headers = [
-            ("x-kvroute-pin", target.as_str()),
-            ("x-kvroute-pin-token", PIN_TOKEN),
+            (DEFAULT_PIN_HEADER, target.as_str()),
+            (PIN_TOKEN_HEADER, PIN_TOKEN),
         ];
         let (status, served) = chain.request(&headers).await;
         assert_eq!((status, &served), (200, target));
@@ -178,8 +170,8 @@ async fn spoofed_pins_and_routing_headers_from_untrusted_clients_are_ignored() {
     for replica in &chain.replicas {
         for headers in replica.seen.lock().iter() {
             assert!(
-                !headers.contains_key("x-kvroute-pin")
-                    && !headers.contains_key("x-kvroute-pin-token")
+                !headers.contains_key(DEFAULT_PIN_HEADER)
+                    && !headers.contains_key(PIN_TOKEN_HEADER)
             );
         }
     }
@@ -190,13 +182,13 @@ async fn model_header_routes_to_its_pool_without_ext_proc() {
     // The shipped config maps `text-embedding-small` to cluster `kvroute_embeddings` (replica A here).
     let chain = Chain::start(&[]).await;
     let (status, served) = chain
-        .request(&[("x-kvroute-model", "text-embedding-small")])
+        .request(&[(MODEL_HEADER, "text-embedding-small")])
         .await;
     assert_eq!((status, served), (200, chain.replicas[0].addr.to_string()));
     assert_eq!(chain.ext_proc.streams(), 0);
     assert_eq!(chain.stat("fast_path_model_routes_total").await, 1);
     // Another model is not a fast-path route.
-    let (status, _) = chain.request(&[("x-kvroute-model", "chat-large")]).await;
+    let (status, _) = chain.request(&[(MODEL_HEADER, "chat-large")]).await;
     assert_eq!(status, 200);
     assert_eq!(chain.ext_proc.streams(), 1);
     assert_eq!(chain.stat("fast_path_misses_total").await, 1);
@@ -225,7 +217,7 @@ struct Chain {
     envoy: Envoy,
     ingress: SocketAddr,
     replicas: Vec<Replica>,
-    ext_proc: ExtProc,
+    ext_proc: FakeExtProc,
     _tasks: TaskTracker,
 }
 
@@ -236,12 +228,14 @@ impl Chain {
         let tasks = TaskTracker::new();
         let replicas = vec![Replica::start(&tasks).await, Replica::start(&tasks).await];
         let decisions = replicas.iter().map(|r| r.addr.to_string()).collect();
-        let ext_proc = ExtProc::start(decisions).await;
+        let ext_proc = FakeExtProc::start(FakeRouting::RoundRobin(decisions))
+            .await
+            .unwrap();
 
         let shipped = workspace_root().join("envoy/kvroute-full-chain.yaml");
         let mut config = std::fs::read_to_string(&shipped).unwrap();
         let pin = format!(
-            r#"{{"role":"fast_path","pin":{{"token_header":"x-kvroute-pin-token","token":"{PIN_TOKEN}"}},"#
+            r#"{{"role":"fast_path","pin":{{"token_header":"{PIN_TOKEN_HEADER}","token":"{PIN_TOKEN}"}},"#
         );
         let substitutions = [
             (
@@ -253,7 +247,7 @@ impl Chain {
             ("18001".to_owned(), replicas[0].addr.port().to_string()),
             ("18002".to_owned(), replicas[1].addr.port().to_string()),
             ("18003".to_owned(), replicas[0].addr.port().to_string()),
-            ("50051".to_owned(), ext_proc.addr.port().to_string()),
+            ("50051".to_owned(), ext_proc.addr().port().to_string()),
             (r#"{"role":"fast_path","#.to_owned(), pin),
         ];
         let extra = edits
@@ -281,7 +275,7 @@ impl Chain {
 
     /// One chat turn of `session`; asserts success and returns the replica address that served it.
     async fn turn(&self, session: &str, extra: &[(&str, &str)]) -> String {
-        let mut headers = vec![(SESSION_HEADER, session)];
+        let mut headers = vec![(DEFAULT_SESSION_HEADER, session)];
         headers.extend_from_slice(extra);
         let (status, served) = self.request(&headers).await;
         assert_eq!(status, 200, "turn of {session}\n{}", self.envoy.log());
@@ -366,178 +360,5 @@ impl Replica {
         });
         tasks.spawn(async move { axum::serve(listener, app).await.unwrap() });
         Replica { addr, seen }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// In-test ext_proc: BUFFERED protocol, rotating decisions, counts streams.
-
-struct ExtProc {
-    addr: SocketAddr,
-    state: Arc<ExtProcState>,
-    stop: CancellationToken,
-    tasks: TaskTracker,
-}
-
-struct ExtProcState {
-    replicas: Vec<String>,
-    streams: AtomicUsize,
-    decisions: Mutex<Vec<String>>,
-}
-
-impl ExtProc {
-    async fn start(replicas: Vec<String>) -> ExtProc {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let state = Arc::new(ExtProcState {
-            replicas,
-            streams: AtomicUsize::new(0),
-            decisions: Mutex::new(Vec::new()),
-        });
-        let (health, health_service) = tonic_health::server::health_reporter();
-        health
-            .set_serving::<ExternalProcessorServer<Picker>>()
-            .await;
-        let stop = CancellationToken::new();
-        let tasks = TaskTracker::new();
-        let server = tonic::transport::Server::builder()
-            .add_service(health_service)
-            .add_service(ExternalProcessorServer::new(Picker(Arc::clone(&state))))
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
-                stop.clone().cancelled_owned(),
-            );
-        tasks.spawn(async move { server.await.unwrap() });
-        ExtProc {
-            addr,
-            state,
-            stop,
-            tasks,
-        }
-    }
-
-    fn streams(&self) -> usize {
-        self.state.streams.load(Ordering::SeqCst)
-    }
-
-    fn last_decision(&self) -> String {
-        self.state
-            .decisions
-            .lock()
-            .last()
-            .cloned()
-            .unwrap_or_default()
-    }
-
-    /// Stops serving and waits until the port is closed.
-    async fn stop(&self) {
-        self.stop.cancel();
-        self.tasks.close();
-        tokio::time::timeout(Duration::from_secs(10), self.tasks.wait())
-            .await
-            .expect("ext_proc stops");
-        let addr = self.addr;
-        wait_until(
-            "ext_proc port closed",
-            Duration::from_secs(5),
-            || async move {
-                tokio::net::TcpStream::connect(addr)
-                    .await
-                    .is_err()
-                    .then_some(())
-            },
-        )
-        .await
-        .unwrap();
-    }
-}
-
-struct Picker(Arc<ExtProcState>);
-
-type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, tonic::Status>> + Send>>;
-
-#[tonic::async_trait]
-impl ExternalProcessor for Picker {
-    type ProcessStream = ResponseStream;
-
-    async fn process(
-        &self,
-        request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
-    ) -> Result<tonic::Response<ResponseStream>, tonic::Status> {
-        let state = Arc::clone(&self.0);
-        let call = state.streams.fetch_add(1, Ordering::SeqCst);
-        let decision = state.replicas[call % state.replicas.len()].clone();
-        state.decisions.lock().push(decision.clone());
-        // BUFFERED: exactly one response per message, so the reply stream is a map of the input.
-        let replies = request
-            .into_inner()
-            .map(move |message| Ok(reply(message?, &decision)));
-        Ok(tonic::Response::new(Box::pin(replies)))
-    }
-}
-
-/// Request headers without body and the request body carry the decision; the rest pass.
-fn reply(message: ProcessingRequest, decision: &str) -> ProcessingResponse {
-    let decide = || CommonResponse {
-        header_mutation: Some(HeaderMutation {
-            set_headers: vec![HeaderValueOption {
-                header: Some(HeaderValue {
-                    key: DECISION_HEADER.to_owned(),
-                    raw_value: decision.as_bytes().to_vec(),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
-        clear_route_cache: true,
-        ..Default::default()
-    };
-    let metadata = Struct {
-        fields: [(
-            "envoy.lb".to_owned(),
-            Value {
-                kind: Some(Kind::StructValue(Struct {
-                    fields: [(
-                        DECISION_HEADER.to_owned(),
-                        Value {
-                            kind: Some(Kind::StringValue(decision.to_owned())),
-                        },
-                    )]
-                    .into(),
-                })),
-            },
-        )]
-        .into(),
-    };
-    let (response, decided) = match message.request {
-        Some(Phase::RequestHeaders(h)) if h.end_of_stream => (
-            Reply::RequestHeaders(HeadersResponse {
-                response: Some(decide()),
-            }),
-            true,
-        ),
-        Some(Phase::RequestHeaders(_)) => {
-            (Reply::RequestHeaders(HeadersResponse::default()), false)
-        }
-        Some(Phase::RequestBody(_)) => (
-            Reply::RequestBody(BodyResponse {
-                response: Some(decide()),
-            }),
-            true,
-        ),
-        Some(Phase::ResponseHeaders(_)) => {
-            (Reply::ResponseHeaders(HeadersResponse::default()), false)
-        }
-        Some(Phase::ResponseBody(_)) => (Reply::ResponseBody(BodyResponse::default()), false),
-        Some(Phase::RequestTrailers(_)) => (Reply::RequestTrailers(Default::default()), false),
-        Some(Phase::ResponseTrailers(_)) | None => {
-            (Reply::ResponseTrailers(Default::default()), false)
-        }
-    };
-    ProcessingResponse {
-        response: Some(response),
-        dynamic_metadata: decided.then_some(metadata),
-        ..Default::default()
     }
 }
