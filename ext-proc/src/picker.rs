@@ -93,9 +93,13 @@ impl IndexSkip {
 }
 
 /// A prompt of at least twice this many bytes is first tokenized only up to the first exact cut
-/// from here (`kvroute_tokenize::leading_cut`; ≈ 4–6k tokens): ext-proc's inline-tokenization
-/// limit, so a 32k-token miss encodes a sixth of its prompt (BENCHMARKS.md, issue 15).
-const LEADING_BYTES: usize = 16 * 1024;
+/// from here (`kvroute_tokenize::leading_cut`; ≈ 1.4k tokens): a 32k-token miss encodes a
+/// twentieth of its prompt (BENCHMARKS.md, issue 15).
+const LEADING_BYTES: usize = 4 * 1024;
+/// When some candidate holds every block of the leading part, the next part is this many times
+/// longer (4, 16, 64 KiB, …, then the whole prompt): a long shared system prompt costs a few
+/// steps, not a whole-prompt tokenization.
+const LEADING_GROWTH: usize = 4;
 
 /// How a request's block keys are computed (`pool`'s scheme and block size, its adapter and
 /// salt), for a background whole tokenization to cache them with the tokens.
@@ -508,69 +512,89 @@ impl Picker {
             adapter,
             request.cache_salt.as_deref(),
         );
-        let tokens = self
-            .prompt_tokens(
+        let mut leading_bytes = LEADING_BYTES;
+        let (mut source, mut facts) = self
+            .tokens_and_facts(
                 runtime,
                 pool_index,
+                adapter,
                 request,
+                candidates,
                 deadline,
-                Some((LEADING_BYTES, &keys_job)),
+                (leading_bytes, &keys_job),
             )
+            .await?;
+        // Some replica holds the whole leading part: the rest can matter, so a larger one (in
+        // the end the whole prompt, once the part would be over half of it). Should that fail
+        // or be late, the smaller part still names the holders (a lower bound of what they
+        // hold, the fallback counted).
+        while source == TokenSource::Leading
+            && self.holds_all(candidates, &facts.keys, facts.index_answer.as_ref(), config)
+        {
+            leading_bytes = leading_bytes.saturating_mul(LEADING_GROWTH);
+            let Ok(larger) = self
+                .tokens_and_facts(
+                    runtime,
+                    pool_index,
+                    adapter,
+                    request,
+                    candidates,
+                    deadline,
+                    (leading_bytes, &keys_job),
+                )
+                .await
+            else {
+                break;
+            };
+            (source, facts) = larger;
+        }
+        Ok(facts)
+    }
+
+    /// One step of [`Self::prefix_facts`]: the prompt's tokens (only the leading ones from
+    /// `leading.0` bytes on when possible), their keys and the index's answer.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the decision's context, passed as prefix_facts has it"
+    )]
+    async fn tokens_and_facts(
+        &self,
+        runtime: &Runtime,
+        pool_index: usize,
+        adapter: Option<&crate::config::Adapter>,
+        request: &ParsedRequest<'_>,
+        candidates: &[&Replica],
+        deadline: Instant,
+        leading: (usize, &KeysJob),
+    ) -> Result<(TokenSource, PrefixFacts), LoadCause> {
+        let tokens = self
+            .prompt_tokens(runtime, pool_index, request, deadline, leading)
             .await?;
         let (keys, index_answer) = self
             .keys_and_index(
-                runtime, pool_index, adapter, request, candidates, deadline, &tokens, &keys_job,
+                runtime, pool_index, adapter, request, candidates, deadline, &tokens, leading.1,
             )
             .await?;
-        let leading = PrefixFacts {
-            keys,
-            index_answer,
-            prompt_tokens: tokens.estimated_len,
-        };
-        if tokens.source != TokenSource::Leading
-            || !self.holds_all(
-                candidates,
-                &leading.keys,
-                leading.index_answer.as_ref(),
-                config,
-            )
-        {
-            return Ok(leading);
-        }
-        // Some replica holds the whole leading part: the rest can matter, so the whole prompt.
-        // Should that fail or be late, the leading part still names the holders (a lower bound
-        // of what they hold, the fallback counted).
-        let Ok(tokens) = self
-            .prompt_tokens(runtime, pool_index, request, deadline, None)
-            .await
-        else {
-            return Ok(leading);
-        };
-        let Ok((keys, index_answer)) = self
-            .keys_and_index(
-                runtime, pool_index, adapter, request, candidates, deadline, &tokens, &keys_job,
-            )
-            .await
-        else {
-            return Ok(leading);
-        };
-        Ok(PrefixFacts {
-            keys,
-            index_answer,
-            prompt_tokens: tokens.estimated_len,
-        })
+        Ok((
+            tokens.source,
+            PrefixFacts {
+                keys,
+                index_answer,
+                prompt_tokens: tokens.estimated_len,
+            },
+        ))
     }
 
-    /// The prompt's tokens within the tokenize budget (only the leading ones from `leading`
-    /// bytes on when given and possible; a whole tokenization left for the next turn caches
-    /// the keys its job computes), timed by source.
+    /// The prompt's tokens within the tokenize budget: only the leading ones from `leading.0`
+    /// bytes on when possible; a whole tokenization left for the next turn caches the keys
+    /// `leading.1` computes. Timed by source.
     async fn prompt_tokens(
         &self,
         runtime: &Runtime,
         pool_index: usize,
         request: &ParsedRequest<'_>,
         deadline: Instant,
-        leading: Option<(usize, &KeysJob)>,
+        leading: (usize, &KeysJob),
     ) -> Result<PromptTokens, LoadCause> {
         let config = &runtime.config;
         let pool = &config.pools[pool_index];
@@ -584,32 +608,19 @@ impl Picker {
             .tokenize_budget
             .min(deadline.saturating_duration_since(tokenize_started));
         let tokenizer = runtime.tokenizers[pool_index].as_ref();
-        let tokens = match leading {
-            Some((min_bytes, keys_job)) => {
-                self.token_cache
-                    .leading_tokens(
-                        pool_index,
-                        model,
-                        &request.prompt,
-                        tokenizer,
-                        tokenize_budget,
-                        min_bytes,
-                        Some(keys_job),
-                    )
-                    .await
-            }
-            None => {
-                self.token_cache
-                    .tokens(
-                        pool_index,
-                        model,
-                        &request.prompt,
-                        tokenizer,
-                        tokenize_budget,
-                    )
-                    .await
-            }
-        }
+        let (min_bytes, keys_job) = leading;
+        let tokens = self
+            .token_cache
+            .leading_tokens(
+                pool_index,
+                model,
+                &request.prompt,
+                tokenizer,
+                tokenize_budget,
+                min_bytes,
+                Some(keys_job),
+            )
+            .await
         .map_err(|e| {
             self.count_fallback("tokenize", e.as_label());
             tracing::debug!(error = %e, pool = %pool.name, "tokenization failed, routing on load");
@@ -1129,6 +1140,39 @@ mod tests {
         assert_eq!(tokenized_by(&leading_metrics, "leading"), 1);
         assert_eq!(tokenized_by(&leading_metrics, "tokenizer"), 0);
 
+        // r2 holds the first leading part whole and a few blocks more, fewer than the next
+        // part's: the part grows once, and the decision is still the whole prompt's.
+        let second_part = load()
+            .tokenize_leading("m", Arc::clone(&input), LEADING_BYTES * LEADING_GROWTH)
+            .unwrap()
+            .await
+            .unwrap();
+        let second_blocks = second_part.tokens.len() / 16;
+        assert!(!second_part.complete && second_blocks > leading_blocks + 2);
+        let (growing, growing_metrics) = model_picker(load());
+        let (reference, _) = model_picker(Arc::new(WholePromptOnly(load())));
+        for picker in [&growing, &reference] {
+            let keys = pool_keys(picker, &whole);
+            picker.router.memory().record(
+                "r2",
+                1 << 20,
+                &keys[..leading_blocks + 2],
+                Instant::now(),
+            );
+        }
+        let decided = decide_body(&growing, &body).await;
+        assert_eq!(decided, decide_body(&reference, &body).await);
+        assert_eq!(
+            (decided.0.as_str(), decided.1),
+            ("r2", (leading_blocks + 2) * 16)
+        );
+        // The second part, unless the background job turn 1 left ended first (then: cached).
+        assert_eq!(
+            tokenized_by(&growing_metrics, "leading") + tokenized_by(&growing_metrics, "cache"),
+            2
+        );
+        assert_eq!(tokenized_by(&growing_metrics, "tokenizer"), 0);
+
         // Only a chat has message boundaries the token cache can find a cached prefix at (a
         // completion prompt is one text; its next turn tokenizes a leading part again).
         if direct.has_chat_template() {
@@ -1176,7 +1220,17 @@ mod tests {
             let decided = decide_body(&with_leading, &body).await;
             let expected = decide_body(&reference, &body).await;
             assert_eq!((decided.1, decided.2), (expected.1, expected.2), "{holds}");
-            assert_eq!(tokenized_by(&leading_metrics, "leading"), 1, "{holds}");
+            // Every leading part is held whole, so it grows until the whole prompt is tokenized.
+            let leading_steps =
+                std::iter::successors(Some(LEADING_BYTES), |b| Some(b * LEADING_GROWTH))
+                    .take_while(|&b| input.len_bytes() >= 2 * b)
+                    .count();
+            assert!(leading_steps >= 2, "the test prompt grows its leading part");
+            assert_eq!(
+                tokenized_by(&leading_metrics, "leading"),
+                leading_steps as u64,
+                "{holds}"
+            );
             // Whole: tokenized by the decision, or by the background job turn 1 left, if that
             // ended first.
             assert_eq!(

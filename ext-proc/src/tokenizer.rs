@@ -1048,6 +1048,9 @@ pub struct TokenCache {
     /// Whole tokenizations for a later turn, at low CPU priority (`None`: its thread could not
     /// start; they then run on the blocking pool, bounded by `refills`).
     lane: Option<Arc<BackgroundLane>>,
+    /// Cache keys with a lane job queued or running: a prompt is queued once (a decision whose
+    /// leading part grows asks again).
+    lane_pending: Arc<Mutex<std::collections::HashSet<u128>>>,
     /// Background full tokenizations after a prefix hit; bounded so they never pile up.
     refills: Arc<tokio::sync::Semaphore>,
     /// One permit per tokenization running on a blocking thread.
@@ -1086,19 +1089,17 @@ impl Drop for BlockingSlot {
     }
 }
 
-/// One lane job in its gauge, from [`Queued::count`] until dropped.
-struct Queued(Gauge);
-
-impl Queued {
-    fn count(gauge: &Gauge) -> Self {
-        gauge.inc();
-        Self(gauge.clone())
-    }
+/// One lane job, counted in its gauge and pending under its key until dropped.
+struct Queued {
+    gauge: Gauge,
+    pending: Arc<Mutex<std::collections::HashSet<u128>>>,
+    key: u128,
 }
 
 impl Drop for Queued {
     fn drop(&mut self) {
-        self.0.dec();
+        self.pending.lock().remove(&self.key);
+        self.gauge.dec();
     }
 }
 
@@ -1129,6 +1130,7 @@ impl TokenCache {
                     None
                 }
             },
+            lane_pending: Arc::default(),
             refills: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REFILLS)),
             blocking: Arc::new(tokio::sync::Semaphore::new(limits.concurrency.max(1))),
             max_prompt_bytes: limits.max_prompt_bytes,
@@ -1522,8 +1524,17 @@ impl TokenCache {
             let tokenizer = Arc::clone(tokenizer);
             let input = Arc::clone(input);
             let keys_job = keys_job.cloned();
-            // Counted from here until the job ends, or is dropped unrun (refused, lane stopped).
-            let queued = Queued::count(&self.gauges.background_queued);
+            if !self.lane_pending.lock().insert(key) {
+                return;
+            }
+            // Counted (and pending) from here until the job ends, or is dropped unrun (refused,
+            // lane stopped).
+            let queued = Queued {
+                gauge: self.gauges.background_queued.clone(),
+                pending: Arc::clone(&self.lane_pending),
+                key,
+            };
+            queued.gauge.inc();
             let queued = lane.run(move || {
                 let _queued = queued;
                 // Another request's job for the same prompt may have run first.
