@@ -47,16 +47,19 @@ fn completion(prompt: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ext_proc_keeps_routing_precisely_when_one_of_two_indexes_dies_mid_load() {
-    let mut stack = Stack::start(StackOptions {
+    let options = StackOptions {
         index_instances: 2,
         ..StackOptions::default()
-    })
-    .await
-    .unwrap();
+    };
+    let block_size = options.block_size;
+    let mut stack = Stack::start(options).await.unwrap();
     let url = format!("{}/v1/completions", stack.url(Routing::Kvroute).unwrap());
     let prefixes: Vec<String> = (0..WORKERS).map(|w| text(700 + w as u64, 150)).collect();
 
-    // Warm: each prefix cached once, and both indexes hold the same blocks.
+    // Warm: each prefix cached once, and both indexes hold the same blocks, all of them (at
+    // least every full block of each warm prompt but its last token's: a total above zero
+    // alone could be one prefix's blocks while the other's events are still on their way).
+    let mut warm_blocks = 0;
     for prefix in &prefixes {
         let response = post_raw(
             &url,
@@ -67,14 +70,18 @@ async fn ext_proc_keeps_routing_precisely_when_one_of_two_indexes_dies_mid_load(
         )
         .await;
         assert_eq!(response.status, 200, "{}", response.text());
+        let usage: Value = response.json().unwrap();
+        let prompt_tokens = usage["usage"]["prompt_tokens"].as_u64().unwrap();
+        warm_blocks += prompt_tokens.saturating_sub(1) / u64::from(block_size);
     }
+    assert!(warm_blocks > 0);
     let admins = stack.index_admin_urls();
     assert_eq!(admins.len(), 2);
     wait_until("both indexes agree", Duration::from_secs(20), || async {
         let first = block_counts(&admins[0]).await?;
         let second = block_counts(&admins[1]).await?;
         let total: u64 = first.iter().map(|(_, b)| b).sum();
-        (first == second && total > 0).then_some(())
+        (first == second && total >= warm_blocks).then_some(())
     })
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", stack.logs()));
