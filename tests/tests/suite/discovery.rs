@@ -121,6 +121,26 @@ async fn until_routable(ext_proc: &ExtProcProcess, n: usize) {
     .unwrap_or_else(|e| panic!("{e}\n{}", ext_proc.log()));
 }
 
+/// Waits until the load ext-proc weighs is zero everywhere: no request in flight, and the
+/// engines' running and waiting counts as last scraped (under load a scrape taken during the
+/// previous request can still say it runs, and a decision then prefers an idle replica).
+async fn until_idle(ext_proc: &ExtProcProcess) {
+    let url = format!("{}/metrics", ext_proc.admin_url());
+    wait_until("ext-proc to see every replica idle", DEADLINE, || async {
+        let text = http::get(&url).await.ok()?.text();
+        [
+            "kvroute_extproc_replica_inflight_requests",
+            "kvroute_extproc_replica_running_requests",
+            "kvroute_extproc_replica_waiting_requests",
+        ]
+        .iter()
+        .all(|family| metrics::sum(&text, family, &[]) == 0.0)
+        .then_some(())
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", ext_proc.log()));
+}
+
 /// Sends `count` completions with distinct prompts, each answered 200; returns how many more
 /// requests each sim finished (waiting until all `count` are counted).
 async fn send(envoy: &Envoy, sims: &[SimProcess], tag: &str, count: usize) -> Vec<u64> {
@@ -346,6 +366,7 @@ async fn the_index_follows_the_pods_and_drops_a_deleted_pods_blocks() {
         holds_blocks(r, &holder_id)
     })
     .await;
+    until_idle(&ext_proc).await;
     let (second, decision) = serve(format!("{prompt} second")).await;
     assert_eq!(
         (second, decision.as_str()),
