@@ -1519,7 +1519,10 @@ impl TokenCache {
         let entries = Arc::clone(&self.entries);
         let gauges = self.gauges.clone();
         if let Some(lane) = &self.lane
-            && tokenizer.mode().location() == "in_process"
+            && matches!(
+                tokenizer.mode(),
+                TokenizerMode::InProcessFast | TokenizerMode::InProcessHf
+            )
         {
             let tokenizer = Arc::clone(tokenizer);
             let input = Arc::clone(input);
