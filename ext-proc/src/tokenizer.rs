@@ -2216,19 +2216,19 @@ mod tests {
                 )
             }),
         };
-        let no_leading = usize::MAX / 2;
-        let t2 = cache
-            .leading_tokens(
+        // Turn 2 as a decision asks for it (never a leading part), with the key function.
+        let turn2_tokens = || {
+            cache.leading_tokens(
                 0,
                 "m",
                 &second.prompt,
                 Some(&tokenizer),
                 budget,
-                no_leading,
+                usize::MAX / 2,
                 Some(&keys_job),
             )
-            .await
-            .unwrap();
+        };
+        let t2 = turn2_tokens().await.unwrap();
         assert_eq!((t2.source, t2.exact), (TokenSource::PrefixCache, false));
         assert!(t2.keys.is_none(), "turn 1 was cached without keys");
         assert_eq!(t2.tokens, t1.tokens);
@@ -2240,18 +2240,7 @@ mod tests {
         // The lane tokenizes turn 2 whole and caches it, exactly.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let cached = loop {
-            let t = cache
-                .leading_tokens(
-                    0,
-                    "m",
-                    &second.prompt,
-                    Some(&tokenizer),
-                    budget,
-                    no_leading,
-                    Some(&keys_job),
-                )
-                .await
-                .unwrap();
+            let t = turn2_tokens().await.unwrap();
             if t.source == TokenSource::Cache {
                 break t;
             }
