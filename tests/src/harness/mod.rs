@@ -110,6 +110,29 @@ where
     }
 }
 
+/// Waits until kvroute-ext-proc at `admin_url` (`http://host:port`) sees every replica idle: its
+/// in-flight, running and waiting gauges all zero. A test that compares two sequential requests'
+/// decisions waits for this between them, so that a scrape taken while the first was running
+/// cannot make the second prefer another replica on load.
+pub async fn until_ext_proc_sees_replicas_idle(
+    admin_url: &str,
+    timeout: Duration,
+) -> Result<(), HarnessError> {
+    let url = format!("{admin_url}/metrics");
+    wait_until("ext-proc to see every replica idle", timeout, || async {
+        let text = http::get(&url).await.ok()?.text();
+        [
+            "kvroute_extproc_replica_inflight_requests",
+            "kvroute_extproc_replica_running_requests",
+            "kvroute_extproc_replica_waiting_requests",
+        ]
+        .iter()
+        .all(|family| metrics::sum(&text, family, &[]) == 0.0)
+        .then_some(())
+    })
+    .await
+}
+
 /// The workspace root (`tests/..`).
 pub fn workspace_root() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))

@@ -44,7 +44,8 @@ use serde_yaml::Value;
 
 use crate::harness::{
     ChildGuard, Envoy, HarnessError, STARTUP_TIMEOUT, SimProcess, TcpProxy, http, reserve_port,
-    round_robin_config, tiny_model_dir, wait_until, workspace_root,
+    round_robin_config, tiny_model_dir, until_ext_proc_sees_replicas_idle, wait_until,
+    workspace_root,
 };
 
 /// The Envoy config the kvroute mode runs (relative to the workspace root).
@@ -856,6 +857,21 @@ impl Stack {
             what: "kvroute-ext-proc",
         })?;
         Ok(format!("http://{}", ext_proc.admin))
+    }
+
+    /// Waits until kvroute-ext-proc sees every replica idle (nothing in flight, the engines'
+    /// running and waiting counts zero as last scraped); at once when ext-proc is not running.
+    /// Requests meant to be decided alone wait for this, so that a scrape taken during the
+    /// previous one cannot send them away on load.
+    pub async fn until_replicas_idle(&self) -> Result<(), StackError> {
+        match &self.ext_proc {
+            Some(ext_proc) if ext_proc.guard.is_some() => Ok(until_ext_proc_sees_replicas_idle(
+                &self.ext_proc_admin_url()?,
+                STARTUP_TIMEOUT,
+            )
+            .await?),
+            _ => Ok(()),
+        }
     }
 
     /// Kills kvroute-index (SIGKILL).

@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 use kvroute_discovery::testing::{ApiServer, TestPod};
 use kvroute_ext_proc::server::DECISION_HEADER;
 use kvroute_tests::harness::{
-    Envoy, SimProcess, http, metrics, tiny_model_dir, wait_until, workspace_root,
+    Envoy, SimProcess, http, metrics, tiny_model_dir, until_ext_proc_sees_replicas_idle,
+    wait_until, workspace_root,
 };
 use kvroute_tests::stack::{
     ExtProcBudgets, ExtProcProcess, KVROUTE_LISTENER, MODEL, OVERRIDE_HOST_CONFIG, ServerProcess,
@@ -125,20 +126,9 @@ async fn until_routable(ext_proc: &ExtProcProcess, n: usize) {
 /// engines' running and waiting counts as last scraped (under load a scrape taken during the
 /// previous request can still say it runs, and a decision then prefers an idle replica).
 async fn until_idle(ext_proc: &ExtProcProcess) {
-    let url = format!("{}/metrics", ext_proc.admin_url());
-    wait_until("ext-proc to see every replica idle", DEADLINE, || async {
-        let text = http::get(&url).await.ok()?.text();
-        [
-            "kvroute_extproc_replica_inflight_requests",
-            "kvroute_extproc_replica_running_requests",
-            "kvroute_extproc_replica_waiting_requests",
-        ]
-        .iter()
-        .all(|family| metrics::sum(&text, family, &[]) == 0.0)
-        .then_some(())
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}\n{}", ext_proc.log()));
+    until_ext_proc_sees_replicas_idle(&ext_proc.admin_url(), DEADLINE)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", ext_proc.log()));
 }
 
 /// Sends `count` completions with distinct prompts, each answered 200; returns how many more

@@ -114,6 +114,10 @@ pub(super) async fn route_response(
     body: &Value,
     headers: &[(&str, &str)],
 ) -> (usize, HttpResponse) {
+    stack
+        .until_replicas_idle()
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", stack.logs()));
     let before = finished(stack).await;
     let url = format!("{}{path}", stack.url(Routing::Kvroute).unwrap());
     let response = post_raw(&url, body.to_string().into_bytes(), headers).await;
