@@ -83,8 +83,8 @@ pub enum Prompt<'a> {
     Tokens(Vec<u32>),
     /// Chat messages, kept raw: the tokenizer renders them with the model's template.
     Chat {
-        /// Each message's JSON, in order (used for prefix caching and forwarding).
-        messages: Vec<&'a RawValue>,
+        /// Each message's JSON text, in order (used for prefix caching and forwarding).
+        messages: Vec<&'a str>,
         /// The whole `messages` array as sent.
         raw: &'a RawValue,
         /// vLLM's flag (default true).
@@ -100,7 +100,7 @@ pub enum Prompt<'a> {
         api: ApiKind,
         /// The conversation's items in order (`input` items, or `input` itself when it is a
         /// string; `messages`), for the conversation-prefix cache keys.
-        items: Vec<&'a RawValue>,
+        items: Vec<&'a str>,
         /// Every prompt-changing field that is present, by name, as sent.
         fields: Vec<(&'static str, &'a RawValue)>,
         /// The whole request body.
@@ -238,7 +238,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
             let items = if input.get().starts_with('[') {
                 conversation_items(input, "input")?
             } else {
-                vec![input]
+                vec![input.get()]
             };
             api_prompt(ApiKind::Responses, items, &fields, body)
         }
@@ -295,19 +295,18 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
 fn conversation_items<'a>(
     raw: &'a RawValue,
     field: &'static str,
-) -> Result<Vec<&'a RawValue>, RequestError> {
-    let items: Vec<&RawValue> =
-        serde_json::from_str(raw.get()).map_err(|_| RequestError::InvalidField {
-            field,
-            reason: "expected a list",
-        })?;
+) -> Result<Vec<&'a str>, RequestError> {
+    let items = array_elements(raw).ok_or(RequestError::InvalidField {
+        field,
+        reason: "expected a list",
+    })?;
     if items.is_empty() {
         return Err(RequestError::InvalidField {
             field,
             reason: "empty list",
         });
     }
-    if items.iter().any(|m| !m.get().starts_with('{')) {
+    if items.iter().any(|m| !m.starts_with('{')) {
         return Err(RequestError::InvalidField {
             field,
             reason: "expected objects",
@@ -316,9 +315,68 @@ fn conversation_items<'a>(
     Ok(items)
 }
 
+/// The JSON text of each element of `raw` when it is an array; `None` otherwise.
+///
+/// `raw` was validated when the body was parsed, so the elements are found by one scan for
+/// the array's own commas (outside strings and nested values) instead of a second parse: in a
+/// long conversation nearly every byte is inside a string, which `memchr` skips to its end.
+fn array_elements(raw: &RawValue) -> Option<Vec<&str>> {
+    let json = raw.get();
+    let bytes = json.as_bytes();
+    if bytes.first() != Some(&b'[') {
+        return None;
+    }
+    let mut elements = Vec::new();
+    let mut depth = 0usize;
+    let mut start = None;
+    let mut end = 0;
+    let mut at = 1;
+    while at < bytes.len() {
+        match bytes[at] {
+            b'"' => {
+                start.get_or_insert(at);
+                // To the closing quote, stepping over escaped characters.
+                at += 1;
+                loop {
+                    at += memchr::memchr2(b'"', b'\\', bytes.get(at..)?)?;
+                    if bytes[at] == b'"' {
+                        break;
+                    }
+                    at += 2;
+                }
+                end = at + 1;
+            }
+            b'{' | b'[' => {
+                start.get_or_insert(at);
+                depth += 1;
+            }
+            b'}' | b']' if depth > 0 => {
+                depth -= 1;
+                end = at + 1;
+            }
+            b',' | b']' if depth == 0 => {
+                if let Some(first) = start.take() {
+                    elements.push(&json[first..end]);
+                }
+                if bytes[at] == b']' {
+                    return Some(elements);
+                }
+            }
+            b' ' | b'\t' | b'\n' | b'\r' => {}
+            _ => {
+                // A number, true, false or null: one byte at a time to its end.
+                start.get_or_insert(at);
+                end = at + 1;
+            }
+        }
+        at += 1;
+    }
+    None
+}
+
 fn api_prompt<'a>(
     api: ApiKind,
-    items: Vec<&'a RawValue>,
+    items: Vec<&'a str>,
     fields: &[(&'static str, Option<&'a RawValue>)],
     body: &'a [u8],
 ) -> Prompt<'a> {
@@ -388,18 +446,17 @@ fn chat<'a>(
     fields: ChatFields<'a>,
     body: &'a [u8],
 ) -> Result<Prompt<'a>, RequestError> {
-    let messages: Vec<&RawValue> =
-        serde_json::from_str(raw.get()).map_err(|_| RequestError::InvalidField {
-            field: "messages",
-            reason: "expected a list of messages",
-        })?;
+    let messages = array_elements(raw).ok_or(RequestError::InvalidField {
+        field: "messages",
+        reason: "expected a list of messages",
+    })?;
     if messages.is_empty() {
         return Err(RequestError::InvalidField {
             field: "messages",
             reason: "empty list",
         });
     }
-    if messages.iter().any(|m| !m.get().starts_with('{')) {
+    if messages.iter().any(|m| !m.starts_with('{')) {
         return Err(RequestError::InvalidField {
             field: "messages",
             reason: "expected message objects",
@@ -480,7 +537,7 @@ mod tests {
         };
         assert_eq!(messages.len(), 2);
         assert!(add_generation_prompt);
-        assert_eq!(messages[0].get(), r#"{"role":"system","content":"s"}"#);
+        assert_eq!(messages[0], r#"{"role":"system","content":"s"}"#);
     }
 
     #[test]
@@ -543,9 +600,7 @@ mod tests {
         let names: Vec<&str> = fields.iter().map(|(name, _)| *name).collect();
         assert_eq!(names, ["input", "instructions", "tools"], "null is absent");
         let r = parse_ok(r#"{"model":"m","input":"just text"}"#, Endpoint::Responses);
-        assert!(
-            matches!(r.prompt, Prompt::Api { ref items, .. } if items[0].get() == r#""just text""#)
-        );
+        assert!(matches!(r.prompt, Prompt::Api { ref items, .. } if items[0] == r#""just text""#));
 
         let body = r#"{"model":"m","max_tokens":9,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":"q"}],"thinking":{"type":"disabled"},"cache_salt":"c"}"#;
         let r = parse_ok(body, Endpoint::Messages);
@@ -662,5 +717,59 @@ mod tests {
             parse_ok(r#"{"model":"m"}"#, Endpoint::Other).prompt,
             Prompt::Absent
         ));
+    }
+
+    /// Arrays of every JSON shape (nested values, escapes, unicode, odd whitespace): the
+    /// one-scan split equals serde's own element by element, and non-arrays are refused.
+    #[test]
+    fn array_elements_split_as_serde_does() {
+        const VALUES: &[&str] = &[
+            r#"{"role":"user","content":"a, b] c"}"#,
+            r#"{"content":"quote \" comma , bracket ] brace }"}"#,
+            r#"{"content":"backslash at the end \\"}"#,
+            r#"{"content":"\\\" both","n":[1,[2,{"x":"]"}]]}"#,
+            r#""text, \u005d \ud83d\ude00 ünïcødé 🙂""#,
+            "-12.5e+3",
+            "0",
+            "true",
+            "null",
+            "[]",
+            "{}",
+            r#"[ "nested" , [ ] , { } ]"#,
+            r#"{ "spaced" :	"tab"	}"#,
+        ];
+        const SPACES: &[&str] = &["", " ", "\n", "\t \r\n "];
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for _ in 0..2_000 {
+            let len = next(6);
+            let mut json = format!("[{}", SPACES[next(SPACES.len())]);
+            for i in 0..len {
+                if i > 0 {
+                    json.push_str(SPACES[next(SPACES.len())]);
+                    json.push(',');
+                    json.push_str(SPACES[next(SPACES.len())]);
+                }
+                json.push_str(VALUES[next(VALUES.len())]);
+            }
+            json.push_str(SPACES[next(SPACES.len())]);
+            json.push(']');
+            let raw: &RawValue = serde_json::from_str(&json).unwrap();
+            let by_serde: Vec<&str> = serde_json::from_str::<Vec<&RawValue>>(&json)
+                .unwrap()
+                .iter()
+                .map(|v| v.get())
+                .collect();
+            assert_eq!(array_elements(raw).unwrap(), by_serde, "{json}");
+        }
+        for not_an_array in [r#"{"a":[1]}"#, r#""[1]""#, "7", "null"] {
+            let raw: &RawValue = serde_json::from_str(not_an_array).unwrap();
+            assert_eq!(array_elements(raw), None, "{not_an_array}");
+        }
     }
 }

@@ -1756,7 +1756,7 @@ fn empty_object() -> Box<RawValue> {
 fn api_keys(
     pool: usize,
     api: ApiKind,
-    items: &[&RawValue],
+    items: &[&str],
     fields: &[(&'static str, &RawValue)],
 ) -> Vec<(u128, usize)> {
     let mut hasher = Xxh3::new();
@@ -1776,9 +1776,9 @@ fn api_keys(
     items
         .iter()
         .map(|item| {
-            hasher.update(&(item.get().len() as u64).to_le_bytes());
-            hasher.update(item.get().as_bytes());
-            bytes += item.get().len();
+            hasher.update(&(item.len() as u64).to_le_bytes());
+            hasher.update(item.as_bytes());
+            bytes += item.len();
             (hasher.digest128(), bytes)
         })
         .collect()
@@ -1800,7 +1800,7 @@ fn cache_key(pool: usize, kind: &[u8], flag: bool, parts: &[&[u8]]) -> u128 {
 /// every prompt-changing field of the request is part of each key.
 fn conversation_keys(
     pool: usize,
-    messages: &[&RawValue],
+    messages: &[&str],
     add_generation_prompt: bool,
     fields: &ChatInputFields,
 ) -> Vec<(u128, usize)> {
@@ -1813,9 +1813,9 @@ fn conversation_keys(
     messages
         .iter()
         .map(|m| {
-            hasher.update(&(m.get().len() as u64).to_le_bytes());
-            hasher.update(m.get().as_bytes());
-            bytes += m.get().len();
+            hasher.update(&(m.len() as u64).to_le_bytes());
+            hasher.update(m.as_bytes());
+            bytes += m.len();
             (hasher.digest128(), bytes)
         })
         .collect()
