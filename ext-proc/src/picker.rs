@@ -122,6 +122,19 @@ fn keys_job(pool: &Pool, adapter: Option<&crate::config::Adapter>, salt: Option<
     }
 }
 
+/// What every step of a decision's slow part reads: the request, where it may go, by when, and
+/// how its block keys are computed.
+struct DecisionContext<'a> {
+    runtime: &'a Runtime,
+    pool_index: usize,
+    pool: &'a Pool,
+    adapter: Option<&'a crate::config::Adapter>,
+    request: &'a ParsedRequest<'a>,
+    candidates: &'a [&'a Replica],
+    deadline: Instant,
+    keys_job: KeysJob,
+}
+
 /// What the slow step learned about a prompt.
 #[derive(Debug)]
 struct PrefixFacts {
@@ -504,26 +517,25 @@ impl Picker {
         if matches!(request.prompt, crate::request::Prompt::Absent) {
             return Err(LoadCause::NoPrompt);
         }
+        let context = DecisionContext {
+            runtime,
+            pool_index,
+            pool: &config.pools[pool_index],
+            adapter,
+            request,
+            candidates,
+            deadline,
+            keys_job: keys_job(
+                &config.pools[pool_index],
+                adapter,
+                request.cache_salt.as_deref(),
+            ),
+        };
         // A long prompt first gets only its exact leading tokens. Keys are chained, so a replica
         // holding fewer than all of their blocks holds no block past them either: unless some
         // replica holds all of them, the match (and so the decision) is the whole prompt's.
-        let keys_job = keys_job(
-            &config.pools[pool_index],
-            adapter,
-            request.cache_salt.as_deref(),
-        );
         let mut leading_bytes = LEADING_BYTES;
-        let (mut source, mut facts) = self
-            .tokens_and_facts(
-                runtime,
-                pool_index,
-                adapter,
-                request,
-                candidates,
-                deadline,
-                (leading_bytes, &keys_job),
-            )
-            .await?;
+        let (mut source, mut facts) = self.tokens_and_facts(&context, leading_bytes).await?;
         // Some replica holds the whole leading part: the rest can matter, so a larger one (in
         // the end the whole prompt, once the part would be over half of it). Should that fail
         // or be late, the smaller part still names the holders (a lower bound of what they
@@ -532,18 +544,7 @@ impl Picker {
             && self.holds_all(candidates, &facts.keys, facts.index_answer.as_ref(), config)
         {
             leading_bytes = leading_bytes.saturating_mul(LEADING_GROWTH);
-            let Ok(larger) = self
-                .tokens_and_facts(
-                    runtime,
-                    pool_index,
-                    adapter,
-                    request,
-                    candidates,
-                    deadline,
-                    (leading_bytes, &keys_job),
-                )
-                .await
-            else {
+            let Ok(larger) = self.tokens_and_facts(&context, leading_bytes).await else {
                 break;
             };
             (source, facts) = larger;
@@ -552,29 +553,14 @@ impl Picker {
     }
 
     /// One step of [`Self::prefix_facts`]: the prompt's tokens (only the leading ones from
-    /// `leading.0` bytes on when possible), their keys and the index's answer.
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "the decision's context, passed as prefix_facts has it"
-    )]
+    /// `leading_bytes` on when possible), their keys and the index's answer.
     async fn tokens_and_facts(
         &self,
-        runtime: &Runtime,
-        pool_index: usize,
-        adapter: Option<&crate::config::Adapter>,
-        request: &ParsedRequest<'_>,
-        candidates: &[&Replica],
-        deadline: Instant,
-        leading: (usize, &KeysJob),
+        context: &DecisionContext<'_>,
+        leading_bytes: usize,
     ) -> Result<(TokenSource, PrefixFacts), LoadCause> {
-        let tokens = self
-            .prompt_tokens(runtime, pool_index, request, deadline, leading)
-            .await?;
-        let (keys, index_answer) = self
-            .keys_and_index(
-                runtime, pool_index, adapter, request, candidates, deadline, &tokens, leading.1,
-            )
-            .await?;
+        let tokens = self.prompt_tokens(context, leading_bytes).await?;
+        let (keys, index_answer) = self.keys_and_index(context, &tokens).await?;
         Ok((
             tokens.source,
             PrefixFacts {
@@ -585,19 +571,23 @@ impl Picker {
         ))
     }
 
-    /// The prompt's tokens within the tokenize budget: only the leading ones from `leading.0`
-    /// bytes on when possible; a whole tokenization left for the next turn caches the keys
-    /// `leading.1` computes. Timed by source.
+    /// The prompt's tokens within the tokenize budget: only the leading ones from
+    /// `leading_bytes` on when possible; a whole tokenization left for the next turn caches the
+    /// keys the context's `keys_job` computes. Timed by source.
     async fn prompt_tokens(
         &self,
-        runtime: &Runtime,
-        pool_index: usize,
-        request: &ParsedRequest<'_>,
-        deadline: Instant,
-        leading: (usize, &KeysJob),
+        context: &DecisionContext<'_>,
+        leading_bytes: usize,
     ) -> Result<PromptTokens, LoadCause> {
+        let DecisionContext {
+            runtime,
+            pool_index,
+            pool,
+            request,
+            deadline,
+            ..
+        } = *context;
         let config = &runtime.config;
-        let pool = &config.pools[pool_index];
         // A request naming no model is the pool's base model (the name vLLM serves first).
         let model = match request.model.as_ref() {
             "" => pool.models[0].as_str(),
@@ -608,7 +598,6 @@ impl Picker {
             .tokenize_budget
             .min(deadline.saturating_duration_since(tokenize_started));
         let tokenizer = runtime.tokenizers[pool_index].as_ref();
-        let (min_bytes, keys_job) = leading;
         let tokens = self
             .token_cache
             .leading_tokens(
@@ -617,8 +606,8 @@ impl Picker {
                 &request.prompt,
                 tokenizer,
                 tokenize_budget,
-                min_bytes,
-                Some(keys_job),
+                leading_bytes,
+                Some(&context.keys_job),
             )
             .await
         .map_err(|e| {
@@ -666,25 +655,24 @@ impl Picker {
                 .remembers_all(&ids, keys, Instant::now(), config.scoring.speculative_ttl)
     }
 
-    /// The block keys of `tokens` (cached with them when their fingerprint is `keys_job`'s) and,
-    /// when the pool asks the index, its answer.
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "the decision's context, passed as prefix_facts has it"
-    )]
+    /// The block keys of `tokens` (cached with them when their fingerprint is the context's
+    /// `keys_job`'s) and, when the pool asks the index, its answer.
     async fn keys_and_index(
         &self,
-        runtime: &Runtime,
-        pool_index: usize,
-        adapter: Option<&crate::config::Adapter>,
-        request: &ParsedRequest<'_>,
-        candidates: &[&Replica],
-        deadline: Instant,
+        context: &DecisionContext<'_>,
         tokens: &PromptTokens,
-        keys_job: &KeysJob,
     ) -> Result<(Vec<u64>, Option<MatchResponse>), LoadCause> {
+        let DecisionContext {
+            runtime,
+            pool,
+            adapter,
+            request,
+            candidates,
+            deadline,
+            ref keys_job,
+            ..
+        } = *context;
         let config = &runtime.config;
-        let pool = &config.pools[pool_index];
         // Keys.
         let keys = match &tokens.keys {
             Some(cached)
