@@ -8,6 +8,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::holders::{KeyHasherBuilder, MediaSet, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
+use super::paths::{MAX_RUN, MIN_RUN, PathStats, Paths, PathsView, interleave};
 use super::table::{HolderTable, HolderWord, HomeEntry, Layout, LayoutView, Storage, read_fence};
 use super::{IndexError, ReplicaId, ReplicaMatch, ReplicaState};
 use crate::event::Medium;
@@ -40,7 +41,13 @@ pub(crate) struct Pool {
     layout: Arc<Layout>,
     shard_mask: usize,
     members: RwLock<Members>,
+    /// Runs of prompt keys with the same holders, beside the tables (see [`super::paths`]).
+    paths: Arc<Paths>,
 }
+
+/// One key a walk looked up (its index in the prompt and its holders below slot 64, any medium
+/// and GPU): what runs are built from.
+type Looked = (usize, u64, u64);
 
 /// Keys looked up back to back before their holders are intersected: enough independent loads
 /// for the CPU to overlap their cache misses, few enough that an early mismatch wastes little.
@@ -63,7 +70,8 @@ impl Pool {
         hasher: KeyHasherBuilder,
     ) -> Self {
         let shards = shards.clamp(1, 1 << 16).next_power_of_two();
-        let (layout, tables) = Layout::with_tables(shards, hasher);
+        let paths = Arc::new(Paths::default());
+        let (layout, tables) = Layout::with_tables(shards, hasher, &paths);
         Pool {
             model,
             block_size,
@@ -73,6 +81,7 @@ impl Pool {
             layout,
             shard_mask: shards - 1,
             members: RwLock::new(Members::default()),
+            paths,
         }
     }
 
@@ -196,6 +205,15 @@ impl Pool {
                 }
             }
         }
+        // A pool left empty (every replica reset or gone) gives its runs' memory back too.
+        if self.shards.iter().all(|shard| shard.lock().is_empty()) {
+            self.paths.release();
+        }
+    }
+
+    /// What walks did with runs.
+    pub(crate) fn path_stats(&self) -> PathStats {
+        self.paths.stats()
     }
 
     /// Leading blocks of `keys` held per replica. See [`super::KvIndex::find_matches`].
@@ -286,7 +304,20 @@ impl Pool {
     ) {
         let mut view = self.layout.view();
         if let ([alive], [gpu_alive]) = (alive.words_mut(), gpu_alive.words_mut()) {
-            self.walk_one_word(&mut view, keys, alive, gpu_alive, matched, gpu_matched);
+            let paths = self.paths.view();
+            let mut looked = Vec::new();
+            let (by_run, looked_up) = self.walk_one_word(
+                &mut view,
+                &paths,
+                keys,
+                (alive, gpu_alive),
+                (matched, gpu_matched),
+                &mut looked,
+            );
+            self.paths.record_walk(by_run, looked_up);
+            if looked.len() >= MIN_RUN {
+                self.build(keys, &looked);
+            }
             return;
         }
         self.walk_words(&mut view, keys, alive, gpu_alive, matched, gpu_matched);
@@ -319,6 +350,7 @@ impl Pool {
             let storage = &view[shard];
             decode(storage, storage.resolve(key, hash, home), at);
         }
+        interleave::at(interleave::Point::ChunkCheck);
         read_fence();
         // Every key is checked against the storage it was read from before any is read again:
         // `read_again` loads a new layout, whose successor storage may by chance carry the
@@ -369,27 +401,127 @@ impl Pool {
         decode(storage, storage.holder_word(key, hash));
     }
 
-    /// [`Self::walk`] for pools of up to 64 slots: the live sets are single words.
+    /// One key's holder word and its holders below slot 64 (any medium, GPU), from a
+    /// version-checked read of its shard (read again on a change, like [`Self::look_up`]).
+    #[inline]
+    fn look_up_one(&self, view: &mut LayoutView, key: u64) -> (HolderWord, (u64, u64)) {
+        let hash = self.hash(key);
+        let shard = self.shard_of(hash);
+        let storage = &view[shard];
+        let version = storage.read_begin();
+        let word = storage.holder_word(key, hash);
+        let holders = storage.first_words(word);
+        interleave::at(interleave::Point::KeyCheck);
+        read_fence();
+        if storage.read_valid(version) {
+            return (word, holders);
+        }
+        let mut found = (HolderWord::default(), (0, 0));
+        self.read_again(view, key, hash, shard, &mut |storage, word| {
+            found = (word, storage.first_words(word));
+        });
+        found
+    }
+
+    /// [`Self::walk`] for pools of up to 64 slots: the live sets are single words. Follows
+    /// runs: each key looked up whose run vouches for the prompt's next keys (same keys, same
+    /// holders) lets the walk skip them at the cost of a compare; after a run one key is
+    /// looked up (the next run usually starts there), otherwise a chunk. Keys no run covers
+    /// are pushed to `looked` (runs are built from them). Returns the keys answered by runs
+    /// and the keys looked up.
     fn walk_one_word(
         &self,
         view: &mut LayoutView,
+        paths: &PathsView,
         keys: &[u64],
-        alive: &mut u64,
-        gpu_alive: &mut u64,
-        matched: &mut [u32],
-        gpu_matched: &mut [u32],
-    ) {
-        let mut bits = [(0, 0); CHUNK];
-        for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
-            self.look_up(view, chunk, |storage, word, at| {
-                bits[at] = storage.first_words(word)
-            });
-            for (at, &(present, gpu)) in bits[..chunk.len()].iter().enumerate() {
-                let index = (chunk_at * CHUNK + at) as u32;
+        (alive, gpu_alive): (&mut u64, &mut u64),
+        (matched, gpu_matched): (&mut [u32], &mut [u32]),
+        looked: &mut Vec<Looked>,
+    ) -> (usize, usize) {
+        let mut found = [(HolderWord::default(), (0, 0)); CHUNK];
+        let (mut by_run, mut looked_up) = (0, 0);
+        let mut at = 0;
+        let mut one = true;
+        while at < keys.len() {
+            let chunk = &keys[at..keys.len().min(at + if one { 1 } else { CHUNK })];
+            if let ([key], true) = (chunk, one) {
+                found[0] = self.look_up_one(view, *key);
+            } else {
+                self.look_up(view, chunk, |storage, word, offset| {
+                    found[offset] = (word, storage.first_words(word));
+                });
+            }
+            looked_up += chunk.len();
+            let mut next = at + chunk.len();
+            one = false;
+            for (offset, &(word, (present, gpu))) in found[..chunk.len()].iter().enumerate() {
+                let at = at + offset;
+                let index = at as u32;
                 drop_absent(alive, present, |slot| matched[slot] = index);
                 drop_absent(gpu_alive, gpu, |slot| gpu_matched[slot] = index);
                 if *alive == 0 {
+                    // The end of a stretch looked up (a stretch is consecutive keys).
+                    if looked.last().is_some_and(|last| last.0 + 1 == at) {
+                        looked.push((at, present, gpu));
+                    }
+                    return (by_run, looked_up);
+                }
+                // The keys a run vouches for have this key's holders: nothing to drop.
+                let rest = &keys[at + 1..];
+                let covered = self
+                    .paths
+                    .covered(paths, word.run(), keys[at], rest, (present, gpu));
+                if covered > 0 {
+                    by_run += covered;
+                    next = at + 1 + covered;
+                    one = true;
+                    break;
+                }
+                looked.push((at, present, gpu));
+            }
+            at = next;
+        }
+        (by_run, looked_up)
+    }
+
+    /// Builds runs over the stretches of `looked` (consecutive prompt keys with the same
+    /// holders, held by someone), unless another walk is building. Each key is linked under
+    /// its shard lock, taken with `try_lock` so the walk never waits; a run ends at the first
+    /// key that is busy, has other holders by now, or was cut meanwhile.
+    #[cold]
+    fn build(&self, keys: &[u64], looked: &[Looked]) {
+        let stretches = looked.chunk_by(|a, b| b.0 == a.0 + 1 && (a.1, a.2) == (b.1, b.2));
+        let mut builder = None;
+        for stretch in stretches {
+            let Some(&(first, present, gpu)) = stretch.first() else {
+                continue;
+            };
+            if stretch.len() < MIN_RUN || present == 0 {
+                continue;
+            }
+            if builder.is_none() {
+                builder = self.paths.try_build();
+            }
+            let Some(builder) = builder.as_mut() else {
+                return;
+            };
+            for piece in keys[first..first + stretch.len()].chunks(MAX_RUN) {
+                if piece.len() < MIN_RUN {
+                    continue;
+                }
+                let Some(run) = builder.allocate(piece, (present, gpu)) else {
                     return;
+                };
+                for (offset, &key) in piece.iter().enumerate() {
+                    let hash = self.hash(key);
+                    let Some(mut table) = self.shards[self.shard_of(hash)].try_lock() else {
+                        break;
+                    };
+                    if !table.link(key, hash, (present, gpu), run.at(offset))
+                        || !builder.extend(run, offset)
+                    {
+                        break;
+                    }
                 }
             }
         }
@@ -436,12 +568,13 @@ impl Pool {
             .sum()
     }
 
-    /// Bytes allocated by the shard tables.
+    /// Bytes allocated by the shard tables and the runs.
     pub(crate) fn memory_bytes(&self) -> usize {
         self.shards
             .iter()
             .map(|shard| shard.lock().memory_bytes())
-            .sum()
+            .sum::<usize>()
+            + self.paths.memory_bytes()
     }
 }
 

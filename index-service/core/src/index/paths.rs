@@ -1,0 +1,551 @@
+//! Prompt paths: runs of consecutive prompt keys that have the same holders, each stored as one
+//! contiguous array, so a match walk compares a run's keys with the prompt's in one sequential
+//! loop instead of looking each key up in the shard tables.
+//!
+//! A run is built from a walk: the keys a match walk had to look up one by one (with their
+//! holders, which it read anyway) are grouped into stretches of equal holders and linked: each
+//! key's table entry names its run and offset (the spare high half of its holder word). The
+//! run is a cache beside the exact per-key tables, never the truth:
+//!
+//! - **Invariant:** every key at an offset below a live run's length holds exactly the run's
+//!   holders (any medium, GPU). A key is linked, and the length grown over it, under the key's
+//!   shard lock after its holders were checked; a writer changing which slots hold a key (under
+//!   the same lock) first cuts the key's run to end before it (`len = min(len, offset)`), then
+//!   changes the key. A later walk reads the cut-off keys from the tables and links them again.
+//! - **Readers never wait.** A run's fields and keys are atomics under a generation (a seqlock:
+//!   odd while the slot is dead or being filled): a reader notes the generation, compares, and
+//!   accepts what it compared only if the generation is unchanged and only up to the length it
+//!   reads last (a cut during the compare shortens the answer, it does not spoil it).
+//! - **Bounded.** At most [`MAX_KEYS`] keys and [`MAX_RUNS`] runs per pool, allocated in segments
+//!   as needed; when either is used up every run is dropped and building starts again, and the
+//!   whole cache is freed when the pool empties. Keys still naming a dropped run only cost a
+//!   needless cut later: a run trusts nothing a key's entry says, it checks its own keys.
+//!
+//! Only walks of pools of up to 64 slots use runs (their holders are one word per medium).
+
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::sync::{Arc, OnceLock};
+
+use arc_swap::ArcSwapOption;
+use parking_lot::{Mutex, MutexGuard};
+
+/// Offset bits of a [`RunRef`]: runs are at most `1 << OFFSET_BITS` keys.
+const OFFSET_BITS: u32 = 10;
+/// Longest run, in keys.
+pub(crate) const MAX_RUN: usize = 1 << OFFSET_BITS;
+/// Shortest stretch worth a run (a run saves lookups only after its first key).
+pub(crate) const MIN_RUN: usize = 4;
+/// Keys per key segment (a run never spans two).
+const KEY_SEGMENT: usize = 1 << 14;
+const KEY_SEGMENTS: usize = 64;
+/// Most keys held in runs per pool (8 MiB).
+pub(crate) const MAX_KEYS: usize = KEY_SEGMENT * KEY_SEGMENTS;
+/// Run records per segment.
+const RUN_SEGMENT: usize = 1 << 10;
+const RUN_SEGMENTS: usize = 128;
+/// Most runs per pool (5 MiB of records).
+pub(crate) const MAX_RUNS: usize = RUN_SEGMENT * RUN_SEGMENTS;
+const _: () = assert!(
+    MAX_RUNS < 1 << (32 - OFFSET_BITS),
+    "a run slot fits a RunRef"
+);
+const _: () = assert!(MAX_RUN <= KEY_SEGMENT);
+
+/// A key's run and its offset in it, as kept in the high half of the key's holder word; 0 is
+/// none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct RunRef(pub(crate) u32);
+
+impl RunRef {
+    pub(crate) fn new(slot: usize, offset: usize) -> Self {
+        RunRef(((slot as u32 + 1) << OFFSET_BITS) | offset as u32)
+    }
+
+    fn get(self) -> Option<(usize, usize)> {
+        let slot = (self.0 >> OFFSET_BITS) as usize;
+        let offset = (self.0 & ((1 << OFFSET_BITS) - 1)) as usize;
+        slot.checked_sub(1).map(|slot| (slot, offset))
+    }
+
+    pub(crate) fn is_some(self) -> bool {
+        self.0 != 0
+    }
+}
+
+/// One run's record. `gen` is odd while the slot is dead or being filled; `start`, `present`,
+/// `gpu` and the keys change only while it is odd; `len` only shrinks while it is even, except
+/// that the builder grows it key by key (under each key's shard lock) right after publishing.
+#[derive(Debug, Default)]
+struct Run {
+    generation: AtomicU64,
+    len: AtomicU64,
+    /// Index of its first key in the key segments.
+    start: AtomicU64,
+    present: AtomicU64,
+    gpu: AtomicU64,
+}
+
+impl Run {
+    fn fresh() -> Self {
+        Run {
+            generation: AtomicU64::new(1),
+            ..Run::default()
+        }
+    }
+}
+
+/// The runs and their keys, in segments allocated on first use (they never move, so a writer
+/// cutting a run and a reader comparing it always address the same atomics).
+#[derive(Debug)]
+pub(crate) struct Arena {
+    keys: Box<[OnceLock<Box<[AtomicU64]>>]>,
+    runs: Box<[OnceLock<Box<[Run]>>]>,
+}
+
+impl Arena {
+    fn new() -> Self {
+        Arena {
+            keys: (0..KEY_SEGMENTS).map(|_| OnceLock::new()).collect(),
+            runs: (0..RUN_SEGMENTS).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    #[inline]
+    fn run(&self, slot: usize) -> Option<&Run> {
+        self.runs
+            .get(slot / RUN_SEGMENT)?
+            .get()?
+            .get(slot % RUN_SEGMENT)
+    }
+
+    /// Keys `start..start + len` (within one segment), if allocated.
+    #[inline]
+    fn keys(&self, start: usize, len: usize) -> Option<&[AtomicU64]> {
+        let segment = self.keys.get(start / KEY_SEGMENT)?.get()?;
+        let at = start % KEY_SEGMENT;
+        segment.get(at..at.checked_add(len)?)
+    }
+
+    fn run_or_alloc(&self, slot: usize) -> Option<&Run> {
+        self.runs
+            .get(slot / RUN_SEGMENT)?
+            .get_or_init(|| (0..RUN_SEGMENT).map(|_| Run::fresh()).collect())
+            .get(slot % RUN_SEGMENT)
+    }
+
+    fn keys_or_alloc(&self, start: usize, len: usize) -> Option<&[AtomicU64]> {
+        let segment = self
+            .keys
+            .get(start / KEY_SEGMENT)?
+            .get_or_init(|| (0..KEY_SEGMENT).map(|_| AtomicU64::new(0)).collect());
+        let at = start % KEY_SEGMENT;
+        segment.get(at..at.checked_add(len)?)
+    }
+
+    fn memory_bytes(&self) -> usize {
+        let keys = self.keys.iter().filter(|s| s.get().is_some()).count();
+        let runs = self.runs.iter().filter(|s| s.get().is_some()).count();
+        keys * KEY_SEGMENT * size_of::<AtomicU64>() + runs * RUN_SEGMENT * size_of::<Run>()
+    }
+}
+
+/// The builder's allocation state (under [`Paths::builder`]).
+#[derive(Debug, Default)]
+struct Allocation {
+    /// Next free key index.
+    next_key: usize,
+    /// Next unused run slot.
+    next_run: usize,
+}
+
+/// What walks did with runs, for benches and tests (counted per walk, relaxed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PathStats {
+    /// Match walks that used the path cache (pools of up to 64 slots).
+    pub walks: u64,
+    /// Keys answered from a run (compared, not looked up).
+    pub keys_by_run: u64,
+    /// Keys looked up in the exact per-key tables (a run's first key, keys no run covers).
+    pub keys_looked_up: u64,
+    /// Runs built.
+    pub runs_built: u64,
+    /// Builds skipped because another walk was building.
+    pub builds_skipped: u64,
+    /// Run reads that met a cut or a dropped run before validating (answered per key instead).
+    pub runs_changed_under_read: u64,
+    /// Times every run was dropped to make room.
+    pub resets: u64,
+    /// Bytes allocated for runs now.
+    pub bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    walks: AtomicU64,
+    keys_by_run: AtomicU64,
+    keys_looked_up: AtomicU64,
+    runs_built: AtomicU64,
+    builds_skipped: AtomicU64,
+    runs_changed_under_read: AtomicU64,
+    resets: AtomicU64,
+}
+
+/// One pool's runs. See the module docs.
+#[derive(Debug, Default)]
+pub(crate) struct Paths {
+    arena: ArcSwapOption<Arena>,
+    /// Serialises builders (walks take it with `try_lock` only, so none waits).
+    builder: Mutex<Allocation>,
+    counters: Counters,
+}
+
+/// A walk's view of the runs: one load per walk.
+pub(crate) type PathsView = arc_swap::Guard<Option<Arc<Arena>>>;
+
+impl Paths {
+    #[inline]
+    pub(crate) fn view(&self) -> PathsView {
+        self.arena.load()
+    }
+
+    /// How many keys after `key` (whose entry names `run` and whose holders are `present`,
+    /// `gpu`) the run says have the same holders, compared against `rest` (the prompt's keys
+    /// after `key`); 0 when the run does not cover `key` or changed under the read.
+    #[inline]
+    pub(crate) fn covered(
+        &self,
+        view: &PathsView,
+        run: RunRef,
+        key: u64,
+        rest: &[u64],
+        holders: (u64, u64),
+    ) -> usize {
+        let (Some(arena), Some((slot, offset))) = (view.as_deref(), run.get()) else {
+            return 0;
+        };
+        let Some(record) = arena.run(slot) else {
+            return 0;
+        };
+        let begun = record.generation.load(Ordering::Acquire);
+        let len = record.len.load(Ordering::Relaxed) as usize;
+        if begun & 1 == 1
+            || offset >= len
+            || record.present.load(Ordering::Relaxed) != holders.0
+            || record.gpu.load(Ordering::Relaxed) != holders.1
+        {
+            return 0;
+        }
+        let start = record.start.load(Ordering::Relaxed) as usize;
+        let Some(keys) = arena.keys(start, len) else {
+            return 0;
+        };
+        if keys[offset].load(Ordering::Relaxed) != key {
+            return 0;
+        }
+        let same = common_prefix(&keys[offset + 1..], rest);
+        interleave::at(interleave::Point::RunCheck);
+        // Orders the loads above before the checks below (see `table`'s seqlock).
+        fence(Ordering::Acquire);
+        let now = record.len.load(Ordering::Relaxed) as usize;
+        let dropped = record.generation.load(Ordering::Relaxed) != begun;
+        if dropped || now < len {
+            self.counters
+                .runs_changed_under_read
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        if dropped {
+            return 0;
+        }
+        // A cut during the compare leaves the keys before it vouched for.
+        same.min(now.saturating_sub(offset + 1))
+    }
+
+    /// Whether `run` is live and covers `key` at its offset (the caller holds the key's shard
+    /// lock, so the key's holders are the run's).
+    pub(crate) fn vouches(&self, run: RunRef, key: u64) -> bool {
+        let Some((slot, offset)) = run.get() else {
+            return false;
+        };
+        let arena = self.arena.load();
+        let Some(record) = arena.as_deref().and_then(|arena| arena.run(slot)) else {
+            return false;
+        };
+        let start = record.start.load(Ordering::Acquire) as usize;
+        let live = record.generation.load(Ordering::Acquire) & 1 == 0
+            && offset < record.len.load(Ordering::Acquire) as usize;
+        live && arena
+            .as_deref()
+            .and_then(|arena| arena.keys(start + offset, 1))
+            .is_some_and(|stored| stored[0].load(Ordering::Relaxed) == key)
+    }
+
+    /// Cuts `run` to end before `key`'s offset, if `key` is the run's key there: called by a
+    /// writer, under the key's shard lock, before it changes which slots hold the key. (A
+    /// reference left from a run dropped to make room names a slot that may hold another run
+    /// now; only a key linked under this same lock can be at its offset.)
+    pub(crate) fn cut(&self, run: RunRef, key: u64) {
+        let Some((slot, offset)) = run.get() else {
+            return;
+        };
+        let arena = self.arena.load();
+        let Some(arena) = arena.as_deref() else {
+            return;
+        };
+        let Some(record) = arena.run(slot) else {
+            return;
+        };
+        let start = record.start.load(Ordering::Acquire) as usize;
+        if arena
+            .keys(start + offset, 1)
+            .is_some_and(|stored| stored[0].load(Ordering::Relaxed) == key)
+        {
+            record.len.fetch_min(offset as u64, Ordering::SeqCst);
+        }
+    }
+
+    /// The builder, unless another walk is building.
+    pub(crate) fn try_build(&self) -> Option<Builder<'_>> {
+        match self.builder.try_lock() {
+            Some(allocation) => Some(Builder {
+                paths: self,
+                allocation,
+                arena: None,
+            }),
+            None => {
+                self.counters.builds_skipped.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Frees every run (the pool emptied). Waits for a builder in progress. The runs are
+    /// dropped first, for walks still holding the old view.
+    pub(crate) fn release(&self) {
+        let allocation = self.builder.lock();
+        if let Some(arena) = self.arena.load_full() {
+            let mut builder = Builder {
+                paths: self,
+                allocation,
+                arena: None,
+            };
+            builder.drop_all(&arena);
+            self.arena.store(None);
+        }
+    }
+
+    pub(crate) fn record_walk(&self, by_run: usize, looked_up: usize) {
+        self.counters.walks.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .keys_by_run
+            .fetch_add(by_run as u64, Ordering::Relaxed);
+        self.counters
+            .keys_looked_up
+            .fetch_add(looked_up as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn stats(&self) -> PathStats {
+        let c = &self.counters;
+        let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        PathStats {
+            walks: get(&c.walks),
+            keys_by_run: get(&c.keys_by_run),
+            keys_looked_up: get(&c.keys_looked_up),
+            runs_built: get(&c.runs_built),
+            builds_skipped: get(&c.builds_skipped),
+            runs_changed_under_read: get(&c.runs_changed_under_read),
+            resets: get(&c.resets),
+            bytes: self.memory_bytes() as u64,
+        }
+    }
+
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.arena.load().as_deref().map_or(0, Arena::memory_bytes)
+    }
+}
+
+/// Builds runs: one walk at a time holds it.
+#[derive(Debug)]
+pub(crate) struct Builder<'a> {
+    paths: &'a Paths,
+    allocation: MutexGuard<'a, Allocation>,
+    /// The arena, once loaded (it changes only under the builder's lock).
+    arena: Option<Arc<Arena>>,
+}
+
+/// A run being built: keys are linked to it one by one ([`Builder::extend`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NewRun {
+    slot: usize,
+}
+
+impl NewRun {
+    pub(crate) fn at(self, offset: usize) -> RunRef {
+        RunRef::new(self.slot, offset)
+    }
+}
+
+impl Builder<'_> {
+    fn arena(&mut self) -> Arc<Arena> {
+        if let Some(arena) = &self.arena {
+            return Arc::clone(arena);
+        }
+        let arena = match self.paths.arena.load_full() {
+            Some(arena) => arena,
+            None => {
+                let arena = Arc::new(Arena::new());
+                self.paths.arena.store(Some(Arc::clone(&arena)));
+                arena
+            }
+        };
+        self.arena = Some(Arc::clone(&arena));
+        arena
+    }
+
+    /// Publishes an empty run of `keys` (at most [`MAX_RUN`]) with holders `holders`, making
+    /// room by dropping every run when keys or slots are used up.
+    pub(crate) fn allocate(&mut self, keys: &[u64], holders: (u64, u64)) -> Option<NewRun> {
+        let arena = self.arena();
+        let len = keys.len();
+        if len == 0 || len > MAX_RUN {
+            return None;
+        }
+        let mut start = self.allocation.next_key;
+        // A run stays within one segment.
+        if start % KEY_SEGMENT + len > KEY_SEGMENT {
+            start = start.next_multiple_of(KEY_SEGMENT);
+        }
+        if start + len > MAX_KEYS || self.allocation.next_run == MAX_RUNS {
+            self.drop_all(&arena);
+            start = 0;
+        }
+        let slot = self.allocation.next_run;
+        let record = arena.run_or_alloc(slot)?;
+        let stored = arena.keys_or_alloc(start, len)?;
+        self.allocation.next_run += 1;
+        self.allocation.next_key = start + len;
+        // The slot is dead (odd) from `drop_all` or from birth: fill it, then make it even.
+        debug_assert!(record.generation.load(Ordering::Relaxed) & 1 == 1);
+        record.len.store(0, Ordering::Relaxed);
+        record.start.store(start as u64, Ordering::Relaxed);
+        record.present.store(holders.0, Ordering::Relaxed);
+        record.gpu.store(holders.1, Ordering::Relaxed);
+        for (slot, &key) in stored.iter().zip(keys) {
+            slot.store(key, Ordering::Relaxed);
+        }
+        record.generation.fetch_add(1, Ordering::Release);
+        self.paths
+            .counters
+            .runs_built
+            .fetch_add(1, Ordering::Relaxed);
+        Some(NewRun { slot })
+    }
+
+    /// Grows `run` over its key at `offset` (just linked, its shard lock still held); false when
+    /// a writer cut the run meanwhile (building it further would cover a changed key).
+    pub(crate) fn extend(&self, run: NewRun, offset: usize) -> bool {
+        let Some(record) = self.arena.as_deref().and_then(|arena| arena.run(run.slot)) else {
+            return false;
+        };
+        record
+            .len
+            .compare_exchange(
+                offset as u64,
+                offset as u64 + 1,
+                Ordering::SeqCst,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+    }
+
+    /// Kills every run (odd generation, no length) so their slots and keys can be reused.
+    fn drop_all(&mut self, arena: &Arena) {
+        for slot in 0..self.allocation.next_run {
+            if let Some(record) = arena.run(slot) {
+                let generation = record.generation.load(Ordering::Relaxed);
+                if generation & 1 == 0 {
+                    record.generation.store(generation + 1, Ordering::Relaxed);
+                }
+                record.len.store(0, Ordering::Relaxed);
+            }
+        }
+        // The odd generations are visible before any key or field is reused.
+        fence(Ordering::Release);
+        *self.allocation = Allocation::default();
+        self.paths.counters.resets.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// How many leading keys of `stored` and `prompt` are equal: eight compared per branch.
+#[inline]
+fn common_prefix(stored: &[AtomicU64], prompt: &[u64]) -> usize {
+    let n = stored.len().min(prompt.len());
+    let (stored, prompt) = (&stored[..n], &prompt[..n]);
+    let mut at = 0;
+    for (stored, prompt) in stored.chunks_exact(8).zip(prompt.chunks_exact(8)) {
+        let differs = stored.iter().zip(prompt).fold(0, |differs, (s, &p)| {
+            differs | (s.load(Ordering::Relaxed) ^ p)
+        });
+        if differs != 0 {
+            break;
+        }
+        at += 8;
+    }
+    while at < n && stored[at].load(Ordering::Relaxed) == prompt[at] {
+        at += 1;
+    }
+    at
+}
+
+/// Test hooks between a lock-free read and its validation, so a test can make a writer change
+/// the data at exactly that moment (on the reader's own thread); no-ops outside tests.
+pub(crate) mod interleave {
+    /// Where a hook can run.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Point {
+        /// After a run's keys were compared, before its generation and length are checked.
+        RunCheck,
+        /// After one key's holders were read, before its shard version is checked.
+        KeyCheck,
+        /// After a chunk's holders were read, before their shard versions are checked.
+        ChunkCheck,
+    }
+
+    #[cfg(test)]
+    thread_local! {
+        static HOOK: std::cell::RefCell<Option<(Point, Box<dyn FnOnce()>)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    /// Runs `hook` the next time this thread passes `point`.
+    #[cfg(test)]
+    pub(crate) fn set(point: Point, hook: impl FnOnce() + 'static) {
+        HOOK.with(|slot| *slot.borrow_mut() = Some((point, Box::new(hook))));
+    }
+
+    /// Whether the hook set on this thread has run.
+    #[cfg(test)]
+    pub(crate) fn fired() -> bool {
+        HOOK.with(|slot| slot.borrow().is_none())
+    }
+
+    #[cfg(test)]
+    pub(crate) fn at(point: Point) {
+        let hook = HOOK.with(|slot| {
+            let mut slot = slot.borrow_mut();
+            match slot.take() {
+                Some((at, hook)) if at == point => Some(hook),
+                other => {
+                    *slot = other;
+                    None
+                }
+            }
+        });
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
+
+    #[cfg(not(test))]
+    #[inline(always)]
+    pub(crate) fn at(_: Point) {}
+}
