@@ -243,7 +243,7 @@ impl Paths {
             return 0;
         }
         let same = common_prefix(&keys[offset + 1..], rest);
-        interleave::at(interleave::Point::RunCheck);
+        interleave::at(interleave::Point::RunCompared);
         // Orders the loads above before the checks below (see `table`'s seqlock).
         fence(Ordering::Acquire);
         let now = record.len.load(Ordering::Relaxed) as usize;
@@ -503,17 +503,20 @@ pub(crate) mod interleave {
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub(crate) enum Point {
         /// After a run's keys were compared, before its generation and length are checked.
-        RunCheck,
+        RunCompared,
         /// After one key's holders were read, before its shard version is checked.
-        KeyCheck,
+        KeyRead,
         /// After a chunk's holders were read, before their shard versions are checked.
-        ChunkCheck,
+        ChunkRead,
     }
+
+    /// A hook and where it runs.
+    #[cfg(test)]
+    type Hook = (Point, Box<dyn FnOnce()>);
 
     #[cfg(test)]
     thread_local! {
-        static HOOK: std::cell::RefCell<Option<(Point, Box<dyn FnOnce()>)>> =
-            const { std::cell::RefCell::new(None) };
+        static HOOK: std::cell::RefCell<Option<Hook>> = const { std::cell::RefCell::new(None) };
     }
 
     /// Runs `hook` the next time this thread passes `point`.

@@ -225,28 +225,27 @@ impl Pool {
         // Snapshot who is asked about and who is trusted, then walk without the members lock.
         let (mut reported, slot_count) = {
             let members = self.members.read();
-            let mut reported: Vec<(Slot, ReplicaMatch)> = Vec::new();
-            let mut seen = SlotSet::with_slots(members.slots.len());
-            let mut report = |slot: Slot, member: &Member| {
-                if !seen.contains(slot) {
-                    seen.insert(slot);
-                    reported.push((slot, ReplicaMatch::empty(member.replica, member.state)));
-                }
-            };
+            let asked = candidates.map_or(members.slots.len(), <[ReplicaId]>::len);
+            let mut reported: Vec<(Slot, ReplicaMatch)> = Vec::with_capacity(asked);
             match candidates {
                 Some(candidates) => {
+                    let mut seen = SlotSet::with_slots(members.slots.len());
                     for replica in candidates {
                         if let Some(&slot) = members.by_replica.get(replica)
                             && let Some(Some(member)) = members.slots.get(usize::from(slot))
+                            && !seen.contains(slot)
                         {
-                            report(slot, member);
+                            seen.insert(slot);
+                            reported
+                                .push((slot, ReplicaMatch::empty(member.replica, member.state)));
                         }
                     }
                 }
                 None => {
                     for (slot, member) in members.slots.iter().enumerate() {
                         if let (Some(member), Ok(slot)) = (member, Slot::try_from(slot)) {
-                            report(slot, member);
+                            reported
+                                .push((slot, ReplicaMatch::empty(member.replica, member.state)));
                         }
                     }
                 }
@@ -254,6 +253,11 @@ impl Pool {
             (reported, members.slots.len())
         };
 
+        let total = keys.len() as u32;
+        if slot_count <= 64 {
+            self.count_small(keys, &mut reported);
+            return reported.into_iter().map(|(_, found)| found).collect();
+        }
         let mut alive = SlotSet::with_slots(slot_count);
         for (slot, found) in &reported {
             if found.precise {
@@ -261,26 +265,26 @@ impl Pool {
             }
         }
         let mut gpu_alive = alive.clone();
-        let mut matched = vec![0u32; slot_count];
-        let mut gpu_matched = vec![0u32; slot_count];
+        // Per slot: leading blocks held (any medium), then on the GPU.
+        let mut counts = vec![0u32; 2 * slot_count];
+        let (matched, gpu_matched) = counts.split_at_mut(slot_count);
         if !alive.is_empty() {
-            self.walk(
-                keys,
-                &mut alive,
-                &mut gpu_alive,
-                &mut matched,
-                &mut gpu_matched,
-            );
+            self.walk(keys, &mut alive, &mut gpu_alive, matched, gpu_matched);
         }
         // Replicas still matching after the walk hold every key.
-        let total = keys.len() as u32;
-        alive.retain_words(&[], |slot| matched[slot] = total);
-        gpu_alive.retain_words(&[], |slot| gpu_matched[slot] = total);
-
         for (slot, found) in &mut reported {
             if found.precise {
-                found.matched_blocks = matched[usize::from(*slot)];
-                found.gpu_blocks = gpu_matched[usize::from(*slot)];
+                let at = usize::from(*slot);
+                found.matched_blocks = if alive.contains(*slot) {
+                    total
+                } else {
+                    matched[at]
+                };
+                found.gpu_blocks = if gpu_alive.contains(*slot) {
+                    total
+                } else {
+                    gpu_matched[at]
+                };
             }
         }
         reported.into_iter().map(|(_, found)| found).collect()
@@ -303,24 +307,47 @@ impl Pool {
         gpu_matched: &mut [u32],
     ) {
         let mut view = self.layout.view();
-        if let ([alive], [gpu_alive]) = (alive.words_mut(), gpu_alive.words_mut()) {
+        self.walk_words(&mut view, keys, alive, gpu_alive, matched, gpu_matched);
+    }
+
+    /// [`Self::find_matches`]'s counts for pools of up to 64 slots: the live sets are single
+    /// words and the walk follows runs ([`Self::walk_one_word`]), then builds runs over what
+    /// it had to look up one by one.
+    fn count_small(&self, keys: &[u64], reported: &mut [(Slot, ReplicaMatch)]) {
+        let mut alive = reported
+            .iter()
+            .filter(|(_, found)| found.precise)
+            .fold(0u64, |alive, &(slot, _)| alive | 1 << slot);
+        let mut gpu_alive = alive;
+        let (mut matched, mut gpu_matched) = ([0u32; 64], [0u32; 64]);
+        if alive != 0 {
+            let mut view = self.layout.view();
             let paths = self.paths.view();
             let mut looked = Vec::new();
             let (by_run, looked_up) = self.walk_one_word(
                 &mut view,
                 &paths,
                 keys,
-                (alive, gpu_alive),
-                (matched, gpu_matched),
+                (&mut alive, &mut gpu_alive),
+                (&mut matched, &mut gpu_matched),
                 &mut looked,
             );
             self.paths.record_walk(by_run, looked_up);
             if looked.len() >= MIN_RUN {
                 self.build(keys, &looked);
             }
-            return;
         }
-        self.walk_words(&mut view, keys, alive, gpu_alive, matched, gpu_matched);
+        // Replicas still matching after the walk hold every key.
+        let total = keys.len() as u32;
+        for (slot, found) in reported.iter_mut().filter(|(_, found)| found.precise) {
+            let (bit, at) = (1u64 << *slot, usize::from(*slot) % 64);
+            found.matched_blocks = if alive & bit != 0 { total } else { matched[at] };
+            found.gpu_blocks = if gpu_alive & bit != 0 {
+                total
+            } else {
+                gpu_matched[at]
+            };
+        }
     }
 
     /// Calls `decode` with the holder word of each of `keys` (at most [`CHUNK`]) and its
@@ -350,7 +377,7 @@ impl Pool {
             let storage = &view[shard];
             decode(storage, storage.resolve(key, hash, home), at);
         }
-        interleave::at(interleave::Point::ChunkCheck);
+        interleave::at(interleave::Point::ChunkRead);
         read_fence();
         // Every key is checked against the storage it was read from before any is read again:
         // `read_again` loads a new layout, whose successor storage may by chance carry the
@@ -411,7 +438,7 @@ impl Pool {
         let version = storage.read_begin();
         let word = storage.holder_word(key, hash);
         let holders = storage.first_words(word);
-        interleave::at(interleave::Point::KeyCheck);
+        interleave::at(interleave::Point::KeyRead);
         read_fence();
         if storage.read_valid(version) {
             return (word, holders);

@@ -72,7 +72,11 @@ fn runs_answer_like_the_tables_while_holders_change() {
     // Blocks 0..50 (replicas 0–3, replica 3 through the shared prefix), 50..60 (0–2), 60..100
     // (0): one run each, read by the second walk after one lookup each.
     let built = stats(index);
-    assert_eq!((built.runs_built, built.keys_by_run), (3, 49 + 9 + 39), "{built:?}");
+    assert_eq!(
+        (built.runs_built, built.keys_by_run),
+        (3, 49 + 9 + 39),
+        "{built:?}"
+    );
 
     let changes: Vec<(u32, KvEvent)> = vec![
         // A new holder inside a run, then a removal inside another.
@@ -134,7 +138,7 @@ fn at_point(point: Point, index: &Arc<BlockIndex>, replica: u32, change: KvEvent
 fn a_run_cut_while_it_is_compared_vouches_only_for_the_keys_before_the_cut() {
     let (index, reference, tokens, keys) = held_in_a_run();
     let change = removed(&tokens, 20, 21, Medium::Gpu);
-    at_point(Point::RunCheck, &index, 1, change.clone());
+    at_point(Point::RunCompared, &index, 1, change.clone());
     let before = stats(&index);
     let found = index.find_matches(EXACT, &keys, None).unwrap();
     assert!(interleave::fired());
@@ -157,7 +161,7 @@ fn a_run_dropped_while_it_is_compared_is_not_trusted() {
     let (index, _, _, keys) = held_in_a_run();
     // Both replicas reset: the pool empties and its runs are dropped (generation changes).
     let hooked = Arc::clone(&index);
-    interleave::set(Point::RunCheck, move || {
+    interleave::set(Point::RunCompared, move || {
         for r in [0, 1] {
             hooked.reset_replica(ReplicaId(r)).unwrap();
         }
@@ -182,7 +186,7 @@ fn a_key_changed_between_its_read_and_its_check_is_read_again() {
     let (index, reference, tokens, keys) = held_in_a_run();
     // Replica 2 comes to hold block 0 after the walk read block 0's holders.
     let change = stored(&tokens, 0, 1, Medium::Gpu);
-    at_point(Point::KeyCheck, &index, 2, change.clone());
+    at_point(Point::KeyRead, &index, 2, change.clone());
     let found = index.find_matches(EXACT, &keys, None).unwrap();
     assert!(interleave::fired());
     reference.apply_event(ReplicaId(2), &change).unwrap();
@@ -203,7 +207,7 @@ fn a_chunk_changed_between_its_read_and_its_check_is_read_again() {
     let keys = query_keys(EXACT, &tokens);
     // No run yet: blocks 1..33 are read as a chunk; block 5 goes while they are checked.
     let change = removed(&tokens, 5, 6, Medium::Gpu);
-    at_point(Point::ChunkCheck, &index, 0, change.clone());
+    at_point(Point::ChunkRead, &index, 0, change.clone());
     let found = index.find_matches(EXACT, &keys, None).unwrap();
     assert!(interleave::fired());
     reference.apply_event(ReplicaId(0), &change).unwrap();
