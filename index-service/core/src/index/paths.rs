@@ -3,9 +3,10 @@
 //! loop instead of looking each key up in the shard tables.
 //!
 //! A run is built from a walk: the keys a match walk had to look up one by one (with their
-//! holders, which it read anyway) are grouped into stretches of equal holders and linked: each
-//! key's table entry names its run and offset (the spare high half of its holder word). The
-//! run is a cache beside the exact per-key tables, never the truth:
+//! holders, which it read anyway) are grouped into stretches of equal holders, and a stretch
+//! met by a walk for the second time is linked: each key's table entry names its run and
+//! offset (the spare high half of its holder word). The run is a cache beside the exact
+//! per-key tables, never the truth:
 //!
 //! - **Invariant:** every key at an offset below a live run's length holds exactly the run's
 //!   holders (any medium, GPU). A key is linked, and the length grown over it, under the key's
@@ -40,6 +41,8 @@ const KEY_SEGMENT: usize = 1 << 14;
 const KEY_SEGMENTS: usize = 64;
 /// Most keys held in runs per pool (8 MiB).
 pub(crate) const MAX_KEYS: usize = KEY_SEGMENT * KEY_SEGMENTS;
+/// Stretches remembered between walks (a stretch is built the second time it is looked up).
+const SEEN: usize = 256;
 /// Run records per segment.
 const RUN_SEGMENT: usize = 1 << 10;
 const RUN_SEGMENTS: usize = 128;
@@ -191,12 +194,27 @@ struct Counters {
 }
 
 /// One pool's runs. See the module docs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Paths {
     arena: ArcSwapOption<Arena>,
+    /// First keys of stretches walks looked up one by one, by a hash of the key: a stretch is
+    /// built only when a walk meets it again, so a prompt asked about once (most prompts: the
+    /// next turn asks about a longer one) costs no build.
+    seen: [AtomicU64; SEEN],
     /// Serialises builders (walks take it with `try_lock` only, so none waits).
     builder: Mutex<Allocation>,
     counters: Counters,
+}
+
+impl Default for Paths {
+    fn default() -> Self {
+        Paths {
+            arena: ArcSwapOption::default(),
+            seen: std::array::from_fn(|_| AtomicU64::new(0)),
+            builder: Mutex::default(),
+            counters: Counters::default(),
+        }
+    }
 }
 
 /// A walk's view of the runs: one load per walk.
@@ -301,6 +319,12 @@ impl Paths {
         {
             record.len.fetch_min(offset as u64, Ordering::SeqCst);
         }
+    }
+
+    /// Whether a walk met the stretch starting with `key` before (and remembers it if not).
+    pub(crate) fn seen_before(&self, key: u64) -> bool {
+        let at = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SEEN;
+        self.seen[at].swap(key, Ordering::Relaxed) == key
     }
 
     /// The builder, unless another walk is building.

@@ -512,7 +512,7 @@ impl Pool {
     }
 
     /// Builds runs over the stretches of `looked` (consecutive prompt keys with the same
-    /// holders, held by someone), unless another walk is building. Each key is linked under
+    /// holders, held by someone) that a walk met before, unless another walk is building. Each key is linked under
     /// its shard lock, taken with `try_lock` so the walk never waits; a run ends at the first
     /// key that is busy, has other holders by now, or was cut meanwhile.
     #[cold]
@@ -523,7 +523,7 @@ impl Pool {
             let Some(&(first, present, gpu)) = stretch.first() else {
                 continue;
             };
-            if stretch.len() < MIN_RUN || present == 0 {
+            if stretch.len() < MIN_RUN || present == 0 || !self.paths.seen_before(keys[first]) {
                 continue;
             }
             if builder.is_none() {

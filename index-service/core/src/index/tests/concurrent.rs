@@ -147,22 +147,26 @@ fn lock_free_reads_agree_with_reference_model_at_quiescent_points() {
 /// Long prompts (runs of up to 96 keys) whose middles the writers keep changing.
 const LONG_BLOCKS: usize = 96;
 
-/// One writer's events on long prompts: spans stored and removed mostly inside the prompts,
-/// so runs built by the readers are cut in the middle.
+/// Events per writer per round on long prompts: few enough that most runs keep their first
+/// keys, so a run whose middle changed is still entered by the next walk.
+const LONG_OPS: usize = 60;
+
+/// One writer's events on long prompts: spans stored and removed inside the prompts (past
+/// their first blocks), so runs built by the readers are cut in the middle.
 fn mid_prompt_events(writer: u32, round: usize, prompts: &[Vec<u32>]) -> Vec<KvEvent> {
     let mut lcg = Lcg(u64::from(writer) << 40 | round as u64 | 1 << 20);
     let media = [Medium::Gpu, Medium::Cpu, Medium::Gpu, Medium::Storage];
-    (0..OPS_PER_ROUND)
+    (0..LONG_OPS)
         .map(|_| {
             let tokens = &prompts[lcg.below(prompts.len())];
-            let start = lcg.below(LONG_BLOCKS);
+            let start = 8 + lcg.below(LONG_BLOCKS - 8);
             let end = (start + 1 + lcg.below(24)).min(LONG_BLOCKS);
             let medium = media[lcg.below(media.len())];
-            match lcg.below(30) {
+            match lcg.below(60) {
                 0 => KvEvent::AllBlocksCleared,
                 // Whole prefixes: long stretches of the same holders to build runs over.
                 1..=6 => stored(tokens, 0, end, medium),
-                7..=17 => stored(tokens, start, end, medium),
+                7..=30 => stored(tokens, start, end, medium),
                 _ => removed(tokens, start, end, medium),
             }
         })
@@ -190,7 +194,7 @@ fn runs_built_beside_writers_agree_with_reference_model_at_quiescent_points() {
         .flat_map(|model| prompts.iter().map(move |p| (model, query_keys(model, p))))
         .collect();
 
-    for round in 0..ROUNDS {
+    for round in 0..2 * ROUNDS {
         let events: Vec<Vec<KvEvent>> = (0..WRITERS)
             .map(|w| mid_prompt_events(w, round, &prompts))
             .collect();
@@ -250,8 +254,8 @@ fn runs_built_beside_writers_agree_with_reference_model_at_quiescent_points() {
                 }
             }
         }
-        // Twice: the first walk may rebuild what the writers cut, the second reads it.
-        for pass in 0..2 {
+        // Three times: a cut stretch is rebuilt by the second walk, read by the third.
+        for pass in 0..3 {
             for (model, keys) in &queries {
                 let found = sorted(index.find_matches(model, keys, None).unwrap());
                 let expected = sorted(reference.find_matches(model, keys, None).unwrap());
