@@ -86,6 +86,10 @@ struct Run {
     start: AtomicU64,
     present: AtomicU64,
     gpu: AtomicU64,
+    /// The run built right after it over the next keys of the same walk's prompt (a
+    /// [`RunRef`] at offset 0, or 0): where a walk reaching its end looks first. Only a hint:
+    /// the next run checks its own first key.
+    next: AtomicU64,
 }
 
 impl Run {
@@ -217,6 +221,17 @@ impl Default for Paths {
     }
 }
 
+/// What a run said about a prompt from one of its keys on.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Span {
+    /// The key itself is still covered.
+    vouched: bool,
+    /// Keys after it vouched for (same keys, the run's holders).
+    pub(crate) covered: usize,
+    /// The run to try at the key after them, when they reached the run's end.
+    pub(crate) next: RunRef,
+}
+
 /// A walk's view of the runs: one load per walk.
 pub(crate) type PathsView = arc_swap::Guard<Option<Arc<Arena>>>;
 
@@ -226,9 +241,9 @@ impl Paths {
         self.arena.load()
     }
 
-    /// How many keys after `key` (whose entry names `run` and whose holders are `present`,
-    /// `gpu`) the run says have the same holders, compared against `rest` (the prompt's keys
-    /// after `key`); 0 when the run does not cover `key` or changed under the read.
+    /// How many keys after `key` (whose entry names `run` and whose holders are `holders`)
+    /// the run vouches for, compared against `rest` (the prompt's keys after `key`); none when
+    /// the run does not cover `key` or changed under the read.
     #[inline]
     pub(crate) fn covered(
         &self,
@@ -237,30 +252,61 @@ impl Paths {
         key: u64,
         rest: &[u64],
         holders: (u64, u64),
-    ) -> usize {
-        let (Some(arena), Some((slot, offset))) = (view.as_deref(), run.get()) else {
-            return 0;
-        };
-        let Some(record) = arena.run(slot) else {
-            return 0;
-        };
+    ) -> Span {
+        match (view.as_deref(), run.get()) {
+            (Some(arena), Some((slot, offset))) => self
+                .read(arena, slot, offset, key, rest, Some(holders))
+                .map_or(Span::default(), |(_, span)| span),
+            _ => Span::default(),
+        }
+    }
+
+    /// The holders of `keys[0]` and the keys after it that `run` (a successor hint, offset 0)
+    /// vouches for, if its first key is `keys[0]`.
+    #[inline]
+    pub(crate) fn enter(
+        &self,
+        view: &PathsView,
+        run: RunRef,
+        keys: &[u64],
+    ) -> Option<((u64, u64), Span)> {
+        let arena = view.as_deref()?;
+        let (slot, offset) = run.get()?;
+        let (&key, rest) = keys.split_first()?;
+        let (holders, span) = self.read(arena, slot, offset, key, rest, None)?;
+        // The first key itself must still be covered: a cut at offset 0 leaves nothing.
+        span.vouched.then_some((holders, span))
+    }
+
+    /// One validated read of run `slot` from `offset` (which must hold `key`), its holders
+    /// `expected` when given.
+    #[inline]
+    fn read(
+        &self,
+        arena: &Arena,
+        slot: usize,
+        offset: usize,
+        key: u64,
+        rest: &[u64],
+        expected: Option<(u64, u64)>,
+    ) -> Option<((u64, u64), Span)> {
+        let record = arena.run(slot)?;
         let begun = record.generation.load(Ordering::Acquire);
         let len = record.len.load(Ordering::Relaxed) as usize;
-        if begun & 1 == 1
-            || offset >= len
-            || record.present.load(Ordering::Relaxed) != holders.0
-            || record.gpu.load(Ordering::Relaxed) != holders.1
-        {
-            return 0;
+        let holders = (
+            record.present.load(Ordering::Relaxed),
+            record.gpu.load(Ordering::Relaxed),
+        );
+        if begun & 1 == 1 || offset >= len || expected.is_some_and(|e| e != holders) {
+            return None;
         }
         let start = record.start.load(Ordering::Relaxed) as usize;
-        let Some(keys) = arena.keys(start, len) else {
-            return 0;
-        };
+        let keys = arena.keys(start, len)?;
         if keys[offset].load(Ordering::Relaxed) != key {
-            return 0;
+            return None;
         }
         let same = common_prefix(&keys[offset + 1..], rest);
+        let next = RunRef(record.next.load(Ordering::Relaxed) as u32);
         interleave::at(interleave::Point::RunCompared);
         // Orders the loads above before the checks below (see `table`'s seqlock).
         fence(Ordering::Acquire);
@@ -272,10 +318,23 @@ impl Paths {
                 .fetch_add(1, Ordering::Relaxed);
         }
         if dropped {
-            return 0;
+            return None;
         }
         // A cut during the compare leaves the keys before it vouched for.
-        same.min(now.saturating_sub(offset + 1))
+        let covered = same.min(now.saturating_sub(offset + 1));
+        Some((
+            holders,
+            Span {
+                vouched: offset < now,
+                covered,
+                // Only a walk that reached the run's end goes on to its successor.
+                next: if offset + 1 + covered == len && now == len {
+                    next
+                } else {
+                    RunRef::default()
+                },
+            },
+        ))
     }
 
     /// Whether `run` is live and covers `key` at its offset (the caller holds the key's shard
@@ -453,6 +512,7 @@ impl Builder<'_> {
         record.start.store(start as u64, Ordering::Relaxed);
         record.present.store(holders.0, Ordering::Relaxed);
         record.gpu.store(holders.1, Ordering::Relaxed);
+        record.next.store(0, Ordering::Relaxed);
         for (slot, &key) in stored.iter().zip(keys) {
             slot.store(key, Ordering::Relaxed);
         }
@@ -479,6 +539,15 @@ impl Builder<'_> {
                 Ordering::Relaxed,
             )
             .is_ok()
+    }
+
+    /// Hints that a walk reaching `run`'s end goes on with `next`.
+    pub(crate) fn chain(&self, run: NewRun, next: NewRun) {
+        if let Some(record) = self.arena.as_deref().and_then(|arena| arena.run(run.slot)) {
+            record
+                .next
+                .store(u64::from(next.at(0).0), Ordering::Relaxed);
+        }
     }
 
     /// Kills every run (odd generation, no length) so their slots and keys can be reused.
@@ -534,9 +603,9 @@ pub(crate) mod interleave {
         ChunkRead,
     }
 
-    /// A hook and where it runs.
+    /// A hook, where it runs, and how many passes there to let by first.
     #[cfg(test)]
-    type Hook = (Point, Box<dyn FnOnce()>);
+    type Hook = (Point, usize, Box<dyn FnOnce()>);
 
     #[cfg(test)]
     thread_local! {
@@ -546,7 +615,13 @@ pub(crate) mod interleave {
     /// Runs `hook` the next time this thread passes `point`.
     #[cfg(test)]
     pub(crate) fn set(point: Point, hook: impl FnOnce() + 'static) {
-        HOOK.with(|slot| *slot.borrow_mut() = Some((point, Box::new(hook))));
+        set_after(point, 0, hook);
+    }
+
+    /// Runs `hook` when this thread passes `point` for the `skip + 1`th time.
+    #[cfg(test)]
+    pub(crate) fn set_after(point: Point, skip: usize, hook: impl FnOnce() + 'static) {
+        HOOK.with(|slot| *slot.borrow_mut() = Some((point, skip, Box::new(hook))));
     }
 
     /// Whether the hook set on this thread has run.
@@ -560,7 +635,11 @@ pub(crate) mod interleave {
         let hook = HOOK.with(|slot| {
             let mut slot = slot.borrow_mut();
             match slot.take() {
-                Some((at, hook)) if at == point => Some(hook),
+                Some((at, 0, hook)) if at == point => Some(hook),
+                Some((at, skip, hook)) if at == point => {
+                    *slot = Some((at, skip - 1, hook));
+                    None
+                }
                 other => {
                     *slot = other;
                     None

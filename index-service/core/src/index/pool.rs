@@ -495,13 +495,30 @@ impl Pool {
                 }
                 // The keys a run vouches for have this key's holders: nothing to drop.
                 let rest = &keys[at + 1..];
-                let covered = self
+                let span = self
                     .paths
                     .covered(paths, word.run(), keys[at], rest, (present, gpu));
-                if covered > 0 {
-                    by_run += covered;
-                    next = at + 1 + covered;
+                if span.covered > 0 {
+                    by_run += span.covered;
+                    next = at + 1 + span.covered;
                     one = true;
+                    // The runs built after it, while their first keys are the prompt's next.
+                    let mut hint = span.next;
+                    while let Some((holders, span)) = hint
+                        .is_some()
+                        .then(|| self.paths.enter(paths, hint, &keys[next..]))
+                        .flatten()
+                    {
+                        let index = next as u32;
+                        drop_absent(alive, holders.0, |slot| matched[slot] = index);
+                        drop_absent(gpu_alive, holders.1, |slot| gpu_matched[slot] = index);
+                        if *alive == 0 {
+                            return (by_run, looked_up);
+                        }
+                        by_run += 1 + span.covered;
+                        next += 1 + span.covered;
+                        hint = span.next;
+                    }
                     break;
                 }
                 looked.push((at, present, gpu));
@@ -519,6 +536,8 @@ impl Pool {
     fn build(&self, keys: &[u64], looked: &[Looked]) {
         let stretches = looked.chunk_by(|a, b| b.0 == a.0 + 1 && (a.1, a.2) == (b.1, b.2));
         let mut builder = None;
+        // The last run built and where its keys end in the prompt.
+        let mut built = None;
         for stretch in stretches {
             let Some(&(first, present, gpu)) = stretch.first() else {
                 continue;
@@ -532,13 +551,23 @@ impl Pool {
             let Some(builder) = builder.as_mut() else {
                 return;
             };
-            for piece in keys[first..first + stretch.len()].chunks(MAX_RUN) {
+            for (piece_at, piece) in keys[first..first + stretch.len()]
+                .chunks(MAX_RUN)
+                .enumerate()
+            {
                 if piece.len() < MIN_RUN {
                     continue;
                 }
                 let Some(run) = builder.allocate(piece, (present, gpu)) else {
                     return;
                 };
+                let begins = first + piece_at * MAX_RUN;
+                if let Some((previous, ended)) = built
+                    && ended == begins
+                {
+                    builder.chain(previous, run);
+                }
+                built = Some((run, begins + piece.len()));
                 for (offset, &key) in piece.iter().enumerate() {
                     let hash = self.hash(key);
                     let Some(mut table) = self.shards[self.shard_of(hash)].try_lock() else {

@@ -70,13 +70,20 @@ fn runs_answer_like_the_tables_while_holders_change() {
     apply(index, reference, 3, &stored(&other, 0, 80, Medium::Gpu));
     agree(index, reference, &tokens, None);
     // Blocks 0..50 (replicas 0–3, replica 3 through the shared prefix), 50..60 (0–2), 60..100
-    // (0): one run each, read by the second walk after one lookup each.
+    // (0): one run each, built by the second walk; the third looks up block 0, follows the
+    // runs from one to the next, and looks up block 100 (held by nobody).
     let built = stats(index);
     assert_eq!(
         (built.runs_built, built.keys_by_run),
-        (3, 49 + 9 + 39),
+        (3, 49 + 10 + 40),
         "{built:?}"
     );
+    let before = stats(index);
+    index
+        .find_matches(EXACT, &query_keys(EXACT, &tokens), None)
+        .unwrap();
+    let after = stats(index);
+    assert_eq!(after.keys_looked_up - before.keys_looked_up, 2, "{after:?}");
 
     let changes: Vec<(u32, KvEvent)> = vec![
         // A new holder inside a run, then a removal inside another.
@@ -152,6 +159,46 @@ fn a_run_cut_while_it_is_compared_vouches_only_for_the_keys_before_the_cut() {
         sorted(reference.find_matches(EXACT, &keys, None).unwrap())
     );
     let after = stats(&index);
+    assert_eq!(
+        after.runs_changed_under_read,
+        before.runs_changed_under_read + 1
+    );
+}
+
+#[test]
+fn a_next_run_cut_while_it_is_compared_vouches_only_for_the_keys_before_the_cut() {
+    let (index, reference) = indexes();
+    let tokens = prompt(5, 0, 40);
+    // Blocks 0..20 held by replicas 0 and 1, 20..40 by replica 0: two runs, the second
+    // reached from the first without a lookup.
+    for (r, end) in [(0, 40), (1, 20)] {
+        let event = stored(&tokens, 0, end, Medium::Gpu);
+        index.apply_event(ReplicaId(r), &event).unwrap();
+        reference.apply_event(ReplicaId(r), &event).unwrap();
+    }
+    let keys = query_keys(EXACT, &tokens);
+    for _ in 0..3 {
+        index.find_matches(EXACT, &keys, None).unwrap();
+    }
+    // Block 30 goes while the second run is compared.
+    let change = removed(&tokens, 30, 31, Medium::Gpu);
+    let hooked = Arc::clone(&index);
+    let event = change.clone();
+    interleave::set_after(Point::RunCompared, 1, move || {
+        hooked.apply_event(ReplicaId(0), &event).unwrap();
+    });
+    let before = stats(&index);
+    let found = index.find_matches(EXACT, &keys, None).unwrap();
+    assert!(interleave::fired());
+    reference.apply_event(ReplicaId(0), &change).unwrap();
+    assert_eq!(counts(&found, 0), Some((30, 30)));
+    assert_eq!(
+        sorted(found),
+        sorted(reference.find_matches(EXACT, &keys, None).unwrap())
+    );
+    let after = stats(&index);
+    // Blocks 0 and 30 looked up: block 20 came from the first run's successor.
+    assert_eq!(after.keys_looked_up - before.keys_looked_up, 2);
     assert_eq!(
         after.runs_changed_under_read,
         before.runs_changed_under_read + 1
