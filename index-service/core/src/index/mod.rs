@@ -23,9 +23,11 @@
 //!   keys with the same holders, each one contiguous array of keys plus one holder set. A key's
 //!   table entry names its run; a walk that looks a key up compares the prompt's next keys with
 //!   the run's in one sequential loop and skips every key that matches, so a 1,000-block prompt
-//!   held in a few runs costs a few lookups instead of 1,000. Runs are built by walks from the
-//!   keys they had to look up one by one, cut by writers before a key's holders change, and
-//!   checked by readers under a generation (see `paths`); the tables stay the truth.
+//!   held in a few runs costs a few lookups instead of 1,000 (a run also names the run built
+//!   after it, entered without a lookup). Runs are built by walks from the keys they had to
+//!   look up one by one (the second time they meet them), cut by writers before a key's
+//!   holders change, and checked by readers under a generation (see `paths`); the tables stay
+//!   the truth.
 //! - A **replica** of a token-chain pool keeps its engine hash → own key map; one of a
 //!   vLLM-exact pool keeps only its block count (the pool's tables already say which keys its
 //!   slot holds). Both are behind the replica's own mutex, and the count enforces the

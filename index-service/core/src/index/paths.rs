@@ -41,12 +41,14 @@ const KEY_SEGMENT: usize = 1 << 14;
 const KEY_SEGMENTS: usize = 64;
 /// Most keys held in runs per pool (8 MiB).
 pub(crate) const MAX_KEYS: usize = KEY_SEGMENT * KEY_SEGMENTS;
-/// Stretches remembered between walks (a stretch is built the second time it is looked up).
-const SEEN: usize = 256;
+/// Stretches remembered between walks (a stretch is built the second time it is looked up),
+/// two per set: a walk meets tens of stretches, and two that share a way would evict each other
+/// on every walk and never be built.
+const SEEN: usize = 4096;
 /// Run records per segment.
 const RUN_SEGMENT: usize = 1 << 10;
 const RUN_SEGMENTS: usize = 128;
-/// Most runs per pool (5 MiB of records).
+/// Most runs per pool (6 MiB of 48-byte records).
 pub(crate) const MAX_RUNS: usize = RUN_SEGMENT * RUN_SEGMENTS;
 const _: () = assert!(
     MAX_RUNS < 1 << (32 - OFFSET_BITS),
@@ -204,7 +206,7 @@ pub(crate) struct Paths {
     /// First keys of stretches walks looked up one by one, by a hash of the key: a stretch is
     /// built only when a walk meets it again, so a prompt asked about once (most prompts: the
     /// next turn asks about a longer one) costs no build.
-    seen: [AtomicU64; SEEN],
+    seen: Box<[AtomicU64]>,
     /// Serialises builders (walks take it with `try_lock` only, so none waits).
     builder: Mutex<Allocation>,
     counters: Counters,
@@ -214,7 +216,7 @@ impl Default for Paths {
     fn default() -> Self {
         Paths {
             arena: ArcSwapOption::default(),
-            seen: std::array::from_fn(|_| AtomicU64::new(0)),
+            seen: (0..SEEN).map(|_| AtomicU64::new(0)).collect(),
             builder: Mutex::default(),
             counters: Counters::default(),
         }
@@ -382,8 +384,16 @@ impl Paths {
 
     /// Whether a walk met the stretch starting with `key` before (and remembers it if not).
     pub(crate) fn seen_before(&self, key: u64) -> bool {
-        let at = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % SEEN;
-        self.seen[at].swap(key, Ordering::Relaxed) == key
+        let set = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % (SEEN / 2) * 2;
+        let (Some(first), Some(second)) = (self.seen.get(set), self.seen.get(set + 1)) else {
+            return false;
+        };
+        if first.load(Ordering::Relaxed) == key || second.load(Ordering::Relaxed) == key {
+            return true;
+        }
+        // The newest first: two stretches sharing the set both stay.
+        second.store(first.swap(key, Ordering::Relaxed), Ordering::Relaxed);
+        false
     }
 
     /// The builder, unless another walk is building.
@@ -657,4 +667,39 @@ pub(crate) mod interleave {
     #[cfg(not(test))]
     #[inline(always)]
     pub(crate) fn at(_: Point) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two stretches whose first keys share a set are both remembered from one walk to the
+    /// next (a single way would let them evict each other on every walk: never built).
+    #[test]
+    fn stretches_sharing_a_set_are_both_seen_again() {
+        let paths = Paths::default();
+        let set = |key: u64| (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % (SEEN / 2);
+        let first = 1;
+        let second = (2..).find(|&key| set(key) == set(first)).unwrap();
+        for walk in 0..3 {
+            let again = walk > 0;
+            assert_eq!(paths.seen_before(first), again, "walk {walk}");
+            assert_eq!(paths.seen_before(second), again, "walk {walk}");
+        }
+    }
+
+    #[test]
+    fn common_prefix_stops_at_the_first_difference() {
+        let prompt: Vec<u64> = (0..23).collect();
+        for differs in [0, 3, 4, 7, 8, 15, 22, 23] {
+            let stored: Vec<AtomicU64> = (0..23)
+                .map(|k| AtomicU64::new(if k == differs { 99 } else { k }))
+                .collect();
+            assert_eq!(common_prefix(&stored, &prompt), differs.min(23) as usize);
+            assert_eq!(
+                common_prefix(&stored[..5], &prompt),
+                differs.min(5) as usize
+            );
+        }
+    }
 }
