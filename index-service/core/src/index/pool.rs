@@ -290,14 +290,14 @@ impl Pool {
         reported.into_iter().map(|(_, found)| found).collect()
     }
 
-    /// Walks `keys` in order, dropping from `alive` (`gpu_alive`) each slot at the first key it
-    /// does not hold (on the GPU) and recording that key's index as its match length. Stops
-    /// once no slot is alive.
+    /// Walks `keys` in order (pools of more than 64 slots; smaller ones: [`Self::count_small`]),
+    /// dropping from `alive` (`gpu_alive`) each slot at the first key it does not hold (on the
+    /// GPU) and recording that key's index as its match length. Stops once no slot is alive.
     ///
-    /// Takes no lock: each key's holders are read optimistically from its shard's storage and
-    /// checked against the shard's version (see [`super::table`]), so a walk never waits for
-    /// ingest. Each key's holders are one state of that key; a walk running beside writers
-    /// may see keys at different moments, as requests and events interleave anyway.
+    /// Takes no lock (either walk): each key's holders are read optimistically from its shard's
+    /// storage and checked against the shard's version (see [`super::table`]), so a walk never
+    /// waits for ingest. Each key's holders are one state of that key; a walk running beside
+    /// writers may see keys at different moments, as requests and events interleave anyway.
     fn walk(
         &self,
         keys: &[u64],
