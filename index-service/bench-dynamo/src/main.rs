@@ -24,7 +24,7 @@ use dynamo_kv_router::protocols::{
 use futures::executor::block_on;
 use kvroute_index::event::{BlockRemoved, BlockStored, KvEvent, Medium};
 use kvroute_index::index::{
-    BlockIndex, IndexConfig, IndexMetrics, KvIndex, PoolConfig, PoolKeys, ReplicaId,
+    BlockIndex, IndexConfig, IndexMetrics, KvIndex, PathStats, PoolConfig, PoolKeys, ReplicaId,
 };
 
 /// Live heap bytes, so both indexes' memory is measured the same way (what they allocated,
@@ -300,6 +300,14 @@ impl Subject {
         Subject::Dynamo(indexer, AtomicUsize::new(0))
     }
 
+    /// kvroute's path-cache counters (Dynamo has none).
+    fn path_stats(&self) -> Option<PathStats> {
+        match self {
+            Subject::Kvroute(index) => index.path_stats(MODEL),
+            Subject::Dynamo(..) => None,
+        }
+    }
+
     fn name(&self) -> &'static str {
         match self {
             Subject::Kvroute(_) => "kvroute",
@@ -563,6 +571,36 @@ struct Row {
     ratio: String,
 }
 
+/// A kvroute-only figure.
+fn note(label: impl Into<String>, kvroute: String) -> Row {
+    Row {
+        label: label.into(),
+        kvroute,
+        dynamo: "—".into(),
+        ratio: "—".into(),
+    }
+}
+
+/// How kvroute's walks answered between two counter readings: keys compared in runs vs looked
+/// up in the tables, runs built, run reads that met a writer's change.
+fn path_row(label: &str, before: PathStats, after: PathStats) -> Row {
+    let by_run = after.keys_by_run - before.keys_by_run;
+    let looked_up = after.keys_looked_up - before.keys_looked_up;
+    let walks = (after.walks - before.walks).max(1);
+    note(
+        format!(
+            "kvroute walks, {label}: keys by run / looked up per walk; runs built; run reads changed under them"
+        ),
+        format!(
+            "{:.1} / {:.1}; {}; {}",
+            by_run as f64 / walks as f64,
+            looked_up as f64 / walks as f64,
+            after.runs_built - before.runs_built,
+            after.runs_changed_under_read - before.runs_changed_under_read,
+        ),
+    )
+}
+
 fn row(label: impl Into<String>, kvroute: f64, dynamo: f64, unit: &str) -> Row {
     Row {
         label: label.into(),
@@ -661,7 +699,21 @@ fn main() {
         fill(subject, fleet, config.blocks_per_replica);
         subject.apply(&shape);
     }
+    // The first walk of each prompt (kvroute's builds its runs), then both agree on every
+    // prompt, asked again (kvroute's from its runs).
     for prompt in &prompts {
+        let mut first = [0.0; 2];
+        for (which, subject) in subjects.iter().enumerate() {
+            let start = Instant::now();
+            subject.query(prompt);
+            first[which] = start.elapsed().as_nanos() as f64 / 1_000.0;
+        }
+        rows.push(row(
+            format!("match {}, first walk after the fill: µs", prompt.name),
+            first[0],
+            first[1],
+            "",
+        ));
         let expected = subjects[0].matches(prompt);
         assert_eq!(
             expected,
@@ -677,6 +729,7 @@ fn main() {
         Load::PrefixChurn,
     ];
     for load in loads {
+        let paths_before = subjects[0].path_stats().unwrap_or_default();
         let mut samples: Vec<Vec<Vec<u64>>> = vec![vec![Vec::new(); prompts.len()]; 2];
         let mut rates = [0.0f64; 2];
         for round in 0..config.rounds {
@@ -733,7 +786,14 @@ fn main() {
                 "",
             ));
         }
+        let paths_after = subjects[0].path_stats().unwrap_or_default();
+        rows.push(path_row(&load.label(), paths_before, paths_after));
     }
+    let paths = subjects[0].path_stats().unwrap_or_default();
+    rows.push(note(
+        "kvroute runs after the latency rounds: bytes allocated; times every run was dropped for room",
+        format!("{}; {}", paths.bytes, paths.resets),
+    ));
     drop(subjects);
 
     fleet_scale(

@@ -117,10 +117,6 @@ impl SlotSet {
         self.words.iter().all(|&word| word == 0)
     }
 
-    pub(crate) fn words_mut(&mut self) -> &mut [u64] {
-        &mut self.words
-    }
-
     /// Words in this set.
     pub(crate) fn word_count(&self) -> usize {
         self.words.len()

@@ -19,6 +19,15 @@
 //!   odd while a write is under way, checked after each read, read again on a change), and a
 //!   table that grows or shrinks is a new storage published through an `ArcSwap` layout, the
 //!   old one left odd so a reader still on it moves over (see `table`).
+//! - **Prompt paths** beside the tables (pools of up to 64 replicas): runs of consecutive prompt
+//!   keys with the same holders, each one contiguous array of keys plus one holder set. A key's
+//!   table entry names its run; a walk that looks a key up compares the prompt's next keys with
+//!   the run's in one sequential loop and skips every key that matches, so a 1,000-block prompt
+//!   held in a few runs costs a few lookups instead of 1,000 (a run also names the run built
+//!   after it, entered without a lookup). Runs are built by walks from the keys they had to
+//!   look up one by one (the second time they meet them), cut by writers before a key's
+//!   holders change, and checked by readers under a generation (see `paths`); the tables stay
+//!   the truth.
 //! - A **replica** of a token-chain pool keeps its engine hash → own key map; one of a
 //!   vLLM-exact pool keeps only its block count (the pool's tables already say which keys its
 //!   slot holds). Both are behind the replica's own mutex, and the count enforces the
@@ -27,11 +36,14 @@
 //! # Complexity
 //!
 //! - `apply_event`: O(blocks in the event) shard-mutex acquisitions (one short write each).
-//! - `find_matches`: no lock; O(longest match + 1) table lookups (usually one cache line each,
-//!   issued 32 at a time so their misses overlap, each checked against its shard's version),
-//!   each followed by O(pool replicas / 64) word operations (O(holders) in pools of more than
-//!   64 replicas, whose spilled lists sit behind a read lock); stops as soon as no candidate
-//!   still matches. Measured in BENCHMARKS.md (`## Index`, issue 19).
+//! - `find_matches`: no lock; pools of up to 64 replicas: one table lookup per run the prompt
+//!   passes through plus a sequential compare of the keys each run covers, and the keys no run
+//!   covers looked up as below (then built into runs, with `try_lock`s only). Otherwise
+//!   O(longest match + 1) table lookups (usually one cache line each, issued 32 at a time so
+//!   their misses overlap, each checked against its shard's version), each followed by
+//!   O(pool replicas / 64) word operations (O(holders) in pools of more than 64 replicas,
+//!   whose spilled lists sit behind a read lock). Stops as soon as no candidate still matches.
+//!   Measured in BENCHMARKS.md (`## Index`, issue 19).
 //! - `reset_replica`: token-chain pools O(blocks of the replica); vLLM-exact pools scan the
 //!   pool's tables for the replica's slot (O(pool keys), one shard lock at a time; resets are
 //!   engine restarts). Removal locks each shard once per 256 keys.
@@ -49,6 +61,7 @@ mod error;
 mod holders;
 mod keys;
 mod metrics;
+mod paths;
 mod pool;
 mod replica;
 mod state;
@@ -65,6 +78,7 @@ use parking_lot::{Mutex, RwLock};
 pub use error::{FlagReason, IndexError, RejectReason};
 pub use keys::{HashValidator, PoolKeys, VerifyHashes};
 pub use metrics::IndexMetrics;
+pub use paths::PathStats;
 pub use state::{Feed, FeedState, ReplicaState};
 
 use crate::event::KvEvent;
@@ -352,6 +366,11 @@ impl BlockIndex {
         replica: ReplicaId,
     ) -> Result<Vec<crate::event::EngineHash>, IndexError> {
         Ok(self.replica(replica)?.lock().engine_hashes())
+    }
+
+    /// What `model`'s match walks did with runs of prompt keys (benches, tests).
+    pub fn path_stats(&self, model: &str) -> Option<PathStats> {
+        Some(self.pool(model).ok()?.path_stats())
     }
 
     /// (block, replica) holdings across all pools.

@@ -8,6 +8,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::holders::{KeyHasherBuilder, MediaSet, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
+use super::paths::{MAX_RUN, MIN_RUN, PathStats, Paths, PathsView, interleave};
 use super::table::{HolderTable, HolderWord, HomeEntry, Layout, LayoutView, Storage, read_fence};
 use super::{IndexError, ReplicaId, ReplicaMatch, ReplicaState};
 use crate::event::Medium;
@@ -40,7 +41,13 @@ pub(crate) struct Pool {
     layout: Arc<Layout>,
     shard_mask: usize,
     members: RwLock<Members>,
+    /// Runs of prompt keys with the same holders, beside the tables (see [`super::paths`]).
+    paths: Arc<Paths>,
 }
+
+/// One key a walk looked up (its index in the prompt and its holders below slot 64, any medium
+/// and GPU): what runs are built from.
+type Looked = (usize, u64, u64);
 
 /// Keys looked up back to back before their holders are intersected: enough independent loads
 /// for the CPU to overlap their cache misses, few enough that an early mismatch wastes little.
@@ -63,7 +70,8 @@ impl Pool {
         hasher: KeyHasherBuilder,
     ) -> Self {
         let shards = shards.clamp(1, 1 << 16).next_power_of_two();
-        let (layout, tables) = Layout::with_tables(shards, hasher);
+        let paths = Arc::new(Paths::default());
+        let (layout, tables) = Layout::with_tables(shards, hasher, &paths);
         Pool {
             model,
             block_size,
@@ -73,6 +81,7 @@ impl Pool {
             layout,
             shard_mask: shards - 1,
             members: RwLock::new(Members::default()),
+            paths,
         }
     }
 
@@ -196,6 +205,15 @@ impl Pool {
                 }
             }
         }
+        // A pool left empty (every replica reset or gone) gives its runs' memory back too.
+        if self.shards.iter().all(|shard| shard.lock().is_empty()) {
+            self.paths.release();
+        }
+    }
+
+    /// What walks did with runs.
+    pub(crate) fn path_stats(&self) -> PathStats {
+        self.paths.stats()
     }
 
     /// Leading blocks of `keys` held per replica. See [`super::KvIndex::find_matches`].
@@ -207,28 +225,27 @@ impl Pool {
         // Snapshot who is asked about and who is trusted, then walk without the members lock.
         let (mut reported, slot_count) = {
             let members = self.members.read();
-            let mut reported: Vec<(Slot, ReplicaMatch)> = Vec::new();
-            let mut seen = SlotSet::with_slots(members.slots.len());
-            let mut report = |slot: Slot, member: &Member| {
-                if !seen.contains(slot) {
-                    seen.insert(slot);
-                    reported.push((slot, ReplicaMatch::empty(member.replica, member.state)));
-                }
-            };
+            let asked = candidates.map_or(members.slots.len(), <[ReplicaId]>::len);
+            let mut reported: Vec<(Slot, ReplicaMatch)> = Vec::with_capacity(asked);
             match candidates {
                 Some(candidates) => {
+                    let mut seen = SlotSet::with_slots(members.slots.len());
                     for replica in candidates {
                         if let Some(&slot) = members.by_replica.get(replica)
                             && let Some(Some(member)) = members.slots.get(usize::from(slot))
+                            && !seen.contains(slot)
                         {
-                            report(slot, member);
+                            seen.insert(slot);
+                            reported
+                                .push((slot, ReplicaMatch::empty(member.replica, member.state)));
                         }
                     }
                 }
                 None => {
                     for (slot, member) in members.slots.iter().enumerate() {
                         if let (Some(member), Ok(slot)) = (member, Slot::try_from(slot)) {
-                            report(slot, member);
+                            reported
+                                .push((slot, ReplicaMatch::empty(member.replica, member.state)));
                         }
                     }
                 }
@@ -236,6 +253,11 @@ impl Pool {
             (reported, members.slots.len())
         };
 
+        let total = keys.len() as u32;
+        if slot_count <= 64 {
+            self.count_small(keys, &mut reported);
+            return reported.into_iter().map(|(_, found)| found).collect();
+        }
         let mut alive = SlotSet::with_slots(slot_count);
         for (slot, found) in &reported {
             if found.precise {
@@ -243,39 +265,39 @@ impl Pool {
             }
         }
         let mut gpu_alive = alive.clone();
-        let mut matched = vec![0u32; slot_count];
-        let mut gpu_matched = vec![0u32; slot_count];
+        // Per slot: leading blocks held (any medium), then on the GPU.
+        let mut counts = vec![0u32; 2 * slot_count];
+        let (matched, gpu_matched) = counts.split_at_mut(slot_count);
         if !alive.is_empty() {
-            self.walk(
-                keys,
-                &mut alive,
-                &mut gpu_alive,
-                &mut matched,
-                &mut gpu_matched,
-            );
+            self.walk(keys, &mut alive, &mut gpu_alive, matched, gpu_matched);
         }
         // Replicas still matching after the walk hold every key.
-        let total = keys.len() as u32;
-        alive.retain_words(&[], |slot| matched[slot] = total);
-        gpu_alive.retain_words(&[], |slot| gpu_matched[slot] = total);
-
         for (slot, found) in &mut reported {
             if found.precise {
-                found.matched_blocks = matched[usize::from(*slot)];
-                found.gpu_blocks = gpu_matched[usize::from(*slot)];
+                let at = usize::from(*slot);
+                found.matched_blocks = if alive.contains(*slot) {
+                    total
+                } else {
+                    matched[at]
+                };
+                found.gpu_blocks = if gpu_alive.contains(*slot) {
+                    total
+                } else {
+                    gpu_matched[at]
+                };
             }
         }
         reported.into_iter().map(|(_, found)| found).collect()
     }
 
-    /// Walks `keys` in order, dropping from `alive` (`gpu_alive`) each slot at the first key it
-    /// does not hold (on the GPU) and recording that key's index as its match length. Stops
-    /// once no slot is alive.
+    /// Walks `keys` in order (pools of more than 64 slots; smaller ones: [`Self::count_small`]),
+    /// dropping from `alive` (`gpu_alive`) each slot at the first key it does not hold (on the
+    /// GPU) and recording that key's index as its match length. Stops once no slot is alive.
     ///
-    /// Takes no lock: each key's holders are read optimistically from its shard's storage and
-    /// checked against the shard's version (see [`super::table`]), so a walk never waits for
-    /// ingest. Each key's holders are one state of that key; a walk running beside writers
-    /// may see keys at different moments, as requests and events interleave anyway.
+    /// Takes no lock (either walk): each key's holders are read optimistically from its shard's
+    /// storage and checked against the shard's version (see [`super::table`]), so a walk never
+    /// waits for ingest. Each key's holders are one state of that key; a walk running beside
+    /// writers may see keys at different moments, as requests and events interleave anyway.
     fn walk(
         &self,
         keys: &[u64],
@@ -285,11 +307,47 @@ impl Pool {
         gpu_matched: &mut [u32],
     ) {
         let mut view = self.layout.view();
-        if let ([alive], [gpu_alive]) = (alive.words_mut(), gpu_alive.words_mut()) {
-            self.walk_one_word(&mut view, keys, alive, gpu_alive, matched, gpu_matched);
-            return;
-        }
         self.walk_words(&mut view, keys, alive, gpu_alive, matched, gpu_matched);
+    }
+
+    /// [`Self::find_matches`]'s counts for pools of up to 64 slots: the live sets are single
+    /// words and the walk follows runs ([`Self::walk_one_word`]), then builds runs over what
+    /// it had to look up one by one.
+    fn count_small(&self, keys: &[u64], reported: &mut [(Slot, ReplicaMatch)]) {
+        let mut alive = reported
+            .iter()
+            .filter(|(_, found)| found.precise)
+            .fold(0u64, |alive, &(slot, _)| alive | 1 << slot);
+        let mut gpu_alive = alive;
+        let (mut matched, mut gpu_matched) = ([0u32; 64], [0u32; 64]);
+        if alive != 0 {
+            let mut view = self.layout.view();
+            let paths = self.paths.view();
+            let mut looked = Vec::new();
+            let (by_run, looked_up) = self.walk_one_word(
+                &mut view,
+                &paths,
+                keys,
+                (&mut alive, &mut gpu_alive),
+                (&mut matched, &mut gpu_matched),
+                &mut looked,
+            );
+            self.paths.record_walk(by_run, looked_up);
+            if looked.len() >= MIN_RUN {
+                self.build(keys, &looked);
+            }
+        }
+        // Replicas still matching after the walk hold every key.
+        let total = keys.len() as u32;
+        for (slot, found) in reported.iter_mut().filter(|(_, found)| found.precise) {
+            let (bit, at) = (1u64 << *slot, usize::from(*slot) % 64);
+            found.matched_blocks = if alive & bit != 0 { total } else { matched[at] };
+            found.gpu_blocks = if gpu_alive & bit != 0 {
+                total
+            } else {
+                gpu_matched[at]
+            };
+        }
     }
 
     /// Calls `decode` with the holder word of each of `keys` (at most [`CHUNK`]) and its
@@ -319,6 +377,7 @@ impl Pool {
             let storage = &view[shard];
             decode(storage, storage.resolve(key, hash, home), at);
         }
+        interleave::at(interleave::Point::ChunkRead);
         read_fence();
         // Every key is checked against the storage it was read from before any is read again:
         // `read_again` loads a new layout, whose successor storage may by chance carry the
@@ -369,27 +428,156 @@ impl Pool {
         decode(storage, storage.holder_word(key, hash));
     }
 
-    /// [`Self::walk`] for pools of up to 64 slots: the live sets are single words.
+    /// One key's holder word and its holders below slot 64 (any medium, GPU), from a
+    /// version-checked read of its shard (read again on a change, like [`Self::look_up`]).
+    #[inline]
+    fn look_up_one(&self, view: &mut LayoutView, key: u64) -> (HolderWord, (u64, u64)) {
+        let hash = self.hash(key);
+        let shard = self.shard_of(hash);
+        let storage = &view[shard];
+        let version = storage.read_begin();
+        let word = storage.holder_word(key, hash);
+        let holders = storage.first_words(word);
+        interleave::at(interleave::Point::KeyRead);
+        read_fence();
+        if storage.read_valid(version) {
+            return (word, holders);
+        }
+        let mut found = (HolderWord::default(), (0, 0));
+        self.read_again(view, key, hash, shard, &mut |storage, word| {
+            found = (word, storage.first_words(word));
+        });
+        found
+    }
+
+    /// [`Self::walk`] for pools of up to 64 slots: the live sets are single words. Follows
+    /// runs: each key looked up whose run vouches for the prompt's next keys (same keys, same
+    /// holders) lets the walk skip them at the cost of a compare; after a run one key is
+    /// looked up (the next run usually starts there), otherwise a chunk. Keys no run covers
+    /// are pushed to `looked` (runs are built from them). Returns the keys answered by runs
+    /// and the keys looked up.
     fn walk_one_word(
         &self,
         view: &mut LayoutView,
+        paths: &PathsView,
         keys: &[u64],
-        alive: &mut u64,
-        gpu_alive: &mut u64,
-        matched: &mut [u32],
-        gpu_matched: &mut [u32],
-    ) {
-        let mut bits = [(0, 0); CHUNK];
-        for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
-            self.look_up(view, chunk, |storage, word, at| {
-                bits[at] = storage.first_words(word)
-            });
-            for (at, &(present, gpu)) in bits[..chunk.len()].iter().enumerate() {
-                let index = (chunk_at * CHUNK + at) as u32;
+        (alive, gpu_alive): (&mut u64, &mut u64),
+        (matched, gpu_matched): (&mut [u32], &mut [u32]),
+        looked: &mut Vec<Looked>,
+    ) -> (usize, usize) {
+        let mut found = [(HolderWord::default(), (0, 0)); CHUNK];
+        let (mut by_run, mut looked_up) = (0, 0);
+        let mut at = 0;
+        let mut one = true;
+        while at < keys.len() {
+            let chunk = &keys[at..keys.len().min(at + if one { 1 } else { CHUNK })];
+            if let ([key], true) = (chunk, one) {
+                found[0] = self.look_up_one(view, *key);
+            } else {
+                self.look_up(view, chunk, |storage, word, offset| {
+                    found[offset] = (word, storage.first_words(word));
+                });
+            }
+            looked_up += chunk.len();
+            let mut next = at + chunk.len();
+            one = false;
+            for (offset, &(word, (present, gpu))) in found[..chunk.len()].iter().enumerate() {
+                let at = at + offset;
+                let index = at as u32;
                 drop_absent(alive, present, |slot| matched[slot] = index);
                 drop_absent(gpu_alive, gpu, |slot| gpu_matched[slot] = index);
                 if *alive == 0 {
+                    // The end of a stretch looked up (a stretch is consecutive keys).
+                    if looked.last().is_some_and(|last| last.0 + 1 == at) {
+                        looked.push((at, present, gpu));
+                    }
+                    return (by_run, looked_up);
+                }
+                // The keys a run vouches for have this key's holders: nothing to drop.
+                let rest = &keys[at + 1..];
+                let span = self
+                    .paths
+                    .covered(paths, word.run(), keys[at], rest, (present, gpu));
+                if span.covered > 0 {
+                    by_run += span.covered;
+                    next = at + 1 + span.covered;
+                    one = true;
+                    // The runs built after it, while their first keys are the prompt's next.
+                    let mut hint = span.next;
+                    while let Some((holders, span)) = hint
+                        .is_some()
+                        .then(|| self.paths.enter(paths, hint, &keys[next..]))
+                        .flatten()
+                    {
+                        let index = next as u32;
+                        drop_absent(alive, holders.0, |slot| matched[slot] = index);
+                        drop_absent(gpu_alive, holders.1, |slot| gpu_matched[slot] = index);
+                        if *alive == 0 {
+                            return (by_run, looked_up);
+                        }
+                        by_run += 1 + span.covered;
+                        next += 1 + span.covered;
+                        hint = span.next;
+                    }
+                    break;
+                }
+                looked.push((at, present, gpu));
+            }
+            at = next;
+        }
+        (by_run, looked_up)
+    }
+
+    /// Builds runs over the stretches of `looked` (consecutive prompt keys with the same
+    /// holders, held by someone) that a walk met before, unless another walk is building. Each key is linked under
+    /// its shard lock, taken with `try_lock` so the walk never waits; a run ends at the first
+    /// key that is busy, has other holders by now, or was cut meanwhile.
+    #[cold]
+    fn build(&self, keys: &[u64], looked: &[Looked]) {
+        let stretches = looked.chunk_by(|a, b| b.0 == a.0 + 1 && (a.1, a.2) == (b.1, b.2));
+        let mut builder = None;
+        // The last run built and where its keys end in the prompt.
+        let mut built = None;
+        for stretch in stretches {
+            let Some(&(first, present, gpu)) = stretch.first() else {
+                continue;
+            };
+            if stretch.len() < MIN_RUN || present == 0 || !self.paths.seen_before(keys[first]) {
+                continue;
+            }
+            if builder.is_none() {
+                builder = self.paths.try_build();
+            }
+            let Some(builder) = builder.as_mut() else {
+                return;
+            };
+            for (piece_at, piece) in keys[first..first + stretch.len()]
+                .chunks(MAX_RUN)
+                .enumerate()
+            {
+                if piece.len() < MIN_RUN {
+                    continue;
+                }
+                let Some(run) = builder.allocate(piece, (present, gpu)) else {
                     return;
+                };
+                let begins = first + piece_at * MAX_RUN;
+                if let Some((previous, ended)) = built
+                    && ended == begins
+                {
+                    builder.chain(previous, run);
+                }
+                built = Some((run, begins + piece.len()));
+                for (offset, &key) in piece.iter().enumerate() {
+                    let hash = self.hash(key);
+                    let Some(mut table) = self.shards[self.shard_of(hash)].try_lock() else {
+                        break;
+                    };
+                    if !table.link(key, hash, (present, gpu), run.at(offset))
+                        || !builder.extend(run, offset)
+                    {
+                        break;
+                    }
                 }
             }
         }
@@ -436,12 +624,13 @@ impl Pool {
             .sum()
     }
 
-    /// Bytes allocated by the shard tables.
+    /// Bytes allocated by the shard tables and the runs.
     pub(crate) fn memory_bytes(&self) -> usize {
         self.shards
             .iter()
             .map(|shard| shard.lock().memory_bytes())
-            .sum()
+            .sum::<usize>()
+            + self.paths.memory_bytes()
     }
 }
 

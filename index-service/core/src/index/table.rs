@@ -31,6 +31,7 @@ use parking_lot::{Mutex, RwLock};
 use super::holders::{
     Holder, KeyHasherBuilder, MEDIA, MediaSet, MediaWords, Removal, Slot, SlotSet,
 };
+use super::paths::{Paths, RunRef};
 use crate::event::Medium;
 
 /// Entries per 64-byte line.
@@ -45,8 +46,23 @@ const MIN_NARROW: usize = 4;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Entry {
     key: u64,
-    /// [`Holding::encode`]; 0 marks a vacant entry.
+    /// [`Holding::encode`] in the low half (0 marks a vacant entry), the key's [`RunRef`] in
+    /// the high half.
     word: u64,
+}
+
+/// The holding half of an entry's word.
+const HOLDING_MASK: u64 = 0xFFFF_FFFF;
+/// Arena indexes fit the holding half beside the tag.
+const MAX_ARENA_INDEX: usize = 1 << (32 - TAG_BITS);
+
+fn run_of(word: u64) -> RunRef {
+    RunRef((word >> 32) as u32)
+}
+
+/// `holding`'s word keeping the run named by `word`.
+fn keeping_run(word: u64, holding: Holding) -> u64 {
+    holding.encode() | (word & !HOLDING_MASK)
 }
 
 /// Four entries as (key, word) atomics.
@@ -76,6 +92,7 @@ enum Holding {
 
 impl Holding {
     fn decode(word: u64) -> Self {
+        let word = word & HOLDING_MASK;
         match word & TAG_MASK {
             TAG_ONE => Holding::One(Holder {
                 slot: (word >> 16) as Slot,
@@ -88,6 +105,11 @@ impl Holding {
     }
 
     fn encode(self) -> u64 {
+        // A shard would need 2^30 multi-holder keys (32 GiB of bitsets) to pass this.
+        debug_assert!(match self {
+            Holding::Narrow(at) | Holding::Wide(at) => at < MAX_ARENA_INDEX,
+            _ => true,
+        });
         match self {
             Holding::Vacant => 0,
             Holding::One(holder) => {
@@ -102,6 +124,14 @@ impl Holding {
 /// A key's holder word (0 when the key is absent).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct HolderWord(u64);
+
+impl HolderWord {
+    /// The run the key's entry names (checked by the run itself before it is trusted).
+    #[inline]
+    pub(crate) fn run(self) -> RunRef {
+        run_of(self.0)
+    }
+}
 
 /// The first entry of a key's probe run, loaded ahead by [`Storage::home_entry`].
 #[derive(Debug, Clone, Copy, Default)]
@@ -411,6 +441,7 @@ impl Layout {
     pub(crate) fn with_tables(
         shards: usize,
         hasher: KeyHasherBuilder,
+        paths: &Arc<Paths>,
     ) -> (Arc<Layout>, Vec<HolderTable>) {
         let storages: Vec<Arc<Storage>> = (0..shards)
             .map(|_| {
@@ -434,6 +465,7 @@ impl Layout {
                 narrow_free: Vec::new(),
                 layout: Arc::clone(&layout),
                 shard,
+                paths: Arc::clone(paths),
             })
             .collect();
         (layout, tables)
@@ -467,13 +499,15 @@ pub(crate) struct HolderTable {
     narrow_free: Vec<usize>,
     layout: Arc<Layout>,
     shard: usize,
+    /// The pool's runs: a key's run is cut before its holders change.
+    paths: Arc<Paths>,
 }
 
 impl HolderTable {
     /// A table of its own one-shard layout (tests).
     #[cfg(test)]
     pub(crate) fn new(hasher: KeyHasherBuilder) -> Self {
-        let (_, mut tables) = Layout::with_tables(1, hasher);
+        let (_, mut tables) = Layout::with_tables(1, hasher, &Arc::default());
         tables.remove(0)
     }
 
@@ -494,8 +528,42 @@ impl HolderTable {
         self.storage.store(at, entry);
     }
 
+    /// Sets entry `at`'s holding, keeping its run (a change of holders unlinks it first).
     fn set_word(&self, at: usize, holding: Holding) {
-        self.storage.store_word(at, holding.encode());
+        let word = self.entry(at).word;
+        self.storage.store_word(at, keeping_run(word, holding));
+    }
+
+    /// Ends the run of entry `at` before it and forgets it: called before a change of which
+    /// slots hold the key (in any medium, or on the GPU) becomes visible.
+    fn unlink(&self, at: usize) {
+        let Entry { key, word } = self.entry(at);
+        let run = run_of(word);
+        if run.is_some() {
+            self.paths.cut(run, key);
+            self.storage.store_word(at, word & HOLDING_MASK);
+        }
+    }
+
+    /// Names `run` in `key`'s entry if the key's holders (slots below 64, any medium and GPU)
+    /// are `holders` and no live run covers it already (a new run does not take keys from
+    /// another one: both would be cut shorter in turn). Not a change of holders, so no version
+    /// bump: a reader sees the word before or after, the holding the same. The caller holds the
+    /// shard lock, and grows the run over the key before releasing it.
+    pub(crate) fn link(&mut self, key: u64, hash: u64, holders: (u64, u64), run: RunRef) -> bool {
+        let Some(at) = self.find(key, hash) else {
+            return false;
+        };
+        let word = self.entry(at).word;
+        let old = run_of(word);
+        if self.storage.first_words(HolderWord(word)) != holders || self.paths.vouches(old, key) {
+            return false;
+        }
+        // The old run (if any) does not cover the key and never will again (a run only
+        // grows while it is built): forgetting it loses nothing.
+        self.storage
+            .store_word(at, (word & HOLDING_MASK) | u64::from(run.0) << 32);
+        true
     }
 
     /// Where `key`'s probe run starts; the table must not be empty.
@@ -688,6 +756,9 @@ impl HolderTable {
         let bit = MediaSet::index(medium);
         let holding = Holding::decode(self.entry(at).word);
         let before = self.media_in(holding, slot);
+        if before.is_empty() || medium == Medium::Gpu && !before.has_gpu() {
+            self.unlink(at);
+        }
         match holding {
             Holding::One(holder) if holder.slot == slot => {
                 let media = holder.media.with(medium);
@@ -749,7 +820,20 @@ impl HolderTable {
         if media.is_empty() {
             return NOT_HELD;
         }
-        self.write(|table| table.remove_inner(at, holding, media, slot, medium))
+        // Whether the slot leaves the key's holders, or its GPU holders.
+        let changes = match medium {
+            None => true,
+            Some(medium) => {
+                media.contains(medium)
+                    && (media.without(medium).is_empty() || medium == Medium::Gpu)
+            }
+        };
+        self.write(|table| {
+            if changes {
+                table.unlink(at);
+            }
+            table.remove_inner(at, holding, media, slot, medium)
+        })
     }
 
     fn remove_inner(
@@ -904,7 +988,7 @@ impl HolderTable {
                 at,
                 Entry {
                     key: entry.key,
-                    word: holding.encode(),
+                    word: keeping_run(entry.word, holding),
                 },
             );
         }
@@ -912,6 +996,11 @@ impl HolderTable {
         self.narrow_used = narrow_used;
         self.narrow_free = Vec::new();
         self.install(storage);
+    }
+
+    /// Whether no key is present.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// Keys present.
@@ -979,7 +1068,7 @@ mod tests {
                 slot: Slot::MAX,
                 media: MediaSet::only(Medium::Other),
             }),
-            Holding::Narrow(usize::MAX >> TAG_BITS),
+            Holding::Narrow(MAX_ARENA_INDEX - 1),
             Holding::Wide(12345),
         ] {
             assert_eq!(Holding::decode(holding.encode()), holding);

@@ -1,0 +1,268 @@
+//! Runs of prompt keys (`index::paths`): answers read from runs equal the reference model's as
+//! holders change under them, and every lock-free read that checks a version or generation
+//! takes its retry when a writer changes the data between the read and the check (forced on
+//! the reader's own thread with `paths::interleave` hooks, so the interleaving is certain).
+
+use std::sync::Arc;
+
+use super::*;
+use crate::index::PathStats;
+use crate::index::paths::interleave::{self, Point};
+
+fn indexes() -> (Arc<BlockIndex>, Box<dyn KvIndex>) {
+    let index = Arc::new(block_index(10_000));
+    let reference = make_reference(10_000);
+    setup(&*index, 4);
+    setup(&*reference, 4);
+    (index, reference)
+}
+
+/// Applies `event` of exact replica `r` (and the same blocks to chain replica `100 + r`).
+fn apply(index: &dyn KvIndex, reference: &dyn KvIndex, r: u32, event: &KvEvent) {
+    for replica in [ReplicaId(r), ReplicaId(100 + r)] {
+        let found = index.apply_event(replica, event).unwrap();
+        let expected = reference.apply_event(replica, event).unwrap();
+        assert_eq!(found, expected, "{replica}: {event:?}");
+    }
+}
+
+/// Asks both pools three times (a stretch looked up key by key is built the second time, read
+/// from its run the third) and checks every answer against the reference.
+fn agree(index: &BlockIndex, reference: &dyn KvIndex, tokens: &[u32], candidates: Option<&[u32]>) {
+    for model in [EXACT, CHAIN] {
+        let keys = query_keys(model, tokens);
+        let offset = if model == EXACT { 0 } else { 100 };
+        let ids: Option<Vec<ReplicaId>> =
+            candidates.map(|c| c.iter().map(|&r| ReplicaId(offset + r)).collect());
+        let expected = sorted(
+            reference
+                .find_matches(model, &keys, ids.as_deref())
+                .unwrap(),
+        );
+        for walk in 0..3 {
+            let found = sorted(index.find_matches(model, &keys, ids.as_deref()).unwrap());
+            assert_eq!(found, expected, "{model}, walk {walk}");
+        }
+    }
+}
+
+fn stats(index: &BlockIndex) -> PathStats {
+    index.path_stats(EXACT).unwrap()
+}
+
+#[test]
+fn runs_answer_like_the_tables_while_holders_change() {
+    let (index, reference) = indexes();
+    // Two prompts sharing their first 50 blocks.
+    let tokens = prompt(1, 50, 120);
+    let other = prompt(2, 50, 120);
+    let (index, reference) = (&*index, &*reference);
+    apply(index, reference, 0, &stored(&tokens, 0, 100, Medium::Gpu));
+    apply(index, reference, 1, &stored(&tokens, 0, 60, Medium::Gpu));
+    apply(index, reference, 2, &stored(&tokens, 0, 60, Medium::Cpu));
+    apply(index, reference, 3, &stored(&tokens, 0, 30, Medium::Gpu));
+    apply(
+        index,
+        reference,
+        3,
+        &stored(&tokens, 30, 45, Medium::Storage),
+    );
+    apply(index, reference, 3, &stored(&other, 0, 80, Medium::Gpu));
+    agree(index, reference, &tokens, None);
+    // Blocks 0..50 (replicas 0–3, replica 3 through the shared prefix), 50..60 (0–2), 60..100
+    // (0): one run each, built by the second walk; the third looks up block 0, follows the
+    // runs from one to the next, and looks up block 100 (held by nobody).
+    let built = stats(index);
+    assert_eq!(
+        (built.runs_built, built.keys_by_run),
+        (3, 49 + 10 + 40),
+        "{built:?}"
+    );
+    let before = stats(index);
+    index
+        .find_matches(EXACT, &query_keys(EXACT, &tokens), None)
+        .unwrap();
+    let after = stats(index);
+    assert_eq!(after.keys_looked_up - before.keys_looked_up, 2, "{after:?}");
+
+    let changes: Vec<(u32, KvEvent)> = vec![
+        // A new holder inside a run, then a removal inside another.
+        (3, stored(&tokens, 45, 52, Medium::Storage)),
+        (1, removed(&tokens, 40, 41, Medium::Gpu)),
+        // Another medium of a block already held on the GPU: the same holders.
+        (0, stored(&tokens, 40, 60, Medium::Cpu)),
+        (0, removed(&tokens, 40, 60, Medium::Cpu)),
+        // The GPU holders change, not the holders.
+        (2, stored(&tokens, 10, 20, Medium::Gpu)),
+        (2, removed(&tokens, 12, 14, Medium::Gpu)),
+        (0, removed(&tokens, 90, 100, Medium::Gpu)),
+        (1, KvEvent::AllBlocksCleared),
+        (1, stored(&tokens, 0, 70, Medium::Gpu)),
+        (3, removed(&other, 0, 80, Medium::Gpu)),
+    ];
+    for (r, event) in &changes {
+        apply(index, reference, *r, event);
+        agree(index, reference, &tokens, None);
+        agree(index, reference, &other, None);
+        agree(index, reference, &tokens[..50 * BS as usize], Some(&[1, 3]));
+    }
+    for r in [2, 0] {
+        index.reset_replica(ReplicaId(r)).unwrap();
+        reference.reset_replica(ReplicaId(r)).unwrap();
+        agree(index, reference, &tokens, None);
+    }
+    let after = stats(index);
+    assert!(after.keys_by_run > built.keys_by_run, "{after:?}");
+    assert!(after.runs_built > built.runs_built, "{after:?}");
+}
+
+/// Replicas 0 and 1 hold blocks 0..40 of the exact pool, in a run a second walk reads.
+fn held_in_a_run() -> (Arc<BlockIndex>, Box<dyn KvIndex>, Vec<u32>, Vec<u64>) {
+    let (index, reference) = indexes();
+    let tokens = prompt(3, 0, 40);
+    for r in [0, 1] {
+        let event = stored(&tokens, 0, 40, Medium::Gpu);
+        index.apply_event(ReplicaId(r), &event).unwrap();
+        reference.apply_event(ReplicaId(r), &event).unwrap();
+    }
+    let keys = query_keys(EXACT, &tokens);
+    for _ in 0..2 {
+        index.find_matches(EXACT, &keys, None).unwrap();
+    }
+    let before = stats(&index);
+    index.find_matches(EXACT, &keys, None).unwrap();
+    assert_eq!(stats(&index).keys_by_run - before.keys_by_run, 39);
+    (index, reference, tokens, keys)
+}
+
+/// Runs `change` (on exact replica `replica`) at `point` of the next walk, on its thread.
+fn at_point(point: Point, index: &Arc<BlockIndex>, replica: u32, change: KvEvent) {
+    let index = Arc::clone(index);
+    interleave::set(point, move || {
+        index.apply_event(ReplicaId(replica), &change).unwrap();
+    });
+}
+
+#[test]
+fn a_run_cut_while_it_is_compared_vouches_only_for_the_keys_before_the_cut() {
+    let (index, reference, tokens, keys) = held_in_a_run();
+    let change = removed(&tokens, 20, 21, Medium::Gpu);
+    at_point(Point::RunCompared, &index, 1, change.clone());
+    let before = stats(&index);
+    let found = index.find_matches(EXACT, &keys, None).unwrap();
+    assert!(interleave::fired());
+    reference.apply_event(ReplicaId(1), &change).unwrap();
+    // Trusting the compare's length would say replica 1 holds all 40.
+    assert_eq!(counts(&found, 1), Some((20, 20)));
+    assert_eq!(
+        sorted(found),
+        sorted(reference.find_matches(EXACT, &keys, None).unwrap())
+    );
+    let after = stats(&index);
+    assert_eq!(
+        after.runs_changed_under_read,
+        before.runs_changed_under_read + 1
+    );
+}
+
+#[test]
+fn a_next_run_cut_while_it_is_compared_vouches_only_for_the_keys_before_the_cut() {
+    let (index, reference) = indexes();
+    let tokens = prompt(5, 0, 40);
+    // Blocks 0..20 held by replicas 0 and 1, 20..40 by replica 0: two runs, the second
+    // reached from the first without a lookup.
+    for (r, end) in [(0, 40), (1, 20)] {
+        let event = stored(&tokens, 0, end, Medium::Gpu);
+        index.apply_event(ReplicaId(r), &event).unwrap();
+        reference.apply_event(ReplicaId(r), &event).unwrap();
+    }
+    let keys = query_keys(EXACT, &tokens);
+    for _ in 0..3 {
+        index.find_matches(EXACT, &keys, None).unwrap();
+    }
+    // Block 30 goes while the second run is compared.
+    let change = removed(&tokens, 30, 31, Medium::Gpu);
+    let hooked = Arc::clone(&index);
+    let event = change.clone();
+    interleave::set_after(Point::RunCompared, 1, move || {
+        hooked.apply_event(ReplicaId(0), &event).unwrap();
+    });
+    let before = stats(&index);
+    let found = index.find_matches(EXACT, &keys, None).unwrap();
+    assert!(interleave::fired());
+    reference.apply_event(ReplicaId(0), &change).unwrap();
+    assert_eq!(counts(&found, 0), Some((30, 30)));
+    assert_eq!(
+        sorted(found),
+        sorted(reference.find_matches(EXACT, &keys, None).unwrap())
+    );
+    let after = stats(&index);
+    // Blocks 0 and 30 looked up: block 20 came from the first run's successor.
+    assert_eq!(after.keys_looked_up - before.keys_looked_up, 2);
+    assert_eq!(
+        after.runs_changed_under_read,
+        before.runs_changed_under_read + 1
+    );
+}
+
+#[test]
+fn a_run_dropped_while_it_is_compared_is_not_trusted() {
+    let (index, _, _, keys) = held_in_a_run();
+    // Both replicas reset: the pool empties and its runs are dropped (generation changes).
+    let hooked = Arc::clone(&index);
+    interleave::set(Point::RunCompared, move || {
+        for r in [0, 1] {
+            hooked.reset_replica(ReplicaId(r)).unwrap();
+        }
+    });
+    let before = stats(&index);
+    let found = index.find_matches(EXACT, &keys, None).unwrap();
+    assert!(interleave::fired());
+    // Block 0 was read before the reset, everything after it once the run failed its check.
+    for r in [0, 1] {
+        assert_eq!(counts(&found, r), Some((1, 1)), "{found:?}");
+    }
+    let after = stats(&index);
+    assert_eq!(
+        after.runs_changed_under_read,
+        before.runs_changed_under_read + 1
+    );
+    assert_eq!(index.memory_bytes(), 0);
+}
+
+#[test]
+fn a_key_changed_between_its_read_and_its_check_is_read_again() {
+    let (index, reference, tokens, keys) = held_in_a_run();
+    // Replica 2 comes to hold block 0 after the walk read block 0's holders.
+    let change = stored(&tokens, 0, 1, Medium::Gpu);
+    at_point(Point::KeyRead, &index, 2, change.clone());
+    let found = index.find_matches(EXACT, &keys, None).unwrap();
+    assert!(interleave::fired());
+    reference.apply_event(ReplicaId(2), &change).unwrap();
+    assert_eq!(counts(&found, 2), Some((1, 1)));
+    assert_eq!(
+        sorted(found),
+        sorted(reference.find_matches(EXACT, &keys, None).unwrap())
+    );
+}
+
+#[test]
+fn a_chunk_changed_between_its_read_and_its_check_is_read_again() {
+    let (index, reference) = indexes();
+    let tokens = prompt(4, 0, 40);
+    let event = stored(&tokens, 0, 40, Medium::Gpu);
+    index.apply_event(ReplicaId(0), &event).unwrap();
+    reference.apply_event(ReplicaId(0), &event).unwrap();
+    let keys = query_keys(EXACT, &tokens);
+    // No run yet: blocks 1..33 are read as a chunk; block 5 goes while they are checked.
+    let change = removed(&tokens, 5, 6, Medium::Gpu);
+    at_point(Point::ChunkRead, &index, 0, change.clone());
+    let found = index.find_matches(EXACT, &keys, None).unwrap();
+    assert!(interleave::fired());
+    reference.apply_event(ReplicaId(0), &change).unwrap();
+    assert_eq!(counts(&found, 0), Some((5, 5)));
+    assert_eq!(
+        sorted(found),
+        sorted(reference.find_matches(EXACT, &keys, None).unwrap())
+    );
+}
