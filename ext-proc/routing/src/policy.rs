@@ -8,7 +8,8 @@
 //! queue_ms   = max(work_ms, waiting_ms)
 //!            + running_ms_per_request × running
 //!            + kv_usage_ms            × kv_usage
-//! ttft_ms    = queue_ms − prefill_ms_per_token × in-flight prompt tokens it shares
+//! credit_ms  = prefill_ms_per_token   × in-flight prompt tokens it shares
+//! ttft_ms    = max(queue_ms − credit_ms, credit_ms)
 //!            + prefill_ms_per_token × uncached prompt tokens
 //! ```
 //!
@@ -25,6 +26,12 @@
 //! it elsewhere) and the burst would spread, computing the prefix once per replica. With it, the
 //! siblings co-locate until the running batch itself costs more than a fresh prefill elsewhere
 //! (`running_ms_per_request × siblings ≈ prefill_ms_per_token × prefix tokens`).
+//! Joining is not free, though: the sibling gets its first token only once the shared prefill
+//! is done, so it waits for the longer of that prefill and the rest of the queue (they run in
+//! the same steps). Subtracting the whole credit priced a sibling as if the prefix were already
+//! cached, which made a holder look free to a whole burst while an idle replica holding the
+//! same earlier prefix would have computed it as fast (kvroute-replay's fan-out workload,
+//! issue 20).
 //!
 //! Hotspot guard: a replica whose `queue_ms` (its whole load, credit not subtracted) exceeds the
 //! candidates' mean by `hotspot_factor` and is above `hotspot_min_ms` is skipped, unless every
@@ -152,7 +159,9 @@ fn estimated_ttft_ms(
     let shared = (candidate.shared_inflight_tokens as f64)
         .min(candidate.load.inflight_prompt_tokens)
         .min(prompt_tokens as f64);
-    (queue_ms - weights.prefill_ms_per_token * shared).max(0.0)
+    let credit = weights.prefill_ms_per_token * shared;
+    // Joined, not queued behind — but not done before the shared prefill is (module docs).
+    (queue_ms - credit).max(credit)
         + weights.prefill_ms_per_token * prompt_tokens.saturating_sub(cached) as f64
 }
 
@@ -386,6 +395,22 @@ mod tests {
         assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
         let choice = choose(&[first, idle], 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
+    }
+
+    #[test]
+    fn a_sibling_still_waits_for_the_prefill_it_joins() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        // r0 prefills the first sibling (1200 tokens in flight, 1008 of them this prompt's);
+        // idle r1 already holds the prompt's first 40 blocks. Joining r0 means waiting ≈ 100 ms
+        // for the shared prefill; r1 computes the missing 384 tokens in 38 ms.
+        let mut joined = candidate(63, 0.0);
+        joined.load.inflight_prompt_tokens = 1200.0;
+        joined.load.inflight_requests = 1.0;
+        joined.shared_inflight_tokens = 1008;
+        let warm = candidate(40, 0.0);
+        let choice = choose(&[joined, warm], 1024, 16, &weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
+        assert!((choice.ttft_ms - 38.4).abs() < 1e-9, "{choice:?}");
     }
 
     #[test]
