@@ -384,7 +384,8 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         // r0 is prefilling the first sibling (1024 tokens, 63 blocks shared) and a short
         // unrelated prompt; without the credit waiting for that prefill costs more than redoing it
-        // on idle r1.
+        // on idle r1. With it the sibling waits only for the shared prefill (the unrelated prompt
+        // runs beside it): as long as r1's, a tie, and the tie keeps the cache.
         let mut first = candidate(63, 0.0);
         first.load.inflight_prompt_tokens = 1200.0;
         first.load.inflight_requests = 1.0;
