@@ -80,7 +80,8 @@ pub const HOTSPOT_MIN_QUEUED: f64 = 2.0;
 
 /// Share of a prefix's prefill charged again to a candidate that would recompute it while another
 /// holds it, when every replica is busy (module docs). 1: the recomputation is paid once by the
-/// request and once by the requests queued behind it; 0.5 and 2 gained less in kvroute-replay.
+/// request and once by the requests queued behind it. (In kvroute-replay, 0.5 or 1 charged at any
+/// load, or 2 scaled by the mean queue, cost fan-out and multi-turn what this gains elsewhere.)
 pub const RECOMPUTE_PENALTY: f64 = 1.0;
 
 /// How busy the least busy candidate is, 0..1: its queue in waiting requests' worth, capped at
