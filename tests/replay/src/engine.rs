@@ -140,8 +140,28 @@ impl Engine {
         timing: &dyn TimingModel,
         now_us: u64,
     ) -> Option<Prediction> {
+        self.predict_within(request, timing, now_us, u64::MAX)
+    }
+
+    /// [`Engine::predict`], giving up (`None`) once the request has waited more than
+    /// `limit_us` without its first token: a caller looking for the soonest replica need not
+    /// simulate the rest of a queue that has already lost. Within the limit, the same answer.
+    pub fn predict_within(
+        &self,
+        request: &Request,
+        timing: &dyn TimingModel,
+        now_us: u64,
+        limit_us: u64,
+    ) -> Option<Prediction> {
         /// Steps after which a request counts as never served.
         const MAX_STEPS: usize = 1_000_000;
+        // The request cannot get its first token before the step in progress ends.
+        if self
+            .step_end_us
+            .is_some_and(|end| end.saturating_sub(now_us) > limit_us)
+        {
+            return None;
+        }
         let mut engine = self.clone();
         engine.enqueue(request);
         let mut now = now_us;
@@ -150,6 +170,9 @@ impl Engine {
                 Some(end) => end,
                 None => engine.start_step(now, timing)?,
             };
+            if end.saturating_sub(now_us) > limit_us {
+                return None;
+            }
             now = end;
             let outcome = engine.finish_step();
             if let Some(first) = outcome.first_tokens.iter().find(|f| f.id == request.id) {

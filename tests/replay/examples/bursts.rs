@@ -1,0 +1,103 @@
+//! Per burst of siblings: where each router put them and what they got (issue 20's fan-out
+//! analysis).
+//!
+//! ```text
+//! cargo run --release -p kvroute-replay --example bursts -- LOAD ROUTER[,ROUTER…] SEED [KIND] [SHOW]
+//! ```
+//!
+//! A burst is a session's requests arriving within 50 ms of its first. For each router prints
+//! how many bursts were split over replicas, the mean TTFT of split and whole bursts, hit rate,
+//! p50/p90, imbalance and per-replica busy seconds; with `SHOW` (a count) also the first bursts
+//! one by one (replicas, hit blocks, TTFT ms). Same engine, delay and replicas as
+//! `kvroute-replay run`'s defaults.
+#![allow(
+    clippy::print_stdout,
+    clippy::unwrap_used,
+    reason = "a diagnostic tool printing its findings; bad arguments panic"
+)]
+
+use std::collections::HashMap;
+
+use kvroute_replay::engine::EngineConfig;
+use kvroute_replay::routers::RouterSpec;
+use kvroute_replay::sim::{self, SimConfig};
+use kvroute_replay::timing::MockerFit;
+use kvroute_replay::{metrics, trace, workload};
+
+/// Arrivals of one session this close to its burst's first belong to the burst.
+const BURST_WINDOW_US: u64 = 50_000;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let load: f64 = args[1].parse().unwrap();
+    let seed: u64 = args[3].parse().unwrap();
+    let kind = workload::Kind::parse(args.get(4).map_or("fan-out", String::as_str)).unwrap();
+    let show: usize = args.get(5).map_or(0, |s| s.parse().unwrap());
+    let requests = trace::compress(
+        &trace::prepare_all(&workload::generate(kind, seed)).unwrap(),
+        load,
+    );
+    let config = SimConfig {
+        replicas: 4,
+        engine: EngineConfig::default(),
+        timing: MockerFit::default(),
+        kv_delay_us: 50_000,
+    };
+    let mut bursts: Vec<Vec<usize>> = Vec::new();
+    let mut open: HashMap<u64, (u64, usize)> = HashMap::new();
+    for r in &requests {
+        match open.get(&r.session) {
+            Some(&(t0, b)) if r.arrival_us - t0 < BURST_WINDOW_US => bursts[b].push(r.id),
+            _ => {
+                open.insert(r.session, (r.arrival_us, bursts.len()));
+                bursts.push(vec![r.id]);
+            }
+        }
+    }
+    let skip = requests.len() / 10;
+    for name in args[2].split(',') {
+        let spec = RouterSpec::parse(name).unwrap();
+        let mut router = spec.build(config.replicas, config.engine.blocks, seed);
+        let result = sim::run(&requests, &config, router.as_mut()).unwrap();
+        let (mut total, mut split) = (0, 0);
+        let (mut ttft_split, mut ttft_whole) = (Vec::new(), Vec::new());
+        for b in bursts.iter().filter(|b| b[0] >= skip) {
+            total += 1;
+            let outcomes: Vec<_> = b.iter().map(|i| result.outcomes[*i]).collect();
+            let ttfts: Vec<u64> = outcomes.iter().map(|o| o.ttft_us / 1000).collect();
+            let is_split = outcomes.iter().any(|o| o.replica != outcomes[0].replica);
+            if is_split {
+                split += 1;
+                ttft_split.extend(&ttfts);
+            } else {
+                ttft_whole.extend(&ttfts);
+            }
+            if total <= show {
+                println!(
+                    "burst n={} context_blocks={} replicas={:?} hits={:?} ttft_ms={ttfts:?}",
+                    b.len(),
+                    requests[b[0]].full_blocks,
+                    outcomes.iter().map(|o| o.replica).collect::<Vec<_>>(),
+                    outcomes.iter().map(|o| o.hit_blocks).collect::<Vec<_>>(),
+                );
+            }
+        }
+        let m = metrics::measure(&requests, &result, 0.1);
+        let mean = |v: &[u64]| v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
+        println!(
+            "{name}: bursts {total} split {split}; ttft mean split {:.0} whole {:.0}; hit {:.3} \
+             p50 {:.0} p90 {:.0} imbalance {:.2} busy_s {:?}",
+            mean(&ttft_split),
+            mean(&ttft_whole),
+            m.hit_rate,
+            m.ttft_p50_ms,
+            m.ttft_p90_ms,
+            m.imbalance,
+            result
+                .busy_us
+                .iter()
+                .map(|b| b / 1_000_000)
+                .collect::<Vec<_>>()
+        );
+    }
+}
