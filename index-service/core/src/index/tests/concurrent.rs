@@ -55,6 +55,26 @@ fn writer_events(writer: u32, round: usize, prompts: &[Vec<u32>]) -> Vec<KvEvent
         .collect()
 }
 
+/// One thread per writer, applying its events to its two replicas (`w` and `100 + w`).
+fn spawn_writers<'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    index: &'scope BlockIndex,
+    events: &'scope [Vec<KvEvent>],
+) -> Vec<std::thread::ScopedJoinHandle<'scope, ()>> {
+    (0..WRITERS)
+        .map(|w| {
+            let events = &events[w as usize];
+            scope.spawn(move || {
+                for event in events {
+                    for replica in [ReplicaId(w), ReplicaId(100 + w)] {
+                        index.apply_event(replica, event).unwrap();
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
 #[test]
 fn lock_free_reads_agree_with_reference_model_at_quiescent_points() {
     let index = block_index(10_000);
@@ -80,18 +100,7 @@ fn lock_free_reads_agree_with_reference_model_at_quiescent_points() {
             .collect();
         let writing = AtomicBool::new(true);
         std::thread::scope(|scope| {
-            let writers: Vec<_> = (0..WRITERS)
-                .map(|w| {
-                    let (index, events) = (&index, &events[w as usize]);
-                    scope.spawn(move || {
-                        for event in events {
-                            for replica in [ReplicaId(w), ReplicaId(100 + w)] {
-                                index.apply_event(replica, event).unwrap();
-                            }
-                        }
-                    })
-                })
-                .collect();
+            let writers = spawn_writers(scope, &index, &events);
             let readers: Vec<_> = (0..2)
                 .map(|_| {
                     let (index, queries, writing) = (&index, &queries, &writing);
@@ -200,18 +209,7 @@ fn runs_built_beside_writers_agree_with_reference_model_at_quiescent_points() {
             .collect();
         let writing = AtomicBool::new(true);
         std::thread::scope(|scope| {
-            let writers: Vec<_> = (0..WRITERS)
-                .map(|w| {
-                    let (index, events) = (&index, &events[w as usize]);
-                    scope.spawn(move || {
-                        for event in events {
-                            for replica in [ReplicaId(w), ReplicaId(100 + w)] {
-                                index.apply_event(replica, event).unwrap();
-                            }
-                        }
-                    })
-                })
-                .collect();
+            let writers = spawn_writers(scope, &index, &events);
             // Readers build runs and read them while the writers cut them.
             let readers: Vec<_> = (0..2)
                 .map(|reader| {
