@@ -91,8 +91,8 @@ use kvroute_routing::ScoringConfig;
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
 use kvroute_routing::scoring::{
     DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_KV_USAGE_MS,
-    DEFAULT_PREFILL_MS_PER_TOKEN, DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RUNNING_MS_PER_REQUEST,
-    DEFAULT_SPECULATIVE_TTL,
+    DEFAULT_PREFILL_MS_PER_TOKEN, DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY,
+    DEFAULT_RUNNING_MS_PER_REQUEST, DEFAULT_SPECULATIVE_TTL,
 };
 
 use crate::error::ConfigError;
@@ -338,6 +338,7 @@ struct RawScoring {
     kv_usage_ms: Option<f64>,
     hotspot_factor: Option<f64>,
     hotspot_min_ms: Option<f64>,
+    recompute_penalty: Option<f64>,
     speculative_ttl: Option<String>,
 }
 
@@ -1239,6 +1240,11 @@ fn scoring(raw: &RawScoring) -> Result<ScoringConfig, ConfigError> {
         kv_usage_ms: non_negative("kv_usage_ms", raw.kv_usage_ms, DEFAULT_KV_USAGE_MS)?,
         hotspot_factor,
         hotspot_min_ms: non_negative("hotspot_min_ms", raw.hotspot_min_ms, DEFAULT_HOTSPOT_MIN_MS)?,
+        recompute_penalty: non_negative(
+            "recompute_penalty",
+            raw.recompute_penalty,
+            DEFAULT_RECOMPUTE_PENALTY,
+        )?,
         speculative_ttl: duration(
             "scoring.speculative_ttl",
             raw.speculative_ttl.as_deref(),
@@ -1661,6 +1667,19 @@ replicas:
         );
         assert_eq!(config.pool_for_model("m"), Some((0, None)));
         assert_eq!(config.pool_for_model("x"), None);
+        assert_eq!(config.scoring, ScoringConfig::default());
+    }
+
+    #[test]
+    fn scoring_weights_are_read_and_checked() {
+        let yaml = format!("{MINIMAL}scoring: {{recompute_penalty: 0.5, hotspot_factor: 3}}\n");
+        let config = Config::from_yaml(&yaml).unwrap();
+        assert_eq!(config.scoring.recompute_penalty, 0.5);
+        assert_eq!(config.scoring.hotspot_factor, 3.0);
+        let negative = format!("{MINIMAL}scoring: {{recompute_penalty: -1}}\n");
+        assert!(error_of(&negative).contains("scoring.recompute_penalty"));
+        let low_factor = format!("{MINIMAL}scoring: {{hotspot_factor: 0.5}}\n");
+        assert!(error_of(&low_factor).contains("scoring.hotspot_factor"));
     }
 
     #[test]

@@ -46,7 +46,7 @@
 //!
 //! Recomputation once every replica is busy: a candidate that would compute prompt tokens
 //! another candidate holds cached is charged their prefill once more
-//! ([`RECOMPUTE_PENALTY`]), scaled by how busy the least busy replica is (its `queue_ms` over
+//! (`ScoringConfig::recompute_penalty`, default 1), scaled by how busy the least busy replica is (its `queue_ms` over
 //! `queue_ms_per_request`, capped at 1). The estimate is per request and greedy; what it does not
 //! see is that the recomputed prefix is work every later request on that replica waits behind.
 //! While some replica is idle that work costs spare time, nothing is charged, and a burst still
@@ -78,14 +78,8 @@ const TIE_TOLERANCE: f64 = 0.05;
 /// alone, however long, is priced by the estimate and is not a pile-up.
 pub const HOTSPOT_MIN_QUEUED: f64 = 2.0;
 
-/// Share of a prefix's prefill charged again to a candidate that would recompute it while another
-/// holds it, when every replica is busy (module docs). 1: the recomputation is paid once by the
-/// request and once by the requests queued behind it. (In kvroute-replay, 0.5 or 1 charged at any
-/// load, or 2 scaled by the mean queue, cost fan-out and multi-turn what this gains elsewhere.)
-pub const RECOMPUTE_PENALTY: f64 = 1.0;
-
 /// How busy the least busy candidate is, 0..1: its queue in waiting requests' worth, capped at
-/// one. Scales [`RECOMPUTE_PENALTY`].
+/// one. Scales `ScoringConfig::recompute_penalty`.
 fn pool_busy(queues: &[f64], weights: &ScoringConfig) -> f64 {
     let least = queues.iter().copied().fold(f64::INFINITY, f64::min);
     if !least.is_finite() || least <= 0.0 {
@@ -265,7 +259,7 @@ pub fn choose(
         .unwrap_or(0)
         .min(prompt_tokens);
     let penalty_ms_per_token =
-        RECOMPUTE_PENALTY * pool_busy(&queues, weights) * weights.prefill_ms_per_token;
+        weights.recompute_penalty * pool_busy(&queues, weights) * weights.prefill_ms_per_token;
     let score = |i: usize| {
         let recomputed = held.saturating_sub(cached_tokens(&candidates[i]));
         ttft(i) + penalty_ms_per_token * recomputed as f64
@@ -329,6 +323,7 @@ mod tests {
             kv_usage_ms: 0.0,
             hotspot_factor: 2.0,
             hotspot_min_ms: 100.0,
+            recompute_penalty: 1.0,
             speculative_ttl: std::time::Duration::from_secs(1),
         }
     }
@@ -478,6 +473,11 @@ mod tests {
         // With an idle replica the recomputation costs spare time only: the idle one wins.
         let choice = choose(&[holder, busy, idle], 1024, 16, &w, &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (2, Reason::LoadOverCache));
+        // The penalty is the operator's (`scoring.recompute_penalty`): 0 leaves the greedy
+        // estimate alone and r1 wins.
+        w.recompute_penalty = 0.0;
+        let choice = choose(&[holder, busy], 1024, 16, &w, &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
     }
 
     #[test]

@@ -18,6 +18,11 @@ pub const DEFAULT_KV_USAGE_MS: f64 = 100.0;
 pub const DEFAULT_HOTSPOT_FACTOR: f64 = 1.5;
 /// Loads below this (ms) never trip the hotspot guard (an idle pool has tiny means).
 pub const DEFAULT_HOTSPOT_MIN_MS: f64 = 200.0;
+/// Share of a held prefix's prefill charged again to a candidate that would recompute it, once
+/// every replica is busy (`policy` module docs). 1: the recomputation is paid once by the request
+/// and once by the requests queued behind it. (In kvroute-replay, 0.5 or 1 charged at any load,
+/// or 2 scaled by the mean queue, cost fan-out and multi-turn what this gains elsewhere, issue 20.)
+pub const DEFAULT_RECOMPUTE_PENALTY: f64 = 1.0;
 /// How long a routed prefix counts as held by its replica before the engine's events confirm it.
 pub const DEFAULT_SPECULATIVE_TTL: Duration = Duration::from_secs(5);
 
@@ -36,6 +41,8 @@ pub struct ScoringConfig {
     pub hotspot_factor: f64,
     /// Loads below this never trip the guard.
     pub hotspot_min_ms: f64,
+    /// Share of a held prefix's prefill charged to recomputing it when every replica is busy.
+    pub recompute_penalty: f64,
     /// Lifetime of a speculative prefix insert.
     pub speculative_ttl: Duration,
 }
@@ -50,6 +57,7 @@ impl Default for ScoringConfig {
             kv_usage_ms: DEFAULT_KV_USAGE_MS,
             hotspot_factor: DEFAULT_HOTSPOT_FACTOR,
             hotspot_min_ms: DEFAULT_HOTSPOT_MIN_MS,
+            recompute_penalty: DEFAULT_RECOMPUTE_PENALTY,
             speculative_ttl: DEFAULT_SPECULATIVE_TTL,
         }
     }
