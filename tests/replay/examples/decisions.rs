@@ -26,6 +26,8 @@ struct Seen {
     waiting: Vec<usize>,
     running: Vec<usize>,
     chosen: usize,
+    /// Leading blocks the router believed cached on its choice, if it keeps such a belief.
+    predicted: Option<u32>,
 }
 
 struct Recorder {
@@ -45,6 +47,7 @@ impl Router for Recorder {
             waiting: view.engines.iter().map(|e| e.waiting()).collect(),
             running: view.engines.iter().map(|e| e.running()).collect(),
             chosen: decision.replica,
+            predicted: decision.predicted_blocks,
         });
         decision
     }
@@ -113,8 +116,13 @@ fn main() -> Result<(), String> {
             lost_ttft.push(ttft);
             if lost_decisions <= 25 {
                 println!(
-                    "req {i:5} in={:6} best={best:3} got={got:3} cached={:?} waiting={:?} running={:?} chosen={} ttft={ttft:.0}",
-                    requests[i].input_tokens, seen.cached, seen.waiting, seen.running, seen.chosen
+                    "req {i:5} in={:6} best={best:3} got={got:3} cached={:?} waiting={:?} running={:?} chosen={} believed={:?} ttft={ttft:.0}",
+                    requests[i].input_tokens,
+                    seen.cached,
+                    seen.waiting,
+                    seen.running,
+                    seen.chosen,
+                    seen.predicted
                 );
             }
         } else {
