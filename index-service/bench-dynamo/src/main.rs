@@ -582,20 +582,22 @@ fn note(label: impl Into<String>, kvroute: String) -> Row {
 }
 
 /// How kvroute's walks answered between two counter readings: keys compared in runs vs looked
-/// up in the tables, runs built, run reads that met a writer's change.
+/// up in the tables, runs built, builds put off (writers cutting runs), run reads that met a
+/// writer's change.
 fn path_row(label: &str, before: PathStats, after: PathStats) -> Row {
     let by_run = after.keys_by_run - before.keys_by_run;
     let looked_up = after.keys_looked_up - before.keys_looked_up;
     let walks = (after.walks - before.walks).max(1);
     note(
         format!(
-            "kvroute walks, {label}: keys by run / looked up per walk; runs built; run reads changed under them"
+            "kvroute walks, {label}: keys by run / looked up per walk; runs built; builds put off; run reads changed under them"
         ),
         format!(
-            "{:.1} / {:.1}; {}; {}",
+            "{:.1} / {:.1}; {}; {}; {}",
             by_run as f64 / walks as f64,
             looked_up as f64 / walks as f64,
             after.runs_built - before.runs_built,
+            after.builds_deferred - before.builds_deferred,
             after.runs_changed_under_read - before.runs_changed_under_read,
         ),
     )

@@ -55,6 +55,9 @@ const _: () = assert!(
     "a run slot fits a RunRef"
 );
 const _: () = assert!(MAX_RUN <= KEY_SEGMENT);
+/// Longest pause between builds, in walks, while writers keep cutting runs (see
+/// [`Paths::try_build`]).
+pub(crate) const MAX_BUILD_BACKOFF: u64 = 256;
 
 /// A key's run and its offset in it, as kept in the high half of the key's holder word; 0 is
 /// none.
@@ -165,6 +168,12 @@ struct Allocation {
     next_key: usize,
     /// Next unused run slot.
     next_run: usize,
+    /// Runs cut by writers when the last build began.
+    cuts_at_build: u64,
+    /// Walks to let pass after a build before the next, while writers keep cutting runs.
+    backoff: u64,
+    /// The walk count before which no build starts.
+    resume_at_walk: u64,
 }
 
 /// What walks did with runs, for benches and tests (counted per walk, relaxed).
@@ -180,6 +189,10 @@ pub struct PathStats {
     pub runs_built: u64,
     /// Builds skipped because another walk was building.
     pub builds_skipped: u64,
+    /// Builds put off because writers were cutting runs as fast as walks built them.
+    pub builds_deferred: u64,
+    /// Runs shortened by a writer's change to one of their keys.
+    pub cuts: u64,
     /// Run reads that met a cut or a dropped run before validating (answered per key instead).
     pub runs_changed_under_read: u64,
     /// Times every run was dropped to make room.
@@ -195,6 +208,8 @@ struct Counters {
     keys_looked_up: AtomicU64,
     runs_built: AtomicU64,
     builds_skipped: AtomicU64,
+    builds_deferred: AtomicU64,
+    cuts: AtomicU64,
     runs_changed_under_read: AtomicU64,
     resets: AtomicU64,
 }
@@ -378,7 +393,10 @@ impl Paths {
             .keys(start + offset, 1)
             .is_some_and(|stored| stored[0].load(Ordering::Relaxed) == key)
         {
-            record.len.fetch_min(offset as u64, Ordering::SeqCst);
+            let before = record.len.fetch_min(offset as u64, Ordering::SeqCst);
+            if before > offset as u64 {
+                self.counters.cuts.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -396,19 +414,41 @@ impl Paths {
         false
     }
 
-    /// The builder, unless another walk is building.
+    /// The builder, unless another walk is building or builds are backing off.
+    ///
+    /// Backoff: a writer changing a run's key cuts the run, and the keys after the cut are read
+    /// from the tables until a walk builds them again. Where writers keep changing the keys of
+    /// a prefix walks keep asking about (churn on the queried prefix), every walk rebuilt
+    /// what the last cut, and the builds — a shard `try_lock` per key — cost the walk several
+    /// times its lookups. So when runs were cut since the last build began, the next build
+    /// waits twice as many walks as the last wait (up to [`MAX_BUILD_BACKOFF`]); a build with
+    /// no cut since the last one clears it. Answers never depend on it: unbuilt keys are
+    /// looked up.
     pub(crate) fn try_build(&self) -> Option<Builder<'_>> {
-        match self.builder.try_lock() {
-            Some(allocation) => Some(Builder {
-                paths: self,
-                allocation,
-                arena: None,
-            }),
-            None => {
-                self.counters.builds_skipped.fetch_add(1, Ordering::Relaxed);
-                None
-            }
+        let Some(mut allocation) = self.builder.try_lock() else {
+            self.counters.builds_skipped.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        let walks = self.counters.walks.load(Ordering::Relaxed);
+        if walks < allocation.resume_at_walk {
+            self.counters
+                .builds_deferred
+                .fetch_add(1, Ordering::Relaxed);
+            return None;
         }
+        let cuts = self.counters.cuts.load(Ordering::Relaxed);
+        allocation.backoff = if cuts == allocation.cuts_at_build {
+            0
+        } else {
+            (allocation.backoff * 2).clamp(1, MAX_BUILD_BACKOFF)
+        };
+        allocation.cuts_at_build = cuts;
+        allocation.resume_at_walk = walks + allocation.backoff;
+        Some(Builder {
+            paths: self,
+            allocation,
+            arena: None,
+        })
     }
 
     /// Frees every run (the pool emptied). Waits for a builder in progress. The runs are
@@ -445,6 +485,8 @@ impl Paths {
             keys_looked_up: get(&c.keys_looked_up),
             runs_built: get(&c.runs_built),
             builds_skipped: get(&c.builds_skipped),
+            builds_deferred: get(&c.builds_deferred),
+            cuts: get(&c.cuts),
             runs_changed_under_read: get(&c.runs_changed_under_read),
             resets: get(&c.resets),
             bytes: self.memory_bytes() as u64,
@@ -573,7 +615,9 @@ impl Builder<'_> {
         }
         // The odd generations are visible before any key or field is reused.
         fence(Ordering::Release);
-        *self.allocation = Allocation::default();
+        // Room only: the build backoff is about the writers, not the room.
+        self.allocation.next_key = 0;
+        self.allocation.next_run = 0;
         self.paths.counters.resets.fetch_add(1, Ordering::Relaxed);
     }
 }

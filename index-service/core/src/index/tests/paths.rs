@@ -266,3 +266,60 @@ fn a_chunk_changed_between_its_read_and_its_check_is_read_again() {
         sorted(reference.find_matches(EXACT, &keys, None).unwrap())
     );
 }
+
+#[test]
+fn a_prefix_cut_on_every_walk_is_rebuilt_with_backoff_then_again_once_quiet() {
+    let (index, reference, tokens, keys) = held_in_a_run();
+    let before = stats(&index);
+    // Before every walk a writer removes blocks 10..30 of replica 1 or stores them back: each
+    // change cuts whatever run the last walk built over them.
+    let walks = 64;
+    for walk in 0..walks {
+        let change = if walk % 2 == 0 {
+            removed(&tokens, 10, 30, Medium::Gpu)
+        } else {
+            stored(&tokens, 10, 30, Medium::Gpu)
+        };
+        apply_exact(&index, &*reference, 1, &change);
+        let found = sorted(index.find_matches(EXACT, &keys, None).unwrap());
+        let expected = sorted(reference.find_matches(EXACT, &keys, None).unwrap());
+        assert_eq!(found, expected, "walk {walk}");
+    }
+    let churned = stats(&index);
+    // (Cuts are counted only where a run was there to cut.)
+    assert!(churned.cuts > before.cuts, "{churned:?}");
+    // Without the backoff every walk rebuilds what the last change cut (about one run per
+    // walk); with it the waits double: 1, 2, 4, … walks.
+    let built = churned.runs_built - before.runs_built;
+    assert!(
+        built <= 2 * 8,
+        "{built} runs built in {walks} walks: {churned:?}"
+    );
+    assert!(
+        churned.builds_deferred > before.builds_deferred,
+        "{churned:?}"
+    );
+    // Once the writer stops, builds resume within the longest wait and the prompt is read
+    // from runs again.
+    for _ in 0..=crate::index::paths::MAX_BUILD_BACKOFF + 2 {
+        index.find_matches(EXACT, &keys, None).unwrap();
+    }
+    let quiet = stats(&index);
+    index.find_matches(EXACT, &keys, None).unwrap();
+    let last = stats(&index);
+    assert!(
+        last.keys_looked_up - quiet.keys_looked_up <= 3,
+        "{quiet:?} -> {last:?}"
+    );
+    assert_eq!(
+        sorted(index.find_matches(EXACT, &keys, None).unwrap()),
+        sorted(reference.find_matches(EXACT, &keys, None).unwrap())
+    );
+}
+
+/// Applies `event` of exact replica `r` to both indexes.
+fn apply_exact(index: &BlockIndex, reference: &dyn KvIndex, r: u32, event: &KvEvent) {
+    let found = index.apply_event(ReplicaId(r), event).unwrap();
+    let expected = reference.apply_event(ReplicaId(r), event).unwrap();
+    assert_eq!(found, expected, "{event:?}");
+}
