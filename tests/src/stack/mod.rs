@@ -470,7 +470,7 @@ mod sims;
 use configs::*;
 pub use configs::{pool_schema, render_envoy_config, with_engine_retries};
 use service::*;
-pub use service::{ExtProcProcess, ServerProcess, binary_dir};
+pub use service::{ExtProcProcess, ServerProcess, binary_dir, release_binary_dir};
 use sims::*;
 pub use sims::{event_topic, start_sims};
 

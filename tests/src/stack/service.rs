@@ -29,6 +29,15 @@ pub fn binary_dir(bin_dir: Option<&Path>) -> PathBuf {
     }
 }
 
+/// The release build's binaries: beside the test build's profile directory (so under
+/// `CARGO_TARGET_DIR` when it is set), `…/release`.
+pub fn release_binary_dir() -> PathBuf {
+    let debug = binary_dir(None);
+    debug
+        .parent()
+        .map_or_else(|| PathBuf::from("release"), |target| target.join("release"))
+}
+
 pub(super) fn locate(dir: &Path, name: &'static str) -> Result<PathBuf, StackError> {
     let path = dir.join(name);
     if path.is_file() {

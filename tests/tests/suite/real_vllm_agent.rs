@@ -25,9 +25,10 @@ use std::time::{Duration, Instant};
 
 use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
-use kvroute_tests::harness::{http, workspace_root};
+use kvroute_tests::harness::http;
 use kvroute_tests::stack::{
     DebugHeaders, ExtProcBudgets, Routing, SimTiming, Stack, StackOptions, StackTokenizer,
+    release_binary_dir,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -330,7 +331,7 @@ async fn start_stack(tokenizer: StackTokenizer, engines: &[VllmEngine]) -> Stack
             budgets: ExtProcBudgets::relaxed(),
             debug_headers: DebugHeaders::Always,
             tokenizer,
-            bin_dir: Some(workspace_root().join("target/release")),
+            bin_dir: Some(release_binary_dir()),
             ..StackOptions::default()
         },
         engines.iter().map(|e| e.external.clone()).collect(),
