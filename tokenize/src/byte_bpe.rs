@@ -58,6 +58,10 @@ const CACHE_MAX_WORD_IDS: usize = 8;
 const CACHE_BUCKETS: usize = 1 << 14;
 /// Pieces encoded per hold of the word cache's lock, their buckets read together first.
 const PIECE_BATCH: usize = 64;
+/// Words of at most this many bytes (initial symbols) are merged by [`ByteLevelBpe::merge_short`]:
+/// rescanning a few pair ranks per merge is cheaper than a heap's pushes and pops and its stale
+/// candidates' extra merge-table probes, and most pieces are this short.
+const SHORT_WORD: usize = 24;
 
 /// The exact fast encoder of one byte-level BPE `tokenizer.json`; see the module docs.
 pub struct ByteLevelBpe {
@@ -317,7 +321,11 @@ impl ByteLevelBpe {
         let ids: &[u32] = match whole {
             Some(id) => std::slice::from_ref(id),
             None => {
-                self.merge_word(bytes, scratch);
+                if bytes.len() <= SHORT_WORD {
+                    self.merge_short(bytes, &mut scratch.word);
+                } else {
+                    self.merge_word(bytes, scratch);
+                }
                 &scratch.word
             }
         };
@@ -384,6 +392,59 @@ impl ByteLevelBpe {
             }
         }
         word.extend(symbols.iter().filter(|s| s.alive).map(|s| s.id));
+    }
+
+    /// [`Self::merge_word`] for words of at most [`SHORT_WORD`] bytes, on stack arrays: merges
+    /// the adjacent pair of lowest rank, leftmost among equals, until none merges. The same ids
+    /// as `tokenizers`' queue: every live pair has a candidate of its true rank in the queue, a
+    /// stale candidate can never pass its `new_id` check (symbols only grow, so a different pair
+    /// at the same position spans different bytes and makes a different token), and the queue's
+    /// tie order is the position, i.e. leftmost. Result in `word`.
+    fn merge_short(&self, bytes: &[u8], word: &mut Vec<u32>) {
+        const NONE: u32 = u32::MAX;
+        let n = bytes.len().min(SHORT_WORD);
+        let mut ids = [0u32; SHORT_WORD];
+        // `ranks[i]`/`new_ids[i]`: the merge of symbols i and i + 1 (rank NONE: none).
+        let mut ranks = [NONE; SHORT_WORD];
+        let mut new_ids = [0u32; SHORT_WORD];
+        for (id, &byte) in ids.iter_mut().zip(&bytes[..n]) {
+            *id = self.byte_ids[usize::from(byte)];
+        }
+        let pair = |ids: &[u32; SHORT_WORD], i: usize| match self.merge_of(ids[i], ids[i + 1]) {
+            Some(merge) => (merge.rank, merge.new_id),
+            None => (NONE, 0),
+        };
+        for i in 0..n.saturating_sub(1) {
+            (ranks[i], new_ids[i]) = pair(&ids, i);
+        }
+        let mut len = n;
+        while len > 1 {
+            let pairs = len - 1;
+            let mut best = 0;
+            for i in 1..pairs {
+                // Strictly lower: the leftmost of equal ranks wins.
+                if ranks[i] < ranks[best] {
+                    best = i;
+                }
+            }
+            if ranks[best] == NONE {
+                break;
+            }
+            ids[best] = new_ids[best];
+            // Symbol best + 1 and pair best go; the pairs after them shift left by one.
+            ids.copy_within(best + 2..len, best + 1);
+            ranks.copy_within(best + 1..pairs, best);
+            new_ids.copy_within(best + 1..pairs, best);
+            len -= 1;
+            if best > 0 {
+                (ranks[best - 1], new_ids[best - 1]) = pair(&ids, best - 1);
+            }
+            if best + 1 < len {
+                (ranks[best], new_ids[best]) = pair(&ids, best);
+            }
+        }
+        word.clear();
+        word.extend_from_slice(&ids[..len]);
     }
 
     #[inline]
@@ -1009,6 +1070,81 @@ mod tests {
             normalized > 100,
             "only {normalized} of 300 texts needed normalizing"
         );
+    }
+
+    /// The tiny model's encoder, and each real tokenizer folder's present (`KVROUTE_MODELS`).
+    fn encoders() -> Vec<(String, super::ByteLevelBpe)> {
+        let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
+        let mut dirs = vec![("tiny".to_owned(), format!("{fixtures}/tiny-model"))];
+        if let Some(models) = std::env::var_os("KVROUTE_MODELS") {
+            for name in ["qwen3", "llama3_1", "gptoss"] {
+                let dir = std::path::Path::new(&models).join(name);
+                if dir.join("tokenizer.json").is_file() {
+                    dirs.push((name.to_owned(), dir.display().to_string()));
+                }
+            }
+        }
+        dirs.into_iter()
+            .map(|(name, dir)| {
+                let bytes = std::fs::read(format!("{dir}/tokenizer.json")).unwrap();
+                let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                let bpe = super::ByteLevelBpe::from_tokenizer_json(&json)
+                    .unwrap()
+                    .unwrap();
+                (name, bpe)
+            })
+            .collect()
+    }
+
+    /// The short-word merge must give the heap's ids: on repeated-symbol words (ties of one
+    /// rank everywhere), words made of a few frequent tokens' bytes, random bytes, and every
+    /// length up to past the threshold.
+    #[test]
+    fn short_word_merge_equals_the_heap_merge() {
+        const ALPHABETS: &[&[u8]] = &[
+            b"a",
+            b" ",
+            b"ab",
+            b"ing ther",
+            b" theandofis",
+            b"0123456789",
+            "\u{e9}\u{4e2d}\u{6587}\u{1f600}".as_bytes(),
+            b"{}\":, \n\t",
+        ];
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut scratch = super::Scratch::default();
+        let mut short = Vec::new();
+        for (name, bpe) in encoders() {
+            let mut words: Vec<Vec<u8>> = Vec::new();
+            for len in 2..=super::SHORT_WORD {
+                for alphabet in ALPHABETS {
+                    for _ in 0..40 {
+                        words.push(
+                            (0..len)
+                                .map(|_| alphabet[next() as usize % alphabet.len()])
+                                .collect(),
+                        );
+                    }
+                }
+                for _ in 0..40 {
+                    words.push((0..len).map(|_| next() as u8).collect());
+                }
+                for byte in [b'a', b' ', b'0', b'=', b'\n'] {
+                    words.push(vec![byte; len]);
+                }
+            }
+            for word in &words {
+                bpe.merge_word(word, &mut scratch);
+                bpe.merge_short(word, &mut short);
+                assert_eq!(short, scratch.word, "{name}: {word:?}");
+            }
+        }
     }
 
     #[test]
