@@ -103,6 +103,33 @@ fn models() -> Vec<(String, PathBuf)> {
     models
 }
 
+/// About `tokens`-token cuts of 4 MiB of mixed text (another seed), each encoded once in turn:
+/// most of their pieces miss the fast encoder's word cache, as a router's new prompts do, where
+/// the groups above repeat one prompt and find every piece cached.
+fn new_text_prompts(tokenizer: &ModelTokenizer, tokens: usize) -> (Vec<String>, u64) {
+    let text = kvroute_tokenize::testing::mixed_text(11, 4 << 20, &[]);
+    let sample = prompt(tokenizer, &text, tokens);
+    let cut_bytes = sample.len().max(1);
+    let mut cuts = Vec::new();
+    let mut start = 0;
+    while start < text.len() {
+        let mut end = (start + cut_bytes).min(text.len());
+        while !text.is_char_boundary(end) {
+            end += 1;
+        }
+        cuts.push(text[start..end].to_owned());
+        start = end;
+    }
+    let mut total = 0;
+    for cut in &cuts {
+        let ids = tokenizer.encode_prompt(cut, true).unwrap();
+        assert_eq!(ids, tokenizer.encode_with_tokenizers(cut, true).unwrap());
+        total += ids.len() as u64;
+    }
+    let mean_tokens = total / cuts.len() as u64;
+    (cuts, mean_tokens)
+}
+
 fn bench_encode(c: &mut Criterion) {
     let license = license_corpus();
     let mixed = kvroute_tokenize::testing::mixed_text(7, 1 << 20, &[]);
@@ -128,6 +155,24 @@ fn bench_encode(c: &mut Criterion) {
             });
             group.finish();
         }
+        let (cuts, mean_tokens) = new_text_prompts(&tokenizer, 1_000);
+        let mut group = c.benchmark_group(format!("encode_{model}_mixed_1k_tokens_new_text"));
+        group.throughput(Throughput::Elements(mean_tokens));
+        let mut next = 0;
+        group.bench_function("tokenizers", |b| {
+            b.iter(|| {
+                next = (next + 1) % cuts.len();
+                tokenizer.encode_with_tokenizers(black_box(&cuts[next]), true)
+            })
+        });
+        let mut next = 0;
+        group.bench_function("fast", |b| {
+            b.iter(|| {
+                next = (next + 1) % cuts.len();
+                tokenizer.encode_prompt(black_box(&cuts[next]), true)
+            })
+        });
+        group.finish();
     }
 }
 
