@@ -4,7 +4,8 @@
 //! prompts in one process, A/B interleaved. Prints one markdown table; see BENCHMARKS.md.
 //!
 //! `cargo run --release --manifest-path index-service/bench-dynamo/Cargo.toml` (add `-- quick`
-//! for a smaller run that checks the harness).
+//! for a smaller run that checks the harness; `-- profile <idle|flat-out> <seconds>` for kvroute
+//! alone under one load, to profile its walk).
 
 // A bench panics on setup errors like a test does; its table goes to stdout.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -667,8 +668,57 @@ fn fleet_scale(replicas: u32, blocks: usize, churn_events: usize, rows: &mut Vec
     ));
 }
 
+/// `-- profile <idle|flat-out> <seconds>`: kvroute alone, filled as the full run fills it,
+/// asked the three prompts in a loop under one load, for `perf record` of the walk.
+fn profile(load: Load, seconds: u64) {
+    let subject = Subject::kvroute(64);
+    let mut fleet = Fleet::new(64);
+    fill(&subject, &mut fleet, 100_032);
+    let (shape, prompts, overlap) = shape_events(64);
+    subject.apply(&shape);
+    for prompt in &prompts {
+        subject.query(prompt);
+        subject.query(prompt);
+    }
+    let stop = AtomicBool::new(false);
+    let progress = AtomicUsize::new(0);
+    let mut samples = vec![Vec::new(); prompts.len()];
+    std::thread::scope(|scope| {
+        scope.spawn(|| run_load(&progress, &subject, &mut fleet, &overlap, load, &stop));
+        let end = Instant::now() + Duration::from_secs(seconds);
+        while Instant::now() < end {
+            for (at, prompt) in prompts.iter().enumerate() {
+                let start = Instant::now();
+                subject.query(prompt);
+                samples[at].push(start.elapsed().as_nanos() as u64);
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    for (prompt, mut samples) in prompts.iter().zip(samples) {
+        samples.sort_unstable();
+        println!(
+            "{} ({}): p50 {:.2} µs, p99 {:.2} µs, {} walks",
+            prompt.name,
+            load.label(),
+            percentile(&samples, 0.5),
+            percentile(&samples, 0.99),
+            samples.len()
+        );
+    }
+}
+
 fn main() {
-    let quick = std::env::args().any(|a| a == "quick");
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "profile") {
+        let load = match args.get(at + 1).map(String::as_str) {
+            Some("flat-out") => Load::FlatOut,
+            _ => Load::Idle,
+        };
+        let seconds = args.get(at + 2).and_then(|s| s.parse().ok()).unwrap_or(10);
+        return profile(load, seconds);
+    }
+    let quick = args.iter().any(|a| a == "quick");
     let config = if quick {
         Config {
             replicas: 64,

@@ -73,6 +73,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use parking_lot::{Mutex, RwLock};
 
 pub use error::{FlagReason, IndexError, RejectReason};
@@ -240,7 +241,11 @@ pub struct BlockIndex {
     config: IndexConfig,
     metrics: IndexMetrics,
     hasher: KeyHasherBuilder,
-    pools: RwLock<HashMap<String, Arc<Pool>>>,
+    /// Published whole on each pool added, so a match looks its pool up without a lock or a
+    /// reference count (both would be writes to lines ingest threads read too).
+    pools: ArcSwap<HashMap<String, Arc<Pool>>>,
+    /// Serialises pool additions.
+    pools_writer: Mutex<()>,
     replicas: RwLock<HashMap<ReplicaId, Arc<Mutex<Replica>>>>,
 }
 
@@ -251,19 +256,18 @@ impl BlockIndex {
             config,
             metrics,
             hasher: KeyHasherBuilder::random(),
-            pools: RwLock::new(HashMap::new()),
+            pools: ArcSwap::default(),
+            pools_writer: Mutex::new(()),
             replicas: RwLock::new(HashMap::new()),
         }
     }
 
     fn pool(&self, model: &str) -> Result<Arc<Pool>, IndexError> {
         self.pools
-            .read()
+            .load()
             .get(model)
             .cloned()
-            .ok_or_else(|| IndexError::UnknownPool {
-                pool: model.to_owned(),
-            })
+            .ok_or_else(|| unknown_pool(model))
     }
 
     fn replica(&self, replica: ReplicaId) -> Result<Arc<Mutex<Replica>>, IndexError> {
@@ -375,7 +379,7 @@ impl BlockIndex {
 
     /// (block, replica) holdings across all pools.
     pub fn holdings(&self) -> usize {
-        self.pools.read().values().map(|pool| pool.holdings()).sum()
+        self.pools.load().values().map(|pool| pool.holdings()).sum()
     }
 
     /// Bytes allocated for indexed blocks (hash tables at their capacity, spilled holder sets,
@@ -384,7 +388,7 @@ impl BlockIndex {
     pub fn memory_bytes(&self) -> usize {
         let pools: usize = self
             .pools
-            .read()
+            .load()
             .values()
             .map(|pool| pool.memory_bytes())
             .sum();
@@ -394,6 +398,12 @@ impl BlockIndex {
                 .iter()
                 .map(|entry| entry.lock().memory_bytes())
                 .sum::<usize>()
+    }
+}
+
+fn unknown_pool(model: &str) -> IndexError {
+    IndexError::UnknownPool {
+        pool: model.to_owned(),
     }
 }
 
@@ -415,8 +425,8 @@ impl KvIndex for BlockIndex {
         if config.block_size == 0 {
             return Err(IndexError::ZeroBlockSize { pool: config.model });
         }
-        let mut pools = self.pools.write();
-        if pools.contains_key(&config.model) {
+        let _writer = self.pools_writer.lock();
+        if self.pools.load().contains_key(&config.model) {
             return Err(IndexError::DuplicatePool { pool: config.model });
         }
         let pool = Pool::new(
@@ -426,7 +436,9 @@ impl KvIndex for BlockIndex {
             self.config.shards_per_pool,
             self.hasher,
         );
+        let mut pools = HashMap::clone(&self.pools.load());
         pools.insert(config.model, Arc::new(pool));
+        self.pools.store(Arc::new(pools));
         Ok(())
     }
 
@@ -459,7 +471,9 @@ impl KvIndex for BlockIndex {
         keys: &[u64],
         candidates: Option<&[ReplicaId]>,
     ) -> Result<Vec<ReplicaMatch>, IndexError> {
-        Ok(self.pool(model)?.find_matches(keys, candidates))
+        let pools = self.pools.load();
+        let pool = pools.get(model).ok_or_else(|| unknown_pool(model))?;
+        Ok(pool.find_matches(keys, candidates))
     }
 
     fn reset_replica(&self, replica: ReplicaId) -> Result<(), IndexError> {

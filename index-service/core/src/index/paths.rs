@@ -45,6 +45,8 @@ pub(crate) const MAX_KEYS: usize = KEY_SEGMENT * KEY_SEGMENTS;
 /// two per set: a walk meets tens of stretches, and two that share a way would evict each other
 /// on every walk and never be built.
 const SEEN: usize = 4096;
+/// Prompts' first keys remembered with their runs (32 KiB).
+const HEADS: usize = 4096;
 /// Run records per segment.
 const RUN_SEGMENT: usize = 1 << 10;
 const RUN_SEGMENTS: usize = 128;
@@ -112,6 +114,10 @@ impl Run {
 pub(crate) struct Arena {
     keys: Box<[OnceLock<Box<[AtomicU64]>>]>,
     runs: Box<[OnceLock<Box<[Run]>>]>,
+    /// Runs built from a prompt's first key (a [`RunRef`] at offset 0, or 0), by a hash of
+    /// that key: a walk starts from one without looking its first key up in the tables. Only
+    /// a hint, like a run's `next`: the run checks its own first key.
+    heads: Box<[AtomicU64]>,
 }
 
 impl Arena {
@@ -119,7 +125,13 @@ impl Arena {
         Arena {
             keys: (0..KEY_SEGMENTS).map(|_| OnceLock::new()).collect(),
             runs: (0..RUN_SEGMENTS).map(|_| OnceLock::new()).collect(),
+            heads: (0..HEADS).map(|_| AtomicU64::new(0)).collect(),
         }
+    }
+
+    fn head(&self, key: u64) -> &AtomicU64 {
+        let at = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % HEADS;
+        &self.heads[at]
     }
 
     #[inline]
@@ -157,7 +169,9 @@ impl Arena {
     fn memory_bytes(&self) -> usize {
         let keys = self.keys.iter().filter(|s| s.get().is_some()).count();
         let runs = self.runs.iter().filter(|s| s.get().is_some()).count();
-        keys * KEY_SEGMENT * size_of::<AtomicU64>() + runs * RUN_SEGMENT * size_of::<Run>()
+        keys * KEY_SEGMENT * size_of::<AtomicU64>()
+            + runs * RUN_SEGMENT * size_of::<Run>()
+            + HEADS * size_of::<AtomicU64>()
     }
 }
 
@@ -276,6 +290,14 @@ impl Paths {
                 .map_or(Span::default(), |(_, span)| span),
             _ => Span::default(),
         }
+    }
+
+    /// The run last built from `key` as a prompt's first key (a hint for [`Self::enter`]).
+    #[inline]
+    pub(crate) fn head(&self, view: &PathsView, key: u64) -> RunRef {
+        view.as_deref().map_or(RunRef::default(), |arena| {
+            RunRef(arena.head(key).load(Ordering::Relaxed) as u32)
+        })
     }
 
     /// The holders of `keys[0]` and the keys after it that `run` (a successor hint, offset 0)
@@ -602,6 +624,15 @@ impl Builder<'_> {
         }
     }
 
+    /// Remembers `run` as built from `key`, a prompt's first key.
+    pub(crate) fn head(&self, key: u64, run: NewRun) {
+        if let Some(arena) = self.arena.as_deref() {
+            arena
+                .head(key)
+                .store(u64::from(run.at(0).0), Ordering::Relaxed);
+        }
+    }
+
     /// Kills every run (odd generation, no length) so their slots and keys can be reused.
     fn drop_all(&mut self, arena: &Arena) {
         for slot in 0..self.allocation.next_run {
@@ -730,6 +761,33 @@ mod tests {
             assert_eq!(paths.seen_before(first), again, "walk {walk}");
             assert_eq!(paths.seen_before(second), again, "walk {walk}");
         }
+    }
+
+    /// Two prompts' first keys sharing a head slot: the slot names the run built last, and the
+    /// other prompt's walk is not let into it (the run checks its own first key).
+    #[test]
+    fn a_head_slot_shared_by_two_first_keys_names_only_its_own_prompts_run() {
+        let paths = Paths::default();
+        let slot = |key: u64| (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % HEADS;
+        let first = 1;
+        let other = (2..).find(|&key| slot(key) == slot(first)).unwrap();
+        let keys: Vec<u64> = (0..8).map(|k| first + 1_000 * k).collect();
+        let mut builder = paths.try_build().unwrap();
+        let run = builder.allocate(&keys, (0b11, 0b01)).unwrap();
+        for offset in 0..keys.len() {
+            assert!(builder.extend(run, offset));
+        }
+        builder.head(first, run);
+        drop(builder);
+        let view = paths.view();
+        let head = paths.head(&view, first);
+        let (holders, span) = paths.enter(&view, head, &keys).unwrap();
+        assert_eq!((holders, span.covered), ((0b11, 0b01), 7));
+        let shared = paths.head(&view, other);
+        assert_eq!(shared, head);
+        let mut other_prompt = keys.clone();
+        other_prompt[0] = other;
+        assert!(paths.enter(&view, shared, &other_prompt).is_none());
     }
 
     #[test]

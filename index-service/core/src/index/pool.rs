@@ -8,7 +8,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::holders::{KeyHasherBuilder, MediaSet, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
-use super::paths::{MAX_RUN, MIN_RUN, PathStats, Paths, PathsView, interleave};
+use super::paths::{MAX_RUN, MIN_RUN, PathStats, Paths, PathsView, RunRef, interleave};
 use super::table::{HolderTable, HolderWord, HomeEntry, Layout, LayoutView, Storage, read_fence};
 use super::{IndexError, ReplicaId, ReplicaMatch, ReplicaState};
 use crate::event::Medium;
@@ -18,6 +18,27 @@ use crate::event::Medium;
 struct Members {
     slots: Vec<Option<Member>>,
     by_replica: HashMap<ReplicaId, Slot>,
+    /// What a match of the whole pool starts from (every member, slot order), and the slots
+    /// below 64 that are trusted: rebuilt on each change, so a match copies it instead of
+    /// going through the slots.
+    everyone: Vec<(Slot, ReplicaMatch)>,
+    everyone_precise: u64,
+}
+
+impl Members {
+    fn refresh(&mut self) {
+        self.everyone.clear();
+        self.everyone_precise = 0;
+        for (slot, member) in self.slots.iter().enumerate() {
+            if let (Some(member), Ok(slot)) = (member, Slot::try_from(slot)) {
+                let found = ReplicaMatch::empty(member.replica, member.state);
+                if found.precise && slot < 64 {
+                    self.everyone_precise |= 1 << slot;
+                }
+                self.everyone.push((slot, found));
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -114,6 +135,7 @@ impl Pool {
             None => members.slots.push(member),
         }
         members.by_replica.insert(replica, slot);
+        members.refresh();
         Ok(slot)
     }
 
@@ -128,6 +150,7 @@ impl Pool {
         while members.slots.last().is_some_and(Option::is_none) {
             members.slots.pop();
         }
+        members.refresh();
     }
 
     pub(crate) fn set_state(&self, slot: Slot, state: ReplicaState) {
@@ -135,6 +158,7 @@ impl Pool {
         if let Some(Some(member)) = members.slots.get_mut(usize::from(slot)) {
             member.state = state;
         }
+        members.refresh();
     }
 
     /// Records that `slot` holds `key` in `medium`; returns the media it held `key` in before.
@@ -223,12 +247,16 @@ impl Pool {
         candidates: Option<&[ReplicaId]>,
     ) -> Vec<ReplicaMatch> {
         // Snapshot who is asked about and who is trusted, then walk without the members lock.
-        let (mut reported, slot_count) = {
+        let (mut reported, slot_count, everyone_precise) = {
             let members = self.members.read();
-            let asked = candidates.map_or(members.slots.len(), <[ReplicaId]>::len);
-            let mut reported: Vec<(Slot, ReplicaMatch)> = Vec::with_capacity(asked);
             match candidates {
+                None => (
+                    members.everyone.clone(),
+                    members.slots.len(),
+                    Some(members.everyone_precise),
+                ),
                 Some(candidates) => {
+                    let mut reported = Vec::with_capacity(candidates.len());
                     let mut seen = SlotSet::with_slots(members.slots.len());
                     for replica in candidates {
                         if let Some(&slot) = members.by_replica.get(replica)
@@ -240,22 +268,14 @@ impl Pool {
                                 .push((slot, ReplicaMatch::empty(member.replica, member.state)));
                         }
                     }
-                }
-                None => {
-                    for (slot, member) in members.slots.iter().enumerate() {
-                        if let (Some(member), Ok(slot)) = (member, Slot::try_from(slot)) {
-                            reported
-                                .push((slot, ReplicaMatch::empty(member.replica, member.state)));
-                        }
-                    }
+                    (reported, members.slots.len(), None)
                 }
             }
-            (reported, members.slots.len())
         };
 
         let total = keys.len() as u32;
         if slot_count <= 64 {
-            self.count_small(keys, &mut reported);
+            self.count_small(keys, &mut reported, everyone_precise);
             return reported.into_iter().map(|(_, found)| found).collect();
         }
         let mut alive = SlotSet::with_slots(slot_count);
@@ -313,11 +333,19 @@ impl Pool {
     /// [`Self::find_matches`]'s counts for pools of up to 64 slots: the live sets are single
     /// words and the walk follows runs ([`Self::walk_one_word`]), then builds runs over what
     /// it had to look up one by one.
-    fn count_small(&self, keys: &[u64], reported: &mut [(Slot, ReplicaMatch)]) {
-        let mut alive = reported
-            .iter()
-            .filter(|(_, found)| found.precise)
-            .fold(0u64, |alive, &(slot, _)| alive | 1 << slot);
+    /// `precise`: the trusted slots, when the caller knows them.
+    fn count_small(
+        &self,
+        keys: &[u64],
+        reported: &mut [(Slot, ReplicaMatch)],
+        precise: Option<u64>,
+    ) {
+        let mut alive = precise.unwrap_or_else(|| {
+            reported
+                .iter()
+                .filter(|(_, found)| found.precise)
+                .fold(0u64, |alive, &(slot, _)| alive | 1 << slot)
+        });
         let mut gpu_alive = alive;
         let (mut matched, mut gpu_matched) = ([0u32; 64], [0u32; 64]);
         if alive != 0 {
@@ -467,7 +495,23 @@ impl Pool {
     ) -> (usize, usize) {
         let mut found = [(HolderWord::default(), (0, 0)); CHUNK];
         let (mut by_run, mut looked_up) = (0, 0);
-        let mut at = 0;
+        // A run built from the prompt's first key answers it (and what follows) without a
+        // lookup: a lookup reads a shard ingest keeps writing.
+        let Some(&first) = keys.first() else {
+            return (by_run, looked_up);
+        };
+        let head = self.paths.head(paths, first);
+        let Some(mut at) = self.follow_runs(
+            paths,
+            head,
+            keys,
+            0,
+            (&mut *alive, &mut *gpu_alive),
+            (&mut *matched, &mut *gpu_matched),
+            &mut by_run,
+        ) else {
+            return (by_run, looked_up);
+        };
         let mut one = true;
         while at < keys.len() {
             let chunk = &keys[at..keys.len().min(at + if one { 1 } else { CHUNK })];
@@ -500,24 +544,19 @@ impl Pool {
                     .covered(paths, word.run(), keys[at], rest, (present, gpu));
                 if span.covered > 0 {
                     by_run += span.covered;
-                    next = at + 1 + span.covered;
                     one = true;
                     // The runs built after it, while their first keys are the prompt's next.
-                    let mut hint = span.next;
-                    while let Some((holders, span)) = hint
-                        .is_some()
-                        .then(|| self.paths.enter(paths, hint, &keys[next..]))
-                        .flatten()
-                    {
-                        let index = next as u32;
-                        drop_absent(alive, holders.0, |slot| matched[slot] = index);
-                        drop_absent(gpu_alive, holders.1, |slot| gpu_matched[slot] = index);
-                        if *alive == 0 {
-                            return (by_run, looked_up);
-                        }
-                        by_run += 1 + span.covered;
-                        next += 1 + span.covered;
-                        hint = span.next;
+                    match self.follow_runs(
+                        paths,
+                        span.next,
+                        keys,
+                        at + 1 + span.covered,
+                        (&mut *alive, &mut *gpu_alive),
+                        (&mut *matched, &mut *gpu_matched),
+                        &mut by_run,
+                    ) {
+                        Some(end) => next = end,
+                        None => return (by_run, looked_up),
                     }
                     break;
                 }
@@ -526,6 +565,38 @@ impl Pool {
             at = next;
         }
         (by_run, looked_up)
+    }
+
+    /// Enters `hint` and the runs chained after it while each starts with the prompt's key at
+    /// `next`, dropping the slots that do not hold each; returns where the last one left the
+    /// prompt, or `None` once no slot is alive.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    fn follow_runs(
+        &self,
+        paths: &PathsView,
+        mut hint: RunRef,
+        keys: &[u64],
+        mut next: usize,
+        (alive, gpu_alive): (&mut u64, &mut u64),
+        (matched, gpu_matched): (&mut [u32], &mut [u32]),
+        by_run: &mut usize,
+    ) -> Option<usize> {
+        while hint.is_some() {
+            let Some((holders, span)) = self.paths.enter(paths, hint, &keys[next..]) else {
+                break;
+            };
+            let index = next as u32;
+            drop_absent(alive, holders.0, |slot| matched[slot] = index);
+            drop_absent(gpu_alive, holders.1, |slot| gpu_matched[slot] = index);
+            if *alive == 0 {
+                return None;
+            }
+            *by_run += 1 + span.covered;
+            next += 1 + span.covered;
+            hint = span.next;
+        }
+        Some(next)
     }
 
     /// Builds runs over the stretches of `looked` (consecutive prompt keys with the same
@@ -562,6 +633,9 @@ impl Pool {
                     return;
                 };
                 let begins = first + piece_at * MAX_RUN;
+                if begins == 0 {
+                    builder.head(keys[0], run);
+                }
                 if let Some((previous, ended)) = built
                     && ended == begins
                 {

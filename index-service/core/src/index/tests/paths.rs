@@ -70,12 +70,13 @@ fn runs_answer_like_the_tables_while_holders_change() {
     apply(index, reference, 3, &stored(&other, 0, 80, Medium::Gpu));
     agree(index, reference, &tokens, None);
     // Blocks 0..50 (replicas 0–3, replica 3 through the shared prefix), 50..60 (0–2), 60..100
-    // (0): one run each, built by the second walk; the third looks up block 0, follows the
-    // runs from one to the next, and looks up block 100 (held by nobody).
+    // (0): one run each, built by the second walk; the third starts from the run built from
+    // block 0 (the prompt's head), follows the runs from one to the next, and looks up block
+    // 100 (held by nobody): its only lookup.
     let built = stats(index);
     assert_eq!(
         (built.runs_built, built.keys_by_run),
-        (3, 49 + 10 + 40),
+        (3, 50 + 10 + 40),
         "{built:?}"
     );
     let before = stats(index);
@@ -83,7 +84,7 @@ fn runs_answer_like_the_tables_while_holders_change() {
         .find_matches(EXACT, &query_keys(EXACT, &tokens), None)
         .unwrap();
     let after = stats(index);
-    assert_eq!(after.keys_looked_up - before.keys_looked_up, 2, "{after:?}");
+    assert_eq!(after.keys_looked_up - before.keys_looked_up, 1, "{after:?}");
 
     let changes: Vec<(u32, KvEvent)> = vec![
         // A new holder inside a run, then a removal inside another.
@@ -116,7 +117,8 @@ fn runs_answer_like_the_tables_while_holders_change() {
     assert!(after.runs_built > built.runs_built, "{after:?}");
 }
 
-/// Replicas 0 and 1 hold blocks 0..40 of the exact pool, in a run a second walk reads.
+/// Replicas 0 and 1 hold blocks 0..40 of the exact pool, in a run a second walk builds and a
+/// third reads whole, from its head: no lookup.
 fn held_in_a_run() -> (Arc<BlockIndex>, Box<dyn KvIndex>, Vec<u32>, Vec<u64>) {
     let (index, reference) = indexes();
     let tokens = prompt(3, 0, 40);
@@ -131,7 +133,14 @@ fn held_in_a_run() -> (Arc<BlockIndex>, Box<dyn KvIndex>, Vec<u32>, Vec<u64>) {
     }
     let before = stats(&index);
     index.find_matches(EXACT, &keys, None).unwrap();
-    assert_eq!(stats(&index).keys_by_run - before.keys_by_run, 39);
+    let after = stats(&index);
+    assert_eq!(
+        (
+            after.keys_by_run - before.keys_by_run,
+            after.keys_looked_up - before.keys_looked_up
+        ),
+        (40, 0)
+    );
     (index, reference, tokens, keys)
 }
 
@@ -197,8 +206,8 @@ fn a_next_run_cut_while_it_is_compared_vouches_only_for_the_keys_before_the_cut(
         sorted(reference.find_matches(EXACT, &keys, None).unwrap())
     );
     let after = stats(&index);
-    // Blocks 0 and 30 looked up: block 20 came from the first run's successor.
-    assert_eq!(after.keys_looked_up - before.keys_looked_up, 2);
+    // Block 30 looked up, only: block 0 came from the head run, block 20 from its successor.
+    assert_eq!(after.keys_looked_up - before.keys_looked_up, 1);
     assert_eq!(
         after.runs_changed_under_read,
         before.runs_changed_under_read + 1
@@ -218,9 +227,9 @@ fn a_run_dropped_while_it_is_compared_is_not_trusted() {
     let before = stats(&index);
     let found = index.find_matches(EXACT, &keys, None).unwrap();
     assert!(interleave::fired());
-    // Block 0 was read before the reset, everything after it once the run failed its check.
+    // The head run failed its check, so block 0 was looked up, after the reset.
     for r in [0, 1] {
-        assert_eq!(counts(&found, r), Some((1, 1)), "{found:?}");
+        assert_eq!(counts(&found, r), Some((0, 0)), "{found:?}");
     }
     let after = stats(&index);
     assert_eq!(
@@ -231,9 +240,32 @@ fn a_run_dropped_while_it_is_compared_is_not_trusted() {
 }
 
 #[test]
-fn a_key_changed_between_its_read_and_its_check_is_read_again() {
+fn a_head_run_cut_at_its_first_key_is_not_trusted_for_it() {
     let (index, reference, tokens, keys) = held_in_a_run();
-    // Replica 2 comes to hold block 0 after the walk read block 0's holders.
+    // Replica 1 drops block 0: the run the prompt's head names is cut to nothing.
+    let before = stats(&index);
+    apply_exact(&index, &*reference, 1, &removed(&tokens, 0, 1, Medium::Gpu));
+    let found = index.find_matches(EXACT, &keys, None).unwrap();
+    assert_eq!(counts(&found, 1), Some((0, 0)));
+    assert_eq!(counts(&found, 0), Some((40, 40)));
+    assert_eq!(
+        sorted(found),
+        sorted(reference.find_matches(EXACT, &keys, None).unwrap())
+    );
+    let after = stats(&index);
+    assert!(after.keys_looked_up > before.keys_looked_up, "{after:?}");
+    assert!(after.cuts > before.cuts, "{after:?}");
+}
+
+#[test]
+fn a_key_changed_between_its_read_and_its_check_is_read_again() {
+    let (index, reference) = indexes();
+    let tokens = prompt(3, 0, 40);
+    for r in [0, 1] {
+        apply_exact(&index, &*reference, r, &stored(&tokens, 0, 40, Medium::Gpu));
+    }
+    let keys = query_keys(EXACT, &tokens);
+    // No run yet, so a walk reads block 0 alone; replica 2 comes to hold it after the read.
     let change = stored(&tokens, 0, 1, Medium::Gpu);
     at_point(Point::KeyRead, &index, 2, change.clone());
     let found = index.find_matches(EXACT, &keys, None).unwrap();
