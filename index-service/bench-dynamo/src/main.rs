@@ -5,7 +5,7 @@
 //!
 //! `cargo run --release --manifest-path index-service/bench-dynamo/Cargo.toml` (add `-- quick`
 //! for a smaller run that checks the harness; `-- profile <idle|flat-out> <seconds>` for kvroute
-//! alone under one load, to profile its walk).
+//! alone under one load, to profile its walk; `-- profile first <prompts>` for first walks).
 
 // A bench panics on setup errors like a test does; its table goes to stdout.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -708,9 +708,52 @@ fn profile(load: Load, seconds: u64) {
     }
 }
 
+/// `-- profile first <prompts>`: kvroute alone, filled as the full run fills it, then
+/// `prompts` new 1,000-block prompts held like `realistic_overlap`, each walked once.
+fn profile_first_walks(prompts: u64) {
+    let subject = Subject::kvroute(64);
+    let mut fleet = Fleet::new(64);
+    fill(&subject, &mut fleet, 100_032);
+    let prompts: Vec<Prompt> = (0..prompts)
+        .map(|seed| {
+            let blocks = chain(1 << 50 | seed, None, PROMPT_BLOCKS);
+            let mut events = Vec::new();
+            for r in 0..64 {
+                let held = match r {
+                    0 => 900,
+                    1..=8 => 400,
+                    _ => 200,
+                };
+                events.extend(store_events(r, None, &blocks[..held]));
+            }
+            subject.apply(&events);
+            Prompt::new("first", &blocks)
+        })
+        .collect();
+    let mut samples: Vec<u64> = prompts
+        .iter()
+        .map(|prompt| {
+            let start = Instant::now();
+            subject.query(prompt);
+            start.elapsed().as_nanos() as u64
+        })
+        .collect();
+    samples.sort_unstable();
+    println!(
+        "first walks of {} prompts: p50 {:.2} µs, p99 {:.2} µs",
+        samples.len(),
+        percentile(&samples, 0.5),
+        percentile(&samples, 0.99)
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(at) = args.iter().position(|a| a == "profile") {
+        if args.get(at + 1).map(String::as_str) == Some("first") {
+            let prompts = args.get(at + 2).and_then(|s| s.parse().ok()).unwrap_or(200);
+            return profile_first_walks(prompts);
+        }
         let load = match args.get(at + 1).map(String::as_str) {
             Some("flat-out") => Load::FlatOut,
             _ => Load::Idle,

@@ -24,10 +24,11 @@
 //!   table entry names its run; a walk that looks a key up compares the prompt's next keys with
 //!   the run's in one sequential loop and skips every key that matches, so a 1,000-block prompt
 //!   held in a few runs costs a few lookups instead of 1,000 (a run also names the run built
-//!   after it, entered without a lookup). Runs are built by walks from the keys they had to
-//!   look up one by one (the second time they meet them), cut by writers before a key's
-//!   holders change, and checked by readers under a generation (see `paths`); the tables stay
-//!   the truth.
+//!   after it, entered without a lookup, and a prompt's first key names the run built from it,
+//!   so a prompt held in runs needs no lookup at all). Runs are built by walks from the keys
+//!   they had to look up one by one (the second time they meet them), cut by writers before a
+//!   key's holders change, and checked by readers under a generation (see `paths`); the tables
+//!   stay the truth.
 //! - A **replica** of a token-chain pool keeps its engine hash → own key map; one of a
 //!   vLLM-exact pool keeps only its block count (the pool's tables already say which keys its
 //!   slot holds). Both are behind the replica's own mutex, and the count enforces the
@@ -36,8 +37,9 @@
 //! # Complexity
 //!
 //! - `apply_event`: O(blocks in the event) shard-mutex acquisitions (one short write each).
-//! - `find_matches`: no lock; pools of up to 64 replicas: one table lookup per run the prompt
-//!   passes through plus a sequential compare of the keys each run covers, and the keys no run
+//! - `find_matches`: no lock; pools of up to 64 replicas: a table lookup per run the prompt
+//!   passes through that is not reached from the run before it (or, for the first, from the
+//!   prompt's first key) plus a sequential compare of the keys each run covers, and the keys no run
 //!   covers looked up as below (then built into runs, with `try_lock`s only). Otherwise
 //!   O(longest match + 1) table lookups (usually one cache line each, issued 32 at a time so
 //!   their misses overlap, each checked against its shard's version), each followed by
