@@ -4,8 +4,9 @@
 //! prompts in one process, A/B interleaved. Prints one markdown table; see BENCHMARKS.md.
 //!
 //! `cargo run --release --manifest-path index-service/bench-dynamo/Cargo.toml` (add `-- quick`
-//! for a smaller run that checks the harness; `-- profile <idle|flat-out> <seconds>` for kvroute
-//! alone under one load, to profile its walk; `-- profile first <prompts>` for first walks).
+//! for a smaller run that checks the harness; `-- profile <idle|flat-out> <seconds> [prompt]` for
+//! kvroute alone under one load, to profile its walk; `-- profile first <prompts>` for first
+//! walks).
 
 // A bench panics on setup errors like a test does; its table goes to stdout.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -674,8 +675,12 @@ fn profile(load: Load, seconds: u64) {
     let subject = Subject::kvroute(64);
     let mut fleet = Fleet::new(64);
     fill(&subject, &mut fleet, 100_032);
-    let (shape, prompts, overlap) = shape_events(64);
+    let (shape, mut prompts, overlap) = shape_events(64);
     subject.apply(&shape);
+    // `-- profile <load> <seconds> <prompt>`: only that prompt.
+    if let Some(only) = std::env::args().skip_while(|a| a != "profile").nth(3) {
+        prompts.retain(|prompt| prompt.name == only);
+    }
     for prompt in &prompts {
         subject.query(prompt);
         subject.query(prompt);
