@@ -4,9 +4,9 @@
 //! prompts in one process, A/B interleaved. Prints one markdown table; see BENCHMARKS.md.
 //!
 //! `cargo run --release --manifest-path index-service/bench-dynamo/Cargo.toml` (add `-- quick`
-//! for a smaller run that checks the harness; `-- profile <idle|flat-out> <seconds> [prompt]` for
-//! kvroute alone under one load, to profile its walk; `-- profile first <prompts>` for first
-//! walks).
+//! for a smaller run that checks the harness; `-- profile <idle|flat-out|prefix-churn> <seconds>
+//! [prompt]` for kvroute alone under one load, to profile its walk; `-- profile first
+//! <prompts>` for first walks).
 
 // A bench panics on setup errors like a test does; its table goes to stdout.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -669,7 +669,7 @@ fn fleet_scale(replicas: u32, blocks: usize, churn_events: usize, rows: &mut Vec
     ));
 }
 
-/// `-- profile <idle|flat-out> <seconds>`: kvroute alone, filled as the full run fills it,
+/// `-- profile <idle|flat-out|prefix-churn> <seconds>`: kvroute alone, filled as the full run fills it,
 /// asked the three prompts in a loop under one load, for `perf record` of the walk.
 fn profile(load: Load, seconds: u64) {
     let subject = Subject::kvroute(64);
@@ -761,6 +761,7 @@ fn main() {
         }
         let load = match args.get(at + 1).map(String::as_str) {
             Some("flat-out") => Load::FlatOut,
+            Some("prefix-churn") => Load::PrefixChurn,
             _ => Load::Idle,
         };
         let seconds = args.get(at + 2).and_then(|s| s.parse().ok()).unwrap_or(10);
