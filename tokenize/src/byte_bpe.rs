@@ -916,8 +916,44 @@ enum Segment<'a> {
 
 /// The added tokens' two leftmost-longest matchers, as `tokenizers`' `AddedVocabulary` has.
 struct AddedTokens {
-    raw: Option<DoubleArrayAhoCorasick<u32>>,
-    normalized: Option<DoubleArrayAhoCorasick<u32>>,
+    raw: Option<AddedMatcher>,
+    normalized: Option<AddedMatcher>,
+}
+
+/// A leftmost-longest matcher of added tokens that runs its automaton only where a token can
+/// start: real models' added tokens all start with one or two bytes (`<`), so most of a prompt
+/// is skipped by a byte-table scan, where the automaton's per-byte transitions cost as much as a
+/// tenth of an encode.
+struct AddedMatcher {
+    automaton: DoubleArrayAhoCorasick<u32>,
+    /// Whether a token starts with this byte.
+    first_bytes: [bool; 256],
+    /// The longest token's length in bytes.
+    max_len: usize,
+}
+
+impl AddedMatcher {
+    /// The leftmost-longest match starting at or after `from`: (start, end, id).
+    fn find(&self, bytes: &[u8], mut from: usize) -> Option<(usize, usize, u32)> {
+        while let Some(offset) = bytes
+            .get(from..)?
+            .iter()
+            .position(|&b| self.first_bytes[usize::from(b)])
+        {
+            let at = from + offset;
+            let window = bytes.get(at..bytes.len().min(at + self.max_len))?;
+            // The window holds every token that could start at `at`, so the automaton's
+            // leftmost-longest match starts at 0 exactly when a token starts there, and it is the
+            // longest of those.
+            match self.automaton.leftmost_find_iter(window).next() {
+                Some(found) if found.start() == 0 => {
+                    return Some((at, at + found.end(), found.value()));
+                }
+                _ => from = at + 1,
+            }
+        }
+        None
+    }
 }
 
 impl AddedTokens {
@@ -981,11 +1017,7 @@ impl AddedTokens {
     }
 }
 
-fn split_on<'a>(
-    matcher: Option<&DoubleArrayAhoCorasick<u32>>,
-    text: &'a str,
-    f: &mut dyn FnMut(Segment<'a>),
-) {
+fn split_on<'a>(matcher: Option<&AddedMatcher>, text: &'a str, f: &mut dyn FnMut(Segment<'a>)) {
     let Some(matcher) = matcher else {
         if !text.is_empty() {
             f(Segment::Text(text));
@@ -993,15 +1025,16 @@ fn split_on<'a>(
         return;
     };
     let mut start = 0;
-    for found in matcher.leftmost_find_iter(text) {
-        // Patterns are whole UTF-8 strings, so match bounds are char boundaries.
-        if let Some(before) = text.get(start..found.start())
+    while let Some((found, end, id)) = matcher.find(text.as_bytes(), start) {
+        // A match starts at a token's first byte (a UTF-8 lead byte) and ends after its last:
+        // char boundaries.
+        if let Some(before) = text.get(start..found)
             && !before.is_empty()
         {
             f(Segment::Text(before));
         }
-        f(Segment::Added(found.value()));
-        start = found.end();
+        f(Segment::Added(id));
+        start = end;
     }
     if let Some(rest) = text.get(start..)
         && !rest.is_empty()
@@ -1010,21 +1043,31 @@ fn split_on<'a>(
     }
 }
 
-fn matcher(
-    tokens: Vec<(Cow<'_, str>, u32)>,
-) -> Result<Option<DoubleArrayAhoCorasick<u32>>, Reject> {
+fn matcher(tokens: Vec<(Cow<'_, str>, u32)>) -> Result<Option<AddedMatcher>, Reject> {
     if tokens.is_empty() {
         return Ok(None);
     }
-    DoubleArrayAhoCorasickBuilder::new()
+    let mut first_bytes = [false; 256];
+    let mut max_len = 0;
+    for (content, _) in &tokens {
+        if let Some(&first) = content.as_bytes().first() {
+            first_bytes[usize::from(first)] = true;
+        }
+        max_len = max_len.max(content.len());
+    }
+    let automaton = DoubleArrayAhoCorasickBuilder::new()
         .match_kind(MatchKind::LeftmostLongest)
         .build_with_values(
             tokens
                 .into_iter()
                 .map(|(content, id)| (content.into_owned(), id)),
         )
-        .map(Some)
-        .map_err(|e| Reject::Malformed(format!("added tokens: {e}")))
+        .map_err(|e| Reject::Malformed(format!("added tokens: {e}")))?;
+    Ok(Some(AddedMatcher {
+        automaton,
+        first_bytes,
+        max_len,
+    }))
 }
 
 #[cfg(test)]
@@ -1144,6 +1187,65 @@ mod tests {
                 bpe.merge_short(word, &mut short);
                 assert_eq!(short, scratch.word, "{name}: {word:?}");
             }
+        }
+    }
+
+    /// The prefiltered added-token split equals the automaton run over the whole text, on
+    /// tokens that overlap, nest and share first bytes, and text dense with near misses.
+    #[test]
+    fn added_token_split_equals_the_whole_text_automaton() {
+        use daachorse::{DoubleArrayAhoCorasickBuilder, MatchKind};
+
+        let tokens = [
+            "<|a|>",
+            "<|ab|>",
+            "<|",
+            "<s>",
+            "</s>",
+            "ab",
+            "b<",
+            "\u{e9}t\u{e9}",
+            "\u{e9}",
+            "|>x",
+        ];
+        let matcher = super::matcher(
+            tokens
+                .iter()
+                .enumerate()
+                .map(|(id, t)| (Cow::Borrowed(*t), id as u32))
+                .collect(),
+        )
+        .ok()
+        .flatten()
+        .unwrap();
+        let whole = DoubleArrayAhoCorasickBuilder::new()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build_with_values(tokens.iter().enumerate().map(|(id, t)| (*t, id as u32)))
+            .unwrap();
+        let fragments = ["<", "|", ">", "a", "b", "s", "/", "\u{e9}", "t", "x", " "];
+        let mut rng = crate::testing::Rng::new(9);
+        for _ in 0..20_000 {
+            let text: String = (0..rng.below(30)).map(|_| *rng.pick(&fragments)).collect();
+            let mut expected = Vec::new();
+            let mut start = 0;
+            for found in whole.leftmost_find_iter(&text) {
+                if found.start() > start {
+                    expected.push(Err(text[start..found.start()].to_owned()));
+                }
+                expected.push(Ok(found.value()));
+                start = found.end();
+            }
+            if start < text.len() {
+                expected.push(Err(text[start..].to_owned()));
+            }
+            let mut got = Vec::new();
+            super::split_on(Some(&matcher), &text, &mut |segment| {
+                got.push(match segment {
+                    super::Segment::Added(id) => Ok(id),
+                    super::Segment::Text(t) => Err(t.to_owned()),
+                });
+            });
+            assert_eq!(got, expected, "{text:?}");
         }
     }
 
