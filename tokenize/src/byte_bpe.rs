@@ -1075,6 +1075,7 @@ fn matcher(tokens: Vec<(Cow<'_, str>, u32)>) -> Result<Option<AddedMatcher>, Rej
 #[cfg(test)]
 mod tests {
     use std::borrow::Cow;
+    use std::path::PathBuf;
 
     use unicode_normalization_alignments::UnicodeNormalization;
 
@@ -1117,21 +1118,29 @@ mod tests {
         );
     }
 
-    /// The tiny model's encoder, and each real tokenizer folder's present (`KVROUTE_MODELS`).
-    fn encoders() -> Vec<(String, super::ByteLevelBpe)> {
+    /// The tiny model's encoder, and each real tokenizer folder's present (found as
+    /// `real_tests` finds them); prints a skip line for each missing one.
+    fn encoders(test: &str) -> Vec<(String, super::ByteLevelBpe)> {
         let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
-        let mut dirs = vec![("tiny".to_owned(), format!("{fixtures}/tiny-model"))];
-        if let Some(models) = std::env::var_os("KVROUTE_MODELS") {
-            for name in ["qwen3", "llama3_1", "gptoss"] {
-                let dir = std::path::Path::new(&models).join(name);
-                if dir.join("tokenizer.json").is_file() {
-                    dirs.push((name.to_owned(), dir.display().to_string()));
+        let mut dirs = vec![(
+            "tiny".to_owned(),
+            PathBuf::from(format!("{fixtures}/tiny-model")),
+        )];
+        let models = crate::real_tests::models_dir();
+        for name in crate::real_tests::MODELS {
+            match models.as_ref().map(|models| models.join(name)) {
+                Some(dir) if dir.join("tokenizer.json").is_file() => {
+                    dirs.push((name.to_owned(), dir));
                 }
+                _ => eprintln!(
+                    "SKIP {test} for {name}: no tokenizer folder; run `bash scripts/models.sh` \
+                     (sets KVROUTE_MODELS)"
+                ),
             }
         }
         dirs.into_iter()
             .map(|(name, dir)| {
-                let bytes = std::fs::read(format!("{dir}/tokenizer.json")).unwrap();
+                let bytes = std::fs::read(dir.join("tokenizer.json")).unwrap();
                 let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
                 let bpe = super::ByteLevelBpe::from_tokenizer_json(&json)
                     .unwrap()
@@ -1165,7 +1174,7 @@ mod tests {
         };
         let mut scratch = super::Scratch::default();
         let mut short = Vec::new();
-        for (name, bpe) in encoders() {
+        for (name, bpe) in encoders("short_word_merge_equals_the_heap_merge") {
             let mut words: Vec<Vec<u8>> = Vec::new();
             for len in 2..=super::SHORT_WORD {
                 for alphabet in ALPHABETS {

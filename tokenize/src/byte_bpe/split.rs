@@ -248,7 +248,7 @@ impl Ascii {
         let (x, lo, hi) = match self {
             Self::None => return 0,
             // Setting bit 5 maps A-Z onto a-z and no other byte into a-z.
-            Self::Letters => (x | 0x20 * ONES, b'a', b'z'),
+            Self::Letters => (x | (0x20 * ONES), b'a', b'z'),
             Self::Upper => (x, b'A', b'Z'),
             Self::Lower => (x, b'a', b'z'),
         };
