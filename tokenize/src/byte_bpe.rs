@@ -563,8 +563,12 @@ type WordCache = Box<[CacheBucket]>;
 /// other on every prompt and were merged again each time.
 #[derive(Clone, Copy)]
 #[repr(C, align(128))]
+///
+/// A new word takes the second way and moves to the first only when it is found again, so a
+/// stream of words seen once (most of a new prompt's rare words) replaces only the second way and
+/// never evicts a word that recurs; storing new words first evicted recurring words on new text.
 struct CacheBucket {
-    /// The most recently stored first.
+    /// The most recently found again first.
     ways: [CachedWord; 2],
 }
 
@@ -574,13 +578,20 @@ impl CacheBucket {
     };
 
     /// Appends the ids to `out` if this bucket holds `word`.
-    fn ids_of(&self, word: &[u8], out: &mut Vec<u32>) -> bool {
-        self.ways.iter().any(|way| way.ids_of(word, out))
+    fn ids_of(&mut self, word: &[u8], out: &mut Vec<u32>) -> bool {
+        if self.ways[0].ids_of(word, out) {
+            return true;
+        }
+        if self.ways[1].ids_of(word, out) {
+            self.ways.swap(0, 1);
+            return true;
+        }
+        false
     }
 
     fn store(&mut self, entry: CachedWord) {
-        self.ways[1] = self.ways[0];
-        self.ways[0] = entry;
+        let way = usize::from(self.ways[0].word_len != 0);
+        self.ways[way] = entry;
     }
 
     /// Reads both slots (to bring them into the CPU cache).
