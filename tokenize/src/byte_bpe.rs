@@ -555,7 +555,7 @@ type FastHash = BuildHasherDefault<MulHasher>;
 /// Memo of word → ids: a fixed table of two-slot buckets. A lookup reads one bucket, where a map of
 /// boxed keys and values touched four lines (control bytes, entry, key, ids): with the CPU caches
 /// cold, as between a router's requests, those misses were most of a tokenization
-/// (`--bench picker --cold-caches`). A third word of a bucket evicts the older of the two.
+/// (`--bench picker --cold-caches`). A third word of a bucket replaces the second way's.
 type WordCache = Box<[CacheBucket]>;
 
 /// Two slots for words of the same hash: a word shares its bucket with another word of the
@@ -1269,6 +1269,26 @@ mod tests {
             });
             assert_eq!(got, expected, "{text:?}");
         }
+    }
+
+    /// Words seen once take the second way only: a word found again stays cached through any
+    /// number of new words of its bucket.
+    #[test]
+    fn new_words_do_not_evict_a_recurring_word() {
+        let word = |text: &str, id: u32| super::CachedWord::new(text.as_bytes(), &[id]).unwrap();
+        let mut bucket = super::CacheBucket::EMPTY;
+        let mut out = Vec::new();
+        bucket.store(word("alpha", 1));
+        bucket.store(word("beta", 2));
+        assert!(bucket.ids_of(b"beta", &mut out));
+        for (i, new) in ["gamma", "delta", "epsilon"].into_iter().enumerate() {
+            bucket.store(word(new, 3 + i as u32));
+            assert!(bucket.ids_of(b"beta", &mut out), "{new}");
+        }
+        assert!(!bucket.ids_of(b"alpha", &mut out));
+        assert!(!bucket.ids_of(b"gamma", &mut out));
+        assert!(bucket.ids_of(b"epsilon", &mut out));
+        assert_eq!(out, [2, 2, 2, 2, 5]);
     }
 
     #[test]
