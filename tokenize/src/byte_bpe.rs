@@ -54,8 +54,10 @@ use crate::TokenizeError;
 const CACHE_MAX_WORD_LEN: usize = 30;
 /// Most ids a cached word may have.
 const CACHE_MAX_WORD_IDS: usize = 8;
-/// Buckets of the word cache (a power of two) of two one-cache-line slots each: 2 MiB.
-const CACHE_BUCKETS: usize = 1 << 14;
+/// Buckets of the word cache (a power of two) of two one-cache-line slots each: 8 MiB. Four
+/// times the 2 MiB it was keeps more of a stream of new prompts' words (`encode_*_new_text`
+/// groups, BENCHMARKS.md); a lookup still reads one bucket.
+const CACHE_BUCKETS: usize = 1 << 16;
 /// Pieces encoded per hold of the word cache's lock, their buckets read together first.
 const PIECE_BATCH: usize = 64;
 /// Words of at most this many bytes (initial symbols) are merged by [`ByteLevelBpe::merge_short`]:
@@ -553,7 +555,7 @@ type FastHash = BuildHasherDefault<MulHasher>;
 /// Memo of word → ids: a fixed table of two-slot buckets. A lookup reads one bucket, where a map of
 /// boxed keys and values touched four lines (control bytes, entry, key, ids): with the CPU caches
 /// cold, as between a router's requests, those misses were most of a tokenization
-/// (`--bench picker --cold-caches`). A third word of a bucket evicts the older of the two.
+/// (`--bench picker --cold-caches`). A third word of a bucket replaces the second way's.
 type WordCache = Box<[CacheBucket]>;
 
 /// Two slots for words of the same hash: a word shares its bucket with another word of the
@@ -561,8 +563,12 @@ type WordCache = Box<[CacheBucket]>;
 /// other on every prompt and were merged again each time.
 #[derive(Clone, Copy)]
 #[repr(C, align(128))]
+///
+/// A new word takes the second way and moves to the first only when it is found again, so a
+/// stream of words seen once (most of a new prompt's rare words) replaces only the second way and
+/// never evicts a word that recurs; storing new words first evicted recurring words on new text.
 struct CacheBucket {
-    /// The most recently stored first.
+    /// The most recently found again first.
     ways: [CachedWord; 2],
 }
 
@@ -572,13 +578,20 @@ impl CacheBucket {
     };
 
     /// Appends the ids to `out` if this bucket holds `word`.
-    fn ids_of(&self, word: &[u8], out: &mut Vec<u32>) -> bool {
-        self.ways.iter().any(|way| way.ids_of(word, out))
+    fn ids_of(&mut self, word: &[u8], out: &mut Vec<u32>) -> bool {
+        if self.ways[0].ids_of(word, out) {
+            return true;
+        }
+        if self.ways[1].ids_of(word, out) {
+            self.ways.swap(0, 1);
+            return true;
+        }
+        false
     }
 
     fn store(&mut self, entry: CachedWord) {
-        self.ways[1] = self.ways[0];
-        self.ways[0] = entry;
+        let way = usize::from(self.ways[0].word_len != 0);
+        self.ways[way] = entry;
     }
 
     /// Reads both slots (to bring them into the CPU cache).
@@ -916,8 +929,44 @@ enum Segment<'a> {
 
 /// The added tokens' two leftmost-longest matchers, as `tokenizers`' `AddedVocabulary` has.
 struct AddedTokens {
-    raw: Option<DoubleArrayAhoCorasick<u32>>,
-    normalized: Option<DoubleArrayAhoCorasick<u32>>,
+    raw: Option<AddedMatcher>,
+    normalized: Option<AddedMatcher>,
+}
+
+/// A leftmost-longest matcher of added tokens that runs its automaton only where a token can
+/// start: real models' added tokens all start with one or two bytes (`<`), so most of a prompt
+/// is skipped by a byte-table scan, where the automaton's per-byte transitions cost as much as a
+/// tenth of an encode.
+struct AddedMatcher {
+    automaton: DoubleArrayAhoCorasick<u32>,
+    /// Whether a token starts with this byte.
+    first_bytes: [bool; 256],
+    /// The longest token's length in bytes.
+    max_len: usize,
+}
+
+impl AddedMatcher {
+    /// The leftmost-longest match starting at or after `from`: (start, end, id).
+    fn find(&self, bytes: &[u8], mut from: usize) -> Option<(usize, usize, u32)> {
+        while let Some(offset) = bytes
+            .get(from..)?
+            .iter()
+            .position(|&b| self.first_bytes[usize::from(b)])
+        {
+            let at = from + offset;
+            let window = bytes.get(at..bytes.len().min(at + self.max_len))?;
+            // The window holds every token that could start at `at`, so the automaton's
+            // leftmost-longest match starts at 0 exactly when a token starts there, and it is the
+            // longest of those.
+            match self.automaton.leftmost_find_iter(window).next() {
+                Some(found) if found.start() == 0 => {
+                    return Some((at, at + found.end(), found.value()));
+                }
+                _ => from = at + 1,
+            }
+        }
+        None
+    }
 }
 
 impl AddedTokens {
@@ -981,11 +1030,7 @@ impl AddedTokens {
     }
 }
 
-fn split_on<'a>(
-    matcher: Option<&DoubleArrayAhoCorasick<u32>>,
-    text: &'a str,
-    f: &mut dyn FnMut(Segment<'a>),
-) {
+fn split_on<'a>(matcher: Option<&AddedMatcher>, text: &'a str, f: &mut dyn FnMut(Segment<'a>)) {
     let Some(matcher) = matcher else {
         if !text.is_empty() {
             f(Segment::Text(text));
@@ -993,15 +1038,16 @@ fn split_on<'a>(
         return;
     };
     let mut start = 0;
-    for found in matcher.leftmost_find_iter(text) {
-        // Patterns are whole UTF-8 strings, so match bounds are char boundaries.
-        if let Some(before) = text.get(start..found.start())
+    while let Some((found, end, id)) = matcher.find(text.as_bytes(), start) {
+        // A match starts at a token's first byte (a UTF-8 lead byte) and ends after its last:
+        // char boundaries.
+        if let Some(before) = text.get(start..found)
             && !before.is_empty()
         {
             f(Segment::Text(before));
         }
-        f(Segment::Added(found.value()));
-        start = found.end();
+        f(Segment::Added(id));
+        start = end;
     }
     if let Some(rest) = text.get(start..)
         && !rest.is_empty()
@@ -1010,26 +1056,37 @@ fn split_on<'a>(
     }
 }
 
-fn matcher(
-    tokens: Vec<(Cow<'_, str>, u32)>,
-) -> Result<Option<DoubleArrayAhoCorasick<u32>>, Reject> {
+fn matcher(tokens: Vec<(Cow<'_, str>, u32)>) -> Result<Option<AddedMatcher>, Reject> {
     if tokens.is_empty() {
         return Ok(None);
     }
-    DoubleArrayAhoCorasickBuilder::new()
+    let mut first_bytes = [false; 256];
+    let mut max_len = 0;
+    for (content, _) in &tokens {
+        if let Some(&first) = content.as_bytes().first() {
+            first_bytes[usize::from(first)] = true;
+        }
+        max_len = max_len.max(content.len());
+    }
+    let automaton = DoubleArrayAhoCorasickBuilder::new()
         .match_kind(MatchKind::LeftmostLongest)
         .build_with_values(
             tokens
                 .into_iter()
                 .map(|(content, id)| (content.into_owned(), id)),
         )
-        .map(Some)
-        .map_err(|e| Reject::Malformed(format!("added tokens: {e}")))
+        .map_err(|e| Reject::Malformed(format!("added tokens: {e}")))?;
+    Ok(Some(AddedMatcher {
+        automaton,
+        first_bytes,
+        max_len,
+    }))
 }
 
 #[cfg(test)]
 mod tests {
     use std::borrow::Cow;
+    use std::path::PathBuf;
 
     use unicode_normalization_alignments::UnicodeNormalization;
 
@@ -1072,21 +1129,29 @@ mod tests {
         );
     }
 
-    /// The tiny model's encoder, and each real tokenizer folder's present (`KVROUTE_MODELS`).
-    fn encoders() -> Vec<(String, super::ByteLevelBpe)> {
+    /// The tiny model's encoder, and each real tokenizer folder's present (found as
+    /// `real_tests` finds them); prints a skip line for each missing one.
+    fn encoders(test: &str) -> Vec<(String, super::ByteLevelBpe)> {
         let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
-        let mut dirs = vec![("tiny".to_owned(), format!("{fixtures}/tiny-model"))];
-        if let Some(models) = std::env::var_os("KVROUTE_MODELS") {
-            for name in ["qwen3", "llama3_1", "gptoss"] {
-                let dir = std::path::Path::new(&models).join(name);
-                if dir.join("tokenizer.json").is_file() {
-                    dirs.push((name.to_owned(), dir.display().to_string()));
+        let mut dirs = vec![(
+            "tiny".to_owned(),
+            PathBuf::from(format!("{fixtures}/tiny-model")),
+        )];
+        let models = crate::real_tests::models_dir();
+        for name in crate::real_tests::MODELS {
+            match models.as_ref().map(|models| models.join(name)) {
+                Some(dir) if dir.join("tokenizer.json").is_file() => {
+                    dirs.push((name.to_owned(), dir));
                 }
+                _ => eprintln!(
+                    "SKIP {test} for {name}: no tokenizer folder; run `bash scripts/models.sh` \
+                     (sets KVROUTE_MODELS)"
+                ),
             }
         }
         dirs.into_iter()
             .map(|(name, dir)| {
-                let bytes = std::fs::read(format!("{dir}/tokenizer.json")).unwrap();
+                let bytes = std::fs::read(dir.join("tokenizer.json")).unwrap();
                 let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
                 let bpe = super::ByteLevelBpe::from_tokenizer_json(&json)
                     .unwrap()
@@ -1120,7 +1185,7 @@ mod tests {
         };
         let mut scratch = super::Scratch::default();
         let mut short = Vec::new();
-        for (name, bpe) in encoders() {
+        for (name, bpe) in encoders("short_word_merge_equals_the_heap_merge") {
             let mut words: Vec<Vec<u8>> = Vec::new();
             for len in 2..=super::SHORT_WORD {
                 for alphabet in ALPHABETS {
@@ -1145,6 +1210,85 @@ mod tests {
                 assert_eq!(short, scratch.word, "{name}: {word:?}");
             }
         }
+    }
+
+    /// The prefiltered added-token split equals the automaton run over the whole text, on
+    /// tokens that overlap, nest and share first bytes, and text dense with near misses.
+    #[test]
+    fn added_token_split_equals_the_whole_text_automaton() {
+        use daachorse::{DoubleArrayAhoCorasickBuilder, MatchKind};
+
+        let tokens = [
+            "<|a|>",
+            "<|ab|>",
+            "<|",
+            "<s>",
+            "</s>",
+            "ab",
+            "b<",
+            "\u{e9}t\u{e9}",
+            "\u{e9}",
+            "|>x",
+        ];
+        let matcher = super::matcher(
+            tokens
+                .iter()
+                .enumerate()
+                .map(|(id, t)| (Cow::Borrowed(*t), id as u32))
+                .collect(),
+        )
+        .ok()
+        .flatten()
+        .unwrap();
+        let whole = DoubleArrayAhoCorasickBuilder::new()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build_with_values(tokens.iter().enumerate().map(|(id, t)| (*t, id as u32)))
+            .unwrap();
+        let fragments = ["<", "|", ">", "a", "b", "s", "/", "\u{e9}", "t", "x", " "];
+        let mut rng = crate::testing::Rng::new(9);
+        for _ in 0..20_000 {
+            let text: String = (0..rng.below(30)).map(|_| *rng.pick(&fragments)).collect();
+            let mut expected = Vec::new();
+            let mut start = 0;
+            for found in whole.leftmost_find_iter(&text) {
+                if found.start() > start {
+                    expected.push(Err(text[start..found.start()].to_owned()));
+                }
+                expected.push(Ok(found.value()));
+                start = found.end();
+            }
+            if start < text.len() {
+                expected.push(Err(text[start..].to_owned()));
+            }
+            let mut got = Vec::new();
+            super::split_on(Some(&matcher), &text, &mut |segment| {
+                got.push(match segment {
+                    super::Segment::Added(id) => Ok(id),
+                    super::Segment::Text(t) => Err(t.to_owned()),
+                });
+            });
+            assert_eq!(got, expected, "{text:?}");
+        }
+    }
+
+    /// Words seen once take the second way only: a word found again stays cached through any
+    /// number of new words of its bucket.
+    #[test]
+    fn new_words_do_not_evict_a_recurring_word() {
+        let word = |text: &str, id: u32| super::CachedWord::new(text.as_bytes(), &[id]).unwrap();
+        let mut bucket = super::CacheBucket::EMPTY;
+        let mut out = Vec::new();
+        bucket.store(word("alpha", 1));
+        bucket.store(word("beta", 2));
+        assert!(bucket.ids_of(b"beta", &mut out));
+        for (i, new) in ["gamma", "delta", "epsilon"].into_iter().enumerate() {
+            bucket.store(word(new, 3 + i as u32));
+            assert!(bucket.ids_of(b"beta", &mut out), "{new}");
+        }
+        assert!(!bucket.ids_of(b"alpha", &mut out));
+        assert!(!bucket.ids_of(b"gamma", &mut out));
+        assert!(bucket.ids_of(b"epsilon", &mut out));
+        assert_eq!(out, [2, 2, 2, 2, 5]);
     }
 
     #[test]

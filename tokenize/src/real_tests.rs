@@ -12,9 +12,10 @@ use super::*;
 use crate::testing::{Rng, mixed_text};
 
 /// The folders `scripts/models.sh` fetches.
-const MODELS: [&str; 3] = ["qwen3", "llama3_1", "gptoss"];
+pub(crate) const MODELS: [&str; 3] = ["qwen3", "llama3_1", "gptoss"];
 
-fn models_dir() -> Option<PathBuf> {
+/// Where the real tokenizer folders are: `KVROUTE_MODELS`, else `scripts/models.sh`'s cache.
+pub(crate) fn models_dir() -> Option<PathBuf> {
     std::env::var_os("KVROUTE_MODELS")
         .map(PathBuf::from)
         .or_else(|| {

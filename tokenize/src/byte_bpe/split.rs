@@ -204,6 +204,62 @@ fn char_at(text: &str, pos: usize) -> Option<(char, Kind, usize)> {
     Some((c, kind_of_non_ascii(c), c.len_utf8()))
 }
 
+/// An ASCII byte range skipped by SWAR in [`Scan::run_end_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ascii {
+    None,
+    /// `A-Z`, `a-z`.
+    Letters,
+    /// `A-Z`.
+    Upper,
+    /// `a-z`.
+    Lower,
+}
+
+const ONES: u64 = 0x0101_0101_0101_0101;
+const HIGH: u64 = 0x8080_8080_8080_8080;
+
+impl Ascii {
+    /// The end of the run of bytes in this set from `pos`, found eight bytes at a time.
+    #[inline]
+    fn run_end(self, bytes: &[u8], mut pos: usize) -> usize {
+        if self == Self::None {
+            return pos;
+        }
+        while let Some(chunk) = bytes.get(pos..).and_then(<[u8]>::first_chunk::<8>) {
+            let outside = !self.members(u64::from_le_bytes(*chunk)) & HIGH;
+            if outside != 0 {
+                // Little-endian: the lowest set bit is the first byte outside the set.
+                return pos + (outside.trailing_zeros() / 8) as usize;
+            }
+            pos += 8;
+        }
+        while let Some(&byte) = bytes.get(pos)
+            && self.members(u64::from(byte)) & 0x80 != 0
+        {
+            pos += 1;
+        }
+        pos
+    }
+
+    /// The high bit of each byte of `x` set iff that byte is in the set.
+    #[inline]
+    fn members(self, x: u64) -> u64 {
+        let (x, lo, hi) = match self {
+            Self::None => return 0,
+            // Setting bit 5 maps A-Z onto a-z and no other byte into a-z.
+            Self::Letters => (x | (0x20 * ONES), b'a', b'z'),
+            Self::Upper => (x, b'A', b'Z'),
+            Self::Lower => (x, b'a', b'z'),
+        };
+        // On the low seven bits of each byte no sum carries into the next byte.
+        let low = x & !HIGH;
+        let at_least_lo = low + (0x80 - u64::from(lo)) * ONES;
+        let above_hi = low + (0x7f - u64::from(hi)) * ONES;
+        at_least_lo & !above_hi & !x & HIGH
+    }
+}
+
 /// Matching primitives over one text segment.
 #[derive(Debug, Clone, Copy)]
 struct Scan<'a> {
@@ -217,13 +273,22 @@ impl Scan<'_> {
 
     /// End of the maximal run of chars whose kind satisfies `class`, from `pos`.
     #[inline]
-    fn run_end(self, mut pos: usize, class: impl Fn(Kind) -> bool) -> usize {
-        while let Some((_, kind, len)) = char_at(self.text, pos)
-            && class(kind)
-        {
-            pos += len;
+    fn run_end(self, pos: usize, class: impl Fn(Kind) -> bool) -> usize {
+        self.run_end_with(pos, class, Ascii::None)
+    }
+
+    /// [`Self::run_end`] whose ASCII chars in `ascii` (a subset of `class`) are skipped eight
+    /// at a time: most runs are ASCII words, and a per-char loop pays a mispredicted exit at
+    /// every word end besides its per-byte work.
+    #[inline]
+    fn run_end_with(self, mut pos: usize, class: impl Fn(Kind) -> bool, ascii: Ascii) -> usize {
+        loop {
+            pos = ascii.run_end(self.text.as_bytes(), pos);
+            match char_at(self.text, pos) {
+                Some((_, kind, len)) if class(kind) => pos += len,
+                _ => return pos,
+            }
         }
-        pos
     }
 
     /// End of at most `max` consecutive numbers from `pos`.
@@ -317,10 +382,10 @@ impl Scan<'_> {
         }
         // `[^\r\n\p{L}\p{N}]?\p{L}+`: no char is both, so no backtracking between the two.
         if kind.is_prefix() && self.kind_at(pos + len).is_some_and(Kind::is_letter) {
-            return Some(self.run_end(pos + len, Kind::is_letter));
+            return Some(self.run_end_with(pos + len, Kind::is_letter, Ascii::Letters));
         }
         if kind.is_letter() {
-            return Some(self.run_end(pos + len, Kind::is_letter));
+            return Some(self.run_end_with(pos + len, Kind::is_letter, Ascii::Letters));
         }
         if kind == Kind::Number {
             return Some(self.digits_end(pos, max_digits));
@@ -338,16 +403,22 @@ impl Scan<'_> {
     fn upper_lower_end(self, pos: usize) -> Option<usize> {
         let mut end = pos;
         let mut last_lower_end = None;
-        while let Some((_, kind, len)) = char_at(self.text, end)
-            && kind.is_upper_set()
-        {
-            end += len;
-            if kind.is_lower_set() {
-                last_lower_end = Some(end);
+        loop {
+            // ASCII upper-set chars (A-Z) are not in the lower set: skipping them moves no
+            // `last_lower_end`.
+            end = Ascii::Upper.run_end(self.text.as_bytes(), end);
+            match char_at(self.text, end) {
+                Some((_, kind, len)) if kind.is_upper_set() => {
+                    end += len;
+                    if kind.is_lower_set() {
+                        last_lower_end = Some(end);
+                    }
+                }
+                _ => break,
             }
         }
         if self.kind_at(end).is_some_and(Kind::is_lower_set) {
-            return Some(self.run_end(end, Kind::is_lower_set));
+            return Some(self.run_end_with(end, Kind::is_lower_set, Ascii::Lower));
         }
         last_lower_end
     }
@@ -357,8 +428,8 @@ impl Scan<'_> {
         if !self.kind_at(pos).is_some_and(Kind::is_upper_set) {
             return None;
         }
-        let end = self.run_end(pos, Kind::is_upper_set);
-        Some(self.run_end(end, Kind::is_lower_set))
+        let end = self.run_end_with(pos, Kind::is_upper_set, Ascii::Upper);
+        Some(self.run_end_with(end, Kind::is_lower_set, Ascii::Lower))
     }
 
     /// The end of the o200k match at `pos`, `None` at the end of the text.
@@ -510,6 +581,37 @@ mod tests {
             for pattern in [LLAMA3, QWEN2, O200K] {
                 let split = hf_split(pattern);
                 prop_assert_eq!(pieces(pattern, &text), reference(&split, &text), "{}", pattern);
+            }
+        }
+    }
+
+    #[test]
+    fn ascii_runs_equal_the_per_char_runs() {
+        for ascii in [Ascii::Letters, Ascii::Upper, Ascii::Lower] {
+            let member = |b: u8| match ascii {
+                Ascii::Letters => b.is_ascii_alphabetic(),
+                Ascii::Upper => b.is_ascii_uppercase(),
+                _ => b.is_ascii_lowercase(),
+            };
+            for byte in 0..=255u8 {
+                assert_eq!(
+                    ascii.members(u64::from(byte)) & 0x80 != 0,
+                    member(byte),
+                    "{byte}"
+                );
+            }
+            let mut rng = crate::testing::Rng::new(5);
+            let alphabet = b"azAZ@[`{09 \x7f\x80\xc3\xff";
+            for _ in 0..20_000 {
+                let len = rng.below(24);
+                let bytes: Vec<u8> = (0..len).map(|_| *rng.pick(alphabet)).collect();
+                let start = rng.below(len + 1);
+                let expected = start + bytes[start..].iter().take_while(|&&b| member(b)).count();
+                assert_eq!(
+                    ascii.run_end(&bytes, start),
+                    expected,
+                    "{ascii:?} {bytes:?}"
+                );
             }
         }
     }
