@@ -561,12 +561,12 @@ type WordCache = Box<[CacheBucket]>;
 /// Two slots for words of the same hash: a word shares its bucket with another word of the
 /// prompt's vocabulary far less often than a direct-mapped slot, where such pairs evicted each
 /// other on every prompt and were merged again each time.
-#[derive(Clone, Copy)]
-#[repr(C, align(128))]
 ///
 /// A new word takes the second way and moves to the first only when it is found again, so a
 /// stream of words seen once (most of a new prompt's rare words) replaces only the second way and
 /// never evicts a word that recurs; storing new words first evicted recurring words on new text.
+#[derive(Clone, Copy)]
+#[repr(C, align(128))]
 struct CacheBucket {
     /// The most recently found again first.
     ways: [CachedWord; 2],
