@@ -603,7 +603,7 @@ fn part(rng: &mut Rng) -> Value {
         6 => json!({"type": "refusal", "refusal": text(rng)}),
         7 => json!({"type": "thinking", "thinking": text(rng)}),
         8 => json!({"type": "text"}),
-        9 => json!({"type": "tool_reference", "name": ["t", ""][rng.below(2)]}),
+        9 => json!({"type": "tool_reference", "name": rng.pick_str(&["t", ""])}),
         10 => json!({"tool_reference": {}, "name": "u"}),
         11 => json!({"type": "tool_reference"}),
         12 if rng.below(8) == 0 => json!({"type": "image_url", "image_url": {"url": "x"}}),
