@@ -251,7 +251,7 @@ fn prepare_message(
                 // vLLM keeps a parsed part only if it is truthy: empty texts vanish here (in
                 // the "openai" format the part is a non-empty dict and stays).
                 match part {
-                    Part::Text { text, .. } if text.is_empty() => {}
+                    Part::Text { text: "", .. } => {}
                     Part::ToolReference(Some(Value::String(name))) if name.is_empty() => {}
                     Part::Text { text, .. } => texts.push(text),
                     Part::ToolReference(Some(Value::String(name))) => texts.push(name.as_str()),

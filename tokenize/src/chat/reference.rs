@@ -597,7 +597,7 @@ fn scalar_or_tree(rng: &mut Rng, depth: usize) -> Value {
 fn part(rng: &mut Rng) -> Value {
     let mut p = match rng.below(14) {
         0 => return json!(text(rng)),
-        1 | 2 | 3 => json!({"type": "text", "text": text(rng)}),
+        1..=3 => json!({"type": "text", "text": text(rng)}),
         4 => json!({"type": "input_text", "text": text(rng)}),
         5 => json!({"type": "output_text", "text": text(rng)}),
         6 => json!({"type": "refusal", "refusal": text(rng)}),
