@@ -20,6 +20,9 @@ use minijinja::{Environment, Error, ErrorKind, State, Value};
 use crate::content_format::{self, ContentFormat};
 use crate::{ChatOptions, TokenizeError, conversation, pyjson, pytime};
 
+#[cfg(test)]
+mod reference;
+
 const TEMPLATE_NAME: &str = "chat";
 /// transformers' marker for `continue_final_message`.
 const CONTINUE_FINAL_MESSAGE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
@@ -192,6 +195,23 @@ impl ChatTemplate {
         messages: &serde_json::Value,
         options: &ChatOptions,
     ) -> Result<Rendered, TokenizeError> {
+        let context = self.context(messages, options)?;
+        let tokenized_by_template = context.tokenized_by_template;
+        Ok(Rendered {
+            text: self.render_context(context)?,
+            tokenized_by_template,
+        })
+    }
+
+    /// The template's context for a request: transformers' variables, built straight as the
+    /// template's values (one copy of each string from the parsed request, no intermediate
+    /// JSON tree and no serializer: `Value::from_serialize` of the same JSON gives equal
+    /// values, checked by `chat::reference`'s tests).
+    pub(crate) fn context(
+        &self,
+        messages: &serde_json::Value,
+        options: &ChatOptions,
+    ) -> Result<Context, TokenizeError> {
         if options.request_template {
             return Err(TokenizeError::InvalidKwargs {
                 reason: "the request carries its own chat_template".to_owned(),
@@ -220,9 +240,9 @@ impl ChatTemplate {
             .transpose()?;
         let kwargs = template_kwargs(options, tools)?;
         let tokenized_by_template = kwargs.get("tokenize").is_some_and(is_truthy);
-        let mut context = serde_json::Map::new();
+        let mut context = ContextMap::with_capacity(self.special.named.len() + kwargs.len() + 4);
         for (name, token) in &self.special.named {
-            context.insert((*name).to_owned(), serde_json::Value::from(token.as_str()));
+            context.set(name, Value::from(token.as_str()));
         }
         let mut tools = serde_json::Value::Null;
         let mut documents = serde_json::Value::Null;
@@ -238,9 +258,7 @@ impl ChatTemplate {
                         reason: format!("chat_template_kwargs may not set {key}"),
                     });
                 }
-                _ => {
-                    context.insert(key, value);
-                }
+                _ => context.set(&key, conversation::jinja(&value)),
             }
         }
         if let serde_json::Value::Array(docs) = &documents
@@ -255,37 +273,40 @@ impl ChatTemplate {
         } else {
             None
         };
-        context.insert(
-            "messages".to_owned(),
-            serde_json::Value::Array(conversation),
-        );
-        context.insert("tools".to_owned(), tools);
-        context.insert("documents".to_owned(), documents);
-        context.insert(
-            "add_generation_prompt".to_owned(),
-            add_generation_prompt.into(),
-        );
+        let messages = conversation
+            .into_iter()
+            .map(conversation::Message::into_value)
+            .collect::<Vec<Value>>();
+        context.set("messages", Value::from_object(messages));
+        context.set("tools", conversation::jinja(&tools));
+        context.set("documents", conversation::jinja(&documents));
+        context.set("add_generation_prompt", Value::from(add_generation_prompt));
+        Ok(Context {
+            value: context.into_value(),
+            final_text,
+            tokenized_by_template,
+        })
+    }
+
+    /// Renders a [`Context`] (cut at the final message's marker for `continue_final_message`).
+    pub(crate) fn render_context(&self, context: Context) -> Result<String, TokenizeError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|source| TokenizeError::TemplateRender { source })?;
         let rendered = template
-            .render(Value::from_serialize(&context))
+            .render(context.value)
             .map_err(|source| TokenizeError::TemplateRender { source })?;
-        let text = match final_text {
-            Some(final_text) => cut_at_final_message(rendered, &final_text)?,
-            None => rendered,
-        };
-        Ok(Rendered {
-            text,
-            tokenized_by_template,
-        })
+        match context.final_text {
+            Some(final_text) => cut_at_final_message(rendered, &final_text),
+            None => Ok(rendered),
+        }
     }
 
     /// Appends transformers' marker to the final message's (last) text; returns that text.
     fn mark_final_message(
         &self,
-        conversation: &mut [serde_json::Value],
+        conversation: &mut [conversation::Message],
     ) -> Result<String, TokenizeError> {
         let invalid = |reason: &str| TokenizeError::InvalidMessages {
             reason: reason.to_owned(),
@@ -297,24 +318,71 @@ impl ChatTemplate {
             .last_mut()
             .and_then(|m| m.get_mut("content"))
             .ok_or_else(|| invalid("the final message has no content to continue"))?;
-        match content {
-            serde_json::Value::String(text) => {
-                let original = text.clone();
-                text.push_str(CONTINUE_FINAL_MESSAGE_TAG);
-                Ok(original)
-            }
-            serde_json::Value::Array(parts) => {
-                for part in parts.iter_mut().rev() {
-                    if let Some(serde_json::Value::String(text)) = part.get_mut("text") {
-                        let original = text.clone();
-                        text.push_str(CONTINUE_FINAL_MESSAGE_TAG);
-                        return Ok(original);
-                    }
-                }
-                Err(invalid("the final message has no text to continue"))
-            }
-            _ => Err(invalid("the final message has no content to continue")),
+        if let Some(text) = content.as_str() {
+            let original = text.to_owned();
+            *content = Value::from(format!("{original}{CONTINUE_FINAL_MESSAGE_TAG}"));
+            return Ok(original);
         }
+        if content.kind() != ValueKind::Seq {
+            return Err(invalid("the final message has no content to continue"));
+        }
+        let render_error = |e: Error| invalid(&e.to_string());
+        let mut parts: Vec<Value> = content.try_iter().map_err(render_error)?.collect();
+        let text_key = Value::from("text");
+        for part in parts.iter_mut().rev() {
+            if part.kind() != ValueKind::Map {
+                continue;
+            }
+            let text = part.get_item(&text_key).map_err(render_error)?;
+            let Some(original) = text.as_str().map(str::to_owned) else {
+                continue;
+            };
+            // The part again, its keys in order, with the marked text in its place.
+            let mut entries = Vec::new();
+            for key in part.try_iter().map_err(render_error)? {
+                let value = if key.as_str() == Some("text") {
+                    Value::from(format!("{original}{CONTINUE_FINAL_MESSAGE_TAG}"))
+                } else {
+                    part.get_item(&key).map_err(render_error)?
+                };
+                entries.push((key, value));
+            }
+            *part = Value::from_iter(entries);
+            *content = Value::from_object(parts);
+            return Ok(original);
+        }
+        Err(invalid("the final message has no text to continue"))
+    }
+}
+
+/// A request's template context and what rendering it needs besides.
+pub(crate) struct Context {
+    /// transformers' variables.
+    pub(crate) value: Value,
+    /// The final message's text before the marker (`continue_final_message`).
+    pub(crate) final_text: Option<String>,
+    /// Whether the kwargs set `tokenize`.
+    pub(crate) tokenized_by_template: bool,
+}
+
+/// The context's variables in insertion order; setting a name again keeps its place (a
+/// Python dict's assignment, which transformers' context is).
+struct ContextMap(Vec<(Value, Value)>);
+
+impl ContextMap {
+    fn with_capacity(capacity: usize) -> Self {
+        Self(Vec::with_capacity(capacity))
+    }
+
+    fn set(&mut self, key: &str, value: Value) {
+        match self.0.iter_mut().find(|(k, _)| k.as_str() == Some(key)) {
+            Some((_, slot)) => *slot = value,
+            None => self.0.push((Value::from(key), value)),
+        }
+    }
+
+    fn into_value(self) -> Value {
+        Value::from_iter(self.0)
     }
 }
 

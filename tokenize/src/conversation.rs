@@ -12,6 +12,8 @@
 //! Everything vLLM answers with 400 is an [`TokenizeError::InvalidMessages`] here, and so is
 //! multimodal content (kvroute routes text only; such requests fall back).
 
+use minijinja::Value as J;
+use minijinja::value::ValueKind;
 use serde_json::{Map, Value};
 
 use crate::TokenizeError;
@@ -19,7 +21,7 @@ use crate::content_format::ContentFormat;
 
 /// Content-part fields vLLM knows (`_KNOWN_CONTENT_PART_FIELDS`); any other key of a text part
 /// is kept on the part in the "openai" format.
-const KNOWN_CONTENT_PART_FIELDS: [&str; 18] = [
+pub(crate) const KNOWN_CONTENT_PART_FIELDS: [&str; 18] = [
     "audio_embeds",
     "audio_url",
     "closed",
@@ -41,7 +43,7 @@ const KNOWN_CONTENT_PART_FIELDS: [&str; 18] = [
 ];
 
 /// Part types read as text, with the key that holds the text.
-const TEXT_PART_TYPES: [(&str, &str); 5] = [
+pub(crate) const TEXT_PART_TYPES: [(&str, &str); 5] = [
     ("text", "text"),
     ("input_text", "text"),
     ("output_text", "text"),
@@ -50,7 +52,7 @@ const TEXT_PART_TYPES: [(&str, &str); 5] = [
 ];
 
 /// Part types and keys that carry media (vLLM's other `MM_PARSER_MAP` entries).
-const MEDIA_PARTS: [&str; 10] = [
+pub(crate) const MEDIA_PARTS: [&str; 10] = [
     "image_url",
     "input_image",
     "image_embeds",
@@ -64,7 +66,7 @@ const MEDIA_PARTS: [&str; 10] = [
 ];
 
 /// Claude Code's per-request attribution line, which vLLM drops from system text.
-const CLAUDE_CODE_BILLING_HEADER: &str = "x-anthropic-billing-header";
+pub(crate) const CLAUDE_CODE_BILLING_HEADER: &str = "x-anthropic-billing-header";
 
 fn invalid(reason: impl Into<String>) -> TokenizeError {
     TokenizeError::InvalidMessages {
@@ -72,13 +74,82 @@ fn invalid(reason: impl Into<String>) -> TokenizeError {
     }
 }
 
-/// A content part after parsing: text, or a tool reference.
-enum Part {
+/// A content part after parsing: text (borrowed from the request), or a tool reference.
+enum Part<'a> {
     Text {
-        text: String,
-        extra: Map<String, Value>,
+        text: &'a str,
+        extra: Vec<(&'a str, &'a Value)>,
     },
-    ToolReference(Value),
+    ToolReference(Option<&'a Value>),
+}
+
+/// One prepared message: its keys in the order vLLM's dict has them, values already the
+/// template's (each string copied once, from the parsed request).
+pub(crate) struct Message {
+    pub(crate) entries: Vec<(&'static str, J)>,
+}
+
+impl Message {
+    fn with_capacity(capacity: usize) -> Self {
+        Self {
+            entries: Vec::with_capacity(capacity),
+        }
+    }
+
+    pub(crate) fn get(&self, key: &str) -> Option<&J> {
+        self.entries.iter().find(|(k, _)| *k == key).map(|(_, v)| v)
+    }
+
+    pub(crate) fn get_mut(&mut self, key: &str) -> Option<&mut J> {
+        self.entries
+            .iter_mut()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v)
+    }
+
+    /// A dict's `d[key] = value`: an existing key keeps its place.
+    fn set(&mut self, key: &'static str, value: J) {
+        match self.get_mut(key) {
+            Some(slot) => *slot = value,
+            None => self.entries.push((key, value)),
+        }
+    }
+
+    fn remove(&mut self, key: &str) {
+        self.entries.retain(|(k, _)| *k != key);
+    }
+
+    fn role(&self) -> Option<&str> {
+        self.get("role").and_then(J::as_str)
+    }
+
+    /// The dict the template sees (the map `Value::from_serialize` builds for a JSON object).
+    pub(crate) fn into_value(self) -> J {
+        J::from_iter(self.entries.into_iter().map(|(k, v)| (J::from(k), v)))
+    }
+}
+
+/// A JSON value as the template sees it: what `Value::from_serialize` makes of it (numbers
+/// as serde_json serializes them, objects as ordered maps, arrays as sequences), built
+/// directly so no serializer runs and no intermediate tree is made.
+pub(crate) fn jinja(value: &Value) -> J {
+    match value {
+        Value::Null => J::from(()),
+        Value::Bool(b) => J::from(*b),
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => J::from(u),
+            (None, Some(i)) => J::from(i),
+            (None, None) => J::from(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        Value::String(s) => J::from(s.as_str()),
+        Value::Array(items) => J::from_object(items.iter().map(jinja).collect::<Vec<J>>()),
+        Value::Object(map) => jinja_map(map.iter().map(|(k, v)| (k.as_str(), v))),
+    }
+}
+
+/// An ordered map of borrowed JSON values as the template sees it.
+fn jinja_map<'a>(entries: impl Iterator<Item = (&'a str, &'a Value)>) -> J {
+    J::from_iter(entries.map(|(k, v)| (J::from(k), jinja(v))))
 }
 
 /// The conversation the template renders, from the request's `messages`.
@@ -87,7 +158,7 @@ pub(crate) fn prepare(
     format: ContentFormat,
     template_names_developer: bool,
     validated: bool,
-) -> Result<Vec<Value>, TokenizeError> {
+) -> Result<Vec<Message>, TokenizeError> {
     let list = messages
         .as_array()
         .ok_or_else(|| invalid("messages must be an array"))?;
@@ -95,26 +166,24 @@ pub(crate) fn prepare(
         .iter()
         .map(|message| prepare_message(message, format, validated))
         .collect::<Result<Vec<_>, _>>()?;
-    let has_developer = conversation
-        .iter()
-        .any(|m| m.get("role").and_then(Value::as_str) == Some("developer"));
+    let has_developer = conversation.iter().any(|m| m.role() == Some("developer"));
     if has_developer && !template_names_developer {
         for message in &mut conversation {
-            if message.get("role").and_then(Value::as_str) == Some("developer") {
-                message.insert("role".to_owned(), Value::from("system"));
-                message.shift_remove("tools");
+            if message.role() == Some("developer") {
+                message.set("role", J::from("system"));
+                message.remove("tools");
             }
         }
-        conversation = consolidate_system_messages(conversation);
+        conversation = consolidate_system_messages(conversation)?;
     }
-    Ok(conversation.into_iter().map(Value::Object).collect())
+    Ok(conversation)
 }
 
 fn prepare_message(
     message: &Value,
     format: ContentFormat,
     validated: bool,
-) -> Result<Map<String, Value>, TokenizeError> {
+) -> Result<Message, TokenizeError> {
     let message = message
         .as_object()
         .ok_or_else(|| invalid("a message must be an object"))?;
@@ -122,44 +191,59 @@ fn prepare_message(
         .get("role")
         .and_then(Value::as_str)
         .ok_or_else(|| invalid("a message needs a string role"))?;
-    let parts: Vec<Value> = match message.get("content") {
+    // A string content is one text part (vLLM wraps it so).
+    let parts: &[Value] = match message.get("content") {
         // The request model allows a null content on assistant messages only.
         Some(Value::Null) if role != "assistant" => {
             return Err(invalid("content may be null only on assistant messages"));
         }
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(text)) => vec![serde_json::json!({"type": "text", "text": text})],
-        Some(Value::Array(parts)) => parts.clone(),
+        None | Some(Value::Null) => &[],
+        Some(text @ Value::String(_)) => std::slice::from_ref(text),
+        Some(Value::Array(parts)) => parts,
         Some(_) => return Err(invalid("content must be a string or a list of parts")),
     };
-    let parts = if role == "system" {
-        strip_billing_header(parts)
-    } else {
-        parts
-    };
     let mut parsed = Vec::with_capacity(parts.len());
-    for part in &parts {
-        if let Some(part) = parse_part(part)? {
+    for part in parts {
+        // Claude Code's attribution line is dropped from system text before parsing.
+        let text = match role {
+            "system" => match strip_billing_header(part) {
+                Stripped::Drop => continue,
+                Stripped::Keep => None,
+                Stripped::Text(rest) => Some(rest),
+            },
+            _ => None,
+        };
+        if let Some(part) = parse_part(part, text)? {
             parsed.push(part);
         }
     }
     let content = match format {
-        ContentFormat::OpenAi => Value::Array(
+        // Tool results sent as text parts become one string, whatever the format.
+        ContentFormat::OpenAi
+            if role == "tool" && parsed.iter().all(|p| matches!(p, Part::Text { .. })) =>
+        {
+            let texts = parsed.iter().map(|part| match part {
+                Part::Text { text, .. } => *text,
+                Part::ToolReference(_) => "",
+            });
+            join_texts(texts, parsed.len())
+        }
+        ContentFormat::OpenAi => J::from_object(
             parsed
                 .into_iter()
                 .map(|part| match part {
-                    Part::Text { text, extra } => {
-                        let mut out = Map::new();
-                        out.insert("type".to_owned(), Value::from("text"));
-                        out.insert("text".to_owned(), Value::from(text));
-                        out.extend(extra);
-                        Value::Object(out)
-                    }
-                    Part::ToolReference(name) => {
-                        serde_json::json!({"type": "tool_reference", "name": name})
-                    }
+                    Part::Text { text, extra } => J::from_iter(
+                        [("type", J::from("text")), ("text", J::from(text))]
+                            .into_iter()
+                            .map(|(k, v)| (J::from(k), v))
+                            .chain(extra.into_iter().map(|(k, v)| (J::from(k), jinja(v)))),
+                    ),
+                    Part::ToolReference(name) => J::from_iter([
+                        (J::from("type"), J::from("tool_reference")),
+                        (J::from("name"), name.map_or(J::from(()), jinja)),
+                    ]),
                 })
-                .collect(),
+                .collect::<Vec<J>>(),
         ),
         ContentFormat::String => {
             let mut texts = Vec::with_capacity(parsed.len());
@@ -167,27 +251,28 @@ fn prepare_message(
                 // vLLM keeps a parsed part only if it is truthy: empty texts vanish here (in
                 // the "openai" format the part is a non-empty dict and stays).
                 match part {
-                    Part::Text { text, .. } if text.is_empty() => {}
-                    Part::ToolReference(Value::String(name)) if name.is_empty() => {}
+                    Part::Text { text: "", .. } => {}
+                    Part::ToolReference(Some(Value::String(name))) if name.is_empty() => {}
                     Part::Text { text, .. } => texts.push(text),
-                    Part::ToolReference(Value::String(name)) => texts.push(name),
+                    Part::ToolReference(Some(Value::String(name))) => texts.push(name.as_str()),
                     // vLLM's "\n".join fails on a missing name (a 500 there).
                     Part::ToolReference(_) => return Err(invalid("tool_reference needs a name")),
                 }
             }
-            Value::from(texts.join("\n"))
+            let count = texts.len();
+            join_texts(texts.into_iter(), count)
         }
     };
-    let mut out = Map::new();
-    out.insert("role".to_owned(), Value::from(role));
-    out.insert("content".to_owned(), content);
+    let mut out = Message::with_capacity(4);
+    out.set("role", J::from(role));
+    out.set("content", content);
     match role {
         "assistant" => {
             // An empty list is dropped (`_postprocess_messages`), so templates take the plain path.
             if let Some(calls) = message.get("tool_calls").filter(|c| !c.is_null()) {
                 let calls = tool_calls(calls, validated)?;
-                if calls.as_array().is_some_and(|c| !c.is_empty()) {
-                    out.insert("tool_calls".to_owned(), calls);
+                if !calls.is_empty() {
+                    out.set("tool_calls", J::from_object(calls));
                 }
             }
             // ChatCompletionRequest renames `reasoning_content` to `reasoning` when unset.
@@ -196,51 +281,57 @@ fn prepare_message(
                 .filter(|r| !r.is_null())
                 .or_else(|| message.get("reasoning_content").filter(|r| !r.is_null()));
             if let Some(reasoning) = reasoning {
-                out.insert("reasoning".to_owned(), reasoning.clone());
-                out.insert("reasoning_content".to_owned(), reasoning.clone());
+                let value = jinja(reasoning);
+                // Two converted copies of a dict or list (`is sameas` tells shared objects
+                // apart); a string is shared, which no template can observe.
+                let again = match reasoning {
+                    Value::Array(_) | Value::Object(_) => jinja(reasoning),
+                    _ => value.clone(),
+                };
+                out.set("reasoning", value);
+                out.set("reasoning_content", again);
             }
         }
         "tool" => {
             if let Some(id) = message.get("tool_call_id") {
-                out.insert("tool_call_id".to_owned(), id.clone());
-            }
-            // Tool results sent as text parts become one string, whatever the format.
-            if let Some(Value::Array(items)) = out.get("content") {
-                let all_text = items
-                    .iter()
-                    .all(|item| item.get("type").and_then(Value::as_str) == Some("text"));
-                if all_text {
-                    let texts: Vec<&str> = items
-                        .iter()
-                        .map(|item| item.get("text").and_then(Value::as_str).unwrap_or(""))
-                        .collect();
-                    let joined = Value::from(texts.join("\n"));
-                    out.insert("content".to_owned(), joined);
-                }
+                out.set("tool_call_id", jinja(id));
             }
         }
         _ => {}
     }
     if let Some(name) = message.get("name").filter(|n| n.is_string()) {
-        out.insert("name".to_owned(), name.clone());
+        out.set("name", jinja(name));
     }
     if let Some(task) = message.get("task").filter(|t| t.is_string()) {
-        out.insert("task".to_owned(), task.clone());
+        out.set("task", jinja(task));
     }
     if role == "developer" {
-        let tools = message.get("tools").cloned().unwrap_or(Value::Null);
-        out.insert("tools".to_owned(), tools);
+        let tools = message.get("tools").map_or(J::from(()), jinja);
+        out.set("tools", tools);
     }
     Ok(out)
 }
 
-/// vLLM's `_parse_chat_message_content_part` for text-only content.
-fn parse_part(part: &Value) -> Result<Option<Part>, TokenizeError> {
+/// `"\n".join(texts)` as one template string, without an intermediate copy for one text.
+fn join_texts<'a>(mut texts: impl Iterator<Item = &'a str>, count: usize) -> J {
+    match count {
+        0 => J::from(""),
+        1 => J::from(texts.next().unwrap_or_default()),
+        _ => J::from(texts.collect::<Vec<_>>().join("\n")),
+    }
+}
+
+/// vLLM's `_parse_chat_message_content_part` for text-only content; `text` replaces the
+/// part's text (a system part whose billing line was dropped).
+fn parse_part<'a>(
+    part: &'a Value,
+    text: Option<&'a str>,
+) -> Result<Option<Part<'a>>, TokenizeError> {
     let part = match part {
-        Value::String(text) => {
+        Value::String(own) => {
             return Ok(Some(Part::Text {
-                text: text.clone(),
-                extra: Map::new(),
+                text: text.unwrap_or(own),
+                extra: Vec::new(),
             }));
         }
         Value::Object(part) => part,
@@ -254,9 +345,7 @@ fn parse_part(part: &Value) -> Result<Option<Part>, TokenizeError> {
                 return Err(invalid("multimodal content is not supported"));
             }
             if part.contains_key("tool_reference") {
-                return Ok(Some(Part::ToolReference(
-                    part.get("name").cloned().unwrap_or(Value::Null),
-                )));
+                return Ok(Some(Part::ToolReference(part.get("name"))));
             }
             return Err(invalid("missing 'type' field in a content part"));
         }
@@ -264,24 +353,27 @@ fn parse_part(part: &Value) -> Result<Option<Part>, TokenizeError> {
         Some(_) => return Err(invalid("invalid 'type' field in a content part")),
     };
     if let Some((_, key)) = TEXT_PART_TYPES.iter().find(|(t, _)| *t == part_type) {
-        let text = match part.get(*key) {
+        let own = match part.get(*key) {
             None | Some(Value::Null) if matches!(part_type, "text" | "refusal") => {
                 return Ok(None);
             }
-            Some(Value::String(text)) => text.clone(),
+            Some(Value::String(own)) => own.as_str(),
             _ => return Err(invalid("a text part needs its text")),
+        };
+        // Only a "text" part's billing line is ever replaced (see `strip_billing_header`).
+        let text = match part_type {
+            "text" => text.unwrap_or(own),
+            _ => own,
         };
         let extra = part
             .iter()
             .filter(|(k, _)| !KNOWN_CONTENT_PART_FIELDS.contains(&k.as_str()))
-            .map(|(k, v)| (k.clone(), v.clone()))
+            .map(|(k, v)| (k.as_str(), v))
             .collect();
         return Ok(Some(Part::Text { text, extra }));
     }
     if part_type == "tool_reference" {
-        return Ok(Some(Part::ToolReference(
-            part.get("name").cloned().unwrap_or(Value::Null),
-        )));
+        return Ok(Some(Part::ToolReference(part.get("name"))));
     }
     if MEDIA_PARTS.contains(&part_type) {
         return Err(invalid("multimodal content is not supported"));
@@ -289,37 +381,33 @@ fn parse_part(part: &Value) -> Result<Option<Part>, TokenizeError> {
     Err(invalid("unsupported content part type"))
 }
 
-/// Drops Claude Code's attribution line from system text parts, as vLLM does.
-fn strip_billing_header(parts: Vec<Value>) -> Vec<Value> {
-    let mut out = Vec::with_capacity(parts.len());
-    for part in parts {
-        let text = match &part {
-            Value::String(text) => Some(text.as_str()),
-            Value::Object(p) if p.get("type").and_then(Value::as_str) == Some("text") => {
-                p.get("text").and_then(Value::as_str)
-            }
-            _ => None,
-        };
-        let Some(text) = text.filter(|t| t.starts_with(CLAUDE_CODE_BILLING_HEADER)) else {
-            out.push(part);
-            continue;
-        };
-        let rest = text
-            .split_once('\n')
-            .map_or("", |(_, rest)| rest)
-            .to_owned();
-        if rest.is_empty() {
-            continue;
+/// What dropping Claude Code's attribution line does to one system content part.
+enum Stripped<'a> {
+    /// No such line: the part as sent.
+    Keep,
+    /// The line was all of its text: the part is dropped.
+    Drop,
+    /// Its text after the line.
+    Text(&'a str),
+}
+
+/// Drops Claude Code's attribution line from a system text part, as vLLM does: a string part
+/// or a `type: "text"` part whose text starts with it keeps what follows its first newline.
+fn strip_billing_header(part: &Value) -> Stripped<'_> {
+    let text = match part {
+        Value::String(text) => Some(text.as_str()),
+        Value::Object(p) if p.get("type").and_then(Value::as_str) == Some("text") => {
+            p.get("text").and_then(Value::as_str)
         }
-        out.push(match part {
-            Value::Object(mut p) => {
-                p.insert("text".to_owned(), Value::from(rest));
-                Value::Object(p)
-            }
-            _ => Value::from(rest),
-        });
+        _ => None,
+    };
+    let Some(text) = text.filter(|t| t.starts_with(CLAUDE_CODE_BILLING_HEADER)) else {
+        return Stripped::Keep;
+    };
+    match text.split_once('\n').map_or("", |(_, rest)| rest) {
+        "" => Stripped::Drop,
+        rest => Stripped::Text(rest),
     }
-    out
 }
 
 /// Assistant tool calls as vLLM validates and post-processes them: each entry needs an `id`,
@@ -328,7 +416,7 @@ fn strip_billing_header(parts: Vec<Value>) -> Vec<Value> {
 /// `arguments` parsed into an object (`{}` when empty, invalid or not an object). Calls vLLM
 /// built itself and never validated (`validated` false: the Responses API's) keep `name` before
 /// `arguments`, the order it builds them in.
-fn tool_calls(calls: &Value, validated: bool) -> Result<Value, TokenizeError> {
+fn tool_calls(calls: &Value, validated: bool) -> Result<Vec<J>, TokenizeError> {
     let calls = calls
         .as_array()
         .ok_or_else(|| invalid("tool_calls must be a list"))?;
@@ -357,78 +445,112 @@ fn tool_calls(calls: &Value, validated: bool) -> Result<Value, TokenizeError> {
             .and_then(Value::as_str)
             .ok_or_else(|| invalid("a tool call's function needs string arguments"))?;
         let parsed = match serde_json::from_str::<Value>(arguments) {
-            Ok(Value::Object(map)) if !arguments.is_empty() => Value::Object(map),
-            _ => Value::Object(Map::new()),
+            Ok(Value::Object(map)) if !arguments.is_empty() => {
+                jinja_map(map.iter().map(|(k, v)| (k.as_str(), v)))
+            }
+            _ => jinja_map(std::iter::empty()),
         };
-        let mut f = Map::new();
-        if validated {
-            f.insert("arguments".to_owned(), parsed);
-            f.insert("name".to_owned(), name.clone());
+        let (first, second) = if validated {
+            (("arguments", parsed), ("name", jinja(name)))
         } else {
-            f.insert("name".to_owned(), name.clone());
-            f.insert("arguments".to_owned(), parsed);
-        }
-        for (k, v) in function {
-            if k != "arguments" && k != "name" {
-                f.insert(k.clone(), v.clone());
-            }
-        }
-        let mut entry = Map::new();
-        entry.insert("id".to_owned(), id.clone());
-        entry.insert("function".to_owned(), Value::Object(f));
-        entry.insert("type".to_owned(), Value::from("function"));
-        for (k, v) in call {
-            if !matches!(k.as_str(), "id" | "function" | "type") {
-                entry.insert(k.clone(), v.clone());
-            }
-        }
-        out.push(Value::Object(entry));
+            (("name", jinja(name)), ("arguments", parsed))
+        };
+        let f = J::from_iter(
+            [first, second]
+                .into_iter()
+                .map(|(k, v)| (J::from(k), v))
+                .chain(
+                    function
+                        .iter()
+                        .filter(|(k, _)| *k != "arguments" && *k != "name")
+                        .map(|(k, v)| (J::from(k.as_str()), jinja(v))),
+                ),
+        );
+        let entry = J::from_iter(
+            [
+                ("id", jinja(id)),
+                ("function", f),
+                ("type", J::from("function")),
+            ]
+            .into_iter()
+            .map(|(k, v)| (J::from(k), v))
+            .chain(
+                call.iter()
+                    .filter(|(k, _)| !matches!(k.as_str(), "id" | "function" | "type"))
+                    .map(|(k, v)| (J::from(k.as_str()), jinja(v))),
+            ),
+        );
+        out.push(entry);
     }
-    Ok(Value::Array(out))
+    Ok(out)
 }
 
 /// vLLM's `_consolidate_system_messages`: all system messages merged (text joined with
 /// `"\n\n"`, empty ones dropped) into one at the front, when there is one not at the front or
 /// more than one.
-fn consolidate_system_messages(conversation: Vec<Map<String, Value>>) -> Vec<Map<String, Value>> {
+fn consolidate_system_messages(conversation: Vec<Message>) -> Result<Vec<Message>, TokenizeError> {
     let mut system = Vec::new();
-    let mut others = Vec::new();
     let mut needed = false;
     for (i, message) in conversation.iter().enumerate() {
-        if message.get("role").and_then(Value::as_str) != Some("system") {
-            others.push(message.clone());
+        if message.role() != Some("system") {
             continue;
         }
         if i > 0 || !system.is_empty() {
             needed = true;
         }
         let text = match message.get("content") {
-            Some(Value::Array(parts)) => parts
-                .iter()
-                .filter_map(|part| match part {
-                    Value::Object(p) => p.get("text").map(|t| match t {
-                        Value::String(s) => s.clone(),
-                        other => other.to_string(),
-                    }),
-                    Value::String(s) => Some(s.clone()),
-                    _ => None,
-                })
-                .collect::<Vec<_>>()
-                .join("\n"),
-            Some(Value::String(s)) => s.clone(),
-            _ => String::new(),
+            Some(content) if content.kind() == ValueKind::Seq => {
+                let mut texts = Vec::new();
+                for part in content.try_iter().map_err(|e| invalid(e.to_string()))? {
+                    if let Some(text) = part_text(&part)? {
+                        texts.push(text);
+                    }
+                }
+                texts.join("\n")
+            }
+            Some(content) => content.as_str().unwrap_or_default().to_owned(),
+            None => String::new(),
         };
         if !text.is_empty() {
             system.push(text);
         }
     }
     if !needed {
-        return conversation;
+        return Ok(conversation);
     }
-    let mut merged = Map::new();
-    merged.insert("role".to_owned(), Value::from("system"));
-    merged.insert("content".to_owned(), Value::from(system.join("\n\n")));
-    std::iter::once(merged).chain(others).collect()
+    let mut merged = Message::with_capacity(2);
+    merged.set("role", J::from("system"));
+    merged.set("content", J::from(system.join("\n\n")));
+    Ok(std::iter::once(merged)
+        .chain(
+            conversation
+                .into_iter()
+                .filter(|m| m.role() != Some("system")),
+        )
+        .collect())
+}
+
+/// A prepared content part's `text` as vLLM's consolidation reads it (a string part is its
+/// own text; a non-string text is printed as JSON).
+fn part_text(part: &J) -> Result<Option<String>, TokenizeError> {
+    if let Some(s) = part.as_str() {
+        return Ok(Some(s.to_owned()));
+    }
+    if part.kind() != ValueKind::Map {
+        return Ok(None);
+    }
+    let text = part
+        .get_item(&J::from("text"))
+        .map_err(|e| invalid(e.to_string()))?;
+    if text.is_undefined() {
+        return Ok(None);
+    }
+    match text.as_str() {
+        Some(s) => Ok(Some(s.to_owned())),
+        None => serde_json::to_string(&text)
+            .map(Some)
+            .map_err(|e| invalid(e.to_string())),
+    }
 }
 
 /// `tools` as vLLM hands them to the template: `ChatCompletionToolsParam.model_dump()` of each
