@@ -74,7 +74,7 @@ pub(crate) fn match_keys(
     candidates: &[String],
 ) -> Result<api::MatchResponse, MatchError> {
     let _inflight = shared.inflight.token();
-    let result = match_keys_inner(shared, model, block_size, keys, candidates);
+    let result = match_keys_inner(shared, api_name, model, block_size, keys, candidates);
     if let Err(error) = &result {
         shared.metrics.match_error(api_name, error.as_label());
     }
@@ -83,6 +83,7 @@ pub(crate) fn match_keys(
 
 fn match_keys_inner(
     shared: &Shared,
+    api_name: &'static str,
     model: &str,
     block_size: Option<u32>,
     keys: &[u64],
@@ -109,7 +110,15 @@ fn match_keys_inner(
     let candidates = (!candidates.is_empty()).then_some(candidate_ids.as_slice());
 
     let started = Instant::now();
-    let matches = shared.index.find_matches(&pool.name, keys, candidates)?;
+    // Keys from the embedded caller (ext-proc's own) or a caller holding the query token are
+    // kvroute's; anyone else's are answered without building runs from them.
+    let matches = if api_name == "local" || shared.query_auth.is_required() {
+        shared.index.find_matches(&pool.name, keys, candidates)?
+    } else {
+        shared
+            .index
+            .find_matches_without_building(&pool.name, keys, candidates)?
+    };
     shared
         .metrics
         .observe_match("index", started.elapsed().as_secs_f64());

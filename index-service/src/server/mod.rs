@@ -178,6 +178,12 @@ impl IndexServer {
         let query_auth = auth::QueryAuth::register(config.query_token.clone(), &mut registry);
         if query_auth.is_required() {
             tracing::info!("query API (Match, ReplicaState, /v1/*) requires the query_auth token");
+        } else {
+            // A caller's keys may then be anyone's, and runs trust that keys are chains.
+            tracing::warn!(
+                "query API open (no query_auth): Match answers there build no runs of prompt \
+                 keys, so repeated prompts are matched key by key; set query_auth to speed them up"
+            );
         }
 
         let index = Arc::new(BlockIndex::new(

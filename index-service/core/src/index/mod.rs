@@ -22,7 +22,8 @@
 //! - **Prompt paths** beside the tables (pools of up to 64 replicas): runs of consecutive prompt
 //!   keys with the same holders, each one contiguous array of keys plus one holder set. A key's
 //!   table entry names its run; a walk that looks a key up compares the prompt's next keys with
-//!   the run's in one sequential loop and skips every key that matches, so a 1,000-block prompt
+//!   the run's (by bisection: keys are chains, see `paths::common_prefix`; only walks of keys
+//!   kvroute computed build runs) and skips every key that matches, so a 1,000-block prompt
 //!   held in a few runs costs a few lookups instead of 1,000 (a run also names the run built
 //!   after it, entered without a lookup, and a prompt's first key names the run built from it,
 //!   so a prompt held in runs needs no lookup at all). Runs are built by walks from the keys
@@ -374,6 +375,22 @@ impl BlockIndex {
         Ok(self.replica(replica)?.lock().engine_hashes())
     }
 
+    /// [`KvIndex::find_matches`] for keys kvroute did not compute itself (a query API caller
+    /// without the query token): the same answer, but the walk builds no runs of prompt keys.
+    /// Runs trust that prompts are chains of keys (each commits to the one before it, as block
+    /// hashes do); keys chosen by a client need not be, and a run built from them could then
+    /// vouch for another prompt's keys it only shares at both ends of a stretch.
+    pub fn find_matches_without_building(
+        &self,
+        model: &str,
+        keys: &[u64],
+        candidates: Option<&[ReplicaId]>,
+    ) -> Result<Vec<ReplicaMatch>, IndexError> {
+        let pools = self.pools.load();
+        let pool = pools.get(model).ok_or_else(|| unknown_pool(model))?;
+        Ok(pool.find_matches(keys, candidates, false))
+    }
+
     /// What `model`'s match walks did with runs of prompt keys (benches, tests).
     pub fn path_stats(&self, model: &str) -> Option<PathStats> {
         Some(self.pool(model).ok()?.path_stats())
@@ -475,7 +492,7 @@ impl KvIndex for BlockIndex {
     ) -> Result<Vec<ReplicaMatch>, IndexError> {
         let pools = self.pools.load();
         let pool = pools.get(model).ok_or_else(|| unknown_pool(model))?;
-        Ok(pool.find_matches(keys, candidates))
+        Ok(pool.find_matches(keys, candidates, true))
     }
 
     fn reset_replica(&self, replica: ReplicaId) -> Result<(), IndexError> {

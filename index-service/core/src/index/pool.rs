@@ -241,10 +241,15 @@ impl Pool {
     }
 
     /// Leading blocks of `keys` held per replica. See [`super::KvIndex::find_matches`].
+    ///
+    /// `builds`: whether this walk may build runs from what it looks up. Runs are compared
+    /// trusting that prompts are chains of keys (see `paths::common_prefix`), so only walks of
+    /// keys kvroute computed may build them; a walk of anyone else's keys only reads runs.
     pub(crate) fn find_matches(
         &self,
         keys: &[u64],
         candidates: Option<&[ReplicaId]>,
+        builds: bool,
     ) -> Vec<ReplicaMatch> {
         // Snapshot who is asked about and who is trusted, then walk without the members lock.
         let (mut reported, slot_count, everyone_precise) = {
@@ -275,7 +280,7 @@ impl Pool {
 
         let total = keys.len() as u32;
         if slot_count <= 64 {
-            self.count_small(keys, &mut reported, everyone_precise);
+            self.count_small(keys, &mut reported, everyone_precise, builds);
             return reported.into_iter().map(|(_, found)| found).collect();
         }
         let mut alive = SlotSet::with_slots(slot_count);
@@ -333,12 +338,14 @@ impl Pool {
     /// [`Self::find_matches`]'s counts for pools of up to 64 slots: the live sets are single
     /// words and the walk follows runs ([`Self::walk_one_word`]), then builds runs over what
     /// it had to look up one by one.
-    /// `precise`: the trusted slots, when the caller knows them.
+    /// `precise`: the trusted slots, when the caller knows them; `builds`: see
+    /// [`Self::find_matches`].
     fn count_small(
         &self,
         keys: &[u64],
         reported: &mut [(Slot, ReplicaMatch)],
         precise: Option<u64>,
+        builds: bool,
     ) {
         let mut alive = precise.unwrap_or_else(|| {
             reported
@@ -361,7 +368,7 @@ impl Pool {
                 &mut looked,
             );
             self.paths.record_walk(by_run, looked_up);
-            if looked.len() >= MIN_RUN {
+            if builds && looked.len() >= MIN_RUN {
                 self.build(keys, &looked);
             }
         }

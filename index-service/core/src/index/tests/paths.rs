@@ -240,6 +240,27 @@ fn a_run_dropped_while_it_is_compared_is_not_trusted() {
 }
 
 #[test]
+fn walks_of_keys_kvroute_did_not_compute_build_no_runs() {
+    let (index, reference) = indexes();
+    let tokens = prompt(6, 0, 40);
+    apply_exact(&index, &*reference, 0, &stored(&tokens, 0, 40, Medium::Gpu));
+    let keys = query_keys(EXACT, &tokens);
+    let expected = sorted(reference.find_matches(EXACT, &keys, None).unwrap());
+    for _ in 0..3 {
+        let found = index
+            .find_matches_without_building(EXACT, &keys, None)
+            .unwrap();
+        assert_eq!(sorted(found), expected);
+    }
+    assert_eq!(stats(&index).runs_built, 0);
+    // The same prompt from kvroute's own caller builds its run on the second walk.
+    for _ in 0..2 {
+        index.find_matches(EXACT, &keys, None).unwrap();
+    }
+    assert_eq!(stats(&index).runs_built, 1);
+}
+
+#[test]
 fn a_head_run_cut_at_its_first_key_is_not_trusted_for_it() {
     let (index, reference, tokens, keys) = held_in_a_run();
     // Replica 1 drops block 0: the run the prompt's head names is cut to nothing.
