@@ -532,19 +532,17 @@ fn templates() -> Vec<(String, crate::ModelTokenizer)> {
     let parts =
         std::fs::read_to_string(format!("{FIXTURES}/vllm-goldens/templates/parts.jinja")).unwrap();
     out.push(("parts".to_owned(), with_template(&parts)));
-    let models = std::env::var_os("KVROUTE_MODELS")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| std::path::PathBuf::from(h).join(".cache/kvroute/models"))
-        });
-    for name in ["qwen3", "llama3_1", "gptoss"] {
+    let models = crate::real_tests::models_dir();
+    for name in crate::real_tests::MODELS {
         match models.as_ref().map(|d| d.join(name)) {
             Some(dir) if dir.join("tokenizer.json").is_file() => {
-                out.push((
-                    name.to_owned(),
-                    crate::ModelTokenizer::from_dir(&dir).unwrap(),
-                ));
+                let tokenizer = crate::ModelTokenizer::from_dir(&dir).unwrap();
+                // gpt-oss's folder carries its template only when `../shared` supplied it.
+                if tokenizer.chat_template().is_some() {
+                    out.push((name.to_owned(), tokenizer));
+                } else {
+                    eprintln!("SKIP reference render for {name}: its folder has no chat template");
+                }
             }
             _ => eprintln!(
                 "SKIP reference render for {name}: no tokenizer folder (scripts/models.sh)"
