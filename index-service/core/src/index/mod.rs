@@ -386,9 +386,21 @@ impl BlockIndex {
         keys: &[u64],
         candidates: Option<&[ReplicaId]>,
     ) -> Result<Vec<ReplicaMatch>, IndexError> {
+        self.match_in_pool(model, keys, candidates, false)
+    }
+
+    /// Both match entry points: the pool looked up without a lock, `builds` as
+    /// [`pool::Pool::find_matches`] takes it.
+    fn match_in_pool(
+        &self,
+        model: &str,
+        keys: &[u64],
+        candidates: Option<&[ReplicaId]>,
+        builds: bool,
+    ) -> Result<Vec<ReplicaMatch>, IndexError> {
         let pools = self.pools.load();
         let pool = pools.get(model).ok_or_else(|| unknown_pool(model))?;
-        Ok(pool.find_matches(keys, candidates, false))
+        Ok(pool.find_matches(keys, candidates, builds))
     }
 
     /// What `model`'s match walks did with runs of prompt keys (benches, tests).
@@ -490,9 +502,7 @@ impl KvIndex for BlockIndex {
         keys: &[u64],
         candidates: Option<&[ReplicaId]>,
     ) -> Result<Vec<ReplicaMatch>, IndexError> {
-        let pools = self.pools.load();
-        let pool = pools.get(model).ok_or_else(|| unknown_pool(model))?;
-        Ok(pool.find_matches(keys, candidates, true))
+        self.match_in_pool(model, keys, candidates, true)
     }
 
     fn reset_replica(&self, replica: ReplicaId) -> Result<(), IndexError> {
