@@ -200,10 +200,11 @@ impl ByteLevelBpe {
         self.encode_parts(text, add_special_tokens, false)
     }
 
-    fn encode_parts(&self, text: &str, add_prefix: bool, add_suffix: bool) -> Vec<u32> {
-        let add_special_tokens = add_prefix;
+    /// `text`'s ids with the post-processor's leading (`add_prefix`) and trailing (`add_suffix`)
+    /// special tokens or without them.
+    pub(crate) fn encode_parts(&self, text: &str, add_prefix: bool, add_suffix: bool) -> Vec<u32> {
         let mut ids = Vec::with_capacity(text.len() / 3 + self.prefix.len() + self.suffix.len());
-        if add_special_tokens {
+        if add_prefix {
             ids.extend_from_slice(&self.prefix);
         }
         let mut scratch = Scratch::default();

@@ -145,12 +145,63 @@ pub struct LeadingTokens {
 /// that composes with nothing before it). `None` if there is no such offset before the end.
 pub fn leading_cut(text: &str, min_bytes: usize) -> Option<usize> {
     let bytes = text.as_bytes();
-    let from = min_bytes.max(1);
-    (from..bytes.len().saturating_sub(1)).find(|&at| {
-        let (before, here, after) = (bytes[at - 1], bytes[at], bytes[at + 1]);
-        (before == b'\n' && here.is_ascii_alphabetic())
-            || (before.is_ascii_alphabetic() && here == b' ' && after.is_ascii_alphabetic())
-    })
+    (min_bytes.max(1)..bytes.len().saturating_sub(1)).find(|&at| is_cut(bytes, at))
+}
+
+/// The last [`leading_cut`] offset of `text`, if any.
+pub fn last_cut(text: &str) -> Option<usize> {
+    let bytes = text.as_bytes();
+    (1..bytes.len().saturating_sub(1))
+        .rev()
+        .find(|&at| is_cut(bytes, at))
+}
+
+/// Whether `at` is a [`leading_cut`] spot of `bytes` (`0 < at < len - 1`).
+fn is_cut(bytes: &[u8], at: usize) -> bool {
+    let (Some(&before), Some(&here), Some(&after)) = (
+        at.checked_sub(1).and_then(|b| bytes.get(b)),
+        bytes.get(at),
+        bytes.get(at + 1),
+    ) else {
+        return false;
+    };
+    (before == b'\n' && here.is_ascii_alphabetic())
+        || (before.is_ascii_alphabetic() && here == b' ' && after.is_ascii_alphabetic())
+}
+
+/// Where a later turn of a conversation can take over a chat's tokens: the chat's rendered text
+/// up to `text_bytes` (a [`leading_cut`] spot) encodes to its first `tokens` ids, whatever
+/// follows. A later turn whose rendered text starts with the same bytes (checked by a 128-bit
+/// fingerprint) and has a cut at the same spot keeps those ids and encodes only what follows
+/// ([`ModelTokenizer::encode_chat_resumable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResumePoint {
+    /// Bytes of rendered text before the cut.
+    pub text_bytes: usize,
+    /// Ids those bytes encode to (the post-processor's leading special tokens included).
+    pub tokens: usize,
+    /// xxh3-128 of `add_special_tokens` and the rendered text's first `text_bytes` bytes.
+    fingerprint: u128,
+}
+
+impl ResumePoint {
+    fn fingerprint(add_special_tokens: bool, text: &[u8]) -> u128 {
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        hasher.update(&[u8::from(add_special_tokens)]);
+        hasher.update(text);
+        hasher.digest128()
+    }
+}
+
+/// A chat's tokens and where a later turn can take them over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResumableTokens {
+    /// The chat's token ids, equal to [`ModelTokenizer::encode_chat_with`]'s.
+    pub tokens: Vec<u32>,
+    /// The last cut of its rendered text (`None`: no cut, or the model allows none).
+    pub resume: Option<ResumePoint>,
+    /// Bytes of rendered text encoded now (all of it unless a prior turn was taken over).
+    pub encoded_bytes: usize,
 }
 
 impl ModelTokenizer {
@@ -375,6 +426,58 @@ impl ModelTokenizer {
         let rendered = chat.render_for_encoding(messages, options)?;
         let add_special_tokens = options.add_special_tokens && !rendered.tokenized_by_template;
         self.encode_prompt_leading(&rendered.text, add_special_tokens, min_bytes)
+    }
+
+    /// [`Self::encode_chat_with`], taking over the first tokens of an earlier turn of the same
+    /// conversation when `prior` (that turn's resume point and tokens) still applies: its
+    /// rendered text is then encoded only from the prior's cut on. Exact either way: a cut
+    /// splits the encoding in two (see [`leading_cut`]), so the tokens are those of the text
+    /// before the prior's cut (the same bytes, so the prior's ids), then of the text between
+    /// it and this text's last cut, then of the rest. The result names this text's last cut,
+    /// for the turn after.
+    pub fn encode_chat_resumable(
+        &self,
+        messages: &serde_json::Value,
+        options: &ChatOptions,
+        prior: Option<(&ResumePoint, &[u32])>,
+    ) -> Result<ResumableTokens, TokenizeError> {
+        let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
+        let rendered = chat.render_for_encoding(messages, options)?;
+        let add = options.add_special_tokens && !rendered.tokenized_by_template;
+        let text = rendered.text.as_str();
+        let (Some(fast), true, Some(cut)) = (&self.fast, self.leading_cuts, last_cut(text)) else {
+            return Ok(ResumableTokens {
+                tokens: self.encode_prompt(text, add)?,
+                resume: None,
+                encoded_bytes: text.len(),
+            });
+        };
+        let taken = prior.filter(|(point, ids)| {
+            point.tokens <= ids.len()
+                && point.text_bytes <= cut
+                && is_cut(text.as_bytes(), point.text_bytes)
+                && ResumePoint::fingerprint(add, &text.as_bytes()[..point.text_bytes])
+                    == point.fingerprint
+        });
+        let (mut tokens, from) = match taken {
+            Some((point, ids)) => (ids[..point.tokens].to_vec(), point.text_bytes),
+            None => (Vec::new(), 0),
+        };
+        // Cuts are ASCII positions, so char boundaries.
+        if from < cut {
+            tokens.extend(fast.encode_parts(&text[from..cut], from == 0 && add, false));
+        }
+        let resume = ResumePoint {
+            text_bytes: cut,
+            tokens: tokens.len(),
+            fingerprint: ResumePoint::fingerprint(add, &text.as_bytes()[..cut]),
+        };
+        tokens.extend(fast.encode_parts(&text[cut..], false, add));
+        Ok(ResumableTokens {
+            tokens,
+            resume: Some(resume),
+            encoded_bytes: text.len() - from,
+        })
     }
 
     /// The chat template, if the model has one.

@@ -241,3 +241,111 @@ fn real_tokenizers_leading_tokens_are_the_prompts_first_tokens() {
         assert!(cuts > 100, "{name}: only {cuts} cuts taken");
     }
 }
+
+/// A conversation's turns through [`ModelTokenizer::encode_chat_resumable`], each taking over the
+/// turn before it: every turn's tokens equal [`ModelTokenizer::encode_chat_with`]'s (and, for
+/// the real tokenizers' first turns, `tokenizers`' own); most turns encode only their new text;
+/// a prior of another conversation or of another `add_special_tokens` is never taken.
+fn assert_resumed_turns_are_exact(name: &str, tokenizer: &ModelTokenizer, seed: u64) {
+    let specials = added_contents(tokenizer);
+    let special_refs: Vec<&str> = specials.iter().map(String::as_str).collect();
+    let text = mixed_text(seed, 512 * 1024, &special_refs);
+    let mut rng = Rng::new(seed);
+    let mut piece = |max: usize| {
+        let start = text.floor_char_boundary(rng.below(text.len() - max - 8));
+        let len = 1 + rng.below(max);
+        text[start..text.floor_char_boundary(start + len)].to_owned()
+    };
+    let (mut turns, mut resumed) = (0, 0);
+    for conversation in 0..12 {
+        let options = ChatOptions {
+            add_special_tokens: conversation % 3 == 2,
+            ..ChatOptions::default()
+        };
+        let mut messages = vec![
+            serde_json::json!({"role": "system", "content": piece(400)}),
+            serde_json::json!({"role": "user", "content": piece(6000)}),
+        ];
+        let mut prior: Option<(ResumePoint, Vec<u32>)> = None;
+        for turn in 0..5 {
+            let chat = serde_json::Value::Array(messages.clone());
+            let expected = tokenizer.encode_chat_with(&chat, &options).unwrap();
+            let got = tokenizer
+                .encode_chat_resumable(&chat, &options, prior.as_ref().map(|(p, t)| (p, &t[..])))
+                .unwrap();
+            assert_eq!(
+                got.tokens, expected,
+                "{name}: conversation {conversation} turn {turn} differs when resumed"
+            );
+            if turn == 0 && name != "tiny" {
+                let rendered = tokenizer.render_chat_with(&chat, &options).unwrap();
+                let hf = tokenizer
+                    .encode_with_tokenizers(&rendered, options.add_special_tokens)
+                    .unwrap();
+                assert_eq!(got.tokens, hf, "{name}: conversation {conversation}");
+            }
+            let rendered_len = tokenizer.render_chat_with(&chat, &options).unwrap().len();
+            turns += 1;
+            if got.encoded_bytes < rendered_len {
+                resumed += 1;
+            }
+            // Another conversation's prior, or this one's under the other `add_special_tokens`,
+            // is refused (and the answer is still exact).
+            if let Some((point, tokens)) = &prior {
+                let other = serde_json::json!([
+                    {"role": "system", "content": piece(400)},
+                    {"role": "user", "content": piece(3000)},
+                ]);
+                let refused = tokenizer
+                    .encode_chat_resumable(&other, &options, Some((point, tokens)))
+                    .unwrap();
+                assert_eq!(
+                    refused.tokens,
+                    tokenizer.encode_chat_with(&other, &options).unwrap(),
+                    "{name}: another conversation's prior changed the tokens"
+                );
+                let flipped = ChatOptions {
+                    add_special_tokens: !options.add_special_tokens,
+                    ..options.clone()
+                };
+                let refused = tokenizer
+                    .encode_chat_resumable(&chat, &flipped, Some((point, tokens)))
+                    .unwrap();
+                assert_eq!(
+                    refused.tokens,
+                    tokenizer.encode_chat_with(&chat, &flipped).unwrap(),
+                    "{name}: a prior of the other add_special_tokens changed the tokens"
+                );
+            }
+            prior = got.resume.map(|point| (point, got.tokens));
+            messages.push(serde_json::json!({"role": "assistant", "content": piece(800)}));
+            messages.push(serde_json::json!({"role": "user", "content": piece(1500)}));
+        }
+    }
+    assert!(
+        resumed * 10 >= (turns - 12) * 9,
+        "{name}: only {resumed} of {turns} turns resumed"
+    );
+}
+
+/// Resumed conversations are exact on every real tokenizer and the tiny model.
+#[test]
+fn real_tokenizers_resumed_conversations_equal_whole_encodings() {
+    let tiny = ModelTokenizer::from_dir(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/tiny-model"
+    ))
+    .unwrap();
+    assert_resumed_turns_are_exact("tiny", &tiny, 0x7e5);
+    for (name, tokenizer) in present("real_tokenizers_resumed_conversations_equal_whole_encodings")
+    {
+        if !tokenizer.has_chat_template() {
+            eprintln!(
+                "SKIP real_tokenizers_resumed_conversations_equal_whole_encodings for {name}: \
+                 no chat template (gpt-oss's is in ../shared)"
+            );
+            continue;
+        }
+        assert_resumed_turns_are_exact(name, tokenizer, 0x7e5);
+    }
+}
