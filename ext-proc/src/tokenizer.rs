@@ -25,7 +25,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvroute_tokenize::{ApiKind, LeadingTokens, ModelTokenizer};
+use kvroute_tokenize::{ApiKind, LeadingTokens, ModelTokenizer, ResumableTokens, ResumePoint};
 use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -259,6 +259,19 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
         None
     }
 
+    /// A chat's tokens computed on the calling thread, taking over the first tokens of an
+    /// earlier turn of the conversation when `prior` (its resume point and tokens) applies, and
+    /// naming where the turn after can take over this one's
+    /// ([`ModelTokenizer::encode_chat_resumable`]); `None` (the default) for tokenizers that do
+    /// not run in this process or cannot, and for inputs other than chats.
+    fn tokenize_resumable(
+        &self,
+        _input: &TokenizeInput,
+        _prior: Option<(&ResumePoint, &[u32])>,
+    ) -> Option<Result<ResumableTokens, TokenizeError>> {
+        None
+    }
+
     /// How it computes them (what `kvroute-check` reports); [`TokenizerMode::Other`] unless
     /// overridden.
     fn mode(&self) -> TokenizerMode {
@@ -415,6 +428,31 @@ impl Tokenizer for InProcessTokenizer {
         Some(encode(&self.model, input))
     }
 
+    fn tokenize_resumable(
+        &self,
+        input: &TokenizeInput,
+        prior: Option<(&ResumePoint, &[u32])>,
+    ) -> Option<Result<ResumableTokens, TokenizeError>> {
+        let TokenizeInput::Chat {
+            messages,
+            add_generation_prompt,
+            fields,
+        } = input
+        else {
+            return None;
+        };
+        if !self.model.uses_fast_path() {
+            return None;
+        }
+        Some((|| {
+            let messages = chat_messages(messages)?;
+            let options = fields.chat_options(*add_generation_prompt)?;
+            self.model
+                .encode_chat_resumable(&messages, &options, prior)
+                .map_err(failed)
+        })())
+    }
+
     fn tokenize_leading(
         &self,
         _model: &str,
@@ -444,6 +482,13 @@ impl Tokenizer for InProcessTokenizer {
         }))
     }
 }
+
+/// Largest chat (bytes of messages) whose next turn is tokenized from the turn before on the
+/// calling task ([`Tokenizer::tokenize_resumable`]): past it the parse, render and block keys of
+/// the whole chat cost more than routing on the cached turn at once and leaving the exact tokens
+/// to the background lane (which resumes too): 32k-token hits measured 2.2× the no-op ext_proc
+/// resumed inline against 2.0× so (BENCHMARKS.md, issue 15).
+const RESUME_INLINE_MAX_BYTES: usize = 32 * 1024;
 
 /// Largest input whose leading part is tokenized on the calling task (parse and render of
 /// ≈ 256 KiB ≈ 0.5 ms, `kvroute-latency-bench --bench stages`).
@@ -957,6 +1002,8 @@ impl fmt::Debug for KeysJob {
 struct CacheEntry {
     tokens: Arc<[u32]>,
     keys: Option<CachedKeys>,
+    /// Where the conversation's next turn can take over these tokens.
+    resume: Option<ResumePoint>,
 }
 
 /// Where a decision's tokens came from (a metric label).
@@ -972,6 +1019,8 @@ pub enum TokenSource {
     Tokenizer,
     /// Only the prompt's leading part was tokenized now (exact first tokens; not cached).
     Leading,
+    /// Tokenized now from a cached earlier turn on: only the new text encoded (exact).
+    Resumed,
 }
 
 impl TokenSource {
@@ -983,6 +1032,7 @@ impl TokenSource {
             Self::PrefixCache => "prefix_cache",
             Self::Tokenizer => "tokenizer",
             Self::Leading => "leading",
+            Self::Resumed => "resumed",
         }
     }
 }
@@ -1279,15 +1329,32 @@ impl TokenCache {
                 });
             }
             keys.iter().rev().skip(1).find_map(|(key, bytes)| {
-                entries
-                    .get(key)
-                    .map(|entry| (Arc::clone(&entry.tokens), *bytes, entry.keys.clone()))
+                entries.get(key).map(|entry| {
+                    (
+                        Arc::clone(&entry.tokens),
+                        *bytes,
+                        entry.keys.clone(),
+                        entry.resume,
+                    )
+                })
             })
         };
         let tokenizer = tokenizer.ok_or_else(|| TokenizeError::NotConfigured {
             pool: pool.to_string(),
         })?;
         let input = Arc::new(owned_input(prompt));
+        // The prior turn whose tokens this one can take over, if it left a resume point.
+        let prior = cached_prefix
+            .as_ref()
+            .and_then(|(tokens, _, _, resume)| Some((resume.as_ref()?, &tokens[..])));
+        // A conversation's next turn: only the text it added is encoded, on this task (the whole
+        // chat is parsed and rendered: tens of microseconds at this size).
+        if prior.is_some()
+            && input.len_bytes() <= RESUME_INLINE_MAX_BYTES
+            && let Some(Ok(resumed)) = tokenizer.tokenize_resumable(&input, prior)
+        {
+            return Ok(self.cache_resumed(full_key, resumed));
+        }
         if let Some(min_bytes) = leading_from
             && cached_prefix.is_none()
             && full_bytes >= 2 * min_bytes
@@ -1307,7 +1374,7 @@ impl TokenCache {
                 }
                 // The next turn starts with this whole prompt and, were it not cached, would pay
                 // for its leading part and then all of it.
-                self.complete_later(model, tokenizer, &input, prompt, full_key, keys_job);
+                self.complete_later(model, tokenizer, &input, prompt, full_key, keys_job, None);
                 // The rest of the prompt at the leading part's own bytes per token.
                 let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
                 let estimated_len =
@@ -1321,7 +1388,7 @@ impl TokenCache {
                 });
             }
         }
-        if let Some((prefix_tokens, prefix_bytes, prefix_keys)) = &cached_prefix
+        if let Some((prefix_tokens, prefix_bytes, prefix_keys, prefix_resume)) = &cached_prefix
             && tokenizer.runs_blocking(&input, false)
             && self.expected_blocking(full_bytes)
                 > PREFIX_HIT_MAX_EXPECTED.min(budget.min(tokenizer.prefix_hit_wait()))
@@ -1329,7 +1396,8 @@ impl TokenCache {
             // Its whole tokenization is not expected within `PREFIX_HIT_MAX_EXPECTED`: waiting
             // would add more than the routing path may cost (32k tokens take ≈ 3 ms). The cached
             // prefix is exact; the whole tokens follow in the background for the next turn.
-            self.complete_later(model, tokenizer, &input, prompt, full_key, keys_job);
+            let prior = prefix_resume.map(|point| (point, Arc::clone(prefix_tokens)));
+            self.complete_later(model, tokenizer, &input, prompt, full_key, keys_job, prior);
             return Ok(on_cached_prefix(
                 Arc::clone(prefix_tokens),
                 *prefix_bytes,
@@ -1350,6 +1418,11 @@ impl TokenCache {
         } else {
             None
         };
+        if slot.is_none()
+            && let Some(Ok(resumed)) = tokenizer.tokenize_resumable(&input, prior)
+        {
+            return Ok(self.cache_resumed(full_key, resumed));
+        }
         let tokenizing = start_tokenizing(tokenizer.as_ref(), model, input, prompt);
         let entries = Arc::clone(&self.entries);
         let gauges = self.gauges.clone();
@@ -1367,7 +1440,7 @@ impl TokenCache {
             insert_into(&entries, &gauges, full_key, Arc::clone(&tokens));
             Ok(tokens)
         };
-        if let Some((prefix_tokens, prefix_bytes, prefix_keys)) = cached_prefix {
+        if let Some((prefix_tokens, prefix_bytes, prefix_keys, _)) = cached_prefix {
             // The exact tokens are worth a short wait (the fast encoder needs well under a
             // millisecond for a long conversation; a network tokenizer gets the whole budget);
             // past it, route on the conversation's cached
@@ -1473,6 +1546,25 @@ impl TokenCache {
         Duration::from_nanos(ps_per_byte.saturating_mul(bytes as u64) / 1000)
     }
 
+    /// Caches a chat's whole tokenization with its resume point, as the decision's tokens.
+    fn cache_resumed(&self, key: u128, resumed: ResumableTokens) -> PromptTokens {
+        let tokens: Arc<[u32]> = resumed.tokens.into();
+        let entry = CacheEntry {
+            tokens: Arc::clone(&tokens),
+            keys: None,
+            resume: resumed.resume,
+        };
+        insert_entry(&self.entries, &self.gauges, key, entry);
+        PromptTokens {
+            source: if resumed.prior_taken {
+                TokenSource::Resumed
+            } else {
+                TokenSource::Tokenizer
+            },
+            ..tokenized(tokens)
+        }
+    }
+
     /// Caches a full tokenization.
     fn insert(&self, key: u128, tokens: Arc<[u32]>) {
         insert_into(&self.entries, &self.gauges, key, tokens);
@@ -1499,6 +1591,12 @@ impl TokenCache {
     /// prompt-size limit; for in-process tokenizers on the cache's low-priority lane (bounded by
     /// its queue), for others with a free refill slot and, for blocking work, a free blocking
     /// slot taken now (never waited for: decisions come first); otherwise skipped, counted.
+    /// With `prior` (the cached turn before, and where it can be taken over) the lane encodes
+    /// only what this turn added.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the decision's tokenize context, as tokens_with has it"
+    )]
     fn complete_later(
         &self,
         model: &str,
@@ -1507,6 +1605,7 @@ impl TokenCache {
         prompt: &Prompt<'_>,
         key: u128,
         keys_job: Option<&KeysJob>,
+        prior: Option<(ResumePoint, Arc<[u32]>)>,
     ) {
         let skipped = |why: &str| {
             self.gauges.background_skipped.inc();
@@ -1544,7 +1643,13 @@ impl TokenCache {
                 if entries.lock().contains(&key) {
                     return;
                 }
-                match tokenizer.tokenize_now(&input) {
+                let prior = prior.as_ref().map(|(point, tokens)| (point, &tokens[..]));
+                let (result, resume) = match tokenizer.tokenize_resumable(&input, prior) {
+                    Some(Ok(resumed)) => (Some(Ok(resumed.tokens)), resumed.resume),
+                    Some(Err(error)) => (Some(Err(error)), None),
+                    None => (tokenizer.tokenize_now(&input), None),
+                };
+                match result {
                     Some(Ok(tokens)) => {
                         let tokens: Arc<[u32]> = tokens.into();
                         let keys = keys_job.and_then(|job| {
@@ -1553,7 +1658,12 @@ impl TokenCache {
                                 keys: (job.compute)(&tokens)?.into(),
                             })
                         });
-                        insert_entry(&entries, &gauges, key, CacheEntry { tokens, keys });
+                        let entry = CacheEntry {
+                            tokens,
+                            keys,
+                            resume,
+                        };
+                        insert_entry(&entries, &gauges, key, entry);
                     }
                     Some(Err(error)) => {
                         tracing::debug!(%error, "background whole tokenization failed");
@@ -1656,7 +1766,16 @@ fn insert_into(
     key: u128,
     tokens: Arc<[u32]>,
 ) {
-    insert_entry(entries, gauges, key, CacheEntry { tokens, keys: None });
+    insert_entry(
+        entries,
+        gauges,
+        key,
+        CacheEntry {
+            tokens,
+            keys: None,
+            resume: None,
+        },
+    );
 }
 
 /// Caches `entry` (its keys weigh in beside its tokens).
@@ -2139,6 +2258,7 @@ mod tests {
 
     const TURN1: &str = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"}]}"#;
     const TURN2: &str = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"},{"role":"assistant","content":"Once upon a time"},{"role":"user","content":"More"}]}"#;
+    const TURN3: &str = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"},{"role":"assistant","content":"Once upon a time"},{"role":"user","content":"More"},{"role":"assistant","content":"there was a router"},{"role":"user","content":"And then?"}]}"#;
 
     #[tokio::test]
     async fn next_turn_gets_exact_tokens_and_the_cache_serves_repeats() {
@@ -2158,16 +2278,19 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(again.source, TokenSource::Cache);
-        // The next turn's prefix is cached, but a fast tokenizer answers within the wait: exact.
-        let second = parse(TURN2.as_bytes(), Endpoint::ChatCompletions).unwrap();
-        let t2 = cache
-            .tokens(0, "m", &second.prompt, Some(&tokenizer), budget)
-            .await
-            .unwrap();
-        assert_eq!((t2.source, t2.exact), (TokenSource::Tokenizer, true));
-        let messages: serde_json::Value = serde_json::from_str(TURN2).unwrap();
-        let expected = direct.encode_chat(&messages["messages"], true).unwrap();
-        assert_eq!(&*t2.tokens, expected.as_slice());
+        // The next turn's prefix is cached with its resume point: the turn is tokenized from
+        // there (its new text only), exactly; and so is the turn after it.
+        for turn in [TURN2, TURN3] {
+            let next = parse(turn.as_bytes(), Endpoint::ChatCompletions).unwrap();
+            let tokens = cache
+                .tokens(0, "m", &next.prompt, Some(&tokenizer), budget)
+                .await
+                .unwrap();
+            assert_eq!((tokens.source, tokens.exact), (TokenSource::Resumed, true));
+            let messages: serde_json::Value = serde_json::from_str(turn).unwrap();
+            let expected = direct.encode_chat(&messages["messages"], true).unwrap();
+            assert_eq!(&*tokens.tokens, expected.as_slice());
+        }
         // Another pool never sees pool 0's entries.
         let other = cache
             .tokens(1, "m", &first.prompt, Some(&tokenizer), budget)

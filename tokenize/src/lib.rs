@@ -202,6 +202,8 @@ pub struct ResumableTokens {
     pub resume: Option<ResumePoint>,
     /// Bytes of rendered text encoded now (all of it unless a prior turn was taken over).
     pub encoded_bytes: usize,
+    /// Whether the prior turn's tokens were taken over.
+    pub prior_taken: bool,
 }
 
 impl ModelTokenizer {
@@ -450,6 +452,7 @@ impl ModelTokenizer {
                 tokens: self.encode_prompt(text, add)?,
                 resume: None,
                 encoded_bytes: text.len(),
+                prior_taken: false,
             });
         };
         let taken = prior.filter(|(point, ids)| {
@@ -477,6 +480,7 @@ impl ModelTokenizer {
             tokens,
             resume: Some(resume),
             encoded_bytes: text.len() - from,
+            prior_taken: taken.is_some(),
         })
     }
 
