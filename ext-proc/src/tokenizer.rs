@@ -1367,20 +1367,25 @@ impl TokenCache {
             if let Some(leading) = tokenizer.tokenize_leading(model, Arc::clone(&input), min_bytes)
             {
                 let leading = self.bounded(leading, slot, deadline, budget).await?;
+                let tokens: Arc<[u32]> = leading.tokens.into();
                 if leading.complete {
-                    let tokens: Arc<[u32]> = leading.tokens.into();
-                    self.insert(full_key, Arc::clone(&tokens));
+                    let entry = CacheEntry {
+                        tokens: Arc::clone(&tokens),
+                        keys: None,
+                        resume: leading.resume,
+                    };
+                    insert_entry(&self.entries, &self.gauges, full_key, entry);
                     return Ok(tokenized(tokens));
                 }
                 // The next turn starts with this whole prompt and, were it not cached, would pay
-                // for its leading part and then all of it.
-                self.complete_later(model, tokenizer, &input, prompt, full_key, keys_job, None);
+                // for its leading part and then all of it. The lane encodes only the rest.
+                let prior = leading.resume.map(|point| (point, Arc::clone(&tokens)));
+                self.complete_later(model, tokenizer, &input, prompt, full_key, keys_job, prior);
                 // The rest of the prompt at the leading part's own bytes per token.
                 let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
-                let estimated_len =
-                    leading.tokens.len() + rest * leading.tokens.len() / leading.text_bytes.max(1);
+                let estimated_len = tokens.len() + rest * tokens.len() / leading.text_bytes.max(1);
                 return Ok(PromptTokens {
-                    tokens: leading.tokens.into(),
+                    tokens,
                     exact: false,
                     estimated_len,
                     source: TokenSource::Leading,
@@ -1563,11 +1568,6 @@ impl TokenCache {
             },
             ..tokenized(tokens)
         }
-    }
-
-    /// Caches a full tokenization.
-    fn insert(&self, key: u128, tokens: Arc<[u32]>) {
-        insert_into(&self.entries, &self.gauges, key, tokens);
     }
 
     /// One warning per [`TOO_LARGE_LOG_EVERY`]; every such prompt is counted by the caller.

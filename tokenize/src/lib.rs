@@ -134,6 +134,9 @@ pub struct LeadingTokens {
     pub text_bytes: usize,
     /// Bytes of the whole (rendered) prompt text.
     pub total_bytes: usize,
+    /// Where a later turn (or the rest of this prompt) can take over these tokens (chats only:
+    /// the leading cut, or the last cut when the tokens are complete).
+    pub resume: Option<ResumePoint>,
 }
 
 /// The first byte offset at or after `min_bytes` where `text` can be cut without changing the
@@ -406,12 +409,14 @@ impl ModelTokenizer {
                 complete: false,
                 text_bytes: cut,
                 total_bytes: text.len(),
+                resume: None,
             },
             None => LeadingTokens {
                 tokens: self.encode_prompt(text, add_special_tokens)?,
                 complete: true,
                 text_bytes: text.len(),
                 total_bytes: text.len(),
+                resume: None,
             },
         })
     }
@@ -426,8 +431,32 @@ impl ModelTokenizer {
     ) -> Result<LeadingTokens, TokenizeError> {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let rendered = chat.render_for_encoding(messages, options)?;
-        let add_special_tokens = options.add_special_tokens && !rendered.tokenized_by_template;
-        self.encode_prompt_leading(&rendered.text, add_special_tokens, min_bytes)
+        let add = options.add_special_tokens && !rendered.tokenized_by_template;
+        let text = rendered.text.as_str();
+        if let (Some(fast), true, Some(cut)) =
+            (&self.fast, self.leading_cuts, leading_cut(text, min_bytes))
+        {
+            let tokens = fast.encode_leading(&text[..cut], add);
+            return Ok(LeadingTokens {
+                resume: Some(ResumePoint {
+                    text_bytes: cut,
+                    tokens: tokens.len(),
+                    fingerprint: ResumePoint::fingerprint(add, &text.as_bytes()[..cut]),
+                }),
+                tokens,
+                complete: false,
+                text_bytes: cut,
+                total_bytes: text.len(),
+            });
+        }
+        let whole = self.encode_rendered_resumable(text, add, None)?;
+        Ok(LeadingTokens {
+            tokens: whole.tokens,
+            complete: true,
+            text_bytes: text.len(),
+            total_bytes: text.len(),
+            resume: whole.resume,
+        })
     }
 
     /// [`Self::encode_chat_with`], taking over the first tokens of an earlier turn of the same
@@ -446,7 +475,16 @@ impl ModelTokenizer {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let rendered = chat.render_for_encoding(messages, options)?;
         let add = options.add_special_tokens && !rendered.tokenized_by_template;
-        let text = rendered.text.as_str();
+        self.encode_rendered_resumable(&rendered.text, add, prior)
+    }
+
+    /// [`Self::encode_chat_resumable`] of the rendered `text`.
+    fn encode_rendered_resumable(
+        &self,
+        text: &str,
+        add: bool,
+        prior: Option<(&ResumePoint, &[u32])>,
+    ) -> Result<ResumableTokens, TokenizeError> {
         let (Some(fast), true, Some(cut)) = (&self.fast, self.leading_cuts, last_cut(text)) else {
             return Ok(ResumableTokens {
                 tokens: self.encode_prompt(text, add)?,

@@ -251,6 +251,7 @@ fn assert_resumed_turns_are_exact(name: &str, tokenizer: &ModelTokenizer, seed: 
     let special_refs: Vec<&str> = specials.iter().map(String::as_str).collect();
     let text = mixed_text(seed, 512 * 1024, &special_refs);
     let mut rng = Rng::new(seed);
+    let mut cut_rng = Rng::new(seed ^ 0x1ead);
     let mut piece = |max: usize| {
         let start = text.floor_char_boundary(rng.below(text.len() - max - 8));
         let len = 1 + rng.below(max);
@@ -284,6 +285,19 @@ fn assert_resumed_turns_are_exact(name: &str, tokenizer: &ModelTokenizer, seed: 
                     .unwrap();
                 assert_eq!(got.tokens, hf, "{name}: conversation {conversation}");
             }
+            // The leading part's resume point is where the rest of the same prompt takes over.
+            let leading = tokenizer
+                .encode_chat_leading(&chat, &options, 1 + cut_rng.below(4096))
+                .unwrap();
+            let leading_point = leading.resume.expect("chats have resume points");
+            let rest = tokenizer
+                .encode_chat_resumable(&chat, &options, Some((&leading_point, &leading.tokens)))
+                .unwrap();
+            assert_eq!(
+                (rest.tokens.as_slice(), rest.prior_taken || leading.complete),
+                (expected.as_slice(), true),
+                "{name}: conversation {conversation} turn {turn} from its leading part"
+            );
             let rendered_len = tokenizer.render_chat_with(&chat, &options).unwrap().len();
             turns += 1;
             if got.encoded_bytes < rendered_len {
