@@ -2389,6 +2389,57 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_lane_resumes_a_leading_miss_and_the_next_turn_resumes_from_it() {
+        let tokenizer: Arc<dyn Tokenizer> =
+            Arc::new(InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap());
+        let direct = ModelTokenizer::from_dir(TINY_MODEL).unwrap();
+        let cache = TokenCache::new(TokenLimits::default(), TaskTracker::new());
+        let budget = Duration::from_secs(5);
+        let story =
+            "Once upon a time, in a land of long prompts, a router met a cache. ".repeat(60);
+        let turn1 = serde_json::json!({"model": "m", "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": story}]});
+        let mut turn2 = turn1.clone();
+        if let Some(messages) = turn2["messages"].as_array_mut() {
+            messages.push(serde_json::json!({"role": "assistant", "content": "And then?"}));
+            messages.push(serde_json::json!({"role": "user", "content": "Tell me more"}));
+        }
+        let expected =
+            |turn: &serde_json::Value| direct.encode_chat(&turn["messages"], true).unwrap();
+        // Turn 1 as a decision asks for it: only its leading part now.
+        let body1 = turn1.to_string();
+        let first = parse(body1.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let t1 = cache
+            .leading_tokens(0, "m", &first.prompt, Some(&tokenizer), budget, 1024, None)
+            .await
+            .unwrap();
+        assert_eq!((t1.source, t1.exact), (TokenSource::Leading, false));
+        let whole1 = expected(&turn1);
+        assert!(t1.tokens.len() < whole1.len() && whole1.starts_with(&t1.tokens));
+        // The lane encodes the rest from the leading part's cut; the cache then holds all of it.
+        wait_for("the lane cached turn 1", || {
+            cache.gauges.background_queued.get() == 0
+        })
+        .await;
+        let cached = cache
+            .tokens(0, "m", &first.prompt, Some(&tokenizer), budget)
+            .await
+            .unwrap();
+        assert_eq!(cached.source, TokenSource::Cache);
+        assert_eq!(&*cached.tokens, whole1.as_slice());
+        // Turn 2 takes over turn 1's tokens before its last cut and encodes the rest: exact.
+        let body2 = turn2.to_string();
+        let second = parse(body2.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let t2 = cache
+            .leading_tokens(0, "m", &second.prompt, Some(&tokenizer), budget, 1024, None)
+            .await
+            .unwrap();
+        assert_eq!((t2.source, t2.exact), (TokenSource::Resumed, true));
+        assert_eq!(&*t2.tokens, expected(&turn2).as_slice());
+    }
+
+    #[tokio::test]
     async fn slow_tokenizer_routes_on_the_cached_prefix_and_fills_the_cache_later() {
         let (open, _) = tokio::sync::watch::channel(true);
         let gated = Arc::new(GatedTokenizer {

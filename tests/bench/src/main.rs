@@ -65,7 +65,7 @@ const MODEL: &str = "bench";
 const UPSTREAM_BODY: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
 /// Where the `stages` bench cuts a prompt's leading part (at the first exact cut from here):
 /// ext-proc's first leading part (`LEADING_BYTES` in `ext-proc/src/picker.rs`).
-const LEADING_BYTES: usize = 4 * 1024;
+const LEADING_BYTES: usize = 1024;
 /// How long the index may take to apply a published turn.
 const INDEX_SETTLE: Duration = Duration::from_secs(20);
 
