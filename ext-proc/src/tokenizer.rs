@@ -1077,9 +1077,9 @@ impl Default for TokenLimits {
 }
 
 /// What one cached tokenization accounts for besides its tokens: its 16-byte key, the `Arc`'s
-/// counts, its slot in the map (value, age, weight; the table at most half empty) and in the
-/// age index.
-const CACHE_ENTRY_OVERHEAD_BYTES: usize = 160;
+/// counts, its slot in the map (value with its resume point, age, weight; the table at most half
+/// empty) and in the age index.
+const CACHE_ENTRY_OVERHEAD_BYTES: usize = 256;
 
 /// The bytes a cached tokenization of `tokens` accounts for: 4 per token plus
 /// `CACHE_ENTRY_OVERHEAD_BYTES`.
