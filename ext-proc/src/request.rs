@@ -217,10 +217,16 @@ struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
 
 /// Parses a request body.
 pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, RequestError> {
-    let parsed: Body<'_> =
-        serde_json::from_slice(body).map_err(|e| RequestError::MalformedJson {
-            reason: e.to_string(),
-        })?;
+    // UTF-8 checked once, by a SIMD validator, for the whole body (JSON text is UTF-8, and vLLM
+    // refuses a body that is not): from bytes, serde_json validates every borrowed span again
+    // with the standard library's validator, a fifth of a 32k-token chat's decision on mixed
+    // scripts (BENCHMARKS.md, issue 15).
+    let text = simdutf8::basic::from_utf8(body).map_err(|_| RequestError::MalformedJson {
+        reason: "the body is not UTF-8".to_owned(),
+    })?;
+    let parsed: Body<'_> = serde_json::from_str(text).map_err(|e| RequestError::MalformedJson {
+        reason: e.to_string(),
+    })?;
     // vLLM serves a request naming no model (absent, null, "") with its base model.
     let model = parsed.model.unwrap_or_default();
     let prompt = match (endpoint, parsed.prompt, parsed.messages) {
@@ -477,6 +483,29 @@ mod tests {
 
     fn parse_ok(body: &str, endpoint: Endpoint) -> ParsedRequest<'_> {
         parse(body.as_bytes(), endpoint).unwrap()
+    }
+
+    #[test]
+    fn a_body_that_is_not_utf8_is_malformed_wherever_the_bad_bytes_are() {
+        let good = r#"{"model":"m","messages":[{"role":"user","content":"héllo 世界"}],"x":"ü"}"#;
+        let parsed = parse_ok(good, Endpoint::ChatCompletions);
+        assert!(
+            matches!(parsed.prompt, Prompt::Chat { raw, .. } if raw.get().contains("héllo 世界")),
+            "non-ASCII text kept as sent"
+        );
+        let at = |needle: &str| good.find(needle).unwrap();
+        // In the prompt, in a field kvroute ignores, and a truncated multi-byte char.
+        for (start, len) in [(at("llo"), 1), (at("ü"), 2), (at("世"), 1)] {
+            let mut bytes = good.as_bytes().to_vec();
+            bytes.splice(start..start + len, [0xff]);
+            assert!(
+                matches!(
+                    parse(&bytes, Endpoint::ChatCompletions),
+                    Err(RequestError::MalformedJson { .. })
+                ),
+                "bad byte at {start} accepted"
+            );
+        }
     }
 
     #[test]
