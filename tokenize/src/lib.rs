@@ -134,8 +134,8 @@ pub struct LeadingTokens {
     pub text_bytes: usize,
     /// Bytes of the whole (rendered) prompt text.
     pub total_bytes: usize,
-    /// Where a later turn (or the rest of this prompt) can take over these tokens (chats only:
-    /// the leading cut, or the last cut when the tokens are complete).
+    /// Where a later turn (or the rest of this prompt) can take over these tokens: the leading
+    /// cut, or the last cut when the tokens are complete (`None`: no cut, or none allowed).
     pub resume: Option<ResumePoint>,
 }
 
@@ -392,47 +392,15 @@ impl ModelTokenizer {
     /// The leading tokens of a completion prompt: the tokens of `text` up to the first
     /// [`leading_cut`] at or after `min_bytes`, which are exactly the first tokens of
     /// [`Self::encode_prompt`]`(text, ..)`. All of them (`complete`) when the text has no cut
-    /// there or the model's pipeline does not allow cuts.
+    /// there or the model's pipeline does not allow cuts. With the cut (or, when complete, the
+    /// text's last cut) as the resume point.
     pub fn encode_prompt_leading(
         &self,
         text: &str,
         add_special_tokens: bool,
         min_bytes: usize,
     ) -> Result<LeadingTokens, TokenizeError> {
-        let cut = match &self.fast {
-            Some(fast) if self.leading_cuts => leading_cut(text, min_bytes).map(|cut| (fast, cut)),
-            _ => None,
-        };
-        Ok(match cut {
-            Some((fast, cut)) => LeadingTokens {
-                tokens: fast.encode_leading(&text[..cut], add_special_tokens),
-                complete: false,
-                text_bytes: cut,
-                total_bytes: text.len(),
-                resume: None,
-            },
-            None => LeadingTokens {
-                tokens: self.encode_prompt(text, add_special_tokens)?,
-                complete: true,
-                text_bytes: text.len(),
-                total_bytes: text.len(),
-                resume: None,
-            },
-        })
-    }
-
-    /// [`Self::encode_prompt_leading`] of a chat request's rendered prompt (the whole prompt is
-    /// rendered: rendering costs a few percent of encoding).
-    pub fn encode_chat_leading(
-        &self,
-        messages: &serde_json::Value,
-        options: &ChatOptions,
-        min_bytes: usize,
-    ) -> Result<LeadingTokens, TokenizeError> {
-        let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
-        let rendered = chat.render_for_encoding(messages, options)?;
-        let add = options.add_special_tokens && !rendered.tokenized_by_template;
-        let text = rendered.text.as_str();
+        let add = add_special_tokens;
         if let (Some(fast), true, Some(cut)) =
             (&self.fast, self.leading_cuts, leading_cut(text, min_bytes))
         {
@@ -457,6 +425,20 @@ impl ModelTokenizer {
             total_bytes: text.len(),
             resume: whole.resume,
         })
+    }
+
+    /// [`Self::encode_prompt_leading`] of a chat request's rendered prompt (the whole prompt is
+    /// rendered: rendering costs a few percent of encoding).
+    pub fn encode_chat_leading(
+        &self,
+        messages: &serde_json::Value,
+        options: &ChatOptions,
+        min_bytes: usize,
+    ) -> Result<LeadingTokens, TokenizeError> {
+        let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
+        let rendered = chat.render_for_encoding(messages, options)?;
+        let add_special_tokens = options.add_special_tokens && !rendered.tokenized_by_template;
+        self.encode_prompt_leading(&rendered.text, add_special_tokens, min_bytes)
     }
 
     /// [`Self::encode_chat_with`], taking over the first tokens of an earlier turn of the same
