@@ -42,6 +42,9 @@ pub enum KeyError {
         /// The length given.
         len: usize,
     },
+    /// A [`ChainPoint`](crate::ChainPoint) of the other key scheme, or past the prompt's blocks.
+    #[error("chain point does not belong to this key scheme and prompt")]
+    ForeignChainPoint,
     /// A vLLM version string that is not `major.minor[.patch…]`.
     #[error("cannot parse vLLM version {version:?}")]
     BadVllmVersion {
@@ -58,6 +61,7 @@ impl KeyError {
             Self::UnreproducibleAlgo { .. } => "unreproducible_algo",
             Self::SeedRequired { .. } => "seed_required",
             Self::ZeroBlockSize => "zero_block_size",
+            Self::ForeignChainPoint => "foreign_chain_point",
             Self::LoraFieldMissing { .. } => "lora_field_missing",
             Self::DigestLength { .. } => "digest_length",
             Self::BadVllmVersion { .. } => "bad_vllm_version",

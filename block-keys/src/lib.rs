@@ -53,7 +53,7 @@ pub use schema::{
     DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_VLLM_VERSION, MAX_BLOCK_SIZE, PoolKeySettings,
     RawKeyScheme, SchemeConfigError,
 };
-pub use scheme::KeyScheme;
+pub use scheme::{ChainPoint, KeyScheme};
 pub use token_chain::TokenChain;
 pub use vllm::{DEFAULT_NONE_HASH_SEED, VllmHasher};
 

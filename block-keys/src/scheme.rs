@@ -1,6 +1,6 @@
 //! Which keys a router and index use for a pool: vLLM's published hashes or token-chain keys.
 
-use crate::{ExtraKeys, ExtraKeysEra, KeyError, LoraRef, TokenChain, VllmHasher};
+use crate::{Digest, ExtraKeys, ExtraKeysEra, KeyError, LoraRef, TokenChain, VllmHasher};
 
 /// How a pool's prompts become the u64 block keys stored in and queried from the index.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,22 +40,201 @@ impl KeyScheme {
         cache_salt: Option<&str>,
         out: &mut Vec<u64>,
     ) -> Result<(), KeyError> {
+        self.extend_prompt_keys(None, tokens, block_size, lora, cache_salt, 0, out)
+            .map(drop)
+    }
+
+    /// The keys of the full blocks of `tokens` from `from`'s block on, appended to `out`: a
+    /// prompt whose first `from.blocks()` blocks are those of an earlier prompt (same tokens,
+    /// same scheme, adapter and salt — the caller's to check) whose keys are known hashes only
+    /// what follows. Returns the chain's point after `mark` blocks (for a later prompt to extend
+    /// from), when `mark` lies past `from` and within `tokens`' full blocks. On error `out` is
+    /// left unchanged.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "prompt_keys_into's arguments plus where to start and where to mark"
+    )]
+    pub fn extend_prompt_keys(
+        &self,
+        from: Option<&ChainPoint>,
+        tokens: &[u32],
+        block_size: usize,
+        lora: Option<&LoraRef<'_>>,
+        cache_salt: Option<&str>,
+        mark: usize,
+        out: &mut Vec<u64>,
+    ) -> Result<Option<ChainPoint>, KeyError> {
+        if block_size == 0 {
+            return Err(KeyError::ZeroBlockSize);
+        }
+        let start = from.map_or(0, |point| point.blocks);
+        let rest = tokens
+            .get(start * block_size..)
+            .ok_or(KeyError::ForeignChainPoint)?;
+        let marked = |blocks: usize| (blocks == mark && mark > start).then_some(blocks);
+        let mut point = None;
         match self {
             Self::VllmExact { hasher, era } => {
+                let parent = match from.map(|point| point.link) {
+                    None => None,
+                    Some(ChainLink::Vllm(digest)) => Some(digest),
+                    Some(ChainLink::TokenChain(_)) => return Err(KeyError::ForeignChainPoint),
+                };
                 let extra = ExtraKeys::new(*era, lora, cache_salt)?;
-                out.reserve(tokens.len() / block_size.max(1));
+                out.reserve(rest.len() / block_size);
+                let mut blocks = start;
                 hasher.for_each_block(
-                    None,
-                    tokens,
+                    parent.as_ref(),
+                    rest,
                     block_size,
-                    |i| extra.for_block(i),
-                    |d| out.push(d.published_u64()),
-                )
+                    |i| extra.for_block(start + i),
+                    |digest| {
+                        out.push(digest.published_u64());
+                        blocks += 1;
+                        if let Some(blocks) = marked(blocks) {
+                            point = Some(ChainPoint {
+                                blocks,
+                                link: ChainLink::Vllm(*digest),
+                            });
+                        }
+                    },
+                )?;
             }
             Self::TokenChain => {
-                let root = TokenChain::root(lora.map(|l| l.name), cache_salt);
-                TokenChain::keys_from_into(root, tokens, block_size, out)
+                let parent = match from.map(|point| point.link) {
+                    None => TokenChain::root(lora.map(|l| l.name), cache_salt),
+                    Some(ChainLink::TokenChain(key)) => key,
+                    Some(ChainLink::Vllm(_)) => return Err(KeyError::ForeignChainPoint),
+                };
+                let before = out.len();
+                TokenChain::keys_from_into(parent, rest, block_size, out)?;
+                // A token-chain key is its own link.
+                point = out[before..]
+                    .iter()
+                    .zip(start + 1..)
+                    .find_map(|(&key, blocks)| {
+                        marked(blocks).map(|blocks| ChainPoint {
+                            blocks,
+                            link: ChainLink::TokenChain(key),
+                        })
+                    });
             }
         }
+        Ok(point)
+    }
+}
+
+/// Where a prompt's key chain stands after its first [`blocks`](Self::blocks) full blocks: what
+/// extending it over later tokens needs ([`KeyScheme::extend_prompt_keys`]). For vLLM's scheme
+/// that is the full digest, which the published u64 keys do not carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChainPoint {
+    blocks: usize,
+    link: ChainLink,
+}
+
+impl ChainPoint {
+    /// Full blocks before the point.
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+}
+
+/// The last block's chained value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChainLink {
+    Vllm(Digest),
+    TokenChain(u64),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ExtraKeysEra, HashAlgo, VllmHasher};
+
+    fn schemes() -> Vec<KeyScheme> {
+        let mut schemes = vec![KeyScheme::TokenChain];
+        for algo in [HashAlgo::Sha256Cbor, HashAlgo::Xxhash] {
+            schemes.push(KeyScheme::VllmExact {
+                hasher: VllmHasher::new(algo, Some("0")).expect("hasher"),
+                era: ExtraKeysEra::From0_31,
+            });
+        }
+        schemes
+    }
+
+    #[test]
+    fn extending_from_any_point_equals_hashing_the_whole_prompt() {
+        let tokens: Vec<u32> = (0..16 * 9 + 5).map(|i| i * 7 % 1000).collect();
+        let lora = LoraRef {
+            name: "adapter",
+            id: Some(3),
+            path: Some("/adapters/a"),
+        };
+        for scheme in schemes() {
+            for (lora, salt) in [(None, None), (Some(&lora), Some("salt"))] {
+                let whole = scheme.prompt_keys(&tokens, 16, lora, salt).expect("whole");
+                assert_eq!(whole.len(), 9);
+                for mark in 1..=9 {
+                    let mut first = Vec::new();
+                    let point = scheme
+                        .extend_prompt_keys(None, &tokens, 16, lora, salt, mark, &mut first)
+                        .expect("first")
+                        .expect("a point within the prompt");
+                    assert_eq!(point.blocks(), mark);
+                    assert_eq!(first, whole);
+                    // A later prompt sharing the first `mark` blocks, extended from the point.
+                    let mut later = whole[..mark].to_vec();
+                    let next = scheme
+                        .extend_prompt_keys(Some(&point), &tokens, 16, lora, salt, 9, &mut later)
+                        .expect("extended");
+                    assert_eq!(later, whole, "{scheme:?} from block {mark}");
+                    assert_eq!(next.map(|p| p.blocks()), (mark < 9).then_some(9));
+                }
+                // No point at or before where it starts, nor past the prompt.
+                let mut out = Vec::new();
+                assert_eq!(
+                    scheme.extend_prompt_keys(None, &tokens, 16, lora, salt, 10, &mut out),
+                    Ok(None)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_point_of_another_scheme_or_past_the_prompt_is_refused() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let [chain, vllm, ..] = &schemes()[..] else {
+            panic!("two schemes");
+        };
+        let mut out = Vec::new();
+        let chain_point = chain
+            .extend_prompt_keys(None, &tokens, 16, None, None, 2, &mut out)
+            .expect("keys")
+            .expect("point");
+        let vllm_point = vllm
+            .extend_prompt_keys(None, &tokens, 16, None, None, 2, &mut out)
+            .expect("keys")
+            .expect("point");
+        let mut out = Vec::new();
+        for (scheme, foreign) in [(chain, &vllm_point), (vllm, &chain_point)] {
+            assert_eq!(
+                scheme.extend_prompt_keys(Some(foreign), &tokens, 16, None, None, 4, &mut out),
+                Err(KeyError::ForeignChainPoint)
+            );
+            assert_eq!(
+                scheme.extend_prompt_keys(
+                    Some(foreign),
+                    &tokens[..16],
+                    16,
+                    None,
+                    None,
+                    0,
+                    &mut out
+                ),
+                Err(KeyError::ForeignChainPoint)
+            );
+        }
+        assert!(out.is_empty());
     }
 }

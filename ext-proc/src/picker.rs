@@ -116,11 +116,18 @@ fn keys_job(pool: &Pool, adapter: Option<&crate::config::Adapter>, salt: Option<
     );
     KeysJob {
         fingerprint,
-        compute: Arc::new(move |tokens: &[u32]| {
+        block_size: block_size as usize,
+        compute: Arc::new(move |from, tokens, mark, out| {
             let lora = adapter.as_ref().map(crate::config::Adapter::as_lora_ref);
-            scheme
-                .prompt_keys(tokens, block_size as usize, lora.as_ref(), salt.as_deref())
-                .ok()
+            scheme.extend_prompt_keys(
+                from,
+                tokens,
+                block_size as usize,
+                lora.as_ref(),
+                salt.as_deref(),
+                mark,
+                out,
+            )
         }),
     }
 }

@@ -25,6 +25,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use kvroute_block_keys::{ChainPoint, KeyError};
 use kvroute_tokenize::{ApiKind, LeadingTokens, ModelTokenizer, ResumableTokens, ResumePoint};
 use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
@@ -974,6 +975,9 @@ pub struct CachedKeys {
     pub fingerprint: u64,
     /// The key of every full block.
     pub keys: Arc<[u64]>,
+    /// The key chain at the last full block before the tokens' resume point: the conversation's
+    /// next turn, which keeps those tokens, hashes only the blocks after it.
+    pub point: Option<ChainPoint>,
 }
 
 /// How a decision computes a prompt's block keys: handed to a background whole tokenization so
@@ -982,12 +986,53 @@ pub struct CachedKeys {
 pub struct KeysJob {
     /// Everything the keys depend on besides the tokens (key scheme, block size, adapter, salt).
     pub fingerprint: u64,
-    /// The keys of every full block of the tokens (`None`: they cannot be computed).
+    /// Tokens per block.
+    pub block_size: usize,
+    /// The pool's [`KeyScheme::extend_prompt_keys`](kvroute_block_keys::KeyScheme::extend_prompt_keys)
+    /// with its block size, adapter and salt.
     pub compute: Arc<ComputeKeys>,
 }
 
-/// [`KeysJob::compute`]'s function.
-pub type ComputeKeys = dyn Fn(&[u32]) -> Option<Vec<u64>> + Send + Sync;
+/// [`KeysJob::compute`]'s function: `(from, tokens, mark, out)`, as
+/// [`KeyScheme::extend_prompt_keys`](kvroute_block_keys::KeyScheme::extend_prompt_keys) takes them.
+pub type ComputeKeys = dyn Fn(Option<&ChainPoint>, &[u32], usize, &mut Vec<u64>) -> Result<Option<ChainPoint>, KeyError>
+    + Send
+    + Sync;
+
+impl KeysJob {
+    /// The keys of every full block of `tokens` (`None`: they cannot be computed), with the
+    /// chain's point at the last full block of the first `resume_tokens` kept for the next turn.
+    /// With `prior` (a cached turn and its keys) whose tokens up to its chain point are also
+    /// `tokens`' (checked), only the blocks after that point are hashed.
+    fn keys_for(
+        &self,
+        tokens: &[u32],
+        prior: Option<(&[u32], &CachedKeys)>,
+        resume_tokens: usize,
+    ) -> Option<CachedKeys> {
+        let block_size = self.block_size.max(1);
+        let mut keys = Vec::with_capacity(tokens.len() / block_size);
+        let from = prior.and_then(|(prior_tokens, cached)| {
+            let point = cached.point?;
+            let shared = point.blocks() * block_size;
+            let usable = cached.fingerprint == self.fingerprint
+                && point.blocks() <= cached.keys.len()
+                && tokens.get(..shared)? == prior_tokens.get(..shared)?;
+            usable.then(|| {
+                keys.extend_from_slice(&cached.keys[..point.blocks()]);
+                point
+            })
+        });
+        let point = (self.compute)(from.as_ref(), tokens, resume_tokens / block_size, &mut keys)
+            .ok()?
+            .or(from.filter(|point| point.blocks() == resume_tokens / block_size));
+        Some(CachedKeys {
+            fingerprint: self.fingerprint,
+            keys: keys.into(),
+            point,
+        })
+    }
+}
 
 impl fmt::Debug for KeysJob {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1347,13 +1392,17 @@ impl TokenCache {
         let prior = cached_prefix
             .as_ref()
             .and_then(|(tokens, _, _, resume)| Some((resume.as_ref()?, &tokens[..])));
+        // Its keys, which this turn's extend.
+        let prior_keys = cached_prefix
+            .as_ref()
+            .and_then(|(tokens, _, keys, _)| Some((&tokens[..], keys.as_ref()?)));
         // A conversation's next turn: only the text it added is encoded, on this task (the whole
         // chat is parsed and rendered: tens of microseconds at this size).
         if prior.is_some()
             && input.len_bytes() <= RESUME_INLINE_MAX_BYTES
             && let Some(Ok(resumed)) = tokenizer.tokenize_resumable(&input, prior)
         {
-            return Ok(self.cache_resumed(full_key, resumed));
+            return Ok(self.cache_resumed(full_key, resumed, keys_job, prior_keys));
         }
         if let Some(min_bytes) = leading_from
             && cached_prefix.is_none()
@@ -1369,17 +1418,25 @@ impl TokenCache {
                 let leading = self.bounded(leading, slot, deadline, budget).await?;
                 let tokens: Arc<[u32]> = leading.tokens.into();
                 if leading.complete {
+                    let keys = keys_job.and_then(|job| {
+                        job.keys_for(&tokens, None, mark_at(&tokens, leading.resume))
+                    });
                     let entry = CacheEntry {
                         tokens: Arc::clone(&tokens),
-                        keys: None,
+                        keys: keys.clone(),
                         resume: leading.resume,
                     };
                     insert_entry(&self.entries, &self.gauges, full_key, entry);
-                    return Ok(tokenized(tokens));
+                    return Ok(PromptTokens {
+                        keys,
+                        ..tokenized(tokens)
+                    });
                 }
                 // The next turn starts with this whole prompt and, were it not cached, would pay
                 // for its leading part and then all of it. The lane encodes only the rest.
-                let prior = leading.resume.map(|point| (point, Arc::clone(&tokens)));
+                let prior = leading
+                    .resume
+                    .map(|point| (point, Arc::clone(&tokens), None));
                 self.complete_later(model, tokenizer, &input, prompt, full_key, keys_job, prior);
                 // The rest of the prompt at the leading part's own bytes per token.
                 let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
@@ -1401,7 +1458,8 @@ impl TokenCache {
             // Its whole tokenization is not expected within `PREFIX_HIT_MAX_EXPECTED`: waiting
             // would add more than the routing path may cost (32k tokens take ≈ 3 ms). The cached
             // prefix is exact; the whole tokens follow in the background for the next turn.
-            let prior = prefix_resume.map(|point| (point, Arc::clone(prefix_tokens)));
+            let prior =
+                prefix_resume.map(|point| (point, Arc::clone(prefix_tokens), prefix_keys.clone()));
             self.complete_later(model, tokenizer, &input, prompt, full_key, keys_job, prior);
             return Ok(on_cached_prefix(
                 Arc::clone(prefix_tokens),
@@ -1426,7 +1484,7 @@ impl TokenCache {
         if slot.is_none()
             && let Some(Ok(resumed)) = tokenizer.tokenize_resumable(&input, prior)
         {
-            return Ok(self.cache_resumed(full_key, resumed));
+            return Ok(self.cache_resumed(full_key, resumed, keys_job, prior_keys));
         }
         let tokenizing = start_tokenizing(tokenizer.as_ref(), model, input, prompt);
         let entries = Arc::clone(&self.entries);
@@ -1552,11 +1610,21 @@ impl TokenCache {
     }
 
     /// Caches a chat's whole tokenization with its resume point, as the decision's tokens.
-    fn cache_resumed(&self, key: u128, resumed: ResumableTokens) -> PromptTokens {
+    /// With `keys_job`, the keys too (extending `prior`'s where they share its blocks), so that
+    /// the next turn extends these.
+    fn cache_resumed(
+        &self,
+        key: u128,
+        resumed: ResumableTokens,
+        keys_job: Option<&KeysJob>,
+        prior: Option<(&[u32], &CachedKeys)>,
+    ) -> PromptTokens {
         let tokens: Arc<[u32]> = resumed.tokens.into();
+        let keys =
+            keys_job.and_then(|job| job.keys_for(&tokens, prior, mark_at(&tokens, resumed.resume)));
         let entry = CacheEntry {
             tokens: Arc::clone(&tokens),
-            keys: None,
+            keys: keys.clone(),
             resume: resumed.resume,
         };
         insert_entry(&self.entries, &self.gauges, key, entry);
@@ -1566,6 +1634,7 @@ impl TokenCache {
             } else {
                 TokenSource::Tokenizer
             },
+            keys,
             ..tokenized(tokens)
         }
     }
@@ -1605,7 +1674,7 @@ impl TokenCache {
         prompt: &Prompt<'_>,
         key: u128,
         keys_job: Option<&KeysJob>,
-        prior: Option<(ResumePoint, Arc<[u32]>)>,
+        prior: Option<(ResumePoint, Arc<[u32]>, Option<CachedKeys>)>,
     ) {
         let skipped = |why: &str| {
             self.gauges.background_skipped.inc();
@@ -1643,7 +1712,12 @@ impl TokenCache {
                 if entries.lock().contains(&key) {
                     return;
                 }
-                let prior = prior.as_ref().map(|(point, tokens)| (point, &tokens[..]));
+                let prior_keys = prior
+                    .as_ref()
+                    .and_then(|(_, tokens, keys)| Some((&tokens[..], keys.as_ref()?)));
+                let prior = prior
+                    .as_ref()
+                    .map(|(point, tokens, _)| (point, &tokens[..]));
                 let (result, resume) = match tokenizer.tokenize_resumable(&input, prior) {
                     Some(Ok(resumed)) => (Some(Ok(resumed.tokens)), resumed.resume),
                     Some(Err(error)) => (Some(Err(error)), None),
@@ -1653,10 +1727,7 @@ impl TokenCache {
                     Some(Ok(tokens)) => {
                         let tokens: Arc<[u32]> = tokens.into();
                         let keys = keys_job.and_then(|job| {
-                            Some(CachedKeys {
-                                fingerprint: job.fingerprint,
-                                keys: (job.compute)(&tokens)?.into(),
-                            })
+                            job.keys_for(&tokens, prior_keys, mark_at(&tokens, resume))
                         });
                         let entry = CacheEntry {
                             tokens,
@@ -1708,6 +1779,12 @@ impl TokenCache {
             let _ = caching.await;
         });
     }
+}
+
+/// Where cached keys keep their chain point: at the resume point (what the next turn keeps of
+/// these tokens), or at the end without one.
+fn mark_at(tokens: &[u32], resume: Option<ResumePoint>) -> usize {
+    resume.map_or(tokens.len(), |point| point.tokens)
 }
 
 /// A prompt of `full_bytes` routed on its conversation's cached prefix (`prefix_bytes` of it);
@@ -1946,6 +2023,8 @@ mod goldens_tests;
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use super::*;
     use crate::request::{Endpoint, parse};
 
@@ -2328,17 +2407,7 @@ mod tests {
             .store(1_000_000, std::sync::atomic::Ordering::Relaxed);
         let second = parse(turn2.as_bytes(), Endpoint::ChatCompletions).unwrap();
         // The decision's key function: the lane caches its keys with the whole tokens.
-        let keys_job = KeysJob {
-            fingerprint: 42,
-            compute: Arc::new(|tokens: &[u32]| {
-                Some(
-                    tokens
-                        .chunks_exact(16)
-                        .map(|block| block.iter().map(|&t| u64::from(t)).sum())
-                        .collect(),
-                )
-            }),
-        };
+        let (keys_job, _) = chain_keys_job();
         // Turn 2 as a decision asks for it (never a leading part), with the key function.
         let turn2_tokens = || {
             cache.leading_tokens(
@@ -2378,10 +2447,7 @@ mod tests {
         assert_eq!(&*cached.tokens, expected.as_slice());
         let keys = cached.keys.expect("cached with its keys");
         assert_eq!(keys.fingerprint, 42);
-        assert_eq!(
-            &*keys.keys,
-            (keys_job.compute)(&expected).unwrap().as_slice()
-        );
+        assert_eq!(&*keys.keys, chain_keys(&expected).as_slice());
         wait_for("the lane's jobs all ended", || {
             cache.gauges.background_queued.get() == 0
         })
@@ -2410,8 +2476,17 @@ mod tests {
         // Turn 1 as a decision asks for it: only its leading part now.
         let body1 = turn1.to_string();
         let first = parse(body1.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let (keys_job, hashed) = chain_keys_job();
         let t1 = cache
-            .leading_tokens(0, "m", &first.prompt, Some(&tokenizer), budget, 1024, None)
+            .leading_tokens(
+                0,
+                "m",
+                &first.prompt,
+                Some(&tokenizer),
+                budget,
+                1024,
+                Some(&keys_job),
+            )
             .await
             .unwrap();
         assert_eq!((t1.source, t1.exact), (TokenSource::Leading, false));
@@ -2428,15 +2503,71 @@ mod tests {
             .unwrap();
         assert_eq!(cached.source, TokenSource::Cache);
         assert_eq!(&*cached.tokens, whole1.as_slice());
+        // With its keys, and the chain's point at its resume point's last full block.
+        let keys1 = cached.keys.expect("the lane cached turn 1's keys");
+        assert_eq!(&*keys1.keys, chain_keys(&whole1).as_slice());
+        let point = keys1.point.expect("a chain point");
+        assert!(point.blocks() > 0 && point.blocks() <= keys1.keys.len());
         // Turn 2 takes over turn 1's tokens before its last cut and encodes the rest: exact.
         let body2 = turn2.to_string();
         let second = parse(body2.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let before = hashed.load(Ordering::Relaxed);
         let t2 = cache
-            .leading_tokens(0, "m", &second.prompt, Some(&tokenizer), budget, 1024, None)
+            .leading_tokens(
+                0,
+                "m",
+                &second.prompt,
+                Some(&tokenizer),
+                budget,
+                1024,
+                Some(&keys_job),
+            )
             .await
             .unwrap();
         assert_eq!((t2.source, t2.exact), (TokenSource::Resumed, true));
-        assert_eq!(&*t2.tokens, expected(&turn2).as_slice());
+        let whole2 = expected(&turn2);
+        assert_eq!(&*t2.tokens, whole2.as_slice());
+        // Its keys are exact, and only the blocks after turn 1's chain point were hashed.
+        let keys2 = t2.keys.expect("turn 2's keys");
+        let all2 = chain_keys(&whole2);
+        assert_eq!(&*keys2.keys, all2.as_slice());
+        assert_eq!(
+            hashed.load(Ordering::Relaxed) - before,
+            all2.len() - point.blocks()
+        );
+        // A foreign turn's keys are not extended: its tokens differ before the point.
+        let mut foreign = whole2.clone();
+        foreign[0] ^= 1;
+        let refused = keys_job
+            .keys_for(&foreign, Some((&whole1, &keys1)), foreign.len())
+            .expect("keys");
+        assert_eq!(&*refused.keys, chain_keys(&foreign).as_slice());
+    }
+
+    /// Token-chain keys of 16-token blocks, as a pool's decision computes them.
+    fn chain_keys(tokens: &[u32]) -> Vec<u64> {
+        kvroute_block_keys::KeyScheme::TokenChain
+            .prompt_keys(tokens, 16, None, None)
+            .unwrap()
+    }
+
+    /// A decision's key function for token-chain keys of 16-token blocks, and how many blocks
+    /// it has hashed.
+    fn chain_keys_job() -> (KeysJob, Arc<AtomicUsize>) {
+        let hashed = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&hashed);
+        let job = KeysJob {
+            fingerprint: 42,
+            block_size: 16,
+            compute: Arc::new(move |from, tokens, mark, out| {
+                let before = out.len();
+                let point = kvroute_block_keys::KeyScheme::TokenChain
+                    .extend_prompt_keys(from, tokens, 16, None, None, mark, out)?;
+                counted.fetch_add(out.len() - before, Ordering::Relaxed);
+                Ok(point)
+            }),
+        };
+        (job, hashed)
     }
 
     #[tokio::test]
