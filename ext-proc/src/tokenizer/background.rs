@@ -290,7 +290,10 @@ mod tests {
         // A panicking job does not end the lane; the jobs after it run.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while !lane.run(|| panic!("a tokenizer bug")) {
-            assert!(std::time::Instant::now() < deadline, "the queue never drained");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the queue never drained"
+            );
             std::thread::yield_now();
         }
         assert!(lane.run(report(99)));
