@@ -152,15 +152,19 @@ fn stage_means(before: &[StageHistogram], after: &[StageHistogram]) -> String {
                 return None;
             }
             let mean = 1e3 * (a.sum - b.sum) / count;
-            let median = a
-                .buckets
-                .iter()
-                .zip(b.buckets.iter().map(|x| x.1).chain(std::iter::repeat(0.0)))
-                .find(|((_, n), n0)| n - n0 >= count / 2.0)
-                .map(|((le, _), _)| 1e3 * le);
-            Some(match median {
-                Some(m) => format!("{stage} mean {mean:.3} ms, p50 ≤ {m:.3} ms"),
-                None => format!("{stage} mean {mean:.3} ms"),
+            // The upper bound of the bucket holding the `q` quantile.
+            let quantile = |q: f64| {
+                a.buckets
+                    .iter()
+                    .zip(b.buckets.iter().map(|x| x.1).chain(std::iter::repeat(0.0)))
+                    .find(|((_, n), n0)| n - n0 >= q * count)
+                    .map(|((le, _), _)| 1e3 * le)
+            };
+            Some(match (quantile(0.5), quantile(0.99)) {
+                (Some(p50), Some(p99)) => {
+                    format!("{stage} mean {mean:.3} ms, p50 ≤ {p50:.3} ms, p99 ≤ {p99:.3} ms")
+                }
+                _ => format!("{stage} mean {mean:.3} ms"),
             })
         })
         .collect::<Vec<_>>()
