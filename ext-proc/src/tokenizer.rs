@@ -1706,11 +1706,19 @@ impl TokenCache {
                 key,
             };
             queued.gauge.inc();
+            // The job caches its result from the runtime: the lane thread may be preempted
+            // anywhere, and must never hold a lock (the cache's, the pending set's) a decision
+            // then waits for.
+            let runtime = tokio::runtime::Handle::try_current().ok();
+            let tasks = self.tasks.clone();
             let queued = lane.run(move || {
-                let _queued = queued;
-                // Another request's job for the same prompt may have run first.
-                if entries.lock().contains(&key) {
-                    return;
+                // Another request's job for the same prompt may have run first (not known while
+                // a decision holds the cache: the work is then done again).
+                if entries
+                    .try_lock()
+                    .is_some_and(|cached| cached.contains(&key))
+                {
+                    return finish_on(runtime.as_ref(), &tasks, queued, || ());
                 }
                 let prior_keys = prior
                     .as_ref()
@@ -1723,24 +1731,29 @@ impl TokenCache {
                     Some(Err(error)) => (Some(Err(error)), None),
                     None => (tokenizer.tokenize_now(&input), None),
                 };
-                match result {
+                let entry = match result {
                     Some(Ok(tokens)) => {
                         let tokens: Arc<[u32]> = tokens.into();
                         let keys = keys_job.and_then(|job| {
                             job.keys_for(&tokens, prior_keys, mark_at(&tokens, resume))
                         });
-                        let entry = CacheEntry {
+                        Some(CacheEntry {
                             tokens,
                             keys,
                             resume,
-                        };
-                        insert_entry(&entries, &gauges, key, entry);
+                        })
                     }
                     Some(Err(error)) => {
                         tracing::debug!(%error, "background whole tokenization failed");
+                        None
                     }
-                    None => {}
-                }
+                    None => None,
+                };
+                finish_on(runtime.as_ref(), &tasks, queued, move || {
+                    if let Some(entry) = entry {
+                        insert_entry(&entries, &gauges, key, entry);
+                    }
+                });
             });
             if !queued {
                 skipped("background lane full");
@@ -1778,6 +1791,27 @@ impl TokenCache {
             let _permit = permit;
             let _ = caching.await;
         });
+    }
+}
+
+/// Ends a lane job: runs `cache` (which takes the cache's lock) and drops `queued` (the pending
+/// set's) as a task on `runtime`, at the decisions' priority; without a runtime, here. A
+/// runtime shutting down drops the task: nothing is cached, the job is still counted out.
+fn finish_on(
+    runtime: Option<&tokio::runtime::Handle>,
+    tasks: &TaskTracker,
+    queued: Queued,
+    cache: impl FnOnce() + Send + 'static,
+) {
+    let finish = move || {
+        cache();
+        drop(queued);
+    };
+    match runtime {
+        Some(runtime) => {
+            tasks.spawn_on(async move { finish() }, runtime);
+        }
+        None => finish(),
     }
 }
 
