@@ -2511,18 +2511,19 @@ mod tests {
         let body1 = turn1.to_string();
         let first = parse(body1.as_bytes(), Endpoint::ChatCompletions).unwrap();
         let (keys_job, hashed) = chain_keys_job();
-        let t1 = cache
-            .leading_tokens(
+        // A turn as a decision asks for it, leading parts from 1 KiB, with the key function.
+        let decide = |prompt| {
+            cache.leading_tokens(
                 0,
                 "m",
-                &first.prompt,
+                prompt,
                 Some(&tokenizer),
                 budget,
                 1024,
                 Some(&keys_job),
             )
-            .await
-            .unwrap();
+        };
+        let t1 = decide(&first.prompt).await.unwrap();
         assert_eq!((t1.source, t1.exact), (TokenSource::Leading, false));
         let whole1 = expected(&turn1);
         assert!(t1.tokens.len() < whole1.len() && whole1.starts_with(&t1.tokens));
@@ -2546,18 +2547,7 @@ mod tests {
         let body2 = turn2.to_string();
         let second = parse(body2.as_bytes(), Endpoint::ChatCompletions).unwrap();
         let before = hashed.load(Ordering::Relaxed);
-        let t2 = cache
-            .leading_tokens(
-                0,
-                "m",
-                &second.prompt,
-                Some(&tokenizer),
-                budget,
-                1024,
-                Some(&keys_job),
-            )
-            .await
-            .unwrap();
+        let t2 = decide(&second.prompt).await.unwrap();
         assert_eq!((t2.source, t2.exact), (TokenSource::Resumed, true));
         let whole2 = expected(&turn2);
         assert_eq!(&*t2.tokens, whole2.as_slice());

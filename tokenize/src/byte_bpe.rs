@@ -283,16 +283,8 @@ impl ByteLevelBpe {
             // Never waited for: a holder may be a background thread the kernel preempted for
             // this one (a 32k decision waited 2–5 ms behind an idle-class thread's batch); the
             // batch then goes without the cache, exactly as with it.
-            let Some(mut cache) = self.cache.try_lock() else {
-                for piece in batch.iter() {
-                    let bytes = text
-                        .as_bytes()
-                        .get(piece.start..piece.end)
-                        .unwrap_or_default();
-                    self.encode_piece(bytes, None, &mut [], out, scratch);
-                }
-                continue;
-            };
+            let mut held = self.cache.try_lock();
+            let cache: &mut [CacheBucket] = held.as_deref_mut().map_or(&mut [], |cache| cache);
             // Read every piece's bucket before using any: the reads are independent, so the CPU
             // overlaps their misses, where looking pieces up one by one waits for each in turn.
             // Between a router's requests the table has left the CPU caches, and those serial
@@ -300,7 +292,7 @@ impl ByteLevelBpe {
             // behind Envoy).
             let touched = batch
                 .iter()
-                .filter_map(|piece| piece.bucket)
+                .filter_map(|piece| piece.bucket.filter(|_| !cache.is_empty()))
                 .fold(0u8, |acc, bucket| acc ^ cache[bucket].touch());
             std::hint::black_box(touched);
             for piece in batch.iter() {
@@ -308,7 +300,8 @@ impl ByteLevelBpe {
                     .as_bytes()
                     .get(piece.start..piece.end)
                     .unwrap_or_default();
-                self.encode_piece(bytes, piece.bucket, &mut cache, out, scratch);
+                let bucket = piece.bucket.filter(|_| !cache.is_empty());
+                self.encode_piece(bytes, bucket, cache, out, scratch);
             }
         }
     }
