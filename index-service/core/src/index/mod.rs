@@ -113,6 +113,10 @@ pub struct IndexConfig {
     pub max_blocks_per_replica: usize,
     /// Lock shards per pool (rounded up to a power of two).
     pub shards_per_pool: usize,
+    /// Whether the keys of each `BlockStored` are built into runs as they are stored, so that
+    /// a prompt's first match walk follows them (see `index::paths`). Off, runs come only from
+    /// walks (a stretch's second walk): tests of that path turn it off.
+    pub runs_from_events: bool,
 }
 
 impl Default for IndexConfig {
@@ -120,6 +124,7 @@ impl Default for IndexConfig {
         IndexConfig {
             max_blocks_per_replica: DEFAULT_MAX_BLOCKS_PER_REPLICA,
             shards_per_pool: DEFAULT_SHARDS_PER_POOL,
+            runs_from_events: true,
         }
     }
 }
@@ -466,6 +471,7 @@ impl KvIndex for BlockIndex {
             config.keys,
             self.config.shards_per_pool,
             self.hasher,
+            self.config.runs_from_events,
         );
         let mut pools = HashMap::clone(&self.pools.load());
         pools.insert(config.model, Arc::new(pool));

@@ -2,11 +2,26 @@
 //! contiguous array, so a match walk compares a run's keys with the prompt's in one sequential
 //! loop instead of looking each key up in the shard tables.
 //!
-//! A run is built from a walk: the keys a match walk had to look up one by one (with their
-//! holders, which it read anyway) are grouped into stretches of equal holders, and a stretch
-//! met by a walk for the second time is linked: each key's table entry names its run and
-//! offset (the spare high half of its holder word). The run is a cache beside the exact
-//! per-key tables, never the truth:
+//! Runs are built two ways, the same way once their keys and holders are known: keys are
+//! grouped into stretches of equal holders and each key's table entry is linked to its run
+//! and offset (the spare high half of its holder word).
+//! - **From a `BlockStored`**, right after the writer stored its keys (a chain, in order): a
+//!   prompt's first walk then follows the runs of the events that stored it instead of looking
+//!   2,000 keys up one by one (a 32k-token prompt's first walk: ≈ 0.15 ms).
+//! - **From a walk**: the keys a match walk had to look up one by one (with their holders,
+//!   which it read anyway) are grouped, and a stretch met by a walk for the second time is
+//!   linked (what events' runs do not cover: stretches another replica's store cut, prompts
+//!   stored before a restart of the index).
+//!
+//! Runs are compared by bisection, trusting that their keys are a chain (see
+//! [`common_prefix`]). A walk's runs are kvroute's own prompt keys. An event's keys are the
+//! engine's chain (vLLM hashes each block with its parent's hash) or, in token-chain pools,
+//! keys the index chained itself from the event's tokens; an engine that published keys out of
+//! order could at worst make a walk credit its own replicas with keys of the prompt between
+//! two it holds — which it could claim anyway by publishing them — while a replica that really
+//! holds a chained key computed every key before it.
+//!
+//! The run is a cache beside the exact per-key tables, never the truth:
 //!
 //! - **Invariant:** every key at an offset below a live run's length holds exactly the run's
 //!   holders (any medium, GPU). A key is linked, and the length grown over it, under the key's
@@ -18,9 +33,10 @@
 //!   accepts what it compared only if the generation is unchanged and only up to the length it
 //!   reads last (a cut during the compare shortens the answer, it does not spoil it).
 //! - **Bounded.** At most [`MAX_KEYS`] keys and [`MAX_RUNS`] runs per pool, allocated in segments
-//!   as needed; when either is used up every run is dropped and building starts again, and the
-//!   whole cache is freed when the pool empties. Keys still naming a dropped run only cost a
-//!   needless cut later: a run trusts nothing a key's entry says, it checks its own keys.
+//!   as needed and reused in a ring: the builder's cursor wraps, and entering a key segment (or
+//!   a run slot) again drops the runs still there, the oldest; the whole cache is freed when the
+//!   pool empties. Keys still naming a dropped run only cost a needless cut later: a run trusts
+//!   nothing a key's entry says, it checks its own keys.
 //!
 //! Only walks of pools of up to 64 slots use runs (their holders are one word per medium).
 
@@ -36,8 +52,12 @@ const OFFSET_BITS: u32 = 10;
 pub(crate) const MAX_RUN: usize = 1 << OFFSET_BITS;
 /// Shortest stretch worth a run (a run saves lookups only after its first key).
 pub(crate) const MIN_RUN: usize = 4;
+/// Shortest stretch of a stored event built into a run. A shorter event (a decode step's block,
+/// a short prompt's) is one chunk of a walk's lookups, and its run would cost a record (48 B)
+/// for a few keys.
+pub(crate) const MIN_STORED_RUN: usize = 16;
 /// Keys per key segment (a run never spans two).
-const KEY_SEGMENT: usize = 1 << 14;
+pub(crate) const KEY_SEGMENT: usize = 1 << 14;
 const KEY_SEGMENTS: usize = 64;
 /// Most keys held in runs per pool (8 MiB).
 pub(crate) const MAX_KEYS: usize = KEY_SEGMENT * KEY_SEGMENTS;
@@ -176,12 +196,15 @@ impl Arena {
 }
 
 /// The builder's allocation state (under [`Paths::builder`]).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Allocation {
     /// Next free key index.
     next_key: usize,
-    /// Next unused run slot.
+    /// Next run slot (the ring's cursor: the slot may hold an old run, dropped first).
     next_run: usize,
+    /// Per key segment, the run slots allocated into it since it was last entered (first slot,
+    /// count): the runs to drop when the ring comes back to it.
+    segment_runs: [(usize, usize); KEY_SEGMENTS],
     /// Runs cut by writers when the last build began.
     cuts_at_build: u64,
     /// Walks to let pass after a build before the next, while writers keep cutting runs.
@@ -209,10 +232,25 @@ pub struct PathStats {
     pub cuts: u64,
     /// Run reads that met a cut or a dropped run before validating (answered per key instead).
     pub runs_changed_under_read: u64,
-    /// Times every run was dropped to make room.
-    pub resets: u64,
+    /// Runs built from `BlockStored` events (of `runs_built`).
+    pub runs_from_events: u64,
+    /// Live runs dropped to make room for newer ones (the ring came back to their keys or slot).
+    pub runs_recycled: u64,
     /// Bytes allocated for runs now.
     pub bytes: u64,
+}
+
+impl Default for Allocation {
+    fn default() -> Self {
+        Allocation {
+            next_key: 0,
+            next_run: 0,
+            segment_runs: [(0, 0); KEY_SEGMENTS],
+            cuts_at_build: 0,
+            backoff: 0,
+            resume_at_walk: 0,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -225,7 +263,8 @@ struct Counters {
     builds_deferred: AtomicU64,
     cuts: AtomicU64,
     runs_changed_under_read: AtomicU64,
-    resets: AtomicU64,
+    runs_from_events: AtomicU64,
+    runs_recycled: AtomicU64,
 }
 
 /// One pool's runs. See the module docs.
@@ -470,6 +509,24 @@ impl Paths {
             paths: self,
             allocation,
             arena: None,
+            from_event: false,
+        })
+    }
+
+    /// The builder for the runs of a `BlockStored` just applied, unless another builder holds
+    /// it (a walk's or another writer's: the event's keys are then left to walks). Not held
+    /// back by the walks' backoff, which is about walks rebuilding what writers cut; an event
+    /// builds its keys once.
+    pub(crate) fn try_build_stored(&self) -> Option<Builder<'_>> {
+        let Some(allocation) = self.builder.try_lock() else {
+            self.counters.builds_skipped.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        Some(Builder {
+            paths: self,
+            allocation,
+            arena: None,
+            from_event: true,
         })
     }
 
@@ -482,6 +539,7 @@ impl Paths {
                 paths: self,
                 allocation,
                 arena: None,
+                from_event: false,
             };
             builder.drop_all(&arena);
             self.arena.store(None);
@@ -510,7 +568,8 @@ impl Paths {
             builds_deferred: get(&c.builds_deferred),
             cuts: get(&c.cuts),
             runs_changed_under_read: get(&c.runs_changed_under_read),
-            resets: get(&c.resets),
+            runs_from_events: get(&c.runs_from_events),
+            runs_recycled: get(&c.runs_recycled),
             bytes: self.memory_bytes() as u64,
         }
     }
@@ -527,6 +586,8 @@ pub(crate) struct Builder<'a> {
     allocation: MutexGuard<'a, Allocation>,
     /// The arena, once loaded (it changes only under the builder's lock).
     arena: Option<Arc<Arena>>,
+    /// Building a stored event's runs (counted apart).
+    from_event: bool,
 }
 
 /// A run being built: keys are linked to it one by one ([`Builder::extend`]).
@@ -558,8 +619,8 @@ impl Builder<'_> {
         arena
     }
 
-    /// Publishes an empty run of `keys` (at most [`MAX_RUN`]) with holders `holders`, making
-    /// room by dropping every run when keys or slots are used up.
+    /// Publishes an empty run of `keys` (at most [`MAX_RUN`]) with holders `holders`, at the
+    /// ring's cursor: the runs whose keys or slot it reuses are dropped first.
     pub(crate) fn allocate(&mut self, keys: &[u64], holders: (u64, u64)) -> Option<NewRun> {
         let arena = self.arena();
         let len = keys.len();
@@ -571,16 +632,31 @@ impl Builder<'_> {
         if start % KEY_SEGMENT + len > KEY_SEGMENT {
             start = start.next_multiple_of(KEY_SEGMENT);
         }
-        if start + len > MAX_KEYS || self.allocation.next_run == MAX_RUNS {
-            self.drop_all(&arena);
+        if start + len > MAX_KEYS {
             start = 0;
         }
+        let segment = start / KEY_SEGMENT;
         let slot = self.allocation.next_run;
+        let mut dropped = 0;
+        if start.is_multiple_of(KEY_SEGMENT) {
+            dropped += self.drop_segment(&arena, segment);
+            self.allocation.segment_runs[segment] = (slot, 0);
+        }
         let record = arena.run_or_alloc(slot)?;
         let stored = arena.keys_or_alloc(start, len)?;
-        self.allocation.next_run += 1;
+        dropped += usize::from(kill(record));
+        if dropped > 0 {
+            // The odd generations are visible before any key or field is reused.
+            fence(Ordering::Release);
+            self.paths
+                .counters
+                .runs_recycled
+                .fetch_add(dropped as u64, Ordering::Relaxed);
+        }
+        self.allocation.next_run = (slot + 1) % MAX_RUNS;
         self.allocation.next_key = start + len;
-        // The slot is dead (odd) from `drop_all` or from birth: fill it, then make it even.
+        self.allocation.segment_runs[segment].1 += 1;
+        // The slot is dead (odd) from `kill` or from birth: fill it, then make it even.
         debug_assert!(record.generation.load(Ordering::Relaxed) & 1 == 1);
         record.len.store(0, Ordering::Relaxed);
         record.start.store(start as u64, Ordering::Relaxed);
@@ -591,11 +667,24 @@ impl Builder<'_> {
             slot.store(key, Ordering::Relaxed);
         }
         record.generation.fetch_add(1, Ordering::Release);
-        self.paths
-            .counters
-            .runs_built
-            .fetch_add(1, Ordering::Relaxed);
+        let counters = &self.paths.counters;
+        counters.runs_built.fetch_add(1, Ordering::Relaxed);
+        if self.from_event {
+            counters.runs_from_events.fetch_add(1, Ordering::Relaxed);
+        }
         Some(NewRun { slot })
+    }
+
+    /// Drops the live runs whose keys are in key segment `segment` (the ring is back at it);
+    /// returns how many. A slot the ring reused since holds a run elsewhere and is kept.
+    fn drop_segment(&self, arena: &Arena, segment: usize) -> usize {
+        let (first, count) = self.allocation.segment_runs[segment];
+        let keys = segment * KEY_SEGMENT..(segment + 1) * KEY_SEGMENT;
+        (0..count)
+            .filter_map(|n| arena.run((first + n) % MAX_RUNS))
+            .filter(|record| keys.contains(&(record.start.load(Ordering::Relaxed) as usize)))
+            .map(|record| usize::from(kill(record)))
+            .sum()
     }
 
     /// Grows `run` over its key at `offset` (just linked, its shard lock still held); false when
@@ -624,6 +713,23 @@ impl Builder<'_> {
         }
     }
 
+    /// Hints that a walk reaching the end of the run `previous` names goes on with `next`, if
+    /// `previous` is a live run ending at that offset (an event's parent block ends the run
+    /// its own event built, as a rule).
+    pub(crate) fn chain_after(&self, previous: RunRef, next: NewRun) {
+        let (Some(arena), Some((slot, offset))) = (self.arena.as_deref(), previous.get()) else {
+            return;
+        };
+        if let Some(record) = arena.run(slot)
+            && record.generation.load(Ordering::Acquire) & 1 == 0
+            && record.len.load(Ordering::Acquire) == offset as u64 + 1
+        {
+            record
+                .next
+                .store(u64::from(next.at(0).0), Ordering::Relaxed);
+        }
+    }
+
     /// Remembers `run` as built from `key`, a prompt's first key.
     pub(crate) fn head(&self, key: u64, run: NewRun) {
         if let Some(arena) = self.arena.as_deref() {
@@ -633,24 +739,34 @@ impl Builder<'_> {
         }
     }
 
-    /// Kills every run (odd generation, no length) so their slots and keys can be reused.
+    /// Kills every run so their slots and keys can be reused.
     fn drop_all(&mut self, arena: &Arena) {
-        for slot in 0..self.allocation.next_run {
+        for slot in 0..MAX_RUNS {
             if let Some(record) = arena.run(slot) {
-                let generation = record.generation.load(Ordering::Relaxed);
-                if generation & 1 == 0 {
-                    record.generation.store(generation + 1, Ordering::Relaxed);
-                }
-                record.len.store(0, Ordering::Relaxed);
+                kill(record);
             }
         }
         // The odd generations are visible before any key or field is reused.
         fence(Ordering::Release);
-        // Room only: the build backoff is about the writers, not the room.
-        self.allocation.next_key = 0;
-        self.allocation.next_run = 0;
-        self.paths.counters.resets.fetch_add(1, Ordering::Relaxed);
+        *self.allocation = Allocation {
+            cuts_at_build: self.allocation.cuts_at_build,
+            backoff: self.allocation.backoff,
+            resume_at_walk: self.allocation.resume_at_walk,
+            ..Allocation::default()
+        };
     }
+}
+
+/// Makes `record` dead (odd generation, no length) if it is live; whether it was. The caller
+/// fences before reusing its keys or fields.
+fn kill(record: &Run) -> bool {
+    let generation = record.generation.load(Ordering::Relaxed);
+    let live = generation & 1 == 0;
+    if live {
+        record.generation.store(generation + 1, Ordering::Relaxed);
+    }
+    record.len.store(0, Ordering::Relaxed);
+    live
 }
 
 /// How many leading keys of `stored` and `prompt` are equal, for two stretches of prompt keys

@@ -8,7 +8,9 @@ use parking_lot::{Mutex, RwLock};
 
 use super::holders::{KeyHasherBuilder, MediaSet, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
-use super::paths::{MAX_RUN, MIN_RUN, PathStats, Paths, PathsView, RunRef, interleave};
+use super::paths::{
+    MAX_RUN, MIN_RUN, MIN_STORED_RUN, PathStats, Paths, PathsView, RunRef, interleave,
+};
 use super::table::{HolderTable, HolderWord, HomeEntry, Layout, LayoutView, Storage, read_fence};
 use super::{IndexError, ReplicaId, ReplicaMatch, ReplicaState};
 use crate::event::Medium;
@@ -64,6 +66,18 @@ pub(crate) struct Pool {
     members: RwLock<Members>,
     /// Runs of prompt keys with the same holders, beside the tables (see [`super::paths`]).
     paths: Arc<Paths>,
+    /// Whether a `BlockStored`'s keys are built into runs as they are stored (see
+    /// [`IndexConfig::runs_from_events`](super::IndexConfig::runs_from_events)).
+    runs_from_events: bool,
+}
+
+/// Who asked for runs: a walk (its stretches are built the second time a walk meets them) or
+/// a writer that just stored an event's keys (built at once; chained after the run its parent
+/// key ends).
+#[derive(Debug, Clone, Copy)]
+enum Origin {
+    Walk,
+    Stored { parent: Option<u64> },
 }
 
 /// One key a walk looked up (its index in the prompt and its holders below slot 64, any medium
@@ -89,6 +103,7 @@ impl Pool {
         keys: PoolKeys,
         shards: usize,
         hasher: KeyHasherBuilder,
+        runs_from_events: bool,
     ) -> Self {
         let shards = shards.clamp(1, 1 << 16).next_power_of_two();
         let paths = Arc::new(Paths::default());
@@ -103,6 +118,7 @@ impl Pool {
             shard_mask: shards - 1,
             members: RwLock::new(Members::default()),
             paths,
+            runs_from_events,
         }
     }
 
@@ -182,6 +198,35 @@ impl Pool {
         std::hint::black_box(loaded);
     }
 
+    /// Builds runs over `keys`, the chain of keys one `BlockStored` just stored (after
+    /// `parent`, if any), so that a prompt's first walk follows them instead of looking each key
+    /// up. Reads the keys' holders as a walk would (lock-free, just written so cached); a run
+    /// covers each stretch of keys with equal holders. Pools of more than 64 slots walk without
+    /// runs, so they build none.
+    pub(crate) fn build_stored(&self, parent: Option<u64>, keys: &[u64]) {
+        if !self.runs_from_events
+            || keys.len() < MIN_STORED_RUN
+            || self.members.read().slots.len() > 64
+        {
+            return;
+        }
+        let mut view = self.layout.view();
+        let mut looked: Vec<Looked> = Vec::with_capacity(keys.len());
+        for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
+            let mut holders = [(0, 0); CHUNK];
+            self.look_up(&mut view, chunk, |storage, word, offset| {
+                holders[offset] = storage.first_words(word);
+            });
+            looked.extend(
+                holders[..chunk.len()]
+                    .iter()
+                    .enumerate()
+                    .map(|(offset, &(present, gpu))| (chunk_at * CHUNK + offset, present, gpu)),
+            );
+        }
+        self.build(keys, &looked, Origin::Stored { parent });
+    }
+
     /// The keys `slot` holds (O(pool keys), one shard lock at a time: resets and listings).
     pub(crate) fn keys_of(&self, slot: Slot) -> Vec<u64> {
         self.shards
@@ -229,7 +274,12 @@ impl Pool {
                 }
             }
         }
-        // A pool left empty (every replica reset or gone) gives its runs' memory back too.
+        self.release_if_empty();
+    }
+
+    /// Gives the runs' memory back if the pool is empty (every replica reset, gone or emptied
+    /// by its removals): O(shards), so called only when a replica's last block went.
+    pub(crate) fn release_if_empty(&self) {
         if self.shards.iter().all(|shard| shard.lock().is_empty()) {
             self.paths.release();
         }
@@ -369,7 +419,7 @@ impl Pool {
             );
             self.paths.record_walk(by_run, looked_up);
             if builds && looked.len() >= MIN_RUN {
-                self.build(keys, &looked);
+                self.build(keys, &looked, Origin::Walk);
             }
         }
         // Replicas still matching after the walk hold every key.
@@ -606,12 +656,13 @@ impl Pool {
         Some(next)
     }
 
-    /// Builds runs over the stretches of `looked` (consecutive prompt keys with the same
-    /// holders, held by someone) that a walk met before, unless another walk is building. Each key is linked under
-    /// its shard lock, taken with `try_lock` so the walk never waits; a run ends at the first
-    /// key that is busy, has other holders by now, or was cut meanwhile.
+    /// Builds runs over the stretches of `looked` (consecutive keys with the same holders, held
+    /// by someone): for a walk, those a walk met before; for a stored event, all of them. Each
+    /// key is linked under its shard lock, taken with `try_lock` so neither a walk nor a writer
+    /// waits; a run ends at the first key that is busy, has other holders by now, or was cut
+    /// meanwhile. Nothing is built while another builder works.
     #[cold]
-    fn build(&self, keys: &[u64], looked: &[Looked]) {
+    fn build(&self, keys: &[u64], looked: &[Looked], origin: Origin) {
         let stretches = looked.chunk_by(|a, b| b.0 == a.0 + 1 && (a.1, a.2) == (b.1, b.2));
         let mut builder = None;
         // The last run built and where its keys end in the prompt.
@@ -620,11 +671,21 @@ impl Pool {
             let Some(&(first, present, gpu)) = stretch.first() else {
                 continue;
             };
-            if stretch.len() < MIN_RUN || present == 0 || !self.paths.seen_before(keys[first]) {
+            let shortest = match origin {
+                Origin::Walk => MIN_RUN,
+                Origin::Stored { .. } => MIN_STORED_RUN,
+            };
+            if stretch.len() < shortest
+                || present == 0
+                || matches!(origin, Origin::Walk) && !self.paths.seen_before(keys[first])
+            {
                 continue;
             }
             if builder.is_none() {
-                builder = self.paths.try_build();
+                builder = match origin {
+                    Origin::Walk => self.paths.try_build(),
+                    Origin::Stored { .. } => self.paths.try_build_stored(),
+                };
             }
             let Some(builder) = builder.as_mut() else {
                 return;
@@ -640,8 +701,20 @@ impl Pool {
                     return;
                 };
                 let begins = first + piece_at * MAX_RUN;
-                if begins == 0 {
-                    builder.head(keys[0], run);
+                match (origin, begins) {
+                    (Origin::Walk | Origin::Stored { parent: None }, 0) => {
+                        builder.head(keys[0], run);
+                    }
+                    (
+                        Origin::Stored {
+                            parent: Some(parent),
+                        },
+                        0,
+                    ) => {
+                        let (word, _) = self.look_up_one(&mut self.layout.view(), parent);
+                        builder.chain_after(word.run(), run);
+                    }
+                    _ => {}
                 }
                 if let Some((previous, ended)) = built
                     && ended == begins

@@ -293,7 +293,8 @@ impl Replica {
             return;
         }
 
-        let keys = match &self.pool.keys {
+        // The key before the event's first (runs chain on from its run), and the event's keys.
+        let (parent, keys) = match &self.pool.keys {
             PoolKeys::VllmExact { validator } => {
                 // A flagged replica is out of precise scoring already; only a pool that refuses
                 // unverified runs still needs their verdict.
@@ -311,7 +312,7 @@ impl Replica {
                         return;
                     }
                 }
-                stored.block_hashes.clone()
+                (stored.parent_block_hash, stored.block_hashes.clone())
             }
             PoolKeys::TokenChain => {
                 let parent = match stored.parent_block_hash {
@@ -328,13 +329,13 @@ impl Replica {
                 if run.unsupported > 0 {
                     outcome.reject(RejectReason::UnsupportedExtraKeys, run.unsupported, metrics);
                 }
-                run.keys
+                (parent, run.keys)
             }
         };
 
         self.pool.prefetch(&keys);
         let mut stored_blocks = 0;
-        for (&engine, key) in stored.block_hashes.iter().zip(keys) {
+        for (&engine, &key) in stored.block_hashes.iter().zip(&keys) {
             // Exact pools under the cap: one table write says whether the block is new, held
             // in another medium, or another copy (storing a held medium again changes nothing).
             if let HeldBlocks::Exact { count } = &mut self.blocks
@@ -376,6 +377,7 @@ impl Replica {
             self.pool.store(self.slot, key, stored.medium);
             stored_blocks += 1;
         }
+        self.pool.build_stored(parent, &keys);
         outcome.blocks_stored += stored_blocks;
         metrics.stored(stored.medium, stored_blocks as u64);
     }
@@ -511,5 +513,8 @@ impl Replica {
         }
         outcome.blocks_removed += removed_blocks;
         metrics.removed(removed.medium, removed_blocks as u64);
+        if removed_blocks > 0 && self.blocks.len() == 0 {
+            self.pool.release_if_empty();
+        }
     }
 }

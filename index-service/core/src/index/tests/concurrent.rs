@@ -264,5 +264,7 @@ fn runs_built_beside_writers_agree_with_reference_model_at_quiescent_points() {
     for model in [EXACT, CHAIN] {
         let stats = index.path_stats(model).unwrap();
         assert!(stats.keys_by_run > 0 && stats.runs_built > 0, "{stats:?}");
+        // Writers built runs from their events beside the walks' (a stored whole prefix).
+        assert!(stats.runs_from_events > 0, "{stats:?}");
     }
 }

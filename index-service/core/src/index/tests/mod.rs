@@ -24,9 +24,16 @@ pub(crate) const CHAIN: &str = "chain-model";
 pub(crate) type MakeIndex = dyn Fn(usize) -> Box<dyn KvIndex>;
 
 pub(crate) fn block_index(max_blocks: usize) -> BlockIndex {
+    block_index_with(max_blocks, true)
+}
+
+/// [`block_index`], with `BlockStored` events built into runs or not (runs then come from
+/// walks alone).
+pub(crate) fn block_index_with(max_blocks: usize, runs_from_events: bool) -> BlockIndex {
     let config = IndexConfig {
         max_blocks_per_replica: max_blocks,
         shards_per_pool: 8,
+        runs_from_events,
     };
     BlockIndex::new(config, IndexMetrics::unregistered())
 }

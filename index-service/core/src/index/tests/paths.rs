@@ -2,15 +2,22 @@
 //! holders change under them, and every lock-free read that checks a version or generation
 //! takes its retry when a writer changes the data between the read and the check (forced on
 //! the reader's own thread with `paths::interleave` hooks, so the interleaving is certain).
+//! Most tests build runs from walks alone (`runs_from_events` off), so they count exactly what
+//! walks build; the tests at the end build them from stored events.
 
 use std::sync::Arc;
 
 use super::*;
 use crate::index::PathStats;
 use crate::index::paths::interleave::{self, Point};
+use crate::index::paths::{KEY_SEGMENT, MAX_KEYS, MAX_RUN, MAX_RUNS};
 
 fn indexes() -> (Arc<BlockIndex>, Box<dyn KvIndex>) {
-    let index = Arc::new(block_index(10_000));
+    indexes_with(false)
+}
+
+fn indexes_with(runs_from_events: bool) -> (Arc<BlockIndex>, Box<dyn KvIndex>) {
+    let index = Arc::new(block_index_with(10_000, runs_from_events));
     let reference = make_reference(10_000);
     setup(&*index, 4);
     setup(&*reference, 4);
@@ -375,4 +382,141 @@ fn apply_exact(index: &BlockIndex, reference: &dyn KvIndex, r: u32, event: &KvEv
     let found = index.apply_event(ReplicaId(r), event).unwrap();
     let expected = reference.apply_event(ReplicaId(r), event).unwrap();
     assert_eq!(found, expected, "{event:?}");
+}
+
+/// Stores 100 blocks of one prompt on replica 0 of both pools as two events (the second
+/// naming the first's last block as parent).
+fn stored_in_two_events(runs_from_events: bool) -> (Arc<BlockIndex>, Box<dyn KvIndex>, Vec<u32>) {
+    let (index, reference) = indexes_with(runs_from_events);
+    let tokens = prompt(8, 0, 100);
+    apply(
+        &*index,
+        &*reference,
+        0,
+        &stored(&tokens, 0, 60, Medium::Gpu),
+    );
+    apply(
+        &*index,
+        &*reference,
+        0,
+        &stored(&tokens, 60, 100, Medium::Gpu),
+    );
+    (index, reference, tokens)
+}
+
+#[test]
+fn a_prompts_first_walk_follows_the_runs_its_stored_events_built() {
+    let (index, reference, tokens) = stored_in_two_events(true);
+    for model in [EXACT, CHAIN] {
+        let stats = index.path_stats(model).unwrap();
+        assert_eq!(
+            (stats.runs_built, stats.runs_from_events),
+            (2, 2),
+            "{stats:?}"
+        );
+        // The first walk starts from the head run, goes on to the second event's run (chained
+        // after its parent's) and looks nothing up.
+        let keys = query_keys(model, &tokens);
+        let found = sorted(index.find_matches(model, &keys, None).unwrap());
+        assert_eq!(
+            found,
+            sorted(reference.find_matches(model, &keys, None).unwrap())
+        );
+        let after = index.path_stats(model).unwrap();
+        assert_eq!(
+            (after.keys_by_run, after.keys_looked_up),
+            (100, 0),
+            "{model}: {after:?}"
+        );
+    }
+    // Without runs from events the same first walk looks every key up.
+    let (index, _, tokens) = stored_in_two_events(false);
+    index
+        .find_matches(EXACT, &query_keys(EXACT, &tokens), None)
+        .unwrap();
+    let walked = stats(&index);
+    assert_eq!((walked.keys_by_run, walked.keys_looked_up), (0, 100));
+}
+
+#[test]
+fn runs_from_events_answer_like_the_tables_while_holders_change() {
+    let (index, reference, tokens) = stored_in_two_events(true);
+    let other = prompt(9, 40, 100);
+    let (index, reference) = (&*index, &*reference);
+    // Replica 1 stores the shared 40 blocks (cutting replica 0's run at its first key) and a
+    // branch of its own; replica 2 a stretch in the middle on the CPU; replica 0 loses blocks
+    // 70..75: every answer stays the reference's, whichever runs are left.
+    apply(index, reference, 1, &stored(&other, 0, 100, Medium::Gpu));
+    agree(index, reference, &tokens, None);
+    agree(index, reference, &other, None);
+    apply(index, reference, 2, &stored(&tokens, 0, 50, Medium::Cpu));
+    apply(index, reference, 0, &removed(&tokens, 70, 75, Medium::Gpu));
+    agree(index, reference, &tokens, None);
+    agree(index, reference, &other, Some(&[0, 1]));
+    let after = stats(index);
+    assert!(after.cuts > 0 && after.runs_from_events > 2, "{after:?}");
+    // Everything removed: the pool is empty and the runs' memory is given back.
+    for r in [0, 1, 2] {
+        for event in [
+            removed(&tokens, 0, 100, Medium::Gpu),
+            removed(&tokens, 0, 100, Medium::Cpu),
+            removed(&other, 0, 100, Medium::Gpu),
+        ] {
+            apply(index, reference, r, &event);
+        }
+    }
+    assert_eq!(index.holdings(), 0);
+    assert_eq!(index.memory_bytes(), 0);
+}
+
+#[test]
+fn the_ring_drops_the_oldest_runs_to_make_room() {
+    let index = block_index_with(2 * MAX_KEYS, true);
+    let reference = &*make_reference(2 * MAX_KEYS);
+    setup(&index, 2);
+    setup(reference, 2);
+    // One event of MAX_RUN blocks per prompt, one more prompt than the runs' keys hold.
+    let prompts = MAX_KEYS / MAX_RUN + 1;
+    let tokens = |seed: usize| prompt(seed as u32 + 10, 0, MAX_RUN);
+    for seed in 0..prompts {
+        let event = stored(&tokens(seed), 0, MAX_RUN, Medium::Gpu);
+        index.apply_event(ReplicaId(0), &event).unwrap();
+    }
+    let filled = stats(&index);
+    assert_eq!(filled.runs_from_events, prompts as u64, "{filled:?}");
+    // The last prompt's run took the first segment back: the runs there were dropped.
+    let per_segment = (KEY_SEGMENT / MAX_RUN) as u64;
+    assert_eq!(filled.runs_recycled, per_segment, "{filled:?}");
+    assert!(filled.bytes <= (MAX_KEYS * 8 + MAX_RUNS * 48 + 32 * 1024) as u64);
+    let walk = |seed: usize| {
+        let keys = query_keys(EXACT, &tokens(seed));
+        let before = stats(&index);
+        let found = index.find_matches(EXACT, &keys, None).unwrap();
+        let after = stats(&index);
+        let full = MAX_RUN as u32;
+        assert_eq!(counts(&found, 0), Some((full, full)), "prompt {seed}");
+        after.keys_looked_up - before.keys_looked_up
+    };
+    // The newest and one still in the ring are followed whole (at most their first key looked
+    // up: a later prompt's first key may have taken its head hint); the oldest is looked up.
+    assert!(walk(prompts - 1) <= 1);
+    assert!(walk(per_segment as usize) <= 1);
+    assert_eq!(walk(0), MAX_RUN as u64);
+    // A store of the dropped prompt's blocks by another replica is answered exactly.
+    let event = stored(&tokens(0), 0, MAX_RUN, Medium::Cpu);
+    apply_exact(&index, reference, 1, &event);
+    let keys = query_keys(EXACT, &tokens(0));
+    let found = sorted(
+        index
+            .find_matches(EXACT, &keys, Some(&[ReplicaId(1)]))
+            .unwrap(),
+    );
+    assert_eq!(
+        found,
+        sorted(
+            reference
+                .find_matches(EXACT, &keys, Some(&[ReplicaId(1)]))
+                .unwrap()
+        )
+    );
 }
