@@ -104,8 +104,8 @@ impl Case {
 /// case order rotating, after a warm-up (cache misses). For [`Workload::Hit`] each repetition first
 /// sends every kvroute case's conversations' first turns through that case (not measured), has the
 /// engine that served each one publish its blocks, waits until the index holds them, and then
-/// measures the conversations' next turns. Returns the kvroute cases' decision tally over the
-/// measured requests only.
+/// measures the conversations' next turns; then those engines evict the repetition's first turns
+/// ([`evict`]). Returns the kvroute cases' decision tally over the measured requests only.
 pub(crate) async fn measure(
     cases: &mut [Case],
     engines: Option<&[MockVllmPublisher]>,
@@ -129,6 +129,8 @@ pub(crate) async fn measure(
     for rep in 0..reps {
         // The measured bodies of this repetition, per case.
         let mut bodies: Vec<Vec<Bytes>> = Vec::with_capacity(n);
+        // (engine, block keys) of every first turn published this repetition, in order.
+        let mut published: Vec<(usize, Vec<u64>)> = Vec::new();
         for case in cases.iter_mut() {
             // The first turns are not measured: their decisions are not counted.
             let measured_decisions = case.decisions.clone();
@@ -146,7 +148,11 @@ pub(crate) async fn measure(
                     let served = served.context("upstream did not say who it is")?;
                     let engine = engines.get(served).context("no such engine")?;
                     let keys = publish_stored(engine, prompts, &conversation.first).await?;
-                    wait_indexed(admin.index, served, &keys).await?;
+                    if let Err(error) = wait_indexed(admin.index, served, &keys).await {
+                        let state = index_state(admin.index).await.unwrap_or_default();
+                        return Err(error.context(format!("the index: {state}")));
+                    }
+                    published.push((served, keys));
                 }
                 case_bodies.push(PromptSource::body(&conversation.next));
             }
@@ -182,8 +188,56 @@ pub(crate) async fn measure(
                 tallies.entry(case.name.to_owned()).or_default().add(&delta);
             }
         }
+        if let Some(engines) = engines {
+            let indexes: Vec<SocketAddr> = cases
+                .iter()
+                .filter_map(|c| c.kvroute.map(|a| a.index))
+                .collect();
+            evict(engines, &indexes, &published).await?;
+        }
     }
     Ok(tallies)
+}
+
+/// Has each engine publish, as vLLM does when its KV cache needs the room, one `BlockRemoved`
+/// per first turn in `published`, and waits until every index in `indexes` has applied them.
+///
+/// Without this the engine doubles would hold every first turn of the run, and all on one engine
+/// (the conversations share a system prompt, so once an engine holds its blocks every later
+/// first turn is routed there). A 32k turn is about 2,050 blocks: a few hundred fill the index's
+/// `max_blocks_per_replica` (1,000,000 by default), the index refuses the next turn's blocks
+/// (`replica_capacity`) and the wait for them times out. No engine's cache holds that much (16M
+/// tokens: terabytes of KV for an 8B model), and an index that large would make every match
+/// colder than in production. Evicting once the repetition's next turns are measured keeps each
+/// of them a real hit. One repetition's first turns must still fit in the cap: about 480 at 32k
+/// (half that with both kvroute cases, whose first turns both indexes see).
+async fn evict(
+    engines: &[MockVllmPublisher],
+    indexes: &[SocketAddr],
+    published: &[(usize, Vec<u64>)],
+) -> anyhow::Result<()> {
+    // Each engine's last turn: one engine's events are applied in order, so once the index no
+    // longer holds that turn's blocks, it holds none of the engine's earlier turns either.
+    let mut last: BTreeMap<usize, &[u64]> = BTreeMap::new();
+    for (served, keys) in published {
+        let engine = engines.get(*served).context("no such engine")?;
+        let removed = BlockRemoved {
+            block_hashes: keys.clone(),
+            medium: Medium::Gpu,
+            group_idx: Some(0),
+        };
+        publish(engine, KvEvent::BlockRemoved(removed)).await?;
+        last.insert(*served, keys);
+    }
+    for &index in indexes {
+        for (&engine, keys) in &last {
+            wait_matched(index, engine, keys, "no longer holds", |matched| {
+                matched == 0
+            })
+            .await?;
+        }
+    }
+    Ok(())
 }
 
 /// Publishes, as `engine`'s vLLM would after prefilling `messages`, one `BlockStored` with the
@@ -205,17 +259,23 @@ async fn publish_stored(
         group_idx: Some(0),
         ..BlockStored::default()
     };
+    publish(engine, KvEvent::BlockStored(stored)).await?;
+    Ok(keys)
+}
+
+/// Publishes `event` alone in one batch, as `engine`'s vLLM would.
+async fn publish(engine: &MockVllmPublisher, event: KvEvent) -> anyhow::Result<()> {
     let batch = EventBatch {
         ts: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?
             .as_secs_f64(),
         dp_rank: Some(0),
-        events: vec![KvEvent::BlockStored(stored)],
+        events: vec![event],
     };
     engine
         .publish(wire::encode_batch(&batch, Encoding::V0_32))
         .await?;
-    Ok(keys)
+    Ok(())
 }
 
 /// Waits until ext-proc at `admin` has no whole tokenization for a later turn queued or running
@@ -238,13 +298,28 @@ async fn wait_background_idle(admin: SocketAddr) -> anyhow::Result<()> {
 
 /// Waits until the index at `admin` says `engine-{engine}` holds every block of `keys`.
 async fn wait_indexed(admin: SocketAddr, engine: usize, keys: &[u64]) -> anyhow::Result<()> {
+    let all = keys.len() as u64;
+    wait_matched(admin, engine, keys, "holds", |matched| matched == all).await
+}
+
+/// Waits until the index at `admin` answers a match of `keys` with a number of leading blocks
+/// of `engine-{engine}` (0 when it lists no such replica) for which `done` holds; `what` says
+/// what that means, for the error.
+async fn wait_matched(
+    admin: SocketAddr,
+    engine: usize,
+    keys: &[u64],
+    what: &str,
+    done: impl Fn(u64) -> bool,
+) -> anyhow::Result<()> {
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
     let body = Bytes::from(serde_json::json!({"model": MODEL, "prompt_keys": keys}).to_string());
     let id = format!("engine-{engine}");
     let url: hyper::Uri = format!("http://{admin}/v1/match").parse()?;
+    let done = &done;
     wait_until(
-        &format!("{id} holds a published turn"),
+        &format!("{id} {what} a published turn"),
         INDEX_SETTLE,
         || {
             let request = hyper::Request::post(url.clone())
@@ -256,19 +331,32 @@ async fn wait_indexed(admin: SocketAddr, engine: usize, keys: &[u64]) -> anyhow:
                 let response = client.request(request.ok()?).await.ok()?;
                 let bytes = response.into_body().collect().await.ok()?.to_bytes();
                 let answer: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
-                answer["replicas"]
+                let matched = answer["replicas"]
                     .as_array()?
                     .iter()
-                    .any(|r| {
-                        r["id"] == id.as_str()
-                            && r["matched_blocks"].as_u64() == Some(keys.len() as u64)
-                    })
-                    .then_some(())
+                    .find(|r| r["id"] == id.as_str())
+                    .map_or(Some(0), |r| r["matched_blocks"].as_u64())?;
+                done(matched).then_some(())
             }
         },
     )
     .await?;
     Ok(())
+}
+
+/// The index's held blocks per replica and its refused blocks by reason (`/metrics`), for an
+/// error that says why a published turn did not arrive.
+async fn index_state(admin: SocketAddr) -> anyhow::Result<String> {
+    let text = metrics_text(admin).await?;
+    Ok(text
+        .lines()
+        .filter(|line| {
+            !line.starts_with('#')
+                && (line.starts_with("kvroute_index_replica_blocks")
+                    || line.starts_with("kvroute_index_blocks_rejected") && !line.ends_with(" 0"))
+        })
+        .collect::<Vec<_>>()
+        .join("; "))
 }
 
 /// kvroute-ext-proc's decision and fallback counters (`/metrics`), by label set.

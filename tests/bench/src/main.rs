@@ -42,7 +42,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kvroute_ext_proc::request::{self, Endpoint};
 use kvroute_ext_proc::server::DECISION_HEADER;
-use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{self, Encoding};
 use kvroute_tests::harness::ext_proc::{FakeExtProc, FakeRouting};
