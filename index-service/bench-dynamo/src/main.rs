@@ -892,8 +892,11 @@ fn main() {
     }
     let paths = subjects[0].path_stats().unwrap_or_default();
     rows.push(note(
-        "kvroute runs after the latency rounds: bytes allocated; times every run was dropped for room",
-        format!("{}; {}", paths.bytes, paths.resets),
+        "kvroute runs after the latency rounds: bytes allocated; runs built from events; live runs dropped for room",
+        format!(
+            "{}; {}; {}",
+            paths.bytes, paths.runs_from_events, paths.runs_recycled
+        ),
     ));
     drop(subjects);
 

@@ -201,8 +201,9 @@ impl Pool {
     /// Builds runs over `keys`, the chain of keys one `BlockStored` just stored (after
     /// `parent`, if any), so that a prompt's first walk follows them instead of looking each key
     /// up. Reads the keys' holders as a walk would (lock-free, just written so cached); a run
-    /// covers each stretch of keys with equal holders. Pools of more than 64 slots walk without
-    /// runs, so they build none.
+    /// covers each stretch of keys with equal holders that no live run covers already (a shared
+    /// prefix stays in the run that has it; a walk goes from it to the new run in one lookup).
+    /// Pools of more than 64 slots walk without runs, so they build none.
     pub(crate) fn build_stored(&self, parent: Option<u64>, keys: &[u64]) {
         if !self.runs_from_events
             || keys.len() < MIN_STORED_RUN
@@ -211,18 +212,18 @@ impl Pool {
             return;
         }
         let mut view = self.layout.view();
+        let paths = self.paths.view();
         let mut looked: Vec<Looked> = Vec::with_capacity(keys.len());
         for (chunk_at, chunk) in keys.chunks(CHUNK).enumerate() {
-            let mut holders = [(0, 0); CHUNK];
+            let mut found = [(HolderWord::default(), (0, 0)); CHUNK];
             self.look_up(&mut view, chunk, |storage, word, offset| {
-                holders[offset] = storage.first_words(word);
+                found[offset] = (word, storage.first_words(word));
             });
-            looked.extend(
-                holders[..chunk.len()]
-                    .iter()
-                    .enumerate()
-                    .map(|(offset, &(present, gpu))| (chunk_at * CHUNK + offset, present, gpu)),
-            );
+            for (offset, (&key, &(word, (present, gpu)))) in chunk.iter().zip(&found).enumerate() {
+                if !self.paths.vouches_in(&paths, word.run(), key) {
+                    looked.push((chunk_at * CHUNK + offset, present, gpu));
+                }
+            }
         }
         self.build(keys, &looked, Origin::Stored { parent });
     }

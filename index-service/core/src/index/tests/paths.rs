@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::*;
 use crate::index::PathStats;
 use crate::index::paths::interleave::{self, Point};
-use crate::index::paths::{KEY_SEGMENT, MAX_KEYS, MAX_RUN, MAX_RUNS};
+use crate::index::paths::{KEY_SEGMENT, MAX_KEYS, MAX_RUN, MAX_RUNS, MIN_STORED_RUN};
 
 fn indexes() -> (Arc<BlockIndex>, Box<dyn KvIndex>) {
     indexes_with(false)
@@ -384,24 +384,35 @@ fn apply_exact(index: &BlockIndex, reference: &dyn KvIndex, r: u32, event: &KvEv
     assert_eq!(found, expected, "{event:?}");
 }
 
-/// Stores 100 blocks of one prompt on replica 0 of both pools as two events (the second
-/// naming the first's last block as parent).
+/// Blocks of the prompt [`stored_in_two_events`] stores.
+const TWO_EVENTS: usize = 2 * MIN_STORED_RUN + 20;
+
+/// Stores [`TWO_EVENTS`] blocks of one prompt on replica 0 of both pools as two events (the
+/// second naming the first's last block as parent), each long enough to be built into a run,
+/// and a prompt in one event too short to be.
 fn stored_in_two_events(runs_from_events: bool) -> (Arc<BlockIndex>, Box<dyn KvIndex>, Vec<u32>) {
     let (index, reference) = indexes_with(runs_from_events);
-    let tokens = prompt(8, 0, 100);
+    let tokens = prompt(8, 0, TWO_EVENTS);
+    let split = MIN_STORED_RUN + 20;
     apply(
         &*index,
         &*reference,
         0,
-        &stored(&tokens, 0, 60, Medium::Gpu),
+        &stored(&tokens, 0, split, Medium::Gpu),
     );
     apply(
         &*index,
         &*reference,
         0,
-        &stored(&tokens, 60, 100, Medium::Gpu),
+        &stored(&tokens, split, TWO_EVENTS, Medium::Gpu),
     );
+    apply(&*index, &*reference, 0, &short_event());
     (index, reference, tokens)
+}
+
+fn short_event() -> KvEvent {
+    let blocks = MIN_STORED_RUN - 1;
+    stored(&prompt(7, 0, blocks), 0, blocks, Medium::Gpu)
 }
 
 #[test]
@@ -425,7 +436,7 @@ fn a_prompts_first_walk_follows_the_runs_its_stored_events_built() {
         let after = index.path_stats(model).unwrap();
         assert_eq!(
             (after.keys_by_run, after.keys_looked_up),
-            (100, 0),
+            (TWO_EVENTS as u64, 0),
             "{model}: {after:?}"
         );
     }
@@ -435,32 +446,55 @@ fn a_prompts_first_walk_follows_the_runs_its_stored_events_built() {
         .find_matches(EXACT, &query_keys(EXACT, &tokens), None)
         .unwrap();
     let walked = stats(&index);
-    assert_eq!((walked.keys_by_run, walked.keys_looked_up), (0, 100));
+    assert_eq!(
+        (walked.keys_by_run, walked.keys_looked_up),
+        (0, TWO_EVENTS as u64)
+    );
 }
 
 #[test]
 fn runs_from_events_answer_like_the_tables_while_holders_change() {
     let (index, reference, tokens) = stored_in_two_events(true);
-    let other = prompt(9, 40, 100);
+    let blocks = TWO_EVENTS;
+    let other = prompt(9, 40, blocks);
     let (index, reference) = (&*index, &*reference);
     // Replica 1 stores the shared 40 blocks (cutting replica 0's run at its first key) and a
-    // branch of its own; replica 2 a stretch in the middle on the CPU; replica 0 loses blocks
-    // 70..75: every answer stays the reference's, whichever runs are left.
-    apply(index, reference, 1, &stored(&other, 0, 100, Medium::Gpu));
+    // branch of its own; replica 2 most of the prompt on the CPU; replica 0 loses blocks
+    // 100..105: every answer stays the reference's, whichever runs are left.
+    apply(index, reference, 1, &stored(&other, 0, blocks, Medium::Gpu));
     agree(index, reference, &tokens, None);
     agree(index, reference, &other, None);
-    apply(index, reference, 2, &stored(&tokens, 0, 50, Medium::Cpu));
-    apply(index, reference, 0, &removed(&tokens, 70, 75, Medium::Gpu));
+    apply(
+        index,
+        reference,
+        2,
+        &stored(&tokens, 0, blocks - 10, Medium::Cpu),
+    );
+    apply(
+        index,
+        reference,
+        0,
+        &removed(&tokens, 100, 105, Medium::Gpu),
+    );
     agree(index, reference, &tokens, None);
     agree(index, reference, &other, Some(&[0, 1]));
     let after = stats(index);
     assert!(after.cuts > 0 && after.runs_from_events > 2, "{after:?}");
     // Everything removed: the pool is empty and the runs' memory is given back.
+    let KvEvent::BlockStored(short) = short_event() else {
+        unreachable!()
+    };
+    let short = KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: short.block_hashes,
+        medium: Medium::Gpu,
+        group_idx: None,
+    });
     for r in [0, 1, 2] {
         for event in [
-            removed(&tokens, 0, 100, Medium::Gpu),
-            removed(&tokens, 0, 100, Medium::Cpu),
-            removed(&other, 0, 100, Medium::Gpu),
+            removed(&tokens, 0, blocks, Medium::Gpu),
+            removed(&tokens, 0, blocks, Medium::Cpu),
+            removed(&other, 0, blocks, Medium::Gpu),
+            short.clone(),
         ] {
             apply(index, reference, r, &event);
         }
@@ -519,4 +553,76 @@ fn the_ring_drops_the_oldest_runs_to_make_room() {
                 .unwrap()
         )
     );
+}
+
+#[test]
+fn an_event_longer_than_a_run_is_followed_whole() {
+    let (index, reference) = indexes_with(true);
+    let blocks = MAX_RUN + 300;
+    let tokens = prompt(11, 0, blocks);
+    apply(
+        &*index,
+        &*reference,
+        0,
+        &stored(&tokens, 0, blocks, Medium::Gpu),
+    );
+    for model in [EXACT, CHAIN] {
+        let keys = query_keys(model, &tokens);
+        let found = sorted(index.find_matches(model, &keys, None).unwrap());
+        assert_eq!(
+            found,
+            sorted(reference.find_matches(model, &keys, None).unwrap())
+        );
+        let after = index.path_stats(model).unwrap();
+        assert_eq!(
+            (
+                after.runs_from_events,
+                after.keys_by_run,
+                after.keys_looked_up
+            ),
+            (2, blocks as u64, 0),
+            "{model}: {after:?}"
+        );
+    }
+}
+
+#[test]
+fn an_event_sharing_a_prefix_with_a_run_builds_over_its_own_keys() {
+    let (index, reference) = indexes_with(true);
+    let blocks = MAX_RUN + 300;
+    // Two conversations with the same 10-block system prompt, stored by the same replica.
+    let first = prompt(12, 10, blocks);
+    let second = prompt(13, 10, blocks);
+    apply(
+        &*index,
+        &*reference,
+        0,
+        &stored(&first, 0, blocks, Medium::Gpu),
+    );
+    apply(
+        &*index,
+        &*reference,
+        0,
+        &stored(&second, 0, blocks, Medium::Gpu),
+    );
+    for model in [EXACT, CHAIN] {
+        let before = index.path_stats(model).unwrap();
+        let keys = query_keys(model, &second);
+        let found = sorted(index.find_matches(model, &keys, None).unwrap());
+        assert_eq!(
+            found,
+            sorted(reference.find_matches(model, &keys, None).unwrap())
+        );
+        let after = index.path_stats(model).unwrap();
+        // The shared blocks from the first conversation's run, then one lookup names the
+        // second's run over the rest.
+        assert_eq!(
+            (
+                after.keys_by_run - before.keys_by_run,
+                after.keys_looked_up - before.keys_looked_up
+            ),
+            (blocks as u64 - 1, 1),
+            "{model}: {after:?}"
+        );
+    }
 }
