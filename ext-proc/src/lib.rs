@@ -44,6 +44,24 @@ mod scrape;
 pub mod server;
 pub mod tokenizer;
 
+/// Opts this process out of transparent huge pages (`prctl(PR_SET_THP_DISABLE)`), for the
+/// binaries that host decisions (kvroute-ext-proc, the latency bench). mimalloc asks for huge
+/// pages on its arenas, so a decision that allocated from fresh memory took the page fault that
+/// zeroes a 2 MiB page — or first compacts memory for one, where the kernel's THP `defrag` is
+/// `madvise` — and waited milliseconds: a 32k-token cache hit's p99 was 5.3–5.5× the no-op
+/// ext_proc's with huge pages and 1.07–1.31× without (BENCHMARKS.md). Ordinary 4 KiB faults
+/// cost a decision microseconds. Logs the outcome; a kernel that refuses leaves the process as
+/// it was.
+pub fn disable_transparent_huge_pages() {
+    match rustix::thread::disable_transparent_huge_pages(true) {
+        Ok(()) => tracing::info!("transparent huge pages disabled for this process"),
+        Err(error) => tracing::warn!(
+            %error,
+            "cannot disable transparent huge pages; a decision may wait for a huge page's fault"
+        ),
+    }
+}
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;

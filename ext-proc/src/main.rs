@@ -113,6 +113,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(args.log_filter())),
         )
         .init();
+    kvroute_ext_proc::disable_transparent_huge_pages();
     let ignored = args.ignored();
     if !ignored.is_empty() {
         tracing::info!(flags = ?ignored, "chart flags without meaning for kvroute ignored");

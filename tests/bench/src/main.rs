@@ -140,6 +140,11 @@ struct Args {
     /// share every CPU.
     #[arg(long)]
     pin_ext_procs: bool,
+    /// Keep transparent huge pages for this process. By default the bench opts out of them as
+    /// kvroute-ext-proc does (`kvroute_ext_proc::disable_transparent_huge_pages`), since it
+    /// hosts the ext_procs; this flag measures what they cost.
+    #[arg(long)]
+    transparent_huge_pages: bool,
 }
 
 impl Args {
@@ -181,6 +186,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if !args.transparent_huge_pages {
+        kvroute_ext_proc::disable_transparent_huge_pages();
+    }
     let placement = match Placement::new(args.pin_ext_procs) {
         Ok(placement) => placement,
         Err(error) => {
