@@ -6,7 +6,8 @@
 //! `cargo run --release --manifest-path index-service/bench-dynamo/Cargo.toml` (add `-- quick`
 //! for a smaller run that checks the harness; `-- profile <idle|flat-out|prefix-churn> <seconds>
 //! [prompt]` for kvroute alone under one load, to profile its walk; `-- profile first
-//! <prompts>` for first walks).
+//! <prompts>` for first walks; `-- event-blocks <n>` for stored events of n blocks, 16 by
+//! default).
 
 // A bench panics on setup errors like a test does; its table goes to stdout.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
@@ -59,8 +60,21 @@ unsafe impl GlobalAlloc for CountingAlloc {
 static ALLOC: CountingAlloc = CountingAlloc;
 
 const BLOCK_SIZE: u32 = 16;
-/// Blocks per stored event (a scheduler step's worth for one request).
+/// Blocks per stored event (a scheduler step's worth for one request); `-- event-blocks <n>`
+/// for another (vLLM publishes a long prefill's chunk as hundreds).
 const EVENT_BLOCKS: usize = 16;
+
+fn event_blocks() -> usize {
+    static BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BLOCKS.get_or_init(|| {
+        let args: Vec<String> = std::env::args().collect();
+        args.iter()
+            .position(|a| a == "event-blocks")
+            .and_then(|at| args.get(at + 1)?.parse().ok())
+            .filter(|&blocks| blocks > 0)
+            .unwrap_or(EVENT_BLOCKS)
+    })
+}
 /// Blocks per unrelated conversation filling the replicas.
 const CHAIN_BLOCKS: usize = 64;
 const PROMPT_BLOCKS: usize = 1_000;
@@ -196,11 +210,11 @@ impl Event {
     }
 }
 
-/// A chain as stored events of [`EVENT_BLOCKS`], in order.
+/// A chain as stored events of [`event_blocks`], in order.
 fn store_events(replica: u32, parent: Option<u64>, blocks: &[Block]) -> Vec<Event> {
     let mut parent = parent;
     blocks
-        .chunks(EVENT_BLOCKS)
+        .chunks(event_blocks())
         .map(|run| {
             let event = Event::Stored {
                 replica,
@@ -216,7 +230,7 @@ fn store_events(replica: u32, parent: Option<u64>, blocks: &[Block]) -> Vec<Even
 /// A chain's removal, tail first (how engines evict).
 fn remove_events(replica: u32, blocks: &[Block]) -> Vec<Event> {
     blocks
-        .chunks(EVENT_BLOCKS)
+        .chunks(event_blocks())
         .rev()
         .map(|run| Event::Removed {
             replica,
@@ -915,9 +929,10 @@ fn main() {
 
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "| {} replicas × {} blocks; load average at end: {} | kvroute | Dynamo CRTC | kvroute / Dynamo |",
+        "| {} replicas × {} blocks in events of {}; load average at end: {} | kvroute | Dynamo CRTC | kvroute / Dynamo |",
         config.replicas,
         config.blocks_per_replica,
+        event_blocks(),
         load.split_whitespace()
             .take(3)
             .collect::<Vec<_>>()
