@@ -16,10 +16,11 @@
 //! Runs are compared by bisection, trusting that their keys are a chain (see
 //! [`common_prefix`]). A walk's runs are kvroute's own prompt keys. An event's keys are the
 //! engine's chain (vLLM hashes each block with its parent's hash) or, in token-chain pools,
-//! keys the index chained itself from the event's tokens; an engine that published keys out of
-//! order could at worst make a walk credit its own replicas with keys of the prompt between
-//! two it holds — which it could claim anyway by publishing them — while a replica that really
-//! holds a chained key computed every key before it.
+//! keys the index chained itself from the event's tokens. An engine that published keys out of
+//! order gains little: a compare stops right after a key it found equal (short of a writer's
+//! cut racing it), so a walk credits the run's holders, who all hold that key, with the prompt
+//! keys before it — which a replica holding a chained key computed, and which a lying engine
+//! could claim outright by publishing them.
 //!
 //! The run is a cache beside the exact per-key tables, never the truth:
 //!
