@@ -415,6 +415,29 @@ fn short_event() -> KvEvent {
     stored(&prompt(7, 0, blocks), 0, blocks, Medium::Gpu)
 }
 
+/// One walk of `tokens` in `model`, its answer checked against the reference: the keys it
+/// answered from runs and the keys it looked up.
+fn walk_once(
+    index: &BlockIndex,
+    reference: &dyn KvIndex,
+    model: &str,
+    tokens: &[u32],
+) -> (u64, u64) {
+    let before = index.path_stats(model).unwrap();
+    let keys = query_keys(model, tokens);
+    let found = sorted(index.find_matches(model, &keys, None).unwrap());
+    assert_eq!(
+        found,
+        sorted(reference.find_matches(model, &keys, None).unwrap()),
+        "{model}"
+    );
+    let after = index.path_stats(model).unwrap();
+    (
+        after.keys_by_run - before.keys_by_run,
+        after.keys_looked_up - before.keys_looked_up,
+    )
+}
+
 #[test]
 fn a_prompts_first_walk_follows_the_runs_its_stored_events_built() {
     let (index, reference, tokens) = stored_in_two_events(true);
@@ -427,17 +450,10 @@ fn a_prompts_first_walk_follows_the_runs_its_stored_events_built() {
         );
         // The first walk starts from the head run, goes on to the second event's run (chained
         // after its parent's) and looks nothing up.
-        let keys = query_keys(model, &tokens);
-        let found = sorted(index.find_matches(model, &keys, None).unwrap());
         assert_eq!(
-            found,
-            sorted(reference.find_matches(model, &keys, None).unwrap())
-        );
-        let after = index.path_stats(model).unwrap();
-        assert_eq!(
-            (after.keys_by_run, after.keys_looked_up),
+            walk_once(&index, &*reference, model, &tokens),
             (TWO_EVENTS as u64, 0),
-            "{model}: {after:?}"
+            "{model}"
         );
     }
     // Without runs from events the same first walk looks every key up.
@@ -567,21 +583,11 @@ fn an_event_longer_than_a_run_is_followed_whole() {
         &stored(&tokens, 0, blocks, Medium::Gpu),
     );
     for model in [EXACT, CHAIN] {
-        let keys = query_keys(model, &tokens);
-        let found = sorted(index.find_matches(model, &keys, None).unwrap());
+        assert_eq!(index.path_stats(model).unwrap().runs_from_events, 2);
         assert_eq!(
-            found,
-            sorted(reference.find_matches(model, &keys, None).unwrap())
-        );
-        let after = index.path_stats(model).unwrap();
-        assert_eq!(
-            (
-                after.runs_from_events,
-                after.keys_by_run,
-                after.keys_looked_up
-            ),
-            (2, blocks as u64, 0),
-            "{model}: {after:?}"
+            walk_once(&index, &*reference, model, &tokens),
+            (blocks as u64, 0),
+            "{model}"
         );
     }
 }
@@ -606,23 +612,12 @@ fn an_event_sharing_a_prefix_with_a_run_builds_over_its_own_keys() {
         &stored(&second, 0, blocks, Medium::Gpu),
     );
     for model in [EXACT, CHAIN] {
-        let before = index.path_stats(model).unwrap();
-        let keys = query_keys(model, &second);
-        let found = sorted(index.find_matches(model, &keys, None).unwrap());
-        assert_eq!(
-            found,
-            sorted(reference.find_matches(model, &keys, None).unwrap())
-        );
-        let after = index.path_stats(model).unwrap();
         // The shared blocks from the first conversation's run, then one lookup names the
         // second's run over the rest.
         assert_eq!(
-            (
-                after.keys_by_run - before.keys_by_run,
-                after.keys_looked_up - before.keys_looked_up
-            ),
+            walk_once(&index, &*reference, model, &second),
             (blocks as u64 - 1, 1),
-            "{model}: {after:?}"
+            "{model}"
         );
     }
 }
