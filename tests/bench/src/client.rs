@@ -348,13 +348,12 @@ async fn wait_matched(
 /// error that says why a published turn did not arrive.
 async fn index_state(admin: SocketAddr) -> anyhow::Result<String> {
     let text = metrics_text(admin).await?;
-    Ok(text
-        .lines()
-        .filter(|line| {
-            !line.starts_with('#')
-                && (line.starts_with("kvroute_index_replica_blocks")
-                    || line.starts_with("kvroute_index_blocks_rejected") && !line.ends_with(" 0"))
-        })
+    let held = metrics::samples(&text, "kvroute_index_replica_blocks", &[]);
+    let refused = metrics::samples(&text, "kvroute_index_blocks_rejected_total", &[])
+        .filter(|&(_, value)| value > 0.0);
+    Ok(held
+        .chain(refused)
+        .map(|(line, _)| line)
         .collect::<Vec<_>>()
         .join("; "))
 }

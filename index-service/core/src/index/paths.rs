@@ -521,12 +521,7 @@ impl Paths {
         };
         allocation.cuts_at_build = cuts;
         allocation.resume_at_walk = walks + allocation.backoff;
-        Some(Builder {
-            paths: self,
-            allocation,
-            arena: None,
-            from_event: false,
-        })
+        Some(Builder::new(self, allocation, false))
     }
 
     /// The builder for the runs of a `BlockStored` just applied, unless another builder holds
@@ -538,12 +533,7 @@ impl Paths {
             self.counters.builds_skipped.fetch_add(1, Ordering::Relaxed);
             return None;
         };
-        Some(Builder {
-            paths: self,
-            allocation,
-            arena: None,
-            from_event: true,
-        })
+        Some(Builder::new(self, allocation, true))
     }
 
     /// Frees every run (the pool emptied). Waits for a builder in progress. The runs are
@@ -551,12 +541,7 @@ impl Paths {
     pub(crate) fn release(&self) {
         let allocation = self.builder.lock();
         if let Some(arena) = self.arena.load_full() {
-            let mut builder = Builder {
-                paths: self,
-                allocation,
-                arena: None,
-                from_event: false,
-            };
+            let mut builder = Builder::new(self, allocation, false);
             builder.drop_all(&arena);
             self.arena.store(None);
         }
@@ -618,7 +603,16 @@ impl NewRun {
     }
 }
 
-impl Builder<'_> {
+impl<'a> Builder<'a> {
+    fn new(paths: &'a Paths, allocation: MutexGuard<'a, Allocation>, from_event: bool) -> Self {
+        Builder {
+            paths,
+            allocation,
+            arena: None,
+            from_event,
+        }
+    }
+
     fn arena(&mut self) -> Arc<Arena> {
         if let Some(arena) = &self.arena {
             return Arc::clone(arena);
