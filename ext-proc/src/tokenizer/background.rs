@@ -137,11 +137,15 @@ mod tests {
         }));
         within_deadline(&started);
         let (done, results) = channel();
-        for i in 0..QUEUED_JOBS {
+        // A job that reports `i` once it runs.
+        let report = |i: usize| {
             let done = done.clone();
-            assert!(lane.run(move || {
+            move || {
                 let _ = done.send(i);
-            }));
+            }
+        };
+        for i in 0..QUEUED_JOBS {
+            assert!(lane.run(report(i)));
         }
         assert!(!lane.run(|| ()), "a full lane refuses");
         release.send(()).expect("release");
@@ -150,17 +154,11 @@ mod tests {
         }
         // A panicking job does not end the lane.
         assert!(lane.run(|| panic!("a tokenizer bug")));
-        let done_after = done.clone();
-        assert!(lane.run(move || {
-            let _ = done_after.send(7);
-        }));
+        assert!(lane.run(report(7)));
         assert_eq!(within_deadline(&results), 7);
         // Dropping the lane runs what is queued, then ends the thread.
         for i in 100..110 {
-            let done = done.clone();
-            assert!(lane.run(move || {
-                let _ = done.send(i);
-            }));
+            assert!(lane.run(report(i)));
         }
         drop(lane);
         assert_eq!(

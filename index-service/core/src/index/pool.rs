@@ -80,6 +80,16 @@ enum Origin {
     Stored { parent: Option<u64> },
 }
 
+impl Origin {
+    /// Shortest stretch built into a run.
+    fn shortest_run(self) -> usize {
+        match self {
+            Origin::Walk => MIN_RUN,
+            Origin::Stored { .. } => MIN_STORED_RUN,
+        }
+    }
+}
+
 /// One key a walk looked up (its index in the prompt and its holders below slot 64, any medium
 /// and GPU): what runs are built from.
 type Looked = (usize, u64, u64);
@@ -668,13 +678,10 @@ impl Pool {
         let mut builder = None;
         // The last run built and where its keys end in the prompt.
         let mut built = None;
+        let shortest = origin.shortest_run();
         for stretch in stretches {
             let Some(&(first, present, gpu)) = stretch.first() else {
                 continue;
-            };
-            let shortest = match origin {
-                Origin::Walk => MIN_RUN,
-                Origin::Stored { .. } => MIN_STORED_RUN,
             };
             if stretch.len() < shortest
                 || present == 0
@@ -702,20 +709,16 @@ impl Pool {
                     return;
                 };
                 let begins = first + piece_at * MAX_RUN;
-                match (origin, begins) {
-                    (Origin::Walk | Origin::Stored { parent: None }, 0) => {
-                        builder.head(keys[0], run);
-                    }
-                    (
-                        Origin::Stored {
-                            parent: Some(parent),
-                        },
-                        0,
-                    ) => {
+                if begins == 0 {
+                    if let Origin::Stored {
+                        parent: Some(parent),
+                    } = origin
+                    {
                         let (word, _) = self.look_up_one(&mut self.layout.view(), parent);
                         builder.chain_after(word.run(), run);
+                    } else {
+                        builder.head(keys[0], run);
                     }
-                    _ => {}
                 }
                 if let Some((previous, ended)) = built
                     && ended == begins
