@@ -42,6 +42,7 @@ fn index_with(keys: PoolKeys, replicas: u32) -> BlockIndex {
             model: "m".into(),
             block_size: BLOCK_SIZE,
             keys,
+            attention_chunk_size: None,
         })
         .unwrap();
     for r in 0..replicas {

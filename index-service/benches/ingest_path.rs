@@ -66,6 +66,7 @@ fn index_with_resident_blocks(keys: PoolKeys) -> BlockIndex {
             model: "m".into(),
             block_size: BLOCK_SIZE as u32,
             keys,
+            attention_chunk_size: None,
         })
         .expect("pool");
     index.add_replica(ReplicaId(0), "r0", "m").expect("replica");

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use kvroute_block_keys::HashValue;
 
-use kvroute_index_core::event::{BlockStored, EngineHash, KvEvent, Medium};
+use kvroute_index_core::event::{BlockStored, CacheKind, EngineHash, KvEvent, Medium};
 
 const MEDIA: [Medium; 4] = [Medium::Gpu, Medium::Cpu, Medium::Storage, Medium::Other];
 
@@ -39,6 +39,8 @@ struct MirrorBlock {
     lora_name: Option<Arc<str>>,
     extra_key: Option<HashValue>,
     group_idx: Option<u32>,
+    cache_kind: Option<CacheKind>,
+    sliding_window: Option<u32>,
     digest: Option<Box<[u8]>>,
     parent_digest: Option<Box<[u8]>>,
 }
@@ -51,6 +53,8 @@ impl MirrorBlock {
             && self.lora_id == next.lora_id
             && self.lora_name == next.lora_name
             && self.group_idx == next.group_idx
+            && self.cache_kind == next.cache_kind
+            && self.sliding_window == next.sliding_window
             && self.digest.is_some() == next.digest.is_some()
     }
 }
@@ -186,6 +190,8 @@ impl ReplicaMirror {
                         .as_ref()
                         .and_then(|keys| keys.get(i).cloned().flatten()),
                     group_idx: stored.group_idx,
+                    cache_kind: stored.cache_kind,
+                    sliding_window: stored.sliding_window,
                     digest: digests.and_then(|d| d.get(i)).map(|d| d.as_slice().into()),
                     parent_digest: parent_digest.map(Into::into),
                 },
@@ -226,6 +232,8 @@ impl ReplicaMirror {
             medium,
             extra_keys: has_extra_keys(block).then(|| vec![block.extra_key.clone()]),
             group_idx: block.group_idx,
+            cache_kind: block.cache_kind,
+            sliding_window: block.sliding_window,
             block_digests: block.digest.as_ref().map(|d| vec![d.to_vec()]),
             parent_digest: block.parent_digest.as_ref().map(|d| d.to_vec()),
         }

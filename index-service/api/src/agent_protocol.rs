@@ -6,7 +6,7 @@
 
 use kvroute_block_keys::HashValue;
 
-use kvroute_index_core::event::{BlockRemoved, BlockStored, KvEvent, Medium};
+use kvroute_index_core::event::{BlockRemoved, BlockStored, CacheKind, KvEvent, Medium};
 
 use crate::api;
 
@@ -150,6 +150,8 @@ pub fn stored_to_proto(stored: &BlockStored) -> api::BlockStored {
                 .collect(),
         }),
         group_idx: stored.group_idx,
+        cache_kind: stored.cache_kind.map(|kind| kind.as_label().to_owned()),
+        sliding_window: stored.sliding_window,
         block_digests: stored.block_digests.clone().unwrap_or_default(),
         parent_digest: stored.parent_digest.clone(),
     }
@@ -182,8 +184,25 @@ pub fn validate_stored(stored: api::BlockStored) -> Result<BlockStored, EventSha
     if blocks > MAX_BLOCKS_PER_EVENT {
         return Err(EventShapeError::TooManyBlocks { blocks });
     }
+    let cache_kind = stored.cache_kind.as_deref().map(CacheKind::from_wire);
     let expected_tokens = (stored.block_size as usize).checked_mul(blocks);
-    if !stored.token_ids.is_empty() && expected_tokens != Some(stored.token_ids.len()) {
+    // A group that is not full attention publishes only the blocks it keeps (a sliding window
+    // drops those before its window) over the whole span of tokens: a whole number of blocks,
+    // at least one per hash.
+    let dense = cache_kind.is_none_or(CacheKind::is_full_attention);
+    let tokens_fit = match expected_tokens {
+        Some(expected) if dense => stored.token_ids.len() == expected,
+        Some(expected) => {
+            stored.token_ids.len() >= expected
+                && stored
+                    .token_ids
+                    .len()
+                    .checked_rem(stored.block_size as usize)
+                    .is_none_or(|rest| rest == 0)
+        }
+        None => false,
+    };
+    if !stored.token_ids.is_empty() && !tokens_fit {
         return Err(EventShapeError::Lengths { what: "token_ids" });
     }
     if !stored.block_digests.is_empty() && stored.block_digests.len() != blocks {
@@ -211,6 +230,8 @@ pub fn validate_stored(stored: api::BlockStored) -> Result<BlockStored, EventSha
         medium: medium_from_proto(stored.medium),
         extra_keys,
         group_idx: stored.group_idx,
+        cache_kind,
+        sliding_window: stored.sliding_window,
         block_digests: (!stored.block_digests.is_empty()).then_some(stored.block_digests),
         parent_digest: stored.parent_digest,
     })
@@ -237,6 +258,8 @@ mod tests {
                 ])),
             ]),
             group_idx: Some(0),
+            cache_kind: Some(CacheKind::SlidingWindow),
+            sliding_window: Some(64),
             block_digests: Some(vec![vec![1; 32], vec![2; 32]]),
             parent_digest: Some(vec![3; 32]),
         }

@@ -299,6 +299,7 @@ impl Subject {
                 model: MODEL.into(),
                 block_size: BLOCK_SIZE,
                 keys: PoolKeys::VllmExact { validator: None },
+                attention_chunk_size: None,
             })
             .unwrap();
         for r in 0..replicas {

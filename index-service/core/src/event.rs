@@ -96,11 +96,92 @@ pub struct BlockStored {
     pub extra_keys: Option<Vec<Option<HashValue>>>,
     /// KV-cache group (0.20+); hybrid models publish one group per attention kind.
     pub group_idx: Option<u32>,
+    /// The group's kind (`kv_cache_spec_kind`, 0.22+); `None` from older engines.
+    pub cache_kind: Option<CacheKind>,
+    /// The group's sliding window in tokens (`kv_cache_spec_sliding_window`, 0.22+), for
+    /// sliding-window groups.
+    pub sliding_window: Option<u32>,
     /// Full 32-byte (or 16-byte xxhash) digests when the engine publishes raw bytes
     /// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`); lets the index verify mid-chain runs.
     pub block_digests: Option<Vec<Vec<u8>>>,
     /// Full digest of the parent, when published as raw bytes.
     pub parent_digest: Option<Vec<u8>>,
+}
+
+/// The kind of a KV-cache group (`kv_cache_spec_kind`), which decides what a cache hit needs
+/// from it (vLLM's `KVCacheSpecKind`). A fixed enum so it can label metrics; a kind this
+/// release does not know is [`CacheKind::Unknown`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CacheKind {
+    /// `full_attention`: every block of the prefix is needed.
+    FullAttention,
+    /// `mla_attention`: full attention with latent KV; every block is needed.
+    MlaAttention,
+    /// `sink_full_attention`: full attention with sink tokens; every block is needed.
+    SinkFullAttention,
+    /// `sliding_window`: only the blocks of the window before the cut are needed.
+    SlidingWindow,
+    /// `sliding_window_mla`: sliding window with latent KV.
+    SlidingWindowMla,
+    /// `chunked_local_attention`: only the blocks of the cut's chunk are needed.
+    ChunkedLocalAttention,
+    /// `mamba`: recurrent state (Mamba, linear attention).
+    Mamba,
+    /// `encoder_only_attention`.
+    EncoderOnlyAttention,
+    /// `cross_attention`.
+    CrossAttention,
+    /// `unknown`, or a kind this release of kvroute does not know.
+    Unknown,
+}
+
+impl CacheKind {
+    /// Every kind, for pre-registering metric series.
+    pub const ALL: [CacheKind; 10] = [
+        CacheKind::FullAttention,
+        CacheKind::MlaAttention,
+        CacheKind::SinkFullAttention,
+        CacheKind::SlidingWindow,
+        CacheKind::SlidingWindowMla,
+        CacheKind::ChunkedLocalAttention,
+        CacheKind::Mamba,
+        CacheKind::EncoderOnlyAttention,
+        CacheKind::CrossAttention,
+        CacheKind::Unknown,
+    ];
+
+    /// Parses vLLM's `kv_cache_spec_kind` string.
+    pub fn from_wire(kind: &str) -> Self {
+        CacheKind::ALL
+            .into_iter()
+            .find(|known| *known != CacheKind::Unknown && known.as_label() == kind)
+            .unwrap_or(CacheKind::Unknown)
+    }
+
+    /// vLLM's name of the kind (also the metric label).
+    pub fn as_label(self) -> &'static str {
+        match self {
+            CacheKind::FullAttention => "full_attention",
+            CacheKind::MlaAttention => "mla_attention",
+            CacheKind::SinkFullAttention => "sink_full_attention",
+            CacheKind::SlidingWindow => "sliding_window",
+            CacheKind::SlidingWindowMla => "sliding_window_mla",
+            CacheKind::ChunkedLocalAttention => "chunked_local_attention",
+            CacheKind::Mamba => "mamba",
+            CacheKind::EncoderOnlyAttention => "encoder_only_attention",
+            CacheKind::CrossAttention => "cross_attention",
+            CacheKind::Unknown => "unknown",
+        }
+    }
+
+    /// Whether a hit needs every block of the prefix (vLLM's `FullAttentionSpec` family: the
+    /// groups its coordinator scans left to right).
+    pub fn is_full_attention(self) -> bool {
+        matches!(
+            self,
+            CacheKind::FullAttention | CacheKind::MlaAttention | CacheKind::SinkFullAttention
+        )
+    }
 }
 
 /// `BlockRemoved`: blocks evicted from one medium.

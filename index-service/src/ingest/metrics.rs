@@ -29,6 +29,12 @@ struct ReasonLabels {
     reason: &'static str,
 }
 
+/// An event field the index decodes and does not use (a fixed name from the decoder).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct FieldLabels {
+    field: &'static str,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct OutcomeLabels {
     replica_id: String,
@@ -132,6 +138,7 @@ pub struct IngestMetrics {
     socket_errors: Family<StageLabels, Counter>,
     refused: Family<ReasonLabels, Counter>,
     task_panics: Family<ReplicaLabels, Counter>,
+    event_fields_ignored: Family<FieldLabels, Counter>,
 }
 
 fn replay_duration_histogram() -> Histogram {
@@ -159,6 +166,7 @@ impl IngestMetrics {
             socket_errors: Family::default(),
             refused: Family::default(),
             task_panics: Family::default(),
+            event_fields_ignored: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("ingest");
         r.register(
@@ -185,6 +193,12 @@ impl IngestMetrics {
             "unknown_events_skipped",
             "Events skipped inside applied batches because their kind is unknown (newer vLLM)",
             metrics.unknown_events_skipped.clone(),
+        );
+        r.register(
+            "event_fields_ignored",
+            "Events of applied batches that carried a vLLM field the index decodes and does \
+             not use (locality, ownership, session_id, lookahead_token_ids), by field",
+            metrics.event_fields_ignored.clone(),
         );
         r.register(
             "gaps",
@@ -296,6 +310,17 @@ impl IngestMetrics {
             .inc();
     }
 
+    /// Counts the unused fields a decoded batch carried.
+    pub(crate) fn fields_ignored(&self, ignored: &kvroute_index_core::wire::IgnoredFields) {
+        for (field, count) in ignored.counts() {
+            if count > 0 {
+                self.event_fields_ignored
+                    .get_or_create(&FieldLabels { field })
+                    .inc_by(u64::from(count));
+            }
+        }
+    }
+
     pub(crate) fn task_panicked(&self, replica: &ReplicaKey) {
         self.task_panics
             .get_or_create(&replica_labels(replica))
@@ -330,7 +355,7 @@ pub(crate) struct ReplicaMetrics {
     pub(crate) live_dropped_during_replay: Counter,
     last_sequence: SequenceGauge,
     connected: Gauge,
-    families: IngestMetrics,
+    pub(crate) families: IngestMetrics,
     replica: ReplicaKey,
 }
 

@@ -832,6 +832,9 @@ impl Subscriber {
                 .unknown_events_skipped
                 .inc_by(u64::from(decoded.unknown_events));
         }
+        self.metrics
+            .families
+            .fields_ignored(&decoded.ignored_fields);
         self.tracker.applied(seq, fingerprint);
         self.sink.apply(&self.replica, seq, decoded.batch);
         // After the sink: whoever sees `last_seq` = N can find batch N in the index.

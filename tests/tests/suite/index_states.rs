@@ -41,6 +41,7 @@ fn stored_payload(hashes: &[u64], block_size: u32) -> Vec<u8> {
             group_idx: None,
             block_digests: None,
             parent_digest: None,
+            ..BlockStored::default()
         })],
     };
     encode_batch(&batch, Encoding::V0_32)

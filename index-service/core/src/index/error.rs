@@ -68,9 +68,12 @@ impl IndexError {
 pub enum RejectReason {
     /// Connector placeholder (`block_size` 0 or no `token_ids`): carries nothing to index.
     Placeholder,
-    /// `group_idx` > 0: a non-full-attention KV group of a hybrid model, whose blocks do not
-    /// describe the prompt prefix the way group 0 does.
-    NonFullAttentionGroup,
+    /// A KV-cache group whose hit rule the index does not model (Mamba state, an unknown kind,
+    /// chunked local attention), or whose layout it cannot use; the replica is flagged.
+    UnmodelledGroup,
+    /// A store that describes its group otherwise than the group's earlier stores (another kind,
+    /// block size or window), or names a group beyond the index's limit.
+    GroupConflict,
     /// The event's `block_size` differs from the pool's: its keys cannot match prompt keys.
     BlockSizeMismatch,
     /// Inconsistent event (`token_ids` or `extra_keys` length does not fit `block_hashes`).
@@ -95,9 +98,10 @@ pub enum RejectReason {
 
 impl RejectReason {
     /// Every reason, for pre-registering metric series.
-    pub const ALL: [RejectReason; 10] = [
+    pub const ALL: [RejectReason; 11] = [
         RejectReason::Placeholder,
-        RejectReason::NonFullAttentionGroup,
+        RejectReason::UnmodelledGroup,
+        RejectReason::GroupConflict,
         RejectReason::BlockSizeMismatch,
         RejectReason::Malformed,
         RejectReason::ParentUnknown,
@@ -112,7 +116,8 @@ impl RejectReason {
     pub fn as_label(self) -> &'static str {
         match self {
             RejectReason::Placeholder => "placeholder",
-            RejectReason::NonFullAttentionGroup => "non_full_attention_group",
+            RejectReason::UnmodelledGroup => "unmodelled_group",
+            RejectReason::GroupConflict => "group_conflict",
             RejectReason::BlockSizeMismatch => "block_size_mismatch",
             RejectReason::Malformed => "malformed",
             RejectReason::ParentUnknown => "parent_unknown",
@@ -143,16 +148,21 @@ pub enum FlagReason {
     /// The replica's messages cannot be decoded, several in a row (an encoding or schema this
     /// index does not know): its stream is unusable until a message decodes again.
     UnknownEncoding,
+    /// The replica's model has a KV-cache group whose hit rule the index does not model (see
+    /// [`RejectReason::UnmodelledGroup`]): its matches count its modelled groups only, so they
+    /// are approximate, never precise.
+    UnmodelledCacheGroup,
 }
 
 impl FlagReason {
     /// Every reason, for pre-registering metric series.
-    pub const ALL: [FlagReason; 5] = [
+    pub const ALL: [FlagReason; 6] = [
         FlagReason::HashMismatch,
         FlagReason::Resyncing,
         FlagReason::Stale,
         FlagReason::BlockSizeMismatch,
         FlagReason::UnknownEncoding,
+        FlagReason::UnmodelledCacheGroup,
     ];
 
     /// Metric label value (also the admin API's `problem` text).
@@ -163,6 +173,7 @@ impl FlagReason {
             FlagReason::Stale => "stale",
             FlagReason::BlockSizeMismatch => "block_size_mismatch",
             FlagReason::UnknownEncoding => "unknown_encoding",
+            FlagReason::UnmodelledCacheGroup => "unmodelled_cache_group",
         }
     }
 }

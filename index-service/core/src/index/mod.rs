@@ -61,6 +61,8 @@
 //! need a per-entry age structure, doubling the per-holding cost, to guess at the same fix.
 
 mod error;
+mod groups;
+mod hit;
 mod holders;
 mod keys;
 mod metrics;
@@ -138,6 +140,10 @@ pub struct PoolConfig {
     pub block_size: u32,
     /// Key scheme.
     pub keys: PoolKeys,
+    /// Tokens per attention chunk of the served model's chunked local attention layers (Llama
+    /// 4's `attention_chunk_size`): vLLM does not publish it, and without it a replica with
+    /// such a group answers approximately (flagged).
+    pub attention_chunk_size: Option<u32>,
 }
 
 /// A pool's parameters, for validating queries.
@@ -413,6 +419,15 @@ impl BlockIndex {
         Some(self.pool(model).ok()?.path_stats())
     }
 
+    /// Each KV-cache group's held hashes of `replica` (one entry per copy, sorted), by group
+    /// index: what the engine's groups hold, as far as its events said (admin, tests).
+    pub fn replica_group_hashes(
+        &self,
+        replica: ReplicaId,
+    ) -> Result<Vec<(u32, Vec<crate::event::EngineHash>)>, IndexError> {
+        Ok(self.replica(replica)?.lock().group_hashes())
+    }
+
     /// (block, replica) holdings across all pools.
     pub fn holdings(&self) -> usize {
         self.pools.load().values().map(|pool| pool.holdings()).sum()
@@ -469,6 +484,7 @@ impl KvIndex for BlockIndex {
             config.model.clone(),
             config.block_size,
             config.keys,
+            config.attention_chunk_size,
             self.config.shards_per_pool,
             self.hasher,
             self.config.runs_from_events,

@@ -4,8 +4,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use parking_lot::{Mutex, RwLock};
 
+use super::groups::Groups;
 use super::holders::{KeyHasherBuilder, MediaSet, Removal, Slot, SlotSet};
 use super::keys::PoolKeys;
 use super::paths::{
@@ -57,6 +59,8 @@ pub(crate) struct Pool {
     pub(crate) model: String,
     pub(crate) block_size: u32,
     pub(crate) keys: PoolKeys,
+    /// The model's chunked local attention chunk, when configured.
+    pub(crate) attention_chunk_size: Option<u32>,
     hasher: KeyHasherBuilder,
     /// Each shard's table, locked by its writers only.
     shards: Box<[Mutex<HolderTable>]>,
@@ -69,6 +73,10 @@ pub(crate) struct Pool {
     /// Whether a `BlockStored`'s keys are built into runs as they are stored (see
     /// [`IndexConfig::runs_from_events`](super::IndexConfig::runs_from_events)).
     runs_from_events: bool,
+    /// The replicas (by slot) with KV-cache groups beside the tables' (hybrid attention), whose
+    /// matches are vLLM's coordinator's answer over all groups. Empty for dense models: a
+    /// match then only checks that it is.
+    groups: ArcSwap<Vec<(Slot, Arc<Groups>)>>,
 }
 
 /// Who asked for runs: a walk (its stretches are built the second time a walk meets them) or
@@ -111,6 +119,7 @@ impl Pool {
         model: String,
         block_size: u32,
         keys: PoolKeys,
+        attention_chunk_size: Option<u32>,
         shards: usize,
         hasher: KeyHasherBuilder,
         runs_from_events: bool,
@@ -122,6 +131,7 @@ impl Pool {
             model,
             block_size,
             keys,
+            attention_chunk_size,
             hasher,
             shards: tables.into_iter().map(Mutex::new).collect(),
             layout,
@@ -129,6 +139,50 @@ impl Pool {
             members: RwLock::new(Members::default()),
             paths,
             runs_from_events,
+            groups: ArcSwap::default(),
+        }
+    }
+
+    /// Registers `slot`'s groups: its matches are answered over them from now on.
+    pub(crate) fn add_groups(&self, slot: Slot, groups: Arc<Groups>) {
+        self.groups.rcu(|current| {
+            let mut next: Vec<_> = current
+                .iter()
+                .filter(|(s, _)| *s != slot)
+                .cloned()
+                .collect();
+            next.push((slot, Arc::clone(&groups)));
+            next
+        });
+    }
+
+    /// Forgets `slot`'s groups (the replica left the pool).
+    fn drop_groups(&self, slot: Slot) {
+        if self.groups.load().iter().any(|(s, _)| *s == slot) {
+            self.groups.rcu(|current| {
+                current
+                    .iter()
+                    .filter(|(s, _)| *s != slot)
+                    .cloned()
+                    .collect::<Vec<_>>()
+            });
+        }
+    }
+
+    /// Replaces each hybrid replica's counts (its primary group's prefix, from the walk) with
+    /// the hit vLLM would give over all its groups.
+    fn answer_groups(&self, keys: &[u64], reported: &mut [(Slot, ReplicaMatch)]) {
+        let groups = self.groups.load();
+        for (slot, groups) in groups.iter() {
+            let Some((_, found)) = reported
+                .iter_mut()
+                .find(|(s, found)| s == slot && found.precise)
+            else {
+                continue;
+            };
+            found.matched_blocks =
+                groups.hit_blocks(keys, self.block_size, found.matched_blocks, false);
+            found.gpu_blocks = groups.hit_blocks(keys, self.block_size, found.gpu_blocks, true);
         }
     }
 
@@ -167,6 +221,7 @@ impl Pool {
 
     /// Frees `slot`; the caller has already removed every holding of it.
     pub(crate) fn remove_member(&self, slot: Slot) {
+        self.drop_groups(slot);
         let mut members = self.members.write();
         if let Some(entry) = members.slots.get_mut(usize::from(slot))
             && let Some(member) = entry.take()
@@ -342,6 +397,9 @@ impl Pool {
         let total = keys.len() as u32;
         if slot_count <= 64 {
             self.count_small(keys, &mut reported, everyone_precise, builds);
+            if !self.groups.load().is_empty() {
+                self.answer_groups(keys, &mut reported);
+            }
             return reported.into_iter().map(|(_, found)| found).collect();
         }
         let mut alive = SlotSet::with_slots(slot_count);
@@ -372,6 +430,9 @@ impl Pool {
                     gpu_matched[at]
                 };
             }
+        }
+        if !self.groups.load().is_empty() {
+            self.answer_groups(keys, &mut reported);
         }
         reported.into_iter().map(|(_, found)| found).collect()
     }

@@ -6,13 +6,14 @@ use prometheus_client::metrics::gauge::Gauge;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::groups::{GroupSpec, Groups, MAX_GROUPS, PoolLayout, Role, Unmodelled};
 use super::holders::{KeyHasherBuilder, KeyMap, Slot, shrink_if_sparse, table_bytes};
 use super::keys::{self, PoolKeys, Verification};
 use super::metrics::{EventKind, IndexMetrics};
 use super::pool::Pool;
 use super::state::{Feed, FeedState, Feeds, ReplicaState};
 use super::{ApplyOutcome, FlagReason, RejectReason, ReplicaId};
-use crate::event::{BlockRemoved, BlockStored, EngineHash, KvEvent, Medium};
+use crate::event::{BlockRemoved, BlockStored, CacheKind, EngineHash, KvEvent, Medium};
 use crate::throttle::LogThrottle;
 
 /// The engine blocks a replica holds, by engine hash.
@@ -148,6 +149,11 @@ pub(crate) struct Replica {
     /// identical prefixes) and emits BlockStored/BlockRemoved per copy, so a hash stays held
     /// until its last copy is removed. Only duplicates cost memory here; they are rare.
     extra_copies: std::collections::HashMap<(EngineHash, Medium), u32>,
+    /// Its KV-cache groups: which one the pool's tables hold, the others' holdings. Shared with
+    /// the pool (for matches) once any group is not the primary one.
+    pub(crate) groups: Arc<Groups>,
+    /// Whether `groups` is registered with the pool.
+    groups_in_pool: bool,
     /// Set by `remove_replica`: a task still holding this replica's `Arc` must not write into a
     /// slot that may be reused.
     pub(crate) removed: bool,
@@ -178,6 +184,8 @@ impl Replica {
             uncertain_mismatches: 0,
             refusal_warnings: LogThrottle::new(REFUSAL_WARN_INTERVAL),
             extra_copies: std::collections::HashMap::new(),
+            groups: Arc::new(Groups::new(hasher)),
+            groups_in_pool: false,
             removed: false,
             blocks_gauge,
         }
@@ -189,6 +197,7 @@ impl Replica {
 
     pub(crate) fn memory_bytes(&self) -> usize {
         self.blocks.memory_bytes()
+            + self.groups.memory_bytes()
             + table_bytes(
                 self.extra_copies.capacity(),
                 size_of::<((EngineHash, Medium), u32)>(),
@@ -200,6 +209,21 @@ impl Replica {
         let mut hashes = self.blocks.engine_hashes(&self.pool, self.slot);
         hashes.sort_unstable();
         hashes
+    }
+
+    /// Each KV-cache group's held hashes, one entry per copy (any medium), sorted, by group.
+    pub(crate) fn group_hashes(&self) -> Vec<(u32, Vec<EngineHash>)> {
+        let mut groups = self.groups.side_hashes();
+        if self.blocks.len() > 0 {
+            let mut hashes = self.engine_hashes();
+            for (&(hash, _), &copies) in &self.extra_copies {
+                hashes.extend(std::iter::repeat_n(hash, copies as usize));
+            }
+            hashes.sort_unstable();
+            groups.push((self.groups.primary().unwrap_or(0), hashes));
+        }
+        groups.sort_by_key(|(group, _)| *group);
+        groups
     }
 
     pub(crate) fn set_flag(&mut self, flag: Option<FlagReason>, metrics: &IndexMetrics) {
@@ -221,6 +245,7 @@ impl Replica {
 
     /// Drops every holding of this replica (restart, `AllBlocksCleared`, unrepairable gap).
     pub(crate) fn clear(&mut self) {
+        self.groups.clear();
         self.extra_copies = std::collections::HashMap::new();
         let keys = self.blocks.take_keys(&self.pool, self.slot);
         self.pool.remove_all(self.slot, keys);
@@ -249,7 +274,7 @@ impl Replica {
             }
             KvEvent::AllBlocksCleared => {
                 metrics.event(EventKind::AllBlocksCleared);
-                outcome.blocks_removed = self.blocks.len();
+                outcome.blocks_removed = self.blocks.len() + self.groups.side_blocks();
                 self.clear();
             }
         }
@@ -269,9 +294,19 @@ impl Replica {
     ) {
         let count = stored.block_hashes.len();
         let block_size = stored.block_size as usize;
-        let rejection = if stored.group_idx.is_some_and(|group| group > 0) {
-            Some(RejectReason::NonFullAttentionGroup)
-        } else if stored.block_size == 0 || stored.token_ids.is_empty() {
+        if stored.block_size > 0 {
+            match self.group_role(stored, metrics) {
+                Ok(Role::Primary) => {}
+                Ok(Role::Side(side)) => {
+                    return self.apply_side_stored(side, stored, max_blocks, metrics, outcome);
+                }
+                Ok(Role::Unmodelled(_)) => {
+                    return outcome.reject(RejectReason::UnmodelledGroup, count, metrics);
+                }
+                Err(reason) => return outcome.reject(reason, count, metrics),
+            }
+        }
+        let rejection = if stored.block_size == 0 || stored.token_ids.is_empty() {
             Some(RejectReason::Placeholder)
         } else if stored.block_size != self.pool.block_size {
             Some(RejectReason::BlockSizeMismatch)
@@ -382,6 +417,116 @@ impl Replica {
         metrics.stored(stored.medium, stored_blocks as u64);
     }
 
+    /// The role of a store's group, learnt from its first store (an unmodelled group flags the
+    /// replica, once). Events without a group are a dense model's (group 0); a group without a
+    /// kind is full attention when it is group 0 (vLLM before 0.22 published no kinds, and
+    /// dense models have only group 0), unknown otherwise.
+    fn group_role(
+        &mut self,
+        stored: &BlockStored,
+        metrics: &IndexMetrics,
+    ) -> Result<Role, RejectReason> {
+        let group = stored.group_idx.unwrap_or(0);
+        if group >= MAX_GROUPS {
+            return Err(RejectReason::GroupConflict);
+        }
+        let kind = stored.cache_kind.unwrap_or(if group == 0 {
+            CacheKind::FullAttention
+        } else {
+            CacheKind::Unknown
+        });
+        let spec = GroupSpec {
+            kind,
+            block_size: stored.block_size,
+            window: stored.sliding_window,
+        };
+        let layout = PoolLayout {
+            block_size: self.pool.block_size,
+            exact_keys: matches!(self.pool.keys, PoolKeys::VllmExact { .. }),
+            attention_chunk_size: self.pool.attention_chunk_size,
+        };
+        let role = self
+            .groups
+            .role_for_store(group, spec, layout)
+            .map_err(|_| RejectReason::GroupConflict)?;
+        if role != Role::Primary && !self.groups_in_pool {
+            self.pool.add_groups(self.slot, Arc::clone(&self.groups));
+            self.groups_in_pool = true;
+        }
+        if let Role::Unmodelled(why) = role {
+            self.unmodelled_group(group, kind, why, metrics);
+        }
+        Ok(role)
+    }
+
+    /// Flags the replica for a group the index cannot model (its matches would count only the
+    /// other groups: approximate), with a warning when the flag is new.
+    fn unmodelled_group(
+        &mut self,
+        group: u32,
+        kind: CacheKind,
+        why: Unmodelled,
+        metrics: &IndexMetrics,
+    ) {
+        if self.flag.is_some() {
+            return;
+        }
+        self.set_flag(Some(FlagReason::UnmodelledCacheGroup), metrics);
+        tracing::warn!(
+            replica = %self.name,
+            model = %self.pool.model,
+            group,
+            kind = kind.as_label(),
+            reason = %why.describe(),
+            "KV-cache group the index cannot model; replica flagged, its matches are \
+             approximate until the engine restarts"
+        );
+    }
+
+    /// A side group's store: each hash held once more in its group (its position in the span
+    /// of `token_ids` does not matter: prompt keys are the engine's hashes).
+    fn apply_side_stored(
+        &mut self,
+        side: usize,
+        stored: &BlockStored,
+        max_blocks: usize,
+        metrics: &IndexMetrics,
+        outcome: &mut ApplyOutcome,
+    ) {
+        let count = stored.block_hashes.len();
+        let block_size = stored.block_size as usize;
+        // A window group lists only the blocks it keeps of the span its tokens cover: a whole
+        // number of blocks, at least one per hash (or none, from an agent's snapshot).
+        let tokens = stored.token_ids.len();
+        let spans_hashes =
+            tokens == 0 || (tokens.is_multiple_of(block_size) && tokens / block_size >= count);
+        let malformed = !spans_hashes
+            || stored
+                .extra_keys
+                .as_ref()
+                .is_some_and(|extra| extra.len() != count);
+        if malformed {
+            return outcome.reject(RejectReason::Malformed, count, metrics);
+        }
+        if let PoolKeys::VllmExact {
+            validator: Some(validator),
+        } = &self.pool.keys
+            && validator.required
+        {
+            // Where a non-dense store's hashes sit in its span is not published, so they cannot
+            // be recomputed: a pool that trusts only verified hashes holds none of them.
+            return outcome.reject(RejectReason::Unverifiable, count, metrics);
+        }
+        let side = self
+            .groups
+            .store(side, &stored.block_hashes, stored.medium, max_blocks);
+        if side.refused > 0 {
+            outcome.reject(RejectReason::ReplicaCapacity, side.refused, metrics);
+        }
+        outcome.blocks_stored += side.applied;
+        metrics.stored(stored.medium, side.applied as u64);
+    }
+
     /// Every block of a replica whose engine uses another block size is refused: its stream is
     /// unusable, so it is flagged (out of precise matching), with a warning per
     /// [`REFUSAL_WARN_INTERVAL`]. The flag goes with the next reset (engine restart).
@@ -462,10 +607,28 @@ impl Replica {
         metrics: &IndexMetrics,
         outcome: &mut ApplyOutcome,
     ) {
-        if removed.group_idx.is_some_and(|group| group > 0) {
-            let count = removed.block_hashes.len();
-            outcome.reject(RejectReason::NonFullAttentionGroup, count, metrics);
-            return;
+        let count = removed.block_hashes.len();
+        let group = removed.group_idx.unwrap_or(0);
+        match self.groups.role_for_removal(group) {
+            // The primary group, or (no store described it yet) a dense stream's only group.
+            Some(Role::Primary) => {}
+            None if group == 0 && self.groups.primary().is_none() => {}
+            Some(Role::Side(side)) => {
+                let side = self
+                    .groups
+                    .remove(side, &removed.block_hashes, removed.medium);
+                if side.refused > 0 {
+                    outcome.reject(RejectReason::UnknownBlock, side.refused, metrics);
+                }
+                outcome.blocks_removed += side.applied;
+                metrics.removed(removed.medium, side.applied as u64);
+                return;
+            }
+            Some(Role::Unmodelled(_)) => {
+                return outcome.reject(RejectReason::UnmodelledGroup, count, metrics);
+            }
+            // No store described this group: none of its blocks is held.
+            None => return outcome.reject(RejectReason::UnknownBlock, count, metrics),
         }
         let mut removed_blocks = 0;
         let mut unknown = 0;

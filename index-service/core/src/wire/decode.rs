@@ -9,9 +9,10 @@ use kvroute_block_keys::HashValue;
 
 use super::reader::{Container, Hash, Reader};
 use super::{
-    DecodedBatch, MAX_BLOCKS_PER_EVENT, MAX_EVENTS_PER_BATCH, MAX_TOKENS_PER_EVENT, WireError,
+    DecodedBatch, IgnoredFields, MAX_BLOCKS_PER_EVENT, MAX_EVENTS_PER_BATCH, MAX_TOKENS_PER_EVENT,
+    WireError,
 };
-use crate::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Medium};
+use crate::event::{BlockRemoved, BlockStored, CacheKind, EngineHash, EventBatch, KvEvent, Medium};
 
 /// Smallest encoding of a real event (`["BlockRemoved",[h]]` is 16 bytes); bounds how many
 /// events are preallocated from a declared count.
@@ -34,8 +35,9 @@ pub fn decode_batch(payload: &[u8]) -> Result<DecodedBatch, WireError> {
     check_limit("events", declared, MAX_EVENTS_PER_BATCH)?;
     let mut events = Vec::with_capacity(declared.min(r.remaining() / MIN_EVENT_BYTES));
     let mut unknown_events = 0;
+    let mut ignored_fields = IgnoredFields::default();
     for _ in 0..declared {
-        match decode_event(&mut r)? {
+        match decode_event(&mut r, &mut ignored_fields)? {
             Some(event) => events.push(event),
             None => unknown_events += 1,
         }
@@ -57,6 +59,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<DecodedBatch, WireError> {
             events,
         },
         unknown_events,
+        ignored_fields,
     })
 }
 
@@ -110,6 +113,8 @@ impl Kind {
             (Kind::Stored, 7) => Field::LoraName,
             (Kind::Stored, 8) => Field::ExtraKeys,
             (Kind::Stored, 9) | (Kind::Removed, 3) => Field::GroupIdx,
+            (Kind::Stored, 10) => Field::CacheKind,
+            (Kind::Stored, 11) => Field::SlidingWindow,
             _ => Field::Ignored,
         }
     }
@@ -126,13 +131,19 @@ impl Kind {
             (Kind::Stored, b"lora_id") => Field::LoraId,
             (Kind::Stored, b"lora_name") => Field::LoraName,
             (Kind::Stored, b"extra_keys") => Field::ExtraKeys,
+            (Kind::Stored, b"kv_cache_spec_kind") => Field::CacheKind,
+            (Kind::Stored, b"kv_cache_spec_sliding_window") => Field::SlidingWindow,
+            (Kind::Stored | Kind::Removed, b"locality") => Field::Unused(Unused::Locality),
+            (Kind::Stored | Kind::Removed, b"ownership") => Field::Unused(Unused::Ownership),
+            (Kind::Stored, b"session_id") => Field::Unused(Unused::SessionId),
+            (Kind::Stored, b"lookahead_token_ids") => Field::Unused(Unused::LookaheadTokenIds),
             _ => Field::Ignored,
         }
     }
 }
 
-/// The event fields the domain keeps; everything else (`kv_cache_spec_kind`, `locality`,
-/// `session_id`, ...) is skipped.
+/// The event fields the domain keeps, the known ones it does not use (skipped and counted),
+/// and everything else (skipped).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Field {
     BlockHashes,
@@ -144,7 +155,31 @@ enum Field {
     LoraName,
     ExtraKeys,
     GroupIdx,
+    CacheKind,
+    SlidingWindow,
+    Unused(Unused),
     Ignored,
+}
+
+/// vLLM's event fields the index does not use (see [`IgnoredFields`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unused {
+    Locality,
+    Ownership,
+    SessionId,
+    LookaheadTokenIds,
+}
+
+impl Unused {
+    fn count(self, ignored: &mut IgnoredFields) {
+        let counter = match self {
+            Unused::Locality => &mut ignored.locality,
+            Unused::Ownership => &mut ignored.ownership,
+            Unused::SessionId => &mut ignored.session_id,
+            Unused::LookaheadTokenIds => &mut ignored.lookahead_token_ids,
+        };
+        *counter = counter.saturating_add(1);
+    }
 }
 
 /// Fields read so far; absent ones stay at their nil default.
@@ -159,6 +194,8 @@ struct Fields<'a> {
     lora_name: Option<&'a str>,
     extra_keys: Option<Vec<Option<HashValue>>>,
     group_idx: Option<u32>,
+    cache_kind: Option<&'a str>,
+    sliding_window: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -169,14 +206,20 @@ struct BlockHashes {
 }
 
 /// One event; `None` for an unknown tag (skipped).
-fn decode_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> {
+fn decode_event(
+    r: &mut Reader<'_>,
+    ignored: &mut IgnoredFields,
+) -> Result<Option<KvEvent>, WireError> {
     match r.container("event")? {
-        Container::Array => decode_array_event(r),
-        Container::Map => decode_map_event(r),
+        Container::Array => decode_array_event(r, ignored),
+        Container::Map => decode_map_event(r, ignored),
     }
 }
 
-fn decode_array_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> {
+fn decode_array_event(
+    r: &mut Reader<'_>,
+    ignored: &mut IgnoredFields,
+) -> Result<Option<KvEvent>, WireError> {
     let len = r.array_len("event")?;
     if len == 0 {
         return Err(WireError::MissingField {
@@ -192,12 +235,15 @@ fn decode_array_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> 
     };
     let mut fields = Fields::default();
     for index in 1..len {
-        read_field(r, kind.positional(index), &mut fields)?;
+        read_field(r, kind.positional(index), &mut fields, ignored)?;
     }
     build(kind, fields).map(Some)
 }
 
-fn decode_map_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> {
+fn decode_map_event(
+    r: &mut Reader<'_>,
+    ignored: &mut IgnoredFields,
+) -> Result<Option<KvEvent>, WireError> {
     let pairs = r.map_len("event")?;
     let body = r.position();
 
@@ -232,7 +278,7 @@ fn decode_map_event(r: &mut Reader<'_>) -> Result<Option<KvEvent>, WireError> {
             (Some(kind), Some(key)) => kind.named(key),
             _ => Field::Ignored,
         };
-        read_field(r, field, &mut fields)?;
+        read_field(r, field, &mut fields, ignored)?;
     }
     match kind {
         Some(kind) => build(kind, fields).map(Some),
@@ -244,6 +290,7 @@ fn read_field<'a>(
     r: &mut Reader<'a>,
     field: Field,
     fields: &mut Fields<'a>,
+    ignored: &mut IgnoredFields,
 ) -> Result<(), WireError> {
     match field {
         Field::BlockHashes => fields.block_hashes = block_hashes(r)?,
@@ -261,6 +308,16 @@ fn read_field<'a>(
         Field::LoraName => fields.lora_name = r.opt_str("lora_name")?,
         Field::ExtraKeys => fields.extra_keys = extra_keys(r)?,
         Field::GroupIdx => fields.group_idx = r.opt_u32("group_idx")?,
+        Field::CacheKind => fields.cache_kind = r.opt_str("kv_cache_spec_kind")?,
+        Field::SlidingWindow => {
+            fields.sliding_window = r.opt_u32("kv_cache_spec_sliding_window")?;
+        }
+        Field::Unused(unused) => {
+            if !r.nil()? {
+                unused.count(ignored);
+                r.skip(1)?;
+            }
+        }
         Field::Ignored => r.skip(1)?,
     }
     Ok(())
@@ -345,6 +402,8 @@ fn build(kind: Kind, fields: Fields<'_>) -> Result<KvEvent, WireError> {
                 medium: Medium::from_wire(fields.medium),
                 extra_keys: fields.extra_keys,
                 group_idx: fields.group_idx,
+                cache_kind: fields.cache_kind.map(CacheKind::from_wire),
+                sliding_window: fields.sliding_window,
                 block_digests: digests,
                 parent_digest,
             })

@@ -8,8 +8,9 @@
 //! header whenever the struct has more than 15 possible keys.
 //!
 //! The domain types do not carry every wire field, so the encoder fills them the way vLLM's GPU
-//! block pool does: `kv_cache_spec_kind` is `"full_attention"` whenever `group_idx` is set, and
-//! the sliding window, `locality`, `ownership`, `session_id` and `lookahead_token_ids` are nil.
+//! block pool does: `kv_cache_spec_kind` is the event's `cache_kind`, or `"full_attention"` when
+//! only `group_idx` is set; the sliding window is the event's; `locality`, `ownership`,
+//! `session_id` and `lookahead_token_ids` are nil.
 
 use kvroute_block_keys::HashValue;
 
@@ -299,7 +300,15 @@ fn stored_field(
             Some(group) => write_uint(out, u64::from(group)),
             None => return false,
         },
-        "kv_cache_spec_kind" if event.group_idx.is_some() => write_str(out, FULL_ATTENTION),
+        "kv_cache_spec_kind" => match (event.cache_kind, event.group_idx) {
+            (Some(kind), _) => write_str(out, kind.as_label()),
+            (None, Some(_)) => write_str(out, FULL_ATTENTION),
+            (None, None) => return false,
+        },
+        "kv_cache_spec_sliding_window" => match event.sliding_window {
+            Some(window) => write_uint(out, u64::from(window)),
+            None => return false,
+        },
         _ => return false,
     }
     true

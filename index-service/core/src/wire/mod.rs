@@ -64,4 +64,33 @@ pub struct DecodedBatch {
     pub batch: EventBatch,
     /// Events skipped for an unknown tag (a newer vLLM may add kinds; count them, don't fail).
     pub unknown_events: u32,
+    /// Events that carried a field the index reads but does not use, per field.
+    pub ignored_fields: IgnoredFields,
+}
+
+/// Event fields vLLM publishes (0.32–0.34) that the index decodes and does not use: what they
+/// say does not change which blocks a replica holds for a prompt. Counted per event that
+/// carries one (not nil), so an operator sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IgnoredFields {
+    /// `locality` (`LOCAL`/`REMOTE` of an offloading tier): the medium already places the block.
+    pub locality: u32,
+    /// `ownership` (an offloading tier's id).
+    pub ownership: u32,
+    /// `session_id` (the request context that caused a store; says nothing about holdings).
+    pub session_id: u32,
+    /// `lookahead_token_ids` (tokens hashed ahead by lookahead hashing).
+    pub lookahead_token_ids: u32,
+}
+
+impl IgnoredFields {
+    /// Each field's name (its metric label) and count.
+    pub fn counts(&self) -> [(&'static str, u32); 4] {
+        [
+            ("locality", self.locality),
+            ("ownership", self.ownership),
+            ("session_id", self.session_id),
+            ("lookahead_token_ids", self.lookahead_token_ids),
+        ]
+    }
 }

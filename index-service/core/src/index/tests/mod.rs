@@ -52,11 +52,13 @@ pub(crate) fn setup(index: &dyn KvIndex, replicas: u32) {
         model: EXACT.into(),
         block_size: BS,
         keys: PoolKeys::VllmExact { validator: None },
+        attention_chunk_size: None,
     };
     let chain = PoolConfig {
         model: CHAIN.into(),
         block_size: BS,
         keys: PoolKeys::TokenChain,
+        attention_chunk_size: None,
     };
     index.add_pool(exact).unwrap();
     index.add_pool(chain).unwrap();

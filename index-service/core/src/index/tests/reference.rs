@@ -27,8 +27,11 @@ struct RefReplica {
     model: String,
     order: u64,
     blocks: HashMap<u64, (u64, BTreeMap<Medium, u32>)>,
-    /// An event with another block size makes the replica's stream unusable until a reset.
-    block_size_mismatch: bool,
+    /// An event with another block size, or a group of unknown kind, makes the replica's
+    /// matches untrusted until a reset (the first reason stays).
+    flag: Option<FlagReason>,
+    /// Groups (> 0) stored without a kind: unmodelled, forgotten with the holdings.
+    unmodelled_groups: std::collections::BTreeSet<u32>,
 }
 
 /// The reference model.
@@ -78,7 +81,8 @@ impl KvIndex for Reference {
                 model: model.to_owned(),
                 order,
                 blocks: HashMap::new(),
-                block_size_mismatch: false,
+                flag: None,
+                unmodelled_groups: Default::default(),
             },
         );
         Ok(())
@@ -101,11 +105,17 @@ impl KvIndex for Reference {
             KvEvent::AllBlocksCleared => {
                 outcome.blocks_removed = entry.blocks.len();
                 entry.blocks.clear();
+                entry.unmodelled_groups.clear();
             }
             KvEvent::BlockRemoved(removed) => {
                 let count = removed.block_hashes.len();
-                if removed.group_idx.is_some_and(|g| g > 0) {
-                    reject(&mut outcome, RejectReason::NonFullAttentionGroup, count);
+                if let Some(group) = removed.group_idx.filter(|&g| g > 0) {
+                    let reason = if entry.unmodelled_groups.contains(&group) {
+                        RejectReason::UnmodelledGroup
+                    } else {
+                        RejectReason::UnknownBlock
+                    };
+                    reject(&mut outcome, reason, count);
                     return Ok(outcome);
                 }
                 for engine in &removed.block_hashes {
@@ -137,8 +147,13 @@ impl KvIndex for Reference {
             KvEvent::BlockStored(stored) => {
                 let count = stored.block_hashes.len();
                 let bs = stored.block_size as usize;
-                if stored.group_idx.is_some_and(|g| g > 0) {
-                    reject(&mut outcome, RejectReason::NonFullAttentionGroup, count);
+                if let Some(group) = stored.group_idx.filter(|&g| g > 0)
+                    && bs > 0
+                {
+                    // Without a kind, a group other than 0 is of unknown kind: unmodelled.
+                    entry.unmodelled_groups.insert(group);
+                    entry.flag.get_or_insert(FlagReason::UnmodelledCacheGroup);
+                    reject(&mut outcome, RejectReason::UnmodelledGroup, count);
                     return Ok(outcome);
                 }
                 if bs == 0 || stored.token_ids.is_empty() {
@@ -146,7 +161,7 @@ impl KvIndex for Reference {
                     return Ok(outcome);
                 }
                 if stored.block_size != pool.block_size {
-                    entry.block_size_mismatch = true;
+                    entry.flag.get_or_insert(FlagReason::BlockSizeMismatch);
                     reject(&mut outcome, RejectReason::BlockSizeMismatch, count);
                     return Ok(outcome);
                 }
@@ -236,13 +251,13 @@ impl KvIndex for Reference {
             .into_iter()
             .map(|id| {
                 let replica = &state.replicas[&id];
-                if replica.block_size_mismatch {
+                if let Some(flag) = replica.flag {
                     return ReplicaMatch {
                         replica: id,
                         matched_blocks: 0,
                         gpu_blocks: 0,
                         precise: false,
-                        state: ReplicaState::Flagged(FlagReason::BlockSizeMismatch),
+                        state: ReplicaState::Flagged(flag),
                     };
                 }
                 ReplicaMatch {
@@ -263,7 +278,8 @@ impl KvIndex for Reference {
             .get_mut(&replica)
             .ok_or(IndexError::UnknownReplica { replica })?;
         entry.blocks.clear();
-        entry.block_size_mismatch = false;
+        entry.flag = None;
+        entry.unmodelled_groups.clear();
         Ok(())
     }
 

@@ -42,6 +42,7 @@ fn index_verifying(registry: &mut Registry, verify: VerifyHashes) -> BlockIndex 
             model: "m".into(),
             block_size: 16,
             keys,
+            attention_chunk_size: None,
         })
         .unwrap();
     index.add_replica(ReplicaId(0), "r0", "m").unwrap();
@@ -375,6 +376,7 @@ fn chain_index() -> BlockIndex {
         model: "c".into(),
         block_size: BS,
         keys: PoolKeys::TokenChain,
+        attention_chunk_size: None,
     };
     index.add_pool(pool).unwrap();
     index.add_replica(ReplicaId(0), "c0", "c").unwrap();
@@ -573,6 +575,7 @@ fn large_pools_agree_with_reference_model() {
             model: EXACT.into(),
             block_size: BS,
             keys: PoolKeys::VllmExact { validator: None },
+            attention_chunk_size: None,
         };
         model.add_pool(pool).unwrap();
         for r in 0..REPLICAS {

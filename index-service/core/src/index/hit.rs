@@ -1,0 +1,263 @@
+//! The prefix vLLM reuses for a prompt when its KV cache has several groups (hybrid attention):
+//! vLLM 0.32's `HybridKVCacheCoordinator.find_longest_cache_hit` and the per-kind
+//! `find_longest_cache_hit` of `FullAttentionManager`, `SlidingWindowManager` and
+//! `ChunkedLocalAttentionManager` (`vllm/v1/core/kv_cache_coordinator.py`,
+//! `single_type_kv_cache_manager.py`), on holdings the index learnt from the groups' events.
+//!
+//! Every group answers "the longest hit no longer than this many tokens" on its own; the
+//! coordinator hands each group the shortest answer so far (full attention first) and goes round
+//! again until no group shortens it. A sliding window needs only the blocks of the window before
+//! the cut, so a replica can hold a prefix in full attention and still give less (its window
+//! blocks were evicted), or, without full attention, give a long hit whose start it no longer
+//! holds. Pure computation: the caller says which blocks each group holds.
+
+/// What a cache hit needs from one group (vLLM looks up groups of one spec together: a block
+/// counts only if every group of the spec holds it; the caller's `holds` answers for the set).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rule {
+    /// Full attention: every block from the start.
+    Prefix,
+    /// Sliding window: the `cdiv(window - 1, block_tokens)` blocks just before the cut (all of
+    /// them from the start when the cut is closer to it).
+    Window {
+        /// Blocks needed before the cut.
+        blocks: usize,
+    },
+    /// Chunked local attention: every block from the start of the cut's chunk.
+    Chunk {
+        /// Tokens per attention chunk.
+        chunk_tokens: usize,
+    },
+}
+
+impl Rule {
+    /// The rule of a sliding-window group of `window` tokens in blocks of `block_tokens`.
+    pub(crate) fn window(window: usize, block_tokens: usize) -> Rule {
+        Rule::Window {
+            blocks: window.saturating_sub(1).div_ceil(block_tokens.max(1)),
+        }
+    }
+}
+
+/// One group (or set of groups of one spec) as the coordinator sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GroupRule {
+    pub(crate) rule: Rule,
+    /// Tokens per block of this group.
+    pub(crate) block_tokens: usize,
+}
+
+/// The longest prefix, in tokens, vLLM's coordinator reuses: at most `max_tokens`, a multiple
+/// of `alignment` tokens where a sliding window decides it. `holds(group, block)` says whether
+/// `groups[group]` holds its `block`-th block (of `block_tokens` each) of the prompt.
+pub(crate) fn hit_tokens(
+    groups: &[GroupRule],
+    max_tokens: usize,
+    alignment: usize,
+    mut holds: impl FnMut(usize, usize) -> bool,
+) -> usize {
+    // Full attention first, as vLLM orders its spec groups: the tightest bound, cheapest.
+    let mut order: Vec<usize> = (0..groups.len()).collect();
+    order.sort_by_key(|&group| groups[group].rule != Rule::Prefix);
+    let mut hit = max_tokens;
+    loop {
+        let mut current = hit;
+        for &group in &order {
+            current = group_hit(groups[group], current, alignment, |block| {
+                holds(group, block)
+            });
+        }
+        if current >= hit {
+            return hit;
+        }
+        hit = current;
+    }
+}
+
+/// One group's longest hit no longer than `max_tokens`.
+fn group_hit(
+    group: GroupRule,
+    max_tokens: usize,
+    alignment: usize,
+    mut holds: impl FnMut(usize) -> bool,
+) -> usize {
+    let block_tokens = group.block_tokens.max(1);
+    let max_blocks = max_tokens / block_tokens;
+    let blocks = match group.rule {
+        Rule::Prefix => (0..max_blocks).take_while(|&block| holds(block)).count(),
+        Rule::Window { blocks: needed } => {
+            window_hit(needed, max_blocks, block_tokens, alignment.max(1), holds)
+        }
+        Rule::Chunk { chunk_tokens } => {
+            let chunk_tokens = chunk_tokens.max(1);
+            // Blocks before the cut's chunk are outside every later token's attention: vLLM
+            // counts them as computed without looking them up.
+            let start = (max_tokens / chunk_tokens * chunk_tokens) / block_tokens;
+            start
+                + (start..max_blocks)
+                    .take_while(|&block| holds(block))
+                    .count()
+        }
+    };
+    blocks * block_tokens
+}
+
+/// `SlidingWindowManager.find_longest_cache_hit`: from the right, the first run of `needed`
+/// held blocks ends the hit (its end block-aligned to `alignment` tokens); without one, the
+/// held blocks from the start, trimmed to the alignment.
+fn window_hit(
+    needed: usize,
+    max_blocks: usize,
+    block_tokens: usize,
+    alignment: usize,
+    mut holds: impl FnMut(usize) -> bool,
+) -> usize {
+    let aligned = |blocks: usize| (blocks * block_tokens).is_multiple_of(alignment);
+    let mut run = 0;
+    for block in (0..max_blocks).rev() {
+        if !holds(block) {
+            run = 0;
+            continue;
+        }
+        // A run must end on an aligned boundary.
+        if run == 0 && block_tokens != alignment && !aligned(block + 1) {
+            continue;
+        }
+        run += 1;
+        if run >= needed {
+            return block + run;
+        }
+    }
+    // The loop ended at block 0: `run` held blocks from the start, fewer than a window.
+    let mut blocks = run;
+    while block_tokens != alignment && !aligned(blocks) {
+        blocks -= 1;
+    }
+    blocks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn full(block_tokens: usize) -> GroupRule {
+        GroupRule {
+            rule: Rule::Prefix,
+            block_tokens,
+        }
+    }
+
+    fn sliding(window: usize, block_tokens: usize) -> GroupRule {
+        GroupRule {
+            rule: Rule::window(window, block_tokens),
+            block_tokens,
+        }
+    }
+
+    /// `held[group]` lists the blocks each group holds.
+    fn hit(groups: &[GroupRule], max_tokens: usize, held: &[&[usize]]) -> usize {
+        let alignment = groups.iter().map(|g| g.block_tokens).max().unwrap_or(1);
+        hit_tokens(groups, max_tokens, alignment, |group, block| {
+            held[group].contains(&block)
+        })
+    }
+
+    #[test]
+    fn window_blocks_follow_vllm() {
+        // cdiv(window - 1, block_size): a 64-token window in 32-token blocks needs 2 blocks.
+        assert_eq!(Rule::window(64, 32), Rule::Window { blocks: 2 });
+        assert_eq!(Rule::window(65, 32), Rule::Window { blocks: 2 });
+        assert_eq!(Rule::window(66, 32), Rule::Window { blocks: 3 });
+        assert_eq!(Rule::window(128, 16), Rule::Window { blocks: 8 });
+    }
+
+    #[test]
+    fn full_attention_alone_is_the_held_prefix() {
+        assert_eq!(hit(&[full(32)], 320, &[&[0, 1, 2, 4]]), 96);
+        // Bounded by the caller's maximum.
+        assert_eq!(hit(&[full(32)], 64, &[&[0, 1, 2, 4]]), 64);
+    }
+
+    #[test]
+    fn a_sliding_group_needs_the_window_before_the_cut() {
+        let groups = [full(32), sliding(64, 32)];
+        // Full holds 0..6; the window group holds only 0 and 1: the cut falls back to 2 blocks.
+        assert_eq!(hit(&groups, 1024, &[&[0, 1, 2, 3, 4, 5], &[0, 1]]), 64);
+        // The window group holds 3 and 4 (its window for a cut at 5): 5 blocks.
+        assert_eq!(hit(&groups, 1024, &[&[0, 1, 2, 3, 4, 5], &[3, 4]]), 160);
+        // It holds the window for 6 but full attention stops at 6 blocks: 6.
+        assert_eq!(hit(&groups, 1024, &[&[0, 1, 2, 3, 4, 5], &[4, 5]]), 192);
+        // Nothing in the window group, nothing from the start: no hit.
+        assert_eq!(hit(&groups, 1024, &[&[0, 1, 2, 3, 4, 5], &[]]), 0);
+        // A single block from the start is a hit of one (fewer than a window, from block 0).
+        assert_eq!(hit(&groups, 1024, &[&[0, 1, 2, 3, 4, 5], &[0]]), 32);
+    }
+
+    #[test]
+    fn without_full_attention_the_start_may_be_gone() {
+        // Mistral-style: every layer slides. Blocks 0..4 evicted, 8 and 9 held: a hit of 10.
+        assert_eq!(hit(&[sliding(64, 32)], 1024, &[&[8, 9]]), 320);
+        // Capped: the cut at 9 blocks needs 7 and 8.
+        assert_eq!(hit(&[sliding(64, 32)], 9 * 32, &[&[8, 9]]), 0);
+    }
+
+    #[test]
+    fn groups_of_different_windows_iterate_until_they_agree() {
+        let groups = [full(16), sliding(32, 16), sliding(64, 16)];
+        // Full: 12 blocks. Window 32 (2 blocks): holds 10,11 → 12, then 6,7 → 8.
+        // Window 64 (4 blocks): holds 8..11 (12) and 4..7 (8): both agree on 8 once the first
+        // group cut to... the first pass gives 12 then 12; the first group at 12 is fine.
+        let held: [&[usize]; 3] = [
+            &(0..12).collect::<Vec<_>>(),
+            &[6, 7, 10, 11],
+            &[4, 5, 6, 7, 9, 10, 11],
+        ];
+        // Window 64 at 12 needs 8..11: 8 is missing, so its answer is 8 (4..7). Window 32 at 8
+        // needs 6,7: held. Full at 8: held. Agreed on 8 blocks.
+        assert_eq!(hit(&groups, 16 * 12, &held), 128);
+    }
+
+    #[test]
+    fn chunked_local_attention_needs_only_the_cuts_chunk() {
+        let chunked = GroupRule {
+            rule: Rule::Chunk { chunk_tokens: 128 },
+            block_tokens: 32,
+        };
+        // vLLM's own examples (chunk 8, block 4) scaled by 8: a cut at 15*8 tokens starts its
+        // chunk at 64 tokens = block 2; block 2 held → 3 blocks; not held → 2.
+        let scaled = GroupRule {
+            rule: Rule::Chunk { chunk_tokens: 64 },
+            block_tokens: 32,
+        };
+        assert_eq!(hit(&[scaled], 120, &[&[2]]), 96);
+        assert_eq!(hit(&[scaled], 120, &[&[]]), 64);
+        // A cut on a chunk boundary needs nothing.
+        assert_eq!(hit(&[scaled], 128, &[&[]]), 128);
+        // With full attention, the full prefix bounds it.
+        assert_eq!(
+            hit(&[full(32), chunked], 1024, &[&[0, 1, 2, 3, 4], &[4]]),
+            160
+        );
+        assert_eq!(
+            hit(&[full(32), chunked], 1024, &[&[0, 1, 2, 3, 4], &[]]),
+            128
+        );
+    }
+
+    #[test]
+    fn larger_blocks_end_on_the_alignment() {
+        // A window group of 64-token blocks beside 32-token full attention, alignment 64.
+        let groups = [full(32), sliding(128, 64)];
+        // Full holds 7 blocks (224 tokens) → the window group may look at 3 of its blocks;
+        // it needs 2 (cdiv(127, 64)) and holds 1 and 2: a hit of 192 tokens.
+        assert_eq!(
+            hit(&groups, 1024, &[&(0..7).collect::<Vec<_>>(), &[1, 2]]),
+            192
+        );
+        // Full attention's 224 is not a multiple of 64, the window's answer is: 192.
+        assert_eq!(
+            hit(&groups, 1024, &[&(0..7).collect::<Vec<_>>(), &[0, 1, 2]]),
+            192
+        );
+    }
+}
