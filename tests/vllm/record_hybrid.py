@@ -11,7 +11,7 @@ sha256_cbor, PYTHONHASHSEED=0 (the script re-executes itself with it when it is 
 pool (--num-blocks, per-layout default) so every KV-cache group evicts, eager mode, KV events
 over ZMQ (the script's SUB binds tcp://127.0.0.1:P, vLLM's PUB connects).
 
-The workload (`workload()`): ~43 requests sent ONE AT A TIME (max_tokens 1 or 2, temperature 0,
+The workload (`workload()`): 40 requests sent ONE AT A TIME (max_tokens 1 or 2, temperature 0,
 ignore_eos; one 100-token decode; prompt_token_ids sliced from text tokenized by the model's tokenizer): exact repeats,
 siblings sharing a prefix, multi-turn growth (each turn = previous prompt + previous output + new
 text), fills that force evictions, revisits of evicted prefixes, lengths that are exact multiples
@@ -119,7 +119,7 @@ def workload(t):
     add("long_prefix_416", t[1500:1916])   # a 13-block prefix of long_700
     add("aligned_256", t[2300:2556])
     add("aligned_256_repeat", t[2300:2556])
-    for i in range(3):                      # fills: distinct long prompts, the pool overflows
+    for i in range(2):                      # fills: distinct long prompts, the pool overflows
         add(f"fill_{i}", t[2600 + 700 * i:3300 + 700 * i])
     add("revisit_a_extended", a_ext)
     add("revisit_long_700", t[1500:2200])
@@ -141,8 +141,6 @@ def workload(t):
     # full-attention group keeps all of d's blocks (sized from the engine's free queue).
     add("fill_targeted", ("targeted", d, t[7000:8000]))
     add("revisit_decode_prompt", d)
-    add("fill_5", t[7400:7800])
-    add("revisit_decode_prompt_again", d)
     add("decode_followup", ("after", "decode_100", t[8100:8150]))
     return steps
 

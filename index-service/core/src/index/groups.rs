@@ -315,6 +315,10 @@ impl Groups {
         gpu_only: bool,
     ) -> u32 {
         let state = self.state.read();
+        if state.sides.is_empty() {
+            // Nothing beside the tables (cleared, or only unmodelled groups): the walk's answer.
+            return primary_blocks;
+        }
         let block_size = block_size.max(1) as usize;
         let mut rules = Vec::with_capacity(state.sides.len() + 1);
         let primary = state.primary.is_some();

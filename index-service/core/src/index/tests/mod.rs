@@ -3,6 +3,7 @@
 
 mod concurrent;
 mod conformance;
+mod groups;
 mod paths;
 mod props;
 mod reference;
