@@ -132,6 +132,19 @@ fn keys_job(pool: &Pool, adapter: Option<&crate::config::Adapter>, salt: Option<
     }
 }
 
+/// How many of a prompt's `keys` the index is asked about: vLLM recomputes at least the last
+/// prompt token, so at most `(prompt_tokens - 1) / block_size` blocks can hit. For a dense model
+/// that only caps the answer; for a hybrid one the cut decides which window blocks the hit needs,
+/// so the index must see the same cut. A leading part's keys are all asked about (the whole
+/// prompt is longer).
+fn match_blocks(tokens: &PromptTokens, block_size: u32, keys: usize) -> usize {
+    if !tokens.exact {
+        return keys;
+    }
+    let most = tokens.tokens.len().saturating_sub(1) / block_size.max(1) as usize;
+    keys.min(most)
+}
+
 /// What every step of a decision's slow part reads: the request, where it may go, by when, and
 /// how its block keys are computed.
 struct DecisionContext<'a> {
@@ -652,11 +665,13 @@ impl Picker {
         config: &Config,
     ) -> bool {
         let all = keys.len();
+        // A hybrid model's hit can grow past its leading part's answer as long as its
+        // full-attention group holds every key (`prefix_blocks`; 0 from an older index).
         let indexed = index_answer.is_some_and(|answer| {
             answer
                 .replicas
                 .iter()
-                .any(|m| m.precise && m.matched_blocks as usize >= all)
+                .any(|m| m.precise && m.matched_blocks.max(m.prefix_blocks) as usize >= all)
         });
         let ids: Vec<&str> = candidates.iter().map(|r| r.id.as_str()).collect();
         indexed
@@ -717,7 +732,7 @@ impl Picker {
                 model: pool.models[0].clone(),
                 adapter: adapter.map(|a| a.name.clone()).unwrap_or_default(),
                 block_size: pool.block_size,
-                keys: keys.clone(),
+                keys: keys[..match_blocks(tokens, pool.block_size, keys.len())].to_vec(),
                 candidates: candidates.iter().map(|r| r.id.clone()).collect(),
             };
             match runtime.index.match_prefix(request, match_deadline).await {
@@ -813,6 +828,23 @@ mod tests {
     use crate::tokenizer::{TokenizeFuture, TokenizeInput};
 
     const BURST: usize = 16;
+
+    #[test]
+    fn the_index_is_asked_about_the_blocks_vllm_can_reuse() {
+        let tokens = |len: u32, exact| PromptTokens {
+            tokens: (0..len).collect(),
+            exact,
+            estimated_len: len as usize,
+            source: TokenSource::Tokenizer,
+            keys: None,
+        };
+        // 64 tokens in blocks of 32: two keys, but vLLM recomputes the last token: one block.
+        assert_eq!(match_blocks(&tokens(64, true), 32, 2), 1);
+        assert_eq!(match_blocks(&tokens(65, true), 32, 2), 2);
+        assert_eq!(match_blocks(&tokens(1, true), 32, 0), 0);
+        // A leading part: the whole prompt is longer, every key counts.
+        assert_eq!(match_blocks(&tokens(64, false), 32, 2), 2);
+    }
 
     /// One token per byte; every call waits until `BURST` calls are in flight, so all siblings
     /// finish tokenizing together and race to score (the case a burst hits in production).

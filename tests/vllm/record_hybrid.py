@@ -11,9 +11,9 @@ sha256_cbor, PYTHONHASHSEED=0 (the script re-executes itself with it when it is 
 pool (--num-blocks, per-layout default) so every KV-cache group evicts, eager mode, KV events
 over ZMQ (the script's SUB binds tcp://127.0.0.1:P, vLLM's PUB connects).
 
-The workload (`workload()`): 40 requests sent ONE AT A TIME (max_tokens 1 or 2, temperature 0,
-ignore_eos; one 100-token decode; prompt_token_ids sliced from text tokenized by the model's tokenizer): exact repeats,
-siblings sharing a prefix, multi-turn growth (each turn = previous prompt + previous output + new
+The workload (`workload()`): 40 requests sent ONE AT A TIME (max_tokens 1 or 2 but one
+100-token decode, temperature 0, ignore_eos, prompt_token_ids sliced from text tokenized by the
+model's tokenizer): exact repeats, siblings sharing a prefix, multi-turn growth (each turn = previous prompt + previous output + new
 text), fills that force evictions, revisits of evicted prefixes, lengths that are exact multiples
 of 32, lengths from ~40 to ~700 tokens, and a fill sized from the engine's free queue to evict
 a block a windowed group needs while the full-attention group keeps the whole prefix
@@ -63,7 +63,7 @@ BLOCK = 32
 MAX_MODEL_LEN = 1024  # what a 200-block pool admits for the 6-group Gemma layouts
 TOPIC = "kv@inproc@hybrid"
 # Per layout: pool blocks (including vLLM's null block). Small enough that the fills evict
-# from every group, large enough for one ~700-token prompt in every group at once.
+# from every group, large enough that vLLM admits MAX_MODEL_LEN (its start-up check).
 DEFAULT_NUM_BLOCKS = {
     "gemma3-sliding-first": 200,
     "gemma3-full-first": 200,

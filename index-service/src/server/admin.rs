@@ -188,6 +188,9 @@ struct ReplicaMatchJson {
     id: String,
     matched_blocks: u32,
     gpu_blocks: u32,
+    /// How far a longer prompt with these leading keys could hit (hybrid models: the
+    /// full-attention group's leading blocks).
+    prefix_blocks: u32,
     precise: bool,
     /// `ready`, `syncing`, `stale`, `disconnected`, `never_connected`, `flagged`.
     state: &'static str,
@@ -237,6 +240,7 @@ async fn match_prompt(
                     id: m.replica_id,
                     matched_blocks: m.matched_blocks,
                     gpu_blocks: m.gpu_blocks,
+                    prefix_blocks: m.prefix_blocks,
                     precise: m.precise,
                     reason: m.reason,
                 })

@@ -131,6 +131,7 @@ fn match_keys_inner(
                 replica_id: name.to_string(),
                 matched_blocks: m.matched_blocks,
                 gpu_blocks: m.gpu_blocks,
+                prefix_blocks: m.prefix_blocks,
                 precise: m.precise,
                 state: condition(m.state).into(),
                 reason: m.state.reason().to_owned(),

@@ -304,6 +304,18 @@ impl Groups {
             .collect()
     }
 
+    /// How far a longer prompt with these leading `keys` could hit (see
+    /// [`super::ReplicaMatch::prefix_blocks`]): the primary group's leading blocks, or every
+    /// key when the replica has no full-attention group.
+    pub(crate) fn prefix_blocks(&self, keys: &[u64], primary_blocks: u32) -> u32 {
+        let state = self.state.read();
+        if state.primary.is_some() || state.sides.is_empty() {
+            primary_blocks
+        } else {
+            u32::try_from(keys.len()).unwrap_or(u32::MAX)
+        }
+    }
+
     /// vLLM's hit for `keys` (prompt keys of `block_size` tokens), in blocks of `block_size`:
     /// the primary group holds the first `primary_blocks` keys (in the media `gpu_only` asks
     /// for), each side group what it stored.

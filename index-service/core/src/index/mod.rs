@@ -164,6 +164,11 @@ pub struct ReplicaMatch {
     pub matched_blocks: u32,
     /// Of those, the leading blocks held on the GPU.
     pub gpu_blocks: u32,
+    /// How far a longer prompt with these leading keys could still hit: the leading blocks its
+    /// full-attention group holds (`matched_blocks` itself for dense models; every key for a
+    /// replica without full attention, whose hit needs only a window before the cut). A caller
+    /// that asked about a prompt's leading part learns more from its whole only below this.
+    pub prefix_blocks: u32,
     /// True only when the replica is [`ReplicaState::Ready`]; otherwise its counts are 0 and
     /// say nothing about what it holds.
     pub precise: bool,
@@ -177,6 +182,7 @@ impl ReplicaMatch {
             replica,
             matched_blocks: 0,
             gpu_blocks: 0,
+            prefix_blocks: 0,
             precise: state.is_precise(),
             state,
         }

@@ -180,6 +180,7 @@ impl Pool {
             else {
                 continue;
             };
+            found.prefix_blocks = groups.prefix_blocks(keys, found.matched_blocks);
             found.matched_blocks =
                 groups.hit_blocks(keys, self.block_size, found.matched_blocks, false);
             found.gpu_blocks = groups.hit_blocks(keys, self.block_size, found.gpu_blocks, true);
@@ -424,6 +425,7 @@ impl Pool {
                 } else {
                     matched[at]
                 };
+                found.prefix_blocks = found.matched_blocks;
                 found.gpu_blocks = if gpu_alive.contains(*slot) {
                     total
                 } else {
@@ -499,6 +501,7 @@ impl Pool {
         for (slot, found) in reported.iter_mut().filter(|(_, found)| found.precise) {
             let (bit, at) = (1u64 << *slot, usize::from(*slot) % 64);
             found.matched_blocks = if alive & bit != 0 { total } else { matched[at] };
+            found.prefix_blocks = found.matched_blocks;
             found.gpu_blocks = if gpu_alive & bit != 0 {
                 total
             } else {

@@ -67,6 +67,14 @@ fn answer(index: &BlockIndex, tokens: &[u32]) -> (u32, bool, ReplicaState) {
     (mine.matched_blocks, mine.precise, mine.state)
 }
 
+/// Replica 0's `prefix_blocks` for `tokens`.
+fn prefix(index: &BlockIndex, tokens: &[u32]) -> u32 {
+    let found = index
+        .find_matches(EXACT, &engine_hashes(tokens), None)
+        .unwrap();
+    found.iter().find(|m| m.replica == ReplicaId(0)).unwrap().prefix_blocks
+}
+
 fn apply(index: &BlockIndex, event: KvEvent) -> crate::index::ApplyOutcome {
     index.apply_event(ReplicaId(0), &event).unwrap()
 }
@@ -93,6 +101,8 @@ fn a_prefix_needs_the_window_before_the_cut() {
         // A shorter prompt of the same prefix cuts at 5: its window (3, 4) was dropped, and
         // with nothing held from block 0 on in the window group, vLLM reuses nothing.
         assert_eq!(answer(&index, &tokens[..5 * 4]).0, 0, "{layout}");
+        // Full attention holds all five: a longer prompt could still hit.
+        assert_eq!(prefix(&index, &tokens[..5 * 4]), 5, "{layout}");
         // A later request kept blocks 3 and 4 in the window group: now 5 blocks.
         apply(&index, sliding(&tokens, 0..5, &[3, 4], window_group));
         assert_eq!(answer(&index, &tokens[..5 * 4]).0, 5, "{layout}");
@@ -190,6 +200,8 @@ fn without_full_attention_a_hit_needs_only_the_window() {
     apply(&index, sliding(&tokens, 0..10, &[8, 9], 0));
     assert_eq!(answer(&index, &tokens).0, 10);
     assert_eq!(answer(&index, &tokens[..9 * 4]).0, 0);
+    // Without full attention, any longer prompt may hit: every key counts as a prefix.
+    assert_eq!(prefix(&index, &tokens[..9 * 4]), 9);
 }
 
 #[test]

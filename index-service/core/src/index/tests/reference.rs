@@ -256,6 +256,7 @@ impl KvIndex for Reference {
                         replica: id,
                         matched_blocks: 0,
                         gpu_blocks: 0,
+                        prefix_blocks: 0,
                         precise: false,
                         state: ReplicaState::Flagged(flag),
                     };
@@ -264,6 +265,7 @@ impl KvIndex for Reference {
                     replica: id,
                     matched_blocks: leading(replica, false),
                     gpu_blocks: leading(replica, true),
+                    prefix_blocks: leading(replica, false),
                     precise: true,
                     state: ReplicaState::Ready,
                 }
