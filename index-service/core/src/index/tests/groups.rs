@@ -72,7 +72,11 @@ fn prefix(index: &BlockIndex, tokens: &[u32]) -> u32 {
     let found = index
         .find_matches(EXACT, &engine_hashes(tokens), None)
         .unwrap();
-    found.iter().find(|m| m.replica == ReplicaId(0)).unwrap().prefix_blocks
+    found
+        .iter()
+        .find(|m| m.replica == ReplicaId(0))
+        .unwrap()
+        .prefix_blocks
 }
 
 fn apply(index: &BlockIndex, event: KvEvent) -> crate::index::ApplyOutcome {

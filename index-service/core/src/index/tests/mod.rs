@@ -1,6 +1,7 @@
 //! Index tests: one conformance suite run over [`BlockIndex`] and the naive [`Reference`]
 //! model, property tests comparing the two, and [`BlockIndex`]-specific unit tests.
 
+mod capture;
 mod concurrent;
 mod conformance;
 mod groups;
