@@ -10,7 +10,7 @@ use kvroute_block_keys::testing::fixture;
 use kvroute_block_keys::{HashAlgo, VllmHasher};
 use serde_json::Value;
 
-use crate::index::{BlockIndex, KvIndex, PoolConfig, PoolKeys, ReplicaId};
+use crate::index::{KvIndex, PoolConfig, PoolKeys, ReplicaId};
 use crate::wire;
 
 const LAYOUTS: [&str; 5] = [
