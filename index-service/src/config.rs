@@ -31,6 +31,9 @@
 //!     block_size: 32           # default 16
 //!     key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0", vllm_version: 0.32.0}
 //!     verify_hashes: flag      # index only: off | flag | required (refuse blocks that cannot be verified)
+//!     attention_chunk_size: 8192   # index only, optional: the model's chunked local attention
+//!                              # chunk (Llama 4); vLLM does not publish it, and without it a replica
+//!                              # with such a KV-cache group is flagged (matches approximate)
 //!   - name: llama              # replicas from Kubernetes instead of `replicas:` (the section
 //!     models: [llama]          # kvroute-ext-proc's pools take, kvroute_discovery::config): the
 //!     discovery:               # Ready pods' KV-event ports are subscribed to directly; a pod
@@ -282,6 +285,10 @@ pub struct RawPool {
     /// and flag replicas that disagree) or `required` (also refuse every run that is not
     /// verified: mid-chain runs without a parent digest, LoRA, extra keys, mismatches).
     pub verify_hashes: Option<String>,
+    /// Tokens per attention chunk of the model's chunked local attention layers (Llama 4's
+    /// `attention_chunk_size`), for hybrid models with such a KV-cache group: vLLM's events do
+    /// not carry it.
+    pub attention_chunk_size: Option<u32>,
     /// Where the pool's replicas come from instead of `replicas:` (Kubernetes; the section
     /// kvroute-ext-proc's pools take, `kvroute_discovery::config`). Discovered replicas are
     /// subscribed to directly at their pods' KV-event ports.
@@ -402,6 +409,8 @@ pub struct PoolConfig {
     pub key_scheme: KeyScheme,
     /// What is done with published block hashes (vllm-exact pools).
     pub verify_hashes: VerifyHashes,
+    /// The model's chunked local attention chunk, when configured.
+    pub attention_chunk_size: Option<u32>,
     /// Replicas discovered from Kubernetes instead of `replicas:`.
     pub discovery: Option<kvroute_discovery::KubernetesSource>,
 }
@@ -851,6 +860,13 @@ fn validate_pool(
              `required` applies to vllm-exact pools",
         ));
     }
+    if pool.attention_chunk_size == Some(0) {
+        return Err(ConfigError::invalid(
+            field("attention_chunk_size"),
+            "0",
+            "the chunk of chunked local attention, in tokens: leave it out or give a positive size",
+        ));
+    }
     let discovery = match pool.discovery {
         None => None,
         Some(kvroute_discovery::RawPoolDiscovery { kubernetes: None }) => {
@@ -878,6 +894,7 @@ fn validate_pool(
         block_size: keys.block_size,
         key_scheme: keys.scheme,
         verify_hashes,
+        attention_chunk_size: pool.attention_chunk_size,
         discovery,
     })
 }
@@ -1041,6 +1058,19 @@ replicas:
         assert_eq!(verify(", verify_hashes: off"), VerifyHashes::Off);
         assert_eq!(verify(", verify_hashes: flag"), VerifyHashes::Flag);
         assert_eq!(verify(", verify_hashes: required"), VerifyHashes::Required);
+    }
+
+    #[test]
+    fn attention_chunk_size_is_optional_and_positive() {
+        let chunk = |pool: &str| {
+            Config::from_yaml(&format!("pools: [{{name: p, models: [m]{pool}}}]"))
+                .map(|config| config.pools[0].attention_chunk_size)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(chunk(""), Ok(None));
+        assert_eq!(chunk(", attention_chunk_size: 8192"), Ok(Some(8192)));
+        let error = chunk(", attention_chunk_size: 0").unwrap_err();
+        assert!(error.contains("pools[0].attention_chunk_size"), "{error}");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Admin HTTP API, apart from the gRPC port: `/metrics`, `/healthz`, `/readyz`,
-//! `GET /v1/replicas` and `POST /v1/match` (so operators can ask with curl). With `query_auth` the
+//! `GET /v1/replicas` (and each replica's `/blocks` and per-KV-cache-group `/groups`) and
+//! `POST /v1/match` (so operators can ask with curl). With `query_auth` the
 //! `/v1/*` endpoints, which reveal what each replica caches, need `authorization: Bearer <token>`;
 //! the probes and `/metrics` stay open.
 
@@ -34,6 +35,7 @@ pub(crate) async fn serve(
     let cache_state = Router::new()
         .route("/v1/replicas", get(replicas))
         .route("/v1/replicas/{id}/blocks", get(replica_blocks))
+        .route("/v1/replicas/{id}/groups", get(replica_groups))
         .route("/v1/match", post(match_prompt))
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&shared),
@@ -150,6 +152,31 @@ async fn replica_blocks(
     };
     match shared.index.replica_block_hashes(id) {
         Ok(blocks) => Json(serde_json::json!({ "id": name, "blocks": blocks })).into_response(),
+        Err(error) => error_response(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    }
+}
+
+/// `GET /v1/replicas/{id}/groups`: each KV-cache group's held engine hashes for one replica,
+/// `{"id": .., "groups": {"<group_idx>": [hash, ..]}}`, one entry per cached copy, sorted (a
+/// hybrid model's groups hold different blocks of one prompt; debugging and convergence tests
+/// compare them with the engine's block pool; O(its blocks)). Groups whose hit rule is not
+/// modelled are not held, so not listed.
+async fn replica_groups(
+    State(shared): State<Arc<Shared>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    let Some(id) = shared.directory.replica_id(&name) else {
+        return error_response(StatusCode::NOT_FOUND, format!("unknown replica {name:?}"));
+    };
+    match shared.index.replica_group_hashes(id) {
+        Ok(groups) => {
+            // JSON object keys are strings: the group index, as vLLM's `group_idx`.
+            let groups: serde_json::Map<String, serde_json::Value> = groups
+                .into_iter()
+                .map(|(group, hashes)| (group.to_string(), serde_json::json!(hashes)))
+                .collect();
+            Json(serde_json::json!({ "id": name, "groups": groups })).into_response()
+        }
         Err(error) => error_response(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
     }
 }

@@ -74,7 +74,7 @@ impl Directory {
                     model: pool.name.clone(),
                     block_size: pool.block_size,
                     keys: PoolKeys::from_scheme(&pool.key_scheme, pool.verify_hashes),
-                    attention_chunk_size: None,
+                    attention_chunk_size: pool.attention_chunk_size,
                 })
                 .map_err(|source| ServeError::Register {
                     what: format!("pool {}", pool.name),

@@ -386,6 +386,7 @@ async fn index_query_api_needs_the_token_when_configured() {
     for (path, post) in [
         ("/v1/replicas", None),
         ("/v1/replicas/r0/blocks", None),
+        ("/v1/replicas/r0/groups", None),
         ("/v1/match", Some(matched)),
     ] {
         let url = format!("{admin}{path}");
@@ -431,8 +432,9 @@ async fn index_query_api_needs_the_token_when_configured() {
         // One from this test's client, two from ext-proc's (its last-resort pass retries the
         // address that just failed).
         ("grpc", "wrong_token", 3),
-        ("http", "missing", 3),
-        ("http", "wrong_token", 3),
+        // One per admin `/v1/*` path above.
+        ("http", "missing", 4),
+        ("http", "wrong_token", 4),
     ] {
         let line = format!(
             "kvroute_index_query_auth_refusals_total{{api=\"{api}\",reason=\"{reason}\"}} {count}"

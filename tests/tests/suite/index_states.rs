@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_index::api::{self, MatchRequest, ReplicaCondition, kv_index_client::KvIndexClient};
 use kvroute_index::config::Config;
-use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_index::event::{BlockRemoved, BlockStored, CacheKind, EventBatch, KvEvent, Medium};
 use kvroute_index::server::IndexServer;
 use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_index::wire::{Encoding, encode_batch};
@@ -361,5 +361,88 @@ async fn a_replica_whose_messages_do_not_decode_is_flagged_until_one_does() {
     })
     .await
     .unwrap();
+    server.shutdown().await;
+}
+
+/// A hybrid model's stores in `group` (`window`: a sliding-window group, else full attention),
+/// `span` blocks of tokens of which `hashes` are the ones it keeps (a window group's stores are
+/// not dense), as vLLM 0.32 publishes them.
+fn group_stored(group: u32, window: Option<u32>, hashes: &[u64], span: u32) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.to_vec(),
+        token_ids: (0..span * BLOCK_SIZE).collect(),
+        block_size: BLOCK_SIZE,
+        medium: Medium::Gpu,
+        group_idx: Some(group),
+        cache_kind: Some(if window.is_some() {
+            CacheKind::SlidingWindow
+        } else {
+            CacheKind::FullAttention
+        }),
+        sliding_window: window,
+        ..BlockStored::default()
+    })
+}
+
+/// `GET /v1/replicas/{id}/groups`: each KV-cache group's holdings apart, one entry per copy,
+/// sorted; a removal touches its own group only; unknown replicas are 404.
+#[tokio::test]
+async fn the_admin_api_lists_each_kv_cache_groups_holdings() {
+    let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
+    let server = IndexServer::start(config(&zmq_replica("hybrid", &publisher), ""))
+        .await
+        .unwrap();
+    wait_for_state(&server, "hybrid", ReplicaCondition::Ready).await;
+    let [a1, a2, a3] = HASHES;
+    let batch = EventBatch {
+        ts: 0.0,
+        dp_rank: Some(0),
+        events: vec![
+            // Group 0 slides over 2 blocks: of the prompt's 3 it keeps the last 2, of a
+            // second request with the same prompt another copy of the last one.
+            group_stored(0, Some(2 * BLOCK_SIZE), &[a2, a3], 3),
+            group_stored(1, None, &[a1, a2, a3], 3),
+            group_stored(0, Some(2 * BLOCK_SIZE), &[a3], 3),
+            // Evicting a2 from the window group leaves the full group's a2.
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![a2],
+                medium: Medium::Gpu,
+                group_idx: Some(0),
+            }),
+        ],
+    };
+    publisher
+        .publish(encode_batch(&batch, Encoding::V0_32))
+        .await
+        .unwrap();
+    let url = format!("http://{}/v1/replicas/hybrid/groups", server.admin_addr());
+    let expected = json!({"id": "hybrid", "groups": {"0": [a3, a3], "1": [a1, a2, a3]}});
+    let listed = wait_until("both groups listed", DEADLINE, || async {
+        let body: Value = http::get(&url).await.ok()?.json().ok()?;
+        (body == expected).then_some(body)
+    })
+    .await;
+    assert!(
+        listed.is_ok(),
+        "{:?}",
+        http::get(&url).await.unwrap().text()
+    );
+    // The per-replica blocks listing is the full-attention group's.
+    let blocks: Value = http::get(&format!(
+        "http://{}/v1/replicas/hybrid/blocks",
+        server.admin_addr()
+    ))
+    .await
+    .unwrap()
+    .json()
+    .unwrap();
+    assert_eq!(blocks["blocks"], json!([a1, a2, a3]));
+    let unknown = http::get(&format!(
+        "http://{}/v1/replicas/nobody/groups",
+        server.admin_addr()
+    ))
+    .await
+    .unwrap();
+    assert_eq!(unknown.status.as_u16(), 404, "{}", unknown.text());
     server.shutdown().await;
 }
