@@ -1,7 +1,7 @@
 //! vLLM's KV-event wire format: ZMQ frames and msgpack payloads → domain [`crate::event`] types.
 //!
 //! This is the only module that knows msgpack. It accepts every encoding vLLM has published
-//! (0.9.0 through 0.33: tagged arrays, then `"type"`-keyed maps; hashes as uint, negative int or
+//! (0.9.0 through 0.34: tagged arrays, then `"type"`-keyed maps; hashes as uint, negative int or
 //! raw digest bytes) and turns them into [`EventBatch`]es. See `README.md` beside this file and
 //! `shared/vllm/kv-events-spec.md` §1–§2.
 //!

@@ -791,6 +791,101 @@ fn maps_accept_any_key_order_unknown_and_non_string_keys() {
     assert_eq!(decoded.batch.dp_rank, None);
 }
 
+/// vLLM 0.34's events carry every field it has: the group's kind and window are used, the
+/// fields that do not change what a replica holds are counted as ignored.
+#[test]
+fn every_vllm_0_34_field_is_used_or_counted() {
+    let payload = Mp::default()
+        .arr(3)
+        .f(1.0)
+        .arr(2)
+        .map(16)
+        .s("type")
+        .s("BlockStored")
+        .s("block_hashes")
+        .arr(1)
+        .u(9)
+        .s("parent_block_hash")
+        .nil()
+        .s("token_ids")
+        .arr(2)
+        .u(1)
+        .u(2)
+        .s("block_size")
+        .u(1)
+        .s("lora_id")
+        .nil()
+        .s("medium")
+        .s("GPU")
+        .s("lora_name")
+        .nil()
+        .s("extra_keys")
+        .nil()
+        .s("group_idx")
+        .u(3)
+        .s("kv_cache_spec_kind")
+        .s("sliding_window")
+        .s("kv_cache_spec_sliding_window")
+        .u(4096)
+        .s("locality")
+        .s("LOCAL")
+        .s("ownership")
+        .s("kvcr")
+        .s("session_id")
+        .s("session-7")
+        .s("lookahead_token_ids")
+        .arr(1)
+        .u(3)
+        .map(5)
+        .s("type")
+        .s("BlockRemoved")
+        .s("block_hashes")
+        .arr(1)
+        .u(9)
+        .s("medium")
+        .s("STORAGE")
+        .s("group_idx")
+        .u(3)
+        .s("locality")
+        .nil()
+        .u(0);
+    let decoded = decode(payload).unwrap();
+    assert_eq!(
+        decoded.batch.events,
+        [
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![9],
+                token_ids: vec![1, 2],
+                block_size: 1,
+                group_idx: Some(3),
+                cache_kind: Some(CacheKind::SlidingWindow),
+                sliding_window: Some(4096),
+                ..Default::default()
+            }),
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![9],
+                medium: Medium::Storage,
+                group_idx: Some(3),
+            }),
+        ]
+    );
+    // A nil field is not counted; each present one once per event.
+    assert_eq!(
+        decoded.ignored_fields,
+        IgnoredFields {
+            locality: 1,
+            ownership: 1,
+            session_id: 1,
+            lookahead_token_ids: 1,
+        }
+    );
+    assert_eq!(CacheKind::from_wire("mamba"), CacheKind::Mamba);
+    assert_eq!(
+        CacheKind::from_wire("a kind from a later vLLM"),
+        CacheKind::Unknown
+    );
+}
+
 #[test]
 fn arrays_tolerate_missing_and_extra_elements() {
     // A short S1-style event, then one with elements beyond S7's twelve; a 4-item batch.
