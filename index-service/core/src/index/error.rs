@@ -150,7 +150,7 @@ pub enum FlagReason {
     UnknownEncoding,
     /// The replica's model has a KV-cache group whose hit rule the index does not model (see
     /// [`RejectReason::UnmodelledGroup`]): its matches count its modelled groups only, so they
-    /// are approximate, never precise.
+    /// are approximate, never precise (the only flag whose matches carry counts).
     UnmodelledCacheGroup,
 }
 

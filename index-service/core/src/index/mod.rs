@@ -170,7 +170,9 @@ pub struct ReplicaMatch {
     /// that asked about a prompt's leading part learns more from its whole only below this.
     pub prefix_blocks: u32,
     /// True only when the replica is [`ReplicaState::Ready`]; otherwise its counts are 0 and
-    /// say nothing about what it holds.
+    /// say nothing about what it holds, except for a replica flagged
+    /// [`FlagReason::UnmodelledCacheGroup`]: its counts are its modelled groups' answer, an
+    /// approximation (a group whose rule is not modelled may give less).
     pub precise: bool,
     /// Why it is (not) precise.
     pub state: ReplicaState,

@@ -14,8 +14,15 @@ use super::paths::{
     MAX_RUN, MIN_RUN, MIN_STORED_RUN, PathStats, Paths, PathsView, RunRef, interleave,
 };
 use super::table::{HolderTable, HolderWord, HomeEntry, Layout, LayoutView, Storage, read_fence};
-use super::{IndexError, ReplicaId, ReplicaMatch, ReplicaState};
+use super::{FlagReason, IndexError, ReplicaId, ReplicaMatch, ReplicaState};
 use crate::event::Medium;
+
+/// Whether a replica's holdings are counted in its match: a precise replica's, and those of a
+/// replica flagged only for a KV-cache group whose hit rule the index does not model (its
+/// modelled groups' answer, reported approximate: `precise` stays false).
+fn counted(found: &ReplicaMatch) -> bool {
+    found.precise || found.state == ReplicaState::Flagged(FlagReason::UnmodelledCacheGroup)
+}
 
 /// Replica slots of a pool, and whether each is trusted for precise matching.
 #[derive(Debug, Default)]
@@ -26,18 +33,18 @@ struct Members {
     /// below 64 that are trusted: rebuilt on each change, so a match copies it instead of
     /// going through the slots.
     everyone: Vec<(Slot, ReplicaMatch)>,
-    everyone_precise: u64,
+    everyone_counted: u64,
 }
 
 impl Members {
     fn refresh(&mut self) {
         self.everyone.clear();
-        self.everyone_precise = 0;
+        self.everyone_counted = 0;
         for (slot, member) in self.slots.iter().enumerate() {
             if let (Some(member), Ok(slot)) = (member, Slot::try_from(slot)) {
                 let found = ReplicaMatch::empty(member.replica, member.state);
-                if found.precise && slot < 64 {
-                    self.everyone_precise |= 1 << slot;
+                if counted(&found) && slot < 64 {
+                    self.everyone_counted |= 1 << slot;
                 }
                 self.everyone.push((slot, found));
             }
@@ -176,7 +183,7 @@ impl Pool {
         for (slot, groups) in groups.iter() {
             let Some((_, found)) = reported
                 .iter_mut()
-                .find(|(s, found)| s == slot && found.precise)
+                .find(|(s, found)| s == slot && counted(found))
             else {
                 continue;
             };
@@ -369,13 +376,13 @@ impl Pool {
         builds: bool,
     ) -> Vec<ReplicaMatch> {
         // Snapshot who is asked about and who is trusted, then walk without the members lock.
-        let (mut reported, slot_count, everyone_precise) = {
+        let (mut reported, slot_count, everyone_counted) = {
             let members = self.members.read();
             match candidates {
                 None => (
                     members.everyone.clone(),
                     members.slots.len(),
-                    Some(members.everyone_precise),
+                    Some(members.everyone_counted),
                 ),
                 Some(candidates) => {
                     let mut reported = Vec::with_capacity(candidates.len());
@@ -397,7 +404,7 @@ impl Pool {
 
         let total = keys.len() as u32;
         if slot_count <= 64 {
-            self.count_small(keys, &mut reported, everyone_precise, builds);
+            self.count_small(keys, &mut reported, everyone_counted, builds);
             if !self.groups.load().is_empty() {
                 self.answer_groups(keys, &mut reported);
             }
@@ -405,7 +412,7 @@ impl Pool {
         }
         let mut alive = SlotSet::with_slots(slot_count);
         for (slot, found) in &reported {
-            if found.precise {
+            if counted(found) {
                 alive.insert(*slot);
             }
         }
@@ -418,7 +425,7 @@ impl Pool {
         }
         // Replicas still matching after the walk hold every key.
         for (slot, found) in &mut reported {
-            if found.precise {
+            if counted(found) {
                 let at = usize::from(*slot);
                 found.matched_blocks = if alive.contains(*slot) {
                     total
@@ -462,19 +469,19 @@ impl Pool {
     /// [`Self::find_matches`]'s counts for pools of up to 64 slots: the live sets are single
     /// words and the walk follows runs ([`Self::walk_one_word`]), then builds runs over what
     /// it had to look up one by one.
-    /// `precise`: the trusted slots, when the caller knows them; `builds`: see
+    /// `counted`: the slots whose holdings are counted, when the caller knows them; `builds`: see
     /// [`Self::find_matches`].
     fn count_small(
         &self,
         keys: &[u64],
         reported: &mut [(Slot, ReplicaMatch)],
-        precise: Option<u64>,
+        counted_slots: Option<u64>,
         builds: bool,
     ) {
-        let mut alive = precise.unwrap_or_else(|| {
+        let mut alive = counted_slots.unwrap_or_else(|| {
             reported
                 .iter()
-                .filter(|(_, found)| found.precise)
+                .filter(|(_, found)| counted(found))
                 .fold(0u64, |alive, &(slot, _)| alive | 1 << slot)
         });
         let mut gpu_alive = alive;
@@ -498,7 +505,7 @@ impl Pool {
         }
         // Replicas still matching after the walk hold every key.
         let total = keys.len() as u32;
-        for (slot, found) in reported.iter_mut().filter(|(_, found)| found.precise) {
+        for (slot, found) in reported.iter_mut().filter(|(_, found)| counted(found)) {
             let (bit, at) = (1u64 << *slot, usize::from(*slot) % 64);
             found.matched_blocks = if alive & bit != 0 { total } else { matched[at] };
             found.prefix_blocks = found.matched_blocks;
