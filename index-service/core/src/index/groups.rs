@@ -212,7 +212,8 @@ impl Groups {
     }
 
     /// Records `hashes` stored in side group `side` on `medium`; new blocks past `max_blocks`
-    /// in the group are refused.
+    /// in all side groups together are refused (so however many groups a stream declares, they
+    /// hold no more than the replica's cap between them).
     pub(crate) fn store(
         &self,
         side: usize,
@@ -222,16 +223,24 @@ impl Groups {
     ) -> SideOutcome {
         let mut state = self.state.write();
         let mut outcome = SideOutcome::default();
+        let mut held: usize = state.sides.iter().map(|side| side.held.len()).sum();
         let Some(side) = state.sides.get_mut(side) else {
             return outcome;
         };
         let at = MediaSet::index(medium);
         for &hash in hashes {
-            if side.held.len() >= max_blocks && !side.held.contains_key(&hash) {
-                outcome.refused += 1;
-                continue;
-            }
-            side.held.entry(hash).or_default().0[at] += 1;
+            let copies = match side.held.get_mut(&hash) {
+                Some(copies) => copies,
+                None if held >= max_blocks => {
+                    outcome.refused += 1;
+                    continue;
+                }
+                None => {
+                    held += 1;
+                    side.held.entry(hash).or_default()
+                }
+            };
+            copies.0[at] += 1;
             outcome.applied += 1;
         }
         outcome

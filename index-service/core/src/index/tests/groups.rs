@@ -302,3 +302,25 @@ fn clearing_forgets_every_group() {
     apply(&index, sliding(&tokens, 0..4, &[2, 3], 0));
     assert_eq!(answer(&index, &tokens).0, 4);
 }
+
+#[test]
+fn side_groups_share_the_replicas_cap() {
+    // However many groups a stream declares, they hold no more than the cap between them.
+    let index = block_index(3);
+    setup(&index, 1);
+    let tokens = prompt(10, 0, 4);
+    let outcome = apply(&index, sliding(&tokens, 0..4, &[0, 1], 1));
+    assert_eq!((outcome.blocks_stored, outcome.blocks_rejected), (2, 0));
+    let outcome = apply(&index, sliding(&tokens, 0..4, &[2, 3], 2));
+    assert_eq!(
+        (
+            outcome.blocks_stored,
+            outcome.blocks_rejected,
+            outcome.rejection
+        ),
+        (1, 1, Some(RejectReason::ReplicaCapacity))
+    );
+    // Another copy of a held block is not a new block.
+    let outcome = apply(&index, sliding(&tokens, 0..4, &[0], 1));
+    assert_eq!((outcome.blocks_stored, outcome.blocks_rejected), (1, 0));
+}
