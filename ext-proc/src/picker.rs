@@ -29,7 +29,7 @@ use arc_swap::ArcSwap;
 use kvroute_index_api::api::{MatchRequest, MatchResponse};
 use kvroute_routing::load::{InflightGuard, LoadBoard};
 use kvroute_routing::policy::Reason;
-use kvroute_routing::{PromptFacts, RouteRequest, Router};
+use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router};
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Pool, Replica, TokenizerSource};
@@ -463,7 +463,11 @@ impl Picker {
                             .replicas
                             .iter()
                             .find(|m| m.replica_id == replica.id && m.precise)
-                            .map(|m| m.matched_blocks)
+                            .map(|m| Indexed {
+                                matched_blocks: m.matched_blocks,
+                                // An older index leaves it 0: its answers are dense ones.
+                                prefix_blocks: m.prefix_blocks.max(m.matched_blocks),
+                            })
                     })
                     .collect();
                 let prompt = PromptFacts {

@@ -57,10 +57,41 @@ pub struct PromptFacts {
     pub keys: Vec<u64>,
     /// Its length in tokens (estimated when only a leading part was tokenized).
     pub prompt_tokens: usize,
-    /// Per candidate (same order), the leading blocks the index holds there, when the index
-    /// answered and vouches for that replica (`precise`); `None` otherwise. Shorter than the
-    /// candidates means `None` for the rest.
-    pub indexed: Vec<Option<u32>>,
+    /// Per candidate (same order), what the index says of it, when the index answered and
+    /// vouches for that replica (`precise`); `None` otherwise. Shorter than the candidates means
+    /// `None` for the rest.
+    pub indexed: Vec<Option<Indexed>>,
+}
+
+/// The index's precise answer for one candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Indexed {
+    /// The leading blocks the engine would reuse there.
+    pub matched_blocks: u32,
+    /// How far its full-attention KV-cache group holds the prompt (`matched_blocks` for dense
+    /// models; more for a hybrid one whose sliding-window blocks before the cut are gone).
+    pub prefix_blocks: u32,
+}
+
+impl Indexed {
+    /// A dense model's answer: what it holds is what it reuses.
+    pub fn dense(matched_blocks: u32) -> Self {
+        Indexed {
+            matched_blocks,
+            prefix_blocks: matched_blocks,
+        }
+    }
+
+    /// The blocks the engine would reuse, given kvroute's own recent inserts there: those count
+    /// only past what the index already holds (their events have not landed yet). Below it the
+    /// index knows better: a hybrid model can hold a prefix and still reuse less of it.
+    fn with_speculative(self, speculative: u32) -> u32 {
+        if speculative > self.prefix_blocks {
+            self.matched_blocks.max(speculative)
+        } else {
+            self.matched_blocks
+        }
+    }
 }
 
 /// One request to route.
@@ -207,7 +238,7 @@ impl Router {
                     .memory
                     .lookup(replica, &keys, now, scoring.speculative_ttl);
                 let matched_blocks = match indexed.get(i).copied().flatten() {
-                    Some(matched) => matched.max(remembered.speculative),
+                    Some(found) => found.with_speculative(remembered.speculative),
                     None => remembered.approximate,
                 };
                 let load = self.loads.replica(replica);
@@ -310,8 +341,24 @@ mod tests {
         Some(PromptFacts {
             keys: keys.to_vec(),
             prompt_tokens: keys.len() * 16 + 5,
-            indexed,
+            indexed: indexed.into_iter().map(|m| m.map(Indexed::dense)).collect(),
         })
+    }
+
+    #[test]
+    fn recent_inserts_count_only_past_what_the_index_holds() {
+        // Dense: the larger of the two, as before.
+        assert_eq!(Indexed::dense(3).with_speculative(5), 5);
+        assert_eq!(Indexed::dense(5).with_speculative(3), 5);
+        // Hybrid: full attention holds 8 blocks, the engine would reuse none (the window before
+        // the cut was evicted). A recent insert of 8 blocks says nothing new: 0, not 8.
+        let hybrid = Indexed {
+            matched_blocks: 0,
+            prefix_blocks: 8,
+        };
+        assert_eq!(hybrid.with_speculative(8), 0);
+        // Past the full-attention prefix, the insert's events have not landed: it counts.
+        assert_eq!(hybrid.with_speculative(10), 10);
     }
 
     #[test]

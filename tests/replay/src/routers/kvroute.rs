@@ -21,7 +21,7 @@ use kvroute_index::index::{
     BlockIndex, IndexConfig, IndexMetrics, KvIndex, PoolConfig, PoolKeys, ReplicaId,
 };
 use kvroute_routing::load::{DEFAULT_SCRAPE_INTERVAL, InflightGuard, LoadBoard, Scraped};
-use kvroute_routing::{PromptFacts, RouteRequest, Router as RoutingCore, ScoringConfig};
+use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router as RoutingCore, ScoringConfig};
 use rand::rngs::StdRng;
 
 use super::{Decision, Router, View};
@@ -108,13 +108,16 @@ impl Router for Kvroute {
     fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
         let now = self.instant(view.now_us);
         let keys = request.keys();
-        let mut indexed: Vec<Option<u32>> = vec![None; self.names.len()];
+        let mut indexed: Vec<Option<Indexed>> = vec![None; self.names.len()];
         if self.events
             && let Ok(matches) = self.index.find_matches(MODEL, keys, None)
         {
             for m in matches.iter().filter(|m| m.precise) {
                 if let Some(slot) = indexed.get_mut(m.replica.0 as usize) {
-                    *slot = Some(m.matched_blocks);
+                    *slot = Some(Indexed {
+                        matched_blocks: m.matched_blocks,
+                        prefix_blocks: m.prefix_blocks,
+                    });
                 }
             }
         }
