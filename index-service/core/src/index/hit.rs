@@ -102,10 +102,56 @@ fn group_hit(
     blocks * block_tokens
 }
 
-/// `SlidingWindowManager.find_longest_cache_hit`: from the right, the first run of `needed`
-/// held blocks ends the hit (its end block-aligned to `alignment` tokens); without one, the
-/// held blocks from the start, trimmed to the alignment.
+/// `SlidingWindowManager.find_longest_cache_hit`'s answer: the last `alignment`-aligned end
+/// (at most `max_blocks`) whose `needed` blocks before it are all held; without one, the held
+/// blocks from the start, trimmed to the alignment. A window whose first block is missing is
+/// skipped whole (the next end to try is before that block), so a replica that holds no window
+/// costs about `max_blocks / needed` lookups, not `max_blocks` (vLLM leaves that as a to-do and
+/// scans block by block: [`window_hit_by_block`] is its transcription, the tests hold the two
+/// equal).
 fn window_hit(
+    needed: usize,
+    max_blocks: usize,
+    block_tokens: usize,
+    alignment: usize,
+    mut holds: impl FnMut(usize) -> bool,
+) -> usize {
+    // vLLM counts a block before comparing the run with `needed`: a window of 0 blocks needs 1.
+    let needed = needed.max(1);
+    // The largest end at most `blocks` whose tokens are a multiple of the alignment.
+    let aligned_down = |mut blocks: usize| {
+        while block_tokens != alignment && !(blocks * block_tokens).is_multiple_of(alignment) {
+            blocks -= 1;
+        }
+        blocks
+    };
+    let mut end = aligned_down(max_blocks);
+    'ends: while end >= needed {
+        let first = end - needed;
+        if !holds(first) {
+            end = aligned_down(first);
+            continue;
+        }
+        for block in (first + 1..end).rev() {
+            if !holds(block) {
+                end = aligned_down(block);
+                continue 'ends;
+            }
+        }
+        return end;
+    }
+    // No window: the blocks held from the start (fewer than a window's), aligned.
+    let leading = (0..max_blocks.min(needed))
+        .take_while(|&block| holds(block))
+        .count();
+    aligned_down(leading)
+}
+
+/// vLLM 0.32's `SlidingWindowManager.find_longest_cache_hit`, block by block: from the right,
+/// the first run of `needed` held blocks ends the hit (a run starts only at an aligned end);
+/// without one, the run that reached block 0, trimmed to the alignment.
+#[cfg(test)]
+fn window_hit_by_block(
     needed: usize,
     max_blocks: usize,
     block_tokens: usize,
@@ -163,6 +209,44 @@ mod tests {
     }
 
     #[test]
+    fn skipping_windows_answers_as_vllms_block_by_block_scan() {
+        // Seeded random holdings, windows, cuts and alignments (block sizes 1–4× a 16-token
+        // hash block, alignments their multiples).
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |bound: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % bound as u64) as usize
+        };
+        for _ in 0..20_000 {
+            let block_tokens = 16 * (1 + next(4));
+            let alignment = block_tokens * (1 + next(2));
+            let needed = next(6);
+            let max_blocks = next(40);
+            let density = 1 + next(9);
+            let held: Vec<bool> = (0..max_blocks).map(|_| next(10) < density).collect();
+            let holds = |block: usize| held[block];
+            assert_eq!(
+                window_hit(needed, max_blocks, block_tokens, alignment, holds),
+                window_hit_by_block(needed, max_blocks, block_tokens, alignment, holds),
+                "needed {needed}, block {block_tokens}, alignment {alignment}, held {held:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_replica_without_a_window_is_skipped_a_window_at_a_time() {
+        let mut lookups = 0;
+        let hit = window_hit(64, 1000, 16, 16, |_| {
+            lookups += 1;
+            false
+        });
+        assert_eq!(hit, 0);
+        assert!(lookups <= 1000 / 64 + 64, "{lookups} lookups");
+    }
+
+    #[test]
     fn window_blocks_follow_vllm() {
         // cdiv(window - 1, block_size): a 64-token window in 32-token blocks needs 2 blocks.
         assert_eq!(Rule::window(64, 32), Rule::Window { blocks: 2 });
@@ -204,16 +288,14 @@ mod tests {
     #[test]
     fn groups_of_different_windows_iterate_until_they_agree() {
         let groups = [full(16), sliding(32, 16), sliding(64, 16)];
-        // Full: 12 blocks. Window 32 (2 blocks): holds 10,11 → 12, then 6,7 → 8.
-        // Window 64 (4 blocks): holds 8..11 (12) and 4..7 (8): both agree on 8 once the first
-        // group cut to... the first pass gives 12 then 12; the first group at 12 is fine.
         let held: [&[usize]; 3] = [
             &(0..12).collect::<Vec<_>>(),
             &[6, 7, 10, 11],
             &[4, 5, 6, 7, 9, 10, 11],
         ];
-        // Window 64 at 12 needs 8..11: 8 is missing, so its answer is 8 (4..7). Window 32 at 8
-        // needs 6,7: held. Full at 8: held. Agreed on 8 blocks.
+        // Full attention: 12 blocks. The 2-block window holds 10 and 11: 12. The 4-block window
+        // at 12 needs 8..11, 8 is missing: its answer is 8 (4..7). Round two at 8: the 2-block
+        // window needs 6 and 7 (held), full attention holds 8: agreed on 8 blocks.
         assert_eq!(hit(&groups, 16 * 12, &held), 128);
     }
 
