@@ -1279,7 +1279,10 @@ mod tests {
                     (&"r1".to_owned(), &"r1".to_owned())
                 );
                 let keys = pool_keys(&with_leading, &whole);
-                assert_eq!(decided.1, keys.len() * 16);
+                // What vLLM reuses of it: at most (tokens - 1) / 16 blocks.
+                let reusable =
+                    kvroute_routing::load::engine_hit_tokens(keys.len() as u32, whole.len(), 16);
+                assert_eq!(decided.1, reusable);
             }
         }
     }

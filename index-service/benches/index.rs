@@ -1,5 +1,6 @@
 //! Index core throughput: applying `BlockStored`/`BlockRemoved` events (block events per second,
-//! one core) and `find_matches` for a 1,000-block prompt against 64 replicas.
+//! one core) and `find_matches` for a 1,000-block prompt against 64 replicas, of a dense model
+//! and of a hybrid one (full attention beside a sliding window).
 //!
 //! Targets: apply well above 2 M block events/s (ingest budget for decode + apply); a match in
 //! ≤ 20 µs.
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_block_keys::TokenChain;
-use kvroute_index::event::{BlockRemoved, BlockStored, KvEvent, Medium};
+use kvroute_index::event::{BlockRemoved, BlockStored, CacheKind, KvEvent, Medium};
 use kvroute_index::index::{
     BlockIndex, IndexConfig, IndexMetrics, KvIndex, PoolConfig, PoolKeys, ReplicaId,
 };
@@ -162,10 +163,58 @@ fn match_index(everyone_holds_all: bool) -> (BlockIndex, Vec<u64>) {
     (index, keys)
 }
 
+/// Blocks of a Gemma-3-like sliding window: 1,024 tokens in blocks of 16 (`cdiv(1023, 16)`).
+const WINDOW_BLOCKS: usize = 64;
+
+/// [`match_index`]'s overlap on a hybrid model (vLLM-exact keys): each replica's full-attention
+/// group (group 1) holds its leading run, its sliding-window group (group 0, 1,024 tokens) the
+/// window before that run's end (`window_held`: each replica's hit is its whole run) or nothing
+/// (every replica's hit is 0 and its window group is searched through).
+fn hybrid_match_index(window_held: bool) -> (BlockIndex, Vec<u64>) {
+    let index = index_with(PoolKeys::VllmExact { validator: None }, REPLICAS);
+    let mut lcg = Lcg(11);
+    let keys: Vec<u64> = (0..PROMPT_BLOCKS).map(|_| lcg.next()).collect();
+    let tokens: Vec<u32> = (0..PROMPT_BLOCKS as u32 * BLOCK_SIZE).collect();
+    let stored = |hashes: &[u64], span: usize, group: u32, kind: CacheKind| {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            token_ids: tokens[..span * BLOCK_SIZE as usize].to_vec(),
+            block_size: BLOCK_SIZE,
+            group_idx: Some(group),
+            cache_kind: Some(kind),
+            sliding_window: (kind == CacheKind::SlidingWindow).then_some(1024),
+            ..BlockStored::default()
+        })
+    };
+    for r in 0..REPLICAS {
+        let held = match r {
+            0 => 900,
+            1..=8 => 400,
+            _ => 200,
+        };
+        let window = if window_held {
+            &keys[held - WINDOW_BLOCKS..held]
+        } else {
+            &[]
+        };
+        let events = [
+            stored(window, held, 0, CacheKind::SlidingWindow),
+            stored(&keys[..held], held, 1, CacheKind::FullAttention),
+        ];
+        index.apply_events(ReplicaId(r), &events).unwrap();
+    }
+    (index, keys)
+}
+
 fn find_matches(c: &mut Criterion) {
     let mut group = c.benchmark_group("find_matches");
-    for (name, everyone) in [("realistic_overlap", false), ("all_hold_all", true)] {
-        let (index, keys) = match_index(everyone);
+    let cases = [
+        ("realistic_overlap", match_index(false)),
+        ("all_hold_all", match_index(true)),
+        ("hybrid_window_held", hybrid_match_index(true)),
+        ("hybrid_window_evicted", hybrid_match_index(false)),
+    ];
+    for (name, (index, keys)) in cases {
         let candidates: Vec<ReplicaId> = (0..REPLICAS).map(ReplicaId).collect();
         group.bench_with_input(
             BenchmarkId::new("1000_blocks_64_replicas", name),

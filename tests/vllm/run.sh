@@ -7,26 +7,34 @@
 # 2. builds the tiny random model from tests/fixtures/tiny-model/ (cached),
 # 3. builds kvroute-index, kvroute-ext-proc and gets Envoy (scripts/setup.sh),
 # 4. builds a tiny random-weights model per real tokenizer folder (scripts/models.sh, cached),
+#    and the tiny hybrid-attention Gemma 3 model (tests/vllm/make_hybrid_model.py
+#    gemma3-sliding-first, cached),
 # 5. runs the ignored tests `real_vllm::real_vllm_end_to_end` (three real engines on the tiny
-#    model behind kvroute-index, kvroute-ext-proc and Envoy) and
+#    model behind kvroute-index, kvroute-ext-proc and Envoy),
 #    `real_vllm_agent::real_vllm_agent_workload` (a tool-using agent workload on Qwen3, Llama 3.1
-#    and gpt-oss tokenizers); the measured numbers are printed and written to
-#    target/real-vllm/results.json and target/real-vllm/agent-results.json.
+#    and gpt-oss tokenizers) and `real_vllm_hybrid::real_vllm_hybrid_gemma3_predictions_and_group_holdings`
+#    (two engines on the hybrid model: predicted cached tokens and per-KV-cache-group holdings);
+#    the measured numbers are printed and written to target/real-vllm/results.json,
+#    target/real-vllm/agent-results.json and target/real-vllm/hybrid-results.json.
 #
 # Env: KVROUTE_CACHE (default ~/.cache/kvroute), KVROUTE_VLLM_VENV (default $KVROUTE_CACHE/vllm-venv),
-#      KVROUTE_VLLM_MODEL (default $KVROUTE_CACHE/vllm-tiny-model). Needs ~9 GB of RAM while it runs.
+#      KVROUTE_VLLM_MODEL (default $KVROUTE_CACHE/vllm-tiny-model), KVROUTE_VLLM_HYBRID_MODEL
+#      (default $KVROUTE_CACHE/hybrid-models/gemma3-sliding-first). Needs ~9 GB of RAM while it runs.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 cache=${KVROUTE_CACHE:-$HOME/.cache/kvroute}
 export KVROUTE_VLLM_VENV=${KVROUTE_VLLM_VENV:-$cache/vllm-venv}
 export KVROUTE_VLLM_MODEL=${KVROUTE_VLLM_MODEL:-$cache/vllm-tiny-model}
+export KVROUTE_VLLM_HYBRID_MODEL=${KVROUTE_VLLM_HYBRID_MODEL:-$cache/hybrid-models/gemma3-sliding-first}
 
 step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 step "install vLLM"
 bash tests/vllm/install.sh
 step "tiny model"
 "$KVROUTE_VLLM_VENV/bin/python" tests/vllm/make_model.py "$KVROUTE_VLLM_MODEL"
+step "tiny hybrid model"
+"$KVROUTE_VLLM_VENV/bin/python" tests/vllm/make_hybrid_model.py gemma3-sliding-first "$KVROUTE_VLLM_HYBRID_MODEL"
 step "real tokenizer models"
 eval "$(bash scripts/models.sh)"
 [ -n "${KVROUTE_MODELS:-}" ] || { echo "real-vLLM tier: no tokenizer folders (scripts/models.sh)" >&2; exit 1; }
@@ -42,8 +50,9 @@ cargo build --release --bin kvroute-index --bin kvroute-ext-proc
 mkdir -p target/real-vllm
 export KVROUTE_VLLM_RESULTS=$root/target/real-vllm/results.json
 export KVROUTE_VLLM_AGENT_RESULTS=$root/target/real-vllm/agent-results.json
+export KVROUTE_VLLM_HYBRID_RESULTS=$root/target/real-vllm/hybrid-results.json
 step "test"
 started=$(date +%s)
 cargo nextest run --config-file "$root/tests/vllm/nextest.toml" -p kvroute-tests \
     --run-ignored only --no-capture -E 'test(real_vllm)'
-echo "real-vLLM tier passed in $(( $(date +%s) - started )) s; results: $KVROUTE_VLLM_RESULTS $KVROUTE_VLLM_AGENT_RESULTS"
+echo "real-vLLM tier passed in $(( $(date +%s) - started )) s; results: $KVROUTE_VLLM_RESULTS $KVROUTE_VLLM_AGENT_RESULTS $KVROUTE_VLLM_HYBRID_RESULTS"

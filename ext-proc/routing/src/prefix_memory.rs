@@ -5,8 +5,9 @@
 //! bounded by the pool's `approx_capacity_blocks` (≈ its KV cache) and keeps the most recently
 //! routed keys (`RoutedKeys`), with the time each key was last routed. Two readings:
 //! - **approximate**: leading keys present at all (replicas without usable engine events);
-//! - **speculative**: leading keys routed within the TTL, merged with the index's answer as
-//!   `max(index, speculative)` so a burst of siblings co-locates before the engine's events land.
+//! - **speculative**: leading keys routed within the TTL, merged with the index's answer while a
+//!   request carrying them is in flight (`Router::score_and_commit`), so a burst of siblings
+//!   co-locates before the engine's events land.
 
 use std::collections::HashMap;
 use std::sync::Arc;

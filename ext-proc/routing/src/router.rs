@@ -2,8 +2,10 @@
 //! simulation of it) runs once it knows a request's block keys and the index's answer.
 //!
 //! Per candidate replica the policy sees:
-//! - `matched_blocks`: with a precise index answer for it, `max(index, speculative)` — the index,
-//!   or kvroute's own inserts of the last `speculative_ttl` when its events have not landed yet;
+//! - `matched_blocks`: with a precise index answer for it, the index's, or kvroute's own inserts
+//!   of the last `speculative_ttl` past the index's full-attention prefix while a request carrying
+//!   them is still in flight there (its events have not landed yet; once it is answered the index
+//!   knows better, evictions included);
 //!   without one (no index, no events, the index does not vouch for it), the approximate memory
 //!   of everything routed there;
 //! - the in-flight prompt tokens it shares with a sibling already being prefilled there;
@@ -237,12 +239,16 @@ impl Router {
                 let remembered = self
                     .memory
                     .lookup(replica, &keys, now, scoring.speculative_ttl);
-                let matched_blocks = match indexed.get(i).copied().flatten() {
-                    Some(found) => found.with_speculative(remembered.speculative),
-                    None => remembered.approximate,
-                };
                 let load = self.loads.replica(replica);
                 let shared_blocks = load.inflight_shared_blocks(&keys) as usize;
+                // A recent insert stands for events that have not landed yet: only while a
+                // request carrying its keys is still in flight there. Once the engine answered,
+                // its blocks were stored and the index knows, evictions since included.
+                let pending = remembered.speculative.min(shared_blocks as u32);
+                let matched_blocks = match indexed.get(i).copied().flatten() {
+                    Some(found) => found.with_speculative(pending),
+                    None => remembered.approximate,
+                };
                 Candidate {
                     matched_blocks,
                     shared_inflight_tokens: (shared_blocks * block_size as usize)
@@ -261,14 +267,16 @@ impl Router {
         let fallbacks =
             policy::fallback_order(&views, choice.index, prompt_tokens, block_size, scoring);
         let matched_blocks = views[choice.index].matched_blocks;
-        let cached_tokens = (matched_blocks as usize * block_size as usize).min(prompt_tokens);
+        // vLLM recomputes at least the prompt's last token: a prompt of whole blocks reuses one
+        // block less than it holds.
+        let cached_tokens = engine_hit_tokens(matched_blocks, prompt_tokens, block_size);
         let tier = if indexed.get(choice.index).copied().flatten().is_some() {
             Tier::Precise
         } else {
             Tier::Approximate
         };
         let prediction = Prediction {
-            cached_tokens: engine_hit_tokens(matched_blocks, prompt_tokens, block_size) as u64,
+            cached_tokens: cached_tokens as u64,
             prompt_tokens: prompt_tokens as u64,
         };
         let replica = candidates[choice.index];
@@ -395,6 +403,18 @@ mod tests {
             router.loads().replica("r1").snapshot().inflight_requests,
             2.0
         );
+        // Both answered: their blocks were stored, the index knows. It says r1 evicted them
+        // since (within the TTL): the insert no longer counts.
+        drop((first, sibling));
+        let after = router
+            .score_and_commit(request(
+                &candidates,
+                prompt(&keys, vec![Some(0), Some(0), Some(10)]),
+                &scoring,
+                now,
+            ))
+            .unwrap();
+        assert_eq!((after.choice, after.matched_blocks), (2, 10));
     }
 
     #[test]

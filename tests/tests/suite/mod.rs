@@ -18,6 +18,7 @@ mod index_states;
 mod memory;
 mod real_vllm;
 mod real_vllm_agent;
+mod real_vllm_hybrid;
 mod render;
 mod replica_states;
 mod routing;
