@@ -107,8 +107,7 @@ fn group_hit(
 /// blocks from the start, trimmed to the alignment. A window whose first block is missing is
 /// skipped whole (the next end to try is before that block), so a replica that holds no window
 /// costs about `max_blocks / needed` lookups, not `max_blocks` (vLLM leaves that as a to-do and
-/// scans block by block: [`window_hit_by_block`] is its transcription, the tests hold the two
-/// equal).
+/// scans block by block; the tests hold this equal to a transcription of that scan).
 fn window_hit(
     needed: usize,
     max_blocks: usize,
