@@ -46,6 +46,8 @@ pub(crate) struct PoolLayout {
     pub(crate) exact_keys: bool,
     /// Chunked local attention's chunk, when configured.
     pub(crate) attention_chunk_size: Option<u32>,
+    /// Whether the pool indexes only verified hashes (`verify_hashes: required`).
+    pub(crate) verified_only: bool,
 }
 
 /// Why a group's blocks cannot be used for an exact answer.
@@ -63,6 +65,9 @@ pub(crate) enum Unmodelled {
     /// A token-chain pool: kvroute's keys are its own, and a side group's non-dense stores
     /// cannot be placed on them.
     TokenChain,
+    /// A pool that indexes only verified hashes: where a non-dense store's hashes sit in its
+    /// span is not published, so they cannot be recomputed.
+    Unverifiable,
 }
 
 impl Unmodelled {
@@ -80,6 +85,9 @@ impl Unmodelled {
             Unmodelled::TokenChain => {
                 "a hybrid layout in a token-chain pool (keys not the engine's)".to_owned()
             }
+            Unmodelled::Unverifiable => "a hybrid layout in a pool with verify_hashes: required \
+                 (a sliding window's stores cannot be verified)"
+                .to_owned(),
         }
     }
 }
@@ -400,6 +408,8 @@ impl State {
             Unmodelled::BlockSize
         } else if !pool.exact_keys {
             Unmodelled::TokenChain
+        } else if pool.verified_only {
+            Unmodelled::Unverifiable
         } else {
             return Some(Role::Side(usize::MAX));
         };

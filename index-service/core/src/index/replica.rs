@@ -444,6 +444,10 @@ impl Replica {
             block_size: self.pool.block_size,
             exact_keys: matches!(self.pool.keys, PoolKeys::VllmExact { .. }),
             attention_chunk_size: self.pool.attention_chunk_size,
+            verified_only: matches!(
+                &self.pool.keys,
+                PoolKeys::VllmExact { validator: Some(validator) } if validator.required
+            ),
         };
         let role = self
             .groups
@@ -507,15 +511,6 @@ impl Replica {
                 .is_some_and(|extra| extra.len() != count);
         if malformed {
             return outcome.reject(RejectReason::Malformed, count, metrics);
-        }
-        if let PoolKeys::VllmExact {
-            validator: Some(validator),
-        } = &self.pool.keys
-            && validator.required
-        {
-            // Where a non-dense store's hashes sit in its span is not published, so they cannot
-            // be recomputed: a pool that trusts only verified hashes holds none of them.
-            return outcome.reject(RejectReason::Unverifiable, count, metrics);
         }
         let side = self
             .groups

@@ -324,3 +324,36 @@ fn side_groups_share_the_replicas_cap() {
     let outcome = apply(&index, sliding(&tokens, 0..4, &[0], 1));
     assert_eq!((outcome.blocks_stored, outcome.blocks_rejected), (1, 0));
 }
+
+#[test]
+fn a_pool_of_verified_hashes_cannot_vouch_for_a_window() {
+    // `verify_hashes: required`: a sliding window's non-dense stores cannot be recomputed (where
+    // each hash sits in the span is not published), so the replica is flagged, not precise.
+    let index = block_index(1000);
+    let hasher =
+        kvroute_block_keys::VllmHasher::new(kvroute_block_keys::HashAlgo::Sha256Cbor, Some("0"))
+            .unwrap();
+    let keys = PoolKeys::from_scheme(
+        &kvroute_block_keys::KeyScheme::VllmExact {
+            hasher,
+            era: kvroute_block_keys::ExtraKeysEra::From0_31,
+        },
+        crate::index::VerifyHashes::Required,
+    );
+    index
+        .add_pool(PoolConfig {
+            model: EXACT.into(),
+            block_size: BS,
+            keys,
+            attention_chunk_size: None,
+        })
+        .unwrap();
+    index.add_replica(ReplicaId(0), "r0", EXACT).unwrap();
+    let tokens = prompt(11, 0, 4);
+    let outcome = apply(&index, sliding(&tokens, 0..4, &[2, 3], 0));
+    assert_eq!(outcome.rejection, Some(RejectReason::UnmodelledGroup));
+    assert_eq!(
+        answer(&index, &tokens).2,
+        ReplicaState::Flagged(FlagReason::UnmodelledCacheGroup)
+    );
+}
