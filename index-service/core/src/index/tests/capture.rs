@@ -10,6 +10,7 @@ use kvroute_block_keys::testing::fixture;
 use kvroute_block_keys::{HashAlgo, VllmHasher};
 use serde_json::Value;
 
+use crate::event::KvEvent;
 use crate::index::{KvIndex, PoolConfig, PoolKeys, ReplicaId};
 use crate::wire;
 
@@ -30,6 +31,14 @@ struct Replayed {
     /// Requests whose hit the full-attention prefix alone would have mispredicted.
     prefix_only_wrong: usize,
     holdings_checked: usize,
+    /// Requests whose prefix the full-attention group held longer than vLLM reused (a sliding
+    /// window's blocks before the cut were gone): predicted as vLLM gave, less.
+    window_evicted: usize,
+    /// Removals from another group of a block the full-attention group still held.
+    side_removals_full_kept: usize,
+    /// Stores listing fewer hashes than their span of tokens has blocks (some none at all).
+    non_dense_stores: usize,
+    empty_stores: usize,
 }
 
 fn replay(layout: &str) -> Replayed {
@@ -53,6 +62,14 @@ fn replay(layout: &str) -> Replayed {
         .filter_map(|group| group["attention_chunk_size"].as_u64())
         .max()
         .map(|chunk| chunk as u32);
+
+    let full_group = params["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|group| group["kind"] == "full_attention")
+        .and_then(|group| group["group_idx"].as_u64())
+        .map(|group| group as u32);
 
     let index = super::block_index(1_000_000);
     index
@@ -107,6 +124,7 @@ fn replay(layout: &str) -> Replayed {
                 let prefix_only =
                     mine.prefix_blocks.min(reusable as u32) as usize * block_size as usize;
                 replayed.prefix_only_wrong += usize::from(prefix_only != cached);
+                replayed.window_evicted += usize::from(prefix_only > cached);
             }
             "zmq_pub" => {
                 let frames: Vec<Vec<u8>> = line["frames_hex"]
@@ -116,7 +134,11 @@ fn replay(layout: &str) -> Replayed {
                     .map(|f| hex::decode(f.as_str().unwrap()).unwrap())
                     .collect();
                 let (_, _, decoded) = wire::decode_message(&frames).unwrap();
-                index.apply_events(replica, &decoded.batch.events).unwrap();
+                for event in &decoded.batch.events {
+                    let held_before = index.replica_group_hashes(replica).unwrap();
+                    index.apply_event(replica, event).unwrap();
+                    tally(&mut replayed, event, block_size, full_group, &held_before);
+                }
             }
             "engine_holdings" => {
                 let engine: BTreeMap<u32, Vec<u64>> = line["groups"]
@@ -150,6 +172,33 @@ fn replay(layout: &str) -> Replayed {
     replayed
 }
 
+/// Counts what one of a capture's events shows (see [`Replayed`]); `held` is each group's
+/// holdings before it.
+fn tally(
+    replayed: &mut Replayed,
+    event: &KvEvent,
+    block_size: u32,
+    full_group: Option<u32>,
+    held: &[(u32, Vec<u64>)],
+) {
+    match event {
+        KvEvent::BlockStored(stored) => {
+            let span = stored.token_ids.len() / block_size as usize;
+            replayed.non_dense_stores += usize::from(stored.block_hashes.len() < span);
+            replayed.empty_stores += usize::from(stored.block_hashes.is_empty());
+        }
+        KvEvent::BlockRemoved(removed) if removed.group_idx != full_group => {
+            let full_holds = |hash: &&u64| {
+                held.iter()
+                    .any(|(group, hashes)| Some(*group) == full_group && hashes.contains(hash))
+            };
+            replayed.side_removals_full_kept +=
+                removed.block_hashes.iter().filter(full_holds).count();
+        }
+        KvEvent::BlockRemoved(_) | KvEvent::AllBlocksCleared => {}
+    }
+}
+
 #[test]
 fn hybrid_models_are_predicted_as_vllm_caches_them() {
     for layout in LAYOUTS {
@@ -164,5 +213,25 @@ fn hybrid_models_are_predicted_as_vllm_caches_them() {
         // The workload tells the rules apart: the full-attention prefix alone (what an index of
         // main-attention groups answers) is wrong for some of its requests.
         assert!(replayed.prefix_only_wrong > 0, "{layout}: {replayed:?}");
+    }
+}
+
+/// What a hybrid index must get right, each shown by the real engines' own events and
+/// predicted exactly above: a window group's removal of a block the full-attention group keeps,
+/// a prefix full attention holds whose window blocks were evicted (vLLM gives less, and so does
+/// kvroute), non-dense and empty stores; with the sliding group first (Gemma 3, gpt-oss) and
+/// the full one first.
+#[test]
+fn the_captures_hold_every_hybrid_situation() {
+    for layout in ["gemma3-sliding-first", "gemma3-full-first", "gpt-oss"] {
+        let replayed = replay(layout);
+        assert!(replayed.window_evicted > 0, "{layout}: {replayed:?}");
+        assert!(
+            replayed.side_removals_full_kept > 0,
+            "{layout}: {replayed:?}"
+        );
+        assert!(replayed.non_dense_stores > 0, "{layout}: {replayed:?}");
+        assert!(replayed.empty_stores > 0, "{layout}: {replayed:?}");
+        assert_eq!(replayed.exact, replayed.requests, "{layout}");
     }
 }
