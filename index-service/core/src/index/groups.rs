@@ -68,6 +68,9 @@ pub(crate) enum Unmodelled {
     /// A pool that indexes only verified hashes: where a non-dense store's hashes sit in its
     /// span is not published, so they cannot be recomputed.
     Unverifiable,
+    /// Its stores disagree about it (kind, block size or window), or it is beyond
+    /// [`MAX_GROUPS`]: the stream's layout cannot be trusted.
+    Conflict,
 }
 
 impl Unmodelled {
@@ -88,6 +91,10 @@ impl Unmodelled {
             Unmodelled::Unverifiable => "a hybrid layout in a pool with verify_hashes: required \
                  (a sliding window's stores cannot be verified)"
                 .to_owned(),
+            Unmodelled::Conflict => {
+                "its stores disagree on its kind, block size or window (or too many groups)"
+                    .to_owned()
+            }
         }
     }
 }

@@ -427,14 +427,15 @@ impl Replica {
         metrics: &IndexMetrics,
     ) -> Result<Role, RejectReason> {
         let group = stored.group_idx.unwrap_or(0);
-        if group >= MAX_GROUPS {
-            return Err(RejectReason::GroupConflict);
-        }
         let kind = stored.cache_kind.unwrap_or(if group == 0 {
             CacheKind::FullAttention
         } else {
             CacheKind::Unknown
         });
+        if group >= MAX_GROUPS {
+            self.unmodelled_group(group, kind, Unmodelled::Conflict, metrics);
+            return Err(RejectReason::GroupConflict);
+        }
         let spec = GroupSpec {
             kind,
             block_size: stored.block_size,
@@ -449,10 +450,11 @@ impl Replica {
                 PoolKeys::VllmExact { validator: Some(validator) } if validator.required
             ),
         };
-        let role = self
-            .groups
-            .role_for_store(group, spec, layout)
-            .map_err(|_| RejectReason::GroupConflict)?;
+        let Ok(role) = self.groups.role_for_store(group, spec, layout) else {
+            // A stream whose stores contradict each other describes no layout to trust.
+            self.unmodelled_group(group, kind, Unmodelled::Conflict, metrics);
+            return Err(RejectReason::GroupConflict);
+        };
         if role != Role::Primary && !self.groups_in_pool {
             self.pool.add_groups(self.slot, Arc::clone(&self.groups));
             self.groups_in_pool = true;

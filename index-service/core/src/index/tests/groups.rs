@@ -194,6 +194,11 @@ fn non_dense_and_empty_stores_are_taken_as_published() {
     other.sliding_window = Some(16);
     let outcome = apply(&index, KvEvent::BlockStored(other));
     assert_eq!(outcome.rejection, Some(RejectReason::GroupConflict));
+    // A layout that contradicts itself cannot be vouched for.
+    assert_eq!(
+        answer(&index, &tokens).2,
+        ReplicaState::Flagged(FlagReason::UnmodelledCacheGroup)
+    );
 }
 
 #[test]
