@@ -129,14 +129,35 @@ impl Copies {
     }
 }
 
-/// A side group: its rule and the blocks it holds.
+/// A side group: the blocks it holds, and the spec it is looked up with.
 #[derive(Debug)]
 struct Side {
     group: u32,
-    rule: GroupRule,
-    /// Pool blocks per block of this group.
-    scale: usize,
     held: KeyMap<Copies>,
+    /// Its [`Spec`] and its bit in that spec's presence masks.
+    spec: usize,
+    bit: u64,
+}
+
+/// Side groups of one rule, looked up together as vLLM does with groups of one spec (a block
+/// counts only if every member holds it): one lookup per block for all of them (vLLM makes one
+/// group per few layers; Gemma 3 has several sliding groups).
+#[derive(Debug)]
+struct Spec {
+    rule: GroupRule,
+    /// Pool blocks per block of these groups.
+    scale: usize,
+    /// Every member's bit.
+    members: u64,
+    /// Which members hold each block (any medium, on the GPU).
+    present: KeyMap<Presence>,
+}
+
+/// Members holding a block: in any medium, on the GPU.
+#[derive(Debug, Clone, Copy, Default)]
+struct Presence {
+    any: u64,
+    gpu: u64,
 }
 
 /// What storing or removing side-group blocks did.
@@ -159,6 +180,15 @@ struct State {
     catalog: Vec<(u32, GroupSpec, Role)>,
     primary: Option<u32>,
     sides: Vec<Side>,
+    specs: Vec<Spec>,
+    /// What a match looks up, full attention first: the rules of the primary group and each
+    /// spec, and where each is held (`None`: the primary group, in the pool's tables).
+    rules: Vec<GroupRule>,
+    sources: Vec<Option<usize>>,
+    /// The least common multiple of the block sizes of `rules` (and the pool's).
+    alignment: usize,
+    /// Side-group copies held off the GPU: while none are, a match's GPU answer is its answer.
+    off_gpu_copies: usize,
 }
 
 impl Groups {
@@ -200,11 +230,27 @@ impl Groups {
                     },
                     _ => Rule::window(spec.window.unwrap_or(0) as usize, block_tokens),
                 };
+                let rule = GroupRule { rule, block_tokens };
+                let joined = state
+                    .specs
+                    .iter()
+                    .position(|s| s.rule == rule && s.members.count_ones() < u64::BITS);
+                let at = joined.unwrap_or_else(|| {
+                    state.specs.push(Spec {
+                        rule,
+                        scale: (spec.block_size / pool.block_size.max(1)) as usize,
+                        members: 0,
+                        present: KeyMap::with_hasher(self.hasher),
+                    });
+                    state.specs.len() - 1
+                });
+                let bit = 1u64 << state.specs[at].members.count_ones();
+                state.specs[at].members |= bit;
                 state.sides.push(Side {
                     group,
-                    rule: GroupRule { rule, block_tokens },
-                    scale: (spec.block_size / pool.block_size.max(1)) as usize,
                     held: KeyMap::with_hasher(self.hasher),
+                    spec: at,
+                    bit,
                 });
                 Role::Side(state.sides.len() - 1)
             }
@@ -212,6 +258,7 @@ impl Groups {
             None => Role::Unmodelled(Unmodelled::Kind(spec.kind)),
         };
         state.catalog.push((group, spec, role));
+        state.relearn_lookups(pool.block_size);
         Ok(role)
     }
 
@@ -237,9 +284,13 @@ impl Groups {
         max_blocks: usize,
     ) -> SideOutcome {
         let mut state = self.state.write();
+        let state = &mut *state;
         let mut outcome = SideOutcome::default();
         let mut held: usize = state.sides.iter().map(|side| side.held.len()).sum();
         let Some(side) = state.sides.get_mut(side) else {
+            return outcome;
+        };
+        let Some(spec) = state.specs.get_mut(side.spec) else {
             return outcome;
         };
         let at = MediaSet::index(medium);
@@ -256,6 +307,14 @@ impl Groups {
                 }
             };
             copies.0[at] += 1;
+            if medium != Medium::Gpu {
+                state.off_gpu_copies += 1;
+            }
+            let presence = spec.present.entry(hash).or_default();
+            presence.any |= side.bit;
+            if medium == Medium::Gpu {
+                presence.gpu |= side.bit;
+            }
             outcome.applied += 1;
         }
         outcome
@@ -264,24 +323,43 @@ impl Groups {
     /// Removes one copy of each of `hashes` on `medium` from side group `side`.
     pub(crate) fn remove(&self, side: usize, hashes: &[EngineHash], medium: Medium) -> SideOutcome {
         let mut state = self.state.write();
+        let state = &mut *state;
         let mut outcome = SideOutcome::default();
         let Some(side) = state.sides.get_mut(side) else {
             return outcome;
         };
+        let Some(spec) = state.specs.get_mut(side.spec) else {
+            return outcome;
+        };
         let at = MediaSet::index(medium);
         for hash in hashes {
-            match side.held.get_mut(hash) {
-                Some(copies) if copies.0[at] > 0 => {
-                    copies.0[at] -= 1;
-                    if copies.total() == 0 {
-                        side.held.remove(hash);
-                    }
-                    outcome.applied += 1;
-                }
-                _ => outcome.refused += 1,
+            let Some(copies) = side.held.get_mut(hash).filter(|copies| copies.0[at] > 0) else {
+                outcome.refused += 1;
+                continue;
+            };
+            copies.0[at] -= 1;
+            if medium != Medium::Gpu {
+                state.off_gpu_copies = state.off_gpu_copies.saturating_sub(1);
             }
+            let media = copies.media();
+            if copies.total() == 0 {
+                side.held.remove(hash);
+            }
+            if let Some(presence) = spec.present.get_mut(hash) {
+                if media.is_empty() {
+                    presence.any &= !side.bit;
+                }
+                if !media.has_gpu() {
+                    presence.gpu &= !side.bit;
+                }
+                if presence.any == 0 {
+                    spec.present.remove(hash);
+                }
+            }
+            outcome.applied += 1;
         }
         shrink_if_sparse(&mut side.held);
+        shrink_if_sparse(&mut spec.present);
         outcome
     }
 
@@ -298,11 +376,17 @@ impl Groups {
 
     pub(crate) fn memory_bytes(&self) -> usize {
         let state = self.state.read();
-        state
+        let sides: usize = state
             .sides
             .iter()
             .map(|side| table_bytes(side.held.capacity(), size_of::<(u64, Copies)>()))
-            .sum()
+            .sum();
+        let specs: usize = state
+            .specs
+            .iter()
+            .map(|spec| table_bytes(spec.present.capacity(), size_of::<(u64, Presence)>()))
+            .sum();
+        sides + specs
     }
 
     /// The primary group's index, once learnt.
@@ -340,6 +424,25 @@ impl Groups {
         }
     }
 
+    /// [`Self::hit_blocks`] in any medium and on the GPU: computed once when nothing is held off
+    /// the GPU and the primary group's two prefixes agree.
+    pub(crate) fn hit_blocks_and_gpu(
+        &self,
+        keys: &[u64],
+        block_size: u32,
+        (primary_blocks, primary_gpu_blocks): (u32, u32),
+    ) -> (u32, u32) {
+        let all_on_gpu = self.state.read().off_gpu_copies == 0;
+        let any = self.hit_blocks(keys, block_size, primary_blocks, false);
+        if all_on_gpu && primary_blocks == primary_gpu_blocks {
+            return (any, any);
+        }
+        (
+            any,
+            self.hit_blocks(keys, block_size, primary_gpu_blocks, true),
+        )
+    }
+
     /// vLLM's hit for `keys` (prompt keys of `block_size` tokens), in blocks of `block_size`:
     /// the primary group holds the first `primary_blocks` keys (in the media `gpu_only` asks
     /// for), each side group what it stored.
@@ -356,34 +459,19 @@ impl Groups {
             return primary_blocks;
         }
         let block_size = block_size.max(1) as usize;
-        let mut rules = Vec::with_capacity(state.sides.len() + 1);
-        let primary = state.primary.is_some();
-        if primary {
-            rules.push(GroupRule {
-                rule: Rule::Prefix,
-                block_tokens: block_size,
-            });
-        }
-        rules.extend(state.sides.iter().map(|side| side.rule));
-        let alignment = rules.iter().fold(block_size, |lcm, rule| {
-            least_common_multiple(lcm, rule.block_tokens)
-        });
-        let tokens = hit::hit_tokens(&rules, keys.len() * block_size, alignment, |rule, block| {
-            if primary && rule == 0 {
+        let max_tokens = keys.len() * block_size;
+        let tokens = hit::hit_tokens(&state.rules, max_tokens, state.alignment, |rule, block| {
+            let Some(spec) = state.sources[rule] else {
                 return block < primary_blocks as usize;
-            }
-            let side = &state.sides[rule - usize::from(primary)];
+            };
+            let spec = &state.specs[spec];
             // A larger block's hash is the chain's hash at its last pool block.
-            let Some(key) = keys.get((block + 1) * side.scale - 1) else {
+            let Some(key) = keys.get((block + 1) * spec.scale - 1) else {
                 return false;
             };
-            side.held.get(key).is_some_and(|copies| {
-                let media = copies.media();
-                if gpu_only {
-                    media.has_gpu()
-                } else {
-                    !media.is_empty()
-                }
+            spec.present.get(key).is_some_and(|presence| {
+                let holders = if gpu_only { presence.gpu } else { presence.any };
+                holders == spec.members
             })
         });
         u32::try_from(tokens / block_size).unwrap_or(u32::MAX)
@@ -391,6 +479,31 @@ impl Groups {
 }
 
 impl State {
+    /// [`State::rules`], [`State::sources`] and [`State::alignment`] for the groups learnt
+    /// so far (a pool's keys are `block_size` tokens each).
+    fn relearn_lookups(&mut self, block_size: u32) {
+        let block_size = block_size.max(1) as usize;
+        let primary = self.primary.map(|_| {
+            let rule = GroupRule {
+                rule: Rule::Prefix,
+                block_tokens: block_size,
+            };
+            (rule, None)
+        });
+        let specs = self
+            .specs
+            .iter()
+            .enumerate()
+            .map(|(at, spec)| (spec.rule, Some(at)));
+        let mut lookups: Vec<_> = primary.into_iter().chain(specs).collect();
+        // Full attention first (stable: the primary group leads).
+        lookups.sort_by_key(|(rule, _)| rule.rule != Rule::Prefix);
+        (self.rules, self.sources) = lookups.into_iter().unzip();
+        self.alignment = self.rules.iter().fold(block_size, |lcm, rule| {
+            least_common_multiple(lcm, rule.block_tokens)
+        });
+    }
+
     /// A new group's role (a side group's number is given by the caller); `None` when its kind
     /// has no modelled rule.
     fn classify(&self, spec: GroupSpec, pool: PoolLayout) -> Option<Role> {

@@ -49,23 +49,23 @@ pub(crate) struct GroupRule {
 
 /// The longest prefix, in tokens, vLLM's coordinator reuses: at most `max_tokens`, a multiple
 /// of `alignment` tokens where a sliding window decides it. `holds(group, block)` says whether
-/// `groups[group]` holds its `block`-th block (of `block_tokens` each) of the prompt.
+/// `groups[group]` holds its `block`-th block (of `block_tokens` each) of the prompt. `groups`
+/// lists full attention first, as vLLM orders its spec groups (the tightest bound, cheapest).
 pub(crate) fn hit_tokens(
     groups: &[GroupRule],
     max_tokens: usize,
     alignment: usize,
     mut holds: impl FnMut(usize, usize) -> bool,
 ) -> usize {
-    // Full attention first, as vLLM orders its spec groups: the tightest bound, cheapest.
-    let mut order: Vec<usize> = (0..groups.len()).collect();
-    order.sort_by_key(|&group| groups[group].rule != Rule::Prefix);
+    debug_assert!(
+        groups.is_sorted_by_key(|group| group.rule != Rule::Prefix),
+        "full attention first"
+    );
     let mut hit = max_tokens;
     loop {
         let mut current = hit;
-        for &group in &order {
-            current = group_hit(groups[group], current, alignment, |block| {
-                holds(group, block)
-            });
+        for (at, &group) in groups.iter().enumerate() {
+            current = group_hit(group, current, alignment, |block| holds(at, block));
         }
         if current >= hit {
             return hit;

@@ -199,9 +199,11 @@ impl Pool {
                 continue;
             };
             found.prefix_blocks = groups.prefix_blocks(keys, found.matched_blocks);
-            found.matched_blocks =
-                groups.hit_blocks(keys, self.block_size, found.matched_blocks, false);
-            found.gpu_blocks = groups.hit_blocks(keys, self.block_size, found.gpu_blocks, true);
+            (found.matched_blocks, found.gpu_blocks) = groups.hit_blocks_and_gpu(
+                keys,
+                self.block_size,
+                (found.matched_blocks, found.gpu_blocks),
+            );
         }
     }
 

@@ -362,3 +362,38 @@ fn a_pool_of_verified_hashes_cannot_vouch_for_a_window() {
         ReplicaState::Flagged(FlagReason::UnmodelledCacheGroup)
     );
 }
+
+#[test]
+fn groups_of_one_spec_are_looked_up_together_per_medium() {
+    // Two window groups of one spec (vLLM's one group per few layers): a block counts only if
+    // both hold it; a window held only off the GPU counts in `matched_blocks`, not on the GPU.
+    let index = new_index();
+    let tokens = prompt(12, 0, 4);
+    apply(&index, full(&tokens, 0..4, 2));
+    apply(&index, sliding(&tokens, 0..4, &[2, 3], 0));
+    let found = |index: &BlockIndex| {
+        let found = index
+            .find_matches(EXACT, &engine_hashes(&tokens), None)
+            .unwrap();
+        let mine = found.iter().find(|m| m.replica == ReplicaId(0)).unwrap();
+        (mine.matched_blocks, mine.gpu_blocks)
+    };
+    assert_eq!(found(&index), (4, 4));
+    // The second window group holds block 3 only: no window of two before the cut at 4.
+    apply(&index, sliding(&tokens, 0..4, &[3], 1));
+    assert_eq!(found(&index), (0, 0));
+    // Its block 2 arrives on the CPU tier: held in some medium by both, not on both GPUs.
+    let KvEvent::BlockStored(mut on_cpu) = sliding(&tokens, 0..4, &[2], 1) else {
+        panic!()
+    };
+    on_cpu.medium = Medium::Cpu;
+    apply(&index, KvEvent::BlockStored(on_cpu));
+    assert_eq!(found(&index), (4, 0));
+    // Removing the CPU copy takes it back.
+    let KvEvent::BlockRemoved(mut removal) = group_removed(&tokens, &[2], 1) else {
+        panic!()
+    };
+    removal.medium = Medium::Cpu;
+    apply(&index, KvEvent::BlockRemoved(removal));
+    assert_eq!(found(&index), (0, 0));
+}
