@@ -124,9 +124,11 @@ pub struct Routed {
     pub reason: Option<Reason>,
     /// Leading blocks believed cached on the chosen replica.
     pub matched_blocks: u32,
-    /// Prompt tokens believed cached there (`matched_blocks` × block size, at most the prompt).
+    /// Prompt tokens the engine will reuse there, as far as kvroute knows now (what a client is
+    /// told): the index's answer, and kvroute's own inserts while their requests are in flight.
     pub cached_tokens: usize,
-    /// What the engine should report as its prefix-cache hit (precise and approximate tiers).
+    /// What the engine should report as its prefix-cache hit, by kvroute's belief
+    /// (`matched_blocks`: the drift's expected side, precise and approximate tiers).
     pub prediction: Option<Prediction>,
     /// The request's in-flight accounting on the chosen replica.
     pub inflight: InflightGuard,
@@ -232,6 +234,9 @@ impl Router {
             prompt_tokens,
             indexed,
         } = prompt;
+        // Per candidate, what kvroute believes it holds (scored, and the drift's expectation) and
+        // what the engine would reuse there now (the prediction a client is told).
+        let mut reusable = Vec::with_capacity(candidates.len());
         let views: Vec<Candidate> = candidates
             .iter()
             .enumerate()
@@ -241,14 +246,20 @@ impl Router {
                     .lookup(replica, &keys, now, scoring.speculative_ttl);
                 let load = self.loads.replica(replica);
                 let shared_blocks = load.inflight_shared_blocks(&keys) as usize;
-                // A recent insert stands for events that have not landed yet: only while a
-                // request carrying its keys is still in flight there. Once the engine answered,
-                // its blocks were stored and the index knows, evictions since included.
-                let pending = remembered.speculative.min(shared_blocks as u32);
-                let matched_blocks = match indexed.get(i).copied().flatten() {
-                    Some(found) => found.with_speculative(pending),
-                    None => remembered.approximate,
+                let (matched_blocks, reused) = match indexed.get(i).copied().flatten() {
+                    // A recent insert stands for events that have not landed yet. kvroute keeps
+                    // believing it for the TTL (a replica whose engine never stores what kvroute
+                    // routed there then shows as drift), but tells what the engine will reuse
+                    // from it only while a request carrying its keys is in flight there: once
+                    // the engine answered, its blocks were stored and the index knows better,
+                    // evictions since included.
+                    Some(found) => (
+                        found.with_speculative(remembered.speculative),
+                        found.with_speculative(remembered.speculative.min(shared_blocks as u32)),
+                    ),
+                    None => (remembered.approximate, remembered.approximate),
                 };
+                reusable.push(reused);
                 Candidate {
                     matched_blocks,
                     shared_inflight_tokens: (shared_blocks * block_size as usize)
@@ -269,14 +280,14 @@ impl Router {
         let matched_blocks = views[choice.index].matched_blocks;
         // vLLM recomputes at least the prompt's last token: a prompt of whole blocks reuses one
         // block less than it holds.
-        let cached_tokens = engine_hit_tokens(matched_blocks, prompt_tokens, block_size);
+        let cached_tokens = engine_hit_tokens(reusable[choice.index], prompt_tokens, block_size);
         let tier = if indexed.get(choice.index).copied().flatten().is_some() {
             Tier::Precise
         } else {
             Tier::Approximate
         };
         let prediction = Prediction {
-            cached_tokens: cached_tokens as u64,
+            cached_tokens: engine_hit_tokens(matched_blocks, prompt_tokens, block_size) as u64,
             prompt_tokens: prompt_tokens as u64,
         };
         let replica = candidates[choice.index];
@@ -404,7 +415,8 @@ mod tests {
             2.0
         );
         // Both answered: their blocks were stored, the index knows. It says r1 evicted them
-        // since (within the TTL): the insert no longer counts.
+        // since (within the TTL): kvroute still believes its insert (scored, and expected by the
+        // drift check) but tells that the engine will reuse nothing.
         drop((first, sibling));
         let after = router
             .score_and_commit(request(
@@ -414,7 +426,11 @@ mod tests {
                 now,
             ))
             .unwrap();
-        assert_eq!((after.choice, after.matched_blocks), (2, 10));
+        assert_eq!(
+            (after.choice, after.matched_blocks, after.cached_tokens),
+            (1, 100, 0)
+        );
+        assert_eq!(after.prediction.map(|p| p.cached_tokens), Some(1600));
     }
 
     #[test]
