@@ -46,6 +46,10 @@ const INSTALLS: &[(&str, &[&str])] = &[
         "istio-envoyfilter",
         &["deploy/helm/examples/istio-envoyfilter.yaml"],
     ),
+    (
+        "chunked-local-attention",
+        &["deploy/helm/examples/chunked-local-attention.yaml"],
+    ),
 ];
 
 struct Install {
@@ -394,6 +398,13 @@ fn every_binary_accepts_the_config_its_pod_mounts_and_all_discover_the_one_pool(
         });
         let ext_proc = ext_proc.unwrap_or_else(|| panic!("{}: no ext-proc", install.name));
         assert_eq!(ext_proc.pools[0].name, index.pools[0].name);
+        // `pool.attentionChunkSize` reaches the index (only the chunked-local example sets it).
+        let chunk = (install.name == "chunked-local-attention").then_some(8192);
+        assert_eq!(
+            index.pools[0].attention_chunk_size, chunk,
+            "{}",
+            install.name
+        );
         assert_eq!(ext_proc.pools[0].block_size, index.pools[0].block_size);
         assert!(
             ext_proc.index_token.is_some(),

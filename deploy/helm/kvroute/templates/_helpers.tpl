@@ -127,6 +127,9 @@ limits:
 pools:
   - {{ include "kvroute.poolSchema" . | indent 4 | trim }}
     discovery: {{ include "kvroute.discovery" . }}
+{{- with .Values.pool.attentionChunkSize }}
+    attention_chunk_size: {{ int . }}
+{{- end }}
 {{- if .Values.agent.enabled }}
 node_agents: {token_file: {{ include "kvroute.agentTokenDir" . }}/token}
 {{- end }}
