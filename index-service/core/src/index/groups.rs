@@ -181,10 +181,10 @@ struct State {
     primary: Option<u32>,
     sides: Vec<Side>,
     specs: Vec<Spec>,
-    /// What a match looks up, full attention first: the rules of the primary group and each
-    /// spec, and where each is held (`None`: the primary group, in the pool's tables).
+    /// What a match looks up beside the primary group, full attention first: each spec's rule
+    /// and its place in `specs`.
     rules: Vec<GroupRule>,
-    sources: Vec<Option<usize>>,
+    sources: Vec<usize>,
     /// The least common multiple of the block sizes of `rules` (and the pool's).
     alignment: usize,
     /// Side-group copies held off the GPU: while none are, a match's GPU answer is its answer.
@@ -459,21 +459,29 @@ impl Groups {
             return primary_blocks;
         }
         let block_size = block_size.max(1) as usize;
-        let max_tokens = keys.len() * block_size;
-        let tokens = hit::hit_tokens(&state.rules, max_tokens, state.alignment, |rule, block| {
-            let Some(spec) = state.sources[rule] else {
-                return block < primary_blocks as usize;
-            };
-            let spec = &state.specs[spec];
-            // A larger block's hash is the chain's hash at its last pool block.
-            let Some(key) = keys.get((block + 1) * spec.scale - 1) else {
-                return false;
-            };
-            spec.present.get(key).is_some_and(|presence| {
-                let holders = if gpu_only { presence.gpu } else { presence.any };
-                holders == spec.members
-            })
-        });
+        // The primary group is full attention, the first vLLM asks: its answer is the walk's
+        // prefix, the bound every other group then shortens (it only shrinks, and full attention
+        // holds every shorter prefix, so it need not be asked again).
+        let bound = match state.primary {
+            Some(_) => keys.len().min(primary_blocks as usize),
+            None => keys.len(),
+        };
+        let tokens = hit::hit_tokens(
+            &state.rules,
+            bound * block_size,
+            state.alignment,
+            |rule, block| {
+                let spec = &state.specs[state.sources[rule]];
+                // A larger block's hash is the chain's hash at its last pool block.
+                let Some(key) = keys.get((block + 1) * spec.scale - 1) else {
+                    return false;
+                };
+                spec.present.get(key).is_some_and(|presence| {
+                    let holders = if gpu_only { presence.gpu } else { presence.any };
+                    holders == spec.members
+                })
+            },
+        );
         u32::try_from(tokens / block_size).unwrap_or(u32::MAX)
     }
 }
@@ -483,20 +491,13 @@ impl State {
     /// so far (a pool's keys are `block_size` tokens each).
     fn relearn_lookups(&mut self, block_size: u32) {
         let block_size = block_size.max(1) as usize;
-        let primary = self.primary.map(|_| {
-            let rule = GroupRule {
-                rule: Rule::Prefix,
-                block_tokens: block_size,
-            };
-            (rule, None)
-        });
-        let specs = self
+        let mut lookups: Vec<_> = self
             .specs
             .iter()
             .enumerate()
-            .map(|(at, spec)| (spec.rule, Some(at)));
-        let mut lookups: Vec<_> = primary.into_iter().chain(specs).collect();
-        // Full attention first (stable: the primary group leads).
+            .map(|(at, spec)| (spec.rule, at))
+            .collect();
+        // Full attention first, as vLLM orders its spec groups.
         lookups.sort_by_key(|(rule, _)| rule.rule != Rule::Prefix);
         (self.rules, self.sources) = lookups.into_iter().unzip();
         self.alignment = self.rules.iter().fold(block_size, |lcm, rule| {
