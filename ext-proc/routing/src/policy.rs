@@ -30,8 +30,7 @@
 //! is done, so it waits for the longer of that prefill and the rest of the queue (they run in
 //! the same steps). Subtracting the whole credit priced a sibling as if the prefix were already
 //! cached, which made a holder look free to a whole burst while an idle replica holding the
-//! same earlier prefix would have computed it as fast (kvroute-replay's fan-out workload,
-//! issue 20).
+//! same earlier prefix would have computed it as fast (kvroute-replay's fan-out workload).
 //!
 //! Hotspot guard: a replica whose `queue_ms` (its whole load, credit not subtracted) exceeds the
 //! candidates' mean by `hotspot_factor` and is above `hotspot_min_ms` is skipped, unless every
@@ -53,7 +52,7 @@
 //! spreads over idle replicas; once all have a request's worth of queue the penalty is whole, so
 //! a holder keeps its prefix unless its queue is longer by more than twice the prefill saved.
 //! (In kvroute-replay this raised the synthetic trace's max rate at the 2 s SLO from 10.6 to
-//! 11.1 req/s and shared-prefix's from 33.1 to 34.5, issue 20.) It ranks the candidates; the
+//! 11.1 req/s and shared-prefix's from 33.1 to 34.5.) It ranks the candidates; the
 //! reported estimate ([`Choice::ttft_ms`]) and the fallback order leave it out.
 //!
 //! Ties: estimates within `TIE_TOLERANCE` of the best count as equal; among them the longest

@@ -14,14 +14,14 @@ pub const DEFAULT_KV_USAGE_MS: f64 = 100.0;
 /// 1.5 (was 2): a burst of siblings spills off its holder sooner, so idle replicas compute its
 /// context in parallel and hold it for the next round. In kvroute-replay (with the sibling's
 /// wait for the shared prefill, `policy`) this cut fan-out's p90 a further 4–8% and moved the
-/// other workloads below saturation by under 2% (issue 20).
+/// other workloads below saturation by under 2%.
 pub const DEFAULT_HOTSPOT_FACTOR: f64 = 1.5;
 /// Loads below this (ms) never trip the hotspot guard (an idle pool has tiny means).
 pub const DEFAULT_HOTSPOT_MIN_MS: f64 = 200.0;
 /// Share of a held prefix's prefill charged again to a candidate that would recompute it, once
 /// every replica is busy (`policy` module docs). 1: the recomputation is paid once by the request
 /// and once by the requests queued behind it. (In kvroute-replay, 0.5 or 1 charged at any load,
-/// or 2 scaled by the mean queue, cost fan-out and multi-turn what this gains elsewhere, issue 20.)
+/// or 2 scaled by the mean queue, cost fan-out and multi-turn what this gains elsewhere.)
 pub const DEFAULT_RECOMPUTE_PENALTY: f64 = 1.0;
 /// How long a routed prefix counts as held by its replica before the engine's events confirm it.
 pub const DEFAULT_SPECULATIVE_TTL: Duration = Duration::from_secs(5);

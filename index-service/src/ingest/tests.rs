@@ -801,8 +801,8 @@ async fn repeated_message_is_dropped_as_duplicate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sequence_max_sent_repeatedly_is_never_applied_on_top_of_itself() {
-    // Issue 13: the tracker saturated at u64::MAX, so every message carrying MAX was "next" and
-    // applied on top of the previous one, and the gauge could not show the number.
+    // Found by hostile-peer testing: the tracker saturated at u64::MAX, so every message carrying
+    // MAX was "next" and applied on top of the previous one, and the gauge could not show it.
     let payloads = capture_payloads();
     let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
     let mut config = connect_config(&publisher);

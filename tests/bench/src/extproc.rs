@@ -1,4 +1,4 @@
-//! Issue 4: plain vs no-op ext_proc vs kvroute-ext-proc through one Envoy, with kvroute's
+//! Plain vs no-op ext_proc vs kvroute-ext-proc through one Envoy, with kvroute's
 //! decision stages and counters.
 
 use super::*;

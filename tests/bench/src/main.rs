@@ -1,10 +1,10 @@
 //! `kvroute-latency-bench`: request latency through a real Envoy, every case in the same run.
 //!
-//! - `extproc` (issue 4): one Envoy, three listeners that differ only in their ext_proc filter —
+//! - `extproc`: one Envoy, three listeners that differ only in their ext_proc filter —
 //!   `plain` (none), `noop` (a no-op `ExternalProcessor`: an empty `CommonResponse` per message) and
 //!   `kvroute` (kvroute-ext-proc with a kvroute-index and the in-process tokenizer of
 //!   `tests/fixtures/tiny-model`), both ext_procs in BUFFERED mode with the shipped settings.
-//! - `wasm` (issue 6): the shipped `envoy/kvroute-full-chain.yaml` (addresses substituted, one plain
+//! - `wasm`: the shipped `envoy/kvroute-full-chain.yaml` (addresses substituted, one plain
 //!   listener added): later turns of a session (wasm fast path, ext_proc skipped) vs first turns
 //!   (ext_proc = kvroute-ext-proc) vs the plain listener.
 //! - `picker`: the picker's decide path looped in-process on one thread, decisions per CPU second.
@@ -71,9 +71,9 @@ const INDEX_SETTLE: Duration = Duration::from_secs(20);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Which {
-    /// Issue 4: plain vs no-op ext_proc vs kvroute-ext-proc.
+    /// Plain vs no-op ext_proc vs kvroute-ext-proc.
     Extproc,
-    /// Issue 6: wasm fast path vs ext_proc path vs plain (shipped full chain).
+    /// Wasm fast path vs ext_proc path vs plain (shipped full chain).
     Wasm,
     /// Picker decisions per CPU second.
     Picker,

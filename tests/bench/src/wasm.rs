@@ -1,4 +1,4 @@
-//! Issue 6: wasm fast path vs ext_proc path vs plain, through the shipped full chain.
+//! Wasm fast path vs ext_proc path vs plain, through the shipped full chain.
 
 use super::*;
 

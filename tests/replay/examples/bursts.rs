@@ -1,5 +1,5 @@
-//! Per burst of siblings: where each router put them and what they got (issue 20's fan-out
-//! analysis).
+//! Per burst of siblings: where each router put them and what they got (the fan-out
+//! workload's analysis).
 //!
 //! ```text
 //! cargo run --release -p kvroute-replay --example bursts -- LOAD ROUTER[,ROUTER…] SEED [KIND] [SHOW]

@@ -428,8 +428,9 @@ impl OpenStream {
     }
 }
 
-/// Issue 13: a `Hello` claiming a million replicas queued a million refusals (the per-stream
-/// cap did not apply to the `Hello` loop), and an agent could open any number of streams.
+/// Found by hostile-peer testing: a `Hello` claiming a million replicas queued a million
+/// refusals (the per-stream cap did not apply to the `Hello` loop), and an agent could open any
+/// number of streams.
 #[tokio::test]
 async fn hello_claims_refusals_and_streams_per_agent_are_capped() {
     use kvroute_index::agent_protocol::MAX_REPLICAS_PER_HELLO;

@@ -1,4 +1,4 @@
-//! kvroute-agent's engine set changing while it runs (issue 18): engines learned from the API
+//! kvroute-agent's engine set changing while it runs: engines learned from the API
 //! server double (`kvroute_discovery::testing::ApiServer`, the list/watch wire protocol over
 //! kube-rs) — only the Ready pods on the agent's node — and engines added or removed by
 //! rewriting the config file. Engines are real ZeroMQ publishers ([`MockVllmPublisher`]); the

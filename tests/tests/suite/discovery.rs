@@ -1,4 +1,4 @@
-//! Replicas that come and go only through Kubernetes (issue 18): real sims behind a real Envoy
+//! Replicas that come and go only through Kubernetes: real sims behind a real Envoy
 //! running the shipped override_host config, kvroute-ext-proc discovering its pool from the API
 //! server double (`kvroute_discovery::testing::ApiServer`) over kube-rs. Envoy's cluster holds
 //! every sim, as a gateway's endpoints from the InferencePool would; kvroute's routing knows

@@ -1,4 +1,4 @@
-//! The GIE endpoint-picker protocol points through a real Envoy (issue 18): a request without a
+//! The GIE endpoint-picker protocol points through a real Envoy: a request without a
 //! body is routed, a saturated pool is shed with 429, the self-signed `secure_serving` listener
 //! serves Envoy's ext_proc calls, the health port answers every service name GIE's charts and
 //! Envoy probe, FULL_DUPLEX_STREAMED carries a 4 MiB body both ways, and the chart flags set the

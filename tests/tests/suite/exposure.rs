@@ -1,4 +1,4 @@
-//! What kvroute exposes to the network by default (issue 13): every listener binds loopback
+//! What kvroute exposes to the network by default: every listener binds loopback
 //! unless configured, so another host cannot reach ext_proc, the admin ports or the index's query
 //! API; and through Envoy a client learns nothing about what is cached unless ext-proc's
 //! `debug_headers` let it (a trusted token, or a deployment that opts in).

@@ -1,4 +1,4 @@
-//! ext-proc's memory under huge prompts (issue 16): the real kvroute-ext-proc binary, driven over
+//! ext-proc's memory under huge prompts: the real kvroute-ext-proc binary, driven over
 //! ext_proc as Envoy's BUFFERED mode drives it, with the tiny model in process; its memory read
 //! from `/proc/<pid>/status` (VmHWM: the peak resident set over the whole run).
 //!
@@ -94,7 +94,7 @@ fn tier(answer: &ExtProcAnswer) -> String {
     decision.split('/').next().unwrap_or_default().to_owned()
 }
 
-/// Issue 16's figures: 1,000 distinct 1 MiB completions, then 50 concurrent 1 MiB chats, while
+/// The figures asked for: 1,000 distinct 1 MiB completions, then 50 concurrent 1 MiB chats, while
 /// small chats keep being decided (measured: peak 173 MiB over a 46 MiB baseline, bound 252 MiB;
 /// ≈ 75 s with debug binaries, most of it the 1 GiB of bodies).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

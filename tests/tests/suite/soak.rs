@@ -1,4 +1,4 @@
-//! The chaos soak (issue 16): continuous multi-turn chat traffic through real Envoy to three
+//! The chaos soak: continuous multi-turn chat traffic through real Envoy to three
 //! engine simulators while, on a fixed schedule, kvroute-index, kvroute-ext-proc, the
 //! kvroute-agent and an engine are SIGKILLed and restarted, and an engine's KV-event stream is
 //! cut and resumed. One implementation, two lengths:

@@ -46,7 +46,7 @@
 //!   their misses overlap, each checked against its shard's version), each followed by
 //!   O(pool replicas / 64) word operations (O(holders) in pools of more than 64 replicas,
 //!   whose spilled lists sit behind a read lock). Stops as soon as no candidate still matches.
-//!   Measured in BENCHMARKS.md (`## Index`, issue 19).
+//!   Measured in BENCHMARKS.md (`## Index` and the Dynamo comparison after it).
 //! - `reset_replica`: token-chain pools O(blocks of the replica); vLLM-exact pools scan the
 //!   pool's tables for the replica's slot (O(pool keys), one shard lock at a time; resets are
 //!   engine restarts). Removal locks each shard once per 256 keys.
