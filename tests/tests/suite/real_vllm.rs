@@ -47,8 +47,8 @@ use tokio_util::task::TaskTracker;
 use super::common::{decision_path_tokens, replay_all};
 
 const ENGINES: usize = 3;
-const MODEL: &str = "tiny";
-const BLOCK_SIZE: usize = 32;
+pub(super) const MODEL: &str = "tiny";
+pub(super) const BLOCK_SIZE: usize = 32;
 /// Three engines starting at once on two cores take 1-3 minutes; generous on a busy machine.
 const ENGINE_STARTUP: Duration = Duration::from_secs(600);
 /// SIGTERM to SIGKILL for an engine's process group (API server, engine core, worker).
@@ -73,7 +73,7 @@ const ANSWER_WORDS: usize = 10;
 const KV_BLOCKS: usize = 256;
 const WORKLOAD_SEED: u64 = 0x6b76_726f_7574_6532;
 /// Predicted and actual cached tokens may differ by one block.
-const PREDICTION_TOLERANCE: i64 = BLOCK_SIZE as i64;
+pub(super) const PREDICTION_TOLERANCE: i64 = BLOCK_SIZE as i64;
 
 pub(super) fn cache_dir() -> PathBuf {
     let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);

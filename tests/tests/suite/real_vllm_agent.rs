@@ -83,8 +83,13 @@ const WORDS: &[&str] = &[
 ];
 
 fn words(rng: &mut StdRng, count: usize) -> String {
+    pick_words(WORDS, rng, count)
+}
+
+/// `count` words drawn from `list`, space-separated (the real-vLLM tiers' text).
+pub(super) fn pick_words(list: &[&str], rng: &mut StdRng, count: usize) -> String {
     (0..count)
-        .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+        .map(|_| list[rng.random_range(0..list.len())])
         .collect::<Vec<_>>()
         .join(" ")
 }

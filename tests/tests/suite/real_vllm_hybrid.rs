@@ -47,16 +47,17 @@ use kvroute_tests::stack::{
     DebugHeaders, ExtProcBudgets, Routing, SimTiming, Stack, StackOptions, StackTokenizer,
 };
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use serde_json::{Value, json};
 use tokio_util::task::TaskTracker;
 
 use super::common::{decision_path_tokens, replay_all};
-use super::real_vllm::{EngineSpec, VllmEngine, cache_dir, counters, venv_dir};
+use super::real_vllm::{
+    BLOCK_SIZE, EngineSpec, MODEL, PREDICTION_TOLERANCE, VllmEngine, cache_dir, counters, venv_dir,
+};
+use super::real_vllm_agent::pick_words;
 
 const ENGINES: usize = 2;
-const MODEL: &str = "tiny";
-const BLOCK_SIZE: usize = 32;
 /// vLLM's KV-cache groups for the layout: 0-4 sliding window, 5 full attention.
 const GROUPS: u32 = 6;
 /// Usable KV blocks per engine, shared by all six groups (vLLM's hybrid pool): a 900-token
@@ -69,8 +70,6 @@ const KV_BLOCKS: usize = 100;
 const MAX_MODEL_LEN: usize = 1024;
 /// `--max-num-batched-tokens`: long prompts are prefilled in chunks of this many tokens.
 const MAX_BATCHED_TOKENS: usize = 256;
-/// Predicted and actual cached tokens may differ by one block.
-const PREDICTION_TOLERANCE: i64 = BLOCK_SIZE as i64;
 const MIN_WITHIN_SHARE: f64 = 0.95;
 const MIN_HITS: usize = 10;
 /// How long the index may take to apply what the engines published (loopback, a few batches).
@@ -134,10 +133,7 @@ const WORDS: &[&str] = &[
 ];
 
 fn words(rng: &mut StdRng, count: usize) -> String {
-    (0..count)
-        .map(|_| WORDS[rng.random_range(0..WORDS.len())])
-        .collect::<Vec<_>>()
-        .join(" ")
+    pick_words(WORDS, rng, count)
 }
 
 /// What a step sends.
