@@ -46,8 +46,8 @@ use kvroute_tests::harness::{http, tiny_model_dir, wait_until};
 use kvroute_tests::stack::{
     DebugHeaders, ExtProcBudgets, Routing, SimTiming, Stack, StackOptions, StackTokenizer,
 };
-use rand::rngs::StdRng;
 use rand::SeedableRng;
+use rand::rngs::StdRng;
 use serde_json::{Value, json};
 use tokio_util::task::TaskTracker;
 
