@@ -29,15 +29,9 @@ import shutil
 import sys
 from pathlib import Path
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "tiny-model"
-COPIED = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-]
-SEED = 0
-STAMP = ".kvroute-fixture-sha256"
+# The fixture, the files copied from it, the seed and the stamp are the dense model's.
+from make_model import COPIED, FIXTURE, SEED, STAMP, fixture_digest
+
 WINDOW = 64
 
 
@@ -90,11 +84,8 @@ LAYOUTS = {
 
 
 def digest(layout: str, config: dict) -> str:
-    h = hashlib.sha256()
-    for name in sorted(p.name for p in FIXTURE.iterdir() if p.is_file()):
-        h.update(name.encode())
-        h.update((FIXTURE / name).read_bytes())
-    h.update(f"layout={layout};seed={SEED};".encode())
+    h = hashlib.sha256(fixture_digest().encode())
+    h.update(f"layout={layout};".encode())
     h.update(json.dumps(config, sort_keys=True).encode())
     return h.hexdigest()
 
