@@ -75,6 +75,36 @@ const WORKLOAD_SEED: u64 = 0x6b76_726f_7574_6532;
 /// Predicted and actual cached tokens may differ by one block.
 pub(super) const PREDICTION_TOLERANCE: i64 = BLOCK_SIZE as i64;
 
+/// `count` engines of `spec`, started together (each logging under `logs`), once all are healthy.
+pub(super) async fn start_engines(count: usize, logs: &Path, spec: &EngineSpec) -> Vec<VllmEngine> {
+    let mut engines: Vec<VllmEngine> = (0..count)
+        .map(|i| VllmEngine::spawn(i, logs, spec))
+        .collect();
+    futures::future::join_all(engines.iter_mut().map(VllmEngine::wait_healthy)).await;
+    engines
+}
+
+/// kvroute as every real-vLLM tier runs it: vLLM's keys (sha256_cbor, seed "0", block 32),
+/// scoring in real milliseconds with the prefill cost calibrated to a tiny model on this busy
+/// 2-core CPU (~0.2 ms a token; the default 0.05 assumes a GPU), relaxed budgets, and
+/// `x-kvroute-predicted-cached-tokens` on every answer (the checks compare it with vLLM's count).
+pub(super) fn tier_stack_options() -> StackOptions {
+    StackOptions {
+        routing: Routing::Kvroute,
+        block_size: BLOCK_SIZE as u32,
+        hash_algo: "sha256_cbor".to_owned(),
+        hash_seed: "0".to_owned(),
+        timing: SimTiming {
+            time_scale: 1.0,
+            prefill_us_per_token: 200.0,
+            ..SimTiming::default()
+        },
+        budgets: ExtProcBudgets::relaxed(),
+        debug_headers: DebugHeaders::Always,
+        ..StackOptions::default()
+    }
+}
+
 pub(super) fn cache_dir() -> PathBuf {
     let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
     std::env::var_os("KVROUTE_CACHE").map_or_else(|| home.join(".cache/kvroute"), PathBuf::from)
@@ -519,32 +549,12 @@ async fn real_vllm_end_to_end() {
 
     // --- Engines, concurrently; then the stack in front of them.
     let started = Instant::now();
-    let mut engines: Vec<VllmEngine> = (0..ENGINES)
-        .map(|i| VllmEngine::spawn(i, logs.path(), &EngineSpec::tiny()))
-        .collect();
-    futures::future::join_all(engines.iter_mut().map(VllmEngine::wait_healthy)).await;
+    let engines = start_engines(ENGINES, logs.path(), &EngineSpec::tiny()).await;
     let engine_startup = started.elapsed();
     eprintln!("{ENGINES} vLLM engines ready in {engine_startup:.1?}");
     let started = Instant::now();
     let stack = Stack::start_external(
-        StackOptions {
-            routing: Routing::Kvroute,
-            block_size: BLOCK_SIZE as u32,
-            hash_algo: "sha256_cbor".to_owned(),
-            hash_seed: "0".to_owned(),
-            // Scoring in real milliseconds (time scale 1): ext-proc's default weights, but the
-            // prefill cost calibrated to this tiny model on a busy 2-core CPU (~0.2 ms a token;
-            // the default 0.05 assumes a GPU).
-            timing: SimTiming {
-                time_scale: 1.0,
-                prefill_us_per_token: 200.0,
-                ..SimTiming::default()
-            },
-            budgets: ExtProcBudgets::relaxed(),
-            // The checks compare `x-kvroute-predicted-cached-tokens` with vLLM's own count.
-            debug_headers: DebugHeaders::Always,
-            ..StackOptions::default()
-        },
+        tier_stack_options(),
         engines.iter().map(|e| e.external.clone()).collect(),
     )
     .await

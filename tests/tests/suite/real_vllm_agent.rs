@@ -26,10 +26,7 @@ use std::time::{Duration, Instant};
 use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_tests::harness::http;
-use kvroute_tests::stack::{
-    DebugHeaders, ExtProcBudgets, Routing, SimTiming, Stack, StackOptions, StackTokenizer,
-    release_binary_dir,
-};
+use kvroute_tests::stack::{Routing, Stack, StackOptions, StackTokenizer, release_binary_dir};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -37,7 +34,8 @@ use tokio_util::task::TaskTracker;
 
 use super::common::decision_path_tokens;
 use super::real_vllm::{
-    EngineCounters, EngineSpec, VllmEngine, cache_dir, counters, run_stats, venv_dir,
+    EngineCounters, EngineSpec, VllmEngine, cache_dir, counters, run_stats, start_engines,
+    tier_stack_options, venv_dir,
 };
 
 const ENGINES: usize = 3;
@@ -324,20 +322,9 @@ fn within_one_block(outcome: &Outcome) -> bool {
 async fn start_stack(tokenizer: StackTokenizer, engines: &[VllmEngine]) -> Stack {
     Stack::start_external(
         StackOptions {
-            routing: Routing::Kvroute,
-            block_size: BLOCK_SIZE as u32,
-            hash_algo: "sha256_cbor".to_owned(),
-            hash_seed: "0".to_owned(),
-            timing: SimTiming {
-                time_scale: 1.0,
-                prefill_us_per_token: 200.0,
-                ..SimTiming::default()
-            },
-            budgets: ExtProcBudgets::relaxed(),
-            debug_headers: DebugHeaders::Always,
             tokenizer,
             bin_dir: Some(release_binary_dir()),
-            ..StackOptions::default()
+            ..tier_stack_options()
         },
         engines.iter().map(|e| e.external.clone()).collect(),
     )
@@ -388,10 +375,7 @@ async fn run_model(model_dir: &Path, failures: &mut Vec<String>) -> Value {
         .to_vec(),
     };
     let started = Instant::now();
-    let mut engines: Vec<VllmEngine> = (0..ENGINES)
-        .map(|i| VllmEngine::spawn(i, logs.path(), &spec))
-        .collect();
-    futures::future::join_all(engines.iter_mut().map(VllmEngine::wait_healthy)).await;
+    let engines = start_engines(ENGINES, logs.path(), &spec).await;
     eprintln!(
         "{name}: {ENGINES} engines ready in {:.1?}",
         started.elapsed()

@@ -43,9 +43,7 @@ use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_index::event::KvEvent;
 use kvroute_tests::harness::{http, tiny_model_dir, wait_until};
-use kvroute_tests::stack::{
-    DebugHeaders, ExtProcBudgets, Routing, SimTiming, Stack, StackOptions, StackTokenizer,
-};
+use kvroute_tests::stack::{Routing, Stack, StackOptions, StackTokenizer};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::{Value, json};
@@ -53,7 +51,8 @@ use tokio_util::task::TaskTracker;
 
 use super::common::{decision_path_tokens, replay_all};
 use super::real_vllm::{
-    BLOCK_SIZE, EngineSpec, MODEL, PREDICTION_TOLERANCE, VllmEngine, cache_dir, counters, venv_dir,
+    BLOCK_SIZE, EngineSpec, MODEL, PREDICTION_TOLERANCE, VllmEngine, cache_dir, counters,
+    start_engines, tier_stack_options, venv_dir,
 };
 use super::real_vllm_agent::pick_words;
 
@@ -547,29 +546,14 @@ async fn real_vllm_hybrid_gemma3_predictions_and_group_holdings() {
             MAX_BATCHED_TOKENS.to_string(),
         ],
     };
-    let mut engines: Vec<VllmEngine> = (0..ENGINES)
-        .map(|i| VllmEngine::spawn(i, logs.path(), &spec))
-        .collect();
-    futures::future::join_all(engines.iter_mut().map(VllmEngine::wait_healthy)).await;
+    let engines = start_engines(ENGINES, logs.path(), &spec).await;
     let engine_startup = started.elapsed();
     eprintln!("{ENGINES} hybrid vLLM engines ready in {engine_startup:.1?}");
     let stack = Stack::start_external(
         StackOptions {
-            routing: Routing::Kvroute,
-            block_size: BLOCK_SIZE as u32,
-            hash_algo: "sha256_cbor".to_owned(),
-            hash_seed: "0".to_owned(),
-            // As real_vllm.rs: real milliseconds, the prefill cost of a tiny model on a CPU.
-            timing: SimTiming {
-                time_scale: 1.0,
-                prefill_us_per_token: 200.0,
-                ..SimTiming::default()
-            },
-            budgets: ExtProcBudgets::relaxed(),
-            debug_headers: DebugHeaders::Always,
             // The engines serve the fixture tokenizer: ext-proc loads it in process.
             tokenizer: StackTokenizer::ModelDir(tiny_model_dir()),
-            ..StackOptions::default()
+            ..tier_stack_options()
         },
         engines.iter().map(|e| e.external.clone()).collect(),
     )
