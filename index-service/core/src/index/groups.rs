@@ -424,37 +424,36 @@ impl Groups {
         }
     }
 
-    /// [`Self::hit_blocks`] in any medium and on the GPU: computed once when nothing is held off
-    /// the GPU and the primary group's two prefixes agree.
+    /// vLLM's hit for `keys` (prompt keys of `block_size` tokens), in blocks of `block_size`, in
+    /// any medium and on the GPU, given the primary group's leading blocks in each: computed once
+    /// when nothing is held off the GPU and the primary group's two prefixes agree.
     pub(crate) fn hit_blocks_and_gpu(
         &self,
         keys: &[u64],
         block_size: u32,
         (primary_blocks, primary_gpu_blocks): (u32, u32),
     ) -> (u32, u32) {
-        let all_on_gpu = self.state.read().off_gpu_copies == 0;
-        let any = self.hit_blocks(keys, block_size, primary_blocks, false);
-        if all_on_gpu && primary_blocks == primary_gpu_blocks {
+        let state = self.state.read();
+        let any = state.hit_blocks(keys, block_size, primary_blocks, false);
+        if state.off_gpu_copies == 0 && primary_blocks == primary_gpu_blocks {
             return (any, any);
         }
-        (
-            any,
-            self.hit_blocks(keys, block_size, primary_gpu_blocks, true),
-        )
+        let gpu = state.hit_blocks(keys, block_size, primary_gpu_blocks, true);
+        (any, gpu)
     }
+}
 
-    /// vLLM's hit for `keys` (prompt keys of `block_size` tokens), in blocks of `block_size`:
-    /// the primary group holds the first `primary_blocks` keys (in the media `gpu_only` asks
-    /// for), each side group what it stored.
-    pub(crate) fn hit_blocks(
+impl State {
+    /// vLLM's hit for `keys`: the primary group holds the first `primary_blocks` keys (in the
+    /// media `gpu_only` asks for), each side group what it stored.
+    fn hit_blocks(
         &self,
         keys: &[u64],
         block_size: u32,
         primary_blocks: u32,
         gpu_only: bool,
     ) -> u32 {
-        let state = self.state.read();
-        if state.sides.is_empty() {
+        if self.sides.is_empty() {
             // Nothing beside the tables (cleared, or only unmodelled groups): the walk's answer.
             return primary_blocks;
         }
@@ -462,16 +461,16 @@ impl Groups {
         // The primary group is full attention, the first vLLM asks: its answer is the walk's
         // prefix, the bound every other group then shortens (it only shrinks, and full attention
         // holds every shorter prefix, so it need not be asked again).
-        let bound = match state.primary {
+        let bound = match self.primary {
             Some(_) => keys.len().min(primary_blocks as usize),
             None => keys.len(),
         };
         let tokens = hit::hit_tokens(
-            &state.rules,
+            &self.rules,
             bound * block_size,
-            state.alignment,
+            self.alignment,
             |rule, block| {
-                let spec = &state.specs[state.sources[rule]];
+                let spec = &self.specs[self.sources[rule]];
                 // A larger block's hash is the chain's hash at its last pool block.
                 let Some(key) = keys.get((block + 1) * spec.scale - 1) else {
                     return false;
@@ -484,9 +483,6 @@ impl Groups {
         );
         u32::try_from(tokens / block_size).unwrap_or(u32::MAX)
     }
-}
-
-impl State {
     /// [`State::rules`], [`State::sources`] and [`State::alignment`] for the groups learnt
     /// so far (a pool's keys are `block_size` tokens each).
     fn relearn_lookups(&mut self, block_size: u32) {
