@@ -38,7 +38,7 @@ seeds="$root/fuzz/corpus-seeds"
 # FUZZ_SEEDS_WRITTEN=1: the caller already ran this (CI does, while the test build is still there
 # to reuse).
 if [ -z "${FUZZ_SEEDS_WRITTEN:-}" ]; then
-  cargo run --quiet -p kvroute-index --features test-util --example fuzz_seeds -- "$seeds"
+  cargo run --quiet -p kvroute-index --example fuzz_seeds -- "$seeds"
   echo "fuzz: seeds written ($(elapsed))" >&2
 fi
 

@@ -13,13 +13,13 @@
 //! # UpstreamTlsContext that does not verify it).
 //! #  health: "0.0.0.0:9003"
 //! #  secure_serving: true
-//! # TLS on the ext_proc port (kvroute_index_api::tls), optionally requiring client certificates
+//! # TLS on the ext_proc port (kvroute_runtime::tls), optionally requiring client certificates
 //! # signed by client_ca (mTLS): Envoy's ext_proc cluster then needs an UpstreamTlsContext.
 //! #  tls: {cert: /tls/tls.crt, key: /tls/tls.key, client_ca: /tls/envoy-ca.crt}
 //! index: {addresses: ["http://10.0.0.9:7070"], match_timeout: 20ms}
 //! # Or the index inside this process (Match without a network hop), from a kvroute-index config:
 //! # index: {embedded: /etc/kvroute/index.yaml}
-//! # TLS to the index (kvroute_index_api::tls): addresses are then https://
+//! # TLS to the index (kvroute_runtime::tls): addresses are then https://
 //! # index: {addresses: ["https://kvroute-index:7070"], tls: {ca: /tls/ca.crt, server_name: kvroute-index}}
 //! # The index's query_auth token, sent as `authorization: Bearer <token>` with every Match:
 //! # index: {addresses: ["http://10.0.0.9:7070"], token_file: /etc/kvroute/query-token}
@@ -84,8 +84,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use kvroute_block_keys::{KeyScheme, LoraRef, PoolKeySettings, RawKeyScheme};
-use kvroute_index_api::duration::parse_duration;
-use kvroute_index_api::token::{AgentToken, TokenError, TokenSource};
+use kvroute_runtime::duration::parse_duration;
+use kvroute_runtime::token::{AgentToken, TokenError, TokenSource};
 
 use kvroute_routing::ScoringConfig;
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
@@ -210,7 +210,7 @@ struct RawListen {
     grpc: Option<String>,
     admin: Option<String>,
     health: Option<String>,
-    tls: Option<kvroute_index_api::tls::RawServerTls>,
+    tls: Option<kvroute_runtime::tls::RawServerTls>,
     secure_serving: Option<bool>,
 }
 
@@ -262,7 +262,7 @@ impl Overrides {
             raw.listen.secure_serving = Some(secure);
         }
         if let Some(dir) = &self.cert_dir {
-            raw.listen.tls = Some(kvroute_index_api::tls::RawServerTls {
+            raw.listen.tls = Some(kvroute_runtime::tls::RawServerTls {
                 cert: dir.join("tls.crt").display().to_string(),
                 key: dir.join("tls.key").display().to_string(),
                 client_ca: None,
@@ -278,7 +278,7 @@ struct RawIndex {
     embedded: Option<PathBuf>,
     match_timeout: Option<String>,
     retry_after: Option<String>,
-    tls: Option<kvroute_index_api::tls::RawClientTls>,
+    tls: Option<kvroute_runtime::tls::RawClientTls>,
     token_file: Option<String>,
 }
 
@@ -409,13 +409,13 @@ pub struct Config {
     /// GIE endpoint-picker protocol settings (`epp`).
     pub epp: EppConfig,
     /// TLS (and optionally client certificates) on the ext_proc gRPC port (`None`: plaintext).
-    pub grpc_tls: Option<kvroute_index_api::tls::ServerTls>,
+    pub grpc_tls: Option<kvroute_runtime::tls::ServerTls>,
     /// kvroute-index addresses, tried in order (HA).
     pub index_addresses: Vec<http::Uri>,
     /// A kvroute-index run inside this process and asked first (`index.embedded`).
     pub embedded_index: Option<EmbeddedIndex>,
     /// TLS to the index (`None`: plaintext).
-    pub index_tls: Option<kvroute_index_api::tls::ClientTls>,
+    pub index_tls: Option<kvroute_runtime::tls::ClientTls>,
     /// The index's `query_auth` token (`index.token_file`), sent with every `Match`.
     pub index_token: Option<AgentToken>,
     /// Deadline for one `Match`, fail-overs included.
@@ -894,7 +894,7 @@ impl TryFrom<RawConfig> for Config {
             .listen
             .tls
             .as_ref()
-            .map(|tls| kvroute_index_api::tls::ServerTls::load(tls, "listen.tls"))
+            .map(|tls| kvroute_runtime::tls::ServerTls::load(tls, "listen.tls"))
             .transpose()?;
         let index_addresses = raw
             .index
@@ -907,7 +907,7 @@ impl TryFrom<RawConfig> for Config {
             .index
             .tls
             .as_ref()
-            .map(|tls| kvroute_index_api::tls::ClientTls::load(tls, "index.tls"))
+            .map(|tls| kvroute_runtime::tls::ClientTls::load(tls, "index.tls"))
             .transpose()?;
         let index_token = match raw.index.token_file.as_deref() {
             None => None,
@@ -1505,12 +1505,12 @@ fn index_uri(field: &str, value: &str, tls: bool) -> Result<http::Uri, ConfigErr
             "expected an http(s):// URL",
         ));
     }
-    kvroute_index_api::tls::check_scheme(value, tls)
+    kvroute_runtime::tls::check_scheme(value, tls)
         .map_err(|reason| ConfigError::invalid(field, value, reason))?;
     Ok(uri)
 }
 
-/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_index_api::duration::parse_duration`],
+/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_runtime::duration::parse_duration`],
 /// the one parser of every kvroute config), or `default` when absent.
 fn duration(field: &str, value: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
     value.map_or(Ok(default), |text| {

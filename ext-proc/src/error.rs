@@ -267,7 +267,7 @@ pub enum ConfigError {
     },
     /// `index.tls` is unusable (missing file, not PEM, refused by rustls).
     #[error("invalid TLS settings: {0}")]
-    Tls(#[from] kvroute_index_api::tls::TlsError),
+    Tls(#[from] kvroute_runtime::tls::TlsError),
 }
 
 impl ConfigError {

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_index_api::api::kv_index_client::KvIndexClient;
 use kvroute_index_api::api::{MatchRequest, MatchResponse};
-use kvroute_index_api::tls::ClientTls;
-use kvroute_index_api::token::{AUTHORIZATION, AgentToken};
+use kvroute_runtime::tls::ClientTls;
+use kvroute_runtime::token::{AUTHORIZATION, AgentToken};
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 

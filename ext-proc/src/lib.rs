@@ -71,7 +71,7 @@ use std::time::Duration;
 
 use embedded::IndexServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-use kvroute_index_api::config_file::ConfigFileWatch;
+use kvroute_runtime::config_file::ConfigFileWatch;
 use prometheus_client::registry::Registry;
 
 use tokio::net::TcpListener;

@@ -107,12 +107,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(args.log_filter())),
-        )
-        .init();
+    kvroute_runtime::logging::init(args.log_filter());
     kvroute_ext_proc::disable_transparent_huge_pages();
     let ignored = args.ignored();
     if !ignored.is_empty() {
@@ -145,7 +140,7 @@ fn main() -> ExitCode {
         if let Some(path) = &args.ready_file {
             write_ready_file(path, &server)?;
         }
-        server.serve(shutdown_signal()).await?;
+        server.serve(kvroute_runtime::shutdown::signal()).await?;
         Ok::<(), anyhow::Error>(())
     });
     match result {
@@ -178,23 +173,4 @@ fn write_ready_file(path: &Path, server: &ExtProc) -> anyhow::Result<()> {
     std::fs::write(&partial, text)
         .and_then(|()| std::fs::rename(&partial, path))
         .with_context(|| format!("cannot write the ready file {}", path.display()))
-}
-
-/// Resolves on SIGTERM or SIGINT.
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(error) => {
-                tracing::warn!(%error, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = terminate => {}
-    }
 }

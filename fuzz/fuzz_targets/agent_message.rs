@@ -5,8 +5,8 @@
 
 #![no_main]
 
-use kvroute_index::api;
-use kvroute_index::index::KvIndex as _;
+use kvroute_index_api::api;
+use kvroute_index_core::index::KvIndex as _;
 use kvroute_index::server::fuzzing::AgentStreamHarness;
 use libfuzzer_sys::fuzz_target;
 use prost::Message as _;

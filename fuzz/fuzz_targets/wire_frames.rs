@@ -4,7 +4,7 @@
 
 #![no_main]
 
-use kvroute_index::wire::{ReplayItem, decode_batch, decode_message, parse_replay_frames};
+use kvroute_index_core::wire::{ReplayItem, decode_batch, decode_message, parse_replay_frames};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -1,11 +1,11 @@
-//! A peer's bytes as kvroute's ZMTP sockets decode them (`kvroute_index::zmtp::Inbound`, the
+//! A peer's bytes as kvroute's ZMTP sockets decode them (`kvroute_ingest::zmtp::Inbound`, the
 //! state machine every SUB and DEALER connection runs): greeting, READY, then messages under
 //! small limits. Input: one control byte (bit 0: DEALER instead of SUB; bits 1-7: the chunk
 //! size the bytes arrive in), then the peer's byte stream.
 
 #![no_main]
 
-use kvroute_index::zmtp::{Inbound, InboundEvent, Limits, SocketType};
+use kvroute_ingest::zmtp::{Inbound, InboundEvent, Limits, SocketType};
 use libfuzzer_sys::fuzz_target;
 
 /// A small message cap, so inputs reach it.

@@ -20,11 +20,11 @@ use std::path::{Path, PathBuf};
 
 use kvroute_block_keys::HashValue;
 use kvroute_block_keys::testing::{fixture, shared_dir};
-use kvroute_index::agent_protocol::event_to_proto;
-use kvroute_index::api;
-use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
-use kvroute_index::testing::zmtp_bytes;
-use kvroute_index::wire::{self, Encoding, HashForm, Schema};
+use kvroute_index_api::agent_protocol::event_to_proto;
+use kvroute_index_api::api;
+use kvroute_index_core::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_index_core::wire::{self, Encoding, HashForm, Schema};
+use kvroute_ingest::testing::zmtp_bytes;
 use prost::Message as _;
 
 /// The harness agent of `kvroute_index::server::fuzzing` (same id, token and replicas).

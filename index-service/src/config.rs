@@ -8,7 +8,7 @@
 //! listen:
 //!   grpc: 127.0.0.1:50061      # Match / ReplicaState API for kvroute-ext-proc
 //!   admin: 127.0.0.1:9461      # /metrics, /healthz, /readyz, /v1/replicas, /v1/match
-//!   tls:                       # optional, gRPC only (crate::tls); clients then use https://
+//!   tls:                       # optional, gRPC only (kvroute_runtime::tls); clients then use https://
 //!     cert: /tls/tls.crt
 //!     key: /tls/tls.key
 //!     client_ca: /tls/ca.crt   # optional: require client certificates signed by it
@@ -68,9 +68,9 @@ use kvroute_block_keys::{KeyScheme, PoolKeySettings, RawKeyScheme};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
-pub use crate::index::VerifyHashes;
-use crate::ingest;
-use crate::zmtp::PeerFilter;
+pub use kvroute_index_core::index::VerifyHashes;
+use kvroute_ingest as ingest;
+use kvroute_ingest::zmtp::PeerFilter;
 
 /// Default gRPC listen address.
 pub const DEFAULT_GRPC_ADDR: &str = "127.0.0.1:50061";
@@ -107,7 +107,7 @@ pub enum ConfigError {
     },
     /// `listen.tls` is unusable (missing file, not PEM, key and certificate disagree).
     #[error("invalid TLS settings: {0}")]
-    Tls(#[from] crate::tls::TlsError),
+    Tls(#[from] kvroute_runtime::tls::TlsError),
     /// A key of the older schema: refused, so a file never means two things.
     #[error("`{old}` is now {new}")]
     Renamed {
@@ -129,7 +129,7 @@ fn renamed(set: bool, old: impl FnOnce() -> String, new: &str) -> Result<(), Con
     Ok(())
 }
 
-pub use crate::duration::{DurationError, parse_duration};
+pub use kvroute_runtime::duration::{DurationError, parse_duration};
 
 /// An optional duration key: its value, or `default` when absent.
 fn duration(field: &str, value: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
@@ -248,7 +248,7 @@ pub struct RawListen {
     /// Admin HTTP address (`host:port`).
     pub admin: Option<String>,
     /// TLS on the gRPC listener (the admin HTTP server stays plaintext, for probes).
-    pub tls: Option<crate::tls::RawServerTls>,
+    pub tls: Option<kvroute_runtime::tls::RawServerTls>,
 }
 
 /// `limits:` section.
@@ -357,7 +357,7 @@ pub struct Config {
     /// Admin HTTP listen address.
     pub admin_addr: SocketAddr,
     /// TLS for the gRPC listener (`None`: plaintext).
-    pub tls: Option<crate::tls::ServerTls>,
+    pub tls: Option<kvroute_runtime::tls::ServerTls>,
     /// Cap on blocks per replica.
     pub max_blocks_per_replica: usize,
     /// Replay deadline.
@@ -370,12 +370,12 @@ pub struct Config {
     pub agents: Vec<AgentConfig>,
     /// `node_agents`: the token every node's agent presents; `None`: discovered replicas are
     /// subscribed to directly.
-    pub node_agents: Option<crate::token::AgentToken>,
+    pub node_agents: Option<kvroute_runtime::token::AgentToken>,
     /// How long an agent-fed replica may be without its agent before it leaves precise scoring.
     pub agent_stale_grace: Duration,
     /// The bearer token the query API requires (`None`: it answers anyone who can connect, so keep
     /// it on loopback or a private network).
-    pub query_token: Option<crate::token::AgentToken>,
+    pub query_token: Option<kvroute_runtime::token::AgentToken>,
     /// When `/readyz` and gRPC health say ready.
     pub readiness: Readiness,
     /// How often the config file is checked for a reload.
@@ -388,7 +388,7 @@ pub struct AgentConfig {
     /// Agent id.
     pub id: String,
     /// Its shared secret.
-    pub token: crate::token::AgentToken,
+    pub token: kvroute_runtime::token::AgentToken,
     /// Replica ids it owns.
     pub replicas: Vec<String>,
 }
@@ -467,7 +467,7 @@ impl Config {
             .listen
             .tls
             .as_ref()
-            .map(|tls| crate::tls::ServerTls::load(tls, "listen.tls"))
+            .map(|tls| kvroute_runtime::tls::ServerTls::load(tls, "listen.tls"))
             .transpose()?;
         let max_blocks_per_replica = raw
             .limits
@@ -681,7 +681,9 @@ impl Config {
 /// Agents: unique ids, exactly one token source (loaded now), replicas that exist and have one
 /// owner each.
 /// `query_auth`: exactly one token source; the token must fit an `authorization` header.
-fn validate_query_auth(raw: RawQueryAuth) -> Result<crate::token::AgentToken, ConfigError> {
+fn validate_query_auth(
+    raw: RawQueryAuth,
+) -> Result<kvroute_runtime::token::AgentToken, ConfigError> {
     let field = if raw.token_env.is_some() && raw.token_file.is_none() {
         "query_auth.token_env"
     } else {
@@ -700,8 +702,11 @@ fn validate_query_auth(raw: RawQueryAuth) -> Result<crate::token::AgentToken, Co
 
 /// A `{token_file | token_env}` section (`section` names it in errors): exactly one source,
 /// loaded now.
-fn load_token(raw: RawQueryAuth, section: &str) -> Result<crate::token::AgentToken, ConfigError> {
-    use crate::token::{AgentToken, TokenSource};
+fn load_token(
+    raw: RawQueryAuth,
+    section: &str,
+) -> Result<kvroute_runtime::token::AgentToken, ConfigError> {
+    use kvroute_runtime::token::{AgentToken, TokenSource};
     let (source, field) = match (raw.token_file, raw.token_env) {
         (Some(path), None) => (TokenSource::File(path), format!("{section}.token_file")),
         (None, Some(name)) => (TokenSource::Env(name), format!("{section}.token_env")),
@@ -721,7 +726,7 @@ fn validate_agents(
     raw: Vec<RawAgent>,
     replica_ids: &HashSet<String>,
 ) -> Result<Vec<AgentConfig>, ConfigError> {
-    use crate::token::{AgentToken, TokenSource};
+    use kvroute_runtime::token::{AgentToken, TokenSource};
     let mut agents: Vec<AgentConfig> = Vec::with_capacity(raw.len());
     let mut owned = HashSet::new();
     for (i, agent) in raw.into_iter().enumerate() {
@@ -747,7 +752,7 @@ fn validate_agents(
         let token = AgentToken::load(&source).map_err(|e| {
             ConfigError::invalid(field("token_file"), "<secret source>", e.to_string())
         })?;
-        let max = crate::agent_protocol::MAX_REPLICAS_PER_HELLO;
+        let max = kvroute_index_api::agent_protocol::MAX_REPLICAS_PER_HELLO;
         if agent.replicas.len() > max {
             return Err(ConfigError::invalid(
                 field("replicas"),
@@ -958,7 +963,7 @@ fn parse_addr(field: &str, value: Option<&str>, default: &str) -> Result<SocketA
 }
 
 fn check_endpoint(field: &str, endpoint: &str) -> Result<(), ConfigError> {
-    crate::zmtp::Endpoint::parse(endpoint)
+    kvroute_ingest::zmtp::Endpoint::parse(endpoint)
         .map(drop)
         .map_err(|error| ConfigError::invalid(field, endpoint, error.to_string()))
 }

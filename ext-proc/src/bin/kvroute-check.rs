@@ -66,13 +66,7 @@ fn main() -> ExitCode {
             };
         }
     };
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
+    kvroute_runtime::logging::init("warn");
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

@@ -14,8 +14,8 @@ use super::hub::Hub;
 use super::metrics::AgentMetrics;
 use kvroute_index_api::agent_protocol::MAX_MESSAGE_BYTES;
 use kvroute_index_api::api::{self, agent_ingest_client::AgentIngestClient};
-use kvroute_index_api::token::AgentToken;
 use kvroute_index_core::throttle::LogThrottle;
+use kvroute_runtime::token::AgentToken;
 
 /// Bound on one connect attempt.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -30,7 +30,7 @@ pub(crate) struct StreamSettings {
     pub(crate) token: AgentToken,
     pub(crate) backoff_min: Duration,
     pub(crate) backoff_max: Duration,
-    pub(crate) tls: Option<kvroute_index_api::tls::ClientTls>,
+    pub(crate) tls: Option<kvroute_runtime::tls::ClientTls>,
 }
 
 /// Keeps one index stream up until `cancel`.

@@ -6,7 +6,7 @@
 //! indexes: ["http://kvroute-index-0:50061", "http://kvroute-index-1:50061"]
 //! admin: 127.0.0.1:9471            # /metrics, /healthz
 //! batch_delay: 20ms                # deltas are flushed at least this often
-//! reconnect_backoff_max: 5s        # durations as in every kvroute config (kvroute_index_api::duration)
+//! reconnect_backoff_max: 5s        # durations as in every kvroute config (kvroute_runtime::duration)
 //! max_blocks_per_replica: 1000000
 //! tls: {ca: /tls/ca.crt, server_name: kvroute-index}   # optional; indexes are then https://
 //! engines:
@@ -50,8 +50,8 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
-use kvroute_index::ingest::{IngestConfig, SocketMode, transport_settings};
-use kvroute_index_api::token::{AgentToken, TokenError, TokenSource};
+use kvroute_ingest::{IngestConfig, SocketMode, transport_settings};
+use kvroute_runtime::token::{AgentToken, TokenError, TokenSource};
 
 /// Default admin listen address.
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9471";
@@ -97,8 +97,8 @@ pub struct RawAgentConfig {
     pub reconnect_backoff_max_ms: Option<IgnoredAny>,
     /// Local engines.
     pub engines: Vec<RawEngine>,
-    /// TLS to the indexes (see [`kvroute_index_api::tls`]); every index address is then `https://`.
-    pub tls: Option<kvroute_index_api::tls::RawClientTls>,
+    /// TLS to the indexes (see [`kvroute_runtime::tls`]); every index address is then `https://`.
+    pub tls: Option<kvroute_runtime::tls::RawClientTls>,
     /// Engines learned from Kubernetes: the Ready pods on this agent's node.
     pub discovery: Option<RawDiscovery>,
     /// How often the config file is checked for changes (`2s`).
@@ -192,7 +192,7 @@ pub enum AgentConfigError {
     Token(#[from] TokenError),
     /// `tls` is unusable.
     #[error("invalid TLS settings: {0}")]
-    Tls(#[from] kvroute_index_api::tls::TlsError),
+    Tls(#[from] kvroute_runtime::tls::TlsError),
     /// A key of the older schema: refused, so a file never means two things.
     #[error("`{old}` is now {new}")]
     Renamed {
@@ -286,7 +286,7 @@ pub struct AgentConfig {
     /// One ingest socket per engine (DP rank).
     pub engines: Vec<IngestConfig>,
     /// TLS to the indexes (`None`: plaintext).
-    pub tls: Option<kvroute_index_api::tls::ClientTls>,
+    pub tls: Option<kvroute_runtime::tls::ClientTls>,
     /// Engines from Kubernetes, restricted to one node (`node_name`, or the agent id).
     pub discovery: Option<kvroute_discovery::KubernetesSource>,
     /// How often the config file's mtime is checked (when the agent watches its file).
@@ -393,7 +393,7 @@ impl AgentConfig {
         }
         let duration = |field: &str, value: Option<&str>, default: Duration| {
             value.map_or(Ok(default), |text| {
-                kvroute_index_api::duration::parse_duration(text)
+                kvroute_runtime::duration::parse_duration(text)
                     .map_err(|e| AgentConfigError::invalid(field, text, e.to_string()))
             })
         };
@@ -429,14 +429,14 @@ impl AgentConfig {
                     "expected http://host:port",
                 ));
             }
-            kvroute_index_api::tls::check_scheme(index, raw.tls.is_some()).map_err(|reason| {
+            kvroute_runtime::tls::check_scheme(index, raw.tls.is_some()).map_err(|reason| {
                 AgentConfigError::invalid(format!("indexes[{i}]"), index, reason)
             })?;
         }
         let tls = raw
             .tls
             .as_ref()
-            .map(|tls| kvroute_index_api::tls::ClientTls::load(tls, "tls"))
+            .map(|tls| kvroute_runtime::tls::ClientTls::load(tls, "tls"))
             .transpose()?;
         let admin = raw.admin.as_deref().unwrap_or(DEFAULT_ADMIN_ADDR);
         let admin_addr = admin

@@ -9,7 +9,7 @@
 //!
 //! One task (`Supervisor::run`) owns the set and changes it when a discovery snapshot arrives
 //! or the config file changes (mtime checked every `reload_interval` by the watcher ext-proc
-//! and the index use too, [`kvroute_index_api::config_file`]). A change stops the ingest of
+//! and the index use too, [`kvroute_runtime::config_file`]). A change stops the ingest of
 //! each removed (or re-pointed) engine before its mirror goes, adds the new mirrors before
 //! their ingest starts, and hands the new set to the [`Hub`], which makes the index streams
 //! reopen with a `Hello` claiming it. A file that does not validate, or whose new discovery
@@ -22,9 +22,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvroute_discovery::{Discovery, DiscoveryMetrics, KubernetesSource, Replica, Snapshot};
-use kvroute_index::ingest::{EventSink, Ingest, IngestConfig, IngestMetrics, SocketMode};
 use kvroute_index_api::agent_protocol::MAX_REPLICAS_PER_HELLO;
-use kvroute_index_api::config_file::ConfigFileWatch;
+use kvroute_ingest::{EventSink, Ingest, IngestConfig, IngestMetrics, SocketMode};
+use kvroute_runtime::config_file::ConfigFileWatch;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;

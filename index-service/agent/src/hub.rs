@@ -23,10 +23,10 @@ use tokio::sync::mpsc;
 
 use super::metrics::AgentMetrics;
 use super::mirror::ReplicaMirror;
-use kvroute_index::ingest::{EventSink, ReplicaKey, ResetReason};
 use kvroute_index_api::agent_protocol::event_to_proto;
 use kvroute_index_api::api;
 use kvroute_index_core::event::{EventBatch, KvEvent};
+use kvroute_ingest::{EventSink, ReplicaKey, ResetReason};
 
 /// Rough protobuf size of an event, to keep messages far below gRPC's 4 MiB default.
 fn approx_size(event: &KvEvent) -> usize {

@@ -1,7 +1,7 @@
 //! kvroute-agent: mirrors the KV blocks of the engines beside it and streams them to one or
 //! more kvroute-index instances.
 //!
-//! - **Engine side**: the existing ZMQ [`Ingest`](kvroute_index::ingest::Ingest) (sequence checks, replay of gaps, resets on
+//! - **Engine side**: the existing ZMQ [`Ingest`](kvroute_ingest::Ingest) (sequence checks, replay of gaps, resets on
 //!   engine restart) feeding a [`Hub`] instead of an index.
 //! - **Mirror** ([`mirror`]): per replica, the held blocks with what is needed to re-emit them.
 //! - **Index side** ([`client`]): per index address one gRPC `AgentStream`: `Hello` (agent id,
@@ -24,7 +24,7 @@ pub mod engines;
 pub mod hub;
 pub mod metrics;
 pub mod mirror;
-pub use kvroute_index_api::token;
+pub use kvroute_runtime::token;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -39,7 +39,7 @@ pub use config::AgentConfig;
 pub use hub::{Hub, HubLimits};
 pub use metrics::AgentMetrics;
 
-use kvroute_index::ingest::IngestMetrics;
+use kvroute_ingest::IngestMetrics;
 
 /// Why the agent cannot start.
 #[derive(Debug, thiserror::Error)]

@@ -1,13 +1,9 @@
-//! kvroute-index-api: what a client of kvroute-index needs, and nothing of the service.
+//! kvroute-index-api: the index's protocol, and nothing of the service.
 //!
 //! - [`api`]: the generated gRPC types, clients and service traits of `kvroute.index.v1`
 //!   (`Match`, `ReplicaState`, the agent's `AgentStream`; see `proto/`);
 //! - [`agent_protocol`]: the agent stream's limits and the conversion between domain events and
-//!   its protobuf messages (both ends use it: the agent sends, the index validates and applies);
-//! - [`tls`]: TLS settings of every kvroute gRPC endpoint, server and client side;
-//! - [`token`]: shared secrets (agent and query tokens) and the `authorization` header;
-//! - [`duration`]: the one duration format of every kvroute config (`250ms`, `2s`, `1m`);
-//! - [`config_file`]: the one config-file watcher ext-proc, the index and the agent reload through.
+//!   its protobuf messages (both ends use it: the agent sends, the index validates and applies).
 //!
 //! ext-proc depends on this crate (and on the I/O-free `kvroute-index-core`) to query a remote
 //! index; only its `embedded-index` feature brings in the service.
@@ -15,10 +11,6 @@
 #![deny(missing_docs)]
 
 pub mod agent_protocol;
-pub mod config_file;
-pub mod duration;
-pub mod tls;
-pub mod token;
 
 /// Generated gRPC types and client/server for `kvroute.index.v1` (see `proto/`).
 #[allow(missing_docs, clippy::all, clippy::pedantic)]

@@ -25,8 +25,8 @@ use dynamo_kv_router::protocols::{
     KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
 };
 use futures::executor::block_on;
-use kvroute_index::event::{BlockRemoved, BlockStored, KvEvent, Medium};
-use kvroute_index::index::{
+use kvroute_index_core::event::{BlockRemoved, BlockStored, KvEvent, Medium};
+use kvroute_index_core::index::{
     BlockIndex, IndexConfig, IndexMetrics, KvIndex, PathStats, PoolConfig, PoolKeys, ReplicaId,
 };
 

@@ -25,7 +25,7 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    kvroute_index::process::init_tracing();
+    kvroute_runtime::logging::init("info");
 
     let config = match std::fs::read_to_string(&args.config)
         .with_context(|| format!("cannot read {}", args.config.display()))
@@ -71,7 +71,7 @@ async fn run(config: Config, path: PathBuf, ready_file: Option<PathBuf>) -> anyh
     }
     // A server that fails stops the process (non-zero exit) rather than leaving it half-dead.
     let failure = tokio::select! {
-        () = kvroute_index::process::shutdown_signal() => None,
+        () = kvroute_runtime::shutdown::signal() => None,
         failure = server.failed() => Some(failure),
     };
     server.shutdown().await;

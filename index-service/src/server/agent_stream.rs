@@ -40,14 +40,14 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::Directory;
-use crate::agent_protocol::event_from_proto;
-use crate::agent_protocol::{MAX_MESSAGE_BYTES, MAX_REPLICAS_PER_HELLO};
-use crate::api::{self, agent_ingest_server::AgentIngestServer};
 use crate::config::Config;
-use crate::event::KvEvent;
-use crate::index::{BlockIndex, Feed, FeedState, FlagReason, KvIndex, ReplicaId};
-use crate::throttle::LogThrottle;
-use crate::token::AgentToken;
+use kvroute_index_api::agent_protocol::event_from_proto;
+use kvroute_index_api::agent_protocol::{MAX_MESSAGE_BYTES, MAX_REPLICAS_PER_HELLO};
+use kvroute_index_api::api::{self, agent_ingest_server::AgentIngestServer};
+use kvroute_index_core::event::KvEvent;
+use kvroute_index_core::index::{BlockIndex, Feed, FeedState, FlagReason, KvIndex, ReplicaId};
+use kvroute_index_core::throttle::LogThrottle;
+use kvroute_runtime::token::AgentToken;
 
 /// How long a new stream may take to send `Hello`.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -824,11 +824,11 @@ pub mod fuzzing {
     use tokio_util::sync::CancellationToken;
 
     use super::{AgentStreams, Session};
-    use crate::api;
     use crate::config::{AgentConfig, Config};
-    use crate::index::{BlockIndex, IndexConfig, IndexMetrics};
     use crate::server::Directory;
-    use crate::token::AgentToken;
+    use kvroute_index_api::api;
+    use kvroute_index_core::index::{BlockIndex, IndexConfig, IndexMetrics};
+    use kvroute_runtime::token::AgentToken;
 
     /// The agent id [`AgentStreamHarness`] knows.
     pub const AGENT_ID: &str = "fuzz-agent";
@@ -930,8 +930,8 @@ replicas:
 #[cfg(test)]
 mod tests {
     use super::fuzzing::{AGENT_ID, AgentStreamHarness, REPLICAS, TOKEN};
-    use crate::api;
-    use crate::index::KvIndex as _;
+    use kvroute_index_api::api;
+    use kvroute_index_core::index::KvIndex as _;
 
     fn hello(token: &str, replicas: &[&str]) -> api::AgentMessage {
         api::AgentMessage {

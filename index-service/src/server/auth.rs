@@ -11,9 +11,10 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::{throttle::LogThrottle, token::AgentToken};
+use kvroute_index_core::throttle::LogThrottle;
+use kvroute_runtime::token::AgentToken;
 
-pub use crate::token::AUTHORIZATION;
+pub use kvroute_runtime::token::AUTHORIZATION;
 
 /// Why a query was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,15 +10,12 @@ use parking_lot::RwLock;
 use kvroute_block_keys::KeyScheme;
 
 use super::ServeError;
-use crate::{
-    config::{Config, ReplicaConfig, SocketMode},
-    event::EventBatch,
-    index::{
-        BlockIndex, Feed, FeedState, FlagReason, IndexError, KvIndex, PoolConfig, PoolKeys,
-        ReplicaId,
-    },
-    ingest::{self, EventSink, IngestConfig, ReplicaKey, ResetReason},
+use crate::config::{Config, ReplicaConfig, SocketMode};
+use kvroute_index_core::event::EventBatch;
+use kvroute_index_core::index::{
+    BlockIndex, Feed, FeedState, FlagReason, IndexError, KvIndex, PoolConfig, PoolKeys, ReplicaId,
 };
+use kvroute_ingest::{self as ingest, EventSink, IngestConfig, ReplicaKey, ResetReason};
 
 /// A configured pool, with what queries need to turn tokens into keys.
 #[derive(Debug, Clone)]

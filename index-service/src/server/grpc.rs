@@ -7,11 +7,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use super::Shared;
-use crate::{
-    api::{self, kv_index_server::KvIndexServer},
-    index::{KvIndex, ReplicaId, ReplicaState},
-    ingest::ReplicaIngestSnapshot,
-};
+use kvroute_index_api::api::{self, kv_index_server::KvIndexServer};
+use kvroute_index_core::index::{KvIndex, ReplicaId, ReplicaState};
+use kvroute_ingest::ReplicaIngestSnapshot;
 
 /// Largest prompt a match accepts, in blocks (1M tokens at block size 16 is 65,536 blocks).
 pub const MAX_MATCH_KEYS: usize = 1 << 17;
@@ -38,7 +36,7 @@ pub enum MatchError {
     Keys(String),
     /// The index refused the query.
     #[error("index error: {0}")]
-    Index(#[from] crate::index::IndexError),
+    Index(#[from] kvroute_index_core::index::IndexError),
 }
 
 impl MatchError {

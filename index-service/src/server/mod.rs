@@ -24,22 +24,20 @@ use std::{
     time::Duration,
 };
 
-use kvroute_index_api::config_file::ConfigFileWatch;
+use kvroute_runtime::config_file::ConfigFileWatch;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
-use crate::{
-    config::Config,
-    index::{BlockIndex, IndexConfig, IndexMetrics},
-    ingest::{Ingest, IngestMetrics},
-};
+use crate::config::Config;
 #[cfg(any(test, feature = "fuzzing"))]
 pub use agent_stream::fuzzing;
 pub use agent_stream::{MAX_QUEUED_REFUSALS, MAX_STREAMS_PER_AGENT};
 pub use auth::AUTHORIZATION;
 pub use directory::Directory;
 pub use grpc::MatchError;
+use kvroute_index_core::index::{BlockIndex, IndexConfig, IndexMetrics};
+use kvroute_ingest::{Ingest, IngestMetrics};
 use metrics::ServerMetrics;
 pub use readiness::{PoolReadiness, ReadinessReport};
 
@@ -73,7 +71,7 @@ pub enum ServeError {
         what: String,
         /// The cause.
         #[source]
-        source: crate::index::IndexError,
+        source: kvroute_index_core::index::IndexError,
     },
 }
 
@@ -110,8 +108,8 @@ impl LocalMatcher {
     /// Leading blocks held per replica, exactly as the gRPC `Match` answers.
     pub fn r#match(
         &self,
-        request: &crate::api::MatchRequest,
-    ) -> Result<crate::api::MatchResponse, MatchError> {
+        request: &kvroute_index_api::api::MatchRequest,
+    ) -> Result<kvroute_index_api::api::MatchResponse, MatchError> {
         let block_size = (request.block_size != 0).then_some(request.block_size);
         grpc::match_keys(
             &self.shared,

@@ -11,8 +11,8 @@ use tonic::server::NamedService as _;
 use tonic_health::ServingStatus;
 
 use super::Shared;
-use crate::api::kv_index_server::KvIndexServer;
-use crate::index::ReplicaState;
+use kvroute_index_api::api::kv_index_server::KvIndexServer;
+use kvroute_index_core::index::ReplicaState;
 
 /// How often gRPC health is brought in line with readiness.
 const FOLLOW_INTERVAL: Duration = Duration::from_millis(100);

@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use kvroute_discovery::{Discovery, DiscoveryMetrics, Snapshot};
-use kvroute_index_api::config_file::ConfigFileWatch;
+use kvroute_runtime::config_file::ConfigFileWatch;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;

@@ -18,7 +18,7 @@ use std::fmt::Debug;
 use std::hash::Hash;
 
 use kvroute_block_keys::Digest;
-use kvroute_index::event::{BlockRemoved, BlockStored, KvEvent, Medium};
+use kvroute_index_core::event::{BlockRemoved, BlockStored, KvEvent, Medium};
 
 use crate::lru::LruQueue;
 

@@ -27,7 +27,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_index::event::KvEvent;
+use kvroute_index_core::event::KvEvent;
 
 use crate::pool::{BlockId, BlockKey, BlockPool, HeldBlock};
 use crate::timing::{PrefillChunk, StepWork, TimingModel};

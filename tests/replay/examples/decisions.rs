@@ -13,7 +13,7 @@
     reason = "a diagnostic tool printing its findings"
 )]
 
-use kvroute_index::event::KvEvent;
+use kvroute_index_core::event::KvEvent;
 use kvroute_replay::engine::EngineConfig;
 use kvroute_replay::routers::{Decision, Router, RouterSpec, View};
 use kvroute_replay::sim::{self, SimConfig};

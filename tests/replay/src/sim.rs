@@ -19,7 +19,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use kvroute_index::event::KvEvent;
+use kvroute_index_core::event::KvEvent;
 
 use crate::engine::{Engine, EngineConfig};
 use crate::routers::{Router, View};

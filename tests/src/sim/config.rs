@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvroute_block_keys::HashAlgo;
 use kvroute_engine_model::Linear;
-use kvroute_index::wire::{Encoding, HashForm, Schema};
+use kvroute_index_core::wire::{Encoding, HashForm, Schema};
 
 const DEFAULT_MODEL_NAME: &str = "tiny";
 const DEFAULT_HOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);

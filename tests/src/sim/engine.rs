@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvroute_block_keys::{Digest, VllmHasher};
 use kvroute_engine_model::{HeldBlock, Linear, NewSeq, Scheduler, SchedulerConfig, SeqId};
-use kvroute_index::event::KvEvent;
+use kvroute_index_core::event::KvEvent;
 use parking_lot::Mutex;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;

@@ -6,8 +6,8 @@
 //!   LRU eviction, continuous batching, chunked prefill), stepped in real time (`engine`), block
 //!   keys hashed with vLLM's chain ([`kvroute_block_keys::VllmHasher`], same algorithm/seed
 //!   options as the index).
-//! - KV events encoded by [`kvroute_index::wire::encode_batch`] (vLLM 0.32 `type` maps, or the
-//!   older tagged arrays) and published by [`kvroute_index::testing::MockVllmPublisher`]
+//! - KV events encoded by [`kvroute_index_core::wire::encode_batch`] (vLLM 0.32 `type` maps, or the
+//!   older tagged arrays) and published by [`kvroute_ingest::testing::MockVllmPublisher`]
 //!   (PUB bind/connect by vLLM's rule, 3 frames, seq from 0, ROUTER replay).
 //! - A step timing model ([`kvroute_engine_model::Linear`]) with a time-scale knob.
 //! - `--chat-template` (vLLM's flag: a file or the template text) renders chat with another
@@ -31,9 +31,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kvroute_block_keys::VllmHasher;
-use kvroute_index::event::EventBatch;
-use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher, PubMode, ReplayLayout};
-use kvroute_index::wire::{self, Encoding};
+use kvroute_index_core::event::EventBatch;
+use kvroute_index_core::wire::{self, Encoding};
+use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher, PubMode, ReplayLayout};
 use kvroute_tokenize::ModelTokenizer;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;

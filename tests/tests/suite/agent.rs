@@ -11,12 +11,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvroute_agent::{Agent, AgentConfig};
-use kvroute_index::api::{self, agent_ingest_client::AgentIngestClient};
 use kvroute_index::config::Config;
-use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index::server::IndexServer;
-use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
-use kvroute_index::wire::{Encoding, encode_batch};
+use kvroute_index_api::api::{self, agent_ingest_client::AgentIngestClient};
+use kvroute_index_core::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_index_core::wire::{Encoding, encode_batch};
+use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_tests::harness::{TcpProxy, http, metrics, wait_until};
 use kvroute_tests::stack::ServerProcess;
 use serde_json::{Value, json};
@@ -69,7 +69,7 @@ engines:
 "#
     );
     let raw = serde_yaml::from_str(&yaml).unwrap();
-    AgentConfig::validate(raw, kvroute_index::token::AgentToken::from_literal(TOKEN)).unwrap()
+    AgentConfig::validate(raw, kvroute_runtime::token::AgentToken::from_literal(TOKEN)).unwrap()
 }
 
 /// A `kvroute-index` process, restartable on the same ports; it returns once listening (its
@@ -408,7 +408,7 @@ impl OpenStream {
         let mut client = AgentIngestClient::connect(uri.to_owned())
             .await
             .unwrap()
-            .max_encoding_message_size(kvroute_index::agent_protocol::MAX_MESSAGE_BYTES);
+            .max_encoding_message_size(kvroute_index_api::agent_protocol::MAX_MESSAGE_BYTES);
         let (tx, rx) = tokio::sync::mpsc::channel(8);
         tx.send(hello).await.unwrap();
         let inbound = client
@@ -433,8 +433,8 @@ impl OpenStream {
 /// number of streams.
 #[tokio::test]
 async fn hello_claims_refusals_and_streams_per_agent_are_capped() {
-    use kvroute_index::agent_protocol::MAX_REPLICAS_PER_HELLO;
     use kvroute_index::server::{MAX_QUEUED_REFUSALS, MAX_STREAMS_PER_AGENT};
+    use kvroute_index_api::agent_protocol::MAX_REPLICAS_PER_HELLO;
 
     let dir = tempfile::tempdir().unwrap();
     let yaml = index_yaml_synthetic_hashes("127.0.0.1:0", dir.path());
@@ -868,7 +868,8 @@ async fn agent_stream_and_match_work_over_tls_and_plaintext_is_refused() {
     ))
     .unwrap();
     let agent_config =
-        AgentConfig::validate(raw, kvroute_index::token::AgentToken::from_literal(TOKEN)).unwrap();
+        AgentConfig::validate(raw, kvroute_runtime::token::AgentToken::from_literal(TOKEN))
+            .unwrap();
     assert!(agent_config.tls.is_some());
     let agent = Agent::start(agent_config).await.unwrap();
 
@@ -888,12 +889,12 @@ async fn agent_stream_and_match_work_over_tls_and_plaintext_is_refused() {
     converge_to_model("agent stream over TLS", admin, &engine).await;
 
     // Match over TLS, with kvroute-ext-proc's own index client and TLS settings.
-    let client_tls: kvroute_index::tls::RawClientTls = serde_yaml::from_str(&format!(
+    let client_tls: kvroute_runtime::tls::RawClientTls = serde_yaml::from_str(&format!(
         "{{ca: \"{}\", server_name: localhost}}",
         pki.ca.display()
     ))
     .unwrap();
-    let client_tls = kvroute_index::tls::ClientTls::load(&client_tls, "index.tls").unwrap();
+    let client_tls = kvroute_runtime::tls::ClientTls::load(&client_tls, "index.tls").unwrap();
     let https: hyper::Uri = format!("https://{grpc}").parse().unwrap();
     let request = api::MatchRequest {
         model: "tiny".into(),
@@ -972,7 +973,7 @@ fn tls_config_errors_name_the_field() {
     );
     let error = AgentConfig::validate(
         serde_yaml::from_str(&yaml).unwrap(),
-        kvroute_index::token::AgentToken::from_literal("t"),
+        kvroute_runtime::token::AgentToken::from_literal("t"),
     )
     .unwrap_err()
     .to_string();

@@ -16,7 +16,7 @@ use kvroute_agent::{Agent, AgentConfig};
 use kvroute_discovery::testing::{ApiServer, TestPod};
 use kvroute_index::config::Config;
 use kvroute_index::server::IndexServer;
-use kvroute_index::testing::MockVllmPublisher;
+use kvroute_ingest::testing::MockVllmPublisher;
 use kvroute_tests::harness::wait_until;
 
 use super::agent::{index_blocks, metric, payload, replica_state, stored};

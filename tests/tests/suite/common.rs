@@ -4,8 +4,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use clap::Parser as _;
-use kvroute_index::event::{EventBatch, KvEvent};
-use kvroute_index::wire::{self, ReplayItem};
+use kvroute_index_core::event::{EventBatch, KvEvent};
+use kvroute_index_core::wire::{self, ReplayItem};
 use kvroute_tests::harness::{http, metrics, tiny_model_dir, wait_until};
 use kvroute_tests::sim::{EngineSim, SimArgs, SimConfig};
 use zeromq::{DealerSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
@@ -97,7 +97,7 @@ pub async fn events_until(endpoint: &str, done: impl Fn(&[KvEvent]) -> bool) -> 
     .unwrap()
 }
 
-pub fn stored(events: &[KvEvent]) -> Vec<&kvroute_index::event::BlockStored> {
+pub fn stored(events: &[KvEvent]) -> Vec<&kvroute_index_core::event::BlockStored> {
     events
         .iter()
         .filter_map(|e| match e {

@@ -322,8 +322,8 @@ async fn admin_status(url: &str, post: Option<&str>, authorization: Option<&str>
 
 #[tokio::test]
 async fn index_query_api_needs_the_token_when_configured() {
-    use kvroute_index::api::kv_index_client::KvIndexClient;
-    use kvroute_index::api::{MatchRequest, ReplicaStateRequest};
+    use kvroute_index_api::api::kv_index_client::KvIndexClient;
+    use kvroute_index_api::api::{MatchRequest, ReplicaStateRequest};
 
     const TOKEN: &str = "query-t0ken";
     let dir = tempfile::tempdir().unwrap();
@@ -411,7 +411,7 @@ async fn index_query_api_needs_the_token_when_configured() {
     let asked = |token: &'static str| {
         let uri = uri.clone();
         async move {
-            let token = kvroute_index::token::AgentToken::from_literal(token);
+            let token = kvroute_runtime::token::AgentToken::from_literal(token);
             let client = kvroute_ext_proc::index_client::IndexClient::new(
                 &[uri],
                 Duration::from_secs(1),
@@ -636,11 +636,11 @@ async fn ext_proc_over_mutual_tls_routes_for_envoy_and_refuses_plaintext() {
         !ext_proc_answers(plaintext).await,
         "a plaintext client got a stream"
     );
-    let anonymous = kvroute_index::tls::ClientTls::load(
-        &kvroute_index::tls::RawClientTls {
+    let anonymous = kvroute_runtime::tls::ClientTls::load(
+        &kvroute_runtime::tls::RawClientTls {
             ca: pki.ca.display().to_string(),
             server_name: Some("localhost".to_owned()),
-            ..kvroute_index::tls::RawClientTls::default()
+            ..kvroute_runtime::tls::RawClientTls::default()
         },
         "tls",
     )
@@ -655,8 +655,8 @@ async fn ext_proc_over_mutual_tls_routes_for_envoy_and_refuses_plaintext() {
         "a client without a certificate got a stream"
     );
     // The same client with the certificate gets one (the refusals above are about credentials).
-    let identified = kvroute_index::tls::ClientTls::load(
-        &kvroute_index::tls::RawClientTls {
+    let identified = kvroute_runtime::tls::ClientTls::load(
+        &kvroute_runtime::tls::RawClientTls {
             ca: pki.ca.display().to_string(),
             server_name: Some("localhost".to_owned()),
             cert: Some(pki.client_cert.display().to_string()),

@@ -15,8 +15,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_index::testing::zmtp_bytes::{self, greeting, ready};
-use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher, PubMode};
+use kvroute_ingest::testing::zmtp_bytes::{self, greeting, ready};
+use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher, PubMode};
 use kvroute_tests::harness::metrics::{proc_status_kib, sum};
 use kvroute_tests::harness::{ChildGuard, http, reserve_port, wait_until};
 use kvroute_tests::stack::binary_dir;

@@ -16,13 +16,10 @@ use std::{
 
 use kvroute_block_keys::testing::{fixture, shared_file};
 use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, VllmHasher};
-use kvroute_index::{
-    config::Config,
-    event::{BlockStored, EventBatch, KvEvent, Medium},
-    server::IndexServer,
-    testing::{MockPublisherConfig, MockVllmPublisher},
-    wire::{Encoding, encode_batch},
-};
+use kvroute_index::{config::Config, server::IndexServer};
+use kvroute_index_core::event::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_index_core::wire::{Encoding, encode_batch};
+use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_tests::harness::wait_until;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

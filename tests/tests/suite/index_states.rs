@@ -9,12 +9,16 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_index::api::{self, MatchRequest, ReplicaCondition, kv_index_client::KvIndexClient};
 use kvroute_index::config::Config;
-use kvroute_index::event::{BlockRemoved, BlockStored, CacheKind, EventBatch, KvEvent, Medium};
 use kvroute_index::server::IndexServer;
-use kvroute_index::testing::{MockPublisherConfig, MockVllmPublisher};
-use kvroute_index::wire::{Encoding, encode_batch};
+use kvroute_index_api::api::{
+    self, MatchRequest, ReplicaCondition, kv_index_client::KvIndexClient,
+};
+use kvroute_index_core::event::{
+    BlockRemoved, BlockStored, CacheKind, EventBatch, KvEvent, Medium,
+};
+use kvroute_index_core::wire::{Encoding, encode_batch};
+use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_tests::harness::{http, reserve_port, wait_until};
 use serde_json::{Value, json};
 use tonic_health::pb::health_check_response::ServingStatus;

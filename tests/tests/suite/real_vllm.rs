@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, VllmHasher};
 use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
-use kvroute_index::event::KvEvent;
+use kvroute_index_core::event::KvEvent;
 use kvroute_tests::harness::{
     ChildGuard, http, metrics, reserve_ports, tiny_model_dir, wait_until, workspace_root,
 };

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
-use kvroute_index::event::KvEvent;
+use kvroute_index_core::event::KvEvent;
 use kvroute_tests::harness::{http, tiny_model_dir, wait_until};
 use kvroute_tests::stack::{Routing, Stack, StackOptions, StackTokenizer};
 use rand::SeedableRng;

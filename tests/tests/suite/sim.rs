@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 
 use kvroute_block_keys::{HashAlgo, VllmHasher};
-use kvroute_index::event::KvEvent;
+use kvroute_index_core::event::KvEvent;
 use kvroute_tests::harness::{http, tiny_model_dir};
 use kvroute_tokenize::ModelTokenizer;
 use serde_json::{Value, json};

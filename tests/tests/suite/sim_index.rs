@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use kvroute_index::config::Config;
-use kvroute_index::event::KvEvent;
 use kvroute_index::server::IndexServer;
+use kvroute_index_core::event::KvEvent;
 use kvroute_tests::harness::{http, metrics, wait_until};
 use kvroute_tests::sim::EngineSim;
 use rand::rngs::StdRng;

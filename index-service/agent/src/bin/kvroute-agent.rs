@@ -27,7 +27,7 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    kvroute_index::process::init_tracing();
+    kvroute_runtime::logging::init("info");
 
     let config = match std::fs::read_to_string(&args.config)
         .with_context(|| format!("cannot read {}", args.config.display()))
@@ -68,7 +68,7 @@ async fn run(
         std::fs::write(&path, format!("admin={}\n", agent.admin_addr()))
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    kvroute_index::process::shutdown_signal().await;
+    kvroute_runtime::shutdown::signal().await;
     agent.shutdown().await;
     Ok(())
 }

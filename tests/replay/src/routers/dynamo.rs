@@ -29,7 +29,7 @@
 
 use std::collections::HashMap;
 
-use kvroute_index::event::KvEvent;
+use kvroute_index_core::event::KvEvent;
 use rand::rngs::StdRng;
 
 use super::{Decision, EventIndex, Router, View, argmin_random, leading};

@@ -1,4 +1,4 @@
-//! kvroute, with its own code: the real index core (`kvroute_index::index::BlockIndex`) fed the
+//! kvroute, with its own code: the real index core (`kvroute_index_core::index::BlockIndex`) fed the
 //! engines' KV events after the configured delay, and the routing core ext-proc's picker runs
 //! (`kvroute_routing::Router`: policy, load board, routed-prefix memory, the score-and-commit
 //! step) with the default `ScoringConfig`. This file is only the glue the picker's I/O would be:
@@ -16,8 +16,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvroute_index::event::KvEvent;
-use kvroute_index::index::{
+use kvroute_index_core::event::KvEvent;
+use kvroute_index_core::index::{
     BlockIndex, IndexConfig, IndexMetrics, KvIndex, PoolConfig, PoolKeys, ReplicaId,
 };
 use kvroute_routing::load::{DEFAULT_SCRAPE_INTERVAL, InflightGuard, LoadBoard, Scraped};

@@ -13,7 +13,7 @@ mod llmd;
 mod oracle;
 mod sglang;
 
-use kvroute_index::event::KvEvent;
+use kvroute_index_core::event::KvEvent;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 

@@ -6,7 +6,7 @@
 //! fast as the socket takes them; each side subscribes and receives `MESSAGES` of them. Reports
 //! messages/s and MB/s for both and their ratio.
 //!
-//! `cargo bench -p kvroute-index --features test-util --bench zmtp`
+//! `cargo bench -p kvroute-ingest --features test-util --bench zmtp`
 
 #![allow(
     clippy::expect_used,
@@ -18,10 +18,10 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
-use kvroute_index::testing::zmtp_bytes;
-use kvroute_index::wire::{Encoding, encode_batch};
-use kvroute_index::zmtp::{Endpoint, Limits, SubEvent, SubSocket};
+use kvroute_index_core::event::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_index_core::wire::{Encoding, encode_batch};
+use kvroute_ingest::testing::zmtp_bytes;
+use kvroute_ingest::zmtp::{Endpoint, Limits, SubEvent, SubSocket};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
 use zeromq::{Socket as _, SocketRecv as _};

@@ -5,8 +5,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use crate::event::EventBatch;
-use crate::ingest::{EventSink, ReplicaKey, ResetReason};
+use crate::{EventSink, ReplicaKey, ResetReason};
+use kvroute_index_core::event::EventBatch;
 
 /// One call an ingest made.
 #[derive(Debug, Clone, PartialEq)]

@@ -22,7 +22,7 @@ use crate::testing::{
     MockPublisherConfig, MockVllmPublisher, PYZMQ_PUBLISHER_SCRIPT, PubMode, RecordingSink,
     ReplayLayout, SinkCall, applied_seqs,
 };
-use crate::wire;
+use kvroute_index_core::wire;
 
 const WAIT: Duration = Duration::from_secs(15);
 const REPLICA: &str = "replica-a";
@@ -49,7 +49,7 @@ fn capture_payloads() -> Vec<Vec<u8>> {
     payloads
 }
 
-fn decoded(payload: &[u8]) -> crate::event::EventBatch {
+fn decoded(payload: &[u8]) -> kvroute_index_core::event::EventBatch {
     wire::decode_batch(payload).unwrap().batch
 }
 
@@ -925,7 +925,7 @@ struct PanicOnce {
 }
 
 impl EventSink for PanicOnce {
-    fn apply(&self, replica: &ReplicaKey, seq: u64, batch: crate::event::EventBatch) {
+    fn apply(&self, replica: &ReplicaKey, seq: u64, batch: kvroute_index_core::event::EventBatch) {
         if !self
             .panicked
             .swap(true, std::sync::atomic::Ordering::SeqCst)

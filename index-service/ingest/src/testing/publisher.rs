@@ -20,8 +20,8 @@ use zeromq::{
     PubSocket, RouterSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqError, ZmqMessage,
 };
 
-use crate::ingest::engine_binds;
-use crate::ingest::wildcard_to_unspecified;
+use crate::engine_binds;
+use crate::wildcard_to_unspecified;
 
 /// vLLM's default `buffer_steps`.
 pub const DEFAULT_BUFFER_STEPS: usize = 10_000;

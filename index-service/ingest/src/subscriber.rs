@@ -16,9 +16,9 @@ use super::{
     EventSink, FeedState, FlagReason, IngestConfig, IngestMetrics, ReplicaKey, ResetReason,
     SocketMode,
 };
-use crate::throttle::LogThrottle;
-use crate::wire::{self, DecodedBatch, WireError};
 use crate::zmtp::{Endpoint, SubEvent, SubSocket, ZmtpError};
+use kvroute_index_core::throttle::LogThrottle;
+use kvroute_index_core::wire::{self, DecodedBatch, WireError};
 
 /// `ingest_refused_total` reason of a live message whose topic the socket did not subscribe to.
 const TOPIC_MISMATCH: &str = "topic_mismatch";

@@ -7,7 +7,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //!
-//! use kvroute_index_api::config_file::ConfigFileWatch;
+//! use kvroute_runtime::config_file::ConfigFileWatch;
 //!
 //! async fn follow(path: std::path::PathBuf) {
 //!     let mut watch = ConfigFileWatch::new(path, Duration::from_secs(1));

@@ -7,8 +7,8 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvroute_index::event::{BlockStored, EventBatch, KvEvent, Medium};
-use kvroute_index::wire::{Encoding, HashForm, Schema, decode_batch, encode_batch};
+use kvroute_index_core::event::{BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_index_core::wire::{Encoding, HashForm, Schema, decode_batch, encode_batch};
 
 const EVENTS: usize = 16;
 const BLOCKS_PER_EVENT: usize = 4;

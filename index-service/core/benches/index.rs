@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_block_keys::TokenChain;
-use kvroute_index::event::{BlockRemoved, BlockStored, CacheKind, KvEvent, Medium};
-use kvroute_index::index::{
+use kvroute_index_core::event::{BlockRemoved, BlockStored, CacheKind, KvEvent, Medium};
+use kvroute_index_core::index::{
     BlockIndex, IndexConfig, IndexMetrics, KvIndex, PoolConfig, PoolKeys, ReplicaId,
 };
 

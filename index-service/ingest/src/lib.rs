@@ -36,7 +36,7 @@
 //!   each time instead of piling batches onto it). `ingest_last_sequence` is a u64 gauge and
 //!   shows every sequence number exactly.
 //!
-//! A message that fails to decode is counted by [`WireError::as_label`](crate::wire::WireError::as_label)
+//! A message that fails to decode is counted by [`WireError::as_label`](kvroute_index_core::wire::WireError::as_label)
 //! and skipped without touching the sequence state; if it was a real batch, the next good message
 //! shows a gap and the replay path decides. Socket errors re-create the socket with capped
 //! exponential backoff; a panic inside the task is caught, counted, the replica reset, and the
@@ -61,6 +61,10 @@ mod subscriber;
 #[cfg(test)]
 mod tests;
 
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;
+pub mod zmtp;
+
 use std::sync::Arc;
 
 use futures::FutureExt as _;
@@ -68,8 +72,8 @@ use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::event::EventBatch;
-use crate::index::{FeedState, FlagReason};
+use kvroute_index_core::event::EventBatch;
+use kvroute_index_core::index::{FeedState, FlagReason};
 
 #[cfg(any(test, feature = "test-util"))]
 pub(crate) use config::wildcard_to_unspecified;

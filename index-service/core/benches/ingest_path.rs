@@ -15,11 +15,11 @@ use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_block_keys::{HashAlgo, VllmHasher};
-use kvroute_index::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
-use kvroute_index::index::{
+use kvroute_index_core::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_index_core::index::{
     BlockIndex, HashValidator, IndexConfig, IndexMetrics, KvIndex, PoolConfig, PoolKeys, ReplicaId,
 };
-use kvroute_index::wire::{Encoding, decode_batch, encode_batch};
+use kvroute_index_core::wire::{Encoding, decode_batch, encode_batch};
 
 const RUNS: usize = 16;
 const BLOCKS_PER_RUN: usize = 4;

@@ -6,8 +6,8 @@
 
 use bytes::Bytes;
 
-use crate::wire::{self, ReplayItem, WireError};
 use crate::zmtp::{DealerSocket, Endpoint, Limits, ZmtpError};
+use kvroute_index_core::wire::{self, ReplayItem, WireError};
 
 /// Why a replay request failed at the transport level.
 #[derive(Debug, thiserror::Error)]
