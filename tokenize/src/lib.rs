@@ -19,8 +19,8 @@
 //!   `add_special_tokens` (default false: the template writes bos itself).
 //!
 //! Encoding uses [`ByteLevelBpe`], an exact re-implementation of the byte-level BPE pipelines
-//! (GPT-2 style, Llama 3, Qwen2/3, o200k) that is 20–50× faster, whenever the `tokenizer.json` is one it models and it
-//! agrees with `tokenizers` on a self-check sample at load; otherwise (and for decoding) the
+//! (GPT-2 style, Llama 3, Qwen2/3, o200k; its speed against `tokenizers` is in BENCHMARKS.md),
+//! whenever the `tokenizer.json` is one it models and it agrees with `tokenizers` on a self-check sample at load; otherwise (and for decoding) the
 //! `tokenizers` crate does the work. [`ModelTokenizer::uses_fast_path`] tells which.
 //!
 //! ```

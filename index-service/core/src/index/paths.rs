@@ -58,8 +58,8 @@ pub(crate) const MIN_RUN: usize = 4;
 /// 32k-token prompt comes as chunks of hundreds of blocks). Shorter ones — a decode step's
 /// block, a short prompt, an engine publishing in small batches — cost a walk two or three
 /// chunks of lookups, while a run for each would cost the writer a second pass over its keys
-/// (≈ 85 ns a block: 16-block events measured 250 against 165 ns per block event filling) and
-/// a walk one run entered per event (0.3 → 0.9 µs for 1,000 blocks in 16-block runs).
+/// and a walk one run entered per event (the writer's and the walk's cost by event size:
+/// BENCHMARKS.md, index against Dynamo's, `kvroute-bench-dynamo event-blocks N`).
 pub(crate) const MIN_STORED_RUN: usize = 64;
 /// Keys per key segment (a run never spans two).
 pub(crate) const KEY_SEGMENT: usize = 1 << 14;
