@@ -40,7 +40,9 @@ use crate::metrics::{
 };
 use crate::request::ParsedRequest;
 use crate::scrape::Scraper;
-use crate::tokenizer::{KeysJob, PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer};
+use crate::tokenizer::{
+    KeysJob, PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer, TokensRequest,
+};
 
 pub use kvroute_routing::Tier;
 
@@ -627,15 +629,15 @@ impl Picker {
         let tokenizer = runtime.tokenizers[pool_index].as_ref();
         let tokens = self
             .token_cache
-            .leading_tokens(
-                pool_index,
+            .tokens_for(TokensRequest {
+                pool: pool_index,
                 model,
-                &request.prompt,
+                prompt: &request.prompt,
                 tokenizer,
-                tokenize_budget,
-                leading_bytes,
-                Some(&context.keys_job),
-            )
+                budget: tokenize_budget,
+                leading_from: Some(leading_bytes),
+                keys_job: Some(&context.keys_job),
+            })
             .await
         .map_err(|e| {
             self.count_fallback("tokenize", e.as_label());

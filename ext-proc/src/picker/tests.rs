@@ -9,7 +9,7 @@ use tokio::sync::Barrier;
 
 use super::*;
 use crate::request::{Endpoint, parse};
-use crate::tokenizer::{TokenizeFuture, TokenizeInput};
+use crate::tokenizer::{InProcess, LeadingFuture, TokenizeFuture, TokenizeInput};
 
 const BURST: usize = 16;
 
@@ -314,7 +314,9 @@ async fn leading_rule_on(dir: &std::path::Path) {
     let input = Arc::new(TokenizeInput::from_prompt(&request.prompt).unwrap());
     let whole = load().tokenize("m", Arc::clone(&input)).await.unwrap();
     let leading = load()
-        .tokenize_leading("m", Arc::clone(&input), LEADING_BYTES)
+        .in_process()
+        .expect("in process")
+        .tokenize_leading(Arc::clone(&input), LEADING_BYTES)
         .unwrap()
         .await
         .unwrap();
@@ -356,7 +358,9 @@ async fn leading_rule_on(dir: &std::path::Path) {
     // r2 holds the first leading part whole and a few blocks more, fewer than the next
     // part's: the part grows once, and the decision is still the whole prompt's.
     let second_part = load()
-        .tokenize_leading("m", Arc::clone(&input), LEADING_BYTES * LEADING_GROWTH)
+        .in_process()
+        .expect("in process")
+        .tokenize_leading(Arc::clone(&input), LEADING_BYTES * LEADING_GROWTH)
         .unwrap()
         .await
         .unwrap();
@@ -507,15 +511,46 @@ impl Tokenizer for SlotHoldingTokenizer {
             if first {
                 release.notified().await;
             }
-            match input.as_ref() {
-                TokenizeInput::Text { text, .. } => Ok(text.bytes().map(u32::from).collect()),
-                other => Ok(vec![0; other.len_bytes()]),
-            }
+            Ok(one_per_byte(&input))
         })
     }
 
+    fn in_process(&self) -> Option<&dyn InProcess> {
+        Some(self)
+    }
+}
+
+impl InProcess for SlotHoldingTokenizer {
     fn runs_blocking(&self, _input: &TokenizeInput, _leading: bool) -> bool {
         true
+    }
+
+    fn tokenize_leading(
+        &self,
+        _input: Arc<TokenizeInput>,
+        _min_bytes: usize,
+    ) -> Option<LeadingFuture> {
+        None
+    }
+
+    fn tokenize_resumable(
+        &self,
+        _input: &TokenizeInput,
+        _prior: Option<(&kvroute_tokenize::ResumePoint, &[u32])>,
+    ) -> Option<Result<kvroute_tokenize::ResumableTokens, crate::error::TokenizeError>> {
+        None
+    }
+
+    fn tokenize_now(&self, input: &TokenizeInput) -> Result<Vec<u32>, crate::error::TokenizeError> {
+        Ok(one_per_byte(input))
+    }
+}
+
+/// One token per byte of a completion's text (zeros for other prompts).
+fn one_per_byte(input: &TokenizeInput) -> Vec<u32> {
+    match input {
+        TokenizeInput::Text { text, .. } => text.bytes().map(u32::from).collect(),
+        other => vec![0; other.len_bytes()],
     }
 }
 
