@@ -13,11 +13,15 @@
 //! and the test skips, saying so, without them.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
+use kvroute_tokenize::ModelTokenizer;
 use sha2::{Digest, Sha256};
+use tokio_util::task::TaskTracker;
 
-use super::*;
-use crate::request::{Endpoint, parse};
+use super::input::owned_input;
+use super::{InProcessTokenizer, RemoteTokenizer, TokenizeInput, Tokenizer};
+use crate::request::{Endpoint, Prompt, parse};
 
 const GOLDENS: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),

@@ -1,0 +1,91 @@
+//! The network tokenizers' one HTTP call: a JSON POST within a timeout, its answer read as token
+//! ids and its failures mapped to the tokenizer's error.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::TokenizeFuture;
+use crate::error::TokenizeError;
+
+/// Largest accepted `/tokenize` or render response body.
+const MAX_TOKENIZE_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+
+/// Reads the token ids out of a success answer's body (a reason on failure).
+pub(super) type ReadTokens = fn(&[u8]) -> Result<Vec<u32>, String>;
+
+/// Makes a failed call's error from its URL and reason.
+pub(super) type CallFailed = fn(String, String) -> TokenizeError;
+
+/// An HTTP client that POSTs JSON tokenize requests, each call bounded by one timeout.
+#[derive(Debug, Clone)]
+pub(super) struct TokenizeClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+    timeout: Duration,
+}
+
+impl TokenizeClient {
+    /// A client whose every call ends within `timeout`.
+    pub(super) fn new(timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        Self {
+            client: Client::builder(TokioExecutor::new()).build(connector),
+            timeout,
+        }
+    }
+
+    /// POSTs `body` to `url` and reads the answer's token ids with `read`, within the timeout
+    /// ([`TokenizeError::Timeout`] past it); any other failure is `failed(url, reason)`.
+    pub(super) fn post(
+        &self,
+        url: http::Uri,
+        body: Bytes,
+        read: ReadTokens,
+        failed: CallFailed,
+    ) -> TokenizeFuture {
+        let (client, timeout) = (self.client.clone(), self.timeout);
+        Box::pin(async move {
+            let call = async {
+                let answer = post_json(client, url.clone(), body).await?;
+                read(&answer)
+            };
+            match tokio::time::timeout(timeout, call).await {
+                Ok(Ok(tokens)) => Ok(tokens),
+                Ok(Err(reason)) => Err(failed(url.to_string(), reason)),
+                Err(_) => Err(TokenizeError::Timeout { after: timeout }),
+            }
+        })
+    }
+}
+
+/// POSTs a JSON `body` (only `content-type` set: no client header is forwarded) and returns
+/// the success response's body, at most [`MAX_TOKENIZE_RESPONSE_BYTES`].
+async fn post_json(
+    client: Client<HttpConnector, Full<Bytes>>,
+    url: http::Uri,
+    body: Bytes,
+) -> Result<Bytes, String> {
+    let request = http::Request::post(url)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+        .map_err(|e| e.to_string())?;
+    let response = client
+        .request(request)
+        .await
+        .map_err(|e| format!("{e:#}"))?;
+    let status = response.status();
+    let body = http_body_util::Limited::new(response.into_body(), MAX_TOKENIZE_RESPONSE_BYTES)
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    if !status.is_success() {
+        return Err(format!("status {status}"));
+    }
+    Ok(body)
+}

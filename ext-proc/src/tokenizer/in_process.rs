@@ -1,0 +1,217 @@
+//! The in-process backend: the model folder's tokenizer and chat template (`kvroute-tokenize`),
+//! on the calling task when that is cheaper than the hop to a blocking thread.
+
+use std::sync::Arc;
+
+use kvroute_tokenize::{LeadingTokens, ModelTokenizer, ResumableTokens, ResumePoint};
+use serde_json::value::RawValue;
+use tokio_util::task::TaskTracker;
+
+use super::input::api_request_object;
+use super::{InProcess, LeadingFuture, TokenizeFuture, TokenizeInput, Tokenizer, TokenizerMode};
+use crate::error::TokenizeError;
+
+/// Largest input tokenized on the calling task rather than a blocking thread, when the model
+/// has the fast encoder: ≈ 4k tokens, ≈ 0.2 ms (`cargo bench -p kvroute-tokenize --bench encode`).
+const INLINE_MAX_BYTES: usize = 16 * 1024;
+
+/// Largest input whose leading part is tokenized on the calling task (parse and render of
+/// ≈ 256 KiB ≈ 0.5 ms, `kvroute-latency-bench --bench stages`).
+const INLINE_LEADING_MAX_BYTES: usize = 256 * 1024;
+
+/// The model folder's tokenizer, in this process.
+#[derive(Debug, Clone)]
+pub struct InProcessTokenizer {
+    model: Arc<ModelTokenizer>,
+    tasks: TaskTracker,
+}
+
+impl InProcessTokenizer {
+    /// Wraps an already loaded tokenizer.
+    pub fn new(model: Arc<ModelTokenizer>, tasks: TaskTracker) -> Self {
+        Self { model, tasks }
+    }
+
+    /// Loads a Hugging Face model folder.
+    pub fn load(dir: &std::path::Path, tasks: TaskTracker) -> Result<Self, TokenizeError> {
+        let model = ModelTokenizer::from_dir(dir).map_err(|e| TokenizeError::InProcess {
+            reason: format!("{e:#}"),
+        })?;
+        Ok(Self::new(Arc::new(model), tasks))
+    }
+
+    /// Whether `input` is tokenized whole on the calling task.
+    fn inline(&self, input: &TokenizeInput) -> bool {
+        self.model.uses_fast_path() && input.len_bytes() <= INLINE_MAX_BYTES
+    }
+
+    /// Whether [`InProcess::tokenize_leading`] answers for `input`.
+    fn gives_leading(&self, input: &TokenizeInput) -> bool {
+        self.model.uses_fast_path() && !matches!(input, TokenizeInput::Api { .. })
+    }
+}
+
+impl Tokenizer for InProcessTokenizer {
+    fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+        if self.inline(&input) {
+            // Tens of microseconds: cheaper here than the hop to a blocking thread and back.
+            let result = encode(&self.model, &input);
+            return Box::pin(std::future::ready(result));
+        }
+        let model = Arc::clone(&self.model);
+        let task = self.tasks.spawn_blocking(move || encode(&model, &input));
+        Box::pin(async move {
+            task.await.map_err(|e| TokenizeError::InProcess {
+                reason: e.to_string(),
+            })?
+        })
+    }
+
+    fn mode(&self) -> TokenizerMode {
+        if self.model.uses_fast_path() {
+            TokenizerMode::InProcessFast
+        } else {
+            TokenizerMode::InProcessHf
+        }
+    }
+
+    fn in_process(&self) -> Option<&dyn InProcess> {
+        Some(self)
+    }
+}
+
+impl InProcess for InProcessTokenizer {
+    fn runs_blocking(&self, input: &TokenizeInput, leading: bool) -> bool {
+        if leading {
+            self.gives_leading(input) && input.len_bytes() > INLINE_LEADING_MAX_BYTES
+        } else {
+            !self.inline(input)
+        }
+    }
+
+    fn tokenize_leading(
+        &self,
+        input: Arc<TokenizeInput>,
+        min_bytes: usize,
+    ) -> Option<LeadingFuture> {
+        if !self.gives_leading(&input) {
+            return None;
+        }
+        // The whole body is parsed and rendered (cheap), only the leading part encoded: a
+        // fraction of a millisecond up to a few hundred KiB, so on the calling task.
+        if input.len_bytes() <= INLINE_LEADING_MAX_BYTES {
+            return Some(Box::pin(std::future::ready(encode_leading(
+                &self.model,
+                &input,
+                min_bytes,
+            ))));
+        }
+        let model = Arc::clone(&self.model);
+        let task = self
+            .tasks
+            .spawn_blocking(move || encode_leading(&model, &input, min_bytes));
+        Some(Box::pin(async move {
+            task.await.map_err(|e| TokenizeError::InProcess {
+                reason: e.to_string(),
+            })?
+        }))
+    }
+
+    fn tokenize_resumable(
+        &self,
+        input: &TokenizeInput,
+        prior: Option<(&ResumePoint, &[u32])>,
+    ) -> Option<Result<ResumableTokens, TokenizeError>> {
+        let TokenizeInput::Chat {
+            messages,
+            add_generation_prompt,
+            fields,
+        } = input
+        else {
+            return None;
+        };
+        if !self.model.uses_fast_path() {
+            return None;
+        }
+        Some((|| {
+            let messages = chat_messages(messages)?;
+            let options = fields.chat_options(*add_generation_prompt)?;
+            self.model
+                .encode_chat_resumable(&messages, &options, prior)
+                .map_err(failed)
+        })())
+    }
+
+    fn tokenize_now(&self, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
+        encode(&self.model, input)
+    }
+}
+
+/// The whole prompt's tokens.
+fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
+    match input {
+        TokenizeInput::Text {
+            text,
+            add_special_tokens,
+        } => model
+            .encode_prompt(text, *add_special_tokens)
+            .map_err(failed),
+        TokenizeInput::Chat {
+            messages,
+            add_generation_prompt,
+            fields,
+        } => {
+            let messages = chat_messages(messages)?;
+            let options = fields.chat_options(*add_generation_prompt)?;
+            model.encode_chat_with(&messages, &options).map_err(failed)
+        }
+        TokenizeInput::Api { api, request } => {
+            let request = api_request_object(request)?;
+            model.encode_api_request(*api, &request).map_err(failed)
+        }
+    }
+}
+
+/// [`encode`]'s leading variant (completion text and chat; API requests are not called here).
+fn encode_leading(
+    model: &ModelTokenizer,
+    input: &TokenizeInput,
+    min_bytes: usize,
+) -> Result<LeadingTokens, TokenizeError> {
+    match input {
+        TokenizeInput::Text {
+            text,
+            add_special_tokens,
+        } => model
+            .encode_prompt_leading(text, *add_special_tokens, min_bytes)
+            .map_err(failed),
+        TokenizeInput::Chat {
+            messages,
+            add_generation_prompt,
+            fields,
+        } => {
+            let messages = chat_messages(messages)?;
+            let options = fields.chat_options(*add_generation_prompt)?;
+            model
+                .encode_chat_leading(&messages, &options, min_bytes)
+                .map_err(failed)
+        }
+        TokenizeInput::Api { .. } => Err(TokenizeError::InProcess {
+            reason: "no leading tokens for API requests".to_owned(),
+        }),
+    }
+}
+
+/// An in-process tokenizer's failure as a decision's tokenize error.
+fn failed(e: kvroute_tokenize::TokenizeError) -> TokenizeError {
+    TokenizeError::InProcess {
+        reason: e.to_string(),
+    }
+}
+
+/// A chat request's `messages`, as the template renders them.
+fn chat_messages(messages: &RawValue) -> Result<serde_json::Value, TokenizeError> {
+    serde_json::from_str(messages.get()).map_err(|e| TokenizeError::InProcess {
+        reason: e.to_string(),
+    })
+}

@@ -1,0 +1,220 @@
+//! What a tokenizer is asked: a request's prompt, owned so that it may be tokenized on another
+//! thread.
+
+use kvroute_tokenize::ApiKind;
+use serde_json::value::RawValue;
+
+use crate::error::TokenizeError;
+use crate::request::{ChatFields, Prompt};
+
+/// What a tokenizer is asked to tokenize (owned: it may run on another thread).
+#[derive(Debug)]
+pub enum TokenizeInput {
+    /// Completion text.
+    Text {
+        /// The text.
+        text: String,
+        /// vLLM's `add_special_tokens`.
+        add_special_tokens: bool,
+    },
+    /// Chat messages (the raw JSON array), rendered with the model's template.
+    Chat {
+        /// The `messages` array as sent.
+        messages: Box<RawValue>,
+        /// vLLM's `add_generation_prompt`.
+        add_generation_prompt: bool,
+        /// The request's other prompt-changing fields.
+        fields: ChatInputFields,
+    },
+    /// A Responses or Messages API request's prompt-changing fields (a JSON object).
+    Api {
+        /// Which API.
+        api: ApiKind,
+        /// The fields, as sent.
+        request: Box<RawValue>,
+    },
+}
+
+/// [`ChatFields`] owned: the chat request's prompt-changing fields besides `messages`.
+#[derive(Debug, Clone, Default)]
+pub struct ChatInputFields {
+    /// `continue_final_message`.
+    pub continue_final_message: bool,
+    /// `add_special_tokens` (default false for chat).
+    pub add_special_tokens: bool,
+    /// `tools`, raw.
+    pub tools: Option<Box<RawValue>>,
+    /// `documents`, raw.
+    pub documents: Option<Box<RawValue>>,
+    /// `chat_template_kwargs`, raw.
+    pub chat_template_kwargs: Option<Box<RawValue>>,
+    /// `reasoning_effort`.
+    pub reasoning_effort: Option<String>,
+    /// Whether the request carries its own `chat_template`.
+    pub request_template: bool,
+}
+
+impl ChatInputFields {
+    /// Copies the borrowed fields.
+    pub fn from_request(fields: &ChatFields<'_>) -> Self {
+        Self {
+            continue_final_message: fields.continue_final_message,
+            add_special_tokens: fields.add_special_tokens,
+            tools: fields.tools.map(ToOwned::to_owned),
+            documents: fields.documents.map(ToOwned::to_owned),
+            chat_template_kwargs: fields.chat_template_kwargs.map(ToOwned::to_owned),
+            reasoning_effort: fields.reasoning_effort.as_deref().map(str::to_owned),
+            request_template: fields.request_template,
+        }
+    }
+
+    /// The fields of a converted chat's options (raw JSON again, for the `/tokenize` body).
+    pub(super) fn from_options(options: &kvroute_tokenize::ChatOptions) -> Self {
+        let raw = |value: Option<serde_json::Value>| {
+            value.and_then(|v| RawValue::from_string(v.to_string()).ok())
+        };
+        Self {
+            continue_final_message: options.continue_final_message,
+            add_special_tokens: options.add_special_tokens,
+            tools: raw(options.tools.clone()),
+            documents: raw(options.documents.clone()),
+            chat_template_kwargs: raw(options
+                .chat_template_kwargs
+                .clone()
+                .map(serde_json::Value::Object)),
+            reasoning_effort: options.reasoning_effort.clone(),
+            request_template: options.request_template,
+        }
+    }
+
+    /// The options `kvroute-tokenize` renders with.
+    pub(super) fn chat_options(
+        &self,
+        add_generation_prompt: bool,
+    ) -> Result<kvroute_tokenize::ChatOptions, TokenizeError> {
+        let json =
+            |raw: &Option<Box<RawValue>>| -> Result<Option<serde_json::Value>, TokenizeError> {
+                raw.as_ref()
+                    .map(|r| serde_json::from_str(r.get()))
+                    .transpose()
+                    .map_err(|e| TokenizeError::InProcess {
+                        reason: e.to_string(),
+                    })
+            };
+        let chat_template_kwargs = match json(&self.chat_template_kwargs)? {
+            None => None,
+            Some(serde_json::Value::Object(map)) => Some(map),
+            Some(_) => {
+                return Err(TokenizeError::InProcess {
+                    reason: "chat_template_kwargs must be an object".to_owned(),
+                });
+            }
+        };
+        Ok(kvroute_tokenize::ChatOptions {
+            add_generation_prompt,
+            continue_final_message: self.continue_final_message,
+            add_special_tokens: self.add_special_tokens,
+            tools: json(&self.tools)?,
+            documents: json(&self.documents)?,
+            reasoning_effort: self.reasoning_effort.clone(),
+            chat_template_kwargs,
+            request_template: self.request_template,
+            messages_validated: true,
+        })
+    }
+}
+
+impl TokenizeInput {
+    /// What a tokenizer is asked for a request's prompt (`None` for token ids or no prompt).
+    pub fn from_prompt(prompt: &Prompt<'_>) -> Option<Self> {
+        match prompt {
+            Prompt::Tokens(_) | Prompt::Absent => None,
+            prompt => Some(owned_input(prompt)),
+        }
+    }
+
+    /// Size of the text or the raw messages JSON, in bytes.
+    pub fn len_bytes(&self) -> usize {
+        match self {
+            Self::Text { text, .. } => text.len(),
+            Self::Api { request, .. } => request.get().len(),
+            Self::Chat {
+                messages, fields, ..
+            } => {
+                let raw = [
+                    &fields.tools,
+                    &fields.documents,
+                    &fields.chat_template_kwargs,
+                ];
+                messages.get().len()
+                    + raw
+                        .iter()
+                        .filter_map(|r| r.as_ref())
+                        .map(|r| r.get().len())
+                        .sum::<usize>()
+            }
+        }
+    }
+}
+
+/// [`TokenizeInput::from_prompt`], with empty text for token ids or no prompt.
+pub(super) fn owned_input(prompt: &Prompt<'_>) -> TokenizeInput {
+    match prompt {
+        Prompt::Text {
+            text,
+            add_special_tokens,
+            ..
+        } => TokenizeInput::Text {
+            text: text.clone().into_owned(),
+            add_special_tokens: *add_special_tokens,
+        },
+        Prompt::Chat {
+            raw,
+            add_generation_prompt,
+            fields,
+            ..
+        } => TokenizeInput::Chat {
+            messages: (*raw).to_owned(),
+            add_generation_prompt: *add_generation_prompt,
+            fields: ChatInputFields::from_request(fields),
+        },
+        Prompt::Api { api, fields, .. } => TokenizeInput::Api {
+            api: *api,
+            request: api_fields_object(fields),
+        },
+        Prompt::Tokens(_) | Prompt::Absent => TokenizeInput::Text {
+            text: String::new(),
+            add_special_tokens: false,
+        },
+    }
+}
+
+/// An API input's fields as a JSON object.
+pub(super) fn api_request_object(
+    request: &RawValue,
+) -> Result<serde_json::Map<String, serde_json::Value>, TokenizeError> {
+    serde_json::from_str(request.get()).map_err(|e| TokenizeError::InProcess {
+        reason: e.to_string(),
+    })
+}
+
+/// The fields as one JSON object (the raw values joined: no re-encoding).
+fn api_fields_object(fields: &[(&'static str, &RawValue)]) -> Box<RawValue> {
+    let mut json = String::from("{");
+    for (i, (name, raw)) in fields.iter().enumerate() {
+        if i > 0 {
+            json.push(',');
+        }
+        json.push('"');
+        json.push_str(name);
+        json.push_str("\":");
+        json.push_str(raw.get());
+    }
+    json.push('}');
+    RawValue::from_string(json).unwrap_or_else(|_| empty_object())
+}
+
+fn empty_object() -> Box<RawValue> {
+    // A literal that is valid JSON; the fallback never happens for raw values serde parsed.
+    serde_json::from_str("{}").unwrap_or_else(|_| RawValue::NULL.to_owned())
+}

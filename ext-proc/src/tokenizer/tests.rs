@@ -1,0 +1,239 @@
+//! The backends, the inputs they are given and the cache keys, on the tiny test model; also the
+//! fixtures the token cache's tests share.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_tokenize::ModelTokenizer;
+use serde_json::value::RawValue;
+use tokio_util::task::TaskTracker;
+
+use super::cache_keys::{api_keys, conversation_keys};
+use super::input::owned_input;
+use super::remote::remote_chat_body;
+use super::render::render_token_ids;
+use super::{
+    ChatInputFields, InProcessTokenizer, RemoteTokenizer, RenderTokenizer, TokenizeInput, Tokenizer,
+};
+use crate::request::{Endpoint, Prompt, parse};
+
+/// The tiny test model's folder.
+pub(super) const TINY_MODEL: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-model");
+
+/// Three turns of one conversation, each the one before plus an answer and a question.
+pub(super) const TURN1: &str =
+    r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"}]}"#;
+pub(super) const TURN2: &str = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"},{"role":"assistant","content":"Once upon a time"},{"role":"user","content":"More"}]}"#;
+pub(super) const TURN3: &str = r#"{"model":"m","messages":[{"role":"user","content":"Tell me a story"},{"role":"assistant","content":"Once upon a time"},{"role":"user","content":"More"},{"role":"assistant","content":"there was a router"},{"role":"user","content":"And then?"}]}"#;
+#[tokio::test]
+async fn in_process_equals_the_model_tokenizer() {
+    let tokenizer = InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap();
+    let direct = ModelTokenizer::from_dir(TINY_MODEL).unwrap();
+    let text = Arc::new(TokenizeInput::Text {
+        text: "Hello world".into(),
+        add_special_tokens: true,
+    });
+    assert_eq!(
+        tokenizer.tokenize("m", text).await.unwrap(),
+        direct.encode_prompt("Hello world", true).unwrap()
+    );
+    let messages = serde_json::json!([{"role": "user", "content": "Hi"}]);
+    let chat = Arc::new(TokenizeInput::Chat {
+        messages: RawValue::from_string(messages.to_string()).unwrap(),
+        add_generation_prompt: true,
+        fields: ChatInputFields::default(),
+    });
+    assert_eq!(
+        tokenizer.tokenize("m", chat).await.unwrap(),
+        direct.encode_chat(&messages, true).unwrap()
+    );
+}
+
+#[test]
+fn remote_chat_body_carries_every_prompt_field_as_tokenize_takes_them() {
+    let body = r#"{"model":"m","messages":[{"role":"assistant","content":"a","reasoning_content":"r"}],"tools":[{"type":"function","function":{"name":"f"}}],"documents":[{"title":"t"}],"reasoning_effort":"low","chat_template_kwargs":{"x":1},"continue_final_message":true,"add_generation_prompt":false,"add_special_tokens":true}"#;
+    let parsed = parse(body.as_bytes(), Endpoint::ChatCompletions).unwrap();
+    let TokenizeInput::Chat {
+        messages,
+        add_generation_prompt,
+        fields,
+    } = owned_input(&parsed.prompt)
+    else {
+        panic!("not chat")
+    };
+    let remote = remote_chat_body("m", &messages, add_generation_prompt, &fields);
+    assert_eq!(
+        remote,
+        serde_json::json!({
+            "model": "m",
+            "add_generation_prompt": false,
+            "continue_final_message": true,
+            "add_special_tokens": true,
+            "messages": [{"role": "assistant", "content": "a", "reasoning": "r"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "chat_template_kwargs": {"x": 1, "documents": [{"title": "t"}],
+                "enable_thinking": true, "reasoning_effort": "low"},
+        })
+    );
+}
+
+#[test]
+fn every_prompt_field_is_part_of_the_cache_key() {
+    let base = r#"{"model":"m","messages":[{"role":"user","content":"q"}]"#;
+    let variants = [
+        "",
+        r#","tools":[{"type":"function","function":{"name":"f"}}]"#,
+        r#","documents":[{"title":"t"}]"#,
+        r#","chat_template_kwargs":{"enable_thinking":false}"#,
+        r#","reasoning_effort":"low""#,
+        r#","continue_final_message":true"#,
+        r#","add_special_tokens":true"#,
+        r#","add_generation_prompt":false"#,
+    ];
+    let mut keys = std::collections::HashSet::new();
+    for variant in variants {
+        let body = format!("{base}{variant}}}");
+        let parsed = parse(body.as_bytes(), Endpoint::ChatCompletions).unwrap();
+        let Prompt::Chat {
+            messages,
+            add_generation_prompt,
+            fields,
+            ..
+        } = &parsed.prompt
+        else {
+            panic!("not chat")
+        };
+        let key = conversation_keys(
+            0,
+            messages,
+            *add_generation_prompt,
+            &ChatInputFields::from_request(fields),
+        );
+        assert!(keys.insert(key[0].0), "{variant} changes the key");
+    }
+}
+
+#[test]
+fn render_answers_and_endpoints() {
+    assert_eq!(
+        render_token_ids(br#"{"request_id":"r","token_ids":[1,2,3],"sampling_params":{}}"#),
+        Ok(vec![1, 2, 3])
+    );
+    assert_eq!(
+        render_token_ids(br#"[{"token_ids":[4,5]},{"token_ids":[6]}]"#),
+        Ok(vec![4, 5])
+    );
+    for bad in [
+        &b"[]"[..],
+        br#"{"token_ids":[]}"#,
+        br#"{"tokens":[1]}"#,
+        b"{",
+    ] {
+        assert!(render_token_ids(bad).is_err());
+    }
+    let render = RenderTokenizer::new(
+        "http://10.0.0.5:8000/engine/".parse().unwrap(),
+        Duration::from_millis(50),
+    );
+    let url = |body: &str, endpoint| {
+        let parsed = parse(body.as_bytes(), endpoint).unwrap();
+        let input = owned_input(&parsed.prompt);
+        render.endpoint_url(&input).unwrap().to_string()
+    };
+    let base = "http://10.0.0.5:8000/engine/v1";
+    assert_eq!(
+        url(r#"{"model":"m","prompt":"p"}"#, Endpoint::Completions),
+        format!("{base}/completions/render")
+    );
+    assert_eq!(
+        url(TURN1, Endpoint::ChatCompletions),
+        format!("{base}/chat/completions/render")
+    );
+    assert_eq!(
+        url(r#"{"model":"m","input":"q"}"#, Endpoint::Responses),
+        format!("{base}/responses/render")
+    );
+    assert_eq!(
+        url(
+            r#"{"model":"m","messages":[{"role":"user","content":"q"}]}"#,
+            Endpoint::Messages
+        ),
+        format!("{base}/messages/render")
+    );
+}
+
+#[tokio::test]
+async fn api_requests_tokenize_as_their_chat_and_key_every_prompt_field() {
+    let tokenizer = InProcessTokenizer::load(TINY_MODEL.as_ref(), TaskTracker::new()).unwrap();
+    let direct = ModelTokenizer::from_dir(TINY_MODEL).unwrap();
+    let chat = serde_json::json!([
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "Hi"}
+    ]);
+    let as_chat = direct.encode_chat(&chat, true).unwrap();
+    // vLLM encodes a Responses prompt with add_special_tokens (a chat's default is off).
+    let with_special_tokens = kvroute_tokenize::ChatOptions {
+        add_special_tokens: true,
+        ..kvroute_tokenize::ChatOptions::default()
+    };
+    let as_responses = direct
+        .encode_chat_with(&chat, &with_special_tokens)
+        .unwrap();
+    for (body, endpoint, expected) in [
+        (
+            r#"{"model":"m","instructions":"be brief","input":"Hi"}"#,
+            Endpoint::Responses,
+            &as_responses,
+        ),
+        (
+            r#"{"model":"m","max_tokens":5,"system":"be brief","messages":[{"role":"user","content":[{"type":"text","text":"Hi"}]}]}"#,
+            Endpoint::Messages,
+            &as_chat,
+        ),
+    ] {
+        let parsed = parse(body.as_bytes(), endpoint).unwrap();
+        let input = Arc::new(owned_input(&parsed.prompt));
+        assert_eq!(
+            &tokenizer.tokenize("m", Arc::clone(&input)).await.unwrap(),
+            expected,
+            "{body}"
+        );
+        // The /tokenize body is the converted chat.
+        let remote = RemoteTokenizer::request_body("m", &input).unwrap();
+        assert_eq!(remote["messages"], chat, "{body}");
+    }
+    let base = r#"{"model":"m","input":[{"role":"user","content":"q"}]"#;
+    let mut keys = std::collections::HashSet::new();
+    for variant in [
+        "",
+        r#","instructions":"i""#,
+        r#","tools":[{"type":"function","name":"f"}]"#,
+        r#","reasoning":{"effort":"low"}"#,
+        r#","chat_template_kwargs":{"enable_thinking":false}"#,
+        r#","previous_response_id":"r""#,
+    ] {
+        let body = format!("{base}{variant}}}");
+        let parsed = parse(body.as_bytes(), Endpoint::Responses).unwrap();
+        let Prompt::Api {
+            api, items, fields, ..
+        } = &parsed.prompt
+        else {
+            panic!("not an API prompt")
+        };
+        let key = api_keys(0, *api, items, fields);
+        assert!(keys.insert(key[0].0), "{variant} changes the key");
+    }
+    let unchanged = format!(r#"{base},"temperature":0.1,"stream":true}}"#);
+    let parsed = parse(unchanged.as_bytes(), Endpoint::Responses).unwrap();
+    let Prompt::Api {
+        api, items, fields, ..
+    } = &parsed.prompt
+    else {
+        panic!("not an API prompt")
+    };
+    assert!(
+        keys.contains(&api_keys(0, *api, items, fields)[0].0),
+        "sampling fields are not"
+    );
+}
