@@ -49,7 +49,7 @@ pub mod tokenizer;
 /// pages on its arenas, so a decision that allocated from fresh memory took the page fault that
 /// zeroes a 2 MiB page — or first compacts memory for one, where the kernel's THP `defrag` is
 /// `madvise` — and waited milliseconds: a 32k-token cache hit's p99 was 5.3–5.5× the no-op
-/// ext_proc's with huge pages and 1.07–1.31× without (BENCHMARKS.md). Ordinary 4 KiB faults
+/// ext_proc's with huge pages and 1.07–1.31× without (docs/benchmarks-history-2026-12.md). Ordinary 4 KiB faults
 /// cost a decision microseconds. Logs the outcome; a kernel that refuses leaves the process as
 /// it was.
 pub fn disable_transparent_huge_pages() {

@@ -96,7 +96,7 @@ impl IndexSkip {
 /// from here (`kvroute_tokenize::leading_cut`; ≈ 350 tokens, 20-odd blocks): enough to show that
 /// no replica holds the prompt, which is all a miss needs; a 1k-token miss encodes a third of its
 /// prompt, a 32k-token one a hundredth, and the background lane encodes the rest from the cut
-/// for the next turn (BENCHMARKS.md, "Latency through Envoy with real tokenizers": 4 KiB
+/// for the next turn (docs/benchmarks-history-2026-12.md, "Latency through Envoy with real tokenizers": 4 KiB
 /// measured 1.31–1.34× the no-op ext_proc at 1k tokens, 1 KiB 1.24–1.25×).
 const LEADING_BYTES: usize = 1024;
 /// When some candidate holds every block of the leading part, the next part is this many times

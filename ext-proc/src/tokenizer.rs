@@ -488,7 +488,7 @@ impl Tokenizer for InProcessTokenizer {
 /// calling task ([`Tokenizer::tokenize_resumable`]): past it the parse, render and block keys of
 /// the whole chat cost more than routing on the cached turn at once and leaving the exact tokens
 /// to the background lane (which resumes too): 32k-token hits measured 2.2× the no-op ext_proc
-/// resumed inline against 2.0× so (BENCHMARKS.md, "Latency through Envoy with real
+/// resumed inline against 2.0× so (docs/benchmarks-history-2026-12.md, "Latency through Envoy with real
 /// tokenizers").
 const RESUME_INLINE_MAX_BYTES: usize = 32 * 1024;
 
@@ -1208,7 +1208,7 @@ const MAX_CONCURRENT_REFILLS: usize = 2;
 const PREFIX_HIT_WAIT: Duration = Duration::from_millis(5);
 /// A conversation-prefix hit waits for its exact tokens only when a blocking whole tokenization
 /// of its size is expected within this (measured: a 32k Qwen3 hit that waited cost 5× the no-op
-/// ext_proc's p50, 3.5× routing on its cached prefix; BENCHMARKS.md, "Latency through Envoy
+/// ext_proc's p50, 3.5× routing on its cached prefix; docs/benchmarks-history-2026-12.md, "Latency through Envoy
 /// with real tokenizers").
 const PREFIX_HIT_MAX_EXPECTED: Duration = Duration::from_millis(1);
 
