@@ -49,8 +49,8 @@ pub mod tokenizer;
 /// pages on its arenas, so a decision that allocated from fresh memory took the page fault that
 /// zeroes a 2 MiB page — or first compacts memory for one, where the kernel's THP `defrag` is
 /// `madvise` — and waited milliseconds, where ordinary 4 KiB faults cost it microseconds (the
-/// long-prompt hit's tail latency with and without: BENCHMARKS.md, latency through Envoy with
-/// real tokenizers). Logs the outcome; a kernel that refuses leaves the process as
+/// long-prompt hit's tail latency with and without: docs/benchmarks-history-2026-12.md,
+/// latency through Envoy with real tokenizers). Logs the outcome; a kernel that refuses leaves the process as
 /// it was.
 pub fn disable_transparent_huge_pages() {
     match rustix::thread::disable_transparent_huge_pages(true) {

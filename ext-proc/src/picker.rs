@@ -98,8 +98,8 @@ impl IndexSkip {
 /// from here (`kvroute_tokenize::leading_cut`; ≈ 350 tokens, 20-odd blocks): enough to show that
 /// no replica holds the prompt, which is all a miss needs; a 1k-token miss encodes a third of its
 /// prompt, a 32k-token one a hundredth, and the background lane encodes the rest from the cut
-/// for the next turn (BENCHMARKS.md, "Latency through Envoy with real tokenizers": 4 KiB
-/// measured 1.31–1.34× the no-op ext_proc at 1k tokens, 1 KiB 1.24–1.25×).
+/// for the next turn. The smaller the leading part, the cheaper a miss (4 KiB against 1 KiB:
+/// docs/benchmarks-history-2026-12.md, "Latency through Envoy with real tokenizers").
 const LEADING_BYTES: usize = 1024;
 /// When some candidate holds every block of the leading part, the next part is this many times
 /// longer (4, 16, 64 KiB, …, then the whole prompt): a long shared system prompt costs a few

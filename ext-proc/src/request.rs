@@ -220,7 +220,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
     // UTF-8 checked once, by a SIMD validator, for the whole body (JSON text is UTF-8, and vLLM
     // refuses a body that is not): from bytes, serde_json validates every borrowed span again
     // with the standard library's validator, a fifth of a 32k-token chat's decision on mixed
-    // scripts (BENCHMARKS.md, "Latency through Envoy with real tokenizers").
+    // scripts (docs/benchmarks-history-2026-12.md, "Latency through Envoy with real tokenizers").
     let text = simdutf8::basic::from_utf8(body).map_err(|_| RequestError::MalformedJson {
         reason: "the body is not UTF-8".to_owned(),
     })?;

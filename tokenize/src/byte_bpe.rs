@@ -56,7 +56,7 @@ const CACHE_MAX_WORD_LEN: usize = 30;
 const CACHE_MAX_WORD_IDS: usize = 8;
 /// Buckets of the word cache (a power of two) of two one-cache-line slots each: 8 MiB. Four
 /// times the 2 MiB it was keeps more of a stream of new prompts' words (`encode_*_new_text`
-/// groups, BENCHMARKS.md); a lookup still reads one bucket.
+/// groups, docs/benchmarks-history-2026-12.md); a lookup still reads one bucket.
 const CACHE_BUCKETS: usize = 1 << 16;
 /// Pieces encoded per hold of the word cache's lock, their buckets read together first.
 const PIECE_BATCH: usize = 64;

@@ -6,9 +6,8 @@
 //! the decisions it would delay them. Here it runs on a thread of its own in the idle scheduling
 //! class (`SCHED_IDLE`): it runs only on CPU time nothing else wants, and a waking decision
 //! preempts it at once. Any other class lets a running job finish its slice, which the kernel
-//! checks at its tick: at nice 10, 32k decisions beside it measured p99 3.5–4.7× the no-op
-//! ext_proc's, and 4–5 ms stalls in Envoy's access log whenever a nice-10 helper thread joined in
-//! (BENCHMARKS.md, "Latency through Envoy with real tokenizers").
+//! checks at its tick, so long decisions beside a niced lane waited milliseconds at the tail
+//! (docs/benchmarks-history-2026-12.md, "Latency through Envoy with real tokenizers").
 //!
 //! The price: when the decisions (or, outside a pod's own cgroup, other processes) keep every
 //! CPU busy, the lane waits, its queue fills and further jobs are refused — counted in

@@ -27,17 +27,15 @@ const ESTIMATED_BYTES_PER_TOKEN: usize = 4;
 pub(super) const PREFIX_HIT_WAIT: Duration = Duration::from_millis(5);
 
 /// A conversation-prefix hit waits for its exact tokens only when a blocking whole tokenization
-/// of its size is expected within this (measured: a 32k Qwen3 hit that waited cost 5× the no-op
-/// ext_proc's p50, 3.5× routing on its cached prefix; BENCHMARKS.md, "Latency through Envoy
-/// with real tokenizers").
+/// of its size is expected within this: past it, waiting costs a long prompt more than routing on
+/// its cached prefix does (the measurement: docs/benchmarks-history-2026-12.md, "Latency through Envoy with real tokenizers").
 const PREFIX_HIT_MAX_EXPECTED: Duration = Duration::from_millis(1);
 
 /// Largest chat (bytes of messages) whose next turn is tokenized from the turn before on the
 /// calling task ([`crate::tokenizer::InProcess::tokenize_resumable`]): past it the parse, render
 /// and block keys of the whole chat cost more than routing on the cached turn at once and
-/// leaving the exact tokens to the background lane (which resumes too): 32k-token hits measured
-/// 2.2× the no-op ext_proc resumed inline against 2.0× so (BENCHMARKS.md, "Latency through
-/// Envoy with real tokenizers").
+/// leaving the exact tokens to the background lane (which resumes too; the measurement:
+/// docs/benchmarks-history-2026-12.md, "Latency through Envoy with real tokenizers").
 const RESUME_INLINE_MAX_BYTES: usize = 32 * 1024;
 
 /// A cached conversation prefix of a prompt.

@@ -402,7 +402,7 @@ impl Storage {
 /// mix scaled to the capacity (the high bits pick the shard), so any whole number of lines
 /// works (a shrunk table is sized to its keys). Growth still doubles: growing by half (tables
 /// 1/2–3/4 full) saved memory but doubled the match walk's time at fleet scale, more keys
-/// sitting off their home entry (BENCHMARKS.md, "Index against NVIDIA Dynamo's KV router index").
+/// sitting off their home entry (docs/benchmarks-history-2026-12.md, "Index against NVIDIA Dynamo's KV router index").
 #[inline]
 fn home_of(hash: u64, capacity: usize) -> usize {
     ((u64::from(hash as u32) * capacity as u64) >> 32) as usize
