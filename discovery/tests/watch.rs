@@ -9,12 +9,17 @@ use std::time::Duration;
 
 use kvroute_discovery::testing::{ApiServer, Resource, TestPod};
 use kvroute_discovery::{Discovery, DiscoveryMetrics, KubernetesSource, RawKubernetes, Snapshot};
+use kvroute_test_support::{deadline, poll_until};
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio_util::task::TaskTracker;
 
 const NS: &str = "llm";
-const DEADLINE: Duration = Duration::from_secs(30);
+
+/// How long a test waits for discovery or the double to reach a state.
+fn within() -> Duration {
+    deadline(Duration::from_secs(30))
+}
 
 struct Fixture {
     server: ApiServer,
@@ -54,10 +59,11 @@ impl Fixture {
 
     /// Waits until the published snapshot satisfies `condition`.
     async fn until(&mut self, what: &str, condition: impl Fn(&Snapshot) -> bool) -> Arc<Snapshot> {
-        match tokio::time::timeout(DEADLINE, self.snapshots.wait_for(|s| condition(s))).await {
+        let after = within();
+        match tokio::time::timeout(after, self.snapshots.wait_for(|s| condition(s))).await {
             Ok(Ok(snapshot)) => Arc::clone(&snapshot),
             _ => panic!(
-                "timed out after {DEADLINE:?} waiting for {what}; last snapshot: {:?}\nrequests: {:?}",
+                "timed out after {after:?} waiting for {what}; last snapshot: {:?}\nrequests: {:?}",
                 self.discovery.current(),
                 self.server.requests()
             ),
@@ -78,21 +84,9 @@ impl Fixture {
     async fn shutdown(self) {
         self.discovery.stop();
         self.tasks.close();
-        tokio::time::timeout(DEADLINE, self.tasks.wait())
+        tokio::time::timeout(within(), self.tasks.wait())
             .await
             .unwrap();
-    }
-}
-
-/// Polls `condition` (state of the double) until it holds, failing after the deadline.
-async fn eventually(what: &str, condition: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !condition() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -299,7 +293,7 @@ async fn a_compacted_history_answers_410_and_the_watch_relists() {
 
     // An open watch ended with 410 (a watcher too far behind) relists as well.
     // Once the relisted watch is open (the last request), so the expiry ends it.
-    eventually("the watch after the relist", || {
+    poll_until("the watch after the relist", within(), || async {
         f.server.requests().last().is_some_and(|r| r.watch)
     })
     .await;
@@ -327,7 +321,7 @@ async fn bookmarks_carry_the_version_a_resumed_watch_starts_from() {
             .apply_pod("elsewhere", &engine(&format!("x{i}"), "10.0.1.1"));
     }
     let latest = f.server.resource_version();
-    eventually("a bookmark at the latest version", || {
+    poll_until("a bookmark at the latest version", within(), || async {
         f.server.last_bookmark() >= latest
     })
     .await;

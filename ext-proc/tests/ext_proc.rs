@@ -37,6 +37,7 @@ use kvroute_index_api::api::{
     MatchRequest, MatchResponse, ReplicaCondition, ReplicaMatch, ReplicaStateRequest,
     ReplicaStateResponse,
 };
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
 use parking_lot::Mutex;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_util::sync::CancellationToken;
@@ -233,7 +234,7 @@ impl Harness {
 
     async fn shutdown(self) {
         self.stop.cancel();
-        tokio::time::timeout(Duration::from_secs(10), self.served)
+        tokio::time::timeout(deadline(Duration::from_secs(10)), self.served)
             .await
             .unwrap()
             .unwrap();
@@ -403,7 +404,7 @@ impl Stream {
     }
 
     async fn recv(&mut self) -> ProcessingResponse {
-        tokio::time::timeout(Duration::from_secs(5), self.rx.message())
+        tokio::time::timeout(deadline(Duration::from_secs(5)), self.rx.message())
             .await
             .unwrap()
             .unwrap()
@@ -512,12 +513,9 @@ fn completion(prompt: &str) -> Vec<u8> {
         .unwrap()
 }
 
-async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+/// How long a test waits for the server to reach a state.
+fn within() -> Duration {
+    deadline(Duration::from_secs(5))
 }
 
 fn long_prefix() -> String {
@@ -592,7 +590,7 @@ async fn buffered_decision_sets_header_and_metadata_and_follows_the_index() {
         answer.response,
         Some(processing_response::Response::ResponseHeaders(_))
     ));
-    eventually("in-flight released", || {
+    poll_until("in-flight released", within(), || async {
         load.snapshot().inflight_requests == 0.0
     })
     .await;
@@ -619,7 +617,7 @@ async fn replicas_the_index_does_not_vouch_for_are_approximate_and_counted() {
     replicas.waiting.lock().insert("r0".into(), 40.0);
     let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
     let load = harness.picker.loads().replica("r0");
-    eventually("r0's queue scraped", || {
+    poll_until("r0's queue scraped", within(), || async {
         load.snapshot().scraped.waiting == 40.0
     })
     .await;
@@ -877,7 +875,7 @@ async fn load_beats_cache_on_an_overloaded_replica() {
     replicas.waiting.lock().insert("r1".into(), 40.0);
     let harness = Harness::start(&replicas.yaml(""), Arc::new(ByteTokenizer)).await;
     let load = harness.picker.loads().replica("r1");
-    eventually("r1's queue scraped", || {
+    poll_until("r1's queue scraped", within(), || async {
         load.snapshot().scraped.waiting == 40.0
     })
     .await;
@@ -1124,26 +1122,29 @@ async fn a_changed_config_file_applies_and_a_bad_one_is_counted_and_changes_noth
     assert_eq!(scrape_interval(), Duration::from_millis(20));
 
     write(&yaml("30ms"));
-    eventually("the rewritten file applied", || {
+    poll_until("the rewritten file applied", within(), || async {
         scrape_interval() == Duration::from_millis(30)
     })
     .await;
 
     write("pools: [not a pool\n");
-    let deadline = Instant::now() + Duration::from_secs(5);
     let rejected = "kvroute_extproc_config_reloads_total{kind=\"rejected\"} 1";
-    loop {
+    let reloads = try_poll_until(rejected, within(), || async {
         let metrics = reqwest_text(harness.admin, "/metrics").await;
-        if metrics.contains(rejected) {
-            assert!(
-                metrics.contains("kvroute_extproc_config_reloads_total{kind=\"applied\"} 1"),
-                "{metrics}"
-            );
-            break;
-        }
-        assert!(Instant::now() < deadline, "no {rejected} in\n{metrics}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+        metrics.contains(rejected).then_some(metrics)
+    })
+    .await;
+    let metrics = match reloads {
+        Ok(metrics) => metrics,
+        Err(error) => panic!(
+            "{error}:\n{}",
+            reqwest_text(harness.admin, "/metrics").await
+        ),
+    };
+    assert!(
+        metrics.contains("kvroute_extproc_config_reloads_total{kind=\"applied\"} 1"),
+        "{metrics}"
+    );
     assert_eq!(
         scrape_interval(),
         Duration::from_millis(30),
@@ -1266,9 +1267,11 @@ async fn a_stream_held_open_releases_its_inflight_slot_after_the_bound() {
     assert_eq!(load.snapshot().inflight_requests, 1.0, "decided and held");
 
     // Envoy never reports response headers: the slot goes after the bound, the stream stays.
-    eventually("in-flight slot released after the bound", || {
-        load.snapshot().inflight_requests == 0.0
-    })
+    poll_until(
+        "in-flight slot released after the bound",
+        within(),
+        || async { load.snapshot().inflight_requests == 0.0 },
+    )
     .await;
     let metrics = reqwest_text(harness.admin, "/metrics").await;
     let expired = format!("kvroute_extproc_replica_inflight_expired_total{{replica=\"{id}\"}} 1");

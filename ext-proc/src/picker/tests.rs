@@ -236,23 +236,17 @@ fn tokenized_by(registry: &Registry, source: &str) -> u64 {
 
 /// Waits (10 s at most) until the token cache holds `entries` entries.
 async fn wait_for_cached_entries(registry: &Registry, entries: i64) {
-    let deadline = Instant::now() + std::time::Duration::from_secs(10);
-    loop {
+    let within = kvroute_test_support::deadline(std::time::Duration::from_secs(10));
+    kvroute_test_support::poll_until(&format!("{entries} cache entries"), within, || {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
-        let held = text
+        let held: i64 = text
             .lines()
             .find_map(|line| line.strip_prefix("kvroute_extproc_token_cache_entries "))
             .map_or(0, |n| n.parse().unwrap());
-        if held >= entries {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{held} cache entries, not {entries}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+        std::future::ready(held >= entries)
+    })
+    .await;
 }
 
 /// A long request to `dir`'s model (chat when it has a template) of seeded mixed text.

@@ -16,6 +16,7 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 use kvroute_block_keys::testing::{fixture, workspace_root};
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
 
 use super::*;
 use crate::testing::{
@@ -24,7 +25,10 @@ use crate::testing::{
 };
 use kvroute_index_core::wire;
 
-const WAIT: Duration = Duration::from_secs(15);
+/// How long a test waits for the ingest to reach a state.
+fn wait() -> Duration {
+    deadline(Duration::from_secs(15))
+}
 const REPLICA: &str = "replica-a";
 
 /// Real vLLM 0.32 payloads (frame 2 of every live message in the project's own capture,
@@ -91,35 +95,27 @@ impl Harness {
     /// Waits until the snapshot reports `seq` as the last applied batch (it is updated right
     /// after the sink has the batch, so a test that saw the sink may get there first).
     async fn wait_last_seq(&self, seq: u64) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        while self.snapshot().last_seq != Some(seq) {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "last_seq never reached {seq}: {:?}",
-                self.snapshot()
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        let reached = try_poll_until(&format!("last_seq {seq}"), wait(), || async {
+            self.snapshot().last_seq == Some(seq)
+        })
+        .await;
+        if let Err(error) = reached {
+            panic!("{error}: {:?}", self.snapshot());
         }
     }
 
     /// The bound endpoint once the SUB has bound (bind mode).
     async fn bound_endpoint(&self) -> String {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            if let Some(endpoint) = self.snapshot().bound_endpoint {
-                return endpoint;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "SUB never bound");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        poll_until("the SUB to bind", wait(), || async {
+            self.snapshot().bound_endpoint
+        })
+        .await
     }
 
     async fn wait_for(&self, what: &str, condition: impl Fn(&[SinkCall]) -> bool) {
-        if !self.sink.wait_for(WAIT, condition).await {
-            panic!(
-                "timed out waiting for {what}; sink calls: {:#?}",
-                summarize(&self.sink.calls())
-            );
+        let held = try_poll_until(what, wait(), || async { condition(&self.sink.calls()) }).await;
+        if let Err(error) = held {
+            panic!("{error}; sink calls: {:#?}", summarize(&self.sink.calls()));
         }
     }
 
@@ -128,9 +124,11 @@ impl Harness {
     /// what the engine buffered before the SUB's subscription reached the PUB, which drops live
     /// messages until then.
     async fn live_message_arrived(&self, before: u64, timeout: Duration) -> bool {
-        self.sink
-            .wait_for(timeout, |_| self.snapshot().messages_received > before)
-            .await
+        try_poll_until("a live message", timeout, || async {
+            self.snapshot().messages_received > before
+        })
+        .await
+        .is_ok()
     }
 
     /// Waits until `seq` has been applied.
@@ -143,14 +141,12 @@ impl Harness {
 
     /// Waits until one series reaches `value` (a metric counted just after the sink saw a batch).
     async fn wait_metric(&self, series: &str, value: f64) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        while self.metric(series) != value {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{series} stayed at {}, expected {value}",
-                self.metric(series)
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        let reached = try_poll_until(&format!("{series} {value}"), wait(), || async {
+            self.metric(series) == value
+        })
+        .await;
+        if let Err(error) = reached {
+            panic!("{error}: {series} stayed at {}", self.metric(series));
         }
     }
 
@@ -164,7 +160,7 @@ impl Harness {
     }
 
     async fn shutdown(self) {
-        tokio::time::timeout(WAIT, self.ingest.shutdown())
+        tokio::time::timeout(wait(), self.ingest.shutdown())
             .await
             .expect("ingest shuts down promptly");
     }
@@ -198,23 +194,18 @@ fn series(name: &str, extra: &str) -> String {
 /// Publishes until the subscription is live and the sink has applied a message; returns the
 /// last warm-up sequence number, after which the test's own messages follow in order.
 async fn warm_up(publisher: &MockVllmPublisher, harness: &Harness, payload: &[u8]) -> u64 {
-    let deadline = tokio::time::Instant::now() + WAIT;
     let received_before = harness.snapshot().messages_received;
-    loop {
+    let seq = poll_until("the subscriber to receive a message", wait(), || async {
         let seq = publisher.publish(payload.to_vec()).await.unwrap();
-        if harness
+        harness
             .live_message_arrived(received_before, Duration::from_millis(20))
             .await
-        {
-            // Every warm-up message published so far must be applied before the test goes on.
-            harness.wait_applied(seq).await;
-            return seq;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "subscriber never received a message"
-        );
-    }
+            .then_some(seq)
+    })
+    .await;
+    // Every warm-up message published so far must be applied before the test goes on.
+    harness.wait_applied(seq).await;
+    seq
 }
 
 fn connect_config(publisher: &MockVllmPublisher) -> IngestConfig {
@@ -367,23 +358,19 @@ async fn live_messages_during_a_replay_are_held_and_applied_after_it() {
     publisher.hold_replays();
     publisher.skip_seq(payloads[1].clone()).await;
     publisher.publish(payloads[2].clone()).await.unwrap(); // start + 2: triggers the replay
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while publisher.replay_requests() == replays_before {
-        assert!(tokio::time::Instant::now() < deadline, "no replay request");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    poll_until("a replay request", wait(), || async {
+        publisher.replay_requests() != replays_before
+    })
+    .await;
     let received_before = harness.snapshot().messages_received;
     for payload in &payloads[3..6] {
         publisher.publish(payload.clone()).await.unwrap(); // start + 3 ..= start + 5
     }
     // The live messages reach the ingest while its replay is still waiting for replies.
-    while harness.snapshot().messages_received < received_before + 3 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "live messages not received"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    poll_until("the live messages", wait(), || async {
+        harness.snapshot().messages_received >= received_before + 3
+    })
+    .await;
     assert_eq!(
         harness.sink.applied_seqs().last(),
         Some(&start),
@@ -1077,7 +1064,7 @@ impl PyPublisher {
     }
 
     fn read_line(&mut self) -> String {
-        tokio::task::block_in_place(|| self.lines.recv_timeout(WAIT))
+        tokio::task::block_in_place(|| self.lines.recv_timeout(wait()))
             .expect("pyzmq publisher answers")
     }
 
@@ -1104,22 +1091,19 @@ impl PyPublisher {
     }
 
     async fn warm_up(&mut self, harness: &Harness, payload: &[u8]) -> u64 {
-        let deadline = tokio::time::Instant::now() + WAIT;
         let received_before = harness.snapshot().messages_received;
-        loop {
+        let seq = poll_until("a message from libzmq PUB", wait(), || {
             let seq = self.publish(payload);
-            if harness
-                .live_message_arrived(received_before, Duration::from_millis(20))
-                .await
-            {
-                harness.wait_applied(seq).await;
-                return seq;
+            async move {
+                harness
+                    .live_message_arrived(received_before, Duration::from_millis(20))
+                    .await
+                    .then_some(seq)
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "no message from libzmq PUB"
-            );
-        }
+        })
+        .await;
+        harness.wait_applied(seq).await;
+        seq
     }
 }
 

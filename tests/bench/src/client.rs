@@ -281,7 +281,7 @@ async fn publish(engine: &MockVllmPublisher, event: KvEvent) -> anyhow::Result<(
 /// Waits until ext-proc at `admin` has no whole tokenization for a later turn queued or running
 /// (`kvroute_extproc_tokenize_background_queued` 0).
 async fn wait_background_idle(admin: SocketAddr) -> anyhow::Result<()> {
-    wait_until(
+    try_poll_until(
         "ext-proc's background tokenizations ended",
         INDEX_SETTLE,
         || async move {
@@ -318,7 +318,7 @@ async fn wait_matched(
     let id = format!("engine-{engine}");
     let url: hyper::Uri = format!("http://{admin}/v1/match").parse()?;
     let done = &done;
-    wait_until(
+    try_poll_until(
         &format!("{id} {what} a published turn"),
         INDEX_SETTLE,
         || {

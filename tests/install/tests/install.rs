@@ -1033,7 +1033,7 @@ async fn the_example_vllm_pool_is_the_one_the_chart_defaults_describe() {
 
 /// The first complete snapshot `source` discovers (a deadline, not a sleep).
 async fn discover(source: kvroute_discovery::KubernetesSource) -> kvroute_discovery::Snapshot {
-    const DEADLINE: Duration = Duration::from_secs(30);
+    let within = kvroute_test_support::deadline(Duration::from_secs(30));
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = kvroute_discovery::DiscoveryMetrics::register(&mut registry);
     let tasks = TaskTracker::new();
@@ -1042,7 +1042,7 @@ async fn discover(source: kvroute_discovery::KubernetesSource) -> kvroute_discov
         .unwrap();
     let mut snapshots = discovery.snapshots();
     let snapshot: kvroute_discovery::Snapshot = {
-        let synced = tokio::time::timeout(DEADLINE, snapshots.wait_for(|s| s.synced))
+        let synced = tokio::time::timeout(within, snapshots.wait_for(|s| s.synced))
             .await
             .expect("a synced snapshot within the deadline")
             .unwrap();
@@ -1050,6 +1050,6 @@ async fn discover(source: kvroute_discovery::KubernetesSource) -> kvroute_discov
     };
     discovery.stop();
     tasks.close();
-    tokio::time::timeout(DEADLINE, tasks.wait()).await.unwrap();
+    tokio::time::timeout(within, tasks.wait()).await.unwrap();
     snapshot
 }

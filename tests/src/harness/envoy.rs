@@ -12,7 +12,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::{ChildGuard, HarnessError, STARTUP_TIMEOUT, http, wait_until, workspace_root};
+use kvroute_test_support::try_poll_until;
+
+use super::{ChildGuard, HarnessError, http, startup_timeout, workspace_root};
 
 static NEXT_BASE_ID: AtomicU32 = AtomicU32::new(0);
 
@@ -72,24 +74,25 @@ impl Envoy {
             .args(["--log-level", "info", "--disable-hot-restart"]);
         let mut guard = ChildGuard::spawn("envoy", command, dir.path().join("envoy.log"))?;
 
-        let admin: SocketAddr = wait_until("envoy admin address file", STARTUP_TIMEOUT, || {
-            let exited = guard.exited().is_some();
-            let admin_path = admin_path.clone();
-            async move {
-                if exited {
-                    return Some(None);
+        let admin: SocketAddr =
+            try_poll_until("envoy admin address file", startup_timeout(), || {
+                let exited = guard.exited().is_some();
+                let admin_path = admin_path.clone();
+                async move {
+                    if exited {
+                        return Some(None);
+                    }
+                    let text = std::fs::read_to_string(admin_path).ok()?;
+                    text.trim().parse().ok().map(Some)
                 }
-                let text = std::fs::read_to_string(admin_path).ok()?;
-                text.trim().parse().ok().map(Some)
-            }
-        })
-        .await?
-        .ok_or_else(|| HarnessError::Protocol {
-            what: "envoy".to_owned(),
-            detail: format!("exited before ready:\n{}", guard.log()),
-        })?;
+            })
+            .await?
+            .ok_or_else(|| HarnessError::Protocol {
+                what: "envoy".to_owned(),
+                detail: format!("exited before ready:\n{}", guard.log()),
+            })?;
         let ready = format!("http://{admin}/ready");
-        wait_until("envoy /ready", STARTUP_TIMEOUT, || {
+        try_poll_until("envoy /ready", startup_timeout(), || {
             let ready = ready.clone();
             async move {
                 http::get(&ready)
@@ -134,7 +137,7 @@ impl Envoy {
     ) -> Result<(), HarnessError> {
         let url = format!("http://{}/clusters", self.admin);
         let healthy = format!("{cluster}::{endpoint}::health_flags::healthy");
-        wait_until(
+        try_poll_until(
             &format!("envoy to see {cluster} {endpoint} healthy"),
             within,
             || {
@@ -149,6 +152,7 @@ impl Envoy {
             },
         )
         .await
+        .map_err(HarnessError::from)
     }
 
     /// A counter or gauge from admin `/stats` (`None` if absent).

@@ -29,6 +29,7 @@ use futures::{Stream, StreamExt as _};
 use kvroute_ext_proc::server::{
     DECISION_HEADER, DESTINATION_HEADER, PREDICTED_CACHED_HEADER, destination_metadata, set_header,
 };
+use kvroute_test_support::{deadline, try_poll_until};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::transport::server::TcpIncoming;
@@ -292,23 +293,24 @@ impl FakeExtProc {
 
     /// Stops serving and waits until the port refuses connections.
     pub async fn stop(&self) -> Result<(), HarnessError> {
-        const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+        let stop_timeout = deadline(Duration::from_secs(10));
         self.stop.cancel();
         self.tasks.close();
-        tokio::time::timeout(STOP_TIMEOUT, self.tasks.wait())
+        tokio::time::timeout(stop_timeout, self.tasks.wait())
             .await
             .map_err(|_| HarnessError::Timeout {
                 what: format!("fake ext_proc at {} to stop", self.addr),
-                after: STOP_TIMEOUT,
+                after: stop_timeout,
             })?;
         let addr = self.addr;
-        super::wait_until("fake ext_proc port closed", STOP_TIMEOUT, || async move {
+        try_poll_until("fake ext_proc port closed", stop_timeout, || async move {
             tokio::net::TcpStream::connect(addr)
                 .await
                 .is_err()
                 .then_some(())
         })
         .await
+        .map_err(HarnessError::from)
     }
 }
 
@@ -425,7 +427,9 @@ fn listen_error(error: std::io::Error) -> HarnessError {
 mod tests {
     use super::*;
 
-    const TIMEOUT: Duration = Duration::from_secs(10);
+    fn timeout() -> Duration {
+        deadline(Duration::from_secs(10))
+    }
 
     #[tokio::test]
     async fn the_fake_routes_in_turn_and_the_noop_decides_nothing() {
@@ -433,7 +437,9 @@ mod tests {
         let fake = FakeExtProc::start(FakeRouting::RoundRobin(endpoints.clone()))
             .await
             .unwrap();
-        let client = ExtProcClient::connect(fake.addr(), TIMEOUT).await.unwrap();
+        let client = ExtProcClient::connect(fake.addr(), timeout())
+            .await
+            .unwrap();
         for turn in 0..3 {
             let answer = client
                 .buffered("/v1/completions", b"{}".to_vec())
@@ -450,7 +456,9 @@ mod tests {
         fake.stop().await.unwrap();
 
         let noop = FakeExtProc::start(FakeRouting::Noop).await.unwrap();
-        let client = ExtProcClient::connect(noop.addr(), TIMEOUT).await.unwrap();
+        let client = ExtProcClient::connect(noop.addr(), timeout())
+            .await
+            .unwrap();
         let answer = client
             .buffered("/v1/completions", b"{}".to_vec())
             .await

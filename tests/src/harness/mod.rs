@@ -1,7 +1,8 @@
 //! Process harnesses for integration tests: a real Envoy ([`Envoy`]), our binaries such as the
 //! engine simulator ([`SimProcess`]), a TCP link a test can cut ([`TcpProxy`]), a small HTTP
-//! client ([`http`]), an ext_proc client playing Envoy and the one fake ext_proc ([`ext_proc`]),
-//! the one `/metrics` and `/proc` parser ([`metrics`]) and deadline polling ([`wait_until`]).
+//! client ([`http`]), an ext_proc client playing Envoy and the one fake ext_proc ([`ext_proc`])
+//! and the one `/metrics` and `/proc` parser ([`metrics`]); deadline polling is
+//! `kvroute_test_support`'s, which every kvroute crate shares.
 //!
 //! Every process listens on port 0 and reports its real ports (one that cannot, such as real
 //! vLLM, gets a port from [`reserve_port`], outside the ephemeral range); readiness is a polled condition
@@ -18,9 +19,10 @@ mod process;
 mod proxy;
 mod sim_process;
 
-use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
+
+use kvroute_test_support::{TimedOut, deadline, try_poll_until};
 
 pub use envoy::{Envoy, envoy_bin, round_robin_config};
 pub use ports::{reserve_port, reserve_ports};
@@ -29,10 +31,9 @@ pub use proxy::TcpProxy;
 pub use sim_process::SimProcess;
 
 /// How long a process gets to become ready.
-pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Interval between readiness polls.
-const POLL_INTERVAL: Duration = Duration::from_millis(20);
+pub fn startup_timeout() -> Duration {
+    deadline(Duration::from_secs(30))
+}
 
 /// Why a harness step failed.
 #[derive(Debug, thiserror::Error)]
@@ -85,28 +86,9 @@ impl HarnessError {
     }
 }
 
-/// Polls `check` until it returns `Some`, or fails after `timeout`.
-pub async fn wait_until<T, F, Fut>(
-    what: &str,
-    timeout: Duration,
-    mut check: F,
-) -> Result<T, HarnessError>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if let Some(value) = check().await {
-            return Ok(value);
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(HarnessError::Timeout {
-                what: what.to_owned(),
-                after: timeout,
-            });
-        }
-        tokio::time::sleep(POLL_INTERVAL).await;
+impl From<TimedOut> for HarnessError {
+    fn from(TimedOut { what, after }: TimedOut) -> Self {
+        HarnessError::Timeout { what, after }
     }
 }
 
@@ -119,7 +101,7 @@ pub async fn until_ext_proc_sees_replicas_idle(
     timeout: Duration,
 ) -> Result<(), HarnessError> {
     let url = format!("{admin_url}/metrics");
-    wait_until("ext-proc to see every replica idle", timeout, || async {
+    try_poll_until("ext-proc to see every replica idle", timeout, || async {
         let text = http::get(&url).await.ok()?.text();
         [
             "kvroute_extproc_replica_inflight_requests",
@@ -131,6 +113,7 @@ pub async fn until_ext_proc_sees_replicas_idle(
         .then_some(())
     })
     .await
+    .map_err(HarnessError::from)
 }
 
 /// The workspace root (`tests/..`).

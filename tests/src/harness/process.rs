@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use super::HarnessError;
 
 /// Time between SIGTERM and SIGKILL.
-const TERMINATE_GRACE: Duration = Duration::from_secs(5);
+fn terminate_grace() -> Duration {
+    kvroute_test_support::deadline(Duration::from_secs(5))
+}
 
 /// Owns a child process whose stdout and stderr go to a log file.
 #[derive(Debug)]
@@ -78,7 +80,7 @@ impl ChildGuard {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
-        let deadline = Instant::now() + TERMINATE_GRACE;
+        let deadline = Instant::now() + terminate_grace();
         while Instant::now() < deadline {
             if self.exited().is_some() {
                 return true;

@@ -3,7 +3,9 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use super::{ChildGuard, HarnessError, STARTUP_TIMEOUT, http, wait_until};
+use kvroute_test_support::try_poll_until;
+
+use super::{ChildGuard, HarnessError, http, startup_timeout};
 use crate::sim::ReadyInfo;
 
 /// A running simulator process (stopped on drop).
@@ -28,7 +30,7 @@ impl SimProcess {
         command.args(args).arg("--ready-file").arg(&ready_file);
         let mut guard =
             ChildGuard::spawn("kvroute-engine-sim", command, dir.path().join("sim.log"))?;
-        let ready: ReadyInfo = wait_until("engine sim ready file", STARTUP_TIMEOUT, || {
+        let ready: ReadyInfo = try_poll_until("engine sim ready file", startup_timeout(), || {
             let exited = guard.exited();
             let ready_file = ready_file.clone();
             async move {
@@ -46,7 +48,7 @@ impl SimProcess {
             detail: format!("exited with {status} before ready: {}", guard.log()),
         })?;
         let health = format!("http://{}/health", ready.http);
-        wait_until("engine sim /health", STARTUP_TIMEOUT, || {
+        try_poll_until("engine sim /health", startup_timeout(), || {
             let health = health.clone();
             async move {
                 http::get(&health)

@@ -40,12 +40,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use kvroute_test_support::{deadline, try_poll_until};
 use serde_yaml::Value;
 
 use crate::harness::{
-    ChildGuard, Envoy, HarnessError, STARTUP_TIMEOUT, SimProcess, TcpProxy, http, reserve_port,
-    round_robin_config, tiny_model_dir, until_ext_proc_sees_replicas_idle, wait_until,
-    workspace_root,
+    ChildGuard, Envoy, HarnessError, SimProcess, TcpProxy, http, reserve_port, round_robin_config,
+    startup_timeout, tiny_model_dir, until_ext_proc_sees_replicas_idle, workspace_root,
 };
 
 /// The Envoy config the kvroute mode runs (relative to the workspace root).
@@ -59,7 +59,9 @@ const ROUND_ROBIN_LISTENER: &str = "round_robin";
 /// Model name the sims serve and the pools route.
 pub const MODEL: &str = "tiny";
 /// How long the index gets to see every sim's events after start.
-const EVENT_SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+fn event_sync_timeout() -> Duration {
+    deadline(Duration::from_secs(30))
+}
 
 /// How kvroute-index's SUB socket meets an engine's KV-event PUB socket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -867,7 +869,7 @@ impl Stack {
         match &self.ext_proc {
             Some(ext_proc) if ext_proc.guard.is_some() => Ok(until_ext_proc_sees_replicas_idle(
                 &self.ext_proc_admin_url()?,
-                STARTUP_TIMEOUT,
+                startup_timeout(),
             )
             .await?),
             _ => Ok(()),
@@ -1053,14 +1055,15 @@ impl Stack {
     pub async fn reset_prefix_caches(&self) -> Result<(), StackError> {
         for url in self.sim_urls() {
             let reset = format!("{url}/reset_prefix_cache");
-            wait_until(&reset, STARTUP_TIMEOUT, || {
+            try_poll_until(&reset, startup_timeout(), || {
                 let reset = reset.clone();
                 async move {
                     let response = http::post_empty(&reset).await.ok()?;
                     (response.json().ok()?["success"] == true).then_some(())
                 }
             })
-            .await?;
+            .await
+            .map_err(HarnessError::from)?;
         }
         let running = self
             .indexes()
@@ -1077,23 +1080,28 @@ impl Stack {
             .map(|admin| format!("http://{admin}"))
         {
             let url = format!("{admin}/v1/replicas");
-            wait_until("the index to drop every block", EVENT_SYNC_TIMEOUT, || {
-                let url = url.clone();
-                let external = external.clone();
-                async move {
-                    // vLLM publishes a reset with its next engine step.
-                    for engine in &external {
-                        nudge_engine(engine).await;
+            try_poll_until(
+                "the index to drop every block",
+                event_sync_timeout(),
+                || {
+                    let url = url.clone();
+                    let external = external.clone();
+                    async move {
+                        // vLLM publishes a reset with its next engine step.
+                        for engine in &external {
+                            nudge_engine(engine).await;
+                        }
+                        let replicas = http::get(&url).await.ok()?.json().ok()?;
+                        let replicas = replicas.as_array()?;
+                        replicas
+                            .iter()
+                            .all(|r| r["blocks"].as_u64() == Some(0))
+                            .then_some(())
                     }
-                    let replicas = http::get(&url).await.ok()?.json().ok()?;
-                    let replicas = replicas.as_array()?;
-                    replicas
-                        .iter()
-                        .all(|r| r["blocks"].as_u64() == Some(0))
-                        .then_some(())
-                }
-            })
-            .await?;
+                },
+            )
+            .await
+            .map_err(HarnessError::from)?;
         }
         Ok(())
     }
@@ -1127,9 +1135,9 @@ impl Stack {
             .map(|(_, pair)| pair)
             .unzip();
         let external = self.external_urls();
-        let synced = wait_until(
+        let synced = try_poll_until(
             "the index to hear from every sim",
-            EVENT_SYNC_TIMEOUT,
+            event_sync_timeout(),
             || {
                 let url = url.clone();
                 let ids = ids.clone();
@@ -1157,7 +1165,7 @@ impl Stack {
             },
         )
         .await;
-        synced.map_err(|error| self.component_error("kvroute-index", error))
+        synced.map_err(|error| self.component_error("kvroute-index", error.into()))
     }
 
     /// Waits until Envoy's health check marks the ext-proc endpoint healthy.
@@ -1167,7 +1175,7 @@ impl Stack {
         };
         let result = self
             .envoy
-            .wait_endpoint_healthy(EXT_PROC_CLUSTER, ext_proc.grpc, STARTUP_TIMEOUT)
+            .wait_endpoint_healthy(EXT_PROC_CLUSTER, ext_proc.grpc, startup_timeout())
             .await;
         result.map_err(|error| self.component_error("kvroute-ext-proc", error))
     }

@@ -183,7 +183,7 @@ impl Service {
             .arg(&ready_path);
         let mut guard = ChildGuard::spawn(self.name, command, file("log"))?;
         let name = self.name;
-        let ready = wait_until(&format!("{name} ready file"), STARTUP_TIMEOUT, || {
+        let ready = try_poll_until(&format!("{name} ready file"), startup_timeout(), || {
             let exited = guard.exited();
             let ready_path = ready_path.clone();
             async move {
@@ -349,7 +349,7 @@ pub(super) fn write_file(path: &Path, text: &str) -> Result<(), StackError> {
 }
 
 pub(super) async fn wait_for_ok(url: &str) -> Result<(), HarnessError> {
-    wait_until(url, STARTUP_TIMEOUT, || async move {
+    try_poll_until(url, startup_timeout(), || async move {
         http::get(url)
             .await
             .ok()
@@ -357,6 +357,7 @@ pub(super) async fn wait_for_ok(url: &str) -> Result<(), HarnessError> {
             .map(|_| ())
     })
     .await
+    .map_err(HarnessError::from)
 }
 
 /// kvroute-ext-proc (or kvroute-index) on its own (no Envoy, sims or other kvroute process),

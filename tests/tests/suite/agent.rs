@@ -17,7 +17,8 @@ use kvroute_index_api::api::{self, agent_ingest_client::AgentIngestClient};
 use kvroute_index_core::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index_core::wire::{Encoding, encode_batch};
 use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher};
-use kvroute_tests::harness::{TcpProxy, http, metrics, wait_until};
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
+use kvroute_tests::harness::{TcpProxy, http, metrics};
 use kvroute_tests::stack::ServerProcess;
 use serde_json::{Value, json};
 use tokio::net::TcpStream;
@@ -25,7 +26,10 @@ use tokio::net::TcpStream;
 use super::common::{self, start_sim};
 
 const TOKEN: &str = "agent-a-secret";
-const CONVERGE: Duration = Duration::from_secs(10);
+/// How long a test waits for the index or the agent to reach a state.
+fn within() -> Duration {
+    deadline(Duration::from_secs(10))
+}
 
 fn index_yaml(grpc: &str, token_dir: &Path) -> String {
     let token_a = token_dir.join("a");
@@ -104,7 +108,7 @@ pub(super) async fn replica_state(admin: SocketAddr, replica: &str) -> Option<(S
 
 /// Waits until the index holds exactly the simulator's blocks for engine-a, not flagged.
 async fn converge(what: &str, admin: SocketAddr, sim: &str, within: Duration) {
-    let result = wait_until(what, within, || async {
+    let result = try_poll_until(what, within, || async {
         let expected = sim_blocks(sim).await;
         let held = index_blocks(admin, "engine-a").await?;
         let (state, _) = replica_state(admin, "engine-a").await?;
@@ -155,7 +159,7 @@ async fn index_converges_to_the_engine_after_every_fault() {
         .await
         .unwrap();
     assert!(!sim_blocks(&base).await.is_empty());
-    converge("initial convergence", index.admin(), &base, CONVERGE).await;
+    converge("initial convergence", index.admin(), &base, within()).await;
 
     // SIGKILL the index, restart it on the same port: the agent's snapshot alone must rebuild
     // the replica (no engine traffic) within 2 s of the restart.
@@ -177,44 +181,43 @@ async fn index_converges_to_the_engine_after_every_fault() {
     // Cut the agent↔index connection, keep the engine busy meanwhile.
     proxy.cut();
     traffic(&base, 1).await;
-    converge("after a cut connection", index.admin(), &base, CONVERGE).await;
+    converge("after a cut connection", index.admin(), &base, within()).await;
 
     // AllBlocksCleared, then new traffic.
     let reset = http::post_json(&format!("{base}/reset_prefix_cache"), &json!({}))
         .await
         .unwrap();
     assert!(reset.status.is_success());
-    converge("after AllBlocksCleared", index.admin(), &base, CONVERGE).await;
+    converge("after AllBlocksCleared", index.admin(), &base, within()).await;
     traffic(&base, 2).await;
     converge(
         "after traffic following the clear",
         index.admin(),
         &base,
-        CONVERGE,
+        within(),
     )
     .await;
 
     // Agent gone: the replica leaves precise scoring after the grace period...
     agent.shutdown().await;
-    wait_until("replica stale", CONVERGE, || async {
+    poll_until("replica stale", within(), || async {
         let (state, problem) = replica_state(index.admin(), "engine-a").await?;
         (state == "stale" && problem == "agent not connected past its grace period").then_some(())
     })
-    .await
-    .unwrap();
+    .await;
     // ...the engine keeps working meanwhile, and a restarted agent brings the replica back with
     // everything the engine stored, before and while it was down, with no new engine traffic.
     traffic(&base, 3).await;
     agent = Agent::start(agent_config(proxy.addr(), &kv, &replay))
         .await
         .unwrap();
-    converge("after an agent restart", index.admin(), &base, CONVERGE).await;
+    converge("after an agent restart", index.admin(), &base, within()).await;
     traffic(&base, 4).await;
     converge(
         "after traffic following the agent restart",
         index.admin(),
         &base,
-        CONVERGE,
+        within(),
     )
     .await;
 
@@ -318,7 +321,7 @@ async fn wrong_tokens_unowned_replicas_and_garbage_are_refused() {
         .into_inner();
     let mut reasons = Vec::new();
     while reasons.len() < 3 {
-        let message = tokio::time::timeout(CONVERGE, inbound.message())
+        let message = tokio::time::timeout(within(), inbound.message())
             .await
             .unwrap()
             .unwrap();
@@ -419,7 +422,7 @@ impl OpenStream {
     }
 
     async fn next(&mut self) -> api::index_message::Body {
-        tokio::time::timeout(CONVERGE, self.inbound.message())
+        tokio::time::timeout(within(), self.inbound.message())
             .await
             .expect("the index answers")
             .expect("the stream is up")
@@ -501,11 +504,10 @@ async fn hello_claims_refusals_and_streams_per_agent_are_capped() {
         (MAX_REPLICAS_PER_HELLO - 201 + 1) as u64
     );
     first.tx.send(snapshot("engine-a", &[5])).await.unwrap();
-    wait_until("engine-a's snapshot applied", CONVERGE, || async {
+    poll_until("engine-a's snapshot applied", within(), || async {
         (index_blocks(admin, "engine-a").await? == BTreeSet::from([5])).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
 
     // Streams per agent: the first is open; fill the rest, then one more is refused.
     let mut open = vec![first];
@@ -542,14 +544,13 @@ async fn hello_claims_refusals_and_streams_per_agent_are_capped() {
     };
     // A stream that ends frees its slot.
     drop(open.pop());
-    wait_until("a slot freed", CONVERGE, || async {
+    poll_until("a slot freed", within(), || async {
         let mut stream = OpenStream::open(&uri, hello(TOKEN, &["engine-a"]))
             .await
             .ok()?;
         matches!(stream.next().await, api::index_message::Body::Welcome(_)).then_some(stream)
     })
-    .await
-    .unwrap();
+    .await;
     drop(open);
     server.shutdown().await;
 }
@@ -579,7 +580,7 @@ async fn shutdown_ends_open_agent_streams_with_unavailable() {
         .await
         .unwrap()
         .into_inner();
-    let welcome = tokio::time::timeout(CONVERGE, inbound.message())
+    let welcome = tokio::time::timeout(within(), inbound.message())
         .await
         .unwrap()
         .unwrap();
@@ -591,8 +592,8 @@ async fn shutdown_ends_open_agent_streams_with_unavailable() {
     // `tx` stays alive: the agent has more to say. Shutting down ends the stream from the index's
     // side with a status (a drain that timed out would instead drop the connection under it).
     let (shut_down, closing) = tokio::join!(
-        tokio::time::timeout(CONVERGE, server.shutdown()),
-        tokio::time::timeout(CONVERGE, inbound.message()),
+        tokio::time::timeout(within(), server.shutdown()),
+        tokio::time::timeout(within(), inbound.message()),
     );
     shut_down.expect("shutdown returns");
     let status = closing
@@ -675,7 +676,7 @@ async fn metric_sum(admin: SocketAddr, family: &str, label: &str) -> u64 {
 
 async fn converge_to_model(what: &str, admin: SocketAddr, engine: &ModelEngine) {
     let expected = engine.blocks.clone();
-    let result = wait_until(what, CONVERGE, || async {
+    let result = try_poll_until(what, within(), || async {
         let held = index_blocks(admin, "engine-a").await?;
         let (state, _) = replica_state(admin, "engine-a").await?;
         (held == expected && state == "ready").then_some(())
@@ -1002,7 +1003,7 @@ async fn agent_path_benchmark() {
     /// Batches published before waiting for the index: keeps the PUB socket under its
     /// high-water mark, so the figure is sustained throughput, not a burst into drops.
     const WINDOW: u64 = 256;
-    const SLOW: Duration = Duration::from_secs(120);
+    let slow = deadline(Duration::from_secs(120));
     let dir = tempfile::tempdir().unwrap();
     let yaml = index_yaml_synthetic_hashes("127.0.0.1:0", dir.path());
     // A process, so the restart below is a real SIGKILL (the agent's stream breaks at once).
@@ -1025,11 +1026,10 @@ async fn agent_path_benchmark() {
         tokio::time::sleep(Duration::from_millis(20)).await; // publish interval
     }
     let admin = index.admin();
-    wait_until("block 0 indexed", SLOW, || async {
+    poll_until("block 0 indexed", slow, || async {
         (held_block_count(admin).await? == 1).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
 
     // 1. Events per second, engine PUB → agent mirror → gRPC stream → index, end to end.
     let started = Instant::now();
@@ -1045,11 +1045,10 @@ async fn agent_path_benchmark() {
             next = end;
         }
         let expected = next;
-        wait_until("index caught up", SLOW, || async {
+        poll_until("index caught up", slow, || async {
             (held_block_count(admin).await? >= expected).then_some(())
         })
-        .await
-        .unwrap();
+        .await;
     }
     let elapsed = started.elapsed();
     let batches = (BLOCKS - 1).div_ceil(BLOCKS_PER_BATCH);
@@ -1084,11 +1083,10 @@ async fn agent_path_benchmark() {
     let started = Instant::now();
     index.restart().await.unwrap();
     let admin = index.admin();
-    wait_until("restarted index holds every block", SLOW, || async {
+    poll_until("restarted index holds every block", slow, || async {
         (held_block_count(admin).await? == BLOCKS).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
     eprintln!(
         "index restart: {BLOCKS} blocks back in {:.2?} (reconnect + snapshot transfer + apply)",
         started.elapsed()

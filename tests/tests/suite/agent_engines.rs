@@ -17,13 +17,16 @@ use kvroute_discovery::testing::{ApiServer, TestPod};
 use kvroute_index::config::Config;
 use kvroute_index::server::IndexServer;
 use kvroute_ingest::testing::MockVllmPublisher;
-use kvroute_tests::harness::wait_until;
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
 
 use super::agent::{index_blocks, metric, payload, replica_state, stored};
 
 const NS: &str = "llm";
 const TOKEN: &str = "node-a-secret";
-const DEADLINE: Duration = Duration::from_secs(15);
+/// How long a test waits for the index or the agent to reach a state.
+fn within() -> Duration {
+    deadline(Duration::from_secs(15))
+}
 
 /// An index that lets agent `node-a` feed every replica the tests use, so only the agent's
 /// own claims decide which it feeds (pod-b on another node included: claiming it would work).
@@ -129,9 +132,9 @@ async fn start_agent(file: &mut ConfigFile, yaml: &str) -> Agent {
 /// Waits until the index holds exactly `blocks` for `replica` in `state`.
 async fn until_index(admin: SocketAddr, replica: &str, blocks: &[u64], state: &str) {
     let expected: BTreeSet<u64> = blocks.iter().copied().collect();
-    let result = wait_until(
+    let result = try_poll_until(
         &format!("index: {replica} {state} with {blocks:?}"),
-        DEADLINE,
+        within(),
         || async {
             let held = index_blocks(admin, replica).await?;
             let (now, _) = replica_state(admin, replica).await?;
@@ -150,7 +153,7 @@ async fn until_index(admin: SocketAddr, replica: &str, blocks: &[u64], state: &s
 
 /// Waits until the agent mirrors exactly `replicas` (what its `Hello` claims).
 async fn until_mirrored(agent: &Agent, replicas: &[&str]) {
-    wait_until(&format!("agent mirrors {replicas:?}"), DEADLINE, || async {
+    try_poll_until(&format!("agent mirrors {replicas:?}"), within(), || async {
         (agent.hub().replicas() == replicas).then_some(())
     })
     .await
@@ -158,7 +161,7 @@ async fn until_mirrored(agent: &Agent, replicas: &[&str]) {
 }
 
 async fn until_metric(admin: SocketAddr, series: &str, value: u64) {
-    let result = wait_until(&format!("{series} {value}"), DEADLINE, || async {
+    let result = try_poll_until(&format!("{series} {value}"), within(), || async {
         (metric(admin, series).await == value).then_some(())
     })
     .await;
@@ -373,11 +376,10 @@ async fn node_agents_feed_a_discovering_index() {
 
     // Deleted: it leaves the index with its blocks; the other pods stay as they were.
     assert!(api.delete_pod(NS, "pod-a"));
-    wait_until("pod-a to leave the index", DEADLINE, || async {
+    poll_until("pod-a to leave the index", within(), || async {
         replica_state(admin, "pod-a").await.is_none().then_some(())
     })
-    .await
-    .unwrap();
+    .await;
     assert_eq!(index_blocks(admin, "pod-a").await, None);
     until_index(admin, "pod-c", &[5], "ready").await;
     until_mirrored(&agent, &["pod-c"]).await;

@@ -6,7 +6,8 @@ use std::time::Duration;
 use clap::Parser as _;
 use kvroute_index_core::event::{EventBatch, KvEvent};
 use kvroute_index_core::wire::{self, ReplayItem};
-use kvroute_tests::harness::{http, metrics, tiny_model_dir, wait_until};
+use kvroute_test_support::{deadline, poll_until};
+use kvroute_tests::harness::{http, metrics, tiny_model_dir};
 use kvroute_tests::sim::{EngineSim, SimArgs, SimConfig};
 use zeromq::{DealerSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 
@@ -67,7 +68,7 @@ pub async fn replay_all(endpoint: &str) -> Vec<(u64, EventBatch)> {
         .unwrap();
     let mut batches = Vec::new();
     loop {
-        let reply = tokio::time::timeout(Duration::from_secs(10), dealer.recv())
+        let reply = tokio::time::timeout(deadline(Duration::from_secs(10)), dealer.recv())
             .await
             .expect("replay reply in time")
             .unwrap()
@@ -85,7 +86,7 @@ pub async fn replay_all(endpoint: &str) -> Vec<(u64, EventBatch)> {
 
 /// Polls the replay buffer until its events satisfy `done`; returns them flattened.
 pub async fn events_until(endpoint: &str, done: impl Fn(&[KvEvent]) -> bool) -> Vec<KvEvent> {
-    wait_until("kv events", Duration::from_secs(10), || async {
+    poll_until("kv events", deadline(Duration::from_secs(10)), || async {
         let events: Vec<KvEvent> = replay_all(endpoint)
             .await
             .into_iter()
@@ -94,7 +95,6 @@ pub async fn events_until(endpoint: &str, done: impl Fn(&[KvEvent]) -> bool) -> 
         done(&events).then_some(events)
     })
     .await
-    .unwrap()
 }
 
 pub fn stored(events: &[KvEvent]) -> Vec<&kvroute_index_core::event::BlockStored> {

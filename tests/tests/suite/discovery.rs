@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 
 use kvroute_discovery::testing::{ApiServer, TestPod};
 use kvroute_ext_proc::server::DECISION_HEADER;
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
 use kvroute_tests::harness::{
     Envoy, SimProcess, http, metrics, tiny_model_dir, until_ext_proc_sees_replicas_idle,
-    wait_until, workspace_root,
+    workspace_root,
 };
 use kvroute_tests::stack::{
     ExtProcBudgets, ExtProcProcess, KVROUTE_LISTENER, MODEL, OVERRIDE_HOST_CONFIG, ServerProcess,
@@ -30,7 +31,9 @@ use super::common::{family_total, metric};
 
 const NS: &str = "llm";
 /// A generous bound for a condition; the join latency is measured and printed, not asserted.
-const DEADLINE: Duration = Duration::from_secs(30);
+fn within() -> Duration {
+    deadline(Duration::from_secs(30))
+}
 
 fn pod(name: &str, sim: &SimProcess) -> TestPod {
     TestPod::new(name)
@@ -110,9 +113,9 @@ async fn served(sims: &[SimProcess]) -> Vec<u64> {
 async fn until_routable(ext_proc: &ExtProcProcess, n: usize) {
     let url = format!("{}/metrics", ext_proc.admin_url());
     let series = format!("kvroute_extproc_discovery_routable_replicas{{pool=\"{MODEL}\"}} {n}");
-    wait_until(
+    try_poll_until(
         &format!("ext-proc routing on {n} discovered replicas"),
-        DEADLINE,
+        within(),
         || async {
             let text = http::get(&url).await.ok()?.text();
             text.lines().any(|line| line == series).then_some(())
@@ -126,7 +129,7 @@ async fn until_routable(ext_proc: &ExtProcProcess, n: usize) {
 /// engines' running and waiting counts as last scraped (under load a scrape taken during the
 /// previous request can still say it runs, and a decision then prefers an idle replica).
 async fn until_idle(ext_proc: &ExtProcProcess) {
-    until_ext_proc_sees_replicas_idle(&ext_proc.admin_url(), DEADLINE)
+    until_ext_proc_sees_replicas_idle(&ext_proc.admin_url(), within())
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", ext_proc.log()));
 }
@@ -144,13 +147,12 @@ async fn send(envoy: &Envoy, sims: &[SimProcess], tag: &str, count: usize) -> Ve
         let response = http::post_json(&url, &body).await.unwrap();
         assert_eq!(response.status, 200, "{}", response.text());
     }
-    wait_until("the sims to count the requests", DEADLINE, || async {
+    poll_until("the sims to count the requests", within(), || async {
         let now = served(sims).await;
         let delta: Vec<u64> = now.iter().zip(&before).map(|(n, b)| n - b).collect();
         (delta.iter().sum::<u64>() == count as u64).then_some(delta)
     })
     .await
-    .unwrap()
 }
 
 #[tokio::test]
@@ -185,7 +187,7 @@ async fn replicas_join_and_leave_routing_through_the_api_server_alone() {
         "http://{}/v1/completions",
         envoy.listener(KVROUTE_LISTENER).unwrap()
     );
-    let first_served = wait_until("a request served by the new pod", DEADLINE, || async {
+    let first_served = try_poll_until("a request served by the new pod", within(), || async {
         let before = served(&sims).await[2];
         let body = json!({"model": MODEL, "prompt": format!("join probe {:?}", joined.elapsed()), "max_tokens": 2});
         let response = http::post_json(&url, &body).await.ok()?;
@@ -261,7 +263,7 @@ async fn until_index(
     what: &str,
     done: impl Fn(&[(String, String, u64)]) -> bool,
 ) -> Vec<(String, String, u64)> {
-    wait_until(what, DEADLINE, || async {
+    try_poll_until(what, within(), || async {
         let replicas = index_replicas(index).await;
         done(&replicas).then_some(replicas)
     })
@@ -337,13 +339,12 @@ async fn the_index_follows_the_pods_and_drops_a_deleted_pods_blocks() {
             let response = http::post_json(&url, &body).await.unwrap();
             assert_eq!(response.status, 200, "{}", response.text());
             let decision = response.header(DECISION_HEADER);
-            let delta = wait_until("the sims to count the request", DEADLINE, || async {
+            let delta = poll_until("the sims to count the request", within(), || async {
                 let now = served(sims).await;
                 let delta: Vec<u64> = now.iter().zip(&before).map(|(n, b)| n - b).collect();
                 (delta.iter().sum::<u64>() == 1).then_some(delta)
             })
-            .await
-            .unwrap();
+            .await;
             (
                 delta.iter().position(|&d| d == 1).unwrap_or_default(),
                 decision,
@@ -462,7 +463,7 @@ async fn the_index_reloads_its_static_replicas() {
             )
         }
     };
-    wait_until("the bad reload to be refused", DEADLINE, || async {
+    try_poll_until("the bad reload to be refused", within(), || async {
         (reloads("rejected").await? >= 1.0).then_some(())
     })
     .await

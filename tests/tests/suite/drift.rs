@@ -9,7 +9,8 @@
 
 use std::time::Duration;
 
-use kvroute_tests::harness::{metrics, wait_until};
+use kvroute_test_support::{deadline, try_poll_until};
+use kvroute_tests::harness::metrics;
 use kvroute_tests::stack::{MODEL, Stack, StackOptions};
 use serde_json::{Value, json};
 
@@ -17,7 +18,9 @@ use super::common::HISTORY_UNSTABLE_TEMPLATE;
 use super::routing::{ext_proc_metrics, route_response, text};
 
 /// How long the test waits for scrapes to carry a verdict.
-const SETTLE: Duration = Duration::from_secs(30);
+fn settle() -> Duration {
+    deadline(Duration::from_secs(30))
+}
 /// Predicted cached tokens a drift window needs for a verdict, in this test.
 const MIN_TOKENS: u64 = 256;
 /// Turns per conversation.
@@ -88,24 +91,28 @@ async fn a_replica_with_another_chat_template_drifts_alone_and_degrades_its_pool
     // sim has a verdict of its own too, with the engine's side caught up.
     let drifting = replica_label(0);
     let matching = replica_label(1);
-    let settled = wait_until("sim-0 to drift and its pool to degrade", SETTLE, || async {
-        let metrics = ext_proc_metrics(&stack).await;
-        let sample = |family: &str, labels: &[&str]| metrics::sum(&metrics, family, labels);
-        let drift = sample("kvroute_extproc_drift_ratio", &[&drifting]);
-        let degraded = sample("kvroute_extproc_drift_degraded", &["pool=\"tiny\""]);
-        let control_predicted = sample(
-            "kvroute_extproc_drift_predicted_cached_tokens_total",
-            &[&matching],
-        );
-        let control_settled = metrics
-            .contains(&format!("kvroute_extproc_drift_ratio{{{matching}}}"))
-            && control_predicted >= MIN_TOKENS as f64
-            && sample(
-                "kvroute_extproc_drift_observed_cached_tokens_total",
+    let settled = try_poll_until(
+        "sim-0 to drift and its pool to degrade",
+        settle(),
+        || async {
+            let metrics = ext_proc_metrics(&stack).await;
+            let sample = |family: &str, labels: &[&str]| metrics::sum(&metrics, family, labels);
+            let drift = sample("kvroute_extproc_drift_ratio", &[&drifting]);
+            let degraded = sample("kvroute_extproc_drift_degraded", &["pool=\"tiny\""]);
+            let control_predicted = sample(
+                "kvroute_extproc_drift_predicted_cached_tokens_total",
                 &[&matching],
-            ) >= control_predicted;
-        (drift > 0.5 && degraded == 1.0 && control_settled).then_some(metrics)
-    })
+            );
+            let control_settled = metrics
+                .contains(&format!("kvroute_extproc_drift_ratio{{{matching}}}"))
+                && control_predicted >= MIN_TOKENS as f64
+                && sample(
+                    "kvroute_extproc_drift_observed_cached_tokens_total",
+                    &[&matching],
+                ) >= control_predicted;
+            (drift > 0.5 && degraded == 1.0 && control_settled).then_some(metrics)
+        },
+    )
     .await;
     let metrics = match settled {
         Ok(metrics) => metrics,

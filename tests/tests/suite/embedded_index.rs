@@ -12,14 +12,17 @@
 
 use std::time::Duration;
 
-use kvroute_tests::harness::{http, wait_until};
+use kvroute_test_support::{deadline, try_poll_until};
+use kvroute_tests::harness::http;
 use kvroute_tests::stack::{DebugHeaders, IndexPlacement, Stack, StackOptions};
 
 use super::common::{index_blocks, sim_blocks};
 use super::routing::{Routed, route_decided as route, text};
 
 /// How long a test waits for the sims' counters or the index's view to settle.
-const SETTLE: Duration = Duration::from_secs(20);
+fn settle() -> Duration {
+    deadline(Duration::from_secs(20))
+}
 /// Siblings of the warmed prefix sent in the first test.
 const SIBLINGS: usize = 6;
 
@@ -42,7 +45,7 @@ async fn wait_converged(stack: &Stack, replicas: &[usize], min_blocks: usize, ph
     let sims = stack.sim_urls();
     for &replica in replicas {
         let (id, sim) = (&ids[replica], &sims[replica]);
-        let converged = wait_until(&format!("{phase}: {id} converged"), SETTLE, || async {
+        let converged = try_poll_until(&format!("{phase}: {id} converged"), settle(), || async {
             let truth = sim_blocks(sim).await?;
             let view = index_blocks(&admin, id).await?;
             (truth == view && view.len() >= min_blocks).then_some(())

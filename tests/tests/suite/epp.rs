@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use kvroute_ext_proc::ExtProc;
 use kvroute_ext_proc::server::{DECISION_HEADER, DESTINATION_HEADER};
-use kvroute_tests::harness::{Envoy, health, http, wait_until, workspace_root};
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
+use kvroute_tests::harness::{Envoy, health, http, workspace_root};
 use kvroute_tests::stack::{
     EXT_PROC_CLUSTER, KVROUTE_LISTENER, OVERRIDE_HOST_CONFIG, render_envoy_config,
 };
@@ -25,7 +26,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// Generous bound for Envoy to see ext-proc healthy, a scrape to land, a process to start.
-const SETTLE: Duration = Duration::from_secs(20);
+fn settle() -> Duration {
+    deadline(Duration::from_secs(20))
+}
 /// The FULL_DUPLEX body, both ways.
 const BIG_BODY_BYTES: usize = 4 * 1024 * 1024;
 
@@ -161,7 +164,7 @@ fn ext_proc_filter(config: &mut serde_yaml::Value) -> &mut serde_yaml::Value {
 async fn start_envoy(config: &str, ext_proc: SocketAddr) -> (Envoy, String) {
     let envoy = Envoy::start(config).await.unwrap();
     if let Err(error) = envoy
-        .wait_endpoint_healthy(EXT_PROC_CLUSTER, ext_proc, SETTLE)
+        .wait_endpoint_healthy(EXT_PROC_CLUSTER, ext_proc, settle())
         .await
     {
         panic!("{error}\n{}", envoy.log());
@@ -235,7 +238,7 @@ async fn a_saturated_pool_is_shed_with_429_until_it_drains() {
     let post = || http::post_json(&completions, &completion);
 
     // The first scrape sees 9 waiting: requests are refused with 429 and an OpenAI error.
-    let shed = wait_until("a request is shed", SETTLE, || async {
+    let shed = try_poll_until("a request is shed", settle(), || async {
         let response = post().await.ok()?;
         (response.status == 429).then_some(response)
     })
@@ -247,12 +250,11 @@ async fn a_saturated_pool_is_shed_with_429_until_it_drains() {
 
     // The queue drains: the next scrape lets requests through again.
     waiting.store(0, Ordering::Relaxed);
-    let routed = wait_until("requests are routed again", SETTLE, || async {
+    let routed = poll_until("requests are routed again", settle(), || async {
         let response = post().await.ok()?;
         (response.status == 200).then_some(response)
     })
-    .await
-    .unwrap();
+    .await;
     assert!(
         routed.json().unwrap()["decision"]
             .as_str()
@@ -407,7 +409,7 @@ async fn the_gie_chart_flags_set_the_listeners() {
         dir.path().join("ext-proc.log"),
     )
     .unwrap();
-    let written = wait_until("ext-proc writes its ready file", SETTLE, || async {
+    let written = try_poll_until("ext-proc writes its ready file", settle(), || async {
         std::fs::read_to_string(&ready).ok()
     })
     .await
@@ -477,9 +479,9 @@ async fn ext_proc_dies_mid_request(mode: &str) -> (u16, serde_json::Value) {
     // Envoy has opened the request's ext_proc stream (and, streaming, sent it the first half).
     let sent = "http.kvroute.ext_proc.stream_msgs_sent";
     let wanted = if mode == "FULL_DUPLEX_STREAMED" { 2 } else { 1 };
-    wait_until(
+    try_poll_until(
         "Envoy to talk to ext-proc about the request",
-        SETTLE,
+        settle(),
         || async { (envoy.stat(sent).await.ok()?.unwrap_or(0) >= wanted).then_some(()) },
     )
     .await
@@ -489,7 +491,7 @@ async fn ext_proc_dies_mid_request(mode: &str) -> (u16, serde_json::Value) {
     // connection under the write or after the answer: what counts is the answer received.
     let _ = client.write_all(rest).await;
     let mut response = Vec::new();
-    match tokio::time::timeout(SETTLE, client.read_to_end(&mut response))
+    match tokio::time::timeout(settle(), client.read_to_end(&mut response))
         .await
         .expect("Envoy answers")
     {

@@ -13,8 +13,9 @@ use std::time::Duration;
 
 use kvroute_ext_proc::ExtProc;
 use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
+use kvroute_test_support::{deadline, poll_until};
+use kvroute_tests::harness::http;
 use kvroute_tests::harness::http::HttpResponse;
-use kvroute_tests::harness::{http, wait_until};
 use kvroute_tests::stack::{
     DEBUG_TOKEN_HEADER, DebugHeaders, EXT_PROC_CLUSTER, MODEL, Stack, StackOptions,
 };
@@ -24,7 +25,9 @@ use super::common::index_blocks;
 use super::routing::{route_response, text};
 
 /// How long a connection attempt to our own address may take before it counts as not refused.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+fn connect_timeout() -> Duration {
+    deadline(Duration::from_secs(2))
+}
 
 /// An ext-proc config with nothing but a pool and a replica: every other key at its default.
 const EXT_PROC_DEFAULTS: &str = r#"
@@ -60,7 +63,7 @@ pub fn non_loopback_ipv4() -> Option<Ipv4Addr> {
 /// Whether a TCP connection to `ip` on `bound`'s port is refused.
 fn refused_from(ip: Ipv4Addr, bound: SocketAddr) -> bool {
     let target = SocketAddr::from((ip, bound.port()));
-    match TcpStream::connect_timeout(&target, CONNECT_TIMEOUT) {
+    match TcpStream::connect_timeout(&target, connect_timeout()) {
         Ok(_) => false,
         Err(error) => error.kind() == std::io::ErrorKind::ConnectionRefused,
     }
@@ -133,7 +136,9 @@ async fn index_listens_on_loopback_only_by_default() {
 /// Response headers whose values differ between any two responses, cached or not.
 const VOLATILE_HEADERS: [&str; 3] = ["date", "x-envoy-upstream-service-time", "content-length"];
 /// How long the index may take to hold the first request's blocks.
-const INDEXED: Duration = Duration::from_secs(20);
+fn indexed() -> Duration {
+    deadline(Duration::from_secs(20))
+}
 
 /// A stack of two sims behind the production Envoy config, with `debug_headers`.
 async fn start(debug_headers: DebugHeaders) -> Stack {
@@ -172,11 +177,10 @@ async fn warm(stack: &Stack, seed: u64, headers: &[(&str, &str)]) -> (String, Ht
     );
     let admin = stack.index_admin_url().unwrap();
     let id = &stack.replica_ids()[replica];
-    wait_until("the index holds the warmed prefix", INDEXED, || async {
+    poll_until("the index holds the warmed prefix", indexed(), || async {
         index_blocks(&admin, id).await.filter(|b| !b.is_empty())
     })
-    .await
-    .unwrap();
+    .await;
     (prefix, miss)
 }
 
@@ -563,7 +567,10 @@ async fn ext_proc_answers(
     let (_tx, rx) = tokio::sync::mpsc::channel::<ProcessingRequest>(1);
     let mut client = ExternalProcessorClient::new(channel);
     let call = client.process(tokio_stream::wrappers::ReceiverStream::new(rx));
-    matches!(tokio::time::timeout(CONNECT_TIMEOUT, call).await, Ok(Ok(_)))
+    matches!(
+        tokio::time::timeout(connect_timeout(), call).await,
+        Ok(Ok(_))
+    )
 }
 
 #[tokio::test]
@@ -599,7 +606,7 @@ async fn ext_proc_over_mutual_tls_routes_for_envoy_and_refuses_plaintext() {
         .unwrap();
     let admin = format!("http://{}", envoy.admin);
     let ready = envoy
-        .wait_endpoint_healthy(EXT_PROC_CLUSTER, grpc, INDEXED)
+        .wait_endpoint_healthy(EXT_PROC_CLUSTER, grpc, indexed())
         .await;
     if let Err(error) = ready {
         let stats = http::get(&format!("{admin}/stats?filter=kvroute_ext_proc"))

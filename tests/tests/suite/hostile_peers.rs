@@ -17,8 +17,9 @@ use std::time::Duration;
 
 use kvroute_ingest::testing::zmtp_bytes::{self, greeting, ready};
 use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher, PubMode};
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
 use kvroute_tests::harness::metrics::{proc_status_kib, sum};
-use kvroute_tests::harness::{ChildGuard, http, reserve_port, wait_until};
+use kvroute_tests::harness::{ChildGuard, http, reserve_port};
 use kvroute_tests::stack::binary_dir;
 use parking_lot::Mutex;
 use serde_json::Value;
@@ -29,9 +30,14 @@ use tokio_util::task::TaskTracker;
 
 use super::agent::{index_process, payload, stored};
 
-const CONVERGE: Duration = Duration::from_secs(20);
+/// How long a test waits for the victims and the honest engines to reach a state.
+fn converge() -> Duration {
+    deadline(Duration::from_secs(20))
+}
 /// How long a probe waits for the victim to close the connection.
-const CLOSE_DEADLINE: Duration = Duration::from_secs(10);
+fn close_deadline() -> Duration {
+    deadline(Duration::from_secs(10))
+}
 /// The slow 1 GiB frame stops after this many body bytes if the victim never closes.
 const SLOW_FRAME_GIVE_UP: usize = 256 << 20;
 /// Peak resident memory allowed to a victim process (kB): a fraction of what one probe declares.
@@ -115,7 +121,7 @@ async fn play(stream: &mut TcpStream, probe: Probe, peer_type: &str) -> Outcome 
             body_sent += chunk.len();
         }
     }
-    let closed = tokio::time::timeout(CLOSE_DEADLINE, async {
+    let closed = tokio::time::timeout(close_deadline(), async {
         let mut sink = [0u8; 4096];
         loop {
             match stream.read(&mut sink).await {
@@ -214,11 +220,10 @@ fn assert_refused(what: &str, outcomes: &[(Probe, Outcome)]) {
 /// subscriber sends, subscriptions included.
 async fn raw_publisher(endpoint: &str) -> TcpStream {
     let addr = endpoint.strip_prefix("tcp://").unwrap().to_owned();
-    let mut stream = wait_until("the bound SUB accepts", CONVERGE, || async {
+    let mut stream = poll_until("the bound SUB accepts", converge(), || async {
         TcpStream::connect(&addr).await.ok()
     })
-    .await
-    .unwrap();
+    .await;
     let mut hello = greeting();
     hello.extend(ready("PUB"));
     stream.write_all(&hello).await.unwrap();
@@ -309,35 +314,38 @@ async fn index_survives_hostile_peers_on_every_socket_kind() {
     // The bound SUB: anyone can connect and play every probe.
     let mut bound_outcomes = Vec::new();
     for probe in PROBES {
-        let mut stream = wait_until("the bound SUB accepts", CONVERGE, || async {
+        let mut stream = poll_until("the bound SUB accepts", converge(), || async {
             TcpStream::connect(&bound).await.ok()
         })
-        .await
-        .unwrap();
+        .await;
         bound_outcomes.push((probe, play(&mut stream, probe, "PUB").await));
     }
     // The connected SUB reconnects (with backoff) to the rogue PUB and meets every probe.
-    wait_until(
+    try_poll_until(
         "every probe played on the connected SUB",
-        CONVERGE,
+        converge(),
         || async { rogue_pub.played_all().then_some(()) },
     )
     .await
     .unwrap_or_else(|e| panic!("{e}: {}", index.log()));
     // The replay DEALER meets the rogue ROUTER at each gap on the honest live stream.
     let mut hash = 1_000;
-    wait_until("every probe played on the replay DEALER", CONVERGE, || {
-        hash += 2;
-        let (live, played) = (&honest_live, rogue_router.played_all());
-        async move {
-            if played {
-                return Some(());
+    try_poll_until(
+        "every probe played on the replay DEALER",
+        converge(),
+        || {
+            hash += 2;
+            let (live, played) = (&honest_live, rogue_router.played_all());
+            async move {
+                if played {
+                    return Some(());
+                }
+                live.skip_seq(batch(&[hash])).await;
+                live.publish(batch(&[hash + 1])).await.ok()?;
+                None
             }
-            live.skip_seq(batch(&[hash])).await;
-            live.publish(batch(&[hash + 1])).await.ok()?;
-            None
-        }
-    })
+        },
+    )
     .await
     .unwrap_or_else(|e| panic!("{e}: {}", index.log()));
 
@@ -376,7 +384,7 @@ async fn index_survives_hostile_peers_on_every_socket_kind() {
 
     // Honest engines keep ingesting, on the attacked bound socket too.
     let engine_on_bound = connecting_publisher(format!("tcp://{bound}"), "").await;
-    wait_until("honest engines indexed", CONVERGE, || async {
+    try_poll_until("honest engines indexed", converge(), || async {
         // PUB/SUB drops what is sent before the subscription arrives: repeat until it lands.
         let _ = engine_on_bound.publish(batch(&[7, 8])).await;
         let _ = honest.publish(batch(&[1, 2, 3])).await;
@@ -426,26 +434,25 @@ async fn bind_mode_refuses_peers_outside_the_allow_list_and_foreign_topics() {
             &batch(&[66]),
         ]))
         .await;
-    let outcome_closed = tokio::time::timeout(CLOSE_DEADLINE, async {
+    let outcome_closed = tokio::time::timeout(close_deadline(), async {
         let mut sink = [0u8; 256];
         while matches!(rogue.read(&mut sink).await, Ok(n) if n > 0) {}
     })
     .await
     .is_ok();
     assert!(outcome_closed, "the refused peer was left connected");
-    wait_until("the refusal is counted", CONVERGE, || async {
+    poll_until("the refusal is counted", converge(), || async {
         let metrics = text(&format!("{admin}/metrics")).await;
         let labels = ["replica_id=\"guarded\"", "reason=\"not_allowed\""];
         (sum(&metrics, refused, &labels) == 1.0).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
 
     // A publisher on the right socket that ignores the subscription, as a rogue PUB may: its
     // message with another replica's topic is refused; the right topic is applied.
     let impostor = Arc::new(tokio::sync::Mutex::new(raw_publisher(&open_endpoint).await));
     let mut seq = 0u64;
-    wait_until("the foreign topic is refused", CONVERGE, || {
+    poll_until("the foreign topic is refused", converge(), || {
         seq += 1;
         let message = zmtp_bytes::message(&[b"kv@other", &seq.to_be_bytes(), &batch(&[77])]);
         let (impostor, admin) = (Arc::clone(&impostor), admin.clone());
@@ -460,16 +467,14 @@ async fn bind_mode_refuses_peers_outside_the_allow_list_and_foreign_topics() {
                 .then_some(())
         }
     })
-    .await
-    .unwrap();
+    .await;
     drop(impostor);
     let engine = connecting_publisher(open_endpoint, "kv@open").await;
-    wait_until("the right topic is applied", CONVERGE, || async {
+    poll_until("the right topic is applied", converge(), || async {
         let _ = engine.publish(batch(&[88])).await;
         (index_blocks(&admin, "open").await? >= 1).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
     assert_eq!(
         index_blocks(&admin, "guarded").await,
         Some(0),
@@ -522,14 +527,14 @@ engines:
         .arg(&ready);
     let mut agent =
         ChildGuard::spawn("kvroute-agent", command, dir.path().join("agent.log")).unwrap();
-    let admin = wait_until("agent ready file", CONVERGE, || async {
+    let admin = try_poll_until("agent ready file", converge(), || async {
         let text = std::fs::read_to_string(&ready).ok()?;
         Some(format!("http://{}", text.trim().strip_prefix("admin=")?))
     })
     .await
     .unwrap_or_else(|e| panic!("{e}: {}", agent.log()));
 
-    wait_until("every probe played on the agent", CONVERGE, || async {
+    try_poll_until("every probe played on the agent", converge(), || async {
         rogue_pub.played_all().then_some(())
     })
     .await
@@ -553,7 +558,7 @@ engines:
     );
 
     // The honest engine is still mirrored.
-    wait_until("honest engine mirrored", CONVERGE, || async {
+    try_poll_until("honest engine mirrored", converge(), || async {
         let _ = honest.publish(batch(&[5, 6])).await;
         let body = http::get(&format!("{admin}/debug/replicas/honest/blocks"))
             .await

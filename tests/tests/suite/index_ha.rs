@@ -8,8 +8,9 @@
 
 use std::time::Duration;
 
+use kvroute_test_support::{deadline, try_poll_until};
+use kvroute_tests::harness::http;
 use kvroute_tests::harness::metrics::sum;
-use kvroute_tests::harness::{http, wait_until};
 use kvroute_tests::stack::{MODEL, Routing, Stack, StackOptions};
 use serde_json::{Value, json};
 
@@ -77,12 +78,16 @@ async fn ext_proc_keeps_routing_precisely_when_one_of_two_indexes_dies_mid_load(
     assert!(warm_blocks > 0);
     let admins = stack.index_admin_urls();
     assert_eq!(admins.len(), 2);
-    wait_until("both indexes agree", Duration::from_secs(20), || async {
-        let first = block_counts(&admins[0]).await?;
-        let second = block_counts(&admins[1]).await?;
-        let total: u64 = first.iter().map(|(_, b)| b).sum();
-        (first == second && total >= warm_blocks).then_some(())
-    })
+    try_poll_until(
+        "both indexes agree",
+        deadline(Duration::from_secs(20)),
+        || async {
+            let first = block_counts(&admins[0]).await?;
+            let second = block_counts(&admins[1]).await?;
+            let total: u64 = first.iter().map(|(_, b)| b).sum();
+            (first == second && total >= warm_blocks).then_some(())
+        },
+    )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", stack.logs()));
     let before = ext_proc_metrics(&stack).await;

@@ -19,14 +19,18 @@ use kvroute_index_core::event::{
 };
 use kvroute_index_core::wire::{Encoding, encode_batch};
 use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher};
-use kvroute_tests::harness::{http, reserve_port, wait_until};
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
+use kvroute_tests::harness::{http, reserve_port};
 use serde_json::{Value, json};
 use tonic_health::pb::health_check_response::ServingStatus;
 
 const MODEL: &str = "m";
 const BLOCK_SIZE: u32 = 4;
 const HASHES: [u64; 3] = [0xA1, 0xA2, 0xA3];
-const DEADLINE: Duration = Duration::from_secs(20);
+/// How long a test waits for the index to reach a state.
+fn within() -> Duration {
+    deadline(Duration::from_secs(20))
+}
 
 /// A `BlockStored` batch of `hashes` chained from the root, as vLLM 0.32 publishes it.
 fn stored_payload(hashes: &[u64], block_size: u32) -> Vec<u8> {
@@ -147,12 +151,11 @@ async fn wait_for_state(
     replica: &str,
     state: ReplicaCondition,
 ) -> api::ReplicaMatch {
-    wait_until(&format!("{replica} {state:?}"), DEADLINE, || async {
+    poll_until(&format!("{replica} {state:?}"), within(), || async {
         let found = grpc_match(server, replica).await;
         (found.state() == state).then_some(found)
     })
     .await
-    .unwrap_or_else(|error| panic!("{error}"))
 }
 
 /// Both APIs agree a replica is not precise, in `state` for `reason`, with nothing matched.
@@ -276,34 +279,30 @@ async fn an_idle_restarted_engine_is_detected_on_reconnect() {
         .publish(stored_payload(&HASHES, BLOCK_SIZE))
         .await
         .unwrap();
-    wait_until("3 blocks matched", DEADLINE, || async {
+    poll_until("3 blocks matched", within(), || async {
         (grpc_match(&server, "e").await.matched_blocks == 3).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
     assert_eq!(admin_replica(&server, "e").await["last_sequence"], 0);
     assert_eq!(admin_match(&server, "e").await["state"], "ready");
-    wait_until("ready", DEADLINE, || async {
+    poll_until("ready", within(), || async {
         (readyz(&server).await.0 == 200).then_some(())
     })
-    .await
-    .unwrap();
-    wait_until("health SERVING", DEADLINE, || async {
+    .await;
+    poll_until("health SERVING", within(), || async {
         (health(&server, "").await == ServingStatus::Serving).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
 
     let killed = Instant::now();
     first.shutdown().await;
     wait_for_state(&server, "e", ReplicaCondition::Disconnected).await;
     let to_disconnected = killed.elapsed();
     assert_not_precise(&server, "e", "disconnected", "disconnected").await;
-    wait_until("health NOT_SERVING", DEADLINE, || async {
+    poll_until("health NOT_SERVING", within(), || async {
         (health(&server, "").await == ServingStatus::NotServing).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
     assert_eq!(readyz(&server).await.0, 503);
 
     let restarted = MockVllmPublisher::start(MockPublisherConfig {
@@ -331,11 +330,10 @@ async fn an_idle_restarted_engine_is_detected_on_reconnect() {
         .publish(stored_payload(&HASHES[..1], BLOCK_SIZE))
         .await
         .unwrap();
-    wait_until("1 block matched", DEADLINE, || async {
+    poll_until("1 block matched", within(), || async {
         (grpc_match(&server, "e").await.matched_blocks == 1).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
     server.shutdown().await;
 }
 
@@ -359,12 +357,11 @@ async fn a_replica_whose_messages_do_not_decode_is_flagged_until_one_does() {
         .publish(stored_payload(&HASHES, BLOCK_SIZE))
         .await
         .unwrap();
-    wait_until("3 blocks matched, precise again", DEADLINE, || async {
+    poll_until("3 blocks matched, precise again", within(), || async {
         let found = grpc_match(&server, "garbled").await;
         (found.precise && found.matched_blocks == 3).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
     server.shutdown().await;
 }
 
@@ -421,7 +418,7 @@ async fn the_admin_api_lists_each_kv_cache_groups_holdings() {
         .unwrap();
     let url = format!("http://{}/v1/replicas/hybrid/groups", server.admin_addr());
     let expected = json!({"id": "hybrid", "groups": {"0": [a3, a3], "1": [a1, a2, a3]}});
-    let listed = wait_until("both groups listed", DEADLINE, || async {
+    let listed = try_poll_until("both groups listed", within(), || async {
         let body: Value = http::get(&url).await.ok()?.json().ok()?;
         (body == expected).then_some(body)
     })

@@ -32,8 +32,9 @@ use kvroute_block_keys::{ExtraKeysEra, HashAlgo, KeyScheme, VllmHasher};
 use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_index_core::event::KvEvent;
+use kvroute_test_support::{deadline, try_poll_until};
 use kvroute_tests::harness::{
-    ChildGuard, http, metrics, reserve_ports, tiny_model_dir, wait_until, workspace_root,
+    ChildGuard, http, metrics, reserve_ports, tiny_model_dir, workspace_root,
 };
 use kvroute_tests::stack::{
     DebugHeaders, EventsMode, ExtProcBudgets, ExternalReplica, Routing, SimTiming, Stack,
@@ -50,9 +51,13 @@ const ENGINES: usize = 3;
 pub(super) const MODEL: &str = "tiny";
 pub(super) const BLOCK_SIZE: usize = 32;
 /// Three engines starting at once on two cores take 1-3 minutes; generous on a busy machine.
-const ENGINE_STARTUP: Duration = Duration::from_secs(600);
+fn engine_startup_timeout() -> Duration {
+    deadline(Duration::from_secs(600))
+}
 /// SIGTERM to SIGKILL for an engine's process group (API server, engine core, worker).
-const ENGINE_STOP_GRACE: Duration = Duration::from_secs(30);
+fn engine_stop_grace() -> Duration {
+    deadline(Duration::from_secs(30))
+}
 const PARITY_CASES: usize = 100;
 const PARITY_SEED: u64 = 0x7265_616c_766c_6c6d;
 /// Parity prompts longer than this are only tokenized, not run (the engines' max_model_len is 2048).
@@ -197,17 +202,21 @@ impl VllmEngine {
     pub async fn wait_healthy(&mut self) {
         let health = format!("{}/health", self.url());
         let guard = &mut self.guard;
-        let outcome = wait_until(&format!("{} /health", self.name), ENGINE_STARTUP, || {
-            let exited = guard.exited();
-            let health = health.clone();
-            async move {
-                if let Some(status) = exited {
-                    return Some(Err(status));
+        let outcome = try_poll_until(
+            &format!("{} /health", self.name),
+            engine_startup_timeout(),
+            || {
+                let exited = guard.exited();
+                let health = health.clone();
+                async move {
+                    if let Some(status) = exited {
+                        return Some(Err(status));
+                    }
+                    let response = http::get(&health).await.ok()?;
+                    response.status.is_success().then_some(Ok(()))
                 }
-                let response = http::get(&health).await.ok()?;
-                response.status.is_success().then_some(Ok(()))
-            }
-        })
+            },
+        )
         .await;
         match outcome {
             Ok(Ok(())) => {}
@@ -240,7 +249,7 @@ impl Drop for VllmEngine {
                 .status();
         };
         signal("-TERM");
-        let deadline = Instant::now() + ENGINE_STOP_GRACE;
+        let deadline = Instant::now() + engine_stop_grace();
         while self.guard.exited().is_none() && Instant::now() < deadline {
             std::thread::park_timeout(Duration::from_millis(50));
         }
@@ -781,10 +790,14 @@ async fn real_vllm_end_to_end() {
     for (engine, replica) in engines.iter().zip(&replica_ids) {
         let reported = reported_blocks(&engine_events(engine).await);
         // Events are asynchronous: wait for the index to catch up, then compare.
-        let converged = wait_until("index = engine events", Duration::from_secs(30), || {
-            let (admin, replica, reported) = (&admin, replica, &reported);
-            async move { (index_blocks(admin, replica).await? == *reported).then_some(()) }
-        })
+        let converged = try_poll_until(
+            "index = engine events",
+            deadline(Duration::from_secs(30)),
+            || {
+                let (admin, replica, reported) = (&admin, replica, &reported);
+                async move { (index_blocks(admin, replica).await? == *reported).then_some(()) }
+            },
+        )
         .await;
         let indexed = index_blocks(&admin, replica).await.unwrap_or_default();
         index_report.push(

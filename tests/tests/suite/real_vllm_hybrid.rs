@@ -42,7 +42,8 @@ use std::time::{Duration, Instant};
 use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
 use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_index_core::event::KvEvent;
-use kvroute_tests::harness::{http, tiny_model_dir, wait_until};
+use kvroute_test_support::{deadline, try_poll_until};
+use kvroute_tests::harness::{http, tiny_model_dir};
 use kvroute_tests::stack::{Routing, Stack, StackOptions, StackTokenizer};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -72,7 +73,9 @@ const MAX_BATCHED_TOKENS: usize = 256;
 const MIN_WITHIN_SHARE: f64 = 0.95;
 const MIN_HITS: usize = 10;
 /// How long the index may take to apply what the engines published (loopback, a few batches).
-const CATCH_UP: Duration = Duration::from_secs(30);
+fn catch_up() -> Duration {
+    deadline(Duration::from_secs(30))
+}
 const TEXT_SEED: u64 = 0x6879_6272_6964_2d31;
 
 fn model_dir() -> PathBuf {
@@ -372,27 +375,31 @@ async fn published_seqs(engines: &[VllmEngine]) -> Vec<Option<u64>> {
 async fn until_index_caught_up(admin: &str, replica_ids: &[String], engines: &[VllmEngine]) {
     let published = published_seqs(engines).await;
     let url = format!("{admin}/v1/replicas");
-    let outcome = wait_until("the index to apply every published batch", CATCH_UP, || {
-        let (url, published) = (&url, &published);
-        async move {
-            let replicas = http::get(url).await.ok()?.json().ok()?;
-            let replicas = replicas.as_array()?;
-            replica_ids
-                .iter()
-                .zip(published)
-                .all(|(id, published)| {
-                    let Some(published) = published else {
-                        return true;
-                    };
-                    replicas.iter().any(|r| {
-                        r["id"] == id.as_str()
-                            && r["state"] == "ready"
-                            && r["last_sequence"].as_u64() >= Some(*published)
+    let outcome = try_poll_until(
+        "the index to apply every published batch",
+        catch_up(),
+        || {
+            let (url, published) = (&url, &published);
+            async move {
+                let replicas = http::get(url).await.ok()?.json().ok()?;
+                let replicas = replicas.as_array()?;
+                replica_ids
+                    .iter()
+                    .zip(published)
+                    .all(|(id, published)| {
+                        let Some(published) = published else {
+                            return true;
+                        };
+                        replicas.iter().any(|r| {
+                            r["id"] == id.as_str()
+                                && r["state"] == "ready"
+                                && r["last_sequence"].as_u64() >= Some(*published)
+                        })
                     })
-                })
-                .then_some(())
-        }
-    })
+                    .then_some(())
+            }
+        },
+    )
     .await;
     if let Err(error) = outcome {
         let replicas = http::get(&url).await.map(|r| r.text()).unwrap_or_default();

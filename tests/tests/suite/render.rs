@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvroute_ext_proc::server::DECISION_HEADER;
-use kvroute_tests::harness::{metrics, wait_until};
+use kvroute_test_support::{deadline, poll_until};
+use kvroute_tests::harness::metrics;
 use kvroute_tests::stack::{DebugHeaders, MODEL, Stack, StackOptions, StackTokenizer};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -27,7 +28,9 @@ use super::common::index_blocks;
 use super::routing::{ext_proc_metrics, route_response, text};
 
 /// How long a test waits for the index to hold a warmed prefix.
-const SETTLE: Duration = Duration::from_secs(20);
+fn settle() -> Duration {
+    deadline(Duration::from_secs(20))
+}
 
 /// The three request shapes vLLM renders as a chat, each with `prefix` as its system prompt.
 #[derive(Debug, Clone, Copy)]
@@ -115,11 +118,10 @@ async fn render_mode_sends_chat_responses_and_messages_siblings_to_their_prefix(
         assert_eq!(first.cached_tokens, 0, "{api:?}");
         // ~1k tokens of prefix are 30+ blocks: wait for the index to hold them.
         let id = &ids[first.replica];
-        wait_until(&format!("{api:?}: {id} indexed"), SETTLE, || async {
+        poll_until(&format!("{api:?}: {id} indexed"), settle(), || async {
             (index_blocks(&admin, id).await?.len() >= 8).then_some(())
         })
-        .await
-        .unwrap();
+        .await;
         for i in 1..=3 {
             let sibling = route(&stack, api, &prefix, &format!("question {i}")).await;
             let what = format!("{api:?} sibling {i} ({})", sibling.decision);

@@ -12,13 +12,17 @@
 
 use std::time::Duration;
 
-use kvroute_tests::harness::{http, metrics, wait_until};
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
+use kvroute_tests::harness::{http, metrics};
 use kvroute_tests::stack::{DebugHeaders, EventsFault, Stack, StackOptions};
 use serde_json::Value;
 
 use super::routing::{ext_proc_metrics, route_decided, text};
 
-const SETTLE: Duration = Duration::from_secs(20);
+/// How long a test waits for the index to reach a state.
+fn settle() -> Duration {
+    deadline(Duration::from_secs(20))
+}
 /// Replica roles, in replica order.
 const HEALTHY: usize = 0;
 const NEVER_CONNECTED: usize = 1;
@@ -43,7 +47,7 @@ async fn replica(admin: &str, id: &str) -> Option<Value> {
 async fn wait_state(stack: &Stack, replica_index: usize, state: &str) {
     let admin = stack.index_admin_url().unwrap();
     let id = &stack.replica_ids()[replica_index];
-    let reached = wait_until(&format!("{id} {state}"), SETTLE, || async {
+    let reached = try_poll_until(&format!("{id} {state}"), settle(), || async {
         (replica(&admin, id).await?["state"] == state).then_some(())
     })
     .await;
@@ -95,11 +99,10 @@ async fn replicas_the_index_cannot_vouch_for_are_routed_on_the_approximate_tier(
         // or the wrong block size that flags its replica.
         match holder {
             HEALTHY => {
-                wait_until("the index to learn the prefix", SETTLE, || async {
+                poll_until("the index to learn the prefix", settle(), || async {
                     (replica(&admin, &ids[HEALTHY]).await?["blocks"].as_u64()? > 0).then_some(())
                 })
-                .await
-                .unwrap();
+                .await;
             }
             WRONG_BLOCK_SIZE => wait_state(&stack, WRONG_BLOCK_SIZE, "flagged").await,
             _ => {}

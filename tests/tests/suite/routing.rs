@@ -16,8 +16,9 @@ use http_body_util::{BodyExt as _, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvroute_ext_proc::server::{CLUSTER_HEADER, DECISION_HEADER, DESTINATION_HEADER};
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
 use kvroute_tests::harness::http::{self, HttpResponse};
-use kvroute_tests::harness::{Envoy, SimProcess, metrics, wait_until, workspace_root};
+use kvroute_tests::harness::{Envoy, SimProcess, metrics, workspace_root};
 use kvroute_tests::stack::{
     MODEL, OVERRIDE_HOST_CONFIG, Routing, Stack, StackOptions, render_envoy_config,
 };
@@ -27,7 +28,9 @@ use tokio_util::sync::CancellationToken;
 use super::common::{SIM_BIN, family_total, sim_args};
 
 /// How long a test waits for counters/metrics to settle.
-const SETTLE: Duration = Duration::from_secs(20);
+fn settle() -> Duration {
+    deadline(Duration::from_secs(20))
+}
 
 /// Deterministic filler text: `words` pseudo-words from `seed` (different seeds share no words
 /// in practice, so their prompts share no KV block).
@@ -87,7 +90,7 @@ async fn finished(stack: &Stack) -> Vec<u64> {
 
 /// Waits until the sims finished `expected` more requests than `before`; returns the per-sim deltas.
 async fn served_since(stack: &Stack, before: &[u64], expected: u64) -> Vec<u64> {
-    wait_until("the sims to count the requests", SETTLE, || async {
+    try_poll_until("the sims to count the requests", settle(), || async {
         let now = finished(stack).await;
         let delta: Vec<u64> = now.iter().zip(before).map(|(n, b)| n - b).collect();
         (delta.iter().sum::<u64>() == expected).then_some(delta)
@@ -212,12 +215,11 @@ async fn shared_prefixes_follow_their_cache_and_unrelated_prompts_spread() {
     .await;
     assert_eq!(cached_tokens(&first), 0);
     // The engine's KV events reach the index: later decisions are precise, not speculative.
-    wait_until("the index to learn the prefix", SETTLE, || async {
+    poll_until("the index to learn the prefix", settle(), || async {
         let matches = index_matches(&stack, &prefix).await;
         (matches[holder] > 0).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
 
     for i in 1..=6 {
         let prompt = format!("{prefix} q{i}");
@@ -330,7 +332,7 @@ async fn a_busy_replica_stops_receiving_work_even_for_its_cached_prefix() {
     }));
     let probe = async {
         let running = format!("replica=\"{}\"", stack.replica_ids()[holder]);
-        wait_until("kvroute to see the busy replica", SETTLE, || async {
+        poll_until("kvroute to see the busy replica", settle(), || async {
             let metrics = ext_proc_metrics(&stack).await;
             let seen = metrics::sum(
                 &metrics,
@@ -339,8 +341,7 @@ async fn a_busy_replica_stops_receiving_work_even_for_its_cached_prefix() {
             );
             (seen >= 16.0).then_some(())
         })
-        .await
-        .unwrap();
+        .await;
         let mut served = Vec::new();
         for i in 2..8 {
             served.push(route_unless(&stack, &completion(&format!("{prefix} q{i}")), holder).await);
@@ -623,12 +624,15 @@ fn local_ext_proc_config(sims: &[SimProcess], tokenizer: &str) -> String {
 async fn wait_healthy_in_envoy(envoy: &Envoy, ext_proc: std::net::SocketAddr) {
     let url = format!("http://{}/clusters", envoy.admin);
     let healthy = format!("kvroute_ext_proc::{ext_proc}::health_flags::healthy");
-    wait_until("envoy to see kvroute-ext-proc healthy", SETTLE, || async {
-        let text = http::get(&url).await.ok()?.text();
-        text.lines().any(|l| l.trim() == healthy).then_some(())
-    })
-    .await
-    .unwrap();
+    poll_until(
+        "envoy to see kvroute-ext-proc healthy",
+        settle(),
+        || async {
+            let text = http::get(&url).await.ok()?.text();
+            text.lines().any(|l| l.trim() == healthy).then_some(())
+        },
+    )
+    .await;
 }
 
 async fn two_sims() -> Vec<SimProcess> {

@@ -14,7 +14,8 @@ use futures::StreamExt as _;
 use kvroute_index::config::Config;
 use kvroute_index::server::IndexServer;
 use kvroute_index_core::event::KvEvent;
-use kvroute_tests::harness::{http, metrics, wait_until};
+use kvroute_test_support::{deadline, poll_until, try_poll_until};
+use kvroute_tests::harness::{http, metrics};
 use kvroute_tests::sim::EngineSim;
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom as _;
@@ -28,7 +29,10 @@ const REPLICAS: usize = 3;
 const NUM_BLOCKS: &str = "24";
 const IN_FLIGHT: usize = 8;
 const SEED: u64 = 0x5EED_1DE8;
-const DEADLINE: Duration = Duration::from_secs(15);
+/// How long a test waits for the index to reach a state.
+fn within() -> Duration {
+    deadline(Duration::from_secs(15))
+}
 /// Token ids drawn for synthetic prompts (the tiny model's vocabulary has 2000).
 const TOKEN_IDS: std::ops::Range<u32> = 3..2000;
 const WORDS: &[&str] = &[
@@ -191,22 +195,24 @@ async fn assert_converged(phase: &str, admin: SocketAddr, sims: &[EngineSim]) ->
     let mut counts = Vec::new();
     for (i, sim) in sims.iter().enumerate() {
         let id = replica_id(i);
-        let converged = wait_until(&format!("{id} ({phase}) to converge"), DEADLINE, || async {
-            let truth = sim_blocks(sim).await;
-            (truth == index_blocks(admin, &id).await).then_some(truth.len())
-        })
-        .await;
+        let converged =
+            try_poll_until(&format!("{id} ({phase}) to converge"), within(), || async {
+                let truth = sim_blocks(sim).await;
+                (truth == index_blocks(admin, &id).await).then_some(truth.len())
+            })
+            .await;
         match converged {
             Ok(blocks) => counts.push(blocks),
-            Err(_) => {
+            Err(timed_out) => {
                 let truth = sim_blocks(sim).await;
                 let view = index_blocks(admin, &id).await;
                 let history = event_history(sim, truth.symmetric_difference(&view)).await;
                 panic!(
-                    "{id} ({phase}): index diverged from the simulator after {DEADLINE:?}; only \
+                    "{id} ({phase}): index diverged from the simulator after {:?}; only \
                      in the simulator: {:?}; only in the index: {:?}; held by several simulator \
                      blocks: {:?}; (stored, removed) per differing hash in the simulator's \
                      events: {history:?}",
+                    timed_out.after,
                     truth.difference(&view).collect::<Vec<_>>(),
                     view.difference(&truth).collect::<Vec<_>>(),
                     duplicated_hashes(sim).await,
@@ -266,7 +272,7 @@ async fn start_index(sims: &[EngineSim]) -> IndexServer {
     // replica's subscription has delivered one (this also waits out ZMQ's join delay).
     for (i, sim) in sims.iter().enumerate() {
         let id = replica_id(i);
-        wait_until(&format!("{id} subscribed"), DEADLINE, || async {
+        poll_until(&format!("{id} subscribed"), within(), || async {
             let reset = http::post_json(
                 &format!("{}/reset_prefix_cache", sim.base_url()),
                 &json!({}),
@@ -286,8 +292,7 @@ async fn start_index(sims: &[EngineSim]) -> IndexServer {
                 .any(|r| r["id"] == id.as_str() && r["state"] == "ready")
                 .then_some(())
         })
-        .await
-        .unwrap();
+        .await;
     }
     server
 }
@@ -321,12 +326,11 @@ async fn index_view_of_three_simulators_converges_through_evictions_and_a_reset(
     );
     let reset_url = format!("{}/reset_prefix_cache", sims[0].base_url());
     // A finished request's blocks are released just after its response; retry until idle.
-    wait_until("sim-0 reset", DEADLINE, || async {
+    poll_until("sim-0 reset", within(), || async {
         let reset = http::post_json(&reset_url, &json!({})).await.unwrap();
         (reset.json().unwrap() == json!({"success": true})).then_some(())
     })
-    .await
-    .unwrap();
+    .await;
     assert!(sim_blocks(&sims[0]).await.is_empty());
     let counts = assert_converged("after the reset", admin, &sims).await;
     assert_eq!(counts[0], 0);

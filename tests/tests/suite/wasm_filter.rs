@@ -295,10 +295,13 @@ impl Chain {
             .body(Full::new(Bytes::from_static(body.as_bytes())))
             .unwrap();
         let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-        let response = tokio::time::timeout(Duration::from_secs(10), client.request(request))
-            .await
-            .expect("Envoy answers in time")
-            .unwrap();
+        let response = tokio::time::timeout(
+            kvroute_test_support::deadline(Duration::from_secs(10)),
+            client.request(request),
+        )
+        .await
+        .expect("Envoy answers in time")
+        .unwrap();
         let status = response.status().as_u16();
         let body = response.into_body().collect().await.unwrap().to_bytes();
         (status, String::from_utf8_lossy(&body).into_owned())

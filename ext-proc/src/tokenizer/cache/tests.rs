@@ -472,11 +472,8 @@ async fn tokens_of(
 }
 
 async fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !condition() {
-        assert!(tokio::time::Instant::now() < deadline, "{what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let within = kvroute_test_support::deadline(Duration::from_secs(10));
+    kvroute_test_support::poll_until(what, within, || std::future::ready(condition())).await;
 }
 
 #[tokio::test]

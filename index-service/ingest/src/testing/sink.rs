@@ -1,9 +1,6 @@
-//! [`RecordingSink`]: an [`EventSink`] that records every call, with a wait for conditions.
-
-use std::time::Duration;
+//! [`RecordingSink`]: an [`EventSink`] that records every call (tests poll it for conditions).
 
 use parking_lot::Mutex;
-use tokio::sync::Notify;
 
 use crate::{EventSink, ReplicaKey, ResetReason};
 use kvroute_index_core::event::EventBatch;
@@ -29,11 +26,10 @@ pub enum SinkCall {
     },
 }
 
-/// Records calls in order; [`RecordingSink::wait_for`] waits (with a deadline) for a condition.
+/// Records calls in order.
 #[derive(Debug, Default)]
 pub struct RecordingSink {
     calls: Mutex<Vec<SinkCall>>,
-    changed: Notify,
 }
 
 impl RecordingSink {
@@ -64,30 +60,8 @@ impl RecordingSink {
         self.calls.lock().clear();
     }
 
-    /// Waits until `condition(calls)` holds; `false` if `timeout` passes first.
-    pub async fn wait_for(
-        &self,
-        timeout: Duration,
-        condition: impl Fn(&[SinkCall]) -> bool,
-    ) -> bool {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            // Registered before checking, so a call between the check and the wait is not missed.
-            let notified = self.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if condition(&self.calls.lock()) {
-                return true;
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return condition(&self.calls.lock());
-            }
-        }
-    }
-
     fn record(&self, call: SinkCall) {
         self.calls.lock().push(call);
-        self.changed.notify_waiters();
     }
 }
 
