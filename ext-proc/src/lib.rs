@@ -7,15 +7,15 @@
 //! gRPC health goes NOT_SERVING, the listener stops accepting, open streams drain (bounded by
 //! `budgets.drain`), background tasks (metrics scraping, config reload) stop, and it returns.
 //!
-//! Public modules, for the binaries and embedders: [`config`] (YAML → validated config),
+//! Public modules, for the binaries and embedders: [`cli`] (the `kvroute-ext-proc` command line
+//! and process, run by `kvroute_runtime::main`), [`config`] (YAML → validated config),
 //! [`request`] (body parsing), [`tokenizer`] (token ids + cache; the [`Tokenizer`] trait an
 //! embedder can supply), [`picker`] (the tiered decision: tokens, keys and the index's answer,
 //! then `kvroute_routing`'s score-and-commit step), [`metrics`] (what a [`Picker`] records),
 //! [`index_client`] (kvroute-index with fail-over), [`server`] (the ext_proc stream protocol and
 //! the routing headers it sets), [`check`] (what a decision computes for one body: the
 //! `kvroute-check` command), [`error`]. Internal: `scrape` (engine load and drift from each
-//! replica's `/metrics`), `drift` (predicted vs engine-reported cached tokens), `admin`
-//! (`/metrics`, `/healthz`, `/readyz`), `embedded` (the in-process index of `index.embedded`),
+//! replica's `/metrics`), `drift` (predicted vs engine-reported cached tokens), `embedded` (the in-process index of `index.embedded`),
 //! `discovery` (pools whose replicas come from Kubernetes, `pools[].discovery`: each snapshot
 //! swaps the pool's replicas in, as a reload does).
 //!
@@ -28,8 +28,8 @@
 //! ```
 #![deny(missing_docs)]
 
-mod admin;
 pub mod check;
+pub mod cli;
 pub mod config;
 mod discovery;
 mod drift;
@@ -71,6 +71,7 @@ use std::time::Duration;
 
 use embedded::IndexServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use kvroute_runtime::admin::{AdminServer, Readiness};
 use kvroute_runtime::config_file::ConfigFileWatch;
 use prometheus_client::registry::Registry;
 
@@ -319,9 +320,26 @@ impl ExtProc {
                 .map_err(ServeError::Tls)?;
             tracing::info!("ext_proc listener uses TLS with a self-signed certificate");
         }
+        let ready = Arc::new(AtomicBool::new(true));
+        let admin = AdminServer::new(registry)
+            .readiness({
+                let ready = Arc::clone(&ready);
+                move || {
+                    if ready.load(Ordering::Relaxed) {
+                        Readiness::ready("ready\n")
+                    } else {
+                        Readiness::not_ready("draining\n")
+                    }
+                }
+            })
+            .on_listener(admin)
+            .map_err(|source| ServeError::Bind {
+                what: "admin",
+                addr: config.admin_addr,
+                source,
+            })?;
         let background = CancellationToken::new();
         let stop_accepting = CancellationToken::new();
-        let ready = Arc::new(AtomicBool::new(true));
 
         let (health, health_service) = tonic_health::server::health_reporter();
         health
@@ -360,16 +378,9 @@ impl ExtProc {
                 background.clone(),
             ));
         }
-        let admin_state = admin::AdminState {
-            registry,
-            ready: Arc::clone(&ready),
-        };
         let admin_stop = background.clone();
         tasks.spawn(async move {
-            let served = axum::serve(admin, admin::router(admin_state))
-                .with_graceful_shutdown(admin_stop.cancelled_owned())
-                .await;
-            if let Err(error) = served {
+            if let Err(error) = admin.serve(admin_stop.cancelled_owned()).await {
                 tracing::error!(%error, "admin server failed");
             }
         });

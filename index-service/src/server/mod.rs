@@ -24,6 +24,7 @@ use std::{
     time::Duration,
 };
 
+use kvroute_runtime::admin::AdminServer;
 use kvroute_runtime::config_file::ConfigFileWatch;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -81,7 +82,6 @@ pub(crate) struct Shared {
     pub(crate) index: Arc<BlockIndex>,
     pub(crate) directory: Directory,
     pub(crate) ingest: Ingest,
-    pub(crate) registry: Registry,
     pub(crate) metrics: ServerMetrics,
     pub(crate) agents: Arc<agent_stream::AgentStreams>,
     /// `query_auth`: the token gRPC `Match`/`ReplicaState` and admin `/v1/*` require.
@@ -167,7 +167,6 @@ impl IndexServer {
                 "grpc listener uses TLS"
             );
         }
-        let admin_addr = local_addr(&admin_listener, "admin", config.admin_addr)?;
 
         let mut registry = Registry::with_prefix("kvroute_index");
         let index_metrics = IndexMetrics::register(&mut registry);
@@ -216,7 +215,6 @@ impl IndexServer {
             index,
             directory,
             ingest,
-            registry,
             metrics,
             agents,
             query_auth,
@@ -230,6 +228,19 @@ impl IndexServer {
             shared.replicas.shutdown().await;
             return Err(ServeError::Discovery(error));
         }
+        let admin = AdminServer::new(Arc::new(registry))
+            .readiness({
+                let shared = Arc::clone(&shared);
+                move || admin::readiness(&shared)
+            })
+            .routes(admin::routes(Arc::clone(&shared)))
+            .on_listener(admin_listener)
+            .map_err(|source| ServeError::Bind {
+                what: "admin",
+                addr: config.admin_addr,
+                source,
+            })?;
+        let admin_addr = admin.local_addr();
         let (health, health_service) = tonic_health::server::health_reporter();
         // Not serving until the pools are ready (the reporter starts "" as SERVING).
         readiness::set_health(&health, false).await;
@@ -261,8 +272,10 @@ impl IndexServer {
         );
         spawn_tracked(&tasks, async move { grpc_failed(grpc.await) });
         let admin_failed = on_failure("admin");
-        let admin = admin::serve(admin_listener, Arc::clone(&shared), accept.clone());
-        spawn_tracked(&tasks, async move { admin_failed(admin.await) });
+        let admin = admin.serve(accept.clone().cancelled_owned());
+        spawn_tracked(&tasks, async move {
+            admin_failed(admin.await.map_err(|error| error.to_string()))
+        });
         spawn_tracked(
             &tasks,
             readiness::follow(Arc::clone(&shared), health.clone(), cancel.clone()),
