@@ -15,9 +15,10 @@
 //! [`index_client`] (kvroute-index with fail-over), [`server`] (the ext_proc stream protocol and
 //! the routing headers it sets), [`check`] (what a decision computes for one body: the
 //! `kvroute-check` command), [`error`]. Internal: `scrape` (engine load and drift from each
-//! replica's `/metrics`), `drift` (predicted vs engine-reported cached tokens), `embedded` (the in-process index of `index.embedded`),
-//! `discovery` (pools whose replicas come from Kubernetes, `pools[].discovery`: each snapshot
-//! swaps the pool's replicas in, as a reload does).
+//! replica's `/metrics`), `drift` (predicted vs engine-reported cached tokens), `embedded`
+//! (the in-process index of `index.embedded`), `discovery` (pools whose replicas come from
+//! Kubernetes, `pools[].discovery`: each snapshot swaps the pool's replicas in, as a reload does).
+//! The admin HTTP server is `kvroute_runtime::admin`'s.
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -71,7 +72,7 @@ use std::time::Duration;
 
 use embedded::IndexServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-use kvroute_runtime::admin::{AdminServer, Readiness};
+use kvroute_runtime::admin::{AdminListener, AdminServer, Readiness};
 use kvroute_runtime::config_file::ConfigFileWatch;
 use prometheus_client::registry::Registry;
 
@@ -182,7 +183,14 @@ impl ExtProcBuilder {
                 .map_err(|source| ServeError::Bind { what, addr, source })
         };
         let grpc = bind("grpc", runtime.config.grpc_addr).await?;
-        let admin = bind("admin", runtime.config.admin_addr).await?;
+        let admin_addr = runtime.config.admin_addr;
+        let admin = AdminListener::bind(admin_addr)
+            .await
+            .map_err(|source| ServeError::Bind {
+                what: "admin",
+                addr: admin_addr,
+                source,
+            })?;
         let health = match runtime.config.health_addr {
             Some(addr) => Some(bind("health", addr).await?),
             None => None,
@@ -236,7 +244,7 @@ impl ExtProcBuilder {
 pub struct ExtProc {
     picker: Arc<Picker>,
     grpc: TcpListener,
-    admin: TcpListener,
+    admin: AdminListener,
     /// `listen.health`: gRPC health only, plaintext (for probes).
     health: Option<TcpListener>,
     registry: Arc<Registry>,
@@ -268,7 +276,7 @@ impl ExtProc {
 
     /// The bound admin address.
     pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
-        self.admin.local_addr()
+        Ok(self.admin.local_addr())
     }
 
     /// The bound gRPC health address (`listen.health`).
@@ -320,26 +328,9 @@ impl ExtProc {
                 .map_err(ServeError::Tls)?;
             tracing::info!("ext_proc listener uses TLS with a self-signed certificate");
         }
-        let ready = Arc::new(AtomicBool::new(true));
-        let admin = AdminServer::new(registry)
-            .readiness({
-                let ready = Arc::clone(&ready);
-                move || {
-                    if ready.load(Ordering::Relaxed) {
-                        Readiness::ready("ready\n")
-                    } else {
-                        Readiness::not_ready("draining\n")
-                    }
-                }
-            })
-            .on_listener(admin)
-            .map_err(|source| ServeError::Bind {
-                what: "admin",
-                addr: config.admin_addr,
-                source,
-            })?;
         let background = CancellationToken::new();
         let stop_accepting = CancellationToken::new();
+        let ready = Arc::new(AtomicBool::new(true));
 
         let (health, health_service) = tonic_health::server::health_reporter();
         health
@@ -378,9 +369,22 @@ impl ExtProc {
                 background.clone(),
             ));
         }
+        let admin_server = AdminServer::new(registry).readiness({
+            let ready = Arc::clone(&ready);
+            move || {
+                if ready.load(Ordering::Relaxed) {
+                    Readiness::ready("ready\n")
+                } else {
+                    Readiness::not_ready("draining\n")
+                }
+            }
+        });
         let admin_stop = background.clone();
         tasks.spawn(async move {
-            if let Err(error) = admin.serve(admin_stop.cancelled_owned()).await {
+            if let Err(error) = admin_server
+                .serve(admin, admin_stop.cancelled_owned())
+                .await
+            {
                 tracing::error!(%error, "admin server failed");
             }
         });

@@ -8,15 +8,15 @@
 //!
 //! ```no_run
 //! # async fn demo(registry: std::sync::Arc<prometheus_client::registry::Registry>) -> std::io::Result<()> {
-//! use kvroute_runtime::admin::{AdminServer, Readiness};
+//! use kvroute_runtime::admin::{AdminListener, AdminServer, Readiness};
 //!
-//! let admin = AdminServer::new(registry)
+//! let listener = AdminListener::bind(([127, 0, 0, 1], 0).into()).await?;
+//! let bound = listener.local_addr();
+//! AdminServer::new(registry)
 //!     .readiness(|| Readiness::ready("ready\n"))
 //!     .routes(axum::Router::new().route("/v1/hello", axum::routing::get(|| async { "hi\n" })))
-//!     .bind("127.0.0.1:0".parse().expect("an address"))
-//!     .await?;
-//! let addr = admin.local_addr();
-//! admin.serve(async { let _ = tokio::signal::ctrl_c().await; }).await
+//!     .serve(listener, async { let _ = tokio::signal::ctrl_c().await; })
+//!     .await
 //! # }
 //! ```
 
@@ -137,49 +137,44 @@ impl AdminServer {
         router.merge(self.routes)
     }
 
-    /// Binds `addr` (port 0 picks a free port; [`BoundAdmin::local_addr`] says which).
-    pub async fn bind(self, addr: SocketAddr) -> std::io::Result<BoundAdmin> {
-        let listener = TcpListener::bind(addr).await?;
-        self.on_listener(listener)
-    }
-
-    /// Serves on `listener`, bound by the component (which reports its own bind errors, and binds
-    /// every listener before it builds what the routes serve).
-    pub fn on_listener(self, listener: TcpListener) -> std::io::Result<BoundAdmin> {
-        let local_addr = listener.local_addr()?;
-        Ok(BoundAdmin {
-            listener,
-            local_addr,
-            router: self.into_router(),
-        })
-    }
-}
-
-/// A bound admin server, not yet serving.
-#[derive(Debug)]
-pub struct BoundAdmin {
-    listener: TcpListener,
-    local_addr: SocketAddr,
-    router: Router,
-}
-
-impl BoundAdmin {
-    /// The bound address.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
-    }
-
-    /// Serves until `shutdown` resolves; open requests then finish before it returns. An error
-    /// means the server is gone (the component decides whether the process goes on without it).
+    /// Serves the routes on `listener` until `shutdown` resolves; open requests then finish
+    /// before it returns. An error means the server is gone (the component decides whether the
+    /// process goes on without it).
     pub async fn serve(
         self,
+        listener: AdminListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        axum::serve(self.listener, self.router)
+        axum::serve(listener.listener, self.into_router())
             .with_graceful_shutdown(shutdown)
             .await?;
         tracing::debug!(exit_reason = "shutdown", "admin server stopped");
         Ok(())
+    }
+}
+
+/// The admin server's bound listener. Components bind it with their other listeners, before they
+/// build what the routes serve, so a port in use fails the start before anything runs.
+#[derive(Debug)]
+pub struct AdminListener {
+    listener: TcpListener,
+    local_addr: SocketAddr,
+}
+
+impl AdminListener {
+    /// Binds `addr` (port 0 picks a free port; [`AdminListener::local_addr`] says which).
+    pub async fn bind(addr: SocketAddr) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        let local_addr = listener.local_addr()?;
+        Ok(Self {
+            listener,
+            local_addr,
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
     }
 }
 
@@ -242,6 +237,11 @@ mod tests {
     async fn serves_metrics_probes_and_the_components_routes_until_shutdown() {
         let ready = Arc::new(AtomicBool::new(true));
         let probe_ready = Arc::clone(&ready);
+        let listener = AdminListener::bind(([127, 0, 0, 1], 0).into())
+            .await
+            .unwrap();
+        let addr = listener.local_addr();
+        assert_ne!(addr.port(), 0);
         let admin = AdminServer::new(registry())
             .readiness(move || {
                 if probe_ready.load(Ordering::Relaxed) {
@@ -250,14 +250,9 @@ mod tests {
                     Readiness::not_ready("draining\n")
                 }
             })
-            .routes(Router::new().route("/v1/own", get(|| async { "own\n" })))
-            .bind(([127, 0, 0, 1], 0).into())
-            .await
-            .unwrap();
-        let addr = admin.local_addr();
-        assert_ne!(addr.port(), 0);
+            .routes(Router::new().route("/v1/own", get(|| async { "own\n" })));
         let (stop, stopped) = oneshot::channel::<()>();
-        let serving = admin.serve(async {
+        let serving = admin.serve(listener, async {
             let _ = stopped.await;
         });
         let checks = async {
@@ -288,11 +283,12 @@ mod tests {
 
     #[tokio::test]
     async fn without_a_readiness_there_is_no_readyz() {
-        let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
-        let admin = AdminServer::new(registry()).on_listener(listener).unwrap();
-        let addr = admin.local_addr();
+        let listener = AdminListener::bind(([127, 0, 0, 1], 0).into())
+            .await
+            .unwrap();
+        let addr = listener.local_addr();
         let (stop, stopped) = oneshot::channel::<()>();
-        let serving = admin.serve(async {
+        let serving = AdminServer::new(registry()).serve(listener, async {
             let _ = stopped.await;
         });
         let checks = async {

@@ -12,7 +12,9 @@
 //!   pods on the agent's node, learned from Kubernetes; the set follows the pods and, with
 //!   [`Agent::start_reloading`], the config file, without a restart.
 //!
-//! Lifecycle: [`Agent::start`] (or [`Agent::start_reloading`]) → serving → [`Agent::shutdown`].
+//! Lifecycle: [`Agent::start`] (or [`Agent::start_reloading`]) → serving → [`Agent::shutdown`];
+//! the binary runs it through `kvroute_runtime::main` ([`cli`]). Its admin server
+//! (`kvroute_runtime::admin`) serves `/metrics`, `/healthz` and `/debug/replicas/{id}/blocks`.
 //!
 //! TLS to the indexes is optional (`tls:` in the config, `https://` index addresses).
 
@@ -32,9 +34,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use axum::{Router, extract::State, response::IntoResponse, routing::get};
-use kvroute_runtime::admin::{AdminServer, BoundAdmin};
+use kvroute_runtime::admin::{AdminListener, AdminServer};
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 pub use config::AgentConfig;
@@ -101,12 +102,13 @@ impl Agent {
     }
 
     async fn start_with(config: AgentConfig, path: Option<PathBuf>) -> Result<Self, AgentError> {
-        let listener = TcpListener::bind(config.admin_addr)
+        let admin_listener = AdminListener::bind(config.admin_addr)
             .await
             .map_err(|source| AgentError::Bind {
                 addr: config.admin_addr,
                 source,
             })?;
+        let admin_addr = admin_listener.local_addr();
 
         let mut registry = Registry::with_prefix("kvroute_agent");
         let metrics = AgentMetrics::register(&mut registry);
@@ -122,14 +124,7 @@ impl Agent {
             },
             metrics.clone(),
         ));
-        let admin = AdminServer::new(Arc::new(registry))
-            .routes(admin_routes(Arc::clone(&hub)))
-            .on_listener(listener)
-            .map_err(|source| AgentError::Bind {
-                addr: config.admin_addr,
-                source,
-            })?;
-        let admin_addr = admin.local_addr();
+        let admin = AdminServer::new(Arc::new(registry)).routes(admin_routes(Arc::clone(&hub)));
         let cancel = CancellationToken::new();
         let tasks = TaskTracker::new();
         let engines = engines::Engines::new(
@@ -176,7 +171,7 @@ impl Agent {
             &tasks,
             flush_loop(Arc::clone(&hub), config.batch_delay, cancel.clone()),
         );
-        spawn_tracked(&tasks, serve_admin(admin, cancel.clone()));
+        spawn_tracked(&tasks, serve_admin(admin, admin_listener, cancel.clone()));
         tracing::info!(agent_id = %config.agent_id, %admin_addr, engines = config.engines.len(),
             discovery = config.discovery.is_some(), indexes = config.indexes.len(),
             "kvroute-agent running");
@@ -234,8 +229,8 @@ fn admin_routes(hub: Arc<Hub>) -> Router {
 }
 
 /// Serves until `cancel`. The agent goes on without its admin server (it only observes).
-async fn serve_admin(admin: BoundAdmin, cancel: CancellationToken) {
-    if let Err(error) = admin.serve(cancel.cancelled_owned()).await {
+async fn serve_admin(admin: AdminServer, listener: AdminListener, cancel: CancellationToken) {
+    if let Err(error) = admin.serve(listener, cancel.cancelled_owned()).await {
         tracing::error!(%error, "agent admin server failed");
     }
 }

@@ -24,7 +24,7 @@ use std::{
     time::Duration,
 };
 
-use kvroute_runtime::admin::AdminServer;
+use kvroute_runtime::admin::{AdminListener, AdminServer};
 use kvroute_runtime::config_file::ConfigFileWatch;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -149,7 +149,7 @@ impl IndexServer {
                 addr: config.grpc_addr,
                 source,
             })?;
-        let admin_listener = TcpListener::bind(config.admin_addr)
+        let admin_listener = AdminListener::bind(config.admin_addr)
             .await
             .map_err(|source| ServeError::Bind {
                 what: "admin",
@@ -167,6 +167,7 @@ impl IndexServer {
                 "grpc listener uses TLS"
             );
         }
+        let admin_addr = admin_listener.local_addr();
 
         let mut registry = Registry::with_prefix("kvroute_index");
         let index_metrics = IndexMetrics::register(&mut registry);
@@ -228,19 +229,6 @@ impl IndexServer {
             shared.replicas.shutdown().await;
             return Err(ServeError::Discovery(error));
         }
-        let admin = AdminServer::new(Arc::new(registry))
-            .readiness({
-                let shared = Arc::clone(&shared);
-                move || admin::readiness(&shared)
-            })
-            .routes(admin::routes(Arc::clone(&shared)))
-            .on_listener(admin_listener)
-            .map_err(|source| ServeError::Bind {
-                what: "admin",
-                addr: config.admin_addr,
-                source,
-            })?;
-        let admin_addr = admin.local_addr();
         let (health, health_service) = tonic_health::server::health_reporter();
         // Not serving until the pools are ready (the reporter starts "" as SERVING).
         readiness::set_health(&health, false).await;
@@ -272,7 +260,13 @@ impl IndexServer {
         );
         spawn_tracked(&tasks, async move { grpc_failed(grpc.await) });
         let admin_failed = on_failure("admin");
-        let admin = admin.serve(accept.clone().cancelled_owned());
+        let admin = AdminServer::new(Arc::new(registry))
+            .readiness({
+                let shared = Arc::clone(&shared);
+                move || admin::readiness(&shared)
+            })
+            .routes(admin::routes(Arc::clone(&shared)))
+            .serve(admin_listener, accept.clone().cancelled_owned());
         spawn_tracked(&tasks, async move {
             admin_failed(admin.await.map_err(|error| error.to_string()))
         });
