@@ -11,8 +11,12 @@
 //! The pool comes from an ext-proc config ([`Target::Config`]) or, for a bare model folder, from
 //! a one-pool config built from ext-proc's own pool keys and defaults ([`ModelDirPool`]).
 //!
+//! [`cli`] is the `kvroute-check` command around it.
+//!
 //! [`request::parse`]: crate::request::parse
 //! [`Pool::prompt_keys`]: crate::config::Pool::prompt_keys
+
+pub mod cli;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -7,17 +7,18 @@
 //! gRPC health goes NOT_SERVING, the listener stops accepting, open streams drain (bounded by
 //! `budgets.drain`), background tasks (metrics scraping, config reload) stop, and it returns.
 //!
-//! Public modules, for the binaries and embedders: [`config`] (YAML → validated config),
+//! Public modules, for the binaries and embedders: [`cli`] (the `kvroute-ext-proc` command line
+//! and process, run by `kvroute_runtime::main`), [`config`] (YAML → validated config),
 //! [`request`] (body parsing), [`tokenizer`] (token ids + cache; the [`Tokenizer`] trait an
 //! embedder can supply), [`picker`] (the tiered decision: tokens, keys and the index's answer,
 //! then `kvroute_routing`'s score-and-commit step), [`metrics`] (what a [`Picker`] records),
 //! [`index_client`] (kvroute-index with fail-over), [`server`] (the ext_proc stream protocol and
 //! the routing headers it sets), [`check`] (what a decision computes for one body: the
 //! `kvroute-check` command), [`error`]. Internal: `scrape` (engine load and drift from each
-//! replica's `/metrics`), `drift` (predicted vs engine-reported cached tokens), `admin`
-//! (`/metrics`, `/healthz`, `/readyz`), `embedded` (the in-process index of `index.embedded`),
-//! `discovery` (pools whose replicas come from Kubernetes, `pools[].discovery`: each snapshot
-//! swaps the pool's replicas in, as a reload does).
+//! replica's `/metrics`), `drift` (predicted vs engine-reported cached tokens), `embedded`
+//! (the in-process index of `index.embedded`), `discovery` (pools whose replicas come from
+//! Kubernetes, `pools[].discovery`: each snapshot swaps the pool's replicas in, as a reload does).
+//! The admin HTTP server is `kvroute_runtime::admin`'s.
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -28,8 +29,8 @@
 //! ```
 #![deny(missing_docs)]
 
-mod admin;
 pub mod check;
+pub mod cli;
 pub mod config;
 mod discovery;
 mod drift;
@@ -71,6 +72,7 @@ use std::time::Duration;
 
 use embedded::IndexServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use kvroute_runtime::admin::{AdminListener, AdminServer, Readiness};
 use kvroute_runtime::config_file::ConfigFileWatch;
 use prometheus_client::registry::Registry;
 
@@ -181,7 +183,14 @@ impl ExtProcBuilder {
                 .map_err(|source| ServeError::Bind { what, addr, source })
         };
         let grpc = bind("grpc", runtime.config.grpc_addr).await?;
-        let admin = bind("admin", runtime.config.admin_addr).await?;
+        let admin_addr = runtime.config.admin_addr;
+        let admin = AdminListener::bind(admin_addr)
+            .await
+            .map_err(|source| ServeError::Bind {
+                what: "admin",
+                addr: admin_addr,
+                source,
+            })?;
         let health = match runtime.config.health_addr {
             Some(addr) => Some(bind("health", addr).await?),
             None => None,
@@ -235,7 +244,7 @@ impl ExtProcBuilder {
 pub struct ExtProc {
     picker: Arc<Picker>,
     grpc: TcpListener,
-    admin: TcpListener,
+    admin: AdminListener,
     /// `listen.health`: gRPC health only, plaintext (for probes).
     health: Option<TcpListener>,
     registry: Arc<Registry>,
@@ -267,7 +276,7 @@ impl ExtProc {
 
     /// The bound admin address.
     pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
-        self.admin.local_addr()
+        Ok(self.admin.local_addr())
     }
 
     /// The bound gRPC health address (`listen.health`).
@@ -360,16 +369,22 @@ impl ExtProc {
                 background.clone(),
             ));
         }
-        let admin_state = admin::AdminState {
-            registry,
-            ready: Arc::clone(&ready),
-        };
+        let admin_server = AdminServer::new(registry).readiness({
+            let ready = Arc::clone(&ready);
+            move || {
+                if ready.load(Ordering::Relaxed) {
+                    Readiness::ready("ready\n")
+                } else {
+                    Readiness::not_ready("draining\n")
+                }
+            }
+        });
         let admin_stop = background.clone();
         tasks.spawn(async move {
-            let served = axum::serve(admin, admin::router(admin_state))
-                .with_graceful_shutdown(admin_stop.cancelled_owned())
-                .await;
-            if let Err(error) = served {
+            if let Err(error) = admin_server
+                .serve(admin, admin_stop.cancelled_owned())
+                .await
+            {
                 tracing::error!(%error, "admin server failed");
             }
         });

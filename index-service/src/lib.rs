@@ -5,7 +5,7 @@
 //!   (`/metrics`, `/healthz`, `/readyz`, `/v1/...`), and [`server::LocalMatcher`] for an index
 //!   embedded in another process (ext-proc's `embedded-index`);
 //! - [`config`] (YAML, validated whole before anything starts);
-//! - the binary `kvroute-index`.
+//! - [`cli`]: the binary `kvroute-index` (its command line, run by `kvroute_runtime::main`).
 //!
 //! It stands on `kvroute-index-core` (events, wire decoding, the index; no I/O),
 //! `kvroute-ingest` (ZMTP sockets and the per-publisher ingest), `kvroute-index-api` (the
@@ -14,5 +14,6 @@
 
 #![deny(missing_docs)]
 
+pub mod cli;
 pub mod config;
 pub mod server;

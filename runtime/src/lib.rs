@@ -1,5 +1,8 @@
 //! kvroute-runtime: what every kvroute binary (ext-proc, the index, the agent) runs on.
 //!
+//! - [`process`]: the process around a server — [`main`] runs a [`process::Component`] from the
+//!   command line to the exit code (config refused: 64), with the `--ready-file`;
+//! - [`admin`]: the admin HTTP server (`/metrics`, `/healthz`, `/readyz`, the component's routes);
 //! - [`logging`]: the tracing subscriber, filtered by `RUST_LOG`;
 //! - [`shutdown`]: the stop signal (SIGTERM, Ctrl-C);
 //! - [`config_file`]: the one config-file watcher every component reloads through;
@@ -9,9 +12,13 @@
 
 #![deny(missing_docs)]
 
+pub mod admin;
 pub mod config_file;
 pub mod duration;
 pub mod logging;
+pub mod process;
 pub mod shutdown;
 pub mod tls;
 pub mod token;
+
+pub use process::main;

@@ -12,12 +12,15 @@
 //!   pods on the agent's node, learned from Kubernetes; the set follows the pods and, with
 //!   [`Agent::start_reloading`], the config file, without a restart.
 //!
-//! Lifecycle: [`Agent::start`] (or [`Agent::start_reloading`]) → serving → [`Agent::shutdown`].
+//! Lifecycle: [`Agent::start`] (or [`Agent::start_reloading`]) → serving → [`Agent::shutdown`];
+//! the binary runs it through `kvroute_runtime::main` ([`cli`]). Its admin server
+//! (`kvroute_runtime::admin`) serves `/metrics`, `/healthz` and `/debug/replicas/{id}/blocks`.
 //!
 //! TLS to the indexes is optional (`tls:` in the config, `https://` index addresses).
 
 #![deny(missing_docs)]
 
+pub mod cli;
 pub mod client;
 pub mod config;
 pub mod engines;
@@ -30,9 +33,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
+use axum::{Router, extract::State, response::IntoResponse, routing::get};
+use kvroute_runtime::admin::{AdminListener, AdminServer};
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 pub use config::AgentConfig;
@@ -69,11 +72,6 @@ impl AgentError {
     }
 }
 
-struct AdminState {
-    registry: Registry,
-    hub: Arc<Hub>,
-}
-
 /// A running agent.
 pub struct Agent {
     admin_addr: SocketAddr,
@@ -104,16 +102,13 @@ impl Agent {
     }
 
     async fn start_with(config: AgentConfig, path: Option<PathBuf>) -> Result<Self, AgentError> {
-        let listener = TcpListener::bind(config.admin_addr)
+        let admin_listener = AdminListener::bind(config.admin_addr)
             .await
             .map_err(|source| AgentError::Bind {
                 addr: config.admin_addr,
                 source,
             })?;
-        let admin_addr = listener.local_addr().map_err(|source| AgentError::Bind {
-            addr: config.admin_addr,
-            source,
-        })?;
+        let admin_addr = admin_listener.local_addr();
 
         let mut registry = Registry::with_prefix("kvroute_agent");
         let metrics = AgentMetrics::register(&mut registry);
@@ -129,6 +124,7 @@ impl Agent {
             },
             metrics.clone(),
         ));
+        let admin = AdminServer::new(Arc::new(registry)).routes(admin_routes(Arc::clone(&hub)));
         let cancel = CancellationToken::new();
         let tasks = TaskTracker::new();
         let engines = engines::Engines::new(
@@ -175,11 +171,7 @@ impl Agent {
             &tasks,
             flush_loop(Arc::clone(&hub), config.batch_delay, cancel.clone()),
         );
-        let state = Arc::new(AdminState {
-            registry,
-            hub: Arc::clone(&hub),
-        });
-        spawn_tracked(&tasks, serve_admin(listener, state, cancel.clone()));
+        spawn_tracked(&tasks, serve_admin(admin, admin_listener, cancel.clone()));
         tracing::info!(agent_id = %config.agent_id, %admin_addr, engines = config.engines.len(),
             discovery = config.discovery.is_some(), indexes = config.indexes.len(),
             "kvroute-agent running");
@@ -229,44 +221,25 @@ async fn flush_loop(hub: Arc<Hub>, delay: std::time::Duration, cancel: Cancellat
     }
 }
 
-async fn serve_admin(listener: TcpListener, state: Arc<AdminState>, cancel: CancellationToken) {
-    let app = Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
+/// The agent's own admin route, beside `/metrics` and `/healthz`: a replica's mirrored blocks.
+fn admin_routes(hub: Arc<Hub>) -> Router {
+    Router::new()
         .route("/debug/replicas/{replica}/blocks", get(blocks))
-        .with_state(state);
-    if let Err(error) = axum::serve(listener, app)
-        .with_graceful_shutdown(cancel.cancelled_owned())
-        .await
-    {
+        .with_state(hub)
+}
+
+/// Serves until `cancel`. The agent goes on without its admin server (it only observes).
+async fn serve_admin(admin: AdminServer, listener: AdminListener, cancel: CancellationToken) {
+    if let Err(error) = admin.serve(listener, cancel.cancelled_owned()).await {
         tracing::error!(%error, "agent admin server failed");
     }
 }
 
-async fn metrics(State(state): State<Arc<AdminState>>) -> axum::response::Response {
-    let mut text = String::new();
-    match prometheus_client::encoding::text::encode(&mut text, &state.registry) {
-        Ok(()) => (
-            [(
-                header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            text,
-        )
-            .into_response(),
-        Err(error) => (
-            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-            error.to_string(),
-        )
-            .into_response(),
-    }
-}
-
 async fn blocks(
-    State(state): State<Arc<AdminState>>,
+    State(hub): State<Arc<Hub>>,
     axum::extract::Path(replica): axum::extract::Path<String>,
 ) -> axum::response::Response {
-    match state.hub.block_hashes(&replica) {
+    match hub.block_hashes(&replica) {
         Some(hashes) => {
             axum::Json(serde_json::json!({ "replica": replica, "blocks": hashes })).into_response()
         }

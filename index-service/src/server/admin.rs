@@ -1,8 +1,8 @@
-//! Admin HTTP API, apart from the gRPC port: `/metrics`, `/healthz`, `/readyz`,
-//! `GET /v1/replicas` (and each replica's `/blocks` and per-KV-cache-group `/groups`) and
-//! `POST /v1/match` (so operators can ask with curl). With `query_auth` the
-//! `/v1/*` endpoints, which reveal what each replica caches, need `authorization: Bearer <token>`;
-//! the probes and `/metrics` stay open.
+//! The index's own admin HTTP routes, served beside `/metrics`, `/healthz` and `/readyz` (those
+//! are `kvroute_runtime::admin`'s): `GET /v1/replicas` (and each replica's `/blocks` and
+//! per-KV-cache-group `/groups`) and `POST /v1/match` (so operators can ask with curl). With
+//! `query_auth` these `/v1/*` endpoints, which reveal what each replica caches, need
+//! `authorization: Bearer <token>`; the probes and `/metrics` stay open.
 
 use std::{sync::Arc, time::Instant};
 
@@ -14,9 +14,8 @@ use axum::{
     routing::{get, post},
 };
 use kvroute_block_keys::LoraRef;
+use kvroute_runtime::admin::Readiness;
 use serde::{Deserialize, Serialize};
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 use super::{
     Shared,
@@ -26,13 +25,9 @@ use super::{
 /// Largest `token_ids` array `/v1/match` hashes.
 pub const MAX_MATCH_TOKENS: usize = 1 << 21;
 
-/// Serves until `cancel`; an error means the server is gone.
-pub(crate) async fn serve(
-    listener: TcpListener,
-    shared: Arc<Shared>,
-    cancel: CancellationToken,
-) -> Result<(), String> {
-    let cache_state = Router::new()
+/// The `/v1/*` routes, behind the query token when `query_auth` is set.
+pub(crate) fn routes(shared: Arc<Shared>) -> Router {
+    Router::new()
         .route("/v1/replicas", get(replicas))
         .route("/v1/replicas/{id}/blocks", get(replica_blocks))
         .route("/v1/replicas/{id}/groups", get(replica_groups))
@@ -40,34 +35,17 @@ pub(crate) async fn serve(
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&shared),
             require_query_token,
-        ));
-    let app = Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .merge(cache_state)
-        .with_state(shared);
-    let result = axum::serve(listener, app)
-        .with_graceful_shutdown(cancel.cancelled_owned())
-        .await;
-    match result {
-        Ok(()) => {
-            tracing::debug!(exit_reason = "shutdown", "admin server stopped");
-            Ok(())
-        }
-        Err(error) => Err(error.to_string()),
-    }
+        ))
+        .with_state(shared)
 }
 
-/// `/readyz`: 200 when every pool has enough ready replicas, else 503; the body says why.
-async fn readyz(State(shared): State<Arc<Shared>>) -> Response {
-    let report = super::readiness::report(&shared);
-    let status = if report.ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (status, report.text()).into_response()
+/// `/readyz`: ready when every pool has enough ready replicas, else not; the body says why.
+pub(crate) fn readiness(shared: &Shared) -> Readiness {
+    let report = super::readiness::report(shared);
+    Readiness {
+        ready: report.ready,
+        body: report.text(),
+    }
 }
 
 /// `query_auth`: the `/v1/*` endpoints answer only with the token.
@@ -88,25 +66,6 @@ async fn require_query_token(
             Json(serde_json::json!({
                 "error": format!("query_auth token required ({})", refusal.as_label())
             })),
-        )
-            .into_response(),
-    }
-}
-
-async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
-    let mut text = String::new();
-    match prometheus_client::encoding::text::encode(&mut text, &shared.registry) {
-        Ok(()) => (
-            [(
-                header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            text,
-        )
-            .into_response(),
-        Err(error) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("cannot encode metrics: {error}\n"),
         )
             .into_response(),
     }

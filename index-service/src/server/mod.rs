@@ -24,6 +24,7 @@ use std::{
     time::Duration,
 };
 
+use kvroute_runtime::admin::{AdminListener, AdminServer};
 use kvroute_runtime::config_file::ConfigFileWatch;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
@@ -81,7 +82,6 @@ pub(crate) struct Shared {
     pub(crate) index: Arc<BlockIndex>,
     pub(crate) directory: Directory,
     pub(crate) ingest: Ingest,
-    pub(crate) registry: Registry,
     pub(crate) metrics: ServerMetrics,
     pub(crate) agents: Arc<agent_stream::AgentStreams>,
     /// `query_auth`: the token gRPC `Match`/`ReplicaState` and admin `/v1/*` require.
@@ -149,7 +149,7 @@ impl IndexServer {
                 addr: config.grpc_addr,
                 source,
             })?;
-        let admin_listener = TcpListener::bind(config.admin_addr)
+        let admin_listener = AdminListener::bind(config.admin_addr)
             .await
             .map_err(|source| ServeError::Bind {
                 what: "admin",
@@ -167,7 +167,7 @@ impl IndexServer {
                 "grpc listener uses TLS"
             );
         }
-        let admin_addr = local_addr(&admin_listener, "admin", config.admin_addr)?;
+        let admin_addr = admin_listener.local_addr();
 
         let mut registry = Registry::with_prefix("kvroute_index");
         let index_metrics = IndexMetrics::register(&mut registry);
@@ -216,7 +216,6 @@ impl IndexServer {
             index,
             directory,
             ingest,
-            registry,
             metrics,
             agents,
             query_auth,
@@ -261,8 +260,16 @@ impl IndexServer {
         );
         spawn_tracked(&tasks, async move { grpc_failed(grpc.await) });
         let admin_failed = on_failure("admin");
-        let admin = admin::serve(admin_listener, Arc::clone(&shared), accept.clone());
-        spawn_tracked(&tasks, async move { admin_failed(admin.await) });
+        let admin = AdminServer::new(Arc::new(registry))
+            .readiness({
+                let shared = Arc::clone(&shared);
+                move || admin::readiness(&shared)
+            })
+            .routes(admin::routes(Arc::clone(&shared)))
+            .serve(admin_listener, accept.clone().cancelled_owned());
+        spawn_tracked(&tasks, async move {
+            admin_failed(admin.await.map_err(|error| error.to_string()))
+        });
         spawn_tracked(
             &tasks,
             readiness::follow(Arc::clone(&shared), health.clone(), cancel.clone()),
