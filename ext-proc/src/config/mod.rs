@@ -1,0 +1,488 @@
+//! Configuration: YAML → [`RawConfig`] (serde, unknown keys rejected) → validated [`Config`].
+//!
+//! Every default is a named const beside its key. Validation rejects (never skips) a bad entry and
+//! names the field, e.g. `replicas[2].address: invalid value 'x': expected ip:port`.
+//!
+//! ```yaml
+//! # Loopback unless configured; in a pod, Envoy or the gateway reaches ext_proc from outside:
+//! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9090"}
+//! # gRPC health (`grpc.health.v1`: "", liveness, readiness, inference-extension and the ext_proc
+//! # service's name) is always served on the ext_proc port; `health` adds a plaintext port for
+//! # probes (GIE's 9003). `secure_serving: true` without `tls` serves TLS with a self-signed
+//! # certificate made at start (GIE's and llm-d's `--secure-serving`; Envoy then needs an
+//! # UpstreamTlsContext that does not verify it).
+//! #  health: "0.0.0.0:9003"
+//! #  secure_serving: true
+//! # TLS on the ext_proc port (kvroute_runtime::tls), optionally requiring client certificates
+//! # signed by client_ca (mTLS): Envoy's ext_proc cluster then needs an UpstreamTlsContext.
+//! #  tls: {cert: /tls/tls.crt, key: /tls/tls.key, client_ca: /tls/envoy-ca.crt}
+//! index: {addresses: ["http://10.0.0.9:7070"], match_timeout: 20ms}
+//! # Or the index inside this process (Match without a network hop), from a kvroute-index config:
+//! # index: {embedded: /etc/kvroute/index.yaml}
+//! # TLS to the index (kvroute_runtime::tls): addresses are then https://
+//! # index: {addresses: ["https://kvroute-index:7070"], tls: {ca: /tls/ca.crt, server_name: kvroute-index}}
+//! # The index's query_auth token, sent as `authorization: Bearer <token>` with every Match:
+//! # index: {addresses: ["http://10.0.0.9:7070"], token_file: /etc/kvroute/query-token}
+//! pools:
+//! - name: llama
+//!   models: [meta-llama/Llama-3.1-8B-Instruct]
+//!   adapters: [{name: sql-lora, path: /adapters/sql}]   # vLLM 0.31+ hashes the adapter's path
+//!   block_size: 16                            # default 16
+//!   # vLLM's settings; defaults are vLLM 0.32's: sha256, PYTHONHASHSEED unset, 0.32.0
+//!   key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0", vllm_version: 0.32.0}
+//!   # name, models, block_size and key_scheme are the pool schema kvroute-index shares (paste
+//!   # them into its config unchanged); adapters, events, approx_capacity_blocks and tokenizer
+//!   # are ext-proc's own.
+//!   tokenizer: {model_dir: /models/llama}     # or {remote: "http://10.0.0.5:8000/tokenize"}
+//!   # or the engine's own render endpoints (vLLM 0.32 --enable-scale-out; exact by construction):
+//!   # tokenizer: {render: "http://10.0.0.5:8000", timeout: 50ms}
+//! replicas:
+//! - {id: r0, pool: llama, address: "10.0.0.5:8000", metrics_url: "http://10.0.0.5:8000/metrics"}
+//! # Or a pool learns its replicas from Kubernetes instead (no `replicas:` entry may name it):
+//! # the Ready pods of a GIE InferencePool or a label selector, kept up to date while running
+//! # (kvroute_discovery::config has every key; pod annotations in kvroute_discovery::replica):
+//! #   discovery: {kubernetes: {namespace: llm, inference_pool: llama}}
+//! # A request naming no model (vLLM serves its base model) goes to the only pool, or with
+//! # several pools to this one (without it: 400):
+//! # default_pool: llama
+//! # Debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`) reveal
+//! # whether a prompt was cached: off unless configured. `always`, or only for requests carrying
+//! # the secret (compared in constant time, removed before the request goes upstream):
+//! # debug_headers: {expose: token, token_file: /etc/kvroute/debug-token}   # header x-kvroute-debug-token
+//! # A routed request whose response headers never come stops counting as load after this; more
+//! # ext_proc streams than this are refused (defaults shown):
+//! # limits: {inflight_max_age: 10m, max_streams: 65536}
+//! # Memory and CPU of tokenization (defaults shown; read at start): the token cache holds at
+//! # most `token_cache_bytes` (tokens at 4 bytes each plus a fixed cost per entry) and
+//! # `token_cache_entries`; at most `tokenize_concurrency` in-process tokenizations run on
+//! # blocking threads at once (default: the number of CPUs), a decision that gets no slot within
+//! # its tokenize budget falls back (`fallbacks_total{stage="tokenize",cause="busy"}`), and a
+//! # prompt over `tokenize_max_prompt_bytes` is not tokenized whole in process
+//! # (`cause="prompt_too_large"`; its leading tokens still are).
+//! # token_cache_bytes: 268435456
+//! # limits: {tokenize_concurrency: 2, tokenize_max_prompt_bytes: 2097152}
+//! # Drift between kvroute's predicted and the engines' reported cached tokens (crate::drift):
+//! # a replica whose drift over `window` passes `bound` is warned about (rate-limited); with
+//! # `action: approximate` its pool routes on the approximate tier until the drift is back at
+//! # `clear_below` (default bound / 2). No verdict before `min_tokens` predicted cached tokens.
+//! # drift: {bound: 0.5, window: 5m, min_tokens: 16384, action: warn}
+//! # GIE endpoint-picker protocol: after the chosen endpoint, this many fallbacks (best first) in
+//! # `x-gateway-destination-endpoint` and its `envoy.lb` metadata, which a proxy's retries walk;
+//! # 0 sends the chosen endpoint alone. With `shedding`, a request is refused with 429 when every
+//! # ready replica of its pool is saturated (GIE's defaults: 5 waiting requests or 80% KV cache);
+//! # off unless configured.
+//! # epp: {fallbacks: 2, shedding: {queue_depth: 5, kv_cache_usage: 0.8}}
+//! ```
+//!
+//! The flags GIE's and llm-d's charts pass override the file (see [`Overrides`]).
+
+//!
+//! Files: `raw` (the document's shape and every default), `overrides` (the chart flags), `build`
+//! and `pools` (each section validated), `validate` (rules across sections); the validated types
+//! are here.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use kvroute_block_keys::{KeyScheme, LoraRef};
+use kvroute_routing::ScoringConfig;
+use kvroute_runtime::token::AgentToken;
+
+use crate::error::ConfigError;
+
+mod build;
+mod overrides;
+mod pools;
+mod raw;
+#[cfg(test)]
+mod tests;
+mod validate;
+
+/// Pool key defaults, shared with kvroute-index (`kvroute_block_keys::schema`): vLLM 0.32's.
+pub use kvroute_block_keys::{DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_VLLM_VERSION};
+pub use overrides::Overrides;
+pub use raw::{
+    DEFAULT_ADMIN_ADDR, DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_BODY_MODE, DEFAULT_DEBUG_EXPOSE,
+    DEFAULT_DEBUG_TOKEN_HEADER, DEFAULT_DECISION_BUDGET, DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_DRIFT_ACTION, DEFAULT_DRIFT_BOUND, DEFAULT_DRIFT_MIN_TOKENS, DEFAULT_DRIFT_WINDOW,
+    DEFAULT_EPP_FALLBACKS, DEFAULT_GRPC_ADDR, DEFAULT_INDEX_RETRY_AFTER, DEFAULT_INFLIGHT_MAX_AGE,
+    DEFAULT_MATCH_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_POOL_EVENTS,
+    DEFAULT_RELOAD_INTERVAL, DEFAULT_REMOTE_TOKENIZE_TIMEOUT, DEFAULT_SCRAPE_TIMEOUT,
+    DEFAULT_SECURE_SERVING, DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH,
+    DEFAULT_TOKEN_CACHE_BYTES, DEFAULT_TOKEN_CACHE_ENTRIES, DEFAULT_TOKENIZE_BUDGET,
+    DEFAULT_TOKENIZE_CONCURRENCY_FALLBACK, DEFAULT_TOKENIZE_MAX_PROMPT_BYTES,
+    DEFAULT_UNREADY_AFTER_FAILURES, DebugExpose, RawConfig, default_tokenize_concurrency,
+};
+
+/// Validated configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// ext_proc gRPC (and gRPC health) listen address.
+    pub grpc_addr: SocketAddr,
+    /// Admin HTTP listen address (`/metrics`, `/healthz`, `/readyz`).
+    pub admin_addr: SocketAddr,
+    /// A second, plaintext gRPC health listener for probes (`listen.health`).
+    pub health_addr: Option<SocketAddr>,
+    /// TLS with a self-signed certificate when `grpc_tls` is not given (`listen.secure_serving`).
+    pub secure_serving: bool,
+    /// GIE endpoint-picker protocol settings (`epp`).
+    pub epp: EppConfig,
+    /// TLS (and optionally client certificates) on the ext_proc gRPC port (`None`: plaintext).
+    pub grpc_tls: Option<kvroute_runtime::tls::ServerTls>,
+    /// kvroute-index addresses, tried in order (HA).
+    pub index_addresses: Vec<http::Uri>,
+    /// A kvroute-index run inside this process and asked first (`index.embedded`).
+    pub embedded_index: Option<EmbeddedIndex>,
+    /// TLS to the index (`None`: plaintext).
+    pub index_tls: Option<kvroute_runtime::tls::ClientTls>,
+    /// The index's `query_auth` token (`index.token_file`), sent with every `Match`.
+    pub index_token: Option<AgentToken>,
+    /// Deadline for one `Match`, fail-overs included.
+    pub match_timeout: Duration,
+    /// How long a failed index address is skipped.
+    pub index_retry_after: Duration,
+    /// Budget of a whole decision.
+    pub decision_budget: Duration,
+    /// Budget of tokenization within a decision.
+    pub tokenize_budget: Duration,
+    /// Shutdown drain timeout.
+    pub drain_timeout: Duration,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// Scrape settings.
+    pub scrape: ScrapeConfig,
+    /// Scoring weights.
+    pub scoring: ScoringConfig,
+    /// Entries of the tokenization cache.
+    pub token_cache_entries: usize,
+    /// Bytes the tokenization cache may account for.
+    pub token_cache_bytes: usize,
+    /// Most in-process tokenizations running on blocking threads at once.
+    pub tokenize_concurrency: usize,
+    /// Largest prompt tokenized whole in process, in bytes.
+    pub tokenize_max_prompt_bytes: usize,
+    /// Config file poll interval.
+    pub reload_interval: Duration,
+    /// Body mode assumed when Envoy sends no `protocol_config`.
+    pub default_body_mode: BodyMode,
+    /// Who gets the debug response headers.
+    pub debug_headers: DebugHeaders,
+    /// Longest time a routed request holds its in-flight slot without response headers.
+    pub inflight_max_age: Duration,
+    /// Most ext_proc streams open at once.
+    pub max_streams: usize,
+    /// Drift detection (`drift`).
+    pub drift: DriftConfig,
+    /// The pool of a request that names no model (vLLM serves its base model): `default_pool`,
+    /// or the only pool; `None` with several pools and no `default_pool`.
+    pub default_pool: Option<usize>,
+    /// Pools (non-empty).
+    pub pools: Vec<Pool>,
+    /// Replicas (non-empty); `Replica::pool` indexes `pools`.
+    pub replicas: Vec<Replica>,
+}
+
+/// `index.embedded`: a kvroute-index config file, run in this process.
+#[derive(Debug, Clone)]
+pub struct EmbeddedIndex {
+    /// The file, as configured.
+    pub path: PathBuf,
+    /// Its text (a changed file is a changed config).
+    text: String,
+    /// The validated index config.
+    pub config: crate::embedded::IndexConfig,
+}
+
+impl PartialEq for EmbeddedIndex {
+    fn eq(&self, other: &Self) -> bool {
+        self.path == other.path && self.text == other.text
+    }
+}
+
+impl EmbeddedIndex {
+    fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let invalid = |reason: String| ConfigError::EmbeddedIndex {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| invalid(e.to_string()))?;
+        let config = crate::embedded::IndexConfig::from_yaml(&text)
+            .map_err(|e| invalid(format!("{:#}", anyhow::Error::from(e))))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            text,
+            config,
+        })
+    }
+}
+
+/// Who gets the debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`).
+/// They tell a client whether its prompt (or a guess at someone else's) was cached, so they are
+/// off unless configured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DebugHeaders {
+    /// Nobody (the default).
+    Never,
+    /// Every response (trusted clients only: tests, benchmarks, a private deployment).
+    Always,
+    /// Requests whose `header` carries `token`; the header never goes upstream.
+    Token {
+        /// Lowercase request header name.
+        header: String,
+        /// The secret (never printed), compared in constant time.
+        token: AgentToken,
+    },
+}
+
+impl DebugHeaders {
+    /// Metric/log label.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            Self::Never => "never",
+            Self::Always => "always",
+            Self::Token { .. } => "token",
+        }
+    }
+}
+
+/// `drift`: when a replica's predicted cached tokens stop matching what its engine reports
+/// (see the `drift` module).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DriftConfig {
+    /// Drift above which a replica starts drifting.
+    pub bound: f64,
+    /// Drift at or below which a drifting replica stops drifting (hysteresis).
+    pub clear_below: f64,
+    /// Span of the window.
+    pub window: Duration,
+    /// Predicted cached tokens the window needs for a verdict.
+    pub min_tokens: u64,
+    /// What a drifting replica causes beyond the warning.
+    pub action: DriftAction,
+}
+
+/// What a drifting replica causes (`drift.action`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DriftAction {
+    /// A rate-limited warning and the metrics only.
+    Warn,
+    /// Also its pool's decisions skip the index (the approximate tier) while it drifts.
+    Approximate,
+}
+
+impl DriftAction {
+    /// Config value and log label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Warn => "warn",
+            Self::Approximate => "approximate",
+        }
+    }
+}
+
+impl Default for DriftConfig {
+    fn default() -> Self {
+        Self {
+            bound: DEFAULT_DRIFT_BOUND,
+            clear_below: DEFAULT_DRIFT_BOUND / 2.0,
+            window: DEFAULT_DRIFT_WINDOW,
+            min_tokens: DEFAULT_DRIFT_MIN_TOKENS,
+            action: DEFAULT_DRIFT_ACTION,
+        }
+    }
+}
+
+/// `epp`: what the endpoint-picker protocol answers beyond the chosen endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EppConfig {
+    /// Fallback endpoints after the chosen one, best first.
+    pub fallbacks: usize,
+    /// Refuse with 429 when every ready replica is saturated (`None`: never).
+    pub shedding: Option<Shedding>,
+}
+
+/// When a replica counts as saturated: either bound reached (GIE's saturation detector).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shedding {
+    /// Waiting requests (scraped queue depth).
+    pub queue_depth: f64,
+    /// KV-cache usage, 0..1.
+    pub kv_cache_usage: f64,
+}
+
+/// How Envoy sends the request body to us (`default_body_mode`: `buffered` or
+/// `full_duplex_streamed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BodyMode {
+    /// One message with the whole body; headers are answered right away.
+    Buffered,
+    /// Chunks; the header answer waits for the body, which is echoed back.
+    FullDuplexStreamed,
+}
+
+/// `/metrics` scraping.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScrapeConfig {
+    /// Interval between scrapes.
+    pub interval: Duration,
+    /// Timeout of one scrape.
+    pub timeout: Duration,
+    /// Consecutive failures after which the replica is not ready.
+    pub unready_after_failures: u32,
+}
+
+/// A pool: replicas serving the same model(s) with one block size and key scheme.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pool {
+    /// Pool name (a metric label).
+    pub name: String,
+    /// Served (base) model names.
+    pub models: Vec<String>,
+    /// LoRA adapters served by the pool.
+    pub adapters: Vec<Adapter>,
+    /// KV block size in tokens.
+    pub block_size: u32,
+    /// How block keys are computed (same code as the index).
+    pub key_scheme: KeyScheme,
+    /// Whether the index has this pool's events (precise tier possible).
+    pub events: bool,
+    /// Capacity of each replica's approximate prefix memory, in blocks: it keeps the most recently
+    /// routed half to all of this many.
+    pub approx_capacity_blocks: usize,
+    /// Where tokens come from.
+    pub tokenizer: TokenizerSource,
+    /// Replicas discovered from Kubernetes (`discovery.kubernetes`) instead of `replicas:`.
+    pub discovery: Option<kvroute_discovery::KubernetesSource>,
+}
+
+impl Pool {
+    /// The key of every full block of `tokens`, with the extra keys (`adapter`, `cache_salt`)
+    /// the pool's vLLM era hashes: what the picker asks the index for, and what
+    /// `kvroute-check` prints.
+    pub fn prompt_keys(
+        &self,
+        tokens: &[u32],
+        adapter: Option<&Adapter>,
+        cache_salt: Option<&str>,
+    ) -> Result<Vec<u64>, kvroute_block_keys::KeyError> {
+        let lora = adapter.map(Adapter::as_lora_ref);
+        self.key_scheme
+            .prompt_keys(tokens, self.block_size as usize, lora.as_ref(), cache_salt)
+    }
+}
+
+/// A LoRA adapter, as vLLM's `LoRARequest` names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Adapter {
+    /// `lora_name` (what clients send as `model`).
+    pub name: String,
+    /// `lora_int_id` (keys of vLLM <= 0.11.0).
+    pub id: Option<i64>,
+    /// `lora_path` (keys of vLLM >= 0.31).
+    pub path: Option<String>,
+}
+
+impl Adapter {
+    /// The adapter as block-keys wants it.
+    pub fn as_lora_ref(&self) -> LoraRef<'_> {
+        LoraRef {
+            id: self.id,
+            name: &self.name,
+            path: self.path.as_deref(),
+        }
+    }
+}
+
+/// Where a pool's tokens come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenizerSource {
+    /// An HF model folder loaded in-process.
+    ModelDir(PathBuf),
+    /// A `/tokenize` endpoint (vLLM-compatible).
+    Remote {
+        /// Full URL of the endpoint.
+        url: http::Uri,
+        /// Per-call timeout.
+        timeout: Duration,
+    },
+    /// The engine's render endpoints (`{url}/v1/chat/completions/render` and the like): the
+    /// whole request body goes to the one matching the request's endpoint.
+    Render {
+        /// Base URL of the engine (scheme, authority, optional path prefix).
+        url: http::Uri,
+        /// Per-call timeout.
+        timeout: Duration,
+    },
+    /// No tokenizer: every decision uses the load tier.
+    None,
+}
+
+/// One engine replica.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replica {
+    /// Stable id, as the index knows it (a metric label).
+    pub id: String,
+    /// Index into `Config::pools`.
+    pub pool: usize,
+    /// `ip:port` Envoy routes to.
+    pub address: SocketAddr,
+    /// The engine's Prometheus endpoint.
+    pub metrics_url: Option<http::Uri>,
+    /// Envoy cluster for `cluster_header` routes.
+    pub envoy_cluster: Option<String>,
+}
+
+impl Config {
+    /// Parses and validates YAML text.
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        Self::from_yaml_with(text, &Overrides::default())
+    }
+
+    /// Parses and validates YAML with command-line `overrides` applied first.
+    pub fn from_yaml_with(text: &str, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let mut raw: RawConfig =
+            serde_yaml::from_str(text).map_err(|source| ConfigError::Yaml { source })?;
+        overrides.apply(&mut raw);
+        Self::try_from(raw)
+    }
+
+    /// Reads, parses and validates a YAML file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        Self::from_file_with(path, &Overrides::default())
+    }
+
+    /// Reads, parses and validates a YAML file with command-line `overrides` applied.
+    pub fn from_file_with(
+        path: &std::path::Path,
+        overrides: &Overrides,
+    ) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_yaml_with(&text, overrides)
+    }
+
+    /// The pool serving `model`, and the adapter when `model` is a LoRA adapter. An empty
+    /// `model` (the request named none) is the default pool's base model, as vLLM serves it.
+    pub fn pool_for_model(&self, model: &str) -> Option<(usize, Option<&Adapter>)> {
+        if model.is_empty() {
+            return self.default_pool.map(|pool| (pool, None));
+        }
+        self.pools.iter().enumerate().find_map(|(i, pool)| {
+            if pool.models.iter().any(|m| m == model) {
+                Some((i, None))
+            } else {
+                pool.adapters
+                    .iter()
+                    .find(|a| a.name == model)
+                    .map(|a| (i, Some(a)))
+            }
+        })
+    }
+}

@@ -1,0 +1,196 @@
+//! A pool's and a replica's entries, validated.
+
+use std::net::SocketAddr;
+
+use kvroute_block_keys::{KeyScheme, PoolKeySettings};
+
+use super::build::{duration, http_uri};
+use super::raw::*;
+use super::{Adapter, Pool, Replica, TokenizerSource};
+use crate::error::ConfigError;
+
+pub(super) fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
+    let field = |name: &str| format!("pools[{i}].{name}");
+    let name = raw
+        .name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| ConfigError::missing(field("name")))?;
+    if raw.models.is_empty() {
+        return Err(ConfigError::missing(field("models")));
+    }
+    if raw.models.iter().any(String::is_empty) {
+        return Err(ConfigError::invalid(
+            field("models"),
+            "",
+            "empty model name",
+        ));
+    }
+    let adapters = raw
+        .adapters
+        .iter()
+        .map(|a| match a {
+            RawAdapter::Name(name) => Adapter {
+                name: name.clone(),
+                id: None,
+                path: None,
+            },
+            RawAdapter::Full { name, id, path } => Adapter {
+                name: name.clone(),
+                id: *id,
+                path: path.clone(),
+            },
+        })
+        .collect::<Vec<_>>();
+    if adapters.iter().any(|a| a.name.is_empty()) {
+        return Err(ConfigError::invalid(
+            field("adapters"),
+            "",
+            "empty adapter name",
+        ));
+    }
+    let PoolKeySettings {
+        block_size,
+        scheme: key_scheme,
+    } = PoolKeySettings::from_raw(raw.block_size, &raw.key_scheme)
+        .map_err(|e| ConfigError::invalid(field(e.field), e.value, e.reason))?;
+    if let KeyScheme::VllmExact { era, .. } = &key_scheme {
+        // Check the adapters carry what this era hashes, at startup rather than per request.
+        for (j, adapter) in adapters.iter().enumerate() {
+            era.block_extra_keys(Some(&adapter.as_lora_ref()), None, 0).map_err(|_| {
+                ConfigError::invalid(
+                    format!("pools[{i}].adapters[{j}]"),
+                    &adapter.name,
+                    "this vLLM version hashes the adapter's id (<=0.11.0) or path (>=0.31): add it",
+                )
+            })?;
+        }
+    }
+    let tokenizer = match &raw.tokenizer {
+        None => TokenizerSource::None,
+        Some(RawTokenizer {
+            model_dir: Some(dir),
+            remote: None,
+            render: None,
+            timeout: None,
+        }) => TokenizerSource::ModelDir(dir.clone()),
+        Some(RawTokenizer {
+            model_dir: None,
+            remote: None,
+            render: Some(url),
+            timeout,
+        }) => TokenizerSource::Render {
+            url: http_uri(&field("tokenizer.render"), url)?,
+            timeout: duration(
+                &field("tokenizer.timeout"),
+                timeout.as_deref(),
+                DEFAULT_REMOTE_TOKENIZE_TIMEOUT,
+            )?,
+        },
+        Some(RawTokenizer {
+            model_dir: None,
+            remote: Some(url),
+            render: None,
+            timeout,
+        }) => TokenizerSource::Remote {
+            url: http_uri(&field("tokenizer.remote"), url)?,
+            timeout: duration(
+                &field("tokenizer.timeout"),
+                timeout.as_deref(),
+                DEFAULT_REMOTE_TOKENIZE_TIMEOUT,
+            )?,
+        },
+        Some(_) => {
+            return Err(ConfigError::invalid(
+                field("tokenizer"),
+                "…",
+                "expected exactly one of model_dir, remote or render (timeout only with remote or render)",
+            ));
+        }
+    };
+    let approx_capacity_blocks = raw
+        .approx_capacity_blocks
+        .unwrap_or(DEFAULT_APPROX_CAPACITY_BLOCKS);
+    if approx_capacity_blocks == 0 {
+        return Err(ConfigError::invalid(
+            field("approx_capacity_blocks"),
+            0,
+            "must be positive",
+        ));
+    }
+    let discovery = match &raw.discovery {
+        None => None,
+        Some(kvroute_discovery::RawPoolDiscovery { kubernetes: None }) => {
+            return Err(ConfigError::missing(field("discovery.kubernetes")));
+        }
+        Some(kvroute_discovery::RawPoolDiscovery {
+            kubernetes: Some(kubernetes),
+        }) => Some(
+            kvroute_discovery::KubernetesSource::try_from(kubernetes.clone()).map_err(|e| {
+                ConfigError::invalid(
+                    field(&format!("discovery.kubernetes.{}", e.field)),
+                    e.value,
+                    e.reason,
+                )
+            })?,
+        ),
+    };
+    Ok(Pool {
+        name,
+        models: raw.models.clone(),
+        adapters,
+        block_size,
+        key_scheme,
+        events: raw.events.unwrap_or(DEFAULT_POOL_EVENTS),
+        approx_capacity_blocks,
+        tokenizer,
+        discovery,
+    })
+}
+
+pub(super) fn replica(i: usize, raw: &RawReplica, pools: &[Pool]) -> Result<Replica, ConfigError> {
+    let field = |name: &str| format!("replicas[{i}].{name}");
+    let id = raw
+        .id
+        .clone()
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| ConfigError::missing(field("id")))?;
+    let pool_name = raw
+        .pool
+        .as_deref()
+        .ok_or_else(|| ConfigError::missing(field("pool")))?;
+    let pool = pools
+        .iter()
+        .position(|p| p.name == pool_name)
+        .ok_or_else(|| ConfigError::invalid(field("pool"), pool_name, "no pool with this name"))?;
+    let address = raw
+        .address
+        .as_deref()
+        .ok_or_else(|| ConfigError::missing(field("address")))?;
+    let address = address
+        .parse::<SocketAddr>()
+        .map_err(|_| ConfigError::invalid(field("address"), address, "expected ip:port"))?;
+    let metrics_url = raw
+        .metrics_url
+        .as_deref()
+        .map(|u| http_uri(&field("metrics_url"), u))
+        .transpose()?;
+    if let Some(cluster) = raw
+        .envoy_cluster
+        .as_deref()
+        .filter(|c| c.is_empty() || c.contains(char::is_whitespace))
+    {
+        return Err(ConfigError::invalid(
+            field("envoy_cluster"),
+            cluster,
+            "expected a cluster name",
+        ));
+    }
+    Ok(Replica {
+        id,
+        pool,
+        address,
+        metrics_url,
+        envoy_cluster: raw.envoy_cluster.clone(),
+    })
+}
