@@ -84,8 +84,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use kvroute_block_keys::{KeyScheme, LoraRef, PoolKeySettings, RawKeyScheme};
-use kvroute_runtime::duration::parse_duration;
-use kvroute_runtime::token::{AgentToken, TokenError, TokenSource};
+use kvroute_config::{TokenSource, parse_duration};
+use kvroute_runtime::token::{AgentToken, TokenError};
 
 use kvroute_routing::ScoringConfig;
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
@@ -210,7 +210,7 @@ struct RawListen {
     grpc: Option<String>,
     admin: Option<String>,
     health: Option<String>,
-    tls: Option<kvroute_runtime::tls::RawServerTls>,
+    tls: Option<kvroute_config::RawServerTls>,
     secure_serving: Option<bool>,
 }
 
@@ -262,7 +262,7 @@ impl Overrides {
             raw.listen.secure_serving = Some(secure);
         }
         if let Some(dir) = &self.cert_dir {
-            raw.listen.tls = Some(kvroute_runtime::tls::RawServerTls {
+            raw.listen.tls = Some(kvroute_config::RawServerTls {
                 cert: dir.join("tls.crt").display().to_string(),
                 key: dir.join("tls.key").display().to_string(),
                 client_ca: None,
@@ -278,7 +278,7 @@ struct RawIndex {
     embedded: Option<PathBuf>,
     match_timeout: Option<String>,
     retry_after: Option<String>,
-    tls: Option<kvroute_runtime::tls::RawClientTls>,
+    tls: Option<kvroute_config::RawClientTls>,
     token_file: Option<String>,
 }
 
@@ -1510,7 +1510,7 @@ fn index_uri(field: &str, value: &str, tls: bool) -> Result<http::Uri, ConfigErr
     Ok(uri)
 }
 
-/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_runtime::duration::parse_duration`],
+/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_config::parse_duration`],
 /// the one parser of every kvroute config), or `default` when absent.
 fn duration(field: &str, value: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
     value.map_or(Ok(default), |text| {
