@@ -129,7 +129,7 @@ fn renamed(set: bool, old: impl FnOnce() -> String, new: &str) -> Result<(), Con
     Ok(())
 }
 
-pub use kvroute_runtime::duration::{DurationError, parse_duration};
+pub use kvroute_config::{DurationError, parse_duration};
 
 /// An optional duration key: its value, or `default` when absent.
 fn duration(field: &str, value: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
@@ -248,7 +248,7 @@ pub struct RawListen {
     /// Admin HTTP address (`host:port`).
     pub admin: Option<String>,
     /// TLS on the gRPC listener (the admin HTTP server stays plaintext, for probes).
-    pub tls: Option<kvroute_runtime::tls::RawServerTls>,
+    pub tls: Option<kvroute_config::RawServerTls>,
 }
 
 /// `limits:` section.
@@ -706,7 +706,8 @@ fn load_token(
     raw: RawQueryAuth,
     section: &str,
 ) -> Result<kvroute_runtime::token::AgentToken, ConfigError> {
-    use kvroute_runtime::token::{AgentToken, TokenSource};
+    use kvroute_config::TokenSource;
+    use kvroute_runtime::token::AgentToken;
     let (source, field) = match (raw.token_file, raw.token_env) {
         (Some(path), None) => (TokenSource::File(path), format!("{section}.token_file")),
         (None, Some(name)) => (TokenSource::Env(name), format!("{section}.token_env")),
@@ -726,7 +727,8 @@ fn validate_agents(
     raw: Vec<RawAgent>,
     replica_ids: &HashSet<String>,
 ) -> Result<Vec<AgentConfig>, ConfigError> {
-    use kvroute_runtime::token::{AgentToken, TokenSource};
+    use kvroute_config::TokenSource;
+    use kvroute_runtime::token::AgentToken;
     let mut agents: Vec<AgentConfig> = Vec::with_capacity(raw.len());
     let mut owned = HashSet::new();
     for (i, agent) in raw.into_iter().enumerate() {

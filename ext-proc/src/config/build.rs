@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use kvroute_config::TokenSource;
+use kvroute_config::parse_duration;
 use kvroute_routing::ScoringConfig;
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
 use kvroute_routing::scoring::{
@@ -11,8 +13,7 @@ use kvroute_routing::scoring::{
     DEFAULT_PREFILL_MS_PER_TOKEN, DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY,
     DEFAULT_RUNNING_MS_PER_REQUEST, DEFAULT_SPECULATIVE_TTL,
 };
-use kvroute_runtime::duration::parse_duration;
-use kvroute_runtime::token::{AgentToken, TokenError, TokenSource};
+use kvroute_runtime::token::{AgentToken, TokenError};
 
 use super::pools::{pool, replica};
 use super::raw::*;
@@ -421,7 +422,7 @@ fn index_uri(field: &str, value: &str, tls: bool) -> Result<http::Uri, ConfigErr
     Ok(uri)
 }
 
-/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_runtime::duration::parse_duration`],
+/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_config::parse_duration`],
 /// the one parser of every kvroute config), or `default` when absent.
 pub(super) fn duration(
     field: &str,

@@ -38,7 +38,7 @@ impl Overrides {
             raw.listen.secure_serving = Some(secure);
         }
         if let Some(dir) = &self.cert_dir {
-            raw.listen.tls = Some(kvroute_runtime::tls::RawServerTls {
+            raw.listen.tls = Some(kvroute_config::RawServerTls {
                 cert: dir.join("tls.crt").display().to_string(),
                 key: dir.join("tls.key").display().to_string(),
                 client_ca: None,

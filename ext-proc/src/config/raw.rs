@@ -63,7 +63,7 @@ pub(super) struct RawListen {
     pub(super) grpc: Option<String>,
     pub(super) admin: Option<String>,
     pub(super) health: Option<String>,
-    pub(super) tls: Option<kvroute_runtime::tls::RawServerTls>,
+    pub(super) tls: Option<kvroute_config::RawServerTls>,
     pub(super) secure_serving: Option<bool>,
 }
 
@@ -79,7 +79,7 @@ pub(super) struct RawIndex {
     pub(super) embedded: Option<PathBuf>,
     pub(super) match_timeout: Option<String>,
     pub(super) retry_after: Option<String>,
-    pub(super) tls: Option<kvroute_runtime::tls::RawClientTls>,
+    pub(super) tls: Option<kvroute_config::RawClientTls>,
     pub(super) token_file: Option<String>,
 }
 

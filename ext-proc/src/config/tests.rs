@@ -2,7 +2,7 @@
 
 use super::build::duration;
 use super::*;
-use kvroute_runtime::duration::parse_duration;
+use kvroute_config::parse_duration;
 
 const MINIMAL: &str = r#"
 pools:

@@ -50,8 +50,9 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
+use kvroute_config::TokenSource;
 use kvroute_ingest::{IngestConfig, SocketMode, transport_settings};
-use kvroute_runtime::token::{AgentToken, TokenError, TokenSource};
+use kvroute_runtime::token::{AgentToken, TokenError};
 
 /// Default admin listen address.
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9471";
@@ -98,7 +99,7 @@ pub struct RawAgentConfig {
     /// Local engines.
     pub engines: Vec<RawEngine>,
     /// TLS to the indexes (see [`kvroute_runtime::tls`]); every index address is then `https://`.
-    pub tls: Option<kvroute_runtime::tls::RawClientTls>,
+    pub tls: Option<kvroute_config::RawClientTls>,
     /// Engines learned from Kubernetes: the Ready pods on this agent's node.
     pub discovery: Option<RawDiscovery>,
     /// How often the config file is checked for changes (`2s`).
@@ -393,7 +394,7 @@ impl AgentConfig {
         }
         let duration = |field: &str, value: Option<&str>, default: Duration| {
             value.map_or(Ok(default), |text| {
-                kvroute_runtime::duration::parse_duration(text)
+                kvroute_config::parse_duration(text)
                     .map_err(|e| AgentConfigError::invalid(field, text, e.to_string()))
             })
         };

@@ -1,0 +1,1 @@
+//! The generated configuration reference: a raw config's JSON schema rendered as markdown.
