@@ -1,11 +1,11 @@
-//! Raw → validated: each section's leaf values parsed and checked, then [`validate`] for the
-//! rules across sections.
+//! Raw → validated: each section's values checked and defaulted, then [`validate`] for the rules
+//! across sections. A section validated on its own reports paths relative to itself and is placed
+//! with [`ConfigError::within`], so every error reads `path: reason` with the full path.
 
-use std::net::SocketAddr;
+use std::fmt::Display;
 use std::time::Duration;
 
-use kvroute_config::TokenSource;
-use kvroute_config::parse_duration;
+use kvroute_config::{ConfigDuration, ListenAddr, TokenSource};
 use kvroute_routing::ScoringConfig;
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
 use kvroute_routing::scoring::{
@@ -13,10 +13,21 @@ use kvroute_routing::scoring::{
     DEFAULT_PREFILL_MS_PER_TOKEN, DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY,
     DEFAULT_RUNNING_MS_PER_REQUEST, DEFAULT_SPECULATIVE_TTL,
 };
+use kvroute_runtime::tls::{ClientTls, ServerTls, TlsError};
 use kvroute_runtime::token::{AgentToken, TokenError};
 
 use super::pools::{pool, replica};
-use super::raw::*;
+use super::raw::{
+    DEFAULT_ADMIN_ADDR, DEFAULT_BODY_MODE, DEFAULT_DEBUG_EXPOSE, DEFAULT_DEBUG_TOKEN_HEADER,
+    DEFAULT_DECISION_BUDGET, DEFAULT_DRAIN_TIMEOUT, DEFAULT_DRIFT_ACTION, DEFAULT_DRIFT_BOUND,
+    DEFAULT_DRIFT_MIN_TOKENS, DEFAULT_DRIFT_WINDOW, DEFAULT_EPP_FALLBACKS, DEFAULT_GRPC_ADDR,
+    DEFAULT_INDEX_RETRY_AFTER, DEFAULT_INFLIGHT_MAX_AGE, DEFAULT_MATCH_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_RELOAD_INTERVAL, DEFAULT_SCRAPE_TIMEOUT,
+    DEFAULT_SECURE_SERVING, DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH,
+    DEFAULT_TOKEN_CACHE_BYTES, DEFAULT_TOKEN_CACHE_ENTRIES, DEFAULT_TOKENIZE_BUDGET,
+    DEFAULT_TOKENIZE_MAX_PROMPT_BYTES, DEFAULT_UNREADY_AFTER_FAILURES, DebugExpose, RawConfig,
+    RawDebugHeaders, RawDrift, RawEpp, RawIndex, RawScoring, default_tokenize_concurrency,
+};
 use super::validate::validate;
 use super::{Config, DebugHeaders, DriftConfig, EmbeddedIndex, EppConfig, ScrapeConfig, Shedding};
 use crate::error::ConfigError;
@@ -25,149 +36,61 @@ impl TryFrom<RawConfig> for Config {
     type Error = ConfigError;
 
     fn try_from(raw: RawConfig) -> Result<Self, Self::Error> {
-        let grpc_addr = socket_addr("listen.grpc", raw.listen.grpc.as_deref(), DEFAULT_GRPC_ADDR)?;
-        let admin_addr = socket_addr(
-            "listen.admin",
-            raw.listen.admin.as_deref(),
-            DEFAULT_ADMIN_ADDR,
-        )?;
-        let health_addr = raw
-            .listen
-            .health
-            .as_deref()
-            .map(|addr| socket_addr("listen.health", Some(addr), addr))
-            .transpose()?;
-        let epp = epp(&raw.epp)?;
-        let grpc_tls = raw
-            .listen
+        let listen = &raw.listen;
+        let grpc_tls = listen
             .tls
             .as_ref()
-            .map(|tls| kvroute_runtime::tls::ServerTls::load(tls, "listen.tls"))
-            .transpose()?;
-        let index_addresses = raw
-            .index
-            .addresses
-            .iter()
-            .enumerate()
-            .map(|(i, a)| index_uri(&format!("index.addresses[{i}]"), a, raw.index.tls.is_some()))
-            .collect::<Result<Vec<_>, _>>()?;
-        let index_tls = raw
-            .index
-            .tls
-            .as_ref()
-            .map(|tls| kvroute_runtime::tls::ClientTls::load(tls, "index.tls"))
-            .transpose()?;
-        let index_token = match raw.index.token_file.as_deref() {
-            None => None,
-            Some(_) if index_addresses.is_empty() => {
-                return Err(ConfigError::invalid(
-                    "index.token_file",
-                    "…",
-                    "only used with index.addresses (the embedded index needs no token)",
-                ));
-            }
-            Some(path) => {
-                let token = AgentToken::load(&TokenSource::File(path.to_owned())).map_err(|e| {
-                    ConfigError::invalid(
-                        "index.token_file",
-                        path,
-                        match e {
-                            TokenError::Empty { .. } => "the file holds no token",
-                            _ => "cannot read the file",
-                        },
-                    )
-                })?;
-                if !token.expose().bytes().all(|b| b.is_ascii_graphic()) {
-                    return Err(ConfigError::invalid(
-                        "index.token_file",
-                        path,
-                        "the token must be printable ASCII without spaces",
-                    ));
-                }
-                Some(token)
-            }
-        };
-        let budgets = &raw.budgets;
-        let decision_budget = duration(
-            "budgets.decision",
-            budgets.decision.as_deref(),
-            DEFAULT_DECISION_BUDGET,
-        )?;
-        let tokenize_budget = duration(
-            "budgets.tokenize",
-            budgets.tokenize.as_deref(),
-            DEFAULT_TOKENIZE_BUDGET,
-        )?;
-        let scoring = scoring(&raw.scoring)?;
+            .map(|tls| ServerTls::load(tls, "listen.tls"))
+            .transpose()
+            .map_err(tls_error)?;
+        let index = index(&raw.index)?;
         let pools = raw
             .pools
             .iter()
             .enumerate()
-            .map(|(i, p)| pool(i, p))
+            .map(|(i, p)| pool(p).map_err(|e| e.within(&format!("pools[{i}]"))))
             .collect::<Result<Vec<_>, _>>()?;
         let replicas = raw
             .replicas
             .iter()
             .enumerate()
-            .map(|(i, r)| replica(i, r, &pools))
+            .map(|(i, r)| replica(r, &pools).map_err(|e| e.within(&format!("replicas[{i}]"))))
             .collect::<Result<Vec<_>, _>>()?;
         let default_pool = match raw.default_pool.as_deref() {
-            Some(name) => Some(pools.iter().position(|p| p.name == name).ok_or_else(|| {
-                ConfigError::invalid("default_pool", name, "no pool of that name")
-            })?),
+            Some(name) => Some(
+                pools
+                    .iter()
+                    .position(|p| p.name == name)
+                    .ok_or_else(|| invalid("default_pool", name, "no pool of that name"))?,
+            ),
             None => (pools.len() == 1).then_some(0),
         };
         let config = Config {
-            grpc_addr,
-            admin_addr,
-            health_addr,
-            secure_serving: raw.listen.secure_serving.unwrap_or(DEFAULT_SECURE_SERVING),
-            epp,
+            grpc_addr: listen.grpc.map_or(DEFAULT_GRPC_ADDR, ListenAddr::get),
+            admin_addr: listen.admin.map_or(DEFAULT_ADMIN_ADDR, ListenAddr::get),
+            health_addr: listen.health.map(ListenAddr::get),
+            secure_serving: listen.secure_serving.unwrap_or(DEFAULT_SECURE_SERVING),
+            epp: epp(&raw.epp).map_err(|e| e.within("epp"))?,
             grpc_tls,
-            index_addresses,
-            embedded_index: raw
-                .index
-                .embedded
-                .as_deref()
-                .map(EmbeddedIndex::load)
-                .transpose()?,
-            index_tls,
-            index_token,
-            match_timeout: duration(
-                "index.match_timeout",
-                raw.index.match_timeout.as_deref(),
-                DEFAULT_MATCH_TIMEOUT,
-            )?,
-            index_retry_after: duration(
-                "index.retry_after",
-                raw.index.retry_after.as_deref(),
-                DEFAULT_INDEX_RETRY_AFTER,
-            )?,
-            decision_budget,
-            tokenize_budget,
-            drain_timeout: duration(
-                "budgets.drain",
-                budgets.drain.as_deref(),
-                DEFAULT_DRAIN_TIMEOUT,
-            )?,
+            index_addresses: index.addresses,
+            embedded_index: index.embedded,
+            index_tls: index.tls,
+            index_token: index.token,
+            match_timeout: or_default(raw.index.match_timeout, DEFAULT_MATCH_TIMEOUT),
+            index_retry_after: or_default(raw.index.retry_after, DEFAULT_INDEX_RETRY_AFTER),
+            decision_budget: or_default(raw.budgets.decision, DEFAULT_DECISION_BUDGET),
+            tokenize_budget: or_default(raw.budgets.tokenize, DEFAULT_TOKENIZE_BUDGET),
+            drain_timeout: or_default(raw.budgets.drain, DEFAULT_DRAIN_TIMEOUT),
             max_body_bytes: raw.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY_BYTES),
             scrape: ScrapeConfig {
-                interval: duration(
-                    "scrape.interval",
-                    raw.scrape.interval.as_deref(),
-                    DEFAULT_SCRAPE_INTERVAL,
-                )?,
-                timeout: duration(
-                    "scrape.timeout",
-                    raw.scrape.timeout.as_deref(),
-                    DEFAULT_SCRAPE_TIMEOUT,
-                )?,
+                interval: or_default(raw.scrape.interval, DEFAULT_SCRAPE_INTERVAL),
+                timeout: or_default(raw.scrape.timeout, DEFAULT_SCRAPE_TIMEOUT),
                 unready_after_failures: raw
                     .scrape
                     .unready_after_failures
                     .unwrap_or(DEFAULT_UNREADY_AFTER_FAILURES),
             },
-            scoring,
+            scoring: scoring(&raw.scoring).map_err(|e| e.within("scoring"))?,
             token_cache_entries: raw
                 .token_cache_entries
                 .unwrap_or(DEFAULT_TOKEN_CACHE_ENTRIES),
@@ -180,20 +103,13 @@ impl TryFrom<RawConfig> for Config {
                 .limits
                 .tokenize_max_prompt_bytes
                 .unwrap_or(DEFAULT_TOKENIZE_MAX_PROMPT_BYTES),
-            reload_interval: duration(
-                "reload_interval",
-                raw.reload_interval.as_deref(),
-                DEFAULT_RELOAD_INTERVAL,
-            )?,
+            reload_interval: or_default(raw.reload_interval, DEFAULT_RELOAD_INTERVAL),
             default_body_mode: raw.default_body_mode.unwrap_or(DEFAULT_BODY_MODE),
-            debug_headers: debug_headers(&raw.debug_headers)?,
-            inflight_max_age: duration(
-                "limits.inflight_max_age",
-                raw.limits.inflight_max_age.as_deref(),
-                DEFAULT_INFLIGHT_MAX_AGE,
-            )?,
+            debug_headers: debug_headers(&raw.debug_headers)
+                .map_err(|e| e.within("debug_headers"))?,
+            inflight_max_age: or_default(raw.limits.inflight_max_age, DEFAULT_INFLIGHT_MAX_AGE),
             max_streams: raw.limits.max_streams.unwrap_or(DEFAULT_MAX_STREAMS),
-            drift: drift(&raw.drift)?,
+            drift: drift(&raw.drift).map_err(|e| e.within("drift"))?,
             default_pool,
             pools,
             replicas,
@@ -203,38 +119,120 @@ impl TryFrom<RawConfig> for Config {
     }
 }
 
-/// `debug_headers`, validated.
-fn debug_headers(raw: &RawDebugHeaders) -> Result<DebugHeaders, ConfigError> {
-    let token_only = |field: &str| {
-        ConfigError::invalid(
-            format!("debug_headers.{field}"),
-            "…",
-            "only used with `expose: token`",
-        )
-    };
-    match raw.expose.unwrap_or(DEFAULT_DEBUG_EXPOSE) {
-        expose @ (DebugExpose::Never | DebugExpose::Always) => {
-            if raw.token_file.is_some() {
-                return Err(token_only("token_file"));
-            }
-            if raw.token_header.is_some() {
-                return Err(token_only("token_header"));
-            }
-            Ok(if expose == DebugExpose::Never {
-                DebugHeaders::Never
-            } else {
-                DebugHeaders::Always
-            })
+/// A value the rules refuse, as the config library writes it: `path: reason (got 'value')`.
+pub(super) fn invalid(
+    path: impl Into<String>,
+    value: impl Display,
+    reason: impl Display,
+) -> ConfigError {
+    ConfigError::at(path, format_args!("{reason} (got '{value}')"))
+}
+
+/// A required key that is absent: `path: required`.
+pub(super) fn missing(path: impl Into<String>) -> ConfigError {
+    ConfigError::at(path, "required")
+}
+
+/// A duration key's value, or `default` when absent.
+pub(super) fn or_default(value: Option<ConfigDuration>, default: Duration) -> Duration {
+    value.map_or(default, ConfigDuration::get)
+}
+
+/// Unusable TLS material, at the key naming the file (`listen.tls.cert`).
+fn tls_error(error: TlsError) -> ConfigError {
+    ConfigError::load(error.field(), error.reason())
+}
+
+/// The token in the file `path` names, for the key at `field` (`index.token_file`).
+fn load_token(field: &str, path: &str) -> Result<AgentToken, ConfigError> {
+    AgentToken::load(&TokenSource::File(path.to_owned())).map_err(|e| {
+        let reason = match e {
+            TokenError::Empty { .. } => "the file holds no token",
+            _ => "cannot read the file",
+        };
+        ConfigError::load(field, format_args!("{reason} (got '{path}')"))
+    })
+}
+
+/// `index`, validated.
+struct Index {
+    addresses: Vec<http::Uri>,
+    embedded: Option<EmbeddedIndex>,
+    tls: Option<ClientTls>,
+    token: Option<AgentToken>,
+}
+
+fn index(raw: &RawIndex) -> Result<Index, ConfigError> {
+    let addresses = raw
+        .addresses
+        .iter()
+        .enumerate()
+        .map(|(i, a)| index_uri(&format!("index.addresses[{i}]"), a, raw.tls.is_some()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let tls = raw
+        .tls
+        .as_ref()
+        .map(|tls| ClientTls::load(tls, "index.tls"))
+        .transpose()
+        .map_err(tls_error)?;
+    let token = match raw.token_file.as_deref() {
+        None => None,
+        Some(_) if addresses.is_empty() => {
+            return Err(ConfigError::at(
+                "index.token_file",
+                "only used with index.addresses (the embedded index needs no token)",
+            ));
         }
+        Some(path) => {
+            let token = load_token("index.token_file", path)?;
+            if !token.expose().bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(invalid(
+                    "index.token_file",
+                    path,
+                    "the token must be printable ASCII without spaces",
+                ));
+            }
+            Some(token)
+        }
+    };
+    let embedded = raw
+        .embedded
+        .as_deref()
+        .map(EmbeddedIndex::load)
+        .transpose()?;
+    Ok(Index {
+        addresses,
+        embedded,
+        tls,
+        token,
+    })
+}
+
+/// `debug_headers`, validated; paths relative to the section.
+fn debug_headers(raw: &RawDebugHeaders) -> Result<DebugHeaders, ConfigError> {
+    let expose = raw.expose.unwrap_or(DEFAULT_DEBUG_EXPOSE);
+    if expose != DebugExpose::Token {
+        let token_only = |field: &str| ConfigError::at(field, "only used with `expose: token`");
+        if raw.token_file.is_some() {
+            return Err(token_only("token_file"));
+        }
+        if raw.token_header.is_some() {
+            return Err(token_only("token_header"));
+        }
+    }
+    match expose {
+        DebugExpose::Never => Ok(DebugHeaders::Never),
+        DebugExpose::Always => Ok(DebugHeaders::Always),
         DebugExpose::Token => {
+            // Envoy hands ext_proc lowercase header names.
             let header = raw
                 .token_header
                 .as_deref()
                 .unwrap_or(DEFAULT_DEBUG_TOKEN_HEADER)
                 .to_ascii_lowercase();
             if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
-                return Err(ConfigError::invalid(
-                    "debug_headers.token_header",
+                return Err(invalid(
+                    "token_header",
                     &header,
                     "expected an HTTP header name",
                 ));
@@ -242,51 +240,34 @@ fn debug_headers(raw: &RawDebugHeaders) -> Result<DebugHeaders, ConfigError> {
             let path = raw
                 .token_file
                 .as_deref()
-                .ok_or_else(|| ConfigError::missing("debug_headers.token_file"))?;
-            let token = AgentToken::load(&TokenSource::File(path.to_owned())).map_err(|e| {
-                ConfigError::invalid(
-                    "debug_headers.token_file",
-                    path,
-                    match e {
-                        TokenError::Empty { .. } => "the file holds no token",
-                        _ => "cannot read the file",
-                    },
-                )
-            })?;
+                .ok_or_else(|| missing("token_file"))?;
+            let token = load_token("token_file", path)?;
             Ok(DebugHeaders::Token { header, token })
         }
     }
 }
 
-/// `drift`, validated.
+/// `drift`, validated; paths relative to the section.
 fn drift(raw: &RawDrift) -> Result<DriftConfig, ConfigError> {
     let share = |field: &str, value: f64| {
         if value.is_finite() && (0.0..=1.0).contains(&value) {
             Ok(value)
         } else {
-            Err(ConfigError::invalid(
-                format!("drift.{field}"),
-                value,
-                "expected a number in 0..=1",
-            ))
+            Err(invalid(field, value, "expected a number in 0..=1"))
         }
     };
     let bound = share("bound", raw.bound.unwrap_or(DEFAULT_DRIFT_BOUND))?;
     let clear_below = share("clear_below", raw.clear_below.unwrap_or(bound / 2.0))?;
     if clear_below > bound {
-        return Err(ConfigError::invalid(
-            "drift.clear_below",
+        return Err(invalid(
+            "clear_below",
             clear_below,
             "must not exceed drift.bound",
         ));
     }
-    let window = duration("drift.window", raw.window.as_deref(), DEFAULT_DRIFT_WINDOW)?;
+    let window = or_default(raw.window, DEFAULT_DRIFT_WINDOW);
     if window.is_zero() {
-        return Err(ConfigError::invalid(
-            "drift.window",
-            "0",
-            "must be positive",
-        ));
+        return Err(invalid("window", "0s", "must be positive"));
     }
     Ok(DriftConfig {
         bound,
@@ -297,27 +278,20 @@ fn drift(raw: &RawDrift) -> Result<DriftConfig, ConfigError> {
     })
 }
 
+/// `scoring`, validated; paths relative to the section.
 fn scoring(raw: &RawScoring) -> Result<ScoringConfig, ConfigError> {
     let non_negative = |field: &str, value: Option<f64>, default: f64| {
         let v = value.unwrap_or(default);
         if v.is_finite() && v >= 0.0 {
             Ok(v)
         } else {
-            Err(ConfigError::invalid(
-                format!("scoring.{field}"),
-                v,
-                "must be a finite number >= 0",
-            ))
+            Err(invalid(field, v, "must be a finite number >= 0"))
         }
     };
     let hotspot_factor =
         non_negative("hotspot_factor", raw.hotspot_factor, DEFAULT_HOTSPOT_FACTOR)?;
     if hotspot_factor < 1.0 {
-        return Err(ConfigError::invalid(
-            "scoring.hotspot_factor",
-            hotspot_factor,
-            "must be >= 1",
-        ));
+        return Err(invalid("hotspot_factor", hotspot_factor, "must be >= 1"));
     }
     Ok(ScoringConfig {
         prefill_ms_per_token: non_negative(
@@ -343,14 +317,11 @@ fn scoring(raw: &RawScoring) -> Result<ScoringConfig, ConfigError> {
             raw.recompute_penalty,
             DEFAULT_RECOMPUTE_PENALTY,
         )?,
-        speculative_ttl: duration(
-            "scoring.speculative_ttl",
-            raw.speculative_ttl.as_deref(),
-            DEFAULT_SPECULATIVE_TTL,
-        )?,
+        speculative_ttl: or_default(raw.speculative_ttl, DEFAULT_SPECULATIVE_TTL),
     })
 }
 
+/// `epp`, validated; paths relative to the section.
 fn epp(raw: &RawEpp) -> Result<EppConfig, ConfigError> {
     let shedding = raw
         .shedding
@@ -358,16 +329,16 @@ fn epp(raw: &RawEpp) -> Result<EppConfig, ConfigError> {
         .map(|shed| {
             let queue_depth = shed.queue_depth.unwrap_or(DEFAULT_SHED_QUEUE_DEPTH);
             if !(queue_depth.is_finite() && queue_depth >= 1.0) {
-                return Err(ConfigError::invalid(
-                    "epp.shedding.queue_depth",
+                return Err(invalid(
+                    "shedding.queue_depth",
                     queue_depth,
                     "must be at least 1",
                 ));
             }
             let kv_cache_usage = shed.kv_cache_usage.unwrap_or(DEFAULT_SHED_KV_CACHE_USAGE);
             if !(kv_cache_usage > 0.0 && kv_cache_usage <= 1.0) {
-                return Err(ConfigError::invalid(
-                    "epp.shedding.kv_cache_usage",
+                return Err(invalid(
+                    "shedding.kv_cache_usage",
                     kv_cache_usage,
                     "must be in (0, 1]",
                 ));
@@ -384,52 +355,24 @@ fn epp(raw: &RawEpp) -> Result<EppConfig, ConfigError> {
     })
 }
 
-fn socket_addr(field: &str, value: Option<&str>, default: &str) -> Result<SocketAddr, ConfigError> {
-    let value = value.unwrap_or(default);
-    value
-        .parse()
-        .map_err(|_| ConfigError::invalid(field, value, "expected ip:port"))
-}
-
+/// An `http://` URL with a host (`metrics_url`, `tokenizer.remote`, `tokenizer.render`).
 pub(super) fn http_uri(field: &str, value: &str) -> Result<http::Uri, ConfigError> {
-    let uri: http::Uri = value
-        .parse()
-        .map_err(|_| ConfigError::invalid(field, value, "expected an http:// URL"))?;
+    let expected = || invalid(field, value, "expected an http:// URL");
+    let uri: http::Uri = value.parse().map_err(|_| expected())?;
     if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-        return Err(ConfigError::invalid(
-            field,
-            value,
-            "expected an http:// URL",
-        ));
+        return Err(expected());
     }
     Ok(uri)
 }
 
 /// An index address: `http://` plaintext, or `https://` when `index.tls` is set.
 fn index_uri(field: &str, value: &str, tls: bool) -> Result<http::Uri, ConfigError> {
-    let uri: http::Uri = value
-        .parse()
-        .map_err(|_| ConfigError::invalid(field, value, "expected an http(s):// URL"))?;
+    let expected = || invalid(field, value, "expected an http(s):// URL");
+    let uri: http::Uri = value.parse().map_err(|_| expected())?;
     if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
-        return Err(ConfigError::invalid(
-            field,
-            value,
-            "expected an http(s):// URL",
-        ));
+        return Err(expected());
     }
     kvroute_runtime::tls::check_scheme(value, tls)
-        .map_err(|reason| ConfigError::invalid(field, value, reason))?;
+        .map_err(|reason| invalid(field, value, reason))?;
     Ok(uri)
-}
-
-/// An optional duration key (`250ms`, `2s`, `1m`: [`kvroute_config::parse_duration`],
-/// the one parser of every kvroute config), or `default` when absent.
-pub(super) fn duration(
-    field: &str,
-    value: Option<&str>,
-    default: Duration,
-) -> Result<Duration, ConfigError> {
-    value.map_or(Ok(default), |text| {
-        parse_duration(text).map_err(|e| ConfigError::invalid(field, text, e.to_string()))
-    })
 }

@@ -204,13 +204,18 @@ impl PartialEq for EmbeddedIndex {
 
 impl EmbeddedIndex {
     fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
-        let invalid = |reason: String| ConfigError::EmbeddedIndex {
-            path: path.display().to_string(),
-            reason,
+        let rejected = |reason: &dyn std::fmt::Display| {
+            ConfigError::load(
+                "index.embedded",
+                format_args!(
+                    "kvroute-index config '{}' rejected: {reason}",
+                    path.display()
+                ),
+            )
         };
-        let text = std::fs::read_to_string(path).map_err(|e| invalid(e.to_string()))?;
+        let text = std::fs::read_to_string(path).map_err(|e| rejected(&e))?;
         let config = crate::embedded::IndexConfig::from_yaml(&text)
-            .map_err(|e| invalid(format!("{:#}", anyhow::Error::from(e))))?;
+            .map_err(|e| rejected(&format_args!("{:#}", anyhow::Error::from(e))))?;
         Ok(Self {
             path: path.to_path_buf(),
             text,
@@ -445,8 +450,7 @@ impl Config {
 
     /// Parses and validates YAML with command-line `overrides` applied first.
     pub fn from_yaml_with(text: &str, overrides: &Overrides) -> Result<Self, ConfigError> {
-        let mut raw: RawConfig =
-            serde_yaml::from_str(text).map_err(|source| ConfigError::Yaml { source })?;
+        let mut raw: RawConfig = kvroute_config::from_yaml(text)?;
         overrides.apply(&mut raw);
         Self::try_from(raw)
     }
@@ -461,9 +465,11 @@ impl Config {
         path: &std::path::Path,
         overrides: &Overrides,
     ) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigError::load(
+                "",
+                format_args!("cannot read config file {}: {e}", path.display()),
+            )
         })?;
         Self::from_yaml_with(&text, overrides)
     }

@@ -1,6 +1,9 @@
 //! The flags GIE's and llm-d's EPP charts pass, which override the file.
 
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
+
+use kvroute_config::{ListenAddr, RawServerTls};
 
 use super::RawConfig;
 
@@ -24,7 +27,8 @@ pub struct Overrides {
 
 impl Overrides {
     pub(super) fn apply(&self, raw: &mut RawConfig) {
-        let all_interfaces = |port: u16| format!("0.0.0.0:{port}");
+        let all_interfaces =
+            |port: u16| ListenAddr(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)));
         if let Some(port) = self.grpc_port {
             raw.listen.grpc = Some(all_interfaces(port));
         }
@@ -38,7 +42,7 @@ impl Overrides {
             raw.listen.secure_serving = Some(secure);
         }
         if let Some(dir) = &self.cert_dir {
-            raw.listen.tls = Some(kvroute_config::RawServerTls {
+            raw.listen.tls = Some(RawServerTls {
                 cert: dir.join("tls.crt").display().to_string(),
                 key: dir.join("tls.key").display().to_string(),
                 client_ca: None,

@@ -1,12 +1,16 @@
-//! The YAML document's shape: serde structs, unknown keys rejected, every default a named const
-//! beside its key. Nothing here is validated; `build` turns it into a [`super::Config`].
+//! The YAML document's shape: serde structs (unknown keys rejected) whose `///` docs are the
+//! configuration reference, every default a named const beside its key. Leaf values (durations,
+//! addresses) validate while deserializing, so their errors carry the field path; `build` checks
+//! the rest and turns this into a [`super::Config`].
 
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
 
 use kvroute_block_keys::RawKeyScheme;
+use kvroute_config::{ConfigDuration, ListenAddr, RawClientTls, RawServerTls};
 
 use super::{BodyMode, DriftAction};
 
@@ -26,44 +30,85 @@ pub const DEFAULT_BODY_MODE: BodyMode = BodyMode::Buffered;
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawConfig {
+    /// ext-proc's own ports: ext_proc gRPC, admin HTTP, an optional plaintext health port, TLS.
     pub(super) listen: RawListen,
+    /// The kvroute-index asked which replica holds a prompt's blocks: its addresses, or one run
+    /// inside this process. Without either, decisions use the approximate and load tiers.
     pub(super) index: RawIndex,
+    /// Time budgets of a routing decision and of shutdown.
     pub(super) budgets: RawBudgets,
+    /// Largest request body accepted, in bytes (default 8 MiB); a larger one is refused with 413.
+    /// Envoy's default BUFFERED limit is 1 MiB; FULL_DUPLEX_STREAMED passes more.
     pub(super) max_body_bytes: Option<usize>,
+    /// Reading each replica's `/metrics` (queue depth, running requests, KV-cache usage).
     pub(super) scrape: RawScrape,
+    /// Weights of the routing score, in milliseconds of expected delay.
     pub(super) scoring: RawScoring,
+    /// Most cached tokenizations (whole prompts and conversation prefixes); default 4096. Read
+    /// at start.
     pub(super) token_cache_entries: Option<usize>,
+    /// Most bytes the token cache accounts for (tokens at 4 bytes each plus a fixed cost per
+    /// entry); default 256 MiB. Read at start.
     pub(super) token_cache_bytes: Option<usize>,
-    pub(super) reload_interval: Option<String>,
-    /// Body mode assumed when Envoy does not send `protocol_config` (Envoy < 1.34).
+    /// How often the config file's mtime is checked; a changed file is reloaded (listen
+    /// addresses and TLS apply after a restart). Default 2s.
+    pub(super) reload_interval: Option<ConfigDuration>,
+    /// Body mode assumed when Envoy sends no `protocol_config` (Envoy < 1.34): `buffered`
+    /// (default) or `full_duplex_streamed`; it must match the filter's `processing_mode`.
     pub(super) default_body_mode: Option<BodyMode>,
+    /// Debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`). They
+    /// reveal whether a prompt was cached, so they are off unless configured.
     pub(super) debug_headers: RawDebugHeaders,
+    /// Limits on in-flight state, streams and in-process tokenization.
     pub(super) limits: RawLimits,
+    /// Drift between kvroute's predicted and the engines' reported cached tokens: a warning, and
+    /// optionally the approximate tier for a drifting replica's pool.
     pub(super) drift: RawDrift,
+    /// GIE endpoint-picker protocol: fallback endpoints and load shedding.
     pub(super) epp: RawEpp,
-    /// The pool of a request that names no model (needed only with several pools).
+    /// The pool of a request naming no model (vLLM then serves its base model). Default: the
+    /// only pool; with several pools and none named, such a request is refused with 400.
     pub(super) default_pool: Option<String>,
+    /// The pools (required, at least one): replicas serving the same models with one block size
+    /// and key scheme.
     pub(super) pools: Vec<RawPool>,
+    /// Static replicas (required unless every pool has `discovery`).
     pub(super) replicas: Vec<RawReplica>,
 }
 
 /// Default ext_proc gRPC listen address (GIE's EPP port). Loopback: whoever reaches this port gets
 /// routing decisions and holds in-flight slots, so listening wider is a deliberate choice.
-pub const DEFAULT_GRPC_ADDR: &str = "127.0.0.1:9002";
+pub const DEFAULT_GRPC_ADDR: SocketAddr =
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9002));
 /// Default admin HTTP listen address (loopback, like every listener unless configured). GIE's
 /// metrics port: its 9003 is the gRPC health port (`listen.health`).
-pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9090";
+pub const DEFAULT_ADMIN_ADDR: SocketAddr =
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9090));
 /// The ext_proc port is plaintext unless configured (`listen.secure_serving`): Envoy beside it
 /// reaches it over the pod network, and a self-signed certificate needs Envoy set up for it.
 pub const DEFAULT_SECURE_SERVING: bool = false;
 
+/// `listen`. The chart flags (`--grpc-port`, `--grpc-health-port`, `--metrics-port`,
+/// `--secure-serving`, `--cert-path`) override these keys.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawListen {
-    pub(super) grpc: Option<String>,
-    pub(super) admin: Option<String>,
-    pub(super) health: Option<String>,
-    pub(super) tls: Option<kvroute_config::RawServerTls>,
+    /// ext_proc gRPC address, `ip:port`; default `127.0.0.1:9002` (in a pod, Envoy or the
+    /// gateway reaches it from outside: `0.0.0.0:9002`). gRPC health (`grpc.health.v1`: "",
+    /// liveness, readiness, inference-extension and the ext_proc service) is always served here.
+    pub(super) grpc: Option<ListenAddr>,
+    /// Admin HTTP address (`/metrics`, `/healthz`, `/readyz`), `ip:port`; default
+    /// `127.0.0.1:9090`. Must differ from `grpc`.
+    pub(super) admin: Option<ListenAddr>,
+    /// A second, plaintext gRPC health port for probes (GIE's 9003), `ip:port`; default none.
+    /// Must differ from `grpc` and `admin`.
+    pub(super) health: Option<ListenAddr>,
+    /// TLS on the ext_proc port; with `client_ca`, clients must present a certificate it signs
+    /// (mTLS). Envoy's ext_proc cluster then needs an UpstreamTlsContext. Default: plaintext.
+    pub(super) tls: Option<RawServerTls>,
+    /// Without `tls`: serve TLS with a self-signed certificate made at start (GIE's and llm-d's
+    /// `--secure-serving`; Envoy then needs an UpstreamTlsContext that does not verify it).
+    /// Default false.
     pub(super) secure_serving: Option<bool>,
 }
 
@@ -72,14 +117,26 @@ pub const DEFAULT_MATCH_TIMEOUT: Duration = Duration::from_millis(20);
 /// How long an index address that failed is skipped before being tried again.
 pub const DEFAULT_INDEX_RETRY_AFTER: Duration = Duration::from_secs(2);
 
+/// `index`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawIndex {
+    /// kvroute-index addresses, tried in order (HA): `http://host:port`, or `https://` with
+    /// `tls`. Default none.
     pub(super) addresses: Vec<String>,
+    /// A kvroute-index config file: that index runs inside this process and is asked first
+    /// (a `Match` without a network hop). Needs the `embedded-index` build feature.
     pub(super) embedded: Option<PathBuf>,
-    pub(super) match_timeout: Option<String>,
-    pub(super) retry_after: Option<String>,
-    pub(super) tls: Option<kvroute_config::RawClientTls>,
+    /// Deadline of one `Match` call, all fail-overs included; default 20ms.
+    pub(super) match_timeout: Option<ConfigDuration>,
+    /// How long an address that failed is skipped before it is tried again; default 2s.
+    pub(super) retry_after: Option<ConfigDuration>,
+    /// TLS to the index (`ca`, optional `server_name` and client `cert`/`key`); the addresses
+    /// are then `https://`. Default: plaintext.
+    pub(super) tls: Option<RawClientTls>,
+    /// File holding the index's `query_auth` token (printable ASCII, no spaces; trailing
+    /// whitespace ignored), sent as `authorization: Bearer <token>` with every `Match`. Only
+    /// with `addresses` (the embedded index needs none).
     pub(super) token_file: Option<String>,
 }
 
@@ -90,12 +147,17 @@ pub const DEFAULT_TOKENIZE_BUDGET: Duration = Duration::from_millis(30);
 /// Default time in-flight streams get to finish on shutdown.
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// `budgets`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawBudgets {
-    pub(super) decision: Option<String>,
-    pub(super) tokenize: Option<String>,
-    pub(super) drain: Option<String>,
+    /// Budget of a whole routing decision (tokenize, match, score); default 50ms, positive.
+    /// Past it the decision routes on load alone.
+    pub(super) decision: Option<ConfigDuration>,
+    /// Budget of tokenization within a decision; default 30ms, at most `decision`.
+    pub(super) tokenize: Option<ConfigDuration>,
+    /// Time in-flight streams get to finish on shutdown; default 10s.
+    pub(super) drain: Option<ConfigDuration>,
 }
 
 /// Default timeout of one `/metrics` scrape.
@@ -108,24 +170,38 @@ pub const DEFAULT_UNREADY_AFTER_FAILURES: u32 = 3;
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawScrape {
-    pub(super) interval: Option<String>,
-    pub(super) timeout: Option<String>,
+    /// Interval between scrapes of each replica's `metrics_url`; default 500ms, positive.
+    pub(super) interval: Option<ConfigDuration>,
+    /// Timeout of one scrape; default 400ms.
+    pub(super) timeout: Option<ConfigDuration>,
+    /// Consecutive failed scrapes after which a replica counts as not ready; default 3.
     pub(super) unready_after_failures: Option<u32>,
 }
 
 /// `scoring`; the defaults are the routing crate's (`kvroute_routing::scoring::DEFAULT_*`),
-/// where the score is computed.
+/// where the score is computed. Every weight is a finite number >= 0.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawScoring {
+    /// Prefill cost of each uncached prompt token, in ms; default 0.05.
     pub(super) prefill_ms_per_token: Option<f64>,
+    /// Cost of each waiting (queued) request ahead, in ms; default 50.
     pub(super) queue_ms_per_request: Option<f64>,
+    /// Cost of each running request (batch interference), in ms; default 5.
     pub(super) running_ms_per_request: Option<f64>,
+    /// Cost at 100% KV-cache usage (preemption risk), in ms; default 100.
     pub(super) kv_usage_ms: Option<f64>,
+    /// Hotspot guard: a replica whose load exceeds the candidates' mean by this factor (and
+    /// `hotspot_min_ms`) is skipped, unless every candidate is; default 1.5, at least 1.
     pub(super) hotspot_factor: Option<f64>,
+    /// Loads below this never trip the hotspot guard, in ms; default 200.
     pub(super) hotspot_min_ms: Option<f64>,
+    /// Share of a held prefix's prefill charged again to a replica that would recompute it, once
+    /// every replica is busy; default 1.
     pub(super) recompute_penalty: Option<f64>,
-    pub(super) speculative_ttl: Option<String>,
+    /// How long a routed prefix counts as held by its replica before the engine's KV events
+    /// confirm it; default 5s.
+    pub(super) speculative_ttl: Option<ConfigDuration>,
 }
 
 /// Default longest time a routed request counts in its replica's in-flight load while Envoy has
@@ -155,12 +231,23 @@ pub fn default_tokenize_concurrency() -> usize {
     )
 }
 
+/// `limits`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawLimits {
-    pub(super) inflight_max_age: Option<String>,
+    /// A routed request whose response headers never come stops counting as its replica's load
+    /// after this; default 10m, positive.
+    pub(super) inflight_max_age: Option<ConfigDuration>,
+    /// Most ext_proc streams open at once; more are refused (Envoy then fails open). Default
+    /// 65536, positive.
     pub(super) max_streams: Option<usize>,
+    /// Most in-process tokenizations on blocking threads at once; default the number of CPUs,
+    /// positive. A decision that gets no slot within its tokenize budget falls back
+    /// (`fallbacks_total{stage="tokenize",cause="busy"}`). Read at start.
     pub(super) tokenize_concurrency: Option<usize>,
+    /// Largest prompt (text, or the messages' JSON) tokenized whole in process, in bytes;
+    /// default 2 MiB. A larger one has only its leading tokens tokenized
+    /// (`cause="prompt_too_large"`). Read at start.
     pub(super) tokenize_max_prompt_bytes: Option<usize>,
 }
 
@@ -175,13 +262,21 @@ pub const DEFAULT_DRIFT_MIN_TOKENS: u64 = 16_384;
 /// Default action past the bound (`drift.action`).
 pub const DEFAULT_DRIFT_ACTION: DriftAction = DriftAction::Warn;
 
+/// `drift`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawDrift {
+    /// Drift (share of predicted cached tokens the engine did not report, 0..=1) over `window`
+    /// above which a replica is drifting (a rate-limited warning); default 0.5.
     pub(super) bound: Option<f64>,
+    /// Drift at or below which a drifting replica stops drifting, 0..=bound; default bound / 2.
     pub(super) clear_below: Option<f64>,
-    pub(super) window: Option<String>,
+    /// Span of the drift window; default 5m, positive.
+    pub(super) window: Option<ConfigDuration>,
+    /// Predicted cached tokens a window needs before it gives a verdict; default 16384.
     pub(super) min_tokens: Option<u64>,
+    /// What a drifting replica causes: `warn` (default) or `approximate` (its pool routes on
+    /// the approximate tier until the drift is back at `clear_below`).
     pub(super) action: Option<DriftAction>,
 }
 
@@ -196,19 +291,23 @@ pub const DEFAULT_DEBUG_TOKEN_HEADER: &str = "x-kvroute-debug-token";
 pub enum DebugExpose {
     /// Nobody.
     Never,
-    /// Every response.
+    /// Every response (trusted clients only: tests, benchmarks, a private deployment).
     Always,
     /// Requests carrying the token (`token_file`) in `token_header`.
     Token,
 }
 
+/// `debug_headers`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawDebugHeaders {
+    /// Who gets the headers: `never` (default), `always`, or `token` (requests carrying the
+    /// secret, compared in constant time and removed before the request goes upstream).
     pub(super) expose: Option<DebugExpose>,
-    /// Request header carrying the token (`token` mode).
+    /// `expose: token` only: the request header carrying the token, any case; default
+    /// `x-kvroute-debug-token`.
     pub(super) token_header: Option<String>,
-    /// File holding the token (`token` mode).
+    /// `expose: token` only (required there): the file holding the token.
     pub(super) token_file: Option<String>,
 }
 
@@ -220,17 +319,27 @@ pub const DEFAULT_SHED_QUEUE_DEPTH: f64 = 5.0;
 /// KV-cache usage (0..1) at which a replica counts as saturated for shedding (GIE's default).
 pub const DEFAULT_SHED_KV_CACHE_USAGE: f64 = 0.8;
 
+/// `epp`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawEpp {
+    /// Fallback endpoints after the chosen one, best first, in
+    /// `x-gateway-destination-endpoint` and its `envoy.lb` metadata (a proxy's retries walk
+    /// them); 0 sends the chosen endpoint alone. Default 2.
     pub(super) fallbacks: Option<usize>,
+    /// Refuse a request with 429 when every ready replica of its pool is saturated (either
+    /// bound reached). Off unless configured.
     pub(super) shedding: Option<RawShedding>,
 }
 
+/// `epp.shedding`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawShedding {
+    /// Waiting requests (scraped queue depth) at which a replica is saturated; default 5, at
+    /// least 1.
     pub(super) queue_depth: Option<f64>,
+    /// KV-cache usage at which a replica is saturated, in (0, 1]; default 0.8.
     pub(super) kv_cache_usage: Option<f64>,
 }
 
@@ -246,17 +355,31 @@ pub const DEFAULT_POOL_EVENTS: bool = true;
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawPool {
+    /// Pool name (required, unique; a metric label).
     pub(super) name: Option<String>,
+    /// Served base model names (required, non-empty; a model is served by one pool): what
+    /// requests send as `model`.
     pub(super) models: Vec<String>,
+    /// KV block size in tokens, as the engines run (`--block-size`); default 16.
     pub(super) block_size: Option<u32>,
+    /// How block keys are computed, as the engines hash them: `kind: vllm-exact` (default;
+    /// `hash_algo` default sha256, `seed` = PYTHONHASHSEED default unset, `vllm_version` default
+    /// 0.32.0) or `kind: token-chain`.
     pub(super) key_scheme: RawKeyScheme,
-    // ext-proc only:
+    /// LoRA adapters served: a name, or `{name, id, path}` as vLLM's `LoRARequest` (vLLM <=
+    /// 0.11.0 hashes the id, >= 0.31 the path). Clients send an adapter's name as `model`.
     pub(super) adapters: Vec<RawAdapter>,
-    /// Whether the index receives this pool's KV events (else: approximate tier only).
+    /// Whether the index receives this pool's KV events (else the approximate tier only);
+    /// default true.
     pub(super) events: Option<bool>,
+    /// Capacity of each replica's approximate prefix memory, in blocks; default 65536,
+    /// positive.
     pub(super) approx_capacity_blocks: Option<usize>,
+    /// Where prompt tokens come from: exactly one of `model_dir`, `remote` or `render`.
+    /// Default none: every decision uses the load tier.
     pub(super) tokenizer: Option<RawTokenizer>,
-    /// `pools[].discovery`: where the pool's replicas come from instead of `replicas:`.
+    /// Replicas from Kubernetes (the Ready pods of a GIE InferencePool or a label selector,
+    /// kept up to date) instead of `replicas:`, which may then not name this pool.
     pub(super) discovery: Option<kvroute_discovery::RawPoolDiscovery>,
 }
 
@@ -264,11 +387,16 @@ pub(super) struct RawPool {
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 pub(super) enum RawAdapter {
+    /// The adapter's name only (vLLM versions that hash neither id nor path).
     Name(String),
+    /// As vLLM's `LoRARequest` names it.
     Full {
+        /// `lora_name`: what clients send as `model`.
         name: String,
+        /// `lora_int_id` (hashed by vLLM <= 0.11.0).
         #[serde(default)]
         id: Option<i64>,
+        /// `lora_path` (hashed by vLLM >= 0.31).
         #[serde(default)]
         path: Option<String>,
     },
@@ -277,21 +405,33 @@ pub(super) enum RawAdapter {
 /// Default timeout of a remote `/tokenize` call.
 pub const DEFAULT_REMOTE_TOKENIZE_TIMEOUT: Duration = Duration::from_millis(25);
 
+/// `pools[].tokenizer`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawTokenizer {
+    /// A Hugging Face model folder (`tokenizer.json`, chat template), loaded in process.
     pub(super) model_dir: Option<PathBuf>,
+    /// A vLLM-compatible `/tokenize` endpoint's full `http://` URL.
     pub(super) remote: Option<String>,
+    /// The engine's base `http://` URL: the request body goes to its render endpoint (vLLM 0.32
+    /// `--enable-scale-out`; exact by construction).
     pub(super) render: Option<String>,
-    pub(super) timeout: Option<String>,
+    /// With `remote` or `render`: timeout of one call; default 25ms.
+    pub(super) timeout: Option<ConfigDuration>,
 }
 
+/// `replicas[]`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawReplica {
+    /// Stable id, as the index knows it (required, unique; a metric label).
     pub(super) id: Option<String>,
+    /// Name of its pool (required).
     pub(super) pool: Option<String>,
-    pub(super) address: Option<String>,
+    /// `ip:port` Envoy routes to (required, unique).
+    pub(super) address: Option<ListenAddr>,
+    /// The engine's Prometheus endpoint, `http://`; default none (not scraped).
     pub(super) metrics_url: Option<String>,
+    /// Envoy cluster for `cluster_header` routes (no whitespace); default none.
     pub(super) envoy_cluster: Option<String>,
 }

@@ -1,6 +1,5 @@
 //! The config's tests: what is accepted, its defaults, and errors naming their field.
 
-use super::build::duration;
 use super::*;
 use kvroute_config::parse_duration;
 
@@ -74,7 +73,7 @@ fn epp_defaults_overrides_and_bad_values() {
     let config = Config::from_yaml(MINIMAL).unwrap();
     assert_eq!(config.epp.fallbacks, DEFAULT_EPP_FALLBACKS);
     assert_eq!(config.epp.shedding, None);
-    assert_eq!(config.admin_addr, DEFAULT_ADMIN_ADDR.parse().unwrap());
+    assert_eq!(config.admin_addr, DEFAULT_ADMIN_ADDR);
     assert_eq!((config.health_addr, config.secure_serving), (None, false));
 
     let shedding = format!("{MINIMAL}epp: {{fallbacks: 0, shedding: {{queue_depth: 3}}}}\n");
@@ -137,7 +136,7 @@ fn minimal_config_gets_defaults() {
         DEFAULT_TOKENIZE_MAX_PROMPT_BYTES
     );
     assert!(config.tokenize_concurrency >= 1);
-    assert_eq!(config.grpc_addr, DEFAULT_GRPC_ADDR.parse().unwrap());
+    assert_eq!(config.grpc_addr, DEFAULT_GRPC_ADDR);
     assert!(config.grpc_addr.ip().is_loopback() && config.admin_addr.ip().is_loopback());
     assert_eq!(config.pools[0].tokenizer, TokenizerSource::None);
     assert_eq!(
@@ -285,16 +284,16 @@ fn debug_headers_are_off_unless_configured() {
 
 #[test]
 fn durations_parse() {
-    assert_eq!(
-        duration("f", Some("250ms"), Duration::ZERO).unwrap(),
-        Duration::from_millis(250)
-    );
-    assert_eq!(
-        duration("f", Some("1.5s"), Duration::ZERO).unwrap(),
-        Duration::from_millis(1500)
-    );
-    assert!(duration("f", Some("-1s"), Duration::ZERO).is_err());
-    assert!(duration("f", Some("5"), Duration::ZERO).is_err());
+    assert_eq!(match_timeout("250ms").unwrap(), Duration::from_millis(250));
+    assert_eq!(match_timeout("1.5s").unwrap(), Duration::from_millis(1500));
+    assert!(match_timeout("-1s").is_err());
+    assert!(match_timeout("5").is_err());
+}
+
+/// `index.match_timeout: text` read through the whole config (any duration key reads alike).
+fn match_timeout(text: &str) -> Result<Duration, ConfigError> {
+    Config::from_yaml(&format!("{MINIMAL}index: {{match_timeout: \"{text}\"}}\n"))
+        .map(|config| config.match_timeout)
 }
 
 /// The pool schema is one: the same `pools:` block in ext-proc's and in kvroute-index's
@@ -349,7 +348,7 @@ fn one_pool_block_means_the_same_in_ext_proc_and_the_index() {
 fn ext_proc_durations_use_the_shared_parser() {
     for text in ["250ms", "1.5s", "500us", "1m", "5", "-1s", "1h"] {
         assert_eq!(
-            duration("f", Some(text), Duration::ZERO).ok(),
+            match_timeout(text).ok(),
             parse_duration(text).ok(),
             "{text}"
         );
@@ -421,4 +420,129 @@ fn enum_keys_accept_exactly_their_spellings() {
     assert_eq!(warn.drift.action, DriftAction::Warn);
     let never = Config::from_yaml(&format!("{MINIMAL}debug_headers: {{expose: never}}\n")).unwrap();
     assert_eq!(never.debug_headers, DebugHeaders::Never);
+}
+
+/// The error of `yaml` (MINIMAL plus a second pool `q` and `extra`), which must be refused.
+fn refused(extra: &str) -> ConfigError {
+    let two_pools = MINIMAL.replace(
+        "replicas:\n",
+        "- {name: q, models: [other], block_size: 16, key_scheme: {kind: token-chain}}\nreplicas:\n",
+    );
+    let yaml = format!("{two_pools}{extra}");
+    match Config::from_yaml(&yaml) {
+        Ok(_) => panic!("config should be rejected:\n{yaml}"),
+        Err(error) => {
+            // One format: `path: reason`.
+            assert_eq!(
+                error.to_string(),
+                format!("{}: {}", error.path(), error.reason())
+            );
+            error
+        }
+    }
+}
+
+#[test]
+fn a_serde_error_in_a_list_element_names_its_path() {
+    let yaml = MINIMAL.replace(
+        "replicas:\n",
+        "- {name: q, models: [other], blok_size: 16}\nreplicas:\n",
+    );
+    let error = Config::from_yaml(&yaml).unwrap_err();
+    assert_eq!(error.path(), "pools[1].blok_size", "{error}");
+    assert!(
+        error
+            .to_string()
+            .starts_with("pools[1].blok_size: unknown key"),
+        "{error}"
+    );
+    let error = refused("- {id: r1, pool: q, address: \"127.0.0.1:8001\", weight: 2}\n");
+    assert_eq!(error.path(), "replicas[1].weight", "{error}");
+    let error = refused("- {id: r1, pool: q, address: [1]}\n");
+    assert_eq!(error.path(), "replicas[1].address", "{error}");
+    let error = refused("index: {addresses: [{url: x}]}\n");
+    assert_eq!(error.path(), "index.addresses[0]", "{error}");
+}
+
+#[test]
+fn a_leaf_validation_error_names_its_path() {
+    let error = Config::from_yaml(&MINIMAL.replace(
+        "  block_size: 16\n",
+        "  block_size: 16\n  tokenizer: {remote: \"http://a:1/tokenize\", timeout: soon}\n",
+    ))
+    .unwrap_err();
+    assert_eq!(error.path(), "pools[0].tokenizer.timeout", "{error}");
+    assert!(
+        error
+            .to_string()
+            .starts_with("pools[0].tokenizer.timeout: expected a duration"),
+        "{error}"
+    );
+    for (extra, path) in [
+        ("budgets: {decision: 5}\n", "budgets.decision"),
+        ("drift: {window: 1h}\n", "drift.window"),
+        ("listen: {grpc: nowhere}\n", "listen.grpc"),
+        (
+            "- {id: r1, pool: q, address: \"10.0.0.1\"}\n",
+            "replicas[1].address",
+        ),
+        ("drift: {action: degrade}\n", "drift.action"),
+    ] {
+        let error = refused(extra);
+        assert_eq!(error.path(), path, "{extra}: {error}");
+    }
+}
+
+#[test]
+fn a_cross_field_error_names_its_path() {
+    for (extra, path) in [
+        (
+            "- {id: r1, pool: q, address: \"127.0.0.1:8000\"}\n",
+            "replicas[1].address",
+        ),
+        (
+            "- {id: r1, pool: nope, address: \"127.0.0.1:8001\"}\n",
+            "replicas[1].pool",
+        ),
+        (
+            "budgets: {decision: 10ms, tokenize: 20ms}\n",
+            "budgets.tokenize",
+        ),
+        (
+            "index: {addresses: [\"https://index:7070\"]}\n",
+            "index.addresses[0]",
+        ),
+        (
+            "drift: {bound: 0.3, clear_below: 0.4}\n",
+            "drift.clear_below",
+        ),
+        (
+            "epp: {shedding: {queue_depth: 0}}\n",
+            "epp.shedding.queue_depth",
+        ),
+        ("default_pool: nope\n", "default_pool"),
+        (
+            "debug_headers: {token_file: /x}\n",
+            "debug_headers.token_file",
+        ),
+        ("listen: {admin: \"127.0.0.1:9002\"}\n", "listen.admin"),
+    ] {
+        let error = refused(extra);
+        assert_eq!(error.path(), path, "{extra}: {error}");
+    }
+    let dup = MINIMAL.replace(
+        "replicas:\n",
+        "- {name: p, models: [other], block_size: 16}\nreplicas:\n",
+    );
+    let error = Config::from_yaml(&dup).unwrap_err();
+    assert_eq!(error.path(), "pools[1].name", "{error}");
+    let bad_block = MINIMAL.replace(
+        "replicas:\n",
+        "- {name: q, models: [other], block_size: 0}\nreplicas:\n",
+    );
+    let error = Config::from_yaml(&bad_block).unwrap_err();
+    assert_eq!(error.path(), "pools[1].block_size", "{error}");
+    let lora = MINIMAL.replace("{name: lora-a, path: /adapters/lora-a}", "lora-a");
+    let error = Config::from_yaml(&lora).unwrap_err();
+    assert_eq!(error.path(), "pools[0].adapters[0]", "{error}");
 }

@@ -2,17 +2,20 @@
 
 use std::collections::{HashMap, HashSet};
 
+use kvroute_config::format_duration;
+
 use super::Config;
+use super::build::{invalid, missing};
 use crate::error::ConfigError;
 
 /// Cross-field rules, all in one place.
 pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
     if config.pools.is_empty() {
-        return Err(ConfigError::missing("pools"));
+        return Err(missing("pools"));
     }
     let discovered = |pool: usize| config.pools[pool].discovery.is_some();
     if config.replicas.is_empty() && !(0..config.pools.len()).any(discovered) {
-        return Err(ConfigError::missing("replicas"));
+        return Err(missing("replicas"));
     }
     if let Some((i, replica)) = config
         .replicas
@@ -20,63 +23,43 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
         .enumerate()
         .find(|(_, r)| discovered(r.pool))
     {
-        return Err(ConfigError::invalid(
+        return Err(invalid(
             format!("replicas[{i}].pool"),
             &config.pools[replica.pool].name,
             "this pool discovers its replicas (pools[].discovery); a static replica cannot join it",
         ));
     }
     if config.tokenize_budget > config.decision_budget {
-        return Err(ConfigError::invalid(
+        return Err(invalid(
             "budgets.tokenize",
-            format!("{:?}", config.tokenize_budget),
+            format_duration(config.tokenize_budget),
             "must not exceed budgets.decision",
         ));
     }
     if config.decision_budget.is_zero() {
-        return Err(ConfigError::invalid(
-            "budgets.decision",
-            "0",
-            "must be positive",
-        ));
+        return Err(invalid("budgets.decision", "0s", "must be positive"));
     }
     if config.max_body_bytes == 0 {
-        return Err(ConfigError::invalid(
-            "max_body_bytes",
-            0,
-            "must be positive",
-        ));
+        return Err(invalid("max_body_bytes", 0, "must be positive"));
     }
     if config.inflight_max_age.is_zero() {
-        return Err(ConfigError::invalid(
-            "limits.inflight_max_age",
-            "0",
-            "must be positive",
-        ));
+        return Err(invalid("limits.inflight_max_age", "0s", "must be positive"));
     }
     if config.tokenize_concurrency == 0 {
-        return Err(ConfigError::invalid(
+        return Err(invalid(
             "limits.tokenize_concurrency",
             0,
             "must be positive",
         ));
     }
     if config.max_streams == 0 {
-        return Err(ConfigError::invalid(
-            "limits.max_streams",
-            0,
-            "must be positive",
-        ));
+        return Err(invalid("limits.max_streams", 0, "must be positive"));
     }
     if config.scrape.interval.is_zero() {
-        return Err(ConfigError::invalid(
-            "scrape.interval",
-            "0",
-            "must be positive",
-        ));
+        return Err(invalid("scrape.interval", "0s", "must be positive"));
     }
     if config.grpc_addr == config.admin_addr && config.grpc_addr.port() != 0 {
-        return Err(ConfigError::invalid(
+        return Err(invalid(
             "listen.admin",
             config.admin_addr,
             "must differ from listen.grpc",
@@ -86,7 +69,7 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
         && health.port() != 0
         && (health == config.grpc_addr || health == config.admin_addr)
     {
-        return Err(ConfigError::invalid(
+        return Err(invalid(
             "listen.health",
             health,
             "must differ from listen.grpc and listen.admin",
@@ -95,11 +78,7 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
     let mut names = HashMap::new();
     for (i, pool) in config.pools.iter().enumerate() {
         if names.insert(pool.name.as_str(), i).is_some() {
-            return Err(ConfigError::invalid(
-                format!("pools[{i}].name"),
-                &pool.name,
-                "duplicate",
-            ));
+            return Err(invalid(format!("pools[{i}].name"), &pool.name, "duplicate"));
         }
     }
     let mut served = HashSet::new();
@@ -110,7 +89,7 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
             .chain(pool.adapters.iter().map(|a| &a.name))
         {
             if !served.insert(name.as_str()) {
-                return Err(ConfigError::invalid(
+                return Err(invalid(
                     format!("pools[{i}].models"),
                     name,
                     "model or adapter name served by two pools",
@@ -122,14 +101,14 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
     let mut addresses = HashSet::new();
     for (i, replica) in config.replicas.iter().enumerate() {
         if !ids.insert(replica.id.as_str()) {
-            return Err(ConfigError::invalid(
+            return Err(invalid(
                 format!("replicas[{i}].id"),
                 &replica.id,
                 "duplicate",
             ));
         }
         if !addresses.insert(replica.address) {
-            return Err(ConfigError::invalid(
+            return Err(invalid(
                 format!("replicas[{i}].address"),
                 replica.address,
                 "duplicate",
