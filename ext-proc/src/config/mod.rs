@@ -1,81 +1,10 @@
-//! Configuration: YAML → [`RawConfig`] (serde, unknown keys rejected) → validated [`Config`].
+//! Configuration: YAML → [`RawConfig`] (through `kvroute_config::from_yaml`, unknown keys
+//! rejected) → validated [`Config`]. Every error is a `kvroute_config::ConfigError` naming its
+//! field path, e.g. `replicas[2].address: expected ip:port (got "x")`.
 //!
-//! Every default is a named const beside its key. Validation rejects (never skips) a bad entry and
-//! names the field, e.g. `replicas[2].address: invalid value 'x': expected ip:port`.
-//!
-//! ```yaml
-//! # Loopback unless configured; in a pod, Envoy or the gateway reaches ext_proc from outside:
-//! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9090"}
-//! # gRPC health (`grpc.health.v1`: "", liveness, readiness, inference-extension and the ext_proc
-//! # service's name) is always served on the ext_proc port; `health` adds a plaintext port for
-//! # probes (GIE's 9003). `secure_serving: true` without `tls` serves TLS with a self-signed
-//! # certificate made at start (GIE's and llm-d's `--secure-serving`; Envoy then needs an
-//! # UpstreamTlsContext that does not verify it).
-//! #  health: "0.0.0.0:9003"
-//! #  secure_serving: true
-//! # TLS on the ext_proc port (kvroute_runtime::tls), optionally requiring client certificates
-//! # signed by client_ca (mTLS): Envoy's ext_proc cluster then needs an UpstreamTlsContext.
-//! #  tls: {cert: /tls/tls.crt, key: /tls/tls.key, client_ca: /tls/envoy-ca.crt}
-//! index: {addresses: ["http://10.0.0.9:7070"], match_timeout: 20ms}
-//! # Or the index inside this process (Match without a network hop), from a kvroute-index config:
-//! # index: {embedded: /etc/kvroute/index.yaml}
-//! # TLS to the index (kvroute_runtime::tls): addresses are then https://
-//! # index: {addresses: ["https://kvroute-index:7070"], tls: {ca: /tls/ca.crt, server_name: kvroute-index}}
-//! # The index's query_auth token, sent as `authorization: Bearer <token>` with every Match:
-//! # index: {addresses: ["http://10.0.0.9:7070"], token_file: /etc/kvroute/query-token}
-//! pools:
-//! - name: llama
-//!   models: [meta-llama/Llama-3.1-8B-Instruct]
-//!   adapters: [{name: sql-lora, path: /adapters/sql}]   # vLLM 0.31+ hashes the adapter's path
-//!   block_size: 16                            # default 16
-//!   # vLLM's settings; defaults are vLLM 0.32's: sha256, PYTHONHASHSEED unset, 0.32.0
-//!   key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0", vllm_version: 0.32.0}
-//!   # name, models, block_size and key_scheme are the pool schema kvroute-index shares (paste
-//!   # them into its config unchanged); adapters, events, approx_capacity_blocks and tokenizer
-//!   # are ext-proc's own.
-//!   tokenizer: {model_dir: /models/llama}     # or {remote: "http://10.0.0.5:8000/tokenize"}
-//!   # or the engine's own render endpoints (vLLM 0.32 --enable-scale-out; exact by construction):
-//!   # tokenizer: {render: "http://10.0.0.5:8000", timeout: 50ms}
-//! replicas:
-//! - {id: r0, pool: llama, address: "10.0.0.5:8000", metrics_url: "http://10.0.0.5:8000/metrics"}
-//! # Or a pool learns its replicas from Kubernetes instead (no `replicas:` entry may name it):
-//! # the Ready pods of a GIE InferencePool or a label selector, kept up to date while running
-//! # (kvroute_discovery::config has every key; pod annotations in kvroute_discovery::replica):
-//! #   discovery: {kubernetes: {namespace: llm, inference_pool: llama}}
-//! # A request naming no model (vLLM serves its base model) goes to the only pool, or with
-//! # several pools to this one (without it: 400):
-//! # default_pool: llama
-//! # Debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`) reveal
-//! # whether a prompt was cached: off unless configured. `always`, or only for requests carrying
-//! # the secret (compared in constant time, removed before the request goes upstream):
-//! # debug_headers: {expose: token, token_file: /etc/kvroute/debug-token}   # header x-kvroute-debug-token
-//! # A routed request whose response headers never come stops counting as load after this; more
-//! # ext_proc streams than this are refused (defaults shown):
-//! # limits: {inflight_max_age: 10m, max_streams: 65536}
-//! # Memory and CPU of tokenization (defaults shown; read at start): the token cache holds at
-//! # most `token_cache_bytes` (tokens at 4 bytes each plus a fixed cost per entry) and
-//! # `token_cache_entries`; at most `tokenize_concurrency` in-process tokenizations run on
-//! # blocking threads at once (default: the number of CPUs), a decision that gets no slot within
-//! # its tokenize budget falls back (`fallbacks_total{stage="tokenize",cause="busy"}`), and a
-//! # prompt over `tokenize_max_prompt_bytes` is not tokenized whole in process
-//! # (`cause="prompt_too_large"`; its leading tokens still are).
-//! # token_cache_bytes: 268435456
-//! # limits: {tokenize_concurrency: 2, tokenize_max_prompt_bytes: 2097152}
-//! # Drift between kvroute's predicted and the engines' reported cached tokens (crate::drift):
-//! # a replica whose drift over `window` passes `bound` is warned about (rate-limited); with
-//! # `action: approximate` its pool routes on the approximate tier until the drift is back at
-//! # `clear_below` (default bound / 2). No verdict before `min_tokens` predicted cached tokens.
-//! # drift: {bound: 0.5, window: 5m, min_tokens: 16384, action: warn}
-//! # GIE endpoint-picker protocol: after the chosen endpoint, this many fallbacks (best first) in
-//! # `x-gateway-destination-endpoint` and its `envoy.lb` metadata, which a proxy's retries walk;
-//! # 0 sends the chosen endpoint alone. With `shedding`, a request is refused with 429 when every
-//! # ready replica of its pool is saturated (GIE's defaults: 5 waiting requests or 80% KV cache);
-//! # off unless configured.
-//! # epp: {fallbacks: 2, shedding: {queue_depth: 5, kv_cache_usage: 0.8}}
-//! ```
-//!
-//! The flags GIE's and llm-d's charts pass override the file (see [`Overrides`]).
-
+//! Every key, its meaning, unit and default: `docs/configuration.md`, generated from the `///`
+//! docs and defaults of the raw structs in `raw`. The flags GIE's and llm-d's charts pass override
+//! the file (see [`Overrides`]).
 //!
 //! Files: `raw` (the document's shape and every default), `overrides` (the chart flags), `build`
 //! and `pools` (each section validated), `validate` (rules across sections); the validated types
@@ -85,7 +14,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::Deserialize;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
 use kvroute_block_keys::{KeyScheme, LoraRef};
 use kvroute_routing::ScoringConfig;
@@ -270,7 +200,7 @@ pub struct DriftConfig {
 }
 
 /// What a drifting replica causes (`drift.action`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DriftAction {
     /// A rate-limited warning and the metrics only.
@@ -321,7 +251,7 @@ pub struct Shedding {
 
 /// How Envoy sends the request body to us (`default_body_mode`: `buffered` or
 /// `full_duplex_streamed`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum BodyMode {
     /// One message with the whole body; headers are answered right away.

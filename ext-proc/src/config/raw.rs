@@ -7,10 +7,17 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::Deserialize;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 
-use kvroute_block_keys::RawKeyScheme;
-use kvroute_config::{ConfigDuration, ListenAddr, RawClientTls, RawServerTls};
+use kvroute_block_keys::{DEFAULT_BLOCK_SIZE, RawKeyScheme};
+use kvroute_config::{ConfigDuration, ListenAddr, RawClientTls, RawServerTls, format_duration};
+use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
+use kvroute_routing::scoring::{
+    DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_KV_USAGE_MS,
+    DEFAULT_PREFILL_MS_PER_TOKEN, DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY,
+    DEFAULT_RUNNING_MS_PER_REQUEST, DEFAULT_SPECULATIVE_TTL,
+};
 
 use super::{BodyMode, DriftAction};
 
@@ -27,7 +34,7 @@ pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 pub const DEFAULT_BODY_MODE: BodyMode = BodyMode::Buffered;
 
 /// The YAML document as written. Unknown keys are errors.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawConfig {
     /// ext-proc's own ports: ext_proc gRPC, admin HTTP, an optional plaintext health port, TLS.
@@ -37,24 +44,29 @@ pub struct RawConfig {
     pub(super) index: RawIndex,
     /// Time budgets of a routing decision and of shutdown.
     pub(super) budgets: RawBudgets,
-    /// Largest request body accepted, in bytes (default 8 MiB); a larger one is refused with 413.
+    /// Largest request body accepted, in bytes (8 MiB); a larger one is refused with 413.
     /// Envoy's default BUFFERED limit is 1 MiB; FULL_DUPLEX_STREAMED passes more.
+    #[schemars(extend("default" = DEFAULT_MAX_BODY_BYTES))]
     pub(super) max_body_bytes: Option<usize>,
     /// Reading each replica's `/metrics` (queue depth, running requests, KV-cache usage).
     pub(super) scrape: RawScrape,
     /// Weights of the routing score, in milliseconds of expected delay.
     pub(super) scoring: RawScoring,
-    /// Most cached tokenizations (whole prompts and conversation prefixes); default 4096. Read
-    /// at start.
+    /// Most cached tokenizations (whole prompts and conversation prefixes). Read at
+    /// start.
+    #[schemars(extend("default" = DEFAULT_TOKEN_CACHE_ENTRIES))]
     pub(super) token_cache_entries: Option<usize>,
     /// Most bytes the token cache accounts for (tokens at 4 bytes each plus a fixed cost per
-    /// entry); default 256 MiB. Read at start.
+    /// entry), in bytes (256 MiB). Read at start.
+    #[schemars(extend("default" = DEFAULT_TOKEN_CACHE_BYTES))]
     pub(super) token_cache_bytes: Option<usize>,
     /// How often the config file's mtime is checked; a changed file is reloaded (listen
-    /// addresses and TLS apply after a restart). Default 2s.
+    /// addresses and TLS apply after a restart).
+    #[schemars(extend("default" = format_duration(DEFAULT_RELOAD_INTERVAL)))]
     pub(super) reload_interval: Option<ConfigDuration>,
-    /// Body mode assumed when Envoy sends no `protocol_config` (Envoy < 1.34): `buffered`
-    /// (default) or `full_duplex_streamed`; it must match the filter's `processing_mode`.
+    /// Body mode assumed when Envoy sends no `protocol_config` (Envoy < 1.34): `buffered` or
+    /// `full_duplex_streamed`; it must match the filter's `processing_mode`.
+    #[schemars(extend("default" = DEFAULT_BODY_MODE))]
     pub(super) default_body_mode: Option<BodyMode>,
     /// Debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`). They
     /// reveal whether a prompt was cached, so they are off unless configured.
@@ -90,15 +102,17 @@ pub const DEFAULT_SECURE_SERVING: bool = false;
 
 /// `listen`. The chart flags (`--grpc-port`, `--grpc-health-port`, `--metrics-port`,
 /// `--secure-serving`, `--cert-path`) override these keys.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawListen {
-    /// ext_proc gRPC address, `ip:port`; default `127.0.0.1:9002` (in a pod, Envoy or the
-    /// gateway reaches it from outside: `0.0.0.0:9002`). gRPC health (`grpc.health.v1`: "",
+    /// ext_proc gRPC address, `ip:port`: loopback unless configured (in a pod,
+    /// Envoy or the gateway reaches it from outside: `0.0.0.0:9002`). gRPC health (`grpc.health.v1`: "",
     /// liveness, readiness, inference-extension and the ext_proc service) is always served here.
+    #[schemars(extend("default" = DEFAULT_GRPC_ADDR))]
     pub(super) grpc: Option<ListenAddr>,
-    /// Admin HTTP address (`/metrics`, `/healthz`, `/readyz`), `ip:port`; default
-    /// `127.0.0.1:9090`. Must differ from `grpc`.
+    /// Admin HTTP address (`/metrics`, `/healthz`, `/readyz`), `ip:port`. Must differ
+    /// from `grpc`.
+    #[schemars(extend("default" = DEFAULT_ADMIN_ADDR))]
     pub(super) admin: Option<ListenAddr>,
     /// A second, plaintext gRPC health port for probes (GIE's 9003), `ip:port`; default none.
     /// Must differ from `grpc` and `admin`.
@@ -108,7 +122,7 @@ pub(super) struct RawListen {
     pub(super) tls: Option<RawServerTls>,
     /// Without `tls`: serve TLS with a self-signed certificate made at start (GIE's and llm-d's
     /// `--secure-serving`; Envoy then needs an UpstreamTlsContext that does not verify it).
-    /// Default false.
+    #[schemars(extend("default" = DEFAULT_SECURE_SERVING))]
     pub(super) secure_serving: Option<bool>,
 }
 
@@ -118,7 +132,7 @@ pub const DEFAULT_MATCH_TIMEOUT: Duration = Duration::from_millis(20);
 pub const DEFAULT_INDEX_RETRY_AFTER: Duration = Duration::from_secs(2);
 
 /// `index`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawIndex {
     /// kvroute-index addresses, tried in order (HA): `http://host:port`, or `https://` with
@@ -127,9 +141,11 @@ pub(super) struct RawIndex {
     /// A kvroute-index config file: that index runs inside this process and is asked first
     /// (a `Match` without a network hop). Needs the `embedded-index` build feature.
     pub(super) embedded: Option<PathBuf>,
-    /// Deadline of one `Match` call, all fail-overs included; default 20ms.
+    /// Deadline of one `Match` call, all fail-overs included.
+    #[schemars(extend("default" = format_duration(DEFAULT_MATCH_TIMEOUT)))]
     pub(super) match_timeout: Option<ConfigDuration>,
-    /// How long an address that failed is skipped before it is tried again; default 2s.
+    /// How long an address that failed is skipped before it is tried again.
+    #[schemars(extend("default" = format_duration(DEFAULT_INDEX_RETRY_AFTER)))]
     pub(super) retry_after: Option<ConfigDuration>,
     /// TLS to the index (`ca`, optional `server_name` and client `cert`/`key`); the addresses
     /// are then `https://`. Default: plaintext.
@@ -148,15 +164,18 @@ pub const DEFAULT_TOKENIZE_BUDGET: Duration = Duration::from_millis(30);
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `budgets`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawBudgets {
-    /// Budget of a whole routing decision (tokenize, match, score); default 50ms, positive.
+    /// Budget of a whole routing decision (tokenize, match, score); positive.
     /// Past it the decision routes on load alone.
+    #[schemars(extend("default" = format_duration(DEFAULT_DECISION_BUDGET)))]
     pub(super) decision: Option<ConfigDuration>,
-    /// Budget of tokenization within a decision; default 30ms, at most `decision`.
+    /// Budget of tokenization within a decision; at most `decision`.
+    #[schemars(extend("default" = format_duration(DEFAULT_TOKENIZE_BUDGET)))]
     pub(super) tokenize: Option<ConfigDuration>,
-    /// Time in-flight streams get to finish on shutdown; default 10s.
+    /// Time in-flight streams get to finish on shutdown.
+    #[schemars(extend("default" = format_duration(DEFAULT_DRAIN_TIMEOUT)))]
     pub(super) drain: Option<ConfigDuration>,
 }
 
@@ -167,40 +186,51 @@ pub const DEFAULT_UNREADY_AFTER_FAILURES: u32 = 3;
 
 /// `scrape`; the interval's default is the routing crate's `DEFAULT_SCRAPE_INTERVAL` (load
 /// signals age with it).
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawScrape {
-    /// Interval between scrapes of each replica's `metrics_url`; default 500ms, positive.
+    /// Interval between scrapes of each replica's `metrics_url`; positive.
+    #[schemars(extend("default" = format_duration(DEFAULT_SCRAPE_INTERVAL)))]
     pub(super) interval: Option<ConfigDuration>,
-    /// Timeout of one scrape; default 400ms.
+    /// Timeout of one scrape.
+    #[schemars(extend("default" = format_duration(DEFAULT_SCRAPE_TIMEOUT)))]
     pub(super) timeout: Option<ConfigDuration>,
-    /// Consecutive failed scrapes after which a replica counts as not ready; default 3.
+    /// Consecutive failed scrapes after which a replica counts as not ready.
+    #[schemars(extend("default" = DEFAULT_UNREADY_AFTER_FAILURES))]
     pub(super) unready_after_failures: Option<u32>,
 }
 
 /// `scoring`; the defaults are the routing crate's (`kvroute_routing::scoring::DEFAULT_*`),
 /// where the score is computed. Every weight is a finite number >= 0.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawScoring {
-    /// Prefill cost of each uncached prompt token, in ms; default 0.05.
+    /// Prefill cost of each uncached prompt token, in ms.
+    #[schemars(extend("default" = DEFAULT_PREFILL_MS_PER_TOKEN))]
     pub(super) prefill_ms_per_token: Option<f64>,
-    /// Cost of each waiting (queued) request ahead, in ms; default 50.
+    /// Cost of each waiting (queued) request ahead, in ms.
+    #[schemars(extend("default" = DEFAULT_QUEUE_MS_PER_REQUEST))]
     pub(super) queue_ms_per_request: Option<f64>,
-    /// Cost of each running request (batch interference), in ms; default 5.
+    /// Cost of each running request (batch interference), in ms.
+    #[schemars(extend("default" = DEFAULT_RUNNING_MS_PER_REQUEST))]
     pub(super) running_ms_per_request: Option<f64>,
-    /// Cost at 100% KV-cache usage (preemption risk), in ms; default 100.
+    /// Cost at 100% KV-cache usage (preemption risk), in ms.
+    #[schemars(extend("default" = DEFAULT_KV_USAGE_MS))]
     pub(super) kv_usage_ms: Option<f64>,
     /// Hotspot guard: a replica whose load exceeds the candidates' mean by this factor (and
-    /// `hotspot_min_ms`) is skipped, unless every candidate is; default 1.5, at least 1.
+    /// `hotspot_min_ms`) is skipped, unless every candidate is; at least 1.
+    #[schemars(extend("default" = DEFAULT_HOTSPOT_FACTOR))]
     pub(super) hotspot_factor: Option<f64>,
-    /// Loads below this never trip the hotspot guard, in ms; default 200.
+    /// Loads below this never trip the hotspot guard, in ms.
+    #[schemars(extend("default" = DEFAULT_HOTSPOT_MIN_MS))]
     pub(super) hotspot_min_ms: Option<f64>,
     /// Share of a held prefix's prefill charged again to a replica that would recompute it, once
-    /// every replica is busy; default 1.
+    /// every replica is busy.
+    #[schemars(extend("default" = DEFAULT_RECOMPUTE_PENALTY))]
     pub(super) recompute_penalty: Option<f64>,
     /// How long a routed prefix counts as held by its replica before the engine's KV events
-    /// confirm it; default 5s.
+    /// confirm it.
+    #[schemars(extend("default" = format_duration(DEFAULT_SPECULATIVE_TTL)))]
     pub(super) speculative_ttl: Option<ConfigDuration>,
 }
 
@@ -232,22 +262,25 @@ pub fn default_tokenize_concurrency() -> usize {
 }
 
 /// `limits`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawLimits {
     /// A routed request whose response headers never come stops counting as its replica's load
-    /// after this; default 10m, positive.
+    /// after this; positive.
+    #[schemars(extend("default" = format_duration(DEFAULT_INFLIGHT_MAX_AGE)))]
     pub(super) inflight_max_age: Option<ConfigDuration>,
-    /// Most ext_proc streams open at once; more are refused (Envoy then fails open). Default
-    /// 65536, positive.
+    /// Most ext_proc streams open at once; more are refused (Envoy then fails open);
+    /// positive.
+    #[schemars(extend("default" = DEFAULT_MAX_STREAMS))]
     pub(super) max_streams: Option<usize>,
     /// Most in-process tokenizations on blocking threads at once; default the number of CPUs,
     /// positive. A decision that gets no slot within its tokenize budget falls back
     /// (`fallbacks_total{stage="tokenize",cause="busy"}`). Read at start.
     pub(super) tokenize_concurrency: Option<usize>,
     /// Largest prompt (text, or the messages' JSON) tokenized whole in process, in bytes;
-    /// default 2 MiB. A larger one has only its leading tokens tokenized
+    /// 2 MiB. A larger one has only its leading tokens tokenized
     /// (`cause="prompt_too_large"`). Read at start.
+    #[schemars(extend("default" = DEFAULT_TOKENIZE_MAX_PROMPT_BYTES))]
     pub(super) tokenize_max_prompt_bytes: Option<usize>,
 }
 
@@ -263,20 +296,24 @@ pub const DEFAULT_DRIFT_MIN_TOKENS: u64 = 16_384;
 pub const DEFAULT_DRIFT_ACTION: DriftAction = DriftAction::Warn;
 
 /// `drift`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawDrift {
     /// Drift (share of predicted cached tokens the engine did not report, 0..=1) over `window`
-    /// above which a replica is drifting (a rate-limited warning); default 0.5.
+    /// above which a replica is drifting (a rate-limited warning).
+    #[schemars(extend("default" = DEFAULT_DRIFT_BOUND))]
     pub(super) bound: Option<f64>,
     /// Drift at or below which a drifting replica stops drifting, 0..=bound; default bound / 2.
     pub(super) clear_below: Option<f64>,
-    /// Span of the drift window; default 5m, positive.
+    /// Span of the drift window; positive.
+    #[schemars(extend("default" = format_duration(DEFAULT_DRIFT_WINDOW)))]
     pub(super) window: Option<ConfigDuration>,
-    /// Predicted cached tokens a window needs before it gives a verdict; default 16384.
+    /// Predicted cached tokens a window needs before it gives a verdict.
+    #[schemars(extend("default" = DEFAULT_DRIFT_MIN_TOKENS))]
     pub(super) min_tokens: Option<u64>,
-    /// What a drifting replica causes: `warn` (default) or `approximate` (its pool routes on
+    /// What a drifting replica causes: `warn` or `approximate` (its pool routes on
     /// the approximate tier until the drift is back at `clear_below`).
+    #[schemars(extend("default" = DEFAULT_DRIFT_ACTION))]
     pub(super) action: Option<DriftAction>,
 }
 
@@ -286,7 +323,7 @@ pub const DEFAULT_DEBUG_EXPOSE: DebugExpose = DebugExpose::Never;
 pub const DEFAULT_DEBUG_TOKEN_HEADER: &str = "x-kvroute-debug-token";
 
 /// `debug_headers.expose`: who gets the debug response headers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DebugExpose {
     /// Nobody.
@@ -298,14 +335,15 @@ pub enum DebugExpose {
 }
 
 /// `debug_headers`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawDebugHeaders {
-    /// Who gets the headers: `never` (default), `always`, or `token` (requests carrying the
+    /// Who gets the headers: `never`, `always`, or `token` (requests carrying the
     /// secret, compared in constant time and removed before the request goes upstream).
+    #[schemars(extend("default" = DEFAULT_DEBUG_EXPOSE))]
     pub(super) expose: Option<DebugExpose>,
-    /// `expose: token` only: the request header carrying the token, any case; default
-    /// `x-kvroute-debug-token`.
+    /// `expose: token` only: the request header carrying the token, any case.
+    #[schemars(extend("default" = DEFAULT_DEBUG_TOKEN_HEADER))]
     pub(super) token_header: Option<String>,
     /// `expose: token` only (required there): the file holding the token.
     pub(super) token_file: Option<String>,
@@ -320,12 +358,13 @@ pub const DEFAULT_SHED_QUEUE_DEPTH: f64 = 5.0;
 pub const DEFAULT_SHED_KV_CACHE_USAGE: f64 = 0.8;
 
 /// `epp`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawEpp {
     /// Fallback endpoints after the chosen one, best first, in
     /// `x-gateway-destination-endpoint` and its `envoy.lb` metadata (a proxy's retries walk
-    /// them); 0 sends the chosen endpoint alone. Default 2.
+    /// them); 0 sends the chosen endpoint alone.
+    #[schemars(extend("default" = DEFAULT_EPP_FALLBACKS))]
     pub(super) fallbacks: Option<usize>,
     /// Refuse a request with 429 when every ready replica of its pool is saturated (either
     /// bound reached). Off unless configured.
@@ -333,13 +372,15 @@ pub(super) struct RawEpp {
 }
 
 /// `epp.shedding`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawShedding {
-    /// Waiting requests (scraped queue depth) at which a replica is saturated; default 5, at
-    /// least 1.
+    /// Waiting requests (scraped queue depth) at which a replica is saturated; at least
+    /// 1.
+    #[schemars(extend("default" = DEFAULT_SHED_QUEUE_DEPTH))]
     pub(super) queue_depth: Option<f64>,
-    /// KV-cache usage at which a replica is saturated, in (0, 1]; default 0.8.
+    /// KV-cache usage at which a replica is saturated, in (0, 1].
+    #[schemars(extend("default" = DEFAULT_SHED_KV_CACHE_USAGE))]
     pub(super) kv_cache_usage: Option<f64>,
 }
 
@@ -350,9 +391,9 @@ pub const DEFAULT_APPROX_CAPACITY_BLOCKS: usize = 65_536;
 pub const DEFAULT_POOL_EVENTS: bool = true;
 
 /// A pool. `name`, `models`, `block_size` and `key_scheme` are the schema every kvroute
-/// component shares (kvroute-index's pools take the same keys with the same defaults, from
-/// `kvroute_block_keys`); the rest is ext-proc's own.
-#[derive(Debug, Default, Deserialize)]
+/// component shares (paste them into kvroute-index's config unchanged: same keys, same
+/// defaults, from `kvroute_block_keys`); the rest is ext-proc's own.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawPool {
     /// Pool name (required, unique; a metric label).
@@ -360,31 +401,34 @@ pub(super) struct RawPool {
     /// Served base model names (required, non-empty; a model is served by one pool): what
     /// requests send as `model`.
     pub(super) models: Vec<String>,
-    /// KV block size in tokens, as the engines run (`--block-size`); default 16.
+    /// KV block size in tokens, as the engines run (`--block-size`).
+    #[schemars(extend("default" = DEFAULT_BLOCK_SIZE))]
     pub(super) block_size: Option<u32>,
-    /// How block keys are computed, as the engines hash them: `kind: vllm-exact` (default;
-    /// `hash_algo` default sha256, `seed` = PYTHONHASHSEED default unset, `vllm_version` default
-    /// 0.32.0) or `kind: token-chain`.
+    /// How block keys are computed: the engines' own block hashes (`kind: vllm-exact`, with
+    /// their hash algorithm, `PYTHONHASHSEED` and vLLM release) or `kind: token-chain`.
+    #[schemars(with = "serde_json::Value")] // XXX-STUB
     pub(super) key_scheme: RawKeyScheme,
     /// LoRA adapters served: a name, or `{name, id, path}` as vLLM's `LoRARequest` (vLLM <=
     /// 0.11.0 hashes the id, >= 0.31 the path). Clients send an adapter's name as `model`.
     pub(super) adapters: Vec<RawAdapter>,
-    /// Whether the index receives this pool's KV events (else the approximate tier only);
-    /// default true.
+    /// Whether the index receives this pool's KV events (else the approximate tier only).
+    #[schemars(extend("default" = DEFAULT_POOL_EVENTS))]
     pub(super) events: Option<bool>,
-    /// Capacity of each replica's approximate prefix memory, in blocks; default 65536,
-    /// positive.
+    /// Capacity of each replica's approximate prefix memory, in blocks; positive.
+    #[schemars(extend("default" = DEFAULT_APPROX_CAPACITY_BLOCKS))]
     pub(super) approx_capacity_blocks: Option<usize>,
     /// Where prompt tokens come from: exactly one of `model_dir`, `remote` or `render`.
     /// Default none: every decision uses the load tier.
     pub(super) tokenizer: Option<RawTokenizer>,
     /// Replicas from Kubernetes (the Ready pods of a GIE InferencePool or a label selector,
-    /// kept up to date) instead of `replicas:`, which may then not name this pool.
+    /// kept up to date) instead of `replicas:`, which may then not name this pool. Pod
+    /// annotations (`kvroute.io/model`, `kvroute.io/metrics-port`, ...) set per-pod values.
+    #[schemars(with = "Option<serde_json::Value>")] // XXX-STUB
     pub(super) discovery: Option<kvroute_discovery::RawPoolDiscovery>,
 }
 
 /// An adapter as written: its name, or `{name, id, path}` (what older/newer vLLM hash).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 #[serde(untagged)]
 pub(super) enum RawAdapter {
     /// The adapter's name only (vLLM versions that hash neither id nor path).
@@ -406,7 +450,7 @@ pub(super) enum RawAdapter {
 pub const DEFAULT_REMOTE_TOKENIZE_TIMEOUT: Duration = Duration::from_millis(25);
 
 /// `pools[].tokenizer`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawTokenizer {
     /// A Hugging Face model folder (`tokenizer.json`, chat template), loaded in process.
@@ -416,12 +460,13 @@ pub(super) struct RawTokenizer {
     /// The engine's base `http://` URL: the request body goes to its render endpoint (vLLM 0.32
     /// `--enable-scale-out`; exact by construction).
     pub(super) render: Option<String>,
-    /// With `remote` or `render`: timeout of one call; default 25ms.
+    /// With `remote` or `render`: timeout of one call.
+    #[schemars(extend("default" = format_duration(DEFAULT_REMOTE_TOKENIZE_TIMEOUT)))]
     pub(super) timeout: Option<ConfigDuration>,
 }
 
 /// `replicas[]`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawReplica {
     /// Stable id, as the index knows it (required, unique; a metric label).

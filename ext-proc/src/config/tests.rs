@@ -546,3 +546,47 @@ fn a_cross_field_error_names_its_path() {
     let error = Config::from_yaml(&lora).unwrap_err();
     assert_eq!(error.path(), "pools[0].adapters[0]", "{error}");
 }
+
+/// The reference is generated from the raw structs' schema: every key of every section (ours
+/// and the shared ones) carries its doc.
+#[test]
+fn every_key_of_the_schema_is_documented() {
+    let schema = serde_json::to_value(schemars::schema_for!(RawConfig)).unwrap();
+    let mut undocumented = Vec::new();
+    let mut sections = vec![("".to_owned(), &schema)];
+    if let Some(defs) = schema.get("$defs").and_then(|d| d.as_object()) {
+        sections.extend(defs.iter().map(|(name, def)| (name.clone(), def)));
+    }
+    let mut count = 0;
+    while let Some((name, section)) = sections.pop() {
+        for variant in section
+            .get("anyOf")
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+        {
+            sections.push((name.clone(), variant));
+        }
+        for (key, field) in section
+            .get("properties")
+            .and_then(|p| p.as_object())
+            .into_iter()
+            .flatten()
+        {
+            count += 1;
+            if field.get("description").is_none() {
+                undocumented.push(format!("{name}.{key}"));
+            }
+        }
+    }
+    assert!(count > 60, "{count} keys");
+    assert!(undocumented.is_empty(), "undocumented: {undocumented:?}");
+    assert_eq!(
+        schema.pointer("/$defs/RawIndex/properties/match_timeout/default"),
+        Some(&serde_json::json!("20ms"))
+    );
+    assert_eq!(
+        schema.pointer("/$defs/RawListen/properties/grpc/default"),
+        Some(&serde_json::json!("127.0.0.1:9002"))
+    );
+}
