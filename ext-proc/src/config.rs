@@ -3,76 +3,8 @@
 //! Every default is a named const beside its key. Validation rejects (never skips) a bad entry and
 //! names the field, e.g. `replicas[2].address: invalid value 'x': expected ip:port`.
 //!
-//! ```yaml
-//! # Loopback unless configured; in a pod, Envoy or the gateway reaches ext_proc from outside:
-//! listen: {grpc: "0.0.0.0:9002", admin: "0.0.0.0:9090"}
-//! # gRPC health (`grpc.health.v1`: "", liveness, readiness, inference-extension and the ext_proc
-//! # service's name) is always served on the ext_proc port; `health` adds a plaintext port for
-//! # probes (GIE's 9003). `secure_serving: true` without `tls` serves TLS with a self-signed
-//! # certificate made at start (GIE's and llm-d's `--secure-serving`; Envoy then needs an
-//! # UpstreamTlsContext that does not verify it).
-//! #  health: "0.0.0.0:9003"
-//! #  secure_serving: true
-//! # TLS on the ext_proc port (kvroute_runtime::tls), optionally requiring client certificates
-//! # signed by client_ca (mTLS): Envoy's ext_proc cluster then needs an UpstreamTlsContext.
-//! #  tls: {cert: /tls/tls.crt, key: /tls/tls.key, client_ca: /tls/envoy-ca.crt}
-//! index: {addresses: ["http://10.0.0.9:7070"], match_timeout: 20ms}
-//! # Or the index inside this process (Match without a network hop), from a kvroute-index config:
-//! # index: {embedded: /etc/kvroute/index.yaml}
-//! # TLS to the index (kvroute_runtime::tls): addresses are then https://
-//! # index: {addresses: ["https://kvroute-index:7070"], tls: {ca: /tls/ca.crt, server_name: kvroute-index}}
-//! # The index's query_auth token, sent as `authorization: Bearer <token>` with every Match:
-//! # index: {addresses: ["http://10.0.0.9:7070"], token_file: /etc/kvroute/query-token}
-//! pools:
-//! - name: llama
-//!   models: [meta-llama/Llama-3.1-8B-Instruct]
-//!   adapters: [{name: sql-lora, path: /adapters/sql}]   # vLLM 0.31+ hashes the adapter's path
-//!   block_size: 16                            # default 16
-//!   # vLLM's settings; defaults are vLLM 0.32's: sha256, PYTHONHASHSEED unset, 0.32.0
-//!   key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: "0", vllm_version: 0.32.0}
-//!   # name, models, block_size and key_scheme are the pool schema kvroute-index shares (paste
-//!   # them into its config unchanged); adapters, events, approx_capacity_blocks and tokenizer
-//!   # are ext-proc's own.
-//!   tokenizer: {model_dir: /models/llama}     # or {remote: "http://10.0.0.5:8000/tokenize"}
-//!   # or the engine's own render endpoints (vLLM 0.32 --enable-scale-out; exact by construction):
-//!   # tokenizer: {render: "http://10.0.0.5:8000", timeout: 50ms}
-//! replicas:
-//! - {id: r0, pool: llama, address: "10.0.0.5:8000", metrics_url: "http://10.0.0.5:8000/metrics"}
-//! # Or a pool learns its replicas from Kubernetes instead (no `replicas:` entry may name it):
-//! # the Ready pods of a GIE InferencePool or a label selector, kept up to date while running
-//! # (kvroute_discovery::config has every key; pod annotations in kvroute_discovery::replica):
-//! #   discovery: {kubernetes: {namespace: llm, inference_pool: llama}}
-//! # A request naming no model (vLLM serves its base model) goes to the only pool, or with
-//! # several pools to this one (without it: 400):
-//! # default_pool: llama
-//! # Debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`) reveal
-//! # whether a prompt was cached: off unless configured. `always`, or only for requests carrying
-//! # the secret (compared in constant time, removed before the request goes upstream):
-//! # debug_headers: {expose: token, token_file: /etc/kvroute/debug-token}   # header x-kvroute-debug-token
-//! # A routed request whose response headers never come stops counting as load after this; more
-//! # ext_proc streams than this are refused (defaults shown):
-//! # limits: {inflight_max_age: 10m, max_streams: 65536}
-//! # Memory and CPU of tokenization (defaults shown; read at start): the token cache holds at
-//! # most `token_cache_bytes` (tokens at 4 bytes each plus a fixed cost per entry) and
-//! # `token_cache_entries`; at most `tokenize_concurrency` in-process tokenizations run on
-//! # blocking threads at once (default: the number of CPUs), a decision that gets no slot within
-//! # its tokenize budget falls back (`fallbacks_total{stage="tokenize",cause="busy"}`), and a
-//! # prompt over `tokenize_max_prompt_bytes` is not tokenized whole in process
-//! # (`cause="prompt_too_large"`; its leading tokens still are).
-//! # token_cache_bytes: 268435456
-//! # limits: {tokenize_concurrency: 2, tokenize_max_prompt_bytes: 2097152}
-//! # Drift between kvroute's predicted and the engines' reported cached tokens (crate::drift):
-//! # a replica whose drift over `window` passes `bound` is warned about (rate-limited); with
-//! # `action: approximate` its pool routes on the approximate tier until the drift is back at
-//! # `clear_below` (default bound / 2). No verdict before `min_tokens` predicted cached tokens.
-//! # drift: {bound: 0.5, window: 5m, min_tokens: 16384, action: warn}
-//! # GIE endpoint-picker protocol: after the chosen endpoint, this many fallbacks (best first) in
-//! # `x-gateway-destination-endpoint` and its `envoy.lb` metadata, which a proxy's retries walk;
-//! # 0 sends the chosen endpoint alone. With `shedding`, a request is refused with 429 when every
-//! # ready replica of its pool is saturated (GIE's defaults: 5 waiting requests or 80% KV cache);
-//! # off unless configured.
-//! # epp: {fallbacks: 2, shedding: {queue_depth: 5, kv_cache_usage: 0.8}}
-//! ```
+//! Every key, its default and meaning: `docs/configuration.md` (generated from the field docs of
+//! [`RawConfig`]).
 //!
 //! The flags GIE's and llm-d's charts pass override the file (see [`Overrides`]).
 
@@ -180,51 +112,96 @@ pub fn default_tokenize_concurrency() -> usize {
 }
 
 /// The YAML document as written. Unknown keys are errors.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawConfig {
+    /// Listen addresses, TLS and health port.
     listen: RawListen,
+    /// The kvroute-index to query (`addresses`), or the index run inside this process (`embedded`).
     index: RawIndex,
+    /// Time budgets of a routing decision and of shutdown.
     budgets: RawBudgets,
+    /// Largest request body buffered for routing (Envoy's BUFFERED limit is 1 MiB; FULL_DUPLEX
+    /// passes more).
+    #[schemars(extend("default" = DEFAULT_MAX_BODY_BYTES))]
     max_body_bytes: Option<usize>,
+    /// Scraping the replicas' `/metrics` for load.
     scrape: RawScrape,
+    /// Weights of the routing score (milliseconds of expected delay).
     scoring: RawScoring,
+    /// Cached tokenizations (whole prompts, conversation prefixes) at most.
+    #[schemars(extend("default" = DEFAULT_TOKEN_CACHE_ENTRIES))]
     token_cache_entries: Option<usize>,
+    /// Bytes the token cache may account for (tokens at 4 bytes each plus a fixed cost per entry).
+    #[schemars(extend("default" = DEFAULT_TOKEN_CACHE_BYTES))]
     token_cache_bytes: Option<usize>,
+    /// How often the config file's modification time is checked for a reload.
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_RELOAD_INTERVAL)))]
     reload_interval: Option<String>,
-    /// Body mode assumed when Envoy does not send `protocol_config` (Envoy < 1.34).
+    /// Body mode assumed when Envoy does not send `protocol_config` (Envoy < 1.34): `buffered` or
+    /// `full_duplex_streamed`.
     default_body_mode: Option<String>,
+    /// Debug response headers (`x-kvroute-decision`, `x-kvroute-predicted-cached-tokens`) reveal
+    /// whether a prompt was cached: off unless configured.
     debug_headers: RawDebugHeaders,
+    /// Load accounting, stream and tokenization limits.
     limits: RawLimits,
+    /// Drift between kvroute's predicted and the engines' reported cached tokens: a replica past
+    /// `bound` is warned about, or with `action: approximate` its pool routes on the approximate
+    /// tier until the drift is back under `clear_below`.
     drift: RawDrift,
+    /// GIE endpoint-picker protocol: fallback endpoints and load shedding.
     epp: RawEpp,
-    /// The pool of a request that names no model (needed only with several pools).
+    /// The pool of a request that names no model (vLLM serves its base model): needed only with
+    /// several pools (without it: 400).
     default_pool: Option<String>,
+    /// One pool per served model: the pool schema kvroute-index shares (`name`, `models`,
+    /// `block_size`, `key_scheme`: paste them unchanged) and ext-proc's own keys.
     pools: Vec<RawPool>,
+    /// Static replicas (a pool with `discovery` takes none).
     replicas: Vec<RawReplica>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawListen {
+    /// ext_proc gRPC address (GIE's EPP port); gRPC health is always served on it too. Loopback
+    /// unless configured: in a pod, listen on `0.0.0.0`.
+    #[schemars(extend("default" = DEFAULT_GRPC_ADDR))]
     grpc: Option<String>,
+    /// Admin HTTP address (`/metrics`, `/healthz`, `/readyz`).
+    #[schemars(extend("default" = DEFAULT_ADMIN_ADDR))]
     admin: Option<String>,
+    /// A plaintext gRPC health port for probes (GIE's 9003), besides the ext_proc port.
     health: Option<String>,
+    /// TLS on the ext_proc port, optionally requiring client certificates signed by `client_ca`
+    /// (Envoy's ext_proc cluster then needs an UpstreamTlsContext).
     tls: Option<kvroute_config::RawServerTls>,
+    /// `true` without `tls`: serve TLS with a self-signed certificate made at start (GIE's and
+    /// llm-d's `--secure-serving`).
     secure_serving: Option<bool>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawEpp {
+    /// Fallback endpoints (best first) after the chosen one in `x-gateway-destination-endpoint` and
+    /// its `envoy.lb` metadata, which a proxy's retries walk; 0 sends the chosen endpoint alone.
+    #[schemars(extend("default" = DEFAULT_EPP_FALLBACKS))]
     fallbacks: Option<usize>,
+    /// Refuse a request with 429 when every ready replica of its pool is saturated; off unless
+    /// configured.
     shedding: Option<RawShedding>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawShedding {
+    /// Waiting requests at which a replica counts as saturated (GIE's default).
+    #[schemars(extend("default" = DEFAULT_SHED_QUEUE_DEPTH))]
     queue_depth: Option<f64>,
+    /// KV-cache usage (0..1) at which a replica counts as saturated (GIE's default).
+    #[schemars(extend("default" = DEFAULT_SHED_KV_CACHE_USAGE))]
     kv_cache_usage: Option<f64>,
 }
 
@@ -271,99 +248,171 @@ impl Overrides {
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawIndex {
+    /// kvroute-index gRPC addresses (`http://host:port`, `https://` with `tls`), tried in order.
     addresses: Vec<String>,
+    /// A kvroute-index config file: the index runs inside this process (Match without a network
+    /// hop). Exclusive with `addresses`.
     embedded: Option<PathBuf>,
+    /// Deadline of one `Match` call (all fail-overs included).
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_MATCH_TIMEOUT)))]
     match_timeout: Option<String>,
+    /// How long an index address that failed is skipped before being tried again.
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_INDEX_RETRY_AFTER)))]
     retry_after: Option<String>,
+    /// TLS to the index; `addresses` are then `https://`.
     tls: Option<kvroute_config::RawClientTls>,
+    /// File holding the index's `query_auth` token, sent as `authorization: Bearer <token>` with
+    /// every Match.
     token_file: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawLimits {
+    /// Longest time a routed request counts in its replica's in-flight load while Envoy has not
+    /// reported its response headers.
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_INFLIGHT_MAX_AGE)))]
     inflight_max_age: Option<String>,
+    /// Most ext_proc streams open at once; more are refused with RESOURCE_EXHAUSTED (Envoy then
+    /// fails open).
+    #[schemars(extend("default" = DEFAULT_MAX_STREAMS))]
     max_streams: Option<usize>,
+    /// Most in-process tokenizations on blocking threads at once (default: the number of CPUs); a
+    /// decision that gets no slot within its tokenize budget falls back.
     tokenize_concurrency: Option<usize>,
+    /// Largest prompt tokenized whole in process (its leading tokens still are beyond it).
+    #[schemars(extend("default" = DEFAULT_TOKENIZE_MAX_PROMPT_BYTES))]
     tokenize_max_prompt_bytes: Option<usize>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawDrift {
+    /// Drift (0..1) above which a replica counts as drifting.
+    #[schemars(extend("default" = DEFAULT_DRIFT_BOUND))]
     bound: Option<f64>,
+    /// Drift under which a drifting replica counts as recovered (default: `bound` / 2).
     clear_below: Option<f64>,
+    /// Span of the drift window.
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_DRIFT_WINDOW)))]
     window: Option<String>,
+    /// Predicted cached tokens a window needs before it gives a verdict.
+    #[schemars(extend("default" = DEFAULT_DRIFT_MIN_TOKENS))]
     min_tokens: Option<u64>,
-    /// `warn` or `approximate`.
+    /// Past the bound: `warn` (rate-limited log) or `approximate` (the pool routes on the
+    /// approximate tier).
+    #[schemars(extend("default" = DEFAULT_DRIFT_ACTION))]
     action: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawDebugHeaders {
-    /// `never`, `always` or `token`.
+    /// Who gets the debug headers: `never`, `always`, or `token` (requests carrying the secret,
+    /// compared in constant time and removed before the request goes upstream).
+    #[schemars(extend("default" = DEFAULT_DEBUG_EXPOSE))]
     expose: Option<String>,
-    /// Request header carrying the token (`token` mode).
+    /// Request header carrying the debug token (`token` mode).
+    #[schemars(extend("default" = DEFAULT_DEBUG_TOKEN_HEADER))]
     token_header: Option<String>,
-    /// File holding the token (`token` mode).
+    /// File holding the debug token (`token` mode).
     token_file: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawBudgets {
+    /// Budget of a whole routing decision (tokenize + match + score).
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_DECISION_BUDGET)))]
     decision: Option<String>,
+    /// Budget of tokenization within a decision.
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_TOKENIZE_BUDGET)))]
     tokenize: Option<String>,
+    /// Time in-flight streams get to finish on shutdown.
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_DRAIN_TIMEOUT)))]
     drain: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawScrape {
+    /// How often each replica's `/metrics` is scraped.
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_SCRAPE_INTERVAL)))]
     interval: Option<String>,
+    /// Timeout of one scrape.
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_SCRAPE_TIMEOUT)))]
     timeout: Option<String>,
+    /// Consecutive failed scrapes after which a replica counts as not ready.
+    #[schemars(extend("default" = DEFAULT_UNREADY_AFTER_FAILURES))]
     unready_after_failures: Option<u32>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawScoring {
+    /// Expected prefill time per uncached prompt token (ms).
+    #[schemars(extend("default" = DEFAULT_PREFILL_MS_PER_TOKEN))]
     prefill_ms_per_token: Option<f64>,
+    /// Expected delay per waiting request (ms).
+    #[schemars(extend("default" = DEFAULT_QUEUE_MS_PER_REQUEST))]
     queue_ms_per_request: Option<f64>,
+    /// Expected delay per running request (ms).
+    #[schemars(extend("default" = DEFAULT_RUNNING_MS_PER_REQUEST))]
     running_ms_per_request: Option<f64>,
+    /// Delay at full KV-cache usage (ms), scaled by the usage.
+    #[schemars(extend("default" = DEFAULT_KV_USAGE_MS))]
     kv_usage_ms: Option<f64>,
+    /// Penalty factor for a replica far busier than its pool.
+    #[schemars(extend("default" = DEFAULT_HOTSPOT_FACTOR))]
     hotspot_factor: Option<f64>,
+    /// Smallest expected delay (ms) at which the hotspot penalty applies.
+    #[schemars(extend("default" = DEFAULT_HOTSPOT_MIN_MS))]
     hotspot_min_ms: Option<f64>,
+    /// Weight of prompt tokens a replica would recompute.
+    #[schemars(extend("default" = DEFAULT_RECOMPUTE_PENALTY))]
     recompute_penalty: Option<f64>,
+    /// How long a routed prompt's blocks count as cached on its replica before the index confirms
+    /// them.
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_SPECULATIVE_TTL)))]
     speculative_ttl: Option<String>,
 }
 
 /// A pool. `name`, `models`, `block_size` and `key_scheme` are the schema every kvroute
 /// component shares (kvroute-index's pools take the same keys with the same defaults); the rest
 /// is ext-proc's own.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawPool {
+    /// Pool name (unique; what replicas name in `pool`).
     name: Option<String>,
+    /// Served model names (as in requests' `model`).
     models: Vec<String>,
+    /// Tokens per KV block (the engines' `--block-size`).
+    #[schemars(extend("default" = DEFAULT_BLOCK_SIZE))]
     block_size: Option<u32>,
+    /// How block keys are computed (the engines' hashing settings).
     key_scheme: RawKeyScheme,
     // ext-proc only:
+    /// LoRA adapters served: a name, or `{name, id, path}` (vLLM 0.31+ hashes the adapter's path).
     adapters: Vec<RawAdapter>,
     /// Whether the index receives this pool's KV events (else: approximate tier only).
     events: Option<bool>,
+    /// Capacity (blocks) of each replica's approximate prefix memory.
+    #[schemars(extend("default" = DEFAULT_APPROX_CAPACITY_BLOCKS))]
     approx_capacity_blocks: Option<usize>,
+    /// Where prompts are tokenized: `model_dir` (in process), `remote` (a `/tokenize` endpoint) or
+    /// `render` (the engine's own render endpoints, exact by construction).
     tokenizer: Option<RawTokenizer>,
-    /// `pools[].discovery`: where the pool's replicas come from instead of `replicas:`.
+    /// Where the pool's replicas come from instead of `replicas:` (Kubernetes: the Ready pods of a
+    /// GIE InferencePool or a label selector, kept up to date while running).
     discovery: Option<kvroute_discovery::RawPoolDiscovery>,
 }
 
 /// An adapter as written: its name, or `{name, id, path}` (what older/newer vLLM hash).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
 #[serde(untagged)]
 enum RawAdapter {
     Name(String),
@@ -376,22 +425,32 @@ enum RawAdapter {
     },
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawTokenizer {
+    /// Directory with the model's `tokenizer.json` (tokenized in process).
     model_dir: Option<PathBuf>,
+    /// A `/tokenize` endpoint URL.
     remote: Option<String>,
+    /// The engine's render endpoint base URL (vLLM 0.32 `--enable-scale-out`).
     render: Option<String>,
+    /// Timeout of one remote or render call.
+    #[schemars(extend("default" = kvroute_config::format_duration(DEFAULT_REMOTE_TOKENIZE_TIMEOUT)))]
     timeout: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 struct RawReplica {
+    /// Replica id (unique; the index's replica id).
     id: Option<String>,
+    /// Name of its pool.
     pool: Option<String>,
+    /// The engine's `ip:port` (the routing decision's value).
     address: Option<String>,
+    /// The engine's Prometheus `/metrics` URL (load scraping).
     metrics_url: Option<String>,
+    /// The Envoy cluster of this replica, when each replica is its own cluster.
     envoy_cluster: Option<String>,
 }
 
@@ -1372,9 +1431,9 @@ fn pool(i: usize, raw: &RawPool) -> Result<Pool, ConfigError> {
         }) => Some(
             kvroute_discovery::KubernetesSource::try_from(kubernetes.clone()).map_err(|e| {
                 ConfigError::invalid(
-                    field(&format!("discovery.kubernetes.{}", e.field)),
-                    e.value,
-                    e.reason,
+                    field(&format!("discovery.kubernetes.{}", e.path())),
+                    "",
+                    e.reason(),
                 )
             })?,
         ),
