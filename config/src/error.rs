@@ -129,6 +129,10 @@ pub fn join_path(prefix: &str, field: &str) -> String {
 /// name for an unknown key): the root `.` becomes empty, and the reason does not repeat the key.
 fn serde_error(path: &serde_path_to_error::Path, reason: String) -> ConfigError {
     let mut path = path.to_string();
+    // `.` is the root; `?` a key the parser never finished reading (e.g. the input ended).
+    while let Some(rest) = path.strip_suffix('?') {
+        path = rest.trim_end_matches('.').to_owned();
+    }
     if path == "." {
         path.clear();
     }

@@ -4,8 +4,10 @@
 
 use crate::{AllowedPeer, ConfigError, SocketMode, ZmqEndpoint};
 
-/// Default largest KV-event message accepted from an engine (`max_message_bytes`): far above
-/// what vLLM publishes per batch, small enough that a hostile peer cannot exhaust memory.
+/// Default largest KV-event message accepted from an engine (`max_message_bytes`, all frames of
+/// one message). vLLM publishes one batch per scheduler step, kilobytes to a few MiB (thousands
+/// of block hashes at most), so 64 MiB leaves wide room while bounding what one peer can make
+/// the process hold.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// Defines a struct holding the KV-event source keys after the caller's own fields, with

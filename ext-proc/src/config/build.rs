@@ -119,13 +119,13 @@ impl TryFrom<RawConfig> for Config {
     }
 }
 
-/// A value the rules refuse, as the config library writes it: `path: reason (got 'value')`.
+/// A value the rules refuse, as every kvroute config writes it: `path: reason (got "value")`.
 pub(super) fn invalid(
     path: impl Into<String>,
     value: impl Display,
     reason: impl Display,
 ) -> ConfigError {
-    ConfigError::at(path, format_args!("{reason} (got '{value}')"))
+    ConfigError::at(path, format_args!("{reason} (got {:?})", value.to_string()))
 }
 
 /// A required key that is absent: `path: required`.
@@ -150,7 +150,7 @@ fn load_token(field: &str, path: &str) -> Result<AgentToken, ConfigError> {
             TokenError::Empty { .. } => "the file holds no token",
             _ => "cannot read the file",
         };
-        ConfigError::load(field, format_args!("{reason} (got '{path}')"))
+        ConfigError::load(field, format_args!("{reason} (got {path:?})"))
     })
 }
 

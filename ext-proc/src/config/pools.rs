@@ -109,13 +109,8 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
         Some(kvroute_discovery::RawPoolDiscovery {
             kubernetes: Some(kubernetes),
         }) => Some(
-            kvroute_discovery::KubernetesSource::try_from(kubernetes.clone()).map_err(|e| {
-                invalid(
-                    format!("discovery.kubernetes.{}", e.field),
-                    e.value,
-                    e.reason,
-                )
-            })?,
+            kvroute_discovery::KubernetesSource::try_from(kubernetes.clone())
+                .map_err(|e| e.within("discovery.kubernetes"))?,
         ),
     };
     Ok(Pool {

@@ -100,12 +100,12 @@ pub const DEFAULT_ADMIN_ADDR: SocketAddr =
 /// reaches it over the pod network, and a self-signed certificate needs Envoy set up for it.
 pub const DEFAULT_SECURE_SERVING: bool = false;
 
-/// `listen`. The chart flags (`--grpc-port`, `--grpc-health-port`, `--metrics-port`,
-/// `--secure-serving`, `--cert-path`) override these keys.
+/// The chart flags (`--grpc-port`, `--grpc-health-port`, `--metrics-port`, `--secure-serving`,
+/// `--cert-path`) override these keys.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawListen {
-    /// ext_proc gRPC address, `ip:port`: loopback unless configured (in a pod,
+    /// ext_proc gRPC address (GIE's EPP port), `ip:port`: loopback unless configured (in a pod,
     /// Envoy or the gateway reaches it from outside: `0.0.0.0:9002`). gRPC health (`grpc.health.v1`: "",
     /// liveness, readiness, inference-extension and the ext_proc service) is always served here.
     #[schemars(extend("default" = DEFAULT_GRPC_ADDR))]
@@ -131,7 +131,6 @@ pub const DEFAULT_MATCH_TIMEOUT: Duration = Duration::from_millis(20);
 /// How long an index address that failed is skipped before being tried again.
 pub const DEFAULT_INDEX_RETRY_AFTER: Duration = Duration::from_secs(2);
 
-/// `index`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawIndex {
@@ -163,7 +162,6 @@ pub const DEFAULT_TOKENIZE_BUDGET: Duration = Duration::from_millis(30);
 /// Default time in-flight streams get to finish on shutdown.
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// `budgets`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawBudgets {
@@ -184,8 +182,8 @@ pub const DEFAULT_SCRAPE_TIMEOUT: Duration = Duration::from_millis(400);
 /// Consecutive failed scrapes after which a replica counts as not ready.
 pub const DEFAULT_UNREADY_AFTER_FAILURES: u32 = 3;
 
-/// `scrape`; the interval's default is the routing crate's `DEFAULT_SCRAPE_INTERVAL` (load
-/// signals age with it).
+// The interval's default is the routing crate's `DEFAULT_SCRAPE_INTERVAL`: load signals age
+// with it.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawScrape {
@@ -200,8 +198,9 @@ pub(super) struct RawScrape {
     pub(super) unready_after_failures: Option<u32>,
 }
 
-/// `scoring`; the defaults are the routing crate's (`kvroute_routing::scoring::DEFAULT_*`),
-/// where the score is computed. Every weight is a finite number >= 0.
+// The defaults are the routing crate's (`kvroute_routing::scoring::DEFAULT_*`), where the score
+// is computed.
+/// Every weight is a finite number >= 0.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawScoring {
@@ -261,7 +260,6 @@ pub fn default_tokenize_concurrency() -> usize {
     )
 }
 
-/// `limits`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawLimits {
@@ -295,7 +293,6 @@ pub const DEFAULT_DRIFT_MIN_TOKENS: u64 = 16_384;
 /// Default action past the bound (`drift.action`).
 pub const DEFAULT_DRIFT_ACTION: DriftAction = DriftAction::Warn;
 
-/// `drift`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawDrift {
@@ -334,7 +331,6 @@ pub enum DebugExpose {
     Token,
 }
 
-/// `debug_headers`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawDebugHeaders {
@@ -357,7 +353,6 @@ pub const DEFAULT_SHED_QUEUE_DEPTH: f64 = 5.0;
 /// KV-cache usage (0..1) at which a replica counts as saturated for shedding (GIE's default).
 pub const DEFAULT_SHED_KV_CACHE_USAGE: f64 = 0.8;
 
-/// `epp`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawEpp {
@@ -371,7 +366,6 @@ pub(super) struct RawEpp {
     pub(super) shedding: Option<RawShedding>,
 }
 
-/// `epp.shedding`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawShedding {
@@ -406,7 +400,6 @@ pub(super) struct RawPool {
     pub(super) block_size: Option<u32>,
     /// How block keys are computed: the engines' own block hashes (`kind: vllm-exact`, with
     /// their hash algorithm, `PYTHONHASHSEED` and vLLM release) or `kind: token-chain`.
-    #[schemars(with = "serde_json::Value")] // XXX-STUB
     pub(super) key_scheme: RawKeyScheme,
     /// LoRA adapters served: a name, or `{name, id, path}` as vLLM's `LoRARequest` (vLLM <=
     /// 0.11.0 hashes the id, >= 0.31 the path). Clients send an adapter's name as `model`.
@@ -423,7 +416,6 @@ pub(super) struct RawPool {
     /// Replicas from Kubernetes (the Ready pods of a GIE InferencePool or a label selector,
     /// kept up to date) instead of `replicas:`, which may then not name this pool. Pod
     /// annotations (`kvroute.io/model`, `kvroute.io/metrics-port`, ...) set per-pod values.
-    #[schemars(with = "Option<serde_json::Value>")] // XXX-STUB
     pub(super) discovery: Option<kvroute_discovery::RawPoolDiscovery>,
 }
 
@@ -449,7 +441,6 @@ pub(super) enum RawAdapter {
 /// Default timeout of a remote `/tokenize` call.
 pub const DEFAULT_REMOTE_TOKENIZE_TIMEOUT: Duration = Duration::from_millis(25);
 
-/// `pools[].tokenizer`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawTokenizer {
@@ -465,7 +456,6 @@ pub(super) struct RawTokenizer {
     pub(super) timeout: Option<ConfigDuration>,
 }
 
-/// `replicas[]`.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawReplica {

@@ -22,6 +22,7 @@ use crate::testing::{
     MockPublisherConfig, MockVllmPublisher, PYZMQ_PUBLISHER_SCRIPT, PubMode, RecordingSink,
     ReplayLayout, SinkCall, applied_seqs,
 };
+use kvroute_config::SocketMode;
 use kvroute_index_core::wire;
 
 const WAIT: Duration = Duration::from_secs(15);
