@@ -106,8 +106,9 @@ pub const DEFAULT_SECURE_SERVING: bool = false;
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawListen {
     /// ext_proc gRPC address (GIE's EPP port), `ip:port`: loopback unless configured (in a pod,
-    /// Envoy or the gateway reaches it from outside: `0.0.0.0:9002`). gRPC health (`grpc.health.v1`: "",
-    /// liveness, readiness, inference-extension and the ext_proc service) is always served here.
+    /// Envoy or the gateway reaches it from outside: `0.0.0.0:9002`). gRPC health
+    /// (`grpc.health.v1`: "", liveness, readiness, inference-extension and the ext_proc service)
+    /// is always served here.
     #[schemars(extend("default" = DEFAULT_GRPC_ADDR))]
     pub(super) grpc: Option<ListenAddr>,
     /// Admin HTTP address (`/metrics`, `/healthz`, `/readyz`), `ip:port`. Must differ
