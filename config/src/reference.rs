@@ -83,7 +83,7 @@ pub fn render(title: &str, schema: &Schema) -> String {
 /// A property's type as the reference writes it, and the section it opens (an object with
 /// keys, directly or as the items of a list: path suffix `[]`).
 fn describe(property: &Value, defs: &Map<String, Value>) -> (String, Option<(String, Value)>) {
-    let property = resolve(non_null(property, defs), defs);
+    let property = resolve(non_null(property), defs);
     if property.get("properties").is_some() {
         return ("section".to_owned(), Some((String::new(), property)));
     }
@@ -137,14 +137,14 @@ fn describe(property: &Value, defs: &Map<String, Value>) -> (String, Option<(Str
 }
 
 /// `X` of an `Option<X>` (`anyOf: [X, null]`, `type: [X, "null"]`); anything else as is.
-fn non_null<'a>(property: &'a Value, defs: &Map<String, Value>) -> &'a Value {
+fn non_null(property: &Value) -> &Value {
     if let Some(variants) = property.get("anyOf").and_then(Value::as_array) {
         let not_null: Vec<&Value> = variants
             .iter()
             .filter(|v| v.get("type").and_then(Value::as_str) != Some("null"))
             .collect();
         if let [only] = not_null.as_slice() {
-            return non_null(only, defs);
+            return non_null(only);
         }
     }
     property
