@@ -50,8 +50,8 @@ pub use error::KeyError;
 pub use extra_keys::{ExtraKeys, ExtraKeysEra, LoraRef};
 pub use key_hash::{KeyHasher, KeyHasherBuilder};
 pub use schema::{
-    DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_VLLM_VERSION, MAX_BLOCK_SIZE, PoolKeySettings,
-    RawKeyScheme, SchemeConfigError,
+    DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_KEY_SCHEME_KIND, DEFAULT_VLLM_VERSION,
+    MAX_BLOCK_SIZE, PoolKeySettings, RawKeyScheme, SchemeConfigError,
 };
 pub use scheme::{ChainPoint, KeyScheme};
 pub use token_chain::TokenChain;

@@ -1,15 +1,7 @@
 //! The pool key settings as configuration files write them: one schema and one set of defaults
 //! for every kvroute component (ext-proc, kvroute-index), so a pool's `block_size` and
-//! `key_scheme` pasted into either config mean the same keys.
-//!
-//! ```yaml
-//! block_size: 16               # default 16 (vLLM's GPU default)
-//! key_scheme:
-//!   kind: vllm-exact           # default; or token-chain
-//!   hash_algo: sha256          # vLLM --prefix-caching-hash-algo; default sha256 (vLLM's)
-//!   seed: "0"                  # the engines' PYTHONHASHSEED; omit when unset
-//!   vllm_version: 0.32.0       # the engines' release (LoRA / cache_salt key shapes); default 0.32.0
-//! ```
+//! `key_scheme` pasted into either config mean the same keys (reference:
+//! `docs/configuration.md`).
 
 use std::fmt;
 
@@ -24,21 +16,31 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 pub const MAX_BLOCK_SIZE: u32 = 4096;
 /// vLLM's default `--prefix-caching-hash-algo` (0.10.2 and later, 0.32 included).
 pub const DEFAULT_HASH_ALGO: HashAlgo = HashAlgo::Sha256;
+/// `key_scheme.kind` when a pool does not say: keys are the engines' own block hashes.
+pub const DEFAULT_KEY_SCHEME_KIND: &str = "vllm-exact";
 /// vLLM release assumed for extra-key shapes when a pool does not say: the one kvroute is tested
 /// against.
 pub const DEFAULT_VLLM_VERSION: &str = "0.32.0";
 
 /// `key_scheme:` as written: a mapping (unknown keys rejected). The older index spelling
 /// `key_scheme: vllm-exact` (a bare string) is rejected with the new form in the message.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq, schemars::JsonSchema)]
+#[schemars(deny_unknown_fields)]
 pub struct RawKeyScheme {
-    /// `vllm-exact` (default) or `token-chain`.
+    /// `vllm-exact` (keys are the engines' own block hashes) or `token-chain` (kvroute's
+    /// engine-agnostic keys computed from token ids).
+    #[schemars(extend("default" = DEFAULT_KEY_SCHEME_KIND))]
     pub kind: Option<String>,
-    /// vLLM `--prefix-caching-hash-algo` (vllm-exact).
+    /// vllm-exact: the engines' `--prefix-caching-hash-algo` (`sha256`, `sha256_cbor`,
+    /// `sha256_cbor_64bit`, `xxhash`, `xxhash_cbor`).
+    #[schemars(extend("default" = DEFAULT_HASH_ALGO.as_str()))]
     pub hash_algo: Option<String>,
-    /// The engines' `PYTHONHASHSEED`, as text; absent when unset (vllm-exact).
+    /// vllm-exact: the engines' `PYTHONHASHSEED`, as text; omit it when unset (required with
+    /// the xxhash algorithms, which vLLM seeds randomly otherwise).
     pub seed: Option<String>,
-    /// The engines' vLLM release, e.g. `0.32.0`: how LoRA and `cache_salt` enter keys.
+    /// vllm-exact: the engines' vLLM release, e.g. `0.32.0`: how LoRA and `cache_salt` enter
+    /// keys.
+    #[schemars(extend("default" = DEFAULT_VLLM_VERSION))]
     pub vllm_version: Option<String>,
 }
 
@@ -140,7 +142,8 @@ impl PoolKeySettings {
             ));
         }
         let scheme = match raw.kind.as_deref() {
-            None | Some("vllm-exact") => Self::vllm_exact(raw)?,
+            None => Self::vllm_exact(raw)?,
+            Some(kind) if kind == DEFAULT_KEY_SCHEME_KIND => Self::vllm_exact(raw)?,
             Some("token-chain") => {
                 // Settings of the other kind are a mistake, not something to ignore.
                 for (field, value) in [

@@ -1,26 +1,13 @@
 //! The `kubernetes:` discovery section every kvroute component shares: YAML → [`RawKubernetes`]
-//! (unknown keys rejected) → validated [`KubernetesSource`].
-//!
-//! ```yaml
-//! kubernetes:
-//!   namespace: llm                 # default: the client's namespace (in a pod: its own)
-//!   inference_pool: llama          # a GIE v1 InferencePool: its selector and targetPorts
-//!   # or a plain label selector (matchLabels) and the port to route to (number or the name of
-//!   # a container port, resolved per pod like a Service's targetPort):
-//!   # selector: {app: vllm-llama}
-//!   # target_port: http
-//!   # Defaults of the KV-event ports a pod's annotations do not set (see crate::replica):
-//!   # kv_events_port: 5557
-//!   # kv_replay_port: 5558          # or null: no replay socket
-//!   # Where the API server is: in-cluster (service account) by default, or
-//!   # kubeconfig: /etc/kvroute/kubeconfig
-//!   # api_url: "http://127.0.0.1:6443"   # plain URL, no credentials (tests, kubectl proxy)
-//!   # node_name: worker-3         # only pods on this node (the agent: from the downward API)
-//! ```
+//! (unknown keys rejected) → validated [`KubernetesSource`]. Every key, its default and meaning:
+//! `docs/configuration.md` (generated from the field docs below). Errors name the field relative
+//! to the section (`selector`); each component places them (`.within("pools[2].discovery.kubernetes")`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use kvroute_config::ConfigError;
+use schemars::JsonSchema;
 use serde::Deserialize;
 
 /// vLLM's default `--kv-events-config` endpoint port (`tcp://*:5557`).
@@ -29,20 +16,36 @@ pub const DEFAULT_KV_EVENTS_PORT: u16 = 5557;
 /// vLLM's examples, llm-d and Dynamo deployments bind).
 pub const DEFAULT_KV_REPLAY_PORT: u16 = 5558;
 
-/// The section as written. Unknown keys are errors.
-#[derive(Debug, Default, Clone, Deserialize)]
+/// `kubernetes:`: which pods are the pool's replicas (a GIE InferencePool, or a label selector
+/// and a port), and how to reach the API server. Unknown keys are errors.
+#[derive(Debug, Default, Clone, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawKubernetes {
+    /// Namespace of the pods (default: the client's namespace; in a pod, its own).
     namespace: Option<String>,
+    /// A GIE v1 InferencePool in the namespace: its `spec.selector.matchLabels` select the pods,
+    /// its `spec.targetPorts` are the ports (one replica per port). Exclusive with `selector`.
     inference_pool: Option<String>,
+    /// Pods matching these labels (`matchLabels`, non-empty), e.g. `{app: vllm-llama}`; needs
+    /// `target_port`. Exclusive with `inference_pool`.
     selector: Option<BTreeMap<String, String>>,
+    /// With `selector`: the port routed to, a number or the name of a container port (resolved
+    /// per pod, like a Service's targetPort).
     target_port: Option<RawPort>,
+    /// KV-event PUB port of rank 0 when a pod does not annotate one (`kvroute.io/kv-events-port`).
+    #[schemars(extend("default" = DEFAULT_KV_EVENTS_PORT))]
     kv_events_port: Option<u16>,
-    /// `Some(None)`: written as `null`, no replay socket.
+    /// Replay ROUTER port of rank 0 when a pod does not annotate one; `null`: no replay socket.
+    /// `Some(None)`: written as `null`.
     #[serde(deserialize_with = "explicit_null")]
+    #[schemars(extend("default" = DEFAULT_KV_REPLAY_PORT))]
     kv_replay_port: Option<Option<u16>>,
+    /// A kubeconfig file (its current context) instead of the pod's service account.
     kubeconfig: Option<PathBuf>,
+    /// A plain API server URL without credentials (tests, `kubectl proxy`), e.g.
+    /// `http://127.0.0.1:6443`. Exclusive with `kubeconfig`; default: in-cluster.
     api_url: Option<String>,
+    /// Only pods scheduled on this node (the agent's default: its agent id).
     node_name: Option<String>,
 }
 
@@ -55,15 +58,15 @@ where
 
 /// `pools[].discovery:` as kvroute-ext-proc and kvroute-index write it: where a pool's replicas
 /// come from instead of its static `replicas:` list (Kubernetes is the one source today).
-#[derive(Debug, Default, Clone, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawPoolDiscovery {
-    /// The `kubernetes:` section ([`RawKubernetes`]); required.
+    /// The pool's replicas are the Ready pods this section selects (required in `discovery`).
     pub kubernetes: Option<RawKubernetes>,
 }
 
 /// A port as written: a number or a container port's name.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(untagged)]
 enum RawPort {
     Number(u16),
@@ -122,26 +125,9 @@ pub struct KubernetesSource {
     pub connection: Connection,
 }
 
-/// A rejected `kubernetes:` section: the field (relative to the section) and why.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: invalid value '{value}': {reason}")]
-pub struct ConfigError {
-    /// The field, e.g. `selector`.
-    pub field: &'static str,
-    /// The value as written.
-    pub value: String,
-    /// Why.
-    pub reason: &'static str,
-}
-
-impl ConfigError {
-    fn new(field: &'static str, value: impl std::fmt::Display, reason: &'static str) -> Self {
-        Self {
-            field,
-            value: value.to_string(),
-            reason,
-        }
-    }
+/// A refused value: `field` (relative to the section) and why, with the value as written.
+fn invalid(field: &str, value: impl std::fmt::Display, reason: &str) -> ConfigError {
+    ConfigError::at(field, format_args!("{reason} (got '{value}')"))
 }
 
 impl KubernetesSource {
@@ -155,11 +141,12 @@ impl KubernetesSource {
 impl TryFrom<RawKubernetes> for KubernetesSource {
     type Error = ConfigError;
 
+    /// Validates the section; errors name the field relative to it.
     fn try_from(raw: RawKubernetes) -> Result<Self, Self::Error> {
         if let Some(namespace) = raw.namespace.as_deref()
             && !is_dns_label(namespace)
         {
-            return Err(ConfigError::new(
+            return Err(invalid(
                 "namespace",
                 namespace,
                 "expected a Kubernetes namespace name (DNS label)",
@@ -167,14 +154,14 @@ impl TryFrom<RawKubernetes> for KubernetesSource {
         }
         let target = match (raw.inference_pool, raw.selector) {
             (Some(_), Some(_)) => {
-                return Err(ConfigError::new(
+                return Err(invalid(
                     "selector",
                     "…",
                     "inference_pool and selector are mutually exclusive",
                 ));
             }
             (None, None) => {
-                return Err(ConfigError::new(
+                return Err(invalid(
                     "inference_pool",
                     "",
                     "one of inference_pool or selector is required",
@@ -182,14 +169,10 @@ impl TryFrom<RawKubernetes> for KubernetesSource {
             }
             (Some(pool), None) => {
                 if !is_dns_subdomain(&pool) {
-                    return Err(ConfigError::new(
-                        "inference_pool",
-                        pool,
-                        "expected an object name",
-                    ));
+                    return Err(invalid("inference_pool", pool, "expected an object name"));
                 }
                 if let Some(port) = &raw.target_port {
-                    return Err(ConfigError::new(
+                    return Err(invalid(
                         "target_port",
                         port_text(port),
                         "the InferencePool's targetPorts decide the ports",
@@ -199,7 +182,7 @@ impl TryFrom<RawKubernetes> for KubernetesSource {
             }
             (None, Some(labels)) => {
                 if labels.is_empty() {
-                    return Err(ConfigError::new(
+                    return Err(invalid(
                         "selector",
                         "{}",
                         "an empty selector would select every pod in the namespace",
@@ -209,7 +192,7 @@ impl TryFrom<RawKubernetes> for KubernetesSource {
                     .iter()
                     .find(|(k, v)| !is_label_key(k) || !is_label_value(v))
                 {
-                    return Err(ConfigError::new(
+                    return Err(invalid(
                         "selector",
                         format!("{key}={value}"),
                         "expected a label key and value",
@@ -217,19 +200,15 @@ impl TryFrom<RawKubernetes> for KubernetesSource {
                 }
                 let port = match raw.target_port {
                     None => {
-                        return Err(ConfigError::new(
-                            "target_port",
-                            "",
-                            "required with selector",
-                        ));
+                        return Err(invalid("target_port", "", "required with selector"));
                     }
                     Some(RawPort::Number(0)) => {
-                        return Err(ConfigError::new("target_port", 0, "must be 1-65535"));
+                        return Err(invalid("target_port", 0, "must be 1-65535"));
                     }
                     Some(RawPort::Number(n)) => TargetPort::Number(n),
                     Some(RawPort::Name(name)) if is_port_name(&name) => TargetPort::Name(name),
                     Some(RawPort::Name(name)) => {
-                        return Err(ConfigError::new(
+                        return Err(invalid(
                             "target_port",
                             name,
                             "expected a port number or a container port name",
@@ -241,7 +220,7 @@ impl TryFrom<RawKubernetes> for KubernetesSource {
         };
         let connection = match (raw.kubeconfig, raw.api_url) {
             (Some(_), Some(_)) => {
-                return Err(ConfigError::new(
+                return Err(invalid(
                     "api_url",
                     "…",
                     "kubeconfig and api_url are mutually exclusive",
@@ -251,9 +230,9 @@ impl TryFrom<RawKubernetes> for KubernetesSource {
             (None, Some(url)) => {
                 let uri: http::Uri = url
                     .parse()
-                    .map_err(|_| ConfigError::new("api_url", &url, "expected a URL"))?;
+                    .map_err(|_| invalid("api_url", &url, "expected a URL"))?;
                 if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
-                    return Err(ConfigError::new(
+                    return Err(invalid(
                         "api_url",
                         url,
                         "expected http:// or https:// with a host",
@@ -266,16 +245,12 @@ impl TryFrom<RawKubernetes> for KubernetesSource {
         let kv_events_port = raw.kv_events_port.unwrap_or(DEFAULT_KV_EVENTS_PORT);
         let kv_replay_port = raw.kv_replay_port.unwrap_or(Some(DEFAULT_KV_REPLAY_PORT));
         if kv_events_port == 0 || kv_replay_port == Some(0) {
-            return Err(ConfigError::new(
-                "kv_events_port",
-                0,
-                "ports must be 1-65535",
-            ));
+            return Err(invalid("kv_events_port", 0, "ports must be 1-65535"));
         }
         if let Some(node) = raw.node_name.as_deref()
             && !is_dns_subdomain(node)
         {
-            return Err(ConfigError::new("node_name", node, "expected a node name"));
+            return Err(invalid("node_name", node, "expected a node name"));
         }
         Ok(Self {
             namespace: raw.namespace,
@@ -347,7 +322,7 @@ mod tests {
     use super::*;
 
     fn parse(yaml: &str) -> Result<KubernetesSource, String> {
-        let raw: RawKubernetes = serde_yaml::from_str(yaml).map_err(|e| e.to_string())?;
+        let raw: RawKubernetes = kvroute_config::from_yaml(yaml).map_err(|e| e.to_string())?;
         KubernetesSource::try_from(raw).map_err(|e| e.to_string())
     }
 
@@ -409,7 +384,26 @@ mod tests {
         assert!(
             parse("{inference_pool: a, unknown: 1}")
                 .unwrap_err()
-                .contains("unknown")
+                .starts_with("unknown: unknown key")
         );
+    }
+
+    #[test]
+    fn a_config_error_names_its_field_path() {
+        let raw: RawKubernetes =
+            kvroute_config::from_yaml("{selector: {app: b}, target_port: 0}").unwrap();
+        let error = KubernetesSource::try_from(raw)
+            .unwrap_err()
+            .within("pools[1].discovery.kubernetes");
+        assert_eq!(error.path(), "pools[1].discovery.kubernetes.target_port");
+        assert_eq!(
+            error.to_string(),
+            "pools[1].discovery.kubernetes.target_port: must be 1-65535 (got '0')"
+        );
+        let error = kvroute_config::from_yaml::<Vec<RawPoolDiscovery>>(
+            "[{kubernetes: {inference_pool: a}}, {kubernetes: {inference_pool: a, nope: 1}}]",
+        )
+        .unwrap_err();
+        assert_eq!(error.path(), "[1].kubernetes.nope");
     }
 }

@@ -7,14 +7,14 @@
 //! - [`shutdown`]: the stop signal (SIGTERM, Ctrl-C);
 //! - [`config_file`]: the one config-file watcher every component reloads through;
 //! - [`tls`]: TLS settings of every kvroute gRPC endpoint, server and client side;
-//! - [`token`]: shared secrets (agent and query tokens) and the `authorization` header;
-//! - [`duration`]: the one duration format of every kvroute config (`250ms`, `2s`, `1m`).
+//! - [`token`]: shared secrets (agent and query tokens) and the `authorization` header.
+//!
+//! Config parsing (durations, TLS and token settings as written) is `kvroute_config`'s.
 
 #![deny(missing_docs)]
 
 pub mod admin;
 pub mod config_file;
-pub mod duration;
 pub mod logging;
 pub mod process;
 pub mod shutdown;

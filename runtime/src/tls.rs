@@ -19,7 +19,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use kvroute_config::{RawClientTls, RawServerTls};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
 /// Why TLS settings are unusable.
@@ -66,6 +66,30 @@ pub enum TlsError {
 }
 
 impl TlsError {
+    /// The config field at fault (`listen.tls.cert`).
+    pub fn field(&self) -> &str {
+        match self {
+            TlsError::Read { field, .. }
+            | TlsError::NotPem { field, .. }
+            | TlsError::Incomplete { field, .. }
+            | TlsError::Rejected { field, .. } => field,
+        }
+    }
+
+    /// Why, without the field (for a `kvroute_config::ConfigError` at [`TlsError::field`]).
+    pub fn reason(&self) -> String {
+        match self {
+            TlsError::Read { path, source, .. } => {
+                format!("cannot read {}: {source}", path.display())
+            }
+            TlsError::NotPem { path, expected, .. } => {
+                format!("{} holds no PEM {expected}", path.display())
+            }
+            TlsError::Incomplete { reason, .. } => (*reason).to_owned(),
+            TlsError::Rejected { source, .. } => format!("unusable TLS material: {source}"),
+        }
+    }
+
     /// Metric/log label.
     pub fn as_label(&self) -> &'static str {
         match self {
@@ -75,32 +99,6 @@ impl TlsError {
             TlsError::Rejected { .. } => "rejected",
         }
     }
-}
-
-/// `listen.tls` as written.
-#[derive(Debug, Default, Clone, PartialEq, Eq, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RawServerTls {
-    /// PEM certificate chain (leaf first).
-    pub cert: String,
-    /// PEM private key of the leaf.
-    pub key: String,
-    /// PEM CA bundle; when set, clients must present a certificate it signs.
-    pub client_ca: Option<String>,
-}
-
-/// A client `tls` section as written.
-#[derive(Debug, Default, Clone, PartialEq, Eq, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RawClientTls {
-    /// PEM CA bundle the server's certificate must chain to.
-    pub ca: String,
-    /// Name the server's certificate must carry (default: the URI's host).
-    pub server_name: Option<String>,
-    /// PEM client certificate chain, for servers that require one.
-    pub cert: Option<String>,
-    /// PEM private key of `cert`.
-    pub key: Option<String>,
 }
 
 const CERTIFICATE: &str = "CERTIFICATE";

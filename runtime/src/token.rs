@@ -3,17 +3,10 @@
 
 use std::fmt;
 
+use kvroute_config::TokenSource;
+
 /// The request header (gRPC metadata key) carrying a token: `authorization: Bearer <token>`.
 pub const AUTHORIZATION: &str = "authorization";
-
-/// Where a token comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TokenSource {
-    /// A file (trailing whitespace, e.g. the newline of `echo`, is ignored).
-    File(String),
-    /// An environment variable.
-    Env(String),
-}
 
 /// Why a token cannot be loaded.
 #[derive(Debug, thiserror::Error)]

@@ -3,12 +3,15 @@
 //!
 //! The same module runs twice in the chain; `role` says which instance this is. Every other key has a
 //! default so the two instances can share one JSON document apart from `role`. Anything malformed is
-//! rejected with a [`ConfigError`] naming the field, so `on_configure` can refuse the plugin with one
-//! clear log line instead of running with a guess.
+//! rejected with a [`ConfigError`] naming the field path (`affinity.slots: ...`), so `on_configure`
+//! can refuse the plugin with one clear log line instead of running with a guess. Every key:
+//! `docs/configuration.md` (generated from [`RawConfig`]).
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
+use kvroute_config::{ConfigError, HeaderName};
+use schemars::JsonSchema;
 use serde::Deserialize;
 
 /// Header carrying the endpoint decision (Gateway API Inference Extension endpoint-picker protocol).
@@ -40,7 +43,7 @@ pub const MAX_AFFINITY_TTL: Duration = Duration::from_secs(86_400);
 pub const MAX_REPLICA_LEN: usize = 255;
 
 /// Which of the two instances in the chain this plugin is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Role {
     /// Before ext_proc: route on headers alone (pin, learned session, model pool) and skip ext_proc.
@@ -49,59 +52,73 @@ pub enum Role {
     Fallback,
 }
 
-/// The configuration document as written by the operator.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// The configuration document as written by the operator (JSON).
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawConfig {
-    /// Required: `"fast_path"` or `"fallback"`.
+    /// Required: `fast_path` (before ext_proc) or `fallback` (after it).
     pub role: Option<Role>,
     /// Conversation id header (learned affinity, and the fallback's first hash key).
-    pub session_header: Option<String>,
-    /// Header carrying a replica decision (`x-gateway-destination-endpoint`, or `x-kvroute-cluster`
-    /// when each replica is its own Envoy cluster).
-    pub replica_header: Option<String>,
+    #[schemars(extend("default" = DEFAULT_SESSION_HEADER))]
+    pub session_header: Option<HeaderName>,
+    /// Header carrying a replica decision (the endpoint-picker protocol's header, or
+    /// `x-kvroute-cluster` when each replica is its own Envoy cluster).
+    #[schemars(extend("default" = DEFAULT_REPLICA_HEADER))]
+    pub replica_header: Option<HeaderName>,
     /// Header carrying a pool (cluster) decision for model routes.
-    pub pool_header: Option<String>,
-    /// Marker set by the fast path; the chain skips ext_proc when it is present.
-    pub marker_header: Option<String>,
-    /// Known replicas: the fallback's hash ring, and the only values a pin may name.
+    #[schemars(extend("default" = DEFAULT_POOL_HEADER))]
+    pub pool_header: Option<HeaderName>,
+    /// Marker the fast path sets; the chain skips ext_proc when it is present.
+    #[schemars(extend("default" = DEFAULT_MARKER_HEADER))]
+    pub marker_header: Option<HeaderName>,
+    /// Known replicas (`ip:port` or cluster names, no duplicates): the fallback's hash ring
+    /// (required for `fallback`), and the only values a pin may name.
     pub replicas: Vec<String>,
     /// Learned session affinity table.
     pub affinity: RawAffinity,
-    /// Explicit pin header; absent = pins are never honoured.
+    /// Explicit pin header; absent: pins are never honoured.
     pub pin: Option<RawPin>,
-    /// Header naming the model (e.g. set by the client or a body-to-header filter).
-    pub model_header: Option<String>,
+    /// Header naming the model (set by the client or a body-to-header filter); required with
+    /// `model_routes`.
+    pub model_header: Option<HeaderName>,
     /// Model name → pool cluster, routed without ext_proc.
     pub model_routes: BTreeMap<String, String>,
     /// Headers hashed by the fallback, first present wins (default: the session header).
-    pub fallback_hash_headers: Vec<String>,
+    pub fallback_hash_headers: Vec<HeaderName>,
 }
 
 /// `affinity` section as written.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawAffinity {
-    /// Entry lifetime in seconds.
+    /// How long a learned session → replica entry is used without being refreshed, in seconds
+    /// (at most a day).
+    #[schemars(extend("default" = DEFAULT_AFFINITY_TTL.as_secs()))]
     pub ttl_seconds: Option<u64>,
-    /// Number of buckets.
+    /// Shared-data buckets of the learned table (one shared-data key each).
+    #[schemars(extend("default" = DEFAULT_AFFINITY_SLOTS))]
     pub slots: Option<u32>,
-    /// Entries per bucket.
+    /// Entries per bucket; `slots * ways` is the most sessions remembered at once.
+    #[schemars(extend("default" = DEFAULT_AFFINITY_WAYS))]
     pub ways: Option<u8>,
-    /// Shared-data key prefix.
+    /// Prefix of the shared-data keys, so two differently configured chains in one VM do not
+    /// collide.
+    #[schemars(extend("default" = DEFAULT_AFFINITY_KEY_PREFIX))]
     pub key_prefix: Option<String>,
 }
 
 /// `pin` section as written.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawPin {
     /// Header naming the replica to pin to.
-    pub header: Option<String>,
-    /// `true`: every source is trusted (only for gateways reachable solely by trusted callers).
+    #[schemars(extend("default" = DEFAULT_PIN_HEADER))]
+    pub header: Option<HeaderName>,
+    /// `true`: every caller is trusted to pin (only for gateways reachable solely by trusted
+    /// callers). Exclusive with `token`.
     pub trust_all: bool,
     /// Header carrying the shared secret of trusted clients.
-    pub token_header: Option<String>,
+    pub token_header: Option<HeaderName>,
     /// The shared secret; a pin is honoured only when `token_header` carries exactly this value.
     pub token: Option<String>,
 }
@@ -169,165 +186,91 @@ pub enum PinTrust {
     },
 }
 
-/// Why a configuration was rejected.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// No configuration bytes at all (`role` is mandatory).
-    #[error("plugin configuration is empty; `role` (\"fast_path\" or \"fallback\") is required")]
-    Empty,
-    /// Not JSON, unknown key, or wrong type.
-    #[error("plugin configuration is not valid: {source}")]
-    Json {
-        /// The parser's error (names the key and position).
-        #[from]
-        source: serde_json::Error,
-    },
-    /// A required field is absent.
-    #[error("`{field}` is required")]
-    Missing {
-        /// Field path.
-        field: &'static str,
-    },
-    /// A header name that Envoy would not accept as a lowercase HTTP header.
-    #[error("`{field}` = {value:?} is not a lowercase HTTP header name")]
-    BadHeaderName {
-        /// Field path.
-        field: &'static str,
-        /// The rejected value.
-        value: String,
-    },
-    /// A number outside its allowed range.
-    #[error("`{field}` = {value} is outside {min}..={max}")]
-    OutOfRange {
-        /// Field path.
-        field: &'static str,
-        /// The rejected value.
-        value: u64,
-        /// Smallest accepted value.
-        min: u64,
-        /// Largest accepted value.
-        max: u64,
-    },
-    /// A replica or cluster name that is empty, too long, or not a plain token.
-    #[error("`{field}` entry {value:?} must be 1..=255 visible ASCII characters without commas")]
-    BadTarget {
-        /// Field path.
-        field: &'static str,
-        /// The rejected value.
-        value: String,
-    },
-    /// The same replica listed twice (would skew the hash ring).
-    #[error("`replicas` lists {value:?} twice")]
-    DuplicateReplica {
-        /// The duplicated replica.
-        value: String,
-    },
-    /// The fallback role needs something to pick from.
-    #[error("role \"fallback\" needs a non-empty `replicas` list")]
-    NoReplicas,
-    /// Two roles of header would be confused with each other.
-    #[error("`{field}` must differ from `{other}` (both are {value:?})")]
-    HeaderClash {
-        /// Field path.
-        field: &'static str,
-        /// The other field path.
-        other: &'static str,
-        /// The shared value.
-        value: String,
-    },
-    /// The pin section neither trusts everyone nor names a token.
-    #[error("`pin` needs either `trust_all: true` or both `token_header` and `token`")]
-    PinTrustUnset,
-    /// The pin section both trusts everyone and names a token.
-    #[error("`pin.trust_all` and `pin.token` are mutually exclusive")]
-    PinTrustAmbiguous,
-}
-
-impl ConfigError {
-    /// Stable label for logs and counters.
-    pub fn as_label(&self) -> &'static str {
-        match self {
-            ConfigError::Empty => "empty",
-            ConfigError::Json { .. } => "json",
-            ConfigError::Missing { .. } => "missing",
-            ConfigError::BadHeaderName { .. } => "bad_header_name",
-            ConfigError::OutOfRange { .. } => "out_of_range",
-            ConfigError::BadTarget { .. } => "bad_target",
-            ConfigError::DuplicateReplica { .. } => "duplicate_replica",
-            ConfigError::NoReplicas => "no_replicas",
-            ConfigError::HeaderClash { .. } => "header_clash",
-            ConfigError::PinTrustUnset => "pin_trust_unset",
-            ConfigError::PinTrustAmbiguous => "pin_trust_ambiguous",
-        }
-    }
-}
-
 impl Config {
     /// Parses and validates the plugin configuration bytes.
     pub fn from_json(bytes: &[u8]) -> Result<Self, ConfigError> {
         if bytes.iter().all(u8::is_ascii_whitespace) {
-            return Err(ConfigError::Empty);
+            return Err(ConfigError::at(
+                "",
+                "plugin configuration is empty; `role` (\"fast_path\" or \"fallback\") is required",
+            ));
         }
-        let raw: RawConfig = serde_json::from_slice(bytes)?;
-        Self::validate(raw)
+        Self::validate(kvroute_config::from_json(bytes)?)
     }
 
-    /// Validates a parsed document.
+    /// Validates a parsed document: the rules between fields.
     pub fn validate(raw: RawConfig) -> Result<Self, ConfigError> {
-        let role = raw.role.ok_or(ConfigError::Missing { field: "role" })?;
-        let session_header =
-            header_or(raw.session_header, "session_header", DEFAULT_SESSION_HEADER)?;
-        let replica_header =
-            header_or(raw.replica_header, "replica_header", DEFAULT_REPLICA_HEADER)?;
-        let pool_header = header_or(raw.pool_header, "pool_header", DEFAULT_POOL_HEADER)?;
-        let marker_header = header_or(raw.marker_header, "marker_header", DEFAULT_MARKER_HEADER)?;
-        for (field, value) in [
-            ("session_header", &session_header),
-            ("replica_header", &replica_header),
-            ("pool_header", &pool_header),
+        let role = raw
+            .role
+            .ok_or_else(|| ConfigError::at("role", "required"))?;
+        let header_or = |value: Option<HeaderName>, default: &str| {
+            value.map_or_else(|| default.to_owned(), String::from)
+        };
+        let session_header = header_or(raw.session_header, DEFAULT_SESSION_HEADER);
+        let replica_header = header_or(raw.replica_header, DEFAULT_REPLICA_HEADER);
+        let pool_header = header_or(raw.pool_header, DEFAULT_POOL_HEADER);
+        let marker_header = header_or(raw.marker_header, DEFAULT_MARKER_HEADER);
+        for (field, value, other, other_value) in [
+            (
+                "session_header",
+                &session_header,
+                "marker_header",
+                &marker_header,
+            ),
+            (
+                "replica_header",
+                &replica_header,
+                "marker_header",
+                &marker_header,
+            ),
+            ("pool_header", &pool_header, "marker_header", &marker_header),
+            (
+                "session_header",
+                &session_header,
+                "replica_header",
+                &replica_header,
+            ),
         ] {
-            if *value == marker_header {
-                return Err(ConfigError::HeaderClash {
-                    field,
-                    other: "marker_header",
-                    value: value.clone(),
-                });
+            if value == other_value {
+                return Err(clash(field, other, value));
             }
-        }
-        if session_header == replica_header {
-            return Err(ConfigError::HeaderClash {
-                field: "session_header",
-                other: "replica_header",
-                value: session_header,
-            });
         }
 
         let mut seen = HashSet::new();
-        for replica in &raw.replicas {
-            check_target("replicas", replica)?;
+        for (i, replica) in raw.replicas.iter().enumerate() {
+            check_target(&format!("replicas[{i}]"), replica)?;
             if !seen.insert(replica.as_str()) {
-                return Err(ConfigError::DuplicateReplica {
-                    value: replica.clone(),
-                });
+                return Err(ConfigError::at(
+                    format!("replicas[{i}]"),
+                    format_args!("{replica:?} is listed twice (it would skew the hash ring)"),
+                ));
             }
         }
         if role == Role::Fallback && raw.replicas.is_empty() {
-            return Err(ConfigError::NoReplicas);
+            return Err(ConfigError::at(
+                "replicas",
+                "role \"fallback\" needs a non-empty list",
+            ));
         }
 
-        let affinity = validate_affinity(raw.affinity)?;
-        let pin = raw.pin.map(validate_pin).transpose()?;
+        let affinity = validate_affinity(raw.affinity).map_err(|e| e.within("affinity"))?;
+        let pin = raw
+            .pin
+            .map(validate_pin)
+            .transpose()
+            .map_err(|e| e.within("pin"))?;
 
-        for pool in raw.model_routes.values() {
-            check_target("model_routes", pool)?;
+        for (model, pool) in &raw.model_routes {
+            check_target(&format!("model_routes.{model}"), pool)?;
         }
         let model_header = match (raw.model_header, raw.model_routes.is_empty()) {
-            (Some(h), _) => Some(check_header("model_header", h)?),
+            (Some(header), _) => Some(String::from(header)),
             (None, true) => None,
             (None, false) => {
-                return Err(ConfigError::Missing {
-                    field: "model_header",
-                });
+                return Err(ConfigError::at(
+                    "model_header",
+                    "required with model_routes",
+                ));
             }
         };
 
@@ -336,8 +279,8 @@ impl Config {
         } else {
             raw.fallback_hash_headers
                 .into_iter()
-                .map(|h| check_header("fallback_hash_headers", h))
-                .collect::<Result<_, _>>()?
+                .map(String::from)
+                .collect()
         };
 
         Ok(Config {
@@ -365,36 +308,30 @@ impl Config {
     }
 }
 
+/// Two header roles that would be confused with each other.
+fn clash(field: &str, other: &str, value: &str) -> ConfigError {
+    ConfigError::at(
+        field,
+        format_args!("must differ from `{other}` (both are {value:?})"),
+    )
+}
+
+/// The `affinity` section; paths relative to it.
 fn validate_affinity(raw: RawAffinity) -> Result<AffinityConfig, ConfigError> {
     let ttl_seconds = raw.ttl_seconds.unwrap_or(DEFAULT_AFFINITY_TTL.as_secs());
-    check_range(
-        "affinity.ttl_seconds",
-        ttl_seconds,
-        1,
-        MAX_AFFINITY_TTL.as_secs(),
-    )?;
+    check_range("ttl_seconds", ttl_seconds, 1, MAX_AFFINITY_TTL.as_secs())?;
     let slots = raw.slots.unwrap_or(DEFAULT_AFFINITY_SLOTS);
-    check_range(
-        "affinity.slots",
-        u64::from(slots),
-        1,
-        u64::from(MAX_AFFINITY_SLOTS),
-    )?;
+    check_range("slots", u64::from(slots), 1, u64::from(MAX_AFFINITY_SLOTS))?;
     let ways = raw.ways.unwrap_or(DEFAULT_AFFINITY_WAYS);
-    check_range(
-        "affinity.ways",
-        u64::from(ways),
-        1,
-        u64::from(MAX_AFFINITY_WAYS),
-    )?;
+    check_range("ways", u64::from(ways), 1, u64::from(MAX_AFFINITY_WAYS))?;
     let key_prefix = raw
         .key_prefix
         .unwrap_or_else(|| DEFAULT_AFFINITY_KEY_PREFIX.to_owned());
     if key_prefix.is_empty() || !key_prefix.bytes().all(|b| b.is_ascii_graphic()) {
-        return Err(ConfigError::BadTarget {
-            field: "affinity.key_prefix",
-            value: key_prefix,
-        });
+        return Err(ConfigError::at(
+            "key_prefix",
+            format_args!("must be visible ASCII characters (got {key_prefix:?})"),
+        ));
     }
     Ok(AffinityConfig {
         ttl: Duration::from_secs(ttl_seconds),
@@ -404,72 +341,60 @@ fn validate_affinity(raw: RawAffinity) -> Result<AffinityConfig, ConfigError> {
     })
 }
 
+/// The `pin` section; paths relative to it.
 fn validate_pin(raw: RawPin) -> Result<PinConfig, ConfigError> {
-    let header = header_or(raw.header, "pin.header", DEFAULT_PIN_HEADER)?;
+    let header = raw
+        .header
+        .map_or_else(|| DEFAULT_PIN_HEADER.to_owned(), String::from);
     let trust = match (raw.trust_all, raw.token_header, raw.token) {
         (true, None, None) => PinTrust::All,
-        (true, _, _) => return Err(ConfigError::PinTrustAmbiguous),
+        (true, _, _) => {
+            return Err(ConfigError::at(
+                "trust_all",
+                "`trust_all` and `token` are mutually exclusive",
+            ));
+        }
         (false, Some(token_header), Some(token)) if !token.is_empty() => {
-            let token_header = check_header("pin.token_header", token_header)?;
+            let token_header = String::from(token_header);
             if token_header == header {
-                return Err(ConfigError::HeaderClash {
-                    field: "pin.token_header",
-                    other: "pin.header",
-                    value: token_header,
-                });
+                return Err(clash("token_header", "pin.header", &token_header));
             }
             PinTrust::Token {
                 header: token_header,
                 token,
             }
         }
-        (false, _, _) => return Err(ConfigError::PinTrustUnset),
+        (false, _, _) => {
+            return Err(ConfigError::at(
+                "",
+                "needs either `trust_all: true` or both `token_header` and `token`",
+            ));
+        }
     };
     Ok(PinConfig { header, trust })
 }
 
-fn header_or(
-    value: Option<String>,
-    field: &'static str,
-    default: &str,
-) -> Result<String, ConfigError> {
-    check_header(field, value.unwrap_or_else(|| default.to_owned()))
-}
-
-/// Envoy stores header names lowercase; an uppercase name in config would never match.
-fn check_header(field: &'static str, value: String) -> Result<String, ConfigError> {
-    let valid = !value.is_empty()
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-_.".contains(&b));
-    if valid {
-        Ok(value)
-    } else {
-        Err(ConfigError::BadHeaderName { field, value })
-    }
-}
-
-fn check_range(field: &'static str, value: u64, min: u64, max: u64) -> Result<(), ConfigError> {
+fn check_range(field: &str, value: u64, min: u64, max: u64) -> Result<(), ConfigError> {
     if (min..=max).contains(&value) {
         Ok(())
     } else {
-        Err(ConfigError::OutOfRange {
+        Err(ConfigError::at(
             field,
-            value,
-            min,
-            max,
-        })
+            format_args!("must be within {min}..={max} (got {value})"),
+        ))
     }
 }
 
-fn check_target(field: &'static str, value: &str) -> Result<(), ConfigError> {
+fn check_target(field: &str, value: &str) -> Result<(), ConfigError> {
     if is_valid_target(value) {
         Ok(())
     } else {
-        Err(ConfigError::BadTarget {
+        Err(ConfigError::at(
             field,
-            value: value.to_owned(),
-        })
+            format_args!(
+                "must be 1..={MAX_REPLICA_LEN} visible ASCII characters without commas (got {value:?})"
+            ),
+        ))
     }
 }
 
@@ -538,57 +463,65 @@ mod tests {
     }
 
     #[test]
-    fn rejections_name_the_problem() {
+    fn rejections_name_the_field_path() {
         let cases = [
-            ("", "empty"),
-            ("  ", "empty"),
-            ("{", "json"),
-            (r#"{"role":"fast_path","bogus":1}"#, "json"),
-            (r#"{"role":"sideways"}"#, "json"),
-            ("{}", "missing"),
+            ("", ""),
+            ("  ", ""),
+            ("{", ""),
+            (r#"{"role":"fast_path","bogus":1}"#, "bogus"),
+            (r#"{"role":"sideways"}"#, "role"),
+            ("{}", "role"),
             (
                 r#"{"role":"fast_path","session_header":"X-Session"}"#,
-                "bad_header_name",
+                "session_header",
             ),
             (
                 r#"{"role":"fast_path","affinity":{"slots":0}}"#,
-                "out_of_range",
+                "affinity.slots",
             ),
             (
                 r#"{"role":"fast_path","affinity":{"ways":17}}"#,
-                "out_of_range",
+                "affinity.ways",
             ),
             (
                 r#"{"role":"fast_path","affinity":{"ttl_seconds":0}}"#,
-                "out_of_range",
+                "affinity.ttl_seconds",
             ),
-            (r#"{"role":"fast_path","replicas":["a,b"]}"#, "bad_target"),
+            (r#"{"role":"fast_path","replicas":["a,b"]}"#, "replicas[0]"),
             (
                 r#"{"role":"fast_path","replicas":["a","a"]}"#,
-                "duplicate_replica",
+                "replicas[1]",
             ),
-            (r#"{"role":"fallback"}"#, "no_replicas"),
+            (r#"{"role":"fallback"}"#, "replicas"),
             (
                 r#"{"role":"fast_path","marker_header":"x-session-id"}"#,
-                "header_clash",
+                "session_header",
             ),
-            (r#"{"role":"fast_path","pin":{}}"#, "pin_trust_unset"),
+            (r#"{"role":"fast_path","pin":{}}"#, "pin"),
             (
                 r#"{"role":"fast_path","pin":{"token_header":"x-t","token":""}}"#,
-                "pin_trust_unset",
+                "pin",
             ),
             (
                 r#"{"role":"fast_path","pin":{"trust_all":true,"token":"x"}}"#,
-                "pin_trust_ambiguous",
+                "pin.trust_all",
             ),
             (
                 r#"{"role":"fast_path","model_routes":{"m":"c"}}"#,
-                "missing",
+                "model_header",
+            ),
+            (
+                r#"{"role":"fast_path","fallback_hash_headers":["x-a","X-B"]}"#,
+                "fallback_hash_headers[1]",
+            ),
+            (
+                r#"{"role":"fast_path","pin":{"trust_all":true,"nope":1}}"#,
+                "pin.nope",
             ),
         ];
-        for (json, label) in cases {
+        for (json, path) in cases {
             let err = parse(json).unwrap_err();
-            assert_eq!(err.as_label(), label, "{json} -> {err}");
+            assert_eq!(err.path(), path, "{json} -> {err}");
         }
     }
 
@@ -597,8 +530,11 @@ mod tests {
         let err = parse(r#"{"role":"fast_path","affinity":{"slots":0}}"#).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "`affinity.slots` = 0 is outside 1..=1048576"
+            "affinity.slots: must be within 1..=1048576 (got 0)"
         );
+        assert_eq!(err.as_label(), "invalid_value");
+        let err = parse(r#"{"role":"fast_path","bogus":1}"#).unwrap_err();
+        assert_eq!(err.as_label(), "parse");
     }
 
     #[test]

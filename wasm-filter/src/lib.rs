@@ -38,7 +38,7 @@
 //!         self.0.get(name).map(|v| v.to_string())
 //!     }
 //! }
-//! # Ok::<(), kvroute_wasm_filter::ConfigError>(())
+//! # Ok::<(), kvroute_config::ConfigError>(())
 //! ```
 #![deny(missing_docs)]
 
@@ -51,6 +51,6 @@ pub mod stats;
 mod filter;
 
 pub use affinity_table::{AffinityTable, Bucket, SessionKey};
-pub use config::{Config, ConfigError, Role};
+pub use config::{Config, Role};
 pub use decision::{FallbackPlan, FastPathPlan, RequestHeaders, plan_fallback, plan_fast_path};
 pub use stats::Stat;

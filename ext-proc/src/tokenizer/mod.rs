@@ -183,11 +183,10 @@ pub fn from_source(
         TokenizerSource::None => None,
         TokenizerSource::ModelDir(dir) => {
             let loaded = InProcessTokenizer::load(dir, tasks.clone()).map_err(|e| {
-                ConfigError::Tokenizer {
-                    field: format!("pools[{pool}].tokenizer.model_dir"),
-                    path: dir.display().to_string(),
-                    reason: e.to_string(),
-                }
+                ConfigError::load(
+                    format!("pools[{pool}].tokenizer.model_dir"),
+                    format_args!("cannot load tokenizer from '{}': {e}", dir.display()),
+                )
             })?;
             Some(Arc::new(loaded))
         }

@@ -1,28 +1,7 @@
 //! `kvroute-agent` configuration (YAML, unknown keys rejected).
 //!
-//! ```yaml
-//! agent_id: node-a                 # or agent_id_env: NODE_NAME (below)
-//! token_file: /var/run/secrets/kvroute-agent/token   # or token_env: KVROUTE_AGENT_TOKEN
-//! indexes: ["http://kvroute-index-0:50061", "http://kvroute-index-1:50061"]
-//! admin: 127.0.0.1:9471            # /metrics, /healthz
-//! batch_delay: 20ms                # deltas are flushed at least this often
-//! reconnect_backoff_max: 5s        # durations as in every kvroute config (kvroute_runtime::duration)
-//! max_blocks_per_replica: 1000000
-//! tls: {ca: /tls/ca.crt, server_name: kvroute-index}   # optional; indexes are then https://
-//! engines:
-//!   - replica: engine-a            # the id the index knows it by
-//!     endpoint: tcp://127.0.0.1:5557
-//!     replay_endpoint: tcp://127.0.0.1:5558
-//!     dp_rank: 0
-//!     # mode: bind, allowed_peers: [10.0.0.0/24], topic, max_message_bytes: as in the index's
-//!     # replicas[].events (kvroute_index::config)
-//! # Engines learned from Kubernetes as well (or instead: engines may then be empty): the Ready
-//! # pods on this agent's node. The section is every kvroute component's (kvroute_discovery::config;
-//! # pod annotations for the KV-event ports and topic: kvroute_discovery::replica).
-//! discovery:
-//!   kubernetes: {namespace: llm, inference_pool: llama}   # node_name: default the agent id
-//! reload_interval: 2s              # how often the file's mtime is checked
-//! ```
+//! Every key, its default and meaning: `docs/configuration.md` (generated from [`RawAgentConfig`]).
+//! Every error is a [`ConfigError`] naming the field path (`engines[0].mode: ...`).
 //!
 //! **Discovery**: each discovered replica is an engine with mode `connect`, `endpoint` its
 //! `kv_events`, `replay_endpoint` its `kv_replay`, `topic` its `kv_topic`, and replica id the
@@ -47,11 +26,17 @@
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
+use schemars::JsonSchema;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
-use kvroute_ingest::{IngestConfig, SocketMode, transport_settings};
-use kvroute_runtime::token::{AgentToken, TokenError, TokenSource};
+use kvroute_config::{
+    ConfigDuration, ConfigError, ListenAddr, RawClientTls, TokenSource, ZmqEndpoint,
+    format_duration,
+};
+use kvroute_ingest::IngestConfig;
+use kvroute_ingest::zmtp::PeerFilter;
+use kvroute_runtime::token::AgentToken;
 
 /// Default admin listen address.
 pub const DEFAULT_ADMIN_ADDR: &str = "127.0.0.1:9471";
@@ -65,52 +50,66 @@ pub const DEFAULT_MAX_BLOCKS_PER_REPLICA: usize = 1_000_000;
 pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 /// Delta messages queued per index stream before the stream is restarted from a snapshot.
 pub const DEFAULT_SUBSCRIBER_QUEUE: usize = 4096;
+/// First delay before reconnecting to an index (doubling up to `reconnect_backoff_max`).
+pub const DEFAULT_RECONNECT_BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Default cap on the delay between reconnects to an index.
 pub const DEFAULT_RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// The file as written.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawAgentConfig {
-    /// Agent id, as in the index's `agents:` section.
+    /// Agent id, as in the index's `agents:` section (exactly one of `agent_id`,
+    /// `agent_id_env`).
     pub agent_id: String,
-    /// Environment variable holding the agent id (instead of `agent_id`), e.g. `NODE_NAME` set
-    /// from the downward API; resolved by [`RawAgentConfig::resolve_agent_id`].
+    /// Environment variable holding the agent id, e.g. `NODE_NAME` set from the downward API
+    /// (`fieldRef: spec.nodeName`): one config for every node of a DaemonSet. Resolved by
+    /// [`RawAgentConfig::resolve_agent_id`].
     pub agent_id_env: Option<String>,
-    /// File holding the token.
+    /// File holding the agent's token (exactly one of `token_file`, `token_env`).
     pub token_file: Option<String>,
-    /// Environment variable holding the token.
+    /// Environment variable holding the agent's token.
     pub token_env: Option<String>,
-    /// Index gRPC addresses (`http://host:port`), one stream each.
+    /// Index gRPC addresses (`http://host:port`, `https://` with `tls`), one stream each.
     pub indexes: Vec<String>,
-    /// Admin HTTP address.
-    pub admin: Option<String>,
-    /// Longest delay before deltas are sent (`20ms`).
-    pub batch_delay: Option<String>,
-    /// Per-replica mirror cap.
-    pub max_blocks_per_replica: Option<usize>,
-    /// Reconnect backoff cap (`5s`).
-    pub reconnect_backoff_max: Option<String>,
+    /// Admin HTTP address: `/metrics`, `/healthz`.
+    #[schemars(extend("default" = DEFAULT_ADMIN_ADDR))]
+    pub admin: Option<ListenAddr>,
+    /// Longest delay before pending deltas are sent to the indexes.
+    #[schemars(extend("default" = format_duration(DEFAULT_BATCH_DELAY)))]
+    pub batch_delay: Option<ConfigDuration>,
+    /// Blocks mirrored per replica before further stores are refused.
+    #[schemars(extend("default" = DEFAULT_MAX_BLOCKS_PER_REPLICA))]
+    pub max_blocks_per_replica: Option<std::num::NonZeroUsize>,
+    /// Cap on the delay between reconnects to an index.
+    #[schemars(extend("default" = format_duration(DEFAULT_RECONNECT_BACKOFF_MAX)))]
+    pub reconnect_backoff_max: Option<ConfigDuration>,
     /// Older spelling of `batch_delay` (refused).
+    #[schemars(skip)]
     pub batch_delay_ms: Option<IgnoredAny>,
     /// Older spelling of `reconnect_backoff_max` (refused).
+    #[schemars(skip)]
     pub reconnect_backoff_max_ms: Option<IgnoredAny>,
-    /// Local engines.
+    /// Local engines, one entry per data-parallel rank (may be empty with `discovery`).
     pub engines: Vec<RawEngine>,
-    /// TLS to the indexes (see [`kvroute_runtime::tls`]); every index address is then `https://`.
-    pub tls: Option<kvroute_runtime::tls::RawClientTls>,
-    /// Engines learned from Kubernetes: the Ready pods on this agent's node.
+    /// TLS to the indexes; every index address is then `https://`.
+    pub tls: Option<RawClientTls>,
+    /// Engines learned from Kubernetes as well: the Ready pods on this agent's node.
     pub discovery: Option<RawDiscovery>,
-    /// How often the config file is checked for changes (`2s`).
-    pub reload_interval: Option<String>,
+    /// How often the config file's modification time is checked: `engines`, `discovery` and
+    /// `reload_interval` apply at once, any other key after a restart (logged, counted).
+    #[schemars(extend("default" = format_duration(DEFAULT_RELOAD_INTERVAL)))]
+    pub reload_interval: Option<ConfigDuration>,
 }
 
 /// `discovery:`: where engines come from besides `engines:`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RawDiscovery {
-    /// The `kubernetes:` section every kvroute component shares ([`kvroute_discovery::config`]);
-    /// without `node_name`, the node is the agent id.
+    /// The `kubernetes:` section every kvroute component shares (pod annotations set the
+    /// KV-event ports and topic); without `node_name`, the node is the agent id. Each pod is an
+    /// engine in `connect` mode, its replica id the discovered id (pod name, or
+    /// `<pod>-rank<N>`); an id a static engine already has is left out.
     pub kubernetes: Option<kvroute_discovery::RawKubernetes>,
 }
 
@@ -123,15 +122,14 @@ impl RawAgentConfig {
     pub fn resolve_agent_id(
         &mut self,
         env: impl Fn(&str) -> Option<String>,
-    ) -> Result<(), AgentConfigError> {
+    ) -> Result<(), ConfigError> {
         let Some(name) = self.agent_id_env.take() else {
             return Ok(());
         };
         if !self.agent_id.is_empty() {
-            return Err(AgentConfigError::invalid(
+            return Err(ConfigError::at(
                 "agent_id_env",
-                name,
-                "give agent_id or agent_id_env, not both",
+                format_args!("give agent_id or agent_id_env, not both (got {name})"),
             ));
         }
         match env(&name) {
@@ -139,88 +137,27 @@ impl RawAgentConfig {
                 self.agent_id = id;
                 Ok(())
             }
-            _ => Err(AgentConfigError::invalid(
+            _ => Err(ConfigError::at(
                 "agent_id_env",
-                name,
-                "the environment variable is unset or empty (in Kubernetes: set it from the \
-                 downward API, fieldRef spec.nodeName)",
+                format_args!(
+                    "the environment variable {name} is unset or empty (in Kubernetes: set it \
+                     from the downward API, fieldRef spec.nodeName)"
+                ),
             )),
         }
     }
 }
 
-/// One `engines:` entry.
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RawEngine {
-    /// Replica id; `{agent_id}` in it is replaced by the agent id.
-    pub replica: String,
-    /// The engine's PUB endpoint.
-    pub endpoint: String,
-    /// `connect` (default) or `bind`.
-    pub mode: Option<String>,
-    /// The engine's replay ROUTER.
-    pub replay_endpoint: Option<String>,
-    /// SUB topic prefix.
-    pub topic: Option<String>,
-    /// Data-parallel rank.
-    pub dp_rank: Option<u32>,
-    /// Bind mode: the engine addresses (IPs or CIDR blocks) that may connect; default any.
-    pub allowed_peers: Option<Vec<String>>,
-    /// Largest message accepted from the engine, in bytes (default 64 MiB).
-    pub max_message_bytes: Option<usize>,
-}
-
-/// Why the agent config is unusable.
-#[derive(Debug, thiserror::Error)]
-pub enum AgentConfigError {
-    /// YAML syntax, unknown key, wrong type.
-    #[error("invalid agent config: {0}")]
-    Parse(#[from] serde_yaml::Error),
-    /// A field has a bad value.
-    #[error("invalid value for `{field}`: {value:?}: {reason}")]
-    InvalidValue {
-        /// Field path.
-        field: String,
-        /// The value.
-        value: String,
-        /// Why.
-        reason: String,
-    },
-    /// The token cannot be loaded.
-    #[error("cannot load the agent token")]
-    Token(#[from] TokenError),
-    /// `tls` is unusable.
-    #[error("invalid TLS settings: {0}")]
-    Tls(#[from] kvroute_runtime::tls::TlsError),
-    /// A key of the older schema: refused, so a file never means two things.
-    #[error("`{old}` is now {new}")]
-    Renamed {
-        /// The old key.
-        old: &'static str,
-        /// The key (and form) that replaces it.
-        new: &'static str,
-    },
-}
-
-impl AgentConfigError {
-    /// Metric/log label.
-    pub fn as_label(&self) -> &'static str {
-        match self {
-            AgentConfigError::Parse(_) => "parse",
-            AgentConfigError::InvalidValue { .. } => "invalid_value",
-            AgentConfigError::Token(_) => "token",
-            AgentConfigError::Tls(_) => "tls",
-            AgentConfigError::Renamed { .. } => "renamed",
-        }
-    }
-
-    fn invalid(field: impl Into<String>, value: impl ToString, reason: impl Into<String>) -> Self {
-        AgentConfigError::InvalidValue {
-            field: field.into(),
-            value: value.to_string(),
-            reason: reason.into(),
-        }
+kvroute_config::event_source_section! {
+    /// One `engines:` entry: a replica id and the KV-event source keys every kvroute component
+    /// shares (the index's `replicas[].events`).
+    #[derive(Debug, Default, Deserialize, JsonSchema)]
+    #[serde(default, deny_unknown_fields)]
+    pub struct RawEngine {
+        /// Replica id the index knows the engine by; `{agent_id}` in it is replaced by the agent
+        /// id (the only placeholder), so node `gpu-1` writes `{agent_id}-engine-0` as
+        /// `gpu-1-engine-0`.
+        pub replica: String,
     }
 }
 
@@ -239,25 +176,15 @@ pub struct Reload {
 fn parse_raw(
     text: &str,
     env: &impl Fn(&str) -> Option<String>,
-) -> Result<RawAgentConfig, AgentConfigError> {
-    let mut raw: RawAgentConfig = serde_yaml::from_str(text)?;
+) -> Result<RawAgentConfig, ConfigError> {
+    let mut raw: RawAgentConfig = kvroute_config::from_yaml(text)?;
     raw.resolve_agent_id(env)?;
     Ok(raw)
 }
 
-fn load_token(raw: &RawAgentConfig) -> Result<AgentToken, AgentConfigError> {
-    let token = match (&raw.token_file, &raw.token_env) {
-        (Some(path), None) => TokenSource::File(path.clone()),
-        (None, Some(name)) => TokenSource::Env(name.clone()),
-        _ => {
-            return Err(AgentConfigError::invalid(
-                "token_file",
-                "",
-                "give exactly one of token_file or token_env",
-            ));
-        }
-    };
-    Ok(AgentToken::load(&token)?)
+fn load_token(raw: &RawAgentConfig) -> Result<AgentToken, ConfigError> {
+    let source = TokenSource::from_keys(raw.token_file.as_deref(), raw.token_env.as_deref())?;
+    AgentToken::load(&source).map_err(|e| ConfigError::load(source.key(), e))
 }
 
 /// Validated agent configuration.
@@ -296,7 +223,7 @@ pub struct AgentConfig {
 impl AgentConfig {
     /// Parses, validates and loads the token; `agent_id_env` is read from the process
     /// environment.
-    pub fn from_yaml(text: &str) -> Result<Self, AgentConfigError> {
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
         Self::from_yaml_with_env(text, |name| std::env::var(name).ok())
     }
 
@@ -304,7 +231,7 @@ impl AgentConfig {
     pub fn from_yaml_with_env(
         text: &str,
         env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Self, AgentConfigError> {
+    ) -> Result<Self, ConfigError> {
         let raw = parse_raw(text, &env)?;
         let token = load_token(&raw)?;
         Self::validate(raw, token)
@@ -314,7 +241,7 @@ impl AgentConfig {
     /// must be valid as a whole, and only [`RELOADABLE_KEYS`] take effect; every other key
     /// keeps its running value and is named in [`Reload::restart_required`] if the file
     /// changed it.
-    pub fn reload_from_yaml(&self, text: &str) -> Result<Reload, AgentConfigError> {
+    pub fn reload_from_yaml(&self, text: &str) -> Result<Reload, ConfigError> {
         self.reload_from_yaml_with_env(text, |name| std::env::var(name).ok())
     }
 
@@ -323,7 +250,7 @@ impl AgentConfig {
         &self,
         text: &str,
         env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Reload, AgentConfigError> {
+    ) -> Result<Reload, ConfigError> {
         let raw = parse_raw(text, &env)?;
         let token = load_token(&raw)?;
         let mut file = Self::validate(raw, token)?;
@@ -367,12 +294,11 @@ impl AgentConfig {
 
     /// Validates a raw config with an already loaded token (`agent_id_env` already resolved:
     /// [`RawAgentConfig::resolve_agent_id`]).
-    pub fn validate(raw: RawAgentConfig, token: AgentToken) -> Result<Self, AgentConfigError> {
+    pub fn validate(raw: RawAgentConfig, token: AgentToken) -> Result<Self, ConfigError> {
         if let Some(name) = &raw.agent_id_env {
-            return Err(AgentConfigError::invalid(
+            return Err(ConfigError::at(
                 "agent_id_env",
-                name,
-                "not resolved: RawAgentConfig::resolve_agent_id reads it",
+                format_args!("{name} not resolved: RawAgentConfig::resolve_agent_id reads it"),
             ));
         }
         for (set, old, new) in [
@@ -388,142 +314,59 @@ impl AgentConfig {
             ),
         ] {
             if set {
-                return Err(AgentConfigError::Renamed { old, new });
+                return Err(ConfigError::renamed(old, new));
             }
         }
-        let duration = |field: &str, value: Option<&str>, default: Duration| {
-            value.map_or(Ok(default), |text| {
-                kvroute_runtime::duration::parse_duration(text)
-                    .map_err(|e| AgentConfigError::invalid(field, text, e.to_string()))
-            })
-        };
-        let batch_delay = duration(
-            "batch_delay",
-            raw.batch_delay.as_deref(),
-            DEFAULT_BATCH_DELAY,
-        )?;
-        let reconnect_backoff_max = duration(
-            "reconnect_backoff_max",
-            raw.reconnect_backoff_max.as_deref(),
-            DEFAULT_RECONNECT_BACKOFF_MAX,
-        )?;
         if raw.agent_id.is_empty() {
-            return Err(AgentConfigError::invalid(
-                "agent_id",
-                "",
-                "must be non-empty",
-            ));
+            return Err(ConfigError::at("agent_id", "must be non-empty"));
         }
         if raw.indexes.is_empty() {
-            return Err(AgentConfigError::invalid(
-                "indexes",
-                "[]",
-                "name at least one index",
-            ));
+            return Err(ConfigError::at("indexes", "name at least one index"));
         }
         for (i, index) in raw.indexes.iter().enumerate() {
             if !(index.starts_with("http://") || index.starts_with("https://")) {
-                return Err(AgentConfigError::invalid(
+                return Err(ConfigError::at(
                     format!("indexes[{i}]"),
-                    index,
-                    "expected http://host:port",
+                    format_args!("expected http://host:port (got {index:?})"),
                 ));
             }
-            kvroute_runtime::tls::check_scheme(index, raw.tls.is_some()).map_err(|reason| {
-                AgentConfigError::invalid(format!("indexes[{i}]"), index, reason)
-            })?;
+            kvroute_runtime::tls::check_scheme(index, raw.tls.is_some())
+                .map_err(|reason| ConfigError::at(format!("indexes[{i}]"), reason))?;
         }
         let tls = raw
             .tls
             .as_ref()
             .map(|tls| kvroute_runtime::tls::ClientTls::load(tls, "tls"))
-            .transpose()?;
-        let admin = raw.admin.as_deref().unwrap_or(DEFAULT_ADMIN_ADDR);
-        let admin_addr = admin
-            .parse()
-            .map_err(|_| AgentConfigError::invalid("admin", admin, "expected ip:port"))?;
+            .transpose()
+            .map_err(|e| ConfigError::load(e.field(), e.reason()))?;
+        let admin_addr = match raw.admin {
+            Some(admin) => admin.get(),
+            None => DEFAULT_ADMIN_ADDR.parse().map_err(|_| {
+                ConfigError::at(
+                    "admin",
+                    format_args!("default {DEFAULT_ADMIN_ADDR} is not ip:port"),
+                )
+            })?,
+        };
         let mut engines: Vec<IngestConfig> = Vec::with_capacity(raw.engines.len());
-        for (i, mut engine) in raw.engines.into_iter().enumerate() {
-            let field = |name: &str| format!("engines[{i}].{name}");
-            let replica = engine.replica.replace(AGENT_ID_PLACEHOLDER, &raw.agent_id);
-            if replica.contains(['{', '}']) {
-                return Err(AgentConfigError::invalid(
-                    field("replica"),
-                    &engine.replica,
-                    "`{agent_id}` is the only placeholder",
-                ));
-            }
-            engine.replica = replica;
-            if engine.replica.is_empty() || engines.iter().any(|e| *e.replica_id == *engine.replica)
-            {
-                return Err(AgentConfigError::invalid(
-                    field("replica"),
-                    &engine.replica,
-                    "must be non-empty and unique (one entry per DP rank, each its own replica id)",
-                ));
-            }
-            let mode = match engine.mode.as_deref() {
-                None | Some("connect") => SocketMode::Connect,
-                Some("bind") => SocketMode::Bind,
-                Some(other) => {
-                    return Err(AgentConfigError::invalid(
-                        field("mode"),
-                        other,
-                        "connect or bind",
-                    ));
-                }
-            };
-            let allowed_peers =
-                transport_settings(&engine.endpoint, mode, engine.allowed_peers.as_deref())
-                    .map_err(|(name, reason)| {
-                        let value = if name == "endpoint" {
-                            engine.endpoint.clone()
-                        } else {
-                            format!("{:?}", engine.allowed_peers)
-                        };
-                        AgentConfigError::invalid(field(name), value, reason)
-                    })?;
-            let mut socket =
-                IngestConfig::new(Arc::<str>::from(engine.replica), engine.endpoint, mode)
-                    .with_dp_rank(engine.dp_rank.unwrap_or(0))
-                    .with_topic_filter(engine.topic.unwrap_or_default())
-                    .with_allowed_peers(allowed_peers);
-            match engine.max_message_bytes {
-                Some(0) => {
-                    return Err(AgentConfigError::invalid(
-                        field("max_message_bytes"),
-                        0,
-                        "must be positive",
-                    ));
-                }
-                Some(bytes) => socket.max_message_bytes = bytes,
-                None => {}
-            }
-            if let Some(replay) = engine.replay_endpoint {
-                socket = socket.with_replay_endpoint(replay);
-            }
+        for (i, engine) in raw.engines.into_iter().enumerate() {
+            let socket = validate_engine(engine, &raw.agent_id, &engines)
+                .map_err(|e| e.within(&format!("engines[{i}]")))?;
             engines.push(socket);
         }
         let discovery = match raw.discovery {
             None => None,
             Some(RawDiscovery { kubernetes: None }) => {
-                return Err(AgentConfigError::invalid(
+                return Err(ConfigError::at(
                     "discovery.kubernetes",
-                    "",
                     "required in discovery",
                 ));
             }
             Some(RawDiscovery {
                 kubernetes: Some(kubernetes),
             }) => {
-                let source =
-                    kvroute_discovery::KubernetesSource::try_from(kubernetes).map_err(|e| {
-                        AgentConfigError::invalid(
-                            format!("discovery.kubernetes.{}", e.field),
-                            e.value,
-                            e.reason,
-                        )
-                    })?;
+                let source = kvroute_discovery::KubernetesSource::try_from(kubernetes)
+                    .map_err(|e| e.within("discovery.kubernetes"))?;
                 // An agent mirrors its own node's engines: with agent_id_env: NODE_NAME (the
                 // downward API's spec.nodeName) the agent id is the node name.
                 let node = source
@@ -534,42 +377,31 @@ impl AgentConfig {
             }
         };
         if engines.is_empty() && discovery.is_none() {
-            return Err(AgentConfigError::invalid(
+            return Err(ConfigError::at(
                 "engines",
-                "[]",
                 "name at least one engine (or discover them: discovery.kubernetes)",
             ));
         }
-        let reload_interval = duration(
-            "reload_interval",
-            raw.reload_interval.as_deref(),
-            DEFAULT_RELOAD_INTERVAL,
-        )?;
+        let reload_interval = raw
+            .reload_interval
+            .map_or(DEFAULT_RELOAD_INTERVAL, ConfigDuration::get);
         if reload_interval.is_zero() {
-            return Err(AgentConfigError::invalid(
+            return Err(ConfigError::at(
                 "reload_interval",
-                "0s",
-                "must be positive",
+                "must be positive (got 0s)",
             ));
         }
         let replicas: std::collections::HashSet<&str> =
             engines.iter().map(|e| &*e.replica_id).collect();
         let max = kvroute_index_api::agent_protocol::MAX_REPLICAS_PER_HELLO;
         if replicas.len() > max {
-            return Err(AgentConfigError::invalid(
+            return Err(ConfigError::at(
                 "engines",
-                replicas.len(),
-                "more replicas than one Hello may claim (agent_protocol::MAX_REPLICAS_PER_HELLO)",
-            ));
-        }
-        let max_blocks_per_replica = raw
-            .max_blocks_per_replica
-            .unwrap_or(DEFAULT_MAX_BLOCKS_PER_REPLICA);
-        if max_blocks_per_replica == 0 {
-            return Err(AgentConfigError::invalid(
-                "max_blocks_per_replica",
-                0,
-                "must be at least 1",
+                format_args!(
+                    "{} replicas: more than one Hello may claim \
+                     (agent_protocol::MAX_REPLICAS_PER_HELLO = {max})",
+                    replicas.len()
+                ),
             ));
         }
         Ok(AgentConfig {
@@ -577,12 +409,18 @@ impl AgentConfig {
             token,
             indexes: raw.indexes,
             admin_addr,
-            batch_delay,
+            batch_delay: raw
+                .batch_delay
+                .map_or(DEFAULT_BATCH_DELAY, ConfigDuration::get),
             max_batch_bytes: DEFAULT_MAX_BATCH_BYTES,
-            max_blocks_per_replica,
+            max_blocks_per_replica: raw
+                .max_blocks_per_replica
+                .map_or(DEFAULT_MAX_BLOCKS_PER_REPLICA, std::num::NonZeroUsize::get),
             subscriber_queue: DEFAULT_SUBSCRIBER_QUEUE,
-            reconnect_backoff_min: Duration::from_millis(100),
-            reconnect_backoff_max,
+            reconnect_backoff_min: DEFAULT_RECONNECT_BACKOFF_MIN,
+            reconnect_backoff_max: raw
+                .reconnect_backoff_max
+                .map_or(DEFAULT_RECONNECT_BACKOFF_MAX, ConfigDuration::get),
             engines,
             tls,
             discovery,
@@ -591,12 +429,59 @@ impl AgentConfig {
     }
 }
 
+/// One `engines:` entry (paths relative to it): the replica id with `{agent_id}` replaced,
+/// unique among `earlier`; the event source's own rules.
+fn validate_engine(
+    engine: RawEngine,
+    agent_id: &str,
+    earlier: &[IngestConfig],
+) -> Result<IngestConfig, ConfigError> {
+    let replica = engine.replica.replace(AGENT_ID_PLACEHOLDER, agent_id);
+    if replica.contains(['{', '}']) {
+        return Err(ConfigError::at(
+            "replica",
+            format_args!(
+                "`{{agent_id}}` is the only placeholder (got {:?})",
+                engine.replica
+            ),
+        ));
+    }
+    if replica.is_empty() || earlier.iter().any(|e| *e.replica_id == *replica) {
+        return Err(ConfigError::at(
+            "replica",
+            format_args!(
+                "must be non-empty and unique (one entry per DP rank, each its own replica id; \
+                 got {replica:?})"
+            ),
+        ));
+    }
+    engine.check()?;
+    let endpoint = engine.endpoint.as_ref().map_or("", ZmqEndpoint::as_str);
+    let mut socket = IngestConfig::new(Arc::<str>::from(replica), endpoint, engine.mode)
+        .with_dp_rank(engine.dp_rank)
+        .with_topic_filter(engine.topic.clone())
+        .with_allowed_peers(
+            engine
+                .allowed_peers
+                .as_deref()
+                .map_or_else(PeerFilter::any, PeerFilter::from_peers),
+        );
+    socket.max_message_bytes = engine.max_message_bytes_or_default();
+    if let Some(replay) = engine.replay_endpoint {
+        socket = socket.with_replay_endpoint(String::from(replay));
+    }
+    Ok(socket)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn parse(yaml: &str) -> Result<AgentConfig, AgentConfigError> {
-        AgentConfig::validate(serde_yaml::from_str(yaml)?, AgentToken::from_literal("t"))
+    fn parse(yaml: &str) -> Result<AgentConfig, ConfigError> {
+        AgentConfig::validate(
+            kvroute_config::from_yaml(yaml)?,
+            AgentToken::from_literal("t"),
+        )
     }
 
     #[test]
@@ -621,7 +506,7 @@ mod tests {
         ];
         for (yaml, field) in cases {
             let error = parse(yaml).unwrap_err().to_string();
-            assert!(error.contains(&format!("`{field}`")), "{yaml}: {error}");
+            assert!(error.starts_with(&format!("{field}: ")), "{yaml}: {error}");
         }
     }
 
@@ -637,13 +522,13 @@ mod tests {
         for (yaml, message) in [
             (
                 "batch_delay_ms: 5",
-                "`batch_delay_ms` is now `batch_delay: \"20ms\"`",
+                "batch_delay_ms: this key was renamed: write `batch_delay: \"20ms\"`",
             ),
             (
                 "reconnect_backoff_max_ms: 200",
-                "`reconnect_backoff_max_ms` is now `reconnect_backoff_max: \"5s\"`",
+                "reconnect_backoff_max_ms: this key was renamed: write `reconnect_backoff_max: \"5s\"`",
             ),
-            ("batch_delay: 5", "`batch_delay`"),
+            ("batch_delay: 5", "batch_delay: "),
         ] {
             let error = parse(&format!("{base}{yaml}")).unwrap_err().to_string();
             assert!(error.contains(message), "{yaml}: {error}");
@@ -659,7 +544,7 @@ mod tests {
         let node =
             |node: &'static str| move |name: &str| (name == "NODE_NAME").then(|| node.to_owned());
         let resolve = |env: &dyn Fn(&str) -> Option<String>| {
-            let mut raw: RawAgentConfig = serde_yaml::from_str(yaml).unwrap();
+            let mut raw: RawAgentConfig = kvroute_config::from_yaml(yaml).unwrap();
             raw.resolve_agent_id(env)?;
             AgentConfig::validate(raw, AgentToken::from_literal("t"))
         };
@@ -679,25 +564,30 @@ mod tests {
         ] {
             let error = resolve(env).unwrap_err().to_string();
             assert!(
-                error.contains("`agent_id_env`") && error.contains("NODE_NAME"),
+                error.starts_with("agent_id_env: ") && error.contains("NODE_NAME"),
                 "{error}"
             );
         }
         // from_yaml_with_env resolves before the token is loaded (a missing token file is the
         // next error, not the id).
         let error = AgentConfig::from_yaml_with_env(yaml, node("gpu-1")).unwrap_err();
-        assert!(matches!(error, AgentConfigError::Token(_)), "{error}");
+        assert_eq!(
+            (error.kind(), error.path()),
+            (kvroute_config::ErrorKind::Load, "token_file"),
+            "{error}"
+        );
         let error = AgentConfig::from_yaml_with_env(yaml, |_| None)
             .unwrap_err()
             .to_string();
-        assert!(error.contains("`agent_id_env`"), "{error}");
+        assert!(error.starts_with("agent_id_env: "), "{error}");
     }
 
     #[test]
     fn agent_id_env_is_refused_beside_agent_id_unresolved_or_with_another_placeholder() {
         let base = "indexes: ['http://127.0.0.1:1']\nengines: [{replica: r, endpoint: 'tcp://127.0.0.1:5557'}]\n";
         let mut raw: RawAgentConfig =
-            serde_yaml::from_str(&format!("{base}agent_id: a\nagent_id_env: NODE_NAME")).unwrap();
+            kvroute_config::from_yaml(&format!("{base}agent_id: a\nagent_id_env: NODE_NAME"))
+                .unwrap();
         let error = raw
             .resolve_agent_id(|_| Some("n".into()))
             .unwrap_err()
@@ -710,7 +600,7 @@ mod tests {
         let yaml = "agent_id: a\nindexes: ['http://127.0.0.1:1']\nengines: [{replica: '{node}-0', endpoint: 'tcp://127.0.0.1:5557'}]";
         let error = parse(yaml).unwrap_err().to_string();
         assert!(
-            error.contains("`engines[0].replica`") && error.contains("only placeholder"),
+            error.starts_with("engines[0].replica: ") && error.contains("only placeholder"),
             "{error}"
         );
     }
@@ -734,16 +624,16 @@ mod tests {
             Some("worker-3")
         );
         for (yaml, field) in [
-            ("discovery: {}", "`discovery.kubernetes`"),
+            ("discovery: {}", "discovery.kubernetes: "),
             (
                 "discovery: {kubernetes: {selector: {app: vllm}}}",
-                "`discovery.kubernetes.target_port`",
+                "discovery.kubernetes.target_port: ",
             ),
             (
                 "discovery: {kubernetes: {inference_pool: a, nope: 1}}",
                 "nope",
             ),
-            ("", "`engines`"),
+            ("", "engines: "),
         ] {
             let error = parse(&format!("{base}{yaml}")).unwrap_err().to_string();
             assert!(error.contains(field), "{yaml}: {error}");
@@ -798,5 +688,31 @@ mod tests {
             .unwrap_err();
         assert_eq!(error.as_label(), "parse");
         let _ = std::fs::remove_file(&token);
+    }
+
+    #[test]
+    fn a_config_error_names_its_field_path() {
+        let base = "agent_id: a\nindexes: ['http://127.0.0.1:1']\n";
+        for (engines, path, message) in [
+            (
+                "[{replica: r, endpoint: 'tcp://127.0.0.1:5557', mode: pull}]",
+                "engines[0].mode",
+                "engines[0].mode: unknown variant `pull`, expected `connect` or `bind`",
+            ),
+            (
+                "[{replica: r, endpoint: 'tcp://127.0.0.1:5557'}, {replica: s, endpoint: 'tcp://127.0.0.1:5567', allowed_peers: [10.0.0.1]}]",
+                "engines[1].allowed_peers",
+                "engines[1].allowed_peers: applies to bind mode only",
+            ),
+            (
+                "[{replica: r, endpoint: 'tcp://127.0.0.1:5557'}, {replica: s, endpoint: 'tcp://127.0.0.1:5567', nope: 1}]",
+                "engines[1].nope",
+                "engines[1].nope: unknown key, expected one of `replica`, `endpoint`",
+            ),
+        ] {
+            let error = parse(&format!("{base}engines: {engines}")).unwrap_err();
+            assert_eq!(error.path(), path, "{engines}");
+            assert!(error.to_string().starts_with(message), "{error}");
+        }
     }
 }

@@ -21,9 +21,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use kvroute_config::SocketMode;
 use kvroute_discovery::{Discovery, DiscoveryMetrics, KubernetesSource, Replica, Snapshot};
 use kvroute_index_api::agent_protocol::MAX_REPLICAS_PER_HELLO;
-use kvroute_ingest::{EventSink, Ingest, IngestConfig, IngestMetrics, SocketMode};
+use kvroute_ingest::{EventSink, Ingest, IngestConfig, IngestMetrics};
 use kvroute_runtime::config_file::ConfigFileWatch;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;

@@ -4,6 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::ReplicaKey;
+use kvroute_config::SocketMode;
+
 use crate::zmtp::{self, PeerFilter};
 
 /// How long one replay request may take, end marker included. vLLM serves replay between
@@ -18,85 +20,6 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_RECONNECT_BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Cap of the exponential reconnect backoff.
 pub const DEFAULT_RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(10);
-/// Largest KV-event message accepted from an engine (see [`zmtp::DEFAULT_MAX_MESSAGE_BYTES`]).
-pub const DEFAULT_MAX_MESSAGE_BYTES: usize = zmtp::DEFAULT_MAX_MESSAGE_BYTES;
-
-/// Whether our SUB connects to the engine or binds for the engine to connect.
-///
-/// vLLM's PUB **binds** when its endpoint contains `*` or `::` or uses `ipc://`/`inproc://`
-/// (the default `tcp://*:5557`), and **connects** otherwise (e.g. `tcp://router-host:5557`, the
-/// "centralized" layout). Our side does the opposite; [`SocketMode::for_engine_endpoint`]
-/// applies the rule to the engine's `--kv-events-config` endpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SocketMode {
-    /// Connect to an engine that binds (reconnecting whenever it goes away).
-    Connect,
-    /// Bind the endpoint and let engines connect to it.
-    Bind,
-}
-
-impl SocketMode {
-    /// Our mode for an engine configured with `engine_endpoint` (vLLM's bind-or-connect rule).
-    pub fn for_engine_endpoint(engine_endpoint: &str) -> Self {
-        if engine_binds(engine_endpoint) {
-            SocketMode::Connect
-        } else {
-            SocketMode::Bind
-        }
-    }
-
-    /// Metric/log label.
-    pub fn as_label(self) -> &'static str {
-        match self {
-            SocketMode::Connect => "connect",
-            SocketMode::Bind => "bind",
-        }
-    }
-}
-
-/// vLLM's `ZmqEventPublisher._socket_setup` rule: does the engine bind this endpoint?
-pub fn engine_binds(engine_endpoint: &str) -> bool {
-    engine_endpoint.contains('*')
-        || engine_endpoint.contains("::")
-        || engine_endpoint.starts_with("ipc://")
-        || engine_endpoint.starts_with("inproc://")
-}
-
-/// Checks a socket's transport settings as configured: the endpoint is one the transport serves,
-/// and an `allowed_peers` list parses and applies (bind mode over TCP; an ipc socket is guarded
-/// by its file's permissions, a connect-mode socket chooses its peer). Returns the filter, or the
-/// offending field (relative to the socket's section) and why.
-pub fn transport_settings(
-    endpoint: &str,
-    mode: SocketMode,
-    allowed_peers: Option<&[String]>,
-) -> Result<PeerFilter, (&'static str, String)> {
-    let parsed =
-        zmtp::Endpoint::parse(endpoint).map_err(|error| ("endpoint", error.to_string()))?;
-    let Some(entries) = allowed_peers else {
-        return Ok(PeerFilter::any());
-    };
-    if mode != SocketMode::Bind {
-        return Err((
-            "allowed_peers",
-            "applies to bind mode only (in connect mode kvroute chooses its peer)".into(),
-        ));
-    }
-    if matches!(parsed, zmtp::Endpoint::Ipc(_)) {
-        return Err((
-            "allowed_peers",
-            "applies to tcp endpoints only (an ipc socket is guarded by its file permissions)"
-                .into(),
-        ));
-    }
-    if entries.is_empty() {
-        return Err((
-            "allowed_peers",
-            "an empty list would refuse every engine".into(),
-        ));
-    }
-    PeerFilter::parse(entries).map_err(|error| ("allowed_peers", error.to_string()))
-}
 
 /// One vLLM publisher socket to ingest (one replica, or one DP rank of it).
 #[derive(Debug, Clone, PartialEq)]
@@ -151,7 +74,7 @@ impl IngestConfig {
             reconnect_backoff_min: DEFAULT_RECONNECT_BACKOFF_MIN,
             reconnect_backoff_max: DEFAULT_RECONNECT_BACKOFF_MAX,
             allowed_peers: PeerFilter::any(),
-            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            max_message_bytes: zmtp::DEFAULT_MAX_MESSAGE_BYTES,
         }
     }
 
@@ -203,38 +126,5 @@ pub(crate) fn wildcard_to_unspecified(endpoint: &str) -> String {
     match endpoint.strip_prefix("tcp://*:") {
         Some(port) => format!("tcp://0.0.0.0:{port}"),
         None => endpoint.to_owned(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mode_follows_vllm_bind_rule() {
-        assert_eq!(
-            SocketMode::for_engine_endpoint("tcp://*:5557"),
-            SocketMode::Connect
-        );
-        assert_eq!(
-            SocketMode::for_engine_endpoint("tcp://[::]:5557"),
-            SocketMode::Connect
-        );
-        assert_eq!(
-            SocketMode::for_engine_endpoint("ipc:///tmp/kv"),
-            SocketMode::Connect
-        );
-        assert_eq!(
-            SocketMode::for_engine_endpoint("inproc://kv_dp1"),
-            SocketMode::Connect
-        );
-        assert_eq!(
-            SocketMode::for_engine_endpoint("tcp://router:5557"),
-            SocketMode::Bind
-        );
-        assert_eq!(
-            SocketMode::for_engine_endpoint("tcp://10.0.0.5:5557"),
-            SocketMode::Bind
-        );
     }
 }

@@ -78,9 +78,8 @@ use kvroute_index_core::index::{FeedState, FlagReason};
 #[cfg(any(test, feature = "test-util"))]
 pub(crate) use config::wildcard_to_unspecified;
 pub use config::{
-    DEFAULT_BUFFERED_LIVE_LIMIT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_RECONNECT_BACKOFF_MAX, DEFAULT_RECONNECT_BACKOFF_MIN, DEFAULT_REPLAY_TIMEOUT,
-    IngestConfig, SocketMode, engine_binds, transport_settings,
+    DEFAULT_BUFFERED_LIVE_LIMIT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RECONNECT_BACKOFF_MAX,
+    DEFAULT_RECONNECT_BACKOFF_MIN, DEFAULT_REPLAY_TIMEOUT, IngestConfig,
 };
 pub use metrics::IngestMetrics;
 pub use sequence::DUPLICATE_WINDOW;

@@ -4,7 +4,9 @@ use std::time::SystemTime;
 
 use parking_lot::Mutex;
 
-use super::{IngestConfig, ReplicaKey, SocketMode};
+use kvroute_config::SocketMode;
+
+use super::{IngestConfig, ReplicaKey};
 
 /// What an operator wants to know about one publisher socket.
 #[derive(Debug, Clone, PartialEq)]

@@ -14,9 +14,9 @@ use super::sequence::{SequenceTracker, Verdict, fingerprint};
 use super::state::ReplicaIngestState;
 use super::{
     EventSink, FeedState, FlagReason, IngestConfig, IngestMetrics, ReplicaKey, ResetReason,
-    SocketMode,
 };
 use crate::zmtp::{Endpoint, SubEvent, SubSocket, ZmtpError};
+use kvroute_config::SocketMode;
 use kvroute_index_core::throttle::LogThrottle;
 use kvroute_index_core::wire::{self, DecodedBatch, WireError};
 

@@ -23,6 +23,7 @@ use crate::testing::{
     MockPublisherConfig, MockVllmPublisher, PYZMQ_PUBLISHER_SCRIPT, PubMode, RecordingSink,
     ReplayLayout, SinkCall, applied_seqs,
 };
+use kvroute_config::SocketMode;
 use kvroute_index_core::wire;
 
 /// How long a test waits for the ingest to reach a state.

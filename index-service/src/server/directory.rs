@@ -10,12 +10,12 @@ use parking_lot::RwLock;
 use kvroute_block_keys::KeyScheme;
 
 use super::ServeError;
-use crate::config::{Config, ReplicaConfig, SocketMode};
+use crate::config::{Config, ReplicaConfig};
 use kvroute_index_core::event::EventBatch;
 use kvroute_index_core::index::{
     BlockIndex, Feed, FeedState, FlagReason, IndexError, KvIndex, PoolConfig, PoolKeys, ReplicaId,
 };
-use kvroute_ingest::{self as ingest, EventSink, IngestConfig, ReplicaKey, ResetReason};
+use kvroute_ingest::{EventSink, IngestConfig, ReplicaKey, ResetReason};
 
 /// A configured pool, with what queries need to turn tokens into keys.
 #[derive(Debug, Clone)]
@@ -166,14 +166,14 @@ impl Directory {
         if replica.endpoint.is_empty() {
             return None;
         }
-        let mode = match replica.mode {
-            SocketMode::Connect => ingest::SocketMode::Connect,
-            SocketMode::Bind => ingest::SocketMode::Bind,
-        };
-        let mut socket = IngestConfig::new(Arc::from(replica.id.as_str()), &replica.endpoint, mode)
-            .with_dp_rank(replica.dp_rank)
-            .with_topic_filter(replica.topic.clone())
-            .with_allowed_peers(replica.allowed_peers.clone());
+        let mut socket = IngestConfig::new(
+            Arc::from(replica.id.as_str()),
+            &replica.endpoint,
+            replica.mode,
+        )
+        .with_dp_rank(replica.dp_rank)
+        .with_topic_filter(replica.topic.clone())
+        .with_allowed_peers(replica.allowed_peers.clone());
         socket.replay_timeout = config.replay_timeout;
         socket.max_message_bytes = replica.max_message_bytes;
         if let Some(replay) = &replica.replay_endpoint {

@@ -890,7 +890,7 @@ async fn agent_stream_and_match_work_over_tls_and_plaintext_is_refused() {
     converge_to_model("agent stream over TLS", admin, &engine).await;
 
     // Match over TLS, with kvroute-ext-proc's own index client and TLS settings.
-    let client_tls: kvroute_runtime::tls::RawClientTls = serde_yaml::from_str(&format!(
+    let client_tls: kvroute_config::RawClientTls = serde_yaml::from_str(&format!(
         "{{ca: \"{}\", server_name: localhost}}",
         pki.ca.display()
     ))

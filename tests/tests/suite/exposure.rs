@@ -644,10 +644,10 @@ async fn ext_proc_over_mutual_tls_routes_for_envoy_and_refuses_plaintext() {
         "a plaintext client got a stream"
     );
     let anonymous = kvroute_runtime::tls::ClientTls::load(
-        &kvroute_runtime::tls::RawClientTls {
+        &kvroute_config::RawClientTls {
             ca: pki.ca.display().to_string(),
             server_name: Some("localhost".to_owned()),
-            ..kvroute_runtime::tls::RawClientTls::default()
+            ..kvroute_config::RawClientTls::default()
         },
         "tls",
     )
@@ -663,7 +663,7 @@ async fn ext_proc_over_mutual_tls_routes_for_envoy_and_refuses_plaintext() {
     );
     // The same client with the certificate gets one (the refusals above are about credentials).
     let identified = kvroute_runtime::tls::ClientTls::load(
-        &kvroute_runtime::tls::RawClientTls {
+        &kvroute_config::RawClientTls {
             ca: pki.ca.display().to_string(),
             server_name: Some("localhost".to_owned()),
             cert: Some(pki.client_cert.display().to_string()),

@@ -9,8 +9,20 @@ use kvroute_block_keys::{Digest, HashAlgo, HashValue, KeyScheme, TokenChain, Vll
 
 use crate::event::BlockStored;
 
-/// What a vLLM-exact pool does with the block hashes engines publish.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What a vLLM-exact pool does with the block hashes engines publish (the index's
+/// `pools[].verify_hashes`, written `off`, `flag` or `required`).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    serde::Deserialize,
+    serde::Serialize,
+    schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum VerifyHashes {
     /// Trust the engine: published hashes are indexed as they come.
     Off,

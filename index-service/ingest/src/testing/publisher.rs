@@ -20,8 +20,8 @@ use zeromq::{
     PubSocket, RouterSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqError, ZmqMessage,
 };
 
-use crate::engine_binds;
 use crate::wildcard_to_unspecified;
+use kvroute_config::SocketMode;
 
 /// vLLM's default `buffer_steps`.
 pub const DEFAULT_BUFFER_STEPS: usize = 10_000;
@@ -143,7 +143,7 @@ impl MockVllmPublisher {
     pub async fn start(config: MockPublisherConfig) -> Result<Self, ZmqError> {
         let mut socket = PubSocket::new();
         let binds = match config.mode {
-            PubMode::VllmRule => engine_binds(&config.endpoint),
+            PubMode::VllmRule => SocketMode::engine_binds(&config.endpoint),
             PubMode::Bind => true,
             PubMode::Connect => false,
         };

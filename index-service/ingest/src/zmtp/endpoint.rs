@@ -9,6 +9,8 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
+use kvroute_config::{AllowedPeer, ZmqAddress};
+
 use super::ZmtpError;
 
 /// A parsed ZMQ endpoint.
@@ -28,36 +30,15 @@ pub enum Endpoint {
 impl Endpoint {
     /// Parses a ZMQ endpoint string.
     pub fn parse(endpoint: &str) -> Result<Self, ZmtpError> {
-        let invalid = |reason| ZmtpError::Endpoint {
-            endpoint: endpoint.to_owned(),
-            reason,
-        };
-        if let Some(path) = endpoint.strip_prefix("ipc://") {
-            if path.is_empty() {
-                return Err(invalid("empty ipc path"));
-            }
-            return Ok(Endpoint::Ipc(PathBuf::from(path)));
+        // The one endpoint grammar is the config's: what a config accepts, the transport serves.
+        match ZmqAddress::parse(endpoint) {
+            Ok(ZmqAddress::Tcp { host, port }) => Ok(Endpoint::Tcp { host, port }),
+            Ok(ZmqAddress::Ipc(path)) => Ok(Endpoint::Ipc(path)),
+            Err(reason) => Err(ZmtpError::Endpoint {
+                endpoint: endpoint.to_owned(),
+                reason,
+            }),
         }
-        let Some(address) = endpoint.strip_prefix("tcp://") else {
-            return Err(invalid("only tcp:// and ipc:// are supported"));
-        };
-        let (host, port) = address
-            .rsplit_once(':')
-            .ok_or_else(|| invalid("tcp endpoint without a port"))?;
-        let port = port
-            .parse::<u16>()
-            .map_err(|_| invalid("port is not a number in 0..=65535"))?;
-        let host = host
-            .strip_prefix('[')
-            .and_then(|h| h.strip_suffix(']'))
-            .unwrap_or(host);
-        if host.is_empty() {
-            return Err(invalid("tcp endpoint without a host"));
-        }
-        Ok(Endpoint::Tcp {
-            host: host.to_owned(),
-            port,
-        })
     }
 
     /// Connects (resolving the host by name).
@@ -206,33 +187,28 @@ impl PeerFilter {
         Self::default()
     }
 
-    /// Parses entries like `10.0.0.7`, `10.0.0.0/24`, `::1`, `fd00::/8`.
+    /// Parses entries like `10.0.0.7`, `10.0.0.0/24`, `::1`, `fd00::/8` (the config's
+    /// [`AllowedPeer`] grammar).
     pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<Self, PeerFilterError> {
-        let blocks = entries
+        let peers = entries
             .iter()
             .map(|entry| {
-                let entry = entry.as_ref().trim();
-                let error = || PeerFilterError {
-                    entry: entry.to_owned(),
-                };
-                let (address, prefix) = match entry.split_once('/') {
-                    Some((address, prefix)) => (address, Some(prefix)),
-                    None => (entry, None),
-                };
-                let address: IpAddr = address.parse().map_err(|_| error())?;
-                let max = if address.is_ipv4() { 32 } else { 128 };
-                let prefix = match prefix {
-                    Some(prefix) => prefix
-                        .parse::<u8>()
-                        .ok()
-                        .filter(|&p| p <= max)
-                        .ok_or_else(error)?,
-                    None => max,
-                };
-                Ok((address, prefix))
+                entry
+                    .as_ref()
+                    .parse::<AllowedPeer>()
+                    .map_err(|_| PeerFilterError {
+                        entry: entry.as_ref().trim().to_owned(),
+                    })
             })
-            .collect::<Result<_, _>>()?;
-        Ok(Self { blocks })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self::from_peers(&peers))
+    }
+
+    /// The filter of a configured `allowed_peers` list.
+    pub fn from_peers(peers: &[AllowedPeer]) -> Self {
+        Self {
+            blocks: peers.iter().map(|p| (p.address, p.prefix)).collect(),
+        }
     }
 
     /// Whether any peer is accepted (no list configured).

@@ -33,10 +33,8 @@ pub use socket::{DealerSocket, Inbound, InboundEvent, SubEvent, SubSocket};
 
 use std::time::Duration;
 
-/// Default cap on one message (all its frames). vLLM publishes one batch per scheduler step; a
-/// step's batch is kilobytes to a few MiB (thousands of block hashes at most), so 64 MiB leaves
-/// wide room while bounding what one peer can make the process hold.
-pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// Default cap on one message (all its frames): the `max_message_bytes` key's default.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = kvroute_config::DEFAULT_MAX_MESSAGE_BYTES;
 /// Default cap on frames per message: vLLM sends 3 (live) or 4 (replay, with the delimiter).
 pub const DEFAULT_MAX_FRAMES: usize = 8;
 /// Default bound on greeting + READY exchange.

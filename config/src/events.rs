@@ -1,0 +1,158 @@
+//! The KV-event source section: where an engine's KV events come from. The index writes it as
+//! `replicas[].events`, the agent as each `engines[]` entry (beside `replica`); both are made by
+//! [`event_source_section!`], so the keys, their types, their docs and their checks are one.
+
+use crate::{AllowedPeer, ConfigError, SocketMode, ZmqEndpoint};
+
+/// Default largest KV-event message accepted from an engine (`max_message_bytes`, all frames of
+/// one message). vLLM publishes one batch per scheduler step, kilobytes to a few MiB (thousands
+/// of block hashes at most), so 64 MiB leaves wide room while bounding what one peer can make
+/// the process hold.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Defines a struct holding the KV-event source keys after the caller's own fields, with
+/// `check` (the section's cross-field rules) and `max_message_bytes_or_default`. The caller
+/// writes the derives and serde attributes (`Deserialize`, `JsonSchema`, `deny_unknown_fields`):
+/// the index's `replicas[].events` is [`RawEventSource`], the agent's `engines[]` entry adds
+/// `replica`. (Serde's `flatten` cannot share the keys: it disables `deny_unknown_fields`.)
+#[macro_export]
+macro_rules! event_source_section {
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident {
+            $( $(#[$field_meta:meta])* $field_vis:vis $field:ident : $field_ty:ty, )*
+        }
+    ) => {
+        $(#[$meta])*
+        $vis struct $name {
+            $( $(#[$field_meta])* $field_vis $field: $field_ty, )*
+            /// ZeroMQ endpoint of the engine's PUB socket (`tcp://10.0.0.5:5557`), or where
+            /// kvroute binds for engines that connect to it (`mode: bind`).
+            pub endpoint: ::core::option::Option<$crate::ZmqEndpoint>,
+            /// `connect`: the engine binds (vLLM's default `tcp://*:5557`) and kvroute connects;
+            /// `bind`: kvroute binds `endpoint` and the engine connects to it.
+            pub mode: $crate::SocketMode,
+            /// The engine's replay ROUTER endpoint (`tcp://10.0.0.5:5558`), if it has one: a gap
+            /// in the event sequence is then replayed instead of resetting the replica.
+            pub replay_endpoint: ::core::option::Option<$crate::ZmqEndpoint>,
+            /// Topic prefix subscribed to; messages with another topic are refused and counted
+            /// (empty: every topic).
+            pub topic: ::std::string::String,
+            /// Data-parallel rank this socket carries (vLLM offsets both ports by the rank).
+            pub dp_rank: u32,
+            /// `mode: bind` over TCP only: the engine addresses (IPs or CIDR blocks) that may
+            /// connect (default: any peer that can reach the socket).
+            pub allowed_peers: ::core::option::Option<::std::vec::Vec<$crate::AllowedPeer>>,
+            /// Largest message accepted from the engine, in bytes; a peer sending more is dropped
+            /// and counted.
+            #[schemars(extend("default" = $crate::DEFAULT_MAX_MESSAGE_BYTES))]
+            pub max_message_bytes: ::core::option::Option<::core::num::NonZeroUsize>,
+        }
+
+        impl $name {
+            /// The section's cross-field rules, paths relative to it ([`check_transport`]).
+            ///
+            /// [`check_transport`]: $crate::check_transport
+            pub fn check(&self) -> ::core::result::Result<(), $crate::ConfigError> {
+                match &self.endpoint {
+                    ::core::option::Option::Some(endpoint) => $crate::check_transport(
+                        endpoint,
+                        self.mode,
+                        self.allowed_peers.as_deref(),
+                    ),
+                    ::core::option::Option::None => ::core::result::Result::Err(
+                        $crate::ConfigError::at("endpoint", "required"),
+                    ),
+                }
+            }
+
+            /// `max_message_bytes`, or its default.
+            pub fn max_message_bytes_or_default(&self) -> usize {
+                self.max_message_bytes
+                    .map_or($crate::DEFAULT_MAX_MESSAGE_BYTES, ::core::num::NonZeroUsize::get)
+            }
+        }
+    };
+}
+
+event_source_section! {
+    /// `replicas[].events` (the index): where a replica's KV events come from.
+    #[derive(Debug, Default, Clone, PartialEq, Eq, serde::Deserialize, schemars::JsonSchema)]
+    #[serde(default, deny_unknown_fields)]
+    pub struct RawEventSource {}
+}
+
+/// The transport rules of a socket as configured, paths relative to its section: an
+/// `allowed_peers` list applies to bind mode over TCP (an ipc socket is guarded by its file's
+/// permissions, a connect-mode socket chooses its peer), and is never empty.
+pub fn check_transport(
+    endpoint: &ZmqEndpoint,
+    mode: SocketMode,
+    allowed_peers: Option<&[AllowedPeer]>,
+) -> Result<(), ConfigError> {
+    let Some(peers) = allowed_peers else {
+        return Ok(());
+    };
+    let reason = if mode != SocketMode::Bind {
+        "applies to bind mode only (in connect mode kvroute chooses its peer)"
+    } else if endpoint.is_ipc() {
+        "applies to tcp endpoints only (an ipc socket is guarded by its file permissions)"
+    } else if peers.is_empty() {
+        "an empty list would refuse every engine"
+    } else {
+        return Ok(());
+    };
+    Err(ConfigError::at("allowed_peers", reason))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::from_yaml;
+
+    fn check(yaml: &str) -> Result<RawEventSource, String> {
+        let raw: RawEventSource = from_yaml(yaml).map_err(|e| e.to_string())?;
+        raw.check().map_err(|e| e.to_string())?;
+        Ok(raw)
+    }
+
+    #[test]
+    fn keys_validate_and_name_their_path() {
+        let raw = check("{endpoint: 'tcp://0.0.0.0:1', mode: bind, allowed_peers: [10.0.0.0/24]}")
+            .unwrap();
+        assert_eq!(raw.mode, SocketMode::Bind);
+        assert_eq!(
+            raw.max_message_bytes_or_default(),
+            DEFAULT_MAX_MESSAGE_BYTES
+        );
+        for (yaml, path) in [
+            ("{endpoint: 'h:1'}", "endpoint: "),
+            ("{endpoint: 'tcp://h:1', mode: pull}", "mode: "),
+            (
+                "{endpoint: 'tcp://h:1', allowed_peers: [10.0.0.1]}",
+                "allowed_peers: ",
+            ),
+            (
+                "{endpoint: 'tcp://h:1', mode: bind, allowed_peers: [10.0.0.0/33]}",
+                "allowed_peers[0]: ",
+            ),
+            (
+                "{endpoint: 'ipc:///k', mode: bind, allowed_peers: [10.0.0.1]}",
+                "allowed_peers: ",
+            ),
+            (
+                "{endpoint: 'tcp://h:1', mode: bind, allowed_peers: []}",
+                "allowed_peers: ",
+            ),
+            (
+                "{endpoint: 'tcp://h:1', max_message_bytes: 0}",
+                "max_message_bytes: ",
+            ),
+            ("{endpoint: 'tcp://h:1', nope: 1}", "nope: unknown key"),
+            ("{}", "endpoint: required"),
+        ] {
+            let error = check(yaml).unwrap_err();
+            assert!(error.starts_with(path), "{yaml}: {error}");
+        }
+    }
+}

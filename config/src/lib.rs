@@ -1,0 +1,38 @@
+//! kvroute-config: the one configuration library of every kvroute component (ext-proc, the index,
+//! the agent, the proxy-wasm filter).
+//!
+//! - [`ConfigError`]: the one error type; its message names the field path, e.g.
+//!   `pools[2].block_size: expected 1..=4096 (got 0)`.
+//! - [`from_yaml`] / [`from_json`]: deserialize a raw config through `serde_path_to_error`, so an
+//!   unknown key, a wrong type or a leaf's own validation failure carries its path.
+//! - Leaf types that validate inside their `Deserialize` (so the path comes for free):
+//!   [`ConfigDuration`], [`ListenAddr`], [`ZmqEndpoint`], [`AllowedPeer`], [`SocketMode`],
+//!   [`HeaderName`], the token source ([`RawTokenSource`], [`TokenSource`]), the TLS settings
+//!   ([`RawServerTls`], [`RawClientTls`]) and the KV-event source section ([`RawEventSource`],
+//!   [`event_source_section!`]).
+//! - [`reference`]: renders a raw config's JSON schema as the markdown of
+//!   `docs/configuration.md`.
+//!
+//! No I/O and no async runtime: it also builds for `wasm32-wasip1` (the proxy-wasm filter).
+
+#![deny(missing_docs)]
+
+pub mod duration;
+mod error;
+mod events;
+mod net;
+pub mod reference;
+mod tls;
+mod token;
+
+pub use duration::{ConfigDuration, DurationError, format_duration, parse_duration};
+pub use error::{ConfigError, ErrorKind, from_json, from_yaml, join_path};
+pub use events::{DEFAULT_MAX_MESSAGE_BYTES, RawEventSource, check_transport};
+pub use net::{AllowedPeer, HeaderName, ListenAddr, SocketMode, ZmqAddress, ZmqEndpoint};
+pub use tls::{RawClientTls, RawServerTls};
+pub use token::{RawTokenSource, TokenSource};
+
+/// Re-exported for [`event_source_section!`], which derives the schema of the struct it defines
+/// in the caller's crate.
+#[doc(hidden)]
+pub use schemars as __schemars;

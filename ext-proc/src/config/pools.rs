@@ -1,0 +1,164 @@
+//! A pool's and a replica's entries, validated. Paths are relative to the entry (`block_size`);
+//! the caller places them (`pools[2]`).
+
+use kvroute_block_keys::{KeyScheme, PoolKeySettings};
+use kvroute_config::ListenAddr;
+
+use super::build::{http_uri, invalid, missing, or_default};
+use super::raw::{
+    DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_POOL_EVENTS, DEFAULT_REMOTE_TOKENIZE_TIMEOUT,
+    RawAdapter, RawPool, RawReplica, RawTokenizer,
+};
+use super::{Adapter, Pool, Replica, TokenizerSource};
+use crate::error::ConfigError;
+
+/// `pools[i]`.
+pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
+    let name = raw
+        .name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| missing("name"))?;
+    if raw.models.is_empty() {
+        return Err(missing("models"));
+    }
+    if raw.models.iter().any(String::is_empty) {
+        return Err(invalid("models", "", "empty model name"));
+    }
+    let adapters = raw
+        .adapters
+        .iter()
+        .map(|a| match a {
+            RawAdapter::Name(name) => Adapter {
+                name: name.clone(),
+                id: None,
+                path: None,
+            },
+            RawAdapter::Full { name, id, path } => Adapter {
+                name: name.clone(),
+                id: *id,
+                path: path.clone(),
+            },
+        })
+        .collect::<Vec<_>>();
+    if adapters.iter().any(|a| a.name.is_empty()) {
+        return Err(invalid("adapters", "", "empty adapter name"));
+    }
+    let PoolKeySettings {
+        block_size,
+        scheme: key_scheme,
+    } = PoolKeySettings::from_raw(raw.block_size, &raw.key_scheme)
+        .map_err(|e| invalid(e.field, e.value, e.reason))?;
+    if let KeyScheme::VllmExact { era, .. } = &key_scheme {
+        // Check the adapters carry what this era hashes, at startup rather than per request.
+        for (j, adapter) in adapters.iter().enumerate() {
+            era.block_extra_keys(Some(&adapter.as_lora_ref()), None, 0).map_err(|_| {
+                invalid(
+                    format!("adapters[{j}]"),
+                    &adapter.name,
+                    "this vLLM version hashes the adapter's id (<=0.11.0) or path (>=0.31): add it",
+                )
+            })?;
+        }
+    }
+    let tokenizer = match &raw.tokenizer {
+        None => TokenizerSource::None,
+        Some(RawTokenizer {
+            model_dir: Some(dir),
+            remote: None,
+            render: None,
+            timeout: None,
+        }) => TokenizerSource::ModelDir(dir.clone()),
+        Some(RawTokenizer {
+            model_dir: None,
+            remote: None,
+            render: Some(url),
+            timeout,
+        }) => TokenizerSource::Render {
+            url: http_uri("tokenizer.render", url)?,
+            timeout: or_default(*timeout, DEFAULT_REMOTE_TOKENIZE_TIMEOUT),
+        },
+        Some(RawTokenizer {
+            model_dir: None,
+            remote: Some(url),
+            render: None,
+            timeout,
+        }) => TokenizerSource::Remote {
+            url: http_uri("tokenizer.remote", url)?,
+            timeout: or_default(*timeout, DEFAULT_REMOTE_TOKENIZE_TIMEOUT),
+        },
+        Some(_) => {
+            return Err(invalid(
+                "tokenizer",
+                "…",
+                "expected exactly one of model_dir, remote or render (timeout only with remote or render)",
+            ));
+        }
+    };
+    let approx_capacity_blocks = raw
+        .approx_capacity_blocks
+        .unwrap_or(DEFAULT_APPROX_CAPACITY_BLOCKS);
+    if approx_capacity_blocks == 0 {
+        return Err(invalid("approx_capacity_blocks", 0, "must be positive"));
+    }
+    let discovery = match &raw.discovery {
+        None => None,
+        Some(kvroute_discovery::RawPoolDiscovery { kubernetes: None }) => {
+            return Err(missing("discovery.kubernetes"));
+        }
+        Some(kvroute_discovery::RawPoolDiscovery {
+            kubernetes: Some(kubernetes),
+        }) => Some(
+            kvroute_discovery::KubernetesSource::try_from(kubernetes.clone())
+                .map_err(|e| e.within("discovery.kubernetes"))?,
+        ),
+    };
+    Ok(Pool {
+        name,
+        models: raw.models.clone(),
+        adapters,
+        block_size,
+        key_scheme,
+        events: raw.events.unwrap_or(DEFAULT_POOL_EVENTS),
+        approx_capacity_blocks,
+        tokenizer,
+        discovery,
+    })
+}
+
+/// `replicas[i]`, whose pool is one of `pools`.
+pub(super) fn replica(raw: &RawReplica, pools: &[Pool]) -> Result<Replica, ConfigError> {
+    let id = raw
+        .id
+        .clone()
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| missing("id"))?;
+    let pool_name = raw.pool.as_deref().ok_or_else(|| missing("pool"))?;
+    let pool = pools
+        .iter()
+        .position(|p| p.name == pool_name)
+        .ok_or_else(|| invalid("pool", pool_name, "no pool with this name"))?;
+    let address = raw
+        .address
+        .map(ListenAddr::get)
+        .ok_or_else(|| missing("address"))?;
+    let metrics_url = raw
+        .metrics_url
+        .as_deref()
+        .map(|u| http_uri("metrics_url", u))
+        .transpose()?;
+    if let Some(cluster) = raw
+        .envoy_cluster
+        .as_deref()
+        .filter(|c| c.is_empty() || c.contains(char::is_whitespace))
+    {
+        return Err(invalid("envoy_cluster", cluster, "expected a cluster name"));
+    }
+    Ok(Replica {
+        id,
+        pool,
+        address,
+        metrics_url,
+        envoy_cluster: raw.envoy_cluster.clone(),
+    })
+}
