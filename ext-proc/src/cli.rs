@@ -11,7 +11,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
-use kvroute_runtime::process::{BoxError, Component, ErrorChain, Running, ServerArgs, StartError};
+use kvroute_runtime::process::{
+    BoxError, Component, ConfigFile, ErrorChain, Running, ServerArgs, StartError,
+};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -110,15 +112,24 @@ impl Args {
 #[derive(Debug)]
 pub struct Process;
 
+impl AsRef<ServerArgs> for Args {
+    fn as_ref(&self) -> &ServerArgs {
+        &self.server
+    }
+}
+
+impl ConfigFile for Config {
+    fn from_yaml(text: &str) -> Result<Self, kvroute_config::ConfigError> {
+        Config::from_yaml(text)
+    }
+}
+
 impl Component for Process {
     const NAME: &'static str = "kvroute-ext-proc";
+    const ABOUT: &'static str = "KV-cache-aware endpoint picker for Envoy (ext_proc v3)";
     type Args = Args;
     type Config = Config;
     type Running = Serving;
-
-    fn server_args(args: &Args) -> &ServerArgs {
-        &args.server
-    }
 
     fn log_filter(args: &Args) -> &'static str {
         args.log_filter()

@@ -1,51 +1,37 @@
-//! The `kvroute-index` process: its command line and how `kvroute_runtime::main` runs it
-//! (config file, ready file `grpc=ADDR` / `admin=ADDR`, reloads of the file, shutdown).
+//! The `kvroute-index` process: how `kvroute_runtime::main` runs it (config file, ready file
+//! `grpc=ADDR` / `admin=ADDR`, reloads of the file, shutdown).
 
 use std::net::SocketAddr;
 
-use clap::Parser;
-use kvroute_runtime::process::{BoxError, Component, Running, ServerArgs, StartError, read_config};
+use kvroute_runtime::process::{BoxError, Component, ConfigFile, Running, ServerArgs, StartError};
 
 use crate::config::Config;
 use crate::server::IndexServer;
 
-/// `kvroute-index --config index.yaml`.
-#[derive(Debug, Parser)]
-#[command(
-    version,
-    about = "kvroute KV block index: ingests vLLM KV events, answers prefix matches"
-)]
-pub struct Args {
-    /// `--config`, `--ready-file`.
-    #[command(flatten)]
-    pub server: ServerArgs,
-}
-
-/// The index service as a process.
+/// The index service as a process: `kvroute-index --config index.yaml`.
 #[derive(Debug)]
 pub struct Process;
 
+impl ConfigFile for Config {
+    fn from_yaml(text: &str) -> Result<Self, kvroute_config::ConfigError> {
+        Config::from_yaml(text)
+    }
+}
+
 impl Component for Process {
     const NAME: &'static str = "kvroute-index";
-    type Args = Args;
+    const ABOUT: &'static str =
+        "kvroute KV block index: ingests vLLM KV events, answers prefix matches";
+    type Args = ServerArgs;
     type Config = Config;
     type Running = IndexServer;
 
-    fn server_args(args: &Args) -> &ServerArgs {
-        &args.server
-    }
-
-    fn load(args: &Args) -> Result<Config, BoxError> {
-        let text = read_config(&args.server.config)?;
-        Ok(Config::from_yaml(&text)?)
-    }
-
-    async fn start(config: Config, args: Args) -> Result<IndexServer, StartError> {
+    async fn start(config: Config, args: ServerArgs) -> Result<IndexServer, StartError> {
         let reload_interval = config.reload_interval;
         let server = IndexServer::start(config)
             .await
             .map_err(StartError::failed)?;
-        server.watch_config(args.server.config, reload_interval);
+        server.watch_config(args.config, reload_interval);
         Ok(server)
     }
 }

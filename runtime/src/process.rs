@@ -30,9 +30,10 @@ pub const EX_DATAERR: u8 = 65;
 /// Any error, boxed: components keep their own error types, the process only reports them.
 pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
 
-/// The flags every kvroute server takes; a component's arguments flatten them
-/// (`#[command(flatten)]`).
-#[derive(Debug, Clone, clap::Args)]
+/// The flags every kvroute server takes: a component's whole command line, or flattened into it
+/// (`#[command(flatten)]`) with flags of its own.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(version)]
 pub struct ServerArgs {
     /// Config file (YAML); reloaded when it changes.
     #[arg(long, short)]
@@ -43,19 +44,30 @@ pub struct ServerArgs {
     pub ready_file: Option<PathBuf>,
 }
 
+impl AsRef<ServerArgs> for ServerArgs {
+    fn as_ref(&self) -> &ServerArgs {
+        self
+    }
+}
+
+/// A component's validated configuration, from the text of its file.
+pub trait ConfigFile: Sized {
+    /// Parses and validates the whole file; the error names the field path.
+    fn from_yaml(text: &str) -> Result<Self, kvroute_config::ConfigError>;
+}
+
 /// A kvroute server as the process runs it.
 pub trait Component {
-    /// The binary's name, for messages (`kvroute-index`).
+    /// The binary's name, for messages and `--help` (`kvroute-index`).
     const NAME: &'static str;
-    /// Its command line; flattens [`ServerArgs`].
-    type Args: clap::Parser;
+    /// One line of what it is, for `--help`.
+    const ABOUT: &'static str;
+    /// Its command line: [`ServerArgs`], or a parser that flattens them.
+    type Args: clap::Parser + AsRef<ServerArgs>;
     /// Its validated configuration.
-    type Config;
+    type Config: ConfigFile;
     /// It, running.
     type Running: Running;
-
-    /// The flags of [`ServerArgs`] within [`Component::Args`].
-    fn server_args(args: &Self::Args) -> &ServerArgs;
 
     /// The log filter when `RUST_LOG` is unset.
     fn log_filter(_args: &Self::Args) -> &'static str {
@@ -66,8 +78,12 @@ pub trait Component {
     /// the command line).
     fn prepare(_args: &Self::Args) {}
 
-    /// Reads and validates the config file. An error exits [`EX_USAGE`], nothing started.
-    fn load(args: &Self::Args) -> Result<Self::Config, BoxError>;
+    /// Reads and validates the config file (`--config`). An error exits [`EX_USAGE`], nothing
+    /// started.
+    fn load(args: &Self::Args) -> Result<Self::Config, BoxError> {
+        let text = read_config(&args.as_ref().config)?;
+        Ok(Self::Config::from_yaml(&text)?)
+    }
 
     /// Binds the listeners and starts serving (and following the config file, when the component
     /// reloads it). Returns once every listener is bound, so the ready file it leads to is true.
@@ -152,8 +168,16 @@ impl fmt::Display for ErrorChain<'_> {
 /// The whole process for component `C`: see the [module docs](self) for what it does and the
 /// exit codes.
 pub fn main<C: Component>() -> ExitCode {
-    use clap::Parser as _;
-    let args = C::Args::parse();
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    let matches = C::Args::command()
+        .name(C::NAME)
+        .bin_name(C::NAME)
+        .about(C::ABOUT)
+        .get_matches();
+    let args = match C::Args::from_arg_matches(&matches) {
+        Ok(args) => args,
+        Err(error) => error.exit(),
+    };
     crate::logging::init(C::log_filter(&args));
     C::prepare(&args);
     let config = match C::load(&args) {
@@ -180,7 +204,7 @@ pub async fn run<C: Component>(
     args: C::Args,
     stop: impl Future<Output = ()>,
 ) -> ExitCode {
-    let ready_file = C::server_args(&args).ready_file.clone();
+    let ready_file = args.as_ref().ready_file.clone();
     let mut running = match C::start(config, args).await {
         Ok(running) => running,
         Err(StartError::Config(error)) => return config_refused(&*error),
@@ -288,33 +312,26 @@ mod tests {
         shutdowns: AtomicUsize,
     }
 
-    #[derive(Debug, Parser)]
-    struct TestArgs {
-        #[command(flatten)]
-        server: ServerArgs,
-    }
-
     struct TestComponent;
 
     struct TestRunning {
         script: Arc<Script>,
     }
 
+    impl ConfigFile for Arc<Script> {
+        fn from_yaml(_text: &str) -> Result<Self, kvroute_config::ConfigError> {
+            Err(kvroute_config::ConfigError::at("script", "unused"))
+        }
+    }
+
     impl Component for TestComponent {
         const NAME: &'static str = "kvroute-test";
-        type Args = TestArgs;
+        const ABOUT: &'static str = "a component for the process's tests";
+        type Args = ServerArgs;
         type Config = Arc<Script>;
         type Running = TestRunning;
 
-        fn server_args(args: &TestArgs) -> &ServerArgs {
-            &args.server
-        }
-
-        fn load(_args: &TestArgs) -> Result<Arc<Script>, BoxError> {
-            Err("unused".into())
-        }
-
-        async fn start(script: Arc<Script>, _args: TestArgs) -> Result<TestRunning, StartError> {
+        async fn start(script: Arc<Script>, _args: ServerArgs) -> Result<TestRunning, StartError> {
             match script.start {
                 Some("config") => Err(StartError::config("tokenizer missing")),
                 Some(_) => Err(StartError::failed("port in use")),
@@ -342,7 +359,7 @@ mod tests {
         }
     }
 
-    fn args(ready_file: Option<&Path>) -> TestArgs {
+    fn args(ready_file: Option<&Path>) -> ServerArgs {
         let mut argv = vec![
             "test".to_owned(),
             "--config".to_owned(),
@@ -351,7 +368,7 @@ mod tests {
         if let Some(path) = ready_file {
             argv.push(format!("--ready-file={}", path.display()));
         }
-        TestArgs::parse_from(argv)
+        ServerArgs::parse_from(argv)
     }
 
     #[tokio::test]

@@ -1,46 +1,32 @@
-//! The `kvroute-agent` process: its command line and how `kvroute_runtime::main` runs it
-//! (config file, reloaded when it changes; ready file `admin=ADDR`; shutdown).
+//! The `kvroute-agent` process: how `kvroute_runtime::main` runs it (config file, reloaded when
+//! it changes; ready file `admin=ADDR`; shutdown).
 
 use std::net::SocketAddr;
 
-use clap::Parser;
-use kvroute_runtime::process::{BoxError, Component, Running, ServerArgs, StartError, read_config};
+use kvroute_runtime::process::{BoxError, Component, ConfigFile, Running, ServerArgs, StartError};
 
 use crate::{Agent, AgentConfig};
 
-/// `kvroute-agent --config agent.yaml`.
-#[derive(Debug, Parser)]
-#[command(
-    version,
-    about = "kvroute agent: mirrors local vLLM KV events, streams them to kvroute-index"
-)]
-pub struct Args {
-    /// `--config`, `--ready-file`.
-    #[command(flatten)]
-    pub server: ServerArgs,
-}
-
-/// The agent as a process.
+/// The agent as a process: `kvroute-agent --config agent.yaml`.
 #[derive(Debug)]
 pub struct Process;
 
+impl ConfigFile for AgentConfig {
+    fn from_yaml(text: &str) -> Result<Self, kvroute_config::ConfigError> {
+        AgentConfig::from_yaml(text)
+    }
+}
+
 impl Component for Process {
     const NAME: &'static str = "kvroute-agent";
-    type Args = Args;
+    const ABOUT: &'static str =
+        "kvroute agent: mirrors local vLLM KV events, streams them to kvroute-index";
+    type Args = ServerArgs;
     type Config = AgentConfig;
     type Running = Agent;
 
-    fn server_args(args: &Args) -> &ServerArgs {
-        &args.server
-    }
-
-    fn load(args: &Args) -> Result<AgentConfig, BoxError> {
-        let text = read_config(&args.server.config)?;
-        Ok(AgentConfig::from_yaml(&text)?)
-    }
-
-    async fn start(config: AgentConfig, args: Args) -> Result<Agent, StartError> {
-        Agent::start_reloading(config, args.server.config)
+    async fn start(config: AgentConfig, args: ServerArgs) -> Result<Agent, StartError> {
+        Agent::start_reloading(config, args.config)
             .await
             .map_err(StartError::failed)
     }
