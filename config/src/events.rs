@@ -1,6 +1,6 @@
 //! The KV-event source section: where an engine's KV events come from. The index writes it as
 //! `replicas[].events`, the agent as each `engines[]` entry (beside `replica`); both are made by
-//! [`event_source_section!`], so the keys, their types, their docs and their checks are one.
+//! [`event_source_section!`](crate::event_source_section), so the keys, their types, their docs and their checks are one.
 
 use crate::{AllowedPeer, ConfigError, SocketMode, ZmqEndpoint};
 

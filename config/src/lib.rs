@@ -10,14 +10,14 @@
 //!   [`HeaderName`], the token source ([`RawTokenSource`], [`TokenSource`]), the TLS settings
 //!   ([`RawServerTls`], [`RawClientTls`]) and the KV-event source section ([`RawEventSource`],
 //!   [`event_source_section!`]).
-//! - [`reference`]: renders a raw config's JSON schema as the markdown of
+//! - [`reference`](mod@reference): renders a raw config's JSON schema as the markdown of
 //!   `docs/configuration.md`.
 //!
 //! No I/O and no async runtime: it also builds for `wasm32-wasip1` (the proxy-wasm filter).
 
 #![deny(missing_docs)]
 
-pub mod duration;
+mod duration;
 mod error;
 mod events;
 mod net;

@@ -26,9 +26,10 @@ use serde::Serialize;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, TokenizerSource};
-use crate::error::{ConfigError, RequestError, TokenizeError};
+use crate::error::{RequestError, TokenizeError};
 use crate::request::{self, Endpoint};
 use crate::tokenizer::{self, TokenCache, TokenLimits, TokenSource, TokenizerMode};
+use kvroute_config::ConfigError;
 
 /// How long the check waits for tokens. Far above a decision's budget: the check reports the
 /// tokens and how long they took (against `budgets.tokenize`) rather than falling back.

@@ -8,9 +8,9 @@
 //! the code that would use an embedded index compiles unchanged and never runs.
 
 #[cfg(feature = "embedded-index")]
-pub use kvroute_index::config::Config as IndexConfig;
+pub(crate) use kvroute_index::config::Config as IndexConfig;
 #[cfg(feature = "embedded-index")]
-pub use kvroute_index::server::{IndexServer, LocalMatcher, MatchError, ServeError};
+pub(crate) use kvroute_index::server::{IndexServer, LocalMatcher, MatchError, ServeError};
 
 #[cfg(not(feature = "embedded-index"))]
 pub use absent::{IndexConfig, IndexServer, LocalMatcher, MatchError, ServeError};

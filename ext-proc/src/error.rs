@@ -211,7 +211,3 @@ impl IndexError {
         }
     }
 }
-
-/// Why the configuration was rejected: the config library's one error, `path: reason` (e.g.
-/// `pools[2].block_size: ...`), shared with every kvroute component.
-pub use kvroute_config::ConfigError;

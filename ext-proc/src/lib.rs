@@ -81,8 +81,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use config::Config;
-pub use error::{ConfigError, RequestError};
-pub use picker::{Decision, Picker, Runtime, Tier};
+pub use error::RequestError;
+pub use picker::{Decision, Picker, Runtime};
 pub use server::ExtProcService;
 pub use tokenizer::Tokenizer;
 
@@ -99,7 +99,7 @@ const GIE_HEALTH_SERVICES: [&str; 4] = ["", "liveness", "readiness", "inference-
 pub enum ServeError {
     /// The configuration was rejected (exit code 64).
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Config(#[from] kvroute_config::ConfigError),
     /// A listener could not be bound.
     #[error("cannot bind {what} listener on {addr}")]
     Bind {

@@ -33,7 +33,7 @@ use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router};
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Pool, Replica, TokenizerSource};
-use crate::error::{ConfigError, RequestError};
+use crate::error::RequestError;
 use crate::index_client::IndexClient;
 use crate::metrics::{
     DecisionLabels, FallbackLabels, KindLabel, Metrics, ReplicaLabel, ReplicaStateLabels,
@@ -43,8 +43,9 @@ use crate::scrape::Scraper;
 use crate::tokenizer::{
     KeysJob, PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer, TokensRequest,
 };
+use kvroute_config::ConfigError;
 
-pub use kvroute_routing::Tier;
+use kvroute_routing::Tier;
 
 /// Why a load-tier decision had no prefix information (a metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -30,7 +30,7 @@ use super::raw::{
 };
 use super::validate::validate;
 use super::{Config, DebugHeaders, DriftConfig, EmbeddedIndex, EppConfig, ScrapeConfig, Shedding};
-use crate::error::ConfigError;
+use kvroute_config::ConfigError;
 
 impl TryFrom<RawConfig> for Config {
     type Error = ConfigError;

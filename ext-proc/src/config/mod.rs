@@ -21,7 +21,7 @@ use kvroute_block_keys::{KeyScheme, LoraRef};
 use kvroute_routing::ScoringConfig;
 use kvroute_runtime::token::AgentToken;
 
-use crate::error::ConfigError;
+use kvroute_config::ConfigError;
 
 mod build;
 mod overrides;
@@ -31,8 +31,6 @@ mod raw;
 mod tests;
 mod validate;
 
-/// Pool key defaults, shared with kvroute-index (`kvroute_block_keys::schema`): vLLM 0.32's.
-pub use kvroute_block_keys::{DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_VLLM_VERSION};
 pub use overrides::Overrides;
 pub use raw::{
     DEFAULT_ADMIN_ADDR, DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_BODY_MODE, DEFAULT_DEBUG_EXPOSE,

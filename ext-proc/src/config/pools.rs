@@ -10,7 +10,7 @@ use super::raw::{
     RawAdapter, RawPool, RawReplica, RawTokenizer,
 };
 use super::{Adapter, Pool, Replica, TokenizerSource};
-use crate::error::ConfigError;
+use kvroute_config::ConfigError;
 
 /// `pools[i]`.
 pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {

@@ -6,7 +6,7 @@ use kvroute_config::format_duration;
 
 use super::Config;
 use super::build::{invalid, missing};
-use crate::error::ConfigError;
+use kvroute_config::ConfigError;
 
 /// Cross-field rules, all in one place.
 pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {

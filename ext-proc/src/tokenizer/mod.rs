@@ -28,7 +28,8 @@ use kvroute_tokenize::{LeadingTokens, ResumableTokens, ResumePoint};
 use tokio_util::task::TaskTracker;
 
 use crate::config::TokenizerSource;
-use crate::error::{ConfigError, TokenizeError};
+use crate::error::TokenizeError;
+use kvroute_config::ConfigError;
 
 mod background;
 mod block_keys;

@@ -27,7 +27,6 @@ pub mod engines;
 pub mod hub;
 pub mod metrics;
 pub mod mirror;
-pub use kvroute_runtime::token;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

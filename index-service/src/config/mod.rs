@@ -1,4 +1,4 @@
-//! `kvroute-index` configuration: YAML → [`RawConfig`] ([`raw`]: every key, its default and
+//! `kvroute-index` configuration: YAML → [`RawConfig`] (`raw.rs`: every key, its default and
 //! meaning; reference in `docs/configuration.md`) → validated [`Config`].
 //!
 //! Values wrong on their own (a duration, an address, an endpoint, an unknown key) are refused
