@@ -74,6 +74,7 @@ use embedded::IndexServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use kvroute_runtime::admin::{AdminListener, AdminServer, Readiness};
 use kvroute_runtime::config_file::ConfigFileWatch;
+use kvroute_runtime::listener::bind;
 use prometheus_client::registry::Registry;
 
 use tokio::net::TcpListener;
@@ -101,16 +102,8 @@ pub enum ServeError {
     #[error(transparent)]
     Config(#[from] kvroute_config::ConfigError),
     /// A listener could not be bound.
-    #[error("cannot bind {what} listener on {addr}")]
-    Bind {
-        /// `grpc` or `admin`.
-        what: &'static str,
-        /// The address.
-        addr: SocketAddr,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] kvroute_runtime::listener::BindError),
     /// The gRPC server failed.
     #[error("gRPC server failed")]
     Grpc(#[source] tonic::transport::Error),
@@ -133,7 +126,7 @@ impl ServeError {
     pub fn as_label(&self) -> &'static str {
         match self {
             Self::Config(_) => "config",
-            Self::Bind { .. } => "bind",
+            Self::Bind(_) => "bind",
             Self::Grpc(_) => "grpc",
             Self::Tls(_) | Self::SelfSigned(_) => "tls",
             Self::EmbeddedIndex(_) => "embedded_index",
@@ -177,22 +170,10 @@ impl ExtProcBuilder {
         for (pool, tokenizer) in self.tokenizers {
             runtime = runtime.with_tokenizer(pool, tokenizer);
         }
-        let bind = |what, addr| async move {
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| ServeError::Bind { what, addr, source })
-        };
-        let grpc = bind("grpc", runtime.config.grpc_addr).await?;
-        let admin_addr = runtime.config.admin_addr;
-        let admin = AdminListener::bind(admin_addr)
-            .await
-            .map_err(|source| ServeError::Bind {
-                what: "admin",
-                addr: admin_addr,
-                source,
-            })?;
+        let (grpc, _) = bind("grpc", runtime.config.grpc_addr).await?;
+        let admin = AdminListener::bind(runtime.config.admin_addr).await?;
         let health = match runtime.config.health_addr {
-            Some(addr) => Some(bind("health", addr).await?),
+            Some(addr) => Some(bind("health", addr).await?.0),
             None => None,
         };
         let embedded_index = match &runtime.config.embedded_index {

@@ -163,9 +163,8 @@ pub struct AdminListener {
 
 impl AdminListener {
     /// Binds `addr` (port 0 picks a free port; [`AdminListener::local_addr`] says which).
-    pub async fn bind(addr: SocketAddr) -> std::io::Result<Self> {
-        let listener = TcpListener::bind(addr).await?;
-        let local_addr = listener.local_addr()?;
+    pub async fn bind(addr: SocketAddr) -> Result<Self, crate::listener::BindError> {
+        let (listener, local_addr) = crate::listener::bind("admin", addr).await?;
         Ok(Self {
             listener,
             local_addr,

@@ -15,6 +15,7 @@
 
 pub mod admin;
 pub mod config_file;
+pub mod listener;
 pub mod logging;
 pub mod process;
 pub mod shutdown;

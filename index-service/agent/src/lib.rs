@@ -47,14 +47,8 @@ use kvroute_ingest::IngestMetrics;
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     /// The admin listener cannot be bound.
-    #[error("cannot bind the admin listener on {addr}")]
-    Bind {
-        /// Address.
-        addr: SocketAddr,
-        /// Cause.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] kvroute_runtime::listener::BindError),
     /// `discovery.kubernetes` cannot reach the API server (no in-cluster credentials, a bad
     /// kubeconfig).
     #[error("cannot start engine discovery")]
@@ -65,7 +59,7 @@ impl AgentError {
     /// Metric/log label.
     pub fn as_label(&self) -> &'static str {
         match self {
-            AgentError::Bind { .. } => "bind",
+            AgentError::Bind(_) => "bind",
             AgentError::Discovery(_) => "discovery",
         }
     }
@@ -101,12 +95,7 @@ impl Agent {
     }
 
     async fn start_with(config: AgentConfig, path: Option<PathBuf>) -> Result<Self, AgentError> {
-        let admin_listener = AdminListener::bind(config.admin_addr)
-            .await
-            .map_err(|source| AgentError::Bind {
-                addr: config.admin_addr,
-                source,
-            })?;
+        let admin_listener = AdminListener::bind(config.admin_addr).await?;
         let admin_addr = admin_listener.local_addr();
 
         let mut registry = Registry::with_prefix("kvroute_agent");

@@ -26,8 +26,8 @@ use std::{
 
 use kvroute_runtime::admin::{AdminListener, AdminServer};
 use kvroute_runtime::config_file::ConfigFileWatch;
+use kvroute_runtime::listener::{BindError, bind};
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 
 use crate::config::Config;
@@ -49,16 +49,8 @@ pub const SHUTDOWN_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     /// A listener could not be bound.
-    #[error("cannot bind {what} listener on {addr}")]
-    Bind {
-        /// `grpc` or `admin`.
-        what: &'static str,
-        /// The configured address.
-        addr: SocketAddr,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] BindError),
     /// The gRPC listener's TLS settings were refused.
     #[error("cannot set up TLS on the grpc listener")]
     Tls(#[source] tonic::transport::Error),
@@ -142,21 +134,8 @@ pub struct IndexServer {
 impl IndexServer {
     /// Binds the listeners, starts ingest and serves until [`shutdown`](Self::shutdown).
     pub async fn start(config: Config) -> Result<Self, ServeError> {
-        let grpc_listener = TcpListener::bind(config.grpc_addr)
-            .await
-            .map_err(|source| ServeError::Bind {
-                what: "grpc",
-                addr: config.grpc_addr,
-                source,
-            })?;
-        let admin_listener = AdminListener::bind(config.admin_addr)
-            .await
-            .map_err(|source| ServeError::Bind {
-                what: "admin",
-                addr: config.admin_addr,
-                source,
-            })?;
-        let grpc_addr = local_addr(&grpc_listener, "grpc", config.grpc_addr)?;
+        let (grpc_listener, grpc_addr) = bind("grpc", config.grpc_addr).await?;
+        let admin_listener = AdminListener::bind(config.admin_addr).await?;
         let mut grpc_server = tonic::transport::Server::builder().tcp_nodelay(true);
         if let Some(tls) = &config.tls {
             grpc_server = grpc_server
@@ -384,16 +363,6 @@ impl IndexServer {
         }
         tracing::info!(exit_reason = "shutdown", "kvroute-index stopped");
     }
-}
-
-fn local_addr(
-    listener: &TcpListener,
-    what: &'static str,
-    addr: SocketAddr,
-) -> Result<SocketAddr, ServeError> {
-    listener
-        .local_addr()
-        .map_err(|source| ServeError::Bind { what, addr, source })
 }
 
 /// The service's one spawn site: every task is tracked and watches the service's token.
