@@ -14,7 +14,7 @@ pub const INFERENCE_POOL_API_VERSION: &str = "inference.networking.k8s.io/v1";
 /// HTTPRoute's group/version.
 pub const GATEWAY_API_VERSION: &str = "gateway.networking.k8s.io/v1";
 /// AIGatewayRoute's group/version.
-pub const AI_GATEWAY_API_VERSION: &str = "aigateway.envoyproxy.io/v1alpha1";
+pub const AI_GATEWAY_API_VERSION: &str = "aigateway.envoyproxy.io/v1beta1";
 
 /// A GIE InferencePool: the model server pods and their endpoint picker.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -224,7 +224,7 @@ pub struct Timeouts {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AiGatewayRoute {
-    /// `aigateway.envoyproxy.io/v1alpha1`.
+    /// `aigateway.envoyproxy.io/v1beta1` (the storage version; `v1alpha1` is deprecated).
     pub api_version: String,
     /// `AIGatewayRoute`.
     pub kind: String,
