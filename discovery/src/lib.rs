@@ -43,6 +43,7 @@ pub mod config;
 pub mod inference_pool;
 mod metrics;
 pub mod replica;
+mod retry;
 #[cfg(feature = "test-util")]
 pub mod testing;
 mod watch;

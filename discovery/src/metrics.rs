@@ -27,7 +27,8 @@ pub(crate) struct SourceLabels {
 /// Discovery's metric families.
 #[derive(Debug, Clone, Default)]
 pub struct DiscoveryMetrics {
-    /// `discovery_watch_restarts_total{source, watch, reason}`: (re)lists. `reason`: `start`
+    /// `discovery_watch_restarts_total{source, watch, reason}`: completed (re)lists (a list that
+    /// fails counts in `errors` only, however often it is retried). `reason`: `start`
     /// (the first list), `relist` (after a stream ended beyond repair, e.g. 410 Gone) or
     /// `retarget` (the InferencePool's selector or ports changed).
     pub(crate) restarts: Family<WatchLabels, Counter>,

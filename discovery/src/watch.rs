@@ -9,7 +9,7 @@
 //!
 //! kube-rs's watcher does the protocol: list, then watch from the list's resourceVersion with
 //! bookmarks, resume from the last seen version after a dropped connection, relist after
-//! `410 Gone`; errors are retried with its default capped exponential backoff. Each (re)list
+//! `410 Gone`; errors are retried as `retry` says (at once after `410 Gone`). Each (re)list
 //! buffers the listed pods and replaces the store whole when the list is complete, so pods
 //! deleted while the watch was down disappear. Each error and relist is logged and counted.
 
@@ -20,7 +20,6 @@ use std::sync::Arc;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event, ListSemantic};
 use tokio::sync::watch as channel;
 use tokio_util::sync::CancellationToken;
@@ -220,10 +219,6 @@ impl Run {
                             continue;
                         }
                         Ok(Event::Init) => {
-                            let reason = if pool_lists == 0 { "start" } else { "relist" };
-                            pool_lists += 1;
-                            self.count_restart(WATCH_POOL, reason);
-                            tracing::info!(source = self.name, watch = WATCH_POOL, reason, "listing InferencePool");
                             pool_listing = Some(None);
                             continue;
                         }
@@ -231,7 +226,13 @@ impl Run {
                             pool_listing = Some(Some(pool));
                             continue;
                         }
-                        Ok(Event::InitDone) => pool_listing.take().flatten(),
+                        Ok(Event::InitDone) => {
+                            let reason = if pool_lists == 0 { "start" } else { "relist" };
+                            pool_lists += 1;
+                            self.count_restart(WATCH_POOL, reason);
+                            tracing::info!(source = self.name, watch = WATCH_POOL, reason, "InferencePool listed");
+                            pool_listing.take().flatten()
+                        }
                         Ok(Event::Apply(pool)) => Some(pool),
                         Ok(Event::Delete(_)) => None,
                     };
@@ -290,6 +291,17 @@ impl Run {
         };
         match event {
             Event::Init => {
+                watch.listing = Some(BTreeMap::new());
+            }
+            Event::InitApply(pod) => {
+                let replicas = self.replicas(&pod, &watch.plan);
+                if let (Some(listing), Some(name)) = (watch.listing.as_mut(), pod.metadata.name) {
+                    listing.insert(name, replicas);
+                }
+            }
+            Event::InitDone => {
+                // Counted once the list is complete: a list that fails is retried from `Init`,
+                // and only its errors are counted.
                 let reason = if watch.lists == 0 {
                     watch.first_reason
                 } else {
@@ -301,17 +313,8 @@ impl Run {
                     source = self.name,
                     watch = WATCH_PODS,
                     reason,
-                    "listing pods"
+                    "pods listed"
                 );
-                watch.listing = Some(BTreeMap::new());
-            }
-            Event::InitApply(pod) => {
-                let replicas = self.replicas(&pod, &watch.plan);
-                if let (Some(listing), Some(name)) = (watch.listing.as_mut(), pod.metadata.name) {
-                    listing.insert(name, replicas);
-                }
-            }
-            Event::InitDone => {
                 watch.pods = watch.listing.take().unwrap_or_default();
                 watch.synced = true;
                 self.publish(watch);
@@ -481,7 +484,8 @@ impl Run {
     }
 }
 
-/// kube-rs's watcher with its default backoff between failed attempts.
+/// kube-rs's watcher, waiting after each error as [`RetryPolicy`](crate::retry::RetryPolicy)
+/// says (no wait after `410 Gone`, a short cap while the server is unreachable).
 fn watcher<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -489,7 +493,7 @@ fn watcher<K>(
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
-    watcher::watcher(api, config).default_backoff()
+    crate::retry::with_retry(watcher::watcher(api, config))
 }
 
 /// `k=v,k2=v2`: the `labelSelector` of `matchLabels`.

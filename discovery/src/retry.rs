@@ -1,0 +1,133 @@
+//! How long a Kubernetes watch waits before its next attempt after an error.
+//!
+//! kube-runtime's default backoff (800 ms doubling to 30 s, reset only after two minutes without
+//! an error) made every error of an API-server outage lengthen the wait after it, including the
+//! `410 Gone` that follows a restart, so discovery caught up seconds after the server was back.
+//! Here the wait depends on what failed, and the next event resets it:
+//! - `410 Gone` (the resource version expired): no wait, the relist is the recovery;
+//! - the server answered a list with an error (a missing RBAC permission, a missing CRD): a long
+//!   capped backoff, as retrying soon cannot help;
+//! - anything else (the server unreachable, a connection cut): a short capped backoff, so the
+//!   watch is back within [`UNREACHABLE_MAX`] of the server.
+
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use kube::runtime::watcher;
+
+/// First wait after an error while the server is unreachable.
+pub(crate) const UNREACHABLE_MIN: Duration = Duration::from_millis(100);
+/// Longest wait while the server is unreachable: how late a watch may come back after it.
+pub(crate) const UNREACHABLE_MAX: Duration = Duration::from_secs(2);
+/// First wait after the server refused a list.
+pub(crate) const REFUSED_MIN: Duration = Duration::from_secs(1);
+/// Longest wait after the server refused lists.
+pub(crate) const REFUSED_MAX: Duration = Duration::from_secs(60);
+
+/// Consecutive failures since the last event.
+#[derive(Debug, Default)]
+pub(crate) struct RetryPolicy {
+    failures: u32,
+}
+
+impl RetryPolicy {
+    /// An event arrived: the next error starts from the shortest wait again.
+    pub(crate) fn succeeded(&mut self) {
+        self.failures = 0;
+    }
+
+    /// The wait before the attempt that follows `error`.
+    pub(crate) fn wait_after(&mut self, error: &watcher::Error) -> Duration {
+        let (min, max) = match error {
+            watcher::Error::WatchError(status) if status.code == 410 => return Duration::ZERO,
+            watcher::Error::InitialListFailed(kube::Error::Api(_)) => (REFUSED_MIN, REFUSED_MAX),
+            _ => (UNREACHABLE_MIN, UNREACHABLE_MAX),
+        };
+        let wait = min.saturating_mul(1 << self.failures.min(16)).min(max);
+        self.failures = self.failures.saturating_add(1);
+        wait
+    }
+}
+
+/// `watch`, waiting after each error as [`RetryPolicy`] says.
+pub(crate) fn with_retry<K, S>(
+    watch: S,
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
+where
+    K: Send + 'static,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
+    let state = (Box::pin(watch), RetryPolicy::default(), Duration::ZERO);
+    futures::stream::unfold(state, |(mut watch, mut policy, wait)| async move {
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+        let item = watch.next().await?;
+        let wait = match &item {
+            Ok(_) => {
+                policy.succeeded();
+                Duration::ZERO
+            }
+            Err(error) => policy.wait_after(error),
+        };
+        Some((item, (watch, policy, wait)))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gone() -> watcher::Error {
+        watcher::Error::WatchError(Box::new(
+            kube::core::Status::failure("expired", "Expired").with_code(410),
+        ))
+    }
+
+    fn refused() -> watcher::Error {
+        watcher::Error::InitialListFailed(kube::Error::Api(Box::new(
+            kube::core::Status::failure("forbidden", "Forbidden").with_code(403),
+        )))
+    }
+
+    fn unreachable() -> watcher::Error {
+        watcher::Error::InitialListFailed(kube::Error::Service("connection refused".into()))
+    }
+
+    #[test]
+    fn a_gone_version_relists_at_once_even_after_an_outage() {
+        let mut policy = RetryPolicy::default();
+        for _ in 0..10 {
+            policy.wait_after(&unreachable());
+        }
+        assert_eq!(policy.wait_after(&gone()), Duration::ZERO);
+    }
+
+    #[test]
+    fn an_unreachable_server_is_retried_within_the_short_cap() {
+        let mut policy = RetryPolicy::default();
+        let waits: Vec<_> = (0..8).map(|_| policy.wait_after(&unreachable())).collect();
+        assert_eq!(waits[0], UNREACHABLE_MIN);
+        assert_eq!(waits[1], UNREACHABLE_MIN * 2);
+        assert!(waits.iter().all(|wait| *wait <= UNREACHABLE_MAX));
+        assert_eq!(waits[7], UNREACHABLE_MAX);
+    }
+
+    #[test]
+    fn refused_lists_back_off_long() {
+        let mut policy = RetryPolicy::default();
+        let waits: Vec<_> = (0..10).map(|_| policy.wait_after(&refused())).collect();
+        assert_eq!(waits[0], REFUSED_MIN);
+        assert_eq!(waits[9], REFUSED_MAX);
+    }
+
+    #[test]
+    fn an_event_resets_the_backoff() {
+        let mut policy = RetryPolicy::default();
+        for _ in 0..10 {
+            policy.wait_after(&unreachable());
+        }
+        policy.succeeded();
+        assert_eq!(policy.wait_after(&unreachable()), UNREACHABLE_MIN);
+    }
+}
