@@ -641,7 +641,7 @@ async fn replicas_the_index_does_not_vouch_for_are_approximate_and_counted() {
     );
     assert_eq!(again.endpoint, first.endpoint);
     assert_eq!(again.decision, "approximate/cache_hit");
-    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    let metrics = kvroute_test_support::http_get(harness.admin, "/metrics").await;
     for line in [
         "kvroute_extproc_nonprecise_replicas_total{replica=\"r1\",state=\"flagged\"} 2",
         "kvroute_extproc_unknown_replicas_total{replica=\"r2\"} 2",
@@ -823,7 +823,7 @@ async fn bad_requests_get_openai_errors() {
     // The service stays up and counts what it refused.
     let ok = buffered(&harness, "/v1/completions", &completion("fine"), None).await;
     routed(&ok);
-    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    let metrics = kvroute_test_support::http_get(harness.admin, "/metrics").await;
     assert!(
         metrics.contains("kvroute_extproc_request_errors_total{kind=\"unknown_model\"} 1"),
         "{metrics}"
@@ -947,7 +947,7 @@ async fn index_down_uses_the_approximate_tier_within_budget() {
         );
         assert_eq!(r.decision, "approximate/cache_hit");
     }
-    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    let metrics = kvroute_test_support::http_get(harness.admin, "/metrics").await;
     assert!(
         metrics.contains("kvroute_extproc_fallbacks_total{stage=\"index\",cause=\"unavailable\"}"),
         "{metrics}"
@@ -975,7 +975,7 @@ async fn tokenizer_failure_falls_back_to_load() {
             .unwrap();
     let r = routed(&buffered(&harness, "/v1/completions", &ids, None).await);
     assert!(r.decision.starts_with("precise/"), "{}", r.decision);
-    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    let metrics = kvroute_test_support::http_get(harness.admin, "/metrics").await;
     assert!(
         metrics.contains(
             "kvroute_extproc_decisions_total{tier=\"load\",reason=\"tokenizer_failed\"} 1"
@@ -1009,28 +1009,17 @@ async fn shutdown_reports_not_serving_and_readyz() {
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
     assert!(
-        reqwest_text(harness.admin, "/readyz")
+        kvroute_test_support::http_get(harness.admin, "/readyz")
             .await
             .contains("ready")
     );
-    assert!(reqwest_text(harness.admin, "/healthz").await.contains("ok"));
+    assert!(
+        kvroute_test_support::http_get(harness.admin, "/healthz")
+            .await
+            .contains("ok")
+    );
     harness.shutdown().await;
     replicas.stop.cancel();
-}
-
-/// GET over plain HTTP/1.1 (no client crate needed).
-async fn reqwest_text(addr: SocketAddr, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
-    socket
-        .write_all(
-            format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
-        )
-        .await
-        .unwrap();
-    let mut text = String::new();
-    socket.read_to_string(&mut text).await.unwrap();
-    text
 }
 
 /// What one decided exchange showed about debug headers.
@@ -1130,7 +1119,7 @@ async fn a_changed_config_file_applies_and_a_bad_one_is_counted_and_changes_noth
     write("pools: [not a pool\n");
     let rejected = "kvroute_extproc_config_reloads_total{kind=\"rejected\"} 1";
     let reloads = try_poll_until(rejected, within(), || async {
-        let metrics = reqwest_text(harness.admin, "/metrics").await;
+        let metrics = kvroute_test_support::http_get(harness.admin, "/metrics").await;
         metrics.contains(rejected).then_some(metrics)
     })
     .await;
@@ -1138,7 +1127,7 @@ async fn a_changed_config_file_applies_and_a_bad_one_is_counted_and_changes_noth
         Ok(metrics) => metrics,
         Err(error) => panic!(
             "{error}:\n{}",
-            reqwest_text(harness.admin, "/metrics").await
+            kvroute_test_support::http_get(harness.admin, "/metrics").await
         ),
     };
     assert!(
@@ -1227,7 +1216,7 @@ async fn debug_headers_are_off_by_default_and_opt_in_by_config_or_token() {
             "{mode:?}"
         );
     }
-    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    let metrics = kvroute_test_support::http_get(harness.admin, "/metrics").await;
     for (kind, count) in [("exposed", 2), ("wrong_token", 8), ("no_token", 2)] {
         let line =
             format!("kvroute_extproc_debug_header_requests_total{{kind=\"{kind}\"}} {count}");
@@ -1273,7 +1262,7 @@ async fn a_stream_held_open_releases_its_inflight_slot_after_the_bound() {
         || async { load.snapshot().inflight_requests == 0.0 },
     )
     .await;
-    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    let metrics = kvroute_test_support::http_get(harness.admin, "/metrics").await;
     let expired = format!("kvroute_extproc_replica_inflight_expired_total{{replica=\"{id}\"}} 1");
     assert!(metrics.contains(&expired), "{expired} in\n{metrics}");
 
@@ -1297,7 +1286,7 @@ async fn a_stream_held_open_releases_its_inflight_slot_after_the_bound() {
         third.map(|_| ()).unwrap_err().code(),
         tonic::Code::ResourceExhausted
     );
-    let metrics = reqwest_text(harness.admin, "/metrics").await;
+    let metrics = kvroute_test_support::http_get(harness.admin, "/metrics").await;
     assert!(
         metrics.contains("kvroute_extproc_stream_refusals_total{kind=\"max_streams\"} 1"),
         "{metrics}"

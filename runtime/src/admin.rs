@@ -203,22 +203,13 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use prometheus_client::metrics::counter::Counter;
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::sync::oneshot;
 
     use super::*;
 
-    /// `GET path` over HTTP/1.1: the status line's code, the headers and the body.
+    /// `GET path`: the status line's code, the headers and the body.
     async fn fetch(addr: SocketAddr, path: &str) -> (u16, String, String) {
-        let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
-        socket
-            .write_all(
-                format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
-            )
-            .await
-            .unwrap();
-        let mut text = String::new();
-        socket.read_to_string(&mut text).await.unwrap();
+        let text = kvroute_test_support::http_get(addr, path).await;
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
         let status = head.split(' ').nth(1).unwrap().parse().unwrap();
         (status, head.to_ascii_lowercase(), body.to_owned())

@@ -165,6 +165,27 @@ where
     }
 }
 
+/// `GET path` from `addr` over plain HTTP/1.1 (`connection: close`), the whole response as text:
+/// status line, headers and body. For admin endpoints in tests, with no HTTP client crate.
+///
+/// # Panics
+/// When the connection or the read fails (test support: the test fails there).
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let request = format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+    let mut text = String::new();
+    let result = async {
+        let mut socket = tokio::net::TcpStream::connect(addr).await?;
+        socket.write_all(request.as_bytes()).await?;
+        socket.read_to_string(&mut text).await
+    }
+    .await;
+    if let Err(error) = result {
+        panic!("GET http://{addr}{path}: {error}");
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
