@@ -40,9 +40,11 @@ pub mod index_client;
 mod lru;
 pub mod metrics;
 pub mod picker;
+pub mod records;
 pub mod request;
 mod scrape;
 pub mod server;
+pub mod shadow;
 pub mod tokenizer;
 
 /// Opts this process out of transparent huge pages (`prctl(PR_SET_THP_DISABLE)`), for the
@@ -350,16 +352,18 @@ impl ExtProc {
                 background.clone(),
             ));
         }
-        let admin_server = AdminServer::new(registry).readiness({
-            let ready = Arc::clone(&ready);
-            move || {
-                if ready.load(Ordering::Relaxed) {
-                    Readiness::ready("ready\n")
-                } else {
-                    Readiness::not_ready("draining\n")
+        let admin_server = AdminServer::new(registry)
+            .routes(admin_routes(Arc::clone(&picker)))
+            .readiness({
+                let ready = Arc::clone(&ready);
+                move || {
+                    if ready.load(Ordering::Relaxed) {
+                        Readiness::ready("ready\n")
+                    } else {
+                        Readiness::not_ready("draining\n")
+                    }
                 }
-            }
-        });
+            });
         let admin_stop = background.clone();
         tasks.spawn(async move {
             if let Err(error) = admin_server
@@ -527,4 +531,48 @@ async fn reload_loop(
             }
         }
     }
+}
+
+/// Most records one `/v1/decisions` answer lists (`?limit=`, default all kept up to this).
+const MAX_RECORDS_LISTED: usize = 1000;
+
+/// ext-proc's own admin routes: `/v1/decisions` (the most recent decision records, newest first;
+/// `?limit=N`) and `/v1/shadow` (every pool's shadow-mode summary).
+fn admin_routes(picker: Arc<Picker>) -> axum::Router {
+    #[derive(serde::Deserialize)]
+    struct Listing {
+        limit: Option<usize>,
+    }
+    let records = Arc::clone(&picker);
+    axum::Router::new()
+        .route(
+            "/v1/decisions",
+            axum::routing::get(
+                move |axum::extract::Query(listing): axum::extract::Query<Listing>| {
+                    let picker = Arc::clone(&records);
+                    async move {
+                        let limit = listing
+                            .limit
+                            .unwrap_or(MAX_RECORDS_LISTED)
+                            .min(MAX_RECORDS_LISTED);
+                        let latest = picker.records().latest(limit);
+                        let decisions: Vec<&records::DecisionRecord> =
+                            latest.iter().map(|record| &**record).collect();
+                        axum::Json(serde_json::json!({ "decisions": decisions }))
+                    }
+                },
+            ),
+        )
+        .route(
+            "/v1/shadow",
+            axum::routing::get(move || {
+                let picker = Arc::clone(&picker);
+                async move {
+                    let runtime = picker.runtime();
+                    axum::Json(serde_json::json!({
+                        "pools": picker.shadow().summaries(&runtime.config),
+                    }))
+                }
+            }),
+        )
 }

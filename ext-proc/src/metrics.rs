@@ -141,6 +141,28 @@ pub struct Metrics {
     pub drift_degraded: Family<PoolLabel, Gauge>,
     /// Times the pool started routing on the approximate tier because of drift.
     pub drift_degradations: Family<PoolLabel, Counter>,
+    /// Shadow-mode decisions compared with the replica Envoy served them on.
+    pub shadow_requests: Family<PoolLabel, Counter>,
+    /// Shadow-mode decisions Envoy reported no served replica for (not compared).
+    pub shadow_unobserved: Family<PoolLabel, Counter>,
+    /// Prompt tokens of compared shadow-mode decisions.
+    pub shadow_prompt_tokens: Family<PoolLabel, Counter>,
+    /// Shadow mode: cached prompt tokens the best candidate held.
+    pub shadow_held_tokens: Family<PoolLabel, Counter>,
+    /// Shadow mode: cached prompt tokens kvroute's choice held (what it would have captured).
+    pub shadow_captured_tokens: Family<PoolLabel, Counter>,
+    /// Shadow mode: cached prompt tokens the replica Envoy chose held, by kvroute's view.
+    pub shadow_served_predicted_tokens: Family<PoolLabel, Counter>,
+    /// Shadow mode: requests some candidate held a prefix of.
+    pub shadow_repeat_requests: Family<PoolLabel, Counter>,
+    /// Shadow mode: requests some candidate held a prefix of that Envoy sent to a replica holding none of it.
+    pub shadow_repeat_cold_requests: Family<PoolLabel, Counter>,
+    /// Prompt tokens the pool's engines served from their prefix caches (deltas of vllm:prefix_cache_hits_total): delivered.
+    pub pool_engine_cached_tokens: Family<PoolLabel, Counter>,
+    /// Prompt tokens the pool's engines looked up in their prefix caches (deltas of vllm:prefix_cache_queries_total).
+    pub pool_engine_prompt_tokens: Family<PoolLabel, Counter>,
+    /// Decisions recorded (`decision_records`), by why: `flagged` or `sampled`.
+    pub decision_records: Family<KindLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -189,6 +211,17 @@ impl Metrics {
             drift_counter_resets: Family::default(),
             drift_degraded: Family::default(),
             drift_degradations: Family::default(),
+            shadow_requests: Family::default(),
+            shadow_unobserved: Family::default(),
+            shadow_prompt_tokens: Family::default(),
+            shadow_held_tokens: Family::default(),
+            shadow_captured_tokens: Family::default(),
+            shadow_served_predicted_tokens: Family::default(),
+            shadow_repeat_requests: Family::default(),
+            shadow_repeat_cold_requests: Family::default(),
+            pool_engine_cached_tokens: Family::default(),
+            pool_engine_prompt_tokens: Family::default(),
+            decision_records: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("kvroute_extproc");
         r.register(
@@ -375,6 +408,61 @@ impl Metrics {
             "drift_degradations",
             "Times the pool moved to the approximate tier because of drift",
             metrics.drift_degradations.clone(),
+        );
+        r.register(
+            "shadow_requests",
+            "Shadow-mode decisions compared with the replica Envoy served them on",
+            metrics.shadow_requests.clone(),
+        );
+        r.register(
+            "shadow_unobserved",
+            "Shadow-mode decisions Envoy reported no served replica for (not compared)",
+            metrics.shadow_unobserved.clone(),
+        );
+        r.register(
+            "shadow_prompt_tokens",
+            "Prompt tokens of compared shadow-mode decisions",
+            metrics.shadow_prompt_tokens.clone(),
+        );
+        r.register(
+            "shadow_held_tokens",
+            "Shadow mode: cached prompt tokens the best candidate held",
+            metrics.shadow_held_tokens.clone(),
+        );
+        r.register(
+            "shadow_captured_tokens",
+            "Shadow mode: cached prompt tokens kvroute's choice held (what it would have captured)",
+            metrics.shadow_captured_tokens.clone(),
+        );
+        r.register(
+            "shadow_served_predicted_tokens",
+            "Shadow mode: cached prompt tokens the replica Envoy chose held, by kvroute's view",
+            metrics.shadow_served_predicted_tokens.clone(),
+        );
+        r.register(
+            "shadow_repeat_requests",
+            "Shadow mode: requests some candidate held a prefix of",
+            metrics.shadow_repeat_requests.clone(),
+        );
+        r.register(
+            "shadow_repeat_cold_requests",
+            "Shadow mode: requests some candidate held a prefix of that Envoy sent to a replica holding none of it",
+            metrics.shadow_repeat_cold_requests.clone(),
+        );
+        r.register(
+            "pool_engine_cached_tokens",
+            "Prompt tokens the pool's engines served from their prefix caches (deltas of vllm:prefix_cache_hits_total): delivered",
+            metrics.pool_engine_cached_tokens.clone(),
+        );
+        r.register(
+            "pool_engine_prompt_tokens",
+            "Prompt tokens the pool's engines looked up in their prefix caches (deltas of vllm:prefix_cache_queries_total)",
+            metrics.pool_engine_prompt_tokens.clone(),
+        );
+        r.register(
+            "decision_records",
+            "Decisions recorded for /v1/decisions, by why (flagged, sampled)",
+            metrics.decision_records.clone(),
         );
         metrics
     }

@@ -29,17 +29,19 @@ use arc_swap::ArcSwap;
 use kvroute_index_api::api::{MatchRequest, MatchResponse};
 use kvroute_routing::load::{InflightGuard, LoadBoard};
 use kvroute_routing::policy::Reason;
-use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router};
+use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router, Scored};
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, Pool, Replica, TokenizerSource};
+use crate::config::{Config, Pool, PoolMode, Replica, TokenizerSource};
 use crate::error::RequestError;
 use crate::index_client::IndexClient;
 use crate::metrics::{
     DecisionLabels, FallbackLabels, KindLabel, Metrics, ReplicaLabel, ReplicaStateLabels,
 };
+use crate::records::{CandidateRecord, DecisionRecord, DecisionRecords, TokenFacts};
 use crate::request::ParsedRequest;
 use crate::scrape::Scraper;
+use crate::shadow::{Comparison, ShadowBook};
 use crate::tokenizer::{
     KeysJob, PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer, TokensRequest,
 };
@@ -170,6 +172,10 @@ struct PrefixFacts {
     index_answer: Option<MatchResponse>,
     /// Estimated prompt length in tokens.
     prompt_tokens: usize,
+    /// Where the tokens came from.
+    token_source: TokenSource,
+    /// Time spent getting them (every leading step), seconds.
+    tokenize_seconds: f64,
 }
 
 /// A routing decision. Dropping it ends the replica's in-flight accounting for the request.
@@ -191,6 +197,36 @@ pub struct Decision {
     pub inflight: InflightGuard,
     /// Where a proxy's retries go if the chosen replica fails, best first (`epp.fallbacks`).
     pub fallbacks: Vec<SocketAddr>,
+    /// The pool's mode: in `shadow` the answer names no destination (Envoy's choice stands).
+    pub mode: PoolMode,
+    /// What every candidate looked like, kept for shadow pools and recorded decisions.
+    pub explained: Option<Box<Explained>>,
+    /// The decision's record, when it was recorded.
+    pub record: Option<Arc<DecisionRecord>>,
+}
+
+/// What a decision saw of its candidates: what a record explains and shadow mode compares.
+#[derive(Debug)]
+pub struct Explained {
+    /// The config the decision used.
+    pub config: Arc<Config>,
+    /// Its pool.
+    pub pool: usize,
+    /// The candidates, as indices into `config.replicas`.
+    pub candidates: Vec<usize>,
+    /// Each candidate as scored.
+    pub scored: Scored,
+    /// The prompt's tokens, when it had any.
+    pub tokens: Option<TokenFacts>,
+}
+
+impl Explained {
+    /// The candidate serving on `address`, if any.
+    fn candidate_at(&self, address: SocketAddr) -> Option<usize> {
+        self.candidates
+            .iter()
+            .position(|&r| self.config.replicas[r].address == address)
+    }
 }
 
 impl Decision {
@@ -287,6 +323,17 @@ pub struct Picker {
     scraper: Scraper,
     token_cache: TokenCache,
     metrics: Metrics,
+    records: DecisionRecords,
+    shadow: ShadowBook,
+}
+
+/// Why a decision is recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Explain {
+    /// Not recorded (unless sampled).
+    Unflagged,
+    /// The request carries the debug token: always recorded, and its record goes back to it.
+    Flagged,
 }
 
 impl Picker {
@@ -299,6 +346,8 @@ impl Picker {
             router: Router::new(Scraper::load_board(&metrics)),
             scraper: Scraper::new(metrics.clone()),
             token_cache,
+            records: DecisionRecords::default(),
+            shadow: ShadowBook::new(metrics.clone()),
             metrics,
         }
     }
@@ -337,9 +386,23 @@ impl Picker {
         self.router.loads()
     }
 
-    /// Scrapes every replica's engine once (the scrape loop's step).
+    /// Scrapes every replica's engine once (the scrape loop's step); logs shadow pools' last
+    /// minute when due.
     pub async fn scrape_all(&self, config: &Config) {
-        self.scraper.scrape_all(self.router.loads(), config).await;
+        self.scraper
+            .scrape_all(self.router.loads(), config, &self.shadow)
+            .await;
+        self.shadow.log_if_due(config);
+    }
+
+    /// The most recent decision records, newest first (`/v1/decisions`).
+    pub fn records(&self) -> &DecisionRecords {
+        &self.records
+    }
+
+    /// Shadow mode's tallies (`/v1/shadow`).
+    pub fn shadow(&self) -> &ShadowBook {
+        &self.shadow
     }
 
     /// Metric handles.
@@ -353,12 +416,50 @@ impl Picker {
         request: &ParsedRequest<'_>,
         subset: Option<&[SocketAddr]>,
     ) -> Result<Decision, RequestError> {
+        self.decide_explained(request, subset, Explain::Unflagged)
+            .await
+    }
+
+    /// [`Self::decide`], recording the decision when `explain` flags it (or it is sampled).
+    pub async fn decide_explained(
+        &self,
+        request: &ParsedRequest<'_>,
+        subset: Option<&[SocketAddr]>,
+        explain: Explain,
+    ) -> Result<Decision, RequestError> {
         let started = Instant::now();
         let runtime = self.runtime.load_full();
-        let result = self.decide_in(&runtime, request, subset, started).await;
+        let records = &runtime.config.decision_records;
+        let recorded = match explain {
+            Explain::Flagged => Some("flagged"),
+            Explain::Unflagged
+                if records.sample > 0.0 && rand::random::<f64>() < records.sample =>
+            {
+                Some("sampled")
+            }
+            Explain::Unflagged => None,
+        };
+        let mut result = self
+            .decide_in(&runtime, request, subset, started, recorded.is_some())
+            .await;
+        let elapsed = started.elapsed();
         self.metrics
             .decision_duration
-            .observe(started.elapsed().as_secs_f64());
+            .observe(elapsed.as_secs_f64());
+        if let (Some(why), Ok(decision)) = (recorded, &mut result) {
+            let record = Arc::new(decision_record(decision, request, elapsed));
+            self.metrics
+                .decision_records
+                .get_or_create(&KindLabel { kind: why })
+                .inc();
+            self.records
+                .push(Arc::clone(&record), runtime.config.decision_records.keep);
+            decision.record = Some(record);
+            // A routed pool's candidates were kept only for the record.
+            if decision.mode == PoolMode::Route {
+                decision.explained = None;
+            }
+        }
         match &result {
             Ok(decision) => {
                 self.metrics
@@ -385,6 +486,7 @@ impl Picker {
         request: &ParsedRequest<'_>,
         subset: Option<&[SocketAddr]>,
         started: Instant,
+        recorded: bool,
     ) -> Result<Decision, RequestError> {
         let config = &runtime.config;
         let (pool_index, adapter) = config.pool_for_model(&request.model).ok_or_else(|| {
@@ -433,7 +535,8 @@ impl Picker {
             self.count_fallback("decision", "budget_exhausted");
             Err(LoadCause::BudgetExhausted)
         });
-        self.score_and_commit(config, pool, &candidates, facts)
+        let explain = recorded || pool.mode == PoolMode::Shadow;
+        self.score_and_commit(config, pool_index, &candidates, facts, explain)
             .ok_or_else(|| RequestError::NoReadyReplica {
                 model: request.model.to_string(),
             })
@@ -450,12 +553,20 @@ impl Picker {
     /// without candidates.
     fn score_and_commit(
         &self,
-        config: &Config,
-        pool: &Pool,
+        config: &Arc<Config>,
+        pool_index: usize,
         candidates: &[&Replica],
         facts: Result<PrefixFacts, LoadCause>,
+        explain: bool,
     ) -> Option<Decision> {
+        let pool = &config.pools[pool_index];
         let ids: Vec<&str> = candidates.iter().map(|r| r.id.as_str()).collect();
+        let tokens = facts.as_ref().ok().map(|facts| TokenFacts {
+            source: facts.token_source.as_label(),
+            prompt_tokens: facts.prompt_tokens,
+            blocks: facts.keys.len(),
+            tokenize_ms: facts.tokenize_seconds * 1000.0,
+        });
         let (prompt, load_cause) = match facts {
             Ok(facts) => {
                 let indexed = candidates
@@ -503,7 +614,22 @@ impl Picker {
             .take(config.epp.fallbacks)
             .map(|&i| candidates[i].address)
             .collect();
+        let explained = explain.then(|| {
+            Box::new(Explained {
+                config: Arc::clone(config),
+                pool: pool_index,
+                candidates: candidates
+                    .iter()
+                    .filter_map(|c| config.replicas.iter().position(|r| r.id == c.id))
+                    .collect(),
+                scored: routed.scored,
+                tokens,
+            })
+        });
         Some(Decision {
+            mode: pool.mode,
+            explained,
+            record: None,
             fallbacks,
             replica_id: replica.id.clone(),
             address: replica.address,
@@ -517,11 +643,42 @@ impl Picker {
         })
     }
 
+    /// The response to `decision`'s request began on `served` (as far as Envoy said): a shadow
+    /// pool's decision is compared with it; one served elsewhere than chosen is remembered there
+    /// ([`Self::served_elsewhere`]).
+    pub fn responded(&self, decision: &mut Decision, served: Option<SocketAddr>) {
+        if decision.mode == PoolMode::Shadow
+            && let Some(explained) = decision.explained.as_deref()
+        {
+            let pool = &explained.config.pools[explained.pool].name;
+            match served.and_then(|address| explained.candidate_at(address)) {
+                Some(at) => {
+                    let scored = &explained.scored;
+                    self.shadow.compare(
+                        pool,
+                        Comparison {
+                            prompt_tokens: scored.prompt_tokens as u64,
+                            held_tokens: scored.held_tokens() as u64,
+                            captured_tokens: decision.predicted_cached_tokens as u64,
+                            served_predicted_tokens: scored.reusable_tokens(at) as u64,
+                        },
+                    );
+                }
+                None => self.shadow.unobserved(pool),
+            }
+        }
+        if let Some(served) = served
+            && served != decision.address
+        {
+            self.served_elsewhere(decision, served);
+        }
+    }
+
     /// Envoy served `decision`'s request on `served`, not the chosen replica (a retry walked the
-    /// fallback list, or the proxy ignored the destination): the served replica is remembered as
-    /// holding the prompt's blocks, and the chosen one gets no prediction for it. An address that
-    /// is no replica of the running config is left alone.
-    pub fn served_elsewhere(&self, decision: &mut Decision, served: SocketAddr) {
+    /// fallback list, the proxy ignored the destination, or the pool is in shadow mode): the
+    /// served replica is remembered as holding the prompt's blocks, and the chosen one gets no
+    /// prediction for it. An address that is no replica of the running config is left alone.
+    fn served_elsewhere(&self, decision: &mut Decision, served: SocketAddr) {
         let keys = decision.inflight.served_elsewhere();
         let runtime = self.runtime();
         let config = &runtime.config;
@@ -574,9 +731,10 @@ impl Picker {
             && self.holds_all(candidates, &facts.keys, facts.index_answer.as_ref(), config)
         {
             leading_bytes = leading_bytes.saturating_mul(LEADING_GROWTH);
-            let Ok(larger) = self.tokens_and_facts(&context, leading_bytes).await else {
+            let Ok(mut larger) = self.tokens_and_facts(&context, leading_bytes).await else {
                 break;
             };
+            larger.1.tokenize_seconds += facts.tokenize_seconds;
             (source, facts) = larger;
         }
         Ok(facts)
@@ -589,7 +747,9 @@ impl Picker {
         context: &DecisionContext<'_>,
         leading_bytes: usize,
     ) -> Result<(TokenSource, PrefixFacts), LoadCause> {
+        let tokenize_started = Instant::now();
         let tokens = self.prompt_tokens(context, leading_bytes).await?;
+        let tokenize_seconds = tokenize_started.elapsed().as_secs_f64();
         let (keys, index_answer) = self.keys_and_index(context, &tokens).await?;
         Ok((
             tokens.source,
@@ -597,6 +757,8 @@ impl Picker {
                 keys,
                 index_answer,
                 prompt_tokens: tokens.estimated_len,
+                token_source: tokens.source,
+                tokenize_seconds,
             },
         ))
     }
@@ -820,6 +982,63 @@ impl Picker {
             .get_or_create(&FallbackLabels { stage, cause })
             .inc();
     }
+}
+
+/// The record of `decision` (whose candidates were kept: `explained`).
+fn decision_record(
+    decision: &Decision,
+    request: &ParsedRequest<'_>,
+    elapsed: std::time::Duration,
+) -> DecisionRecord {
+    let mut record = DecisionRecord {
+        at_unix_ms: crate::records::unix_ms(),
+        pool: String::new(),
+        mode: decision.mode.as_label(),
+        model: request.model.to_string(),
+        tier: decision.tier.as_label(),
+        reason: decision.reason,
+        chosen: decision.replica_id.clone(),
+        predicted_cached_tokens: decision.predicted_cached_tokens,
+        tokens: None,
+        decision_ms: elapsed.as_secs_f64() * 1000.0,
+        candidates: Vec::new(),
+    };
+    let Some(explained) = decision.explained.as_deref() else {
+        return record;
+    };
+    let config = &explained.config;
+    let scored = &explained.scored;
+    record.pool.clone_from(&config.pools[explained.pool].name);
+    record.tokens = explained.tokens;
+    record.candidates = explained
+        .candidates
+        .iter()
+        .enumerate()
+        .map(|(i, &r)| {
+            let replica = &config.replicas[r];
+            let view = scored.views.get(i);
+            let load = view.map(|v| v.load).unwrap_or_default();
+            CandidateRecord {
+                replica: replica.id.clone(),
+                address: replica.address.to_string(),
+                chosen: replica.address == decision.address,
+                indexed_blocks: scored
+                    .indexed
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .map(|found| found.matched_blocks),
+                matched_blocks: view.map_or(0, |v| v.matched_blocks),
+                reusable_tokens: scored.reusable_tokens(i),
+                waiting: load.scraped.waiting,
+                running: load.scraped.running,
+                kv_usage: load.scraped.kv_usage,
+                inflight_requests: load.inflight_requests,
+                estimated_ttft_ms: scored.estimated_ttft_ms(i, &config.scoring).unwrap_or(0.0),
+            }
+        })
+        .collect();
+    record
 }
 
 #[cfg(test)]

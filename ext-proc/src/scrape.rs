@@ -27,6 +27,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::config::{Config, DriftAction, Replica};
 use crate::drift::{DriftWindow, EngineCounters, Transition};
 use crate::metrics::{Metrics, PoolLabel, ReplicaLabel};
+use crate::shadow::ShadowBook;
 
 /// Largest accepted `/metrics` body.
 const MAX_METRICS_BYTES: usize = 4 * 1024 * 1024;
@@ -102,10 +103,11 @@ impl Scraper {
 
     /// Scrapes every replica with a `metrics_url` once, concurrently, then updates which pools
     /// are degraded by drift.
-    pub async fn scrape_all(&self, loads: &LoadBoard, config: &Config) {
+    /// The engines' prefix-cache deltas also go to `shadow`, per pool (what they delivered).
+    pub async fn scrape_all(&self, loads: &LoadBoard, config: &Config, shadow: &ShadowBook) {
         let scrapes = config.replicas.iter().filter_map(|replica| {
             let url = replica.metrics_url.clone()?;
-            Some(self.scrape_one(loads.replica(&replica.id), replica, url, config))
+            Some(self.scrape_one(loads.replica(&replica.id), replica, url, config, shadow))
         });
         futures::future::join_all(scrapes).await;
         self.update_degraded_pools(config);
@@ -160,6 +162,7 @@ impl Scraper {
         predicted: Prediction,
         config: &Config,
         label: &ReplicaLabel,
+        shadow: &ShadowBook,
     ) {
         let drift_config = &config.drift;
         let drift_state = self.replica_drift(&replica.id);
@@ -185,6 +188,13 @@ impl Scraper {
             .drift_observed_queried_tokens
             .get_or_create(label)
             .inc_by(observation.observed_queries);
+        if let Some(pool) = config.pools.get(replica.pool) {
+            shadow.delivered(
+                &pool.name,
+                observation.observed_hits,
+                observation.observed_queries,
+            );
+        }
         if observation.reset {
             metrics.drift_counter_resets.get_or_create(label).inc();
             tracing::info!(replica_id = %replica.id, "engine prefix-cache counters went down: engine restarted");
@@ -233,6 +243,7 @@ impl Scraper {
         replica: &Replica,
         url: http::Uri,
         config: &Config,
+        shadow: &ShadowBook,
     ) {
         let timeout: Duration = config.scrape.timeout;
         let label = ReplicaLabel {
@@ -246,7 +257,7 @@ impl Scraper {
             Ok(text) => {
                 let (scraped, prefix_cache) = parse_exposition(&text);
                 if let Some(engine) = prefix_cache {
-                    self.observe_drift(replica, engine, predicted, config, &label);
+                    self.observe_drift(replica, engine, predicted, config, &label, shadow);
                 }
                 load.record_scrape(scraped);
                 self.metrics
@@ -372,6 +383,7 @@ mod tests {
         let metrics = Metrics::register(&mut registry);
         let scraper = Scraper::new(metrics.clone());
         let board = Scraper::load_board(&metrics);
+        let shadow = ShadowBook::new(metrics.clone());
         let scrape = |replica: usize, hits: f64| {
             let replica = &config.replicas[replica];
             let label = ReplicaLabel {
@@ -382,7 +394,7 @@ mod tests {
                 queries: hits * 2.0 + 1000.0,
             };
             let predicted = board.replica(&replica.id).predicted();
-            scraper.observe_drift(replica, engine, predicted, &config, &label);
+            scraper.observe_drift(replica, engine, predicted, &config, &label, &shadow);
         };
         let route = |replica: &str, cached_tokens: u64| {
             let before = board.replica(replica).predicted();

@@ -50,9 +50,10 @@ use tonic::{Request, Response, Status, Streaming};
 
 use kvroute_index_core::throttle::LogThrottle;
 
-use crate::config::{BodyMode, DebugHeaders};
+use crate::config::{BodyMode, DebugHeaders, PoolMode};
 use crate::error::RequestError;
-use crate::picker::{Decision, Picker};
+use crate::picker::{Decision, Explain, Picker};
+use crate::records::EXPLAIN_HEADER;
 use crate::request::{self, Endpoint};
 
 /// Header and `envoy.lb` metadata key carrying the chosen endpoint (GIE protocol).
@@ -171,7 +172,6 @@ struct StreamState {
     /// FULL_DUPLEX: the request-headers answer is owed until the body is complete.
     headers_answer_owed: bool,
     decision: Option<Decision>,
-    decided_address: Option<SocketAddr>,
     /// When the decision's in-flight slot is released if the response has not begun.
     inflight_deadline: Option<tokio::time::Instant>,
     /// Whether this request gets the debug response headers (`debug_headers`).
@@ -390,7 +390,7 @@ impl StreamTask {
         let strip = self.state.strip_header.take();
         let decided = self
             .picker
-            .decide(&request, self.state.subset.as_deref())
+            .decide_explained(&request, self.state.subset.as_deref(), self.explain())
             .await;
         let decision = match decided {
             Ok(decision) => decision,
@@ -412,19 +412,19 @@ impl StreamTask {
         };
         let mut mutation = decision_headers(&decision);
         mutation.remove_headers.extend(strip);
+        let applied = decision.mode == PoolMode::Route;
         let mut response = headers_response(CommonResponse {
             header_mutation: Some(mutation),
-            clear_route_cache: true,
+            clear_route_cache: applied,
             ..CommonResponse::default()
         });
-        response.dynamic_metadata = Some(destination_metadata(&decision.destination()));
+        response.dynamic_metadata = applied.then(|| destination_metadata(&decision.destination()));
         self.commit_decision(decision);
         self.send(response)
     }
 
     /// Holds the decision until its response (in-flight accounting, served-endpoint check).
     fn commit_decision(&mut self, decision: Decision) {
-        self.state.decided_address = Some(decision.address);
         self.state.inflight_deadline =
             Some(tokio::time::Instant::now() + self.picker.runtime().config.inflight_max_age);
         self.state.decision = Some(decision);
@@ -437,7 +437,7 @@ impl StreamTask {
         let decided = match request::parse(&body, endpoint) {
             Ok(parsed) => {
                 self.picker
-                    .decide(&parsed, self.state.subset.as_deref())
+                    .decide_explained(&parsed, self.state.subset.as_deref(), self.explain())
                     .await
             }
             Err(e) => {
@@ -470,21 +470,22 @@ impl StreamTask {
                 .remove_headers
                 .extend(self.state.strip_header.take());
         }
+        let applied = decision.mode == PoolMode::Route;
         let common = CommonResponse {
             header_mutation: Some(mutation),
-            clear_route_cache: true,
+            clear_route_cache: applied,
             ..CommonResponse::default()
         };
-        let metadata = destination_metadata(&decision.destination());
+        let metadata = applied.then(|| destination_metadata(&decision.destination()));
         self.commit_decision(decision);
         if !self.state.headers_answer_owed {
             let mut response = body_response(common);
-            response.dynamic_metadata = Some(metadata);
+            response.dynamic_metadata = metadata;
             return self.send(response);
         }
         self.state.headers_answer_owed = false;
         let mut response = headers_response(common);
-        response.dynamic_metadata = Some(metadata);
+        response.dynamic_metadata = metadata;
         if let Flow::Stop = self.send(response) {
             return Flow::Stop;
         }
@@ -575,6 +576,17 @@ impl StreamTask {
         }
     }
 
+    /// Whether this request's decision is recorded on request (the debug token, or `always`).
+    fn explain(&self) -> Explain {
+        if self.state.expose_debug {
+            Explain::Flagged
+        } else {
+            Explain::Unflagged
+        }
+    }
+
+    /// The response began: the decision learns which endpoint Envoy served (override_host's
+    /// `selected_host_key` in the forwarded `envoy.lb` metadata, when configured).
     fn observe_served(&mut self, metadata: Option<&Metadata>) {
         let served = metadata
             .and_then(|m| m.filter_metadata.get(LB_NAMESPACE))
@@ -583,22 +595,16 @@ impl StreamTask {
                 Some(Kind::StringValue(s)) => s.parse::<SocketAddr>().ok(),
                 _ => None,
             });
-        let Some(served) = served else { return };
-        let Some(decided) = self.state.decided_address else {
+        let Some(decision) = self.state.decision.as_mut() else {
             return;
         };
-        if served == decided {
+        self.picker.responded(decision, served);
+        let Some(served) = served else { return };
+        let decided = decision.address;
+        if served == decided || decision.mode == PoolMode::Shadow {
             return;
         }
-        let fallback = self
-            .state
-            .decision
-            .as_ref()
-            .is_some_and(|d| d.fallbacks.contains(&served));
-        if let Some(decision) = self.state.decision.as_mut() {
-            self.picker.served_elsewhere(decision, served);
-        }
-        if fallback {
+        if decision.fallbacks.contains(&served) {
             // A retry walked the list (the chosen endpoint failed).
             self.picker.metrics().served_fallback.inc();
             tracing::debug!(%served, %decided, "Envoy served a fallback endpoint");
@@ -662,7 +668,12 @@ pub fn set_header(key: &str, value: &str) -> HeaderValueOption {
     }
 }
 
+/// The decision's request headers: the destination (not in shadow mode, where Envoy's choice
+/// stands and the request goes on unchanged), the cluster, and `x-kvroute-decision`.
 fn decision_headers(decision: &Decision) -> HeaderMutation {
+    if decision.mode == PoolMode::Shadow {
+        return HeaderMutation::default();
+    }
     let mut set_headers = vec![
         set_header(DESTINATION_HEADER, &decision.destination()),
         set_header(
@@ -682,18 +693,22 @@ fn decision_headers(decision: &Decision) -> HeaderMutation {
 /// The decision echoed to the client (`x-kvroute-decision`, predicted cached tokens), only when
 /// `debug_headers` allows it.
 fn debug_response_headers(decision: &Decision) -> CommonResponse {
+    let mut set_headers = vec![
+        set_header(
+            DECISION_HEADER,
+            &format!("{}/{}", decision.tier.as_label(), decision.reason),
+        ),
+        set_header(
+            PREDICTED_CACHED_HEADER,
+            &decision.predicted_cached_tokens.to_string(),
+        ),
+    ];
+    if let Some(record) = &decision.record {
+        set_headers.push(set_header(EXPLAIN_HEADER, &record.compact()));
+    }
     CommonResponse {
         header_mutation: Some(HeaderMutation {
-            set_headers: vec![
-                set_header(
-                    DECISION_HEADER,
-                    &format!("{}/{}", decision.tier.as_label(), decision.reason),
-                ),
-                set_header(
-                    PREDICTED_CACHED_HEADER,
-                    &decision.predicted_cached_tokens.to_string(),
-                ),
-            ],
+            set_headers,
             ..HeaderMutation::default()
         }),
         ..CommonResponse::default()

@@ -19,5 +19,5 @@ pub mod prefix_memory;
 mod router;
 pub mod scoring;
 
-pub use router::{Indexed, PromptFacts, RouteRequest, Routed, Router, Tier};
+pub use router::{Indexed, PromptFacts, RouteRequest, Routed, Router, Scored, Tier};
 pub use scoring::ScoringConfig;

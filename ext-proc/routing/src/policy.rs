@@ -170,9 +170,20 @@ fn queued_requests(load: &LoadSnapshot) -> f64 {
     load.inflight_requests.max(waiting_and_running(load).0)
 }
 
-/// Estimated time to first token on `candidate`, ms: its queue (`queue_ms`) less a sibling's
+/// Estimated time to first token on `candidate`, ms: its queue ([`queue_ms`]) less a sibling's
 /// prefill already in flight there, plus the prefill of what it does not hold.
-fn estimated_ttft_ms(
+pub fn estimated_ttft_ms(
+    candidate: &Candidate,
+    prompt_tokens: usize,
+    block_size: u32,
+    weights: &ScoringConfig,
+) -> f64 {
+    let queue = queue_ms(&candidate.load, weights);
+    ttft_after_queue_ms(candidate, queue, prompt_tokens, block_size, weights)
+}
+
+/// [`estimated_ttft_ms`] with the candidate's queue already estimated.
+fn ttft_after_queue_ms(
     candidate: &Candidate,
     queue_ms: f64,
     prompt_tokens: usize,
@@ -205,7 +216,7 @@ pub fn fallback_order(
         .filter(|(i, _)| *i != chosen)
         .map(|(i, c)| {
             let queue = queue_ms(&c.load, weights);
-            let ttft = estimated_ttft_ms(c, queue, prompt_tokens, block_size, weights);
+            let ttft = ttft_after_queue_ms(c, queue, prompt_tokens, block_size, weights);
             (ttft, c.matched_blocks, i)
         })
         .collect();
@@ -241,7 +252,7 @@ pub fn choose(
     let all_hot = hot.iter().all(|h| *h);
     let eligible = |i: usize| all_hot || !hot[i];
     let ttft = |i: usize| {
-        estimated_ttft_ms(
+        ttft_after_queue_ms(
             &candidates[i],
             queues[i],
             prompt_tokens,

@@ -134,6 +134,53 @@ pub struct Routed {
     pub inflight: InflightGuard,
     /// The other candidates, best first (`policy::fallback_order`): where a proxy's retries go.
     pub fallbacks: Vec<usize>,
+    /// What every candidate looked like when the choice was made (moved here, not copied): what
+    /// a decision record explains and what shadow mode compares with the replica that served.
+    pub scored: Scored,
+}
+
+/// Every candidate as scored, in the candidates' order.
+#[derive(Debug, Clone, Default)]
+pub struct Scored {
+    /// The policy's view of each (blocks believed held, shared in-flight tokens, load).
+    pub views: Vec<Candidate>,
+    /// The index's precise answer for each, where it vouched for it.
+    pub indexed: Vec<Option<Indexed>>,
+    /// Leading blocks each would reuse now (what a client would be told had it been chosen).
+    pub reusable_blocks: Vec<u32>,
+    /// The prompt's length in tokens (0 on the load tier).
+    pub prompt_tokens: usize,
+    /// The pool's block size.
+    pub block_size: u32,
+}
+
+impl Scored {
+    /// Prompt tokens candidate `i` would serve from its prefix cache, as vLLM counts a hit.
+    pub fn reusable_tokens(&self, i: usize) -> usize {
+        self.reusable_blocks.get(i).map_or(0, |&blocks| {
+            engine_hit_tokens(blocks, self.prompt_tokens, self.block_size)
+        })
+    }
+
+    /// The most prompt tokens any candidate would serve from its prefix cache.
+    pub fn held_tokens(&self) -> usize {
+        (0..self.reusable_blocks.len())
+            .map(|i| self.reusable_tokens(i))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Estimated time to first token on candidate `i`, ms (the policy's estimate, without the
+    /// recompute penalty and hotspot rule that shape the choice).
+    pub fn estimated_ttft_ms(&self, i: usize, weights: &ScoringConfig) -> Option<f64> {
+        let view = self.views.get(i)?;
+        Some(policy::estimated_ttft_ms(
+            view,
+            self.prompt_tokens,
+            self.block_size,
+            weights,
+        ))
+    }
 }
 
 /// Replica loads, routed-prefix memory and the commit step over them.
@@ -307,6 +354,13 @@ impl Router {
             prediction: Some(prediction),
             inflight,
             fallbacks,
+            scored: Scored {
+                views,
+                indexed,
+                reusable_blocks: reusable,
+                prompt_tokens,
+                block_size,
+            },
         })
     }
 
@@ -323,6 +377,7 @@ impl Router {
         // The block size does not matter with nothing matched.
         let choice =
             policy::choose(&views, 0, 1, scoring, &mut *self.rng.lock()).map_or(0, |c| c.index);
+        let fallbacks = policy::fallback_order(&views, choice, 0, 1, scoring);
         Routed {
             choice,
             tier: Tier::Load,
@@ -331,7 +386,14 @@ impl Router {
             cached_tokens: 0,
             prediction: None,
             inflight: self.loads.start_request(candidates[choice], 0, Vec::new()),
-            fallbacks: policy::fallback_order(&views, choice, 0, 1, scoring),
+            fallbacks,
+            scored: Scored {
+                reusable_blocks: vec![0; views.len()],
+                views,
+                indexed: Vec::new(),
+                prompt_tokens: 0,
+                block_size: 1,
+            },
         }
     }
 }

@@ -22,14 +22,18 @@ use super::raw::{
     DEFAULT_DECISION_BUDGET, DEFAULT_DRAIN_TIMEOUT, DEFAULT_DRIFT_ACTION, DEFAULT_DRIFT_BOUND,
     DEFAULT_DRIFT_MIN_TOKENS, DEFAULT_DRIFT_WINDOW, DEFAULT_EPP_FALLBACKS, DEFAULT_GRPC_ADDR,
     DEFAULT_INDEX_RETRY_AFTER, DEFAULT_INFLIGHT_MAX_AGE, DEFAULT_MATCH_TIMEOUT,
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_RELOAD_INTERVAL, DEFAULT_SCRAPE_TIMEOUT,
-    DEFAULT_SECURE_SERVING, DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH,
-    DEFAULT_TOKEN_CACHE_BYTES, DEFAULT_TOKEN_CACHE_ENTRIES, DEFAULT_TOKENIZE_BUDGET,
-    DEFAULT_TOKENIZE_MAX_PROMPT_BYTES, DEFAULT_UNREADY_AFTER_FAILURES, DebugExpose, RawConfig,
-    RawDebugHeaders, RawDrift, RawEpp, RawIndex, RawScoring, default_tokenize_concurrency,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_RECORD_SAMPLE, DEFAULT_RECORDS_KEPT,
+    DEFAULT_RELOAD_INTERVAL, DEFAULT_SCRAPE_TIMEOUT, DEFAULT_SECURE_SERVING,
+    DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH, DEFAULT_TOKEN_CACHE_BYTES,
+    DEFAULT_TOKEN_CACHE_ENTRIES, DEFAULT_TOKENIZE_BUDGET, DEFAULT_TOKENIZE_MAX_PROMPT_BYTES,
+    DEFAULT_UNREADY_AFTER_FAILURES, DebugExpose, MAX_RECORDS_KEPT, RawConfig, RawDebugHeaders,
+    RawDecisionRecords, RawDrift, RawEpp, RawIndex, RawScoring, default_tokenize_concurrency,
 };
 use super::validate::validate;
-use super::{Config, DebugHeaders, DriftConfig, EmbeddedIndex, EppConfig, ScrapeConfig, Shedding};
+use super::{
+    Config, DebugHeaders, DecisionRecordsConfig, DriftConfig, EmbeddedIndex, EppConfig,
+    ScrapeConfig, Shedding,
+};
 use kvroute_config::ConfigError;
 
 impl TryFrom<RawConfig> for Config {
@@ -110,6 +114,8 @@ impl TryFrom<RawConfig> for Config {
             inflight_max_age: or_default(raw.limits.inflight_max_age, DEFAULT_INFLIGHT_MAX_AGE),
             max_streams: raw.limits.max_streams.unwrap_or(DEFAULT_MAX_STREAMS),
             drift: drift(&raw.drift).map_err(|e| e.within("drift"))?,
+            decision_records: decision_records(&raw.decision_records)
+                .map_err(|e| e.within("decision_records"))?,
             default_pool,
             pools,
             replicas,
@@ -206,6 +212,23 @@ fn index(raw: &RawIndex) -> Result<Index, ConfigError> {
         tls,
         token,
     })
+}
+
+/// `decision_records`, validated; paths relative to the section.
+fn decision_records(raw: &RawDecisionRecords) -> Result<DecisionRecordsConfig, ConfigError> {
+    let sample = raw.sample.unwrap_or(DEFAULT_RECORD_SAMPLE);
+    if !(0.0..=1.0).contains(&sample) {
+        return Err(invalid("sample", sample, "expected a share from 0 to 1"));
+    }
+    let keep = raw.keep.unwrap_or(DEFAULT_RECORDS_KEPT);
+    if keep > MAX_RECORDS_KEPT {
+        return Err(invalid(
+            "keep",
+            keep,
+            format_args!("at most {MAX_RECORDS_KEPT} records are kept"),
+        ));
+    }
+    Ok(DecisionRecordsConfig { sample, keep })
 }
 
 /// `debug_headers`, validated; paths relative to the section.

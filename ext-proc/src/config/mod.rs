@@ -38,11 +38,12 @@ pub use raw::{
     DEFAULT_DRIFT_ACTION, DEFAULT_DRIFT_BOUND, DEFAULT_DRIFT_MIN_TOKENS, DEFAULT_DRIFT_WINDOW,
     DEFAULT_EPP_FALLBACKS, DEFAULT_GRPC_ADDR, DEFAULT_INDEX_RETRY_AFTER, DEFAULT_INFLIGHT_MAX_AGE,
     DEFAULT_MATCH_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_POOL_EVENTS,
-    DEFAULT_RELOAD_INTERVAL, DEFAULT_REMOTE_TOKENIZE_TIMEOUT, DEFAULT_SCRAPE_TIMEOUT,
-    DEFAULT_SECURE_SERVING, DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH,
-    DEFAULT_TOKEN_CACHE_BYTES, DEFAULT_TOKEN_CACHE_ENTRIES, DEFAULT_TOKENIZE_BUDGET,
-    DEFAULT_TOKENIZE_CONCURRENCY_FALLBACK, DEFAULT_TOKENIZE_MAX_PROMPT_BYTES,
-    DEFAULT_UNREADY_AFTER_FAILURES, DebugExpose, RawConfig, default_tokenize_concurrency,
+    DEFAULT_POOL_MODE, DEFAULT_RECORD_SAMPLE, DEFAULT_RECORDS_KEPT, DEFAULT_RELOAD_INTERVAL,
+    DEFAULT_REMOTE_TOKENIZE_TIMEOUT, DEFAULT_SCRAPE_TIMEOUT, DEFAULT_SECURE_SERVING,
+    DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH, DEFAULT_TOKEN_CACHE_BYTES,
+    DEFAULT_TOKEN_CACHE_ENTRIES, DEFAULT_TOKENIZE_BUDGET, DEFAULT_TOKENIZE_CONCURRENCY_FALLBACK,
+    DEFAULT_TOKENIZE_MAX_PROMPT_BYTES, DEFAULT_UNREADY_AFTER_FAILURES, DebugExpose, RawConfig,
+    default_tokenize_concurrency,
 };
 
 /// Validated configuration.
@@ -104,6 +105,8 @@ pub struct Config {
     pub max_streams: usize,
     /// Drift detection (`drift`).
     pub drift: DriftConfig,
+    /// Which decisions are recorded, and how many records are kept (`decision_records`).
+    pub decision_records: DecisionRecordsConfig,
     /// The pool of a request that names no model (vLLM serves its base model): `default_pool`,
     /// or the only pool; `None` with several pools and no `default_pool`.
     pub default_pool: Option<usize>,
@@ -177,6 +180,35 @@ impl DebugHeaders {
             Self::Never => "never",
             Self::Always => "always",
             Self::Token { .. } => "token",
+        }
+    }
+}
+
+/// `decision_records`, validated.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecisionRecordsConfig {
+    /// Share of decisions recorded (flagged ones always are).
+    pub sample: f64,
+    /// Most recent records kept.
+    pub keep: usize,
+}
+
+/// A pool's `mode`: whether kvroute's choice is applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolMode {
+    /// kvroute picks the replica.
+    Route,
+    /// kvroute decides and compares, Envoy picks.
+    Shadow,
+}
+
+impl PoolMode {
+    /// Config value and label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Route => "route",
+            Self::Shadow => "shadow",
         }
     }
 }
@@ -282,6 +314,8 @@ pub struct Pool {
     pub block_size: u32,
     /// How block keys are computed (same code as the index).
     pub key_scheme: KeyScheme,
+    /// Whether kvroute's choice is applied (`route`) or only compared (`shadow`).
+    pub mode: PoolMode,
     /// Whether the index has this pool's events (precise tier possible).
     pub events: bool,
     /// Capacity of each replica's approximate prefix memory, in blocks: it keeps the most recently

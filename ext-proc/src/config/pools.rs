@@ -6,8 +6,8 @@ use kvroute_config::ListenAddr;
 
 use super::build::{http_uri, invalid, missing, or_default};
 use super::raw::{
-    DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_POOL_EVENTS, DEFAULT_REMOTE_TOKENIZE_TIMEOUT,
-    RawAdapter, RawPool, RawReplica, RawTokenizer,
+    DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE,
+    DEFAULT_REMOTE_TOKENIZE_TIMEOUT, RawAdapter, RawPool, RawReplica, RawTokenizer,
 };
 use super::{Adapter, Pool, Replica, TokenizerSource};
 use kvroute_config::ConfigError;
@@ -119,6 +119,7 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
         adapters,
         block_size,
         key_scheme,
+        mode: raw.mode.unwrap_or(DEFAULT_POOL_MODE),
         events: raw.events.unwrap_or(DEFAULT_POOL_EVENTS),
         approx_capacity_blocks,
         tokenizer,

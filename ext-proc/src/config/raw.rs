@@ -19,7 +19,7 @@ use kvroute_routing::scoring::{
     DEFAULT_RUNNING_MS_PER_REQUEST, DEFAULT_SPECULATIVE_TTL,
 };
 
-use super::{BodyMode, DriftAction};
+use super::{BodyMode, DriftAction, PoolMode};
 
 /// Default request body limit (Envoy's default BUFFERED limit is 1 MiB; FULL_DUPLEX passes more).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
@@ -78,6 +78,10 @@ pub struct RawConfig {
     pub(super) drift: RawDrift,
     /// GIE endpoint-picker protocol: fallback endpoints and load shedding.
     pub(super) epp: RawEpp,
+    /// Decision records ("why this replica"): every candidate's matched blocks, load and
+    /// estimated time to first token, the tier, reason and tokens, for sampled requests and those
+    /// carrying the debug token; the last ones are served at the admin port's `/v1/decisions`.
+    pub(super) decision_records: RawDecisionRecords,
     /// The pool of a request naming no model (vLLM then serves its base model). Default: the
     /// only pool; with several pools and none named, such a request is refused with 400.
     pub(super) default_pool: Option<String>,
@@ -405,6 +409,12 @@ pub(super) struct RawPool {
     /// LoRA adapters served: a name, or `{name, id, path}` as vLLM's `LoRARequest` (vLLM <=
     /// 0.11.0 hashes the id, >= 0.31 the path). Clients send an adapter's name as `model`.
     pub(super) adapters: Vec<RawAdapter>,
+    /// `route`: kvroute picks the replica. `shadow`: kvroute decides every request exactly as it
+    /// would but leaves the choice to Envoy's own load balancing, then compares (what kvroute's
+    /// choice would have had cached against what the replica Envoy chose did): `/v1/shadow`,
+    /// `kvroute_extproc_shadow_*`. A reload switches it.
+    #[schemars(extend("default" = DEFAULT_POOL_MODE))]
+    pub(super) mode: Option<PoolMode>,
     /// Whether the index receives this pool's KV events (else the approximate tier only).
     #[schemars(extend("default" = DEFAULT_POOL_EVENTS))]
     pub(super) events: Option<bool>,
@@ -418,6 +428,29 @@ pub(super) struct RawPool {
     /// kept up to date) instead of `replicas:`, which may then not name this pool. Pod
     /// annotations (`kvroute.io/model`, `kvroute.io/metrics-port`, ...) set per-pod values.
     pub(super) discovery: Option<kvroute_discovery::RawPoolDiscovery>,
+}
+
+/// Default of a pool's `mode`: kvroute routes.
+pub const DEFAULT_POOL_MODE: PoolMode = PoolMode::Route;
+/// Default share of decisions recorded (`decision_records.sample`): none but flagged ones.
+pub const DEFAULT_RECORD_SAMPLE: f64 = 0.0;
+/// Default number of decision records kept for `/v1/decisions`.
+pub const DEFAULT_RECORDS_KEPT: usize = 256;
+/// Most decision records `decision_records.keep` may ask for (bounded memory).
+pub const MAX_RECORDS_KEPT: usize = 100_000;
+
+/// `decision_records`: which decisions are explained, and how many explanations are kept.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawDecisionRecords {
+    /// Share of decisions recorded, 0 to 1. Requests carrying the debug token
+    /// (`debug_headers.expose: token`, or every request with `always`) are always recorded and
+    /// get the record, compact, in the `x-kvroute-explain` response header.
+    #[schemars(extend("default" = DEFAULT_RECORD_SAMPLE))]
+    pub(super) sample: Option<f64>,
+    /// Records kept (the most recent), 0 to 100000; each is a few hundred bytes per candidate.
+    #[schemars(extend("default" = DEFAULT_RECORDS_KEPT))]
+    pub(super) keep: Option<usize>,
 }
 
 /// An adapter as written: its name, or `{name, id, path}` (what older/newer vLLM hash).
