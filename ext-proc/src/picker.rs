@@ -601,6 +601,7 @@ impl Picker {
             capacity_blocks: pool.approx_capacity_blocks,
             scoring: &config.scoring,
             now: Instant::now(),
+            commit: pool.mode == PoolMode::Route,
         })?;
         if routed.tier != Tier::Load && prompt_tokens > 0 {
             self.metrics
@@ -667,9 +668,11 @@ impl Picker {
                 None => self.shadow.unobserved(pool),
             }
         }
-        if let Some(served) = served
-            && served != decision.address
-        {
+        let Some(served) = served else { return };
+        if decision.mode == PoolMode::Shadow {
+            // Nothing was recorded at the decision: the replica that served it holds it now.
+            self.served_elsewhere(decision, served);
+        } else if served != decision.address {
             self.served_elsewhere(decision, served);
         }
     }

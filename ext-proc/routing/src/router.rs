@@ -111,6 +111,10 @@ pub struct RouteRequest<'a> {
     pub scoring: &'a ScoringConfig,
     /// The decision's time (a simulator passes its virtual clock).
     pub now: Instant,
+    /// Whether the choice is applied, so recorded: the speculative insert and the in-flight load
+    /// on the chosen replica. A shadow decision's is not (the proxy places the request; the
+    /// replica that served it is remembered once known, [`Router::remember_served`]).
+    pub commit: bool,
 }
 
 /// A committed choice. Dropping `inflight` ends the replica's in-flight accounting.
@@ -266,6 +270,7 @@ impl Router {
             capacity_blocks,
             scoring,
             now,
+            commit,
         } = request;
         if candidates.is_empty() {
             return None;
@@ -274,7 +279,7 @@ impl Router {
         let _commit =
             first_key.map(|key| self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock());
         let Some(prompt) = prompt else {
-            return Some(self.commit_load_only(candidates, scoring));
+            return Some(self.commit_load_only(candidates, scoring, commit));
         };
         let PromptFacts {
             keys,
@@ -338,13 +343,16 @@ impl Router {
             prompt_tokens: prompt_tokens as u64,
         };
         let replica = candidates[choice.index];
-        self.memory.record(replica, capacity_blocks, &keys, now);
-        // The replica's pending prefill work is what it does not hold (siblings of a burst add
-        // little).
-        let inflight = self
-            .loads
-            .start_request(replica, prompt_tokens - cached_tokens, keys)
-            .with_prediction(prediction);
+        let inflight = if commit {
+            self.memory.record(replica, capacity_blocks, &keys, now);
+            // The replica's pending prefill work is what it does not hold (siblings of a burst
+            // add little).
+            self.loads
+                .start_request(replica, prompt_tokens - cached_tokens, keys)
+                .with_prediction(prediction)
+        } else {
+            self.loads.untracked(replica, keys)
+        };
         Some(Routed {
             choice: choice.index,
             tier,
@@ -365,7 +373,12 @@ impl Router {
     }
 
     /// Load tier: no prefix information.
-    fn commit_load_only(&self, candidates: &[&str], scoring: &ScoringConfig) -> Routed {
+    fn commit_load_only(
+        &self,
+        candidates: &[&str],
+        scoring: &ScoringConfig,
+        commit: bool,
+    ) -> Routed {
         let views: Vec<Candidate> = candidates
             .iter()
             .map(|replica| Candidate {
@@ -385,7 +398,11 @@ impl Router {
             matched_blocks: 0,
             cached_tokens: 0,
             prediction: None,
-            inflight: self.loads.start_request(candidates[choice], 0, Vec::new()),
+            inflight: if commit {
+                self.loads.start_request(candidates[choice], 0, Vec::new())
+            } else {
+                self.loads.untracked(candidates[choice], Vec::new())
+            },
             fallbacks,
             scored: Scored {
                 reusable_blocks: vec![0; views.len()],
@@ -415,6 +432,7 @@ mod tests {
             capacity_blocks: 1024,
             scoring,
             now,
+            commit: true,
         }
     }
 
@@ -525,6 +543,45 @@ mod tests {
             router.loads().replica(chosen).predicted().prompt_tokens,
             0,
             "the chosen replica never scheduled it: no prediction counts there"
+        );
+    }
+
+    #[test]
+    fn a_decision_not_applied_records_nothing_but_still_explains_every_candidate() {
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let scoring = ScoringConfig::default();
+        let now = Instant::now();
+        let candidates = ["r0", "r1"];
+        let keys: Vec<u64> = (1..=10).collect();
+        let mut shadow = request(
+            &candidates,
+            prompt(&keys, vec![Some(4), Some(0)]),
+            &scoring,
+            now,
+        );
+        shadow.commit = false;
+        let mut routed = router.score_and_commit(shadow).unwrap();
+        assert_eq!((routed.choice, routed.tier), (0, Tier::Precise));
+        assert_eq!(routed.scored.reusable_blocks, [4, 0]);
+        assert_eq!(routed.scored.held_tokens(), 64);
+        assert!(!routed.inflight.is_held(), "nothing counts in flight");
+        for replica in candidates {
+            assert_eq!(
+                router.loads().replica(replica).snapshot().inflight_requests,
+                0.0
+            );
+            assert_eq!(
+                router
+                    .memory()
+                    .lookup(replica, &keys, now, scoring.speculative_ttl),
+                Default::default(),
+                "no speculative insert on {replica}"
+            );
+        }
+        assert_eq!(
+            routed.inflight.served_elsewhere(),
+            keys,
+            "the keys go to the server"
         );
     }
 

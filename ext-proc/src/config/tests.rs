@@ -590,3 +590,39 @@ fn every_key_of_the_schema_is_documented() {
         Some(&serde_json::json!("127.0.0.1:9002"))
     );
 }
+
+#[test]
+fn a_pool_routes_unless_it_is_in_shadow_mode() {
+    assert_eq!(
+        Config::from_yaml(MINIMAL).unwrap().pools[0].mode,
+        PoolMode::Route
+    );
+    let shadow = MINIMAL.replace("  block_size: 16\n", "  block_size: 16\n  mode: shadow\n");
+    assert_eq!(
+        Config::from_yaml(&shadow).unwrap().pools[0].mode,
+        PoolMode::Shadow
+    );
+    let wrong = MINIMAL.replace("  block_size: 16\n", "  block_size: 16\n  mode: mirror\n");
+    assert!(
+        error_of(&wrong).contains("pools[0].mode"),
+        "{}",
+        error_of(&wrong)
+    );
+}
+
+#[test]
+fn decision_records_are_bounded_and_off_unless_sampled() {
+    let defaults = Config::from_yaml(MINIMAL).unwrap().decision_records;
+    assert_eq!(
+        (defaults.sample, defaults.keep),
+        (DEFAULT_RECORD_SAMPLE, DEFAULT_RECORDS_KEPT)
+    );
+    assert_eq!(DEFAULT_RECORD_SAMPLE, 0.0);
+    let sampled = format!("{MINIMAL}decision_records: {{sample: 0.25, keep: 10}}\n");
+    let sampled = Config::from_yaml(&sampled).unwrap().decision_records;
+    assert_eq!((sampled.sample, sampled.keep), (0.25, 10));
+    let share = error_of(&format!("{MINIMAL}decision_records: {{sample: 1.5}}\n"));
+    assert!(share.contains("decision_records.sample"), "{share}");
+    let keep = error_of(&format!("{MINIMAL}decision_records: {{keep: 1000000}}\n"));
+    assert!(keep.contains("decision_records.keep"), "{keep}");
+}

@@ -138,7 +138,7 @@ pub(super) fn ext_proc_config(
          scrape: {{interval: 200ms}}\n\
          scoring: {{prefill_ms_per_token: {prefill}, queue_ms_per_request: {queue}, \
          running_ms_per_request: {running}, kv_usage_ms: {kv}, hotspot_min_ms: {hot}}}\n\
-         pools:\n- {{{pool}, tokenizer: {tokenizer}}}\n\
+         pools:\n- {{{pool}, tokenizer: {tokenizer}{pool_extra}}}\n\
          replicas:\n{replicas}",
         // The scoring's prefill cost is the sims' own, so its TTFT estimate is in real ms.
         prefill = options.timing.prefill_ms_per_token(),
@@ -152,6 +152,11 @@ pub(super) fn ext_proc_config(
         kv = 100.0 * options.timing.time_scale,
         hot = 200.0 * options.timing.time_scale,
         pool = pool_schema(options),
+        pool_extra = if options.pool_extra_config.is_empty() {
+            String::new()
+        } else {
+            format!(", {}", options.pool_extra_config)
+        },
     )
 }
 
@@ -227,6 +232,35 @@ pub fn with_engine_retries(config: &str) -> Result<String, StackError> {
             }
         }
     }
+    serde_yaml::to_string(&config).map_err(|e| bad(e.to_string()))
+}
+
+/// `config` (a rendered [`OVERRIDE_HOST_CONFIG`]) whose pool cluster falls back to round robin
+/// (Envoy's choice when kvroute names no destination) instead of least-request.
+pub fn with_round_robin_fallback(config: &str) -> Result<String, StackError> {
+    let bad = |detail: String| StackError::EnvoyConfig { detail };
+    let mut config: Value = serde_yaml::from_str(config).map_err(|e| bad(e.to_string()))?;
+    let round_robin: Value = serde_yaml::from_str(
+        "policies: [{typed_extension_config: {name: envoy.load_balancing_policies.round_robin, \
+         typed_config: {\"@type\": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin}}}]",
+    )
+    .map_err(|e| bad(e.to_string()))?;
+    let override_host = config
+        .get_mut("static_resources")
+        .and_then(|resources| named(resources.get_mut("clusters")?, "llm_pool"))
+        .and_then(|pool| {
+            pool.get_mut("load_balancing_policy")?
+                .get_mut("policies")?
+                .get_mut(0)
+        })
+        .and_then(|policy| {
+            policy
+                .get_mut("typed_extension_config")?
+                .get_mut("typed_config")
+        })
+        .and_then(Value::as_mapping_mut)
+        .ok_or_else(|| bad("no override_host policy on `llm_pool`".to_owned()))?;
+    override_host.insert(Value::from("fallback_policy"), round_robin);
     serde_yaml::to_string(&config).map_err(|e| bad(e.to_string()))
 }
 

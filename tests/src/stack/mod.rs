@@ -261,6 +261,12 @@ pub struct StackOptions {
     /// Top-level sections appended to ext-proc's config (YAML, e.g. `drift: {...}`); keys the
     /// harness writes itself must not be repeated.
     pub ext_proc_extra_config: String,
+    /// Keys added to ext-proc's pool entry (YAML flow-mapping items, e.g. `mode: shadow`).
+    pub pool_extra_config: String,
+    /// Envoy's own choice (the override_host fallback, used when kvroute names no destination:
+    /// shadow mode, fail-open) is round robin instead of the shipped least-request, so a test
+    /// can tell in advance where sequential requests land.
+    pub envoy_fallback_round_robin: bool,
     /// Where ext-proc's pool gets its tokens.
     pub tokenizer: StackTokenizer,
     /// Sims whose KV events reach the index through a `kvroute-agent` process (one agent for
@@ -383,6 +389,8 @@ impl Default for StackOptions {
             debug_headers: DebugHeaders::Off,
             sim_chat_templates: Vec::new(),
             ext_proc_extra_config: String::new(),
+            pool_extra_config: String::new(),
+            envoy_fallback_round_robin: false,
             tokenizer: StackTokenizer::default(),
             agent_replicas: Vec::new(),
             cuttable_event_streams: Vec::new(),
@@ -470,7 +478,9 @@ mod service;
 mod sims;
 
 use configs::*;
-pub use configs::{pool_schema, render_envoy_config, with_engine_retries};
+pub use configs::{
+    pool_schema, render_envoy_config, with_engine_retries, with_round_robin_fallback,
+};
 use service::*;
 pub use service::{ExtProcProcess, ServerProcess, binary_dir, release_binary_dir};
 use sims::*;
@@ -706,6 +716,9 @@ impl Stack {
                 if options.engine_retries {
                     config = with_engine_retries(&config)?;
                 }
+                if options.envoy_fallback_round_robin {
+                    config = with_round_robin_fallback(&config)?;
+                }
                 (index, Some(ext_proc), config)
             }
         };
@@ -851,6 +864,15 @@ impl Stack {
             })?
             .kill();
         Ok(())
+    }
+
+    /// The config file kvroute-ext-proc reads (rewrite it to reload; `reload_interval` is its
+    /// default, 2 s, unless the test's extra config sets it).
+    pub fn ext_proc_config_path(&self) -> Result<PathBuf, StackError> {
+        let ext_proc = self.ext_proc.as_ref().ok_or(StackError::NotRunning {
+            what: "kvroute-ext-proc",
+        })?;
+        Ok(ext_proc.config_path())
     }
 
     /// kvroute-ext-proc's admin base URL.

@@ -22,6 +22,7 @@ mod real_vllm_hybrid;
 mod render;
 mod replica_states;
 mod routing;
+mod shadow;
 mod sim;
 mod sim_index;
 mod soak;

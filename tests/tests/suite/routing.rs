@@ -174,7 +174,7 @@ pub(super) async fn ext_proc_metrics(stack: &Stack) -> String {
 }
 
 /// Leading blocks of `prompt` (as the sims tokenize it) the index says each replica holds.
-async fn index_matches(stack: &Stack, prompt: &str) -> Vec<u64> {
+pub(super) async fn index_matches(stack: &Stack, prompt: &str) -> Vec<u64> {
     let tokens = http::post_json(
         &format!("{}/tokenize", stack.sim_urls()[0]),
         &json!({"model": MODEL, "prompt": prompt}),
