@@ -216,6 +216,8 @@ pub struct Explained {
     pub candidates: Vec<usize>,
     /// Each candidate as scored.
     pub scored: Scored,
+    /// The chosen candidate's position.
+    pub chosen: usize,
     /// The prompt's tokens, when it had any.
     pub tokens: Option<TokenFacts>,
 }
@@ -601,7 +603,6 @@ impl Picker {
             capacity_blocks: pool.approx_capacity_blocks,
             scoring: &config.scoring,
             now: Instant::now(),
-            commit: pool.mode == PoolMode::Route,
         })?;
         if routed.tier != Tier::Load && prompt_tokens > 0 {
             self.metrics
@@ -624,6 +625,7 @@ impl Picker {
                     .filter_map(|c| config.replicas.iter().position(|r| r.id == c.id))
                     .collect(),
                 scored: routed.scored,
+                chosen: routed.choice,
                 tokens,
             })
         });
@@ -647,6 +649,12 @@ impl Picker {
     /// The response to `decision`'s request began on `served` (as far as Envoy said): a shadow
     /// pool's decision is compared with it; one served elsewhere than chosen is remembered there
     /// ([`Self::served_elsewhere`]).
+    ///
+    /// A shadow decision is committed as a routed one is (kvroute's own insert and in-flight
+    /// load on its choice): what routing would capture is what kvroute believes its choice holds,
+    /// its own earlier choices included (a sibling of a burst it would have co-located, the next
+    /// turn of a conversation it would have kept together), not only what Envoy's placement left
+    /// there. The replica Envoy chose is judged by what it holds now (`reusable`).
     pub fn responded(&self, decision: &mut Decision, served: Option<SocketAddr>) {
         if decision.mode == PoolMode::Shadow
             && let Some(explained) = decision.explained.as_deref()
@@ -660,7 +668,7 @@ impl Picker {
                         Comparison {
                             prompt_tokens: scored.prompt_tokens as u64,
                             held_tokens: scored.held_tokens() as u64,
-                            captured_tokens: decision.predicted_cached_tokens as u64,
+                            captured_tokens: scored.believed_tokens(explained.chosen) as u64,
                             served_predicted_tokens: scored.reusable_tokens(at) as u64,
                         },
                     );
@@ -668,11 +676,9 @@ impl Picker {
                 None => self.shadow.unobserved(pool),
             }
         }
-        let Some(served) = served else { return };
-        if decision.mode == PoolMode::Shadow {
-            // Nothing was recorded at the decision: the replica that served it holds it now.
-            self.served_elsewhere(decision, served);
-        } else if served != decision.address {
+        if let Some(served) = served
+            && served != decision.address
+        {
             self.served_elsewhere(decision, served);
         }
     }

@@ -111,10 +111,6 @@ pub struct RouteRequest<'a> {
     pub scoring: &'a ScoringConfig,
     /// The decision's time (a simulator passes its virtual clock).
     pub now: Instant,
-    /// Whether the choice is applied, so recorded: the speculative insert and the in-flight load
-    /// on the chosen replica. A shadow decision's is not (the proxy places the request; the
-    /// replica that served it is remembered once known, [`Router::remember_served`]).
-    pub commit: bool,
 }
 
 /// A committed choice. Dropping `inflight` ends the replica's in-flight accounting.
@@ -159,17 +155,27 @@ pub struct Scored {
 }
 
 impl Scored {
-    /// Prompt tokens candidate `i` would serve from its prefix cache, as vLLM counts a hit.
+    /// Prompt tokens candidate `i` would serve from its prefix cache now, as vLLM counts a hit:
+    /// the index's answer, and kvroute's own inserts only while their requests are in flight.
     pub fn reusable_tokens(&self, i: usize) -> usize {
         self.reusable_blocks.get(i).map_or(0, |&blocks| {
             engine_hit_tokens(blocks, self.prompt_tokens, self.block_size)
         })
     }
 
-    /// The most prompt tokens any candidate would serve from its prefix cache.
+    /// Prompt tokens candidate `i` is believed to serve from its prefix cache once the request
+    /// is scheduled there: what scoring read (the index, and kvroute's own inserts of the
+    /// speculative TTL, answered or not) — the drift's expected side.
+    pub fn believed_tokens(&self, i: usize) -> usize {
+        self.views.get(i).map_or(0, |view| {
+            engine_hit_tokens(view.matched_blocks, self.prompt_tokens, self.block_size)
+        })
+    }
+
+    /// The most prompt tokens any candidate is believed to serve from its prefix cache.
     pub fn held_tokens(&self) -> usize {
-        (0..self.reusable_blocks.len())
-            .map(|i| self.reusable_tokens(i))
+        (0..self.views.len())
+            .map(|i| self.believed_tokens(i))
             .max()
             .unwrap_or(0)
     }
@@ -270,7 +276,6 @@ impl Router {
             capacity_blocks,
             scoring,
             now,
-            commit,
         } = request;
         if candidates.is_empty() {
             return None;
@@ -279,7 +284,7 @@ impl Router {
         let _commit =
             first_key.map(|key| self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock());
         let Some(prompt) = prompt else {
-            return Some(self.commit_load_only(candidates, scoring, commit));
+            return Some(self.commit_load_only(candidates, scoring));
         };
         let PromptFacts {
             keys,
@@ -343,16 +348,13 @@ impl Router {
             prompt_tokens: prompt_tokens as u64,
         };
         let replica = candidates[choice.index];
-        let inflight = if commit {
-            self.memory.record(replica, capacity_blocks, &keys, now);
-            // The replica's pending prefill work is what it does not hold (siblings of a burst
-            // add little).
-            self.loads
-                .start_request(replica, prompt_tokens - cached_tokens, keys)
-                .with_prediction(prediction)
-        } else {
-            self.loads.untracked(replica, keys)
-        };
+        self.memory.record(replica, capacity_blocks, &keys, now);
+        // The replica's pending prefill work is what it does not hold (siblings of a burst add
+        // little).
+        let inflight = self
+            .loads
+            .start_request(replica, prompt_tokens - cached_tokens, keys)
+            .with_prediction(prediction);
         Some(Routed {
             choice: choice.index,
             tier,
@@ -373,12 +375,7 @@ impl Router {
     }
 
     /// Load tier: no prefix information.
-    fn commit_load_only(
-        &self,
-        candidates: &[&str],
-        scoring: &ScoringConfig,
-        commit: bool,
-    ) -> Routed {
+    fn commit_load_only(&self, candidates: &[&str], scoring: &ScoringConfig) -> Routed {
         let views: Vec<Candidate> = candidates
             .iter()
             .map(|replica| Candidate {
@@ -398,11 +395,7 @@ impl Router {
             matched_blocks: 0,
             cached_tokens: 0,
             prediction: None,
-            inflight: if commit {
-                self.loads.start_request(candidates[choice], 0, Vec::new())
-            } else {
-                self.loads.untracked(candidates[choice], Vec::new())
-            },
+            inflight: self.loads.start_request(candidates[choice], 0, Vec::new()),
             fallbacks,
             scored: Scored {
                 reusable_blocks: vec![0; views.len()],
@@ -432,7 +425,6 @@ mod tests {
             capacity_blocks: 1024,
             scoring,
             now,
-            commit: true,
         }
     }
 
@@ -547,41 +539,35 @@ mod tests {
     }
 
     #[test]
-    fn a_decision_not_applied_records_nothing_but_still_explains_every_candidate() {
+    fn every_candidate_is_explained_as_scored() {
         let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
         let scoring = ScoringConfig::default();
         let now = Instant::now();
-        let candidates = ["r0", "r1"];
+        let candidates = ["r0", "r1", "r2"];
         let keys: Vec<u64> = (1..=10).collect();
-        let mut shadow = request(
-            &candidates,
-            prompt(&keys, vec![Some(4), Some(0)]),
-            &scoring,
-            now,
-        );
-        shadow.commit = false;
-        let mut routed = router.score_and_commit(shadow).unwrap();
+        let routed = router
+            .score_and_commit(request(
+                &candidates,
+                prompt(&keys, vec![Some(4), Some(0), None]),
+                &scoring,
+                now,
+            ))
+            .unwrap();
         assert_eq!((routed.choice, routed.tier), (0, Tier::Precise));
-        assert_eq!(routed.scored.reusable_blocks, [4, 0]);
-        assert_eq!(routed.scored.held_tokens(), 64);
-        assert!(!routed.inflight.is_held(), "nothing counts in flight");
-        for replica in candidates {
-            assert_eq!(
-                router.loads().replica(replica).snapshot().inflight_requests,
-                0.0
-            );
-            assert_eq!(
-                router
-                    .memory()
-                    .lookup(replica, &keys, now, scoring.speculative_ttl),
-                Default::default(),
-                "no speculative insert on {replica}"
-            );
-        }
+        let scored = &routed.scored;
+        assert_eq!(scored.reusable_blocks, [4, 0, 0]);
         assert_eq!(
-            routed.inflight.served_elsewhere(),
-            keys,
-            "the keys go to the server"
+            scored.indexed,
+            [Some(Indexed::dense(4)), Some(Indexed::dense(0)), None]
+        );
+        assert_eq!((scored.believed_tokens(0), scored.held_tokens()), (64, 64));
+        assert_eq!(scored.reusable_tokens(0), routed.cached_tokens);
+        // The holder is quicker: its estimate is below the others'.
+        let ttft = |i| scored.estimated_ttft_ms(i, &scoring).unwrap();
+        assert!(
+            ttft(0) < ttft(1) && ttft(0) < ttft(2),
+            "{:?}",
+            (ttft(0), ttft(1))
         );
     }
 

@@ -276,6 +276,8 @@ pub struct PhaseReport {
     pub first_error: Option<String>,
     /// Hit tokens over queried tokens, all replicas.
     pub hit_rate: f64,
+    /// Prompt tokens the replicas served from their prefix caches (delivered).
+    pub hit_tokens: f64,
     /// Client-side times to first token of the successful requests, sorted.
     pub ttfts: Vec<Duration>,
     /// Requests each replica completed.
@@ -344,6 +346,7 @@ pub async fn run_phase(
         } else {
             0.0
         },
+        hit_tokens: delta(|c| c.hits),
         ttfts,
         per_replica: before
             .iter()
@@ -453,6 +456,144 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
         .position(|window| window == needle)
 }
 
+/// kvroute-ext-proc's shadow-mode totals for the demo's pool (`/v1/shadow`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ShadowTotals {
+    /// Decisions compared with the replica Envoy served.
+    pub requests: f64,
+    /// Decisions Envoy reported no served replica for.
+    pub unobserved: f64,
+    /// Cached prompt tokens kvroute's choices held (what routing would capture).
+    pub captured_tokens: f64,
+    /// Cached prompt tokens the best candidates held.
+    pub held_tokens: f64,
+}
+
+impl ShadowTotals {
+    fn since(self, before: Self) -> Self {
+        Self {
+            requests: self.requests - before.requests,
+            unobserved: self.unobserved - before.unobserved,
+            captured_tokens: self.captured_tokens - before.captured_tokens,
+            held_tokens: self.held_tokens - before.held_tokens,
+        }
+    }
+}
+
+/// The demo pool's shadow totals so far.
+pub async fn shadow_totals(stack: &Stack) -> Result<ShadowTotals, StackError> {
+    let url = format!("{}/v1/shadow", stack.ext_proc_admin_url()?);
+    let summary: Value = http::get(&url)
+        .await?
+        .json()
+        .map_err(|e| StackError::Component {
+            component: "kvroute-ext-proc",
+            detail: format!("/v1/shadow: {e}"),
+            log: String::new(),
+        })?;
+    let pool = &summary["pools"][0];
+    let number = |key: &str| pool[key].as_f64().unwrap_or(0.0);
+    Ok(ShadowTotals {
+        requests: number("requests"),
+        unobserved: number("unobserved"),
+        captured_tokens: number("captured_tokens"),
+        held_tokens: number("held_tokens"),
+    })
+}
+
+/// Switches the demo pool's `mode` (`route` or `shadow`) by rewriting kvroute-ext-proc's config
+/// file, and waits until `/v1/shadow` reports the new mode (the stack must have been started with
+/// a `mode:` key in the pool and a short `reload_interval`).
+pub async fn set_pool_mode(stack: &Stack, mode: &str) -> Result<(), StackError> {
+    let path = stack.ext_proc_config_path()?;
+    let io = |source| HarnessError::Io {
+        path: path.clone(),
+        source,
+    };
+    let config = std::fs::read_to_string(&path).map_err(io)?;
+    let rewritten = config
+        .replace("mode: shadow", &format!("mode: {mode}"))
+        .replace("mode: route", &format!("mode: {mode}"));
+    std::fs::write(&path, rewritten).map_err(io)?;
+    let url = format!("{}/v1/shadow", stack.ext_proc_admin_url()?);
+    kvroute_test_support::try_poll_until(
+        "kvroute-ext-proc to reload its pool's mode",
+        kvroute_test_support::deadline(Duration::from_secs(30)),
+        || async {
+            let summary: Value = http::get(&url).await.ok()?.json().ok()?;
+            (summary["pools"][0]["mode"] == mode).then_some(())
+        },
+    )
+    .await
+    .map_err(|e| StackError::Component {
+        component: "kvroute-ext-proc",
+        detail: e.to_string(),
+        log: String::new(),
+    })
+}
+
+/// The workload run through kvroute's listener with the pool in shadow mode: Envoy's own load
+/// balancing places every request, kvroute decides each and says what its choices would have
+/// served from cache.
+#[derive(Debug, Clone)]
+pub struct ShadowReport {
+    /// The phase as measured (hit tokens: what Envoy's placement delivered).
+    pub phase: PhaseReport,
+    /// kvroute's totals over the phase.
+    pub totals: ShadowTotals,
+}
+
+impl ShadowReport {
+    /// Prompt tokens kvroute projects routing would add to what was delivered.
+    pub fn projected_gain_tokens(&self) -> f64 {
+        self.totals.captured_tokens - self.phase.hit_tokens
+    }
+}
+
+/// Runs the workload in shadow mode (the pool is switched to `shadow` and back to `route`).
+pub async fn run_shadow_phase(
+    stack: &Stack,
+    conversations: &[Conversation],
+    options: &WorkloadOptions,
+) -> Result<ShadowReport, StackError> {
+    set_pool_mode(stack, "shadow").await?;
+    let before = shadow_totals(stack).await?;
+    let phase = run_phase(stack, Routing::Kvroute, conversations, options).await;
+    // Every response has begun by now, so every comparison is counted.
+    let after = shadow_totals(stack).await;
+    set_pool_mode(stack, "route").await?;
+    Ok(ShadowReport {
+        phase: phase?,
+        totals: after?.since(before),
+    })
+}
+
+/// What shadow mode projected against what routing then delivered, in words.
+pub fn render_projection(shadow: &ShadowReport, routed: &PhaseReport) -> String {
+    let projected = shadow.projected_gain_tokens();
+    let measured = routed.hit_tokens - shadow.phase.hit_tokens;
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "shadow mode (Envoy's least-request placed all {} requests, kvroute decided each):\n  \
+         the engines served {:.0} prompt tokens from cache, kvroute's choices would have served \
+         {:.0}: projected gain {:.0} tokens",
+        shadow.phase.requests, shadow.phase.hit_tokens, shadow.totals.captured_tokens, projected
+    );
+    let _ = writeln!(
+        text,
+        "  routing the same workload then served {:.0}: measured gain {:.0} tokens ({})",
+        routed.hit_tokens,
+        measured,
+        if projected > 0.0 {
+            format!("{:.2}x the projection", measured / projected)
+        } else {
+            "no projection to compare".to_owned()
+        }
+    );
+    text
+}
+
 /// The side-by-side table of two phases.
 pub fn render_table(baseline: &PhaseReport, kvroute: &PhaseReport) -> String {
     let ms = |d: Duration| format!("{:.1} ms", d.as_secs_f64() * 1000.0);
@@ -554,6 +695,7 @@ mod tests {
             failed: 0,
             first_error: None,
             hit_rate: 0.0,
+            hit_tokens: 0.0,
             ttfts: (1..=10).map(Duration::from_millis).collect(),
             per_replica: vec![],
             wall: Duration::ZERO,

@@ -1,5 +1,6 @@
 //! The demo's workload, smaller, through the full stack: kvroute must cache better than Envoy's
-//! round robin over the same simulators, and no request may fail.
+//! round robin over the same simulators, shadow mode must project a gain that routing then
+//! delivers, and no request may fail.
 
 use kvroute_demo::{self as demo, WorkloadOptions};
 use kvroute_tests::harness::http;
@@ -22,22 +23,39 @@ async fn kvroute_beats_round_robin_on_the_demo_workload() {
             decode_ms_per_token: 2.0,
             time_scale: 0.1,
         },
+        pool_extra_config: "mode: route".to_owned(),
+        ext_proc_extra_config: "reload_interval: 50ms\n".to_owned(),
         ..StackOptions::default()
     })
     .await
     .unwrap();
     let conversations = demo::build_workload(&workload);
 
-    let mut reports = Vec::new();
-    for routing in [Routing::RoundRobin, Routing::Kvroute] {
-        stack.reset_prefix_caches().await.unwrap();
-        reports.push(
-            demo::run_phase(&stack, routing, &conversations, &workload)
-                .await
-                .unwrap(),
-        );
-    }
-    let (baseline, kvroute) = (&reports[0], &reports[1]);
+    stack.reset_prefix_caches().await.unwrap();
+    let baseline = demo::run_phase(&stack, Routing::RoundRobin, &conversations, &workload)
+        .await
+        .unwrap();
+    stack.reset_prefix_caches().await.unwrap();
+    let shadow = demo::run_shadow_phase(&stack, &conversations, &workload)
+        .await
+        .unwrap();
+    stack.reset_prefix_caches().await.unwrap();
+    let kvroute = demo::run_phase(&stack, Routing::Kvroute, &conversations, &workload)
+        .await
+        .unwrap();
+    let reports = [baseline, shadow.phase.clone(), kvroute];
+    let (baseline, kvroute) = (&reports[0], &reports[2]);
+    let projection = demo::render_projection(&shadow, kvroute);
+    eprintln!("{projection}");
+    assert_eq!(
+        (shadow.totals.requests, shadow.totals.unobserved),
+        (24.0, 0.0),
+        "every shadow decision is compared with the replica Envoy served"
+    );
+    assert!(
+        shadow.projected_gain_tokens() > 0.0 && kvroute.hit_tokens > shadow.phase.hit_tokens,
+        "shadow mode projects a gain and routing delivers one:\n{projection}"
+    );
     let table = demo::render_table(baseline, kvroute);
     eprintln!("{table}");
     for report in &reports {

@@ -114,12 +114,6 @@ async fn shadow_mode_projects_the_gain_that_routing_then_delivers() {
             "round robin alternates the two replicas: {replicas:?}"
         );
         let cached: Vec<u64> = served.iter().map(|(_, c, _)| *c).collect();
-        let predicted: Vec<u64> = served.iter().map(|(_, _, p)| *p).collect();
-        assert_eq!(
-            predicted,
-            [0, cached[2], cached[2]],
-            "kvroute's own choice would have held every repeat"
-        );
         assert_eq!(
             (cached[0], cached[1]),
             (0, 0),
