@@ -294,6 +294,18 @@ impl LoadBoard {
         }
     }
 
+    /// A guard for a request kvroute decided but does not place (shadow mode): it counts nothing
+    /// on `replica` and only carries the prompt's `keys` for the replica that will serve it.
+    pub fn untracked(&self, replica: &str, keys: Vec<u64>) -> InflightGuard {
+        InflightGuard {
+            load: self.replica(replica),
+            prompt_tokens: 0,
+            keys,
+            prediction: None,
+            released: true,
+        }
+    }
+
     /// Forgets replicas `keep` says no.
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
         self.replicas.write().retain(|id, _| keep(id));

@@ -111,6 +111,10 @@ pub struct RouteRequest<'a> {
     pub scoring: &'a ScoringConfig,
     /// The decision's time (a simulator passes its virtual clock).
     pub now: Instant,
+    /// Whether the choice is applied, so recorded: the speculative insert and the in-flight load
+    /// on the chosen replica. A shadow decision's is not (the proxy places the request; the
+    /// replica that served it is remembered once known, [`Router::remember_served`]).
+    pub commit: bool,
 }
 
 /// A committed choice. Dropping `inflight` ends the replica's in-flight accounting.
@@ -276,6 +280,7 @@ impl Router {
             capacity_blocks,
             scoring,
             now,
+            commit,
         } = request;
         if candidates.is_empty() {
             return None;
@@ -284,7 +289,7 @@ impl Router {
         let _commit =
             first_key.map(|key| self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock());
         let Some(prompt) = prompt else {
-            return Some(self.commit_load_only(candidates, scoring));
+            return Some(self.commit_load_only(candidates, scoring, commit));
         };
         let PromptFacts {
             keys,
@@ -348,13 +353,16 @@ impl Router {
             prompt_tokens: prompt_tokens as u64,
         };
         let replica = candidates[choice.index];
-        self.memory.record(replica, capacity_blocks, &keys, now);
-        // The replica's pending prefill work is what it does not hold (siblings of a burst add
-        // little).
-        let inflight = self
-            .loads
-            .start_request(replica, prompt_tokens - cached_tokens, keys)
-            .with_prediction(prediction);
+        let inflight = if commit {
+            self.memory.record(replica, capacity_blocks, &keys, now);
+            // The replica's pending prefill work is what it does not hold (siblings of a burst
+            // add little).
+            self.loads
+                .start_request(replica, prompt_tokens - cached_tokens, keys)
+                .with_prediction(prediction)
+        } else {
+            self.loads.untracked(replica, keys)
+        };
         Some(Routed {
             choice: choice.index,
             tier,
@@ -375,7 +383,12 @@ impl Router {
     }
 
     /// Load tier: no prefix information.
-    fn commit_load_only(&self, candidates: &[&str], scoring: &ScoringConfig) -> Routed {
+    fn commit_load_only(
+        &self,
+        candidates: &[&str],
+        scoring: &ScoringConfig,
+        commit: bool,
+    ) -> Routed {
         let views: Vec<Candidate> = candidates
             .iter()
             .map(|replica| Candidate {
@@ -395,7 +408,11 @@ impl Router {
             matched_blocks: 0,
             cached_tokens: 0,
             prediction: None,
-            inflight: self.loads.start_request(candidates[choice], 0, Vec::new()),
+            inflight: if commit {
+                self.loads.start_request(candidates[choice], 0, Vec::new())
+            } else {
+                self.loads.untracked(candidates[choice], Vec::new())
+            },
             fallbacks,
             scored: Scored {
                 reusable_blocks: vec![0; views.len()],
@@ -425,6 +442,7 @@ mod tests {
             capacity_blocks: 1024,
             scoring,
             now,
+            commit: true,
         }
     }
 

@@ -133,6 +133,7 @@ impl Router for Kvroute {
             capacity_blocks: self.approx_capacity_blocks,
             scoring: &self.scoring,
             now,
+            commit: true,
         });
         let Some(routed) = routed else {
             // No replicas: the simulator never builds a fleet without one.
