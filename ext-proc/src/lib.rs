@@ -536,15 +536,53 @@ async fn reload_loop(
 /// Most records one `/v1/decisions` answer lists (`?limit=`, default all kept up to this).
 const MAX_RECORDS_LISTED: usize = 1000;
 
+/// The API path `/v1/explain` assumes when its `?path=` names none.
+const DEFAULT_EXPLAIN_PATH: &str = "/v1/chat/completions";
+
 /// ext-proc's own admin routes: `/v1/decisions` (the most recent decision records, newest first;
-/// `?limit=N`) and `/v1/shadow` (every pool's shadow-mode summary).
+/// `?limit=N`), `/v1/shadow` (every pool's shadow-mode summary) and `POST /v1/explain` (a request
+/// body, for the API path in `?path=`, default chat completions: the record of deciding it now,
+/// routing nothing; a refused body answers its OpenAI-style error and status).
 fn admin_routes(picker: Arc<Picker>) -> axum::Router {
     #[derive(serde::Deserialize)]
     struct Listing {
         limit: Option<usize>,
     }
+    #[derive(serde::Deserialize)]
+    struct ExplainPath {
+        path: Option<String>,
+    }
     let records = Arc::clone(&picker);
+    let explainer = Arc::clone(&picker);
     axum::Router::new()
+        .route(
+            "/v1/explain",
+            axum::routing::post(
+                move |axum::extract::Query(at): axum::extract::Query<ExplainPath>,
+                      body: axum::body::Bytes| {
+                    let picker = Arc::clone(&explainer);
+                    async move {
+                        use axum::response::IntoResponse as _;
+                        let path = at.path.as_deref().unwrap_or(DEFAULT_EXPLAIN_PATH);
+                        let explained =
+                            match request::parse(&body, request::Endpoint::from_path(path)) {
+                                Ok(parsed) => picker.explain(&parsed).await,
+                                Err(error) => Err(error),
+                            };
+                        match explained {
+                            Ok(record) => axum::Json(record).into_response(),
+                            Err(error) => (
+                                axum::http::StatusCode::from_u16(error.http_status())
+                                    .unwrap_or(axum::http::StatusCode::BAD_REQUEST),
+                                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                                error.to_openai_json(),
+                            )
+                                .into_response(),
+                        }
+                    }
+                },
+            ),
+        )
         .route(
             "/v1/decisions",
             axum::routing::get(

@@ -442,7 +442,7 @@ impl Picker {
             Explain::Unflagged => None,
         };
         let mut result = self
-            .decide_in(&runtime, request, subset, started, recorded.is_some())
+            .decide_in(&runtime, request, subset, started, recorded.is_some(), true)
             .await;
         let elapsed = started.elapsed();
         self.metrics
@@ -482,6 +482,21 @@ impl Picker {
         result
     }
 
+    /// What deciding `request` now would conclude, as a record, without routing it: nothing is
+    /// committed (no speculative insert, no in-flight load, no decision counted), so asking is
+    /// free of side effects on later decisions (`/v1/explain`, `kvroute-check --explain`).
+    pub async fn explain(
+        &self,
+        request: &ParsedRequest<'_>,
+    ) -> Result<DecisionRecord, RequestError> {
+        let started = Instant::now();
+        let runtime = self.runtime.load_full();
+        let decision = self
+            .decide_in(&runtime, request, None, started, true, false)
+            .await?;
+        Ok(decision_record(&decision, request, started.elapsed()))
+    }
+
     async fn decide_in(
         &self,
         runtime: &Runtime,
@@ -489,6 +504,7 @@ impl Picker {
         subset: Option<&[SocketAddr]>,
         started: Instant,
         recorded: bool,
+        commit: bool,
     ) -> Result<Decision, RequestError> {
         let config = &runtime.config;
         let (pool_index, adapter) = config.pool_for_model(&request.model).ok_or_else(|| {
@@ -538,7 +554,7 @@ impl Picker {
             Err(LoadCause::BudgetExhausted)
         });
         let explain = recorded || pool.mode == PoolMode::Shadow;
-        self.score_and_commit(config, pool_index, &candidates, facts, explain)
+        self.score_and_commit(config, pool_index, &candidates, facts, explain, commit)
             .ok_or_else(|| RequestError::NoReadyReplica {
                 model: request.model.to_string(),
             })
@@ -560,6 +576,7 @@ impl Picker {
         candidates: &[&Replica],
         facts: Result<PrefixFacts, LoadCause>,
         explain: bool,
+        commit: bool,
     ) -> Option<Decision> {
         let pool = &config.pools[pool_index];
         let ids: Vec<&str> = candidates.iter().map(|r| r.id.as_str()).collect();
@@ -603,6 +620,7 @@ impl Picker {
             capacity_blocks: pool.approx_capacity_blocks,
             scoring: &config.scoring,
             now: Instant::now(),
+            commit,
         })?;
         if routed.tier != Tier::Load && prompt_tokens > 0 {
             self.metrics

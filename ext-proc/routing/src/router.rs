@@ -557,6 +557,38 @@ mod tests {
     }
 
     #[test]
+    fn a_decision_not_committed_leaves_no_trace() {
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let scoring = ScoringConfig::default();
+        let now = Instant::now();
+        let candidates = ["r0", "r1"];
+        let keys: Vec<u64> = (1..=10).collect();
+        let mut dry = request(
+            &candidates,
+            prompt(&keys, vec![Some(4), None]),
+            &scoring,
+            now,
+        );
+        dry.commit = false;
+        let routed = router.score_and_commit(dry).unwrap();
+        assert_eq!((routed.choice, routed.cached_tokens), (0, 64));
+        assert!(!routed.inflight.is_held(), "nothing counts in flight");
+        for replica in candidates {
+            assert_eq!(
+                router.loads().replica(replica).snapshot().inflight_requests,
+                0.0
+            );
+            assert_eq!(
+                router
+                    .memory()
+                    .lookup(replica, &keys, now, scoring.speculative_ttl),
+                Default::default(),
+                "no insert on {replica}"
+            );
+        }
+    }
+
+    #[test]
     fn every_candidate_is_explained_as_scored() {
         let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
         let scoring = ScoringConfig::default();

@@ -1,5 +1,7 @@
 //! The `kvroute-check` command line: `kvroute-check PATH (--model-dir DIR | --config
-//! ext-proc.yaml) [--model NAME] < body.json` prints the [`Report`](super::Report) as JSON.
+//! ext-proc.yaml) [--model NAME] < body.json` prints the [`Report`](super::Report) as JSON;
+//! `kvroute-check PATH --explain http://ext-proc-admin < body.json` prints the decision record a
+//! running kvroute-ext-proc makes for the body now (its `/v1/explain`; nothing is routed).
 //!
 //! Exit codes: 0 printed; 64 (`EX_USAGE`) bad arguments, config, path or model; 65
 //! (`EX_DATAERR`) a body kvroute does not accept; 1 anything else (stdin, a tokenizer that
@@ -22,7 +24,7 @@ use crate::Config;
     version,
     about = "Prints the token ids and block keys kvroute computes for an OpenAI request body read on stdin"
 )]
-#[command(group = clap::ArgGroup::new("pool").required(true).args(["model_dir", "config"]))]
+#[command(group = clap::ArgGroup::new("pool").required(true).args(["model_dir", "config", "explain"]))]
 pub struct Args {
     /// The request's path: /v1/completions, /v1/chat/completions, /v1/responses or /v1/messages.
     path: String,
@@ -50,10 +52,18 @@ pub struct Args {
     /// With --model-dir: the engines' vLLM version (how LoRA and cache_salt enter the keys).
     #[arg(long, conflicts_with = "config")]
     vllm_version: Option<String>,
+    /// A running kvroute-ext-proc's admin URL (`http://host:9090`): print the record of how it
+    /// would decide this body now — every candidate's matched blocks, load and estimated time to
+    /// first token, the tier and reason (its `POST /v1/explain`; nothing is routed).
+    #[arg(long, value_name = "ADMIN_URL")]
+    explain: Option<String>,
     /// Indent the JSON (one token id per line); compact by default.
     #[arg(long)]
     pretty: bool,
 }
+
+/// How long `--explain` waits for ext-proc's answer.
+const EXPLAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Checks the body on stdin as `args` say and prints the report; a refusal is one line on
 /// stderr (`kvroute-check: why`) and the exit code says its kind.
@@ -73,6 +83,9 @@ pub fn run(args: Args) -> ExitCode {
 }
 
 fn check(args: Args) -> anyhow::Result<()> {
+    if let Some(admin) = &args.explain {
+        return explain(admin, &args.path, args.pretty);
+    }
     let config = match &args.config {
         Some(path) => Some(Config::from_file(path).map_err(CheckError::from)?),
         None => None,
@@ -108,6 +121,39 @@ fn check(args: Args) -> anyhow::Result<()> {
         serde_json::to_writer_pretty(&mut stdout, &report)?;
     } else {
         serde_json::to_writer(&mut stdout, &report)?;
+    }
+    writeln!(stdout)?;
+    Ok(())
+}
+
+/// `--explain`: the body on stdin to `{admin}/v1/explain?path={path}`, the record printed.
+fn explain(admin: &str, path: &str, pretty: bool) -> anyhow::Result<()> {
+    let url: http::Uri = format!("{}/v1/explain?path={path}", admin.trim_end_matches('/'))
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--explain {admin}: {e}"))?;
+    let mut body = Vec::new();
+    std::io::stdin().read_to_end(&mut body)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let answer = runtime.block_on(async {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http();
+        tokio::time::timeout(
+            EXPLAIN_TIMEOUT,
+            crate::tokenizer::http::post_json(client, url.clone(), body.into()),
+        )
+        .await
+        .map_err(|_| anyhow::anyhow!("{url}: no answer within {EXPLAIN_TIMEOUT:?}"))?
+        .map_err(|reason| anyhow::anyhow!("{url}: {reason}"))
+    })?;
+    let record: serde_json::Value = serde_json::from_slice(&answer)?;
+    let mut stdout = std::io::stdout().lock();
+    if pretty {
+        serde_json::to_writer_pretty(&mut stdout, &record)?;
+    } else {
+        serde_json::to_writer(&mut stdout, &record)?;
     }
     writeln!(stdout)?;
     Ok(())

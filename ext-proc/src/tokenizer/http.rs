@@ -64,8 +64,9 @@ impl TokenizeClient {
 }
 
 /// POSTs a JSON `body` (only `content-type` set: no client header is forwarded) and returns
-/// the success response's body, at most [`MAX_TOKENIZE_RESPONSE_BYTES`].
-async fn post_json(
+/// the success response's body, at most [`MAX_TOKENIZE_RESPONSE_BYTES`] (also `kvroute-check
+/// --explain`'s one call).
+pub(crate) async fn post_json(
     client: Client<HttpConnector, Full<Bytes>>,
     url: http::Uri,
     body: Bytes,

@@ -35,7 +35,7 @@ mod background;
 mod block_keys;
 mod cache;
 mod cache_keys;
-mod http;
+pub(crate) mod http;
 mod in_process;
 mod input;
 mod remote;

@@ -32,7 +32,7 @@ fn check_binary() -> PathBuf {
 }
 
 /// Runs `kvroute-check` with `args`, `body` on stdin.
-fn run_check(args: &[&str], body: &str) -> Output {
+pub(super) fn run_check(args: &[&str], body: &str) -> Output {
     let mut child = Command::new(check_binary())
         .args(args)
         .stdin(Stdio::piped())
@@ -49,7 +49,7 @@ fn run_check(args: &[&str], body: &str) -> Output {
 }
 
 /// The report of a successful run.
-fn report(args: &[&str], body: &str) -> serde_json::Value {
+pub(super) fn report(args: &[&str], body: &str) -> serde_json::Value {
     let output = run_check(args, body);
     assert!(
         output.status.success(),

@@ -20,6 +20,7 @@ use kvroute_tests::harness::{http, metrics};
 use kvroute_tests::stack::{DebugHeaders, MODEL, Stack, StackOptions};
 use serde_json::{Value, json};
 
+use super::check::report as check_report;
 use super::routing::{ext_proc_metrics, index_matches, route_response, text};
 
 /// Prompts sent in shadow mode.
@@ -232,4 +233,32 @@ async fn shadow_mode_projects_the_gain_that_routing_then_delivers() {
         prompts * COPIES as f64,
         "routed decisions are not compared"
     );
+
+    // `kvroute-check --explain`: how ext-proc would decide the prompt now, routing nothing.
+    let decisions = |metrics: &str| metrics::sum(metrics, "kvroute_extproc_decisions_total", &[]);
+    let before = decisions(&metrics);
+    let record = check_report(
+        &["/v1/completions", "--explain", &admin],
+        &completion(&prompt).to_string(),
+    );
+    assert_eq!(
+        (&record["mode"], &record["tier"], &record["reason"]),
+        (&json!("route"), &json!("precise"), &json!("cache_hit")),
+        "{record}"
+    );
+    let holder = format!("sim-{}", served[0].0);
+    assert_eq!(record["chosen"], holder.as_str(), "{record}");
+    assert_eq!(
+        record["predicted_cached_tokens"].as_u64(),
+        Some(served[2].1),
+        "{record}"
+    );
+    assert_eq!(
+        decisions(&ext_proc_metrics(&stack).await),
+        before,
+        "explaining is not deciding"
+    );
+    let refused =
+        super::check::run_check(&["/v1/completions", "--explain", &admin], "{\"model\": 7}");
+    assert!(!refused.status.success(), "a refused body is an error");
 }
