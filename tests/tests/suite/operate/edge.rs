@@ -1,12 +1,13 @@
 //! The edge processes of the reference stack: what the stack itself never meets.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use kvroute_discovery::testing::{ApiServer, TestPod};
 use kvroute_ingest::testing::MockVllmPublisher;
-use kvroute_test_support::try_poll_until;
+use kvroute_test_support::{deadline, try_poll_until};
 use kvroute_tests::harness::ext_proc::ExtProcClient;
 use kvroute_tests::harness::{http, metrics, reserve_port, tiny_model_dir};
 use kvroute_tests::stack::{ExtProcProcess, MODEL, ServerProcess, Stack, pool_schema};
@@ -161,7 +162,8 @@ impl Edge {
                     request.resize(64, b' ');
                     if stream.write_all(&request).await.is_ok() {
                         let mut rest = Vec::new();
-                        let _ = tokio::time::timeout(settle(), stream.read_to_end(&mut rest)).await;
+                        let closed = deadline(Duration::from_secs(5));
+                        let _ = tokio::time::timeout(closed, stream.read_to_end(&mut rest)).await;
                     }
                 }
                 let text = http::get(&url).await.ok()?.text();

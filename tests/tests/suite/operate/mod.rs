@@ -396,6 +396,14 @@ async fn scrape_families(
     }
     all
 }
+/// Seconds since the Unix epoch, as Prometheus stamps samples.
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
 fn host_port(url: &str) -> String {
     url.trim_start_matches("http://").to_owned()
 }
@@ -433,10 +441,7 @@ async fn a_scraped_stack_exports_the_catalogue_and_answers_every_panel() {
 
     workload(&stack).await;
     edge.misbehave().await;
-    let workload_done = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64();
+    let workload_done = unix_now();
 
     // The catalogue.
     let mut binaries = scrape_families(&stack, &edge).await;
@@ -476,18 +481,20 @@ async fn a_scraped_stack_exports_the_catalogue_and_answers_every_panel() {
     let Some(prometheus) = prometheus else {
         return;
     };
-    // Every target scraped after the workload, and at least three times in the window the
-    // panels' rates look at (Prometheus's first scrape may come seconds after its start).
-    let after =
-        format!("min(timestamp(up)) > {workload_done} and min(count_over_time(up[1m])) >= 3");
-    try_poll_until("every target scraped after the workload", settle(), || {
-        let after = after.clone();
-        let prometheus = &prometheus;
-        async move {
-            let up = prometheus.query("up == 1").await.ok()?;
-            (up.len() == 5 && !prometheus.query(&after).await.ok()?.is_empty()).then_some(())
-        }
-    })
+    // Every target scraped at least twice since the workload ended, so each counter it created
+    // has two samples for the panels' rates (`up`'s samples over the time since then).
+    try_poll_until(
+        "every target scraped twice after the workload",
+        settle(),
+        || {
+            let prometheus = &prometheus;
+            async move {
+                let since_ms = (unix_now() - workload_done) * 1000.0;
+                let scrapes = format!("count_over_time(up[{since_ms:.0}ms]) >= 2");
+                (prometheus.query(&scrapes).await.ok()?.len() == 5).then_some(())
+            }
+        },
+    )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", prometheus.process.log()));
 
