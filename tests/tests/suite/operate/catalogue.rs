@@ -333,7 +333,7 @@ pub(super) fn registered_names(sources: &[&str]) -> BTreeSet<String> {
 /// so a help text reads as one literal.
 fn joined_sources() -> String {
     let mut text = String::new();
-    for (_, _, _, sources) in BINARIES {
+    for (_, _, sources) in BINARIES {
         for dir in sources {
             let mut files = Vec::new();
             rust_files(&repo_path(dir), &mut files);
@@ -395,7 +395,7 @@ pub(super) fn complete(binaries: &mut [(&'static str, BTreeMap<String, Family>)]
         }
         families.insert(name.to_owned(), declared);
     }
-    for (i, (_, prefix, _, dirs)) in BINARIES.iter().enumerate() {
+    for (i, (_, prefix, dirs)) in BINARIES.iter().enumerate() {
         for (dir, sub) in SHARED_CODE {
             if !dirs.contains(&dir) {
                 continue;
@@ -405,13 +405,10 @@ pub(super) fn complete(binaries: &mut [(&'static str, BTreeMap<String, Family>)]
                 if family_named(&binaries[i].1, prefix, &base).is_some() {
                     continue;
                 }
-                let found = BINARIES
-                    .iter()
-                    .enumerate()
-                    .find_map(|(j, (_, other, _, _))| {
-                        let (full, family) = family_named(&binaries[j].1, other, &base)?;
-                        Some((format!("{prefix}{}", &full[other.len()..]), family.clone()))
-                    });
+                let found = BINARIES.iter().enumerate().find_map(|(j, (_, other, _))| {
+                    let (full, family) = family_named(&binaries[j].1, other, &base)?;
+                    Some((format!("{prefix}{}", &full[other.len()..]), family.clone()))
+                });
                 if let Some((full, family)) = found {
                     binaries[i].1.insert(full, family);
                 }

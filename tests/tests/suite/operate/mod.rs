@@ -47,19 +47,17 @@ const CATALOGUE: &str = "docs/metrics.md";
 const DASHBOARD: &str = "deploy/grafana/kvroute.json";
 const ALERTS: &str = "deploy/prometheus/kvroute-alerts.yaml";
 const ALERT_TESTS: &str = "deploy/prometheus/kvroute-alerts.test.yaml";
-/// The binaries: name, metric prefix, the Prometheus job the dashboard and rules call them, and
-/// the sources whose metric families they register.
-const BINARIES: [(&str, &str, &str, &[&str]); 3] = [
+/// The binaries (each also the name of its Prometheus job, as the alert rules assume), their
+/// metric prefix and the sources whose metric families they register.
+const BINARIES: [(&str, &str, &[&str]); 3] = [
     (
         "kvroute-ext-proc",
         "kvroute_extproc_",
-        "kvroute-ext-proc",
         &["ext-proc/src", "discovery/src", "runtime/src"],
     ),
     (
         "kvroute-index",
         "kvroute_index_",
-        "kvroute-index",
         &[
             "index-service/src",
             "index-service/ingest/src",
@@ -71,7 +69,6 @@ const BINARIES: [(&str, &str, &str, &[&str]); 3] = [
     (
         "kvroute-agent",
         "kvroute_agent_",
-        "kvroute-agent",
         &[
             "index-service/agent/src",
             "index-service/ingest/src",
@@ -94,9 +91,9 @@ fn repo_path(relative: &str) -> PathBuf {
     workspace_root().join(relative)
 }
 
-/// A tool of Debian's `prometheus` package on `PATH`; `None` (with a SKIP line) when absent,
-/// a failure under CI, whose setup installs it.
-fn prometheus_tool(name: &str) -> Option<PathBuf> {
+/// A tool of Debian's `prometheus` package on `PATH`; `None` (with a SKIP line for `test`) when
+/// absent, a failure under CI, whose setup installs it.
+fn prometheus_tool(name: &str, test: &str) -> Option<PathBuf> {
     let found = std::env::var_os("PATH").and_then(|path| {
         std::env::split_paths(&path)
             .map(|dir| dir.join(name))
@@ -107,7 +104,7 @@ fn prometheus_tool(name: &str) -> Option<PathBuf> {
             std::env::var_os("CI").is_none(),
             "CI: no `{name}` on PATH (.ci/run installs Debian's prometheus package)"
         );
-        eprintln!("SKIP: no `{name}` on PATH (apt-get install prometheus)");
+        eprintln!("SKIP {test}: no `{name}` on PATH (apt-get install prometheus)");
     }
     found
 }
@@ -262,7 +259,9 @@ fn the_dashboard_is_a_grafana_dashboard_over_catalogued_metrics() {
 
 #[test]
 fn alert_rules_pass_promtool_and_their_unit_tests() {
-    let Some(promtool) = prometheus_tool("promtool") else {
+    let Some(promtool) =
+        prometheus_tool("promtool", "alert_rules_pass_promtool_and_their_unit_tests")
+    else {
         return;
     };
     let check = Command::new(&promtool)
@@ -376,7 +375,7 @@ async fn scrape_families(
         vec![stack.agent_admin_url().unwrap()],
     ];
     let mut all = Vec::new();
-    for ((binary, prefix, _, _), urls) in BINARIES.iter().zip(urls) {
+    for ((binary, prefix, _), urls) in BINARIES.iter().zip(urls) {
         let mut merged: BTreeMap<String, Family> = BTreeMap::new();
         for url in urls {
             let text = http::get(&format!("{url}/metrics")).await.unwrap().text();
@@ -412,25 +411,28 @@ fn host_port(url: &str) -> String {
 async fn a_scraped_stack_exports_the_catalogue_and_answers_every_panel() {
     let stack = reference_stack().await;
     let edge = Edge::start(&stack).await;
-    let prometheus = match prometheus_tool("prometheus") {
+    let prometheus = match prometheus_tool(
+        "prometheus",
+        "a_scraped_stack_exports_the_catalogue_and_answers_every_panel (its Prometheus part)",
+    ) {
         Some(binary) => {
             let jobs = [
                 (
-                    BINARIES[0].2,
+                    BINARIES[0].0,
                     vec![
                         host_port(&stack.ext_proc_admin_url().unwrap()),
                         host_port(&edge.ext_proc.admin_url()),
                     ],
                 ),
                 (
-                    BINARIES[1].2,
+                    BINARIES[1].0,
                     vec![
                         host_port(&stack.index_admin_url().unwrap()),
                         host_port(&edge.index.admin_url()),
                     ],
                 ),
                 (
-                    BINARIES[2].2,
+                    BINARIES[2].0,
                     vec![host_port(&stack.agent_admin_url().unwrap())],
                 ),
             ];
@@ -458,7 +460,7 @@ async fn a_scraped_stack_exports_the_catalogue_and_answers_every_panel() {
         );
     }
     let mut unexported = Vec::new();
-    for ((binary, families), (_, _, _, sources)) in binaries.iter().zip(BINARIES) {
+    for ((binary, families), (_, _, sources)) in binaries.iter().zip(BINARIES) {
         for name in registered_names(sources) {
             let found = families.keys().any(|family| {
                 family.match_indices(&format!("_{name}")).any(|(at, m)| {
