@@ -70,29 +70,21 @@ impl Edge {
         )
         .await
         .unwrap();
-        let pod = |name: &str, port: u16| {
+        let pod = |name: &str, port_name: &str, port: u16| {
             TestPod::new(name)
                 .label("app", "sim")
                 .ip("127.0.0.1")
                 .ready(true)
                 .node("node-0")
-                .port("http", port)
+                .port(port_name, port)
         };
-        let (sim, other) = (stack.sims()[0].ready.http, stack.sims()[1].ready.http);
-        api.apply_pod(NS, &pod(EDGE_POD, sim.port()));
+        let (discovered, broken) = (stack.sims()[0].ready.http, stack.sims()[1].ready.http);
+        api.apply_pod(NS, &pod(EDGE_POD, "http", discovered.port()));
         // Another pod at the address of the broken pool's static replica: left out of routing
         // (`duplicate_address`).
-        api.apply_pod(NS, &pod(DUPLICATE_POD, other.port()));
+        api.apply_pod(NS, &pod(DUPLICATE_POD, "http", broken.port()));
         // A Ready pod without the named port: refused by discovery (`pods_refused`).
-        api.apply_pod(
-            NS,
-            &TestPod::new("edge-portless")
-                .label("app", "sim")
-                .ip("127.0.0.1")
-                .ready(true)
-                .node("node-0")
-                .port("metrics", other.port()),
-        );
+        api.apply_pod(NS, &pod("edge-portless", "metrics", broken.port()));
         // Nothing listens there: the broken pool's tokenizer and its second replica (never
         // ready: its metrics cannot be scraped).
         let unreachable = SocketAddr::from(([127, 0, 0, 1], reserve_port().unwrap()));
@@ -109,13 +101,11 @@ impl Edge {
                  - {{name: {BROKEN_POOL}, models: [{BROKEN_POOL}], block_size: {block_size}, \
                  events: false, tokenizer: {{render: \"http://{unreachable}\", timeout: 1s}}}}\n\
                  replicas:\n\
-                 - {{id: {BROKEN_POOL}-0, pool: {BROKEN_POOL}, address: \"{sim}\", \
-                 metrics_url: \"http://{sim}/metrics\"}}\n\
+                 - {{id: {BROKEN_POOL}-0, pool: {BROKEN_POOL}, address: \"{broken}\", \
+                 metrics_url: \"http://{broken}/metrics\"}}\n\
                  - {{id: {BROKEN_POOL}-1, pool: {BROKEN_POOL}, address: \"{unreachable}\", \
                  metrics_url: \"http://{unreachable}/metrics\"}}\n",
                 block_size = options.block_size,
-                unreachable = unreachable,
-                sim = other,
                 index = index.grpc(),
                 schema = pool_schema(options),
                 model = tiny_model_dir().display(),
