@@ -875,6 +875,14 @@ impl Stack {
         Ok(ext_proc.config_path())
     }
 
+    /// The kvroute-agent's admin base URL ([`StackOptions::agent_replicas`]).
+    pub fn agent_admin_url(&self) -> Result<String, StackError> {
+        let agent = self.agent.as_ref().ok_or(StackError::NotRunning {
+            what: "kvroute-agent",
+        })?;
+        Ok(format!("http://{}", agent.admin))
+    }
+
     /// kvroute-ext-proc's admin base URL.
     pub fn ext_proc_admin_url(&self) -> Result<String, StackError> {
         let ext_proc = self.ext_proc.as_ref().ok_or(StackError::NotRunning {

@@ -30,7 +30,7 @@ const MAX_CONVERSATIONS: u64 = 24;
 
 /// Turn `turn` (0-based) of conversation `seed`: every earlier turn with a canned answer, then a
 /// new question, so each turn's prompt extends the previous one.
-fn conversation_turn(seed: u64, turn: usize) -> Value {
+pub(super) fn conversation_turn(seed: u64, turn: usize) -> Value {
     let mut messages = vec![json!({"role": "system", "content": text(seed, 40)})];
     for t in 0..=turn {
         messages.push(json!({"role": "user", "content": text(seed * 100 + t as u64, 25)}));

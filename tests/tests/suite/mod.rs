@@ -16,6 +16,7 @@ mod index_capture;
 mod index_ha;
 mod index_states;
 mod memory;
+mod operate;
 mod real_vllm;
 mod real_vllm_agent;
 mod real_vllm_hybrid;
