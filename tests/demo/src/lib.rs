@@ -501,37 +501,6 @@ pub async fn shadow_totals(stack: &Stack) -> Result<ShadowTotals, StackError> {
     })
 }
 
-/// Switches the demo pool's `mode` (`route` or `shadow`) by rewriting kvroute-ext-proc's config
-/// file, and waits until `/v1/shadow` reports the new mode (the stack must have been started with
-/// a `mode:` key in the pool and a short `reload_interval`).
-pub async fn set_pool_mode(stack: &Stack, mode: &str) -> Result<(), StackError> {
-    let path = stack.ext_proc_config_path()?;
-    let io = |source| HarnessError::Io {
-        path: path.clone(),
-        source,
-    };
-    let config = std::fs::read_to_string(&path).map_err(io)?;
-    let rewritten = config
-        .replace("mode: shadow", &format!("mode: {mode}"))
-        .replace("mode: route", &format!("mode: {mode}"));
-    std::fs::write(&path, rewritten).map_err(io)?;
-    let url = format!("{}/v1/shadow", stack.ext_proc_admin_url()?);
-    kvroute_test_support::try_poll_until(
-        "kvroute-ext-proc to reload its pool's mode",
-        kvroute_test_support::deadline(Duration::from_secs(30)),
-        || async {
-            let summary: Value = http::get(&url).await.ok()?.json().ok()?;
-            (summary["pools"][0]["mode"] == mode).then_some(())
-        },
-    )
-    .await
-    .map_err(|e| StackError::Component {
-        component: "kvroute-ext-proc",
-        detail: e.to_string(),
-        log: String::new(),
-    })
-}
-
 /// The workload run through kvroute's listener with the pool in shadow mode: Envoy's own load
 /// balancing places every request, kvroute decides each and says what its choices would have
 /// served from cache.
@@ -556,12 +525,12 @@ pub async fn run_shadow_phase(
     conversations: &[Conversation],
     options: &WorkloadOptions,
 ) -> Result<ShadowReport, StackError> {
-    set_pool_mode(stack, "shadow").await?;
+    stack.set_pool_mode("shadow").await?;
     let before = shadow_totals(stack).await?;
     let phase = run_phase(stack, Routing::Kvroute, conversations, options).await;
     // Every response has begun by now, so every comparison is counted.
     let after = shadow_totals(stack).await;
-    set_pool_mode(stack, "route").await?;
+    stack.set_pool_mode("route").await?;
     Ok(ShadowReport {
         phase: phase?,
         totals: after?.since(before),

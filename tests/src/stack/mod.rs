@@ -875,6 +875,38 @@ impl Stack {
         Ok(ext_proc.config_path())
     }
 
+    /// Switches ext-proc's pool to `mode` (`route` or `shadow`) by rewriting its config file, and
+    /// waits until its `/v1/shadow` reports the new mode. The stack must have started with a
+    /// `mode:` key in [`StackOptions::pool_extra_config`] and a short `reload_interval` in
+    /// [`StackOptions::ext_proc_extra_config`].
+    pub async fn set_pool_mode(&self, mode: &str) -> Result<(), StackError> {
+        let path = self.ext_proc_config_path()?;
+        let io = |source| HarnessError::Io {
+            path: path.clone(),
+            source,
+        };
+        let config = std::fs::read_to_string(&path).map_err(io)?;
+        let rewritten = config
+            .replace("mode: shadow", &format!("mode: {mode}"))
+            .replace("mode: route", &format!("mode: {mode}"));
+        std::fs::write(&path, rewritten).map_err(io)?;
+        let url = format!("{}/v1/shadow", self.ext_proc_admin_url()?);
+        try_poll_until(
+            "kvroute-ext-proc to reload its pool's mode",
+            deadline(Duration::from_secs(30)),
+            || async {
+                let summary: serde_json::Value = http::get(&url).await.ok()?.json().ok()?;
+                (summary["pools"][0]["mode"] == mode).then_some(())
+            },
+        )
+        .await
+        .map_err(|e| StackError::Component {
+            component: "kvroute-ext-proc",
+            detail: e.to_string(),
+            log: self.logs(),
+        })
+    }
+
     /// The kvroute-agent's admin base URL ([`StackOptions::agent_replicas`]).
     pub fn agent_admin_url(&self) -> Result<String, StackError> {
         let agent = self.agent.as_ref().ok_or(StackError::NotRunning {

@@ -184,20 +184,9 @@ async fn shadow_mode_projects_the_gain_that_routing_then_delivers() {
     assert_eq!(newest["tokens"]["source"], "cache");
 
     // Switching the pool to routing is a reload.
-    let path = stack.ext_proc_config_path().unwrap();
-    let config = std::fs::read_to_string(&path).unwrap();
+    let config = std::fs::read_to_string(stack.ext_proc_config_path().unwrap()).unwrap();
     assert!(config.contains("mode: shadow"));
-    std::fs::write(&path, config.replace("mode: shadow", "mode: route")).unwrap();
-    try_poll_until("ext-proc to apply the reload", settle(), || async {
-        let summary: Value = http::get(&format!("{admin}/v1/shadow"))
-            .await
-            .ok()?
-            .json()
-            .ok()?;
-        (summary["pools"][0]["mode"] == "route").then_some(())
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}\n{}", stack.logs()));
+    stack.set_pool_mode("route").await.unwrap();
 
     // Routing: every copy stays where the first went; delivered rises to the projection.
     let prompt = text(799, 150);

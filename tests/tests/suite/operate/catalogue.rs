@@ -34,11 +34,19 @@ const SHARED_CODE: [(&str, &str); 2] = [
     ("discovery/src", "discovery_"),
 ];
 
-/// Families the reference stack never meets (a task panic, an agent refused, a debug token, an
+/// Families the reference stack never meets (a task panic, an agent refused, a debug token, a
+/// shadow decision whose served host Envoy did not report, an
 /// engine restart, an invalid InferencePool, a stray replica id, an expired in-flight slot, the
 /// agent's own config reloads and discovery), declared from their label types:
 /// `(binary, family, type, labels, help)`. A declared family the stack does export must agree.
 const UNEXERCISED: &[(&str, &str, &str, &[&str], &str)] = &[
+    (
+        "kvroute-ext-proc",
+        "kvroute_extproc_shadow_unobserved",
+        "counter",
+        &["pool"],
+        "Shadow-mode decisions Envoy reported no served replica for (not compared)",
+    ),
     (
         "kvroute-ext-proc",
         "kvroute_extproc_debug_header_requests",

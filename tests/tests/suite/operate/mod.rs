@@ -312,9 +312,11 @@ async fn reference_stack() -> Stack {
         kv_blocks_per_replica: 1024,
         sim_chat_templates: vec![Some(HISTORY_UNSTABLE_TEMPLATE.to_owned()), None],
         agent_replicas: vec![1],
+        // A mode to switch: the workload ends with a few requests in shadow mode.
+        pool_extra_config: "mode: route".to_owned(),
         ext_proc_extra_config: format!(
             "drift: {{bound: 0.5, clear_below: 0.25, window: 10m, min_tokens: {DRIFT_MIN_TOKENS}, \
-             action: approximate}}\n"
+             action: approximate}}\nreload_interval: 100ms\ndecision_records: {{sample: 1.0}}\n"
         ),
         ..StackOptions::default()
     })
@@ -359,6 +361,14 @@ async fn workload(stack: &Stack) {
     // Bodies ext-proc cannot route: refused with an error response, counted by kind.
     let response = post_raw(&url, b"{\"model\": ".to_vec(), &[]).await;
     assert_ne!(response.status, 200, "a truncated body was routed");
+    // A few turns in shadow mode (Envoy places them, kvroute compares), then routing again.
+    stack.set_pool_mode("shadow").await.unwrap();
+    for turn in 0..3 {
+        let body = conversation_turn(1, turn).to_string().into_bytes();
+        let response = post_raw(&url, body, &[]).await;
+        assert_eq!(response.status, 200, "{}", response.text());
+    }
+    stack.set_pool_mode("route").await.unwrap();
 }
 
 /// Every binary's families, the two processes of ext-proc and of the index merged.
