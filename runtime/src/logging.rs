@@ -23,11 +23,18 @@ use tracing_subscriber::util::SubscriberInitExt as _;
 use crate::telemetry::{self, ExporterError, OtlpSettings, RemoteTraceId, Telemetry};
 use crate::trace_context::hex;
 
+/// Logs text lines to stderr, filtered by `RUST_LOG`, or by `default_filter` (e.g. `warn`) when it
+/// is unset or unparsable; no span export (a command-line tool's logging).
+pub fn init(default_filter: &str) {
+    // Without an exporter there is nothing that can fail.
+    let _ = init_with(default_filter, LogFormat::Text, None);
+}
+
 /// Logs to stderr in `format`, filtered by `RUST_LOG`, or by `default_filter` (e.g. `info`) when
 /// it is unset or unparsable; exports spans as `otlp` says (built on the current tokio runtime),
 /// named `service_name` unless `OTEL_SERVICE_NAME` says otherwise. When the exporter cannot be
 /// built, logging starts without it and the error is returned.
-pub fn init(
+pub fn init_with(
     default_filter: &str,
     format: LogFormat,
     otlp: Option<&OtlpSettings>,

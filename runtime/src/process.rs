@@ -198,7 +198,7 @@ pub fn main<C: Component>() -> ExitCode {
     let telemetry = {
         let _entered = runtime.as_ref().ok().map(tokio::runtime::Runtime::enter);
         let exporting = otlp.as_ref().ok().and_then(Option::as_ref);
-        crate::logging::init(
+        crate::logging::init_with(
             C::log_filter(&args),
             format,
             exporting.filter(|_| runtime.is_ok()),

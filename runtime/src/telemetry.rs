@@ -384,6 +384,14 @@ pub fn continue_trace(span: &tracing::Span, remote: Option<&RemoteContext>) {
     });
 }
 
+/// [`continue_trace`] for a gRPC call's server span, from the call's metadata (read only when
+/// `span` is enabled).
+pub fn continue_grpc_trace(span: &tracing::Span, metadata: &tonic::metadata::MetadataMap) {
+    if !span.is_none() {
+        continue_trace(span, RemoteContext::from_metadata(metadata).as_ref());
+    }
+}
+
 /// The `traceparent` (and `tracestate`) naming `span` as the parent, for a request kvroute sends
 /// on (the upstream request, a `Match` call); `None` unless spans are exported and `span` is
 /// part of a trace.

@@ -278,6 +278,10 @@ pub struct StackOptions {
     /// pool and ext-proc's config (ids `refusing-<i>`, kept ready by scraping sim 0's
     /// `/metrics`) but not in the index: what Envoy meets when an engine dies under load.
     pub refusing_replicas: usize,
+    /// Environment variables of kvroute-ext-proc (e.g. `OTEL_*`, `RUST_LOG`).
+    pub ext_proc_env: Vec<(String, String)>,
+    /// Environment variables of every kvroute-index process.
+    pub index_env: Vec<(String, String)>,
 }
 
 /// A fault in one sim's KV-event feed to the index (the sim itself serves normally).
@@ -389,6 +393,8 @@ impl Default for StackOptions {
             engine_retries: false,
             events_faults: Vec::new(),
             refusing_replicas: 0,
+            ext_proc_env: Vec::new(),
+            index_env: Vec::new(),
         }
     }
 }
@@ -626,6 +632,7 @@ impl Stack {
                                     dir.path(),
                                     index_yaml.clone(),
                                     None,
+                                    &options.index_env,
                                 )
                                 .await?,
                             );
@@ -658,6 +665,7 @@ impl Stack {
                             dir.path(),
                             agent_config(&options, &sources, &index_addrs, token),
                             None,
+                            &[],
                         )
                         .await?,
                     );
@@ -691,6 +699,7 @@ impl Stack {
                         + &debug_headers
                         + &options.ext_proc_extra_config,
                     embedded_index_config.clone(),
+                    &options.ext_proc_env,
                 )
                 .await?;
                 let index = (!indexes.is_empty()).then(|| indexes.remove(0));
@@ -1042,6 +1051,16 @@ impl Stack {
         }
         section("envoy", self.envoy.log());
         text
+    }
+
+    /// kvroute-ext-proc's log (stdout and stderr) so far.
+    pub fn ext_proc_log(&self) -> Result<String, StackError> {
+        self.ext_proc
+            .as_ref()
+            .map(Service::log)
+            .ok_or(StackError::NotRunning {
+                what: "kvroute-ext-proc",
+            })
     }
 
     /// Prints [`Stack::logs`] to stderr (for a failing run that does not panic).

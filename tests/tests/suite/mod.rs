@@ -26,4 +26,5 @@ mod sim;
 mod sim_index;
 mod soak;
 mod tokenize_parity;
+mod traces;
 mod wasm_filter;
