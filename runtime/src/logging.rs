@@ -54,25 +54,25 @@ pub fn init_with(
             }),
         )
     });
-    let text = (format == LogFormat::Text).then(|| {
-        tracing_subscriber::fmt::layer()
+    let subscriber = tracing_subscriber::registry().with(otel);
+    // Boxed, not optional: an `Option` layer does not pass on the dispatch JSON lines need to
+    // read a span's OpenTelemetry context.
+    let logs = match format {
+        LogFormat::Text => tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
             .with_filter(filter())
-    });
-    let json = (format == LogFormat::Json).then(|| {
-        // Request spans are seen whatever `RUST_LOG` says: their trace id goes on every line.
-        let filter = match format!("{}=info", telemetry::TARGET).parse() {
-            Ok(directive) => filter().add_directive(directive),
-            Err(_) => filter(),
-        };
-        JsonLines::default().with_filter(filter)
-    });
+            .boxed(),
+        LogFormat::Json => {
+            // Request spans are seen whatever `RUST_LOG` says: their trace id goes on every line.
+            let filter = match format!("{}=info", telemetry::TARGET).parse() {
+                Ok(directive) => filter().add_directive(directive),
+                Err(_) => filter(),
+            };
+            JsonLines::default().with_filter(filter).boxed()
+        }
+    };
     // Another subscriber already installed (a test calling twice): keep it.
-    let _ = tracing_subscriber::registry()
-        .with(otel)
-        .with(text)
-        .with(json)
-        .try_init();
+    let _ = subscriber.with(logs).try_init();
     telemetry::set_modes(
         provider.is_some() || format == LogFormat::Json,
         provider.is_some(),

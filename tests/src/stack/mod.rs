@@ -282,6 +282,8 @@ pub struct StackOptions {
     pub ext_proc_env: Vec<(String, String)>,
     /// Environment variables of every kvroute-index process.
     pub index_env: Vec<(String, String)>,
+    /// Environment variables of the kvroute-agent ([`StackOptions::agent_replicas`]).
+    pub agent_env: Vec<(String, String)>,
 }
 
 /// A fault in one sim's KV-event feed to the index (the sim itself serves normally).
@@ -395,6 +397,7 @@ impl Default for StackOptions {
             refusing_replicas: 0,
             ext_proc_env: Vec::new(),
             index_env: Vec::new(),
+            agent_env: Vec::new(),
         }
     }
 }
@@ -665,7 +668,7 @@ impl Stack {
                             dir.path(),
                             agent_config(&options, &sources, &index_addrs, token),
                             None,
-                            &[],
+                            &options.agent_env,
                         )
                         .await?,
                     );

@@ -67,9 +67,19 @@ async fn a_clients_trace_continues_through_kvroute_and_the_index_to_the_engine()
             ("OTEL_EXPORTER_OTLP_ENDPOINT", &grpc),
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
             ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+            // The decision's own log line ("routed") is at debug.
+            ("RUST_LOG", "info,kvroute_ext_proc=debug"),
         ]),
+        ext_proc_extra_config: "log: {format: json}\n".to_owned(),
         index_env: env(&[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", &http_endpoint),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ]),
+        // Replica 1's events come through an agent, whose stream opening is traced too.
+        agent_replicas: vec![1],
+        agent_env: env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &grpc),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
             ("OTEL_BSP_SCHEDULE_DELAY", "100"),
         ]),
         ..StackOptions::default()
@@ -184,6 +194,48 @@ async fn a_clients_trace_continues_through_kvroute_and_the_index_to_the_engine()
             "the index's Match span's parent is an index_match span of ext-proc"
         );
     }
+
+    // The agent's stream to the index: its opening on the agent and on the index, one trace.
+    let stream = "kvroute.index.v1.AgentIngest/AgentStream";
+    let (opened, accepted) = try_poll_until(
+        "the agent's stream opening on both sides",
+        deadline(Duration::from_secs(20)),
+        || async {
+            let spans = receiver.spans();
+            let opened = named(&spans, "kvroute-agent", stream)
+                .first()
+                .copied()
+                .cloned()?;
+            let accepted = named(&spans, "kvroute-index", stream)
+                .into_iter()
+                .find(|span| span.parent_span_id() == opened.span_id())
+                .cloned()?;
+            Some((opened, accepted))
+        },
+    )
+    .await
+    .unwrap_or_else(|error| panic!("{error}\n{}", stack.logs()));
+    assert_eq!(accepted.trace_id(), opened.trace_id());
+    assert_eq!(
+        opened.span.kind,
+        opentelemetry_proto::tonic::trace::v1::span::SpanKind::Client as i32
+    );
+
+    // Exported, a JSON line inside the request names kvroute's span too.
+    let log = stack.ext_proc_log().unwrap();
+    let routed: Vec<Value> = log
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|line| line["message"] == "routed")
+        .collect();
+    assert_eq!(routed.len(), 1, "{log}");
+    assert_eq!(routed[0]["trace_id"], trace_id, "{}", routed[0]);
+    assert_eq!(
+        routed[0]["span_id"],
+        request.span_id().as_str(),
+        "{}",
+        routed[0]
+    );
     receiver.stop().await;
 }
 
