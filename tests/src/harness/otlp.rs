@@ -164,6 +164,11 @@ impl OtlpReceiver {
         })
     }
 
+    /// Its OTLP/gRPC address (for Envoy's own tracer).
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc
+    }
+
     /// The `OTEL_EXPORTER_OTLP_ENDPOINT` of its gRPC side (with `OTEL_EXPORTER_OTLP_PROTOCOL=grpc`).
     pub fn grpc_endpoint(&self) -> String {
         format!("http://{}", self.grpc)

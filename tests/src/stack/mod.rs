@@ -284,6 +284,8 @@ pub struct StackOptions {
     pub index_env: Vec<(String, String)>,
     /// Environment variables of the kvroute-agent ([`StackOptions::agent_replicas`]).
     pub agent_env: Vec<(String, String)>,
+    /// Envoy traces too, exporting to this OTLP/gRPC collector ([`with_envoy_tracing`]).
+    pub envoy_tracing: Option<SocketAddr>,
 }
 
 /// A fault in one sim's KV-event feed to the index (the sim itself serves normally).
@@ -398,6 +400,7 @@ impl Default for StackOptions {
             ext_proc_env: Vec::new(),
             index_env: Vec::new(),
             agent_env: Vec::new(),
+            envoy_tracing: None,
         }
     }
 }
@@ -479,7 +482,7 @@ mod service;
 mod sims;
 
 use configs::*;
-pub use configs::{pool_schema, render_envoy_config, with_engine_retries};
+pub use configs::{pool_schema, render_envoy_config, with_engine_retries, with_envoy_tracing};
 use service::*;
 pub use service::{ExtProcProcess, ServerProcess, binary_dir, release_binary_dir};
 use sims::*;
@@ -717,6 +720,9 @@ impl Stack {
                 let mut config = render_envoy_config(&text, &endpoints, ext_proc.grpc)?;
                 if options.engine_retries {
                     config = with_engine_retries(&config)?;
+                }
+                if let Some(collector) = options.envoy_tracing {
+                    config = with_envoy_tracing(&config, collector)?;
                 }
                 (index, Some(ext_proc), config)
             }

@@ -1,7 +1,9 @@
 //! Traces and JSON logs through a real Envoy: a client's `traceparent` is continued by
 //! kvroute-ext-proc (span `gateway.request` and its decision stages, exported over OTLP/gRPC to a
 //! receiver on the official protos), by the remote kvroute-index's `Match` (exported over
-//! OTLP/HTTP), and by the engine, whose request names kvroute's span as its parent. With
+//! OTLP/HTTP), and by the engine, whose request names kvroute's span as its parent; without a
+//! `traceparent` header, a tracing Envoy's context reaches ext-proc on the stream's gRPC
+//! metadata; the agent's stream opening is one trace on both sides. With
 //! `log.format: json` and no exporter, ext-proc's log lines are JSON, and those logged inside
 //! the request carry the client's trace id.
 
@@ -235,6 +237,83 @@ async fn a_clients_trace_continues_through_kvroute_and_the_index_to_the_engine()
         request.span_id().as_str(),
         "{}",
         routed[0]
+    );
+    receiver.stop().await;
+}
+
+#[tokio::test]
+async fn without_a_traceparent_header_kvroute_continues_envoys_trace_from_the_stream_metadata() {
+    let receiver = OtlpReceiver::start().await.unwrap();
+    let grpc = receiver.grpc_endpoint();
+    let stack = Stack::start(StackOptions {
+        replicas: 2,
+        ext_proc_env: env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &grpc),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ]),
+        envoy_tracing: Some(receiver.grpc_addr()),
+        ..StackOptions::default()
+    })
+    .await
+    .unwrap();
+    // The client sends no trace context: Envoy starts the trace and hands its span to ext_proc
+    // on the stream's gRPC metadata.
+    let response = complete(&stack, &[]).await;
+    let (request, envoy_spans) = try_poll_until(
+        "kvroute's span under one of Envoy's",
+        deadline(Duration::from_secs(20)),
+        || async {
+            let spans = receiver.spans();
+            let request = named(&spans, "kvroute-ext-proc", "gateway.request")
+                .first()
+                .copied()
+                .cloned()?;
+            let envoy: Vec<ReceivedSpan> = spans
+                .iter()
+                .filter(|span| span.service == "envoy" && span.trace_id() == request.trace_id())
+                .cloned()
+                .collect();
+            envoy
+                .iter()
+                .any(|span| span.span_id() == request.parent_span_id())
+                .then_some((request, envoy))
+        },
+    )
+    .await
+    .unwrap_or_else(|error| {
+        let seen: Vec<String> = receiver
+            .spans()
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}:{} trace {} span {} parent {}",
+                    s.service,
+                    s.span.name,
+                    s.trace_id(),
+                    s.span_id(),
+                    s.parent_span_id()
+                )
+            })
+            .collect();
+        panic!("{error}; received {seen:#?}\n{}", stack.logs())
+    });
+    let parent = envoy_spans
+        .iter()
+        .find(|span| span.span_id() == request.parent_span_id())
+        .unwrap();
+    assert!(
+        parent.span.name.contains("ExternalProcessor"),
+        "kvroute's parent is Envoy's ext_proc call (its metadata), not {:?}",
+        parent.span.name
+    );
+    // Envoy's router sets the upstream context last, so a tracing Envoy names its own span as
+    // the engine's parent: the trace is still the one kvroute's span is part of.
+    let engine = response.header(RECEIVED_TRACEPARENT_HEADER);
+    assert_eq!(
+        engine.split('-').nth(1),
+        Some(request.trace_id().as_str()),
+        "{engine}"
     );
     receiver.stop().await;
 }
