@@ -9,7 +9,7 @@
 //!   [`ConfigDuration`], [`ListenAddr`], [`ZmqEndpoint`], [`AllowedPeer`], [`SocketMode`],
 //!   [`HeaderName`], the token source ([`RawTokenSource`], [`TokenSource`]), the TLS settings
 //!   ([`RawServerTls`], [`RawClientTls`]) and the KV-event source section ([`RawEventSource`],
-//!   [`event_source_section!`]).
+//!   [`event_source_section!`]), and the `log` section every server has ([`RawLog`]).
 //! - [`reference`](mod@reference): renders a raw config's JSON schema as the markdown of
 //!   `docs/configuration.md`.
 //!
@@ -20,6 +20,7 @@
 mod duration;
 mod error;
 mod events;
+mod log;
 mod net;
 pub mod reference;
 mod tls;
@@ -28,6 +29,7 @@ mod token;
 pub use duration::{ConfigDuration, DurationError, format_duration, parse_duration};
 pub use error::{ConfigError, ErrorKind, from_json, from_yaml, join_path};
 pub use events::{DEFAULT_MAX_MESSAGE_BYTES, RawEventSource, check_transport};
+pub use log::{DEFAULT_LOG_FORMAT, LogFormat, RawLog};
 pub use net::{AllowedPeer, HeaderName, ListenAddr, SocketMode, ZmqAddress, ZmqEndpoint};
 pub use tls::{RawClientTls, RawServerTls};
 pub use token::{RawTokenSource, TokenSource};

@@ -12,6 +12,7 @@ use kvroute_index_api::api::kv_index_client::KvIndexClient;
 use kvroute_index_api::api::{MatchRequest, MatchResponse};
 use kvroute_runtime::tls::ClientTls;
 use kvroute_runtime::token::{AUTHORIZATION, AgentToken};
+use kvroute_runtime::trace_context::{TRACEPARENT, TRACESTATE};
 use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
@@ -126,6 +127,12 @@ impl IndexClient {
             .iter()
             .filter(healthy)
             .chain(self.addresses.iter().filter(|a| !healthy(a)));
+        // The index's `Match` span joins the decision's trace (the `kvroute.index_match` span).
+        let trace = if kvroute_runtime::telemetry::exporting() {
+            trace_metadata(&tracing::Span::current())
+        } else {
+            None
+        };
         let mut last_status = None;
         for address in order {
             let Some(remaining) = deadline
@@ -140,6 +147,12 @@ impl IndexClient {
             if let Some(authorization) = &self.authorization {
                 call.metadata_mut()
                     .insert(AUTHORIZATION, authorization.clone());
+            }
+            if let Some((parent, state)) = &trace {
+                call.metadata_mut().insert(TRACEPARENT, parent.clone());
+                if let Some(state) = state {
+                    call.metadata_mut().insert(TRACESTATE, state.clone());
+                }
             }
             match tokio::time::timeout(remaining, client.r#match(call)).await {
                 Ok(Ok(response)) => {
@@ -164,4 +177,16 @@ impl IndexClient {
             }),
         }
     }
+}
+
+/// `span`'s `traceparent` and `tracestate` as gRPC metadata values.
+fn trace_metadata(
+    span: &tracing::Span,
+) -> Option<(
+    tonic::metadata::AsciiMetadataValue,
+    Option<tonic::metadata::AsciiMetadataValue>,
+)> {
+    let (parent, state) = kvroute_runtime::telemetry::outgoing_context(span)?;
+    let parent = parent.parse().ok()?;
+    Some((parent, state.and_then(|state| state.parse().ok())))
 }

@@ -31,6 +31,7 @@ use kvroute_routing::load::{InflightGuard, LoadBoard};
 use kvroute_routing::policy::Reason;
 use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router, Scored};
 use tokio_util::task::TaskTracker;
+use tracing::Instrument as _;
 
 use crate::config::{Config, Pool, PoolMode, Replica, TokenizerSource};
 use crate::error::RequestError;
@@ -518,6 +519,9 @@ impl Picker {
             }
         })?;
         let pool = &config.pools[pool_index];
+        if kvroute_runtime::telemetry::request_spans() {
+            tracing::Span::current().record("kvroute.pool", pool.name.as_str());
+        }
         let candidates: Vec<&Replica> = config
             .replicas
             .iter()
@@ -554,7 +558,10 @@ impl Picker {
             Err(LoadCause::BudgetExhausted)
         });
         let explain = recorded || pool.mode == PoolMode::Shadow;
-        self.score_and_commit(config, pool_index, &candidates, facts, explain, commit)
+        kvroute_runtime::trace_span!("kvroute.score")
+            .in_scope(|| {
+                self.score_and_commit(config, pool_index, &candidates, facts, explain, commit)
+            })
             .ok_or_else(|| RequestError::NoReadyReplica {
                 model: request.model.to_string(),
             })
@@ -817,6 +824,11 @@ impl Picker {
             .tokenize_budget
             .min(deadline.saturating_duration_since(tokenize_started));
         let tokenizer = runtime.tokenizers[pool_index].as_ref();
+        let span = kvroute_runtime::trace_span!(
+            "kvroute.tokenize",
+            kvroute.token_source = tracing::field::Empty,
+            kvroute.prompt_tokens = tracing::field::Empty,
+        );
         let tokens = self
             .token_cache
             .tokens_for(TokensRequest {
@@ -828,6 +840,7 @@ impl Picker {
                 leading_from: Some(leading_bytes),
                 keys_job: Some(&context.keys_job),
             })
+            .instrument(span.clone())
             .await
         .map_err(|e| {
             self.count_fallback("tokenize", e.as_label());
@@ -848,6 +861,8 @@ impl Picker {
                 kind: tokens.source.as_label(),
             })
             .observe(tokenize_started.elapsed().as_secs_f64());
+        span.record("kvroute.token_source", tokens.source.as_label());
+        span.record("kvroute.prompt_tokens", tokens.estimated_len);
         Ok(tokens)
     }
 
@@ -895,6 +910,8 @@ impl Picker {
         } = *context;
         let config = &runtime.config;
         // Keys.
+        let keys_span = kvroute_runtime::trace_span!("kvroute.block_keys");
+        let keys_entered = keys_span.enter();
         let keys = match &tokens.keys {
             Some(cached)
                 if cached.fingerprint == keys_job.fingerprint
@@ -909,6 +926,7 @@ impl Picker {
                     LoadCause::KeyError
                 })?,
         };
+        drop(keys_entered);
         // Index.
         let asks_index = pool.events && runtime.index.is_configured() && !keys.is_empty();
         let skip = if !pool.events {
@@ -931,7 +949,17 @@ impl Picker {
                 keys: keys[..match_blocks(tokens, pool.block_size, keys.len())].to_vec(),
                 candidates: candidates.iter().map(|r| r.id.clone()).collect(),
             };
-            match runtime.index.match_prefix(request, match_deadline).await {
+            let span = kvroute_runtime::trace_span!(
+                "kvroute.index_match",
+                otel.kind = "client",
+                kvroute.blocks = request.keys.len(),
+            );
+            match runtime
+                .index
+                .match_prefix(request, match_deadline)
+                .instrument(span)
+                .await
+            {
                 Ok(answer) => {
                     self.metrics
                         .match_duration

@@ -53,6 +53,15 @@ impl Endpoint {
             _ => Self::Other,
         }
     }
+
+    /// The OpenTelemetry GenAI `gen_ai.operation.name` of a request to this endpoint.
+    pub fn gen_ai_operation(self) -> Option<&'static str> {
+        match self {
+            Self::Completions => Some("text_completion"),
+            Self::ChatCompletions | Self::Responses | Self::Messages => Some("chat"),
+            Self::Other => None,
+        }
+    }
 }
 
 /// The routing-relevant view of a request body.

@@ -35,7 +35,9 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
+use envoy_types::pb::envoy::config::core::v3::{
+    HeaderValue, HeaderValueOption, Metadata, header_value_option,
+};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -46,7 +48,10 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::StreamExt as _;
+use kvroute_runtime::telemetry;
+use kvroute_runtime::trace_context::{RemoteContext, TRACEPARENT, TRACESTATE};
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument as _;
 
 use kvroute_index_core::throttle::LogThrottle;
 
@@ -129,7 +134,28 @@ impl ExternalProcessor for ExtProcService {
                 "too many open ext_proc streams (limits.max_streams)",
             ));
         };
+        // Envoy puts its own span's context on the stream when its tracing is on; a request's
+        // `traceparent` header wins over it.
+        let stream_trace = if telemetry::request_spans() {
+            let metadata = request.metadata();
+            metadata
+                .get(TRACEPARENT)
+                .and_then(|value| value.to_str().ok())
+                .map(|parent| {
+                    (
+                        parent.to_owned(),
+                        metadata
+                            .get(TRACESTATE)
+                            .and_then(|value| value.to_str().ok())
+                            .map(str::to_owned),
+                    )
+                })
+        } else {
+            None
+        };
         let stream = StreamTask {
+            stream_trace,
+            span: tracing::Span::none(),
             outbox: Vec::new(),
             state: StreamState::default(),
             _active: active,
@@ -181,6 +207,11 @@ struct StreamState {
 }
 
 struct StreamTask {
+    /// `traceparent` and `tracestate` of the stream's gRPC metadata (only kept when request
+    /// spans are on).
+    stream_trace: Option<(String, Option<String>)>,
+    /// The request's server span (`gateway.request`); `Span::none()` unless request spans are on.
+    span: tracing::Span,
     picker: Arc<Picker>,
     logs: Arc<StreamLogs>,
     /// Responses to the message being handled.
@@ -251,6 +282,74 @@ impl StreamTask {
     }
 
     async fn handle(&mut self, message: ProcessingRequest) -> Flow {
+        if !telemetry::request_spans() {
+            return self.handle_message(message).await;
+        }
+        if let Some(processing_request::Request::RequestHeaders(headers)) = &message.request {
+            self.span = self.request_span(headers);
+        }
+        let span = self.span.clone();
+        self.handle_message(message).instrument(span).await
+    }
+
+    /// The request's server span, continuing the trace of its `traceparent` header, else of the
+    /// stream's metadata.
+    fn request_span(&self, headers: &HttpHeaders) -> tracing::Span {
+        let endpoint = Endpoint::from_path(&header(headers, ":path").unwrap_or_default());
+        let span = kvroute_runtime::trace_span!(
+            "gateway.request",
+            otel.kind = "server",
+            gen_ai.operation.name = endpoint.gen_ai_operation(),
+            gen_ai.request.model = tracing::field::Empty,
+            kvroute.pool = tracing::field::Empty,
+            kvroute.tier = tracing::field::Empty,
+            kvroute.reason = tracing::field::Empty,
+            kvroute.endpoint = tracing::field::Empty,
+            kvroute.predicted_cached_tokens = tracing::field::Empty,
+        );
+        let parent = header(headers, TRACEPARENT);
+        let state = header(headers, TRACESTATE);
+        let remote = RemoteContext::from_header_or_metadata(
+            parent.as_deref().map(|parent| (parent, state.as_deref())),
+            self.stream_trace
+                .as_ref()
+                .map(|(parent, state)| (parent.as_str(), state.as_deref())),
+        );
+        telemetry::continue_trace(&span, remote.as_ref());
+        span
+    }
+
+    /// Records the decision on the request span and names that span as the parent of the
+    /// upstream request (`traceparent`, `tracestate`), so the engine's spans join the trace.
+    fn trace_decision(&self, decision: &Decision, mutation: &mut HeaderMutation) {
+        let span = &self.span;
+        if span.is_none() {
+            return;
+        }
+        span.record("kvroute.tier", decision.tier.as_label());
+        span.record("kvroute.reason", decision.reason);
+        span.record(
+            "kvroute.endpoint",
+            tracing::field::display(decision.address),
+        );
+        span.record(
+            "kvroute.predicted_cached_tokens",
+            decision.predicted_cached_tokens,
+        );
+        if let Some((parent, state)) = telemetry::outgoing_context(span) {
+            // Replaces the caller's: the engine's parent is kvroute's span.
+            mutation
+                .set_headers
+                .push(overwrite_header(TRACEPARENT, &parent));
+            if let Some(state) = state {
+                mutation
+                    .set_headers
+                    .push(overwrite_header(TRACESTATE, &state));
+            }
+        }
+    }
+
+    async fn handle_message(&mut self, message: ProcessingRequest) -> Flow {
         if self.state.request_mode.is_none() {
             let default = self.picker.runtime().config.default_body_mode;
             self.state.request_mode = Some(match &message.protocol_config {
@@ -413,6 +512,7 @@ impl StreamTask {
         let mut mutation = decision_headers(&decision);
         mutation.remove_headers.extend(strip);
         let applied = decision.mode == PoolMode::Route;
+        self.trace_decision(&decision, &mut mutation);
         let mut response = headers_response(CommonResponse {
             header_mutation: Some(mutation),
             clear_route_cache: applied,
@@ -434,8 +534,12 @@ impl StreamTask {
     async fn finish_request(&mut self, trailers_follow: bool) -> Flow {
         let endpoint = self.state.endpoint.unwrap_or(Endpoint::Other);
         let body = std::mem::take(&mut self.state.body);
-        let decided = match request::parse(&body, endpoint) {
+        let parsed = kvroute_runtime::trace_span!("kvroute.parse")
+            .in_scope(|| request::parse(&body, endpoint));
+        let decided = match parsed {
             Ok(parsed) => {
+                self.span
+                    .record("gen_ai.request.model", parsed.model.as_ref());
                 self.picker
                     .decide_explained(&parsed, self.state.subset.as_deref(), self.explain())
                     .await
@@ -464,6 +568,7 @@ impl StreamTask {
             "routed"
         );
         let mut mutation = decision_headers(&decision);
+        self.trace_decision(&decision, &mut mutation);
         if self.state.headers_answer_owed {
             // FULL_DUPLEX: this answers the request headers, so the token header goes here.
             mutation
@@ -665,6 +770,14 @@ pub fn set_header(key: &str, value: &str) -> HeaderValueOption {
             ..HeaderValue::default()
         }),
         ..HeaderValueOption::default()
+    }
+}
+
+/// A header mutation entry replacing any `key` the request has with `value`.
+fn overwrite_header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        append_action: header_value_option::HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..set_header(key, value)
     }
 }
 

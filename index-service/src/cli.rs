@@ -16,6 +16,10 @@ impl ConfigFile for Config {
     fn from_yaml(text: &str) -> Result<Self, kvroute_config::ConfigError> {
         Config::from_yaml(text)
     }
+
+    fn log_format(&self) -> kvroute_config::LogFormat {
+        self.log_format
+    }
 }
 
 impl Component for Process {

@@ -1,8 +1,9 @@
 //! The process around a kvroute server: what `kvroute-index`, `kvroute-agent` and
 //! `kvroute-ext-proc` do from `main` to their exit code, once, for any [`Component`].
 //!
-//! [`main`] parses the command line, starts logging, loads the config, builds the tokio runtime,
-//! starts the component, writes the `--ready-file`, waits for SIGTERM/Ctrl-C or for the component
+//! [`main`] parses the command line, loads the config, builds the tokio runtime, starts logging
+//! (the config's `log.format`; OTLP export when `OTEL_EXPORTER_OTLP_*` asks for it), starts the
+//! component, writes the `--ready-file`, waits for SIGTERM/Ctrl-C or for the component
 //! to fail, shuts it down and returns the exit code:
 //!
 //! | exit | when |
@@ -10,7 +11,7 @@
 //! | 0 | stopped by the signal, shutdown clean |
 //! | 1 | could not start (bind, TLS, …), could not write the ready file, a server failed, or shutdown failed |
 //! | 2 | bad command line (clap's own usage error) |
-//! | 64 ([`EX_USAGE`]) | the config was refused (unreadable, invalid, or refused at start); nothing was bound |
+//! | 64 ([`EX_USAGE`]) | the config was refused (unreadable, invalid, or refused at start), or an `OTEL_*` variable; nothing was bound |
 //!
 //! Every refusal and failure is one `tracing` line on stderr; a refused config's is
 //! `invalid configuration: <why>`.
@@ -54,6 +55,11 @@ impl AsRef<ServerArgs> for ServerArgs {
 pub trait ConfigFile: Sized {
     /// Parses and validates the whole file; the error names the field path.
     fn from_yaml(text: &str) -> Result<Self, kvroute_config::ConfigError>;
+
+    /// How the process logs (its `log.format`); read once, at start.
+    fn log_format(&self) -> kvroute_config::LogFormat {
+        kvroute_config::LogFormat::Text
+    }
 }
 
 /// A kvroute server as the process runs it.
@@ -74,8 +80,8 @@ pub trait Component {
         "info"
     }
 
-    /// Runs once logging is up, before the config is read (process-wide settings, notes about
-    /// the command line).
+    /// Runs once logging is up (the config has been read, for its `log.format`, but a refused
+    /// one is reported only after this): process-wide settings, notes about the command line.
     fn prepare(_args: &Self::Args) {}
 
     /// Reads and validates the config file (`--config`). An error exits [`EX_USAGE`], nothing
@@ -178,23 +184,59 @@ pub fn main<C: Component>() -> ExitCode {
         Ok(args) => args,
         Err(error) => error.exit(),
     };
-    crate::logging::init(C::log_filter(&args));
+    // The config first: it says how to log (`log.format`). A refused one is reported once
+    // logging is up, in text.
+    let config = C::load(&args);
+    let format = config
+        .as_ref()
+        .map_or(kvroute_config::LogFormat::Text, ConfigFile::log_format);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build();
+    let otlp = crate::telemetry::OtlpSettings::from_env(|name| std::env::var(name).ok(), C::NAME);
+    // The exporter's connections are built on the runtime they run on.
+    let telemetry = {
+        let _entered = runtime.as_ref().ok().map(tokio::runtime::Runtime::enter);
+        let exporting = otlp.as_ref().ok().and_then(Option::as_ref);
+        crate::logging::init_with(
+            C::log_filter(&args),
+            format,
+            exporting.filter(|_| runtime.is_ok()),
+        )
+    };
     C::prepare(&args);
-    let config = match C::load(&args) {
+    let config = match config {
         Ok(config) => config,
         Err(error) => return config_refused(&*error),
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let otlp = match otlp {
+        Ok(otlp) => otlp,
+        Err(error) => return config_refused(&error),
+    };
+    let telemetry = match telemetry {
+        Ok(telemetry) => telemetry,
+        Err(error) => return config_refused(&error),
+    };
+    let runtime = match runtime {
         Ok(runtime) => runtime,
         Err(error) => {
             tracing::error!(%error, "cannot start the tokio runtime");
             return ExitCode::FAILURE;
         }
     };
-    runtime.block_on(run::<C>(config, args, crate::shutdown::signal()))
+    if let Some(otlp) = &otlp {
+        tracing::info!(
+            endpoint = %otlp.endpoint,
+            protocol = ?otlp.protocol,
+            sampler = ?otlp.sampler,
+            service_name = %otlp.service_name,
+            "exporting spans (OTLP)"
+        );
+    }
+    let code = runtime.block_on(run::<C>(config, args, crate::shutdown::signal()));
+    // The runtime still runs the exporter's connections: the last spans leave now.
+    telemetry.shutdown();
+    code
 }
 
 /// [`main`] from a loaded config on: starts `C`, writes the ready file, serves until `stop`

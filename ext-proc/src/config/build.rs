@@ -108,6 +108,7 @@ impl TryFrom<RawConfig> for Config {
                 .tokenize_max_prompt_bytes
                 .unwrap_or(DEFAULT_TOKENIZE_MAX_PROMPT_BYTES),
             reload_interval: or_default(raw.reload_interval, DEFAULT_RELOAD_INTERVAL),
+            log_format: raw.log.format(),
             default_body_mode: raw.default_body_mode.unwrap_or(DEFAULT_BODY_MODE),
             debug_headers: debug_headers(&raw.debug_headers)
                 .map_err(|e| e.within("debug_headers"))?,

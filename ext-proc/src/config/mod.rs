@@ -95,6 +95,8 @@ pub struct Config {
     pub tokenize_max_prompt_bytes: usize,
     /// Config file poll interval.
     pub reload_interval: Duration,
+    /// `log.format` (read at start).
+    pub log_format: kvroute_config::LogFormat,
     /// Body mode assumed when Envoy sends no `protocol_config`.
     pub default_body_mode: BodyMode,
     /// Who gets the debug response headers.

@@ -90,6 +90,8 @@ pub struct RawConfig {
     pub(super) pools: Vec<RawPool>,
     /// Static replicas (required unless every pool has `discovery`).
     pub(super) replicas: Vec<RawReplica>,
+    /// How log lines are written: `format: text` (the default) or `json`. Read at start.
+    pub(super) log: kvroute_config::RawLog,
 }
 
 /// Default ext_proc gRPC listen address (GIE's EPP port). Loopback: whoever reaches this port gets

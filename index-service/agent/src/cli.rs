@@ -15,6 +15,10 @@ impl ConfigFile for AgentConfig {
     fn from_yaml(text: &str) -> Result<Self, kvroute_config::ConfigError> {
         AgentConfig::from_yaml(text)
     }
+
+    fn log_format(&self) -> kvroute_config::LogFormat {
+        self.log_format
+    }
 }
 
 impl Component for Process {

@@ -16,6 +16,8 @@ use kvroute_index_api::agent_protocol::MAX_MESSAGE_BYTES;
 use kvroute_index_api::api::{self, agent_ingest_client::AgentIngestClient};
 use kvroute_index_core::throttle::LogThrottle;
 use kvroute_runtime::token::AgentToken;
+use kvroute_runtime::trace_context::{TRACEPARENT, TRACESTATE};
+use tracing::Instrument as _;
 
 /// Bound on one connect attempt.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -133,7 +135,25 @@ async fn stream_once(settings: &StreamSettings, hub: &Hub, metrics: &AgentMetric
     };
     let outbound = futures::stream::iter(std::iter::once(hello).chain(subscription.snapshot))
         .chain(ReceiverStream::new(subscription.deltas));
-    let mut inbound = match client.agent_stream(outbound).await {
+    // Opening the stream is a span (the stream itself lasts as long as the agent); the index's
+    // side of the opening joins it through the call's metadata.
+    let span = kvroute_runtime::trace_span!(
+        "kvroute.index.v1.AgentIngest/AgentStream",
+        otel.kind = "client",
+        rpc.system = "grpc",
+        kvroute.index = %settings.index,
+    );
+    let mut call = tonic::Request::new(outbound);
+    if let Some((parent, state)) = kvroute_runtime::telemetry::outgoing_context(&span) {
+        let metadata = call.metadata_mut();
+        if let Ok(parent) = parent.parse() {
+            metadata.insert(TRACEPARENT, parent);
+        }
+        if let Some(Ok(state)) = state.map(|state| state.parse()) {
+            metadata.insert(TRACESTATE, state);
+        }
+    }
+    let mut inbound = match client.agent_stream(call).instrument(span).await {
         Ok(response) => response.into_inner(),
         Err(status) => return end(status_label(&status), status.message().to_owned(), false),
     };

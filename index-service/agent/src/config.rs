@@ -100,6 +100,8 @@ pub struct RawAgentConfig {
     /// `reload_interval` apply at once, any other key after a restart (logged, counted).
     #[schemars(extend("default" = format_duration(DEFAULT_RELOAD_INTERVAL)))]
     pub reload_interval: Option<ConfigDuration>,
+    /// How log lines are written: `format: text` (the default) or `json`. Read at start.
+    pub log: kvroute_config::RawLog,
 }
 
 /// `discovery:`: where engines come from besides `engines:`.
@@ -218,6 +220,8 @@ pub struct AgentConfig {
     pub discovery: Option<kvroute_discovery::KubernetesSource>,
     /// How often the config file's mtime is checked (when the agent watches its file).
     pub reload_interval: Duration,
+    /// `log.format` (read at start).
+    pub log_format: kvroute_config::LogFormat,
 }
 
 impl AgentConfig {
@@ -270,6 +274,7 @@ impl AgentConfig {
                 file.reconnect_backoff_max != self.reconnect_backoff_max,
             ),
             ("tls", file.tls != self.tls),
+            ("log", file.log_format != self.log_format),
         ] {
             if changed {
                 restart_required.push(key);
@@ -425,6 +430,7 @@ impl AgentConfig {
             tls,
             discovery,
             reload_interval,
+            log_format: raw.log.format(),
         })
     }
 }

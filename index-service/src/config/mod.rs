@@ -104,6 +104,8 @@ pub struct Config {
     pub readiness: Readiness,
     /// How often the config file is checked for a reload.
     pub reload_interval: Duration,
+    /// `log.format` (read at start).
+    pub log_format: kvroute_config::LogFormat,
 }
 
 /// A validated `agents:` entry (the token is loaded; it is never printed).
@@ -273,6 +275,7 @@ impl Config {
             min_ready_fraction,
         };
         Ok(Config {
+            log_format: raw.log.format(),
             readiness,
             reload_interval: raw
                 .reload_interval

@@ -47,6 +47,8 @@ pub struct RawConfig {
     /// applies at once, anything else after a restart (logged).
     #[schemars(extend("default" = format_duration(DEFAULT_RELOAD_INTERVAL)))]
     pub reload_interval: Option<ConfigDuration>,
+    /// How log lines are written: `format: text` (the default) or `json`. Read at start.
+    pub log: kvroute_config::RawLog,
 }
 
 /// `readiness:` section.

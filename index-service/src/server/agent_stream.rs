@@ -38,6 +38,7 @@ use prometheus_client::{
 };
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument as _;
 
 use super::Directory;
 use crate::config::Config;
@@ -520,16 +521,19 @@ pub struct AgentService {
 
 type IndexMessages = Pin<Box<dyn Stream<Item = Result<api::IndexMessage, Status>> + Send>>;
 
-#[tonic::async_trait]
-impl api::agent_ingest_server::AgentIngest for AgentService {
-    type AgentStreamStream = IndexMessages;
-
-    async fn agent_stream(
-        &self,
-        request: Request<Streaming<api::AgentMessage>>,
-    ) -> Result<Response<IndexMessages>, Status> {
-        let streams = &self.streams;
-        let mut inbound = request.into_inner();
+impl AgentService {
+    /// Reads the stream's Hello and opens its session.
+    async fn open(
+        streams: &Arc<AgentStreams>,
+        mut inbound: Streaming<api::AgentMessage>,
+    ) -> Result<
+        (
+            Streaming<api::AgentMessage>,
+            Session,
+            VecDeque<api::IndexMessage>,
+        ),
+        Status,
+    > {
         let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
             Ok(Ok(Some(api::AgentMessage {
                 body: Some(api::agent_message::Body::Hello(hello)),
@@ -544,6 +548,30 @@ impl api::agent_ingest_server::AgentIngest for AgentService {
             }
         };
         let (session, outbox) = streams.open_session(hello)?;
+        Ok((inbound, session, outbox))
+    }
+}
+
+#[tonic::async_trait]
+impl api::agent_ingest_server::AgentIngest for AgentService {
+    type AgentStreamStream = IndexMessages;
+
+    async fn agent_stream(
+        &self,
+        request: Request<Streaming<api::AgentMessage>>,
+    ) -> Result<Response<IndexMessages>, Status> {
+        let streams = &self.streams;
+        // The stream's opening (its Hello, the session) is a span of the agent's trace; the
+        // stream itself lives for as long as the agent runs, so it is no span.
+        let span = kvroute_runtime::trace_span!(
+            "kvroute.index.v1.AgentIngest/AgentStream",
+            otel.kind = "server",
+            rpc.system = "grpc",
+        );
+        kvroute_runtime::telemetry::continue_grpc_trace(&span, request.metadata());
+        let (inbound, session, outbox) = Self::open(streams, request.into_inner())
+            .instrument(span)
+            .await?;
         let state = Some((inbound, session, outbox));
         let responses = futures::stream::unfold(state, |state| async move {
             let (mut inbound, mut session, mut outbox) = state?;

@@ -209,6 +209,15 @@ impl api::kv_index_server::KvIndex for MatchService {
         &self,
         request: Request<api::MatchRequest>,
     ) -> Result<Response<api::MatchResponse>, Status> {
+        let span = kvroute_runtime::trace_span!(
+            "kvroute.index.v1.KvIndex/Match",
+            otel.kind = "server",
+            rpc.system = "grpc",
+            kvroute.blocks = request.get_ref().keys.len(),
+            kvroute.candidates = request.get_ref().candidates.len(),
+        );
+        kvroute_runtime::telemetry::continue_grpc_trace(&span, request.metadata());
+        let _entered = span.enter();
         let request = request.into_inner();
         let block_size = (request.block_size != 0).then_some(request.block_size);
         match_keys(
@@ -227,6 +236,13 @@ impl api::kv_index_server::KvIndex for MatchService {
         &self,
         request: Request<api::ReplicaStateRequest>,
     ) -> Result<Response<api::ReplicaStateResponse>, Status> {
+        let span = kvroute_runtime::trace_span!(
+            "kvroute.index.v1.KvIndex/ReplicaState",
+            otel.kind = "server",
+            rpc.system = "grpc",
+        );
+        kvroute_runtime::telemetry::continue_grpc_trace(&span, request.metadata());
+        let _entered = span.enter();
         let request = request.into_inner();
         let model = (!request.model.is_empty()).then_some(request.model.as_str());
         Ok(Response::new(api::ReplicaStateResponse {

@@ -50,6 +50,7 @@ const INSTALLS: &[(&str, &[&str])] = &[
         "chunked-local-attention",
         &["deploy/helm/examples/chunked-local-attention.yaml"],
     ),
+    ("tracing", &["deploy/helm/examples/tracing.yaml"]),
 ];
 
 struct Install {
@@ -1052,4 +1053,56 @@ async fn discover(source: kvroute_discovery::KubernetesSource) -> kvroute_discov
     tasks.close();
     tokio::time::timeout(within, tasks.wait()).await.unwrap();
     snapshot
+}
+
+#[test]
+fn every_kvroute_pod_exports_spans_and_logs_json_only_when_the_values_ask() {
+    let Some(installs) =
+        installs("every_kvroute_pod_exports_spans_and_logs_json_only_when_the_values_ask")
+    else {
+        return;
+    };
+    for install in &installs {
+        let traced = install.name == "tracing";
+        let loaded = load_configs(install);
+        assert!(!loaded.is_empty(), "{}", install.name);
+        for pod in &loaded {
+            let name = format!("{}: {}", install.name, pod.container.name);
+            let formats: Vec<kvroute_config::LogFormat> = match &pod.config {
+                Parsed::ExtProc(config) => vec![config.log_format],
+                Parsed::Index(config) => vec![config.log_format],
+                Parsed::Agent(configs) => configs.iter().map(|(_, c)| c.log_format).collect(),
+            };
+            let expected = if traced {
+                kvroute_config::LogFormat::Json
+            } else {
+                kvroute_config::LogFormat::Text
+            };
+            assert!(
+                formats.iter().all(|f| *f == expected),
+                "{name}: {formats:?}"
+            );
+            // What the binary reads from its environment, as the runtime reads it.
+            let otlp = kvroute_runtime::telemetry::OtlpSettings::from_env(
+                |var| container_env(pod.container, var, NODES[0]),
+                "kvroute",
+            )
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+            match otlp {
+                Some(otlp) => {
+                    assert!(traced, "{name}: exports without being asked");
+                    assert_eq!(
+                        otlp.endpoint, "http://otel-collector.observability:4318/v1/traces",
+                        "{name}"
+                    );
+                    assert_eq!(
+                        otlp.sampler,
+                        kvroute_runtime::telemetry::SamplerSetting::ParentBasedRatio(0.1),
+                        "{name}"
+                    );
+                }
+                None => assert!(!traced, "{name}: the example's endpoint is not set"),
+            }
+        }
+    }
 }

@@ -52,6 +52,7 @@ async fn send(
     method: Method,
     url: &str,
     body: Option<Vec<u8>>,
+    headers: &[(&str, &str)],
 ) -> Result<HttpResponse, HarnessError> {
     let fail = |detail: String| HarnessError::Protocol {
         what: url.to_owned(),
@@ -60,6 +61,9 @@ async fn send(
     let mut request = Request::builder().method(method).uri(url);
     if body.is_some() {
         request = request.header(hyper::header::CONTENT_TYPE, "application/json");
+    }
+    for (name, value) in headers {
+        request = request.header(*name, *value);
     }
     let request = request
         .body(Full::new(Bytes::from(body.unwrap_or_default())))
@@ -83,15 +87,30 @@ async fn send(
 
 /// `GET url`.
 pub async fn get(url: &str) -> Result<HttpResponse, HarnessError> {
-    send(Method::GET, url, None).await
+    send(Method::GET, url, None, &[]).await
 }
 
 /// `POST url` with a JSON body.
 pub async fn post_json(url: &str, body: &serde_json::Value) -> Result<HttpResponse, HarnessError> {
-    send(Method::POST, url, Some(body.to_string().into_bytes())).await
+    send(Method::POST, url, Some(body.to_string().into_bytes()), &[]).await
+}
+
+/// `POST url` with a JSON body and `headers`.
+pub async fn post_json_with_headers(
+    url: &str,
+    body: &serde_json::Value,
+    headers: &[(&str, &str)],
+) -> Result<HttpResponse, HarnessError> {
+    send(
+        Method::POST,
+        url,
+        Some(body.to_string().into_bytes()),
+        headers,
+    )
+    .await
 }
 
 /// `POST url` with no body.
 pub async fn post_empty(url: &str) -> Result<HttpResponse, HarnessError> {
-    send(Method::POST, url, None).await
+    send(Method::POST, url, None, &[]).await
 }

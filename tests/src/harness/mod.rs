@@ -1,7 +1,7 @@
 //! Process harnesses for integration tests: a real Envoy ([`Envoy`]), our binaries such as the
 //! engine simulator ([`SimProcess`]), a TCP link a test can cut ([`TcpProxy`]), a small HTTP
 //! client ([`http`]), an ext_proc client playing Envoy and the one fake ext_proc ([`ext_proc`])
-//! and the one `/metrics` and `/proc` parser ([`metrics`]); deadline polling is
+//! the one `/metrics` and `/proc` parser ([`metrics`]) and an OTLP trace receiver ([`otlp`]); deadline polling is
 //! `kvroute_test_support`'s, which every kvroute crate shares.
 //!
 //! Every process listens on port 0 and reports its real ports (one that cannot, such as real
@@ -14,6 +14,7 @@ pub mod ext_proc;
 pub mod health;
 pub mod http;
 pub mod metrics;
+pub mod otlp;
 pub mod ports;
 mod process;
 mod proxy;

@@ -3,6 +3,9 @@
 //! of vLLM 0.32's `--enable-scale-out` (`/v1/{completions,chat/completions,responses,messages}/render`),
 //! `/metrics`, `/reset_prefix_cache` and the simulator's `/debug/blocks`.
 //!
+//! Every response carries the `traceparent` its request came with (if any) as
+//! [`RECEIVED_TRACEPARENT_HEADER`], so a test reads which span the engine would have continued.
+//!
 //! The render endpoints are a protocol double: they answer vLLM's `GenerateRequest` shape (a
 //! list of them for completions) with token ids computed by kvroute-tokenize, the same code
 //! kvroute's in-process tokenizer runs — so they test kvroute's render client and routing, not
@@ -26,6 +29,9 @@ use serde_json::{Value, json};
 
 use super::engine::{Engine, EngineError, Sequence};
 use super::metrics::MetricsInfo;
+
+/// Response header echoing the `traceparent` header of the request.
+pub const RECEIVED_TRACEPARENT_HEADER: &str = "x-sim-received-traceparent";
 
 /// Text the simulated model "generates", cycled token by token.
 const FILLER_TEXT: &str = " the quick brown fox jumps over the lazy dog and keeps running";
@@ -98,7 +104,23 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/debug/blocks", get(debug_blocks))
+        .layer(axum::middleware::from_fn(echo_traceparent))
         .with_state(state)
+}
+
+/// Records the request's `traceparent` on its response ([`RECEIVED_TRACEPARENT_HEADER`]).
+async fn echo_traceparent(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let received = request.headers().get("traceparent").cloned();
+    let mut response = next.run(request).await;
+    if let Some(value) = received {
+        response
+            .headers_mut()
+            .insert(RECEIVED_TRACEPARENT_HEADER, value);
+    }
+    response
 }
 
 /// An OpenAI-style error response as vLLM writes it.

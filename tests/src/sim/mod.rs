@@ -39,6 +39,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use api::RECEIVED_TRACEPARENT_HEADER;
 pub use config::{CacheGeometry, ConfigError, KvEventsConfig, SimArgs, SimConfig, binds};
 pub use engine::{Engine, EngineError, EventSink, Sequence};
 

@@ -264,6 +264,52 @@ pub fn with_round_robin_fallback(config: &str) -> Result<String, StackError> {
     serde_yaml::to_string(&config).map_err(|e| bad(e.to_string()))
 }
 
+/// `config` with Envoy's own tracing on the `kvroute` listener: the OpenTelemetry tracer (service
+/// `envoy`) exporting over OTLP/gRPC to `collector`. Envoy then passes its context to ext_proc as
+/// gRPC metadata.
+pub fn with_envoy_tracing(config: &str, collector: SocketAddr) -> Result<String, StackError> {
+    let bad = |detail: String| StackError::EnvoyConfig { detail };
+    let mut config: Value = serde_yaml::from_str(config).map_err(|e| bad(e.to_string()))?;
+    let tracing: Value = serde_yaml::from_str(
+        r#"{provider: {name: envoy.tracers.opentelemetry, typed_config: {
+            "@type": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig,
+            grpc_service: {envoy_grpc: {cluster_name: otel_collector}, timeout: 1s},
+            service_name: envoy}}}"#,
+    )
+    .map_err(|e| bad(e.to_string()))?;
+    let cluster: Value = serde_yaml::from_str(&format!(
+        r#"{{name: otel_collector, type: STATIC, connect_timeout: 1s,
+            typed_extension_protocol_options: {{envoy.extensions.upstreams.http.v3.HttpProtocolOptions: {{
+              "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions,
+              explicit_http_config: {{http2_protocol_options: {{}}}}}}}},
+            load_assignment: {{cluster_name: otel_collector, endpoints: [{{lb_endpoints: [
+              {{endpoint: {{address: {{socket_address: {{address: "{}", port_value: {}}}}}}}}}]}}]}}}}"#,
+        collector.ip(),
+        collector.port()
+    ))
+    .map_err(|e| bad(e.to_string()))?;
+    let resources = config
+        .get_mut("static_resources")
+        .ok_or_else(|| bad("no static_resources".to_owned()))?;
+    let manager = named(
+        resources
+            .get_mut("listeners")
+            .ok_or_else(|| bad("no listeners".to_owned()))?,
+        KVROUTE_LISTENER,
+    )
+    .and_then(|listener| listener.get_mut("filter_chains")?.get_mut(0))
+    .and_then(|chain| chain.get_mut("filters")?.get_mut(0))
+    .and_then(|manager| manager.get_mut("typed_config")?.as_mapping_mut())
+    .ok_or_else(|| bad("no http_connection_manager on the `kvroute` listener".to_owned()))?;
+    manager.insert(Value::from("tracing"), tracing);
+    resources
+        .get_mut("clusters")
+        .and_then(Value::as_sequence_mut)
+        .ok_or_else(|| bad("no clusters".to_owned()))?
+        .push(cluster);
+    serde_yaml::to_string(&config).map_err(|e| bad(e.to_string()))
+}
+
 pub(super) fn port_of(address: &mut Value) -> Option<&mut Value> {
     address.get_mut("socket_address")?.get_mut("port_value")
 }

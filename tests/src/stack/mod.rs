@@ -284,6 +284,14 @@ pub struct StackOptions {
     /// pool and ext-proc's config (ids `refusing-<i>`, kept ready by scraping sim 0's
     /// `/metrics`) but not in the index: what Envoy meets when an engine dies under load.
     pub refusing_replicas: usize,
+    /// Environment variables of kvroute-ext-proc (e.g. `OTEL_*`, `RUST_LOG`).
+    pub ext_proc_env: Vec<(String, String)>,
+    /// Environment variables of every kvroute-index process.
+    pub index_env: Vec<(String, String)>,
+    /// Environment variables of the kvroute-agent ([`StackOptions::agent_replicas`]).
+    pub agent_env: Vec<(String, String)>,
+    /// Envoy traces too, exporting to this OTLP/gRPC collector ([`with_envoy_tracing`]).
+    pub envoy_tracing: Option<SocketAddr>,
 }
 
 /// A fault in one sim's KV-event feed to the index (the sim itself serves normally).
@@ -397,6 +405,10 @@ impl Default for StackOptions {
             engine_retries: false,
             events_faults: Vec::new(),
             refusing_replicas: 0,
+            ext_proc_env: Vec::new(),
+            index_env: Vec::new(),
+            agent_env: Vec::new(),
+            envoy_tracing: None,
         }
     }
 }
@@ -479,7 +491,8 @@ mod sims;
 
 use configs::*;
 pub use configs::{
-    pool_schema, render_envoy_config, with_engine_retries, with_round_robin_fallback,
+    pool_schema, render_envoy_config, with_engine_retries, with_envoy_tracing,
+    with_round_robin_fallback,
 };
 use service::*;
 pub use service::{ExtProcProcess, ServerProcess, binary_dir, release_binary_dir};
@@ -636,6 +649,7 @@ impl Stack {
                                     dir.path(),
                                     index_yaml.clone(),
                                     None,
+                                    &options.index_env,
                                 )
                                 .await?,
                             );
@@ -668,6 +682,7 @@ impl Stack {
                             dir.path(),
                             agent_config(&options, &sources, &index_addrs, token),
                             None,
+                            &options.agent_env,
                         )
                         .await?,
                     );
@@ -701,6 +716,7 @@ impl Stack {
                         + &debug_headers
                         + &options.ext_proc_extra_config,
                     embedded_index_config.clone(),
+                    &options.ext_proc_env,
                 )
                 .await?;
                 let index = (!indexes.is_empty()).then(|| indexes.remove(0));
@@ -718,6 +734,9 @@ impl Stack {
                 }
                 if options.envoy_fallback_round_robin {
                     config = with_round_robin_fallback(&config)?;
+                }
+                if let Some(collector) = options.envoy_tracing {
+                    config = with_envoy_tracing(&config, collector)?;
                 }
                 (index, Some(ext_proc), config)
             }
@@ -1104,6 +1123,16 @@ impl Stack {
         }
         section("envoy", self.envoy.log());
         text
+    }
+
+    /// kvroute-ext-proc's log (stdout and stderr) so far.
+    pub fn ext_proc_log(&self) -> Result<String, StackError> {
+        self.ext_proc
+            .as_ref()
+            .map(Service::log)
+            .ok_or(StackError::NotRunning {
+                what: "kvroute-ext-proc",
+            })
     }
 
     /// Prints [`Stack::logs`] to stderr (for a failing run that does not panic).

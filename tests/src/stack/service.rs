@@ -95,6 +95,8 @@ pub(super) struct Service {
     pub(super) embedded_index: Option<EmbeddedIndex>,
     pub(super) guard: Option<ChildGuard>,
     pub(super) starts: u32,
+    /// Environment variables set on the process (besides the test's own).
+    pub(super) env: Vec<(String, String)>,
 }
 
 /// A kvroute-index running inside kvroute-ext-proc.
@@ -118,6 +120,7 @@ impl Service {
         dir: &Path,
         config: String,
         embedded_index_config: Option<PathBuf>,
+        env: &[(String, String)],
     ) -> Result<Self, StackError> {
         let unbound: SocketAddr = ([127, 0, 0, 1], 0).into();
         let mut service = Self {
@@ -134,6 +137,7 @@ impl Service {
             }),
             guard: None,
             starts: 0,
+            env: env.to_vec(),
         };
         service.spawn().await?;
         // A restart must come back on the same ports: Envoy and ext-proc know these addresses,
@@ -180,7 +184,8 @@ impl Service {
             .arg("--config")
             .arg(&config_path)
             .arg("--ready-file")
-            .arg(&ready_path);
+            .arg(&ready_path)
+            .envs(self.env.iter().map(|(key, value)| (key, value)));
         let mut guard = ChildGuard::spawn(self.name, command, file("log"))?;
         let name = self.name;
         let ready = try_poll_until(&format!("{name} ready file"), startup_timeout(), || {
@@ -408,7 +413,7 @@ impl ServerProcess {
             source,
         })?;
         let service =
-            Service::start(name, kind, binary, dir.path(), config.to_owned(), None).await?;
+            Service::start(name, kind, binary, dir.path(), config.to_owned(), None, &[]).await?;
         Ok(Self { service, _dir: dir })
     }
 

@@ -28,4 +28,5 @@ mod sim;
 mod sim_index;
 mod soak;
 mod tokenize_parity;
+mod traces;
 mod wasm_filter;

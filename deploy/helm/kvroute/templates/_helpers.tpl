@@ -110,6 +110,7 @@ pools:
   - {{ include "kvroute.poolSchema" . | indent 4 | trim }}
     tokenizer: {{ toJson .Values.pool.tokenizer }}
     discovery: {{ include "kvroute.discovery" . }}
+log: {format: {{ .Values.log.format }}}
 {{- with .Values.extProc.extraConfig }}
 {{ toYaml . }}
 {{- end }}
@@ -133,6 +134,7 @@ pools:
 {{- if .Values.agent.enabled }}
 node_agents: {token_file: {{ include "kvroute.agentTokenDir" . }}/token}
 {{- end }}
+log: {format: {{ .Values.log.format }}}
 {{- with .Values.index.extraConfig }}
 {{ toYaml . }}
 {{- end }}
@@ -141,6 +143,13 @@ node_agents: {token_file: {{ include "kvroute.agentTokenDir" . }}/token}
 {{/* kvroute-agent's config (index-service/agent/src/config.rs): one file for every node. The
      agent id is the node name (NODE_NAME), and discovery without node_name watches the pods
      on the agent's own node. */}}
+{{/* The `OTEL_*` variables of every kvroute container (`otel.env`), as env entries. */}}
+{{- define "kvroute.otelEnv" -}}
+{{- range $name, $value := .Values.otel.env }}
+- {name: {{ $name }}, value: {{ $value | quote }}}
+{{- end }}
+{{- end -}}
+
 {{- define "kvroute.agentConfig" -}}
 agent_id_env: NODE_NAME
 token_file: {{ include "kvroute.agentTokenDir" . }}/token
@@ -151,4 +160,5 @@ batch_delay: {{ .Values.agent.batchDelay }}
 max_blocks_per_replica: {{ int .Values.agent.maxBlocksPerReplica }}
 engines: []
 discovery: {{ include "kvroute.discovery" . }}
+log: {format: {{ .Values.log.format }}}
 {{- end -}}
