@@ -101,7 +101,7 @@ impl Args {
     /// The log filter `-v` asks for (`RUST_LOG` wins).
     pub fn log_filter(&self) -> &'static str {
         match self.verbosity {
-            None | Some(0..=1) => "info",
+            None | Some(0..=1) => kvroute_runtime::process::DEFAULT_LOG_FILTER,
             Some(2..=3) => "debug",
             Some(_) => "trace",
         }

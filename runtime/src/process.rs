@@ -27,6 +27,11 @@ pub const EX_USAGE: u8 = 64;
 /// sysexits `EX_DATAERR`: the input data was not what the command accepts.
 pub const EX_DATAERR: u8 = 65;
 
+/// The log filter of a component at its default verbosity: `info`, except kube-rs's watcher,
+/// which warns on every attempt of a list the API server refuses with 403; kvroute-discovery
+/// logs such a failure itself, once when it starts and once a minute while it lasts.
+pub const DEFAULT_LOG_FILTER: &str = "info,kube_runtime::watcher=error";
+
 /// Any error, boxed: components keep their own error types, the process only reports them.
 pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
 
@@ -69,9 +74,9 @@ pub trait Component {
     /// It, running.
     type Running: Running;
 
-    /// The log filter when `RUST_LOG` is unset.
+    /// The log filter when `RUST_LOG` is unset: [`DEFAULT_LOG_FILTER`].
     fn log_filter(_args: &Self::Args) -> &'static str {
-        "info"
+        DEFAULT_LOG_FILTER
     }
 
     /// Runs once logging is up, before the config is read (process-wide settings, notes about
