@@ -40,9 +40,11 @@ pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
 #[derive(Debug, Clone, clap::Parser)]
 #[command(version)]
 pub struct ServerArgs {
-    /// Config file (YAML); reloaded when it changes.
-    #[arg(long, short)]
-    pub config: PathBuf,
+    /// Config file (YAML); reloaded when it changes. Required (clap refuses a command line
+    /// without it) unless a component makes it optional with `mut_arg`, as ext-proc does for a
+    /// configuration built from GIE's chart flags.
+    #[arg(long, short, required = true)]
+    pub config: Option<PathBuf>,
     /// Write the bound addresses (`key=ADDR` lines) to this file once listening, so a harness can
     /// use port 0.
     #[arg(long)]
@@ -86,7 +88,12 @@ pub trait Component {
     /// Reads and validates the config file (`--config`). An error exits [`EX_USAGE`], nothing
     /// started.
     fn load(args: &Self::Args) -> Result<Self::Config, BoxError> {
-        let text = read_config(&args.as_ref().config)?;
+        let path = args
+            .as_ref()
+            .config
+            .as_deref()
+            .ok_or("no configuration: --config FILE is required")?;
+        let text = read_config(path)?;
         Ok(Self::Config::from_yaml(&text)?)
     }
 
