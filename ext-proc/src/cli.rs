@@ -125,6 +125,26 @@ pub struct Args {
     kv_cache_usage_percentage_metric: Option<String>,
     #[arg(long, hide = true)]
     lora_info_metric: Option<String>,
+    #[arg(long, hide = true)]
+    total_running_requests_metric: Option<String>,
+    #[arg(long, hide = true)]
+    cache_info_metric: Option<String>,
+    #[arg(long, hide = true)]
+    model_server_metrics_scheme: Option<String>,
+    #[arg(long, hide = true)]
+    model_server_metrics_path: Option<String>,
+    #[arg(long, hide = true)]
+    model_server_metrics_port: Option<String>,
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
+    model_server_metrics_https_insecure_skip_verify: Option<String>,
+    #[arg(long, hide = true)]
+    refresh_metrics_interval: Option<String>,
+    #[arg(long, hide = true)]
+    refresh_prometheus_metrics_interval: Option<String>,
+    #[arg(long, hide = true)]
+    metrics_staleness_threshold: Option<String>,
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
+    enable_cert_reload: Option<String>,
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
     enable_pprof: Option<String>,
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
@@ -201,6 +221,41 @@ impl Args {
                 self.kv_cache_usage_percentage_metric.is_some(),
             ),
             ("--lora-info-metric", self.lora_info_metric.is_some()),
+            (
+                "--total-running-requests-metric",
+                self.total_running_requests_metric.is_some(),
+            ),
+            ("--cache-info-metric", self.cache_info_metric.is_some()),
+            (
+                "--model-server-metrics-scheme",
+                self.model_server_metrics_scheme.is_some(),
+            ),
+            (
+                "--model-server-metrics-path",
+                self.model_server_metrics_path.is_some(),
+            ),
+            (
+                "--model-server-metrics-port",
+                self.model_server_metrics_port.is_some(),
+            ),
+            (
+                "--model-server-metrics-https-insecure-skip-verify",
+                self.model_server_metrics_https_insecure_skip_verify
+                    .is_some(),
+            ),
+            (
+                "--refresh-metrics-interval",
+                self.refresh_metrics_interval.is_some(),
+            ),
+            (
+                "--refresh-prometheus-metrics-interval",
+                self.refresh_prometheus_metrics_interval.is_some(),
+            ),
+            (
+                "--metrics-staleness-threshold",
+                self.metrics_staleness_threshold.is_some(),
+            ),
+            ("--enable-cert-reload", self.enable_cert_reload.is_some()),
             ("--enable-pprof", self.enable_pprof.is_some()),
             (
                 "--metrics-endpoint-auth",
@@ -446,6 +501,9 @@ mod tests {
             "--tracing=false",
             "--metrics-endpoint-auth=false",
             "--secure-serving=false",
+            "--refresh-metrics-interval=50ms",
+            "--model-server-metrics-path=/metrics",
+            "--enable-cert-reload",
         ])
         .unwrap();
         assert_eq!(
