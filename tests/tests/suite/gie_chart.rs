@@ -3,7 +3,8 @@
 //! no kvroute config. It discovers the named InferencePool from the API server double
 //! (`kvroute_discovery::testing::ApiServer`, reached through a kubeconfig as a pod reaches the
 //! API server through its service account) and routes a request to one of its pods, with the
-//! decision's tier what the flags allow: load without a tokenizer, approximate with one.
+//! decision's tier what the flags allow: load without a tokenizer, approximate with one, precise
+//! with a tokenizer and an index address (a kvroute-index following the same pool).
 
 use std::path::Path;
 use std::time::Duration;
@@ -13,7 +14,9 @@ use kvroute_ext_proc::server::DESTINATION_HEADER;
 use kvroute_test_support::{deadline, try_poll_until};
 use kvroute_tests::harness::ext_proc::{ExtProcAnswer, ExtProcClient};
 use kvroute_tests::harness::{ChildGuard, http, metrics, tiny_model_dir};
-use kvroute_tests::stack::{StackOptions, binary_dir, start_sims};
+use kvroute_tests::stack::{
+    MODEL, ServerProcess, StackOptions, binary_dir, event_topic, pool_schema, start_sims,
+};
 use serde_json::json;
 
 const NS: &str = "llm";
@@ -122,7 +125,7 @@ async fn route_once_with_chart_flags(
     let client = ExtProcClient::connect(addr("grpc"), within())
         .await
         .unwrap();
-    let body = json!({"model": "whatever-the-engines-serve", "prompt": "the drop-in ".repeat(40), "max_tokens": 1});
+    let body = json!({"model": MODEL, "prompt": "the drop-in ".repeat(40), "max_tokens": 1});
     let answer = client
         .buffered("/v1/completions", body.to_string().into_bytes())
         .await
@@ -244,4 +247,88 @@ async fn chart_flags_kvroute_cannot_honour_are_refused() {
 
     let (code, stderr) = run(&[]);
     assert_eq!(code, Some(2), "clap's usage error: {stderr}");
+}
+
+/// With `--index-address` and a tokenizer the decision is precise: the index (its own config,
+/// following the same InferencePool) vouches for the pod it subscribed to.
+#[tokio::test]
+async fn with_an_index_address_the_chart_flags_route_precise() {
+    // The chart mode's block size is vLLM's default, 16: the index's pool must agree (it
+    // refuses a Match of another block size, and the decision is then approximate).
+    let options = StackOptions {
+        replicas: 1,
+        block_size: 16,
+        ..StackOptions::default()
+    };
+    let sims = start_sims(&options).await.unwrap();
+    let sim = &sims[0];
+    let port = |endpoint: &Option<String>| {
+        endpoint
+            .as_deref()
+            .and_then(|e| e.rsplit(':').next())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let api = ApiServer::start().await.unwrap();
+    api.apply_inference_pool(NS, POOL, &[("app", "sim")], &[sim.ready.http.port()]);
+    api.apply_pod(
+        NS,
+        &TestPod::new("sim-0")
+            .label("app", "sim")
+            .ip("127.0.0.1")
+            .ready(true)
+            .annotation("kvroute.io/kv-events-port", &port(&sim.ready.kv_events))
+            .annotation("kvroute.io/kv-replay-port", &port(&sim.ready.replay))
+            .annotation("kvroute.io/kv-events-topic", &event_topic(0)),
+    );
+    let index = ServerProcess::start_index(
+        &format!(
+            "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
+             pools:\n- {{{schema}, discovery: {{kubernetes: {{namespace: {NS}, inference_pool: {POOL}, api_url: \"{url}\"}}}}}}\n",
+            schema = pool_schema(&options),
+            url = api.url(),
+        ),
+        None,
+    )
+    .await
+    .unwrap();
+    let replicas_url = format!("{}/v1/replicas", index.admin_url());
+    try_poll_until(
+        "the index subscribed to the pool's pod",
+        within(),
+        || async {
+            let text = http::get(&replicas_url).await.ok()?.text();
+            let replicas: Vec<serde_json::Value> = serde_json::from_str(&text).ok()?;
+            (replicas.len() == 1 && replicas[0]["state"] == "ready").then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", index.log()));
+
+    let model_dir = tiny_model_dir().display().to_string();
+    let index_address = format!("http://{}", index.grpc());
+    let (destination, text, log) = route_once_with_chart_flags(
+        &api,
+        1,
+        &[
+            "--tokenizer-model-dir",
+            &model_dir,
+            "--index-address",
+            &index_address,
+        ],
+    )
+    .await;
+    assert_eq!(
+        first(&destination),
+        format!("127.0.0.1:{}", sim.ready.http.port())
+    );
+    assert_eq!(
+        metrics::sum(
+            &text,
+            "kvroute_extproc_decisions_total",
+            &["tier=\"precise\""]
+        ),
+        1.0,
+        "{text}\n{log}"
+    );
 }
