@@ -11,7 +11,8 @@
 //! bookmarks, resume from the last seen version after a dropped connection, relist after
 //! `410 Gone`; errors are retried as `retry` says (at once after `410 Gone`). Each (re)list
 //! buffers the listed pods and replaces the store whole when the list is complete, so pods
-//! deleted while the watch was down disappear. Each error and relist is logged and counted.
+//! deleted while the watch was down disappear. Each error and completed relist is counted; a run
+//! of errors is logged as `failure_log` says (when it starts, once a minute, when it ends).
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
