@@ -6,9 +6,9 @@
 //! docs and defaults of the raw structs in `raw`. The flags GIE's and llm-d's charts pass override
 //! the file (see [`Overrides`]).
 //!
-//! Files: `raw` (the document's shape and every default), `overrides` (the chart flags), `build`
-//! and `pools` (each section validated), `validate` (rules across sections); the validated types
-//! are here.
+//! Files: `raw` (the document's shape and every default), `overrides` (the chart flags), `chart`
+//! (the whole config GIE's chart flags imply when there is no file), `build` and `pools` (each
+//! section validated), `validate` (rules across sections); the validated types are here.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
