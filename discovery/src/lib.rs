@@ -11,8 +11,11 @@
 //! ([`config`]); [`Discovery::start`] connects (in-cluster service account, a kubeconfig, or a
 //! URL) and spawns the watch on the caller's `TaskTracker`; [`Discovery::snapshots`] yields a
 //! `tokio::sync::watch` receiver; [`Discovery::stop`] (or drop) ends the task. The watch never
-//! gives up: kube-rs's watcher resumes from resource versions, relists after `410 Gone`, and
-//! retries with backoff; every relist and error is logged and counted ([`DiscoveryMetrics`]).
+//! gives up: kube-rs's watcher resumes from resource versions, relists at once after `410 Gone`,
+//! and retries with a backoff that depends on the error (at most 2 s apart while the server is
+//! unreachable, 1 s doubling to 60 s while it refuses the list); every relist and error is
+//! counted ([`DiscoveryMetrics`]), and a run of failures is logged when it starts (with its
+//! reason), every minute while it lasts, and when the watch recovers.
 //!
 //! Pod annotations and defaults (ports, model, replica ids): [`replica`].
 //!
@@ -40,6 +43,7 @@
 #![deny(missing_docs)]
 
 pub mod config;
+mod failure_log;
 pub mod inference_pool;
 mod metrics;
 pub mod replica;

@@ -11,7 +11,8 @@
 //! bookmarks, resume from the last seen version after a dropped connection, relist after
 //! `410 Gone`; errors are retried as `retry` says (at once after `410 Gone`). Each (re)list
 //! buffers the listed pods and replaces the store whole when the list is complete, so pods
-//! deleted while the watch was down disappear. Each error and relist is logged and counted.
+//! deleted while the watch was down disappear. Each error and completed relist is counted; a run
+//! of errors is logged as `failure_log` says (when it starts, once a minute, when it ends).
 
 use std::collections::BTreeMap;
 use std::pin::Pin;
@@ -26,9 +27,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Connection, KubernetesSource, Target, TargetPort};
+use crate::failure_log::FailureLog;
 use crate::inference_pool::{InferencePool, PoolSelection};
 use crate::metrics::{DiscoveryMetrics, SourceLabels, WatchLabels};
 use crate::replica::{PortPlan, Refusal, Replica, Snapshot, replicas_of, snapshot};
+use crate::retry::Failed;
 
 const WATCH_PODS: &str = "pods";
 const WATCH_POOL: &str = "inference_pool";
@@ -117,6 +120,8 @@ impl Discovery {
             source,
             metrics: metrics.clone(),
             tx,
+            pod_failures: FailureLog::new(name, WATCH_PODS),
+            pool_failures: FailureLog::new(name, WATCH_POOL),
         };
         tracing::info!(source = name, namespace, "kubernetes discovery starting");
         tasks.spawn(run.run(cancel.clone()));
@@ -142,7 +147,7 @@ impl Discovery {
     }
 }
 
-type EventStream<K> = Pin<Box<dyn Stream<Item = Result<Event<K>, watcher::Error>> + Send>>;
+type EventStream<K> = Pin<Box<dyn Stream<Item = Result<Event<K>, Failed>> + Send>>;
 
 /// The metric label of a watch error.
 fn error_label(error: &watcher::Error) -> &'static str {
@@ -177,6 +182,8 @@ struct Run {
     source: KubernetesSource,
     metrics: DiscoveryMetrics,
     tx: channel::Sender<Arc<Snapshot>>,
+    pod_failures: FailureLog,
+    pool_failures: FailureLog,
 }
 
 impl Run {
@@ -213,9 +220,12 @@ impl Run {
                 biased;
                 () = cancel.cancelled() => break,
                 Some(item) = next_of(pool_stream.as_mut()) => {
+                    if item.as_ref().is_ok_and(crate::retry::is_progress) {
+                        self.pool_failures.succeeded();
+                    }
                     let pool = match item {
-                        Err(error) => {
-                            self.error(WATCH_POOL, &error);
+                        Err(failed) => {
+                            self.error(WATCH_POOL, &failed);
                             continue;
                         }
                         Ok(Event::Init) => {
@@ -281,14 +291,17 @@ impl Run {
         }
     }
 
-    fn on_pod_event(&self, watch: &mut PodWatch, item: Result<Event<Pod>, watcher::Error>) {
+    fn on_pod_event(&self, watch: &mut PodWatch, item: Result<Event<Pod>, Failed>) {
         let event = match item {
-            Err(error) => {
-                self.error(WATCH_PODS, &error);
+            Err(failed) => {
+                self.error(WATCH_PODS, &failed);
                 return;
             }
             Ok(event) => event,
         };
+        if crate::retry::is_progress(&event) {
+            self.pod_failures.succeeded();
+        }
         match event {
             Event::Init => {
                 watch.listing = Some(BTreeMap::new());
@@ -466,13 +479,22 @@ impl Run {
             .inc();
     }
 
-    fn error(&self, watch: &'static str, error: &watcher::Error) {
-        let reason = error_label(error);
+    /// Counts a failed call and its wait; logs it as the watch's [`FailureLog`] says (the first
+    /// failure of a run, throttled repeats).
+    fn error(&self, watch: &'static str, failed: &Failed) {
+        let reason = error_label(&failed.error);
+        let labels = self.labels(watch, reason);
         self.metrics
-            .errors
-            .get_or_create(&self.labels(watch, reason))
-            .inc();
-        tracing::warn!(source = self.name, watch, reason, error = %error, "kubernetes watch failed; retrying with backoff");
+            .retry_waits
+            .get_or_create(&labels)
+            .observe(failed.retry_in.as_secs_f64());
+        self.metrics.errors.get_or_create(&labels).inc();
+        let log = if watch == WATCH_POOL {
+            &self.pool_failures
+        } else {
+            &self.pod_failures
+        };
+        log.failed(reason, failed);
     }
 
     fn labels(&self, watch: &'static str, reason: &'static str) -> WatchLabels {
@@ -489,7 +511,7 @@ impl Run {
 fn watcher<K>(
     api: Api<K>,
     config: watcher::Config,
-) -> impl Stream<Item = Result<Event<K>, watcher::Error>> + Send
+) -> impl Stream<Item = Result<Event<K>, Failed>> + Send
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {

@@ -288,7 +288,7 @@ pub async fn check(
     let pool = &config.pools[pool_index];
     // A request naming no model is the pool's base model, as in a decision.
     let model = if model.is_empty() {
-        pool.models[0].as_str()
+        pool.base_model(model)
     } else {
         model
     };

@@ -2,9 +2,18 @@
 //!
 //! Besides `--config` it takes the flags GIE's and llm-d's EPP charts pass, so their manifests run
 //! it unchanged: `--grpc-port`, `--grpc-health-port`, `--metrics-port`, `--secure-serving[=BOOL]`,
-//! `--cert-path` override the file ([`Overrides`]); `-v`/`--v` sets the log level when
-//! `RUST_LOG` is unset; flags of theirs that have no meaning here are accepted and logged as
-//! ignored. The ready file lists `grpc=`, `admin=`, then `health=` (`listen.health`) and
+//! `--cert-path` override the file ([`Overrides`]); `-v`/`--v` or `--log-level` sets the log
+//! level when `RUST_LOG` is unset; flags of theirs that have no meaning here are accepted and
+//! logged as ignored — their plugin configuration (`--config-file`, `--config-text`) too, which
+//! is never read as kvroute's.
+//!
+//! Without `--config`, `--pool-name NAME [--pool-namespace NS]` (or llm-d's standalone
+//! `--endpoint-selector`) builds the configuration from documented defaults
+//! ([`ChartPool`]); `--index-address`, `--model`, `--tokenizer-model-dir`,
+//! `--tokenizer-render` and `--kubeconfig` (each also from the environment) complete it. With
+//! both, the file must discover the pool the flags name ([`Config::check_chart_flags`]).
+//!
+//! The ready file lists `grpc=`, `admin=`, then `health=` (`listen.health`) and
 //! `index_grpc=` / `index_admin=` (`index.embedded`) when there are such listeners.
 
 use std::net::SocketAddr;
@@ -18,7 +27,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, Overrides};
+use crate::config::{ChartPool, ChartSelection, Config, DEFAULT_POOL_GROUP, Overrides};
 use crate::{ExtProc, ServeError};
 
 /// `kvroute-ext-proc --config kvroute.yaml` and the chart flags.
@@ -29,7 +38,10 @@ use crate::{ExtProc, ServeError};
     mut_arg("ready_file", |arg| arg.help(
         "Write the bound addresses (`grpc=ADDR\\nadmin=ADDR`) to this file once listening, so a \
          harness can use port 0"
-    ))
+    )),
+    mut_arg("config", |arg| arg
+        .required(false)
+        .required_unless_present_any(["pool_name", "endpoint_selector"])),
 )]
 pub struct Args {
     /// `--config`, `--ready-file`.
@@ -53,9 +65,86 @@ pub struct Args {
     /// Log verbosity as GIE counts it (0–1 info, 2–3 debug, 4+ trace), unless `RUST_LOG` is set.
     #[arg(short = 'v', long = "v")]
     verbosity: Option<u8>,
+    /// Log level (`trace`, `debug`, `info`, `warn`, `error`) unless `RUST_LOG` or `-v` is set.
+    #[arg(long, value_parser = ["trace", "debug", "info", "warn", "error"])]
+    log_level: Option<String>,
+    /// Without `--config`: route for this GIE InferencePool, with the defaults README's GIE
+    /// section lists. With `--config`: the file must discover it.
+    #[arg(long)]
+    pool_name: Option<String>,
+    /// The InferencePool's namespace (default: `NAMESPACE` or `POD_NAMESPACE` from the
+    /// environment, else the client's: in a pod, its service account's).
+    #[arg(long)]
+    pool_namespace: Option<String>,
+    /// The InferencePool's API group; only GIE v1's is discovered.
+    #[arg(long, default_value = DEFAULT_POOL_GROUP)]
+    pool_group: String,
+    /// Without `--config`, instead of `--pool-name` (llm-d standalone): pods with these labels,
+    /// `k=v[,k=v]`.
+    #[arg(long, requires = "endpoint_target_ports")]
+    endpoint_selector: Option<String>,
+    /// With `--endpoint-selector`: the port routed to.
+    #[arg(long, requires = "endpoint_selector")]
+    endpoint_target_ports: Option<String>,
+    /// Without `--config`: kvroute-index addresses (`index.addresses`), comma-separated; with a
+    /// tokenizer, decisions are precise.
+    #[arg(long, env = "KVROUTE_INDEX_ADDRESS", value_delimiter = ',')]
+    index_address: Vec<String>,
+    /// Without `--config`: the pool's served model names (`pools[].models`), comma-separated;
+    /// default: every model is the pool's.
+    #[arg(long = "model", env = "KVROUTE_POOL_MODELS", value_delimiter = ',')]
+    models: Vec<String>,
+    /// Without `--config`: a Hugging Face model folder to tokenize with
+    /// (`pools[].tokenizer.model_dir`). Without a tokenizer, decisions use the load tier.
+    #[arg(
+        long,
+        env = "KVROUTE_TOKENIZER_MODEL_DIR",
+        conflicts_with = "tokenizer_render"
+    )]
+    tokenizer_model_dir: Option<PathBuf>,
+    /// Without `--config`: an engine's base URL whose render endpoint tokenizes
+    /// (`pools[].tokenizer.render`, e.g. llm-d's `vllm-render` sidecar `http://127.0.0.1:8000`).
+    #[arg(long, env = "KVROUTE_TOKENIZER_RENDER")]
+    tokenizer_render: Option<String>,
+    /// Without `--config`: a kubeconfig for discovery instead of the pod's service account.
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
     /// GIE/llm-d chart flags without meaning here: accepted so their manifests run, logged.
     #[arg(long, hide = true)]
     zap_encoder: Option<String>,
+    /// GIE's plugin configuration (not kvroute's format: never read).
+    #[arg(long, hide = true)]
+    config_file: Option<PathBuf>,
+    #[arg(long, hide = true)]
+    config_text: Option<String>,
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
+    tracing: Option<String>,
+    #[arg(long, hide = true)]
+    total_queued_requests_metric: Option<String>,
+    #[arg(long, hide = true)]
+    kv_cache_usage_percentage_metric: Option<String>,
+    #[arg(long, hide = true)]
+    lora_info_metric: Option<String>,
+    #[arg(long, hide = true)]
+    total_running_requests_metric: Option<String>,
+    #[arg(long, hide = true)]
+    cache_info_metric: Option<String>,
+    #[arg(long, hide = true)]
+    model_server_metrics_scheme: Option<String>,
+    #[arg(long, hide = true)]
+    model_server_metrics_path: Option<String>,
+    #[arg(long, hide = true)]
+    model_server_metrics_port: Option<String>,
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
+    model_server_metrics_https_insecure_skip_verify: Option<String>,
+    #[arg(long, hide = true)]
+    refresh_metrics_interval: Option<String>,
+    #[arg(long, hide = true)]
+    refresh_prometheus_metrics_interval: Option<String>,
+    #[arg(long, hide = true)]
+    metrics_staleness_threshold: Option<String>,
+    #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
+    enable_cert_reload: Option<String>,
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
     enable_pprof: Option<String>,
     #[arg(long, hide = true, num_args = 0..=1, default_missing_value = "true")]
@@ -78,10 +167,95 @@ impl Args {
         }
     }
 
+    /// The pool the chart flags name (`--pool-name` or `--endpoint-selector`), if any;
+    /// `env` looks up the namespace's environment variables.
+    pub fn chart_pool(&self, env: impl Fn(&str) -> Option<String>) -> Option<ChartPool> {
+        let selection = match (&self.endpoint_selector, &self.pool_name) {
+            (Some(labels), name) => ChartSelection::Selector {
+                labels: labels.clone(),
+                ports: self.endpoint_target_ports.clone().unwrap_or_default(),
+                name: name.clone(),
+            },
+            (None, Some(name)) => ChartSelection::InferencePool {
+                name: name.clone(),
+                group: self.pool_group.clone(),
+            },
+            (None, None) => return None,
+        };
+        let namespace = self
+            .pool_namespace
+            .clone()
+            .or_else(|| env("NAMESPACE"))
+            .or_else(|| env("POD_NAMESPACE"))
+            .filter(|ns| !ns.is_empty());
+        Some(ChartPool {
+            selection,
+            namespace,
+            kubeconfig: self.kubeconfig.clone(),
+            index_addresses: self.index_address.clone(),
+            models: self.models.clone(),
+            tokenizer_model_dir: self.tokenizer_model_dir.clone(),
+            tokenizer_render: self.tokenizer_render.clone(),
+        })
+    }
+
     /// The accepted-but-meaningless flags that were given, for one log line.
     pub fn ignored(&self) -> Vec<&'static str> {
         [
             ("--zap-encoder", self.zap_encoder.is_some()),
+            (
+                "--config-file (GIE plugin config)",
+                self.config_file.is_some(),
+            ),
+            (
+                "--config-text (GIE plugin config)",
+                self.config_text.is_some(),
+            ),
+            ("--tracing", self.tracing.is_some()),
+            (
+                "--total-queued-requests-metric",
+                self.total_queued_requests_metric.is_some(),
+            ),
+            (
+                "--kv-cache-usage-percentage-metric",
+                self.kv_cache_usage_percentage_metric.is_some(),
+            ),
+            ("--lora-info-metric", self.lora_info_metric.is_some()),
+            (
+                "--total-running-requests-metric",
+                self.total_running_requests_metric.is_some(),
+            ),
+            ("--cache-info-metric", self.cache_info_metric.is_some()),
+            (
+                "--model-server-metrics-scheme",
+                self.model_server_metrics_scheme.is_some(),
+            ),
+            (
+                "--model-server-metrics-path",
+                self.model_server_metrics_path.is_some(),
+            ),
+            (
+                "--model-server-metrics-port",
+                self.model_server_metrics_port.is_some(),
+            ),
+            (
+                "--model-server-metrics-https-insecure-skip-verify",
+                self.model_server_metrics_https_insecure_skip_verify
+                    .is_some(),
+            ),
+            (
+                "--refresh-metrics-interval",
+                self.refresh_metrics_interval.is_some(),
+            ),
+            (
+                "--refresh-prometheus-metrics-interval",
+                self.refresh_prometheus_metrics_interval.is_some(),
+            ),
+            (
+                "--metrics-staleness-threshold",
+                self.metrics_staleness_threshold.is_some(),
+            ),
+            ("--enable-cert-reload", self.enable_cert_reload.is_some()),
             ("--enable-pprof", self.enable_pprof.is_some()),
             (
                 "--metrics-endpoint-auth",
@@ -98,12 +272,16 @@ impl Args {
         .collect()
     }
 
-    /// The log filter `-v` asks for (`RUST_LOG` wins).
+    /// The log filter `-v` or `--log-level` asks for (`RUST_LOG` wins, then `-v`).
     pub fn log_filter(&self) -> &'static str {
-        match self.verbosity {
-            None | Some(0..=1) => "info",
-            Some(2..=3) => "debug",
-            Some(_) => "trace",
+        match (self.verbosity, self.log_level.as_deref()) {
+            (Some(0..=1), _) | (None, None | Some("info")) => {
+                kvroute_runtime::process::DEFAULT_LOG_FILTER
+            }
+            (Some(2..=3), _) | (None, Some("debug")) => "debug",
+            (Some(_), _) | (None, Some("trace")) => "trace",
+            (None, Some("warn")) => "warn,kube_runtime::watcher=error",
+            (None, Some(_)) => "error",
         }
     }
 }
@@ -148,24 +326,40 @@ impl Component for Process {
     }
 
     fn load(args: &Args) -> Result<Config, BoxError> {
-        Ok(Config::from_file_with(
-            &args.server.config,
-            &args.overrides(),
-        )?)
+        let overrides = args.overrides();
+        let chart = args.chart_pool(|name| std::env::var(name).ok());
+        match (&args.server.config, chart) {
+            (Some(path), None) => Ok(Config::from_file_with(path, &overrides)?),
+            (Some(path), Some(pool)) => {
+                let config = Config::from_file_with(path, &overrides)?;
+                config.check_chart_flags(&pool)?;
+                Ok(config)
+            }
+            (None, Some(pool)) => {
+                let config = Config::from_chart_flags(&pool, &overrides)?;
+                tracing::info!(
+                    pool = pool.name(),
+                    namespace = pool.namespace.as_deref().unwrap_or("(the client's)"),
+                    best_tier = pool.best_tier(),
+                    "no --config: configuration built from the chart flags"
+                );
+                Ok(config)
+            }
+            (None, None) => Err("no configuration: give --config FILE or --pool-name NAME".into()),
+        }
     }
 
     async fn start(config: Config, args: Args) -> Result<Serving, StartError> {
         let overrides = args.overrides();
-        let server = ExtProc::builder(config)
-            .config_path(args.server.config)
-            .overrides(overrides)
-            .bind()
-            .await
-            .map_err(|error| match error {
-                // Found wrong only when built (a tokenizer that does not load): still the config.
-                ServeError::Config(_) => StartError::config(error),
-                error => StartError::failed(error),
-            })?;
+        let mut builder = ExtProc::builder(config).overrides(overrides);
+        if let Some(path) = args.server.config {
+            builder = builder.config_path(path);
+        }
+        let server = builder.bind().await.map_err(|error| match error {
+            // Found wrong only when built (a tokenizer that does not load): still the config.
+            ServeError::Config(_) => StartError::config(error),
+            error => StartError::failed(error),
+        })?;
         let lines = ready_lines(&server).map_err(StartError::failed)?;
         let stop = CancellationToken::new();
         let tasks = TaskTracker::new();
@@ -240,5 +434,163 @@ impl Running for Serving {
         };
         self.tasks.wait().await;
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+
+    use super::*;
+
+    /// Parses as `kvroute_runtime::main` does (the command with its `mut_arg`s).
+    fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
+        let matches = Args::command().try_get_matches_from(
+            std::iter::once("kvroute-ext-proc").chain(argv.iter().copied()),
+        )?;
+        Args::from_arg_matches(&matches)
+    }
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    /// GIE's chart: `--pool-name`, `--pool-group` (alpha pools), `--zap-encoder`, `--log-level`,
+    /// `--config-file`; llm-d's: `--pool-namespace`, `--pool-group`, `--tracing=false`,
+    /// `--ha-enable-leader-election`, `--grpc-health-port`.
+    #[test]
+    fn the_charts_command_lines_parse_without_a_config_file() {
+        let gie = parse(&[
+            "--pool-name",
+            "llama",
+            "--zap-encoder",
+            "json",
+            "--log-level",
+            "error",
+            "--config-file",
+            "/config/default-plugins.yaml",
+            "--total-queued-requests-metric",
+            "nv_trt_llm_request_metrics{request_type=waiting}",
+            "--lora-info-metric",
+            "",
+        ])
+        .unwrap();
+        assert_eq!(gie.server.config, None);
+        assert_eq!(gie.log_filter(), "error");
+        let pool = gie.chart_pool(no_env).unwrap();
+        assert_eq!(
+            pool.selection,
+            ChartSelection::InferencePool {
+                name: "llama".into(),
+                group: DEFAULT_POOL_GROUP.into()
+            }
+        );
+        assert_eq!(pool.namespace, None);
+        assert!(gie.ignored().contains(&"--config-file (GIE plugin config)"));
+
+        let llm_d = parse(&[
+            "--pool-name",
+            "llama",
+            "--pool-namespace",
+            "llm",
+            "--pool-group",
+            "inference.networking.k8s.io",
+            "--zap-encoder",
+            "json",
+            "--config-file",
+            "/config/p.yaml",
+            "--ha-enable-leader-election",
+            "--grpc-health-port",
+            "9003",
+            "--tracing=false",
+            "--metrics-endpoint-auth=false",
+            "--secure-serving=false",
+            "--refresh-metrics-interval=50ms",
+            "--model-server-metrics-path=/metrics",
+            "--enable-cert-reload",
+        ])
+        .unwrap();
+        assert_eq!(
+            llm_d.chart_pool(no_env).unwrap().namespace.as_deref(),
+            Some("llm")
+        );
+        assert_eq!(llm_d.overrides().secure_serving, Some(false));
+        assert_eq!(llm_d.overrides().health_port, Some(9003));
+        assert!(llm_d.ignored().contains(&"--tracing"));
+
+        let standalone = parse(&[
+            "--endpoint-selector",
+            "app=vllm",
+            "--endpoint-target-ports",
+            "8000",
+        ])
+        .unwrap();
+        assert!(matches!(
+            standalone.chart_pool(no_env).unwrap().selection,
+            ChartSelection::Selector { .. }
+        ));
+    }
+
+    #[test]
+    fn the_namespace_comes_from_the_flag_then_the_environment() {
+        let args = parse(&["--pool-name", "p"]).unwrap();
+        let env = |name: &str| (name == "POD_NAMESPACE").then(|| "from-pod".to_owned());
+        assert_eq!(
+            args.chart_pool(env).unwrap().namespace.as_deref(),
+            Some("from-pod")
+        );
+        let both = |name: &str| Some(format!("{name}-value"));
+        assert_eq!(
+            args.chart_pool(both).unwrap().namespace.as_deref(),
+            Some("NAMESPACE-value"),
+            "GIE's chart sets NAMESPACE"
+        );
+        let flagged = parse(&["--pool-name", "p", "--pool-namespace", "flag"]).unwrap();
+        assert_eq!(
+            flagged.chart_pool(both).unwrap().namespace.as_deref(),
+            Some("flag")
+        );
+    }
+
+    #[test]
+    fn a_config_file_or_a_pool_is_required_and_flags_are_checked() {
+        assert!(parse(&[]).is_err());
+        assert!(
+            parse(&["--config", "k.yaml"])
+                .unwrap()
+                .chart_pool(no_env)
+                .is_none()
+        );
+        assert!(parse(&["--pool-name", "p", "--log-level", "loud"]).is_err());
+        assert!(
+            parse(&["--endpoint-selector", "app=x"]).is_err(),
+            "needs its ports"
+        );
+        let indexed = parse(&[
+            "--pool-name",
+            "p",
+            "--index-address",
+            "http://a:9460,http://b:9460",
+            "--model",
+            "m",
+            "--tokenizer-model-dir",
+            "/models/m",
+        ])
+        .unwrap();
+        let pool = indexed.chart_pool(no_env).unwrap();
+        assert_eq!(pool.index_addresses, ["http://a:9460", "http://b:9460"]);
+        assert_eq!(pool.models, ["m"]);
+        assert_eq!(pool.best_tier(), "precise");
+        assert!(
+            parse(&[
+                "--pool-name",
+                "p",
+                "--tokenizer-model-dir",
+                "/m",
+                "--tokenizer-render",
+                "http://r"
+            ])
+            .is_err()
+        );
     }
 }

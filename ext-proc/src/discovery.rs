@@ -266,11 +266,7 @@ fn merge(
             continue;
         };
         for discovered in &snapshot.replicas {
-            let serves = |model: &str| {
-                pool.models.iter().any(|m| m == model)
-                    || pool.adapters.iter().any(|a| a.name == model)
-            };
-            let why = if discovered.model.as_deref().is_some_and(|m| !serves(m)) {
+            let why = if discovered.model.as_deref().is_some_and(|m| !pool.serves(m)) {
                 Some(Refusal::ModelMismatch)
             } else if ids.contains(&discovered.id) {
                 Some(Refusal::DuplicateId)

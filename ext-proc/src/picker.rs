@@ -816,7 +816,7 @@ impl Picker {
         let config = &runtime.config;
         // A request naming no model is the pool's base model (the name vLLM serves first).
         let model = match request.model.as_ref() {
-            "" => pool.models[0].as_str(),
+            "" => pool.base_model(""),
             named => named,
         };
         let tokenize_started = Instant::now();
@@ -943,7 +943,7 @@ impl Picker {
             let match_started = Instant::now();
             let match_deadline = deadline.min(match_started + config.match_timeout);
             let request = MatchRequest {
-                model: pool.models[0].clone(),
+                model: pool.base_model(&request.model).to_owned(),
                 adapter: adapter.map(|a| a.name.clone()).unwrap_or_default(),
                 block_size: pool.block_size,
                 keys: keys[..match_blocks(tokens, pool.block_size, keys.len())].to_vec(),

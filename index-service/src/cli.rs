@@ -35,7 +35,10 @@ impl Component for Process {
         let server = IndexServer::start(config)
             .await
             .map_err(StartError::failed)?;
-        server.watch_config(args.config, reload_interval);
+        // `--config` is required for the index (clap refuses a command line without it).
+        if let Some(path) = args.config {
+            server.watch_config(path, reload_interval);
+        }
         Ok(server)
     }
 }

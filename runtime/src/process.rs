@@ -28,6 +28,11 @@ pub const EX_USAGE: u8 = 64;
 /// sysexits `EX_DATAERR`: the input data was not what the command accepts.
 pub const EX_DATAERR: u8 = 65;
 
+/// The log filter of a component at its default verbosity: `info`, except kube-rs's watcher,
+/// which warns on every attempt of a list the API server refuses with 403; kvroute-discovery
+/// logs such a failure itself, once when it starts and once a minute while it lasts.
+pub const DEFAULT_LOG_FILTER: &str = "info,kube_runtime::watcher=error";
+
 /// Any error, boxed: components keep their own error types, the process only reports them.
 pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
 
@@ -36,9 +41,11 @@ pub type BoxError = Box<dyn Error + Send + Sync + 'static>;
 #[derive(Debug, Clone, clap::Parser)]
 #[command(version)]
 pub struct ServerArgs {
-    /// Config file (YAML); reloaded when it changes.
-    #[arg(long, short)]
-    pub config: PathBuf,
+    /// Config file (YAML); reloaded when it changes. Required (clap refuses a command line
+    /// without it) unless a component makes it optional with `mut_arg`, as ext-proc does for a
+    /// configuration built from GIE's chart flags.
+    #[arg(long, short, required = true)]
+    pub config: Option<PathBuf>,
     /// Write the bound addresses (`key=ADDR` lines) to this file once listening, so a harness can
     /// use port 0.
     #[arg(long)]
@@ -75,9 +82,9 @@ pub trait Component {
     /// It, running.
     type Running: Running;
 
-    /// The log filter when `RUST_LOG` is unset.
+    /// The log filter when `RUST_LOG` is unset: [`DEFAULT_LOG_FILTER`].
     fn log_filter(_args: &Self::Args) -> &'static str {
-        "info"
+        DEFAULT_LOG_FILTER
     }
 
     /// Runs once logging is up (the config has been read, for its `log.format`, but a refused
@@ -87,7 +94,12 @@ pub trait Component {
     /// Reads and validates the config file (`--config`). An error exits [`EX_USAGE`], nothing
     /// started.
     fn load(args: &Self::Args) -> Result<Self::Config, BoxError> {
-        let text = read_config(&args.as_ref().config)?;
+        let path = args
+            .as_ref()
+            .config
+            .as_deref()
+            .ok_or("no configuration: --config FILE is required")?;
+        let text = read_config(path)?;
         Ok(Self::Config::from_yaml(&text)?)
     }
 

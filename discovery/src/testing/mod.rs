@@ -21,12 +21,14 @@
 //! - Too old a `resourceVersion` (before the compacted history): a 200 response whose one event
 //!   is `ERROR` with a `Status` object `{code: 410, reason: "Expired"}`, then the stream ends —
 //!   what the real server sends, after which clients relist.
-//! - Errors as `Status` objects (`404 NotFound`, `400 BadRequest`, `405 MethodNotAllowed`).
+//! - Errors as `Status` objects (`404 NotFound`, `400 BadRequest`, `405 MethodNotAllowed`), and
+//!   `403 Forbidden` for a resource [`ApiServer::forbid`] names, worded as the real authorizer
+//!   words a missing RBAC permission.
 //!
 //! What it simplifies: one namespace-keyed store with one resourceVersion counter (like etcd's
 //! revision), no authentication or authorization (every request is allowed), no pagination
 //! (`limit` is ignored and the whole list returned without `continue`, as a server without
-//! chunking does), no writes over HTTP (tests change objects through [`ApiServer`]'s methods,
+//! chunking does; access is refused only per resource, by [`ApiServer::forbid`]), no writes over HTTP (tests change objects through [`ApiServer`]'s methods,
 //! as controllers and the kubelet would), no `sendInitialEvents` streaming lists, JSON only
 //! (no protobuf), no `Table` or metadata-only responses.
 //!
@@ -160,6 +162,8 @@ struct State {
     gone_sent: AtomicU64,
     /// The version of the last bookmark sent (0: none yet).
     last_bookmark: AtomicU64,
+    /// Resources every request for is refused with 403 (a missing RBAC permission).
+    forbidden: Mutex<Vec<Resource>>,
 }
 
 #[derive(Debug)]
@@ -204,6 +208,7 @@ impl ApiServer {
                 requests: Mutex::new(VecDeque::new()),
                 gone_sent: AtomicU64::new(0),
                 last_bookmark: AtomicU64::new(0),
+                forbidden: Mutex::new(Vec::new()),
             }),
             serving: Mutex::new(None),
         };
@@ -378,6 +383,21 @@ impl ApiServer {
         self.state.version.send_replace(rv);
     }
 
+    /// Refuses every request for `resource` with `403 Forbidden`, as the API server does for a
+    /// service account without the RBAC permission; open watches go on (authorization is
+    /// checked when a request starts).
+    pub fn forbid(&self, resource: Resource) {
+        let mut forbidden = self.state.forbidden.lock();
+        if !forbidden.contains(&resource) {
+            forbidden.push(resource);
+        }
+    }
+
+    /// Undoes [`forbid`](Self::forbid): the permission was granted.
+    pub fn allow(&self, resource: Resource) {
+        self.state.forbidden.lock().retain(|r| *r != resource);
+    }
+
     /// The list and watch requests answered so far (the last 1000), oldest first.
     pub fn requests(&self) -> Vec<RequestRecord> {
         self.state.requests.lock().iter().cloned().collect()
@@ -476,6 +496,40 @@ fn status_object(code: u16, reason: &str, message: &str) -> Value {
 
 fn error_response(status: StatusCode, reason: &str, message: &str) -> Response<Body> {
     json_response(status, &status_object(status.as_u16(), reason, message))
+}
+
+/// The real authorizer's refusal of a request without the RBAC permission for it.
+fn forbidden(target: &Target, watch: bool) -> Response<Body> {
+    let (group, plural) = match target.resource {
+        Resource::Pods => ("", "pods"),
+        Resource::InferencePools => (inference_pool::GROUP, inference_pool::PLURAL),
+    };
+    let verb = match (watch, &target.name) {
+        (true, _) => "watch",
+        (false, Some(_)) => "get",
+        (false, None) => "list",
+    };
+    let scope = match &target.namespace {
+        Some(namespace) => format!("in the namespace \"{namespace}\""),
+        None => "at the cluster scope".to_owned(),
+    };
+    let subject = match &target.name {
+        Some(name) => format!("{plural} \"{name}\""),
+        None => plural.to_owned(),
+    };
+    let message = format!(
+        "{subject} is forbidden: User \"system:serviceaccount:{}:kvroute\" cannot {verb} resource \"{plural}\" in API group \"{group}\" {scope}",
+        target.namespace.as_deref().unwrap_or("default"),
+    );
+    let mut status = status_object(403, "Forbidden", &message);
+    status["details"] = json!({"kind": plural});
+    if !group.is_empty() {
+        status["details"]["group"] = json!(group);
+    }
+    if let Some(name) = &target.name {
+        status["details"]["name"] = json!(name);
+    }
+    json_response(StatusCode::FORBIDDEN, &status)
 }
 
 /// What a request addresses.
@@ -607,6 +661,9 @@ fn handle(state: &Arc<State>, request: Request<hyper::body::Incoming>) -> Respon
         while log.len() > REQUEST_LOG_LIMIT {
             log.pop_front();
         }
+    }
+    if state.forbidden.lock().contains(&target.resource) {
+        return forbidden(&target, watch);
     }
     let filter = Filter {
         resource: target.resource,

@@ -6,9 +6,9 @@
 //! docs and defaults of the raw structs in `raw`. The flags GIE's and llm-d's charts pass override
 //! the file (see [`Overrides`]).
 //!
-//! Files: `raw` (the document's shape and every default), `overrides` (the chart flags), `build`
-//! and `pools` (each section validated), `validate` (rules across sections); the validated types
-//! are here.
+//! Files: `raw` (the document's shape and every default), `overrides` (the chart flags), `chart`
+//! (the whole config GIE's chart flags imply when there is no file), `build` and `pools` (each
+//! section validated), `validate` (rules across sections); the validated types are here.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -24,6 +24,7 @@ use kvroute_runtime::token::AgentToken;
 use kvroute_config::ConfigError;
 
 mod build;
+mod chart;
 mod overrides;
 mod pools;
 mod raw;
@@ -31,6 +32,10 @@ mod raw;
 mod tests;
 mod validate;
 
+pub use chart::{
+    CHART_GRPC_PORT, CHART_HEALTH_PORT, CHART_METRICS_PORT, CHART_SECURE_SERVING, ChartPool,
+    ChartSelection, DEFAULT_POOL_GROUP, DEFAULT_SELECTOR_POOL_NAME,
+};
 pub use overrides::Overrides;
 pub use raw::{
     DEFAULT_ADMIN_ADDR, DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_BODY_MODE, DEFAULT_DEBUG_EXPOSE,
@@ -308,7 +313,8 @@ pub struct ScrapeConfig {
 pub struct Pool {
     /// Pool name (a metric label).
     pub name: String,
-    /// Served (base) model names.
+    /// Served (base) model names; empty (a pool built from GIE's chart flags without `--model`):
+    /// every model no other pool names.
     pub models: Vec<String>,
     /// LoRA adapters served by the pool.
     pub adapters: Vec<Adapter>,
@@ -330,6 +336,25 @@ pub struct Pool {
 }
 
 impl Pool {
+    /// Whether the pool takes every model no other pool names (built from GIE's chart flags
+    /// without `--model`).
+    pub fn serves_any_model(&self) -> bool {
+        self.models.is_empty()
+    }
+
+    /// Whether `model` is one of the pool's models or adapters (any, for such a pool).
+    pub fn serves(&self, model: &str) -> bool {
+        self.serves_any_model()
+            || self.models.iter().any(|m| m == model)
+            || self.adapters.iter().any(|a| a.name == model)
+    }
+
+    /// The base model a request for `requested` runs (`""`: the request named none): the
+    /// pool's first model, as vLLM serves it, or what was requested when the pool takes any.
+    pub fn base_model<'a>(&'a self, requested: &'a str) -> &'a str {
+        self.models.first().map_or(requested, String::as_str)
+    }
+
     /// The key of every full block of `tokens`, with the extra keys (`adapter`, `cache_salt`)
     /// the pool's vLLM era hashes: what the picker asks the index for, and what
     /// `kvroute-check` prints.
@@ -444,15 +469,24 @@ impl Config {
         if model.is_empty() {
             return self.default_pool.map(|pool| (pool, None));
         }
-        self.pools.iter().enumerate().find_map(|(i, pool)| {
-            if pool.models.iter().any(|m| m == model) {
-                Some((i, None))
-            } else {
-                pool.adapters
+        self.pools
+            .iter()
+            .enumerate()
+            .find_map(|(i, pool)| {
+                if pool.models.iter().any(|m| m == model) {
+                    Some((i, None))
+                } else {
+                    pool.adapters
+                        .iter()
+                        .find(|a| a.name == model)
+                        .map(|a| (i, Some(a)))
+                }
+            })
+            .or_else(|| {
+                self.pools
                     .iter()
-                    .find(|a| a.name == model)
-                    .map(|a| (i, Some(a)))
-            }
-        })
+                    .position(Pool::serves_any_model)
+                    .map(|i| (i, None))
+            })
     }
 }

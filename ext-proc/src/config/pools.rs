@@ -19,7 +19,7 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
         .clone()
         .filter(|n| !n.is_empty())
         .ok_or_else(|| missing("name"))?;
-    if raw.models.is_empty() {
+    if raw.models.is_empty() && !raw.any_model {
         return Err(missing("models"));
     }
     if raw.models.iter().any(String::is_empty) {

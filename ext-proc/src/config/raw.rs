@@ -430,6 +430,11 @@ pub(super) struct RawPool {
     /// kept up to date) instead of `replicas:`, which may then not name this pool. Pod
     /// annotations (`kvroute.io/model`, `kvroute.io/metrics-port`, ...) set per-pod values.
     pub(super) discovery: Option<kvroute_discovery::RawPoolDiscovery>,
+    /// Built from GIE's chart flags without `--model`: `models` is empty and the pool serves
+    /// every model (not writable in a file, where `models` is required).
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub(super) any_model: bool,
 }
 
 /// Default of a pool's `mode`: kvroute routes.

@@ -30,9 +30,12 @@ impl Component for Process {
     type Running = Agent;
 
     async fn start(config: AgentConfig, args: ServerArgs) -> Result<Agent, StartError> {
-        Agent::start_reloading(config, args.config)
-            .await
-            .map_err(StartError::failed)
+        // `--config` is required for the agent (clap refuses a command line without it).
+        let started = match args.config {
+            Some(path) => Agent::start_reloading(config, path).await,
+            None => Agent::start(config).await,
+        };
+        started.map_err(StartError::failed)
     }
 }
 

@@ -11,6 +11,7 @@ mod envoy;
 mod epp;
 mod exposure;
 mod fidelity;
+mod gie_chart;
 mod hostile_peers;
 mod index_capture;
 mod index_ha;
