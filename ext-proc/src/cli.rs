@@ -109,8 +109,8 @@ pub struct Args {
     /// Without `--config`: a kubeconfig for discovery instead of the pod's service account.
     #[arg(long, env = "KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
-    /// GIE/llm-d chart flags without meaning here: accepted so their manifests run, logged.
-    #[arg(long, hide = true)]
+    /// GIE's log encoder: `json` logs JSON lines (`log.format: json`), `console` text.
+    #[arg(long, value_parser = ["json", "console"])]
     zap_encoder: Option<String>,
     /// GIE's plugin configuration (not kvroute's format: never read).
     #[arg(long, hide = true)]
@@ -164,6 +164,10 @@ impl Args {
             metrics_port: self.metrics_port,
             secure_serving: self.secure_serving,
             cert_dir: self.cert_path.clone(),
+            log_format: self.zap_encoder.as_deref().map(|encoder| match encoder {
+                "json" => kvroute_config::LogFormat::Json,
+                _ => kvroute_config::LogFormat::Text,
+            }),
         }
     }
 
@@ -202,7 +206,6 @@ impl Args {
     /// The accepted-but-meaningless flags that were given, for one log line.
     pub fn ignored(&self) -> Vec<&'static str> {
         [
-            ("--zap-encoder", self.zap_encoder.is_some()),
             (
                 "--config-file (GIE plugin config)",
                 self.config_file.is_some(),
@@ -335,21 +338,23 @@ impl Component for Process {
                 config.check_chart_flags(&pool)?;
                 Ok(config)
             }
-            (None, Some(pool)) => {
-                let config = Config::from_chart_flags(&pool, &overrides)?;
-                tracing::info!(
-                    pool = pool.name(),
-                    namespace = pool.namespace.as_deref().unwrap_or("(the client's)"),
-                    best_tier = pool.best_tier(),
-                    "no --config: configuration built from the chart flags"
-                );
-                Ok(config)
-            }
+            (None, Some(pool)) => Ok(Config::from_chart_flags(&pool, &overrides)?),
             (None, None) => Err("no configuration: give --config FILE or --pool-name NAME".into()),
         }
     }
 
     async fn start(config: Config, args: Args) -> Result<Serving, StartError> {
+        // Said here, not in `load`: logging starts after the config is loaded (its `log.format`).
+        if args.server.config.is_none()
+            && let Some(pool) = args.chart_pool(|name| std::env::var(name).ok())
+        {
+            tracing::info!(
+                pool = pool.name(),
+                namespace = pool.namespace.as_deref().unwrap_or("(the client's)"),
+                best_tier = pool.best_tier(),
+                "no --config: configuration built from the chart flags"
+            );
+        }
         let overrides = args.overrides();
         let mut builder = ExtProc::builder(config).overrides(overrides);
         if let Some(path) = args.server.config {
@@ -487,6 +492,13 @@ mod tests {
         );
         assert_eq!(pool.namespace, None);
         assert!(gie.ignored().contains(&"--config-file (GIE plugin config)"));
+        assert_eq!(
+            gie.overrides().log_format,
+            Some(kvroute_config::LogFormat::Json),
+            "--zap-encoder json logs JSON lines"
+        );
+        let config = Config::from_chart_flags(&pool, &gie.overrides()).unwrap();
+        assert_eq!(config.log_format, kvroute_config::LogFormat::Json);
 
         let llm_d = parse(&[
             "--pool-name",

@@ -8,7 +8,8 @@ use kvroute_config::{ListenAddr, RawServerTls};
 use super::RawConfig;
 
 /// Command-line settings that override the file: the flags GIE's and llm-d's EPP charts pass
-/// (`--grpc-port`, `--grpc-health-port`, `--metrics-port`, `--secure-serving`, `--cert-path`).
+/// (`--grpc-port`, `--grpc-health-port`, `--metrics-port`, `--secure-serving`, `--cert-path`,
+/// `--zap-encoder`).
 /// A port flag listens on all interfaces (`0.0.0.0:port`), as those charts expect. Applied on
 /// every reload too.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -23,6 +24,8 @@ pub struct Overrides {
     pub secure_serving: Option<bool>,
     /// `listen.tls` = `{cert: DIR/tls.crt, key: DIR/tls.key}` (a Kubernetes TLS Secret's keys).
     pub cert_dir: Option<PathBuf>,
+    /// `log.format` (`--zap-encoder json` → `json`, `console` → `text`).
+    pub log_format: Option<kvroute_config::LogFormat>,
 }
 
 impl Overrides {
@@ -40,6 +43,9 @@ impl Overrides {
         }
         if let Some(secure) = self.secure_serving {
             raw.listen.secure_serving = Some(secure);
+        }
+        if let Some(format) = self.log_format {
+            raw.log.format = Some(format);
         }
         if let Some(dir) = &self.cert_dir {
             raw.listen.tls = Some(RawServerTls {

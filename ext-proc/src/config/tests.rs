@@ -110,9 +110,11 @@ fn epp_defaults_overrides_and_bad_values() {
         metrics_port: Some(9090),
         secure_serving: Some(true),
         cert_dir: None,
+        log_format: Some(kvroute_config::LogFormat::Json),
     };
     let file = format!("{MINIMAL}listen: {{grpc: \"127.0.0.1:1\", secure_serving: false}}\n");
     let config = Config::from_yaml_with(&file, &overrides).unwrap();
+    assert_eq!(config.log_format, kvroute_config::LogFormat::Json);
     assert_eq!(config.grpc_addr, "0.0.0.0:9002".parse().unwrap());
     assert_eq!(config.health_addr, Some("0.0.0.0:9003".parse().unwrap()));
     assert_eq!(config.admin_addr, "0.0.0.0:9090".parse().unwrap());

@@ -307,7 +307,8 @@ impl PhaseReport {
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-/// Runs the whole workload through Envoy's `routing` listener and measures it.
+/// Runs the whole workload through Envoy's `routing` listener and measures it (through kvroute's,
+/// once kvroute has forgotten an earlier phase: [`until_kvroute_forgot`]).
 pub async fn run_phase(
     stack: &Stack,
     routing: Routing,
@@ -318,6 +319,9 @@ pub async fn run_phase(
         what: "that listener",
     })?;
     let endpoint = format!("{url}/v1/chat/completions");
+    if routing == Routing::Kvroute {
+        until_kvroute_forgot(stack, conversations, options).await?;
+    }
     let before = sim_counters(stack).await?;
     let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
     let started = Instant::now();
@@ -498,6 +502,53 @@ pub async fn shadow_totals(stack: &Stack) -> Result<ShadowTotals, StackError> {
         unobserved: number("unobserved"),
         captured_tokens: number("captured_tokens"),
         held_tokens: number("held_tokens"),
+    })
+}
+
+/// Waits until kvroute-ext-proc believes no replica holds any of the workload's system prompts.
+/// After the engines' prefix caches are reset, kvroute's own placements of the last
+/// `scoring.speculative_ttl` still count as held (their events "have not landed yet"), so a phase
+/// started at once would inherit the previous phase's beliefs. Asks `/v1/explain` (nothing is
+/// routed) for the first turn of one conversation per system prompt until every candidate's
+/// matched blocks are 0.
+pub async fn until_kvroute_forgot(
+    stack: &Stack,
+    conversations: &[Conversation],
+    options: &WorkloadOptions,
+) -> Result<(), StackError> {
+    let url = format!(
+        "{}/v1/explain?path=/v1/chat/completions",
+        stack.ext_proc_admin_url()?
+    );
+    let firsts: Vec<Value> = conversations
+        .iter()
+        .take(options.groups)
+        .map(|conversation| {
+            json!({"model": MODEL, "messages": conversation.messages(0), "max_tokens": 1})
+        })
+        .collect();
+    kvroute_test_support::try_poll_until(
+        "kvroute-ext-proc to forget the previous phase's placements",
+        kvroute_test_support::deadline(Duration::from_secs(60)),
+        || async {
+            for body in &firsts {
+                let record: Value = http::post_json(&url, body).await.ok()?.json().ok()?;
+                let held = record["candidates"]
+                    .as_array()?
+                    .iter()
+                    .any(|c| c["matched_blocks"].as_u64() != Some(0));
+                if held {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await
+    .map_err(|e| StackError::Component {
+        component: "kvroute-ext-proc",
+        detail: e.to_string(),
+        log: String::new(),
     })
 }
 

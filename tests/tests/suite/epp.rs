@@ -438,10 +438,16 @@ async fn the_gie_chart_flags_set_the_listeners() {
         .await,
         Ok(tonic_health::pb::health_check_response::ServingStatus::Serving)
     );
+    let log = process.log();
     assert!(
-        process.log().contains("--zap-encoder"),
-        "the ignored flags are logged\n{}",
-        process.log()
+        log.contains("--enable-pprof"),
+        "the ignored flags are logged\n{log}"
+    );
+    assert!(
+        log.lines()
+            .filter(|line| !line.trim().is_empty())
+            .all(|line| serde_json::from_str::<serde_json::Value>(line).is_ok()),
+        "--zap-encoder json: JSON lines\n{log}"
     );
 }
 
