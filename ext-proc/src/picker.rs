@@ -673,7 +673,7 @@ impl Picker {
 
     /// The response to `decision`'s request began on `served` (as far as Envoy said): a shadow
     /// pool's decision is compared with it; one served elsewhere than chosen is remembered there
-    /// ([`Self::served_elsewhere`]).
+    /// (`served_elsewhere`).
     ///
     /// A shadow decision is committed as a routed one is (kvroute's own insert and in-flight
     /// load on its choice): what routing would capture is what kvroute believes its choice holds,
