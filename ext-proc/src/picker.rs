@@ -29,7 +29,7 @@ use arc_swap::ArcSwap;
 use kvroute_index_api::api::{MatchRequest, MatchResponse};
 use kvroute_routing::load::{InflightGuard, LoadBoard};
 use kvroute_routing::policy::Reason;
-use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router, Scored};
+use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument as _;
 
@@ -39,10 +39,11 @@ use crate::index_client::IndexClient;
 use crate::metrics::{
     DecisionLabels, FallbackLabels, KindLabel, Metrics, ReplicaLabel, ReplicaStateLabels,
 };
-use crate::records::{CandidateRecord, DecisionRecord, DecisionRecords, TokenFacts};
+use crate::records::Explained;
+use crate::records::{DecisionRecord, DecisionRecords, TokenFacts};
 use crate::request::ParsedRequest;
 use crate::scrape::Scraper;
-use crate::shadow::{Comparison, ShadowBook};
+use crate::shadow::ShadowBook;
 use crate::tokenizer::{
     KeysJob, PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer, TokensRequest,
 };
@@ -204,45 +205,6 @@ pub struct Decision {
     pub explained: Option<Box<Explained>>,
     /// The decision's record, when it was recorded.
     pub record: Option<Arc<DecisionRecord>>,
-}
-
-/// What a decision saw of its candidates: what a record explains and shadow mode compares.
-#[derive(Debug)]
-pub struct Explained {
-    /// The config the decision used.
-    pub config: Arc<Config>,
-    /// Its pool.
-    pub pool: usize,
-    /// The candidates, as indices into `config.replicas`.
-    pub candidates: Vec<usize>,
-    /// Each candidate as scored.
-    pub scored: Scored,
-    /// The chosen candidate's position.
-    pub chosen: usize,
-    /// The prompt's tokens, when it had any.
-    pub tokens: Option<TokenFacts>,
-}
-
-impl Explained {
-    /// The candidate serving on `address`, if any.
-    fn candidate_at(&self, address: SocketAddr) -> Option<usize> {
-        self.candidates
-            .iter()
-            .position(|&r| self.config.replicas[r].address == address)
-    }
-}
-
-impl Decision {
-    /// The GIE destination value: the chosen `ip:port`, then the fallbacks, comma-separated
-    /// (the same string goes in the header and in `envoy.lb` metadata).
-    pub fn destination(&self) -> String {
-        let mut value = self.address.to_string();
-        for fallback in &self.fallbacks {
-            value.push(',');
-            value.push_str(&fallback.to_string());
-        }
-        value
-    }
 }
 
 /// One config snapshot with what was built from it.
@@ -450,7 +412,7 @@ impl Picker {
             .decision_duration
             .observe(elapsed.as_secs_f64());
         if let (Some(why), Ok(decision)) = (recorded, &mut result) {
-            let record = Arc::new(decision_record(decision, request, elapsed));
+            let record = Arc::new(DecisionRecord::of(decision, request, elapsed));
             self.metrics
                 .decision_records
                 .get_or_create(&KindLabel { kind: why })
@@ -495,7 +457,7 @@ impl Picker {
         let decision = self
             .decide_in(&runtime, request, None, started, true, false)
             .await?;
-        Ok(decision_record(&decision, request, started.elapsed()))
+        Ok(DecisionRecord::of(&decision, request, started.elapsed()))
     }
 
     async fn decide_in(
@@ -684,22 +646,7 @@ impl Picker {
         if decision.mode == PoolMode::Shadow
             && let Some(explained) = decision.explained.as_deref()
         {
-            let pool = &explained.config.pools[explained.pool].name;
-            match served.and_then(|address| explained.candidate_at(address)) {
-                Some(at) => {
-                    let scored = &explained.scored;
-                    self.shadow.compare(
-                        pool,
-                        Comparison {
-                            prompt_tokens: scored.prompt_tokens as u64,
-                            held_tokens: scored.held_tokens() as u64,
-                            captured_tokens: scored.believed_tokens(explained.chosen) as u64,
-                            served_predicted_tokens: scored.reusable_tokens(at) as u64,
-                        },
-                    );
-                }
-                None => self.shadow.unobserved(pool),
-            }
+            self.shadow.compare_decision(explained, served);
         }
         if let Some(served) = served
             && served != decision.address
@@ -1037,63 +984,6 @@ impl Picker {
             .get_or_create(&FallbackLabels { stage, cause })
             .inc();
     }
-}
-
-/// The record of `decision` (whose candidates were kept: `explained`).
-fn decision_record(
-    decision: &Decision,
-    request: &ParsedRequest<'_>,
-    elapsed: std::time::Duration,
-) -> DecisionRecord {
-    let mut record = DecisionRecord {
-        at_unix_ms: crate::records::unix_ms(),
-        pool: String::new(),
-        mode: decision.mode.as_label(),
-        model: request.model.to_string(),
-        tier: decision.tier.as_label(),
-        reason: decision.reason,
-        chosen: decision.replica_id.clone(),
-        predicted_cached_tokens: decision.predicted_cached_tokens,
-        tokens: None,
-        decision_ms: elapsed.as_secs_f64() * 1000.0,
-        candidates: Vec::new(),
-    };
-    let Some(explained) = decision.explained.as_deref() else {
-        return record;
-    };
-    let config = &explained.config;
-    let scored = &explained.scored;
-    record.pool.clone_from(&config.pools[explained.pool].name);
-    record.tokens = explained.tokens;
-    record.candidates = explained
-        .candidates
-        .iter()
-        .enumerate()
-        .map(|(i, &r)| {
-            let replica = &config.replicas[r];
-            let view = scored.views.get(i);
-            let load = view.map(|v| v.load).unwrap_or_default();
-            CandidateRecord {
-                replica: replica.id.clone(),
-                address: replica.address.to_string(),
-                chosen: replica.address == decision.address,
-                indexed_blocks: scored
-                    .indexed
-                    .get(i)
-                    .copied()
-                    .flatten()
-                    .map(|found| found.matched_blocks),
-                matched_blocks: view.map_or(0, |v| v.matched_blocks),
-                reusable_tokens: scored.reusable_tokens(i),
-                waiting: load.scraped.waiting,
-                running: load.scraped.running,
-                kv_usage: load.scraped.kv_usage,
-                inflight_requests: load.inflight_requests,
-                estimated_ttft_ms: scored.estimated_ttft_ms(i, &config.scoring).unwrap_or(0.0),
-            }
-        })
-        .collect();
-    record
 }
 
 #[cfg(test)]

@@ -13,11 +13,17 @@
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use kvroute_routing::Scored;
 use parking_lot::Mutex;
 use serde::Serialize;
+
+use crate::config::Config;
+use crate::picker::Decision;
+use crate::request::ParsedRequest;
 
 /// Response header carrying a flagged request's record, compact.
 pub const EXPLAIN_HEADER: &str = "x-kvroute-explain";
@@ -146,6 +152,105 @@ impl DecisionRecords {
     /// The most recent `limit` records, newest first.
     pub fn latest(&self, limit: usize) -> Vec<Arc<DecisionRecord>> {
         self.kept.lock().iter().rev().take(limit).cloned().collect()
+    }
+}
+
+/// What a decision saw of its candidates: what a record explains and shadow mode compares.
+#[derive(Debug)]
+pub struct Explained {
+    /// The config the decision used.
+    pub config: Arc<Config>,
+    /// Its pool.
+    pub pool: usize,
+    /// The candidates, as indices into `config.replicas`.
+    pub candidates: Vec<usize>,
+    /// Each candidate as scored.
+    pub scored: Scored,
+    /// The chosen candidate's position.
+    pub chosen: usize,
+    /// The prompt's tokens, when it had any.
+    pub tokens: Option<TokenFacts>,
+}
+
+impl Explained {
+    /// The candidate serving on `address`, if any.
+    pub fn candidate_at(&self, address: SocketAddr) -> Option<usize> {
+        self.candidates
+            .iter()
+            .position(|&r| self.config.replicas[r].address == address)
+    }
+}
+
+impl Decision {
+    /// The GIE destination value: the chosen `ip:port`, then the fallbacks, comma-separated
+    /// (the same string goes in the header and in `envoy.lb` metadata).
+    pub fn destination(&self) -> String {
+        let mut value = self.address.to_string();
+        for fallback in &self.fallbacks {
+            value.push(',');
+            value.push_str(&fallback.to_string());
+        }
+        value
+    }
+}
+
+impl DecisionRecord {
+    /// The record of `decision` for `request`, decided in `elapsed` (its candidates, when they
+    /// were kept: `explained`).
+    pub fn of(
+        decision: &Decision,
+        request: &ParsedRequest<'_>,
+        elapsed: std::time::Duration,
+    ) -> Self {
+        let mut record = DecisionRecord {
+            at_unix_ms: unix_ms(),
+            pool: String::new(),
+            mode: decision.mode.as_label(),
+            model: request.model.to_string(),
+            tier: decision.tier.as_label(),
+            reason: decision.reason,
+            chosen: decision.replica_id.clone(),
+            predicted_cached_tokens: decision.predicted_cached_tokens,
+            tokens: None,
+            decision_ms: elapsed.as_secs_f64() * 1000.0,
+            candidates: Vec::new(),
+        };
+        let Some(explained) = decision.explained.as_deref() else {
+            return record;
+        };
+        let config = &explained.config;
+        let scored = &explained.scored;
+        record.pool.clone_from(&config.pools[explained.pool].name);
+        record.tokens = explained.tokens;
+        record.candidates = explained
+            .candidates
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| {
+                let replica = &config.replicas[r];
+                let view = scored.views.get(i);
+                let load = view.map(|v| v.load).unwrap_or_default();
+                CandidateRecord {
+                    replica: replica.id.clone(),
+                    address: replica.address.to_string(),
+                    chosen: replica.address == decision.address,
+                    indexed_blocks: scored
+                        .indexed
+                        .get(i)
+                        .copied()
+                        .flatten()
+                        .map(|found| found.matched_blocks),
+                    matched_blocks: view.map_or(0, |v| v.matched_blocks),
+                    reusable_tokens: scored.reusable_tokens(i),
+                    waiting: load.scraped.waiting,
+                    running: load.scraped.running,
+                    kv_usage: load.scraped.kv_usage,
+                    inflight_requests: load.inflight_requests,
+                    estimated_ttft_ms: scored.estimated_ttft_ms(i, &config.scoring).unwrap_or(0.0),
+                }
+            })
+            .collect();
+        record
     }
 }
 

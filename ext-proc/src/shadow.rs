@@ -33,6 +33,7 @@ use serde::Serialize;
 
 use crate::config::{Config, PoolMode};
 use crate::metrics::{Metrics, PoolLabel};
+use crate::records::Explained;
 
 /// How often a shadow pool's summary is logged.
 pub const LOG_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
@@ -184,6 +185,27 @@ impl ShadowBook {
             .entry(pool.to_owned())
             .or_default()
             .add(comparison);
+    }
+
+    /// A shadow decision `explained` and the replica Envoy reported it served on, if it did: what
+    /// kvroute's choice was believed to hold (its own earlier choices included) against what
+    /// the serving replica held.
+    pub fn compare_decision(&self, explained: &Explained, served: Option<std::net::SocketAddr>) {
+        let pool = &explained.config.pools[explained.pool].name;
+        let Some(at) = served.and_then(|address| explained.candidate_at(address)) else {
+            self.unobserved(pool);
+            return;
+        };
+        let scored = &explained.scored;
+        self.compare(
+            pool,
+            Comparison {
+                prompt_tokens: scored.prompt_tokens as u64,
+                held_tokens: scored.held_tokens() as u64,
+                captured_tokens: scored.believed_tokens(explained.chosen) as u64,
+                served_predicted_tokens: scored.reusable_tokens(at) as u64,
+            },
+        );
     }
 
     /// A shadow decision of `pool` whose serving replica Envoy did not report.
