@@ -198,6 +198,13 @@ pub enum IndexError {
     /// The embedded index refused the query (e.g. a model its config does not know).
     #[error("embedded index refused the match")]
     Refused(#[source] crate::embedded::MatchError),
+    /// An index refused the query itself (a model it does not know, another block size): the
+    /// two configs disagree, so every address would answer the same.
+    #[error("the index refused the match: {status}")]
+    Rejected {
+        /// Its gRPC status (`NOT_FOUND`, `INVALID_ARGUMENT`).
+        status: tonic::Status,
+    },
 }
 
 impl IndexError {
@@ -207,7 +214,7 @@ impl IndexError {
             Self::NotConfigured => "not_configured",
             Self::Timeout { .. } => "timeout",
             Self::Unavailable { .. } => "unavailable",
-            Self::Refused(_) => "refused",
+            Self::Refused(_) | Self::Rejected { .. } => "refused",
         }
     }
 }

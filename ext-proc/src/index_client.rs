@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_index_api::api::kv_index_client::KvIndexClient;
 use kvroute_index_api::api::{MatchRequest, MatchResponse};
+use kvroute_index_core::throttle::LogThrottle;
 use kvroute_runtime::tls::ClientTls;
 use kvroute_runtime::token::{AUTHORIZATION, AgentToken};
 use kvroute_runtime::trace_context::{TRACEPARENT, TRACESTATE};
@@ -38,6 +39,8 @@ pub struct IndexClient {
     retry_after: Duration,
     /// `authorization: Bearer <token>` for every call (`index.token_file`).
     authorization: Option<tonic::metadata::AsciiMetadataValue>,
+    /// Throttles the warning for queries an index refuses (a config mismatch repeats per request).
+    refusals: LogThrottle,
 }
 
 impl IndexClient {
@@ -70,6 +73,7 @@ impl IndexClient {
             addresses,
             retry_after,
             authorization: None,
+            refusals: LogThrottle::default(),
         }
     }
 
@@ -158,6 +162,27 @@ impl IndexClient {
                 Ok(Ok(response)) => {
                     *address.failed_at.lock() = None;
                     return Ok(response.into_inner());
+                }
+                Ok(Err(status))
+                    if matches!(
+                        status.code(),
+                        tonic::Code::InvalidArgument | tonic::Code::NotFound
+                    ) =>
+                {
+                    // The index is up and says no: the query itself is wrong for it, so another
+                    // address would say the same, and this one is not unhealthy.
+                    if let Some(suppressed) = self.refusals.allow() {
+                        tracing::warn!(
+                            index = %address.uri,
+                            code = ?status.code(),
+                            reason = status.message(),
+                            suppressed,
+                            "the index refuses this pool's queries: check that its pool (model, \
+                             block_size, key scheme) matches ext-proc's; decisions use the \
+                             approximate tier"
+                        );
+                    }
+                    return Err(IndexError::Rejected { status });
                 }
                 Ok(Err(status)) => {
                     tracing::debug!(index = %address.uri, code = ?status.code(), "index match failed");

@@ -193,6 +193,52 @@ async fn embedded_index_answers_in_process_and_survives_a_reload() {
     index.shutdown().await;
 }
 
+#[cfg(feature = "embedded-index")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_index_refusing_the_query_is_a_config_mismatch_not_an_outage() {
+    let index = kvroute_index::server::IndexServer::start(
+        kvroute_index::config::Config::from_yaml(
+            "listen: {grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}\n\
+             pools:\n  - {name: p, models: [m], block_size: 16, key_scheme: {kind: token-chain}}\n\
+             replicas:\n  - {id: r0, pool: p, events: {endpoint: \"tcp://127.0.0.1:9\"}}\n",
+        )
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let yaml = format!(
+        "index: {{addresses: [\"http://{}\"]}}\n\
+         pools:\n- {{name: p, models: [m], block_size: 16, key_scheme: {{kind: token-chain}}}}\n\
+         replicas:\n- {{id: r0, pool: p, address: \"10.0.0.1:8000\"}}\n",
+        index.grpc_addr()
+    );
+    let tasks = TaskTracker::new();
+    let runtime = Runtime::build(Config::from_yaml(&yaml).unwrap(), None, &tasks).unwrap();
+    let ask = |block_size: u32| {
+        let request = MatchRequest {
+            model: "m".to_owned(),
+            block_size,
+            keys: vec![1, 2, 3],
+            candidates: vec!["r0".to_owned()],
+            ..MatchRequest::default()
+        };
+        runtime
+            .index
+            .match_prefix(request, Instant::now() + std::time::Duration::from_secs(5))
+    };
+    // Another block size than the index's pool: refused, counted as such, not as unavailable.
+    let refused = ask(32).await;
+    assert!(
+        matches!(&refused, Err(crate::error::IndexError::Rejected { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(refused.unwrap_err().as_label(), "refused");
+    // The address is not marked unhealthy: the next, right query is answered at once.
+    let answer = ask(16).await.unwrap();
+    assert_eq!(answer.replicas.len(), 1, "{answer:?}");
+    index.shutdown().await;
+}
+
 const TINY_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-model");
 
 /// An in-process tokenizer that cannot give leading tokens: every decision tokenizes the
