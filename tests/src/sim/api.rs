@@ -1,5 +1,5 @@
-//! The HTTP surface, in vLLM's shapes: OpenAI completions and chat (JSON and SSE), the Responses
-//! and Anthropic Messages APIs (JSON), `/v1/models`, `/health`, `/tokenize`, the render endpoints
+//! The HTTP surface, in vLLM's shapes: OpenAI completions and chat, the Responses and Anthropic
+//! Messages APIs (each as JSON or SSE), `/v1/models`, `/health`, `/tokenize`, the render endpoints
 //! of vLLM 0.32's `--enable-scale-out` (`/v1/{completions,chat/completions,responses,messages}/render`),
 //! `/metrics`, `/reset_prefix_cache` and the simulator's `/debug/blocks`.
 //!
@@ -348,9 +348,9 @@ async fn tokenize(
 enum Kind {
     Completion,
     Chat,
-    /// OpenAI Responses API (non-streaming only).
+    /// OpenAI Responses API.
     Responses,
-    /// Anthropic Messages API (non-streaming only).
+    /// Anthropic Messages API (answered by vLLM's chat path, so its ids are chat ids).
     Messages,
 }
 
@@ -498,18 +498,12 @@ async fn generate(
     stream: bool,
     include_usage: bool,
 ) -> Result<Response, ApiError> {
-    if stream && matches!(kind, Kind::Responses | Kind::Messages) {
-        return Err(ApiError::bad_request(
-            "the simulator streams completions and chat completions only",
-        ));
-    }
     let output = (0..max_tokens).map(|k| state.filler(k).0).collect();
     let sequence = state.engine.start(prompt, output).await?;
     let id = state.request_id(match kind {
-        Kind::Chat => "chatcmpl",
+        Kind::Chat | Kind::Messages => "chatcmpl",
         Kind::Completion => "cmpl",
         Kind::Responses => "resp",
-        Kind::Messages => "msg",
     });
     let mut generation = Generation {
         state,
@@ -518,6 +512,9 @@ async fn generate(
         sequence,
         include_usage,
         phase: Phase::Start,
+        text: String::new(),
+        item_id: None,
+        sequence_number: 0,
     };
     if stream {
         let events = futures::stream::unfold(generation, |mut generation| async move {
@@ -550,6 +547,13 @@ struct Generation {
     sequence: Sequence,
     include_usage: bool,
     phase: Phase,
+    /// The text streamed so far (Responses and Messages streams repeat it at the end).
+    text: String,
+    /// The streamed output item (Responses) or content block (Messages), once opened by the
+    /// first token.
+    item_id: Option<String>,
+    /// The next Responses event's `sequence_number`.
+    sequence_number: u64,
 }
 
 impl Generation {
@@ -564,6 +568,34 @@ impl Generation {
         json!({"prompt_tokens": prompt, "total_tokens": prompt + completion,
             "completion_tokens": completion,
             "prompt_tokens_details": {"cached_tokens": self.sequence.cached_tokens()}})
+    }
+
+    /// The Responses API's usage, as vLLM's `responses_full_generator` reports it.
+    fn responses_usage(&self) -> Value {
+        let prompt = self.sequence.prompt_len();
+        let output = self.sequence.generated();
+        json!({"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
+            "input_tokens_details": {"cached_tokens": self.sequence.cached_tokens()},
+            "output_tokens_details": {"reasoning_tokens": 0}})
+    }
+
+    /// The Messages API's final usage as vLLM converts the chat usage: Anthropic counts
+    /// `input_tokens` beside the cache reads, so the cached tokens are taken out of the prompt.
+    fn messages_usage(&self) -> Value {
+        let cached = self.sequence.cached_tokens();
+        json!({"input_tokens": self.sequence.prompt_len().saturating_sub(cached),
+            "output_tokens": self.sequence.generated(), "cache_read_input_tokens": cached})
+    }
+
+    /// A Responses API body; `output` and `usage` as they stand at `status`.
+    fn responses_body(&self, status: &str, output: Value, usage: Value) -> Value {
+        let incomplete_details = match status {
+            "incomplete" => json!({"reason": "max_output_tokens"}),
+            _ => Value::Null,
+        };
+        json!({"id": self.id, "object": "response", "created_at": unix_seconds(),
+            "model": self.state.model_name, "status": status,
+            "incomplete_details": incomplete_details, "output": output, "usage": usage})
     }
 
     async fn run_to_end(&mut self) -> Value {
@@ -592,28 +624,16 @@ impl Generation {
                 "prompt_logprobs": null, "kv_transfer_params": null,
             }),
             Kind::Responses => {
-                let prompt = self.sequence.prompt_len();
-                let output = self.sequence.generated();
-                json!({
-                    "id": self.id, "object": "response", "created_at": unix_seconds(),
-                    "model": state.model_name, "status": "incomplete",
-                    "incomplete_details": {"reason": "max_output_tokens"},
-                    "output": [{"type": "message", "id": format!("msg_{}", self.id),
-                        "role": "assistant", "status": "incomplete",
-                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
-                    "usage": {"input_tokens": prompt, "output_tokens": output,
-                        "total_tokens": prompt + output,
-                        "input_tokens_details": {"cached_tokens": self.sequence.cached_tokens()},
-                        "output_tokens_details": {"reasoning_tokens": 0}},
-                })
+                let output = json!([{"type": "message", "id": format!("msg_{}", self.id),
+                    "role": "assistant", "status": "incomplete",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}]}]);
+                self.responses_body("incomplete", output, self.responses_usage())
             }
             Kind::Messages => json!({
                 "id": self.id, "type": "message", "role": "assistant", "model": state.model_name,
                 "content": [{"type": "text", "text": text}],
                 "stop_reason": "max_tokens", "stop_sequence": null,
-                "usage": {"input_tokens": self.sequence.prompt_len(),
-                    "output_tokens": self.sequence.generated(),
-                    "cache_read_input_tokens": self.sequence.cached_tokens()},
+                "usage": self.messages_usage(),
             }),
         }
     }
@@ -621,7 +641,6 @@ impl Generation {
     fn chunk(&self, choices: Value, usage: Option<Value>) -> String {
         let object = match self.kind {
             Kind::Completion => "text_completion",
-            // Responses and Messages never stream here (refused in `generate`).
             Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
         };
         let mut chunk = json!({"id": self.id, "object": object, "created": unix_seconds(),
@@ -632,17 +651,190 @@ impl Generation {
         format!("data: {chunk}\n\n")
     }
 
-    /// The next SSE event of vLLM's stream: (chat only) a role delta, one chunk per token with
-    /// `finish_reason` on the last, an optional usage chunk with no choices, then `[DONE]`.
+    /// An event of a Responses stream: named by its type on an `event:` line, numbered in
+    /// stream order from 0 (vLLM's `_convert_stream_to_sse_events`).
+    fn responses_event(&mut self, kind: &str, mut fields: Value) -> String {
+        if let Some(map) = fields.as_object_mut() {
+            map.insert("type".to_owned(), kind.into());
+            map.insert("sequence_number".to_owned(), self.sequence_number.into());
+        }
+        self.sequence_number += 1;
+        format!("event: {kind}\ndata: {fields}\n\n")
+    }
+
+    /// An event of a Messages stream, as vLLM's `message_stream_converter` wraps it.
+    fn messages_event(kind: &str, mut fields: Value) -> String {
+        if let Some(map) = fields.as_object_mut() {
+            map.insert("type".to_owned(), kind.into());
+        }
+        format!("event: {kind}\ndata: {fields}\n\n")
+    }
+
+    /// The streamed Responses output message; `text` is its content once done.
+    fn responses_item(item_id: &str, status: &str, content: Value) -> Value {
+        json!({"id": item_id, "content": content, "role": "assistant", "status": status,
+            "type": "message", "phase": null})
+    }
+
+    /// The events opening a stream: (chat) a role delta; (Responses) `response.created` and
+    /// `response.in_progress` with the response as it starts; (Messages) `message_start`, whose
+    /// usage is the prompt's length alone, as vLLM takes it from the chat stream's first chunk.
+    fn start_events(&mut self) -> Option<String> {
+        match self.kind {
+            Kind::Completion => None,
+            Kind::Chat => {
+                let delta = json!([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": null, "finish_reason": null}]);
+                Some(self.chunk(delta, None))
+            }
+            Kind::Responses => {
+                let response = self.responses_body("in_progress", json!([]), Value::Null);
+                let created =
+                    self.responses_event("response.created", json!({"response": response}));
+                let in_progress =
+                    self.responses_event("response.in_progress", json!({"response": response}));
+                Some(created + &in_progress)
+            }
+            Kind::Messages => {
+                let message = json!({"id": self.id, "type": "message", "role": "assistant",
+                    "content": [], "model": self.state.model_name, "stop_reason": null,
+                    "stop_sequence": null,
+                    "usage": {"input_tokens": self.sequence.prompt_len(), "output_tokens": 0}});
+                Some(Self::messages_event(
+                    "message_start",
+                    json!({"message": message}),
+                ))
+            }
+        }
+    }
+
+    /// The events carrying one token's `text`; a Responses or Messages stream opens its
+    /// output item or content block with the first.
+    fn token_events(&mut self, text: String) -> String {
+        let finish = (self.sequence.remaining() == 0).then_some("length");
+        match self.kind {
+            Kind::Completion => {
+                let choice = json!([{"index": 0, "text": text, "logprobs": null,
+                    "finish_reason": finish, "stop_reason": null}]);
+                self.chunk(choice, None)
+            }
+            Kind::Chat => {
+                let choice = json!([{"index": 0, "delta": {"content": text},
+                    "logprobs": null, "finish_reason": finish}]);
+                self.chunk(choice, None)
+            }
+            Kind::Responses => {
+                let mut events = String::new();
+                let item_id = match &self.item_id {
+                    Some(id) => id.clone(),
+                    None => {
+                        let id = format!("msg_{}", self.id);
+                        self.item_id = Some(id.clone());
+                        let item = Self::responses_item(&id, "in_progress", json!([]));
+                        events += &self.responses_event(
+                            "response.output_item.added",
+                            json!({"item": item, "output_index": 0}),
+                        );
+                        events += &self.responses_event(
+                            "response.content_part.added",
+                            json!({"content_index": 0, "item_id": id, "output_index": 0,
+                                "part": {"annotations": [], "text": "", "type": "output_text",
+                                    "logprobs": []}}),
+                        );
+                        id
+                    }
+                };
+                self.text.push_str(&text);
+                events += &self.responses_event(
+                    "response.output_text.delta",
+                    json!({"content_index": 0, "delta": text, "item_id": item_id,
+                        "logprobs": [], "output_index": 0}),
+                );
+                events
+            }
+            Kind::Messages => {
+                let mut events = String::new();
+                if self.item_id.is_none() {
+                    self.item_id = Some(String::new());
+                    events += &Self::messages_event(
+                        "content_block_start",
+                        json!({"content_block": {"type": "text", "text": ""}, "index": 0}),
+                    );
+                }
+                self.text.push_str(&text);
+                events += &Self::messages_event(
+                    "content_block_delta",
+                    json!({"delta": {"type": "text_delta", "text": text}, "index": 0}),
+                );
+                events
+            }
+        }
+    }
+
+    /// The events after the last token: (completions, chat) the usage chunk if asked for;
+    /// (Responses) the item's done events and `response.completed` with the usage;
+    /// (Messages) `content_block_stop` and `message_delta` with the usage.
+    fn end_events(&mut self) -> Option<String> {
+        match self.kind {
+            Kind::Completion | Kind::Chat => self
+                .include_usage
+                .then(|| self.chunk(json!([]), Some(self.usage()))),
+            Kind::Responses => {
+                let mut events = String::new();
+                let mut output = Vec::new();
+                if let Some(item_id) = self.item_id.clone() {
+                    let text = std::mem::take(&mut self.text);
+                    events += &self.responses_event(
+                        "response.output_text.done",
+                        json!({"content_index": 0, "item_id": item_id, "logprobs": [],
+                            "output_index": 0, "text": text}),
+                    );
+                    let part = json!({"annotations": [], "text": text, "type": "output_text",
+                        "logprobs": null});
+                    events += &self.responses_event(
+                        "response.content_part.done",
+                        json!({"content_index": 0, "item_id": item_id, "output_index": 0,
+                            "part": part}),
+                    );
+                    let item = Self::responses_item(&item_id, "completed", json!([part]));
+                    events += &self.responses_event(
+                        "response.output_item.done",
+                        json!({"item": item, "output_index": 0}),
+                    );
+                    output.push(item);
+                }
+                let response =
+                    self.responses_body("incomplete", Value::Array(output), self.responses_usage());
+                events +=
+                    &self.responses_event("response.completed", json!({"response": response}));
+                Some(events)
+            }
+            Kind::Messages => {
+                let mut events = String::new();
+                if self.item_id.is_some() {
+                    events += &Self::messages_event("content_block_stop", json!({"index": 0}));
+                }
+                events += &Self::messages_event(
+                    "message_delta",
+                    json!({"delta": {"stop_reason": "max_tokens", "stop_sequence": null},
+                        "usage": self.messages_usage()}),
+                );
+                Some(events)
+            }
+        }
+    }
+
+    /// The next piece of vLLM's stream (one SSE event, or several emitted together): the
+    /// opening events, the events of each token (the last with `finish_reason`), the closing
+    /// events, then `[DONE]` (completions, chat) or `message_stop` (Messages); a Responses
+    /// stream ends with `response.completed`.
     async fn next_event(&mut self) -> Option<String> {
         loop {
             match self.phase {
                 Phase::Start => {
                     self.phase = Phase::Tokens;
-                    if self.kind == Kind::Chat {
-                        let delta = json!([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": null, "finish_reason": null}]);
-                        return Some(self.chunk(delta, None));
+                    if let Some(events) = self.start_events() {
+                        return Some(events);
                     }
                 }
                 Phase::Tokens => {
@@ -650,27 +842,30 @@ impl Generation {
                         self.phase = Phase::Usage;
                         continue;
                     };
-                    let finish = (self.sequence.remaining() == 0).then_some("length");
-                    let choice = match self.kind {
-                        Kind::Completion => json!([{"index": 0, "text": text, "logprobs": null,
-                            "finish_reason": finish, "stop_reason": null}]),
-                        Kind::Chat | Kind::Responses | Kind::Messages => {
-                            json!([{"index": 0, "delta": {"content": text},
-                            "logprobs": null, "finish_reason": finish}])
-                        }
-                    };
-                    return Some(self.chunk(choice, None));
+                    // vLLM's Responses and Messages converters skip empty deltas.
+                    if text.is_empty() && matches!(self.kind, Kind::Responses | Kind::Messages) {
+                        continue;
+                    }
+                    return Some(self.token_events(text));
                 }
                 Phase::Usage => {
                     self.sequence.finish();
                     self.phase = Phase::Done;
-                    if self.include_usage {
-                        return Some(self.chunk(json!([]), Some(self.usage())));
+                    if let Some(events) = self.end_events() {
+                        return Some(events);
                     }
                 }
                 Phase::Done => {
                     self.phase = Phase::End;
-                    return Some("data: [DONE]\n\n".to_owned());
+                    match self.kind {
+                        Kind::Completion | Kind::Chat => {
+                            return Some("data: [DONE]\n\n".to_owned());
+                        }
+                        Kind::Messages => {
+                            return Some(Self::messages_event("message_stop", json!({})));
+                        }
+                        Kind::Responses => {}
+                    }
                 }
                 Phase::End => return None,
             }

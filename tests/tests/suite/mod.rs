@@ -24,6 +24,7 @@ mod real_vllm_hybrid;
 mod render;
 mod replica_states;
 mod routing;
+mod sdk_streams;
 mod shadow;
 mod sim;
 mod sim_index;

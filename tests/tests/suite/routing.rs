@@ -79,7 +79,7 @@ fn completion(prompt: &str) -> Value {
 }
 
 /// Finished requests per sim (`vllm:request_success_total`), in replica order.
-async fn finished(stack: &Stack) -> Vec<u64> {
+pub(super) async fn finished(stack: &Stack) -> Vec<u64> {
     let mut counts = Vec::new();
     for url in stack.sim_urls() {
         let text = http::get(&format!("{url}/metrics")).await.unwrap().text();
@@ -89,7 +89,7 @@ async fn finished(stack: &Stack) -> Vec<u64> {
 }
 
 /// Waits until the sims finished `expected` more requests than `before`; returns the per-sim deltas.
-async fn served_since(stack: &Stack, before: &[u64], expected: u64) -> Vec<u64> {
+pub(super) async fn served_since(stack: &Stack, before: &[u64], expected: u64) -> Vec<u64> {
     try_poll_until("the sims to count the requests", settle(), || async {
         let now = finished(stack).await;
         let delta: Vec<u64> = now.iter().zip(before).map(|(n, b)| n - b).collect();

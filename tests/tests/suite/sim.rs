@@ -465,6 +465,173 @@ async fn streaming_uses_vllm_chunk_format() {
     assert_eq!(models["data"][0]["id"], "tiny");
 }
 
+/// The named events of a Responses or Messages stream: (`event:` name, `data:` JSON).
+fn named_sse_events(text: &str) -> Vec<(String, Value)> {
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (name, data) = e
+                .strip_prefix("event: ")
+                .and_then(|e| e.split_once("\ndata: "))
+                .unwrap_or_else(|| panic!("bad SSE event {e:?}"));
+            let data: Value = serde_json::from_str(data).unwrap();
+            assert_eq!(data["type"], name, "the event line names the data's type");
+            (name.to_owned(), data)
+        })
+        .collect()
+}
+
+async fn stream(base: &str, path: &str, body: Value) -> Vec<(String, Value)> {
+    let response = http::post_json(&format!("{base}{path}"), &body)
+        .await
+        .unwrap();
+    assert_eq!(response.status, 200, "{path}: {}", response.text());
+    assert!(
+        response.headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    named_sse_events(&response.text())
+}
+
+fn names(events: &[(String, Value)]) -> Vec<&str> {
+    events.iter().map(|(name, _)| name.as_str()).collect()
+}
+
+#[tokio::test]
+async fn responses_stream_as_vllm_does() {
+    let sim = start_sim(&[]).await;
+    let base = sim.base_url();
+    let body = json!({"model": "tiny", "input": PROMPT_A, "max_output_tokens": 3, "stream": true});
+    let plain = post(
+        &base,
+        "/v1/responses",
+        json!({"input": PROMPT_A, "max_output_tokens": 3}),
+    )
+    .await;
+    let events = stream(&base, "/v1/responses", body).await;
+    assert_eq!(
+        names(&events),
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    for (i, (_, data)) in events.iter().enumerate() {
+        assert_eq!(data["sequence_number"], json!(i));
+    }
+    let started = &events[0].1["response"];
+    assert_eq!(started["status"], "in_progress");
+    assert_eq!(
+        (&started["output"], &started["usage"]),
+        (&json!([]), &Value::Null)
+    );
+    let item_id = &events[2].1["item"]["id"];
+    let text: String = events[4..7]
+        .iter()
+        .map(|(_, data)| {
+            assert_eq!(&data["item_id"], item_id);
+            data["delta"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(
+        text,
+        plain["output"][0]["content"][0]["text"].as_str().unwrap()
+    );
+    assert_eq!(events[7].1["text"], text);
+    assert_eq!(events[9].1["item"]["status"], "completed");
+    let done = &events[10].1["response"];
+    assert_eq!(done["status"], "incomplete");
+    assert_eq!(done["output"][0], events[9].1["item"]);
+    // The same prompt again: the same accounting as the plain request, all but the partial
+    // last block cached.
+    let usage = &done["usage"];
+    assert_eq!(usage["input_tokens"], plain["usage"]["input_tokens"]);
+    assert_eq!(usage["output_tokens"], 3);
+    let cached = usage["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let input = usage["input_tokens"].as_u64().unwrap();
+    assert_eq!(cached, input - input % 32, "32-token blocks: {usage}");
+}
+
+#[tokio::test]
+async fn messages_stream_as_vllm_does() {
+    let sim = start_sim(&[]).await;
+    let base = sim.base_url();
+    let messages = json!([{"role": "user", "content": PROMPT_A}]);
+    let plain = post(
+        &base,
+        "/v1/messages",
+        json!({"model": "tiny", "messages": messages, "max_tokens": 2}),
+    )
+    .await;
+    let prompt_tokens = plain["usage"]["input_tokens"].as_u64().unwrap();
+    assert_eq!(plain["usage"]["cache_read_input_tokens"], 0);
+    let events = stream(
+        &base,
+        "/v1/messages",
+        json!({"model": "tiny", "messages": messages, "max_tokens": 2, "stream": true}),
+    )
+    .await;
+    assert_eq!(
+        names(&events),
+        [
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        ]
+    );
+    let message = &events[0].1["message"];
+    assert_eq!(
+        (&message["type"], &message["role"]),
+        (&json!("message"), &json!("assistant"))
+    );
+    assert!(message["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(
+        message["usage"],
+        json!({"input_tokens": prompt_tokens, "output_tokens": 0})
+    );
+    assert_eq!(
+        events[1].1["content_block"],
+        json!({"type": "text", "text": ""})
+    );
+    let text: String = events[2..4]
+        .iter()
+        .map(|(_, data)| {
+            assert_eq!(data["index"], 0);
+            assert_eq!(data["delta"]["type"], "text_delta");
+            data["delta"]["text"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(text, plain["content"][0]["text"].as_str().unwrap());
+    assert_eq!(
+        events[5].1["delta"],
+        json!({"stop_reason": "max_tokens", "stop_sequence": null})
+    );
+    // Anthropic counts input tokens beside cache reads, as vLLM converts them.
+    let usage = &events[5].1["usage"];
+    let cached = usage["cache_read_input_tokens"].as_u64().unwrap();
+    assert!(cached > 0 && cached < prompt_tokens, "{usage}");
+    assert_eq!(usage["input_tokens"], json!(prompt_tokens - cached));
+    assert_eq!(usage["output_tokens"], 2);
+    assert_eq!(events[6].1, json!({"type": "message_stop"}));
+}
+
 #[tokio::test]
 async fn legacy_array_encoding_decodes_to_the_same_events() {
     let sim = start_sim(&["--kv-events-encoding", "array"]).await;
