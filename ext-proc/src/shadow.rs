@@ -173,12 +173,14 @@ impl ShadowBook {
         m.shadow_served_predicted_tokens
             .get_or_create(&label)
             .inc_by(comparison.served_predicted_tokens);
-        if comparison.held_tokens > 0 {
-            m.shadow_repeat_requests.get_or_create(&label).inc();
-            if comparison.served_predicted_tokens == 0 {
-                m.shadow_repeat_cold_requests.get_or_create(&label).inc();
-            }
-        }
+        // Both counted (by 0 when not) so the pool's series exist from its first comparison.
+        let repeat = comparison.held_tokens > 0;
+        m.shadow_repeat_requests
+            .get_or_create(&label)
+            .inc_by(u64::from(repeat));
+        m.shadow_repeat_cold_requests
+            .get_or_create(&label)
+            .inc_by(u64::from(repeat && comparison.served_predicted_tokens == 0));
         self.state
             .lock()
             .pools
