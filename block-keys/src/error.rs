@@ -51,6 +51,12 @@ pub enum KeyError {
         /// The version as given.
         version: String,
     },
+    /// Image (multimodal) extra keys are reproduced for vLLM 0.31 and later only.
+    #[error("multimodal extra keys are reproduced for vLLM >= 0.31 only, not {era:?}")]
+    MultiModalEra {
+        /// The pool's era.
+        era: ExtraKeysEra,
+    },
 }
 
 impl KeyError {
@@ -65,6 +71,7 @@ impl KeyError {
             Self::LoraFieldMissing { .. } => "lora_field_missing",
             Self::DigestLength { .. } => "digest_length",
             Self::BadVllmVersion { .. } => "bad_vllm_version",
+            Self::MultiModalEra { .. } => "multimodal_era",
         }
     }
 }

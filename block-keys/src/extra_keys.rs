@@ -1,4 +1,4 @@
-//! vLLM's per-block extra keys (LoRA adapter, cache salt), in the shape of each vLLM era.
+//! vLLM's per-block extra keys (LoRA adapter, images, cache salt), in the shape of each vLLM era.
 
 use crate::{HashValue, KeyError};
 
@@ -97,12 +97,27 @@ impl ExtraKeysEra {
     }
 }
 
-/// A request's extra keys for every block, built once: they only differ between the first block
-/// (which carries the cache salt) and the rest.
+/// An image (or another multimodal item) in a prompt, as vLLM's `MultiModalFeatureSpec` places
+/// it: its identifier (vLLM's `mm_hash` of the item and processor settings, or the client's
+/// `multi_modal_uuids` value) and the prompt tokens its placeholder spans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MultiModalItem<'a> {
+    /// `identifier`.
+    pub identifier: &'a str,
+    /// `mm_position.offset`: the placeholder's first prompt token.
+    pub offset: usize,
+    /// `mm_position.length`: its tokens.
+    pub length: usize,
+}
+
+/// A request's extra keys for every block, built once. Without images they only differ between
+/// the first block (which carries the cache salt) and the rest; a block an image's placeholder
+/// overlaps carries the image too (`per_block`, up to the last such block).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExtraKeys {
     first_block: Option<HashValue>,
     later_blocks: Option<HashValue>,
+    per_block: Vec<Option<HashValue>>,
 }
 
 impl ExtraKeys {
@@ -110,6 +125,7 @@ impl ExtraKeys {
     pub const NONE: Self = Self {
         first_block: None,
         later_blocks: None,
+        per_block: Vec::new(),
     };
 
     /// The extra keys of a request in the given era.
@@ -121,17 +137,78 @@ impl ExtraKeys {
         Ok(Self {
             first_block: era.block_extra_keys(lora, cache_salt, 0)?,
             later_blocks: era.block_extra_keys(lora, cache_salt, 1)?,
+            per_block: Vec::new(),
         })
+    }
+
+    /// The extra keys of a request with images (`items`, in prompt order as vLLM keeps them) in
+    /// blocks of `block_size` tokens, as vLLM 0.31+ builds them
+    /// (`generate_block_hash_extra_keys`): per block the LoRA item, then
+    /// `("mm", identifier, offset - block start)` for every item whose placeholder overlaps the
+    /// block (the offset is negative in the blocks after the item's first), then the salt on the
+    /// first block.
+    pub fn with_multimodal(
+        era: ExtraKeysEra,
+        lora: Option<&LoraRef<'_>>,
+        cache_salt: Option<&str>,
+        items: &[MultiModalItem<'_>],
+        block_size: usize,
+    ) -> Result<Self, KeyError> {
+        let mut keys = Self::new(era, lora, cache_salt)?;
+        if items.is_empty() {
+            return Ok(keys);
+        }
+        if era != ExtraKeysEra::From0_31 {
+            return Err(KeyError::MultiModalEra { era });
+        }
+        if block_size == 0 {
+            return Err(KeyError::ZeroBlockSize);
+        }
+        let end = items
+            .iter()
+            .map(|item| item.offset.saturating_add(item.length))
+            .max()
+            .unwrap_or(0);
+        let lora_item = lora.map(|lora| era.lora_item(lora)).transpose()?;
+        let salt = cache_salt.filter(|s| !s.is_empty());
+        keys.per_block = (0..end.div_ceil(block_size))
+            .map(|block| {
+                let start = block * block_size;
+                let stop = start + block_size;
+                let mut block_items: Vec<HashValue> = lora_item.iter().cloned().collect();
+                for item in items {
+                    if item.offset < stop && item.offset.saturating_add(item.length) > start {
+                        block_items.push(HashValue::Tuple(vec![
+                            HashValue::Str("mm".to_owned()),
+                            HashValue::Str(item.identifier.to_owned()),
+                            HashValue::Int(signed(item.offset) - signed(start)),
+                        ]));
+                    }
+                }
+                if let (0, Some(salt)) = (block, salt) {
+                    block_items.push(era.salt_item(salt));
+                }
+                (!block_items.is_empty()).then_some(HashValue::Tuple(block_items))
+            })
+            .collect();
+        Ok(keys)
     }
 
     /// The extra keys of block `block_index`, counted from the prompt's first block.
     pub fn for_block(&self, block_index: usize) -> Option<&HashValue> {
-        if block_index == 0 {
+        if let Some(keys) = self.per_block.get(block_index) {
+            keys.as_ref()
+        } else if block_index == 0 {
             self.first_block.as_ref()
         } else {
             self.later_blocks.as_ref()
         }
     }
+}
+
+/// A token position as a Python int.
+fn signed(position: usize) -> i64 {
+    i64::try_from(position).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

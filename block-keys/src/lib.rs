@@ -47,7 +47,7 @@ mod vllm;
 pub use algo::HashAlgo;
 pub use digest::{Digest, published_u64};
 pub use error::KeyError;
-pub use extra_keys::{ExtraKeys, ExtraKeysEra, LoraRef};
+pub use extra_keys::{ExtraKeys, ExtraKeysEra, LoraRef, MultiModalItem};
 pub use key_hash::{KeyHasher, KeyHasherBuilder};
 pub use schema::{
     DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_KEY_SCHEME_KIND, DEFAULT_VLLM_VERSION,

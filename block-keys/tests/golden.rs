@@ -13,8 +13,8 @@ use std::path::Path;
 
 use kvroute_block_keys::testing::{fixture, shared_file};
 use kvroute_block_keys::{
-    Digest, ExtraKeys, ExtraKeysEra, HashAlgo, HashValue, KeyError, KeyScheme, LoraRef, VllmHasher,
-    published_u64,
+    Digest, ExtraKeys, ExtraKeysEra, HashAlgo, HashValue, KeyError, KeyScheme, LoraRef,
+    MultiModalItem, VllmHasher, published_u64,
 };
 use serde_json::Value;
 
@@ -274,6 +274,73 @@ fn extra_keys_case(case: &str) -> (ExtraKeysEra, Option<LoraRef<'static>>, Optio
 #[test]
 fn extra_keys_vectors() {
     check_extra_keys_vectors(&own_golden(), 6);
+}
+
+/// Image requests: the extra keys of every block and the block hashes, as vLLM's own
+/// `generate_block_hash_extra_keys` and `hash_block_tokens` computed them (`tests/vllm/golden.py`).
+#[test]
+fn mm_extra_keys_vectors() {
+    let g = own_golden();
+    let vectors = g["mm_extra_keys_vectors"].as_array().unwrap();
+    assert_eq!(vectors.len(), 4);
+    for rec in vectors {
+        let case = str_of(rec, "case");
+        let tokens = u32s(&g["token_sequences"][str_of(rec, "tokens")]);
+        let lora = (rec["lora"] == true).then_some(LoraRef {
+            id: None,
+            name: "Alice",
+            path: Some("/adapters/alice"),
+        });
+        let salt = (rec["cache_salt"] == true).then_some("tenant-a");
+        let items: Vec<MultiModalItem<'_>> = rec["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|image| MultiModalItem {
+                identifier: image["identifier"].as_str().unwrap(),
+                offset: image["offset"].as_u64().unwrap() as usize,
+                length: image["length"].as_u64().unwrap() as usize,
+            })
+            .collect();
+        let extra =
+            ExtraKeys::with_multimodal(ExtraKeysEra::From0_31, lora.as_ref(), salt, &items, 16)
+                .unwrap();
+        for (i, expected) in rec["extra_keys_per_block"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(hash_value)
+            .enumerate()
+        {
+            assert_eq!(
+                extra.for_block(i).unwrap_or(&HashValue::None),
+                &expected,
+                "{case} block {i}"
+            );
+        }
+        let hasher = VllmHasher::new(
+            str_of(rec, "algo").parse().unwrap(),
+            Some(str_of(rec, "seed")),
+        )
+        .unwrap();
+        let digests = hasher
+            .chain(None, &tokens, 16, |i| extra.for_block(i))
+            .unwrap();
+        assert_eq!(
+            hex_of(&digests),
+            strings(&rec["block_hashes_hex"]),
+            "{case}"
+        );
+    }
+    // Older eras put images into the keys another way: refused, not guessed.
+    let image = [MultiModalItem {
+        identifier: "img",
+        offset: 0,
+        length: 4,
+    }];
+    assert!(
+        ExtraKeys::with_multimodal(ExtraKeysEra::V0_11_1To0_30, None, None, &image, 16).is_err()
+    );
 }
 
 #[test]

@@ -163,6 +163,42 @@ def extra_keys_vectors():
     return vectors
 
 
+# Image placements for `mm_extra_keys_vectors` (block size 16, 48 tokens): one image inside a
+# block, one spanning all three blocks (its offset relative to later blocks is negative, as
+# vLLM writes it), two images in one block, and an image with a LoRA adapter and a salt.
+MM_CASES = [
+    ("one_image_in_block_1", [("img-0", 20, 8)], False, False),
+    ("one_image_over_three_blocks", [("img-1", 10, 30)], False, False),
+    ("two_images_in_block_0", [("img-a", 2, 4), ("img-b", 8, 4)], False, False),
+    ("image+lora+salt", [("img-0", 20, 8)], True, True),
+]
+
+
+def mm_extra_keys_vectors():
+    """Block hashes of image requests: vLLM's own generate_block_hash_extra_keys on a request
+    whose mm_features are the case's (identifier, offset, length), then hash_block_tokens."""
+    tokens = SEQUENCES["range_1_48"]
+    vectors = []
+    for case, images, lora, salt in MM_CASES:
+        req = request(lora, salt, False)
+        req.mm_features = [
+            SimpleNamespace(identifier=ident, mm_position=SimpleNamespace(offset=off, length=n))
+            for ident, off, n in images
+        ]
+        per_block = extra_keys_per_block(req, len(tokens))
+        init_none_hash("sha256_cbor", "0")
+        hashes = chain("sha256_cbor", tokens, per_block)
+        vectors.append({
+            "case": case, "algo": "sha256_cbor", "seed": "0", "tokens": "range_1_48",
+            "images": [{"identifier": i, "offset": o, "length": n} for i, o, n in images],
+            "lora": lora, "cache_salt": salt,
+            "extra_keys_per_block": per_block,
+            "block_hashes_hex": [h.hex() for h in hashes],
+            "event_int_u64": [published(h, True) for h in hashes],
+        })
+    return vectors
+
+
 def event_payloads():
     """vLLM 0.32's own KVEventBatch structs, encoded as its ZMQ publisher encodes them."""
     encoder = msgspec.msgpack.Encoder()
@@ -227,6 +263,7 @@ def main():
         "token_sequences": SEQUENCES,
         "block_hash_vectors": block_hash_vectors(),
         "extra_keys_vectors": extra_keys_vectors(),
+        "mm_extra_keys_vectors": mm_extra_keys_vectors(),
         "event_payloads": event_payloads(),
         "zmq": {"topic": TOPIC, "seq": SEQ},
     }
