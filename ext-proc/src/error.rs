@@ -160,6 +160,13 @@ pub enum TokenizeError {
         /// What the tokenizer said.
         reason: String,
     },
+    /// The request carries media (images, audio, video) that only the engine's processor turns
+    /// into tokens; an in-process tokenizer cannot place them.
+    #[error("the request carries {kind} content; tokenizing it needs the engine (render mode)")]
+    MultiModal {
+        /// The content part's type.
+        kind: String,
+    },
 }
 
 impl TokenizeError {
@@ -173,6 +180,7 @@ impl TokenizeError {
             Self::Remote { .. } => "remote_error",
             Self::Render { .. } => "render_error",
             Self::InProcess { .. } => "in_process_error",
+            Self::MultiModal { .. } => "multimodal",
         }
     }
 }

@@ -61,6 +61,8 @@ enum LoadCause {
     TokenizerBusy,
     /// The prompt exceeds `limits.tokenize_max_prompt_bytes` (and has no usable leading part).
     PromptTooLarge,
+    /// The request carries media an in-process tokenizer cannot place (render mode can).
+    MultiModal,
     KeyError,
     NoPrompt,
     BudgetExhausted,
@@ -74,6 +76,7 @@ impl LoadCause {
             Self::TokenizerTimeout => "tokenizer_timeout",
             Self::TokenizerBusy => "tokenizer_busy",
             Self::PromptTooLarge => "prompt_too_large",
+            Self::MultiModal => "multimodal",
             Self::KeyError => "key_error",
             Self::NoPrompt => "no_prompt",
             Self::BudgetExhausted => "budget_exhausted",
@@ -797,6 +800,7 @@ impl Picker {
                 crate::error::TokenizeError::Timeout { .. } => LoadCause::TokenizerTimeout,
                 crate::error::TokenizeError::Busy { .. } => LoadCause::TokenizerBusy,
                 crate::error::TokenizeError::PromptTooLarge { .. } => LoadCause::PromptTooLarge,
+                crate::error::TokenizeError::MultiModal { .. } => LoadCause::MultiModal,
                 crate::error::TokenizeError::Remote { .. }
                 | crate::error::TokenizeError::Render { .. }
                 | crate::error::TokenizeError::InProcess { .. } => LoadCause::TokenizerFailed,

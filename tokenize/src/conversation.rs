@@ -74,6 +74,13 @@ fn invalid(reason: impl Into<String>) -> TokenizeError {
     }
 }
 
+/// A media content part of type `kind`: not tokenizable here.
+fn multimodal(kind: &str) -> TokenizeError {
+    TokenizeError::MultiModal {
+        kind: kind.to_owned(),
+    }
+}
+
 /// A content part after parsing: text (borrowed from the request), or a tool reference.
 enum Part<'a> {
     Text {
@@ -341,15 +348,15 @@ fn parse_part<'a>(
     let part_type = match part.get("type") {
         Some(Value::String(t)) if !has_uuid => t.as_str(),
         None | Some(Value::Null) => {
-            if MEDIA_PARTS.iter().any(|k| part.contains_key(*k)) {
-                return Err(invalid("multimodal content is not supported"));
+            if let Some(kind) = MEDIA_PARTS.iter().find(|k| part.contains_key(**k)) {
+                return Err(multimodal(kind));
             }
             if part.contains_key("tool_reference") {
                 return Ok(Some(Part::ToolReference(part.get("name"))));
             }
             return Err(invalid("missing 'type' field in a content part"));
         }
-        Some(Value::String(_)) => return Err(invalid("multimodal content is not supported")),
+        Some(Value::String(_)) => return Err(multimodal("media")),
         Some(_) => return Err(invalid("invalid 'type' field in a content part")),
     };
     if let Some((_, key)) = TEXT_PART_TYPES.iter().find(|(t, _)| *t == part_type) {
@@ -376,7 +383,7 @@ fn parse_part<'a>(
         return Ok(Some(Part::ToolReference(part.get("name"))));
     }
     if MEDIA_PARTS.contains(&part_type) {
-        return Err(invalid("multimodal content is not supported"));
+        return Err(multimodal(part_type));
     }
     Err(invalid("unsupported content part type"))
 }

@@ -45,6 +45,13 @@ pub enum TokenizeError {
         /// What is wrong (never the message text itself).
         reason: String,
     },
+    /// The messages carry media (an image, audio, video or embeddings part): only a multimodal
+    /// engine's processor knows their placeholder tokens, so they cannot be tokenized here.
+    #[error("the messages carry {kind} content, which only the engine's processor tokenizes")]
+    MultiModal {
+        /// The content part's type (`image_url`, `input_audio`, …).
+        kind: String,
+    },
     /// `tools` is not a list of function tools as vLLM accepts them.
     #[error("invalid tools: {reason}")]
     InvalidTools {
@@ -90,6 +97,7 @@ impl TokenizeError {
             TokenizeError::TemplateSyntax { .. } => "template_syntax",
             TokenizeError::NoChatTemplate => "no_chat_template",
             TokenizeError::InvalidMessages { .. } => "invalid_messages",
+            TokenizeError::MultiModal { .. } => "multimodal",
             TokenizeError::InvalidTools { .. } => "invalid_tools",
             TokenizeError::InvalidKwargs { .. } => "invalid_kwargs",
             TokenizeError::TemplateRender { .. } => "template_render",

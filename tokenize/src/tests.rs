@@ -89,12 +89,17 @@ fn bad_messages_are_errors_not_panics() {
         json!([1]),
         json!([{"content": "no role"}]),
         json!([{"role": "user", "content": 5}]),
-        json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
     ] {
         let err = tokenizer.encode_chat(&bad, true).unwrap_err();
         assert_eq!(err.as_label(), "invalid_messages", "{bad}");
         assert!(err.is_bad_input());
     }
+    // Media is not bad input: only the engine's processor knows its placeholder tokens.
+    let image =
+        json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]);
+    let err = tokenizer.encode_chat(&image, true).unwrap_err();
+    assert_eq!(err.as_label(), "multimodal");
+    assert!(!err.is_bad_input());
     // The template's own raise_exception surfaces as a render error.
     let err = tokenizer
         .encode_chat(&json!([{"role": "tool", "content": "x"}]), true)

@@ -638,6 +638,31 @@ async fn a_refused_tokenization_says_why_in_the_load_decision() {
     release.notify_one();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_request_routes_on_load_with_its_own_reason_in_process() {
+    let direct = Arc::new(
+        kvroute_tokenize::ModelTokenizer::from_dir(std::path::Path::new(TINY_MODEL)).unwrap(),
+    );
+    let tokenizer: Arc<dyn Tokenizer> = Arc::new(crate::tokenizer::InProcessTokenizer::new(
+        direct,
+        TaskTracker::new(),
+    ));
+    let (picker, registry) = model_picker(tokenizer);
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is in this picture? ".repeat(80)},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    .to_string();
+    let request = parse(body.as_bytes(), Endpoint::ChatCompletions).unwrap();
+    let decision = picker.decide(&request, None).await.unwrap();
+    assert_eq!((decision.tier, decision.reason), (Tier::Load, "multimodal"));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("kvroute_extproc_fallbacks_total{stage=\"tokenize\",cause=\"multimodal\"} 1"),
+        "{text}"
+    );
+}
+
 #[test]
 fn the_index_holding_every_leading_block_precisely_asks_for_the_whole_prompt() {
     let (picker, _) = model_picker(Arc::new(LockstepTokenizer(Arc::new(Barrier::new(1)))));

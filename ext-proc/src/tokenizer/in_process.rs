@@ -204,8 +204,11 @@ fn encode_leading(
 
 /// An in-process tokenizer's failure as a decision's tokenize error.
 fn failed(e: kvroute_tokenize::TokenizeError) -> TokenizeError {
-    TokenizeError::InProcess {
-        reason: e.to_string(),
+    match e {
+        kvroute_tokenize::TokenizeError::MultiModal { kind } => TokenizeError::MultiModal { kind },
+        e => TokenizeError::InProcess {
+            reason: e.to_string(),
+        },
     }
 }
 

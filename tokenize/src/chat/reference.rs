@@ -201,8 +201,10 @@ fn parse_part(part: &Value) -> Result<Option<Part>, TokenizeError> {
     let part_type = match part.get("type") {
         Some(Value::String(t)) if !has_uuid => t.as_str(),
         None | Some(Value::Null) => {
-            if MEDIA_PARTS.iter().any(|k| part.contains_key(*k)) {
-                return Err(invalid("multimodal content is not supported"));
+            if let Some(kind) = MEDIA_PARTS.iter().find(|k| part.contains_key(**k)) {
+                return Err(TokenizeError::MultiModal {
+                    kind: (*kind).to_owned(),
+                });
             }
             if part.contains_key("tool_reference") {
                 return Ok(Some(Part::ToolReference(
@@ -211,7 +213,11 @@ fn parse_part(part: &Value) -> Result<Option<Part>, TokenizeError> {
             }
             return Err(invalid("missing 'type' field in a content part"));
         }
-        Some(Value::String(_)) => return Err(invalid("multimodal content is not supported")),
+        Some(Value::String(_)) => {
+            return Err(TokenizeError::MultiModal {
+                kind: "media".to_owned(),
+            });
+        }
         Some(_) => return Err(invalid("invalid 'type' field in a content part")),
     };
     if let Some((_, key)) = TEXT_PART_TYPES.iter().find(|(t, _)| *t == part_type) {
@@ -235,7 +241,9 @@ fn parse_part(part: &Value) -> Result<Option<Part>, TokenizeError> {
         )));
     }
     if MEDIA_PARTS.contains(&part_type) {
-        return Err(invalid("multimodal content is not supported"));
+        return Err(TokenizeError::MultiModal {
+            kind: part_type.to_owned(),
+        });
     }
     Err(invalid("unsupported content part type"))
 }
