@@ -610,10 +610,7 @@ impl Picker {
             Box::new(Explained {
                 config: Arc::clone(config),
                 pool: pool_index,
-                candidates: candidates
-                    .iter()
-                    .filter_map(|c| config.replicas.iter().position(|r| r.id == c.id))
-                    .collect(),
+                candidates: positions_in(&config.replicas, candidates),
                 scored: routed.scored,
                 chosen: routed.choice,
                 tokens,
@@ -988,6 +985,20 @@ impl Picker {
             .get_or_create(&FallbackLabels { stage, cause })
             .inc();
     }
+}
+
+/// Where each of `candidates` (borrowed from `replicas`, in its order: a filter of it) stands in
+/// `replicas`: one pass over both.
+fn positions_in(replicas: &[Replica], candidates: &[&Replica]) -> Vec<usize> {
+    let mut next = candidates.iter().peekable();
+    replicas
+        .iter()
+        .enumerate()
+        .filter_map(|(i, replica)| {
+            next.next_if(|candidate| std::ptr::eq(**candidate, replica))
+                .map(|_| i)
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -29,6 +29,8 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use serde::Serialize;
 
 use crate::config::{Config, PoolMode};
@@ -77,20 +79,6 @@ pub struct Tally {
 }
 
 impl Tally {
-    fn add(&mut self, comparison: Comparison) {
-        self.requests += 1;
-        self.prompt_tokens += comparison.prompt_tokens;
-        self.held_tokens += comparison.held_tokens;
-        self.captured_tokens += comparison.captured_tokens;
-        self.served_predicted_tokens += comparison.served_predicted_tokens;
-        if comparison.held_tokens > 0 {
-            self.repeat_requests += 1;
-            if comparison.served_predicted_tokens == 0 {
-                self.repeat_cold_requests += 1;
-            }
-        }
-    }
-
     fn since(&self, earlier: &Tally) -> Tally {
         Tally {
             requests: self.requests - earlier.requests,
@@ -126,16 +114,17 @@ pub struct PoolSummary {
     pub repeat_cold_share: Option<f64>,
 }
 
-/// Per-pool shadow tallies and the engines' delivered tokens.
+/// Counts shadow comparisons and the engines' delivered tokens into the metrics, which are the
+/// only tally (`/v1/shadow` and the log read them back).
 #[derive(Debug)]
 pub struct ShadowBook {
     metrics: Metrics,
-    state: Mutex<BookState>,
+    log: Mutex<LogState>,
 }
 
+/// What the last log line covered.
 #[derive(Debug)]
-struct BookState {
-    pools: HashMap<String, Tally>,
+struct LogState {
     /// The totals at the last log line, per pool.
     logged: HashMap<String, Tally>,
     last_log: Instant,
@@ -146,8 +135,7 @@ impl ShadowBook {
     pub fn new(metrics: Metrics) -> Self {
         Self {
             metrics,
-            state: Mutex::new(BookState {
-                pools: HashMap::new(),
+            log: Mutex::new(LogState {
                 logged: HashMap::new(),
                 last_log: Instant::now(),
             }),
@@ -181,12 +169,6 @@ impl ShadowBook {
         m.shadow_repeat_cold_requests
             .get_or_create(&label)
             .inc_by(u64::from(repeat && comparison.served_predicted_tokens == 0));
-        self.state
-            .lock()
-            .pools
-            .entry(pool.to_owned())
-            .or_default()
-            .add(comparison);
     }
 
     /// A shadow decision `explained` and the replica Envoy reported it served on, if it did: what
@@ -218,12 +200,6 @@ impl ShadowBook {
                 pool: pool.to_owned(),
             })
             .inc();
-        self.state
-            .lock()
-            .pools
-            .entry(pool.to_owned())
-            .or_default()
-            .unobserved += 1;
     }
 
     /// One scrape's deltas of an engine of `pool`: prompt tokens served from its prefix cache,
@@ -240,35 +216,50 @@ impl ShadowBook {
             .pool_engine_prompt_tokens
             .get_or_create(&label)
             .inc_by(queries);
-        let mut state = self.state.lock();
-        let tally = state.pools.entry(pool.to_owned()).or_default();
-        tally.delivered_tokens += hits;
-        tally.engine_prompt_tokens += queries;
+    }
+
+    /// `pool`'s totals since start, read from the metrics (a series not yet created reads 0).
+    pub fn tally(&self, pool: &str) -> Tally {
+        let label = PoolLabel {
+            pool: pool.to_owned(),
+        };
+        let read = |family: &Family<PoolLabel, Counter>| {
+            family.get(&label).map_or(0, |counter| counter.get())
+        };
+        let m = &self.metrics;
+        Tally {
+            requests: read(&m.shadow_requests),
+            unobserved: read(&m.shadow_unobserved),
+            prompt_tokens: read(&m.shadow_prompt_tokens),
+            held_tokens: read(&m.shadow_held_tokens),
+            captured_tokens: read(&m.shadow_captured_tokens),
+            served_predicted_tokens: read(&m.shadow_served_predicted_tokens),
+            repeat_requests: read(&m.shadow_repeat_requests),
+            repeat_cold_requests: read(&m.shadow_repeat_cold_requests),
+            delivered_tokens: read(&m.pool_engine_cached_tokens),
+            engine_prompt_tokens: read(&m.pool_engine_prompt_tokens),
+        }
     }
 
     /// Every configured pool's summary (pools without traffic show zeros).
     pub fn summaries(&self, config: &Config) -> Vec<PoolSummary> {
-        let state = self.state.lock();
         config
             .pools
             .iter()
-            .map(|pool| {
-                let tally = state.pools.get(&pool.name).copied().unwrap_or_default();
-                summary(&pool.name, pool.mode, tally, config)
-            })
+            .map(|pool| summary(&pool.name, pool.mode, self.tally(&pool.name), config))
             .collect()
     }
 
     /// Logs each shadow pool's last interval, at most once per [`LOG_INTERVAL`] (the scrape loop
     /// calls it; a pool without shadow traffic in the interval logs nothing).
     pub fn log_if_due(&self, config: &Config) {
-        let mut state = self.state.lock();
+        let mut state = self.log.lock();
         if state.last_log.elapsed() < LOG_INTERVAL {
             return;
         }
         state.last_log = Instant::now();
         for pool in config.pools.iter().filter(|p| p.mode == PoolMode::Shadow) {
-            let total = state.pools.get(&pool.name).copied().unwrap_or_default();
+            let total = self.tally(&pool.name);
             let before = state.logged.insert(pool.name.clone(), total);
             let interval = total.since(&before.unwrap_or_default());
             if interval.requests + interval.unobserved == 0 {
@@ -313,7 +304,9 @@ mod tests {
 
     #[test]
     fn a_repeat_prefix_sent_to_a_replica_holding_none_of_it_is_a_cold_repeat() {
-        let mut tally = Tally::default();
+        let book = ShadowBook::new(Metrics::register(
+            &mut prometheus_client::registry::Registry::default(),
+        ));
         let cold = Comparison {
             prompt_tokens: 100,
             held_tokens: 64,
@@ -331,8 +324,10 @@ mod tests {
             ..cold
         };
         for comparison in [cold, warm, first_seen] {
-            tally.add(comparison);
+            book.compare("p", comparison);
         }
+        book.delivered("p", 64, 300);
+        let tally = book.tally("p");
         assert_eq!(
             (
                 tally.requests,
@@ -345,10 +340,12 @@ mod tests {
             (
                 tally.held_tokens,
                 tally.captured_tokens,
-                tally.served_predicted_tokens
+                tally.served_predicted_tokens,
+                tally.delivered_tokens
             ),
-            (128, 128, 64)
+            (128, 128, 64, 64)
         );
+        assert_eq!(book.tally("other"), Tally::default(), "another pool");
         let later = Tally {
             requests: 5,
             ..tally

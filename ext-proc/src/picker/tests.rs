@@ -136,10 +136,11 @@ async fn hotspot_guard_still_spills_a_burst() {
     );
 }
 
+/// A kvroute-index (gRPC on a free port) with pool `p` (model `m`, 16-token blocks) and replica
+/// `r0`, whose event source nothing publishes on.
 #[cfg(feature = "embedded-index")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn embedded_index_answers_in_process_and_survives_a_reload() {
-    let index = kvroute_index::server::IndexServer::start(
+async fn one_replica_index() -> kvroute_index::server::IndexServer {
+    kvroute_index::server::IndexServer::start(
         kvroute_index::config::Config::from_yaml(
             "listen: {grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}\n\
              pools:\n  - {name: p, models: [m], block_size: 16, key_scheme: {kind: token-chain}}\n\
@@ -148,7 +149,13 @@ async fn embedded_index_answers_in_process_and_survives_a_reload() {
         .unwrap(),
     )
     .await
-    .unwrap();
+    .unwrap()
+}
+
+#[cfg(feature = "embedded-index")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_index_answers_in_process_and_survives_a_reload() {
+    let index = one_replica_index().await;
     let yaml = "pools:\n- {name: p, models: [m], block_size: 16, key_scheme: {kind: token-chain}}\n\
                 replicas:\n- {id: r0, pool: p, address: \"10.0.0.1:8000\"}\n";
     let tasks = TaskTracker::new();
@@ -196,16 +203,7 @@ async fn embedded_index_answers_in_process_and_survives_a_reload() {
 #[cfg(feature = "embedded-index")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_index_refusing_the_query_is_a_config_mismatch_not_an_outage() {
-    let index = kvroute_index::server::IndexServer::start(
-        kvroute_index::config::Config::from_yaml(
-            "listen: {grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}\n\
-             pools:\n  - {name: p, models: [m], block_size: 16, key_scheme: {kind: token-chain}}\n\
-             replicas:\n  - {id: r0, pool: p, events: {endpoint: \"tcp://127.0.0.1:9\"}}\n",
-        )
-        .unwrap(),
-    )
-    .await
-    .unwrap();
+    let index = one_replica_index().await;
     let yaml = format!(
         "index: {{addresses: [\"http://{}\"]}}\n\
          pools:\n- {{name: p, models: [m], block_size: 16, key_scheme: {{kind: token-chain}}}}\n\
