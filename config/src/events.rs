@@ -38,8 +38,17 @@ macro_rules! event_source_section {
             /// Topic prefix subscribed to; messages with another topic are refused and counted
             /// (empty: every topic).
             pub topic: ::std::string::String,
-            /// Data-parallel rank this socket carries (vLLM offsets both ports by the rank).
+            /// Data-parallel rank this socket carries (vLLM offsets both ports by the rank): for
+            /// a rank served by its own API server (vLLM's external load balancing), where the
+            /// rank is a replica of its own.
             pub dp_rank: u32,
+            /// Data-parallel ranks behind this engine's one API server (vLLM
+            /// `--data-parallel-size` with its internal load balancing): kvroute subscribes to
+            /// every rank's publisher (`endpoint` and `replay_endpoint` are rank 0's; vLLM offsets
+            /// both ports by the rank) and keeps each rank's blocks apart, as replica
+            /// `<id>@dp<rank>`, so a request can be routed to the rank holding its prefix.
+            #[schemars(extend("default" = 1))]
+            pub data_parallel_size: ::core::option::Option<u32>,
             /// `mode: bind` over TCP only: the engine addresses (IPs or CIDR blocks) that may
             /// connect (default: any peer that can reach the socket).
             pub allowed_peers: ::core::option::Option<::std::vec::Vec<$crate::AllowedPeer>>,
@@ -54,16 +63,39 @@ macro_rules! event_source_section {
             ///
             /// [`check_transport`]: $crate::check_transport
             pub fn check(&self) -> ::core::result::Result<(), $crate::ConfigError> {
-                match &self.endpoint {
-                    ::core::option::Option::Some(endpoint) => $crate::check_transport(
-                        endpoint,
-                        self.mode,
-                        self.allowed_peers.as_deref(),
-                    ),
-                    ::core::option::Option::None => ::core::result::Result::Err(
+                let ::core::option::Option::Some(endpoint) = &self.endpoint else {
+                    return ::core::result::Result::Err(
                         $crate::ConfigError::at("endpoint", "required"),
-                    ),
+                    );
+                };
+                $crate::check_transport(endpoint, self.mode, self.allowed_peers.as_deref())?;
+                let ranks = self.data_parallel_size.unwrap_or(1);
+                $crate::check_data_parallel_size(ranks)
+                    .map_err(|reason| $crate::ConfigError::at("data_parallel_size", reason))?;
+                if ranks > 1 {
+                    if self.dp_rank != 0 {
+                        return ::core::result::Result::Err($crate::ConfigError::at(
+                            "dp_rank",
+                            "set with data_parallel_size: every rank is subscribed to, so none \
+                             is named",
+                        ));
+                    }
+                    for (field, base) in [
+                        ("endpoint", ::core::option::Option::Some(endpoint)),
+                        ("replay_endpoint", self.replay_endpoint.as_ref()),
+                    ] {
+                        if let ::core::option::Option::Some(base) = base {
+                            base.for_data_parallel_rank(ranks - 1)
+                                .map_err(|reason| $crate::ConfigError::at(field, reason))?;
+                        }
+                    }
                 }
+                ::core::result::Result::Ok(())
+            }
+
+            /// The data-parallel ranks behind the endpoint (1 without `data_parallel_size`).
+            pub fn data_parallel_ranks(&self) -> u32 {
+                self.data_parallel_size.unwrap_or(1)
             }
 
             /// `max_message_bytes`, or its default.
@@ -117,6 +149,13 @@ mod tests {
     }
 
     #[test]
+    fn data_parallel_ranks_default_to_one() {
+        assert_eq!(check("{endpoint: 'tcp://h:1'}").unwrap().data_parallel_ranks(), 1);
+        let raw = check("{endpoint: 'tcp://h:1', data_parallel_size: 4}").unwrap();
+        assert_eq!(raw.data_parallel_ranks(), 4);
+    }
+
+    #[test]
     fn keys_validate_and_name_their_path() {
         let raw = check("{endpoint: 'tcp://0.0.0.0:1', mode: bind, allowed_peers: [10.0.0.0/24]}")
             .unwrap();
@@ -150,6 +189,22 @@ mod tests {
             ),
             ("{endpoint: 'tcp://h:1', nope: 1}", "nope: unknown key"),
             ("{}", "endpoint: required"),
+            (
+                "{endpoint: 'tcp://h:1', data_parallel_size: 0}",
+                "data_parallel_size: ",
+            ),
+            (
+                "{endpoint: 'tcp://h:1', data_parallel_size: 2, dp_rank: 1}",
+                "dp_rank: ",
+            ),
+            (
+                "{endpoint: 'ipc:///k', data_parallel_size: 2}",
+                "endpoint: ",
+            ),
+            (
+                "{endpoint: 'tcp://h:1', replay_endpoint: 'tcp://h:65535', data_parallel_size: 2}",
+                "replay_endpoint: ",
+            ),
         ] {
             let error = check(yaml).unwrap_err();
             assert!(error.starts_with(path), "{yaml}: {error}");

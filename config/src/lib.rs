@@ -10,6 +10,8 @@
 //!   [`HeaderName`], the token source ([`RawTokenSource`], [`TokenSource`]), the TLS settings
 //!   ([`RawServerTls`], [`RawClientTls`]) and the KV-event source section ([`RawEventSource`],
 //!   [`event_source_section!`]), and the `log` section every server has ([`RawLog`]).
+//! - Data-parallel ranks: [`rank_replica_id`] (every component's name for a rank),
+//!   [`ZmqEndpoint::for_data_parallel_rank`] (vLLM's port rule), [`DATA_PARALLEL_RANK_HEADER`].
 //! - [`reference`](mod@reference): renders a raw config's JSON schema as the markdown of
 //!   `docs/configuration.md`.
 //!
@@ -22,6 +24,7 @@ mod error;
 mod events;
 mod log;
 mod net;
+mod ranks;
 pub mod reference;
 mod tls;
 mod token;
@@ -31,6 +34,10 @@ pub use error::{ConfigError, ErrorKind, from_json, from_yaml, join_path};
 pub use events::{DEFAULT_MAX_MESSAGE_BYTES, RawEventSource, check_transport};
 pub use log::{DEFAULT_LOG_FORMAT, LogFormat, RawLog};
 pub use net::{AllowedPeer, HeaderName, ListenAddr, SocketMode, ZmqAddress, ZmqEndpoint};
+pub use ranks::{
+    DATA_PARALLEL_RANK_HEADER, MAX_DATA_PARALLEL_SIZE, check_data_parallel_size, rank_replica_id,
+    split_rank_replica_id,
+};
 pub use tls::{RawClientTls, RawServerTls};
 pub use token::{RawTokenSource, TokenSource};
 

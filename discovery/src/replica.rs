@@ -15,13 +15,21 @@
 //! | `kvroute.io/kv-events-port` | KV-event ZMQ PUB port of rank 0 (`--kv-events-config` `endpoint`) | `kv_events_port` (5557) |
 //! | `kvroute.io/kv-replay-port` | replay ROUTER port of rank 0 (`replay_endpoint`), or `none` | `kv_replay_port` (5558) |
 //! | `kvroute.io/kv-events-topic` | the KV-event topic (`topic`) | empty (vLLM's default) |
+//! | `kvroute.io/data-parallel-size` | data-parallel ranks behind the pod's one API server (vLLM `--data-parallel-size`, internal load balancing) | 1 |
 //!
-//! Rank `N`'s metrics, KV-event and replay ports are rank 0's plus `N`: vLLM offsets its
-//! KV-event endpoints by the data-parallel rank the same way.
+//! Two data-parallel layouts:
+//! - one API server per rank (GIE `targetPorts`, one per rank): rank `N` is the `N`-th port, its
+//!   own address;
+//! - one API server for every rank (`kvroute.io/data-parallel-size: N`, one target port): every
+//!   rank has the pod's address and is chosen by the `x-data-parallel-rank` request header.
 //!
-//! Replica ids: the pod name with one port; `<pod>-rank<N>` with several (pod names are unique
-//! in a namespace, so ids are too). Ids are metric labels: they come from discovery, never from
-//! requests.
+//! Rank `N`'s KV-event and replay ports are rank 0's plus `N` (vLLM offsets its KV-event
+//! endpoints by the data-parallel rank), and so is its metrics port in the first layout; in the
+//! second the one API server exports every rank's gauges, labelled `engine="N"`.
+//!
+//! Replica ids: the pod name with one port and one rank; `<pod>-rank<N>` with several ports;
+//! `<pod>@dp<N>` with several ranks behind one port (pod names are unique in a namespace, so ids
+//! are too). Ids are metric labels: they come from discovery, never from requests.
 
 use std::collections::BTreeMap;
 use std::collections::HashSet;
@@ -43,6 +51,8 @@ pub const ANNOTATION_KV_EVENTS_PORT: &str = "kvroute.io/kv-events-port";
 pub const ANNOTATION_KV_REPLAY_PORT: &str = "kvroute.io/kv-replay-port";
 /// Annotation: the KV-event topic.
 pub const ANNOTATION_KV_EVENTS_TOPIC: &str = "kvroute.io/kv-events-topic";
+/// Annotation: data-parallel ranks behind the pod's one API server.
+pub const ANNOTATION_DATA_PARALLEL_SIZE: &str = "kvroute.io/data-parallel-size";
 /// Prometheus path when no annotation sets one.
 pub const DEFAULT_METRICS_PATH: &str = "/metrics";
 
@@ -53,8 +63,11 @@ pub struct Replica {
     pub id: String,
     /// The pod's name.
     pub pod: String,
-    /// Data-parallel rank (the index into the target ports).
+    /// Data-parallel rank (the index into the target ports, or into the ranks behind one).
     pub rank: u16,
+    /// Whether several ranks share this replica's address (`kvroute.io/data-parallel-size`): a
+    /// request routed to it names `rank` in the `x-data-parallel-rank` header.
+    pub rank_by_header: bool,
     /// `podIP:port` Envoy routes to.
     pub address: SocketAddr,
     /// `http://podIP:port/path` of the engine's Prometheus metrics.
@@ -198,9 +211,26 @@ pub(crate) fn replicas_of(pod: &Pod, plan: &PortPlan) -> Result<Vec<Replica>, Re
         IpAddr::V4(v4) => v4.to_string(),
         IpAddr::V6(v6) => format!("[{v6}]"),
     };
+    let shared_ranks = match annotation(ANNOTATION_DATA_PARALLEL_SIZE) {
+        None => 1,
+        Some(size) => size
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|&size| kvroute_config::check_data_parallel_size(size).is_ok())
+            .and_then(|size| u16::try_from(size).ok())
+            .ok_or(Refusal::BadAnnotation)?,
+    };
+    if shared_ranks > 1 && plan.targets.len() > 1 {
+        // Ranks are either ports of their own or behind one port, not both.
+        return Err(Refusal::BadAnnotation);
+    }
+    let rank_by_header = shared_ranks > 1;
     let ranked = plan.targets.len() > 1;
-    let mut replicas = Vec::with_capacity(plan.targets.len());
-    for (rank, target) in plan.targets.iter().enumerate() {
+    let ranks = plan.targets.len().max(usize::from(shared_ranks));
+    let mut replicas = Vec::with_capacity(ranks);
+    for rank in 0..ranks {
+        let target = &plan.targets[if rank_by_header { 0 } else { rank }];
         let rank = u16::try_from(rank).map_err(|_| Refusal::PortOverflow)?;
         let offset = |base: u16| base.checked_add(rank).ok_or(Refusal::PortOverflow);
         let port = match target {
@@ -208,17 +238,21 @@ pub(crate) fn replicas_of(pod: &Pod, plan: &PortPlan) -> Result<Vec<Replica>, Re
             TargetPort::Name(name) => container_port(pod, name).ok_or(Refusal::NoSuchPort)?,
         };
         let metrics_port = match metrics_port {
-            Some(base) => offset(base)?,
+            Some(base) if !rank_by_header => offset(base)?,
+            Some(base) => base,
             None => port,
         };
         replicas.push(Replica {
-            id: if ranked {
+            id: if rank_by_header {
+                kvroute_config::rank_replica_id(&name, u32::from(rank))
+            } else if ranked {
                 format!("{name}-rank{rank}")
             } else {
                 name.clone()
             },
             pod: name.clone(),
             rank,
+            rank_by_header,
             address: SocketAddr::new(ip, port),
             metrics_url: format!("http://{host}:{metrics_port}{metrics_path}"),
             kv_events: format!("tcp://{host}:{}", offset(kv_events_port)?),
@@ -256,7 +290,8 @@ pub(crate) fn snapshot(
     replicas.dedup_by(|b, a| a.id == b.id);
     let mut addresses = HashSet::with_capacity(replicas.len());
     replicas.retain(|r| {
-        let fresh = addresses.insert(r.address);
+        // Ranks behind one API server share its address, each its own rank.
+        let fresh = addresses.insert((r.address, r.rank_by_header.then_some(r.rank)));
         if !fresh {
             refused(r, Refusal::DuplicateAddress);
         }
@@ -302,6 +337,7 @@ mod tests {
                 id: "vllm-0".into(),
                 pod: "vllm-0".into(),
                 rank: 0,
+                rank_by_header: false,
                 address: "10.0.0.5:8000".parse().unwrap(),
                 metrics_url: "http://10.0.0.5:8000/metrics".into(),
                 kv_events: "tcp://10.0.0.5:5557".into(),
@@ -339,6 +375,38 @@ mod tests {
         assert_eq!(rank1.kv_topic, "kv@a");
         assert_eq!(rank1.model.as_deref(), Some("llama"));
         assert_eq!(replicas[0].id, "vllm-1-rank0");
+    }
+
+    #[test]
+    fn ranks_behind_one_api_server_share_its_address_and_metrics() {
+        let pod = ready_pod(
+            "vllm-2",
+            "10.0.0.9",
+            serde_json::json!({ "kvroute.io/data-parallel-size": "2", "kvroute.io/metrics-port": "9000" }),
+        );
+        let replicas = replicas_of(&pod, &plan(vec![TargetPort::Number(8000)])).unwrap();
+        let ids: Vec<&str> = replicas.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["vllm-2@dp0", "vllm-2@dp1"]);
+        for (rank, replica) in replicas.iter().enumerate() {
+            assert_eq!(usize::from(replica.rank), rank);
+            assert!(replica.rank_by_header);
+            assert_eq!(replica.address, "10.0.0.9:8000".parse().unwrap());
+            assert_eq!(replica.metrics_url, "http://10.0.0.9:9000/metrics");
+            assert_eq!(replica.kv_events, format!("tcp://10.0.0.9:{}", 5557 + rank));
+            assert_eq!(
+                replica.kv_replay.as_deref(),
+                Some(format!("tcp://10.0.0.9:{}", 5558 + rank).as_str())
+            );
+        }
+        let mut pods = BTreeMap::new();
+        pods.insert("vllm-2".to_owned(), replicas);
+        let snapshot = snapshot(&pods, true, |r, why| panic!("{} refused: {why:?}", r.id));
+        assert_eq!(snapshot.replicas.len(), 2, "ranks are not duplicate addresses");
+        let ported = replicas_of(
+            &pod,
+            &plan(vec![TargetPort::Number(8000), TargetPort::Number(8001)]),
+        );
+        assert_eq!(ported, Err(Refusal::BadAnnotation), "ports and shared ranks at once");
     }
 
     #[test]
@@ -388,6 +456,9 @@ mod tests {
             ("kvroute.io/kv-events-port", "0"),
             ("kvroute.io/kv-replay-port", "70000"),
             ("kvroute.io/metrics-path", "metrics"),
+            ("kvroute.io/data-parallel-size", "0"),
+            ("kvroute.io/data-parallel-size", "two"),
+            ("kvroute.io/data-parallel-size", "100000"),
         ] {
             let pod = ready_pod("p", "10.0.0.1", serde_json::json!({ key: value }));
             assert_eq!(

@@ -257,7 +257,7 @@ fn merge(
     let pools = &config.pools;
     config.replicas.retain(|r| !replaced(&pools[r.pool]));
     let mut ids: HashSet<String> = config.replicas.iter().map(|r| r.id.clone()).collect();
-    let mut addresses: HashSet<_> = config.replicas.iter().map(|r| r.address).collect();
+    let mut addresses: HashSet<_> = config.replicas.iter().map(Replica::target).collect();
     for (pool_index, pool) in config.pools.iter().enumerate() {
         if !replaced(pool) {
             continue;
@@ -266,11 +266,14 @@ fn merge(
             continue;
         };
         for discovered in &snapshot.replicas {
+            let dp_rank = discovered
+                .rank_by_header
+                .then_some(u32::from(discovered.rank));
             let why = if discovered.model.as_deref().is_some_and(|m| !pool.serves(m)) {
                 Some(Refusal::ModelMismatch)
             } else if ids.contains(&discovered.id) {
                 Some(Refusal::DuplicateId)
-            } else if addresses.contains(&discovered.address) {
+            } else if addresses.contains(&(discovered.address, dp_rank)) {
                 Some(Refusal::DuplicateAddress)
             } else {
                 None
@@ -282,11 +285,12 @@ fn merge(
                 continue;
             }
             ids.insert(discovered.id.clone());
-            addresses.insert(discovered.address);
+            addresses.insert((discovered.address, dp_rank));
             config.replicas.push(Replica {
                 id: discovered.id.clone(),
                 pool: pool_index,
                 address: discovered.address,
+                dp_rank,
                 metrics_url: metrics_url.ok(),
                 envoy_cluster: None,
             });
@@ -308,6 +312,7 @@ mod tests {
             id: id.to_owned(),
             pod: id.to_owned(),
             rank: 0,
+            rank_by_header: false,
             address: address.parse().unwrap(),
             metrics_url: format!("http://{address}/metrics"),
             kv_events: String::new(),

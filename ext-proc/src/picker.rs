@@ -190,6 +190,9 @@ pub struct Decision {
     pub replica_id: String,
     /// Its `ip:port`.
     pub address: SocketAddr,
+    /// Its data-parallel rank behind that address, when it is one of several (sent in the
+    /// `x-data-parallel-rank` header).
+    pub dp_rank: Option<u32>,
     /// Its Envoy cluster, for `cluster_header` routes.
     pub envoy_cluster: Option<String>,
     /// Tier that decided.
@@ -600,12 +603,18 @@ impl Picker {
                 .observe(routed.cached_tokens as f64 / prompt_tokens as f64);
         }
         let replica = candidates[routed.choice];
-        let fallbacks = routed
-            .fallbacks
-            .iter()
-            .take(config.epp.fallbacks)
-            .map(|&i| candidates[i].address)
-            .collect();
+        // Retries go to other addresses: another rank behind the chosen one's is not another
+        // endpoint to Envoy.
+        let mut fallbacks: Vec<SocketAddr> = Vec::with_capacity(config.epp.fallbacks);
+        for &i in &routed.fallbacks {
+            if fallbacks.len() == config.epp.fallbacks {
+                break;
+            }
+            let address = candidates[i].address;
+            if address != replica.address && !fallbacks.contains(&address) {
+                fallbacks.push(address);
+            }
+        }
         let explained = explain.then(|| {
             Box::new(Explained {
                 config: Arc::clone(config),
@@ -623,6 +632,7 @@ impl Picker {
             fallbacks,
             replica_id: replica.id.clone(),
             address: replica.address,
+            dp_rank: replica.dp_rank,
             envoy_cluster: replica.envoy_cluster.clone(),
             tier: routed.tier,
             reason: routed
@@ -658,12 +668,15 @@ impl Picker {
     /// Envoy served `decision`'s request on `served`, not the chosen replica (a retry walked the
     /// fallback list, the proxy ignored the destination, or the pool is in shadow mode): the
     /// served replica is remembered as holding the prompt's blocks, and the chosen one gets no
-    /// prediction for it. An address that is no replica of the running config is left alone.
+    /// prediction for it. An address that is no replica of the running config, or that several
+    /// data-parallel ranks share, is left alone.
     fn served_elsewhere(&self, decision: &mut Decision, served: SocketAddr) {
         let keys = decision.inflight.served_elsewhere();
         let runtime = self.runtime();
         let config = &runtime.config;
-        let Some(replica) = config.replicas.iter().find(|r| r.address == served) else {
+        // Several ranks behind the served address: which one served is not known.
+        let mut at_served = config.replicas.iter().filter(|r| r.address == served);
+        let (Some(replica), None) = (at_served.next(), at_served.next()) else {
             return;
         };
         let capacity = config.pools[replica.pool].approx_capacity_blocks;

@@ -13,7 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
@@ -104,11 +104,22 @@ impl Scraper {
     /// Scrapes every replica with a `metrics_url` once, concurrently, then updates which pools
     /// are degraded by drift.
     /// The engines' prefix-cache deltas also go to `shadow`, per pool (what they delivered).
+    /// Data-parallel ranks behind one API server share its endpoint: it is read once, and each
+    /// rank takes its own `engine="<rank>"` series.
     pub async fn scrape_all(&self, loads: &LoadBoard, config: &Config, shadow: &ShadowBook) {
-        let scrapes = config.replicas.iter().filter_map(|replica| {
-            let url = replica.metrics_url.clone()?;
-            Some(self.scrape_one(loads.replica(&replica.id), replica, url, config, shadow))
-        });
+        let mut by_url: Vec<(&http::Uri, Vec<&Replica>)> = Vec::new();
+        for replica in &config.replicas {
+            let Some(url) = &replica.metrics_url else {
+                continue;
+            };
+            match by_url.iter_mut().find(|(u, _)| *u == url) {
+                Some((_, replicas)) => replicas.push(replica),
+                None => by_url.push((url, vec![replica])),
+            }
+        }
+        let scrapes = by_url
+            .into_iter()
+            .map(|(url, replicas)| self.scrape_endpoint(loads, url, replicas, config, shadow));
         futures::future::join_all(scrapes).await;
         self.update_degraded_pools(config);
     }
@@ -237,25 +248,48 @@ impl Scraper {
         }
     }
 
-    async fn scrape_one(
+    /// Reads one metrics endpoint and records it for each replica it serves.
+    async fn scrape_endpoint(
         &self,
-        load: Arc<ReplicaLoad>,
-        replica: &Replica,
-        url: http::Uri,
+        loads: &LoadBoard,
+        url: &http::Uri,
+        replicas: Vec<&Replica>,
         config: &Config,
         shadow: &ShadowBook,
     ) {
-        let timeout: Duration = config.scrape.timeout;
+        let replicas: Vec<(&Replica, Arc<ReplicaLoad>)> = replicas
+            .into_iter()
+            .map(|replica| (replica, loads.replica(&replica.id)))
+            .collect();
+        // kvroute's side is read before the engine's: every request it counts was answered, so
+        // the engine counted its hits before this scrape reads them (drift can only read low).
+        let predicted: Vec<Prediction> = replicas.iter().map(|(_, load)| load.predicted()).collect();
+        let result = tokio::time::timeout(config.scrape.timeout, fetch(&self.client, url.clone()))
+            .await
+            .map_err(|_| "timeout".to_owned())
+            .and_then(|r| r);
+        for ((replica, load), predicted) in replicas.into_iter().zip(predicted) {
+            let read = result.as_deref().map_err(String::as_str);
+            self.record(load, replica, predicted, read, config, shadow);
+        }
+    }
+
+    /// Records one replica's share of a scrape (its rank's series when it is one of several).
+    fn record(
+        &self,
+        load: Arc<ReplicaLoad>,
+        replica: &Replica,
+        predicted: Prediction,
+        result: Result<&str, &str>,
+        config: &Config,
+        shadow: &ShadowBook,
+    ) {
         let label = ReplicaLabel {
             replica: replica.id.clone(),
         };
-        // kvroute's side is read before the engine's: every request it counts was answered, so
-        // the engine counted its hits before this scrape reads them (drift can only read low).
-        let predicted = load.predicted();
-        let result = tokio::time::timeout(timeout, fetch(&self.client, url)).await;
-        match result.map_err(|_| "timeout".to_owned()).and_then(|r| r) {
+        match result {
             Ok(text) => {
-                let (scraped, prefix_cache) = parse_exposition(&text);
+                let (scraped, prefix_cache) = parse_exposition(text, replica.dp_rank);
                 if let Some(engine) = prefix_cache {
                     self.observe_drift(replica, engine, predicted, config, &label, shadow);
                 }
@@ -313,12 +347,14 @@ async fn fetch(
 /// engines behind one server) are summed; KV usage takes the maximum.
 #[cfg(test)]
 fn parse_vllm_metrics(text: &str) -> Scraped {
-    parse_exposition(text).0
+    parse_exposition(text, None).0
 }
 
 /// The load gauges and, when the engine exports both, its prefix-cache counters (summed over
-/// label sets).
-pub fn parse_exposition(text: &str) -> (Scraped, Option<EngineCounters>) {
+/// label sets): of data-parallel rank `engine` alone when given (vLLM labels each rank's
+/// series `engine="<rank>"`), else of every series.
+pub fn parse_exposition(text: &str, engine: Option<u32>) -> (Scraped, Option<EngineCounters>) {
+    let engine_label = engine.map(|rank| format!("engine=\"{rank}\""));
     let mut scraped = Scraped::default();
     let mut hits: Option<f64> = None;
     let mut queries: Option<f64> = None;
@@ -330,10 +366,15 @@ pub fn parse_exposition(text: &str) -> (Scraped, Option<EngineCounters>) {
         }
         let name_end = line.find(['{', ' ']).unwrap_or(line.len());
         let name = &line[..name_end];
-        let value_text = match line.rfind('}') {
-            Some(close) => &line[close + 1..],
-            None => &line[name_end..],
+        let (labels, value_text) = match line.rfind('}') {
+            Some(close) => (line.get(name_end + 1..close).unwrap_or(""), &line[close + 1..]),
+            None => ("", &line[name_end..]),
         };
+        if let Some(wanted) = &engine_label
+            && !labels.split(',').any(|label| label.trim() == wanted)
+        {
+            continue;
+        }
         // `value [timestamp]`
         let Some(value) = value_text
             .split_whitespace()
@@ -470,6 +511,40 @@ mod tests {
     }
 
     #[test]
+    fn a_data_parallel_rank_reads_its_own_engine_series() {
+        let text = "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 3.0\n\
+            vllm:num_requests_waiting{engine=\"1\",model_name=\"m\"} 2.0\n\
+            vllm:num_requests_running{model_name=\"m\",engine=\"1\"} 4\n\
+            vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.5\n\
+            vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.25\n\
+            vllm:kv_cache_usage_perc{engine=\"10\",model_name=\"m\"} 0.75\n\
+            vllm:prefix_cache_queries_total{engine=\"1\",model_name=\"m\"} 100.0\n\
+            vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"m\"} 40.0\n\
+            vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 7.0\n\
+            vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 1.0\n";
+        let (rank1, counters1) = parse_exposition(text, Some(1));
+        assert_eq!(
+            rank1,
+            Scraped {
+                waiting: 2.0,
+                running: 4.0,
+                kv_usage: 0.25
+            }
+        );
+        assert_eq!(
+            counters1,
+            Some(EngineCounters {
+                hits: 40.0,
+                queries: 100.0
+            })
+        );
+        let (rank0, counters0) = parse_exposition(text, Some(0));
+        assert_eq!((rank0.waiting, rank0.running, rank0.kv_usage), (3.0, 0.0, 0.5));
+        assert_eq!(counters0.map(|c| c.queries), Some(7.0));
+        assert_eq!(parse_exposition(text, Some(2)).0, Scraped::default(), "no such rank");
+    }
+
+    #[test]
     fn parses_vllm_exposition() {
         let text = "# HELP vllm:num_requests_waiting x\n\
             vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 3.0\n\
@@ -486,7 +561,7 @@ mod tests {
                 kv_usage: 0.25
             }
         );
-        assert_eq!(parse_exposition(text).1, None, "no prefix-cache counters");
+        assert_eq!(parse_exposition(text, None).1, None, "no prefix-cache counters");
         let counters = "vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 100.0\n\
             vllm:prefix_cache_queries_created{engine=\"0\",model_name=\"m\"} 1712000000.5\n\
             vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 64.0\n\
@@ -494,7 +569,7 @@ mod tests {
             vllm:prefix_cache_queries_total{engine=\"1\",model_name=\"m\"} 20.0\n\
             vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 999.0\n";
         assert_eq!(
-            parse_exposition(counters).1,
+            parse_exposition(counters, None).1,
             Some(EngineCounters {
                 hits: 80.0,
                 queries: 120.0

@@ -24,7 +24,8 @@
 //! The decision is `x-gateway-destination-endpoint: ip:port[,ip:port…]` (the chosen endpoint, then
 //! `epp.fallbacks` more, best first, for a proxy's retries) and the same value in `envoy.lb`
 //! metadata (GIE endpoint-picker protocol), plus `x-kvroute-cluster` when the replica has an
-//! Envoy cluster, and `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
+//! Envoy cluster, `x-data-parallel-rank` when it is one of several data-parallel ranks behind one
+//! address (vLLM serves the request on that rank; a client's own value is replaced), and `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
 //! requests get an `ImmediateResponse` with an OpenAI-style JSON error: 400/404/413 for bad
 //! requests, 503 with no ready replica, 429 when `epp.shedding` finds the pool saturated. A
 //! request without a body (headers with end of stream) is routed on load in the headers answer;
@@ -796,6 +797,13 @@ fn decision_headers(decision: &Decision) -> HeaderMutation {
     ];
     if let Some(cluster) = &decision.envoy_cluster {
         set_headers.push(set_header(CLUSTER_HEADER, cluster));
+    }
+    if let Some(rank) = decision.dp_rank {
+        // Replaces any rank the client named: the engine serves on the rank chosen here.
+        set_headers.push(overwrite_header(
+            kvroute_config::DATA_PARALLEL_RANK_HEADER,
+            &rank.to_string(),
+        ));
     }
     HeaderMutation {
         set_headers,

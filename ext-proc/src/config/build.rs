@@ -16,7 +16,7 @@ use kvroute_routing::scoring::{
 use kvroute_runtime::tls::{ClientTls, ServerTls, TlsError};
 use kvroute_runtime::token::{AgentToken, TokenError};
 
-use super::pools::{pool, replica};
+use super::pools::{pool, replicas};
 use super::raw::{
     DEFAULT_ADMIN_ADDR, DEFAULT_BODY_MODE, DEFAULT_DEBUG_EXPOSE, DEFAULT_DEBUG_TOKEN_HEADER,
     DEFAULT_DECISION_BUDGET, DEFAULT_DRAIN_TIMEOUT, DEFAULT_DRIFT_ACTION, DEFAULT_DRIFT_BOUND,
@@ -58,8 +58,11 @@ impl TryFrom<RawConfig> for Config {
             .replicas
             .iter()
             .enumerate()
-            .map(|(i, r)| replica(r, &pools).map_err(|e| e.within(&format!("replicas[{i}]"))))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|(i, r)| replicas(r, &pools).map_err(|e| e.within(&format!("replicas[{i}]"))))
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter()
+            .flatten()
+            .collect();
         let default_pool = match raw.default_pool.as_deref() {
             Some(name) => Some(
                 pools

@@ -425,10 +425,21 @@ pub struct Replica {
     pub pool: usize,
     /// `ip:port` Envoy routes to.
     pub address: SocketAddr,
+    /// The data-parallel rank this replica is, when several ranks share `address` (one API
+    /// server in front of them): routing here names it in the `x-data-parallel-rank` header, and
+    /// its load is the `engine="<rank>"` series of the server's metrics.
+    pub dp_rank: Option<u32>,
     /// The engine's Prometheus endpoint.
     pub metrics_url: Option<http::Uri>,
     /// Envoy cluster for `cluster_header` routes.
     pub envoy_cluster: Option<String>,
+}
+
+impl Replica {
+    /// Where a request routed here goes: the address, and the rank behind it when it has ranks.
+    pub fn target(&self) -> (SocketAddr, Option<u32>) {
+        (self.address, self.dp_rank)
+    }
 }
 
 impl Config {

@@ -127,8 +127,8 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
     })
 }
 
-/// `replicas[i]`, whose pool is one of `pools`.
-pub(super) fn replica(raw: &RawReplica, pools: &[Pool]) -> Result<Replica, ConfigError> {
+/// `replicas[i]`, whose pool is one of `pools`: the replica, or each of its data-parallel ranks.
+pub(super) fn replicas(raw: &RawReplica, pools: &[Pool]) -> Result<Vec<Replica>, ConfigError> {
     let id = raw
         .id
         .clone()
@@ -155,11 +155,21 @@ pub(super) fn replica(raw: &RawReplica, pools: &[Pool]) -> Result<Replica, Confi
     {
         return Err(invalid("envoy_cluster", cluster, "expected a cluster name"));
     }
-    Ok(Replica {
+    let ranks = raw.data_parallel_size.unwrap_or(1);
+    kvroute_config::check_data_parallel_size(ranks)
+        .map_err(|reason| ConfigError::at("data_parallel_size", reason))?;
+    let replica = |id: String, dp_rank: Option<u32>| Replica {
         id,
         pool,
         address,
-        metrics_url,
+        dp_rank,
+        metrics_url: metrics_url.clone(),
         envoy_cluster: raw.envoy_cluster.clone(),
-    })
+    };
+    if ranks == 1 {
+        return Ok(vec![replica(id, None)]);
+    }
+    Ok((0..ranks)
+        .map(|rank| replica(kvroute_config::rank_replica_id(&id, rank), Some(rank)))
+        .collect())
 }

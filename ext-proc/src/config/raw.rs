@@ -506,6 +506,12 @@ pub(super) struct RawReplica {
     pub(super) pool: Option<String>,
     /// `ip:port` Envoy routes to (required, unique).
     pub(super) address: Option<ListenAddr>,
+    /// Data-parallel ranks behind this address (vLLM `--data-parallel-size` with one API
+    /// server): each rank becomes a routing target of its own, `<id>@dp<rank>` (as the index
+    /// names it), sent there with the `x-data-parallel-rank` header; its load is read from the
+    /// `engine="<rank>"` series of `metrics_url`.
+    #[schemars(extend("default" = 1))]
+    pub(super) data_parallel_size: Option<u32>,
     /// The engine's Prometheus endpoint, `http://`; default none (not scraped).
     pub(super) metrics_url: Option<String>,
     /// Envoy cluster for `cluster_header` routes (no whitespace); default none.

@@ -628,3 +628,33 @@ fn decision_records_are_bounded_and_off_unless_sampled() {
     let keep = error_of(&format!("{MINIMAL}decision_records: {{keep: 1000000}}\n"));
     assert!(keep.contains("decision_records.keep"), "{keep}");
 }
+
+#[test]
+fn data_parallel_ranks_are_targets_of_their_own_behind_one_address() {
+    let config = Config::from_yaml(&MINIMAL.replace(
+        "address: \"127.0.0.1:8000\"}",
+        "address: \"127.0.0.1:8000\", data_parallel_size: 2, metrics_url: \"http://127.0.0.1:8000/metrics\"}\n- {id: r1, pool: p, address: \"127.0.0.1:8001\"}",
+    ))
+    .unwrap();
+    let targets: Vec<(&str, String, Option<u32>)> = config
+        .replicas
+        .iter()
+        .map(|r| (r.id.as_str(), r.address.to_string(), r.dp_rank))
+        .collect();
+    assert_eq!(
+        targets,
+        [
+            ("r0@dp0", "127.0.0.1:8000".to_owned(), Some(0)),
+            ("r0@dp1", "127.0.0.1:8000".to_owned(), Some(1)),
+            ("r1", "127.0.0.1:8001".to_owned(), None),
+        ]
+    );
+    assert!(config.replicas[..2].iter().all(|r| r.metrics_url.is_some()));
+    assert!(
+        error_of(&MINIMAL.replace(
+            "address: \"127.0.0.1:8000\"}",
+            "address: \"127.0.0.1:8000\", data_parallel_size: 0}"
+        ))
+        .contains("replicas[0].data_parallel_size")
+    );
+}

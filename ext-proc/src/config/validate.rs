@@ -107,7 +107,7 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
                 "duplicate",
             ));
         }
-        if !addresses.insert(replica.address) {
+        if !addresses.insert(replica.target()) {
             return Err(invalid(
                 format!("replicas[{i}].address"),
                 replica.address,

@@ -355,9 +355,9 @@ impl AgentConfig {
         };
         let mut engines: Vec<IngestConfig> = Vec::with_capacity(raw.engines.len());
         for (i, engine) in raw.engines.into_iter().enumerate() {
-            let socket = validate_engine(engine, &raw.agent_id, &engines)
+            let sockets = validate_engine(engine, &raw.agent_id, &engines)
                 .map_err(|e| e.within(&format!("engines[{i}]")))?;
-            engines.push(socket);
+            engines.extend(sockets);
         }
         let discovery = match raw.discovery {
             None => None,
@@ -436,12 +436,13 @@ impl AgentConfig {
 }
 
 /// One `engines:` entry (paths relative to it): the replica id with `{agent_id}` replaced,
-/// unique among `earlier`; the event source's own rules.
+/// unique among `earlier`; the event source's own rules. An engine with data-parallel ranks is
+/// one socket per rank, each rank the replica `<replica>@dp<rank>` (as the index names it).
 fn validate_engine(
     engine: RawEngine,
     agent_id: &str,
     earlier: &[IngestConfig],
-) -> Result<IngestConfig, ConfigError> {
+) -> Result<Vec<IngestConfig>, ConfigError> {
     let replica = engine.replica.replace(AGENT_ID_PLACEHOLDER, agent_id);
     if replica.contains(['{', '}']) {
         return Err(ConfigError::at(
@@ -462,21 +463,39 @@ fn validate_engine(
         ));
     }
     engine.check()?;
-    let endpoint = engine.endpoint.as_ref().map_or("", ZmqEndpoint::as_str);
-    let mut socket = IngestConfig::new(Arc::<str>::from(replica), endpoint, engine.mode)
-        .with_dp_rank(engine.dp_rank)
-        .with_topic_filter(engine.topic.clone())
-        .with_allowed_peers(
-            engine
-                .allowed_peers
-                .as_deref()
-                .map_or_else(PeerFilter::any, PeerFilter::from_peers),
-        );
-    socket.max_message_bytes = engine.max_message_bytes_or_default();
-    if let Some(replay) = engine.replay_endpoint {
-        socket = socket.with_replay_endpoint(String::from(replay));
+    let ranks = engine.data_parallel_ranks();
+    let mut sockets = Vec::with_capacity(ranks as usize);
+    for rank in 0..ranks {
+        // `check` proved every rank's endpoints exist.
+        let rank_endpoint = |endpoint: Option<&ZmqEndpoint>| {
+            endpoint
+                .and_then(|e| e.for_data_parallel_rank(rank).ok())
+                .map(String::from)
+        };
+        let endpoint = rank_endpoint(engine.endpoint.as_ref()).unwrap_or_default();
+        let socket = if ranks > 1 {
+            let id = kvroute_config::rank_replica_id(&replica, rank);
+            IngestConfig::new(Arc::<str>::from(id), endpoint, engine.mode)
+                .with_checked_dp_rank(rank)
+        } else {
+            IngestConfig::new(Arc::<str>::from(replica.as_str()), endpoint, engine.mode)
+                .with_dp_rank(engine.dp_rank)
+        };
+        let mut socket = socket
+            .with_topic_filter(engine.topic.clone())
+            .with_allowed_peers(
+                engine
+                    .allowed_peers
+                    .as_deref()
+                    .map_or_else(PeerFilter::any, PeerFilter::from_peers),
+            );
+        socket.max_message_bytes = engine.max_message_bytes_or_default();
+        if let Some(replay) = rank_endpoint(engine.replay_endpoint.as_ref()) {
+            socket = socket.with_replay_endpoint(replay);
+        }
+        sockets.push(socket);
     }
-    Ok(socket)
+    Ok(sockets)
 }
 
 #[cfg(test)]

@@ -77,8 +77,12 @@ fn discovered_engine(replica: &Replica) -> IngestConfig {
         replica.id.as_str(),
         replica.kv_events.clone(),
         SocketMode::Connect,
-    )
-    .with_dp_rank(u32::from(replica.rank))
+    );
+    let engine = if replica.rank_by_header {
+        engine.with_checked_dp_rank(u32::from(replica.rank))
+    } else {
+        engine.with_dp_rank(u32::from(replica.rank))
+    }
     .with_topic_filter(replica.kv_topic.clone());
     match &replica.kv_replay {
         Some(replay) => engine.with_replay_endpoint(replay.clone()),
@@ -403,6 +407,7 @@ mod tests {
             id: id.to_owned(),
             pod: id.to_owned(),
             rank: 0,
+            rank_by_header: false,
             address: format!("10.0.0.1:{port}").parse().unwrap(),
             metrics_url: String::new(),
             kv_events: format!("tcp://10.0.0.1:{port}"),

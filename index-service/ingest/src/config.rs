@@ -29,6 +29,10 @@ pub struct IngestConfig {
     /// Global DP rank of the engine core publishing on this socket (0 without DP). With DP,
     /// vLLM offsets both ports by the rank (`offset_endpoint_port`), one socket per rank.
     pub dp_rank: u32,
+    /// Whether a batch naming another rank than `dp_rank` is refused: set where kvroute derived
+    /// this socket's ports from rank 0's (`data_parallel_size`), so another rank's batches mean
+    /// the base port is wrong and would file one rank's blocks under another.
+    pub dp_rank_checked: bool,
     /// ZMQ endpoint of the live stream: the engine's address (`Connect`) or ours (`Bind`).
     /// `tcp://*:port` is accepted for `Bind` and means all interfaces.
     pub endpoint: String,
@@ -64,6 +68,7 @@ impl IngestConfig {
         Self {
             replica_id: replica_id.into(),
             dp_rank: 0,
+            dp_rank_checked: false,
             endpoint: endpoint.into(),
             mode,
             replay_endpoint: None,
@@ -93,6 +98,13 @@ impl IngestConfig {
     /// Sets the DP rank.
     pub fn with_dp_rank(mut self, dp_rank: u32) -> Self {
         self.dp_rank = dp_rank;
+        self
+    }
+
+    /// Sets the DP rank and refuses batches naming another (`dp_rank_checked`).
+    pub fn with_checked_dp_rank(mut self, dp_rank: u32) -> Self {
+        self.dp_rank = dp_rank;
+        self.dp_rank_checked = true;
         self
     }
 

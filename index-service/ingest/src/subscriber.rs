@@ -22,6 +22,8 @@ use kvroute_index_core::wire::{self, DecodedBatch, WireError};
 
 /// `ingest_refused_total` reason of a live message whose topic the socket did not subscribe to.
 const TOPIC_MISMATCH: &str = "topic_mismatch";
+/// Refusal label: a batch published by another data-parallel rank than the socket's.
+const RANK_MISMATCH: &str = "dp_rank_mismatch";
 
 /// Live messages in a row that fail to decode before the stream is flagged unusable
 /// (`unknown_encoding`): one bad message is skipped (and the gap repaired), a stream of them
@@ -784,6 +786,31 @@ impl Subscriber {
                         topic_filter = %self.config.topic_filter,
                         suppressed,
                         "dropping kv event message with a foreign topic"
+                    );
+                }
+                None
+            }
+            Ok((_topic, _, batch))
+                if self.config.dp_rank_checked
+                    && batch
+                        .batch
+                        .dp_rank
+                        .is_some_and(|rank| rank != self.config.dp_rank) =>
+            {
+                self.metrics.refused(RANK_MISMATCH);
+                self.state.record_error(
+                    "live message published by another data-parallel rank than this socket's"
+                        .into(),
+                );
+                if let Some(suppressed) = self.decode_warnings.allow() {
+                    tracing::warn!(
+                        replica_id = %self.replica.replica_id,
+                        dp_rank = self.replica.dp_rank,
+                        published_dp_rank = batch.batch.dp_rank,
+                        endpoint = %self.config.endpoint,
+                        suppressed,
+                        "dropping kv events of another data-parallel rank: the endpoint is not \
+                         rank 0's publisher (vLLM offsets each rank's port by its rank)"
                     );
                 }
                 None

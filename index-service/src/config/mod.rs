@@ -13,7 +13,11 @@ mod raw;
 #[cfg(test)]
 mod tests;
 
-use std::{collections::HashSet, net::SocketAddr, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    net::SocketAddr,
+    time::Duration,
+};
 
 use kvroute_block_keys::{KeyScheme, PoolKeySettings};
 use kvroute_config::{ConfigError, SocketMode, TokenSource, ZmqEndpoint};
@@ -155,6 +159,9 @@ pub struct ReplicaConfig {
     pub topic: String,
     /// Data-parallel rank.
     pub dp_rank: u32,
+    /// Whether kvroute derived this socket's rank (one of `data_parallel_size` ranks): batches
+    /// naming another rank are then refused.
+    pub dp_rank_checked: bool,
     /// Bind mode: who may connect.
     pub allowed_peers: PeerFilter,
     /// Largest message accepted.
@@ -222,12 +229,12 @@ impl Config {
             .flat_map(|a| a.replicas.iter().map(String::as_str))
             .collect();
         let mut replicas = Vec::with_capacity(raw.replicas.len());
-        let mut ids = HashSet::new();
+        let mut ids = HashMap::new();
         let mut bound = HashSet::new();
         for (i, replica) in raw.replicas.into_iter().enumerate() {
-            let replica = validate_replica(replica, &pools, &agent_owned, &mut ids, &mut bound)
+            let ranks = validate_replica(replica, &pools, &agent_owned, &mut ids, &mut bound)
                 .map_err(|e| e.within(&format!("replicas[{i}]")))?;
-            replicas.push(replica);
+            replicas.extend(ranks);
         }
 
         let agents = validate_agents(raw.agents, &ids)?;
@@ -329,14 +336,16 @@ fn load_token(
         .map_err(|e| ConfigError::load(format!("{section}.{}", source.key()), e))
 }
 
-/// One `replicas:` entry; paths relative to it.
+/// One `replicas:` entry, paths relative to it: the replica, or each of its data-parallel ranks
+/// (`events.data_parallel_size`), as replica `<id>@dp<rank>` fed by that rank's sockets. `ids`
+/// gathers each configured id with its rank count.
 fn validate_replica(
     replica: RawReplica,
     pools: &[PoolConfig],
     agent_owned: &HashSet<&str>,
-    ids: &mut HashSet<String>,
+    ids: &mut HashMap<String, u32>,
     bound: &mut HashSet<String>,
-) -> Result<ReplicaConfig, ConfigError> {
+) -> Result<Vec<ReplicaConfig>, ConfigError> {
     if replica.id.is_empty() || !is_label_safe(&replica.id) {
         return Err(ConfigError::at(
             "id",
@@ -346,7 +355,7 @@ fn validate_replica(
             ),
         ));
     }
-    if !ids.insert(replica.id.clone()) {
+    if ids.contains_key(&replica.id) {
         return Err(ConfigError::at(
             "id",
             format_args!("duplicate id {:?}", replica.id),
@@ -369,9 +378,12 @@ fn validate_replica(
         ));
     }
     let events = replica.events;
+    let ranks = events.data_parallel_ranks();
     // A replica fed only by its agent needs no ZMQ endpoint here.
     let agent_fed = events.endpoint.is_none() && agent_owned.contains(replica.id.as_str());
     let allowed_peers = if agent_fed {
+        kvroute_config::check_data_parallel_size(ranks)
+            .map_err(|reason| ConfigError::at("events.data_parallel_size", reason))?;
         PeerFilter::any()
     } else {
         events.check().map_err(|e| e.within("events"))?;
@@ -380,32 +392,49 @@ fn validate_replica(
             .as_deref()
             .map_or_else(PeerFilter::any, PeerFilter::from_peers)
     };
-    let endpoint = events.endpoint.as_ref().map_or("", ZmqEndpoint::as_str);
-    if events.mode == SocketMode::Bind && !bound.insert(endpoint.to_owned()) {
-        return Err(ConfigError::at(
-            "events.endpoint",
-            format_args!("another replica already binds {endpoint}"),
-        ));
+    ids.insert(replica.id.clone(), ranks);
+    let mut configs = Vec::with_capacity(ranks as usize);
+    for rank in 0..ranks {
+        // `check` proved every rank's endpoints exist.
+        let rank_endpoint = |endpoint: Option<&ZmqEndpoint>| {
+            endpoint
+                .and_then(|e| e.for_data_parallel_rank(rank).ok())
+                .map(String::from)
+        };
+        let endpoint = rank_endpoint(events.endpoint.as_ref()).unwrap_or_default();
+        if events.mode == SocketMode::Bind && !bound.insert(endpoint.clone()) {
+            return Err(ConfigError::at(
+                "events.endpoint",
+                format_args!("another replica already binds {endpoint}"),
+            ));
+        }
+        let (id, dp_rank) = if ranks > 1 {
+            (kvroute_config::rank_replica_id(&replica.id, rank), rank)
+        } else {
+            (replica.id.clone(), events.dp_rank)
+        };
+        configs.push(ReplicaConfig {
+            id,
+            pool,
+            endpoint,
+            mode: events.mode,
+            max_message_bytes: events.max_message_bytes_or_default(),
+            replay_endpoint: rank_endpoint(events.replay_endpoint.as_ref()),
+            topic: events.topic.clone(),
+            dp_rank,
+            dp_rank_checked: ranks > 1,
+            allowed_peers: allowed_peers.clone(),
+            node: None,
+        });
     }
-    Ok(ReplicaConfig {
-        id: replica.id,
-        pool,
-        endpoint: endpoint.to_owned(),
-        mode: events.mode,
-        max_message_bytes: events.max_message_bytes_or_default(),
-        replay_endpoint: events.replay_endpoint.map(String::from),
-        topic: events.topic,
-        dp_rank: events.dp_rank,
-        allowed_peers,
-        node: None,
-    })
+    Ok(configs)
 }
 
 /// Agents: unique ids, exactly one token source (loaded now), replicas that exist and have one
 /// owner each.
 fn validate_agents(
     raw: Vec<RawAgent>,
-    replica_ids: &HashSet<String>,
+    replica_ids: &HashMap<String, u32>,
 ) -> Result<Vec<AgentConfig>, ConfigError> {
     let mut agents: Vec<AgentConfig> = Vec::with_capacity(raw.len());
     let mut owned = HashSet::new();
@@ -421,34 +450,43 @@ fn validate_agents(
         let source =
             TokenSource::from_keys(agent.token_file.as_deref(), agent.token_env.as_deref());
         let token = load_token(source, &section)?;
-        let max = kvroute_index_api::agent_protocol::MAX_REPLICAS_PER_HELLO;
-        if agent.replicas.len() > max {
-            return Err(ConfigError::at(
-                field("replicas"),
-                format_args!(
-                    "an agent may own at most {max} replicas (one Hello claims them all; got {})",
-                    agent.replicas.len()
-                ),
-            ));
-        }
+        // Owning a replica with data-parallel ranks is owning each rank (the agent streams
+        // every rank as replica `<id>@dp<rank>`).
+        let mut replicas = Vec::with_capacity(agent.replicas.len());
         for replica in &agent.replicas {
-            if !replica_ids.contains(replica) {
+            let Some(&ranks) = replica_ids.get(replica) else {
                 return Err(ConfigError::at(
                     field("replicas"),
                     format_args!("no such replica {replica:?}"),
                 ));
-            }
+            };
             if !owned.insert(replica.clone()) {
                 return Err(ConfigError::at(
                     field("replicas"),
                     format_args!("{replica:?} is already owned by another agent"),
                 ));
             }
+            if ranks > 1 {
+                replicas.extend((0..ranks).map(|r| kvroute_config::rank_replica_id(replica, r)));
+            } else {
+                replicas.push(replica.clone());
+            }
+        }
+        let max = kvroute_index_api::agent_protocol::MAX_REPLICAS_PER_HELLO;
+        if replicas.len() > max {
+            return Err(ConfigError::at(
+                field("replicas"),
+                format_args!(
+                    "an agent may own at most {max} replicas, data-parallel ranks counted one \
+                     by one (one Hello claims them all; got {})",
+                    replicas.len()
+                ),
+            ));
         }
         agents.push(AgentConfig {
             id: agent.id,
             token,
-            replicas: agent.replicas,
+            replicas,
         });
     }
     Ok(agents)
@@ -565,7 +603,8 @@ impl ReplicaConfig {
             mode: SocketMode::Connect,
             replay_endpoint: None,
             topic: String::new(),
-            dp_rank: 0,
+            dp_rank: u32::from(replica.rank),
+            dp_rank_checked: replica.rank_by_header,
             allowed_peers: PeerFilter::any(),
             max_message_bytes: kvroute_config::DEFAULT_MAX_MESSAGE_BYTES,
             node: replica.node.clone(),

@@ -326,3 +326,67 @@ fn an_unknown_key_inside_a_list_element_names_its_path() {
         "{error}"
     );
 }
+
+#[test]
+fn data_parallel_ranks_are_replicas_of_their_own_fed_by_each_ranks_sockets() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "agent-secret\n").unwrap();
+    let yaml = format!(
+        r#"
+listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
+pools:
+  - {{name: tiny, models: [tiny], key_scheme: {{kind: token-chain}}}}
+replicas:
+  - id: pod-a
+    pool: tiny
+    events: {{endpoint: "tcp://10.0.0.5:5557", replay_endpoint: "tcp://10.0.0.5:5600", data_parallel_size: 3}}
+  - id: pod-b
+    pool: tiny
+    events: {{data_parallel_size: 2}}
+agents:
+  - {{id: node-1, token_file: "{}", replicas: [pod-b]}}
+"#,
+        token.display()
+    );
+    let config = Config::from_yaml(&yaml).unwrap();
+    let ranks: Vec<(&str, &str, Option<&str>, u32, bool)> = config
+        .replicas
+        .iter()
+        .map(|r| {
+            (
+                r.id.as_str(),
+                r.endpoint.as_str(),
+                r.replay_endpoint.as_deref(),
+                r.dp_rank,
+                r.dp_rank_checked,
+            )
+        })
+        .collect();
+    assert_eq!(
+        ranks,
+        [
+            ("pod-a@dp0", "tcp://10.0.0.5:5557", Some("tcp://10.0.0.5:5600"), 0, true),
+            ("pod-a@dp1", "tcp://10.0.0.5:5558", Some("tcp://10.0.0.5:5601"), 1, true),
+            ("pod-a@dp2", "tcp://10.0.0.5:5559", Some("tcp://10.0.0.5:5602"), 2, true),
+            ("pod-b@dp0", "", None, 0, true),
+            ("pod-b@dp1", "", None, 1, true),
+        ]
+    );
+    assert_eq!(
+        config.agents[0].replicas,
+        ["pod-b@dp0", "pod-b@dp1"],
+        "owning a replica is owning each of its ranks"
+    );
+
+    let error = Config::from_yaml(&GOOD.replace(
+        "replay_endpoint: \"tcp://127.0.0.1:5558\"}",
+        "replay_endpoint: \"tcp://127.0.0.1:5558\", data_parallel_size: 300}",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.starts_with("replicas[0].events.data_parallel_size:"),
+        "{error}"
+    );
+}

@@ -166,12 +166,16 @@ impl Directory {
         if replica.endpoint.is_empty() {
             return None;
         }
-        let mut socket = IngestConfig::new(
+        let socket = IngestConfig::new(
             Arc::from(replica.id.as_str()),
             &replica.endpoint,
             replica.mode,
-        )
-        .with_dp_rank(replica.dp_rank)
+        );
+        let mut socket = if replica.dp_rank_checked {
+            socket.with_checked_dp_rank(replica.dp_rank)
+        } else {
+            socket.with_dp_rank(replica.dp_rank)
+        }
         .with_topic_filter(replica.topic.clone())
         .with_allowed_peers(replica.allowed_peers.clone());
         socket.replay_timeout = config.replay_timeout;

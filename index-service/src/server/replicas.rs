@@ -112,6 +112,7 @@ fn same_engine(a: &ReplicaConfig, b: &ReplicaConfig) -> bool {
         && a.replay_endpoint == b.replay_endpoint
         && a.topic == b.topic
         && a.dp_rank == b.dp_rank
+        && a.dp_rank_checked == b.dp_rank_checked
         && a.max_message_bytes == b.max_message_bytes
 }
 
