@@ -150,7 +150,12 @@ mod tests {
 
     #[test]
     fn data_parallel_ranks_default_to_one() {
-        assert_eq!(check("{endpoint: 'tcp://h:1'}").unwrap().data_parallel_ranks(), 1);
+        assert_eq!(
+            check("{endpoint: 'tcp://h:1'}")
+                .unwrap()
+                .data_parallel_ranks(),
+            1
+        );
         let raw = check("{endpoint: 'tcp://h:1', data_parallel_size: 4}").unwrap();
         assert_eq!(raw.data_parallel_ranks(), 4);
     }

@@ -36,7 +36,9 @@ pub fn check_data_parallel_size(size: u32) -> Result<(), String> {
     if (1..=MAX_DATA_PARALLEL_SIZE).contains(&size) {
         Ok(())
     } else {
-        Err(format!("expected 1..={MAX_DATA_PARALLEL_SIZE} (got {size})"))
+        Err(format!(
+            "expected 1..={MAX_DATA_PARALLEL_SIZE} (got {size})"
+        ))
     }
 }
 
@@ -101,11 +103,7 @@ mod tests {
             endpoint("tcp://*:0").for_data_parallel_rank(1).unwrap(),
             endpoint("tcp://*:0")
         );
-        assert!(
-            endpoint("tcp://h:65535")
-                .for_data_parallel_rank(1)
-                .is_err()
-        );
+        assert!(endpoint("tcp://h:65535").for_data_parallel_rank(1).is_err());
         assert!(
             endpoint("ipc:///tmp/kv")
                 .for_data_parallel_rank(1)

@@ -401,12 +401,20 @@ mod tests {
         let mut pods = BTreeMap::new();
         pods.insert("vllm-2".to_owned(), replicas);
         let snapshot = snapshot(&pods, true, |r, why| panic!("{} refused: {why:?}", r.id));
-        assert_eq!(snapshot.replicas.len(), 2, "ranks are not duplicate addresses");
+        assert_eq!(
+            snapshot.replicas.len(),
+            2,
+            "ranks are not duplicate addresses"
+        );
         let ported = replicas_of(
             &pod,
             &plan(vec![TargetPort::Number(8000), TargetPort::Number(8001)]),
         );
-        assert_eq!(ported, Err(Refusal::BadAnnotation), "ports and shared ranks at once");
+        assert_eq!(
+            ported,
+            Err(Refusal::BadAnnotation),
+            "ports and shared ranks at once"
+        );
     }
 
     #[test]

@@ -173,11 +173,18 @@ pub struct Explained {
 }
 
 impl Explained {
-    /// The candidate serving on `address`, if any.
+    /// The candidate serving on `address`, if exactly one does (several data-parallel ranks
+    /// behind one address do not say which of them served).
     pub fn candidate_at(&self, address: SocketAddr) -> Option<usize> {
-        self.candidates
+        let mut at = self
+            .candidates
             .iter()
-            .position(|&r| self.config.replicas[r].address == address)
+            .enumerate()
+            .filter(|&(_, &r)| self.config.replicas[r].address == address);
+        match (at.next(), at.next()) {
+            (Some((position, _)), None) => Some(position),
+            _ => None,
+        }
     }
 }
 
@@ -233,7 +240,7 @@ impl DecisionRecord {
                 CandidateRecord {
                     replica: replica.id.clone(),
                     address: replica.address.to_string(),
-                    chosen: replica.address == decision.address,
+                    chosen: i == explained.chosen,
                     indexed_blocks: scored
                         .indexed
                         .get(i)

@@ -263,7 +263,8 @@ impl Scraper {
             .collect();
         // kvroute's side is read before the engine's: every request it counts was answered, so
         // the engine counted its hits before this scrape reads them (drift can only read low).
-        let predicted: Vec<Prediction> = replicas.iter().map(|(_, load)| load.predicted()).collect();
+        let predicted: Vec<Prediction> =
+            replicas.iter().map(|(_, load)| load.predicted()).collect();
         let result = tokio::time::timeout(config.scrape.timeout, fetch(&self.client, url.clone()))
             .await
             .map_err(|_| "timeout".to_owned())
@@ -367,7 +368,10 @@ pub fn parse_exposition(text: &str, engine: Option<u32>) -> (Scraped, Option<Eng
         let name_end = line.find(['{', ' ']).unwrap_or(line.len());
         let name = &line[..name_end];
         let (labels, value_text) = match line.rfind('}') {
-            Some(close) => (line.get(name_end + 1..close).unwrap_or(""), &line[close + 1..]),
+            Some(close) => (
+                line.get(name_end + 1..close).unwrap_or(""),
+                &line[close + 1..],
+            ),
             None => ("", &line[name_end..]),
         };
         if let Some(wanted) = &engine_label
@@ -539,9 +543,16 @@ mod tests {
             })
         );
         let (rank0, counters0) = parse_exposition(text, Some(0));
-        assert_eq!((rank0.waiting, rank0.running, rank0.kv_usage), (3.0, 0.0, 0.5));
+        assert_eq!(
+            (rank0.waiting, rank0.running, rank0.kv_usage),
+            (3.0, 0.0, 0.5)
+        );
         assert_eq!(counters0.map(|c| c.queries), Some(7.0));
-        assert_eq!(parse_exposition(text, Some(2)).0, Scraped::default(), "no such rank");
+        assert_eq!(
+            parse_exposition(text, Some(2)).0,
+            Scraped::default(),
+            "no such rank"
+        );
     }
 
     #[test]
@@ -561,7 +572,11 @@ mod tests {
                 kv_usage: 0.25
             }
         );
-        assert_eq!(parse_exposition(text, None).1, None, "no prefix-cache counters");
+        assert_eq!(
+            parse_exposition(text, None).1,
+            None,
+            "no prefix-cache counters"
+        );
         let counters = "vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 100.0\n\
             vllm:prefix_cache_queries_created{engine=\"0\",model_name=\"m\"} 1712000000.5\n\
             vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 64.0\n\

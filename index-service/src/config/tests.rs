@@ -366,9 +366,27 @@ agents:
     assert_eq!(
         ranks,
         [
-            ("pod-a@dp0", "tcp://10.0.0.5:5557", Some("tcp://10.0.0.5:5600"), 0, true),
-            ("pod-a@dp1", "tcp://10.0.0.5:5558", Some("tcp://10.0.0.5:5601"), 1, true),
-            ("pod-a@dp2", "tcp://10.0.0.5:5559", Some("tcp://10.0.0.5:5602"), 2, true),
+            (
+                "pod-a@dp0",
+                "tcp://10.0.0.5:5557",
+                Some("tcp://10.0.0.5:5600"),
+                0,
+                true
+            ),
+            (
+                "pod-a@dp1",
+                "tcp://10.0.0.5:5558",
+                Some("tcp://10.0.0.5:5601"),
+                1,
+                true
+            ),
+            (
+                "pod-a@dp2",
+                "tcp://10.0.0.5:5559",
+                Some("tcp://10.0.0.5:5602"),
+                2,
+                true
+            ),
             ("pod-b@dp0", "", None, 0, true),
             ("pod-b@dp1", "", None, 1, true),
         ]

@@ -55,6 +55,12 @@ fn lock_dir() -> PathBuf {
 /// A 127.0.0.1 TCP port outside the ephemeral range that nothing listens on and no other
 /// caller of this function (in any process) holds; reserved until this process exits.
 pub fn reserve_port() -> Result<u16, HarnessError> {
+    reserve_port_run(1)
+}
+
+/// The first of `len` consecutive ports, each reserved as [`reserve_port`] reserves one: for an
+/// engine that offsets its ports by its data-parallel rank (vLLM's KV-event publishers).
+pub fn reserve_port_run(len: usize) -> Result<u16, HarnessError> {
     let dir = lock_dir();
     std::fs::create_dir_all(&dir).map_err(|source| HarnessError::Io {
         path: dir.clone(),
@@ -64,32 +70,41 @@ pub fn reserve_port() -> Result<u16, HarnessError> {
     // Start somewhere different per process, so parallel processes rarely contend for a lock.
     let start = (std::process::id() as usize).wrapping_mul(7919) % candidates.len().max(1);
     let mut reserved = RESERVED.lock();
-    for &port in candidates[start..].iter().chain(&candidates[..start]) {
-        let path = dir.join(format!("{port}.lock"));
-        let Ok(file) = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-        else {
-            continue;
-        };
-        if file.try_lock().is_err() {
-            continue; // Another process (or this one) holds it.
+    for &first in candidates[start..].iter().chain(&candidates[..start]) {
+        let run: Option<Vec<File>> = (0..len)
+            .map(|offset| {
+                let port = first.checked_add(u16::try_from(offset).ok()?)?;
+                // The whole run stays outside the ephemeral range.
+                candidates.binary_search(&port).ok()?;
+                lock_port(&dir, port)
+            })
+            .collect();
+        if let Some(files) = run {
+            reserved.extend(files);
+            return Ok(first);
         }
-        if TcpListener::bind(("127.0.0.1", port)).is_err() {
-            continue; // Something outside the harness listens there.
-        }
-        reserved.push(file);
-        return Ok(port);
     }
     Err(HarnessError::Protocol {
         what: "port reservation".to_owned(),
         detail: format!(
-            "no free port outside the ephemeral range {:?}",
+            "no {len} consecutive free ports outside the ephemeral range {:?}",
             ephemeral_range()
         ),
     })
+}
+
+/// The lock of `port`, when no other process holds it and nothing listens there.
+fn lock_port(dir: &std::path::Path, port: u16) -> Option<File> {
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(format!("{port}.lock")))
+        .ok()?;
+    // Another process (or this one) holds it, or something outside the harness listens there.
+    file.try_lock().ok()?;
+    TcpListener::bind(("127.0.0.1", port)).ok()?;
+    Some(file)
 }
 
 /// `count` distinct reserved ports ([`reserve_port`]).
@@ -119,5 +134,16 @@ mod tests {
         let path = lock_dir().join(format!("{}.lock", ports[0]));
         let again = File::options().write(true).open(path).unwrap();
         assert!(again.try_lock().is_err());
+    }
+
+    #[test]
+    fn a_run_of_ports_is_consecutive_and_reserved() {
+        let first = reserve_port_run(3).unwrap();
+        for port in first..first + 3 {
+            TcpListener::bind(("127.0.0.1", port)).unwrap();
+            let path = lock_dir().join(format!("{port}.lock"));
+            let again = File::options().write(true).open(path).unwrap();
+            assert!(again.try_lock().is_err(), "{port} held");
+        }
     }
 }

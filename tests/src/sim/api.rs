@@ -33,13 +33,34 @@ use super::metrics::MetricsInfo;
 /// Response header echoing the `traceparent` header of the request.
 pub const RECEIVED_TRACEPARENT_HEADER: &str = "x-sim-received-traceparent";
 
+/// Response header naming the data-parallel rank that served a generation request (the
+/// simulator's own: vLLM does not say), so a test sees where `x-data-parallel-rank` sent it.
+pub const SERVED_DP_RANK_HEADER: &str = "x-sim-served-dp-rank";
+
+/// The endpoints that generate, the ones a data-parallel rank serves.
+const GENERATION_PATHS: [&str; 4] = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+];
+
+tokio::task_local! {
+    /// The data-parallel rank serving the current generation request, chosen before its handler
+    /// runs ([`choose_rank`]).
+    static SERVING_RANK: usize;
+}
+
 /// Text the simulated model "generates", cycled token by token.
 const FILLER_TEXT: &str = " the quick brown fox jumps over the lazy dog and keeps running";
 
 /// Shared by all handlers.
 #[derive(Debug)]
 pub(crate) struct AppState {
-    pub(crate) engine: Arc<Engine>,
+    /// One engine per data-parallel rank, rank 0 first.
+    pub(crate) engines: Vec<Arc<Engine>>,
+    /// Where vLLM's balancer starts its scan next (it rotates, so ties spread).
+    next_scan_start: AtomicU64,
     pub(crate) tokenizer: Arc<ModelTokenizer>,
     pub(crate) model_name: String,
     pub(crate) model_root: String,
@@ -52,7 +73,7 @@ pub(crate) struct AppState {
 
 impl AppState {
     pub(crate) fn new(
-        engine: Arc<Engine>,
+        engines: Vec<Arc<Engine>>,
         tokenizer: Arc<ModelTokenizer>,
         model_name: String,
         model_root: String,
@@ -65,7 +86,8 @@ impl AppState {
             .map(|id| Ok((id, tokenizer.decode(&[id], false)?)))
             .collect::<Result<Vec<_>, kvroute_tokenize::TokenizeError>>()?;
         Ok(Self {
-            engine,
+            engines,
+            next_scan_start: AtomicU64::new(0),
             tokenizer,
             model_name,
             model_root,
@@ -84,6 +106,38 @@ impl AppState {
 
     fn filler(&self, k: usize) -> &(u32, String) {
         &self.filler[k % self.filler.len()]
+    }
+
+    /// Rank 0's engine: the geometry every rank shares.
+    fn first_engine(&self) -> &Engine {
+        &self.engines[0]
+    }
+
+    /// The engine serving the current generation request.
+    fn serving_engine(&self) -> &Arc<Engine> {
+        let rank = SERVING_RANK.try_with(|rank| *rank).unwrap_or(0);
+        &self.engines[rank.min(self.engines.len() - 1)]
+    }
+
+    /// vLLM's internal balancer (`DPLBAsyncMPClient.get_core_engine_for_request`): the rank
+    /// with the fewest waiting plus running requests, scanning from a rotating start so ties
+    /// spread. (vLLM also penalises a queue on a rank whose KV cache is over half full.)
+    fn least_loaded_rank(&self) -> usize {
+        let ranks = self.engines.len();
+        let start = self.next_scan_start.fetch_add(1, Ordering::Relaxed) as usize;
+        let mut best = (f64::MAX, 0);
+        for i in 0..ranks {
+            let rank = (start + i) % ranks;
+            let gauges = self.engines[rank].gauges();
+            let mut score = (gauges.waiting + gauges.running) as f64;
+            if gauges.waiting > 0 {
+                score += gauges.waiting as f64 * 6.0 * (gauges.kv_cache_usage - 0.5).max(0.0);
+            }
+            if score < best.0 {
+                best = (score, rank);
+            }
+        }
+        best.1
     }
 }
 
@@ -104,8 +158,49 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/debug/blocks", get(debug_blocks))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            choose_rank,
+        ))
         .layer(axum::middleware::from_fn(echo_traceparent))
         .with_state(state)
+}
+
+/// Chooses the data-parallel rank of a generation request as vLLM's API server does: the one
+/// its `x-data-parallel-rank` header names (a value that is no integer is ignored; one out of
+/// range is refused), else the least loaded; the handler runs with it as [`SERVING_RANK`] and
+/// the response names it ([`SERVED_DP_RANK_HEADER`]).
+async fn choose_rank(
+    State(state): State<Arc<AppState>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if !GENERATION_PATHS.contains(&request.uri().path()) {
+        return next.run(request).await;
+    }
+    let named = request
+        .headers()
+        .get(kvroute_config::DATA_PARALLEL_RANK_HEADER)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse::<i64>().ok());
+    let ranks = state.engines.len();
+    let rank = match named {
+        Some(rank) => match usize::try_from(rank).ok().filter(|&rank| rank < ranks) {
+            Some(rank) => rank,
+            None => {
+                return ApiError::bad_request(format!(
+                    "data_parallel_rank {rank} is out of range [0, {ranks})."
+                ))
+                .into_response();
+            }
+        },
+        None => state.least_loaded_rank(),
+    };
+    let mut response = SERVING_RANK.scope(rank, next.run(request)).await;
+    response
+        .headers_mut()
+        .insert(SERVED_DP_RANK_HEADER, axum::http::HeaderValue::from(rank));
+    response
 }
 
 /// Records the request's `traceparent` on its response ([`RECEIVED_TRACEPARENT_HEADER`]).
@@ -295,7 +390,7 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": state.created, "owned_by": "vllm",
         "root": state.model_root, "parent": null,
-        "max_model_len": state.engine.geometry().max_model_len,
+        "max_model_len": state.first_engine().geometry().max_model_len,
         "permission": [],
     }]}))
 }
@@ -337,7 +432,7 @@ async fn tokenize(
     });
     Ok(Json(json!({
         "count": tokens.len(),
-        "max_model_len": state.engine.geometry().max_model_len,
+        "max_model_len": state.first_engine().geometry().max_model_len,
         "tokens": tokens,
         "token_strs": token_strs,
     })))
@@ -499,7 +594,7 @@ async fn generate(
     include_usage: bool,
 ) -> Result<Response, ApiError> {
     let output = (0..max_tokens).map(|k| state.filler(k).0).collect();
-    let sequence = state.engine.start(prompt, output).await?;
+    let sequence = state.serving_engine().start(prompt, output).await?;
     let id = state.request_id(match kind {
         Kind::Chat | Kind::Messages => "chatcmpl",
         Kind::Completion => "cmpl",
@@ -874,7 +969,7 @@ impl Generation {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let text = state.metrics.render(&state.engine, &state.model_name);
+    let text = state.metrics.render(&state.engines, &state.model_name);
     (
         [(
             header::CONTENT_TYPE,
@@ -885,24 +980,43 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// Resets every rank's prefix cache (vLLM's API server asks every engine).
 async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Json<Value> {
-    Json(json!({"success": state.engine.reset_prefix_cache()}))
+    let mut success = true;
+    for engine in &state.engines {
+        success &= engine.reset_prefix_cache();
+    }
+    Json(json!({"success": success}))
 }
 
-async fn debug_blocks(State(state): State<Arc<AppState>>) -> Json<Value> {
-    let geometry = state.engine.geometry();
-    let (published_batches, blocks) = state.engine.held_blocks_at();
+/// `?dp_rank=N`: which rank's blocks (default 0).
+#[derive(Debug, Default, Deserialize)]
+struct DebugBlocksQuery {
+    dp_rank: Option<usize>,
+}
+
+async fn debug_blocks(
+    State(state): State<Arc<AppState>>,
+    axum::extract::Query(query): axum::extract::Query<DebugBlocksQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let rank = query.dp_rank.unwrap_or(0);
+    let engine = state
+        .engines
+        .get(rank)
+        .ok_or_else(|| ApiError::bad_request(format!("no data-parallel rank {rank}")))?;
+    let geometry = engine.geometry();
+    let (published_batches, blocks) = engine.held_blocks_at();
     // Every block is in vLLM's GPU block pool.
     let blocks: Vec<Value> = blocks
         .iter()
         .map(|b| json!({"hash": b.hash, "medium": "GPU", "ref_cnt": b.ref_cnt}))
         .collect();
-    Json(json!({
+    Ok(Json(json!({
         "block_size": geometry.block_size,
         "num_blocks": geometry.num_blocks,
         "published_batches": published_batches,
         "blocks": blocks,
-    }))
+    })))
 }
 
 fn unix_seconds() -> u64 {

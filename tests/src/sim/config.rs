@@ -72,9 +72,16 @@ pub struct SimArgs {
     /// Publish full digests as bytes (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
     #[arg(long)]
     pub kv_events_bytes_hashes: bool,
-    /// Data-parallel rank carried in every batch.
+    /// Data-parallel rank carried in every batch (an engine serving one rank behind its own API
+    /// server, vLLM's external load balancing).
     #[arg(long, default_value_t = 0)]
     pub data_parallel_rank: u32,
+    /// Data-parallel ranks behind this one API server (vLLM's internal load balancing): each
+    /// rank its own engine (KV cache, scheduler, KV-event publisher on rank 0's ports offset by
+    /// the rank), a request served on the rank its `x-data-parallel-rank` header names, else on
+    /// the least loaded (vLLM's `DPLBAsyncMPClient` rule).
+    #[arg(long, default_value_t = 1)]
+    pub data_parallel_size: u32,
     /// `max_tokens` when a request gives none.
     #[arg(long, default_value_t = DEFAULT_MAX_TOKENS)]
     pub default_max_tokens: usize,
@@ -151,6 +158,8 @@ pub struct SimConfig {
     pub default_max_tokens: usize,
     /// `--chat-template`'s text, replacing the model folder's template.
     pub chat_template: Option<String>,
+    /// Data-parallel ranks behind the API server (1: no data parallelism).
+    pub data_parallel_size: u32,
     /// Ready file.
     pub ready_file: Option<PathBuf>,
 }
@@ -273,6 +282,16 @@ impl TryFrom<SimArgs> for SimConfig {
             .as_deref()
             .map(chat_template)
             .transpose()?;
+        kvroute_config::check_data_parallel_size(args.data_parallel_size).map_err(|reason| {
+            ConfigError::new("data-parallel-size", args.data_parallel_size, reason)
+        })?;
+        if args.data_parallel_size > 1 && args.data_parallel_rank != 0 {
+            return Err(ConfigError::new(
+                "data-parallel-rank",
+                args.data_parallel_rank,
+                "one API server in front of several ranks serves them all from rank 0",
+            ));
+        }
         Ok(SimConfig {
             model_dir: args.model,
             model_name: args.served_model_name,
@@ -284,6 +303,7 @@ impl TryFrom<SimArgs> for SimConfig {
             timing,
             default_max_tokens: args.default_max_tokens,
             chat_template,
+            data_parallel_size: args.data_parallel_size,
             ready_file: args.ready_file,
         })
     }

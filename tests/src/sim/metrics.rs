@@ -2,15 +2,14 @@
 //! `_created`, label values from config only).
 
 use std::fmt::Write as _;
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::engine::Engine;
+use super::engine::{Engine, EngineCounters, EngineGauges};
 
 /// Static facts shown in `vllm:cache_config_info` and on every series.
 #[derive(Debug, Clone)]
 pub(crate) struct MetricsInfo {
-    /// vLLM's `engine` label (the engine index, "0" for one engine).
-    pub(crate) engine: String,
     /// `--prefix-caching-hash-algo`.
     pub(crate) hash_algo: String,
     /// Process start, Unix seconds (the `_created` samples).
@@ -18,96 +17,111 @@ pub(crate) struct MetricsInfo {
 }
 
 impl MetricsInfo {
-    pub(crate) fn render(&self, engine: &Engine, model_name: &str) -> String {
-        let labels = format!(
-            "engine=\"{}\",model_name=\"{}\"",
-            self.engine,
-            escape(model_name)
-        );
-        let gauges = engine.gauges();
-        let counters = &engine.counters;
-        let geometry = engine.geometry();
+    /// Every rank's series, each family once with one sample per rank labelled `engine="<rank>"`
+    /// (vLLM's data-parallel layout; `engine="0"` alone without data parallelism).
+    pub(crate) fn render(&self, engines: &[Arc<Engine>], model_name: &str) -> String {
+        let model = escape(model_name);
+        let labels: Vec<String> = (0..engines.len())
+            .map(|rank| format!("engine=\"{rank}\",model_name=\"{model}\""))
+            .collect();
         let mut out = String::new();
-        let mut gauge = |name: &str, help: &str, value: f64| {
-            let _ = write!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {}\n",
-                float(value)
-            );
-        };
-        gauge(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            gauges.running as f64,
-        );
-        gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            gauges.waiting as f64,
-        );
-        gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            gauges.kv_cache_usage,
-        );
-        let counter_list = [
+        let gauges: Vec<_> = engines.iter().map(|engine| engine.gauges()).collect();
+        let gauge_list: [(&str, &str, fn(&EngineGauges) -> f64); 3] = [
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                |g| g.running as f64,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                |g| g.waiting as f64,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                |g| g.kv_cache_usage,
+            ),
+        ];
+        for (name, help, value) in gauge_list {
+            let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n");
+            for (labels, gauges) in labels.iter().zip(&gauges) {
+                let _ = writeln!(out, "{name}{{{labels}}} {}", float(value(gauges)));
+            }
+        }
+        let counter_list: [(&str, &str, fn(&EngineCounters) -> &AtomicU64); 4] = [
             (
                 "vllm:prefix_cache_queries",
                 "Prefix cache queries, in terms of number of queried tokens.",
-                &counters.prefix_cache_queries,
+                |c| &c.prefix_cache_queries,
             ),
             (
                 "vllm:prefix_cache_hits",
                 "Prefix cache hits, in terms of number of cached tokens.",
-                &counters.prefix_cache_hits,
+                |c| &c.prefix_cache_hits,
             ),
             (
                 "vllm:prompt_tokens",
                 "Number of prefill tokens processed.",
-                &counters.prompt_tokens,
+                |c| &c.prompt_tokens,
             ),
             (
                 "vllm:generation_tokens",
                 "Number of generation tokens processed.",
-                &counters.generation_tokens,
+                |c| &c.generation_tokens,
             ),
         ];
-        for (name, help, value) in counter_list {
+        for (name, help, counter) in counter_list {
             let _ = write!(
                 out,
-                "# HELP {name}_total {help}\n# TYPE {name}_total counter\n\
-                 {name}_total{{{labels}}} {}\n{name}_created{{{labels}}} {}\n",
-                float(value.load(Ordering::Relaxed) as f64),
-                float(self.created),
+                "# HELP {name}_total {help}\n# TYPE {name}_total counter\n"
             );
+            for (labels, engine) in labels.iter().zip(engines) {
+                let _ = write!(
+                    out,
+                    "{name}_total{{{labels}}} {}\n{name}_created{{{labels}}} {}\n",
+                    float(counter(&engine.counters).load(Ordering::Relaxed) as f64),
+                    float(self.created),
+                );
+            }
         }
         let _ = write!(
             out,
             "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.\n\
-             # TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{{{labels}}} 0.0\n"
+             # TYPE vllm:num_preemptions_total counter\n"
         );
-        let finished = counters.requests_finished.load(Ordering::Relaxed) as f64;
+        for labels in &labels {
+            let _ = writeln!(out, "vllm:num_preemptions_total{{{labels}}} 0.0");
+        }
         let _ = write!(
             out,
             "# HELP vllm:request_success_total Count of successfully processed requests.\n\
-             # TYPE vllm:request_success_total counter\n\
-             vllm:request_success_total{{{labels},finished_reason=\"length\"}} {}\n",
-            float(finished)
+             # TYPE vllm:request_success_total counter\n"
         );
+        for (labels, engine) in labels.iter().zip(engines) {
+            let finished = engine.counters.requests_finished.load(Ordering::Relaxed) as f64;
+            let _ = writeln!(
+                out,
+                "vllm:request_success_total{{{labels},finished_reason=\"length\"}} {}",
+                float(finished)
+            );
+        }
         let _ = write!(
             out,
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n\
-             # TYPE vllm:cache_config_info gauge\n\
-             vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",\
-             enable_prefix_caching=\"True\",engine=\"{}\",gpu_memory_utilization=\"0.9\",\
-             model_name=\"{}\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\",\
-             prefix_caching_hash_algo=\"{}\"}} 1.0\n",
-            geometry.block_size,
-            self.engine,
-            escape(model_name),
-            geometry.num_blocks,
-            self.hash_algo,
+             # TYPE vllm:cache_config_info gauge\n"
         );
+        for (rank, engine) in engines.iter().enumerate() {
+            let geometry = engine.geometry();
+            let _ = writeln!(
+                out,
+                "vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",\
+                 enable_prefix_caching=\"True\",engine=\"{rank}\",gpu_memory_utilization=\"0.9\",\
+                 model_name=\"{model}\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\",\
+                 prefix_caching_hash_algo=\"{}\"}} 1.0",
+                geometry.block_size, geometry.num_blocks, self.hash_algo,
+            );
+        }
         out
     }
 }

@@ -12,6 +12,11 @@
 //! - A step timing model ([`kvroute_engine_model::Linear`]) with a time-scale knob.
 //! - `--chat-template` (vLLM's flag: a file or the template text) renders chat with another
 //!   template than the model folder's, e.g. to serve a replica kvroute tokenizes differently.
+//! - `--data-parallel-size N`: N engine ranks behind the one API server, as vLLM's internal
+//!   load balancing serves them (each rank its own cache, scheduler and publisher on rank 0's
+//!   ports offset by the rank; `x-data-parallel-rank` picks the rank, else the least loaded);
+//!   each response names its rank in [`SERVED_DP_RANK_HEADER`] (the simulator's own header:
+//!   vLLM does not say).
 //! - `GET /debug/blocks`: the blocks it holds, as published u64 hashes, to compare with an index,
 //!   and `published_batches` (event batches so far, read with the blocks under one lock).
 //!
@@ -39,7 +44,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub use api::RECEIVED_TRACEPARENT_HEADER;
+pub use api::{RECEIVED_TRACEPARENT_HEADER, SERVED_DP_RANK_HEADER};
 pub use config::{CacheGeometry, ConfigError, KvEventsConfig, SimArgs, SimConfig, binds};
 pub use engine::{Engine, EngineError, EventSink, Sequence};
 
@@ -87,7 +92,20 @@ impl SimError {
 pub struct ReadyInfo {
     /// HTTP address (`host:port`).
     pub http: SocketAddr,
-    /// Bound PUB endpoint with its real port (`None` when events are off or the PUB connects).
+    /// Bound PUB endpoint with its real port (`None` when events are off or the PUB connects);
+    /// rank 0's with several data-parallel ranks.
+    pub kv_events: Option<String>,
+    /// Bound replay ROUTER endpoint (rank 0's).
+    pub replay: Option<String>,
+    /// Every data-parallel rank's endpoints, rank 0 first (empty without data parallelism).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankReady>,
+}
+
+/// One data-parallel rank's bound event endpoints.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RankReady {
+    /// Bound PUB endpoint.
     pub kv_events: Option<String>,
     /// Bound replay ROUTER endpoint.
     pub replay: Option<String>,
@@ -115,49 +133,66 @@ impl EngineSim {
         let tasks = TaskTracker::new();
         let dropped_batches = Arc::new(AtomicU64::new(0));
 
-        let (sink, kv_events, replay) = match &config.kv_events {
-            Some(events) => {
-                let publisher = MockVllmPublisher::start(MockPublisherConfig {
-                    endpoint: events.endpoint.clone(),
-                    mode: if events.bind_pub {
-                        PubMode::Bind
-                    } else {
-                        PubMode::Connect
-                    },
-                    replay_endpoint: events.replay_endpoint.clone(),
-                    topic: events.topic.clone(),
-                    buffer_steps: events.buffer_steps,
-                    replay_layout: if events.encoding.schema.uses_maps() {
-                        ReplayLayout::Current
-                    } else {
-                        ReplayLayout::Legacy
-                    },
-                })
-                .await?;
-                let kv = publisher.pub_endpoint().map(str::to_owned);
-                let replay = publisher.replay_endpoint().map(str::to_owned);
-                let (tx, rx) = mpsc::channel(events.max_queue_size);
-                tasks.spawn(publish_loop(publisher, rx, cancel.clone()));
-                let sink = event_sink(
-                    tx,
-                    events.encoding,
-                    events.dp_rank,
-                    Arc::clone(&dropped_batches),
-                );
-                (Some(sink), kv, replay)
-            }
-            None => (None, None, None),
-        };
-
-        let engine = Arc::new(Engine::new(config.cache, config.timing, hasher, sink));
-        tasks.spawn(Arc::clone(&engine).run(cancel.clone()));
+        let mut engines = Vec::with_capacity(config.data_parallel_size as usize);
+        let mut ranks = Vec::with_capacity(config.data_parallel_size as usize);
+        for rank in 0..config.data_parallel_size {
+            let (sink, kv_events, replay) = match &config.kv_events {
+                Some(events) => {
+                    let (endpoint, replay_endpoint) = rank_endpoints(events, rank)?;
+                    let publisher = MockVllmPublisher::start(MockPublisherConfig {
+                        endpoint,
+                        mode: if events.bind_pub {
+                            PubMode::Bind
+                        } else {
+                            PubMode::Connect
+                        },
+                        replay_endpoint,
+                        topic: events.topic.clone(),
+                        buffer_steps: events.buffer_steps,
+                        replay_layout: if events.encoding.schema.uses_maps() {
+                            ReplayLayout::Current
+                        } else {
+                            ReplayLayout::Legacy
+                        },
+                    })
+                    .await?;
+                    let kv = publisher.pub_endpoint().map(str::to_owned);
+                    let replay = publisher.replay_endpoint().map(str::to_owned);
+                    let (tx, rx) = mpsc::channel(events.max_queue_size);
+                    tasks.spawn(publish_loop(publisher, rx, cancel.clone()));
+                    let sink = event_sink(
+                        tx,
+                        events.encoding,
+                        events.dp_rank + rank,
+                        Arc::clone(&dropped_batches),
+                    );
+                    (Some(sink), kv, replay)
+                }
+                None => (None, None, None),
+            };
+            let engine = Arc::new(Engine::new(
+                config.cache,
+                config.timing,
+                hasher.clone(),
+                sink,
+            ));
+            tasks.spawn(Arc::clone(&engine).run(cancel.clone()));
+            engines.push(engine);
+            ranks.push(RankReady { kv_events, replay });
+        }
+        let (kv_events, replay) = ranks
+            .first()
+            .map(|rank| (rank.kv_events.clone(), rank.replay.clone()))
+            .unwrap_or_default();
+        if ranks.len() == 1 {
+            ranks.clear();
+        }
         let info = metrics::MetricsInfo {
-            engine: "0".to_owned(),
             hash_algo: config.hash_algo.to_string(),
             created: unix_now(),
         };
         let state = api::AppState::new(
-            engine,
+            engines,
             tokenizer,
             config.model_name.clone(),
             config.model_dir.display().to_string(),
@@ -190,6 +225,7 @@ impl EngineSim {
                 http,
                 kv_events,
                 replay,
+                ranks,
             },
             cancel,
             tasks,
@@ -228,6 +264,35 @@ impl Drop for EngineSim {
     fn drop(&mut self) {
         self.cancel.cancel();
     }
+}
+
+/// Rank `rank`'s publisher and replay endpoints: rank 0's offset by the rank, as vLLM does.
+fn rank_endpoints(
+    events: &KvEventsConfig,
+    rank: u32,
+) -> Result<(String, Option<String>), ConfigError> {
+    let offset = |flag: &'static str, endpoint: &str| {
+        endpoint
+            .parse::<kvroute_config::ZmqEndpoint>()
+            .and_then(|e| e.for_data_parallel_rank(rank))
+            .map(String::from)
+            .map_err(|reason| ConfigError {
+                flag,
+                value: endpoint.to_owned(),
+                reason: reason.to_owned(),
+            })
+    };
+    if rank == 0 {
+        return Ok((events.endpoint.clone(), events.replay_endpoint.clone()));
+    }
+    Ok((
+        offset("kv-events-config", &events.endpoint)?,
+        events
+            .replay_endpoint
+            .as_deref()
+            .map(|replay| offset("kv-events-config", replay))
+            .transpose()?,
+    ))
 }
 
 /// Encodes each step's events at once (so `ts` is the step time) and queues them in order.

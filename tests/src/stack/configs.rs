@@ -40,7 +40,9 @@ pub(super) fn agent_config(
         .map(|(replica, source)| {
             format!(
                 "  - {{replica: {id}, endpoint: \"{endpoint}\", mode: {mode}, \
-                 replay_endpoint: \"{replay}\", topic: \"{topic}\"}}\n",
+                 replay_endpoint: \"{replay}\", topic: \"{topic}\", \
+                 data_parallel_size: {ranks}}}\n",
+                ranks = options.data_parallel_size.max(1),
                 id = replica_id(replica),
                 endpoint = source.endpoint,
                 mode = source.mode.as_label(),
@@ -116,8 +118,10 @@ pub(super) fn ext_proc_config(
         .enumerate()
         .map(|(i, addr)| {
             format!(
-                "- {{id: {id}, pool: {MODEL}, address: \"{addr}\", metrics_url: \"http://{addr}/metrics\"}}\n",
+                "- {{id: {id}, pool: {MODEL}, address: \"{addr}\", metrics_url: \"http://{addr}/metrics\", \
+                 data_parallel_size: {ranks}}}\n",
                 id = replica_id(i),
+                ranks = options.data_parallel_size.max(1),
             )
         })
         .collect();

@@ -44,8 +44,9 @@ use kvroute_test_support::{deadline, try_poll_until};
 use serde_yaml::Value;
 
 use crate::harness::{
-    ChildGuard, Envoy, HarnessError, SimProcess, TcpProxy, http, reserve_port, round_robin_config,
-    startup_timeout, tiny_model_dir, until_ext_proc_sees_replicas_idle, workspace_root,
+    ChildGuard, Envoy, HarnessError, SimProcess, TcpProxy, http, reserve_port, reserve_port_run,
+    round_robin_config, startup_timeout, tiny_model_dir, until_ext_proc_sees_replicas_idle,
+    workspace_root,
 };
 
 /// The Envoy config the kvroute mode runs (relative to the workspace root).
@@ -292,6 +293,10 @@ pub struct StackOptions {
     pub agent_env: Vec<(String, String)>,
     /// Envoy traces too, exporting to this OTLP/gRPC collector ([`with_envoy_tracing`]).
     pub envoy_tracing: Option<SocketAddr>,
+    /// Data-parallel ranks behind each sim's one API server (`--data-parallel-size`); above 1,
+    /// the index, the agent and ext-proc declare them (`data_parallel_size`) and route to each
+    /// rank as replica `sim-<i>@dp<rank>`.
+    pub data_parallel_size: u32,
 }
 
 /// A fault in one sim's KV-event feed to the index (the sim itself serves normally).
@@ -405,6 +410,7 @@ impl Default for StackOptions {
             engine_retries: false,
             events_faults: Vec::new(),
             refusing_replicas: 0,
+            data_parallel_size: 1,
             ext_proc_env: Vec::new(),
             index_env: Vec::new(),
             agent_env: Vec::new(),
@@ -530,7 +536,7 @@ impl Stack {
         let sim_binary = binaries.sim.display().to_string();
         let mut sims = Vec::with_capacity(options.replicas);
         for replica in 0..options.replicas {
-            sims.push(SimProcess::spawn(&sim_binary, &sim_args(&options, replica, None)).await?);
+            sims.push(SimProcess::spawn(&sim_binary, &sim_args(&options, replica, None)?).await?);
         }
         Self::start_in_front(options, binaries, sims, Vec::new()).await
     }
@@ -825,6 +831,12 @@ impl Stack {
             .collect()
     }
 
+    /// The ids the index and ext-proc know replica `id` by: itself, or each of its
+    /// data-parallel ranks ([`StackOptions::data_parallel_size`]).
+    pub fn target_ids(&self, id: &str) -> Vec<String> {
+        rank_ids(id, self.options.data_parallel_size)
+    }
+
     /// Base URLs of the external engines (empty for sims).
     fn external_urls(&self) -> Vec<String> {
         self.external
@@ -1031,7 +1043,7 @@ impl Stack {
         let ports =
             SimPorts::of(sim).ok_or_else(|| missing(format!("sim {replica} bound no events")))?;
         sim.kill();
-        let args = sim_args(&self.options, replica, Some(ports));
+        let args = sim_args(&self.options, replica, Some(ports))?;
         let fresh = SimProcess::spawn(&self.sim_binary.display().to_string(), &args).await?;
         let old = std::mem::replace(sim, fresh);
         self.retired_sims.push(old);
@@ -1226,6 +1238,7 @@ impl Stack {
             .map(|(_, pair)| pair)
             .unzip();
         let external = self.external_urls();
+        let ranks = self.options.data_parallel_size;
         let synced = try_poll_until(
             "the index to hear from every sim",
             event_sync_timeout(),
@@ -1237,8 +1250,10 @@ impl Stack {
                 async move {
                     let replicas = http::get(&url).await.ok()?.json().ok()?;
                     let ready = |id: &str| {
-                        replicas.as_array().is_some_and(|all| {
-                            all.iter().any(|r| r["id"] == id && r["state"] == "ready")
+                        rank_ids(id, ranks).iter().all(|id| {
+                            replicas.as_array().is_some_and(|all| {
+                                all.iter().any(|r| r["id"] == *id && r["state"] == "ready")
+                            })
                         })
                     };
                     let mut all_ready = true;

@@ -14,6 +14,17 @@ pub(super) fn replica_id(replica: usize) -> String {
     format!("sim-{replica}")
 }
 
+/// The ids of replica `id` with `ranks` data-parallel ranks: itself, or each rank's.
+pub(super) fn rank_ids(id: &str, ranks: u32) -> Vec<String> {
+    if ranks > 1 {
+        (0..ranks)
+            .map(|rank| kvroute_config::rank_replica_id(id, rank))
+            .collect()
+    } else {
+        vec![id.to_owned()]
+    }
+}
+
 /// The KV-event topic sim `replica` publishes on.
 pub fn event_topic(replica: usize) -> String {
     format!("kv@{}@{MODEL}", replica_id(replica))
@@ -50,7 +61,7 @@ pub async fn start_sims(options: &StackOptions) -> Result<Vec<SimProcess>, Stack
     let binary = sim.display().to_string();
     let mut sims = Vec::with_capacity(options.replicas);
     for replica in 0..options.replicas {
-        sims.push(SimProcess::spawn(&binary, &sim_args(options, replica, None)).await?);
+        sims.push(SimProcess::spawn(&binary, &sim_args(options, replica, None)?).await?);
     }
     Ok(sims)
 }
@@ -59,9 +70,19 @@ pub(super) fn sim_args(
     options: &StackOptions,
     replica: usize,
     ports: Option<SimPorts>,
-) -> Vec<String> {
+) -> Result<Vec<String>, StackError> {
     let timing = &options.timing;
-    let (http, events, replay) = ports.map_or((0, 0, 0), |p| (p.http, p.events, p.replay));
+    let ranks = options.data_parallel_size.max(1);
+    let (http, events, replay) = match ports {
+        Some(p) => (p.http, p.events, p.replay),
+        // Ranks offset rank 0's ports (as vLLM does), so those are fixed ahead: a run of free
+        // ports, the publishers' then the replay sockets'.
+        None if ranks > 1 => {
+            let first = reserve_port_run(2 * ranks as usize)?;
+            (0, first, first + ranks as u16)
+        }
+        None => (0, 0, 0),
+    };
     let block_size = match options.events_faults.get(replica).copied().flatten() {
         Some(EventsFault::BlockSize(size)) => size,
         _ => options.block_size,
@@ -73,7 +94,7 @@ pub(super) fn sim_args(
         "replay_endpoint": format!("tcp://*:{replay}"),
         "topic": event_topic(replica),
     });
-    [
+    Ok([
         ("--port", http.to_string()),
         ("--model", tiny_model_dir().display().to_string()),
         ("--served-model-name", MODEL.to_owned()),
@@ -94,6 +115,7 @@ pub(super) fn sim_args(
         ),
         ("--time-scale", timing.time_scale.to_string()),
         ("--kv-events-config", events.to_string()),
+        ("--data-parallel-size", ranks.to_string()),
     ]
     .into_iter()
     .chain(
@@ -105,7 +127,7 @@ pub(super) fn sim_args(
             .map(|template| ("--chat-template", template)),
     )
     .flat_map(|(flag, value)| [flag.to_owned(), value])
-    .collect()
+    .collect())
 }
 
 /// Each replica's event source: what a sim reported it bound, or what the caller gave.
@@ -165,13 +187,18 @@ pub(super) fn index_config(
 ) -> String {
     let mut replicas = String::new();
     for (i, source) in sources.iter().enumerate() {
+        let ranks = options.data_parallel_size.max(1);
         if options.agent_replicas.contains(&i) {
-            replicas.push_str(&format!("  - {{id: {}, pool: {MODEL}}}\n", replica_id(i)));
+            replicas.push_str(&format!(
+                "  - {{id: {}, pool: {MODEL}, events: {{data_parallel_size: {ranks}}}}}\n",
+                replica_id(i)
+            ));
             continue;
         }
         replicas.push_str(&format!(
             "  - id: {id}\n    pool: {MODEL}\n    events: {{endpoint: \"{endpoint}\", \
-             mode: {mode}, replay_endpoint: \"{replay}\", topic: \"{topic}\"}}\n",
+             mode: {mode}, replay_endpoint: \"{replay}\", topic: \"{topic}\", \
+             data_parallel_size: {ranks}}}\n",
             id = replica_id(i),
             endpoint = source.endpoint,
             mode = source.mode.as_label(),

@@ -4,6 +4,7 @@ mod agent;
 mod agent_engines;
 mod check;
 mod common;
+mod data_parallel;
 mod discovery;
 mod drift;
 mod embedded_index;
