@@ -37,13 +37,31 @@ fn chosen_target(explain: &str) -> String {
 
 #[tokio::test]
 async fn a_conversation_stays_on_the_data_parallel_rank_that_holds_it() {
+    conversations_stay_on_their_rank(StackOptions::default()).await;
+}
+
+/// The agent mirrors each rank of sim 1 (its `engines[]` entry declares the ranks) and streams
+/// them to the index as the rank replicas the index owns it for; sim 0 stays subscribed directly.
+#[tokio::test]
+async fn ranks_fed_through_the_agent_route_the_same() {
+    conversations_stay_on_their_rank(StackOptions {
+        agent_replicas: vec![1],
+        ..StackOptions::default()
+    })
+    .await;
+}
+
+/// Multi-turn chats through two sims of two ranks each: every later turn goes to the rank that
+/// served the first (and reuses its cache there), the engine serves on the rank ext-proc chose,
+/// and kvroute's predicted cached tokens are within one block of the rank's own for ≥ 95 %.
+async fn conversations_stay_on_their_rank(options: StackOptions) {
     let stack = Stack::start(StackOptions {
         replicas: 2,
         data_parallel_size: 2,
         block_size: BLOCK_SIZE,
         kv_blocks_per_replica: 1024,
         debug_headers: DebugHeaders::Always,
-        ..StackOptions::default()
+        ..options
     })
     .await
     .unwrap_or_else(|e| panic!("{e}"));
