@@ -26,7 +26,7 @@ use std::time::Duration;
 use kvroute_test_support::{TimedOut, deadline, try_poll_until};
 
 pub use envoy::{Envoy, envoy_bin, round_robin_config};
-pub use ports::{reserve_port, reserve_ports};
+pub use ports::{reserve_port, reserve_port_run, reserve_ports};
 pub use process::ChildGuard;
 pub use proxy::TcpProxy;
 pub use sim_process::SimProcess;

@@ -55,6 +55,13 @@ fn lock_dir() -> PathBuf {
 /// A 127.0.0.1 TCP port outside the ephemeral range that nothing listens on and no other
 /// caller of this function (in any process) holds; reserved until this process exits.
 pub fn reserve_port() -> Result<u16, HarnessError> {
+    reserve_port_run(1)
+}
+
+/// The first of `count` consecutive ports, each reserved as [`reserve_port`] reserves one: for
+/// a process that derives ports from a base (vLLM's data-parallel rank r publishes on the
+/// configured port + r).
+pub fn reserve_port_run(count: usize) -> Result<u16, HarnessError> {
     let dir = lock_dir();
     std::fs::create_dir_all(&dir).map_err(|source| HarnessError::Io {
         path: dir.clone(),
@@ -64,32 +71,43 @@ pub fn reserve_port() -> Result<u16, HarnessError> {
     // Start somewhere different per process, so parallel processes rarely contend for a lock.
     let start = (std::process::id() as usize).wrapping_mul(7919) % candidates.len().max(1);
     let mut reserved = RESERVED.lock();
-    for &port in candidates[start..].iter().chain(&candidates[..start]) {
-        let path = dir.join(format!("{port}.lock"));
-        let Ok(file) = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-        else {
-            continue;
-        };
-        if file.try_lock().is_err() {
-            continue; // Another process (or this one) holds it.
+    for &first in candidates[start..].iter().chain(&candidates[..start]) {
+        let run: Option<Vec<File>> = (0..count)
+            .map(|i| {
+                let port = u16::try_from(usize::from(first) + i).ok()?;
+                if !candidates.contains(&port) {
+                    return None;
+                }
+                try_reserve(&dir, port)
+            })
+            .collect();
+        if let Some(files) = run {
+            reserved.extend(files);
+            return Ok(first);
         }
-        if TcpListener::bind(("127.0.0.1", port)).is_err() {
-            continue; // Something outside the harness listens there.
-        }
-        reserved.push(file);
-        return Ok(port);
     }
     Err(HarnessError::Protocol {
         what: "port reservation".to_owned(),
         detail: format!(
-            "no free port outside the ephemeral range {:?}",
+            "no {count} consecutive free ports outside the ephemeral range {:?}",
             ephemeral_range()
         ),
     })
+}
+
+/// `port`'s lock file, locked, when no other caller holds it and nothing listens there.
+fn try_reserve(dir: &std::path::Path, port: u16) -> Option<File> {
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(format!("{port}.lock")))
+        .ok()?;
+    // Another process (or this one) holds it.
+    file.try_lock().ok()?;
+    // Something outside the harness listens there.
+    TcpListener::bind(("127.0.0.1", port)).ok()?;
+    Some(file)
 }
 
 /// `count` distinct reserved ports ([`reserve_port`]).
@@ -119,5 +137,10 @@ mod tests {
         let path = lock_dir().join(format!("{}.lock", ports[0]));
         let again = File::options().write(true).open(path).unwrap();
         assert!(again.try_lock().is_err());
+        let first = reserve_port_run(2).unwrap();
+        for port in [first, first + 1] {
+            assert!(!ports.contains(&port));
+            TcpListener::bind(("127.0.0.1", port)).unwrap();
+        }
     }
 }
