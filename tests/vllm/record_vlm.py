@@ -32,7 +32,7 @@ two images (A, C) and one whose second image changed (A, B), and images named by
 (`uuid` on the content part: vLLM uses it as the identifier instead of hashing the image, so a
 different picture under the same name hits). A long system prompt puts the first image in the
 third block. Nothing is checked here: the Rust tests check the capture
-(`tests/tests/suite/vlm_capture.rs`).
+(`block-keys/tests/vlm_capture.rs`).
 """
 import argparse
 import base64
