@@ -13,9 +13,13 @@
 #    model behind kvroute-index, kvroute-ext-proc and Envoy),
 #    `real_vllm_agent::real_vllm_agent_workload` (a tool-using agent workload on Qwen3, Llama 3.1
 #    and gpt-oss tokenizers) and `real_vllm_hybrid::real_vllm_hybrid_gemma3_predictions_and_group_holdings`
-#    (two engines on the hybrid model: predicted cached tokens and per-KV-cache-group holdings);
+#    (two engines on the hybrid model: predicted cached tokens and per-KV-cache-group holdings)
+#    and `real_vllm_dp::real_vllm_data_parallel_ranks_indexed_apart` (one engine of two
+#    data-parallel ranks, DATA_PARALLEL_SIZE=2 in serve.sh, behind kvroute-index with one replica
+#    per rank: each rank's match against its cached tokens, holdings, per-engine metrics);
 #    the measured numbers are printed and written to target/real-vllm/results.json,
-#    target/real-vllm/agent-results.json and target/real-vllm/hybrid-results.json.
+#    target/real-vllm/agent-results.json, target/real-vllm/hybrid-results.json and
+#    target/real-vllm/dp-results.json.
 #
 # Env: KVROUTE_CACHE (default ~/.cache/kvroute), KVROUTE_VLLM_VENV (default $KVROUTE_CACHE/vllm-venv),
 #      KVROUTE_VLLM_MODEL (default $KVROUTE_CACHE/vllm-tiny-model), KVROUTE_VLLM_HYBRID_MODEL
@@ -51,8 +55,9 @@ mkdir -p target/real-vllm
 export KVROUTE_VLLM_RESULTS=$root/target/real-vllm/results.json
 export KVROUTE_VLLM_AGENT_RESULTS=$root/target/real-vllm/agent-results.json
 export KVROUTE_VLLM_HYBRID_RESULTS=$root/target/real-vllm/hybrid-results.json
+export KVROUTE_VLLM_DP_RESULTS=$root/target/real-vllm/dp-results.json
 step "test"
 started=$(date +%s)
 cargo nextest run --config-file "$root/tests/vllm/nextest.toml" -p kvroute-tests \
     --run-ignored only --no-capture -E 'test(real_vllm)'
-echo "real-vLLM tier passed in $(( $(date +%s) - started )) s; results: $KVROUTE_VLLM_RESULTS $KVROUTE_VLLM_AGENT_RESULTS $KVROUTE_VLLM_HYBRID_RESULTS"
+echo "real-vLLM tier passed in $(( $(date +%s) - started )) s; results: $KVROUTE_VLLM_RESULTS $KVROUTE_VLLM_AGENT_RESULTS $KVROUTE_VLLM_HYBRID_RESULTS $KVROUTE_VLLM_DP_RESULTS"

@@ -11,10 +11,18 @@
 # accepts), a small KV cache (NUM_BLOCKS, default 129 = 128 usable blocks = 4096
 # tokens) so eviction matters, cached-token usage details, and the dev-mode
 # /reset_prefix_cache endpoint.
-# Env: KVROUTE_VLLM_VENV (default ~/.cache/kvroute/vllm-venv), NUM_BLOCKS, MAX_MODEL_LEN.
+# Env: KVROUTE_VLLM_VENV (default ~/.cache/kvroute/vllm-venv), NUM_BLOCKS, MAX_MODEL_LEN,
+#      DATA_PARALLEL_SIZE (default 1).
+#
+# DATA_PARALLEL_SIZE=N > 1 serves N data-parallel engine ranks behind one API server (vLLM's
+# internal load balancing; `--api-server-count 1`, vLLM would otherwise start N API servers).
+# Each rank publishes on its own sockets: vLLM adds the rank to the port of EVENTS_ENDPOINT and
+# of the replay endpoint (rank r: P + r, REPLAY_PORT + r; ZmqEventPublisher.offset_endpoint_port
+# in vllm/distributed/kv_events.py), and stamps r as every batch's third field. NUM_BLOCKS is
+# per rank. A request's `X-data-parallel-rank: r` header sends it to rank r.
 set -euo pipefail
 if [ $# -lt 5 ]; then
-    sed -n 2,14p "$0" >&2
+    sed -n 2,24p "$0" >&2
     exit 2
 fi
 model_dir=$1 http_port=$2 events_endpoint=$3 replay_port=$4 topic=$5
@@ -29,6 +37,10 @@ export VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_O
 # Three engines share two cores: one OpenMP thread each, no core pinning.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
 
+data_parallel=()
+if [ "${DATA_PARALLEL_SIZE:-1}" -gt 1 ]; then
+    data_parallel=(--data-parallel-size "$DATA_PARALLEL_SIZE" --api-server-count 1)
+fi
 kv_events=$(printf '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "%s", "replay_endpoint": "tcp://127.0.0.1:%s", "topic": "%s"}' \
     "$events_endpoint" "$replay_port" "$topic")
 exec "$venv/bin/python" "$(dirname "$0")/vllm_cli.py" serve "$model_dir" \
@@ -43,4 +55,5 @@ exec "$venv/bin/python" "$(dirname "$0")/vllm_cli.py" serve "$model_dir" \
     --enable-prompt-tokens-details \
     --kv-events-config "$kv_events" \
     --enforce-eager \
+    "${data_parallel[@]}" \
     "$@"

@@ -34,7 +34,7 @@ use kvroute_ext_proc::tokenizer::{InProcessTokenizer, Tokenizer};
 use kvroute_index_core::event::KvEvent;
 use kvroute_test_support::{deadline, try_poll_until};
 use kvroute_tests::harness::{
-    ChildGuard, http, metrics, reserve_ports, tiny_model_dir, workspace_root,
+    ChildGuard, http, metrics, reserve_port, reserve_port_run, tiny_model_dir, workspace_root,
 };
 use kvroute_tests::stack::{
     DebugHeaders, EventsMode, ExtProcBudgets, ExternalReplica, Routing, SimTiming, Stack,
@@ -120,7 +120,7 @@ pub(super) fn venv_dir() -> PathBuf {
         .map_or_else(|| cache_dir().join("vllm-venv"), PathBuf::from)
 }
 
-fn model_dir() -> PathBuf {
+pub(super) fn model_dir() -> PathBuf {
     std::env::var_os("KVROUTE_VLLM_MODEL")
         .map_or_else(|| cache_dir().join("vllm-tiny-model"), PathBuf::from)
 }
@@ -132,6 +132,9 @@ pub(super) struct EngineSpec {
     pub kv_blocks: usize,
     pub max_model_len: usize,
     pub extra_args: Vec<String>,
+    /// Data-parallel engine ranks behind the one API server (`serve.sh` DATA_PARALLEL_SIZE):
+    /// rank r publishes on the events port + r and replays on the replay port + r.
+    pub data_parallel_size: usize,
 }
 
 impl EngineSpec {
@@ -142,6 +145,7 @@ impl EngineSpec {
             kv_blocks: KV_BLOCKS,
             max_model_len: 2048,
             extra_args: Vec::new(),
+            data_parallel_size: 1,
         }
     }
 }
@@ -151,6 +155,8 @@ pub(super) struct VllmEngine {
     name: String,
     http: SocketAddr,
     pub external: ExternalReplica,
+    /// The events and replay ports of rank 0 (rank r's are these + r).
+    ports: (u16, u16),
     guard: ChildGuard,
 }
 
@@ -159,7 +165,13 @@ impl VllmEngine {
     pub fn spawn(index: usize, log_dir: &Path, spec: &EngineSpec) -> Self {
         // vLLM binds its HTTP and replay ports (and the index the events port) tens of seconds
         // later and cannot report them: reserved outside the ephemeral range.
-        let ports = reserve_ports(3).unwrap();
+        // A data-parallel engine's ranks take consecutive ports from each base.
+        let ranks = spec.data_parallel_size.max(1);
+        let ports = [
+            reserve_port().unwrap(),
+            reserve_port_run(ranks).unwrap(),
+            reserve_port_run(ranks).unwrap(),
+        ];
         let http: SocketAddr = ([127, 0, 0, 1], ports[0]).into();
         let events = format!("tcp://127.0.0.1:{}", ports[1]);
         let replay = format!("tcp://127.0.0.1:{}", ports[2]);
@@ -177,6 +189,7 @@ impl VllmEngine {
             .env("KVROUTE_VLLM_VENV", venv_dir())
             .env("NUM_BLOCKS", (spec.kv_blocks + 1).to_string())
             .env("MAX_MODEL_LEN", spec.max_model_len.to_string())
+            .env("DATA_PARALLEL_SIZE", ranks.to_string())
             // Its own group, so stopping it reaches the engine-core and worker processes too.
             .process_group(0);
         let guard = ChildGuard::spawn(&name, command, log_dir.join(format!("{name}.log"))).unwrap();
@@ -190,8 +203,18 @@ impl VllmEngine {
                 replay,
                 topic,
             },
+            ports: (ports[1], ports[2]),
             guard,
         }
+    }
+
+    /// Data-parallel rank `rank`'s events endpoint (the index binds it, the rank connects)
+    /// and replay endpoint: the base ports + `rank`, as vLLM offsets them.
+    pub fn rank_endpoints(&self, rank: u16) -> (String, String) {
+        (
+            format!("tcp://127.0.0.1:{}", self.ports.0 + rank),
+            format!("tcp://127.0.0.1:{}", self.ports.1 + rank),
+        )
     }
 
     pub fn url(&self) -> String {

@@ -433,7 +433,7 @@ async fn index_answer(admin: &str, tokens: &[u32]) -> BTreeMap<String, i64> {
 
 /// Each KV-cache group's holdings by the engine's own events (from seq 0): one entry per copy,
 /// sorted; empty groups left out.
-fn engine_groups(events: &[KvEvent]) -> BTreeMap<u32, Vec<u64>> {
+pub(super) fn engine_groups(events: &[KvEvent]) -> BTreeMap<u32, Vec<u64>> {
     let mut copies: BTreeMap<(u32, u64), i64> = BTreeMap::new();
     for event in events {
         match event {
@@ -552,6 +552,7 @@ async fn real_vllm_hybrid_gemma3_predictions_and_group_holdings() {
             "--max-num-batched-tokens".to_owned(),
             MAX_BATCHED_TOKENS.to_string(),
         ],
+        data_parallel_size: 1,
     };
     let engines = start_engines(ENGINES, logs.path(), &spec).await;
     let engine_startup = started.elapsed();
