@@ -22,6 +22,7 @@
 mod api;
 mod config;
 mod engine;
+mod media;
 mod metrics;
 
 use std::net::SocketAddr;

@@ -13,6 +13,7 @@ mod exposure;
 mod fidelity;
 mod gie_chart;
 mod hostile_peers;
+mod images;
 mod index_capture;
 mod index_ha;
 mod index_states;
