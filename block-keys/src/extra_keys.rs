@@ -204,6 +204,26 @@ impl ExtraKeys {
             self.later_blocks.as_ref()
         }
     }
+
+    /// Block `block_index`'s extra keys as KV events publish them: vLLM 0.31+ hashes tagged
+    /// items but publishes them untagged (`to_event_extra_keys`): a tagged image item
+    /// `("mm", identifier, offset)` as `(identifier, offset)`, any other tagged item
+    /// (`("lora", name, path)`, `("cache_salt", salt)`) as its second element; older eras' bare
+    /// items as they are.
+    pub fn published_for_block(&self, block_index: usize) -> Option<HashValue> {
+        let untagged = |item: &HashValue| match item {
+            HashValue::Tuple(tagged) => match tagged.as_slice() {
+                [HashValue::Str(tag), rest @ ..] if tag == "mm" => HashValue::Tuple(rest.to_vec()),
+                [_, value, ..] => value.clone(),
+                _ => item.clone(),
+            },
+            bare => bare.clone(),
+        };
+        self.for_block(block_index).map(|keys| match keys {
+            HashValue::Tuple(items) => HashValue::Tuple(items.iter().map(untagged).collect()),
+            single => single.clone(),
+        })
+    }
 }
 
 /// A token position as a Python int.
@@ -256,6 +276,44 @@ mod tests {
         assert_eq!(
             ExtraKeys::new(era, None, Some("")).unwrap(),
             ExtraKeys::NONE
+        );
+    }
+
+    #[test]
+    fn published_extra_keys_are_untagged_as_vllm_publishes_them() {
+        let lora = LoraRef {
+            id: Some(1),
+            name: "Alice",
+            path: Some("/a"),
+        };
+        let image = [MultiModalItem {
+            identifier: "h",
+            offset: 5,
+            length: 20,
+        }];
+        let keys =
+            ExtraKeys::with_multimodal(ExtraKeysEra::From0_31, Some(&lora), Some("t"), &image, 16)
+                .unwrap();
+        let pair = |offset| HashValue::Tuple(vec![s("h"), HashValue::Int(offset)]);
+        assert_eq!(
+            keys.published_for_block(0),
+            Some(HashValue::Tuple(vec![s("Alice"), pair(5), s("t")]))
+        );
+        assert_eq!(
+            keys.published_for_block(1),
+            Some(HashValue::Tuple(vec![s("Alice"), pair(-11)]))
+        );
+        assert_eq!(
+            keys.published_for_block(2),
+            Some(HashValue::Tuple(vec![s("Alice")]))
+        );
+        let plain =
+            ExtraKeys::with_multimodal(ExtraKeysEra::From0_31, None, None, &image, 16).unwrap();
+        assert_eq!(plain.published_for_block(2), None);
+        let old = ExtraKeys::new(ExtraKeysEra::V0_11_1To0_30, Some(&lora), Some("t")).unwrap();
+        assert_eq!(
+            old.published_for_block(0),
+            Some(HashValue::Tuple(vec![s("Alice"), s("t")]))
         );
     }
 

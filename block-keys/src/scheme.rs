@@ -1,6 +1,8 @@
 //! Which keys a router and index use for a pool: vLLM's published hashes or token-chain keys.
 
-use crate::{Digest, ExtraKeys, ExtraKeysEra, KeyError, LoraRef, TokenChain, VllmHasher};
+use crate::{
+    Digest, ExtraKeys, ExtraKeysEra, KeyError, LoraRef, MultiModalItem, TokenChain, VllmHasher,
+};
 
 /// How a pool's prompts become the u64 block keys stored in and queried from the index.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,6 +30,50 @@ impl KeyScheme {
     ) -> Result<Vec<u64>, KeyError> {
         let mut out = Vec::new();
         self.prompt_keys_into(tokens, block_size, lora, cache_salt, &mut out)?;
+        Ok(out)
+    }
+
+    /// The key of every full block of a prompt with media items (`items`, in vLLM's order: by
+    /// placeholder offset). vLLM's scheme hashes each item into the blocks it overlaps
+    /// ([`ExtraKeys::with_multimodal`]); a token chain cannot tell two images with the same
+    /// placeholder tokens apart, so its keys stop before the first item's first block (the
+    /// index's token-chain keys stop there too).
+    pub fn media_prompt_keys(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        lora: Option<&LoraRef<'_>>,
+        cache_salt: Option<&str>,
+        items: &[MultiModalItem<'_>],
+    ) -> Result<Vec<u64>, KeyError> {
+        if block_size == 0 {
+            return Err(KeyError::ZeroBlockSize);
+        }
+        let mut out = Vec::new();
+        match self {
+            Self::VllmExact { hasher, era } => {
+                let extra = ExtraKeys::with_multimodal(*era, lora, cache_salt, items, block_size)?;
+                out.reserve(tokens.len() / block_size);
+                hasher.for_each_block(
+                    None,
+                    tokens,
+                    block_size,
+                    |i| extra.for_block(i),
+                    |digest| out.push(digest.published_u64()),
+                )?;
+            }
+            Self::TokenChain => {
+                let first_media_block = items
+                    .iter()
+                    .map(|item| item.offset / block_size)
+                    .min()
+                    .unwrap_or(usize::MAX);
+                let text = first_media_block
+                    .saturating_mul(block_size)
+                    .min(tokens.len());
+                self.prompt_keys_into(&tokens[..text], block_size, lora, cache_salt, &mut out)?;
+            }
+        }
         Ok(out)
     }
 
@@ -197,6 +243,42 @@ mod tests {
                     scheme.extend_prompt_keys(None, &tokens, 16, lora, salt, 10, &mut out),
                     Ok(None)
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn media_keys_differ_from_the_images_first_block_and_a_token_chain_stops_before_it() {
+        let tokens: Vec<u32> = (0..16 * 6).map(|i| i % 500).collect();
+        let image = |identifier| {
+            [MultiModalItem {
+                identifier,
+                offset: 40,
+                length: 30,
+            }]
+        };
+        for scheme in schemes() {
+            let text = scheme.prompt_keys(&tokens, 16, None, None).expect("text");
+            assert_eq!(
+                scheme.media_prompt_keys(&tokens, 16, None, None, &[]),
+                Ok(text.clone())
+            );
+            let a = scheme
+                .media_prompt_keys(&tokens, 16, None, None, &image("a"))
+                .expect("a");
+            let b = scheme
+                .media_prompt_keys(&tokens, 16, None, None, &image("b"))
+                .expect("b");
+            // Block 2 (tokens 32..48) holds the image's first tokens.
+            assert_eq!(a[..2], text[..2], "{scheme:?}");
+            assert_eq!(b[..2], text[..2], "{scheme:?}");
+            match scheme {
+                KeyScheme::TokenChain => assert_eq!(a.len(), 2),
+                KeyScheme::VllmExact { .. } => {
+                    assert_eq!(a.len(), 6);
+                    assert!(a[2..].iter().zip(&b[2..]).all(|(a, b)| a != b));
+                    assert!(a[2..].iter().zip(&text[2..]).all(|(a, t)| a != t));
+                }
             }
         }
     }

@@ -313,7 +313,12 @@ pub async fn check(
     let elapsed = started.elapsed();
     let cache_salt = parsed.cache_salt.as_deref();
     let block_keys = pool
-        .prompt_keys(&tokens.tokens, adapter, cache_salt)
+        .media_prompt_keys(
+            &tokens.tokens,
+            adapter,
+            cache_salt,
+            &tokenizer::block_key_items(tokens.multimodal.as_deref()),
+        )
         .map_err(CheckError::Keys)?;
     let mode = tokenizer.as_ref().map(|t| t.mode());
     let (model_dir, url) = match &pool.tokenizer {

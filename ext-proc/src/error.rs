@@ -154,6 +154,16 @@ pub enum TokenizeError {
         /// What went wrong.
         reason: String,
     },
+    /// The engine's render answer described the prompt's media items in a way their block keys
+    /// cannot be computed from (`features` malformed: see
+    /// [`crate::tokenizer::MultiModalPlaces`]).
+    #[error("render endpoint {url} answered malformed multimodal features: {reason}")]
+    MultiModalFeatures {
+        /// The endpoint's URL.
+        url: String,
+        /// What is wrong with them.
+        reason: String,
+    },
     /// The in-process tokenizer failed (template error, bad input).
     #[error("in-process tokenizer failed: {reason}")]
     InProcess {
@@ -161,7 +171,7 @@ pub enum TokenizeError {
         reason: String,
     },
     /// The request carries media (images, audio, video) that only the engine's processor turns
-    /// into tokens; an in-process tokenizer cannot place them.
+    /// into tokens and hashes; an in-process tokenizer or `/tokenize` cannot place them.
     #[error("the request carries {kind} content; tokenizing it needs the engine (render mode)")]
     MultiModal {
         /// The content part's type.
@@ -179,6 +189,7 @@ impl TokenizeError {
             Self::PromptTooLarge { .. } => "prompt_too_large",
             Self::Remote { .. } => "remote_error",
             Self::Render { .. } => "render_error",
+            Self::MultiModalFeatures { .. } => "multimodal_features",
             Self::InProcess { .. } => "in_process_error",
             Self::MultiModal { .. } => "multimodal",
         }

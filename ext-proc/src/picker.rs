@@ -813,6 +813,7 @@ impl Picker {
                 crate::error::TokenizeError::MultiModal { .. } => LoadCause::MultiModal,
                 crate::error::TokenizeError::Remote { .. }
                 | crate::error::TokenizeError::Render { .. }
+                | crate::error::TokenizeError::MultiModalFeatures { .. }
                 | crate::error::TokenizeError::InProcess { .. } => LoadCause::TokenizerFailed,
             }
         })?;
@@ -874,14 +875,22 @@ impl Picker {
         let keys_span = kvroute_runtime::trace_span!("kvroute.block_keys");
         let keys_entered = keys_span.enter();
         let keys = match &tokens.keys {
+            // Cached keys are computed for text only (media items come from render mode, whose
+            // keys are hashed here).
             Some(cached)
                 if cached.fingerprint == keys_job.fingerprint
+                    && tokens.multimodal.is_none()
                     && cached.keys.len() == tokens.tokens.len() / pool.block_size as usize =>
             {
                 cached.keys.to_vec()
             }
             _ => pool
-                .prompt_keys(&tokens.tokens, adapter, request.cache_salt.as_deref())
+                .media_prompt_keys(
+                    &tokens.tokens,
+                    adapter,
+                    request.cache_salt.as_deref(),
+                    &crate::tokenizer::block_key_items(tokens.multimodal.as_deref()),
+                )
                 .map_err(|e| {
                     self.count_fallback("keys", e.as_label());
                     LoadCause::KeyError

@@ -19,7 +19,9 @@
 //! tools; `thinking: {type: disabled}` → `reasoning_effort: none` (what the render endpoint does),
 //! `output_config.effort` → `reasoning_effort`.
 //!
-//! Images, documents and other multimodal blocks are refused (text only, as for chat).
+//! Images (Messages `image` blocks, in content and in tool results) are refused as
+//! [`TokenizeError::MultiModal`]: only the engine's processor places their tokens. Documents and
+//! other blocks are refused as invalid (text only, as for chat).
 
 use serde_json::{Map, Value};
 
@@ -438,9 +440,14 @@ fn content_blocks(
                         for item in items.iter().filter_map(Value::as_object) {
                             match text_of(item.get("type")) {
                                 Some("text") => texts.push(text_of(item.get("text")).unwrap_or("")),
-                                Some("image" | "tool_reference") => {
+                                Some("image") => {
+                                    return Err(TokenizeError::MultiModal {
+                                        kind: "image".to_owned(),
+                                    });
+                                }
+                                Some("tool_reference") => {
                                     return Err(invalid(
-                                        "images and tool references in tool results are not supported",
+                                        "tool references in tool results are not supported",
                                     ));
                                 }
                                 _ => {}
@@ -469,6 +476,12 @@ fn content_blocks(
                 })),
                 Some(_) => return Err(invalid("an assistant tool_result with block content")),
             },
+            // Only the engine's processor places an image's tokens.
+            Some("image") => {
+                return Err(TokenizeError::MultiModal {
+                    kind: "image".to_owned(),
+                });
+            }
             Some(other) => {
                 return Err(invalid(format!("unsupported content block type {other}")));
             }
@@ -679,6 +692,9 @@ mod tests {
         assert!(messages_to_chat(&no_id, false).is_err());
         let image = object(json!({"messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x"}}]}]}));
-        assert!(messages_to_chat(&image, false).is_err());
+        assert!(matches!(
+            messages_to_chat(&image, false),
+            Err(TokenizeError::MultiModal { .. })
+        ));
     }
 }

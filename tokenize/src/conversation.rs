@@ -81,6 +81,36 @@ fn multimodal(kind: &str) -> TokenizeError {
     }
 }
 
+/// The kind of the first media content part of `messages` (a chat's array as sent), as vLLM's
+/// part parser tells media from text: a part of a media type, a part without a type that holds
+/// a media field, or any part with a `uuid`. `None` for text-only conversations (and for
+/// anything that is not a list of messages: rendering refuses those).
+pub fn media_part_kind(messages: &Value) -> Option<String> {
+    let parts = messages
+        .as_array()?
+        .iter()
+        .filter_map(|message| message.get("content")?.as_array())
+        .flatten()
+        .filter_map(Value::as_object);
+    for part in parts {
+        if part.get("uuid").is_some_and(|uuid| !uuid.is_null()) {
+            return Some("media".to_owned());
+        }
+        match part.get("type") {
+            Some(Value::String(kind)) if MEDIA_PARTS.contains(&kind.as_str()) => {
+                return Some(kind.clone());
+            }
+            None | Some(Value::Null) => {
+                if let Some(kind) = MEDIA_PARTS.iter().find(|k| part.contains_key(**k)) {
+                    return Some((*kind).to_owned());
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
 /// A content part after parsing: text (borrowed from the request), or a tool reference.
 enum Part<'a> {
     Text {

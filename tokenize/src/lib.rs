@@ -53,6 +53,7 @@ pub use apis::ConvertedChat;
 pub use byte_bpe::ByteLevelBpe;
 pub use chat::ChatTemplate;
 pub use content_format::ContentFormat;
+pub use conversation::media_part_kind;
 pub use error::TokenizeError;
 
 /// The fields of a chat request that change its prompt besides `messages` (vLLM 0.32's

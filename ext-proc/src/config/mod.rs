@@ -368,6 +368,29 @@ impl Pool {
         self.key_scheme
             .prompt_keys(tokens, self.block_size as usize, lora.as_ref(), cache_salt)
     }
+
+    /// [`Self::prompt_keys`] of a prompt whose media items (`media`, in vLLM's order; render
+    /// mode) are hashed into the blocks they overlap
+    /// ([`KeyScheme::media_prompt_keys`](kvroute_block_keys::KeyScheme::media_prompt_keys)).
+    pub fn media_prompt_keys(
+        &self,
+        tokens: &[u32],
+        adapter: Option<&Adapter>,
+        cache_salt: Option<&str>,
+        media: &[kvroute_block_keys::MultiModalItem<'_>],
+    ) -> Result<Vec<u64>, kvroute_block_keys::KeyError> {
+        if media.is_empty() {
+            return self.prompt_keys(tokens, adapter, cache_salt);
+        }
+        let lora = adapter.map(Adapter::as_lora_ref);
+        self.key_scheme.media_prompt_keys(
+            tokens,
+            self.block_size as usize,
+            lora.as_ref(),
+            cache_salt,
+            media,
+        )
+    }
 }
 
 /// A LoRA adapter, as vLLM's `LoRARequest` names it.

@@ -21,6 +21,7 @@ fn the_index_is_asked_about_the_blocks_vllm_can_reuse() {
         estimated_len: len as usize,
         source: TokenSource::Tokenizer,
         keys: None,
+        multimodal: None,
     };
     // 64 tokens in blocks of 32: two keys, but vLLM recomputes the last token: one block.
     assert_eq!(match_blocks(&tokens(64, true), 32, 2), 1);

@@ -17,7 +17,7 @@ use tokio_util::task::TaskTracker;
 
 use super::background::BackgroundLane;
 use super::cache_keys::prompt_keys;
-use super::{CachedKeys, KeysJob, Tokenizer};
+use super::{CachedKeys, KeysJob, MultiModalPlaces, Tokenized, Tokenizer};
 use crate::config::Config;
 use crate::error::TokenizeError;
 use crate::lru::Lru;
@@ -45,6 +45,9 @@ pub struct PromptTokens {
     /// The block keys of `tokens`, when they came from the cache with keys a background
     /// tokenization computed for them (check the fingerprint before use).
     pub keys: Option<CachedKeys>,
+    /// The media items the engine placed in `tokens` (render mode), whose identifiers are part
+    /// of the keys of the blocks they overlap.
+    pub multimodal: Option<Arc<MultiModalPlaces>>,
 }
 
 /// Where a decision's tokens came from (a metric label).
@@ -192,6 +195,8 @@ struct CacheGauges {
 #[derive(Debug)]
 struct CacheEntry {
     tokens: Arc<[u32]>,
+    /// The media items placed in `tokens` (render mode).
+    multimodal: Option<Arc<MultiModalPlaces>>,
     keys: Option<CachedKeys>,
     /// Where the conversation's next turn can take over these tokens.
     resume: Option<ResumePoint>,
@@ -316,6 +321,7 @@ impl TokenCache {
                 exact: true,
                 source: TokenSource::Client,
                 keys: None,
+                multimodal: None,
             })
         };
         match prompt {
@@ -337,11 +343,13 @@ impl TokenCache {
                 estimated_len: entry.tokens.len(),
                 source: TokenSource::Cache,
                 keys: entry.keys.clone(),
+                multimodal: entry.multimodal.clone(),
             }));
         }
         let prefix = keys.iter().rev().skip(1).find_map(|(key, bytes)| {
             entries.get(key).map(|entry| CachedPrefix {
                 tokens: Arc::clone(&entry.tokens),
+                multimodal: entry.multimodal.clone(),
                 bytes: *bytes,
                 keys: entry.keys.clone(),
                 resume: entry.resume,
@@ -351,19 +359,36 @@ impl TokenCache {
     }
 }
 
-/// Caches `tokens` under `key` (an entry heavier than the whole cache is not kept).
+/// A whole tokenization as the cache keeps it: the tokens, with the media items placed in them.
+#[derive(Debug, Clone)]
+pub(super) struct Whole {
+    pub(super) tokens: Arc<[u32]>,
+    pub(super) multimodal: Option<Arc<MultiModalPlaces>>,
+}
+
+impl From<Tokenized> for Whole {
+    fn from(tokenized: Tokenized) -> Self {
+        Self {
+            tokens: tokenized.tokens.into(),
+            multimodal: tokenized.multimodal,
+        }
+    }
+}
+
+/// Caches `whole` under `key` (an entry heavier than the whole cache is not kept).
 fn insert_into(
     entries: &Mutex<Lru<u128, CacheEntry>>,
     gauges: &CacheGauges,
     key: u128,
-    tokens: Arc<[u32]>,
+    whole: Whole,
 ) {
     insert_entry(
         entries,
         gauges,
         key,
         CacheEntry {
-            tokens,
+            tokens: whole.tokens,
+            multimodal: whole.multimodal,
             keys: None,
             resume: None,
         },
@@ -381,7 +406,11 @@ fn insert_entry(
         + entry
             .keys
             .as_ref()
-            .map_or(0, |k| std::mem::size_of_val(&*k.keys));
+            .map_or(0, |k| std::mem::size_of_val(&*k.keys))
+        + entry
+            .multimodal
+            .as_ref()
+            .map_or(0, |places| places.cache_bytes());
     let mut entries = entries.lock();
     entries.insert(key, entry, bytes);
     gauges.bytes.set(entries.bytes() as i64);

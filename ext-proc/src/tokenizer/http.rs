@@ -9,14 +9,17 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use super::TokenizeFuture;
+use std::future::Future;
+use std::pin::Pin;
+
 use crate::error::TokenizeError;
 
 /// Largest accepted `/tokenize` or render response body.
 const MAX_TOKENIZE_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 
-/// Reads the token ids out of a success answer's body (a reason on failure).
-pub(super) type ReadTokens = fn(&[u8]) -> Result<Vec<u32>, String>;
+/// Reads what the tokenizer wants (token ids, with what else the answer carries) out of a
+/// success answer's body (a reason on failure).
+pub(super) type ReadAnswer<T> = fn(&[u8]) -> Result<T, String>;
 
 /// Makes a failed call's error from its URL and reason.
 pub(super) type CallFailed = fn(String, String) -> TokenizeError;
@@ -39,15 +42,15 @@ impl TokenizeClient {
         }
     }
 
-    /// POSTs `body` to `url` and reads the answer's token ids with `read`, within the timeout
+    /// POSTs `body` to `url` and reads the answer with `read`, within the timeout
     /// ([`TokenizeError::Timeout`] past it); any other failure is `failed(url, reason)`.
-    pub(super) fn post(
+    pub(super) fn post<T: Send + 'static>(
         &self,
         url: http::Uri,
         body: Bytes,
-        read: ReadTokens,
+        read: ReadAnswer<T>,
         failed: CallFailed,
-    ) -> TokenizeFuture {
+    ) -> Pin<Box<dyn Future<Output = Result<T, TokenizeError>> + Send>> {
         let (client, timeout) = (self.client.clone(), self.timeout);
         Box::pin(async move {
             let call = async {

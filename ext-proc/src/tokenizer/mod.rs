@@ -38,6 +38,7 @@ mod cache_keys;
 pub(crate) mod http;
 mod in_process;
 mod input;
+mod multimodal;
 mod remote;
 mod render;
 
@@ -52,11 +53,35 @@ pub use cache::{
 };
 pub use in_process::InProcessTokenizer;
 pub use input::{ChatInputFields, TokenizeInput};
+pub use multimodal::{MultiModalPlaces, PlacedItem, block_key_items};
 pub use remote::RemoteTokenizer;
 pub use render::RenderTokenizer;
 
 /// Boxed future returned by [`Tokenizer::tokenize`].
 pub type TokenizeFuture = Pin<Box<dyn Future<Output = Result<Vec<u32>, TokenizeError>> + Send>>;
+
+/// A prompt's token ids with the media items the engine placed in them (render mode; `None`
+/// for text, and from every tokenizer that only routes text).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tokenized {
+    /// The prompt's token ids.
+    pub tokens: Vec<u32>,
+    /// Its images (and other media) in the order vLLM hashes them.
+    pub multimodal: Option<Arc<MultiModalPlaces>>,
+}
+
+impl Tokenized {
+    /// Text tokens.
+    pub fn text(tokens: Vec<u32>) -> Self {
+        Self {
+            tokens,
+            multimodal: None,
+        }
+    }
+}
+
+/// Boxed future returned by [`Tokenizer::tokenize_request`].
+pub type RequestFuture = Pin<Box<dyn Future<Output = Result<Tokenized, TokenizeError>> + Send>>;
 
 /// Boxed future returned by [`InProcess::tokenize_leading`].
 pub type LeadingFuture = Pin<Box<dyn Future<Output = Result<LeadingTokens, TokenizeError>> + Send>>;
@@ -67,14 +92,16 @@ pub trait Tokenizer: Send + Sync + fmt::Debug {
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture;
 
     /// Token ids of a request whose whole `body` is at hand: [`Self::tokenize`] of its prompt
-    /// unless the tokenizer sends the request itself somewhere ([`RenderTokenizer`]).
+    /// unless the tokenizer sends the request itself somewhere ([`RenderTokenizer`], which also
+    /// tells where the engine placed the request's images).
     fn tokenize_request(
         &self,
         model: &str,
         input: Arc<TokenizeInput>,
         _body: &[u8],
-    ) -> TokenizeFuture {
-        self.tokenize(model, input)
+    ) -> RequestFuture {
+        let tokenizing = self.tokenize(model, input);
+        Box::pin(async move { tokenizing.await.map(Tokenized::text) })
     }
 
     /// How it computes them: what `kvroute-check` reports, and whether a conversation-prefix

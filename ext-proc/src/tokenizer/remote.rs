@@ -75,8 +75,45 @@ impl RemoteTokenizer {
     }
 }
 
+/// The kind of media `input` carries, if any: `/tokenize` would expand an image's placeholder
+/// tokens but say nothing of the image, so its block keys would match any other image of the
+/// same size. Such prompts are refused ([`TokenizeError::MultiModal`]) and routed on load, as
+/// in process; render mode routes them exactly.
+fn media_kind(input: &TokenizeInput) -> Option<String> {
+    match input {
+        TokenizeInput::Text { .. } => None,
+        TokenizeInput::Chat { messages, .. } => {
+            let raw = messages.get();
+            // Only a conversation naming a media field (or a uuid) can carry one.
+            let named = ["\"uuid\"", "image", "audio", "video", "embeds"]
+                .iter()
+                .any(|field| raw.contains(field));
+            if !named {
+                return None;
+            }
+            let parsed: serde_json::Value = serde_json::from_str(raw).ok()?;
+            kvroute_tokenize::media_part_kind(&parsed)
+        }
+        TokenizeInput::Api { api, request } => {
+            let request = api_request_object(request).ok()?;
+            let converted = match api {
+                ApiKind::Responses => kvroute_tokenize::apis::responses_to_chat(&request),
+                ApiKind::Messages => kvroute_tokenize::apis::messages_to_chat(&request, false),
+            };
+            match converted {
+                Ok(chat) => kvroute_tokenize::media_part_kind(&chat.messages),
+                Err(kvroute_tokenize::TokenizeError::MultiModal { kind }) => Some(kind),
+                Err(_) => None,
+            }
+        }
+    }
+}
+
 impl Tokenizer for RemoteTokenizer {
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+        if let Some(kind) = media_kind(&input) {
+            return Box::pin(std::future::ready(Err(TokenizeError::MultiModal { kind })));
+        }
         let Some(body) = Self::request_body(model, &input) else {
             return Box::pin(std::future::ready(Err(TokenizeError::Remote {
                 url: self.url.to_string(),

@@ -1,5 +1,6 @@
 //! The render backend: the whole request to the engine's render endpoint matching its own, the
-//! answer's `token_ids` being the engine's prompt.
+//! answer's `token_ids` being the engine's prompt and its `features` where the engine placed the
+//! request's images (and other media).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +10,11 @@ use kvroute_tokenize::ApiKind;
 
 use super::http::TokenizeClient;
 use super::input::api_request_object;
-use super::{RemoteTokenizer, TokenizeFuture, TokenizeInput, Tokenizer, TokenizerMode};
+use super::multimodal::{MultiModalPlaces, RenderedFeatures};
+use super::{
+    RemoteTokenizer, RequestFuture, TokenizeFuture, TokenizeInput, Tokenized, Tokenizer,
+    TokenizerMode,
+};
 use crate::error::TokenizeError;
 
 /// The engine's render endpoints (vLLM 0.32 `--enable-scale-out`): the request goes to the one
@@ -17,6 +22,11 @@ use crate::error::TokenizeError;
 /// `/v1/responses/render`, `/v1/messages/render` under the configured base URL) and the answer's
 /// `token_ids` are the engine's prompt (a completion's list answers with its first prompt's).
 /// Only the body and `content-type` are sent: no client header (authorization, cookies) leaves.
+///
+/// Every body goes with `"mm_payload": "none"` (a client's own value is overridden): the
+/// answer's `features` then carry the media items' identifiers and placeholders, which routing
+/// hashes, and no processed tensors (vLLM's option "for cache-aware routers"). A client's
+/// per-part `uuid` goes along as sent, so the engine reports it as the item's identifier.
 #[derive(Debug, Clone)]
 pub struct RenderTokenizer {
     base: http::Uri,
@@ -67,11 +77,14 @@ impl RenderTokenizer {
             }
             input => RemoteTokenizer::request_body(model, input)?,
         };
-        serde_json::to_vec(&body).ok()
+        let mut body = serde_json::to_vec(&body).ok()?;
+        with_no_media_payload(&mut body).then_some(body)
     }
 
-    /// Sends `body` (`None`: one vLLM would refuse) to `input`'s render endpoint.
-    fn post(&self, input: &TokenizeInput, body: Option<Bytes>) -> TokenizeFuture {
+    /// Sends `body` (`None`: one vLLM would refuse) to `input`'s render endpoint: the prompt's
+    /// tokens and media items, or why not (malformed `features`:
+    /// [`TokenizeError::MultiModalFeatures`]).
+    fn post(&self, input: &TokenizeInput, body: Option<Bytes>) -> RequestFuture {
         let url = match self.endpoint_url(input) {
             Ok(url) => url,
             Err(e) => return Box::pin(std::future::ready(Err(e))),
@@ -82,17 +95,44 @@ impl RenderTokenizer {
                 reason: "vLLM would refuse to render the request".to_owned(),
             })));
         };
-        self.client
-            .post(url, body, render_token_ids, |url, reason| {
+        let answer = self
+            .client
+            .post(url.clone(), body, render_answer, |url, reason| {
                 TokenizeError::Render { url, reason }
+            });
+        Box::pin(async move {
+            let answer = answer.await?;
+            let multimodal =
+                answer
+                    .multimodal
+                    .map_err(|reason| TokenizeError::MultiModalFeatures {
+                        url: url.to_string(),
+                        reason,
+                    })?;
+            Ok(Tokenized {
+                tokens: answer.tokens,
+                multimodal: multimodal.map(Arc::new),
             })
+        })
     }
 }
 
 impl Tokenizer for RenderTokenizer {
+    /// The prompt's tokens alone: a prompt with media items is refused
+    /// ([`TokenizeError::MultiModal`]), as its tokens without the items' keys would match
+    /// other images.
     fn tokenize(&self, model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
         let body = Self::body_from_input(model, &input).map(Bytes::from);
-        self.post(&input, body)
+        let rendering = self.post(&input, body);
+        Box::pin(async move {
+            let rendered = rendering.await?;
+            match rendered.multimodal {
+                None => Ok(rendered.tokens),
+                Some(_) => Err(TokenizeError::MultiModal {
+                    kind: "media".to_owned(),
+                }),
+            }
+        })
     }
 
     fn tokenize_request(
@@ -100,11 +140,17 @@ impl Tokenizer for RenderTokenizer {
         _model: &str,
         input: Arc<TokenizeInput>,
         body: &[u8],
-    ) -> TokenizeFuture {
+    ) -> RequestFuture {
         // vLLM refuses an untrusted request template; never ask it to render one.
         let refused =
             matches!(&*input, TokenizeInput::Chat { fields, .. } if fields.request_template);
-        self.post(&input, (!refused).then(|| Bytes::copy_from_slice(body)))
+        let body = (!refused)
+            .then(|| {
+                let mut body = body.to_vec();
+                with_no_media_payload(&mut body).then(|| Bytes::from(body))
+            })
+            .flatten();
+        self.post(&input, body)
     }
 
     fn mode(&self) -> TokenizerMode {
@@ -112,12 +158,56 @@ impl Tokenizer for RenderTokenizer {
     }
 }
 
+/// Adds `"mm_payload": "none"` to a JSON object's body, as its last member (a client's own
+/// `mm_payload` earlier in it is overridden: Python's `json.loads` keeps a repeated key's last
+/// value). `false` when `body` is not an object.
+pub(super) fn with_no_media_payload(body: &mut Vec<u8>) -> bool {
+    const MEMBER: &[u8] = br#""mm_payload":"none"}"#;
+    let content_end = body
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(0, |last| last + 1);
+    let content = &body[..content_end];
+    let Some(opening) = content.iter().position(|b| !b.is_ascii_whitespace()) else {
+        return false;
+    };
+    if content[opening] != b'{' || content.last() != Some(&b'}') || content_end - opening < 2 {
+        return false;
+    }
+    let empty = content[opening + 1..content_end - 1]
+        .iter()
+        .all(u8::is_ascii_whitespace);
+    body.truncate(content_end - 1);
+    if !empty {
+        body.push(b',');
+    }
+    body.extend_from_slice(MEMBER);
+    true
+}
+
+/// What a render answer tells routing: the prompt's tokens and, apart (malformed features are
+/// their own error), its media items.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct RenderAnswer {
+    pub(super) tokens: Vec<u32>,
+    pub(super) multimodal: Result<Option<MultiModalPlaces>, String>,
+}
+
 /// `token_ids` of a render answer: vLLM's `GenerateRequest` (chat, responses, messages) or a
 /// list of them (completions; the first, as routing takes a batch's first prompt).
+#[cfg(test)]
 pub(super) fn render_token_ids(answer: &[u8]) -> Result<Vec<u32>, String> {
+    render_answer(answer).map(|answer| answer.tokens)
+}
+
+/// The tokens and media items of a render answer (vLLM's `GenerateRequest`, or a list of them
+/// for completions: the first).
+pub(super) fn render_answer(answer: &[u8]) -> Result<RenderAnswer, String> {
     #[derive(serde::Deserialize)]
     struct Rendered {
         token_ids: Vec<u32>,
+        #[serde(default)]
+        features: Option<serde_json::Value>,
     }
     #[derive(serde::Deserialize)]
     #[serde(untagged)]
@@ -135,5 +225,16 @@ pub(super) fn render_token_ids(answer: &[u8]) -> Result<Vec<u32>, String> {
     if rendered.token_ids.is_empty() {
         return Err("no token_ids".to_owned());
     }
-    Ok(rendered.token_ids)
+    let multimodal = match rendered.features {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(features) => serde_json::from_value::<RenderedFeatures>(features)
+            .map_err(|e| format!("features: {e}"))
+            .and_then(|features| {
+                MultiModalPlaces::from_features(&features, rendered.token_ids.len())
+            }),
+    };
+    Ok(RenderAnswer {
+        tokens: rendered.token_ids,
+        multimodal,
+    })
 }

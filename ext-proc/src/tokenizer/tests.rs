@@ -237,3 +237,175 @@ async fn api_requests_tokenize_as_their_chat_and_key_every_prompt_field() {
         "sampling fields are not"
     );
 }
+
+#[test]
+fn render_answers_carry_their_media_items_apart_from_their_tokens() {
+    use super::render::render_answer;
+    let text = render_answer(br#"{"token_ids":[1,2,3],"features":null}"#).unwrap();
+    assert_eq!((text.tokens, text.multimodal), (vec![1, 2, 3], Ok(None)));
+    let image = render_answer(
+        br#"{"token_ids":[1,7,7,7,2],"features":{"mm_hashes":{"image":["abc"]},
+            "mm_placeholders":{"image":[{"offset":1,"length":3}]},"kwargs_data":null,
+            "mm_metadata":null}}"#,
+    )
+    .unwrap();
+    let places = image.multimodal.unwrap().unwrap();
+    assert_eq!(
+        places.items(),
+        [super::PlacedItem {
+            identifier: "abc".into(),
+            offset: 1,
+            length: 3
+        }]
+    );
+    // Malformed features are their own error; the tokens alone still parse.
+    for features in [
+        r#"{"mm_hashes":{"image":["abc"]},"mm_placeholders":{"image":[{"offset":4,"length":3}]}}"#,
+        r#"{"mm_hashes":{"image":["abc"]}}"#,
+        r#""features""#,
+    ] {
+        let answer = format!(r#"{{"token_ids":[1,7,7,7,2],"features":{features}}}"#);
+        let parsed = render_answer(answer.as_bytes()).unwrap();
+        assert!(parsed.multimodal.is_err(), "{features}");
+    }
+}
+
+#[test]
+fn every_render_body_asks_for_no_media_tensors() {
+    use super::render::with_no_media_payload;
+    for (body, expected) in [
+        (r#"{"model":"m"}"#, r#"{"model":"m","mm_payload":"none"}"#),
+        ("{}", r#"{"mm_payload":"none"}"#),
+        (" { \n} \n", " { \n\"mm_payload\":\"none\"}"),
+        (
+            r#"{"mm_payload":"tensors","a":[{}]}  "#,
+            r#"{"mm_payload":"tensors","a":[{}],"mm_payload":"none"}"#,
+        ),
+    ] {
+        let mut bytes = body.as_bytes().to_vec();
+        assert!(with_no_media_payload(&mut bytes), "{body}");
+        assert_eq!(String::from_utf8(bytes.clone()).unwrap(), expected);
+        // A repeated key keeps its last value, in Python as in serde_json.
+        let parsed: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(parsed["mm_payload"], "none");
+    }
+    for body in ["[1]", "", "  ", "\"x\""] {
+        assert!(
+            !with_no_media_payload(&mut body.as_bytes().to_vec()),
+            "{body}"
+        );
+    }
+}
+
+/// An HTTP server answering every request with `answer` (200, JSON), keeping the bodies it got.
+async fn answering_server(
+    tasks: &TaskTracker,
+    answer: String,
+) -> (String, Arc<parking_lot::Mutex<Vec<Vec<u8>>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let bodies = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let seen = Arc::clone(&bodies);
+    tasks.spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let mut request = Vec::new();
+            let mut buffer = [0u8; 4096];
+            let body = loop {
+                let Ok(n) = socket.read(&mut buffer).await else {
+                    break None;
+                };
+                if n == 0 {
+                    break None;
+                }
+                request.extend_from_slice(&buffer[..n]);
+                let text = String::from_utf8_lossy(&request);
+                let Some(end) = text.find("\r\n\r\n") else {
+                    continue;
+                };
+                let length = text[..end]
+                    .lines()
+                    .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length: ").map(str::to_owned))
+                    .and_then(|l| l.trim().parse::<usize>().ok())
+                    .unwrap_or(0);
+                if request.len() >= end + 4 + length {
+                    break Some(request[end + 4..end + 4 + length].to_vec());
+                }
+            };
+            let Some(body) = body else { continue };
+            seen.lock().push(body);
+            let response = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+                answer.len()
+            );
+            let _ = socket.write_all(response.as_bytes()).await;
+        }
+    });
+    (url, bodies)
+}
+
+#[tokio::test]
+async fn render_mode_places_images_and_refuses_malformed_features() {
+    let tasks = TaskTracker::new();
+    let body = br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x/a.png"},"uuid":"photo-1"}]}]}"#;
+    let parsed = parse(body, Endpoint::ChatCompletions).unwrap();
+    let input = Arc::new(owned_input(&parsed.prompt));
+    let good = r#"{"token_ids":[1,7,7,2],"features":{"mm_hashes":{"image":["photo-1"]},"mm_placeholders":{"image":[{"offset":1,"length":2}]},"kwargs_data":null,"mm_metadata":null}}"#;
+    let (url, bodies) = answering_server(&tasks, good.to_owned()).await;
+    let render = RenderTokenizer::new(url.parse().unwrap(), Duration::from_secs(5));
+    let rendered = render
+        .tokenize_request("m", Arc::clone(&input), body)
+        .await
+        .unwrap();
+    assert_eq!(rendered.tokens, [1, 7, 7, 2]);
+    let places = rendered.multimodal.unwrap();
+    assert_eq!(&*places.items()[0].identifier, "photo-1");
+    // The client's body went as sent (its uuid included), asking for no tensors.
+    let sent: serde_json::Value = serde_json::from_slice(&bodies.lock()[0]).unwrap();
+    assert_eq!(sent["mm_payload"], "none");
+    assert_eq!(sent["messages"][0]["content"][0]["uuid"], "photo-1");
+    // Tokens alone would match any image of that size: refused.
+    assert!(matches!(
+        render.tokenize("m", Arc::clone(&input)).await,
+        Err(crate::error::TokenizeError::MultiModal { .. })
+    ));
+
+    let bad = r#"{"token_ids":[1,7,7,2],"features":{"mm_hashes":{"image":["a","b"]},"mm_placeholders":{"image":[{"offset":1,"length":2}]}}}"#;
+    let (url, _) = answering_server(&tasks, bad.to_owned()).await;
+    let render = RenderTokenizer::new(url.parse().unwrap(), Duration::from_secs(5));
+    let error = render.tokenize_request("m", input, body).await.unwrap_err();
+    assert_eq!(error.as_label(), "multimodal_features", "{error}");
+    tasks.close();
+}
+
+#[tokio::test]
+async fn remote_mode_refuses_images_as_multimodal() {
+    // Nothing listens: an image request must be refused before any call.
+    let remote = RemoteTokenizer::new(
+        "http://127.0.0.1:9/tokenize".parse().unwrap(),
+        Duration::from_millis(50),
+    );
+    for (body, endpoint) in [
+        (
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"q"},{"type":"image_url","image_url":{"url":"data:image/png;base64,QUJD"}}]}]}"#,
+            Endpoint::ChatCompletions,
+        ),
+        (
+            r#"{"model":"m","messages":[{"role":"user","content":[{"image_url":"http://x/a.png","uuid":"u"}]}]}"#,
+            Endpoint::ChatCompletions,
+        ),
+        (
+            r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_image","image_url":"http://x/a.png"}]}]}"#,
+            Endpoint::Responses,
+        ),
+        (
+            r#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"http://x/a.png"}}]}]}"#,
+            Endpoint::Messages,
+        ),
+    ] {
+        let parsed = parse(body.as_bytes(), endpoint).unwrap();
+        let input = Arc::new(owned_input(&parsed.prompt));
+        let error = remote.tokenize("m", input).await.unwrap_err();
+        assert_eq!(error.as_label(), "multimodal", "{body}: {error}");
+    }
+}

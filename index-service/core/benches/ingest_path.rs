@@ -127,6 +127,7 @@ fn bench_decode_apply(c: &mut Criterion) {
             PoolKeys::VllmExact {
                 validator: Some(HashValidator {
                     hasher: hasher.clone(),
+                    era: kvroute_block_keys::ExtraKeysEra::From0_31,
                     required: false,
                 }),
             },

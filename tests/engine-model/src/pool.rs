@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::fmt::Debug;
 use std::hash::Hash;
 
-use kvroute_block_keys::Digest;
+use kvroute_block_keys::{Digest, HashValue};
 use kvroute_index_core::event::{BlockRemoved, BlockStored, KvEvent, Medium};
 
 use crate::lru::LruQueue;
@@ -153,7 +153,9 @@ impl<K: BlockKey> BlockPool<K> {
 
     /// Gives `blocks[start..end]` the keys `keys[start..end]` and publishes one `BlockStored`
     /// (parent = the key of block `start - 1`). `tokens`, when known, are the sequence's token
-    /// ids (at least `end × block_size`); unknown tokens are published as zeros.
+    /// ids (at least `end × block_size`); unknown tokens are published as zeros. `extra_keys`,
+    /// when given, are the sequence's per-block extra keys in their published form (images;
+    /// blocks past its end have none), as vLLM 0.32 publishes them beside the hashes.
     pub fn cache_blocks(
         &mut self,
         blocks: &[BlockId],
@@ -161,6 +163,7 @@ impl<K: BlockKey> BlockPool<K> {
         start: usize,
         end: usize,
         tokens: Option<&[u32]>,
+        extra_keys: Option<&[Option<HashValue>]>,
     ) {
         if start >= end {
             return;
@@ -181,7 +184,11 @@ impl<K: BlockKey> BlockPool<K> {
             token_ids,
             block_size: bs as u32,
             medium: Medium::Gpu,
-            extra_keys: Some(vec![None; end - start]),
+            extra_keys: Some(
+                (start..end)
+                    .map(|i| extra_keys.and_then(|keys| keys.get(i)).cloned().flatten())
+                    .collect(),
+            ),
             group_idx: Some(0),
             ..BlockStored::default()
         }));
@@ -269,12 +276,28 @@ mod tests {
     }
 
     #[test]
+    fn stores_publish_the_blocks_extra_keys() {
+        let mut pool = BlockPool::<u64>::new(4, 2);
+        let blocks: Vec<BlockId> = (0..3).map(|_| pool.allocate().unwrap()).collect();
+        let image = Some(HashValue::Tuple(vec![HashValue::Tuple(vec![
+            HashValue::Str("h".into()),
+            HashValue::Int(1),
+        ])]));
+        // Keys for blocks 0 and 1 only: block 2 has none.
+        let extra = [None, image.clone()];
+        pool.cache_blocks(&blocks, &[1, 2, 3], 1, 3, None, Some(&extra));
+        let stored = pool.take_events();
+        assert!(matches!(&stored[..], [KvEvent::BlockStored(s)]
+            if s.extra_keys == Some(vec![image.clone(), None])));
+    }
+
+    #[test]
     fn hits_revive_and_lru_evicts_tail_first() {
         let mut pool = BlockPool::<u64>::new(4, 2);
         let keys = [10, 11];
         let tokens = [1, 2, 3, 4, 5];
         let first: Vec<BlockId> = (0..3).map(|_| pool.allocate().unwrap()).collect();
-        pool.cache_blocks(&first, &keys, 0, 2, Some(&tokens));
+        pool.cache_blocks(&first, &keys, 0, 2, Some(&tokens), None);
         let stored = pool.take_events();
         assert!(matches!(&stored[..], [KvEvent::BlockStored(s)]
             if s.block_hashes == keys && s.token_ids == tokens[..4] && s.parent_block_hash.is_none()));
@@ -310,8 +333,8 @@ mod tests {
         let mut pool = BlockPool::<u64>::new(2, 1);
         let a = pool.allocate().unwrap();
         let b = pool.allocate().unwrap();
-        pool.cache_blocks(&[a], &[7], 0, 1, None);
-        pool.cache_blocks(&[b], &[7], 0, 1, None);
+        pool.cache_blocks(&[a], &[7], 0, 1, None, None);
+        pool.cache_blocks(&[b], &[7], 0, 1, None, None);
         assert_eq!(pool.lookup(&7), Some(a));
         assert_eq!(pool.held_blocks().len(), 2);
         pool.free(&[a]);
@@ -328,7 +351,7 @@ mod tests {
     fn reset_only_when_idle() {
         let mut pool = BlockPool::<u64>::new(2, 2);
         let id = pool.allocate().unwrap();
-        pool.cache_blocks(&[id], &[1], 0, 1, None);
+        pool.cache_blocks(&[id], &[1], 0, 1, None, None);
         assert!(!pool.reset());
         pool.free(&[id]);
         assert!(pool.reset());

@@ -27,6 +27,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvroute_block_keys::HashValue;
 use kvroute_index_core::event::KvEvent;
 
 use crate::pool::{BlockId, BlockKey, BlockPool, HeldBlock};
@@ -62,6 +63,9 @@ pub struct NewSeq<K> {
     pub keys: Arc<[K]>,
     /// Token ids (prompt, then output), published in `BlockStored`; `None`: unknown, zeros.
     pub tokens: Option<Arc<[u32]>>,
+    /// Per-block extra keys as `BlockStored` publishes them (images), from the first block;
+    /// `None` (or past its end): none.
+    pub extra_keys: Option<Arc<[Option<HashValue>]>>,
 }
 
 #[derive(Debug, Clone)]
@@ -371,6 +375,7 @@ impl<K: BlockKey> Scheduler<K> {
                 seq.cached,
                 full,
                 seq.new.tokens.as_deref(),
+                seq.new.extra_keys.as_deref(),
             );
             seq.cached = full;
         }
@@ -403,6 +408,7 @@ mod tests {
             output_len: output,
             keys: keys[..full.min(keys.len())].into(),
             tokens: None,
+            extra_keys: None,
         }
     }
 

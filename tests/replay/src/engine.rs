@@ -111,6 +111,7 @@ impl Engine {
             output_len: request.output_tokens,
             keys: Arc::from(request.keys()),
             tokens: None,
+            extra_keys: None,
         });
     }
 

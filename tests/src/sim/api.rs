@@ -10,6 +10,11 @@
 //! list of them for completions) with token ids computed by kvroute-tokenize, the same code
 //! kvroute's in-process tokenizer runs — so they test kvroute's render client and routing, not
 //! the tokenization itself (the goldens compare that with real vLLM).
+//!
+//! Images in chat, Responses and Messages requests go through the simulator's processor
+//! (`media`): placeholder runs in the prompt, their identifiers in the render answer's
+//! `features` (vLLM's shape; tensors only unless `mm_payload` is `"none"`), and in the engine's
+//! block hashes and KV events.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -28,6 +33,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::engine::{Engine, EngineError, Sequence};
+use super::media::{self, ImageProcessor, PlacedImage};
 use super::metrics::MetricsInfo;
 
 /// Response header echoing the `traceparent` header of the request.
@@ -62,6 +68,7 @@ pub(crate) struct AppState {
     /// Where vLLM's balancer starts its scan next (it rotates, so ties spread).
     next_scan_start: AtomicU64,
     pub(crate) tokenizer: Arc<ModelTokenizer>,
+    images: ImageProcessor,
     pub(crate) model_name: String,
     pub(crate) model_root: String,
     pub(crate) default_max_tokens: usize,
@@ -88,6 +95,7 @@ impl AppState {
         Ok(Self {
             engines,
             next_scan_start: AtomicU64::new(0),
+            images: ImageProcessor::new(&tokenizer, &model_name),
             tokenizer,
             model_name,
             model_root,
@@ -416,7 +424,14 @@ async fn tokenize(
                 chat_template_kwargs: request.chat_template_kwargs,
                 ..ChatOptions::default()
             };
-            state.tokenizer.encode_chat_with(&messages, &options)?
+            let with = state
+                .images
+                .chat(&messages)
+                .map_err(ApiError::bad_request)?;
+            let tokens = state.tokenizer.encode_chat_with(&with.request, &options)?;
+            with.expand(&state.images, tokens)
+                .map_err(ApiError::bad_request)?
+                .0
         }
         _ => {
             return Err(ApiError::bad_request(
@@ -463,7 +478,7 @@ async fn completions(
     generate(
         state,
         Kind::Completion,
-        prompt,
+        (prompt, Vec::new()),
         max_tokens,
         request.stream,
         include_usage,
@@ -477,9 +492,7 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let request: ChatRequest = parse(&body)?;
     check_model(&state, request.model.as_deref())?;
-    let prompt = state
-        .tokenizer
-        .encode_chat_with(&request.messages, &request.options())?;
+    let prompt = chat_prompt(&state, &request)?;
     let max_tokens = request
         .max_completion_tokens
         .or(request.max_tokens)
@@ -496,16 +509,40 @@ async fn chat_completions(
     .await
 }
 
-/// A Responses or Messages request body: its model, its prompt as vLLM renders it, and
-/// whether it asks for a stream.
+/// A prompt's tokens and the images placed in them.
+type Prompted = (Vec<u32>, Vec<PlacedImage>);
+
+/// A chat request's prompt as vLLM renders and processes it.
+fn chat_prompt(state: &AppState, request: &ChatRequest) -> Result<Prompted, ApiError> {
+    let with = state
+        .images
+        .chat(&request.messages)
+        .map_err(ApiError::bad_request)?;
+    let tokens = state
+        .tokenizer
+        .encode_chat_with(&with.request, &request.options())?;
+    with.expand(&state.images, tokens)
+        .map_err(ApiError::bad_request)
+}
+
+/// A Responses or Messages request body: its model, its prompt as vLLM renders and processes
+/// it, and whether it asks for a stream.
 fn api_prompt(
     state: &AppState,
     api: ApiKind,
     body: &Bytes,
-) -> Result<(Vec<u32>, Option<usize>, bool), ApiError> {
+) -> Result<(Prompted, Option<usize>, bool), ApiError> {
     let request: serde_json::Map<String, Value> = parse(body)?;
     check_model(state, request.get("model").and_then(Value::as_str))?;
-    let prompt = state.tokenizer.encode_api_request(api, &request)?;
+    let with = match api {
+        ApiKind::Responses => state.images.responses(&request),
+        ApiKind::Messages => state.images.messages(&request),
+    }
+    .map_err(ApiError::bad_request)?;
+    let tokens = state.tokenizer.encode_api_request(api, &with.request)?;
+    let prompt = with
+        .expand(&state.images, tokens)
+        .map_err(ApiError::bad_request)?;
     let max_tokens = ["max_output_tokens", "max_tokens"]
         .iter()
         .find_map(|key| request.get(*key).and_then(Value::as_u64))
@@ -528,11 +565,12 @@ async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
 
 /// vLLM's `GenerateRequest` as the render endpoints answer it (the fields routing reads and
 /// their neighbours; sampling parameters abbreviated).
-fn rendered(state: &AppState, prefix: &str, token_ids: Vec<u32>, body: &Value) -> Value {
+fn rendered(state: &AppState, prefix: &str, (token_ids, images): Prompted, body: &Value) -> Value {
+    let mm_payload = body.get("mm_payload").and_then(Value::as_str);
     json!({
         "request_id": state.request_id(prefix),
         "token_ids": token_ids,
-        "features": null,
+        "features": media::features(&images, mm_payload),
         "sampling_params": {"max_tokens": body.get("max_tokens").cloned().unwrap_or(Value::Null)},
         "model": state.model_name,
         "stream": body.get("stream").and_then(Value::as_bool).unwrap_or(false),
@@ -551,7 +589,12 @@ async fn render_completion(
         .prompt
         .encode(&state.tokenizer, request.add_special_tokens.unwrap_or(true))?;
     let raw: Value = parse(&body)?;
-    Ok(Json(json!([rendered(&state, "cmpl", tokens, &raw)])))
+    Ok(Json(json!([rendered(
+        &state,
+        "cmpl",
+        (tokens, Vec::new()),
+        &raw
+    )])))
 }
 
 async fn render_chat(
@@ -560,11 +603,9 @@ async fn render_chat(
 ) -> Result<Json<Value>, ApiError> {
     let request: ChatRequest = parse(&body)?;
     check_model(&state, request.model.as_deref())?;
-    let tokens = state
-        .tokenizer
-        .encode_chat_with(&request.messages, &request.options())?;
+    let prompt = chat_prompt(&state, &request)?;
     let raw: Value = parse(&body)?;
-    Ok(Json(rendered(&state, "chatcmpl", tokens, &raw)))
+    Ok(Json(rendered(&state, "chatcmpl", prompt, &raw)))
 }
 
 async fn render_responses(
@@ -588,13 +629,13 @@ async fn render_messages(
 async fn generate(
     state: Arc<AppState>,
     kind: Kind,
-    prompt: Vec<u32>,
+    (prompt, images): Prompted,
     max_tokens: usize,
     stream: bool,
     include_usage: bool,
 ) -> Result<Response, ApiError> {
     let output = (0..max_tokens).map(|k| state.filler(k).0).collect();
-    let sequence = state.serving_engine().start(prompt, output).await?;
+    let sequence = state.serving_engine().start(prompt, &images, output).await?;
     let id = state.request_id(match kind {
         Kind::Chat | Kind::Messages => "chatcmpl",
         Kind::Completion => "cmpl",

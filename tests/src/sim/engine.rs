@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvroute_block_keys::{Digest, VllmHasher};
+use kvroute_block_keys::{Digest, ExtraKeys, ExtraKeysEra, HashValue, MultiModalItem, VllmHasher};
 use kvroute_engine_model::{HeldBlock, Linear, NewSeq, Scheduler, SchedulerConfig, SeqId};
 use kvroute_index_core::event::KvEvent;
 use parking_lot::Mutex;
@@ -23,6 +23,7 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::config::CacheGeometry;
+use super::media::PlacedImage;
 
 /// Receives each step's events (the publisher); `None` when events are off.
 pub type EventSink = Box<dyn Fn(Vec<KvEvent>) + Send + Sync>;
@@ -226,11 +227,13 @@ impl Engine {
     }
 
     /// Queues a request and waits until its first output token: the caller then holds the
-    /// first token's moment. `output` are the token ids it will generate (`max_tokens` of
-    /// them). Dropping the future (client gone) aborts the request.
-    pub async fn start(
+    /// first token's moment. `images` are placed in the prompt (hashed into the blocks they
+    /// overlap, as vLLM 0.32 does); `output` are the token ids it will generate (`max_tokens`
+    /// of them). Dropping the future (client gone) aborts the request.
+    pub(crate) async fn start(
         self: &Arc<Self>,
         prompt: Vec<u32>,
+        images: &[PlacedImage],
         output: Vec<u32>,
     ) -> Result<Sequence, EngineError> {
         if prompt.is_empty() {
@@ -252,7 +255,7 @@ impl Engine {
         }
         let mut tokens = prompt;
         tokens.extend(output);
-        let keys = self.hash_blocks(&tokens[..computed]);
+        let (keys, extra_keys) = self.hash_blocks(&tokens[..computed], images);
         let (progress, mut watched) = watch::channel(Progress::default());
         let id = {
             let mut state = self.state.lock();
@@ -267,6 +270,7 @@ impl Engine {
                 output_len: max_tokens.max(1) as u32,
                 keys: keys.into(),
                 tokens: Some(tokens.into()),
+                extra_keys,
             });
             state.tracked.insert(
                 id,
@@ -298,17 +302,39 @@ impl Engine {
         Ok(sequence)
     }
 
-    fn hash_blocks(&self, tokens: &[u32]) -> Vec<Digest> {
-        let mut digests = Vec::new();
+    /// The chained block keys of `tokens` with `images` hashed in (vLLM 0.32's extra keys), and
+    /// the blocks' extra keys as its `BlockStored` events publish them (`None` for text).
+    #[expect(
+        clippy::type_complexity,
+        reason = "the keys and the published extra keys, per block"
+    )]
+    fn hash_blocks(
+        &self,
+        tokens: &[u32],
+        images: &[PlacedImage],
+    ) -> (Vec<Digest>, Option<Arc<[Option<HashValue>]>>) {
+        let bs = self.geometry.block_size;
+        let items: Vec<MultiModalItem<'_>> = images
+            .iter()
+            .map(|image| MultiModalItem {
+                identifier: &image.identifier,
+                offset: image.offset,
+                length: image.length,
+            })
+            .collect();
         // Only fails for a zero block size, which the config rejects.
-        let _ = self.hasher.chain_into(
-            None,
-            tokens,
-            self.geometry.block_size,
-            |_| None,
-            &mut digests,
-        );
-        digests
+        let extra = ExtraKeys::with_multimodal(ExtraKeysEra::From0_31, None, None, &items, bs)
+            .unwrap_or_default();
+        let mut digests = Vec::new();
+        let _ = self
+            .hasher
+            .chain_into(None, tokens, bs, |i| extra.for_block(i), &mut digests);
+        let published = (!images.is_empty()).then(|| {
+            (0..digests.len())
+                .map(|i| extra.published_for_block(i))
+                .collect()
+        });
+        (digests, published)
     }
 
     fn publish(&self, events: Vec<KvEvent>) {

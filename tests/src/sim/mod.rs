@@ -27,6 +27,7 @@
 mod api;
 mod config;
 mod engine;
+mod media;
 mod metrics;
 
 use std::net::SocketAddr;

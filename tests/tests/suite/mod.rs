@@ -14,6 +14,7 @@ mod exposure;
 mod fidelity;
 mod gie_chart;
 mod hostile_peers;
+mod images;
 mod index_capture;
 mod index_dp;
 mod index_ha;

@@ -11,13 +11,13 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::task::TaskTracker;
 
 use super::schedule::Miss;
-use super::{CacheEntry, TokenCache, insert_entry, insert_into};
+use super::{CacheEntry, TokenCache, Whole, insert_entry, insert_into};
 use crate::error::TokenizeError;
 use crate::tokenizer::CachedKeys;
 use crate::tokenizer::block_keys::mark_at;
 
 /// A whole tokenization that caches its result as it ends.
-type CachingFuture = Pin<Box<dyn Future<Output = Result<Arc<[u32]>, TokenizeError>> + Send>>;
+type CachingFuture = Pin<Box<dyn Future<Output = Result<Whole, TokenizeError>> + Send>>;
 
 /// The cached turn before a prompt, whose tokens the prompt's tokenization takes over.
 #[derive(Debug)]
@@ -116,6 +116,7 @@ impl TokenCache {
                         });
                         Some(CacheEntry {
                             tokens,
+                            multimodal: None,
                             keys,
                             resume,
                         })
@@ -153,7 +154,7 @@ impl TokenCache {
         self.tasks.spawn(async move {
             let _held = (refill, slot);
             match tokenizing.await {
-                Ok(tokens) => insert_into(&entries, &gauges, key, tokens.into()),
+                Ok(tokenized) => insert_into(&entries, &gauges, key, tokenized.into()),
                 Err(error) => tracing::debug!(%error, "background whole tokenization failed"),
             }
         });

@@ -11,13 +11,16 @@ use kvroute_tokenize::{ResumableTokens, ResumePoint};
 use super::blocking::{BlockingSlot, record_rate};
 use super::later::EarlierTurn;
 use super::{
-    CacheEntry, PromptTokens, TokenCache, TokenSource, TokensRequest, insert_entry, insert_into,
+    CacheEntry, PromptTokens, TokenCache, TokenSource, TokensRequest, Whole, insert_entry,
+    insert_into,
 };
 use crate::error::TokenizeError;
 use crate::request::Prompt;
 use crate::tokenizer::block_keys::mark_at;
 use crate::tokenizer::input::owned_input;
-use crate::tokenizer::{CachedKeys, TokenizeFuture, TokenizeInput, Tokenizer};
+use crate::tokenizer::{
+    CachedKeys, MultiModalPlaces, RequestFuture, TokenizeInput, Tokenized, Tokenizer,
+};
 
 /// Rough bytes per token, to estimate the length of text that was not tokenized.
 const ESTIMATED_BYTES_PER_TOKEN: usize = 4;
@@ -42,6 +45,8 @@ const RESUME_INLINE_MAX_BYTES: usize = 32 * 1024;
 #[derive(Debug)]
 pub(super) struct CachedPrefix {
     pub(super) tokens: Arc<[u32]>,
+    /// The media items placed in `tokens` (render mode).
+    pub(super) multimodal: Option<Arc<MultiModalPlaces>>,
     /// The prefix's size in bytes (as its cache key counts them).
     pub(super) bytes: usize,
     pub(super) keys: Option<CachedKeys>,
@@ -105,14 +110,17 @@ impl<'a> Miss<'a> {
     }
 
     /// The whole tokenization of the prompt: the request's own body goes along for tokenizers
-    /// that send it on (render).
-    pub(super) fn start_tokenizing(&self) -> TokenizeFuture {
+    /// that send it on (render, which also places the request's media items).
+    pub(super) fn start_tokenizing(&self) -> RequestFuture {
         let (tokenizer, model, input) = (self.tokenizer, self.request.model, &self.input);
         match self.request.prompt {
             Prompt::Text { body, .. } | Prompt::Chat { body, .. } | Prompt::Api { body, .. } => {
                 tokenizer.tokenize_request(model, Arc::clone(input), body)
             }
-            Prompt::Tokens(_) | Prompt::Absent => tokenizer.tokenize(model, Arc::clone(input)),
+            Prompt::Tokens(_) | Prompt::Absent => {
+                let tokenizing = tokenizer.tokenize(model, Arc::clone(input));
+                Box::pin(async move { tokenizing.await.map(Tokenized::text) })
+            }
         }
     }
 
@@ -179,13 +187,17 @@ impl TokenCache {
                 .and_then(|job| job.keys_for(&tokens, None, mark_at(&tokens, leading.resume)));
             let entry = CacheEntry {
                 tokens: Arc::clone(&tokens),
+                multimodal: None,
                 keys: keys.clone(),
                 resume: leading.resume,
             };
             insert_entry(&self.entries, &self.gauges, miss.key, entry);
             return Ok(Some(PromptTokens {
                 keys,
-                ..tokenized(tokens)
+                ..tokenized(Whole {
+                    tokens,
+                    multimodal: None,
+                })
             }));
         }
         // The next turn starts with this whole prompt and, were it not cached, would pay for its
@@ -205,6 +217,7 @@ impl TokenCache {
             estimated_len,
             source: TokenSource::Leading,
             keys: None,
+            multimodal: None,
         }))
     }
 
@@ -277,7 +290,7 @@ impl TokenCache {
         &self,
         miss: &Miss<'_>,
         timed: bool,
-    ) -> impl Future<Output = Result<Arc<[u32]>, TokenizeError>> + Send + 'static + use<> {
+    ) -> impl Future<Output = Result<Whole, TokenizeError>> + Send + 'static + use<> {
         let tokenizing = miss.start_tokenizing();
         let entries = Arc::clone(&self.entries);
         let gauges = self.gauges.clone();
@@ -285,12 +298,12 @@ impl TokenCache {
         let (key, bytes) = (miss.key, miss.bytes);
         async move {
             let started = Instant::now();
-            let tokens: Arc<[u32]> = tokenizing.await?.into();
+            let whole = Whole::from(tokenizing.await?);
             if let Some(rate) = rate {
                 record_rate(&rate, started.elapsed(), bytes);
             }
-            insert_into(&entries, &gauges, key, Arc::clone(&tokens));
-            Ok(tokens)
+            insert_into(&entries, &gauges, key, whole.clone());
+            Ok(whole)
         }
     }
 
@@ -302,7 +315,7 @@ impl TokenCache {
         &self,
         miss: &Miss<'_>,
         prefix: &CachedPrefix,
-        caching: impl Future<Output = Result<Arc<[u32]>, TokenizeError>> + Send + 'static,
+        caching: impl Future<Output = Result<Whole, TokenizeError>> + Send + 'static,
         slot: Option<BlockingSlot>,
     ) -> PromptTokens {
         let wait = miss.prefix_hit_wait();
@@ -341,6 +354,7 @@ impl TokenCache {
         });
         let entry = CacheEntry {
             tokens: Arc::clone(&tokens),
+            multimodal: None,
             keys: keys.clone(),
             resume: resumed.resume,
         };
@@ -352,7 +366,10 @@ impl TokenCache {
                 TokenSource::Tokenizer
             },
             keys,
-            ..tokenized(tokens)
+            ..tokenized(Whole {
+                tokens,
+                multimodal: None,
+            })
         }
     }
 }
@@ -366,17 +383,19 @@ fn on_cached_prefix(prefix: &CachedPrefix, full_bytes: usize) -> PromptTokens {
         exact: false,
         source: TokenSource::PrefixCache,
         keys: prefix.keys.clone(),
+        multimodal: prefix.multimodal.clone(),
     }
 }
 
 /// A whole tokenization as a decision's tokens.
-fn tokenized(tokens: Arc<[u32]>) -> PromptTokens {
-    let estimated_len = tokens.len();
+fn tokenized(whole: Whole) -> PromptTokens {
+    let estimated_len = whole.tokens.len();
     PromptTokens {
-        tokens,
+        tokens: whole.tokens,
         exact: true,
         estimated_len,
         source: TokenSource::Tokenizer,
         keys: None,
+        multimodal: whole.multimodal,
     }
 }

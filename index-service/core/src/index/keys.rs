@@ -5,7 +5,9 @@
 //! - token-chain pools recompute [`TokenChain`] keys from `token_ids`, rooted like the router
 //!   roots a prompt: in the namespace of the LoRA adapter and the cache salt.
 
-use kvroute_block_keys::{Digest, HashAlgo, HashValue, KeyScheme, TokenChain, VllmHasher};
+use kvroute_block_keys::{
+    Digest, ExtraKeysEra, HashAlgo, HashValue, KeyScheme, TokenChain, VllmHasher,
+};
 
 use crate::event::BlockStored;
 
@@ -56,6 +58,8 @@ impl VerifyHashes {
 pub struct HashValidator {
     /// The pool's hash function, as the engines run it.
     pub hasher: VllmHasher,
+    /// The pool's vLLM era: how published extra keys (images, salt) were hashed.
+    pub era: ExtraKeysEra,
     /// Refuse runs that are not verified, instead of only flagging replicas that disagree.
     pub required: bool,
 }
@@ -78,9 +82,10 @@ impl PoolKeys {
     /// (token-chain keys are recomputed from `token_ids` anyway).
     pub fn from_scheme(scheme: &KeyScheme, verify: VerifyHashes) -> Self {
         match scheme {
-            KeyScheme::VllmExact { hasher, .. } => PoolKeys::VllmExact {
+            KeyScheme::VllmExact { hasher, era } => PoolKeys::VllmExact {
                 validator: (verify != VerifyHashes::Off).then(|| HashValidator {
                     hasher: hasher.clone(),
+                    era: *era,
                     required: verify == VerifyHashes::Required,
                 }),
             },
@@ -101,8 +106,8 @@ impl PoolKeys {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verification {
     /// The run cannot be recomputed: it continues a chain whose full parent digest is not
-    /// published, or carries extra keys (LoRA, salt, multimodal) whose hashed form depends on
-    /// the vLLM release.
+    /// published, or carries extra keys whose hashed form the index cannot rebuild (LoRA, whose
+    /// path is not published; prompt embeds; any before vLLM 0.31).
     Unverifiable,
     /// Every published hash matches.
     Verified,
@@ -120,15 +125,68 @@ fn is_plain(extra: &Option<HashValue>) -> bool {
     matches!(extra, None | Some(HashValue::None))
 }
 
-/// Re-hashes a well-formed `BlockStored` (token count already checked against its hashes).
-pub(crate) fn verify(hasher: &VllmHasher, stored: &BlockStored) -> Verification {
+/// The extra keys vLLM 0.31+ hashed into a run's blocks, rebuilt from their published form
+/// (`to_event_extra_keys` drops the tags): an `(identifier, offset)` pair was the image item
+/// `("mm", identifier, offset)`, and a string last in the prompt's first block the cache salt
+/// `("cache_salt", salt)`. `None` when a block carries anything else (prompt-embeds digests;
+/// LoRA runs are refused before) or the era hashed its keys otherwise.
+fn hashed_extra_keys(
+    era: ExtraKeysEra,
+    starts_prompt: bool,
+    published: &[Option<HashValue>],
+) -> Option<Vec<Option<HashValue>>> {
+    let str = |s: &str| HashValue::Str(s.to_owned());
+    published
+        .iter()
+        .enumerate()
+        .map(|(block, keys)| {
+            let items = match keys {
+                None | Some(HashValue::None) => return Some(None),
+                Some(HashValue::Tuple(items)) if era == ExtraKeysEra::From0_31 => items,
+                Some(_) => return None,
+            };
+            let last = items.len().checked_sub(1);
+            let tagged = items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| match item {
+                    HashValue::Tuple(pair) => match pair.as_slice() {
+                        [HashValue::Str(id), HashValue::Int(offset)] => {
+                            Some(HashValue::Tuple(vec![
+                                str("mm"),
+                                str(id),
+                                HashValue::Int(*offset),
+                            ]))
+                        }
+                        _ => None,
+                    },
+                    HashValue::Str(salt) if starts_prompt && block == 0 && Some(i) == last => {
+                        Some(HashValue::Tuple(vec![str("cache_salt"), str(salt)]))
+                    }
+                    _ => None,
+                })
+                .collect::<Option<Vec<_>>>()?;
+            Some((!tagged.is_empty()).then_some(HashValue::Tuple(tagged)))
+        })
+        .collect()
+}
+
+/// Re-hashes a well-formed `BlockStored` (token count already checked against its hashes) with
+/// the extra keys it publishes (images, salt) in their hashed form.
+pub(crate) fn verify(validator: &HashValidator, stored: &BlockStored) -> Verification {
+    let hasher = &validator.hasher;
     if stored.lora_id.is_some() || stored.lora_name.is_some() {
         return Verification::Unverifiable;
     }
-    let certain = match &stored.extra_keys {
-        None => false,
-        Some(extra) if extra.iter().all(is_plain) => true,
-        Some(_) => return Verification::Unverifiable,
+    let (certain, extra) = match &stored.extra_keys {
+        None => (false, Vec::new()),
+        Some(extra) if extra.iter().all(is_plain) => (true, Vec::new()),
+        Some(extra) => {
+            match hashed_extra_keys(validator.era, stored.parent_block_hash.is_none(), extra) {
+                Some(extra) => (true, extra),
+                None => return Verification::Unverifiable,
+            }
+        }
     };
     let parent = match (stored.parent_block_hash, &stored.parent_digest) {
         (None, _) => None,
@@ -152,7 +210,7 @@ pub(crate) fn verify(hasher: &VllmHasher, stored: &BlockStored) -> Verification 
         parent.as_ref(),
         &stored.token_ids,
         block_size,
-        |_| None,
+        |block| extra.get(block).and_then(Option::as_ref),
         |digest| {
             let computed = digest.published_u64();
             if first_mismatch.is_none() && stored.block_hashes.get(block) != Some(&computed) {

@@ -337,7 +337,7 @@ impl Replica {
                     && (validator.required || self.flag.is_none())
                 {
                     let required = validator.required;
-                    let verification = keys::verify(&validator.hasher, stored);
+                    let verification = keys::verify(validator, stored);
                     if self.flag.is_none() {
                         self.validate(verification, stored, metrics);
                     }

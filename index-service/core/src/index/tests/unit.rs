@@ -315,6 +315,73 @@ fn required_mode_refuses_unverifiable_runs() {
     assert_eq!(status.flag, None);
 }
 
+/// A salted prompt with an image over blocks 1 and 2 as a vLLM 0.32 engine stores it: the
+/// hashes with the image and salt hashed in, the extra keys as its events publish them.
+fn image_event(identifier: &str) -> (Vec<u64>, KvEvent) {
+    let scheme = KeyScheme::VllmExact {
+        hasher: hasher("42"),
+        era: kvroute_block_keys::ExtraKeysEra::From0_31,
+    };
+    let items = [kvroute_block_keys::MultiModalItem {
+        identifier,
+        offset: 20,
+        length: 20,
+    }];
+    let keys = scheme
+        .media_prompt_keys(&golden_tokens(), 16, None, Some("salt"), &items)
+        .unwrap();
+    let extra = kvroute_block_keys::ExtraKeys::with_multimodal(
+        kvroute_block_keys::ExtraKeysEra::From0_31,
+        None,
+        Some("salt"),
+        &items,
+        16,
+    )
+    .unwrap();
+    let published = (0..3).map(|i| extra.published_for_block(i)).collect();
+    (keys.clone(), golden_event(&keys, Some(published)))
+}
+
+#[test]
+fn image_runs_verify_with_their_published_extra_keys() {
+    let mut registry = Registry::default();
+    let index = index_verifying(&mut registry, VerifyHashes::Required);
+    let (keys, event) = image_event("0123abcd");
+    let KvEvent::BlockStored(stored) = &event else {
+        unreachable!()
+    };
+    // (salt) on block 0, (identifier, offset) pairs on blocks 1 and 2.
+    assert_eq!(
+        stored.extra_keys.as_ref().unwrap()[2],
+        Some(HashValue::Tuple(vec![HashValue::Tuple(vec![
+            HashValue::Str("0123abcd".into()),
+            HashValue::Int(-12),
+        ])]))
+    );
+    let outcome = index.apply_event(ReplicaId(0), &event).unwrap();
+    assert_eq!(outcome.rejection, None);
+    assert_eq!(outcome.blocks_stored, 3);
+    assert_eq!(
+        counts(&index.find_matches("m", &keys, None).unwrap(), 0),
+        Some((3, 3))
+    );
+    // Another image's hashes published with this image's extra keys: a sure mismatch at the
+    // image's first block.
+    let (forged_keys, _) = image_event("ffff");
+    let KvEvent::BlockStored(mut forged) = event else {
+        unreachable!()
+    };
+    forged.block_hashes = forged_keys;
+    let outcome = index
+        .apply_event(ReplicaId(1), &KvEvent::BlockStored(forged))
+        .unwrap();
+    assert_eq!(outcome.rejection, Some(RejectReason::HashMismatch));
+    assert_eq!(
+        index.replica_status(ReplicaId(1)).unwrap().flag,
+        Some(FlagReason::HashMismatch)
+    );
+}
+
 #[test]
 fn required_mode_refuses_mismatching_runs_and_keeps_refusing_once_flagged() {
     let mut registry = Registry::default();
