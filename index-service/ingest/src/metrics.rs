@@ -250,7 +250,7 @@ impl IngestMetrics {
             "refused",
             "Peers dropped and messages refused for what they sent or who they are (oversized, \
              malformed_frame, too_many_frames, handshake, socket_type, handshake_timeout, \
-             peer_error, not_allowed, too_many_peers, topic_mismatch)",
+             peer_error, not_allowed, too_many_peers, topic_mismatch, dp_rank_mismatch)",
             metrics.refused.clone(),
         );
         r.register(

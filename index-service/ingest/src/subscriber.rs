@@ -17,6 +17,7 @@ use super::{
 };
 use crate::zmtp::{Endpoint, SubEvent, SubSocket, ZmtpError};
 use kvroute_config::SocketMode;
+use kvroute_index_core::event::EventBatch;
 use kvroute_index_core::throttle::LogThrottle;
 use kvroute_index_core::wire::{self, DecodedBatch, WireError};
 
@@ -740,6 +741,10 @@ impl Subscriber {
                                     return Ok(ReplayResult { outcome: ReplayOutcome::Undecodable, first_applied, diverged: false });
                                 }
                             };
+                            if self.foreign_rank(&batch.batch) {
+                                self.refuse_foreign_rank(&batch.batch);
+                                continue;
+                            }
                             self.apply(seq, fingerprint(&payload), batch);
                             self.replayed_through = Some(seq);
                             first_applied.get_or_insert(seq);
@@ -790,29 +795,8 @@ impl Subscriber {
                 }
                 None
             }
-            Ok((_topic, _, batch))
-                if self.config.dp_rank_checked
-                    && batch
-                        .batch
-                        .dp_rank
-                        .is_some_and(|rank| rank != self.config.dp_rank) =>
-            {
-                self.metrics.refused(RANK_MISMATCH);
-                self.state.record_error(
-                    "live message published by another data-parallel rank than this socket's"
-                        .into(),
-                );
-                if let Some(suppressed) = self.decode_warnings.allow() {
-                    tracing::warn!(
-                        replica_id = %self.replica.replica_id,
-                        dp_rank = self.replica.dp_rank,
-                        published_dp_rank = batch.batch.dp_rank,
-                        endpoint = %self.config.endpoint,
-                        suppressed,
-                        "dropping kv events of another data-parallel rank: the endpoint is not \
-                         rank 0's publisher (vLLM offsets each rank's port by its rank)"
-                    );
-                }
+            Ok((_topic, _, batch)) if self.foreign_rank(&batch.batch) => {
+                self.refuse_foreign_rank(&batch.batch);
                 None
             }
             Ok((_topic, seq, batch)) => {
@@ -850,6 +834,35 @@ impl Subscriber {
                 }
                 None
             }
+        }
+    }
+
+    /// Whether `batch` was published by another data-parallel rank than this socket's, where
+    /// kvroute derived the socket's rank (`dp_rank_checked`).
+    fn foreign_rank(&self, batch: &EventBatch) -> bool {
+        self.config.dp_rank_checked
+            && batch
+                .dp_rank
+                .is_some_and(|rank| rank != self.config.dp_rank)
+    }
+
+    /// Counts and logs a batch of another rank, which is dropped: applying it would file that
+    /// rank's blocks under this one.
+    fn refuse_foreign_rank(&mut self, batch: &EventBatch) {
+        self.metrics.refused(RANK_MISMATCH);
+        self.state.record_error(
+            "kv events published by another data-parallel rank than this socket's".into(),
+        );
+        if let Some(suppressed) = self.decode_warnings.allow() {
+            tracing::warn!(
+                replica_id = %self.replica.replica_id,
+                dp_rank = self.replica.dp_rank,
+                published_dp_rank = batch.dp_rank,
+                endpoint = %self.config.endpoint,
+                suppressed,
+                "dropping kv events of another data-parallel rank: the endpoint is not this \
+                 rank's publisher (vLLM offsets rank r's ports by r from rank 0's)"
+            );
         }
     }
 

@@ -906,6 +906,43 @@ async fn topic_filter_drops_other_topics() {
     harness.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_another_data_parallel_rank_is_refused() {
+    let payloads = capture_payloads();
+    let publisher = MockVllmPublisher::bind_loopback().await.unwrap();
+    // Rank 0's socket of a replica whose ranks kvroute derived from rank 0's ports.
+    let harness = Harness::start(connect_config(&publisher).with_checked_dp_rank(0));
+    let start = warm_up(&publisher, &harness, &payloads[0]).await;
+
+    // The same step as rank 1 would publish it (the base port pointed at rank 1's publisher).
+    let mut foreign = decoded(&payloads[1]);
+    foreign.dp_rank = Some(1);
+    let encoding = wire::Encoding {
+        schema: wire::Schema::S11,
+        hashes: wire::HashForm::Uint,
+    };
+    publisher
+        .publish(wire::encode_batch(&foreign, encoding))
+        .await
+        .unwrap();
+    let seq = publisher.publish(payloads[2].clone()).await.unwrap();
+    // Refused live, and again when the gap it leaves is replayed (the replay socket is the
+    // same misconfigured publisher's).
+    harness.wait_applied(seq).await;
+    let refused = harness.metric(&series(
+        "ingest_refused_total",
+        ",reason=\"dp_rank_mismatch\"",
+    ));
+    assert!(refused >= 1.0, "refusals counted: {refused}");
+    let applied: Vec<u64> = harness.sink.applied_seqs();
+    assert!(
+        !applied.contains(&(start + 1)),
+        "rank 1's batch was applied to rank 0: {applied:?}"
+    );
+    assert!(harness.snapshot().last_error.is_some());
+    harness.shutdown().await;
+}
+
 /// A sink whose first `apply` panics.
 struct PanicOnce {
     inner: Arc<RecordingSink>,

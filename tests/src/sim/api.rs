@@ -635,7 +635,10 @@ async fn generate(
     include_usage: bool,
 ) -> Result<Response, ApiError> {
     let output = (0..max_tokens).map(|k| state.filler(k).0).collect();
-    let sequence = state.serving_engine().start(prompt, &images, output).await?;
+    let sequence = state
+        .serving_engine()
+        .start(prompt, &images, output)
+        .await?;
     let id = state.request_id(match kind {
         Kind::Chat | Kind::Messages => "chatcmpl",
         Kind::Completion => "cmpl",
