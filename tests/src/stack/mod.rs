@@ -84,7 +84,9 @@ impl EventsMode {
 }
 
 /// An engine the caller started and owns (e.g. real vLLM): the stack routes to it and indexes
-/// its KV events, but never starts or stops it.
+/// its KV events, but never starts or stops it. With [`StackOptions::data_parallel_size`] N the
+/// endpoints are rank 0's: the index (and agent) subscribe to rank r on their ports + r, as vLLM
+/// offsets them, so the engine must have those ports free (`reserve_port_run`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExternalReplica {
     /// Its OpenAI-compatible HTTP API.
@@ -1178,6 +1180,7 @@ impl Stack {
             .filter(|ext_proc| ext_proc.guard.is_some())
             .and_then(Service::embedded_index_admin);
         let external = self.external_urls();
+        let ranks = self.options.data_parallel_size;
         for admin in running
             .chain(embedded)
             .map(|admin| format!("http://{admin}"))
@@ -1192,7 +1195,7 @@ impl Stack {
                     async move {
                         // vLLM publishes a reset with its next engine step.
                         for engine in &external {
-                            nudge_engine(engine).await;
+                            nudge_engine(engine, ranks).await;
                         }
                         let replicas = http::get(&url).await.ok()?.json().ok()?;
                         let replicas = replicas.as_array()?;
@@ -1262,7 +1265,7 @@ impl Stack {
                             all_ready = false;
                             let _ = http::post_empty(&format!("{sim}/reset_prefix_cache")).await;
                             if external.contains(sim) {
-                                nudge_engine(sim).await;
+                                nudge_engine(sim, ranks).await;
                             }
                         }
                     }

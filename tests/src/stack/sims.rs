@@ -4,10 +4,21 @@
 use super::*;
 
 /// A one-token completion shorter than a block: an idle vLLM publishes queued events (a reset's
-/// `AllBlocksCleared`) only with its next engine step, and this step stores no block.
-pub(super) async fn nudge_engine(base_url: &str) {
+/// `AllBlocksCleared`) only with its next engine step, and this step stores no block. An engine
+/// of several data-parallel ranks gets one per rank (`x-data-parallel-rank`): an idle rank steps
+/// only for a request of its own (the others run dummy batches, which publish nothing).
+pub(super) async fn nudge_engine(base_url: &str, ranks: u32) {
     let body = serde_json::json!({"model": MODEL, "prompt": "sync", "max_tokens": 1});
-    let _ = http::post_json(&format!("{base_url}/v1/completions"), &body).await;
+    let url = format!("{base_url}/v1/completions");
+    if ranks <= 1 {
+        let _ = http::post_json(&url, &body).await;
+        return;
+    }
+    for rank in 0..ranks {
+        let rank = rank.to_string();
+        let header = [(kvroute_config::DATA_PARALLEL_RANK_HEADER, rank.as_str())];
+        let _ = http::post_json_with_headers(&url, &body, &header).await;
+    }
 }
 
 pub(super) fn replica_id(replica: usize) -> String {
