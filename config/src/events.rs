@@ -89,6 +89,15 @@ macro_rules! event_source_section {
                                 .map_err(|reason| $crate::ConfigError::at(field, reason))?;
                         }
                     }
+                    if let ::core::option::Option::Some(replay) = &self.replay_endpoint
+                        && $crate::rank_ports_overlap(endpoint, replay, ranks)
+                    {
+                        return ::core::result::Result::Err($crate::ConfigError::at(
+                            "replay_endpoint",
+                            "its ports offset by rank meet the publishers' (rank r uses both \
+                             base ports + r): leave data_parallel_size ports between them",
+                        ));
+                    }
                 }
                 ::core::result::Result::Ok(())
             }
@@ -208,6 +217,10 @@ mod tests {
             ),
             (
                 "{endpoint: 'tcp://h:1', replay_endpoint: 'tcp://h:65535', data_parallel_size: 2}",
+                "replay_endpoint: ",
+            ),
+            (
+                "{endpoint: 'tcp://h:5557', replay_endpoint: 'tcp://h:5558', data_parallel_size: 2}",
                 "replay_endpoint: ",
             ),
         ] {

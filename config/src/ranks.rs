@@ -42,6 +42,25 @@ pub fn check_data_parallel_size(size: u32) -> Result<(), String> {
     }
 }
 
+/// Whether `ranks` publishers on `events`' port and up would meet replay sockets on `replay`'s
+/// port and up, on the same host (vLLM offsets both by the rank, so with the usual 5557/5558 and
+/// two ranks, rank 1's publisher would take rank 0's replay port).
+pub fn rank_ports_overlap(events: &ZmqEndpoint, replay: &ZmqEndpoint, ranks: u32) -> bool {
+    match (events.address(), replay.address()) {
+        (
+            ZmqAddress::Tcp { host, port: events },
+            ZmqAddress::Tcp {
+                host: replay_host,
+                port: replay,
+            },
+        ) if host == replay_host && *events != 0 && *replay != 0 => {
+            let (events, replay) = (u32::from(*events), u32::from(*replay));
+            events < replay + ranks && replay < events + ranks
+        }
+        _ => false,
+    }
+}
+
 impl ZmqEndpoint {
     /// The endpoint rank `rank`'s publisher uses when this is rank 0's, by vLLM's rule
     /// (`ZmqEventPublisher.offset_endpoint_port`): a TCP port is offset by the rank, except port
@@ -110,6 +129,19 @@ mod tests {
                 .unwrap_err()
                 .contains("ipc")
         );
+    }
+
+    #[test]
+    fn rank_port_ranges_that_meet_are_found() {
+        let events = endpoint("tcp://h:5557");
+        assert!(!rank_ports_overlap(&events, &endpoint("tcp://h:5558"), 1));
+        assert!(rank_ports_overlap(&events, &endpoint("tcp://h:5558"), 2));
+        assert!(!rank_ports_overlap(&events, &endpoint("tcp://h:5600"), 8));
+        assert!(!rank_ports_overlap(
+            &events,
+            &endpoint("tcp://other:5558"),
+            2
+        ));
     }
 
     #[test]

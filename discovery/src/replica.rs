@@ -15,7 +15,7 @@
 //! | `kvroute.io/kv-events-port` | KV-event ZMQ PUB port of rank 0 (`--kv-events-config` `endpoint`) | `kv_events_port` (5557) |
 //! | `kvroute.io/kv-replay-port` | replay ROUTER port of rank 0 (`replay_endpoint`), or `none` | `kv_replay_port` (5558) |
 //! | `kvroute.io/kv-events-topic` | the KV-event topic (`topic`) | empty (vLLM's default) |
-//! | `kvroute.io/data-parallel-size` | data-parallel ranks behind the pod's one API server (vLLM `--data-parallel-size`, internal load balancing) | 1 |
+//! | `kvroute.io/data-parallel-size` | data-parallel ranks behind the pod's one API server (vLLM `--data-parallel-size`, internal load balancing); the replay port must then leave that many ports after the KV-event port | 1 |
 //!
 //! Two data-parallel layouts:
 //! - one API server per rank (GIE `targetPorts`, one per rank): rank `N` is the `N`-th port, its
@@ -123,6 +123,9 @@ pub enum Refusal {
     DuplicateAddress,
     /// A port offset by the rank passes 65535.
     PortOverflow,
+    /// Ranks behind one API server whose KV-event ports, offset by the rank, meet their replay
+    /// ports (`kvroute.io/kv-replay-port` must leave `data-parallel-size` ports after the events').
+    RankPortsOverlap,
 }
 
 impl Refusal {
@@ -134,6 +137,7 @@ impl Refusal {
             Self::BadPodIp => "bad_pod_ip",
             Self::DuplicateAddress => "duplicate_address",
             Self::PortOverflow => "port_overflow",
+            Self::RankPortsOverlap => "rank_ports_overlap",
         }
     }
 }
@@ -226,6 +230,16 @@ pub(crate) fn replicas_of(pod: &Pod, plan: &PortPlan) -> Result<Vec<Replica>, Re
         return Err(Refusal::BadAnnotation);
     }
     let rank_by_header = shared_ranks > 1;
+    if let Some(replay) = kv_replay_port {
+        let (events, replay, ranks) = (
+            u32::from(kv_events_port),
+            u32::from(replay),
+            u32::from(shared_ranks),
+        );
+        if rank_by_header && events < replay + ranks && replay < events + ranks {
+            return Err(Refusal::RankPortsOverlap);
+        }
+    }
     let ranked = plan.targets.len() > 1;
     let ranks = plan.targets.len().max(usize::from(shared_ranks));
     let mut replicas = Vec::with_capacity(ranks);
@@ -382,7 +396,10 @@ mod tests {
         let pod = ready_pod(
             "vllm-2",
             "10.0.0.9",
-            serde_json::json!({ "kvroute.io/data-parallel-size": "2", "kvroute.io/metrics-port": "9000" }),
+            serde_json::json!({
+                "kvroute.io/data-parallel-size": "2", "kvroute.io/metrics-port": "9000",
+                "kvroute.io/kv-replay-port": "5600"
+            }),
         );
         let replicas = replicas_of(&pod, &plan(vec![TargetPort::Number(8000)])).unwrap();
         let ids: Vec<&str> = replicas.iter().map(|r| r.id.as_str()).collect();
@@ -395,7 +412,7 @@ mod tests {
             assert_eq!(replica.kv_events, format!("tcp://10.0.0.9:{}", 5557 + rank));
             assert_eq!(
                 replica.kv_replay.as_deref(),
-                Some(format!("tcp://10.0.0.9:{}", 5558 + rank).as_str())
+                Some(format!("tcp://10.0.0.9:{}", 5600 + rank).as_str())
             );
         }
         let mut pods = BTreeMap::new();

@@ -7,6 +7,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::engine::{Engine, EngineCounters, EngineGauges};
 
+/// Reads one gauge of a rank.
+type GaugeOf = fn(&EngineGauges) -> f64;
+/// Picks one counter of a rank.
+type CounterOf = fn(&EngineCounters) -> &AtomicU64;
+
 /// Static facts shown in `vllm:cache_config_info` and on every series.
 #[derive(Debug, Clone)]
 pub(crate) struct MetricsInfo {
@@ -26,7 +31,7 @@ impl MetricsInfo {
             .collect();
         let mut out = String::new();
         let gauges: Vec<_> = engines.iter().map(|engine| engine.gauges()).collect();
-        let gauge_list: [(&str, &str, fn(&EngineGauges) -> f64); 3] = [
+        let gauge_list: [(&str, &str, GaugeOf); 3] = [
             (
                 "vllm:num_requests_running",
                 "Number of requests in model execution batches.",
@@ -49,7 +54,7 @@ impl MetricsInfo {
                 let _ = writeln!(out, "{name}{{{labels}}} {}", float(value(gauges)));
             }
         }
-        let counter_list: [(&str, &str, fn(&EngineCounters) -> &AtomicU64); 4] = [
+        let counter_list: [(&str, &str, CounterOf); 4] = [
             (
                 "vllm:prefix_cache_queries",
                 "Prefix cache queries, in terms of number of queried tokens.",
