@@ -36,7 +36,7 @@ pub use log::{DEFAULT_LOG_FORMAT, LogFormat, RawLog};
 pub use net::{AllowedPeer, HeaderName, ListenAddr, SocketMode, ZmqAddress, ZmqEndpoint};
 pub use ranks::{
     DATA_PARALLEL_RANK_HEADER, MAX_DATA_PARALLEL_SIZE, check_data_parallel_size,
-    rank_ports_overlap, rank_replica_id, split_rank_replica_id,
+    rank_ports_overlap, rank_replica_id,
 };
 pub use tls::{RawClientTls, RawServerTls};
 pub use token::{RawTokenSource, TokenSource};

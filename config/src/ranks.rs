@@ -24,13 +24,6 @@ pub fn rank_replica_id(replica: &str, rank: u32) -> String {
     format!("{replica}{RANK_SEPARATOR}{rank}")
 }
 
-/// The replica and rank of a rank's id (`None` for a replica without ranks).
-pub fn split_rank_replica_id(id: &str) -> Option<(&str, u32)> {
-    let (replica, rank) = id.rsplit_once(RANK_SEPARATOR)?;
-    let rank = rank.parse().ok()?;
-    (!replica.is_empty()).then_some((replica, rank))
-}
-
 /// Checks a declared `data_parallel_size` (the reason, for the caller's field path).
 pub fn check_data_parallel_size(size: u32) -> Result<(), String> {
     if (1..=MAX_DATA_PARALLEL_SIZE).contains(&size) {
@@ -94,13 +87,8 @@ mod tests {
     }
 
     #[test]
-    fn a_rank_id_names_its_replica_and_rank_and_parses_back() {
-        let id = rank_replica_id("pod-a", 3);
-        assert_eq!(id, "pod-a@dp3");
-        assert_eq!(split_rank_replica_id(&id), Some(("pod-a", 3)));
-        assert_eq!(split_rank_replica_id("pod-a"), None);
-        assert_eq!(split_rank_replica_id("@dp1"), None);
-        assert_eq!(split_rank_replica_id("pod-a@dpx"), None);
+    fn a_rank_id_names_its_replica_and_rank() {
+        assert_eq!(rank_replica_id("pod-a", 3), "pod-a@dp3");
     }
 
     #[test]
