@@ -27,7 +27,7 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, Replica};
+use crate::config::{Config, Replica, Role};
 use crate::picker::{Picker, Runtime};
 
 /// `{pool, reason}`.
@@ -291,6 +291,7 @@ fn merge(
                 pool: pool_index,
                 address: discovered.address,
                 dp_rank,
+                role: Role::default(),
                 metrics_url: metrics_url.ok(),
                 envoy_cluster: None,
             });

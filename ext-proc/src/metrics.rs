@@ -56,6 +56,15 @@ pub struct PoolLabel {
     pub pool: String,
 }
 
+/// A pool (name from config) and a disaggregation verdict (a fixed enum).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DisaggregationLabels {
+    /// Pool name.
+    pub pool: String,
+    /// `split`, `short_prompt`, `cached`, `no_prefill_replica` or `no_prompt`.
+    pub decision: &'static str,
+}
+
 type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// All metric handles, registered once under the `kvroute_extproc` prefix.
@@ -163,6 +172,9 @@ pub struct Metrics {
     pub pool_engine_prompt_tokens: Family<PoolLabel, Counter>,
     /// Decisions recorded (`decision_records`), by why: `flagged` or `sampled`.
     pub decision_records: Family<KindLabel, Counter>,
+    /// Requests of a disaggregated pool, by whether their prompt was split off to a prefill
+    /// replica and why not.
+    pub disaggregation_decisions: Family<DisaggregationLabels, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -212,6 +224,7 @@ impl Metrics {
             drift_degraded: Family::default(),
             drift_degradations: Family::default(),
             shadow_requests: Family::default(),
+            disaggregation_decisions: Family::default(),
             shadow_unobserved: Family::default(),
             shadow_prompt_tokens: Family::default(),
             shadow_held_tokens: Family::default(),
@@ -408,6 +421,12 @@ impl Metrics {
             "drift_degradations",
             "Times the pool moved to the approximate tier because of drift",
             metrics.drift_degradations.clone(),
+        );
+        r.register(
+            "disaggregation_decisions",
+            "Requests of a disaggregated pool, by decision: split (prompt computed on a prefill \
+             replica), or served whole: short_prompt, cached, no_prefill_replica, no_prompt",
+            metrics.disaggregation_decisions.clone(),
         );
         r.register(
             "shadow_requests",

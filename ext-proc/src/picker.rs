@@ -33,11 +33,12 @@ use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument as _;
 
-use crate::config::{Config, Pool, PoolMode, Replica, TokenizerSource};
+use crate::config::{Config, Disaggregation, Pool, PoolMode, Replica, TokenizerSource};
 use crate::error::RequestError;
 use crate::index_client::IndexClient;
 use crate::metrics::{
-    DecisionLabels, FallbackLabels, KindLabel, Metrics, ReplicaLabel, ReplicaStateLabels,
+    DecisionLabels, DisaggregationLabels, FallbackLabels, KindLabel, Metrics, ReplicaLabel,
+    ReplicaStateLabels,
 };
 use crate::records::Explained;
 use crate::records::{DecisionRecord, DecisionRecords, TokenFacts};
@@ -211,6 +212,70 @@ pub struct Decision {
     pub explained: Option<Box<Explained>>,
     /// The decision's record, when it was recorded.
     pub record: Option<Arc<DecisionRecord>>,
+    /// Where the prompt is computed, when a disaggregated pool split it off.
+    pub prefill: Option<PrefillLeg>,
+}
+
+/// The prefill replica of a split request. Dropping it ends that replica's in-flight accounting.
+#[derive(Debug)]
+pub struct PrefillLeg {
+    /// Its id.
+    pub replica_id: String,
+    /// Its `ip:port` (what `x-prefiller-host-port` names).
+    pub address: SocketAddr,
+    /// In-flight accounting of the prompt computed there.
+    pub inflight: InflightGuard,
+}
+
+/// Whether a disaggregated pool's request is split off to a prefill replica, and why not (the
+/// `decision` label of `disaggregation_decisions_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitVerdict {
+    /// Its prompt is computed on a prefill replica.
+    Split,
+    /// Served whole: the prompt is shorter than `min_prompt_tokens`.
+    ShortPrompt,
+    /// Served whole: fewer than `min_uncached_tokens` are uncached on the decode replica.
+    Cached,
+    /// Served whole: no prefill replica is ready.
+    NoPrefillReplica,
+    /// Served whole: the prompt is not known (routed on load).
+    NoPrompt,
+}
+
+impl SplitVerdict {
+    /// Metric label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Split => "split",
+            Self::ShortPrompt => "short_prompt",
+            Self::Cached => "cached",
+            Self::NoPrefillReplica => "no_prefill_replica",
+            Self::NoPrompt => "no_prompt",
+        }
+    }
+
+    /// llm-d's prefix-based decider, on kvroute's facts: once the decode replica is chosen, a
+    /// prompt of at least `min_prompt_tokens` is split when at least `min_uncached_tokens` of
+    /// it are not cached there, and a prefill replica is ready.
+    pub fn of(
+        disaggregation: &Disaggregation,
+        prompt_tokens: usize,
+        cached_on_decode: usize,
+        prefill_ready: bool,
+    ) -> Self {
+        if prompt_tokens < disaggregation.min_prompt_tokens {
+            Self::ShortPrompt
+        } else if prompt_tokens.saturating_sub(cached_on_decode)
+            < disaggregation.min_uncached_tokens
+        {
+            Self::Cached
+        } else if !prefill_ready {
+            Self::NoPrefillReplica
+        } else {
+            Self::Split
+        }
+    }
 }
 
 /// One config snapshot with what was built from it.
@@ -490,16 +555,37 @@ impl Picker {
         if kvroute_runtime::telemetry::request_spans() {
             tracing::Span::current().record("kvroute.pool", pool.name.as_str());
         }
-        let candidates: Vec<&Replica> = config
+        let ready: Vec<&Replica> = config
             .replicas
             .iter()
             .filter(|r| r.pool == pool_index)
-            .filter(|r| subset.is_none_or(|s| s.contains(&r.address)))
             .filter(|r| {
                 self.loads()
                     .replica(&r.id)
                     .is_ready(config.scrape.unready_after_failures)
             })
+            .collect();
+        // A request goes to a replica that decodes (within the GIE subset hint); a split one's
+        // prompt is computed on one that prefills.
+        let candidates: Vec<&Replica> = ready
+            .iter()
+            .copied()
+            .filter(|r| r.role.decodes())
+            .filter(|r| subset.is_none_or(|s| s.contains(&r.address)))
+            .collect();
+        let prefill_candidates: Vec<&Replica> = match pool.disaggregation {
+            Some(_) => ready
+                .iter()
+                .copied()
+                .filter(|r| r.role.prefills())
+                .collect(),
+            None => Vec::new(),
+        };
+        // The index is asked about both (each once, in the pool's order).
+        let queried: Vec<&Replica> = ready
+            .iter()
+            .copied()
+            .filter(|r| candidates.contains(r) || prefill_candidates.contains(r))
             .collect();
         if candidates.is_empty() {
             return Err(RequestError::NoReadyReplica {
@@ -518,7 +604,7 @@ impl Picker {
         let deadline = started + config.decision_budget;
         let facts = tokio::time::timeout_at(
             deadline.into(),
-            self.prefix_facts(runtime, pool_index, adapter, request, &candidates, deadline),
+            self.prefix_facts(runtime, pool_index, adapter, request, &queried, deadline),
         )
         .await
         .unwrap_or_else(|_| {
@@ -526,13 +612,94 @@ impl Picker {
             Err(LoadCause::BudgetExhausted)
         });
         let explain = recorded || pool.mode == PoolMode::Shadow;
-        kvroute_runtime::trace_span!("kvroute.score")
+        // The prefill side is scored on the same facts, after the decode replica is chosen.
+        let split_facts = pool.disaggregation.and_then(|_| {
+            let facts = facts.as_ref().ok()?;
+            Some(SplitFacts {
+                keys: facts.keys.clone(),
+                index_answer: facts.index_answer.clone(),
+                prompt_tokens: facts.prompt_tokens,
+            })
+        });
+        let mut decision = kvroute_runtime::trace_span!("kvroute.score")
             .in_scope(|| {
                 self.score_and_commit(config, pool_index, &candidates, facts, explain, commit)
             })
             .ok_or_else(|| RequestError::NoReadyReplica {
                 model: request.model.to_string(),
+            })?;
+        if let Some(disaggregation) = &pool.disaggregation {
+            decision.prefill = self.split(
+                config,
+                pool_index,
+                disaggregation,
+                &prefill_candidates,
+                split_facts,
+                &decision,
+                commit,
+            );
+        }
+        Ok(decision)
+    }
+
+    /// A disaggregated pool's second step: whether the request's prompt is computed on a
+    /// prefill replica (its verdict counted), and which, by prefix and load among the prefill
+    /// candidates other than the decode replica chosen. The prefill replica's choice is
+    /// committed as any (it will hold the prompt's blocks, and computes it now).
+    #[allow(clippy::too_many_arguments)]
+    fn split(
+        &self,
+        config: &Arc<Config>,
+        pool_index: usize,
+        disaggregation: &Disaggregation,
+        prefill_candidates: &[&Replica],
+        facts: Option<SplitFacts>,
+        decision: &Decision,
+        commit: bool,
+    ) -> Option<PrefillLeg> {
+        let pool = &config.pools[pool_index];
+        let others: Vec<&Replica> = prefill_candidates
+            .iter()
+            .copied()
+            .filter(|r| r.id != decision.replica_id)
+            .collect();
+        let verdict = match &facts {
+            None => SplitVerdict::NoPrompt,
+            Some(facts) => SplitVerdict::of(
+                disaggregation,
+                facts.prompt_tokens,
+                decision.predicted_cached_tokens,
+                !others.is_empty(),
+            ),
+        };
+        self.metrics
+            .disaggregation_decisions
+            .get_or_create(&DisaggregationLabels {
+                pool: pool.name.clone(),
+                decision: verdict.as_label(),
             })
+            .inc();
+        let facts = facts.filter(|_| verdict == SplitVerdict::Split)?;
+        let ids: Vec<&str> = others.iter().map(|r| r.id.as_str()).collect();
+        let routed = self.router.score_and_commit(RouteRequest {
+            candidates: &ids,
+            prompt: Some(PromptFacts {
+                indexed: indexed_answers(facts.index_answer.as_ref(), &others),
+                keys: facts.keys,
+                prompt_tokens: facts.prompt_tokens,
+            }),
+            block_size: pool.block_size,
+            capacity_blocks: pool.approx_capacity_blocks,
+            scoring: &config.scoring,
+            now: Instant::now(),
+            commit,
+        })?;
+        let replica = others[routed.choice];
+        Some(PrefillLeg {
+            replica_id: replica.id.clone(),
+            address: replica.address,
+            inflight: routed.inflight,
+        })
     }
 
     /// GIE's saturation test on the last scrape: queue or KV cache at its bound.
@@ -563,21 +730,7 @@ impl Picker {
         });
         let (prompt, load_cause) = match facts {
             Ok(facts) => {
-                let indexed = candidates
-                    .iter()
-                    .map(|replica| {
-                        let answer = facts.index_answer.as_ref()?;
-                        answer
-                            .replicas
-                            .iter()
-                            .find(|m| m.replica_id == replica.id && m.precise)
-                            .map(|m| Indexed {
-                                matched_blocks: m.matched_blocks,
-                                // An older index leaves it 0: its answers are dense ones.
-                                prefix_blocks: m.prefix_blocks.max(m.matched_blocks),
-                            })
-                    })
-                    .collect();
+                let indexed = indexed_answers(facts.index_answer.as_ref(), candidates);
                 let prompt = PromptFacts {
                     keys: facts.keys,
                     prompt_tokens: facts.prompt_tokens,
@@ -640,6 +793,7 @@ impl Picker {
                 .map_or(load_cause.as_label(), Reason::as_label),
             predicted_cached_tokens: routed.cached_tokens,
             inflight: routed.inflight,
+            prefill: None,
         })
     }
 
@@ -1007,6 +1161,35 @@ impl Picker {
             .get_or_create(&FallbackLabels { stage, cause })
             .inc();
     }
+}
+
+/// What the prefill side of a split is scored on: the decode side's facts, kept.
+#[derive(Debug)]
+struct SplitFacts {
+    keys: Vec<u64>,
+    index_answer: Option<MatchResponse>,
+    prompt_tokens: usize,
+}
+
+/// Per candidate (same order), the index's answer for it, where the index vouches for it.
+fn indexed_answers(
+    answer: Option<&MatchResponse>,
+    candidates: &[&Replica],
+) -> Vec<Option<Indexed>> {
+    candidates
+        .iter()
+        .map(|replica| {
+            answer?
+                .replicas
+                .iter()
+                .find(|m| m.replica_id == replica.id && m.precise)
+                .map(|m| Indexed {
+                    matched_blocks: m.matched_blocks,
+                    // An older index leaves it 0: its answers are dense ones.
+                    prefix_blocks: m.prefix_blocks.max(m.matched_blocks),
+                })
+        })
+        .collect()
 }
 
 /// Where each of `candidates` (borrowed from `replicas`, in its order: a filter of it) stands in

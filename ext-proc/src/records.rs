@@ -47,6 +47,8 @@ pub struct DecisionRecord {
     pub chosen: String,
     /// Prompt tokens predicted cached on the chosen replica.
     pub predicted_cached_tokens: usize,
+    /// The prefill replica's id, when a disaggregated pool split the request.
+    pub prefill: Option<String>,
     /// The prompt's tokens, when it had any.
     pub tokens: Option<TokenFacts>,
     /// How long the decision took, ms.
@@ -100,7 +102,8 @@ pub struct CandidateRecord {
 impl DecisionRecord {
     /// The record in one header value: tier, reason and tokens, then each candidate as
     /// `id:matched blocks/indexed blocks (or -)/waiting/estimated TTFT ms`, the chosen one
-    /// marked `*`. E.g. `precise/cache_hit tokens=612 src=cache; *r0:37/37/0/4.1 r1:0/0/2/190.3`.
+    /// marked `*` (and `prefill=<id>` before them when the request was split). E.g.
+    /// `precise/cache_hit tokens=612 src=cache; *r0:37/37/0/4.1 r1:0/0/2/190.3`.
     pub fn compact(&self) -> String {
         let mut out = format!("{}/{}", self.tier, self.reason);
         if let Some(tokens) = &self.tokens {
@@ -109,6 +112,9 @@ impl DecisionRecord {
                 " tokens={} src={} tokenize_ms={:.2}",
                 tokens.prompt_tokens, tokens.source, tokens.tokenize_ms
             );
+        }
+        if let Some(prefill) = &self.prefill {
+            let _ = write!(out, " prefill={prefill}");
         }
         out.push(';');
         for candidate in &self.candidates {
@@ -218,6 +224,7 @@ impl DecisionRecord {
             reason: decision.reason,
             chosen: decision.replica_id.clone(),
             predicted_cached_tokens: decision.predicted_cached_tokens,
+            prefill: decision.prefill.as_ref().map(|leg| leg.replica_id.clone()),
             tokens: None,
             decision_ms: elapsed.as_secs_f64() * 1000.0,
             candidates: Vec::new(),
@@ -282,6 +289,7 @@ mod tests {
             reason: "cache_hit",
             chosen: chosen.into(),
             predicted_cached_tokens: 592,
+            prefill: None,
             tokens: Some(TokenFacts {
                 source: "cache",
                 prompt_tokens: 612,

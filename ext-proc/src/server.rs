@@ -25,7 +25,10 @@
 //! `epp.fallbacks` more, best first, for a proxy's retries) and the same value in `envoy.lb`
 //! metadata (GIE endpoint-picker protocol), plus `x-kvroute-cluster` when the replica has an
 //! Envoy cluster, `x-data-parallel-rank` when it is one of several data-parallel ranks behind one
-//! address (vLLM serves the request on that rank; a client's own value is replaced), and `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
+//! address (vLLM serves the request on that rank; a client's own value is replaced),
+//! `x-prefiller-host-port: ip:port` when a disaggregated pool splits the request (llm-d's
+//! `pd-sidecar` on the decode replica runs the prefill leg there; a client's own value is
+//! replaced, or removed when there is none), and `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
 //! requests get an `ImmediateResponse` with an OpenAI-style JSON error: 400/404/413 for bad
 //! requests, 503 with no ready replica, 429 when `epp.shedding` finds the pool saturated. A
 //! request without a body (headers with end of stream) is routed on load in the headers answer;
@@ -61,6 +64,10 @@ use crate::error::RequestError;
 use crate::picker::{Decision, Explain, Picker};
 use crate::records::EXPLAIN_HEADER;
 use crate::request::{self, Endpoint};
+
+/// Request header naming a split request's prefill replica, `ip:port`, as llm-d's `pd-sidecar`
+/// on the decode replica reads it (llm-d's `PrefillEndpointHeader`).
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 
 /// Header and `envoy.lb` metadata key carrying the chosen endpoint (GIE protocol).
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -805,9 +812,21 @@ fn decision_headers(decision: &Decision) -> HeaderMutation {
             &rank.to_string(),
         ));
     }
+    // Only kvroute names a prefill replica: a client's own value is replaced or removed, so no
+    // request can make a decode sidecar send its prompt elsewhere.
+    let mut remove_headers = Vec::new();
+    match &decision.prefill {
+        Some(prefill) => {
+            set_headers.push(overwrite_header(
+                PREFILLER_HEADER,
+                &prefill.address.to_string(),
+            ));
+        }
+        None => remove_headers.push(PREFILLER_HEADER.to_owned()),
+    }
     HeaderMutation {
         set_headers,
-        ..HeaderMutation::default()
+        remove_headers,
     }
 }
 

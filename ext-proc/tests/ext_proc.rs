@@ -28,7 +28,7 @@ use kvroute_block_keys::KeyScheme;
 use kvroute_ext_proc::config::DEFAULT_DEBUG_TOKEN_HEADER;
 use kvroute_ext_proc::server::{
     CLUSTER_HEADER, DECISION_HEADER, DESTINATION_HEADER, LB_NAMESPACE, PREDICTED_CACHED_HEADER,
-    SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE,
+    PREFILLER_HEADER, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE,
 };
 use kvroute_ext_proc::tokenizer::{TokenizeFuture, TokenizeInput};
 use kvroute_ext_proc::{Config, ExtProc, Picker, Tokenizer};
@@ -863,6 +863,84 @@ async fn subset_hint_restricts_candidates() {
         r.endpoint, "10.0.0.3:8000",
         "only the hinted endpoint may be picked, cache or not"
     );
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+/// The request header mutation of a routing answer: what it sets, what it removes.
+fn header_mutation(response: &ProcessingResponse) -> (HashMap<String, String>, Vec<String>) {
+    let common = match &response.response {
+        Some(processing_response::Response::RequestBody(b)) => b.response.clone().unwrap(),
+        other => panic!("not a routing response: {other:?}"),
+    };
+    let removed = common
+        .header_mutation
+        .as_ref()
+        .map(|m| m.remove_headers.clone())
+        .unwrap_or_default();
+    (set_headers(&common), removed)
+}
+
+#[tokio::test]
+async fn a_disaggregated_pool_names_the_prefill_replica_as_the_llm_d_sidecar_reads_it() {
+    let replicas = Replicas::start().await;
+    // r0 and r1 decode, r2 computes prompts only; a prompt is split from 600 tokens when 300
+    // are uncached on its decode replica.
+    let yaml = replicas
+        .yaml("")
+        .replace(
+            "  key_scheme: {kind: token-chain}\n",
+            "  key_scheme: {kind: token-chain}\n  disaggregation: {mode: sidecar, min_prompt_tokens: 600, min_uncached_tokens: 300}\n",
+        )
+        .replace(
+            "address: \"10.0.0.3:8000\",",
+            "address: \"10.0.0.3:8000\", role: prefill,",
+        )
+        .replace("address: \"10.0.0.1:8000\",", "address: \"10.0.0.1:8000\", role: decode,")
+        .replace("address: \"10.0.0.2:8000\",", "address: \"10.0.0.2:8000\", role: decode,");
+    let harness = Harness::start(&yaml, Arc::new(ByteTokenizer)).await;
+    let document = long_prefix();
+    assert!(document.len() >= 600);
+
+    // Long and held by nobody: served by a decode replica, its prompt computed on r2, named
+    // `ip:port` in llm-d's header.
+    let split = buffered(&harness, "/v1/completions", &completion(&document), None).await;
+    let (set, _) = header_mutation(&split);
+    assert_eq!(
+        set.get(PREFILLER_HEADER).map(String::as_str),
+        Some("10.0.0.3:8000"),
+        "{set:?}"
+    );
+    assert_eq!(PREFILLER_HEADER, "x-prefiller-host-port");
+    let decode = routed(&split).endpoint;
+    assert_ne!(
+        decode, "10.0.0.3:8000",
+        "a prefill replica serves no request"
+    );
+
+    // Held whole by its decode replica now (the index says so): served there whole, and a
+    // client's own value of the header is removed.
+    let holder = if decode == "10.0.0.1:8000" {
+        "r0"
+    } else {
+        "r1"
+    };
+    replicas.hold(holder, &document);
+    let cached = buffered(&harness, "/v1/completions", &completion(&document), None).await;
+    assert_eq!(routed(&cached).endpoint, decode);
+    let (set, removed) = header_mutation(&cached);
+    assert!(!set.contains_key(PREFILLER_HEADER), "{set:?}");
+    assert!(removed.iter().any(|h| h == PREFILLER_HEADER), "{removed:?}");
+
+    // Short: served whole.
+    let short = buffered(
+        &harness,
+        "/v1/completions",
+        &completion("hello there"),
+        None,
+    )
+    .await;
+    assert!(!header_mutation(&short).0.contains_key(PREFILLER_HEADER));
     harness.shutdown().await;
     replicas.stop.cancel();
 }

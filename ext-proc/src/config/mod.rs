@@ -39,11 +39,12 @@ pub use chart::{
 pub use overrides::Overrides;
 pub use raw::{
     DEFAULT_ADMIN_ADDR, DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_BODY_MODE, DEFAULT_DEBUG_EXPOSE,
-    DEFAULT_DEBUG_TOKEN_HEADER, DEFAULT_DECISION_BUDGET, DEFAULT_DRAIN_TIMEOUT,
-    DEFAULT_DRIFT_ACTION, DEFAULT_DRIFT_BOUND, DEFAULT_DRIFT_MIN_TOKENS, DEFAULT_DRIFT_WINDOW,
-    DEFAULT_EPP_FALLBACKS, DEFAULT_GRPC_ADDR, DEFAULT_INDEX_RETRY_AFTER, DEFAULT_INFLIGHT_MAX_AGE,
-    DEFAULT_MATCH_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_POOL_EVENTS,
-    DEFAULT_POOL_MODE, DEFAULT_RECORD_SAMPLE, DEFAULT_RECORDS_KEPT, DEFAULT_RELOAD_INTERVAL,
+    DEFAULT_DEBUG_TOKEN_HEADER, DEFAULT_DECISION_BUDGET, DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS,
+    DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS, DEFAULT_DRAIN_TIMEOUT, DEFAULT_DRIFT_ACTION,
+    DEFAULT_DRIFT_BOUND, DEFAULT_DRIFT_MIN_TOKENS, DEFAULT_DRIFT_WINDOW, DEFAULT_EPP_FALLBACKS,
+    DEFAULT_GRPC_ADDR, DEFAULT_INDEX_RETRY_AFTER, DEFAULT_INFLIGHT_MAX_AGE, DEFAULT_MATCH_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE,
+    DEFAULT_RECORD_SAMPLE, DEFAULT_RECORDS_KEPT, DEFAULT_RELOAD_INTERVAL,
     DEFAULT_REMOTE_TOKENIZE_TIMEOUT, DEFAULT_SCRAPE_TIMEOUT, DEFAULT_SECURE_SERVING,
     DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH, DEFAULT_TOKEN_CACHE_BYTES,
     DEFAULT_TOKEN_CACHE_ENTRIES, DEFAULT_TOKENIZE_BUDGET, DEFAULT_TOKENIZE_CONCURRENCY_FALLBACK,
@@ -220,6 +221,72 @@ impl PoolMode {
     }
 }
 
+/// A replica's part in prefill/decode disaggregation (llm-d's `llm-d.ai/role` pod label).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Serves whole requests, and either leg of a split one.
+    #[default]
+    Both,
+    /// Only computes prompts for decode replicas (never a request's destination).
+    Prefill,
+    /// Serves requests, pulling a split prompt's KV from a prefill replica.
+    Decode,
+}
+
+impl Role {
+    /// Config value and label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+
+    /// Whether a request may be sent here (every role but `prefill`).
+    pub fn decodes(self) -> bool {
+        self != Self::Prefill
+    }
+
+    /// Whether a split request's prompt may be computed here (every role but `decode`).
+    pub fn prefills(self) -> bool {
+        self != Self::Decode
+    }
+}
+
+/// How a pool's split requests reach their prefill replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DisaggregationMode {
+    /// The decode replica's sidecar runs the prefill leg: the request names the prefill replica
+    /// in `x-prefiller-host-port`, as llm-d's `pd-sidecar` expects.
+    #[default]
+    Sidecar,
+}
+
+impl DisaggregationMode {
+    /// Config value and label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Sidecar => "sidecar",
+        }
+    }
+}
+
+/// `pools[].disaggregation`: when a request's prompt is computed on a prefill replica and its KV
+/// pulled by the decode replica that serves it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Disaggregation {
+    /// How the prefill leg runs.
+    pub mode: DisaggregationMode,
+    /// Prompts shorter than this many tokens are served whole on the decode replica.
+    pub min_prompt_tokens: usize,
+    /// A prompt is split when at least this many of its tokens are not cached on the chosen
+    /// decode replica.
+    pub min_uncached_tokens: usize,
+}
+
 /// `drift`: when a replica's predicted cached tokens stop matching what its engine reports
 /// (see the `drift` module).
 #[derive(Debug, Clone, PartialEq)]
@@ -333,6 +400,8 @@ pub struct Pool {
     pub tokenizer: TokenizerSource,
     /// Replicas discovered from Kubernetes (`discovery.kubernetes`) instead of `replicas:`.
     pub discovery: Option<kvroute_discovery::KubernetesSource>,
+    /// Prefill/decode disaggregation, when the pool splits requests.
+    pub disaggregation: Option<Disaggregation>,
 }
 
 impl Pool {
@@ -452,6 +521,8 @@ pub struct Replica {
     /// server in front of them): routing here names it in the `x-data-parallel-rank` header, and
     /// its load is the `engine="<rank>"` series of the server's metrics.
     pub dp_rank: Option<u32>,
+    /// Its part in prefill/decode disaggregation.
+    pub role: Role,
     /// The engine's Prometheus endpoint.
     pub metrics_url: Option<http::Uri>,
     /// Envoy cluster for `cluster_header` routes.

@@ -6,10 +6,11 @@ use kvroute_config::ListenAddr;
 
 use super::build::{http_uri, invalid, missing, or_default};
 use super::raw::{
-    DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE,
+    DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS,
+    DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS, DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE,
     DEFAULT_REMOTE_TOKENIZE_TIMEOUT, RawAdapter, RawPool, RawReplica, RawTokenizer,
 };
-use super::{Adapter, Pool, Replica, TokenizerSource};
+use super::{Adapter, Disaggregation, Pool, Replica, TokenizerSource};
 use kvroute_config::ConfigError;
 
 /// `pools[i]`.
@@ -124,6 +125,15 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
         approx_capacity_blocks,
         tokenizer,
         discovery,
+        disaggregation: raw.disaggregation.as_ref().map(|raw| Disaggregation {
+            mode: raw.mode.unwrap_or_default(),
+            min_prompt_tokens: raw
+                .min_prompt_tokens
+                .unwrap_or(DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS),
+            min_uncached_tokens: raw
+                .min_uncached_tokens
+                .unwrap_or(DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS),
+        }),
     })
 }
 
@@ -158,11 +168,13 @@ pub(super) fn replicas(raw: &RawReplica, pools: &[Pool]) -> Result<Vec<Replica>,
     let ranks = raw.data_parallel_size.unwrap_or(1);
     kvroute_config::check_data_parallel_size(ranks)
         .map_err(|reason| ConfigError::at("data_parallel_size", reason))?;
+    let role = raw.role.unwrap_or_default();
     let replica = |id: String, dp_rank: Option<u32>| Replica {
         id,
         pool,
         address,
         dp_rank,
+        role,
         metrics_url: metrics_url.clone(),
         envoy_cluster: raw.envoy_cluster.clone(),
     };

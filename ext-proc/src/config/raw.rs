@@ -19,7 +19,7 @@ use kvroute_routing::scoring::{
     DEFAULT_RUNNING_MS_PER_REQUEST, DEFAULT_SPECULATIVE_TTL,
 };
 
-use super::{BodyMode, DriftAction, PoolMode};
+use super::{BodyMode, DisaggregationMode, DriftAction, PoolMode, Role};
 
 /// Default request body limit (Envoy's default BUFFERED limit is 1 MiB; FULL_DUPLEX passes more).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
@@ -32,6 +32,12 @@ pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 /// Default body mode when Envoy sends no `protocol_config` (`default_body_mode`): what Envoy's
 /// ext_proc filter defaults to.
 pub const DEFAULT_BODY_MODE: BodyMode = BodyMode::Buffered;
+/// Default `pools[].disaggregation.min_prompt_tokens`: llm-d's documented example; below a
+/// thousand tokens a prefill is a few milliseconds, less than the KV transfer it would need.
+pub const DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS: usize = 1024;
+/// Default `pools[].disaggregation.min_uncached_tokens`: llm-d's documented example (half the
+/// prompt floor): a mostly cached prompt is cheaper to finish on its decode replica.
+pub const DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS: usize = 512;
 
 /// The YAML document as written. Unknown keys are errors.
 #[derive(Debug, Default, Deserialize, JsonSchema)]
@@ -430,6 +436,11 @@ pub(super) struct RawPool {
     /// kept up to date) instead of `replicas:`, which may then not name this pool. Pod
     /// annotations (`kvroute.io/model`, `kvroute.io/metrics-port`, ...) set per-pod values.
     pub(super) discovery: Option<kvroute_discovery::RawPoolDiscovery>,
+    /// Prefill/decode disaggregation: a request goes to the decode replica kvroute's scoring
+    /// chooses (any but `role: prefill` ones), and its prompt is computed on a prefill replica
+    /// (any but `role: decode` ones, chosen by prefix and load) when it is long and mostly
+    /// uncached on that decode replica. Without a ready prefill replica it is served whole.
+    pub(super) disaggregation: Option<RawDisaggregation>,
     /// Built from GIE's chart flags without `--model`: `models` is empty and the pool serves
     /// every model (not writable in a file, where `models` is required).
     #[serde(skip)]
@@ -497,6 +508,24 @@ pub(super) struct RawTokenizer {
     pub(super) timeout: Option<ConfigDuration>,
 }
 
+/// `pools[].disaggregation`.
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawDisaggregation {
+    /// How the prefill leg runs: `sidecar` (the decode replica's llm-d `pd-sidecar` runs it;
+    /// the request names the prefill replica in `x-prefiller-host-port: ip:port`).
+    #[schemars(extend("default" = "sidecar"))]
+    pub(super) mode: Option<DisaggregationMode>,
+    /// Prompts shorter than this many tokens are served whole on the decode replica (llm-d's
+    /// `promptTokens`).
+    #[schemars(extend("default" = DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS))]
+    pub(super) min_prompt_tokens: Option<usize>,
+    /// A prompt is split when at least this many of its tokens are not cached on the chosen
+    /// decode replica (llm-d's `nonCachedTokens`).
+    #[schemars(extend("default" = DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS))]
+    pub(super) min_uncached_tokens: Option<usize>,
+}
+
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawReplica {
@@ -512,6 +541,11 @@ pub(super) struct RawReplica {
     /// `engine="<rank>"` series of `metrics_url`.
     #[schemars(extend("default" = 1))]
     pub(super) data_parallel_size: Option<u32>,
+    /// Its part in prefill/decode disaggregation (`pools[].disaggregation`): `both` (serves
+    /// requests, and prompts for others), `prefill` (only computes prompts for decode replicas,
+    /// never a request's destination) or `decode` (serves requests, pulling a split prompt's KV).
+    #[schemars(extend("default" = "both"))]
+    pub(super) role: Option<Role>,
     /// The engine's Prometheus endpoint, `http://`; default none (not scraped).
     pub(super) metrics_url: Option<String>,
     /// Envoy cluster for `cluster_header` routes (no whitespace); default none.

@@ -686,3 +686,154 @@ fn the_index_holding_every_leading_block_precisely_asks_for_the_whole_prompt() {
     assert!(!holds(Some(answer(false, 3))));
     assert!(!holds(None));
 }
+
+/// One token per byte of the prompt, at once.
+#[derive(Debug)]
+struct BytesTokenizer;
+
+impl Tokenizer for BytesTokenizer {
+    fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
+        Box::pin(std::future::ready(Ok(one_per_byte(&input))))
+    }
+}
+
+/// A disaggregated pool (split at 1000 prompt tokens, 500 uncached) over decode replicas d0, d1
+/// and prefill replicas `prefill` (ids), and the registry its metrics are in.
+fn disaggregated_picker(prefill: &[&str]) -> (Picker, Registry) {
+    let mut yaml = "budgets: {decision: 5s, tokenize: 5s}\n\
+         pools:\n- {name: p, models: [m], block_size: 16, key_scheme: {kind: token-chain}, \
+         disaggregation: {min_prompt_tokens: 1000, min_uncached_tokens: 500}}\n\
+         replicas:\n\
+         - {id: d0, pool: p, address: \"10.0.0.1:8000\", role: decode}\n\
+         - {id: d1, pool: p, address: \"10.0.0.2:8000\", role: decode}\n"
+        .to_owned();
+    for (i, id) in prefill.iter().enumerate() {
+        yaml.push_str(&format!(
+            "- {{id: {id}, pool: p, address: \"10.0.1.{i}:8000\", role: prefill}}\n"
+        ));
+    }
+    let tasks = TaskTracker::new();
+    let runtime = Runtime::build(Config::from_yaml(&yaml).unwrap(), None, &tasks)
+        .unwrap()
+        .with_tokenizer(0, Arc::new(BytesTokenizer));
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry);
+    (Picker::new(runtime, metrics, tasks), registry)
+}
+
+fn disaggregation_count(registry: &Registry, decision: &str) -> u64 {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+    let prefix = format!(
+        "kvroute_extproc_disaggregation_decisions_total{{pool=\"p\",decision=\"{decision}\"}} "
+    );
+    text.lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .map_or(0, |count| count.parse().unwrap())
+}
+
+async fn decide_prompt(picker: &Picker, prompt: &str) -> Decision {
+    let body = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
+    let request = parse(body.as_bytes(), Endpoint::Completions).unwrap();
+    picker.decide(&request, None).await.unwrap()
+}
+
+#[tokio::test]
+async fn long_uncached_prompts_split_off_to_a_prefill_replica_and_short_or_cached_ones_stay() {
+    let (picker, registry) = disaggregated_picker(&["p0", "p1"]);
+    let document = text_of(1, 3000);
+
+    let short = decide_prompt(&picker, &document[..600]).await;
+    assert!(short.prefill.is_none(), "a short prompt is served whole");
+    assert!(short.replica_id.starts_with('d'));
+    drop(short);
+
+    // A long prompt nobody holds: its decode replica is chosen first, then a prefill replica.
+    let first = decide_prompt(&picker, &document).await;
+    let decode = first.replica_id.clone();
+    let prefill = first.prefill.as_ref().map(|leg| leg.replica_id.clone());
+    assert!(
+        decode.starts_with('d'),
+        "never sent to a prefill replica: {decode}"
+    );
+    assert!(
+        prefill.as_deref().is_some_and(|p| p.starts_with('p')),
+        "{prefill:?}"
+    );
+    drop(first);
+
+    // Again: the decode replica holds it now (kvroute's own memory), so it stays there whole.
+    let again = decide_prompt(&picker, &document).await;
+    assert_eq!(again.replica_id, decode);
+    assert!(again.prefill.is_none(), "a cached prompt is served whole");
+    drop(again);
+
+    // A prompt sharing the document's first 2000 tokens but 1000 new ones: split again, its
+    // prompt computed where the shared part already is.
+    let longer = format!("{}{}", &document[..2000], text_of(2, 1000));
+    let split = decide_prompt(&picker, &longer).await;
+    assert_eq!(
+        split.replica_id, decode,
+        "the decode replica holding the prefix"
+    );
+    assert_eq!(
+        split.prefill.as_ref().map(|leg| leg.replica_id.clone()),
+        prefill,
+        "the prefill replica holding the prefix"
+    );
+    drop(split);
+
+    for (decision, count) in [("short_prompt", 1), ("split", 2), ("cached", 1)] {
+        assert_eq!(
+            disaggregation_count(&registry, decision),
+            count,
+            "{decision}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn without_a_prefill_replica_a_long_prompt_is_served_whole_and_counted() {
+    let (picker, registry) = disaggregated_picker(&[]);
+    let decision = decide_prompt(&picker, &text_of(3, 3000)).await;
+    assert!(decision.prefill.is_none());
+    assert_eq!(disaggregation_count(&registry, "no_prefill_replica"), 1);
+}
+
+#[test]
+fn the_split_verdict_follows_llm_d_prefix_decider_on_the_decode_replica() {
+    let rule = Disaggregation {
+        mode: crate::config::DisaggregationMode::Sidecar,
+        min_prompt_tokens: 1000,
+        min_uncached_tokens: 500,
+    };
+    assert_eq!(
+        SplitVerdict::of(&rule, 999, 0, true),
+        SplitVerdict::ShortPrompt
+    );
+    assert_eq!(
+        SplitVerdict::of(&rule, 1000, 501, true),
+        SplitVerdict::Cached
+    );
+    assert_eq!(
+        SplitVerdict::of(&rule, 1000, 500, true),
+        SplitVerdict::Split
+    );
+    assert_eq!(
+        SplitVerdict::of(&rule, 1000, 0, false),
+        SplitVerdict::NoPrefillReplica
+    );
+}
+
+/// `len` bytes of seeded lower-case text.
+fn text_of(seed: u64, len: usize) -> String {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            char::from(b'a' + (state % 26) as u8)
+        })
+        .collect()
+}

@@ -35,11 +35,19 @@ const SHARED_CODE: [(&str, &str); 2] = [
 ];
 
 /// Families the reference stack never meets (a task panic, an agent refused, a debug token, a
-/// shadow decision whose served host Envoy did not report, an
+/// shadow decision whose served host Envoy did not report, a disaggregated pool, an
 /// engine restart, an invalid InferencePool, a stray replica id, an expired in-flight slot, the
 /// agent's own config reloads and discovery), declared from their label types:
 /// `(binary, family, type, labels, help)`. A declared family the stack does export must agree.
 const UNEXERCISED: &[(&str, &str, &str, &[&str], &str)] = &[
+    (
+        "kvroute-ext-proc",
+        "kvroute_extproc_disaggregation_decisions",
+        "counter",
+        &["decision", "pool"],
+        "Requests of a disaggregated pool, by decision: split (prompt computed on a prefill \
+         replica), or served whole: short_prompt, cached, no_prefill_replica, no_prompt",
+    ),
     (
         "kvroute-ext-proc",
         "kvroute_extproc_shadow_unobserved",
