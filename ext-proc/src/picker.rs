@@ -212,6 +212,9 @@ pub struct Decision {
     pub explained: Option<Box<Explained>>,
     /// The decision's record, when it was recorded.
     pub record: Option<Arc<DecisionRecord>>,
+    /// Whether the pool splits requests (`disaggregation`): a request it does not split goes
+    /// without any `x-prefiller-host-port` a client sent.
+    pub disaggregated: bool,
     /// Where the prompt is computed, when a disaggregated pool split it off.
     pub prefill: Option<PrefillLeg>,
 }
@@ -793,6 +796,7 @@ impl Picker {
                 .map_or(load_cause.as_label(), Reason::as_label),
             predicted_cached_tokens: routed.cached_tokens,
             inflight: routed.inflight,
+            disaggregated: pool.disaggregation.is_some(),
             prefill: None,
         })
     }

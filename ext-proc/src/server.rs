@@ -812,8 +812,9 @@ fn decision_headers(decision: &Decision) -> HeaderMutation {
             &rank.to_string(),
         ));
     }
-    // Only kvroute names a prefill replica: a client's own value is replaced or removed, so no
-    // request can make a decode sidecar send its prompt elsewhere.
+    // Only kvroute names a prefill replica: in a disaggregated pool a client's own value is
+    // replaced or removed, so no request can make a decode sidecar send its prompt elsewhere
+    // (the shipped Envoy configs strip it before ext_proc too).
     let mut remove_headers = Vec::new();
     match &decision.prefill {
         Some(prefill) => {
@@ -822,7 +823,8 @@ fn decision_headers(decision: &Decision) -> HeaderMutation {
                 &prefill.address.to_string(),
             ));
         }
-        None => remove_headers.push(PREFILLER_HEADER.to_owned()),
+        None if decision.disaggregated => remove_headers.push(PREFILLER_HEADER.to_owned()),
+        None => {}
     }
     HeaderMutation {
         set_headers,
