@@ -290,7 +290,8 @@ impl<K: BlockKey> Scheduler<K> {
         }
     }
 
-    /// Drops a request wherever it is (the client left), freeing its blocks; false if unknown.
+    /// Drops a request wherever it is (the client left), freeing its blocks; false if unknown
+    /// or finished (a finished prefill leg's held blocks stay held).
     pub fn abort(&mut self, id: SeqId) -> bool {
         if let Some(i) = self.waiting.iter().position(|s| s.new.id == id) {
             self.waiting.remove(i);
@@ -311,7 +312,8 @@ impl<K: BlockKey> Scheduler<K> {
             self.pool.free(&seq.blocks);
             return true;
         }
-        self.release_held(id)
+        // A finished prefill leg is no longer a request: only its lease ends its hold.
+        false
     }
 
     /// `reset_prefix_cache`: forgets every cached block if none is in use.
@@ -797,6 +799,7 @@ mod tests {
         );
         assert_eq!(outcomes.last().map(|o| o.finished.clone()), Some(vec![0]));
         assert_eq!(s.held_legs(), 1);
+        assert!(!s.abort(0), "a finished leg cannot be aborted");
         assert_eq!(s.kv_usage(), 3.0 / 8.0, "held blocks stay in use");
         // Held blocks are cached: another prompt with the same prefix hits them.
         s.enqueue(seq(1, 1100, 1, &[1, 2]));
