@@ -7,7 +7,9 @@
 //!   needed, and the KV events vLLM publishes for it (`vllm/v1/core/block_pool.py`).
 //! - [`scheduler`]: vLLM v1's step scheduler over the pool — running requests first, then
 //!   waiting ones first come first served under a token budget and a sequence limit; chunked
-//!   prefill; preemption of the newest request when blocks run out.
+//!   prefill; preemption of the newest request when blocks run out; the two legs of a
+//!   disaggregated request as vLLM's `NixlConnector` runs them (a prefill leg's blocks held for
+//!   the decode engine, a decode leg's prompt loaded instead of computed).
 //! - [`timing`]: how long a step takes, a [`timing::TimingModel`] the driver chooses.
 //! - [`lru`]: the one LRU queue (the pool's free queue and bounded key sets).
 //!
@@ -21,5 +23,7 @@ pub mod scheduler;
 pub mod timing;
 
 pub use pool::{BlockId, BlockKey, BlockPool, HeldBlock};
-pub use scheduler::{FirstToken, NewSeq, Scheduler, SchedulerConfig, SeqId, StepOutcome};
+pub use scheduler::{
+    FirstToken, HeldLeg, Leg, NewSeq, Scheduler, SchedulerConfig, SeqId, StepOutcome,
+};
 pub use timing::{Linear, MockerFit, PrefillChunk, StepWork, TimingModel};

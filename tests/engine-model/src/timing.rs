@@ -4,6 +4,9 @@
 //! - [`MockerFit`]: routing-quality replay's model, NVIDIA Dynamo mocker's H100-class fit with
 //!   an attention term over the context each chunk reads.
 //! - [`Linear`]: the engine simulator's model, a fixed cost plus a cost per prefill token.
+//!
+//! Both also price a disaggregated decode's KV transfer
+//! ([`TimingModel::kv_transfer_duration`]): the blocks it reads from the prefill engine.
 
 use std::time::Duration;
 
@@ -37,6 +40,10 @@ impl StepWork<'_> {
 pub trait TimingModel: std::fmt::Debug {
     /// How long a step doing `work` takes.
     fn step_duration(&self, work: &StepWork<'_>) -> Duration;
+
+    /// How long a decode engine takes to read `blocks` KV blocks of `block_size` tokens from a
+    /// prefill engine (a transfer runs beside the steps, not in them).
+    fn kv_transfer_duration(&self, blocks: u32, block_size: u32) -> Duration;
 }
 
 /// Dynamo mocker's prefill fit (an H100-class GPU, 8B-class model), extended with the context
@@ -99,6 +106,11 @@ impl MockerFit {
     pub const DECODE_BASE_MS: f64 = 10.0;
     /// Added cost per decoding sequence in a step, ms.
     pub const DECODE_MS_PER_SEQ: f64 = 0.1;
+    /// Fixed cost of one KV transfer (posting the reads, the completion notification), ms.
+    pub const KV_TRANSFER_BASE_MS: f64 = 0.5;
+    /// KV transfer per token, ms: an 8B-class model's KV is 128 KiB per token (2 × 32 layers ×
+    /// 8 KV heads × 128 dims × 2 bytes), read at 25 GB/s (a 200 Gb/s RDMA link).
+    pub const KV_TRANSFER_MS_PER_TOKEN: f64 = 128.0 * 1024.0 / 25e9 * 1e3;
 
     /// Both parts multiplied by `scale` (the old single `--time-scale`).
     pub fn scaled(scale: f64) -> Self {
@@ -145,12 +157,24 @@ impl TimingModel for MockerFit {
     fn step_duration(&self, work: &StepWork<'_>) -> Duration {
         Duration::from_micros(self.step_us(work.prefill, work.decodes))
     }
+
+    /// [`MockerFit::KV_TRANSFER_BASE_MS`] plus [`MockerFit::KV_TRANSFER_MS_PER_TOKEN`] for every
+    /// token of every block (a block is read whole), unscaled: the link is no GPU.
+    fn kv_transfer_duration(&self, blocks: u32, block_size: u32) -> Duration {
+        if blocks == 0 {
+            return Duration::ZERO;
+        }
+        let tokens = f64::from(blocks) * f64::from(block_size);
+        let ms = Self::KV_TRANSFER_BASE_MS + Self::KV_TRANSFER_MS_PER_TOKEN * tokens;
+        Duration::from_micros((ms * 1000.0).round().max(1.0) as u64)
+    }
 }
 
 /// A fixed cost per step that prefills, a cost per prefilled token, and a cost per step that
 /// only decodes. A lone request's first token comes `overhead + uncached × per_token` after it
 /// is scheduled (one step when the token budget covers its prompt), each further one
-/// `decode` later; concurrent requests share steps (continuous batching).
+/// `decode` later; concurrent requests share steps (continuous batching). A KV transfer takes
+/// `kv_transfer_per_block` per block read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Linear {
     /// Fixed cost of a step with prefill work.
@@ -159,6 +183,8 @@ pub struct Linear {
     pub prefill_per_token: Duration,
     /// Cost of a step that only decodes (one token per running sequence).
     pub decode: Duration,
+    /// Cost per block of a KV transfer from a prefill engine.
+    pub kv_transfer_per_block: Duration,
 }
 
 impl TimingModel for Linear {
@@ -171,6 +197,10 @@ impl TimingModel for Linear {
         } else {
             Duration::ZERO
         }
+    }
+
+    fn kv_transfer_duration(&self, blocks: u32, _block_size: u32) -> Duration {
+        self.kv_transfer_per_block * blocks
     }
 }
 
@@ -185,6 +215,12 @@ mod tests {
     #[test]
     fn mocker_fit_documented_points() {
         let t = MockerFit::default();
+        // 16 blocks of 512 tokens: 0.5 ms + 8192 × 128 KiB at 25 GB/s.
+        assert_eq!(
+            t.kv_transfer_duration(16, 512),
+            Duration::from_micros(43_450)
+        );
+        assert_eq!(t.kv_transfer_duration(0, 512), Duration::ZERO);
         assert_eq!(t.step_us(&[], 1), 10_100);
         assert_eq!(t.step_us(&[], 100), 20_000);
         // 8192 tokens from an empty context: the mocker's fit, 28.253 + 124.383 + 16.501 ms.
@@ -269,7 +305,9 @@ mod tests {
             prefill_overhead: Duration::from_millis(5),
             prefill_per_token: Duration::from_micros(50),
             decode: Duration::from_millis(10),
+            kv_transfer_per_block: Duration::from_micros(100),
         };
+        assert_eq!(t.kv_transfer_duration(3, 16), Duration::from_micros(300));
         let chunk = [PrefillChunk {
             tokens: 100,
             context: 0,

@@ -1,7 +1,33 @@
 //! The HTTP surface, in vLLM's shapes: OpenAI completions and chat, the Responses and Anthropic
 //! Messages APIs (each as JSON or SSE), `/v1/models`, `/health`, `/tokenize`, the render endpoints
 //! of vLLM 0.32's `--enable-scale-out` (`/v1/{completions,chat/completions,responses,messages}/render`),
-//! `/metrics`, `/reset_prefix_cache` and the simulator's `/debug/blocks`.
+//! `/metrics`, `/reset_prefix_cache` and the simulator's `/debug/blocks`, `/debug/requests`,
+//! `/debug/kv_transfer` and its NIXL side channel (`/sim/nixl/read`).
+//!
+//! `kv_transfer_params` (chat, completions, Responses, Messages, as vLLM 0.32 accepts them) are
+//! served as vLLM's `NixlConnector` (pull mode) serves them when `--kv-transfer-config` names
+//! it, and ignored otherwise (vLLM logs "Got kv_transfer_params, but no KVConnector found"):
+//! - `do_remote_decode` (a prefill leg): runs as usual; when it finishes its blocks are held
+//!   for `kv_lease_duration` and the non-streamed answer carries the parameters
+//!   `NixlConnectorScheduler.request_finished` returns (`do_remote_prefill: true`, the blocks,
+//!   this engine, its internal request id `<response id>-<8 hex>`, the side channel's host and
+//!   port, ...) plus the scheduler's `remote_prefill_cached_tokens`. A streamed answer carries
+//!   none (vLLM's stream generators do not), but the blocks are held all the same.
+//! - `do_remote_prefill` (a decode leg): the blocks are read from the prefill simulator's side
+//!   channel at `remote_host:remote_port` before the request is queued (vLLM reads after
+//!   admission; the prefill's hold ends at the read either way) and must hold this prompt;
+//!   the engine then loads what its prefix cache misses instead of computing it, paying the
+//!   transfer. A read refused (nothing held: unknown, already read, lease expired) or a
+//!   prompt that differs is a KV load failure, handled by `kv_load_failure_policy`: `fail`
+//!   answers vLLM's 500 (or its error event in a stream), `recompute` computes the prompt.
+//!   (Real vLLM cannot tell an expired lease from a live one on the decode side — it reads the
+//!   prefill's memory whatever it holds and only the prefill logs "Potentially invalid KV
+//!   blocks"; the simulator, which has no tensors to corrupt, reports it as the load failure
+//!   it is, so a decode never claims tokens it did not get.) Parameters naming no complete
+//!   source (`remote_block_ids` empty or missing, a remote field missing) are refused with a
+//!   400; vLLM 0.32 fails its scheduler's assertion or parks the request forever on them.
+//!   Usage's `cached_tokens` is vLLM's: the prefill's `remote_prefill_cached_tokens` when the
+//!   parameters carry it, else the local hits plus the loaded tokens.
 //!
 //! Every response carries the `traceparent` its request came with (if any) as
 //! [`RECEIVED_TRACEPARENT_HEADER`], so a test reads which span the engine would have continued.
@@ -16,7 +42,9 @@
 //! `features` (vLLM's shape; tensors only unless `mm_payload` is `"none"`), and in the engine's
 //! block hashes and KV events.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -29,10 +57,12 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use kvroute_tokenize::{ApiKind, ChatOptions, ModelTokenizer};
+use parking_lot::Mutex;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::engine::{Engine, EngineError, Sequence};
+use super::config::{KvLoadFailurePolicy, KvTransferConfig};
+use super::engine::{Engine, EngineError, EngineLeg, Sequence};
 use super::media::{self, ImageProcessor, PlacedImage};
 use super::metrics::MetricsInfo;
 
@@ -57,6 +87,12 @@ tokio::task_local! {
     static SERVING_RANK: usize;
 }
 
+/// Generation requests `/debug/requests` keeps, newest last.
+const REQUEST_LOG_CAPACITY: usize = 256;
+
+/// The longest a decode waits for its prefill simulator's side channel.
+const SIDE_CHANNEL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Text the simulated model "generates", cycled token by token.
 const FILLER_TEXT: &str = " the quick brown fox jumps over the lazy dog and keeps running";
 
@@ -76,6 +112,16 @@ pub(crate) struct AppState {
     filler: Vec<(u32, String)>,
     created: u64,
     next_id: AtomicU64,
+    /// `--kv-transfer-config`, when it names a connector.
+    kv_transfer: Option<KvTransferConfig>,
+    /// Where this simulator's NIXL side channel answers (its HTTP listener).
+    side_channel: SocketAddr,
+    /// The last generation requests received (`/debug/requests`).
+    request_log: Mutex<VecDeque<Value>>,
+    /// Requests whose `kv_transfer_params` were ignored (no connector).
+    params_ignored: AtomicU64,
+    /// Decode legs whose KV could not be loaded.
+    load_failures: AtomicU64,
 }
 
 impl AppState {
@@ -104,7 +150,40 @@ impl AppState {
             filler,
             created: unix_seconds(),
             next_id: AtomicU64::new(0),
+            kv_transfer: None,
+            side_channel: SocketAddr::from(([127, 0, 0, 1], 0)),
+            request_log: Mutex::new(VecDeque::new()),
+            params_ignored: AtomicU64::new(0),
+            load_failures: AtomicU64::new(0),
         })
+    }
+
+    /// Serves disaggregation with `config` (none: parameters ignored), its side channel on
+    /// `side_channel`.
+    pub(crate) fn with_kv_transfer(
+        mut self,
+        config: Option<KvTransferConfig>,
+        side_channel: SocketAddr,
+    ) -> Self {
+        self.kv_transfer = config;
+        self.side_channel = side_channel;
+        self
+    }
+
+    /// Eight hex digits, unique per call (vLLM's internal ids end with eight random ones).
+    fn suffix(&self) -> String {
+        use std::hash::{BuildHasher as _, Hasher as _};
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u64(self.next_id.fetch_add(1, Ordering::Relaxed));
+        format!("{:08x}", hasher.finish() as u32)
+    }
+
+    fn log_request(&self, entry: Value) {
+        let mut log = self.request_log.lock();
+        if log.len() == REQUEST_LOG_CAPACITY {
+            log.pop_front();
+        }
+        log.push_back(entry);
     }
 
     fn request_id(&self, prefix: &str) -> String {
@@ -166,6 +245,9 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/debug/blocks", get(debug_blocks))
+        .route("/debug/requests", get(debug_requests))
+        .route("/debug/kv_transfer", get(debug_kv_transfer))
+        .route("/sim/nixl/read", post(nixl_read))
         .layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
             choose_rank,
@@ -240,17 +322,29 @@ impl ApiError {
             message: message.into(),
         }
     }
-}
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+    /// vLLM's answer to a request that finished with an error (`GenerationError`).
+    fn generation_failed() -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: "Internal server error".to_owned(),
+        }
+    }
+
+    fn body(&self) -> Value {
         let kind = match self.status {
             StatusCode::NOT_FOUND => "NotFoundError",
             StatusCode::BAD_REQUEST => "BadRequestError",
             _ => "InternalServerError",
         };
-        let body = json!({"error": {"message": self.message, "type": kind, "param": null,
-            "code": self.status.as_u16()}});
+        json!({"error": {"message": self.message, "type": kind, "param": null,
+            "code": self.status.as_u16()}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = self.body();
         (self.status, Json(body)).into_response()
     }
 }
@@ -331,6 +425,7 @@ struct CompletionRequest {
     stream: bool,
     stream_options: Option<StreamOptions>,
     add_special_tokens: Option<bool>,
+    kv_transfer_params: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -350,6 +445,7 @@ struct ChatRequest {
     documents: Option<Value>,
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     reasoning_effort: Option<String>,
+    kv_transfer_params: Option<Value>,
 }
 
 impl ChatRequest {
@@ -466,6 +562,7 @@ enum Kind {
 
 async fn completions(
     State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let request: CompletionRequest = parse(&body)?;
@@ -475,19 +572,26 @@ async fn completions(
         .encode(&state.tokenizer, request.add_special_tokens.unwrap_or(true))?;
     let max_tokens = request.max_tokens.unwrap_or(state.default_max_tokens);
     let include_usage = request.stream_options.unwrap_or_default().include_usage;
+    let incoming = Incoming::new(
+        "/v1/completions",
+        &headers,
+        &body,
+        request.kv_transfer_params,
+    );
     generate(
         state,
         Kind::Completion,
         (prompt, Vec::new()),
         max_tokens,
-        request.stream,
-        include_usage,
+        (request.stream, include_usage),
+        incoming,
     )
     .await
 }
 
 async fn chat_completions(
     State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let request: ChatRequest = parse(&body)?;
@@ -498,13 +602,19 @@ async fn chat_completions(
         .or(request.max_tokens)
         .unwrap_or(state.default_max_tokens);
     let include_usage = request.stream_options.unwrap_or_default().include_usage;
+    let incoming = Incoming::new(
+        "/v1/chat/completions",
+        &headers,
+        &body,
+        request.kv_transfer_params.clone(),
+    );
     generate(
         state,
         Kind::Chat,
         prompt,
         max_tokens,
-        request.stream,
-        include_usage,
+        (request.stream, include_usage),
+        incoming,
     )
     .await
 }
@@ -551,16 +661,42 @@ fn api_prompt(
     Ok((prompt, max_tokens, stream))
 }
 
-async fn responses(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+async fn responses(
+    State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let (prompt, max_tokens, stream) = api_prompt(&state, ApiKind::Responses, &body)?;
     let max_tokens = max_tokens.unwrap_or(state.default_max_tokens);
-    generate(state, Kind::Responses, prompt, max_tokens, stream, false).await
+    let incoming = Incoming::from_body("/v1/responses", &headers, &body);
+    generate(
+        state,
+        Kind::Responses,
+        prompt,
+        max_tokens,
+        (stream, false),
+        incoming,
+    )
+    .await
 }
 
-async fn messages(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+async fn messages(
+    State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let (prompt, max_tokens, stream) = api_prompt(&state, ApiKind::Messages, &body)?;
     let max_tokens = max_tokens.unwrap_or(state.default_max_tokens);
-    generate(state, Kind::Messages, prompt, max_tokens, stream, false).await
+    let incoming = Incoming::from_body("/v1/messages", &headers, &body);
+    generate(
+        state,
+        Kind::Messages,
+        prompt,
+        max_tokens,
+        (stream, false),
+        incoming,
+    )
+    .await
 }
 
 /// vLLM's `GenerateRequest` as the render endpoints answer it (the fields routing reads and
@@ -626,24 +762,320 @@ async fn render_messages(
     Ok(Json(rendered(&state, "chatcmpl", tokens, &raw)))
 }
 
+/// A generation request as received: where, its `X-Request-Id`, its body, its transfer
+/// parameters.
+struct Incoming {
+    path: &'static str,
+    x_request_id: Option<String>,
+    body: Value,
+    kv_transfer_params: Option<Value>,
+}
+
+impl Incoming {
+    fn new(
+        path: &'static str,
+        headers: &axum::http::HeaderMap,
+        body: &Bytes,
+        kv_transfer_params: Option<Value>,
+    ) -> Self {
+        Self {
+            path,
+            x_request_id: headers
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned),
+            body: serde_json::from_slice(body).unwrap_or(Value::Null),
+            kv_transfer_params,
+        }
+    }
+
+    /// For bodies parsed as maps: the parameters read from the body itself.
+    fn from_body(path: &'static str, headers: &axum::http::HeaderMap, body: &Bytes) -> Self {
+        let mut incoming = Self::new(path, headers, body, None);
+        incoming.kv_transfer_params = incoming.body.get("kv_transfer_params").cloned();
+        incoming
+    }
+}
+
+/// What a request's transfer parameters make of it.
+struct TransferPlan {
+    leg: EngineLeg,
+    /// `prefill` or `decode`.
+    role: Option<&'static str>,
+    /// The prefill's `remote_prefill_cached_tokens`, which vLLM reports as the decode's.
+    cached_override: Option<usize>,
+    /// Why the KV could not be loaded (the request recomputes).
+    load_failure: Option<String>,
+}
+
+impl TransferPlan {
+    fn whole() -> Self {
+        Self {
+            leg: EngineLeg::Whole,
+            role: None,
+            cached_override: None,
+            load_failure: None,
+        }
+    }
+}
+
+/// Python's truthiness, as the connector tests its parameters.
+fn truthy(value: Option<&Value>) -> bool {
+    match value {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => !o.is_empty(),
+    }
+}
+
+/// Where a decode leg's KV is, from its parameters.
+struct RemoteSource {
+    engine_id: String,
+    request_id: String,
+    host: String,
+    port: u16,
+    /// The first KV-cache group's block ids.
+    block_ids: Vec<usize>,
+}
+
+impl RemoteSource {
+    fn from_params(params: &serde_json::Map<String, Value>) -> Result<Self, String> {
+        let text = |key: &str| {
+            params
+                .get(key)
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .ok_or_else(|| format!("{key} must be a string"))
+        };
+        let ids = params
+            .get("remote_block_ids")
+            .and_then(Value::as_array)
+            .filter(|ids| !ids.is_empty())
+            .ok_or("remote_block_ids must be a non-empty list")?;
+        // One list per KV-cache group (vLLM 0.32), or a flat list (older proxies).
+        let group = match ids.first() {
+            Some(Value::Array(first)) => first,
+            _ => ids,
+        };
+        let block_ids = group
+            .iter()
+            .map(|id| id.as_u64().map(|id| id as usize))
+            .collect::<Option<Vec<_>>>()
+            .ok_or("remote_block_ids must hold block numbers")?;
+        let port = params
+            .get("remote_port")
+            .and_then(Value::as_u64)
+            .and_then(|p| u16::try_from(p).ok())
+            .ok_or("remote_port must be a port number")?;
+        Ok(Self {
+            engine_id: text("remote_engine_id")?,
+            request_id: text("remote_request_id")?,
+            host: text("remote_host")?,
+            port,
+            block_ids,
+        })
+    }
+
+    /// Reads the held blocks' tokens through the prefill simulator's side channel.
+    async fn read(&self) -> Result<Vec<u32>, String> {
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        let url = format!("http://{host}:{}/sim/nixl/read", self.port);
+        let body = json!({"remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id, "remote_block_ids": [self.block_ids]});
+        let response = tokio::time::timeout(
+            SIDE_CHANNEL_TIMEOUT,
+            crate::harness::http::post_json(&url, &body),
+        )
+        .await
+        .map_err(|_| format!("no answer from {url}"))?
+        .map_err(|e| format!("{url}: {e}"))?;
+        let answer: Value = serde_json::from_slice(&response.body).unwrap_or(Value::Null);
+        if !response.status.is_success() {
+            let reason = answer
+                .get("error")
+                .and_then(Value::as_str)
+                .unwrap_or("refused");
+            return Err(format!("{url} answered {}: {reason}", response.status));
+        }
+        serde_json::from_value(answer.get("token_ids").cloned().unwrap_or(Value::Null))
+            .map_err(|e| format!("{url}: {e}"))
+    }
+}
+
+/// Why a request cannot run as its parameters ask.
+enum PlanError {
+    /// Parameters naming no complete source.
+    Invalid(ApiError),
+    /// The KV could not be loaded and the policy is `fail`.
+    LoadFailed(String),
+}
+
+/// What `params` make of a request whose prompt is `prompt` and whose internal id is
+/// `internal_id` (the connector's scheduler side).
+async fn plan_transfer(
+    state: &AppState,
+    params: Option<&Value>,
+    prompt: &[u32],
+    internal_id: &str,
+) -> Result<TransferPlan, PlanError> {
+    let Some(config) = &state.kv_transfer else {
+        if params.is_some_and(|p| !p.is_null()) {
+            state.params_ignored.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("Got kv_transfer_params, but no KVConnector found; ignored");
+        }
+        return Ok(TransferPlan::whole());
+    };
+    let Some(params) = params.and_then(Value::as_object).filter(|p| !p.is_empty()) else {
+        return Ok(TransferPlan::whole());
+    };
+    if truthy(params.get("do_remote_prefill")) {
+        let source = RemoteSource::from_params(params).map_err(|e| {
+            PlanError::Invalid(ApiError::bad_request(format!(
+                "invalid kv_transfer_params for a remote prefill: {e}"
+            )))
+        })?;
+        let cached_override = params
+            .get("remote_prefill_cached_tokens")
+            .and_then(Value::as_u64)
+            .map(|n| n as usize);
+        let loaded = match source.read().await {
+            Ok(tokens) if tokens.len() >= prompt.len() && tokens[..prompt.len()] == *prompt => {
+                Ok(prompt.len())
+            }
+            Ok(_) => Err("the held blocks hold another prompt".to_owned()),
+            Err(reason) => Err(reason),
+        };
+        return match loaded {
+            Ok(remote_tokens) => Ok(TransferPlan {
+                leg: EngineLeg::Decode { remote_tokens },
+                role: Some("decode"),
+                cached_override,
+                load_failure: None,
+            }),
+            Err(reason) => {
+                state.load_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%reason, "KV load failed");
+                match config.failure_policy {
+                    KvLoadFailurePolicy::Fail => Err(PlanError::LoadFailed(reason)),
+                    KvLoadFailurePolicy::Recompute => Ok(TransferPlan {
+                        leg: EngineLeg::Whole,
+                        role: Some("decode"),
+                        cached_override,
+                        load_failure: Some(reason),
+                    }),
+                }
+            }
+        };
+    }
+    if truthy(params.get("do_remote_decode")) {
+        return Ok(TransferPlan {
+            leg: EngineLeg::Prefill {
+                request_id: internal_id.to_owned(),
+            },
+            role: Some("prefill"),
+            cached_override: None,
+            load_failure: None,
+        });
+    }
+    Ok(TransferPlan::whole())
+}
+
+/// The answer to a request whose KV could not be loaded under `kv_load_failure_policy: fail`:
+/// vLLM's 500, or in a chat or completions stream its error event (after the role delta of a
+/// chat stream) and `[DONE]`.
+fn load_failed_response(kind: Kind, stream: bool, id: &str, model: &str) -> Response {
+    let error = ApiError::generation_failed();
+    if !stream || matches!(kind, Kind::Responses | Kind::Messages) {
+        return error.into_response();
+    }
+    let mut events = String::new();
+    if kind == Kind::Chat {
+        let role = json!({"id": id, "object": "chat.completion.chunk", "created": unix_seconds(),
+            "model": model, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+            "logprobs": null, "finish_reason": null}]});
+        events += &format!("data: {role}\n\n");
+    }
+    events += &format!("data: {}\n\ndata: [DONE]\n\n", error.body());
+    (
+        [(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")],
+        events,
+    )
+        .into_response()
+}
+
 async fn generate(
     state: Arc<AppState>,
     kind: Kind,
     (prompt, images): Prompted,
     max_tokens: usize,
-    stream: bool,
-    include_usage: bool,
+    (stream, include_usage): (bool, bool),
+    incoming: Incoming,
 ) -> Result<Response, ApiError> {
-    let output = (0..max_tokens).map(|k| state.filler(k).0).collect();
-    let sequence = state
-        .serving_engine()
-        .start(prompt, &images, output)
-        .await?;
-    let id = state.request_id(match kind {
+    // vLLM names a chat or completion after the request's `X-Request-Id` when it has one; its
+    // engine's own id adds eight random hex digits (a completion's, its prompt's index first).
+    let prefix = match kind {
         Kind::Chat | Kind::Messages => "chatcmpl",
         Kind::Completion => "cmpl",
         Kind::Responses => "resp",
-    });
+    };
+    let id = match (&incoming.x_request_id, kind) {
+        (Some(x_request_id), Kind::Chat | Kind::Completion) => format!("{prefix}-{x_request_id}"),
+        _ => state.request_id(prefix),
+    };
+    let internal_id = match kind {
+        Kind::Completion => format!("{id}-0-{}", state.suffix()),
+        _ => format!("{id}-{}", state.suffix()),
+    };
+    let prompt_len = prompt.len();
+    let mut entry = json!({"path": incoming.path, "x_request_id": incoming.x_request_id,
+        "body": incoming.body, "request_id": internal_id});
+    let plan = match plan_transfer(
+        &state,
+        incoming.kv_transfer_params.as_ref(),
+        &prompt,
+        &internal_id,
+    )
+    .await
+    {
+        Ok(plan) => plan,
+        Err(PlanError::Invalid(error)) => return Err(error),
+        Err(PlanError::LoadFailed(reason)) => {
+            if let Some(map) = entry.as_object_mut() {
+                map.insert("kv_transfer_role".to_owned(), "decode".into());
+                map.insert("kv_load_failure".to_owned(), reason.into());
+                map.insert("prompt_tokens".to_owned(), prompt_len.into());
+            }
+            state.log_request(entry);
+            return Ok(load_failed_response(kind, stream, &id, &state.model_name));
+        }
+    };
+    let output = (0..max_tokens).map(|k| state.filler(k).0).collect();
+    let sequence = state
+        .serving_engine()
+        .start(prompt, &images, output, plan.leg.clone())
+        .await?;
+    if let Some(map) = entry.as_object_mut() {
+        let local = sequence.local_cached_tokens();
+        let external = sequence.external_tokens();
+        map.insert("kv_transfer_role".to_owned(), plan.role.into());
+        map.insert("kv_load_failure".to_owned(), plan.load_failure.into());
+        map.insert("prompt_tokens".to_owned(), prompt_len.into());
+        map.insert("local_cached_tokens".to_owned(), local.into());
+        map.insert("external_tokens".to_owned(), external.into());
+        map.insert(
+            "computed_tokens".to_owned(),
+            prompt_len.saturating_sub(local + external).into(),
+        );
+    }
+    state.log_request(entry);
+    let prefill_of = matches!(plan.leg, EngineLeg::Prefill { .. }).then_some(internal_id);
     let mut generation = Generation {
         state,
         kind,
@@ -654,6 +1086,8 @@ async fn generate(
         text: String::new(),
         item_id: None,
         sequence_number: 0,
+        prefill_of,
+        cached_override: plan.cached_override,
     };
     if stream {
         let events = futures::stream::unfold(generation, |mut generation| async move {
@@ -693,6 +1127,10 @@ struct Generation {
     item_id: Option<String>,
     /// The next Responses event's `sequence_number`.
     sequence_number: u64,
+    /// A prefill leg's internal request id (its blocks are held under it).
+    prefill_of: Option<String>,
+    /// The prefill's `remote_prefill_cached_tokens`, reported as this request's cached tokens.
+    cached_override: Option<usize>,
 }
 
 impl Generation {
@@ -701,12 +1139,49 @@ impl Generation {
         Some(self.state.filler(k).1.clone())
     }
 
+    /// `cached_tokens` as vLLM reports it: a remote prefill's own hits when its parameters
+    /// carried them, else the prompt tokens not computed here (hits and loaded).
+    fn cached_tokens(&self) -> usize {
+        self.cached_override
+            .unwrap_or_else(|| self.sequence.cached_tokens())
+    }
+
+    /// A finished prefill leg's answer for the decode, as `NixlConnectorScheduler.request_finished`
+    /// builds it (pull mode, one KV-cache group, no parallelism) with the scheduler's
+    /// `remote_prefill_cached_tokens`; `null` for any other request.
+    fn kv_transfer_params(&self) -> Value {
+        let (Some(request_id), Some(held), Some(config)) = (
+            &self.prefill_of,
+            self.sequence.held(),
+            &self.state.kv_transfer,
+        ) else {
+            return Value::Null;
+        };
+        let side_channel = self.state.side_channel;
+        json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_block_ids": [held.block_ids],
+            "remote_engine_id": config.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": side_channel.ip().to_string(),
+            "remote_port": side_channel.port(),
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": held.computed_tokens,
+            "remote_blocks_expiry_time": null,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": self.sequence.cached_tokens(),
+        })
+    }
+
     fn usage(&self) -> Value {
         let prompt = self.sequence.prompt_len();
         let completion = self.sequence.generated();
         json!({"prompt_tokens": prompt, "total_tokens": prompt + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": self.sequence.cached_tokens()}})
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens()}})
     }
 
     /// The Responses API's usage, as vLLM's `responses_full_generator` reports it.
@@ -714,14 +1189,14 @@ impl Generation {
         let prompt = self.sequence.prompt_len();
         let output = self.sequence.generated();
         json!({"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
-            "input_tokens_details": {"cached_tokens": self.sequence.cached_tokens()},
+            "input_tokens_details": {"cached_tokens": self.cached_tokens()},
             "output_tokens_details": {"reasoning_tokens": 0}})
     }
 
     /// The Messages API's final usage as vLLM converts the chat usage: Anthropic counts
     /// `input_tokens` beside the cache reads, so the cached tokens are taken out of the prompt.
     fn messages_usage(&self) -> Value {
-        let cached = self.sequence.cached_tokens();
+        let cached = self.cached_tokens();
         json!({"input_tokens": self.sequence.prompt_len().saturating_sub(cached),
             "output_tokens": self.sequence.generated(), "cache_read_input_tokens": cached})
     }
@@ -750,7 +1225,7 @@ impl Generation {
                 "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length",
                     "stop_reason": null, "prompt_logprobs": null}],
                 "usage": self.usage(), "service_tier": null, "system_fingerprint": null,
-                "kv_transfer_params": null,
+                "kv_transfer_params": self.kv_transfer_params(),
             }),
             Kind::Chat => json!({
                 "id": self.id, "object": "chat.completion", "created": unix_seconds(),
@@ -760,20 +1235,33 @@ impl Generation {
                     "tool_calls": [], "reasoning_content": null},
                     "logprobs": null, "finish_reason": "length", "stop_reason": null}],
                 "service_tier": null, "system_fingerprint": null, "usage": self.usage(),
-                "prompt_logprobs": null, "kv_transfer_params": null,
+                "prompt_logprobs": null, "kv_transfer_params": self.kv_transfer_params(),
             }),
             Kind::Responses => {
                 let output = json!([{"type": "message", "id": format!("msg_{}", self.id),
                     "role": "assistant", "status": "incomplete",
                     "content": [{"type": "output_text", "text": text, "annotations": []}]}]);
-                self.responses_body("incomplete", output, self.responses_usage())
+                let mut body = self.responses_body("incomplete", output, self.responses_usage());
+                if let Some(map) = body.as_object_mut() {
+                    map.insert("kv_transfer_params".to_owned(), self.kv_transfer_params());
+                }
+                body
             }
-            Kind::Messages => json!({
-                "id": self.id, "type": "message", "role": "assistant", "model": state.model_name,
-                "content": [{"type": "text", "text": text}],
-                "stop_reason": "max_tokens", "stop_sequence": null,
-                "usage": self.messages_usage(),
-            }),
+            Kind::Messages => {
+                let mut body = json!({
+                    "id": self.id, "type": "message", "role": "assistant",
+                    "model": state.model_name,
+                    "content": [{"type": "text", "text": text}],
+                    "stop_reason": "max_tokens", "stop_sequence": null,
+                    "usage": self.messages_usage(),
+                });
+                // Dumped without its `None` fields.
+                let params = self.kv_transfer_params();
+                if let (false, Some(map)) = (params.is_null(), body.as_object_mut()) {
+                    map.insert("kv_transfer_params".to_owned(), params);
+                }
+                body
+            }
         }
     }
 
@@ -1061,6 +1549,84 @@ async fn debug_blocks(
         "published_batches": published_batches,
         "blocks": blocks,
     })))
+}
+
+/// `GET /debug/requests`: the last generation requests received, oldest first, each with its
+/// `X-Request-Id`, its body as sent, its role in a disaggregated request and what the engine
+/// made of its prompt (`computed_tokens`, `local_cached_tokens`, `external_tokens`).
+async fn debug_requests(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let requests: Vec<Value> = state.request_log.lock().iter().cloned().collect();
+    Json(json!({"requests": requests}))
+}
+
+/// `GET /debug/kv_transfer`: the prefill blocks held for decodes and the transfer counters.
+async fn debug_kv_transfer(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let engine = state.first_engine();
+    let counters = &engine.counters;
+    let held: Vec<Value> = engine
+        .held_prefills()
+        .into_iter()
+        .map(|(id, blocks)| json!({"remote_request_id": id, "remote_block_ids": [blocks]}))
+        .collect();
+    let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+    Json(json!({
+        "kv_connector": state.kv_transfer.as_ref().map(|_| "NixlConnector"),
+        "engine_id": state.kv_transfer.as_ref().map(|c| c.engine_id.clone()),
+        "kv_role": state.kv_transfer.as_ref().map(|c| c.kv_role.clone()),
+        "held": held,
+        "reads_served": load(&counters.kv_reads_served),
+        "reads_refused": load(&counters.kv_reads_refused),
+        "leases_expired": load(&counters.kv_leases_expired),
+        "params_ignored": load(&state.params_ignored),
+        "load_failures": load(&state.load_failures),
+    }))
+}
+
+/// A decode simulator's read of held blocks.
+#[derive(Debug, Deserialize)]
+struct NixlRead {
+    remote_engine_id: String,
+    remote_request_id: String,
+    remote_block_ids: Value,
+}
+
+/// `POST /sim/nixl/read`: the simulator's stand-in for NIXL's side channel, handshake, read
+/// and completion notification in one: the token ids whose KV the blocks held for
+/// `remote_request_id` hold, and the hold ends; 404 with the reason when this engine is not
+/// `remote_engine_id` or holds nothing under that id (never, already read, lease expired).
+async fn nixl_read(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let refuse =
+        |reason: String| (StatusCode::NOT_FOUND, Json(json!({"error": reason}))).into_response();
+    let read: NixlRead = match parse(&body) {
+        Ok(read) => read,
+        Err(error) => return error.into_response(),
+    };
+    let Some(config) = &state.kv_transfer else {
+        return refuse("this engine has no KV connector".to_owned());
+    };
+    if read.remote_engine_id != config.engine_id {
+        return refuse(format!("unknown engine {:?}", read.remote_engine_id));
+    }
+    let Ok(source) = RemoteSource::from_params(&serde_json::Map::from_iter([
+        ("remote_block_ids".to_owned(), read.remote_block_ids),
+        ("remote_engine_id".to_owned(), read.remote_engine_id.into()),
+        (
+            "remote_request_id".to_owned(),
+            read.remote_request_id.clone().into(),
+        ),
+        ("remote_host".to_owned(), "".into()),
+        ("remote_port".to_owned(), 0.into()),
+    ])) else {
+        return ApiError::bad_request("remote_block_ids must be a non-empty list of block numbers")
+            .into_response();
+    };
+    match state
+        .first_engine()
+        .read_held(&read.remote_request_id, &source.block_ids)
+    {
+        Ok(tokens) => Json(json!({"token_ids": &tokens[..]})).into_response(),
+        Err(refusal) => refuse(refusal.to_string()),
+    }
 }
 
 fn unix_seconds() -> u64 {

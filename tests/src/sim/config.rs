@@ -20,6 +20,9 @@ const DEFAULT_PREFILL_US_PER_TOKEN: f64 = 50.0;
 const DEFAULT_DECODE_MS_PER_TOKEN: f64 = 10.0;
 const DEFAULT_KV_EVENTS_BUFFER_STEPS: usize = 10_000;
 const DEFAULT_KV_EVENTS_QUEUE: usize = 100_000;
+const DEFAULT_KV_TRANSFER_US_PER_BLOCK: f64 = 20.0;
+/// vLLM's `kv_lease_duration` default (seconds a prefill holds its blocks for the decode).
+const DEFAULT_KV_LEASE_SECONDS: f64 = 30.0;
 
 /// Command-line flags (`kvroute-engine-sim --help`).
 #[derive(Debug, Clone, clap::Parser)]
@@ -94,6 +97,17 @@ pub struct SimArgs {
     /// Duration of a decode-only step (one token for every running request), milliseconds.
     #[arg(long, default_value_t = DEFAULT_DECODE_MS_PER_TOKEN)]
     pub decode_ms_per_token: f64,
+    /// vLLM's `--kv-transfer-config` JSON: `kv_connector` (`NixlConnector`, the only one
+    /// simulated), `kv_role` (required with a connector), `engine_id` (default: random),
+    /// `kv_load_failure_policy` (`fail`, the default, or `recompute`), and
+    /// `kv_connector_extra_config.kv_lease_duration` (seconds a finished prefill holds its
+    /// blocks for the decode, default 30). Without it, requests' `kv_transfer_params` are
+    /// ignored, as vLLM ignores them without a connector.
+    #[arg(long)]
+    pub kv_transfer_config: Option<String>,
+    /// KV transfer cost per block a decode reads from a prefill engine, microseconds.
+    #[arg(long, default_value_t = DEFAULT_KV_TRANSFER_US_PER_BLOCK)]
+    pub kv_transfer_us_per_block: f64,
     /// Multiplies every modelled duration (0 = instant; tests use small values).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
@@ -160,6 +174,8 @@ pub struct SimConfig {
     pub chat_template: Option<String>,
     /// Data-parallel ranks behind the API server (1: no data parallelism).
     pub data_parallel_size: u32,
+    /// Prefill/decode disaggregation (`--kv-transfer-config`), when a connector is configured.
+    pub kv_transfer: Option<KvTransferConfig>,
     /// Ready file.
     pub ready_file: Option<PathBuf>,
 }
@@ -198,6 +214,124 @@ pub struct KvEventsConfig {
     pub encoding: Encoding,
     /// `data_parallel_rank` of every batch.
     pub dp_rank: u32,
+}
+
+/// vLLM's `KVTransferConfig` as the simulator honours it (`NixlConnector`).
+#[derive(Debug, Clone)]
+pub struct KvTransferConfig {
+    /// `engine_id`: names this engine in the `kv_transfer_params` its prefills answer.
+    pub engine_id: String,
+    /// `kv_role` (NixlConnector serves both legs whatever it says; the proxy sets the roles).
+    pub kv_role: String,
+    /// `kv_load_failure_policy`.
+    pub failure_policy: KvLoadFailurePolicy,
+    /// `kv_connector_extra_config.kv_lease_duration`: how long a finished prefill holds its
+    /// blocks for the decode to read (real time, not scaled).
+    pub lease: Duration,
+}
+
+/// What a decode does when its KV cannot be loaded (vLLM's `kv_load_failure_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvLoadFailurePolicy {
+    /// The request ends with an error (vLLM's default).
+    Fail,
+    /// The request computes its prompt itself.
+    Recompute,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+struct RawKvTransferConfig {
+    kv_connector: Option<String>,
+    kv_role: Option<String>,
+    engine_id: Option<String>,
+    kv_load_failure_policy: Option<String>,
+    kv_connector_extra_config: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The roles vLLM's `KVTransferConfig` accepts.
+const KV_ROLES: [&str; 3] = ["kv_producer", "kv_consumer", "kv_both"];
+
+/// Parses `--kv-transfer-config`; `None` when it names no connector (vLLM then serves every
+/// request whole).
+fn kv_transfer_config(json: &str) -> Result<Option<KvTransferConfig>, ConfigError> {
+    let flag = "kv-transfer-config";
+    let raw: RawKvTransferConfig =
+        serde_json::from_str(json).map_err(|e| ConfigError::new(flag, json, e))?;
+    let Some(connector) = raw.kv_connector else {
+        return Ok(None);
+    };
+    if connector != "NixlConnector" {
+        return Err(ConfigError::new(
+            flag,
+            json,
+            format!("kv_connector {connector:?}: the simulator models NixlConnector only"),
+        ));
+    }
+    // vLLM's rule: a connector needs a role.
+    let kv_role = raw
+        .kv_role
+        .ok_or_else(|| ConfigError::new(flag, json, "kv_role is required with kv_connector"))?;
+    if !KV_ROLES.contains(&kv_role.as_str()) {
+        return Err(ConfigError::new(
+            flag,
+            json,
+            format!("kv_role {kv_role:?}: expected one of {KV_ROLES:?}"),
+        ));
+    }
+    let failure_policy = match raw.kv_load_failure_policy.as_deref() {
+        None | Some("fail") => KvLoadFailurePolicy::Fail,
+        Some("recompute") => KvLoadFailurePolicy::Recompute,
+        Some(other) => {
+            return Err(ConfigError::new(
+                flag,
+                json,
+                format!("kv_load_failure_policy {other:?}: expected fail or recompute"),
+            ));
+        }
+    };
+    let lease_seconds = match raw.kv_connector_extra_config.get("kv_lease_duration") {
+        None => DEFAULT_KV_LEASE_SECONDS,
+        Some(value) => value
+            .as_f64()
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .ok_or_else(|| {
+                ConfigError::new(flag, json, "kv_lease_duration must be a number >= 0")
+            })?,
+    };
+    let lease =
+        Duration::try_from_secs_f64(lease_seconds).map_err(|e| ConfigError::new(flag, json, e))?;
+    Ok(Some(KvTransferConfig {
+        engine_id: raw.engine_id.unwrap_or_else(random_engine_id),
+        kv_role,
+        failure_policy,
+        lease,
+    }))
+}
+
+/// vLLM's default `engine_id` is a random UUID; a UUID-shaped random id.
+fn random_engine_id() -> String {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let mut words = [0u64; 2];
+    for (i, word) in words.iter_mut().enumerate() {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_usize(i);
+        hasher.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        *word = hasher.finish();
+    }
+    let hex = format!("{:016x}{:016x}", words[0], words[1]);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
 }
 
 /// A flag value that cannot be used.
@@ -270,7 +404,25 @@ impl TryFrom<SimArgs> for SimConfig {
             prefill_overhead: duration("ttft-overhead-ms", args.ttft_overhead_ms, 1e-3)?,
             prefill_per_token: duration("prefill-us-per-token", args.prefill_us_per_token, 1e-6)?,
             decode: duration("decode-ms-per-token", args.decode_ms_per_token, 1e-3)?,
+            kv_transfer_per_block: duration(
+                "kv-transfer-us-per-block",
+                args.kv_transfer_us_per_block,
+                1e-6,
+            )?,
         };
+        let kv_transfer = args
+            .kv_transfer_config
+            .as_deref()
+            .map(kv_transfer_config)
+            .transpose()?
+            .flatten();
+        if kv_transfer.is_some() && args.data_parallel_size > 1 {
+            return Err(ConfigError::new(
+                "kv-transfer-config",
+                args.kv_transfer_config.as_deref().unwrap_or_default(),
+                "the simulator serves disaggregation on one data-parallel rank only",
+            ));
+        }
         let kv_events = args
             .kv_events_config
             .as_deref()
@@ -304,6 +456,7 @@ impl TryFrom<SimArgs> for SimConfig {
             default_max_tokens: args.default_max_tokens,
             chat_template,
             data_parallel_size: args.data_parallel_size,
+            kv_transfer,
             ready_file: args.ready_file,
         })
     }

@@ -10,16 +10,22 @@
 //!   what the published batches describe. (vLLM publishes the same batch one forward pass later,
 //!   when the step's output is processed.)
 //! - A client that leaves aborts its request (blocks freed), as vLLM does on disconnect.
+//! - Disaggregation ([`EngineLeg`], vLLM's `NixlConnector` in pull mode): a prefill leg's
+//!   blocks are held when it finishes, under its internal request id, until a decode reads them
+//!   ([`Engine::read_held`]) or the lease expires (checked by the engine loop); a decode leg
+//!   is queued with the prompt tokens its prefill engine handed over, which it loads instead
+//!   of computing.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvroute_block_keys::{Digest, ExtraKeys, ExtraKeysEra, HashValue, MultiModalItem, VllmHasher};
-use kvroute_engine_model::{HeldBlock, Linear, NewSeq, Scheduler, SchedulerConfig, SeqId};
+use kvroute_engine_model::{HeldBlock, Leg, Linear, NewSeq, Scheduler, SchedulerConfig, SeqId};
 use kvroute_index_core::event::KvEvent;
 use parking_lot::Mutex;
 use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::config::CacheGeometry;
@@ -71,6 +77,85 @@ pub struct EngineCounters {
     pub generation_tokens: AtomicU64,
     /// `vllm:request_success_total`.
     pub requests_finished: AtomicU64,
+    /// `vllm:external_prefix_cache_queries_total` (tokens; with a KV connector only).
+    pub external_queries: AtomicU64,
+    /// `vllm:external_prefix_cache_hits_total` (tokens loaded from a prefill engine).
+    pub external_hits: AtomicU64,
+    /// `vllm:prompt_tokens_by_source_total{source="local_compute"}`.
+    pub prompt_computed: AtomicU64,
+    /// `vllm:prompt_tokens_by_source_total{source="local_cache_hit"}`.
+    pub prompt_local_hits: AtomicU64,
+    /// `vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`.
+    pub prompt_external: AtomicU64,
+    /// `vllm:prompt_tokens_cached_total` (local + external).
+    pub prompt_cached: AtomicU64,
+    /// Held prefill blocks a decode read (the simulator's own).
+    pub kv_reads_served: AtomicU64,
+    /// Reads refused: nothing held under that id (never, or no longer) or other blocks.
+    pub kv_reads_refused: AtomicU64,
+    /// Holds released because their lease expired before any decode read them.
+    pub kv_leases_expired: AtomicU64,
+}
+
+/// A request's role in a disaggregated request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum EngineLeg {
+    /// An ordinary request.
+    Whole,
+    /// `do_remote_decode`: its blocks are held under `request_id` when it finishes.
+    Prefill {
+        /// vLLM's internal request id (`remote_request_id` of the answer).
+        request_id: String,
+    },
+    /// `do_remote_prefill`: its first `remote_tokens` prompt tokens were handed over by the
+    /// prefill engine and are loaded, not computed.
+    Decode {
+        /// Prompt tokens loaded.
+        remote_tokens: usize,
+    },
+}
+
+/// A finished prefill leg's blocks as its answer names them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldReport {
+    /// Block ids in vLLM's numbering (block 0 is vLLM's null block, so the pool's first is 1).
+    pub block_ids: Vec<usize>,
+    /// Tokens with KV in the blocks (`remote_num_tokens`).
+    pub computed_tokens: usize,
+}
+
+/// Why a decode's read of held blocks was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ReadRefusal {
+    /// Nothing is held under that request id: never prefilled here, already read, or the
+    /// lease expired.
+    #[error(
+        "no blocks are held for this request (never prefilled here, already read, or the lease expired)"
+    )]
+    NotHeld,
+    /// Blocks are held under that id, but not the ones named.
+    #[error("the blocks named are not the ones held for this request")]
+    OtherBlocks,
+}
+
+impl ReadRefusal {
+    /// Label value.
+    pub fn as_label(&self) -> &'static str {
+        match self {
+            ReadRefusal::NotHeld => "not_held",
+            ReadRefusal::OtherBlocks => "other_blocks",
+        }
+    }
+}
+
+/// Blocks held for a decode.
+#[derive(Debug)]
+struct Held {
+    seq: SeqId,
+    /// The tokens whose KV the blocks hold.
+    tokens: Arc<[u32]>,
+    block_ids: Vec<usize>,
+    expires: Instant,
 }
 
 /// A point-in-time view for `/metrics`.
@@ -85,25 +170,33 @@ pub struct EngineGauges {
 }
 
 /// What a request's client has been told so far.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Progress {
     /// Output tokens produced.
     emitted: usize,
     /// Leading prompt blocks found cached (set with the first token).
     hit_blocks: usize,
+    /// Prompt tokens loaded from a prefill engine (set with the first token).
+    external_tokens: usize,
     /// All its tokens are out.
     finished: bool,
+    /// A prefill leg's held blocks (set before its last token).
+    held: Option<HeldReport>,
 }
 
 #[derive(Debug)]
 struct Tracked {
     prompt_len: usize,
     progress: watch::Sender<Progress>,
+    /// A prefill leg's internal request id and tokens.
+    prefill: Option<(String, Arc<[u32]>)>,
 }
 
 struct State {
     scheduler: Scheduler<Digest>,
     tracked: HashMap<SeqId, Tracked>,
+    /// Finished prefill legs' blocks by internal request id.
+    held: HashMap<String, Held>,
     next_id: SeqId,
     shut_down: bool,
 }
@@ -115,6 +208,9 @@ pub struct Engine {
     timing: Linear,
     hasher: VllmHasher,
     sink: Option<EventSink>,
+    /// How long a finished prefill holds its blocks (`kv_lease_duration`); `None` without a
+    /// KV connector.
+    lease: Option<std::time::Duration>,
     /// Wakes [`Engine::run`] when a request is queued.
     work: Notify,
     /// Event batches handed to the sink; changes under the state lock with every cache change
@@ -139,6 +235,7 @@ impl Engine {
         timing: Linear,
         hasher: VllmHasher,
         sink: Option<EventSink>,
+        lease: Option<std::time::Duration>,
     ) -> Self {
         let scheduler = Scheduler::new(SchedulerConfig {
             num_blocks: geometry.num_blocks,
@@ -150,6 +247,7 @@ impl Engine {
             state: Mutex::new(State {
                 scheduler,
                 tracked: HashMap::new(),
+                held: HashMap::new(),
                 next_id: 0,
                 shut_down: false,
             }),
@@ -157,6 +255,7 @@ impl Engine {
             timing,
             hasher,
             sink,
+            lease,
             work: Notify::new(),
             published_batches: AtomicU64::new(0),
             counters: EngineCounters::default(),
@@ -168,17 +267,25 @@ impl Engine {
     /// stream cut short).
     pub async fn run(self: Arc<Self>, cancel: CancellationToken) {
         loop {
-            let duration = {
+            let (duration, next_expiry) = {
                 let mut state = self.state.lock();
+                self.expire_leases(&mut state);
                 let duration = state.scheduler.start_step(&self.timing);
                 let events = state.scheduler.take_events();
                 self.publish(events);
-                duration
+                (duration, state.held.values().map(|h| h.expires).min())
             };
             let Some(duration) = duration else {
+                let lease_ends = async {
+                    match next_expiry {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     () = cancel.cancelled() => break,
                     () = self.work.notified() => continue,
+                    () = lease_ends => continue,
                 }
             };
             tokio::select! {
@@ -190,6 +297,73 @@ impl Engine {
         let mut state = self.state.lock();
         state.shut_down = true;
         state.tracked.clear();
+    }
+
+    /// Frees the held blocks whose lease ended (vLLM's `_reap_expired_send_leases`).
+    fn expire_leases(&self, state: &mut State) {
+        let now = Instant::now();
+        let expired: Vec<String> = state
+            .held
+            .iter()
+            .filter(|(_, held)| held.expires <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            if let Some(held) = state.held.remove(&id) {
+                state.scheduler.release_held(held.seq);
+                self.counters
+                    .kv_leases_expired
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(request_id = %id, "releasing expired KV blocks no decode read");
+                self.work.notify_one();
+            }
+        }
+    }
+
+    /// A decode engine reads the blocks held for `request_id` (the simulator's stand-in for
+    /// NIXL's read and its completion notification): their tokens, and the hold ends. Block ids
+    /// are vLLM's numbering, as the prefill's answer gave them.
+    pub fn read_held(
+        &self,
+        request_id: &str,
+        block_ids: &[usize],
+    ) -> Result<Arc<[u32]>, ReadRefusal> {
+        let mut state = self.state.lock();
+        self.expire_leases(&mut state);
+        let refused = |reason: ReadRefusal| {
+            self.counters
+                .kv_reads_refused
+                .fetch_add(1, Ordering::Relaxed);
+            Err(reason)
+        };
+        let Some(held) = state.held.get(request_id) else {
+            return refused(ReadRefusal::NotHeld);
+        };
+        if held.block_ids != block_ids {
+            return refused(ReadRefusal::OtherBlocks);
+        }
+        let Some(held) = state.held.remove(request_id) else {
+            return refused(ReadRefusal::NotHeld);
+        };
+        state.scheduler.release_held(held.seq);
+        self.counters
+            .kv_reads_served
+            .fetch_add(1, Ordering::Relaxed);
+        // Freed blocks may let a waiting request in.
+        self.work.notify_one();
+        Ok(held.tokens)
+    }
+
+    /// Internal request ids whose blocks are held, with their block ids.
+    pub fn held_prefills(&self) -> Vec<(String, Vec<usize>)> {
+        let state = self.state.lock();
+        let mut held: Vec<_> = state
+            .held
+            .iter()
+            .map(|(id, held)| (id.clone(), held.block_ids.clone()))
+            .collect();
+        held.sort();
+        held
     }
 
     fn finish_step(&self) {
@@ -204,13 +378,57 @@ impl Engine {
             let Some(tracked) = state.tracked.get(&first.id) else {
                 continue;
             };
+            let prompt = tracked.prompt_len;
             let hit_tokens = first.hit_blocks as usize * bs;
-            add(&self.counters.prefix_cache_queries, tracked.prompt_len);
+            let external = first.external_tokens as usize;
+            // vLLM 0.32's accounting: local hits in the prefix-cache counters, the connector's
+            // query (what the local cache missed) and hits apart, the prompt split by source.
+            add(&self.counters.prefix_cache_queries, prompt);
             add(&self.counters.prefix_cache_hits, hit_tokens);
-            add(&self.counters.prompt_tokens, tracked.prompt_len);
-            tracked
-                .progress
-                .send_modify(|p| p.hit_blocks = first.hit_blocks as usize);
+            if self.lease.is_some() {
+                add(&self.counters.external_queries, prompt - hit_tokens);
+                add(&self.counters.external_hits, external);
+            }
+            add(&self.counters.prompt_tokens, prompt);
+            add(&self.counters.prompt_local_hits, hit_tokens);
+            add(&self.counters.prompt_external, external);
+            add(&self.counters.prompt_cached, hit_tokens + external);
+            add(
+                &self.counters.prompt_computed,
+                prompt.saturating_sub(hit_tokens + external),
+            );
+            tracked.progress.send_modify(|p| {
+                p.hit_blocks = first.hit_blocks as usize;
+                p.external_tokens = external;
+            });
+        }
+        let expires = Instant::now() + self.lease.unwrap_or_default();
+        for leg in &outcome.held {
+            let Some((request_id, tokens)) =
+                state.tracked.get(&leg.id).and_then(|t| t.prefill.clone())
+            else {
+                // Not held for anyone: free at once.
+                state.scheduler.release_held(leg.id);
+                continue;
+            };
+            let computed = (leg.computed_tokens as usize).min(tokens.len());
+            let block_ids: Vec<usize> = leg.blocks.iter().map(|b| b + 1).collect();
+            if let Some(tracked) = state.tracked.get(&leg.id) {
+                let report = HeldReport {
+                    block_ids: block_ids.clone(),
+                    computed_tokens: computed,
+                };
+                tracked.progress.send_modify(|p| p.held = Some(report));
+            }
+            state.held.insert(
+                request_id,
+                Held {
+                    seq: leg.id,
+                    tokens: tokens[..computed].into(),
+                    block_ids,
+                    expires,
+                },
+            );
         }
         add(&self.counters.generation_tokens, outcome.emitted.len());
         for id in &outcome.emitted {
@@ -235,6 +453,7 @@ impl Engine {
         prompt: Vec<u32>,
         images: &[PlacedImage],
         output: Vec<u32>,
+        leg: EngineLeg,
     ) -> Result<Sequence, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -256,6 +475,19 @@ impl Engine {
         let mut tokens = prompt;
         tokens.extend(output);
         let (keys, extra_keys) = self.hash_blocks(&tokens[..computed], images);
+        let tokens: Arc<[u32]> = tokens.into();
+        let (model_leg, prefill) = match leg {
+            EngineLeg::Whole => (Leg::Whole, None),
+            EngineLeg::Prefill { request_id } => {
+                (Leg::Prefill, Some((request_id, Arc::clone(&tokens))))
+            }
+            EngineLeg::Decode { remote_tokens } => (
+                Leg::Decode {
+                    remote_tokens: u32::try_from(remote_tokens).unwrap_or(u32::MAX),
+                },
+                None,
+            ),
+        };
         let (progress, mut watched) = watch::channel(Progress::default());
         let id = {
             let mut state = self.state.lock();
@@ -264,19 +496,23 @@ impl Engine {
             }
             let id = state.next_id;
             state.next_id += 1;
-            state.scheduler.enqueue(NewSeq {
-                id,
-                prompt_len: prompt_len as u32,
-                output_len: max_tokens.max(1) as u32,
-                keys: keys.into(),
-                tokens: Some(tokens.into()),
-                extra_keys,
-            });
+            state.scheduler.enqueue_leg(
+                NewSeq {
+                    id,
+                    prompt_len: prompt_len as u32,
+                    output_len: max_tokens.max(1) as u32,
+                    keys: keys.into(),
+                    tokens: Some(tokens),
+                    extra_keys,
+                },
+                model_leg,
+            );
             state.tracked.insert(
                 id,
                 Tracked {
                     prompt_len,
                     progress,
+                    prefill,
                 },
             );
             id
@@ -290,6 +526,7 @@ impl Engine {
             max_tokens,
             consumed: 0,
             hit_blocks: 0,
+            external_tokens: 0,
             finished: false,
             progress: watched.clone(),
         };
@@ -298,6 +535,7 @@ impl Engine {
             .await
             .map_err(|_| EngineError::ShuttingDown)?;
         sequence.hit_blocks = first.hit_blocks;
+        sequence.external_tokens = first.external_tokens;
         drop(first);
         Ok(sequence)
     }
@@ -399,6 +637,7 @@ pub struct Sequence {
     max_tokens: usize,
     consumed: usize,
     hit_blocks: usize,
+    external_tokens: usize,
     finished: bool,
     progress: watch::Receiver<Progress>,
 }
@@ -413,9 +652,26 @@ impl std::fmt::Debug for Sequence {
 }
 
 impl Sequence {
-    /// Prompt tokens served from the prefix cache (`usage.prompt_tokens_details.cached_tokens`).
+    /// Prompt tokens not computed, as vLLM's usage counts them
+    /// (`usage.prompt_tokens_details.cached_tokens`): local prefix hits plus tokens loaded from
+    /// a prefill engine.
     pub fn cached_tokens(&self) -> usize {
+        self.local_cached_tokens() + self.external_tokens
+    }
+
+    /// Prompt tokens found in this engine's prefix cache.
+    pub fn local_cached_tokens(&self) -> usize {
         self.hit_blocks * self.engine.geometry.block_size
+    }
+
+    /// Prompt tokens loaded from a prefill engine.
+    pub fn external_tokens(&self) -> usize {
+        self.external_tokens
+    }
+
+    /// A finished prefill leg's held blocks (once its last token is out).
+    pub fn held(&self) -> Option<HeldReport> {
+        self.progress.borrow().held.clone()
     }
 
     /// Prompt length.

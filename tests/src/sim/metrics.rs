@@ -54,7 +54,7 @@ impl MetricsInfo {
                 let _ = writeln!(out, "{name}{{{labels}}} {}", float(value(gauges)));
             }
         }
-        let counter_list: [(&str, &str, CounterOf); 4] = [
+        let counter_list: [(&str, &str, CounterOf); 7] = [
             (
                 "vllm:prefix_cache_queries",
                 "Prefix cache queries, in terms of number of queried tokens.",
@@ -75,6 +75,23 @@ impl MetricsInfo {
                 "Number of generation tokens processed.",
                 |c| &c.generation_tokens,
             ),
+            (
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, \
+                 in terms of number of queried tokens.",
+                |c| &c.external_queries,
+            ),
+            (
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, \
+                 in terms of number of cached tokens.",
+                |c| &c.external_hits,
+            ),
+            (
+                "vllm:prompt_tokens_cached",
+                "Number of cached prompt tokens (local + external).",
+                |c| &c.prompt_cached,
+            ),
         ];
         for (name, help, counter) in counter_list {
             let _ = write!(
@@ -85,6 +102,27 @@ impl MetricsInfo {
                 let _ = write!(
                     out,
                     "{name}_total{{{labels}}} {}\n{name}_created{{{labels}}} {}\n",
+                    float(counter(&engine.counters).load(Ordering::Relaxed) as f64),
+                    float(self.created),
+                );
+            }
+        }
+        let _ = write!(
+            out,
+            "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.\n\
+             # TYPE vllm:prompt_tokens_by_source_total counter\n"
+        );
+        let sources: [(&str, CounterOf); 3] = [
+            ("local_compute", |c| &c.prompt_computed),
+            ("local_cache_hit", |c| &c.prompt_local_hits),
+            ("external_kv_transfer", |c| &c.prompt_external),
+        ];
+        for (labels, engine) in labels.iter().zip(engines) {
+            for (source, counter) in sources {
+                let _ = write!(
+                    out,
+                    "vllm:prompt_tokens_by_source_total{{{labels},source=\"{source}\"}} {}\n\
+                     vllm:prompt_tokens_by_source_created{{{labels},source=\"{source}\"}} {}\n",
                     float(counter(&engine.counters).load(Ordering::Relaxed) as f64),
                     float(self.created),
                 );

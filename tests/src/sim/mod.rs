@@ -19,6 +19,15 @@
 //!   vLLM does not say).
 //! - `GET /debug/blocks`: the blocks it holds, as published u64 hashes, to compare with an index,
 //!   and `published_batches` (event batches so far, read with the blocks under one lock).
+//! - Prefill/decode disaggregation as vLLM 0.32's `NixlConnector` serves it, with
+//!   `--kv-transfer-config`: a request with `kv_transfer_params.do_remote_decode` is a prefill
+//!   leg whose blocks are held and whose answer carries the parameters a decode needs; one with
+//!   `do_remote_prefill` is a decode leg that reads those blocks from the prefill simulator
+//!   named by `remote_host`/`remote_port` over the simulator's own side channel
+//!   (`POST /sim/nixl/read`, its stand-in for NIXL's handshake, read and notification) and
+//!   loads them instead of computing its prompt. `GET /debug/requests` lists the generation
+//!   requests received (headers and body as sent, what the engine computed, loaded and hit);
+//!   `GET /debug/kv_transfer` the held blocks and the reads.
 //!
 //! Lifecycle: [`EngineSim::start`] binds everything (port 0 allowed) and returns the real
 //! addresses; [`EngineSim::shutdown`] stops serving. The binary prints them as one JSON line and
@@ -46,7 +55,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use api::{RECEIVED_TRACEPARENT_HEADER, SERVED_DP_RANK_HEADER};
-pub use config::{CacheGeometry, ConfigError, KvEventsConfig, SimArgs, SimConfig, binds};
+pub use config::{
+    CacheGeometry, ConfigError, KvEventsConfig, KvLoadFailurePolicy, KvTransferConfig, SimArgs,
+    SimConfig, binds,
+};
 pub use engine::{Engine, EngineError, EventSink, Sequence};
 
 /// Why the simulator could not start.
@@ -176,6 +188,7 @@ impl EngineSim {
                 config.timing,
                 hasher.clone(),
                 sink,
+                config.kv_transfer.as_ref().map(|kv| kv.lease),
             ));
             tasks.spawn(Arc::clone(&engine).run(cancel.clone()));
             engines.push(engine);
@@ -192,14 +205,6 @@ impl EngineSim {
             hash_algo: config.hash_algo.to_string(),
             created: unix_now(),
         };
-        let state = api::AppState::new(
-            engines,
-            tokenizer,
-            config.model_name.clone(),
-            config.model_dir.display().to_string(),
-            config.default_max_tokens,
-            info,
-        )?;
         let listener = tokio::net::TcpListener::bind(config.http_addr)
             .await
             .map_err(|source| SimError::Bind {
@@ -210,6 +215,15 @@ impl EngineSim {
             addr: config.http_addr,
             source,
         })?;
+        let state = api::AppState::new(
+            engines,
+            tokenizer,
+            config.model_name.clone(),
+            config.model_dir.display().to_string(),
+            config.default_max_tokens,
+            info,
+        )?
+        .with_kv_transfer(config.kv_transfer.clone(), http);
         let app = api::router(Arc::new(state));
         let shutdown = cancel.clone();
         tasks.spawn(async move {

@@ -32,6 +32,7 @@ mod sdk_streams;
 mod shadow;
 mod sim;
 mod sim_index;
+mod sim_pd;
 mod soak;
 mod tokenize_parity;
 mod traces;
