@@ -26,6 +26,7 @@ mod log;
 mod net;
 mod ranks;
 pub mod reference;
+mod roles;
 mod tls;
 mod token;
 
@@ -38,6 +39,7 @@ pub use ranks::{
     DATA_PARALLEL_RANK_HEADER, MAX_DATA_PARALLEL_SIZE, check_data_parallel_size,
     rank_ports_overlap, rank_replica_id,
 };
+pub use roles::Role;
 pub use tls::{RawClientTls, RawServerTls};
 pub use token::{RawTokenSource, TokenSource};
 

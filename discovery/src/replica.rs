@@ -5,6 +5,9 @@
 //! stop). One replica per target port; with several ports (GIE `targetPorts`, one per
 //! data-parallel rank) rank `N` is the `N`-th port.
 //!
+//! The pod label `llm-d.ai/role` (llm-d's: `prefill`, `decode`, `prefill-decode`) gives its
+//! part in prefill/decode disaggregation (`both` without it; another value refuses the pod).
+//!
 //! Pod annotations (all optional; a malformed one refuses the pod, counted and logged):
 //!
 //! | annotation | meaning | default |
@@ -53,6 +56,8 @@ pub const ANNOTATION_KV_REPLAY_PORT: &str = "kvroute.io/kv-replay-port";
 pub const ANNOTATION_KV_EVENTS_TOPIC: &str = "kvroute.io/kv-events-topic";
 /// Annotation: data-parallel ranks behind the pod's one API server.
 pub const ANNOTATION_DATA_PARALLEL_SIZE: &str = "kvroute.io/data-parallel-size";
+/// Pod label: the pod's part in prefill/decode disaggregation (llm-d's).
+pub const LABEL_ROLE: &str = "llm-d.ai/role";
 /// Prometheus path when no annotation sets one.
 pub const DEFAULT_METRICS_PATH: &str = "/metrics";
 
@@ -68,6 +73,8 @@ pub struct Replica {
     /// Whether several ranks share this replica's address (`kvroute.io/data-parallel-size`): a
     /// request routed to it names `rank` in the `x-data-parallel-rank` header.
     pub rank_by_header: bool,
+    /// Its part in prefill/decode disaggregation (label `llm-d.ai/role`; `both` without one).
+    pub role: kvroute_config::Role,
     /// `podIP:port` Envoy routes to.
     pub address: SocketAddr,
     /// `http://podIP:port/path` of the engine's Prometheus metrics.
@@ -123,6 +130,8 @@ pub enum Refusal {
     DuplicateAddress,
     /// A port offset by the rank passes 65535.
     PortOverflow,
+    /// A `llm-d.ai/role` label that names no role kvroute routes to (e.g. llm-d's `encode`).
+    UnknownRole,
     /// Ranks behind one API server whose KV-event ports, offset by the rank, meet their replay
     /// ports (`kvroute.io/kv-replay-port` must leave `data-parallel-size` ports after the events').
     RankPortsOverlap,
@@ -138,6 +147,7 @@ impl Refusal {
             Self::DuplicateAddress => "duplicate_address",
             Self::PortOverflow => "port_overflow",
             Self::RankPortsOverlap => "rank_ports_overlap",
+            Self::UnknownRole => "unknown_role",
         }
     }
 }
@@ -215,6 +225,15 @@ pub(crate) fn replicas_of(pod: &Pod, plan: &PortPlan) -> Result<Vec<Replica>, Re
         IpAddr::V4(v4) => v4.to_string(),
         IpAddr::V6(v6) => format!("[{v6}]"),
     };
+    let role = match pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(LABEL_ROLE))
+    {
+        None => kvroute_config::Role::default(),
+        Some(value) => kvroute_config::Role::from_pod_label(value).ok_or(Refusal::UnknownRole)?,
+    };
     let shared_ranks = match annotation(ANNOTATION_DATA_PARALLEL_SIZE) {
         None => 1,
         Some(size) => size
@@ -267,6 +286,7 @@ pub(crate) fn replicas_of(pod: &Pod, plan: &PortPlan) -> Result<Vec<Replica>, Re
             pod: name.clone(),
             rank,
             rank_by_header,
+            role,
             address: SocketAddr::new(ip, port),
             metrics_url: format!("http://{host}:{metrics_port}{metrics_path}"),
             kv_events: format!("tcp://{host}:{}", offset(kv_events_port)?),
@@ -352,6 +372,7 @@ mod tests {
                 pod: "vllm-0".into(),
                 rank: 0,
                 rank_by_header: false,
+                role: kvroute_config::Role::Both,
                 address: "10.0.0.5:8000".parse().unwrap(),
                 metrics_url: "http://10.0.0.5:8000/metrics".into(),
                 kv_events: "tcp://10.0.0.5:5557".into(),
@@ -432,6 +453,25 @@ mod tests {
             Err(Refusal::BadAnnotation),
             "ports and shared ranks at once"
         );
+    }
+
+    #[test]
+    fn llm_ds_role_label_gives_the_role_and_an_unknown_one_refuses_the_pod() {
+        let mut pod = ready_pod("p", "10.0.0.1", serde_json::json!({}));
+        let plan = plan(vec![TargetPort::Number(8000)]);
+        for (label, role) in [
+            ("prefill", kvroute_config::Role::Prefill),
+            ("decode", kvroute_config::Role::Decode),
+            ("prefill-decode", kvroute_config::Role::Both),
+        ] {
+            pod.metadata.labels = Some(BTreeMap::from([(LABEL_ROLE.to_owned(), label.to_owned())]));
+            assert_eq!(replicas_of(&pod, &plan).unwrap()[0].role, role, "{label}");
+        }
+        pod.metadata.labels = Some(BTreeMap::from([(
+            LABEL_ROLE.to_owned(),
+            "encode".to_owned(),
+        )]));
+        assert_eq!(replicas_of(&pod, &plan), Err(Refusal::UnknownRole));
     }
 
     #[test]

@@ -27,7 +27,7 @@ use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, Replica, Role};
+use crate::config::{Config, Replica};
 use crate::picker::{Picker, Runtime};
 
 /// `{pool, reason}`.
@@ -291,7 +291,7 @@ fn merge(
                 pool: pool_index,
                 address: discovered.address,
                 dp_rank,
-                role: Role::default(),
+                role: discovered.role,
                 metrics_url: metrics_url.ok(),
                 envoy_cluster: None,
             });
@@ -314,6 +314,7 @@ mod tests {
             pod: id.to_owned(),
             rank: 0,
             rank_by_header: false,
+            role: kvroute_config::Role::Both,
             address: address.parse().unwrap(),
             metrics_url: format!("http://{address}/metrics"),
             kv_events: String::new(),

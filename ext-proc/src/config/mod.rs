@@ -36,6 +36,7 @@ pub use chart::{
     CHART_GRPC_PORT, CHART_HEALTH_PORT, CHART_METRICS_PORT, CHART_SECURE_SERVING, ChartPool,
     ChartSelection, DEFAULT_POOL_GROUP, DEFAULT_SELECTOR_POOL_NAME,
 };
+pub use kvroute_config::Role;
 pub use overrides::Overrides;
 pub use raw::{
     DEFAULT_ADMIN_ADDR, DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_BODY_MODE, DEFAULT_DEBUG_EXPOSE,
@@ -218,40 +219,6 @@ impl PoolMode {
             Self::Route => "route",
             Self::Shadow => "shadow",
         }
-    }
-}
-
-/// A replica's part in prefill/decode disaggregation (llm-d's `llm-d.ai/role` pod label).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Serves whole requests, and either leg of a split one.
-    #[default]
-    Both,
-    /// Only computes prompts for decode replicas (never a request's destination).
-    Prefill,
-    /// Serves requests, pulling a split prompt's KV from a prefill replica.
-    Decode,
-}
-
-impl Role {
-    /// Config value and label.
-    pub fn as_label(self) -> &'static str {
-        match self {
-            Self::Both => "both",
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-        }
-    }
-
-    /// Whether a request may be sent here (every role but `prefill`).
-    pub fn decodes(self) -> bool {
-        self != Self::Prefill
-    }
-
-    /// Whether a split request's prompt may be computed here (every role but `decode`).
-    pub fn prefills(self) -> bool {
-        self != Self::Decode
     }
 }
 

@@ -408,6 +408,7 @@ mod tests {
             pod: id.to_owned(),
             rank: 0,
             rank_by_header: false,
+            role: kvroute_config::Role::Both,
             address: format!("10.0.0.1:{port}").parse().unwrap(),
             metrics_url: String::new(),
             kv_events: format!("tcp://10.0.0.1:{port}"),

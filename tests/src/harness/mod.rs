@@ -15,6 +15,7 @@ pub mod health;
 pub mod http;
 pub mod metrics;
 pub mod otlp;
+pub mod pd_sidecar;
 pub mod ports;
 mod process;
 mod proxy;

@@ -119,9 +119,10 @@ pub(super) fn ext_proc_config(
         .map(|(i, addr)| {
             format!(
                 "- {{id: {id}, pool: {MODEL}, address: \"{addr}\", metrics_url: \"http://{addr}/metrics\", \
-                 data_parallel_size: {ranks}}}\n",
+                 data_parallel_size: {ranks}, role: {role}}}\n",
                 id = replica_id(i),
                 ranks = options.data_parallel_size.max(1),
+                role = options.replica_roles.get(i).copied().unwrap_or("both"),
             )
         })
         .collect();

@@ -299,6 +299,12 @@ pub struct StackOptions {
     /// the index, the agent and ext-proc declare them (`data_parallel_size`) and route to each
     /// rank as replica `sim-<i>@dp<rank>`.
     pub data_parallel_size: u32,
+    /// Flags added to sim `i`'s command line (none without an entry), e.g. its
+    /// `--kv-transfer-config`.
+    pub sim_extra_args: Vec<Vec<String>>,
+    /// Replica `i`'s `role` in ext-proc's config (`both` without an entry): prefill/decode
+    /// disaggregation, with `pool_extra_config` giving the pool its `disaggregation`.
+    pub replica_roles: Vec<&'static str>,
 }
 
 /// A fault in one sim's KV-event feed to the index (the sim itself serves normally).
@@ -413,6 +419,8 @@ impl Default for StackOptions {
             events_faults: Vec::new(),
             refusing_replicas: 0,
             data_parallel_size: 1,
+            sim_extra_args: Vec::new(),
+            replica_roles: Vec::new(),
             ext_proc_env: Vec::new(),
             index_env: Vec::new(),
             agent_env: Vec::new(),

@@ -138,6 +138,13 @@ pub(super) fn sim_args(
             .map(|template| ("--chat-template", template)),
     )
     .flat_map(|(flag, value)| [flag.to_owned(), value])
+    .chain(
+        options
+            .sim_extra_args
+            .get(replica)
+            .cloned()
+            .unwrap_or_default(),
+    )
     .collect())
 }
 

@@ -5,6 +5,7 @@ mod agent_engines;
 mod check;
 mod common;
 mod data_parallel;
+mod disaggregation;
 mod discovery;
 mod drift;
 mod embedded_index;
