@@ -658,3 +658,30 @@ fn data_parallel_ranks_are_targets_of_their_own_behind_one_address() {
         .contains("replicas[0].data_parallel_size")
     );
 }
+
+#[test]
+fn a_prefill_only_replica_needs_a_disaggregated_pool() {
+    let error = error_of(&MINIMAL.replace(
+        "address: \"127.0.0.1:8000\"}",
+        "address: \"127.0.0.1:8000\", role: prefill}",
+    ));
+    assert!(error.contains("replicas[0].role"), "{error}");
+    let config = Config::from_yaml(&MINIMAL.replace(
+        "  key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}\n",
+        "  key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}\n  disaggregation: {}\n",
+    )
+    .replace(
+        "address: \"127.0.0.1:8000\"}",
+        "address: \"127.0.0.1:8000\", role: prefill}\n- {id: r1, pool: p, address: \"127.0.0.1:8001\", role: decode}",
+    ))
+    .unwrap();
+    let disaggregation = config.pools[0].disaggregation.unwrap();
+    assert_eq!(
+        (
+            disaggregation.min_prompt_tokens,
+            disaggregation.min_uncached_tokens
+        ),
+        (1024, 512),
+        "llm-d's documented example"
+    );
+}

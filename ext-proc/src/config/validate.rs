@@ -97,6 +97,20 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
             }
         }
     }
+    for (i, replica) in config.replicas.iter().enumerate() {
+        let pool = &config.pools[replica.pool];
+        if replica.role == crate::config::Role::Prefill && pool.disaggregation.is_none() {
+            return Err(invalid(
+                format!("replicas[{i}].role"),
+                replica.role.as_label(),
+                format_args!(
+                    "pool {:?} splits no requests (no `disaggregation:`), so a prefill-only \
+                     replica would never be used",
+                    pool.name
+                ),
+            ));
+        }
+    }
     let mut ids = HashSet::new();
     let mut addresses = HashSet::new();
     for (i, replica) in config.replicas.iter().enumerate() {
