@@ -107,6 +107,24 @@ macro_rules! event_source_section {
                 self.data_parallel_size.unwrap_or(1)
             }
 
+            /// Rank `rank`'s publisher endpoint (empty without one) and replay endpoint: rank
+            /// 0's offset by the rank, as vLLM offsets them (`check` proved every rank's exist).
+            pub fn rank_endpoints(
+                &self,
+                rank: u32,
+            ) -> (::std::string::String, ::core::option::Option<::std::string::String>) {
+                let offset = |endpoint: &$crate::ZmqEndpoint| {
+                    endpoint
+                        .for_data_parallel_rank(rank)
+                        .ok()
+                        .map(::std::string::String::from)
+                };
+                (
+                    self.endpoint.as_ref().and_then(offset).unwrap_or_default(),
+                    self.replay_endpoint.as_ref().and_then(offset),
+                )
+            }
+
             /// `max_message_bytes`, or its default.
             pub fn max_message_bytes_or_default(&self) -> usize {
                 self.max_message_bytes

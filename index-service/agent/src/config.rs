@@ -31,8 +31,7 @@ use serde::Deserialize;
 use serde::de::IgnoredAny;
 
 use kvroute_config::{
-    ConfigDuration, ConfigError, ListenAddr, RawClientTls, TokenSource, ZmqEndpoint,
-    format_duration,
+    ConfigDuration, ConfigError, ListenAddr, RawClientTls, TokenSource, format_duration,
 };
 use kvroute_ingest::IngestConfig;
 use kvroute_ingest::zmtp::PeerFilter;
@@ -466,13 +465,7 @@ fn validate_engine(
     let ranks = engine.data_parallel_ranks();
     let mut sockets = Vec::with_capacity(ranks as usize);
     for rank in 0..ranks {
-        // `check` proved every rank's endpoints exist.
-        let rank_endpoint = |endpoint: Option<&ZmqEndpoint>| {
-            endpoint
-                .and_then(|e| e.for_data_parallel_rank(rank).ok())
-                .map(String::from)
-        };
-        let endpoint = rank_endpoint(engine.endpoint.as_ref()).unwrap_or_default();
+        let (endpoint, replay_endpoint) = engine.rank_endpoints(rank);
         let socket = if ranks > 1 {
             let id = kvroute_config::rank_replica_id(&replica, rank);
             IngestConfig::new(Arc::<str>::from(id), endpoint, engine.mode)
@@ -490,7 +483,7 @@ fn validate_engine(
                     .map_or_else(PeerFilter::any, PeerFilter::from_peers),
             );
         socket.max_message_bytes = engine.max_message_bytes_or_default();
-        if let Some(replay) = rank_endpoint(engine.replay_endpoint.as_ref()) {
+        if let Some(replay) = replay_endpoint {
             socket = socket.with_replay_endpoint(replay);
         }
         sockets.push(socket);

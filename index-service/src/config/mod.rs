@@ -395,13 +395,7 @@ fn validate_replica(
     ids.insert(replica.id.clone(), ranks);
     let mut configs = Vec::with_capacity(ranks as usize);
     for rank in 0..ranks {
-        // `check` proved every rank's endpoints exist.
-        let rank_endpoint = |endpoint: Option<&ZmqEndpoint>| {
-            endpoint
-                .and_then(|e| e.for_data_parallel_rank(rank).ok())
-                .map(String::from)
-        };
-        let endpoint = rank_endpoint(events.endpoint.as_ref()).unwrap_or_default();
+        let (endpoint, replay_endpoint) = events.rank_endpoints(rank);
         if events.mode == SocketMode::Bind && !bound.insert(endpoint.clone()) {
             return Err(ConfigError::at(
                 "events.endpoint",
@@ -419,7 +413,7 @@ fn validate_replica(
             endpoint,
             mode: events.mode,
             max_message_bytes: events.max_message_bytes_or_default(),
-            replay_endpoint: rank_endpoint(events.replay_endpoint.as_ref()),
+            replay_endpoint,
             topic: events.topic.clone(),
             dp_rank,
             dp_rank_checked: ranks > 1,

@@ -137,6 +137,26 @@ struct Seq<K> {
     external_tokens: u32,
 }
 
+impl<K: BlockKey> Seq<K> {
+    /// Caches the blocks `kv_tokens` fill, as far as its keys go (those not cached yet).
+    fn cache_filled(&mut self, pool: &mut BlockPool<K>, kv_tokens: u32, block_size: usize) {
+        let full = (kv_tokens as usize / block_size)
+            .min(self.new.keys.len())
+            .min(self.blocks.len());
+        if full > self.cached {
+            pool.cache_blocks(
+                &self.blocks,
+                &self.new.keys,
+                self.cached,
+                full,
+                self.new.tokens.as_deref(),
+                self.new.extra_keys.as_deref(),
+            );
+            self.cached = full;
+        }
+    }
+}
+
 /// A decode leg waiting for its blocks.
 #[derive(Debug, Clone)]
 struct Loading<K> {
@@ -494,20 +514,7 @@ impl<K: BlockKey> Scheduler<K> {
     fn promote_loaded(&mut self) {
         let bs = self.config.block_size;
         for mut seq in std::mem::take(&mut self.loaded).into_iter().rev() {
-            let full = (seq.computed as usize / bs)
-                .min(seq.new.keys.len())
-                .min(seq.blocks.len());
-            if full > seq.cached {
-                self.pool.cache_blocks(
-                    &seq.blocks,
-                    &seq.new.keys,
-                    seq.cached,
-                    full,
-                    seq.new.tokens.as_deref(),
-                    seq.new.extra_keys.as_deref(),
-                );
-                seq.cached = full;
-            }
+            seq.cache_filled(&mut self.pool, seq.computed, bs);
             if seq.computed >= seq.new.prompt_len {
                 seq.computed = seq.new.prompt_len - 1;
             }
@@ -584,21 +591,7 @@ impl<K: BlockKey> Scheduler<K> {
 
     /// Caches the blocks of running request `index` that `kv_tokens` fill, as far as its keys go.
     fn cache_scheduled(&mut self, index: usize, kv_tokens: u32) {
-        let seq = &mut self.running[index];
-        let full = (kv_tokens as usize / self.config.block_size)
-            .min(seq.new.keys.len())
-            .min(seq.blocks.len());
-        if full > seq.cached {
-            self.pool.cache_blocks(
-                &seq.blocks,
-                &seq.new.keys,
-                seq.cached,
-                full,
-                seq.new.tokens.as_deref(),
-                seq.new.extra_keys.as_deref(),
-            );
-            seq.cached = full;
-        }
+        self.running[index].cache_filled(&mut self.pool, kv_tokens, self.config.block_size);
     }
 
     /// Frees a running request's blocks and sends it back to the head of the queue.
