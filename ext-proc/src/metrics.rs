@@ -70,8 +70,8 @@ pub struct DisaggregationLabels {
 pub struct PrefillLegLabels {
     /// Pool name.
     pub pool: String,
-    /// `ok`, or why the request was served whole: `busy`, `connect_error`, `status`,
-    /// `timeout`, `no_kv_transfer_params`, `bad_request`.
+    /// `ok`, or why the request was served whole: `busy`, `connect_error`,
+    /// `transport_error`, `status`, `timeout`, `no_kv_transfer_params`, `unsupported_request`.
     pub outcome: &'static str,
 }
 
@@ -447,8 +447,8 @@ impl Metrics {
         r.register(
             "disaggregation_prefill_legs",
             "Prefill legs ext-proc sent itself (disaggregation mode envoy), by outcome: ok, or \
-             served whole on the decode replica: busy, connect_error, status, timeout, \
-             no_kv_transfer_params, bad_request",
+             served whole on the decode replica: busy, connect_error, transport_error, status, \
+             timeout, no_kv_transfer_params, unsupported_request",
             metrics.disaggregation_prefill_legs.clone(),
         );
         r.register(
