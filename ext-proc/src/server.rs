@@ -28,7 +28,10 @@
 //! address (vLLM serves the request on that rank; a client's own value is replaced),
 //! `x-prefiller-host-port: ip:port` when a disaggregated pool splits the request (llm-d's
 //! `pd-sidecar` on the decode replica runs the prefill leg there; a client's own value is
-//! replaced, or removed when there is none), and `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
+//! replaced, or removed when there is none; in `disaggregation.mode: envoy` ext-proc runs the
+//! prefill leg itself (`prefill`) and the answer carries the decode leg instead: the body with
+//! the prefill's `kv_transfer_params`, its `x-request-id` and `content-length`), and
+//! `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
 //! requests get an `ImmediateResponse` with an OpenAI-style JSON error: 400/404/413 for bad
 //! requests, 503 with no ready replica, 429 when `epp.shedding` finds the pool saturated. A
 //! request without a body (headers with end of stream) is routed on load in the headers answer;
