@@ -40,6 +40,7 @@ pub mod index_client;
 mod lru;
 pub mod metrics;
 pub mod picker;
+pub mod prefill;
 pub mod records;
 pub mod request;
 mod scrape;

@@ -65,6 +65,16 @@ pub struct DisaggregationLabels {
     pub decision: &'static str,
 }
 
+/// A pool (name from config) and how a prefill leg ext-proc ran ended (a fixed enum).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PrefillLegLabels {
+    /// Pool name.
+    pub pool: String,
+    /// `ok`, or why the request was served whole: `busy`, `connect_error`,
+    /// `transport_error`, `status`, `timeout`, `no_kv_transfer_params`, `unsupported_request`.
+    pub outcome: &'static str,
+}
+
 type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// All metric handles, registered once under the `kvroute_extproc` prefix.
@@ -175,6 +185,10 @@ pub struct Metrics {
     /// Requests of a disaggregated pool, by whether their prompt was split off to a prefill
     /// replica and why not.
     pub disaggregation_decisions: Family<DisaggregationLabels, Counter>,
+    /// Prefill legs ext-proc ran itself (`disaggregation.mode: envoy`), by outcome.
+    pub disaggregation_prefill_legs: Family<PrefillLegLabels, Counter>,
+    /// Prefill-leg attempts repeated after a transient failure.
+    pub disaggregation_prefill_retries: Family<PoolLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -225,6 +239,8 @@ impl Metrics {
             drift_degradations: Family::default(),
             shadow_requests: Family::default(),
             disaggregation_decisions: Family::default(),
+            disaggregation_prefill_legs: Family::default(),
+            disaggregation_prefill_retries: Family::default(),
             shadow_unobserved: Family::default(),
             shadow_prompt_tokens: Family::default(),
             shadow_held_tokens: Family::default(),
@@ -427,6 +443,18 @@ impl Metrics {
             "Requests of a disaggregated pool, by decision: split (prompt computed on a prefill \
              replica), or served whole: short_prompt, cached, no_prefill_replica, no_prompt",
             metrics.disaggregation_decisions.clone(),
+        );
+        r.register(
+            "disaggregation_prefill_legs",
+            "Prefill legs ext-proc sent itself (disaggregation mode envoy), by outcome: ok, or \
+             served whole on the decode replica: busy, connect_error, transport_error, status, \
+             timeout, no_kv_transfer_params, unsupported_request",
+            metrics.disaggregation_prefill_legs.clone(),
+        );
+        r.register(
+            "disaggregation_prefill_retries",
+            "Prefill-leg attempts repeated after a 502, 503 or 504 answer or a refused connection",
+            metrics.disaggregation_prefill_retries.clone(),
         );
         r.register(
             "shadow_requests",

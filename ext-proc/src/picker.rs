@@ -228,6 +228,10 @@ pub struct PrefillLeg {
     pub address: SocketAddr,
     /// In-flight accounting of the prompt computed there.
     pub inflight: InflightGuard,
+    /// Its pool's name (a metric label).
+    pub pool: String,
+    /// How the pool splits: who runs the leg (`mode`), and how ext-proc runs it (`envoy`).
+    pub disaggregation: Disaggregation,
 }
 
 /// Whether a disaggregated pool's request is split off to a prefill replica, and why not (the
@@ -702,6 +706,8 @@ impl Picker {
             replica_id: replica.id.clone(),
             address: replica.address,
             inflight: routed.inflight,
+            pool: pool.name.clone(),
+            disaggregation: *disaggregation,
         })
     }
 

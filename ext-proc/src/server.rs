@@ -28,7 +28,10 @@
 //! address (vLLM serves the request on that rank; a client's own value is replaced),
 //! `x-prefiller-host-port: ip:port` when a disaggregated pool splits the request (llm-d's
 //! `pd-sidecar` on the decode replica runs the prefill leg there; a client's own value is
-//! replaced, or removed when there is none), and `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
+//! replaced, or removed when there is none; in `disaggregation.mode: envoy` ext-proc runs the
+//! prefill leg itself (`prefill`) and the answer carries the decode leg instead: the body with
+//! the prefill's `kv_transfer_params`, its `x-request-id` and `content-length`), and
+//! `x-kvroute-decision: tier/reason` on the upstream request for logs. Refused
 //! requests get an `ImmediateResponse` with an OpenAI-style JSON error: 400/404/413 for bad
 //! requests, 503 with no ready replica, 429 when `epp.shedding` finds the pool saturated. A
 //! request without a body (headers with end of stream) is routed on load in the headers answer;
@@ -59,9 +62,10 @@ use tracing::Instrument as _;
 
 use kvroute_index_core::throttle::LogThrottle;
 
-use crate::config::{BodyMode, DebugHeaders, PoolMode};
+use crate::config::{BodyMode, DebugHeaders, DisaggregationMode, PoolMode};
 use crate::error::RequestError;
 use crate::picker::{Decision, Explain, Picker};
+use crate::prefill::{DecodeLeg, Prefiller, REQUEST_ID_HEADER};
 use crate::records::EXPLAIN_HEADER;
 use crate::request::{self, Endpoint};
 
@@ -93,6 +97,7 @@ pub const MAX_STREAMED_CHUNK: usize = 62_000;
 #[derive(Debug, Clone)]
 pub struct ExtProcService {
     picker: Arc<Picker>,
+    prefiller: Arc<Prefiller>,
     logs: Arc<StreamLogs>,
 }
 
@@ -100,6 +105,7 @@ impl ExtProcService {
     /// A service deciding with `picker`.
     pub fn new(picker: Arc<Picker>) -> Self {
         Self {
+            prefiller: Arc::new(Prefiller::new(picker.metrics().clone())),
             picker,
             logs: Arc::default(),
         }
@@ -168,6 +174,7 @@ impl ExternalProcessor for ExtProcService {
             state: StreamState::default(),
             _active: active,
             picker: Arc::clone(&self.picker),
+            prefiller: Arc::clone(&self.prefiller),
             logs: Arc::clone(&self.logs),
         };
         Ok(Response::new(stream.responses(request.into_inner())))
@@ -200,6 +207,8 @@ impl Drop for ActiveStream {
 struct StreamState {
     request_mode: Option<BodyMode>,
     response_body_full_duplex: bool,
+    /// The request's `:path` (a prefill leg goes to the same one).
+    path: String,
     endpoint: Option<Endpoint>,
     subset: Option<Vec<SocketAddr>>,
     body: Vec<u8>,
@@ -221,6 +230,7 @@ struct StreamTask {
     /// The request's server span (`gateway.request`); `Span::none()` unless request spans are on.
     span: tracing::Span,
     picker: Arc<Picker>,
+    prefiller: Arc<Prefiller>,
     logs: Arc<StreamLogs>,
     /// Responses to the message being handled.
     outbox: Vec<ProcessingResponse>,
@@ -383,6 +393,7 @@ impl StreamTask {
             processing_request::Request::RequestHeaders(headers) => {
                 let path = header(&headers, ":path").unwrap_or_default();
                 self.state.endpoint = Some(Endpoint::from_path(&path));
+                self.state.path = path;
                 self.check_debug_token(&headers);
                 if headers.end_of_stream {
                     return self.route_bodyless().await;
@@ -575,6 +586,8 @@ impl StreamTask {
             reason = decision.reason,
             "routed"
         );
+        let mut decision = decision;
+        let decode_leg = self.run_prefill_leg(&mut decision, endpoint, &body).await;
         let mut mutation = decision_headers(&decision);
         self.trace_decision(&decision, &mut mutation);
         if self.state.headers_answer_owed {
@@ -583,8 +596,15 @@ impl StreamTask {
                 .remove_headers
                 .extend(self.state.strip_header.take());
         }
+        let (body, replaced) = match decode_leg {
+            Some(decode) => {
+                decode_leg_headers(&decode, self.state.headers_answer_owed, &mut mutation);
+                (decode.body, true)
+            }
+            None => (body, false),
+        };
         let applied = decision.mode == PoolMode::Route;
-        let common = CommonResponse {
+        let mut common = CommonResponse {
             header_mutation: Some(mutation),
             clear_route_cache: applied,
             ..CommonResponse::default()
@@ -592,6 +612,12 @@ impl StreamTask {
         let metadata = applied.then(|| destination_metadata(&decision.destination()));
         self.commit_decision(decision);
         if !self.state.headers_answer_owed {
+            if replaced {
+                // BUFFERED: the whole body is replaced (its new content-length is set above).
+                common.body_mutation = Some(BodyMutation {
+                    mutation: Some(body_mutation::Mutation::Body(body)),
+                });
+            }
             let mut response = body_response(common);
             response.dynamic_metadata = metadata;
             return self.send(response);
@@ -620,6 +646,30 @@ impl StreamTask {
             }
         }
         Flow::Continue
+    }
+
+    /// `disaggregation.mode: envoy`: a split request's prefill leg runs now, before Envoy hears
+    /// of the decision; what the decode replica gets, or `None` (not split here, or the leg
+    /// failed: served whole, counted). The prefill replica's in-flight slot ends with its leg.
+    async fn run_prefill_leg(
+        &self,
+        decision: &mut Decision,
+        endpoint: Endpoint,
+        body: &[u8],
+    ) -> Option<DecodeLeg> {
+        if decision.mode != PoolMode::Route {
+            return None;
+        }
+        let leg = decision
+            .prefill
+            .as_mut()
+            .filter(|leg| leg.disaggregation.mode == DisaggregationMode::Envoy)?;
+        let decode = self
+            .prefiller
+            .run(leg, &self.state.path, endpoint, body)
+            .await;
+        leg.inflight.release();
+        decode
     }
 
     /// Decides whether this request gets the debug response headers; in `token` mode marks the
@@ -817,20 +867,41 @@ fn decision_headers(decision: &Decision) -> HeaderMutation {
     // (the shipped Envoy configs strip it before ext_proc too).
     let mut remove_headers = Vec::new();
     match &decision.prefill {
-        Some(prefill) => {
+        Some(prefill) if prefill.disaggregation.mode == DisaggregationMode::Sidecar => {
             set_headers.push(overwrite_header(
                 PREFILLER_HEADER,
                 &prefill.address.to_string(),
             ));
         }
-        None if decision.disaggregated => remove_headers.push(PREFILLER_HEADER.to_owned()),
-        None => {}
+        _ if decision.disaggregated => remove_headers.push(PREFILLER_HEADER.to_owned()),
+        _ => {}
     }
     HeaderMutation {
         set_headers,
         remove_headers,
     }
 }
+
+/// The decode leg's headers after a prefill leg ext-proc ran: the request id both legs share
+/// and the new body's length. BUFFERED (`full_duplex` false) Envoy checks a replaced body
+/// against `content-length`, which the processor must set; FULL_DUPLEX_STREAMED Envoy drops
+/// `content-length` itself (the body is streamed on), and this removes it too.
+fn decode_leg_headers(decode: &DecodeLeg, full_duplex: bool, mutation: &mut HeaderMutation) {
+    mutation
+        .set_headers
+        .push(overwrite_header(REQUEST_ID_HEADER, &decode.request_id));
+    if full_duplex {
+        mutation.remove_headers.push(CONTENT_LENGTH.to_owned());
+    } else {
+        mutation.set_headers.push(overwrite_header(
+            CONTENT_LENGTH,
+            &decode.body.len().to_string(),
+        ));
+    }
+}
+
+/// The request header Envoy checks a replaced BUFFERED body against.
+const CONTENT_LENGTH: &str = "content-length";
 
 /// The decision echoed to the client (`x-kvroute-decision`, predicted cached tokens), only when
 /// `debug_headers` allows it.

@@ -1416,3 +1416,340 @@ async fn index_calls_carry_the_configured_query_token() {
     );
     replicas.stop.cancel();
 }
+
+/// A prefill engine double for `disaggregation.mode: envoy`: answers each POST with the next
+/// scripted status (then 200), a 200 carrying `params` (or no `kv_transfer_params` when `None`),
+/// and records what it got: path, headers, body.
+#[derive(Clone)]
+struct FakePrefill {
+    addr: SocketAddr,
+    script: Arc<Mutex<std::collections::VecDeque<u16>>>,
+    params: Arc<Mutex<Option<serde_json::Value>>>,
+    seen: Arc<Mutex<Vec<SeenLeg>>>,
+}
+
+#[derive(Debug, Clone)]
+struct SeenLeg {
+    path: String,
+    headers: HashMap<String, String>,
+    body: serde_json::Value,
+}
+
+impl FakePrefill {
+    async fn start(stop: CancellationToken) -> Self {
+        use axum::extract::State;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let fake = Self {
+            addr: listener.local_addr().unwrap(),
+            script: Arc::default(),
+            params: Arc::new(Mutex::new(Some(serde_json::json!({
+                "do_remote_prefill": true, "do_remote_decode": false,
+                "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "prefill-0",
+                "remote_host": "10.0.0.3", "remote_port": 5600, "tp_size": 1})))),
+            seen: Arc::default(),
+        };
+        let app = axum::Router::new()
+            .fallback(
+                |State(fake): State<FakePrefill>,
+                 uri: axum::http::Uri,
+                 headers: axum::http::HeaderMap,
+                 body: bytes::Bytes| async move {
+                    fake.seen.lock().push(SeenLeg {
+                        path: uri.path_and_query().unwrap().to_string(),
+                        headers: headers
+                            .iter()
+                            .map(|(k, v)| (k.to_string(), v.to_str().unwrap().to_owned()))
+                            .collect(),
+                        body: serde_json::from_slice(&body).unwrap(),
+                    });
+                    let status = fake.script.lock().pop_front().unwrap_or(200);
+                    let mut answer = serde_json::json!({"id": "chatcmpl-x", "choices": []});
+                    if let Some(params) = fake.params.lock().clone() {
+                        answer["kv_transfer_params"] = params;
+                    }
+                    (
+                        axum::http::StatusCode::from_u16(status).unwrap(),
+                        answer.to_string(),
+                    )
+                },
+            )
+            .with_state(fake.clone());
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+                .unwrap()
+        });
+        fake
+    }
+
+    fn take_seen(&self) -> Vec<SeenLeg> {
+        std::mem::take(&mut *self.seen.lock())
+    }
+}
+
+/// `replicas`' config with r0 and r1 decoding and r2, at `prefill`, computing prompts, split
+/// by `disaggregation` from 600 tokens when 300 are uncached.
+fn envoy_mode_yaml(replicas: &Replicas, prefill: SocketAddr, disaggregation: &str) -> String {
+    replicas
+        .yaml("")
+        .replace(
+            "  key_scheme: {kind: token-chain}\n",
+            &format!(
+                "  key_scheme: {{kind: token-chain}}\n  disaggregation: {{mode: envoy, \
+                 min_prompt_tokens: 600, min_uncached_tokens: 300, {disaggregation}}}\n"
+            ),
+        )
+        .replace(
+            "address: \"10.0.0.3:8000\",",
+            &format!("address: \"{prefill}\", role: prefill,"),
+        )
+        .replace(
+            "address: \"10.0.0.1:8000\",",
+            "address: \"10.0.0.1:8000\", role: decode,",
+        )
+        .replace(
+            "address: \"10.0.0.2:8000\",",
+            "address: \"10.0.0.2:8000\", role: decode,",
+        )
+}
+
+/// A streamed chat of about 800 uncached tokens, distinct per `seed`, with every field the
+/// prefill leg changes.
+fn long_chat(seed: u32) -> Vec<u8> {
+    let document: String = (0..120).map(|i| format!("w{seed}x{i} ")).collect();
+    serde_json::to_vec(&serde_json::json!({
+        "model": "m", "messages": [{"role": "user", "content": document}],
+        "stream": true, "stream_options": {"include_usage": true},
+        "max_tokens": 50, "max_completion_tokens": 50, "min_tokens": 2, "temperature": 0.5}))
+    .unwrap()
+}
+
+/// `client` with `params` (JSON text) appended as its `kv_transfer_params`, byte for byte.
+fn with_params(client: &[u8], params: &str) -> Vec<u8> {
+    let mut expected = client[..client.len() - 1].to_vec();
+    expected.extend_from_slice(format!(",\"kv_transfer_params\":{params}}}").as_bytes());
+    expected
+}
+
+fn prefill_leg_count(metrics: &str, outcome: &str) -> u64 {
+    metric_value(
+        metrics,
+        &format!(
+            "kvroute_extproc_disaggregation_prefill_legs_total{{pool=\"p\",outcome=\"{outcome}\"}} "
+        ),
+    )
+}
+
+fn metric_value(metrics: &str, series: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series))
+        .map_or(0, |value| value.trim().parse().unwrap())
+}
+
+/// Asserts the leg `seen` is the prefill leg of `client` on `path`: NixlConnector's fields, no
+/// client header; its request id.
+fn assert_prefill_leg(seen: &SeenLeg, client: &[u8], path: &str) -> String {
+    assert_eq!(seen.path, path);
+    let mut expected: serde_json::Value = serde_json::from_slice(client).unwrap();
+    let fields = expected.as_object_mut().unwrap();
+    for removed in ["stream_options", "min_tokens"] {
+        fields.remove(removed);
+    }
+    fields.insert("stream".into(), false.into());
+    fields.insert("max_tokens".into(), 1.into());
+    fields.insert("max_completion_tokens".into(), 1.into());
+    fields.insert(
+        "kv_transfer_params".into(),
+        serde_json::json!({"do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
+            "remote_port": null}),
+    );
+    assert_eq!(seen.body, expected);
+    assert_eq!(seen.headers["content-type"], "application/json");
+    assert!(
+        !seen.headers.contains_key("authorization"),
+        "no client header goes with the leg: {:?}",
+        seen.headers
+    );
+    seen.headers["x-request-id"].clone()
+}
+
+#[tokio::test]
+async fn envoy_mode_runs_the_prefill_leg_and_the_decode_replica_gets_its_params() {
+    let replicas = Replicas::start().await;
+    let prefill = FakePrefill::start(replicas.stop.clone()).await;
+    let yaml = envoy_mode_yaml(&replicas, prefill.addr, "prefill_retries: 2");
+    let harness = Harness::start(&yaml, Arc::new(ByteTokenizer)).await;
+    let params = prefill.params.lock().clone().unwrap().to_string();
+    let path = "/v1/chat/completions?trace=1";
+    let client_headers = [("authorization", "Bearer client-secret")];
+
+    // BUFFERED, the prefill first answering 503: tried again with the same id, then the
+    // decode replica gets the client's body plus the parameters, its new length, the same id.
+    prefill.script.lock().push_back(503);
+    let client = long_chat(1);
+    let mut stream = Stream::open(&harness).await;
+    stream
+        .send(request_headers_with(
+            path,
+            BodySendMode::Buffered,
+            None,
+            &client_headers,
+        ))
+        .await;
+    stream.recv().await;
+    stream.send(body(&client, true)).await;
+    let answer = stream.recv().await;
+    let seen = prefill.take_seen();
+    assert_eq!(seen.len(), 2, "one retry after the 503: {seen:?}");
+    let request_id = assert_prefill_leg(&seen[0], &client, path);
+    assert_eq!(assert_prefill_leg(&seen[1], &client, path), request_id);
+    let decode = routed(&answer).endpoint;
+    assert!(
+        ["10.0.0.1:8000", "10.0.0.2:8000"].contains(&decode.as_str()),
+        "{decode}"
+    );
+    let (set, removed) = header_mutation(&answer);
+    let expected = with_params(&client, &params);
+    assert_eq!(set["x-request-id"], request_id);
+    assert_eq!(set["content-length"], expected.len().to_string());
+    assert!(!set.contains_key(PREFILLER_HEADER), "{set:?}");
+    assert!(removed.iter().any(|h| h == PREFILLER_HEADER), "{removed:?}");
+    let Some(processing_response::Response::RequestBody(b)) = &answer.response else {
+        panic!("{answer:?}")
+    };
+    let Some(body_mutation::Mutation::Body(mutated)) = b
+        .response
+        .as_ref()
+        .and_then(|c| c.body_mutation.as_ref())
+        .and_then(|m| m.mutation.clone())
+    else {
+        panic!("no body mutation: {answer:?}")
+    };
+    assert_eq!(
+        String::from_utf8(mutated).unwrap(),
+        String::from_utf8(expected).unwrap()
+    );
+
+    // FULL_DUPLEX: the echoed body is the decode leg's, content-length removed.
+    let client = long_chat(2);
+    let mut stream = Stream::open(&harness).await;
+    stream
+        .send(request_headers_with(
+            "/v1/chat/completions",
+            BodySendMode::FullDuplexStreamed,
+            None,
+            &client_headers,
+        ))
+        .await;
+    stream.send(body(&client, true)).await;
+    let headers = stream.recv().await;
+    let Some(processing_response::Response::RequestHeaders(h)) = &headers.response else {
+        panic!("{headers:?}")
+    };
+    let common = h.response.clone().unwrap();
+    let seen = prefill.take_seen();
+    assert_eq!(seen.len(), 1);
+    let request_id = assert_prefill_leg(&seen[0], &client, "/v1/chat/completions");
+    assert_eq!(set_headers(&common)["x-request-id"], request_id);
+    let mutation = common.header_mutation.unwrap();
+    assert!(
+        mutation
+            .remove_headers
+            .iter()
+            .any(|h| h == "content-length")
+    );
+    let mut echoed = Vec::new();
+    loop {
+        let Some(processing_response::Response::RequestBody(b)) = stream.recv().await.response
+        else {
+            panic!("expected the body echo")
+        };
+        let Some(body_mutation::Mutation::StreamedResponse(chunk)) =
+            b.response.unwrap().body_mutation.unwrap().mutation
+        else {
+            panic!("expected streamed_response")
+        };
+        echoed.extend_from_slice(&chunk.body);
+        if chunk.end_of_stream {
+            break;
+        }
+    }
+    assert_eq!(echoed, with_params(&client, &params));
+
+    // A prefill answering without parameters, or an error that is not transient: served whole
+    // (no body mutation, no request id), each counted.
+    *prefill.params.lock() = None;
+    let whole = buffered(&harness, "/v1/chat/completions", &long_chat(3), None).await;
+    *prefill.params.lock() = Some(serde_json::from_str(&params).unwrap());
+    prefill.script.lock().push_back(500);
+    let refused = buffered(&harness, "/v1/chat/completions", &long_chat(4), None).await;
+    assert_eq!(prefill.take_seen().len(), 2, "a 500 is not tried again");
+    for answer in [&whole, &refused] {
+        let (set, _) = header_mutation(answer);
+        assert!(!set.contains_key("x-request-id"), "{set:?}");
+        let Some(processing_response::Response::RequestBody(b)) = &answer.response else {
+            panic!("{answer:?}")
+        };
+        assert!(b.response.as_ref().unwrap().body_mutation.is_none());
+        assert!(["10.0.0.1:8000", "10.0.0.2:8000"].contains(&routed(answer).endpoint.as_str()));
+    }
+
+    let metrics = kvroute_test_support::http_get(harness.admin, "/metrics").await;
+    assert_eq!(prefill_leg_count(&metrics, "ok"), 2, "{metrics}");
+    assert_eq!(prefill_leg_count(&metrics, "no_kv_transfer_params"), 1);
+    assert_eq!(prefill_leg_count(&metrics, "status"), 1);
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "kvroute_extproc_disaggregation_prefill_retries_total{pool=\"p\"} "
+        ),
+        1
+    );
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}
+
+#[tokio::test]
+async fn envoy_mode_serves_whole_on_the_decode_replica_when_the_prefill_replica_is_dead() {
+    let replicas = Replicas::start().await;
+    // A port nothing listens on.
+    let dead = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let yaml = envoy_mode_yaml(&replicas, dead, "prefill_retries: 2");
+    let harness = Harness::start(&yaml, Arc::new(ByteTokenizer)).await;
+    let answer = buffered(&harness, "/v1/chat/completions", &long_chat(1), None).await;
+    let (set, removed) = header_mutation(&answer);
+    assert!(!set.contains_key("x-request-id"), "{set:?}");
+    assert!(!set.contains_key(PREFILLER_HEADER), "{set:?}");
+    assert!(removed.iter().any(|h| h == PREFILLER_HEADER));
+    let Some(processing_response::Response::RequestBody(b)) = &answer.response else {
+        panic!("{answer:?}")
+    };
+    assert!(b.response.as_ref().unwrap().body_mutation.is_none());
+    assert!(["10.0.0.1:8000", "10.0.0.2:8000"].contains(&routed(&answer).endpoint.as_str()));
+    let metrics = kvroute_test_support::http_get(harness.admin, "/metrics").await;
+    assert_eq!(prefill_leg_count(&metrics, "connect_error"), 1, "{metrics}");
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "kvroute_extproc_disaggregation_decisions_total{pool=\"p\",decision=\"split\"} "
+        ),
+        1
+    );
+    assert_eq!(
+        metric_value(
+            &metrics,
+            "kvroute_extproc_disaggregation_prefill_retries_total{pool=\"p\"} "
+        ),
+        2,
+        "a refused connection is tried again"
+    );
+    harness.shutdown().await;
+    replicas.stop.cancel();
+}

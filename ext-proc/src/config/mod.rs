@@ -44,7 +44,8 @@ pub use raw::{
     DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS, DEFAULT_DRAIN_TIMEOUT, DEFAULT_DRIFT_ACTION,
     DEFAULT_DRIFT_BOUND, DEFAULT_DRIFT_MIN_TOKENS, DEFAULT_DRIFT_WINDOW, DEFAULT_EPP_FALLBACKS,
     DEFAULT_GRPC_ADDR, DEFAULT_INDEX_RETRY_AFTER, DEFAULT_INFLIGHT_MAX_AGE, DEFAULT_MATCH_TIMEOUT,
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_PREFILLS, DEFAULT_MAX_STREAMS,
+    DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE, DEFAULT_PREFILL_RETRIES, DEFAULT_PREFILL_TIMEOUT,
     DEFAULT_RECORD_SAMPLE, DEFAULT_RECORDS_KEPT, DEFAULT_RELOAD_INTERVAL,
     DEFAULT_REMOTE_TOKENIZE_TIMEOUT, DEFAULT_SCRAPE_TIMEOUT, DEFAULT_SECURE_SERVING,
     DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH, DEFAULT_TOKEN_CACHE_BYTES,
@@ -230,6 +231,9 @@ pub enum DisaggregationMode {
     /// in `x-prefiller-host-port`, as llm-d's `pd-sidecar` expects.
     #[default]
     Sidecar,
+    /// ext-proc runs the prefill leg itself before it answers Envoy, and the request goes to
+    /// the decode replica with the prefill's `kv_transfer_params` in its body: no sidecar.
+    Envoy,
 }
 
 impl DisaggregationMode {
@@ -237,6 +241,7 @@ impl DisaggregationMode {
     pub fn as_label(self) -> &'static str {
         match self {
             Self::Sidecar => "sidecar",
+            Self::Envoy => "envoy",
         }
     }
 }
@@ -252,6 +257,19 @@ pub struct Disaggregation {
     /// A prompt is split when at least this many of its tokens are not cached on the chosen
     /// decode replica.
     pub min_uncached_tokens: usize,
+    /// `envoy` mode: how ext-proc runs the prefill leg.
+    pub prefill: PrefillLegSettings,
+}
+
+/// How ext-proc runs a prefill leg itself (`disaggregation.mode: envoy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillLegSettings {
+    /// The whole leg, retries included; past it the request is served whole.
+    pub timeout: Duration,
+    /// Further attempts after a 502, 503 or 504 answer (or a refused connection).
+    pub retries: u32,
+    /// Legs of the pool in flight at once; a split beyond them is served whole.
+    pub max_concurrent: usize,
 }
 
 /// `drift`: when a replica's predicted cached tokens stop matching what its engine reports

@@ -7,10 +7,14 @@ use kvroute_config::ListenAddr;
 use super::build::{http_uri, invalid, missing, or_default};
 use super::raw::{
     DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS,
-    DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS, DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE,
-    DEFAULT_REMOTE_TOKENIZE_TIMEOUT, RawAdapter, RawPool, RawReplica, RawTokenizer,
+    DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS, DEFAULT_MAX_CONCURRENT_PREFILLS,
+    DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE, DEFAULT_PREFILL_RETRIES, DEFAULT_PREFILL_TIMEOUT,
+    DEFAULT_REMOTE_TOKENIZE_TIMEOUT, RawAdapter, RawDisaggregation, RawPool, RawReplica,
+    RawTokenizer,
 };
-use super::{Adapter, Disaggregation, Pool, Replica, TokenizerSource};
+use super::{
+    Adapter, Disaggregation, DisaggregationMode, Pool, PrefillLegSettings, Replica, TokenizerSource,
+};
 use kvroute_config::ConfigError;
 
 /// `pools[i]`.
@@ -125,15 +129,58 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
         approx_capacity_blocks,
         tokenizer,
         discovery,
-        disaggregation: raw.disaggregation.as_ref().map(|raw| Disaggregation {
-            mode: raw.mode.unwrap_or_default(),
-            min_prompt_tokens: raw
-                .min_prompt_tokens
-                .unwrap_or(DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS),
-            min_uncached_tokens: raw
-                .min_uncached_tokens
-                .unwrap_or(DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS),
-        }),
+        disaggregation: raw
+            .disaggregation
+            .as_ref()
+            .map(disaggregation)
+            .transpose()
+            .map_err(|e| e.within("disaggregation"))?,
+    })
+}
+
+/// `pools[i].disaggregation`: the prefill leg's keys only where ext-proc runs it.
+fn disaggregation(raw: &RawDisaggregation) -> Result<Disaggregation, ConfigError> {
+    let mode = raw.mode.unwrap_or_default();
+    if mode != DisaggregationMode::Envoy {
+        let leg_keys = [
+            ("prefill_timeout", raw.prefill_timeout.is_some()),
+            ("prefill_retries", raw.prefill_retries.is_some()),
+            (
+                "max_concurrent_prefills",
+                raw.max_concurrent_prefills.is_some(),
+            ),
+        ];
+        if let Some((key, _)) = leg_keys.iter().find(|(_, set)| *set) {
+            return Err(invalid(
+                *key,
+                "…",
+                "only with mode: envoy (in sidecar mode the decode replica's sidecar runs the prefill leg)",
+            ));
+        }
+    }
+    let timeout = or_default(raw.prefill_timeout, DEFAULT_PREFILL_TIMEOUT);
+    if timeout.is_zero() {
+        return Err(invalid("prefill_timeout", "0s", "must be positive"));
+    }
+    let max_concurrent = raw
+        .max_concurrent_prefills
+        .unwrap_or(DEFAULT_MAX_CONCURRENT_PREFILLS);
+    if max_concurrent == 0 {
+        return Err(invalid("max_concurrent_prefills", 0, "must be at least 1"));
+    }
+    Ok(Disaggregation {
+        mode,
+        min_prompt_tokens: raw
+            .min_prompt_tokens
+            .unwrap_or(DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS),
+        min_uncached_tokens: raw
+            .min_uncached_tokens
+            .unwrap_or(DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS),
+        prefill: PrefillLegSettings {
+            timeout,
+            retries: raw.prefill_retries.unwrap_or(DEFAULT_PREFILL_RETRIES),
+            max_concurrent,
+        },
     })
 }
 

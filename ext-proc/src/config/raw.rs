@@ -35,6 +35,15 @@ pub const DEFAULT_BODY_MODE: BodyMode = BodyMode::Buffered;
 /// Default `pools[].disaggregation.min_prompt_tokens`: llm-d's documented example; below a
 /// thousand tokens a prefill is a few milliseconds, less than the KV transfer it would need.
 pub const DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS: usize = 1024;
+/// Default `pools[].disaggregation.prefill_timeout`: a long prompt's prefill, queueing included,
+/// on a loaded replica; Envoy's ext_proc `message_timeout` in the shipped configs (60 s) is
+/// longer, so ext-proc's own fallback answers before Envoy stops waiting.
+pub const DEFAULT_PREFILL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default `pools[].disaggregation.prefill_retries` (llm-d's sidecar retries transient answers
+/// too).
+pub const DEFAULT_PREFILL_RETRIES: u32 = 2;
+/// Default `pools[].disaggregation.max_concurrent_prefills`.
+pub const DEFAULT_MAX_CONCURRENT_PREFILLS: usize = 256;
 /// Default `pools[].disaggregation.min_uncached_tokens`: llm-d's documented example (half the
 /// prompt floor): a mostly cached prompt is cheaper to finish on its decode replica.
 pub const DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS: usize = 512;
@@ -513,9 +522,26 @@ pub(super) struct RawTokenizer {
 #[serde(default, deny_unknown_fields)]
 pub(super) struct RawDisaggregation {
     /// How the prefill leg runs: `sidecar` (the decode replica's llm-d `pd-sidecar` runs it;
-    /// the request names the prefill replica in `x-prefiller-host-port: ip:port`).
+    /// the request names the prefill replica in `x-prefiller-host-port: ip:port`) or `envoy`
+    /// (ext-proc sends the prompt to the prefill replica itself, with `max_tokens: 1` and
+    /// `kv_transfer_params: {do_remote_decode: true, ...}`, and answers Envoy with the decode
+    /// replica and the request body carrying the `kv_transfer_params` the prefill answered; a
+    /// failed leg serves the request whole on the decode replica). `envoy` needs Envoy's
+    /// ext_proc `message_timeout` above `prefill_timeout` plus the decision budget.
     #[schemars(extend("default" = "sidecar"))]
     pub(super) mode: Option<DisaggregationMode>,
+    /// `envoy` mode: the whole prefill leg, retries included, as a duration (`30s`); past it
+    /// the request is served whole on the decode replica.
+    #[schemars(extend("default" = format_duration(DEFAULT_PREFILL_TIMEOUT)))]
+    pub(super) prefill_timeout: Option<ConfigDuration>,
+    /// `envoy` mode: further attempts of a prefill leg answered 502, 503 or 504 or refused a
+    /// connection (after 50 ms, then twice as long each time), within `prefill_timeout`.
+    #[schemars(extend("default" = DEFAULT_PREFILL_RETRIES))]
+    pub(super) prefill_retries: Option<u32>,
+    /// `envoy` mode: prefill legs of this pool in flight at once (at least 1); a split request
+    /// beyond them is served whole, counted as `busy`.
+    #[schemars(extend("default" = DEFAULT_MAX_CONCURRENT_PREFILLS))]
+    pub(super) max_concurrent_prefills: Option<usize>,
     /// Prompts shorter than this many tokens are served whole on the decode replica (llm-d's
     /// `promptTokens`).
     #[schemars(extend("default" = DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS))]

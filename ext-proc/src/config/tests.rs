@@ -685,3 +685,62 @@ fn a_prefill_only_replica_needs_a_disaggregated_pool() {
         "llm-d's documented example"
     );
 }
+
+#[test]
+fn the_prefill_leg_keys_have_defaults_and_belong_to_envoy_mode() {
+    let with = |disaggregation: &str| {
+        MINIMAL.replace(
+            "  key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}\n",
+            &format!(
+                "  key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}}\n  disaggregation: {disaggregation}\n"
+            ),
+        )
+    };
+    let sidecar = Config::from_yaml(&with("{}")).unwrap();
+    let rule = sidecar.pools[0].disaggregation.unwrap();
+    assert_eq!(rule.mode, DisaggregationMode::Sidecar);
+    assert_eq!(
+        rule.prefill,
+        PrefillLegSettings {
+            timeout: DEFAULT_PREFILL_TIMEOUT,
+            retries: DEFAULT_PREFILL_RETRIES,
+            max_concurrent: DEFAULT_MAX_CONCURRENT_PREFILLS,
+        }
+    );
+    let envoy = Config::from_yaml(&with(
+        "{mode: envoy, prefill_timeout: 5s, prefill_retries: 0, max_concurrent_prefills: 8}",
+    ))
+    .unwrap();
+    let rule = envoy.pools[0].disaggregation.unwrap();
+    assert_eq!(rule.mode, DisaggregationMode::Envoy);
+    assert_eq!(
+        rule.prefill,
+        PrefillLegSettings {
+            timeout: Duration::from_secs(5),
+            retries: 0,
+            max_concurrent: 8,
+        }
+    );
+    for (yaml, field) in [
+        (
+            "{prefill_timeout: 5s}",
+            "pools[0].disaggregation.prefill_timeout",
+        ),
+        (
+            "{mode: sidecar, prefill_retries: 1}",
+            "pools[0].disaggregation.prefill_retries",
+        ),
+        (
+            "{mode: envoy, max_concurrent_prefills: 0}",
+            "pools[0].disaggregation.max_concurrent_prefills",
+        ),
+        (
+            "{mode: envoy, prefill_timeout: 0s}",
+            "pools[0].disaggregation.prefill_timeout",
+        ),
+        ("{mode: proxy}", "pools[0].disaggregation.mode"),
+    ] {
+        let error = error_of(&with(yaml));
+        assert!(error.contains(field), "{yaml}: {error}");
+    }
+}

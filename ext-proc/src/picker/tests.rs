@@ -806,6 +806,11 @@ fn the_split_verdict_follows_llm_d_prefix_decider_on_the_decode_replica() {
         mode: crate::config::DisaggregationMode::Sidecar,
         min_prompt_tokens: 1000,
         min_uncached_tokens: 500,
+        prefill: crate::config::PrefillLegSettings {
+            timeout: std::time::Duration::from_secs(1),
+            retries: 0,
+            max_concurrent: 1,
+        },
     };
     assert_eq!(
         SplitVerdict::of(&rule, 999, 0, true),

@@ -74,22 +74,64 @@ pub(crate) async fn post_json(
     url: http::Uri,
     body: Bytes,
 ) -> Result<Bytes, String> {
-    let request = http::Request::post(url)
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(body))
-        .map_err(|e| e.to_string())?;
-    let response = client
-        .request(request)
+    let answer = exchange_json(&client, url, &[], body, MAX_TOKENIZE_RESPONSE_BYTES)
         .await
-        .map_err(|e| format!("{e:#}"))?;
+        .map_err(|e| match e {
+            CallError::Connect(reason) | CallError::Failed(reason) => reason,
+        })?;
+    if !answer.status.is_success() {
+        return Err(format!("status {}", answer.status));
+    }
+    Ok(answer.body)
+}
+
+/// A JSON POST's answer, whatever its status.
+#[derive(Debug)]
+pub(crate) struct JsonAnswer {
+    /// Its status.
+    pub(crate) status: http::StatusCode,
+    /// Its body, whole.
+    pub(crate) body: Bytes,
+}
+
+/// Why a JSON POST got no answer.
+#[derive(Debug)]
+pub(crate) enum CallError {
+    /// No connection was made (refused, unreachable): the request never reached the server.
+    Connect(String),
+    /// Anything later: the connection broke, the answer was too large or unreadable.
+    Failed(String),
+}
+
+/// POSTs a JSON `body` with `content-type` and `headers` only (no client header is forwarded)
+/// and reads the whole answer, at most `limit` bytes of body.
+pub(crate) async fn exchange_json(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    url: http::Uri,
+    headers: &[(&str, &str)],
+    body: Bytes,
+    limit: usize,
+) -> Result<JsonAnswer, CallError> {
+    let mut request =
+        http::Request::post(url).header(http::header::CONTENT_TYPE, "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
+        .body(Full::new(body))
+        .map_err(|e| CallError::Failed(e.to_string()))?;
+    let response = client.request(request).await.map_err(|e| {
+        if e.is_connect() {
+            CallError::Connect(format!("{e:#}"))
+        } else {
+            CallError::Failed(format!("{e:#}"))
+        }
+    })?;
     let status = response.status();
-    let body = http_body_util::Limited::new(response.into_body(), MAX_TOKENIZE_RESPONSE_BYTES)
+    let body = http_body_util::Limited::new(response.into_body(), limit)
         .collect()
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| CallError::Failed(e.to_string()))?
         .to_bytes();
-    if !status.is_success() {
-        return Err(format!("status {status}"));
-    }
-    Ok(body)
+    Ok(JsonAnswer { status, body })
 }

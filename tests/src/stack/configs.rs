@@ -119,10 +119,15 @@ pub(super) fn ext_proc_config(
         .map(|(i, addr)| {
             format!(
                 "- {{id: {id}, pool: {MODEL}, address: \"{addr}\", metrics_url: \"http://{addr}/metrics\", \
-                 data_parallel_size: {ranks}, role: {role}}}\n",
+                 data_parallel_size: {ranks}{role}}}\n",
                 id = replica_id(i),
                 ranks = options.data_parallel_size.max(1),
-                role = options.replica_roles.get(i).copied().unwrap_or("both"),
+                role = options
+                    .replica_roles
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .map_or_else(String::new, |role| format!(", role: {}", role.as_label())),
             )
         })
         .collect();
@@ -210,6 +215,27 @@ pub fn render_envoy_config(
     serde_yaml::to_string(&config).map_err(|e| StackError::EnvoyConfig {
         detail: e.to_string(),
     })
+}
+
+/// The shipped config with its ext_proc filter streaming request bodies (FULL_DUPLEX_STREAMED,
+/// trailers sent) instead of buffering them.
+pub fn with_full_duplex(config: &str) -> Result<String, StackError> {
+    let bad = |detail: String| StackError::EnvoyConfig { detail };
+    let mut config: Value = serde_yaml::from_str(config).map_err(|e| bad(e.to_string()))?;
+    let filters = config
+        .get_mut("static_resources")
+        .and_then(|resources| named(resources.get_mut("listeners")?, KVROUTE_LISTENER))
+        .and_then(|listener| listener.get_mut("filter_chains")?.get_mut(0))
+        .and_then(|chain| chain.get_mut("filters")?.get_mut(0))
+        .and_then(|manager| manager.get_mut("typed_config")?.get_mut("http_filters"))
+        .ok_or_else(|| bad("no http_filters on the `kvroute` listener".to_owned()))?;
+    let mode = named(filters, "envoy.filters.http.ext_proc")
+        .and_then(|filter| filter.get_mut("typed_config")?.get_mut("processing_mode"))
+        .and_then(Value::as_mapping_mut)
+        .ok_or_else(|| bad("no ext_proc processing_mode".to_owned()))?;
+    mode.insert("request_body_mode".into(), "FULL_DUPLEX_STREAMED".into());
+    mode.insert("request_trailer_mode".into(), "SEND".into());
+    serde_yaml::to_string(&config).map_err(|e| bad(e.to_string()))
 }
 
 /// `config` (a rendered [`OVERRIDE_HOST_CONFIG`]) with [`ENGINE_RETRY_POLICY`] on every route of

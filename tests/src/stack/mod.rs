@@ -299,12 +299,41 @@ pub struct StackOptions {
     /// the index, the agent and ext-proc declare them (`data_parallel_size`) and route to each
     /// rank as replica `sim-<i>@dp<rank>`.
     pub data_parallel_size: u32,
-    /// Flags added to sim `i`'s command line (none without an entry), e.g. its
-    /// `--kv-transfer-config`.
-    pub sim_extra_args: Vec<Vec<String>>,
-    /// Replica `i`'s `role` in ext-proc's config (`both` without an entry): prefill/decode
-    /// disaggregation, with `pool_extra_config` giving the pool its `disaggregation`.
-    pub replica_roles: Vec<&'static str>,
+    /// Sim `i`'s part in prefill/decode disaggregation (`None`, or no entry: `both`, and no KV
+    /// connector): ext-proc's `role`, and the sim's NixlConnector (`--kv-transfer-config`,
+    /// `kv_producer` or `kv_consumer`). The pool's `disaggregation` goes in
+    /// [`StackOptions::pool_extra_config`].
+    pub replica_roles: Vec<Option<ReplicaRole>>,
+    /// Envoy streams request bodies to ext-proc (FULL_DUPLEX_STREAMED) instead of buffering
+    /// them as the shipped config does.
+    pub envoy_full_duplex: bool,
+}
+
+/// A replica's part in a disaggregated pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaRole {
+    /// Computes prompts for decode replicas (`role: prefill`, `kv_role: kv_producer`).
+    Prefill,
+    /// Serves requests, pulling a split prompt's KV (`role: decode`, `kv_role: kv_consumer`).
+    Decode,
+}
+
+impl ReplicaRole {
+    /// ext-proc's `replicas[].role`.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+
+    /// vLLM's `kv_role` for it.
+    pub fn kv_role(self) -> &'static str {
+        match self {
+            Self::Prefill => "kv_producer",
+            Self::Decode => "kv_consumer",
+        }
+    }
 }
 
 /// A fault in one sim's KV-event feed to the index (the sim itself serves normally).
@@ -419,12 +448,12 @@ impl Default for StackOptions {
             events_faults: Vec::new(),
             refusing_replicas: 0,
             data_parallel_size: 1,
-            sim_extra_args: Vec::new(),
-            replica_roles: Vec::new(),
             ext_proc_env: Vec::new(),
             index_env: Vec::new(),
             agent_env: Vec::new(),
             envoy_tracing: None,
+            replica_roles: Vec::new(),
+            envoy_full_duplex: false,
         }
     }
 }
@@ -507,7 +536,7 @@ mod sims;
 
 use configs::*;
 pub use configs::{
-    pool_schema, render_envoy_config, with_engine_retries, with_envoy_tracing,
+    pool_schema, render_envoy_config, with_engine_retries, with_envoy_tracing, with_full_duplex,
     with_round_robin_fallback,
 };
 use service::*;
@@ -747,6 +776,9 @@ impl Stack {
                 let mut config = render_envoy_config(&text, &endpoints, ext_proc.grpc)?;
                 if options.engine_retries {
                     config = with_engine_retries(&config)?;
+                }
+                if options.envoy_full_duplex {
+                    config = with_full_duplex(&config)?;
                 }
                 if options.envoy_fallback_round_robin {
                     config = with_round_robin_fallback(&config)?;

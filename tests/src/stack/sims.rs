@@ -137,14 +137,19 @@ pub(super) fn sim_args(
             .flatten()
             .map(|template| ("--chat-template", template)),
     )
-    .flat_map(|(flag, value)| [flag.to_owned(), value])
     .chain(
         options
-            .sim_extra_args
+            .replica_roles
             .get(replica)
-            .cloned()
-            .unwrap_or_default(),
+            .copied()
+            .flatten()
+            .map(|role| {
+                let config = serde_json::json!({"kv_connector": "NixlConnector",
+                    "kv_role": role.kv_role(), "engine_id": replica_id(replica)});
+                ("--kv-transfer-config", config.to_string())
+            }),
     )
+    .flat_map(|(flag, value)| [flag.to_owned(), value])
     .collect())
 }
 

@@ -11,19 +11,12 @@ use kvroute_test_support::{deadline, try_poll_until};
 use kvroute_tests::harness::http;
 use kvroute_tests::harness::pd_sidecar::PdSidecar;
 use kvroute_tests::stack::{
-    DebugHeaders, EventsMode, ExternalReplica, MODEL, Routing, Stack, StackOptions, event_topic,
-    start_sims,
+    DebugHeaders, EventsMode, ExternalReplica, MODEL, ReplicaRole, Routing, Stack, StackOptions,
+    event_topic, start_sims,
 };
 use serde_json::{Value, json};
 
 use super::routing::{post_raw, text};
-
-fn connector(role: &str) -> Vec<String> {
-    vec![
-        "--kv-transfer-config".to_owned(),
-        format!(r#"{{"kv_connector":"NixlConnector","kv_role":"{role}"}}"#),
-    ]
-}
 
 /// The last generation request `base`'s sim logged.
 async fn last_request(base: &str) -> Value {
@@ -77,8 +70,7 @@ async fn long_uncached_prompts_split_through_the_sidecar_and_the_rest_stay_whole
         pool_extra_config:
             "disaggregation: {mode: sidecar, min_prompt_tokens: 256, min_uncached_tokens: 128}"
                 .to_owned(),
-        replica_roles: vec!["decode", "prefill"],
-        sim_extra_args: vec![connector("kv_consumer"), connector("kv_producer")],
+        replica_roles: vec![Some(ReplicaRole::Decode), Some(ReplicaRole::Prefill)],
         ..StackOptions::default()
     };
     let mut sims = start_sims(&options).await.unwrap_or_else(|e| panic!("{e}"));

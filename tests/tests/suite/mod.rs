@@ -22,6 +22,7 @@ mod index_ha;
 mod index_states;
 mod memory;
 mod operate;
+mod pd_envoy;
 mod real_vllm;
 mod real_vllm_agent;
 mod real_vllm_dp;

@@ -44,7 +44,7 @@ fn chat(max_tokens: u32, stream: bool, kv_transfer_params: Value) -> Value {
 }
 
 /// The prefill leg's parameters, as the sidecar and the toy proxy send them.
-fn prefill_params() -> Value {
+pub(super) fn prefill_params() -> Value {
     json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
         "remote_block_ids": null, "remote_host": null, "remote_port": null})
 }
@@ -59,7 +59,7 @@ async fn post(base: &str, path: &str, body: &Value, request_id: &str) -> http::H
     .unwrap()
 }
 
-async fn get_json(base: &str, path: &str) -> Value {
+pub(super) async fn get_json(base: &str, path: &str) -> Value {
     http::get(&format!("{base}{path}"))
         .await
         .unwrap()
@@ -86,7 +86,7 @@ async fn prefill_leg(prefill: &EngineSim, request_id: &str) -> Value {
     response.json().unwrap()
 }
 
-fn sse_data(text: &str) -> Vec<String> {
+pub(super) fn sse_data(text: &str) -> Vec<String> {
     text.split("\n\n")
         .filter_map(|event| event.strip_prefix("data: "))
         .map(str::to_owned)

@@ -50,6 +50,22 @@ const UNEXERCISED: &[(&str, &str, &str, &[&str], &str)] = &[
     ),
     (
         "kvroute-ext-proc",
+        "kvroute_extproc_disaggregation_prefill_legs",
+        "counter",
+        &["outcome", "pool"],
+        "Prefill legs ext-proc sent itself (disaggregation mode envoy), by outcome: ok, or \
+         served whole on the decode replica: busy, connect_error, transport_error, status, \
+         timeout, no_kv_transfer_params, unsupported_request",
+    ),
+    (
+        "kvroute-ext-proc",
+        "kvroute_extproc_disaggregation_prefill_retries",
+        "counter",
+        &["pool"],
+        "Prefill-leg attempts repeated after a 502, 503 or 504 answer or a refused connection",
+    ),
+    (
+        "kvroute-ext-proc",
         "kvroute_extproc_shadow_unobserved",
         "counter",
         &["pool"],
