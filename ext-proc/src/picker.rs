@@ -559,6 +559,14 @@ impl Picker {
             }
         })?;
         let pool = &config.pools[pool_index];
+        if pool.disaggregation.is_some() && request.kv_transfer_params {
+            // They would reach the decode replica of a request served whole, naming any
+            // engine (any address) to pull a prompt from: only kvroute's prefill leg sets them.
+            return Err(RequestError::InvalidField {
+                field: "kv_transfer_params",
+                reason: "is set by the gateway in a disaggregated pool, not by clients",
+            });
+        }
         if kvroute_runtime::telemetry::request_spans() {
             tracing::Span::current().record("kvroute.pool", pool.name.as_str());
         }

@@ -74,6 +74,9 @@ pub struct ParsedRequest<'a> {
     pub prompt: Prompt<'a>,
     /// vLLM's `cache_salt` (isolates prefix-cache entries).
     pub cache_salt: Option<Cow<'a, str>>,
+    /// Whether the client sent `kv_transfer_params` (vLLM's KV-connector parameters, which name
+    /// the engine a decode pulls its prompt from).
+    pub kv_transfer_params: bool,
 }
 
 /// The prompt in the form the client sent.
@@ -161,6 +164,7 @@ struct Body<'a> {
     system: Option<&'a RawValue>,
     thinking: Option<&'a RawValue>,
     output_config: Option<&'a RawValue>,
+    kv_transfer_params: Option<&'a RawValue>,
 }
 
 impl<'de> Deserialize<'de> for Body<'de> {
@@ -206,6 +210,7 @@ impl<'de> Visitor<'de> for BodyVisitor {
                 "system" => body.system = map.next_value()?,
                 "thinking" => body.thinking = map.next_value()?,
                 "output_config" => body.output_config = map.next_value()?,
+                "kv_transfer_params" => body.kv_transfer_params = map.next_value()?,
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -303,6 +308,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
         model,
         prompt,
         cache_salt: parsed.cache_salt.filter(|s| !s.is_empty()),
+        kv_transfer_params: present(parsed.kv_transfer_params).is_some(),
     })
 }
 

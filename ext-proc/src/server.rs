@@ -504,6 +504,7 @@ impl StreamTask {
             model: std::borrow::Cow::Borrowed(""),
             prompt: request::Prompt::Absent,
             cache_salt: None,
+            kv_transfer_params: false,
         };
         let strip = self.state.strip_header.take();
         let decided = self

@@ -941,6 +941,21 @@ async fn a_disaggregated_pool_names_the_prefill_replica_as_the_llm_d_sidecar_rea
     )
     .await;
     assert!(!header_mutation(&short).0.contains_key(PREFILLER_HEADER));
+
+    // A client's own transfer params would name any engine to pull a prompt from: refused.
+    let forged = serde_json::json!({"model": "m", "prompt": "hello",
+        "kv_transfer_params": {"do_remote_prefill": true, "remote_host": "10.9.9.9"}});
+    let (status, error) = immediate(
+        &buffered(
+            &harness,
+            "/v1/completions",
+            forged.to_string().as_bytes(),
+            None,
+        )
+        .await,
+    );
+    assert_eq!(status, 400, "{error}");
+    assert!(error.to_string().contains("kv_transfer_params"), "{error}");
     harness.shutdown().await;
     replicas.stop.cancel();
 }
