@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use kvroute_index_api::api::{MatchRequest, MatchResponse};
+use kvroute_index_api::api::{MatchRequest, MatchResponse, ReplicaCondition};
 use kvroute_routing::load::{InflightGuard, LoadBoard};
 use kvroute_routing::policy::Reason;
 use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router};
@@ -673,10 +673,24 @@ impl Picker {
         commit: bool,
     ) -> Option<PrefillLeg> {
         let pool = &config.pools[pool_index];
+        // Nor one whose event stream the index finds broken: an engine that died closed its
+        // socket at once, and its prefill leg would fail before ext-proc's scrapes find it
+        // unready.
+        let disconnected = |replica: &Replica| {
+            facts
+                .as_ref()
+                .and_then(|facts| facts.index_answer.as_ref())
+                .is_some_and(|answer| {
+                    answer.replicas.iter().any(|m| {
+                        m.replica_id == replica.id
+                            && m.state == ReplicaCondition::Disconnected as i32
+                    })
+                })
+        };
         let others: Vec<&Replica> = prefill_candidates
             .iter()
             .copied()
-            .filter(|r| r.id != decision.replica_id)
+            .filter(|r| r.id != decision.replica_id && !disconnected(r))
             .collect();
         let verdict = match &facts {
             None => SplitVerdict::NoPrompt,

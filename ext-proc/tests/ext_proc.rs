@@ -942,6 +942,23 @@ async fn a_disaggregated_pool_names_the_prefill_replica_as_the_llm_d_sidecar_rea
     .await;
     assert!(!header_mutation(&short).0.contains_key(PREFILLER_HEADER));
 
+    // The prefill replica's event stream broke (its engine died): a long prompt is served
+    // whole at once, before any scrape finds the replica unready.
+    replicas
+        .index
+        .untrusted
+        .lock()
+        .insert("r2".to_owned(), ReplicaCondition::Disconnected);
+    let other = format!(
+        "{} A different document.",
+        "Unrelated words again. ".repeat(40)
+    );
+    let whole = buffered(&harness, "/v1/completions", &completion(&other), None).await;
+    assert!(
+        !header_mutation(&whole).0.contains_key(PREFILLER_HEADER),
+        "no leg to a prefill replica whose engine is gone"
+    );
+
     // A client's own transfer params would name any engine to pull a prompt from: refused.
     let forged = serde_json::json!({"model": "m", "prompt": "hello",
         "kv_transfer_params": {"do_remote_prefill": true, "remote_host": "10.9.9.9"}});
