@@ -139,6 +139,9 @@ pub struct ChatFields<'a> {
     pub reasoning_effort: Option<Cow<'a, str>>,
     /// Whether the request carries its own `chat_template`.
     pub request_template: bool,
+    /// `mm_processor_kwargs` and `media_io_kwargs`, raw: they change how the engine processes
+    /// and so identifies a request's images (what render mode's keys are built from).
+    pub media_kwargs: [Option<&'a RawValue>; 2],
 }
 
 /// The fields routing reads; every other is skipped. A key sent twice keeps its last value, as
@@ -165,6 +168,8 @@ struct Body<'a> {
     thinking: Option<&'a RawValue>,
     output_config: Option<&'a RawValue>,
     kv_transfer_params: Option<&'a RawValue>,
+    mm_processor_kwargs: Option<&'a RawValue>,
+    media_io_kwargs: Option<&'a RawValue>,
 }
 
 impl<'de> Deserialize<'de> for Body<'de> {
@@ -211,6 +216,8 @@ impl<'de> Visitor<'de> for BodyVisitor {
                 "thinking" => body.thinking = map.next_value()?,
                 "output_config" => body.output_config = map.next_value()?,
                 "kv_transfer_params" => body.kv_transfer_params = map.next_value()?,
+                "mm_processor_kwargs" => body.mm_processor_kwargs = map.next_value()?,
+                "media_io_kwargs" => body.media_io_kwargs = map.next_value()?,
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -285,6 +292,10 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
                 chat_template_kwargs: present(parsed.chat_template_kwargs),
                 reasoning_effort: parsed.reasoning_effort,
                 request_template: present(parsed.chat_template).is_some(),
+                media_kwargs: [
+                    present(parsed.mm_processor_kwargs),
+                    present(parsed.media_io_kwargs),
+                ],
             };
             chat(
                 raw,

@@ -118,10 +118,13 @@ fn hash_chat_fields(hasher: &mut Xxh3, fields: &ChatInputFields) {
         u8::from(fields.add_special_tokens),
         u8::from(fields.request_template),
     ]);
+    let [mm_processor_kwargs, media_io_kwargs] = &fields.media_kwargs;
     let raw = [
         &fields.tools,
         &fields.documents,
         &fields.chat_template_kwargs,
+        mm_processor_kwargs,
+        media_io_kwargs,
     ];
     for part in raw {
         hash_optional(hasher, part.as_ref().map(|r| r.get().as_bytes()));

@@ -52,6 +52,8 @@ pub struct ChatInputFields {
     pub reasoning_effort: Option<String>,
     /// Whether the request carries its own `chat_template`.
     pub request_template: bool,
+    /// `mm_processor_kwargs` and `media_io_kwargs`, raw (they change the images' identifiers).
+    pub media_kwargs: [Option<Box<RawValue>>; 2],
 }
 
 impl ChatInputFields {
@@ -65,6 +67,7 @@ impl ChatInputFields {
             chat_template_kwargs: fields.chat_template_kwargs.map(ToOwned::to_owned),
             reasoning_effort: fields.reasoning_effort.as_deref().map(str::to_owned),
             request_template: fields.request_template,
+            media_kwargs: fields.media_kwargs.map(|raw| raw.map(ToOwned::to_owned)),
         }
     }
 
@@ -84,6 +87,7 @@ impl ChatInputFields {
                 .map(serde_json::Value::Object)),
             reasoning_effort: options.reasoning_effort.clone(),
             request_template: options.request_template,
+            media_kwargs: [None, None],
         }
     }
 

@@ -90,6 +90,9 @@ fn every_prompt_field_is_part_of_the_cache_key() {
         r#","continue_final_message":true"#,
         r#","add_special_tokens":true"#,
         r#","add_generation_prompt":false"#,
+        // They change the engine's image identifiers, so render mode's cached keys.
+        r#","mm_processor_kwargs":{"max_pixels":1024}"#,
+        r#","media_io_kwargs":{"image":{"mode":"RGB"}}"#,
     ];
     let mut keys = std::collections::HashSet::new();
     for variant in variants {
