@@ -17,10 +17,16 @@
 #    and `real_vllm_dp::real_vllm_data_parallel_ranks_through_envoy` (one engine of two
 #    data-parallel ranks, DATA_PARALLEL_SIZE=2 in serve.sh, behind Envoy, ext-proc and the index
 #    with `data_parallel_size: 2`: multi-turn chats served on the rank ext-proc chose and kept
-#    there, predictions against each rank's cached tokens, holdings, per-engine metrics);
+#    there, predictions against each rank's cached tokens, holdings, per-engine metrics)
+#    and `real_vllm_pd::real_vllm_pd_split_through_envoy_in_both_modes` (a prefill engine and a
+#    decode engine joined by NixlConnector, KV_TRANSFER_CONFIG in serve.sh, behind Envoy with a
+#    disaggregated pool, in llm-d sidecar mode and in envoy mode: a long new chat split, the
+#    decode engine loading the whole prompt and computing none of it, its next turn and a short
+#    chat served whole on the decode engine, a long chat served whole once the prefill engine
+#    is gone, all read on the engines' prompt_tokens_by_source counters);
 #    the measured numbers are printed and written to target/real-vllm/results.json,
-#    target/real-vllm/agent-results.json, target/real-vllm/hybrid-results.json and
-#    target/real-vllm/dp-results.json.
+#    target/real-vllm/agent-results.json, target/real-vllm/hybrid-results.json,
+#    target/real-vllm/dp-results.json and target/real-vllm/pd-results.json.
 #
 # Env: KVROUTE_CACHE (default ~/.cache/kvroute), KVROUTE_VLLM_VENV (default $KVROUTE_CACHE/vllm-venv),
 #      KVROUTE_VLLM_MODEL (default $KVROUTE_CACHE/vllm-tiny-model), KVROUTE_VLLM_HYBRID_MODEL
@@ -57,8 +63,9 @@ export KVROUTE_VLLM_RESULTS=$root/target/real-vllm/results.json
 export KVROUTE_VLLM_AGENT_RESULTS=$root/target/real-vllm/agent-results.json
 export KVROUTE_VLLM_HYBRID_RESULTS=$root/target/real-vllm/hybrid-results.json
 export KVROUTE_VLLM_DP_RESULTS=$root/target/real-vllm/dp-results.json
+export KVROUTE_VLLM_PD_RESULTS=$root/target/real-vllm/pd-results.json
 step "test"
 started=$(date +%s)
 cargo nextest run --config-file "$root/tests/vllm/nextest.toml" -p kvroute-tests \
     --run-ignored only --no-capture -E 'test(real_vllm)'
-echo "real-vLLM tier passed in $(( $(date +%s) - started )) s; results: $KVROUTE_VLLM_RESULTS $KVROUTE_VLLM_AGENT_RESULTS $KVROUTE_VLLM_HYBRID_RESULTS $KVROUTE_VLLM_DP_RESULTS"
+echo "real-vLLM tier passed in $(( $(date +%s) - started )) s; results: $KVROUTE_VLLM_RESULTS $KVROUTE_VLLM_AGENT_RESULTS $KVROUTE_VLLM_HYBRID_RESULTS $KVROUTE_VLLM_DP_RESULTS $KVROUTE_VLLM_PD_RESULTS"

@@ -27,6 +27,7 @@ mod real_vllm;
 mod real_vllm_agent;
 mod real_vllm_dp;
 mod real_vllm_hybrid;
+mod real_vllm_pd;
 mod render;
 mod replica_states;
 mod routing;

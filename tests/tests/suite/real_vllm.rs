@@ -37,8 +37,8 @@ use kvroute_tests::harness::{
     ChildGuard, http, metrics, reserve_port, reserve_port_run, tiny_model_dir, workspace_root,
 };
 use kvroute_tests::stack::{
-    DebugHeaders, EventsMode, ExtProcBudgets, ExternalReplica, Routing, SimTiming, Stack,
-    StackOptions,
+    DebugHeaders, EventsMode, ExtProcBudgets, ExternalReplica, ReplicaRole, Routing, SimTiming,
+    Stack, StackOptions,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -135,6 +135,10 @@ pub(super) struct EngineSpec {
     /// Data-parallel engine ranks behind the one API server (`serve.sh` DATA_PARALLEL_SIZE):
     /// rank r publishes on the events port + r and replays on the replay port + r.
     pub data_parallel_size: usize,
+    /// The engine's part in a prefill/decode pair (`serve.sh` KV_TRANSFER_CONFIG: vLLM's
+    /// NixlConnector over a CPU buffer as `kv_producer` or `kv_consumer`, with a NIXL side
+    /// channel of its own); `None`: no KV connector.
+    pub kv_role: Option<ReplicaRole>,
 }
 
 impl EngineSpec {
@@ -146,6 +150,7 @@ impl EngineSpec {
             max_model_len: 2048,
             extra_args: Vec::new(),
             data_parallel_size: 1,
+            kv_role: None,
         }
     }
 }
@@ -192,6 +197,15 @@ impl VllmEngine {
             .env("DATA_PARALLEL_SIZE", ranks.to_string())
             // Its own group, so stopping it reaches the engine-core and worker processes too.
             .process_group(0);
+        if let Some(role) = spec.kv_role {
+            let config = json!({"kv_connector": "NixlConnector", "kv_role": role.kv_role(),
+                "kv_buffer_device": "cpu"});
+            // Two engines on one host need two side channels (vLLM's default port is one).
+            command.env("KV_TRANSFER_CONFIG", config.to_string()).env(
+                "VLLM_NIXL_SIDE_CHANNEL_PORT",
+                reserve_port().unwrap().to_string(),
+            );
+        }
         let guard = ChildGuard::spawn(&name, command, log_dir.join(format!("{name}.log"))).unwrap();
         Self {
             name,

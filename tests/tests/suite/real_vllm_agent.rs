@@ -374,6 +374,7 @@ async fn run_model(model_dir: &Path, failures: &mut Vec<String>) -> Value {
         .map(str::to_owned)
         .to_vec(),
         data_parallel_size: 1,
+        kv_role: None,
     };
     let started = Instant::now();
     let engines = start_engines(ENGINES, logs.path(), &spec).await;

@@ -263,6 +263,7 @@ async fn real_vllm_data_parallel_ranks_through_envoy() {
         max_model_len: 2048,
         extra_args: Vec::new(),
         data_parallel_size: usize::from(RANKS),
+        kv_role: None,
     };
     let engines = start_engines(1, logs.path(), &spec).await;
     let engine = &engines[0];

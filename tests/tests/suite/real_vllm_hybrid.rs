@@ -372,7 +372,11 @@ async fn published_seqs(engines: &[VllmEngine]) -> Vec<Option<u64>> {
 
 /// Waits until the index has applied every batch each engine published so far: its
 /// `last_sequence` per replica at least the end of the engine's replay buffer.
-async fn until_index_caught_up(admin: &str, replica_ids: &[String], engines: &[VllmEngine]) {
+pub(super) async fn until_index_caught_up(
+    admin: &str,
+    replica_ids: &[String],
+    engines: &[VllmEngine],
+) {
     let published = published_seqs(engines).await;
     let url = format!("{admin}/v1/replicas");
     let outcome = try_poll_until(
@@ -553,6 +557,7 @@ async fn real_vllm_hybrid_gemma3_predictions_and_group_holdings() {
             MAX_BATCHED_TOKENS.to_string(),
         ],
         data_parallel_size: 1,
+        kv_role: None,
     };
     let engines = start_engines(ENGINES, logs.path(), &spec).await;
     let engine_startup = started.elapsed();
