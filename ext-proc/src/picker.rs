@@ -234,56 +234,8 @@ pub struct PrefillLeg {
     pub disaggregation: Disaggregation,
 }
 
-/// Whether a disaggregated pool's request is split off to a prefill replica, and why not (the
-/// `decision` label of `disaggregation_decisions_total`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SplitVerdict {
-    /// Its prompt is computed on a prefill replica.
-    Split,
-    /// Served whole: the prompt is shorter than `min_prompt_tokens`.
-    ShortPrompt,
-    /// Served whole: fewer than `min_uncached_tokens` are uncached on the decode replica.
-    Cached,
-    /// Served whole: no prefill replica is ready.
-    NoPrefillReplica,
-    /// Served whole: the prompt is not known (routed on load).
-    NoPrompt,
-}
-
-impl SplitVerdict {
-    /// Metric label.
-    pub fn as_label(self) -> &'static str {
-        match self {
-            Self::Split => "split",
-            Self::ShortPrompt => "short_prompt",
-            Self::Cached => "cached",
-            Self::NoPrefillReplica => "no_prefill_replica",
-            Self::NoPrompt => "no_prompt",
-        }
-    }
-
-    /// llm-d's prefix-based decider, on kvroute's facts: once the decode replica is chosen, a
-    /// prompt of at least `min_prompt_tokens` is split when at least `min_uncached_tokens` of
-    /// it are not cached there, and a prefill replica is ready.
-    pub fn of(
-        disaggregation: &Disaggregation,
-        prompt_tokens: usize,
-        cached_on_decode: usize,
-        prefill_ready: bool,
-    ) -> Self {
-        if prompt_tokens < disaggregation.min_prompt_tokens {
-            Self::ShortPrompt
-        } else if prompt_tokens.saturating_sub(cached_on_decode)
-            < disaggregation.min_uncached_tokens
-        {
-            Self::Cached
-        } else if !prefill_ready {
-            Self::NoPrefillReplica
-        } else {
-            Self::Split
-        }
-    }
-}
+/// The split decision: one implementation, shared with the replay simulator.
+pub use kvroute_routing::SplitVerdict;
 
 /// One config snapshot with what was built from it.
 #[derive(Debug)]
@@ -695,7 +647,7 @@ impl Picker {
         let verdict = match &facts {
             None => SplitVerdict::NoPrompt,
             Some(facts) => SplitVerdict::of(
-                disaggregation,
+                &disaggregation.rule(),
                 facts.prompt_tokens,
                 decision.predicted_cached_tokens,
                 !others.is_empty(),

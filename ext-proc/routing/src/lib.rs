@@ -18,6 +18,8 @@ pub mod policy;
 pub mod prefix_memory;
 mod router;
 pub mod scoring;
+pub mod split;
 
 pub use router::{Indexed, PromptFacts, RouteRequest, Routed, Router, Scored, Tier};
 pub use scoring::ScoringConfig;
+pub use split::{SplitRule, SplitVerdict};

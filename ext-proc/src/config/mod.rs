@@ -261,6 +261,16 @@ pub struct Disaggregation {
     pub prefill: PrefillLegSettings,
 }
 
+impl Disaggregation {
+    /// The split thresholds, as the shared decision takes them.
+    pub fn rule(&self) -> kvroute_routing::SplitRule {
+        kvroute_routing::SplitRule {
+            min_prompt_tokens: self.min_prompt_tokens,
+            min_uncached_tokens: self.min_uncached_tokens,
+        }
+    }
+}
+
 /// How ext-proc runs a prefill leg itself (`disaggregation.mode: envoy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefillLegSettings {

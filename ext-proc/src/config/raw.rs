@@ -34,7 +34,8 @@ pub const DEFAULT_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 pub const DEFAULT_BODY_MODE: BodyMode = BodyMode::Buffered;
 /// Default `pools[].disaggregation.min_prompt_tokens`: llm-d's documented example; below a
 /// thousand tokens a prefill is a few milliseconds, less than the KV transfer it would need.
-pub const DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS: usize = 1024;
+pub const DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS: usize =
+    kvroute_routing::split::DEFAULT_MIN_PROMPT_TOKENS;
 /// Default `pools[].disaggregation.prefill_timeout`: a long prompt's prefill, queueing included,
 /// on a loaded replica; Envoy's ext_proc `message_timeout` in the shipped configs (60 s) is
 /// longer, so ext-proc's own fallback answers before Envoy stops waiting.
@@ -46,7 +47,8 @@ pub const DEFAULT_PREFILL_RETRIES: u32 = 2;
 pub const DEFAULT_MAX_CONCURRENT_PREFILLS: usize = 256;
 /// Default `pools[].disaggregation.min_uncached_tokens`: llm-d's documented example (half the
 /// prompt floor): a mostly cached prompt is cheaper to finish on its decode replica.
-pub const DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS: usize = 512;
+pub const DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS: usize =
+    kvroute_routing::split::DEFAULT_MIN_UNCACHED_TOKENS;
 
 /// The YAML document as written. Unknown keys are errors.
 #[derive(Debug, Default, Deserialize, JsonSchema)]

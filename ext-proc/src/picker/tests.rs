@@ -813,19 +813,19 @@ fn the_split_verdict_follows_llm_d_prefix_decider_on_the_decode_replica() {
         },
     };
     assert_eq!(
-        SplitVerdict::of(&rule, 999, 0, true),
+        SplitVerdict::of(&rule.rule(), 999, 0, true),
         SplitVerdict::ShortPrompt
     );
     assert_eq!(
-        SplitVerdict::of(&rule, 1000, 501, true),
+        SplitVerdict::of(&rule.rule(), 1000, 501, true),
         SplitVerdict::Cached
     );
     assert_eq!(
-        SplitVerdict::of(&rule, 1000, 500, true),
+        SplitVerdict::of(&rule.rule(), 1000, 500, true),
         SplitVerdict::Split
     );
     assert_eq!(
-        SplitVerdict::of(&rule, 1000, 0, false),
+        SplitVerdict::of(&rule.rule(), 1000, 0, false),
         SplitVerdict::NoPrefillReplica
     );
 }
