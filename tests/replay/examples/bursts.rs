@@ -42,6 +42,7 @@ fn main() {
         engine: EngineConfig::default(),
         timing: MockerFit::default(),
         kv_delay_us: 50_000,
+        prefill_replicas: 0,
     };
     let mut bursts: Vec<Vec<usize>> = Vec::new();
     let mut open: HashMap<u64, (u64, usize)> = HashMap::new();

@@ -91,6 +91,7 @@ fn main() -> Result<(), String> {
         engine: EngineConfig::default(),
         timing: MockerFit::default(),
         kv_delay_us: 50_000,
+        prefill_replicas: 0,
     };
     let mut recorder = Recorder {
         inner: router.build(config.replicas, config.engine.blocks, seed),

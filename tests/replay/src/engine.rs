@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use kvroute_engine_model::{NewSeq, Scheduler, SchedulerConfig, TimingModel};
+use kvroute_engine_model::{Leg, NewSeq, Scheduler, SchedulerConfig, TimingModel};
 
 pub use kvroute_engine_model::{FirstToken, StepOutcome};
 
@@ -105,14 +105,28 @@ impl Engine {
 
     /// Queues a request.
     pub fn enqueue(&mut self, request: &Request) {
-        self.scheduler.enqueue(NewSeq {
-            id: request.id,
-            prompt_len: request.input_tokens,
-            output_len: request.output_tokens,
-            keys: Arc::from(request.keys()),
-            tokens: None,
-            extra_keys: None,
-        });
+        self.enqueue_leg(request, Leg::Whole, request.output_tokens);
+    }
+
+    /// Queues one leg of a disaggregated request: a prefill leg (one output token, its blocks
+    /// held for the decode replica) or a decode leg (its prompt loaded, not computed).
+    pub fn enqueue_leg(&mut self, request: &Request, leg: Leg, output_tokens: u32) {
+        self.scheduler.enqueue_leg(
+            NewSeq {
+                id: request.id,
+                prompt_len: request.input_tokens,
+                output_len: output_tokens,
+                keys: Arc::from(request.keys()),
+                tokens: None,
+                extra_keys: None,
+            },
+            leg,
+        );
+    }
+
+    /// Frees a finished prefill leg's held blocks (the decode replica has read them).
+    pub fn release_held(&mut self, id: usize) -> bool {
+        self.scheduler.release_held(id)
     }
 
     /// Schedules a step starting at `now_us`; returns its end, or `None` when there is nothing

@@ -61,6 +61,10 @@ struct RunArgs {
     /// Replicas.
     #[arg(long, default_value_t = 4)]
     replicas: usize,
+    /// Of `--replicas`, how many are prefill-only for the disaggregating routers (`pd-*`); the
+    /// others serve every replica whole (the aggregated baseline on the same hardware).
+    #[arg(long, default_value_t = 0)]
+    prefill_replicas: usize,
     /// KV blocks (512 tokens) per replica.
     #[arg(long, default_value_t = 4096)]
     blocks: u32,
@@ -197,6 +201,9 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
     if args.replicas == 0 || args.replicas > 64 {
         return Err("--replicas must be 1..=64".to_owned());
     }
+    if args.prefill_replicas >= args.replicas {
+        return Err("--prefill-replicas must leave at least one decode replica".to_owned());
+    }
     if args.loads.iter().any(|l| !l.is_finite() || *l <= 0.0) {
         return Err("--loads must be positive".to_owned());
     }
@@ -222,6 +229,7 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
                 decode_scale: args.time_scale * args.decode_scale,
             },
             kv_delay_us: (args.kv_delay_ms.max(0.0) * 1000.0).round() as u64,
+            prefill_replicas: args.prefill_replicas,
         },
         loads: args.loads,
         seeds,

@@ -24,6 +24,7 @@ use kvroute_index_core::event::KvEvent;
 use crate::engine::{Engine, EngineConfig};
 use crate::routers::{Router, View};
 use crate::trace::Request;
+use kvroute_engine_model::Leg;
 use kvroute_engine_model::MockerFit;
 
 /// Simulation parameters.
@@ -37,16 +38,21 @@ pub struct SimConfig {
     pub timing: MockerFit,
     /// Delay between a step's end and its KV events reaching the router, µs.
     pub kv_delay_us: u64,
+    /// For a disaggregating router ([`Router::disaggregated`]): replicas `0..prefill_replicas`
+    /// are prefill-only, the rest decode. Other routers serve every replica whole.
+    pub prefill_replicas: usize,
 }
 
 /// What happened to one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestOutcome {
-    /// Replica it was routed to.
+    /// Replica it was routed to (the decode replica when split).
     pub replica: usize,
+    /// Prefill replica that computed its prompt, when split.
+    pub prefill: Option<usize>,
     /// Arrival to first token, µs.
     pub ttft_us: u64,
-    /// Leading prompt blocks found cached at admission.
+    /// Leading prompt blocks found cached at admission (on the prefill replica when split).
     pub hit_blocks: u32,
     /// Leading blocks the router believed cached there, if it keeps such a belief.
     pub predicted_blocks: Option<u32>,
@@ -233,6 +239,15 @@ pub fn run_checked(
     let mut deliveries: Vec<VecDeque<Vec<KvEvent>>> = vec![VecDeque::new(); config.replicas];
     let mut outcomes: Vec<Option<RequestOutcome>> = vec![None; requests.len()];
     let mut routed: Vec<(usize, Option<u32>)> = vec![(0, None); requests.len()];
+    let prefill_replicas = if router.disaggregated() {
+        config.prefill_replicas.min(config.replicas)
+    } else {
+        0
+    };
+    // Split requests: their prefill replica, whether that leg is done, its hit blocks.
+    let mut split: Vec<Option<usize>> = vec![None; requests.len()];
+    let mut prefill_done = vec![false; requests.len()];
+    let mut prefill_hits = vec![0u32; requests.len()];
     let mut finished = 0;
     let mut end_us = 0;
     let mut queue = Queue::default();
@@ -263,26 +278,57 @@ pub fn run_checked(
                     engines: &engines,
                     requests,
                     timing: &config.timing,
+                    prefill_replicas,
                 };
-                let decision = router.route(request, &view);
-                let replica = decision.replica;
-                if replica >= engines.len() {
-                    return Err(SimError::BadReplica {
-                        replica,
-                        replicas: engines.len(),
-                    });
+                let pair = router.route_pair(request, &view);
+                let replica = pair.decode.replica;
+                for chosen in std::iter::once(replica).chain(pair.prefill) {
+                    if chosen >= engines.len() {
+                        return Err(SimError::BadReplica {
+                            replica: chosen,
+                            replicas: engines.len(),
+                        });
+                    }
                 }
-                routed[id] = (replica, decision.predicted_blocks);
-                engines[replica].enqueue(request);
-                if let Some(end) = engines[replica].start_step(now, &config.timing) {
-                    queue.push(end, Event::StepDone(replica));
+                routed[id] = (replica, pair.decode.predicted_blocks);
+                // A split request computes its prompt on the prefill replica first (one
+                // output token, as the prefill leg's `max_tokens: 1`); its decode leg is queued
+                // when that finishes.
+                let first = match pair.prefill {
+                    Some(prefill) => {
+                        split[id] = Some(prefill);
+                        engines[prefill].enqueue_leg(request, Leg::Prefill, 1);
+                        prefill
+                    }
+                    None => {
+                        engines[replica].enqueue(request);
+                        replica
+                    }
+                };
+                if let Some(end) = engines[first].start_step(now, &config.timing) {
+                    queue.push(end, Event::StepDone(first));
                 }
             }
             Event::StepDone(replica) => {
                 let outcome = engines[replica].finish_step();
                 for first in &outcome.first_tokens {
                     let request = &requests[first.id];
+                    if split[first.id] == Some(replica) && !prefill_done[first.id] {
+                        // The prefill leg's token is not the client's: it is dropped.
+                        prefill_hits[first.id] = first.hit_blocks;
+                        router.on_first_token(replica, request, now);
+                        continue;
+                    }
                     let (routed_to, predicted_blocks) = routed[first.id];
+                    let prefill = split[first.id];
+                    if let Some(prefill) = prefill {
+                        // The decode leg has read the prefill's blocks (its load is done
+                        // before its first token): the prefill replica frees them.
+                        engines[prefill].release_held(first.id);
+                        if let Some(end) = engines[prefill].start_step(now, &config.timing) {
+                            queue.push(end, Event::StepDone(prefill));
+                        }
+                    }
                     let ttft_us = now.saturating_sub(request.arrival_us);
                     if let Some(lateness) = &mut lateness
                         && ttft_us > lateness.check.ttft_us
@@ -291,14 +337,36 @@ pub fn run_checked(
                     }
                     outcomes[first.id] = Some(RequestOutcome {
                         replica: routed_to,
+                        prefill,
                         ttft_us,
-                        hit_blocks: first.hit_blocks,
+                        hit_blocks: if prefill.is_some() {
+                            prefill_hits[first.id]
+                        } else {
+                            first.hit_blocks
+                        },
                         predicted_blocks,
                     });
                     router.on_first_token(replica, request, now);
                 }
                 for id in &outcome.finished {
                     router.on_finish(replica, &requests[*id], now);
+                    if split[*id] == Some(replica) && !prefill_done[*id] {
+                        // The prefill leg is done: the decode leg pulls the whole prompt's KV.
+                        prefill_done[*id] = true;
+                        let request = &requests[*id];
+                        let decode = routed[*id].0;
+                        engines[decode].enqueue_leg(
+                            request,
+                            Leg::Decode {
+                                remote_tokens: request.input_tokens,
+                            },
+                            request.output_tokens,
+                        );
+                        if let Some(end) = engines[decode].start_step(now, &config.timing) {
+                            queue.push(end, Event::StepDone(decode));
+                        }
+                        continue;
+                    }
                     finished += 1;
                     end_us = now;
                 }
@@ -321,6 +389,7 @@ pub fn run_checked(
                     engines: &engines,
                     requests,
                     timing: &config.timing,
+                    prefill_replicas,
                 };
                 router.on_tick(&view);
                 if let Some(interval) = tick

@@ -99,6 +99,7 @@ async fn replay_decides_as_the_picker_does() {
             engines: &[],
             requests: &[],
             timing: &timing,
+            prefill_replicas: 0,
         };
         let simulated = replay.route(&request, &view);
 

@@ -42,6 +42,7 @@ fn single_replica(blocks: u32) -> SimConfig {
         },
         timing: MockerFit::default(),
         kv_delay_us: 0,
+        prefill_replicas: 0,
     }
 }
 
@@ -119,6 +120,7 @@ fn identical_seeds_give_identical_results() {
         },
         timing: MockerFit::default(),
         kv_delay_us: 50_000,
+        prefill_replicas: 0,
     };
     for spec in [
         RouterSpec::Random,
@@ -152,6 +154,7 @@ fn a_checked_run_stops_only_when_the_objective_is_missed_for_certain() {
         engine: EngineConfig::default(),
         timing: MockerFit::default(),
         kv_delay_us: 50_000,
+        prefill_replicas: 0,
     };
     let skip = metrics::warmup_skip(requests.len(), 0.1);
     let max_late = metrics::allowed_above(requests.len() - skip, 90.0);

@@ -84,41 +84,8 @@ fn anonymous_blocks(request: &Request) -> u64 {
 
 impl Router for DynamoCost {
     fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
-        let n = view.engines.len();
-        let keys = request.keys();
-        let overlap: Vec<u32> = (0..n)
-            .map(|w| leading(keys, |k| self.index.holds(w, k)))
-            .collect();
-        let uncached = |w: usize| {
-            request
-                .input_tokens
-                .saturating_sub(overlap[w] * BLOCK_TOKENS)
-        };
-        let cost = |w: usize| {
-            let active = &self.active[w];
-            let prefill_tokens = self.prefill_tokens[w] as f64 + f64::from(uncached(w));
-            let prefill_blocks = prefill_tokens / f64::from(BLOCK_TOKENS);
-            let new_blocks = keys
-                .iter()
-                .filter(|k| !active.keyed.contains_key(k))
-                .count() as u64
-                + anonymous_blocks(request);
-            self.overlap_weight * prefill_blocks + (active.blocks() + new_blocks) as f64
-        };
-        let costs: Vec<f64> = (0..n).map(cost).collect();
-        let replica = argmin_random(n, |w| costs[w], &mut self.rng).unwrap_or(0);
-        let active = &mut self.active[replica];
-        for key in keys {
-            *active.keyed.entry(*key).or_insert(0) += 1;
-        }
-        active.anonymous += anonymous_blocks(request);
-        let tokens = u64::from(uncached(replica));
-        self.prefill_tokens[replica] += tokens;
-        self.prefilling.insert(request.id, (replica, tokens));
-        Decision {
-            replica,
-            predicted_blocks: Some(overlap[replica]),
-        }
+        let all: Vec<usize> = (0..view.engines.len()).collect();
+        self.route_among(request, &all)
     }
 
     fn on_first_token(&mut self, _replica: usize, request: &Request, _now_us: u64) {
@@ -146,6 +113,54 @@ impl Router for DynamoCost {
 
     fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], _now_us: u64) {
         self.index.apply(replica, events);
+    }
+}
+
+impl DynamoCost {
+    /// The selector over the workers `pool` (one worker type's instances).
+    pub(crate) fn route_among(&mut self, request: &Request, pool: &[usize]) -> Decision {
+        let n = pool.len();
+        let keys = request.keys();
+        let overlap: Vec<u32> = (0..self.active.len())
+            .map(|w| {
+                if pool.contains(&w) {
+                    leading(keys, |k| self.index.holds(w, k))
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let uncached = |w: usize| {
+            request
+                .input_tokens
+                .saturating_sub(overlap[w] * BLOCK_TOKENS)
+        };
+        let cost = |w: usize| {
+            let active = &self.active[w];
+            let prefill_tokens = self.prefill_tokens[w] as f64 + f64::from(uncached(w));
+            let prefill_blocks = prefill_tokens / f64::from(BLOCK_TOKENS);
+            let new_blocks = keys
+                .iter()
+                .filter(|k| !active.keyed.contains_key(k))
+                .count() as u64
+                + anonymous_blocks(request);
+            self.overlap_weight * prefill_blocks + (active.blocks() + new_blocks) as f64
+        };
+        let costs: Vec<f64> = pool.iter().map(|w| cost(*w)).collect();
+        let choice = argmin_random(n, |i| costs[i], &mut self.rng).unwrap_or(0);
+        let replica = pool.get(choice).copied().unwrap_or(0);
+        let active = &mut self.active[replica];
+        for key in keys {
+            *active.keyed.entry(*key).or_insert(0) += 1;
+        }
+        active.anonymous += anonymous_blocks(request);
+        let tokens = u64::from(uncached(replica));
+        self.prefill_tokens[replica] += tokens;
+        self.prefilling.insert(request.id, (replica, tokens));
+        Decision {
+            replica,
+            predicted_blocks: Some(overlap[replica]),
+        }
     }
 }
 
@@ -178,6 +193,7 @@ mod tests {
             engines: &engines,
             requests: &[],
             timing: &timing,
+            prefill_replicas: 0,
         };
         for seed in 0..16 {
             let mut router = DynamoCost::new(2, 1.0, StdRng::seed_from_u64(seed));

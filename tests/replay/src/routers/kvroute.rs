@@ -21,10 +21,13 @@ use kvroute_index_core::index::{
     BlockIndex, IndexConfig, IndexMetrics, KvIndex, PoolConfig, PoolKeys, ReplicaId,
 };
 use kvroute_routing::load::{DEFAULT_SCRAPE_INTERVAL, InflightGuard, LoadBoard, Scraped};
-use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router as RoutingCore, ScoringConfig};
+use kvroute_routing::{
+    Indexed, PromptFacts, RouteRequest, Router as RoutingCore, ScoringConfig, SplitRule,
+    SplitVerdict,
+};
 use rand::rngs::StdRng;
 
-use super::{Decision, Router, View};
+use super::{Decision, Pair, Router, View};
 use crate::BLOCK_TOKENS;
 use crate::trace::Request;
 
@@ -39,8 +42,15 @@ pub struct Kvroute {
     core: RoutingCore,
     scoring: ScoringConfig,
     approx_capacity_blocks: usize,
-    /// In-flight accounting of requests not yet at their first token, by request id.
-    guards: HashMap<usize, InflightGuard>,
+    /// In-flight accounting of requests not yet at their first token, by request id and
+    /// replica (a split request holds one on each of its replicas).
+    guards: HashMap<(usize, usize), InflightGuard>,
+    /// Disaggregating: the split thresholds.
+    split: Option<SplitRule>,
+    /// The routing core's predicted cached tokens at the last choice.
+    cached_tokens: usize,
+    /// Every split verdict so far, in routing order.
+    verdicts: Vec<SplitVerdict>,
     /// Whether the engines' KV events reach the index (otherwise: the approximate tier only).
     events: bool,
     base: Instant,
@@ -77,6 +87,9 @@ impl Kvroute {
             approx_capacity_blocks: blocks as usize,
             guards: HashMap::new(),
             events: true,
+            split: None,
+            cached_tokens: 0,
+            verdicts: Vec::new(),
             base: Instant::now(),
             rejected_blocks: 0,
         }
@@ -93,6 +106,18 @@ impl Kvroute {
         self
     }
 
+    /// As ext-proc's disaggregated pool with these thresholds: replicas
+    /// `0..View::prefill_replicas` are the prefill pool, the rest the decode pool.
+    pub fn disaggregating(mut self, rule: SplitRule) -> Self {
+        self.split = Some(rule);
+        self
+    }
+
+    /// Every split verdict so far, in routing order.
+    pub fn verdicts(&self) -> &[SplitVerdict] {
+        &self.verdicts
+    }
+
     /// The routing core's load board (scrapes are recorded there).
     pub fn loads(&self) -> &LoadBoard {
         self.core.loads()
@@ -104,16 +129,23 @@ impl Kvroute {
     }
 }
 
-impl Router for Kvroute {
-    fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
-        let now = self.instant(view.now_us);
+impl Kvroute {
+    /// The routing core's choice among `pool` (replica indices), committed: what ext-proc's
+    /// picker does for one pool of candidates. `None` only for an empty pool.
+    fn route_among(&mut self, request: &Request, now_us: u64, pool: &[usize]) -> Option<Decision> {
+        let now = self.instant(now_us);
         let keys = request.keys();
-        let mut indexed: Vec<Option<Indexed>> = vec![None; self.names.len()];
+        let mut indexed: Vec<Option<Indexed>> = vec![None; pool.len()];
         if self.events
             && let Ok(matches) = self.index.find_matches(MODEL, keys, None)
         {
             for m in matches.iter().filter(|m| m.precise) {
-                if let Some(slot) = indexed.get_mut(m.replica.0 as usize) {
+                let replica = m.replica.0 as usize;
+                if let Some(slot) = pool
+                    .iter()
+                    .position(|r| *r == replica)
+                    .and_then(|i| indexed.get_mut(i))
+                {
                     *slot = Some(Indexed {
                         matched_blocks: m.matched_blocks,
                         prefix_blocks: m.prefix_blocks,
@@ -121,7 +153,7 @@ impl Router for Kvroute {
                 }
             }
         }
-        let candidates: Vec<&str> = self.names.iter().map(String::as_str).collect();
+        let candidates: Vec<&str> = pool.iter().map(|r| self.names[*r].as_str()).collect();
         let routed = self.core.score_and_commit(RouteRequest {
             candidates: &candidates,
             prompt: Some(PromptFacts {
@@ -134,19 +166,63 @@ impl Router for Kvroute {
             scoring: &self.scoring,
             now,
             commit: true,
-        });
-        let Some(routed) = routed else {
-            // No replicas: the simulator never builds a fleet without one.
-            return Decision {
+        })?;
+        let replica = pool[routed.choice];
+        self.guards.insert((request.id, replica), routed.inflight);
+        self.cached_tokens = routed.cached_tokens;
+        Some(Decision {
+            replica,
+            predicted_blocks: Some(routed.matched_blocks),
+        })
+    }
+}
+
+impl Router for Kvroute {
+    fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
+        let all: Vec<usize> = (0..self.names.len()).collect();
+        // No replicas: the simulator never builds a fleet without one.
+        self.route_among(request, view.now_us, &all)
+            .unwrap_or(Decision {
                 replica: 0,
                 predicted_blocks: None,
+            })
+    }
+
+    fn disaggregated(&self) -> bool {
+        self.split.is_some()
+    }
+
+    /// ext-proc's disaggregated pool: the decode replica by the routing core, the shared split
+    /// verdict on the tokens the core predicts cached there, then the prefill replica by the
+    /// routing core on the prefill pool.
+    fn route_pair(&mut self, request: &Request, view: &View<'_>) -> Pair {
+        let Some(rule) = self.split else {
+            return Pair {
+                decode: self.route(request, view),
+                prefill: None,
             };
         };
-        self.guards.insert(request.id, routed.inflight);
-        Decision {
-            replica: routed.choice,
-            predicted_blocks: Some(routed.matched_blocks),
-        }
+        let decode = self
+            .route_among(request, view.now_us, &view.decode_pool())
+            .unwrap_or(Decision {
+                replica: 0,
+                predicted_blocks: None,
+            });
+        let prefill_pool = view.prefill_pool();
+        let verdict = SplitVerdict::of(
+            &rule,
+            request.input_tokens as usize,
+            self.cached_tokens,
+            !prefill_pool.is_empty(),
+        );
+        self.verdicts.push(verdict);
+        let prefill = if verdict == SplitVerdict::Split {
+            self.route_among(request, view.now_us, &prefill_pool)
+                .map(|d| d.replica)
+        } else {
+            None
+        };
+        Pair { decode, prefill }
     }
 
     fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], _now_us: u64) {
@@ -159,8 +235,8 @@ impl Router for Kvroute {
         }
     }
 
-    fn on_first_token(&mut self, _replica: usize, request: &Request, _now_us: u64) {
-        self.guards.remove(&request.id);
+    fn on_first_token(&mut self, replica: usize, request: &Request, _now_us: u64) {
+        self.guards.remove(&(request.id, replica));
     }
 
     fn tick_interval_us(&self) -> Option<u64> {

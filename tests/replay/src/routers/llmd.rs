@@ -106,39 +106,8 @@ fn inverted_min_max(values: &[f64]) -> Vec<f64> {
 
 impl Router for LlmdPrecise {
     fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
-        let n = view.engines.len();
-        let now = view.now_us;
-        let keys = request.keys();
-        let matched: Vec<u32> = (0..n)
-            .map(|pod| {
-                let spec = self.speculative.as_ref().map(|s| &s[pod]);
-                leading(keys, |k| {
-                    self.index.holds(pod, k)
-                        || spec.is_some_and(|s| s.get(&k).is_some_and(|exp| *exp > now))
-                })
-            })
-            .collect();
-        let prefix = normalized_prefix(&matched);
-        let queue = inverted_min_max(&self.metrics.iter().map(|m| m.waiting).collect::<Vec<_>>());
-        let (wp, wq, wk) = WEIGHTS;
-        let metrics = &self.metrics;
-        let replica = argmin_random(
-            n,
-            |i| -(wp * prefix[i] + wq * queue[i] + wk * (1.0 - metrics[i].kv_usage)),
-            &mut self.rng,
-        )
-        .unwrap_or(0);
-        if let Some(spec) = &mut self.speculative {
-            let entries = &mut spec[replica];
-            entries.retain(|_, exp| *exp > now);
-            for key in keys {
-                entries.insert(*key, now + SPECULATIVE_TTL_US);
-            }
-        }
-        Decision {
-            replica,
-            predicted_blocks: Some(matched[replica]),
-        }
+        let all: Vec<usize> = (0..view.engines.len()).collect();
+        self.route_among(request, view.now_us, &all)
     }
 
     fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], _now_us: u64) {
@@ -155,6 +124,52 @@ impl Router for LlmdPrecise {
                 waiting: engine.waiting() as f64,
                 kv_usage: engine.kv_usage(),
             };
+        }
+    }
+}
+
+impl LlmdPrecise {
+    /// One scheduling profile over the pods `pool` (its role filter's survivors): scores
+    /// normalised over those pods only, as the profile's scorers see them.
+    pub(crate) fn route_among(&mut self, request: &Request, now: u64, pool: &[usize]) -> Decision {
+        let n = pool.len();
+        let keys = request.keys();
+        let matched: Vec<u32> = pool
+            .iter()
+            .map(|&pod| {
+                let spec = self.speculative.as_ref().map(|s| &s[pod]);
+                leading(keys, |k| {
+                    self.index.holds(pod, k)
+                        || spec.is_some_and(|s| s.get(&k).is_some_and(|exp| *exp > now))
+                })
+            })
+            .collect();
+        let prefix = normalized_prefix(&matched);
+        let queue = inverted_min_max(
+            &pool
+                .iter()
+                .map(|p| self.metrics[*p].waiting)
+                .collect::<Vec<_>>(),
+        );
+        let (wp, wq, wk) = WEIGHTS;
+        let metrics = &self.metrics;
+        let choice = argmin_random(
+            n,
+            |i| -(wp * prefix[i] + wq * queue[i] + wk * (1.0 - metrics[pool[i]].kv_usage)),
+            &mut self.rng,
+        )
+        .unwrap_or(0);
+        let chosen = pool.get(choice).copied().unwrap_or(0);
+        if let Some(spec) = &mut self.speculative {
+            let entries = &mut spec[chosen];
+            entries.retain(|_, exp| *exp > now);
+            for key in keys {
+                entries.insert(*key, now + SPECULATIVE_TTL_US);
+            }
+        }
+        Decision {
+            replica: chosen,
+            predicted_blocks: matched.get(choice).copied(),
         }
     }
 }

@@ -11,6 +11,7 @@ mod dynamo;
 mod kvroute;
 mod llmd;
 mod oracle;
+mod pd;
 mod sglang;
 
 use kvroute_index_core::event::KvEvent;
@@ -20,6 +21,7 @@ use rand::rngs::StdRng;
 use crate::engine::Engine;
 use crate::trace::Request;
 use kvroute_engine_model::TimingModel;
+use kvroute_routing::SplitRule;
 
 pub use basic::{LeastLoaded, Random, RoundRobin, SessionHash};
 pub use chwbl::ConsistentHashBoundedLoad;
@@ -27,6 +29,7 @@ pub use dynamo::DynamoCost;
 pub use kvroute::Kvroute;
 pub use llmd::LlmdPrecise;
 pub use oracle::TtftOracle;
+pub use pd::{PdDynamo, PdLlmd};
 pub use sglang::SglangApprox;
 
 /// The cluster at a decision.
@@ -40,6 +43,30 @@ pub struct View<'a> {
     pub requests: &'a [Request],
     /// The engines' timing model.
     pub timing: &'a dyn TimingModel,
+    /// Replicas `0..prefill_replicas` are prefill-only, the rest decode (0: all serve whole).
+    pub prefill_replicas: usize,
+}
+
+impl View<'_> {
+    /// The prefill-only replicas.
+    pub fn prefill_pool(&self) -> Vec<usize> {
+        (0..self.prefill_replicas.min(self.engines.len())).collect()
+    }
+
+    /// The replicas that serve requests (decode-only, or all when none is prefill-only).
+    pub fn decode_pool(&self) -> Vec<usize> {
+        (self.prefill_replicas.min(self.engines.len())..self.engines.len()).collect()
+    }
+}
+
+/// A disaggregated routing decision: the replica that serves the request and, when its prompt
+/// is computed elsewhere, the prefill replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pair {
+    /// The replica that serves it (decodes; computes the prompt too when not split).
+    pub decode: Decision,
+    /// The prefill replica, when split.
+    pub prefill: Option<usize>,
 }
 
 /// A routing decision.
@@ -65,6 +92,18 @@ impl Decision {
 pub trait Router {
     /// Picks a replica for `request`.
     fn route(&mut self, request: &Request, view: &View<'_>) -> Decision;
+    /// Whether this router runs a prefill/decode split (then the fleet's first
+    /// `prefill_replicas` are prefill-only).
+    fn disaggregated(&self) -> bool {
+        false
+    }
+    /// Picks the serving replica and, for a disaggregating router, maybe a prefill replica.
+    fn route_pair(&mut self, request: &Request, view: &View<'_>) -> Pair {
+        Pair {
+            decode: self.route(request, view),
+            prefill: None,
+        }
+    }
     /// KV events a replica published, delivered after the configured delay.
     fn on_kv_events(&mut self, _replica: usize, _events: &[KvEvent], _now_us: u64) {}
     /// A request emitted its first token.
@@ -108,6 +147,47 @@ pub enum RouterSpec {
     Kvroute,
     /// TTFT-greedy oracle with exact engine state.
     Oracle,
+    /// Disaggregated: kvroute's routing core on the decode pool, the shared split verdict on
+    /// the chosen replica's cached tokens, its routing core on the prefill pool.
+    PdKvroute {
+        /// The split thresholds.
+        rule: SplitRule,
+    },
+    /// Disaggregated: llm-d's decode-first profile with its prefix-based decider.
+    PdLlmd {
+        /// `promptTokens` / `nonCachedTokens`.
+        rule: SplitRule,
+    },
+    /// Disaggregated: Dynamo's (every request through a prefill worker chosen by KV overlap and
+    /// load; decode on load).
+    PdDynamo,
+}
+
+/// The split thresholds ext-proc ships by default.
+pub const DEFAULT_SPLIT_RULE: SplitRule = SplitRule {
+    min_prompt_tokens: kvroute_routing::split::DEFAULT_MIN_PROMPT_TOKENS,
+    min_uncached_tokens: kvroute_routing::split::DEFAULT_MIN_UNCACHED_TOKENS,
+};
+
+/// `-p<prompt>-u<uncached>` when `rule` is not the default.
+fn rule_suffix(rule: &SplitRule) -> String {
+    if *rule == DEFAULT_SPLIT_RULE {
+        String::new()
+    } else {
+        format!("-p{}-u{}", rule.min_prompt_tokens, rule.min_uncached_tokens)
+    }
+}
+
+/// Parses `""` (the default) or `-p<prompt>-u<uncached>`.
+fn parse_rule(suffix: &str) -> Option<SplitRule> {
+    if suffix.is_empty() {
+        return Some(DEFAULT_SPLIT_RULE);
+    }
+    let (prompt, uncached) = suffix.strip_prefix("-p")?.split_once("-u")?;
+    Some(SplitRule {
+        min_prompt_tokens: prompt.parse().ok()?,
+        min_uncached_tokens: uncached.parse().ok()?,
+    })
 }
 
 impl RouterSpec {
@@ -150,11 +230,23 @@ impl RouterSpec {
             RouterSpec::Dynamo { overlap_weight } => format!("dynamo-w{overlap_weight}"),
             RouterSpec::Kvroute => "kvroute".to_owned(),
             RouterSpec::Oracle => "oracle".to_owned(),
+            RouterSpec::PdKvroute { rule } => format!("pd-kvroute{}", rule_suffix(rule)),
+            RouterSpec::PdLlmd { rule } => format!("pd-llmd{}", rule_suffix(rule)),
+            RouterSpec::PdDynamo => "pd-dynamo".to_owned(),
         }
     }
 
     /// Looks a router up by its report name.
     pub fn parse(name: &str) -> Option<RouterSpec> {
+        if let Some(rest) = name.strip_prefix("pd-kvroute") {
+            return parse_rule(rest).map(|rule| RouterSpec::PdKvroute { rule });
+        }
+        if let Some(rest) = name.strip_prefix("pd-llmd") {
+            return parse_rule(rest).map(|rule| RouterSpec::PdLlmd { rule });
+        }
+        if name == "pd-dynamo" {
+            return Some(RouterSpec::PdDynamo);
+        }
         if let Some(weight) = name.strip_prefix("dynamo-w") {
             return weight
                 .parse()
@@ -201,6 +293,11 @@ impl RouterSpec {
             }
             RouterSpec::Kvroute => Box::new(Kvroute::new(replicas, blocks, rng)),
             RouterSpec::Oracle => Box::new(TtftOracle::new(rng)),
+            RouterSpec::PdKvroute { rule } => {
+                Box::new(Kvroute::new(replicas, blocks, rng).disaggregating(rule))
+            }
+            RouterSpec::PdLlmd { rule } => Box::new(PdLlmd::new(replicas, rule, rng)),
+            RouterSpec::PdDynamo => Box::new(PdDynamo::new(replicas, rng)),
         }
     }
 }

@@ -118,6 +118,7 @@ mod tests {
             engine: EngineConfig::default(),
             timing: MockerFit::default(),
             kv_delay_us: 50_000,
+            prefill_replicas: 0,
         };
         let fast = sim::run(
             &requests,
