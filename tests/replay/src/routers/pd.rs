@@ -11,7 +11,11 @@
 //! - **Dynamo** (disaggregated serving): every request goes through a prefill worker whenever
 //!   one exists (the prefill profile runs first and degrades to aggregated only without
 //!   prefill workers); KV overlap is scored for prefill only (the default selector's cost,
-//!   overlap weight 1) and decode is routed on load (`overlap_score_weight = 0`).
+//!   overlap weight 1) and decode is routed on load (`overlap_score_weight = 0`). Kept
+//!   deviation: the decode selector still counts a request's blocks already active on a worker
+//!   once (as the aggregated selector does), where Dynamo's decode routing sets
+//!   `assume_kv_reuse = false`; with overlap off this only changes how active blocks are
+//!   counted, not what is cached.
 
 use kvroute_index_core::event::KvEvent;
 use kvroute_routing::{SplitRule, SplitVerdict};
