@@ -522,38 +522,44 @@ impl Picker {
         if kvroute_runtime::telemetry::request_spans() {
             tracing::Span::current().record("kvroute.pool", pool.name.as_str());
         }
-        let ready: Vec<&Replica> = config
-            .replicas
-            .iter()
-            .filter(|r| r.pool == pool_index)
-            .filter(|r| {
-                self.loads()
+        let ready = |r: &&Replica| {
+            r.pool == pool_index
+                && self
+                    .loads()
                     .replica(&r.id)
                     .is_ready(config.scrape.unready_after_failures)
-            })
-            .collect();
+        };
         // A request goes to a replica that decodes (within the GIE subset hint); a split one's
         // prompt is computed on one that prefills.
-        let candidates: Vec<&Replica> = ready
+        let candidates: Vec<&Replica> = config
+            .replicas
             .iter()
-            .copied()
+            .filter(ready)
             .filter(|r| r.role.decodes())
             .filter(|r| subset.is_none_or(|s| s.contains(&r.address)))
             .collect();
         let prefill_candidates: Vec<&Replica> = match pool.disaggregation {
-            Some(_) => ready
+            Some(_) => config
+                .replicas
                 .iter()
-                .copied()
+                .filter(ready)
                 .filter(|r| r.role.prefills())
                 .collect(),
             None => Vec::new(),
         };
-        // The index is asked about both (each once, in the pool's order).
-        let queried: Vec<&Replica> = ready
-            .iter()
-            .copied()
-            .filter(|r| candidates.contains(r) || prefill_candidates.contains(r))
-            .collect();
+        // The index is asked about both, each once in the pool's order; a pool that splits
+        // nothing asks about its candidates alone, with nothing more built per decision.
+        let both: Vec<&Replica>;
+        let queried: &[&Replica] = if prefill_candidates.is_empty() {
+            &candidates
+        } else {
+            both = config
+                .replicas
+                .iter()
+                .filter(|r| candidates.contains(r) || prefill_candidates.contains(r))
+                .collect();
+            &both
+        };
         if candidates.is_empty() {
             return Err(RequestError::NoReadyReplica {
                 model: request.model.to_string(),
@@ -571,7 +577,7 @@ impl Picker {
         let deadline = started + config.decision_budget;
         let facts = tokio::time::timeout_at(
             deadline.into(),
-            self.prefix_facts(runtime, pool_index, adapter, request, &queried, deadline),
+            self.prefix_facts(runtime, pool_index, adapter, request, queried, deadline),
         )
         .await
         .unwrap_or_else(|_| {
