@@ -423,14 +423,8 @@ impl<K: BlockKey> Scheduler<K> {
                         seq.blocks.push(block);
                     }
                 }
-                chunks.push(PrefillChunk {
-                    tokens,
-                    context: computed,
-                });
-                seq.scheduled = tokens;
                 budget -= tokens;
-                self.running.push(seq);
-                self.cache_scheduled(self.running.len() - 1, computed + tokens);
+                self.start_chunk(seq, computed, tokens, &mut chunks);
                 continue;
             }
             let max_hits = (prompt_len.saturating_sub(1) / bs) as usize;
@@ -479,14 +473,8 @@ impl<K: BlockKey> Scheduler<K> {
                 self.loading.push(Loading { seq, remaining });
                 continue;
             }
-            chunks.push(PrefillChunk {
-                tokens,
-                context: computed,
-            });
-            seq.scheduled = tokens;
             budget -= tokens;
-            self.running.push(seq);
-            self.cache_scheduled(self.running.len() - 1, computed + tokens);
+            self.start_chunk(seq, computed, tokens, &mut chunks);
         }
         let work = StepWork {
             prefill: &chunks,
@@ -587,6 +575,24 @@ impl<K: BlockKey> Scheduler<K> {
         }
         outcome.events = self.pool.take_events();
         outcome
+    }
+
+    /// Runs `tokens` of `seq`'s prompt from `computed` on this step: its chunk, and its blocks
+    /// those tokens fill cached.
+    fn start_chunk(
+        &mut self,
+        mut seq: Seq<K>,
+        computed: u32,
+        tokens: u32,
+        chunks: &mut Vec<PrefillChunk>,
+    ) {
+        chunks.push(PrefillChunk {
+            tokens,
+            context: computed,
+        });
+        seq.scheduled = tokens;
+        self.running.push(seq);
+        self.cache_scheduled(self.running.len() - 1, computed + tokens);
     }
 
     /// Caches the blocks of running request `index` that `kv_tokens` fill, as far as its keys go.
