@@ -61,7 +61,7 @@ pub struct PoolLabel {
 pub struct DisaggregationLabels {
     /// Pool name.
     pub pool: String,
-    /// `split`, `short_prompt`, `cached`, `no_prefill_replica` or `no_prompt`.
+    /// `split`, `short_prompt`, `cached`, `no_prefill_replica`, `prefill_busy` or `no_prompt`.
     pub decision: &'static str,
 }
 
@@ -441,7 +441,7 @@ impl Metrics {
         r.register(
             "disaggregation_decisions",
             "Requests of a disaggregated pool, by decision: split (prompt computed on a prefill \
-             replica), or served whole: short_prompt, cached, no_prefill_replica, no_prompt",
+             replica), or served whole: short_prompt, cached, no_prefill_replica, prefill_busy, no_prompt",
             metrics.disaggregation_decisions.clone(),
         );
         r.register(

@@ -28,8 +28,8 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use kvroute_index_api::api::{MatchRequest, MatchResponse, ReplicaCondition};
 use kvroute_routing::load::{InflightGuard, LoadBoard};
-use kvroute_routing::policy::Reason;
-use kvroute_routing::{Indexed, PromptFacts, RouteRequest, Router};
+use kvroute_routing::policy::{Reason, queue_ms};
+use kvroute_routing::{Indexed, PrefillSide, PromptFacts, RouteRequest, Router};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument as _;
 
@@ -611,6 +611,11 @@ impl Picker {
                 &decision,
                 commit,
             );
+            if decision.prefill.is_some() {
+                // The decode replica loads the prompt's KV instead of computing it: its queue
+                // no longer holds this prefill (a failed leg, served whole, is not re-counted).
+                decision.inflight.prefilled_elsewhere();
+            }
         }
         Ok(decision)
     }
@@ -645,18 +650,28 @@ impl Picker {
                     })
                 })
         };
-        let others: Vec<&Replica> = prefill_candidates
+        let rule = disaggregation.rule();
+        let ready: Vec<&Replica> = prefill_candidates
             .iter()
             .copied()
             .filter(|r| r.id != decision.replica_id && !disconnected(r))
             .collect();
+        // The prefill pool's load: a replica queued past the bound and past the decode replica
+        // (whose queue holds this request already, committed) takes no leg.
+        let queue_of = |id: &str| queue_ms(&self.loads().replica(id).snapshot(), &config.scoring);
+        let decode_queue_ms = queue_of(&decision.replica_id);
+        let others: Vec<&Replica> = ready
+            .iter()
+            .copied()
+            .filter(|r| rule.admits_prefill_queue(queue_of(&r.id), decode_queue_ms))
+            .collect();
         let verdict = match &facts {
             None => SplitVerdict::NoPrompt,
             Some(facts) => SplitVerdict::of(
-                &disaggregation.rule(),
+                &rule,
                 facts.prompt_tokens,
                 decision.predicted_cached_tokens,
-                !others.is_empty(),
+                PrefillSide::of(ready.len(), others.len()),
             ),
         };
         self.metrics

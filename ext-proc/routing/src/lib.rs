@@ -22,4 +22,4 @@ pub mod split;
 
 pub use router::{Indexed, PromptFacts, RouteRequest, Routed, Router, Scored, Tier};
 pub use scoring::ScoringConfig;
-pub use split::{SplitRule, SplitVerdict};
+pub use split::{PrefillSide, SplitRule, SplitVerdict};

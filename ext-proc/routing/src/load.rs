@@ -190,6 +190,17 @@ impl InflightGuard {
         self.keys.clone()
     }
 
+    /// The request's prompt is computed on another replica (a prefill/decode split): it stays
+    /// in flight here, but its prefill is no longer work this replica queues.
+    pub fn prefilled_elsewhere(&mut self) {
+        if !self.released {
+            self.load
+                .inflight_prompt_tokens
+                .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+        }
+        self.prompt_tokens = 0;
+    }
+
     /// Stops counting the request (idempotent; dropping the guard does the same).
     pub fn release(&mut self) {
         if std::mem::replace(&mut self.released, true) {
@@ -334,6 +345,26 @@ mod tests {
         drop(sibling);
         assert_eq!(load.snapshot().inflight_requests, 0.0, "released once");
         assert!(load.inflight_keys.lock().is_empty());
+    }
+
+    #[test]
+    fn a_prompt_prefilled_elsewhere_leaves_the_request_but_not_its_work() {
+        let board = LoadBoard::default();
+        let mut split = board.start_request("r0", 3000, vec![1, 2]);
+        let _whole = board.start_request("r0", 500, Vec::new());
+        split.prefilled_elsewhere();
+        split.prefilled_elsewhere();
+        let load = board.replica("r0");
+        assert_eq!(load.snapshot().inflight_prompt_tokens, 500.0);
+        assert_eq!(load.snapshot().inflight_requests, 2.0);
+        assert_eq!(load.inflight_shared_blocks(&[1, 2]), 2);
+        drop(split);
+        assert_eq!(
+            load.snapshot().inflight_prompt_tokens,
+            500.0,
+            "subtracted once"
+        );
+        assert_eq!(load.snapshot().inflight_requests, 1.0);
     }
 
     #[test]

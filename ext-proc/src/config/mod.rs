@@ -44,9 +44,9 @@ pub use raw::{
     DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS, DEFAULT_DRAIN_TIMEOUT, DEFAULT_DRIFT_ACTION,
     DEFAULT_DRIFT_BOUND, DEFAULT_DRIFT_MIN_TOKENS, DEFAULT_DRIFT_WINDOW, DEFAULT_EPP_FALLBACKS,
     DEFAULT_GRPC_ADDR, DEFAULT_INDEX_RETRY_AFTER, DEFAULT_INFLIGHT_MAX_AGE, DEFAULT_MATCH_TIMEOUT,
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_PREFILLS, DEFAULT_MAX_STREAMS,
-    DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE, DEFAULT_PREFILL_RETRIES, DEFAULT_PREFILL_TIMEOUT,
-    DEFAULT_RECORD_SAMPLE, DEFAULT_RECORDS_KEPT, DEFAULT_RELOAD_INTERVAL,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_PREFILLS, DEFAULT_MAX_PREFILL_QUEUE,
+    DEFAULT_MAX_STREAMS, DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE, DEFAULT_PREFILL_RETRIES,
+    DEFAULT_PREFILL_TIMEOUT, DEFAULT_RECORD_SAMPLE, DEFAULT_RECORDS_KEPT, DEFAULT_RELOAD_INTERVAL,
     DEFAULT_REMOTE_TOKENIZE_TIMEOUT, DEFAULT_SCRAPE_TIMEOUT, DEFAULT_SECURE_SERVING,
     DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH, DEFAULT_TOKEN_CACHE_BYTES,
     DEFAULT_TOKEN_CACHE_ENTRIES, DEFAULT_TOKENIZE_BUDGET, DEFAULT_TOKENIZE_CONCURRENCY_FALLBACK,
@@ -257,6 +257,9 @@ pub struct Disaggregation {
     /// A prompt is split when at least this many of its tokens are not cached on the chosen
     /// decode replica.
     pub min_uncached_tokens: usize,
+    /// A prefill replica whose estimated queue is at least this takes no leg; with every one
+    /// that busy the request is served whole. `None`: no bound.
+    pub max_prefill_queue: Option<Duration>,
     /// `envoy` mode: how ext-proc runs the prefill leg.
     pub prefill: PrefillLegSettings,
 }
@@ -267,6 +270,7 @@ impl Disaggregation {
         kvroute_routing::SplitRule {
             min_prompt_tokens: self.min_prompt_tokens,
             min_uncached_tokens: self.min_uncached_tokens,
+            max_prefill_queue: self.max_prefill_queue,
         }
     }
 }

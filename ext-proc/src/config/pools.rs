@@ -8,9 +8,9 @@ use super::build::{http_uri, invalid, missing, or_default};
 use super::raw::{
     DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS,
     DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS, DEFAULT_MAX_CONCURRENT_PREFILLS,
-    DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE, DEFAULT_PREFILL_RETRIES, DEFAULT_PREFILL_TIMEOUT,
-    DEFAULT_REMOTE_TOKENIZE_TIMEOUT, RawAdapter, RawDisaggregation, RawPool, RawReplica,
-    RawTokenizer,
+    DEFAULT_MAX_PREFILL_QUEUE, DEFAULT_POOL_EVENTS, DEFAULT_POOL_MODE, DEFAULT_PREFILL_RETRIES,
+    DEFAULT_PREFILL_TIMEOUT, DEFAULT_REMOTE_TOKENIZE_TIMEOUT, RawAdapter, RawDisaggregation,
+    RawPool, RawReplica, RawTokenizer,
 };
 use super::{
     Adapter, Disaggregation, DisaggregationMode, Pool, PrefillLegSettings, Replica, TokenizerSource,
@@ -168,8 +168,13 @@ fn disaggregation(raw: &RawDisaggregation) -> Result<Disaggregation, ConfigError
     if max_concurrent == 0 {
         return Err(invalid("max_concurrent_prefills", 0, "must be at least 1"));
     }
+    let max_prefill_queue = or_default(raw.max_prefill_queue, DEFAULT_MAX_PREFILL_QUEUE);
+    if max_prefill_queue.is_zero() {
+        return Err(invalid("max_prefill_queue", "0s", "must be positive"));
+    }
     Ok(Disaggregation {
         mode,
+        max_prefill_queue: Some(max_prefill_queue),
         min_prompt_tokens: raw
             .min_prompt_tokens
             .unwrap_or(DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS),

@@ -45,6 +45,8 @@ pub const DEFAULT_PREFILL_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_PREFILL_RETRIES: u32 = 2;
 /// Default `pools[].disaggregation.max_concurrent_prefills`.
 pub const DEFAULT_MAX_CONCURRENT_PREFILLS: usize = 256;
+/// Default `pools[].disaggregation.max_prefill_queue` (measured in kvroute-replay).
+pub const DEFAULT_MAX_PREFILL_QUEUE: Duration = kvroute_routing::split::DEFAULT_MAX_PREFILL_QUEUE;
 /// Default `pools[].disaggregation.min_uncached_tokens`: llm-d's documented example (half the
 /// prompt floor): a mostly cached prompt is cheaper to finish on its decode replica.
 pub const DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS: usize =
@@ -552,6 +554,13 @@ pub(super) struct RawDisaggregation {
     /// decode replica (llm-d's `nonCachedTokens`).
     #[schemars(extend("default" = DEFAULT_DISAGGREGATION_MIN_UNCACHED_TOKENS))]
     pub(super) min_uncached_tokens: Option<usize>,
+    /// The prefill pool's load, as a duration (`1s`): a prefill replica whose estimated queue
+    /// (the scoring weights' queue estimate) is at least this, and longer than the chosen decode
+    /// replica's, takes no prefill leg; when every ready prefill replica is that busy the
+    /// request is served whole on its decode replica, counted as `prefill_busy`. Set it high
+    /// (`1h`) to split regardless of the prefill pool's load.
+    #[schemars(extend("default" = format_duration(DEFAULT_MAX_PREFILL_QUEUE)))]
+    pub(super) max_prefill_queue: Option<ConfigDuration>,
 }
 
 #[derive(Debug, Default, Deserialize, JsonSchema)]

@@ -699,6 +699,16 @@ fn the_prefill_leg_keys_have_defaults_and_belong_to_envoy_mode() {
     let sidecar = Config::from_yaml(&with("{}")).unwrap();
     let rule = sidecar.pools[0].disaggregation.unwrap();
     assert_eq!(rule.mode, DisaggregationMode::Sidecar);
+    assert_eq!(rule.max_prefill_queue, Some(DEFAULT_MAX_PREFILL_QUEUE));
+    let bounded = Config::from_yaml(&with("{max_prefill_queue: 250ms}")).unwrap();
+    assert_eq!(
+        bounded.pools[0]
+            .disaggregation
+            .unwrap()
+            .rule()
+            .max_prefill_queue,
+        Some(Duration::from_millis(250))
+    );
     assert_eq!(
         rule.prefill,
         PrefillLegSettings {
@@ -739,6 +749,10 @@ fn the_prefill_leg_keys_have_defaults_and_belong_to_envoy_mode() {
             "pools[0].disaggregation.prefill_timeout",
         ),
         ("{mode: proxy}", "pools[0].disaggregation.mode"),
+        (
+            "{max_prefill_queue: 0s}",
+            "pools[0].disaggregation.max_prefill_queue",
+        ),
     ] {
         let error = error_of(&with(yaml));
         assert!(error.contains(field), "{yaml}: {error}");

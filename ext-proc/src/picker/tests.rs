@@ -800,34 +800,44 @@ async fn without_a_prefill_replica_a_long_prompt_is_served_whole_and_counted() {
     assert_eq!(disaggregation_count(&registry, "no_prefill_replica"), 1);
 }
 
-#[test]
-fn the_split_verdict_follows_llm_d_prefix_decider_on_the_decode_replica() {
-    let rule = Disaggregation {
-        mode: crate::config::DisaggregationMode::Sidecar,
-        min_prompt_tokens: 1000,
-        min_uncached_tokens: 500,
-        prefill: crate::config::PrefillLegSettings {
-            timeout: std::time::Duration::from_secs(1),
-            retries: 0,
-            max_concurrent: 1,
-        },
+#[tokio::test]
+async fn a_prefill_pool_queued_past_the_bound_serves_long_prompts_whole() {
+    use kvroute_routing::load::Scraped;
+    let (picker, registry) = disaggregated_picker(&["p0", "p1"]);
+    let queued = |replica: &str, waiting: f64| {
+        picker.loads().replica(replica).record_scrape(Scraped {
+            waiting,
+            ..Scraped::default()
+        });
     };
+    // 40 waiting requests are 2 s of queue at the default weights, past the 1 s bound; the
+    // 3000-token prompt is 150 ms of prefill on an idle decode replica.
+    queued("p0", 40.0);
+    queued("p1", 40.0);
+    let whole = decide_prompt(&picker, &text_of(4, 3000)).await;
+    assert!(whole.prefill.is_none(), "every prefill replica is queued");
+    drop(whole);
+    assert_eq!(disaggregation_count(&registry, "prefill_busy"), 1);
+
+    // One prefill replica drains: it takes the leg, the busy one does not.
+    queued("p1", 0.0);
+    let split = decide_prompt(&picker, &text_of(5, 3000)).await;
     assert_eq!(
-        SplitVerdict::of(&rule.rule(), 999, 0, true),
-        SplitVerdict::ShortPrompt
+        split.prefill.as_ref().map(|leg| leg.replica_id.as_str()),
+        Some("p1")
     );
-    assert_eq!(
-        SplitVerdict::of(&rule.rule(), 1000, 501, true),
-        SplitVerdict::Cached
-    );
-    assert_eq!(
-        SplitVerdict::of(&rule.rule(), 1000, 500, true),
-        SplitVerdict::Split
-    );
-    assert_eq!(
-        SplitVerdict::of(&rule.rule(), 1000, 0, false),
-        SplitVerdict::NoPrefillReplica
-    );
+    drop(split);
+
+    // Decode replicas queued longer than the prefill pool: the leg goes to the busy prefill
+    // replica all the same (serving whole would only move the wait onto the decode replica).
+    queued("p1", 40.0);
+    queued("d0", 60.0);
+    queued("d1", 60.0);
+    let split = decide_prompt(&picker, &text_of(6, 3000)).await;
+    assert!(split.prefill.is_some(), "decode replicas are busier still");
+    drop(split);
+    assert_eq!(disaggregation_count(&registry, "split"), 2);
+    assert_eq!(disaggregation_count(&registry, "prefill_busy"), 1);
 }
 
 /// `len` bytes of seeded lower-case text.

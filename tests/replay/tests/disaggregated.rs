@@ -95,6 +95,7 @@ fn kvroute_splits_as_the_picker_decides_on_the_same_facts() {
         mode: DisaggregationMode::Sidecar,
         min_prompt_tokens: 2 * BLOCK_TOKENS as usize,
         min_uncached_tokens: 3 * BLOCK_TOKENS as usize,
+        max_prefill_queue: Some(kvroute_routing::split::DEFAULT_MAX_PREFILL_QUEUE),
         prefill: PrefillLegSettings {
             timeout: std::time::Duration::from_secs(1),
             retries: 0,
@@ -136,7 +137,7 @@ fn kvroute_splits_as_the_picker_decides_on_the_same_facts() {
                 &disaggregation.rule(),
                 r.input_tokens as usize,
                 cached,
-                true,
+                kvroute_routing::PrefillSide::Available,
             )
         })
         .collect();
@@ -161,4 +162,50 @@ fn kvroute_splits_as_the_picker_decides_on_the_same_facts() {
     assert_eq!(result.outcomes[2].replica, result.outcomes[0].replica);
     assert!(result.outcomes.iter().all(|o| o.replica >= 1));
     assert!(result.outcomes[0].prefill == Some(0));
+}
+
+#[test]
+fn a_queued_prefill_pool_hands_long_prompts_to_an_idle_decode_replica() {
+    use kvroute_replay::routers::DEFAULT_SPLIT_RULE;
+    use kvroute_routing::SplitRule;
+    // A burst of distinct long prompts at once: the one prefill replica's queue grows by each
+    // prompt's prefill (kvroute's in-flight accounting; no scrape has seen them yet).
+    let config = one_by_one();
+    let blocks = 8192 / u64::from(BLOCK_TOKENS);
+    let requests: Vec<Request> = (0..8)
+        .map(|i| request(i, 0, blocks, 1_000 * (i as u64 + 1), 1))
+        .collect();
+    let verdicts_with = |rule: SplitRule| {
+        let mut router = Kvroute::new(
+            config.replicas,
+            config.engine.blocks,
+            StdRng::seed_from_u64(5),
+        )
+        .disaggregating(rule);
+        let result = sim::run(&requests, &config, &mut router).unwrap();
+        for (verdict, outcome) in router.verdicts().iter().zip(&result.outcomes) {
+            assert_eq!(outcome.prefill.is_some(), *verdict == PickerVerdict::Split);
+        }
+        router.verdicts().to_vec()
+    };
+    let unbounded = verdicts_with(SplitRule {
+        max_prefill_queue: None,
+        ..DEFAULT_SPLIT_RULE
+    });
+    assert!(
+        unbounded.iter().all(|v| *v == PickerVerdict::Split),
+        "{unbounded:?}"
+    );
+    let bounded = verdicts_with(DEFAULT_SPLIT_RULE);
+    assert_eq!(bounded[0], PickerVerdict::Split, "{bounded:?}");
+    let busy = bounded
+        .iter()
+        .position(|v| *v == PickerVerdict::PrefillBusy)
+        .unwrap_or_else(|| panic!("the prefill queue passed 1 s: {bounded:?}"));
+    // Once the decode replica's own queue (the prompts it took whole) is longer than the
+    // prefill replica's, splitting resumes.
+    assert!(
+        bounded[busy..].contains(&PickerVerdict::Split),
+        "{bounded:?}"
+    );
 }

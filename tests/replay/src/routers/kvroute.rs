@@ -21,9 +21,10 @@ use kvroute_index_core::index::{
     BlockIndex, IndexConfig, IndexMetrics, KvIndex, PoolConfig, PoolKeys, ReplicaId,
 };
 use kvroute_routing::load::{DEFAULT_SCRAPE_INTERVAL, InflightGuard, LoadBoard, Scraped};
+use kvroute_routing::policy::queue_ms;
 use kvroute_routing::{
-    Indexed, PromptFacts, RouteRequest, Router as RoutingCore, ScoringConfig, SplitRule,
-    SplitVerdict,
+    Indexed, PrefillSide, PromptFacts, RouteRequest, Router as RoutingCore, ScoringConfig,
+    SplitRule, SplitVerdict,
 };
 use rand::rngs::StdRng;
 
@@ -209,15 +210,31 @@ impl Router for Kvroute {
                 predicted_blocks: None,
             });
         let prefill_pool = view.prefill_pool();
+        // As the picker: prefill replicas whose estimated queue is at the rule's bound take no
+        // leg.
+        let queue_of = |r: usize| {
+            let load = self.loads().replica(&self.names[r]).snapshot();
+            queue_ms(&load, &self.scoring)
+        };
+        let decode_queue_ms = queue_of(decode.replica);
+        let admitted: Vec<usize> = prefill_pool
+            .iter()
+            .copied()
+            .filter(|r| rule.admits_prefill_queue(queue_of(*r), decode_queue_ms))
+            .collect();
         let verdict = SplitVerdict::of(
             &rule,
             request.input_tokens as usize,
             self.cached_tokens,
-            !prefill_pool.is_empty(),
+            PrefillSide::of(prefill_pool.len(), admitted.len()),
         );
         self.verdicts.push(verdict);
         let prefill = if verdict == SplitVerdict::Split {
-            self.route_among(request, view.now_us, &prefill_pool)
+            // As the picker: the decode replica no longer queues this prompt's prefill.
+            if let Some(guard) = self.guards.get_mut(&(request.id, decode.replica)) {
+                guard.prefilled_elsewhere();
+            }
+            self.route_among(request, view.now_us, &admitted)
                 .map(|d| d.replica)
         } else {
             None

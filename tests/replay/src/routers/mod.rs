@@ -167,27 +167,50 @@ pub enum RouterSpec {
 pub const DEFAULT_SPLIT_RULE: SplitRule = SplitRule {
     min_prompt_tokens: kvroute_routing::split::DEFAULT_MIN_PROMPT_TOKENS,
     min_uncached_tokens: kvroute_routing::split::DEFAULT_MIN_UNCACHED_TOKENS,
+    max_prefill_queue: Some(kvroute_routing::split::DEFAULT_MAX_PREFILL_QUEUE),
 };
 
-/// `-p<prompt>-u<uncached>` when `rule` is not the default.
+/// `-p<prompt>-u<uncached>` when the thresholds are not the default, then `-q<ms>` (or `-qoff`)
+/// when the prefill queue bound is not.
 fn rule_suffix(rule: &SplitRule) -> String {
-    if *rule == DEFAULT_SPLIT_RULE {
-        String::new()
-    } else {
-        format!("-p{}-u{}", rule.min_prompt_tokens, rule.min_uncached_tokens)
+    let mut suffix = String::new();
+    if (rule.min_prompt_tokens, rule.min_uncached_tokens)
+        != (
+            DEFAULT_SPLIT_RULE.min_prompt_tokens,
+            DEFAULT_SPLIT_RULE.min_uncached_tokens,
+        )
+    {
+        suffix += &format!("-p{}-u{}", rule.min_prompt_tokens, rule.min_uncached_tokens);
     }
+    if rule.max_prefill_queue != DEFAULT_SPLIT_RULE.max_prefill_queue {
+        match rule.max_prefill_queue {
+            Some(max) => suffix += &format!("-q{}", max.as_millis()),
+            None => suffix += "-qoff",
+        }
+    }
+    suffix
 }
 
-/// Parses `""` (the default) or `-p<prompt>-u<uncached>`.
+/// Parses what [`rule_suffix`] writes: `[-p<prompt>-u<uncached>][-q<ms>|-qoff]`.
 fn parse_rule(suffix: &str) -> Option<SplitRule> {
-    if suffix.is_empty() {
-        return Some(DEFAULT_SPLIT_RULE);
+    let mut rule = DEFAULT_SPLIT_RULE;
+    let (thresholds, queue) = match suffix.find("-q") {
+        Some(at) => (&suffix[..at], Some(&suffix[at + 2..])),
+        None => (suffix, None),
+    };
+    if !thresholds.is_empty() {
+        let (prompt, uncached) = thresholds.strip_prefix("-p")?.split_once("-u")?;
+        rule.min_prompt_tokens = prompt.parse().ok()?;
+        rule.min_uncached_tokens = uncached.parse().ok()?;
     }
-    let (prompt, uncached) = suffix.strip_prefix("-p")?.split_once("-u")?;
-    Some(SplitRule {
-        min_prompt_tokens: prompt.parse().ok()?,
-        min_uncached_tokens: uncached.parse().ok()?,
-    })
+    match queue {
+        None => {}
+        Some("off") => rule.max_prefill_queue = None,
+        Some(ms) => {
+            rule.max_prefill_queue = Some(std::time::Duration::from_millis(ms.parse().ok()?));
+        }
+    }
+    Some(rule)
 }
 
 impl RouterSpec {

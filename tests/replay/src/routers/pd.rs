@@ -18,7 +18,7 @@
 //!   counted, not what is cached.
 
 use kvroute_index_core::event::KvEvent;
-use kvroute_routing::{SplitRule, SplitVerdict};
+use kvroute_routing::{PrefillSide, SplitRule, SplitVerdict};
 use rand::rngs::StdRng;
 
 use super::{Decision, DynamoCost, LlmdPrecise, Pair, Router, View};
@@ -57,11 +57,12 @@ impl Router for PdLlmd {
             .route_among(request, view.now_us, &view.decode_pool());
         let cached = decode.predicted_blocks.unwrap_or(0) as usize * BLOCK_TOKENS as usize;
         let prefill_pool = view.prefill_pool();
+        // llm-d's decider does not weigh the prefill pool's load: any ready prefill pod serves.
         let verdict = SplitVerdict::of(
             &self.rule,
             request.input_tokens as usize,
             cached.min(request.input_tokens as usize),
-            !prefill_pool.is_empty(),
+            PrefillSide::of(prefill_pool.len(), prefill_pool.len()),
         );
         let prefill = (verdict == SplitVerdict::Split).then(|| {
             self.inner

@@ -46,7 +46,7 @@ const UNEXERCISED: &[(&str, &str, &str, &[&str], &str)] = &[
         "counter",
         &["decision", "pool"],
         "Requests of a disaggregated pool, by decision: split (prompt computed on a prefill \
-         replica), or served whole: short_prompt, cached, no_prefill_replica, no_prompt",
+         replica), or served whole: short_prompt, cached, no_prefill_replica, prefill_busy, no_prompt",
     ),
     (
         "kvroute-ext-proc",
