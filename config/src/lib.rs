@@ -20,6 +20,7 @@
 #![deny(missing_docs)]
 
 mod duration;
+mod engines;
 mod error;
 mod events;
 mod log;
@@ -31,6 +32,7 @@ mod tls;
 mod token;
 
 pub use duration::{ConfigDuration, DurationError, format_duration, parse_duration};
+pub use engines::Engine;
 pub use error::{ConfigError, ErrorKind, from_json, from_yaml, join_path};
 pub use events::{DEFAULT_MAX_MESSAGE_BYTES, RawEventSource, check_transport};
 pub use log::{DEFAULT_LOG_FORMAT, LogFormat, RawLog};
