@@ -19,6 +19,7 @@
 //! | `kvroute.io/kv-replay-port` | replay ROUTER port of rank 0 (`replay_endpoint`), or `none` | `kv_replay_port` (5558) |
 //! | `kvroute.io/kv-events-topic` | the KV-event topic (`topic`) | empty (vLLM's default) |
 //! | `kvroute.io/data-parallel-size` | data-parallel ranks behind the pod's one API server (vLLM `--data-parallel-size`, internal load balancing); the replay port must then leave that many ports after the KV-event port | 1 |
+//! | `kvroute.io/engine` | the engine family serving it, `vllm` or `sglang` (its events' wire format, block hashes and metric names); another value refuses the pod | the pool's |
 //!
 //! Two data-parallel layouts:
 //! - one API server per rank (GIE `targetPorts`, one per rank): rank `N` is the `N`-th port, its
@@ -56,6 +57,8 @@ pub const ANNOTATION_KV_REPLAY_PORT: &str = "kvroute.io/kv-replay-port";
 pub const ANNOTATION_KV_EVENTS_TOPIC: &str = "kvroute.io/kv-events-topic";
 /// Annotation: data-parallel ranks behind the pod's one API server.
 pub const ANNOTATION_DATA_PARALLEL_SIZE: &str = "kvroute.io/data-parallel-size";
+/// Annotation: the engine family serving the pod (`vllm`, `sglang`).
+pub const ANNOTATION_ENGINE: &str = "kvroute.io/engine";
 /// Pod label: the pod's part in prefill/decode disaggregation (llm-d's).
 pub const LABEL_ROLE: &str = "llm-d.ai/role";
 /// Prometheus path when no annotation sets one.
@@ -75,6 +78,8 @@ pub struct Replica {
     pub rank_by_header: bool,
     /// Its part in prefill/decode disaggregation (label `llm-d.ai/role`; `both` without one).
     pub role: kvroute_config::Role,
+    /// The engine family `kvroute.io/engine` names (`None`: the pool's).
+    pub engine: Option<kvroute_config::Engine>,
     /// `podIP:port` Envoy routes to.
     pub address: SocketAddr,
     /// `http://podIP:port/path` of the engine's Prometheus metrics.
@@ -132,6 +137,8 @@ pub enum Refusal {
     PortOverflow,
     /// A `llm-d.ai/role` label that names no role kvroute routes to (e.g. llm-d's `encode`).
     UnknownRole,
+    /// A `kvroute.io/engine` annotation that names no engine family kvroute reads.
+    UnknownEngine,
     /// Ranks behind one API server whose KV-event ports, offset by the rank, meet their replay
     /// ports (`kvroute.io/kv-replay-port` must leave `data-parallel-size` ports after the events').
     RankPortsOverlap,
@@ -148,6 +155,7 @@ impl Refusal {
             Self::PortOverflow => "port_overflow",
             Self::RankPortsOverlap => "rank_ports_overlap",
             Self::UnknownRole => "unknown_role",
+            Self::UnknownEngine => "unknown_engine",
         }
     }
 }
@@ -234,6 +242,9 @@ pub(crate) fn replicas_of(pod: &Pod, plan: &PortPlan) -> Result<Vec<Replica>, Re
         None => kvroute_config::Role::default(),
         Some(value) => kvroute_config::Role::from_pod_label(value).ok_or(Refusal::UnknownRole)?,
     };
+    let engine = annotation(ANNOTATION_ENGINE)
+        .map(|value| kvroute_config::Engine::from_annotation(value).ok_or(Refusal::UnknownEngine))
+        .transpose()?;
     let shared_ranks = match annotation(ANNOTATION_DATA_PARALLEL_SIZE) {
         None => 1,
         Some(size) => size
@@ -287,6 +298,7 @@ pub(crate) fn replicas_of(pod: &Pod, plan: &PortPlan) -> Result<Vec<Replica>, Re
             rank,
             rank_by_header,
             role,
+            engine,
             address: SocketAddr::new(ip, port),
             metrics_url: format!("http://{host}:{metrics_port}{metrics_path}"),
             kv_events: format!("tcp://{host}:{}", offset(kv_events_port)?),
@@ -373,6 +385,7 @@ mod tests {
                 rank: 0,
                 rank_by_header: false,
                 role: kvroute_config::Role::Both,
+                engine: None,
                 address: "10.0.0.5:8000".parse().unwrap(),
                 metrics_url: "http://10.0.0.5:8000/metrics".into(),
                 kv_events: "tcp://10.0.0.5:5557".into(),
@@ -453,6 +466,28 @@ mod tests {
             Err(Refusal::BadAnnotation),
             "ports and shared ranks at once"
         );
+    }
+
+    #[test]
+    fn the_engine_annotation_names_the_family_and_an_unknown_one_refuses_the_pod() {
+        let plan = plan(vec![TargetPort::Number(8000)]);
+        let plain = ready_pod("p", "10.0.0.1", serde_json::json!({}));
+        assert_eq!(replicas_of(&plain, &plan).unwrap()[0].engine, None);
+        let sglang = ready_pod(
+            "p",
+            "10.0.0.1",
+            serde_json::json!({"kvroute.io/engine": "sglang"}),
+        );
+        assert_eq!(
+            replicas_of(&sglang, &plan).unwrap()[0].engine,
+            Some(kvroute_config::Engine::Sglang)
+        );
+        let unknown = ready_pod(
+            "p",
+            "10.0.0.1",
+            serde_json::json!({"kvroute.io/engine": "trtllm"}),
+        );
+        assert_eq!(replicas_of(&unknown, &plan), Err(Refusal::UnknownEngine));
     }
 
     #[test]

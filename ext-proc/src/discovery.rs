@@ -47,6 +47,8 @@ struct PoolLabels {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Refusal {
     ModelMismatch,
+    /// The pod's engine family publishes block hashes the pool's keys are not.
+    EngineMismatch,
     DuplicateId,
     DuplicateAddress,
     BadMetricsUrl,
@@ -56,6 +58,7 @@ impl Refusal {
     fn as_label(self) -> &'static str {
         match self {
             Self::ModelMismatch => "model_mismatch",
+            Self::EngineMismatch => "engine_mismatch",
             Self::DuplicateId => "duplicate_id",
             Self::DuplicateAddress => "duplicate_address",
             Self::BadMetricsUrl => "bad_metrics_url",
@@ -269,8 +272,11 @@ fn merge(
             let dp_rank = discovered
                 .rank_by_header
                 .then_some(u32::from(discovered.rank));
+            let engine = discovered.engine.unwrap_or(pool.engine);
             let why = if discovered.model.as_deref().is_some_and(|m| !pool.serves(m)) {
                 Some(Refusal::ModelMismatch)
+            } else if !pool.keys_serve(engine) {
+                Some(Refusal::EngineMismatch)
             } else if ids.contains(&discovered.id) {
                 Some(Refusal::DuplicateId)
             } else if addresses.contains(&(discovered.address, dp_rank)) {
@@ -292,6 +298,7 @@ fn merge(
                 address: discovered.address,
                 dp_rank,
                 role: discovered.role,
+                engine,
                 metrics_url: metrics_url.ok(),
                 envoy_cluster: None,
             });
@@ -315,6 +322,7 @@ mod tests {
             rank: 0,
             rank_by_header: false,
             role: kvroute_config::Role::Both,
+            engine: None,
             address: address.parse().unwrap(),
             metrics_url: format!("http://{address}/metrics"),
             kv_events: String::new(),
@@ -346,6 +354,10 @@ mod tests {
                 replica("p2", "10.0.0.4:8000", Some("other-model")),
                 replica("s0", "10.0.0.5:8000", None),
                 replica("p3", "10.0.0.1:8000", None),
+                kvroute_discovery::Replica {
+                    engine: Some(kvroute_config::Engine::Sglang),
+                    ..replica("p4", "10.0.0.6:8000", None)
+                },
             ]),
             |pool, id, why| refusals.push((pool.to_owned(), id.to_owned(), why)),
         );
@@ -364,7 +376,8 @@ mod tests {
             [
                 ("p2", Refusal::ModelMismatch),
                 ("s0", Refusal::DuplicateId),
-                ("p3", Refusal::DuplicateAddress)
+                ("p3", Refusal::DuplicateAddress),
+                ("p4", Refusal::EngineMismatch)
             ]
         );
         // The next snapshot replaces, never accumulates.

@@ -1,12 +1,15 @@
-//! Engine scrapes: each replica's vLLM `/metrics` read every `scrape.interval` into the routing
-//! core's load board, and drift detection on the same read.
+//! Engine scrapes: each replica's `/metrics` read every `scrape.interval` into the routing core's
+//! load board, and drift detection on the same read.
 //!
-//! [`Scraper::scrape_all`] reads `vllm:num_requests_waiting`, `vllm:num_requests_running`,
-//! `vllm:kv_cache_usage_perc` (falling back to the older `vllm:gpu_cache_usage_perc`) and records
-//! them with [`ReplicaLoad::record_scrape`]; failures in a row make a replica unready.
+//! [`Scraper::scrape_all`] reads, from vLLM, `vllm:num_requests_waiting`,
+//! `vllm:num_requests_running`, `vllm:kv_cache_usage_perc` (falling back to the older
+//! `vllm:gpu_cache_usage_perc`), from SGLang `sglang:num_queue_reqs`, `sglang:num_running_reqs`,
+//! `sglang:token_usage`, and records them with [`ReplicaLoad::record_scrape`]; failures in a row
+//! make a replica unready.
 //!
-//! The same scrape reads the engine's prefix-cache counters (`vllm:prefix_cache_hits_total`,
-//! `vllm:prefix_cache_queries_total`) for drift detection ([`crate::drift`]): a routed request's
+//! The same scrape reads the engine's prefix-cache counters (`vllm:prefix_cache_hits_total` and
+//! `vllm:prefix_cache_queries_total`, or `sglang:cached_tokens_total` and
+//! `sglang:prompt_tokens_total`) for drift detection ([`crate::drift`]): a routed request's
 //! in-flight guard carries kvroute's prediction of its cached tokens and adds it to the replica's
 //! predicted side when it is released; each scrape compares both sides over the window, and
 //! [`Scraper::pool_degraded`] says which pools route on the approximate tier because of it.
@@ -24,7 +27,7 @@ use kvroute_index_core::throttle::LogThrottle;
 use kvroute_routing::load::{LoadBoard, Prediction, ReplicaLoad, Scraped};
 use parking_lot::{Mutex, RwLock};
 
-use crate::config::{Config, DriftAction, Replica};
+use crate::config::{Config, DriftAction, Engine, Replica};
 use crate::drift::{DriftWindow, EngineCounters, Transition};
 use crate::metrics::{Metrics, PoolLabel, ReplicaLabel};
 use crate::shadow::ShadowBook;
@@ -290,7 +293,8 @@ impl Scraper {
         };
         match result {
             Ok(text) => {
-                let (scraped, prefix_cache) = parse_exposition(text, replica.dp_rank);
+                let (scraped, prefix_cache) =
+                    parse_exposition(text, replica.engine, replica.dp_rank);
                 if let Some(engine) = prefix_cache {
                     self.observe_drift(replica, engine, predicted, config, &label, shadow);
                 }
@@ -348,19 +352,72 @@ async fn fetch(
 /// engines behind one server) are summed; KV usage takes the maximum.
 #[cfg(test)]
 fn parse_vllm_metrics(text: &str) -> Scraped {
-    parse_exposition(text, None).0
+    parse_exposition(text, Engine::Vllm, None).0
 }
 
-/// The load gauges and, when the engine exports both, its prefix-cache counters (summed over
-/// label sets): of data-parallel rank `engine` alone when given (vLLM labels each rank's
-/// series `engine="<rank>"`), else of every series.
-pub fn parse_exposition(text: &str, engine: Option<u32>) -> (Scraped, Option<EngineCounters>) {
-    let engine_label = engine.map(|rank| format!("engine=\"{rank}\""));
+/// Where an engine family exports what a scrape reads.
+struct SeriesNames {
+    waiting: &'static str,
+    running: &'static str,
+    /// KV-cache usage, 0..1, and an older name for it.
+    kv_usage: &'static str,
+    kv_usage_old: Option<&'static str>,
+    /// Prefix-cache hits and lookups, in prompt tokens.
+    hit_tokens: &'static str,
+    queried_tokens: &'static str,
+    /// The label naming a data-parallel rank's series.
+    rank_label: &'static str,
+}
+
+impl SeriesNames {
+    fn of(engine: Engine) -> &'static Self {
+        match engine {
+            Engine::Vllm => &VLLM_SERIES,
+            Engine::Sglang => &SGLANG_SERIES,
+        }
+    }
+}
+
+const VLLM_SERIES: SeriesNames = SeriesNames {
+    waiting: "vllm:num_requests_waiting",
+    running: "vllm:num_requests_running",
+    kv_usage: "vllm:kv_cache_usage_perc",
+    kv_usage_old: Some("vllm:gpu_cache_usage_perc"),
+    hit_tokens: "vllm:prefix_cache_hits_total",
+    queried_tokens: "vllm:prefix_cache_queries_total",
+    rank_label: "engine",
+};
+
+/// SGLang's scheduler metrics (`--enable-metrics`; GIE's model-server protocol maps its queue
+/// and KV utilisation to the first and third). Its cached-token counter is labelled by cache
+/// source (device, host, storage) and appears with the first hit; its prompt-token counter
+/// counts every prompt, so together they are vLLM's hits and queries.
+const SGLANG_SERIES: SeriesNames = SeriesNames {
+    waiting: "sglang:num_queue_reqs",
+    running: "sglang:num_running_reqs",
+    kv_usage: "sglang:token_usage",
+    kv_usage_old: None,
+    hit_tokens: "sglang:cached_tokens_total",
+    queried_tokens: "sglang:prompt_tokens_total",
+    rank_label: "dp_rank",
+};
+
+/// The load gauges and, when the engine exports them, its prefix-cache counters (summed over
+/// label sets), as `engine` names them: of data-parallel rank `rank` alone when given (vLLM
+/// labels each rank's series `engine="<rank>"`, SGLang `dp_rank="<rank>"`), else of every
+/// series.
+pub fn parse_exposition(
+    text: &str,
+    engine: Engine,
+    rank: Option<u32>,
+) -> (Scraped, Option<EngineCounters>) {
+    let names = SeriesNames::of(engine);
+    let rank_label = rank.map(|rank| format!("{}=\"{rank}\"", names.rank_label));
     let mut scraped = Scraped::default();
     let mut hits: Option<f64> = None;
     let mut queries: Option<f64> = None;
     let mut kv_usage: Option<f64> = None;
-    let mut gpu_usage: Option<f64> = None;
+    let mut kv_usage_old: Option<f64> = None;
     for line in text.lines() {
         if line.starts_with('#') || line.is_empty() {
             continue;
@@ -374,7 +431,7 @@ pub fn parse_exposition(text: &str, engine: Option<u32>) -> (Scraped, Option<Eng
             ),
             None => ("", &line[name_end..]),
         };
-        if let Some(wanted) = &engine_label
+        if let Some(wanted) = &rank_label
             && !labels.split(',').any(|label| label.trim() == wanted)
         {
             continue;
@@ -390,17 +447,27 @@ pub fn parse_exposition(text: &str, engine: Option<u32>) -> (Scraped, Option<Eng
         if !value.is_finite() {
             continue;
         }
-        match name {
-            "vllm:num_requests_waiting" => scraped.waiting += value,
-            "vllm:num_requests_running" => scraped.running += value,
-            "vllm:kv_cache_usage_perc" => kv_usage = Some(kv_usage.unwrap_or(0.0).max(value)),
-            "vllm:gpu_cache_usage_perc" => gpu_usage = Some(gpu_usage.unwrap_or(0.0).max(value)),
-            "vllm:prefix_cache_hits_total" => hits = Some(hits.unwrap_or(0.0) + value),
-            "vllm:prefix_cache_queries_total" => queries = Some(queries.unwrap_or(0.0) + value),
-            _ => {}
+        let add = |sum: &mut Option<f64>| *sum = Some(sum.unwrap_or(0.0) + value);
+        let max = |most: &mut Option<f64>| *most = Some(most.unwrap_or(0.0).max(value));
+        if name == names.waiting {
+            scraped.waiting += value;
+        } else if name == names.running {
+            scraped.running += value;
+        } else if name == names.kv_usage {
+            max(&mut kv_usage);
+        } else if Some(name) == names.kv_usage_old {
+            max(&mut kv_usage_old);
+        } else if name == names.hit_tokens {
+            add(&mut hits);
+        } else if name == names.queried_tokens {
+            add(&mut queries);
         }
     }
-    scraped.kv_usage = kv_usage.or(gpu_usage).unwrap_or(0.0).clamp(0.0, 1.0);
+    scraped.kv_usage = kv_usage.or(kv_usage_old).unwrap_or(0.0).clamp(0.0, 1.0);
+    // SGLang exports no cached-token series before its first hit: none then.
+    if engine == Engine::Sglang && queries.is_some() {
+        hits = hits.or(Some(0.0));
+    }
     let prefix_cache = hits
         .zip(queries)
         .map(|(hits, queries)| EngineCounters { hits, queries });
@@ -526,7 +593,7 @@ mod tests {
             vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"m\"} 40.0\n\
             vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 7.0\n\
             vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 1.0\n";
-        let (rank1, counters1) = parse_exposition(text, Some(1));
+        let (rank1, counters1) = parse_exposition(text, Engine::Vllm, Some(1));
         assert_eq!(
             rank1,
             Scraped {
@@ -542,14 +609,14 @@ mod tests {
                 queries: 100.0
             })
         );
-        let (rank0, counters0) = parse_exposition(text, Some(0));
+        let (rank0, counters0) = parse_exposition(text, Engine::Vllm, Some(0));
         assert_eq!(
             (rank0.waiting, rank0.running, rank0.kv_usage),
             (3.0, 0.0, 0.5)
         );
         assert_eq!(counters0.map(|c| c.queries), Some(7.0));
         assert_eq!(
-            parse_exposition(text, Some(2)).0,
+            parse_exposition(text, Engine::Vllm, Some(2)).0,
             Scraped::default(),
             "no such rank"
         );
@@ -573,7 +640,7 @@ mod tests {
             }
         );
         assert_eq!(
-            parse_exposition(text, None).1,
+            parse_exposition(text, Engine::Vllm, None).1,
             None,
             "no prefix-cache counters"
         );
@@ -584,7 +651,7 @@ mod tests {
             vllm:prefix_cache_queries_total{engine=\"1\",model_name=\"m\"} 20.0\n\
             vllm:external_prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 999.0\n";
         assert_eq!(
-            parse_exposition(counters, None).1,
+            parse_exposition(counters, Engine::Vllm, None).1,
             Some(EngineCounters {
                 hits: 80.0,
                 queries: 120.0
@@ -599,5 +666,60 @@ mod tests {
                 kv_usage: 0.5
             }
         );
+    }
+
+    #[test]
+    fn sglang_exposition_reads_its_own_names_and_dp_rank_series() {
+        // As SGLang 0.5.23's metrics collector labels them (its scheduler gauges per rank; the
+        // cached-token counter by cache source, absent before the first hit).
+        let labels = |rank: u32| {
+            format!(
+                "model_name=\"m\",engine_type=\"unified\",tp_rank=\"0\",pp_rank=\"0\",moe_ep_rank=\"0\",dp_rank=\"{rank}\""
+            )
+        };
+        let text = format!(
+            "# TYPE sglang:num_queue_reqs gauge\n\
+             sglang:num_queue_reqs{{{r0}}} 3.0\n\
+             sglang:num_queue_reqs{{{r1}}} 1.0\n\
+             sglang:num_running_reqs{{{r0}}} 5.0\n\
+             sglang:token_usage{{{r0}}} 0.25\n\
+             sglang:token_usage{{{r1}}} 0.5\n\
+             vllm:num_requests_waiting{{engine=\"0\"}} 40.0\n\
+             sglang:prompt_tokens_total{{{r0},is_streaming=\"false\"}} 100.0\n\
+             sglang:prompt_tokens_total{{{r0},is_streaming=\"true\"}} 20.0\n\
+             sglang:cached_tokens_total{{{r0},cache_source=\"device\"}} 48.0\n\
+             sglang:cached_tokens_total{{{r0},cache_source=\"host\"}} 16.0\n\
+             sglang:prompt_tokens_total{{{r1},is_streaming=\"false\"}} 7.0\n",
+            r0 = labels(0),
+            r1 = labels(1)
+        );
+        let (rank0, counters0) = parse_exposition(&text, Engine::Sglang, Some(0));
+        assert_eq!(
+            rank0,
+            Scraped {
+                waiting: 3.0,
+                running: 5.0,
+                kv_usage: 0.25
+            }
+        );
+        assert_eq!(
+            counters0,
+            Some(EngineCounters {
+                hits: 64.0,
+                queries: 120.0
+            })
+        );
+        let (rank1, counters1) = parse_exposition(&text, Engine::Sglang, Some(1));
+        assert_eq!((rank1.waiting, rank1.kv_usage), (1.0, 0.5));
+        assert_eq!(
+            counters1,
+            Some(EngineCounters {
+                hits: 0.0,
+                queries: 7.0
+            }),
+            "no hit yet: no cached-token series"
+        );
+        // Read as vLLM, the same page has only the stray vLLM gauge.
+        assert_eq!(parse_exposition(&text, Engine::Vllm, None).0.waiting, 40.0);
     }
 }

@@ -36,7 +36,7 @@ pub use chart::{
     CHART_GRPC_PORT, CHART_HEALTH_PORT, CHART_METRICS_PORT, CHART_SECURE_SERVING, ChartPool,
     ChartSelection, DEFAULT_POOL_GROUP, DEFAULT_SELECTOR_POOL_NAME,
 };
-pub use kvroute_config::Role;
+pub use kvroute_config::{Engine, Role};
 pub use overrides::Overrides;
 pub use raw::{
     DEFAULT_ADMIN_ADDR, DEFAULT_APPROX_CAPACITY_BLOCKS, DEFAULT_BODY_MODE, DEFAULT_DEBUG_EXPOSE,
@@ -401,6 +401,8 @@ pub struct Pool {
     pub discovery: Option<kvroute_discovery::KubernetesSource>,
     /// Prefill/decode disaggregation, when the pool splits requests.
     pub disaggregation: Option<Disaggregation>,
+    /// The engine family of its replicas unless one says otherwise.
+    pub engine: Engine,
 }
 
 impl Pool {
@@ -408,6 +410,16 @@ impl Pool {
     /// without `--model`).
     pub fn serves_any_model(&self) -> bool {
         self.models.is_empty()
+    }
+
+    /// Whether this pool's block keys match what a replica of `engine` publishes: the engines'
+    /// own hashes are vLLM's under `vllm-exact`, while `token-chain` keys are recomputed from
+    /// any engine's tokens.
+    pub fn keys_serve(&self, engine: Engine) -> bool {
+        !matches!(
+            (&self.key_scheme, engine),
+            (KeyScheme::VllmExact { .. }, Engine::Sglang)
+        )
     }
 
     /// Whether `model` is one of the pool's models or adapters (any, for such a pool).
@@ -522,6 +534,8 @@ pub struct Replica {
     pub dp_rank: Option<u32>,
     /// Its part in prefill/decode disaggregation.
     pub role: Role,
+    /// The engine family serving it (its metric names).
+    pub engine: Engine,
     /// The engine's Prometheus endpoint.
     pub metrics_url: Option<http::Uri>,
     /// Envoy cluster for `cluster_header` routes.

@@ -135,6 +135,7 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
             .map(disaggregation)
             .transpose()
             .map_err(|e| e.within("disaggregation"))?,
+        engine: raw.engine.unwrap_or_default(),
     })
 }
 
@@ -221,12 +222,14 @@ pub(super) fn replicas(raw: &RawReplica, pools: &[Pool]) -> Result<Vec<Replica>,
     kvroute_config::check_data_parallel_size(ranks)
         .map_err(|reason| ConfigError::at("data_parallel_size", reason))?;
     let role = raw.role.unwrap_or_default();
+    let engine = raw.engine.unwrap_or(pools[pool].engine);
     let replica = |id: String, dp_rank: Option<u32>| Replica {
         id,
         pool,
         address,
         dp_rank,
         role,
+        engine,
         metrics_url: metrics_url.clone(),
         envoy_cluster: raw.envoy_cluster.clone(),
     };

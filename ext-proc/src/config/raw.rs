@@ -19,7 +19,7 @@ use kvroute_routing::scoring::{
     DEFAULT_RUNNING_MS_PER_REQUEST, DEFAULT_SPECULATIVE_TTL,
 };
 
-use super::{BodyMode, DisaggregationMode, DriftAction, PoolMode, Role};
+use super::{BodyMode, DisaggregationMode, DriftAction, Engine, PoolMode, Role};
 
 /// Default request body limit (Envoy's default BUFFERED limit is 1 MiB; FULL_DUPLEX passes more).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
@@ -427,6 +427,11 @@ pub(super) struct RawPool {
     /// How block keys are computed: the engines' own block hashes (`kind: vllm-exact`, with
     /// their hash algorithm, `PYTHONHASHSEED` and vLLM release) or `kind: token-chain`.
     pub(super) key_scheme: RawKeyScheme,
+    /// The engine family serving the pool's replicas, `vllm` or `sglang` (a replica may say
+    /// otherwise): which metric names carry their load. SGLang publishes its own block hashes,
+    /// so its replicas need `key_scheme: {kind: token-chain}`.
+    #[schemars(extend("default" = "vllm"))]
+    pub(super) engine: Option<Engine>,
     /// LoRA adapters served: a name, or `{name, id, path}` as vLLM's `LoRARequest` (vLLM <=
     /// 0.11.0 hashes the id, >= 0.31 the path). Clients send an adapter's name as `model`.
     pub(super) adapters: Vec<RawAdapter>,
@@ -583,6 +588,9 @@ pub(super) struct RawReplica {
     /// never a request's destination) or `decode` (serves requests, pulling a split prompt's KV).
     #[schemars(extend("default" = "both"))]
     pub(super) role: Option<Role>,
+    /// The engine family serving it, `vllm` or `sglang`; default: its pool's `engine`. A pool
+    /// whose replicas are of both families routes one model across them (`token-chain` keys).
+    pub(super) engine: Option<Engine>,
     /// The engine's Prometheus endpoint, `http://`; default none (not scraped).
     pub(super) metrics_url: Option<String>,
     /// Envoy cluster for `cluster_header` routes (no whitespace); default none.

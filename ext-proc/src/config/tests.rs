@@ -758,3 +758,36 @@ fn the_prefill_leg_keys_have_defaults_and_belong_to_envoy_mode() {
         assert!(error.contains(field), "{yaml}: {error}");
     }
 }
+
+#[test]
+fn sglang_replicas_need_keys_recomputed_from_their_tokens() {
+    let sglang_pool = MINIMAL.replace("  block_size: 16\n", "  block_size: 16\n  engine: sglang\n");
+    let error = error_of(&sglang_pool);
+    assert!(error.contains("pools[0].engine"), "{error}");
+    let sglang_replica = MINIMAL.replace(
+        "address: \"127.0.0.1:8000\"}",
+        "address: \"127.0.0.1:8000\", engine: sglang}",
+    );
+    let error = error_of(&sglang_replica);
+    assert!(error.contains("replicas[0].engine"), "{error}");
+
+    // A mixed pool on token-chain keys: each replica keeps its own family.
+    let mixed = MINIMAL
+        .replace(
+            "  key_scheme: {kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}\n",
+            "  key_scheme: {kind: token-chain}\n  engine: sglang\n",
+        )
+        .replace(
+            "address: \"127.0.0.1:8000\"}",
+            "address: \"127.0.0.1:8000\"}\n- {id: r1, pool: p, address: \"127.0.0.1:8001\", engine: vllm}",
+        );
+    let config = Config::from_yaml(&mixed).unwrap();
+    assert_eq!(config.pools[0].engine, Engine::Sglang);
+    let engines: Vec<Engine> = config.replicas.iter().map(|r| r.engine).collect();
+    assert_eq!(engines, [Engine::Sglang, Engine::Vllm]);
+    assert_eq!(
+        Config::from_yaml(MINIMAL).unwrap().replicas[0].engine,
+        Engine::Vllm,
+        "vLLM unless said otherwise"
+    );
+}

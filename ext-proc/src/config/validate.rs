@@ -97,8 +97,19 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
             }
         }
     }
+    for (i, pool) in config.pools.iter().enumerate() {
+        if !pool.keys_serve(pool.engine) {
+            return Err(engine_keys_error(format!("pools[{i}].engine"), pool.engine));
+        }
+    }
     for (i, replica) in config.replicas.iter().enumerate() {
         let pool = &config.pools[replica.pool];
+        if !pool.keys_serve(replica.engine) {
+            return Err(engine_keys_error(
+                format!("replicas[{i}].engine"),
+                replica.engine,
+            ));
+        }
         if replica.role == crate::config::Role::Prefill && pool.disaggregation.is_none() {
             return Err(invalid(
                 format!("replicas[{i}].role"),
@@ -130,4 +141,13 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// An engine family whose published block hashes the pool's key scheme does not compute.
+fn engine_keys_error(field: String, engine: crate::config::Engine) -> ConfigError {
+    invalid(
+        field,
+        engine.as_label(),
+        "SGLang publishes its own block hashes, not vLLM's: its pool needs `key_scheme: {kind: token-chain}`",
+    )
 }

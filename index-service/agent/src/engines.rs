@@ -409,6 +409,7 @@ mod tests {
             rank: 0,
             rank_by_header: false,
             role: kvroute_config::Role::Both,
+            engine: None,
             address: format!("10.0.0.1:{port}").parse().unwrap(),
             metrics_url: String::new(),
             kv_events: format!("tcp://10.0.0.1:{port}"),

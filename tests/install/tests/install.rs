@@ -981,6 +981,7 @@ async fn the_example_vllm_pool_is_the_one_the_chart_defaults_describe() {
         rank: 0,
         rank_by_header: false,
         role: kvroute_config::Role::Both,
+        engine: None,
         address: format!("10.1.2.3:{port}").parse().unwrap(),
         metrics_url: format!("http://10.1.2.3:{port}/metrics"),
         kv_events: format!(
