@@ -122,6 +122,8 @@ pub(crate) struct AppState {
     params_ignored: AtomicU64,
     /// Decode legs whose KV could not be loaded.
     load_failures: AtomicU64,
+    /// SGLang's `/server_info` (SGLang only).
+    server_info: Option<Value>,
 }
 
 impl AppState {
@@ -155,11 +157,18 @@ impl AppState {
             request_log: Mutex::new(VecDeque::new()),
             params_ignored: AtomicU64::new(0),
             load_failures: AtomicU64::new(0),
+            server_info: None,
         })
     }
 
     /// Serves disaggregation with `config` (none: parameters ignored), its side channel on
     /// `side_channel`.
+    /// SGLang's `/server_info` answer (`None`: the endpoint is not served, as by vLLM).
+    pub(crate) fn with_server_info(mut self, info: Option<Value>) -> Self {
+        self.server_info = info;
+        self
+    }
+
     pub(crate) fn with_kv_transfer(
         mut self,
         config: Option<KvTransferConfig>,
@@ -244,6 +253,8 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/messages/render", post(render_messages))
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/server_info", get(server_info))
+        .route("/flush_cache", get(flush_cache).post(flush_cache))
         .route("/debug/blocks", get(debug_blocks))
         .route("/debug/requests", get(debug_requests))
         .route("/debug/kv_transfer", get(debug_kv_transfer))
@@ -1510,6 +1521,36 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         text,
     )
         .into_response()
+}
+
+/// SGLang's `/server_info`; 404 for a vLLM simulator.
+async fn server_info(State(state): State<Arc<AppState>>) -> Response {
+    match &state.server_info {
+        Some(info) => Json(info.clone()).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+/// SGLang's `/flush_cache`: every rank's radix cache emptied, answered in SGLang's words; 404
+/// for a vLLM simulator (its endpoint is `/reset_prefix_cache`).
+async fn flush_cache(State(state): State<Arc<AppState>>) -> Response {
+    if state.server_info.is_none() {
+        return StatusCode::NOT_FOUND.into_response();
+    }
+    let mut success = true;
+    for engine in &state.engines {
+        success &= engine.reset_prefix_cache();
+    }
+    if success {
+        (
+            StatusCode::OK,
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running \
+             or waiting requests, the operation will not be performed.)\n",
+        )
+            .into_response()
+    } else {
+        (StatusCode::BAD_REQUEST, "Flush cache failed.\n").into_response()
+    }
 }
 
 /// Resets every rank's prefix cache (vLLM's API server asks every engine).

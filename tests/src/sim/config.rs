@@ -118,6 +118,11 @@ pub struct SimArgs {
     /// Where to write `{"http": ..., "kv_events": ..., "replay": ...}` once bound.
     #[arg(long)]
     pub ready_file: Option<PathBuf>,
+    /// The engine simulated on the wire: `vllm`, or `sglang` (SGLang's metric names and labels,
+    /// its `GET /server_info` and `POST /flush_cache`; `--kv-events-config` then needs
+    /// `"publisher": "zmq"`, SGLang's switch, as `--enable-metrics` is assumed).
+    #[arg(long, default_value = "vllm")]
+    pub engine: String,
 }
 
 /// vLLM's `KVEventsConfig` fields the simulator honours.
@@ -178,6 +183,8 @@ pub struct SimConfig {
     pub kv_transfer: Option<KvTransferConfig>,
     /// Ready file.
     pub ready_file: Option<PathBuf>,
+    /// The engine family simulated on the wire.
+    pub engine: kvroute_config::Engine,
 }
 
 /// Blocks and admission limits.
@@ -444,7 +451,10 @@ impl TryFrom<SimArgs> for SimConfig {
                 "one API server in front of several ranks serves them all from rank 0",
             ));
         }
+        let engine = kvroute_config::Engine::from_annotation(&args.engine)
+            .ok_or_else(|| ConfigError::new("engine", &args.engine, "expected vllm or sglang"))?;
         Ok(SimConfig {
+            engine,
             model_dir: args.model,
             model_name: args.served_model_name,
             http_addr: SocketAddr::new(args.host, args.port),
@@ -476,7 +486,13 @@ fn chat_template(value: &str) -> Result<String, ConfigError> {
 fn kv_events_config(json: &str, args: &SimArgs) -> Result<Option<KvEventsConfig>, ConfigError> {
     let raw: RawKvEventsConfig =
         serde_json::from_str(json).map_err(|e| ConfigError::new("kv-events-config", json, e))?;
-    if !raw.enable_kv_cache_events || raw.publisher.as_deref() == Some("null") {
+    // vLLM publishes with `enable_kv_cache_events` (a null publisher turns it off); SGLang only
+    // with `"publisher": "zmq"` (its default is null, and it has no enable flag).
+    let enabled = match args.engine.as_str() {
+        "sglang" => raw.publisher.as_deref() == Some("zmq"),
+        _ => raw.enable_kv_cache_events && raw.publisher.as_deref() != Some("null"),
+    };
+    if !enabled {
         return Ok(None);
     }
     let _ = raw.hwm; // accepted for vLLM compatibility; the PUB socket has its own queue

@@ -1,5 +1,5 @@
-//! `/metrics` in vLLM's Prometheus text (the Python client's layout: counters as `_total` plus
-//! `_created`, label values from config only).
+//! `/metrics` in vLLM's Prometheus text, or SGLang's with `--engine sglang` (the Python client's
+//! layout: counters as `_total` plus `_created`, label values from config only).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -19,12 +19,106 @@ pub(crate) struct MetricsInfo {
     pub(crate) hash_algo: String,
     /// Process start, Unix seconds (the `_created` samples).
     pub(crate) created: f64,
+    /// Whose names and labels the series take.
+    pub(crate) engine: kvroute_config::Engine,
 }
 
 impl MetricsInfo {
+    /// Every rank's series in the engine family's layout.
+    pub(crate) fn render(&self, engines: &[Arc<Engine>], model_name: &str) -> String {
+        match self.engine {
+            kvroute_config::Engine::Vllm => self.render_vllm(engines, model_name),
+            kvroute_config::Engine::Sglang => self.render_sglang(engines, model_name),
+        }
+    }
+
+    /// SGLang 0.5.23's scheduler and request series as `--enable-metrics` exports them
+    /// (`srt/observability/metrics_collector.py`): labels `model_name`, `engine_type`, `tp_rank`,
+    /// `pp_rank`, `moe_ep_rank`, and `dp_rank` under data parallelism; cached prompt tokens by
+    /// `cache_source`, a series that appears with the first hit; prompt tokens by
+    /// `is_streaming` (all `false` here).
+    fn render_sglang(&self, engines: &[Arc<Engine>], model_name: &str) -> String {
+        let model = escape(model_name);
+        let labels: Vec<String> = (0..engines.len())
+            .map(|rank| {
+                let dp_rank = if engines.len() > 1 {
+                    format!(",dp_rank=\"{rank}\"")
+                } else {
+                    String::new()
+                };
+                format!(
+                    "model_name=\"{model}\",engine_type=\"unified\",tp_rank=\"0\",pp_rank=\"0\",\
+                     moe_ep_rank=\"0\"{dp_rank}"
+                )
+            })
+            .collect();
+        let mut out = String::new();
+        let gauges: Vec<_> = engines.iter().map(|engine| engine.gauges()).collect();
+        let gauge_list: [(&str, &str, GaugeOf); 3] = [
+            (
+                "sglang:num_running_reqs",
+                "The number of running requests.",
+                |g| g.running as f64,
+            ),
+            (
+                "sglang:num_queue_reqs",
+                "The number of requests in the waiting queue.",
+                |g| g.waiting as f64,
+            ),
+            ("sglang:token_usage", "The token usage.", |g| {
+                g.kv_cache_usage
+            }),
+        ];
+        for (name, help, value) in gauge_list {
+            let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n");
+            for (labels, gauges) in labels.iter().zip(&gauges) {
+                let _ = writeln!(out, "{name}{{{labels}}} {}", float(value(gauges)));
+            }
+        }
+        let counters: [(&str, &str, &str, CounterOf); 3] = [
+            (
+                "sglang:prompt_tokens",
+                "Number of prefill tokens processed.",
+                "is_streaming=\"false\"",
+                |c| &c.prompt_tokens,
+            ),
+            (
+                "sglang:generation_tokens",
+                "Number of generation tokens processed.",
+                "is_streaming=\"false\"",
+                |c| &c.generation_tokens,
+            ),
+            (
+                "sglang:cached_tokens",
+                "Number of cached prompt tokens by source (device/host/storage).",
+                "cache_source=\"device\"",
+                |c| &c.prefix_cache_hits,
+            ),
+        ];
+        for (name, help, extra, counter) in counters {
+            let _ = write!(
+                out,
+                "# HELP {name}_total {help}\n# TYPE {name}_total counter\n"
+            );
+            for (labels, engine) in labels.iter().zip(engines) {
+                let value = counter(&engine.counters).load(Ordering::Relaxed);
+                if name == "sglang:cached_tokens" && value == 0 {
+                    continue;
+                }
+                let _ = write!(
+                    out,
+                    "{name}_total{{{labels},{extra}}} {}\n{name}_created{{{labels},{extra}}} {}\n",
+                    float(value as f64),
+                    float(self.created),
+                );
+            }
+        }
+        out
+    }
+
     /// Every rank's series, each family once with one sample per rank labelled `engine="<rank>"`
     /// (vLLM's data-parallel layout; `engine="0"` alone without data parallelism).
-    pub(crate) fn render(&self, engines: &[Arc<Engine>], model_name: &str) -> String {
+    fn render_vllm(&self, engines: &[Arc<Engine>], model_name: &str) -> String {
         let model = escape(model_name);
         let labels: Vec<String> = (0..engines.len())
             .map(|rank| format!("engine=\"{rank}\",model_name=\"{model}\""))

@@ -204,6 +204,7 @@ impl EngineSim {
         let info = metrics::MetricsInfo {
             hash_algo: config.hash_algo.to_string(),
             created: unix_now(),
+            engine: config.engine,
         };
         let listener = tokio::net::TcpListener::bind(config.http_addr)
             .await
@@ -223,7 +224,12 @@ impl EngineSim {
             config.default_max_tokens,
             info,
         )?
-        .with_kv_transfer(config.kv_transfer.clone(), http);
+        .with_kv_transfer(config.kv_transfer.clone(), http)
+        .with_server_info(server_info(
+            &config,
+            kv_events.as_deref(),
+            replay.as_deref(),
+        ));
         let app = api::router(Arc::new(state));
         let shutdown = cancel.clone();
         tasks.spawn(async move {
@@ -357,3 +363,50 @@ fn unix_now() -> f64 {
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
 }
+
+/// SGLang's `GET /server_info` as far as routers read it: the served model, page size, data
+/// parallelism and `kv_events`, the publisher's description (`describe_kv_events_publisher`:
+/// rank `r` publishes on `endpoint_port_base + r`, replays on `replay_endpoint_port_base + r`;
+/// null when it does not publish). `None` for a vLLM simulator (vLLM has no such endpoint).
+fn server_info(
+    config: &SimConfig,
+    kv_events: Option<&str>,
+    replay: Option<&str>,
+) -> Option<serde_json::Value> {
+    if config.engine != kvroute_config::Engine::Sglang {
+        return None;
+    }
+    let host_and_port = |endpoint: &str| {
+        let address = endpoint.strip_prefix("tcp://")?;
+        let (host, port) = address.rsplit_once(':')?;
+        Some((host.to_owned(), port.parse::<u16>().ok()?))
+    };
+    let descriptor = config.kv_events.as_ref().and_then(|events| {
+        let (host, port) = host_and_port(kv_events?)?;
+        let mut descriptor = serde_json::json!({
+            "publisher": "zmq",
+            "endpoint_host": host,
+            "endpoint_port_base": port,
+            "topic": events.topic,
+            "block_size": config.cache.block_size,
+            "dp_size": config.data_parallel_size,
+        });
+        if let Some((_, replay_port)) = replay.and_then(host_and_port) {
+            descriptor["replay_endpoint_port_base"] = replay_port.into();
+        }
+        Some(descriptor)
+    });
+    Some(serde_json::json!({
+        "model_path": config.model_dir.display().to_string(),
+        "served_model_name": config.model_name,
+        "page_size": config.cache.block_size,
+        "dp_size": config.data_parallel_size,
+        "enable_metrics": true,
+        "enable_cache_report": true,
+        "kv_events": descriptor,
+        "version": SIMULATED_SGLANG_VERSION,
+    }))
+}
+
+/// The SGLang release whose wire format and endpoints the simulator follows.
+pub const SIMULATED_SGLANG_VERSION: &str = "0.5.23";
