@@ -12,6 +12,7 @@ mod kvroute;
 mod llmd;
 mod oracle;
 mod pd;
+mod pickers;
 mod sglang;
 
 use kvroute_index_core::event::KvEvent;
@@ -30,6 +31,7 @@ pub use kvroute::Kvroute;
 pub use llmd::LlmdPrecise;
 pub use oracle::TtftOracle;
 pub use pd::{PdDynamo, PdLlmd};
+pub use pickers::Pickers;
 pub use sglang::SglangApprox;
 
 /// The cluster at a decision.
@@ -145,6 +147,11 @@ pub enum RouterSpec {
     },
     /// kvroute: the real index and ext-proc policy with default scoring.
     Kvroute,
+    /// `count` kvroute pickers behind round robin, sharing only the index.
+    Pickers {
+        /// How many.
+        count: usize,
+    },
     /// TTFT-greedy oracle with exact engine state.
     Oracle,
     /// Disaggregated: kvroute's routing core on the decode pool, the shared split verdict on
@@ -252,6 +259,7 @@ impl RouterSpec {
             RouterSpec::Llmd { speculative: true } => "llmd-spec".to_owned(),
             RouterSpec::Dynamo { overlap_weight } => format!("dynamo-w{overlap_weight}"),
             RouterSpec::Kvroute => "kvroute".to_owned(),
+            RouterSpec::Pickers { count } => format!("kvroute-x{count}"),
             RouterSpec::Oracle => "oracle".to_owned(),
             RouterSpec::PdKvroute { rule } => format!("pd-kvroute{}", rule_suffix(rule)),
             RouterSpec::PdLlmd { rule } => format!("pd-llmd{}", rule_suffix(rule)),
@@ -266,6 +274,13 @@ impl RouterSpec {
         }
         if let Some(rest) = name.strip_prefix("pd-llmd") {
             return parse_rule(rest).map(|rule| RouterSpec::PdLlmd { rule });
+        }
+        if let Some(count) = name.strip_prefix("kvroute-x") {
+            return count
+                .parse()
+                .ok()
+                .filter(|&count: &usize| count >= 1)
+                .map(|count| RouterSpec::Pickers { count });
         }
         if name == "pd-dynamo" {
             return Some(RouterSpec::PdDynamo);
@@ -315,6 +330,7 @@ impl RouterSpec {
                 Box::new(DynamoCost::new(replicas, overlap_weight, rng))
             }
             RouterSpec::Kvroute => Box::new(Kvroute::new(replicas, blocks, rng)),
+            RouterSpec::Pickers { count } => Box::new(Pickers::new(count, replicas, blocks, rng)),
             RouterSpec::Oracle => Box::new(TtftOracle::new(rng)),
             RouterSpec::PdKvroute { rule } => {
                 Box::new(Kvroute::new(replicas, blocks, rng).disaggregating(rule))
