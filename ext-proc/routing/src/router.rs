@@ -255,6 +255,25 @@ impl Router {
         }
     }
 
+    /// Another picker's committed decision, as this one would have committed it: `replica` will
+    /// hold `keys` (routed-prefix memory) and has `pending_prompt_tokens` of prefill queued for
+    /// the request until the returned guard is released (when that picker saw the request's
+    /// first token). Carries no prediction: the drift of a replica counts this picker's own.
+    pub fn record_peer_decision(
+        &self,
+        replica: &str,
+        capacity_blocks: usize,
+        keys: Vec<u64>,
+        pending_prompt_tokens: usize,
+        now: Instant,
+    ) -> InflightGuard {
+        if !keys.is_empty() {
+            self.memory.record(replica, capacity_blocks, &keys, now);
+        }
+        self.loads
+            .start_request(replica, pending_prompt_tokens, keys)
+    }
+
     /// Whether some candidate holds every block of `keys` by kvroute's memory or a request in
     /// flight there (what scoring reads besides the index).
     pub fn remembers_all(
@@ -586,6 +605,35 @@ mod tests {
                 "no insert on {replica}"
             );
         }
+    }
+
+    #[test]
+    fn a_peers_decision_counts_as_if_decided_here() {
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let scoring = ScoringConfig::default();
+        let now = Instant::now();
+        let keys: Vec<u64> = (1..=10).collect();
+        let guard = router.record_peer_decision("r1", 1024, keys.clone(), 160, now);
+        let load = router.loads().replica("r1");
+        assert_eq!(load.snapshot().inflight_requests, 1.0);
+        assert_eq!(load.snapshot().inflight_prompt_tokens, 160.0);
+        assert_eq!(load.inflight_shared_blocks(&keys), 10);
+        assert_eq!(load.predicted(), Prediction::default(), "no drift for it");
+        // The next sibling, decided here, finds the prefix where the peer sent it.
+        let candidates = ["r0", "r1"];
+        let routed = router
+            .score_and_commit(request(
+                &candidates,
+                prompt(&keys, vec![None, None]),
+                &scoring,
+                now,
+            ))
+            .unwrap();
+        assert_eq!(routed.choice, 1);
+        assert_eq!(routed.matched_blocks, 10);
+        drop(guard);
+        assert_eq!(load.snapshot().inflight_requests, 1.0, "the sibling's own");
+        assert_eq!(load.snapshot().inflight_prompt_tokens, 5.0);
     }
 
     #[test]

@@ -119,6 +119,35 @@ impl Kvroute {
         &self.verdicts
     }
 
+    /// Prompt tokens the last committed choice left to compute (what its replica queues).
+    pub fn last_pending_tokens(&self, request: &Request) -> usize {
+        (request.input_tokens as usize).saturating_sub(self.cached_tokens)
+    }
+
+    /// Another picker sent `request` to `replica` with `pending_tokens` to compute: counted here
+    /// as if decided here, until [`Kvroute::peer_answered`].
+    pub fn record_peer_decision(
+        &mut self,
+        request: &Request,
+        replica: usize,
+        pending_tokens: usize,
+        now_us: u64,
+    ) {
+        let guard = self.core.record_peer_decision(
+            &self.names[replica],
+            self.approx_capacity_blocks,
+            request.keys().to_vec(),
+            pending_tokens,
+            self.instant(now_us),
+        );
+        self.guards.insert((request.id, replica), guard);
+    }
+
+    /// The peer's request reached its first token.
+    pub fn peer_answered(&mut self, request_id: usize, replica: usize) {
+        self.guards.remove(&(request_id, replica));
+    }
+
     /// The routing core's load board (scrapes are recorded there).
     pub fn loads(&self) -> &LoadBoard {
         self.core.loads()

@@ -147,10 +147,13 @@ pub enum RouterSpec {
     },
     /// kvroute: the real index and ext-proc policy with default scoring.
     Kvroute,
-    /// `count` kvroute pickers behind round robin, sharing only the index.
+    /// `count` kvroute pickers behind round robin, sharing the index and, with `share_ms`, every
+    /// decision and answer that late.
     Pickers {
         /// How many.
         count: usize,
+        /// Sharing staleness, ms (`None`: nothing shared but the index).
+        share_ms: Option<u64>,
     },
     /// TTFT-greedy oracle with exact engine state.
     Oracle,
@@ -259,7 +262,10 @@ impl RouterSpec {
             RouterSpec::Llmd { speculative: true } => "llmd-spec".to_owned(),
             RouterSpec::Dynamo { overlap_weight } => format!("dynamo-w{overlap_weight}"),
             RouterSpec::Kvroute => "kvroute".to_owned(),
-            RouterSpec::Pickers { count } => format!("kvroute-x{count}"),
+            RouterSpec::Pickers { count, share_ms } => match share_ms {
+                None => format!("kvroute-x{count}"),
+                Some(ms) => format!("kvroute-x{count}-s{ms}"),
+            },
             RouterSpec::Oracle => "oracle".to_owned(),
             RouterSpec::PdKvroute { rule } => format!("pd-kvroute{}", rule_suffix(rule)),
             RouterSpec::PdLlmd { rule } => format!("pd-llmd{}", rule_suffix(rule)),
@@ -275,12 +281,16 @@ impl RouterSpec {
         if let Some(rest) = name.strip_prefix("pd-llmd") {
             return parse_rule(rest).map(|rule| RouterSpec::PdLlmd { rule });
         }
-        if let Some(count) = name.strip_prefix("kvroute-x") {
+        if let Some(rest) = name.strip_prefix("kvroute-x") {
+            let (count, share_ms) = match rest.split_once("-s") {
+                Some((count, ms)) => (count, Some(ms.parse().ok()?)),
+                None => (rest, None),
+            };
             return count
                 .parse()
                 .ok()
                 .filter(|&count: &usize| count >= 1)
-                .map(|count| RouterSpec::Pickers { count });
+                .map(|count| RouterSpec::Pickers { count, share_ms });
         }
         if name == "pd-dynamo" {
             return Some(RouterSpec::PdDynamo);
@@ -330,7 +340,13 @@ impl RouterSpec {
                 Box::new(DynamoCost::new(replicas, overlap_weight, rng))
             }
             RouterSpec::Kvroute => Box::new(Kvroute::new(replicas, blocks, rng)),
-            RouterSpec::Pickers { count } => Box::new(Pickers::new(count, replicas, blocks, rng)),
+            RouterSpec::Pickers { count, share_ms } => {
+                let pickers = Pickers::new(count, replicas, blocks, rng);
+                Box::new(match share_ms {
+                    Some(ms) => pickers.sharing(ms * 1000),
+                    None => pickers,
+                })
+            }
             RouterSpec::Oracle => Box::new(TtftOracle::new(rng)),
             RouterSpec::PdKvroute { rule } => {
                 Box::new(Kvroute::new(replicas, blocks, rng).disaggregating(rule))
