@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use kvroute_index_api::api::kv_index_client::KvIndexClient;
-use kvroute_index_api::api::{MatchRequest, MatchResponse};
+use kvroute_index_api::api::{MatchRequest, MatchResponse, PickerNews};
 use kvroute_index_core::throttle::LogThrottle;
 use kvroute_runtime::tls::ClientTls;
 use kvroute_runtime::token::{AUTHORIZATION, AgentToken};
@@ -200,6 +200,47 @@ impl IndexClient {
             _ => Err(IndexError::Timeout {
                 after: deadline.saturating_duration_since(now),
             }),
+        }
+    }
+}
+
+impl IndexClient {
+    /// Opens `ShareDecisions` on the first healthy index address (the configured order, so
+    /// replicas with the same addresses meet on the same instance), sending `outgoing`. Returns
+    /// the address and the other pickers' news. A failure marks the address failed, so the next
+    /// attempt tries the next one.
+    pub async fn share_decisions<S>(
+        &self,
+        outgoing: S,
+    ) -> Result<(http::Uri, tonic::Streaming<PickerNews>), IndexError>
+    where
+        S: futures::Stream<Item = PickerNews> + Send + 'static,
+    {
+        let now = Instant::now();
+        let address = self
+            .addresses
+            .iter()
+            .find(|a| {
+                a.failed_at
+                    .lock()
+                    .is_none_or(|at| now.duration_since(at) >= self.retry_after)
+            })
+            .or_else(|| self.addresses.first())
+            .ok_or(IndexError::NotConfigured)?;
+        let mut call = tonic::Request::new(outgoing);
+        if let Some(authorization) = &self.authorization {
+            call.metadata_mut()
+                .insert(AUTHORIZATION, authorization.clone());
+        }
+        match address.client.clone().share_decisions(call).await {
+            Ok(response) => {
+                *address.failed_at.lock() = None;
+                Ok((address.uri.clone(), response.into_inner()))
+            }
+            Err(status) => {
+                *address.failed_at.lock() = Some(Instant::now());
+                Err(IndexError::Unavailable { status })
+            }
         }
     }
 }

@@ -39,6 +39,7 @@ pub mod error;
 pub mod index_client;
 mod lru;
 pub mod metrics;
+pub mod peers;
 pub mod picker;
 pub mod prefill;
 pub mod records;
@@ -343,6 +344,7 @@ impl ExtProc {
             });
         }
         tasks.spawn(scrape_loop(Arc::clone(&picker), background.clone()));
+        tasks.spawn(peers::share_loop(Arc::clone(&picker), background.clone()));
         if let Some(watch) = config_file {
             tasks.spawn(reload_loop(
                 Arc::clone(&picker),

@@ -75,6 +75,14 @@ pub struct PrefillLegLabels {
     pub outcome: &'static str,
 }
 
+/// What became of a piece of news shared between pickers (a fixed enum).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// `sent`, `send_dropped`, `applied`, `answered`, `stale`, `unknown`, `overflow`,
+    /// `expired`.
+    pub outcome: &'static str,
+}
+
 type FloatGauge = Gauge<f64, AtomicU64>;
 
 /// All metric handles, registered once under the `kvroute_extproc` prefix.
@@ -189,6 +197,10 @@ pub struct Metrics {
     pub disaggregation_prefill_legs: Family<PrefillLegLabels, Counter>,
     /// Prefill-leg attempts repeated after a transient failure.
     pub disaggregation_prefill_retries: Family<PoolLabel, Counter>,
+    /// News shared with the other pickers (`peers`), by outcome.
+    pub peer_news: Family<OutcomeLabel, Counter>,
+    /// 1 while this picker shares decisions with the others through the index.
+    pub peer_sharing: Gauge,
 }
 
 fn latency_histogram() -> Histogram {
@@ -241,6 +253,8 @@ impl Metrics {
             disaggregation_decisions: Family::default(),
             disaggregation_prefill_legs: Family::default(),
             disaggregation_prefill_retries: Family::default(),
+            peer_news: Family::default(),
+            peer_sharing: Gauge::default(),
             shadow_unobserved: Family::default(),
             shadow_prompt_tokens: Family::default(),
             shadow_held_tokens: Family::default(),
@@ -450,6 +464,20 @@ impl Metrics {
              served whole on the decode replica: busy, connect_error, transport_error, status, \
              timeout, no_kv_transfer_params, unsupported_request",
             metrics.disaggregation_prefill_legs.clone(),
+        );
+        r.register(
+            "peer_news",
+            "Decisions and answers shared with the other pickers through the index, by outcome: \
+             sent, send_dropped (queue full); a peer's applied, answered, stale (older than \
+             peers.max_staleness), unknown (model or replica not in this config), overflow, \
+             expired (no answer within limits.inflight_max_age)",
+            metrics.peer_news.clone(),
+        );
+        r.register(
+            "peer_sharing",
+            "1 while this picker shares decisions with the others through the index; 0: it \
+             routes on its own state",
+            metrics.peer_sharing.clone(),
         );
         r.register(
             "disaggregation_prefill_retries",

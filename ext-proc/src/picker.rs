@@ -217,6 +217,8 @@ pub struct Decision {
     pub disaggregated: bool,
     /// Where the prompt is computed, when a disaggregated pool split it off.
     pub prefill: Option<PrefillLeg>,
+    /// Shared with the other pickers: dropping it tells them the request was answered.
+    pub peer_ticket: Option<crate::peers::PeerTicket>,
 }
 
 /// The prefill replica of a split request. Dropping it ends that replica's in-flight accounting.
@@ -294,6 +296,11 @@ impl Runtime {
         })
     }
 
+    /// The index client of this snapshot.
+    pub fn index_client(&self) -> &IndexClient {
+        &self.index
+    }
+
     /// Answers `Match` from `local`, the index embedded in this process.
     pub fn with_local_index(mut self, local: crate::embedded::LocalMatcher) -> Self {
         self.index = self.index.with_local(Some(local));
@@ -320,6 +327,8 @@ pub struct Picker {
     metrics: Metrics,
     records: DecisionRecords,
     shadow: ShadowBook,
+    /// Decisions shared with the other ext-proc replicas.
+    peers: crate::peers::Peers,
 }
 
 /// Why a decision is recorded.
@@ -343,8 +352,19 @@ impl Picker {
             token_cache,
             records: DecisionRecords::default(),
             shadow: ShadowBook::new(metrics.clone()),
+            peers: crate::peers::Peers::new(metrics.clone()),
             metrics,
         }
+    }
+
+    /// Decisions shared with the other ext-proc replicas.
+    pub fn peers(&self) -> &crate::peers::Peers {
+        &self.peers
+    }
+
+    /// The routing core (loads, routed-prefix memory).
+    pub fn router(&self) -> &Router {
+        &self.router
     }
 
     /// Breaks ties between equal estimates with a generator seeded by `seed` (reproducible runs:
@@ -617,6 +637,15 @@ impl Picker {
                 decision.inflight.prefilled_elsewhere();
             }
         }
+        // The other pickers count it too (a shadow pool's choice goes nowhere: not shared).
+        if commit && pool.mode == PoolMode::Route {
+            decision.peer_ticket = self.peers.announce(
+                &request.model,
+                &decision.replica_id,
+                decision.inflight.keys(),
+                decision.inflight.pending_prompt_tokens(),
+            );
+        }
         Ok(decision)
     }
 
@@ -799,6 +828,7 @@ impl Picker {
             inflight: routed.inflight,
             disaggregated: pool.disaggregation.is_some(),
             prefill: None,
+            peer_ticket: None,
         })
     }
 

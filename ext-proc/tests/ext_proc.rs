@@ -151,6 +151,21 @@ impl KvIndex for FakeIndex {
     ) -> Result<tonic::Response<ReplicaStateResponse>, tonic::Status> {
         Ok(tonic::Response::new(ReplicaStateResponse::default()))
     }
+
+    type ShareDecisionsStream = std::pin::Pin<
+        Box<
+            dyn futures::Stream<Item = Result<kvroute_index_api::api::PickerNews, tonic::Status>>
+                + Send,
+        >,
+    >;
+
+    /// This double relays nothing (a real index's relay is tested against the real index).
+    async fn share_decisions(
+        &self,
+        _request: tonic::Request<tonic::Streaming<kvroute_index_api::api::PickerNews>>,
+    ) -> Result<tonic::Response<Self::ShareDecisionsStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not relayed by this double"))
+    }
 }
 
 async fn start_index(index: FakeIndex, stop: CancellationToken) -> SocketAddr {

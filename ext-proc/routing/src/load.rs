@@ -170,6 +170,17 @@ impl Drop for InflightGuard {
 }
 
 impl InflightGuard {
+    /// The request's prompt block keys (empty when unknown).
+    pub fn keys(&self) -> &[u64] {
+        &self.keys
+    }
+
+    /// Prompt tokens the replica computes for the request (what it does not hold; 0 once
+    /// prefilled elsewhere).
+    pub fn pending_prompt_tokens(&self) -> usize {
+        usize::try_from(self.prompt_tokens).unwrap_or(0)
+    }
+
     /// Whether the request still counts on its replica.
     pub fn is_held(&self) -> bool {
         !self.released

@@ -22,17 +22,18 @@ use super::raw::{
     DEFAULT_DECISION_BUDGET, DEFAULT_DRAIN_TIMEOUT, DEFAULT_DRIFT_ACTION, DEFAULT_DRIFT_BOUND,
     DEFAULT_DRIFT_MIN_TOKENS, DEFAULT_DRIFT_WINDOW, DEFAULT_EPP_FALLBACKS, DEFAULT_GRPC_ADDR,
     DEFAULT_INDEX_RETRY_AFTER, DEFAULT_INFLIGHT_MAX_AGE, DEFAULT_MATCH_TIMEOUT,
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_RECORD_SAMPLE, DEFAULT_RECORDS_KEPT,
-    DEFAULT_RELOAD_INTERVAL, DEFAULT_SCRAPE_TIMEOUT, DEFAULT_SECURE_SERVING,
-    DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH, DEFAULT_TOKEN_CACHE_BYTES,
-    DEFAULT_TOKEN_CACHE_ENTRIES, DEFAULT_TOKENIZE_BUDGET, DEFAULT_TOKENIZE_MAX_PROMPT_BYTES,
-    DEFAULT_UNREADY_AFTER_FAILURES, DebugExpose, MAX_RECORDS_KEPT, RawConfig, RawDebugHeaders,
-    RawDecisionRecords, RawDrift, RawEpp, RawIndex, RawScoring, default_tokenize_concurrency,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAMS, DEFAULT_PEERS_MAX_STALENESS, DEFAULT_PEERS_SHARE,
+    DEFAULT_RECORD_SAMPLE, DEFAULT_RECORDS_KEPT, DEFAULT_RELOAD_INTERVAL, DEFAULT_SCRAPE_TIMEOUT,
+    DEFAULT_SECURE_SERVING, DEFAULT_SHED_KV_CACHE_USAGE, DEFAULT_SHED_QUEUE_DEPTH,
+    DEFAULT_TOKEN_CACHE_BYTES, DEFAULT_TOKEN_CACHE_ENTRIES, DEFAULT_TOKENIZE_BUDGET,
+    DEFAULT_TOKENIZE_MAX_PROMPT_BYTES, DEFAULT_UNREADY_AFTER_FAILURES, DebugExpose,
+    MAX_RECORDS_KEPT, RawConfig, RawDebugHeaders, RawDecisionRecords, RawDrift, RawEpp, RawIndex,
+    RawScoring, default_tokenize_concurrency,
 };
 use super::validate::validate;
 use super::{
     Config, DebugHeaders, DecisionRecordsConfig, DriftConfig, EmbeddedIndex, EppConfig,
-    ScrapeConfig, Shedding,
+    PeerSharing, ScrapeConfig, Shedding,
 };
 use kvroute_config::ConfigError;
 
@@ -116,6 +117,10 @@ impl TryFrom<RawConfig> for Config {
             debug_headers: debug_headers(&raw.debug_headers)
                 .map_err(|e| e.within("debug_headers"))?,
             inflight_max_age: or_default(raw.limits.inflight_max_age, DEFAULT_INFLIGHT_MAX_AGE),
+            peers: PeerSharing {
+                share: raw.peers.share.unwrap_or(DEFAULT_PEERS_SHARE),
+                max_staleness: or_default(raw.peers.max_staleness, DEFAULT_PEERS_MAX_STALENESS),
+            },
             max_streams: raw.limits.max_streams.unwrap_or(DEFAULT_MAX_STREAMS),
             drift: drift(&raw.drift).map_err(|e| e.within("drift"))?,
             decision_records: decision_records(&raw.decision_records)

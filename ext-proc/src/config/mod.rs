@@ -111,6 +111,8 @@ pub struct Config {
     pub debug_headers: DebugHeaders,
     /// Longest time a routed request holds its in-flight slot without response headers.
     pub inflight_max_age: Duration,
+    /// Sharing decisions with the other ext-proc replicas (`peers`).
+    pub peers: PeerSharing,
     /// Most ext_proc streams open at once.
     pub max_streams: usize,
     /// Drift detection (`drift`).
@@ -284,6 +286,15 @@ pub struct PrefillLegSettings {
     pub retries: u32,
     /// Legs of the pool in flight at once; a split beyond them is served whole.
     pub max_concurrent: usize,
+}
+
+/// `peers`: decisions shared with the other ext-proc replicas through the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerSharing {
+    /// Whether to share (and there is an index address to share through).
+    pub share: bool,
+    /// Older news is dropped.
+    pub max_staleness: Duration,
 }
 
 /// `drift`: when a replica's predicted cached tokens stop matching what its engine reports

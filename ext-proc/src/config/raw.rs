@@ -92,6 +92,10 @@ pub struct RawConfig {
     pub(super) debug_headers: RawDebugHeaders,
     /// Limits on in-flight state, streams and in-process tokenization.
     pub(super) limits: RawLimits,
+    /// Several ext-proc replicas acting as one: each tells the others, through the index service
+    /// (`index.addresses`), every request it sent and when the engine answered, and counts
+    /// theirs as its own in-flight load and routed prefixes.
+    pub(super) peers: RawPeers,
     /// Drift between kvroute's predicted and the engines' reported cached tokens: a warning, and
     /// optionally the approximate tier for a drifting replica's pool.
     pub(super) drift: RawDrift,
@@ -285,6 +289,26 @@ pub fn default_tokenize_concurrency() -> usize {
         std::num::NonZero::get,
     )
 }
+
+#[derive(Debug, Default, Deserialize, JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub(super) struct RawPeers {
+    /// Share decisions with the other ext-proc replicas using the same index addresses (a lone
+    /// replica shares with nobody, at no cost). Needs `index.addresses`; ignored with
+    /// `index.embedded` alone (one process, nobody to share with).
+    #[schemars(extend("default" = DEFAULT_PEERS_SHARE))]
+    pub(super) share: Option<bool>,
+    /// A peer's news older than this when it arrives is dropped (counted `stale`): a decision
+    /// that late no longer describes the replica's queue; positive.
+    #[schemars(extend("default" = format_duration(DEFAULT_PEERS_MAX_STALENESS)))]
+    pub(super) max_staleness: Option<ConfigDuration>,
+}
+
+/// Default `peers.share`: in kvroute-replay, four pickers sharing nothing but the index lose
+/// 12-18 % of one picker's max rate at the SLO; sharing within a millisecond recovers it.
+pub const DEFAULT_PEERS_SHARE: bool = true;
+/// Default `peers.max_staleness`.
+pub const DEFAULT_PEERS_MAX_STALENESS: Duration = Duration::from_millis(250);
 
 #[derive(Debug, Default, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]

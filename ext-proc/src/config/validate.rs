@@ -45,6 +45,9 @@ pub(super) fn validate(config: &Config) -> Result<(), ConfigError> {
     if config.inflight_max_age.is_zero() {
         return Err(invalid("limits.inflight_max_age", "0s", "must be positive"));
     }
+    if config.peers.max_staleness.is_zero() {
+        return Err(invalid("peers.max_staleness", "0s", "must be positive"));
+    }
     if config.tokenize_concurrency == 0 {
         return Err(invalid(
             "limits.tokenize_concurrency",

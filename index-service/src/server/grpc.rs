@@ -232,6 +232,15 @@ impl api::kv_index_server::KvIndex for MatchService {
         .map_err(Status::from)
     }
 
+    type ShareDecisionsStream = super::peers::NewsStream;
+
+    async fn share_decisions(
+        &self,
+        request: Request<tonic::Streaming<api::PickerNews>>,
+    ) -> Result<Response<Self::ShareDecisionsStream>, Status> {
+        Ok(Response::new(self.shared.peers.join(request.into_inner())))
+    }
+
     async fn replica_state(
         &self,
         request: Request<api::ReplicaStateRequest>,
@@ -263,7 +272,8 @@ pub(crate) async fn serve(
 ) -> Result<(), String> {
     let agents = shared.agents.service();
     let auth = Arc::clone(&shared);
-    // `query_auth`: Match and ReplicaState need the token; health and the agent stream do not.
+    // `query_auth`: Match, ReplicaState and ShareDecisions need the token; health and the agent
+    // stream do not.
     let service =
         KvIndexServer::with_interceptor(MatchService { shared }, move |request: Request<()>| {
             let presented = request

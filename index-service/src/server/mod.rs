@@ -15,6 +15,7 @@ mod auth;
 mod directory;
 mod grpc;
 mod metrics;
+mod peers;
 mod readiness;
 mod replicas;
 
@@ -76,6 +77,8 @@ pub(crate) struct Shared {
     pub(crate) ingest: Ingest,
     pub(crate) metrics: ServerMetrics,
     pub(crate) agents: Arc<agent_stream::AgentStreams>,
+    /// Relays pickers' decisions to each other (`ShareDecisions`).
+    pub(crate) peers: Arc<peers::PeerRelay>,
     /// `query_auth`: the token gRPC `Match`/`ReplicaState` and admin `/v1/*` require.
     pub(crate) query_auth: auth::QueryAuth,
     /// When a pool is ready (`readiness:`).
@@ -191,12 +194,14 @@ impl IndexServer {
             &mut registry,
             cancel.child_token(),
         );
+        let peers = peers::PeerRelay::new(&mut registry, cancel.child_token());
         let shared = Arc::new(Shared {
             index,
             directory,
             ingest,
             metrics,
             agents,
+            peers,
             query_auth,
             readiness: config.readiness,
             draining: AtomicBool::new(false),

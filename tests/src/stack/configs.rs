@@ -295,6 +295,19 @@ pub fn with_round_robin_fallback(config: &str) -> Result<String, StackError> {
     serde_yaml::to_string(&config).map_err(|e| bad(e.to_string()))
 }
 
+/// `config` with every one of `ext_procs` behind the ext_proc cluster (Envoy balances the
+/// per-request ext_proc streams over them round robin, the cluster's default).
+pub fn with_ext_procs(config: &str, ext_procs: &[SocketAddr]) -> Result<String, StackError> {
+    let bad = |detail: String| StackError::EnvoyConfig { detail };
+    let mut config: Value = serde_yaml::from_str(config).map_err(|e| bad(e.to_string()))?;
+    let cluster = config
+        .get_mut("static_resources")
+        .and_then(|resources| named(resources.get_mut("clusters")?, EXT_PROC_CLUSTER))
+        .ok_or_else(|| bad("no `kvroute_ext_proc` cluster".to_owned()))?;
+    cluster["load_assignment"]["endpoints"] = endpoints(ext_procs);
+    serde_yaml::to_string(&config).map_err(|e| bad(e.to_string()))
+}
+
 /// `config` with Envoy's own tracing on the `kvroute` listener: the OpenTelemetry tracer (service
 /// `envoy`) exporting over OTLP/gRPC to `collector`. Envoy then passes its context to ext_proc as
 /// gRPC metadata.

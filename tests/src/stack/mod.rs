@@ -307,6 +307,10 @@ pub struct StackOptions {
     /// Envoy streams request bodies to ext-proc (FULL_DUPLEX_STREAMED) instead of buffering
     /// them as the shipped config does.
     pub envoy_full_duplex: bool,
+    /// kvroute-ext-proc processes behind Envoy's ext_proc cluster (1 to
+    /// [`MAX_EXT_PROC_INSTANCES`]), all with the same config: several pickers acting on one
+    /// fleet, sharing decisions through the index unless the config says `peers: {share: false}`.
+    pub ext_proc_instances: usize,
 }
 
 /// A replica's part in a disaggregated pool.
@@ -404,6 +408,15 @@ pub enum DebugHeaders {
 }
 
 /// The request header of [`DebugHeaders::Token`] (ext-proc's default).
+/// Most ext-proc processes a stack runs ([`StackOptions::ext_proc_instances`]).
+pub const MAX_EXT_PROC_INSTANCES: usize = 3;
+/// Their service names (their files and logs), the first being the one ext-proc of a stack.
+const EXT_PROC_NAMES: [&str; MAX_EXT_PROC_INSTANCES] = [
+    "kvroute-ext-proc",
+    "kvroute-ext-proc-2",
+    "kvroute-ext-proc-3",
+];
+
 pub const DEBUG_TOKEN_HEADER: &str = kvroute_ext_proc::config::DEFAULT_DEBUG_TOKEN_HEADER;
 /// File name of the debug token ([`DebugHeaders::Token`]).
 const DEBUG_TOKEN_FILE: &str = "kvroute-debug-token";
@@ -454,6 +467,7 @@ impl Default for StackOptions {
             envoy_tracing: None,
             replica_roles: Vec::new(),
             envoy_full_duplex: false,
+            ext_proc_instances: 1,
         }
     }
 }
@@ -536,8 +550,8 @@ mod sims;
 
 use configs::*;
 pub use configs::{
-    pool_schema, render_envoy_config, with_engine_retries, with_envoy_tracing, with_full_duplex,
-    with_round_robin_fallback,
+    pool_schema, render_envoy_config, with_engine_retries, with_envoy_tracing, with_ext_procs,
+    with_full_duplex, with_round_robin_fallback,
 };
 use service::*;
 pub use service::{ExtProcProcess, ServerProcess, binary_dir, release_binary_dir};
@@ -550,6 +564,8 @@ pub struct Stack {
     // Field order is drop order: Envoy first, the sims last.
     envoy: Envoy,
     ext_proc: Option<Service>,
+    /// ext-proc processes beyond the first ([`StackOptions::ext_proc_instances`]).
+    more_ext_procs: Vec<Service>,
     /// The kvroute-agent feeding [`StackOptions::agent_replicas`].
     agent: Option<Service>,
     index: Option<Service>,
@@ -618,6 +634,7 @@ impl Stack {
             .collect();
 
         let mut more_indexes = Vec::new();
+        let mut more_ext_procs = Vec::new();
         let mut event_proxies = Vec::new();
         let mut agent = None;
         let (index, ext_proc, envoy_config) = match options.routing {
@@ -752,18 +769,40 @@ impl Stack {
                 let refusing = (0..options.refusing_replicas)
                     .map(|_| reserve_port().map(|port| SocketAddr::from(([127, 0, 0, 1], port))))
                     .collect::<Result<Vec<_>, _>>()?;
-                let ext_proc = Service::start(
-                    "kvroute-ext-proc",
-                    ServiceKind::Server,
-                    binaries.ext_proc.clone(),
-                    dir.path(),
-                    ext_proc_config(&options, &sim_addrs, &refusing, target)
-                        + &debug_headers
-                        + &options.ext_proc_extra_config,
-                    embedded_index_config.clone(),
-                    &options.ext_proc_env,
-                )
-                .await?;
+                let instances = options.ext_proc_instances;
+                if instances == 0
+                    || instances > MAX_EXT_PROC_INSTANCES
+                    || (instances > 1 && embedded_index_config.is_some())
+                {
+                    return Err(StackError::Component {
+                        component: "kvroute-ext-proc",
+                        detail: format!(
+                            "{instances} ext-proc instances: 1 to {MAX_EXT_PROC_INSTANCES}, \
+                             several only with a separate index"
+                        ),
+                        log: String::new(),
+                    });
+                }
+                let ext_proc_yaml = ext_proc_config(&options, &sim_addrs, &refusing, target)
+                    + &debug_headers
+                    + &options.ext_proc_extra_config;
+                let mut ext_procs = Vec::with_capacity(instances);
+                for name in &EXT_PROC_NAMES[..instances] {
+                    ext_procs.push(
+                        Service::start(
+                            name,
+                            ServiceKind::Server,
+                            binaries.ext_proc.clone(),
+                            dir.path(),
+                            ext_proc_yaml.clone(),
+                            embedded_index_config.clone(),
+                            &options.ext_proc_env,
+                        )
+                        .await?,
+                    );
+                }
+                let ext_proc = ext_procs.remove(0);
+                more_ext_procs = ext_procs;
                 let index = (!indexes.is_empty()).then(|| indexes.remove(0));
                 more_indexes = indexes;
                 let text = std::fs::read_to_string(workspace_root().join(OVERRIDE_HOST_CONFIG))
@@ -774,6 +813,13 @@ impl Stack {
                 let endpoints: Vec<SocketAddr> =
                     sim_addrs.iter().chain(&refusing).copied().collect();
                 let mut config = render_envoy_config(&text, &endpoints, ext_proc.grpc)?;
+                if !more_ext_procs.is_empty() {
+                    let grpcs: Vec<SocketAddr> = std::iter::once(&ext_proc)
+                        .chain(&more_ext_procs)
+                        .map(|service| service.grpc)
+                        .collect();
+                    config = with_ext_procs(&config, &grpcs)?;
+                }
                 if options.engine_retries {
                     config = with_engine_retries(&config)?;
                 }
@@ -793,6 +839,7 @@ impl Stack {
         let stack = Self {
             envoy,
             ext_proc,
+            more_ext_procs,
             agent,
             index,
             more_indexes,
@@ -895,6 +942,14 @@ impl Stack {
             .ok_or(StackError::NotRunning {
                 what: "kvroute-index",
             })
+    }
+
+    /// The (first) kvroute-index's gRPC base URL, `http://ip:port`.
+    pub fn index_grpc_url(&self) -> Result<String, StackError> {
+        let index = self.index.as_ref().ok_or(StackError::NotRunning {
+            what: "kvroute-index",
+        })?;
+        Ok(format!("http://{}", index.grpc))
     }
 
     /// Admin base URLs of every kvroute-index instance (the first is [`Stack::index_admin_url`]);
@@ -1147,6 +1202,7 @@ impl Stack {
         let services = self
             .indexes()
             .chain(&self.ext_proc)
+            .chain(&self.more_ext_procs)
             .chain(&self.agent)
             .filter_map(|service| Some((service.name.to_owned(), service.guard.as_ref()?.id())));
         let sims = self
@@ -1172,7 +1228,12 @@ impl Stack {
         for (i, sim) in self.sims.iter().enumerate() {
             section(&format!("kvroute-engine-sim {}", replica_id(i)), sim.log());
         }
-        for service in self.indexes().chain(&self.ext_proc).chain(&self.agent) {
+        for service in self
+            .indexes()
+            .chain(&self.ext_proc)
+            .chain(&self.more_ext_procs)
+            .chain(&self.agent)
+        {
             section(service.name, service.log());
         }
         section("envoy", self.envoy.log());
@@ -1319,14 +1380,23 @@ impl Stack {
 
     /// Waits until Envoy's health check marks the ext-proc endpoint healthy.
     async fn wait_ext_proc_healthy_in_envoy(&self) -> Result<(), StackError> {
-        let Some(ext_proc) = &self.ext_proc else {
-            return Ok(());
-        };
-        let result = self
-            .envoy
-            .wait_endpoint_healthy(EXT_PROC_CLUSTER, ext_proc.grpc, startup_timeout())
-            .await;
-        result.map_err(|error| self.component_error("kvroute-ext-proc", error))
+        for ext_proc in self.ext_proc.iter().chain(&self.more_ext_procs) {
+            let result = self
+                .envoy
+                .wait_endpoint_healthy(EXT_PROC_CLUSTER, ext_proc.grpc, startup_timeout())
+                .await;
+            result.map_err(|error| self.component_error("kvroute-ext-proc", error))?;
+        }
+        Ok(())
+    }
+
+    /// Every ext-proc's admin base URL, the first one's first.
+    pub fn ext_proc_admin_urls(&self) -> Vec<String> {
+        self.ext_proc
+            .iter()
+            .chain(&self.more_ext_procs)
+            .map(|service| format!("http://{}", service.admin))
+            .collect()
     }
 
     fn component_error(&self, component: &'static str, error: HarnessError) -> StackError {

@@ -23,6 +23,7 @@ mod index_states;
 mod memory;
 mod operate;
 mod pd_envoy;
+mod peers;
 mod real_vllm;
 mod real_vllm_agent;
 mod real_vllm_dp;
