@@ -35,6 +35,8 @@ mod frames;
 mod reader;
 
 #[cfg(test)]
+mod sglang_tests;
+#[cfg(test)]
 mod tests;
 
 pub use decode::{decode_batch, decode_engine_batch};
