@@ -10,37 +10,8 @@ use kvroute_block_keys::HashValue;
 /// SGLang's signed i64 hashes keep their 64 bits.
 pub type EngineHash = u64;
 
-/// The engine family whose events a feed carries: its wire format and hashing differ.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    Default,
-    serde::Deserialize,
-    serde::Serialize,
-    schemars::JsonSchema,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Engine {
-    /// vLLM (every release since 0.9).
-    #[default]
-    Vllm,
-    /// SGLang (0.4.6.post5 and later: positional events up to 0.5.19, maps from 0.5.20).
-    Sglang,
-}
-
-impl Engine {
-    /// Config/label spelling.
-    pub fn as_label(self) -> &'static str {
-        match self {
-            Engine::Vllm => "vllm",
-            Engine::Sglang => "sglang",
-        }
-    }
-}
+/// The engine family whose events a feed carries (configuration's `engine`).
+pub use kvroute_config::Engine;
 
 /// Where the engine holds a block (`medium` in vLLM events).
 ///
