@@ -284,3 +284,52 @@ fn namespaced_block_hashes_match() {
         assert_eq!(outputs, i64s(&vector["outputs"]), "{version}");
     }
 }
+
+/// Every prompt of the project's SGLang captures (`tests/sglang/record_events.py`: SGLang's own
+/// radix tree and event recorder) without an `extra_key` (LoRA): its published hashes are the
+/// prompt keys kvroute computes for the pool, EAGLE and kv-events format dynamo included.
+#[test]
+fn captured_prompts_publish_their_prompt_keys() {
+    let mut reproduced = 0;
+    for name in [
+        "0.5.19-ps16",
+        "0.5.22-ps16",
+        "0.5.23-ps16",
+        "0.5.23-ps16-eagle",
+        "0.5.23-ps32-dynamo",
+    ] {
+        let path = fixture(&format!("sglang/capture-sglang-{name}.jsonl"));
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        let records: Vec<Value> = text
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect();
+        let setup = &records[0];
+        let page_size = setup["page_size"].as_u64().unwrap() as usize;
+        let scheme = KeyScheme::SglangExact(SglangHasher {
+            bigram: setup["is_eagle"] == true,
+            dynamo_format: setup["format"] == "dynamo",
+        });
+        for prompt in records.iter().filter(|r| r["kind"] == "prompt") {
+            if !prompt["extra_key"].is_null() {
+                continue;
+            }
+            let keys = scheme
+                .prompt_keys(
+                    &u32s(&prompt["token_ids"]),
+                    page_size,
+                    None,
+                    opt_str(&prompt["cache_salt"]),
+                )
+                .unwrap();
+            assert_eq!(
+                keys,
+                i64s(&prompt["published_block_hashes"]),
+                "{name} {}",
+                prompt["step"]
+            );
+            reproduced += 1;
+        }
+    }
+    assert!(reproduced >= 50, "{reproduced} prompts");
+}
