@@ -51,6 +51,12 @@ pub enum KeyError {
         /// The version as given.
         version: String,
     },
+    /// SGLang keys a LoRA request's pages by its internal adapter id, which a router does not
+    /// know.
+    #[error(
+        "SGLang's hashes of LoRA requests cannot be reproduced (use key_scheme kind token-chain)"
+    )]
+    SglangLora,
     /// Image (multimodal) extra keys are reproduced for vLLM 0.31 and later only.
     #[error("multimodal extra keys are reproduced for vLLM >= 0.31 only, not {era:?}")]
     MultiModalEra {
@@ -72,6 +78,7 @@ impl KeyError {
             Self::DigestLength { .. } => "digest_length",
             Self::BadVllmVersion { .. } => "bad_vllm_version",
             Self::MultiModalEra { .. } => "multimodal_era",
+            Self::SglangLora => "sglang_lora",
         }
     }
 }

@@ -2,12 +2,15 @@
 //!
 //! A prompt is cut into full blocks of the pool's block size; each block gets a key that depends
 //! on every token before it, so "the replica holds key *k*" means "it holds the whole prefix up to
-//! that block". Two key schemes exist ([`KeyScheme`]):
+//! that block". Three key schemes exist ([`KeyScheme`]):
 //!
 //! - **vLLM-exact** ([`VllmHasher`]): vLLM's own prefix-cache hash, byte for byte, for every
 //!   `--prefix-caching-hash-algo` ([`HashAlgo`]) and the pool's `PYTHONHASHSEED`. Its published
 //!   u64 ([`published_u64`]) equals what the engine sends in KV events, so events apply directly.
 //!   LoRA adapters and `cache_salt` enter as vLLM's extra keys ([`ExtraKeysEra`]).
+//! - **SGLang-exact** ([`SglangHasher`]): SGLang's page hash (a SHA-256 chain over the tokens'
+//!   little-endian bytes, published as the first 8 digest bytes), salted chains and the 0.5.22+
+//!   kv-events `format: dynamo` namespace included. LoRA requests are not reproduced.
 //! - **token-chain** ([`TokenChain`]): kvroute's own XXH3 chain over the token ids, independent of
 //!   engine settings; the index recomputes it from each event's `token_ids`.
 //!
@@ -39,6 +42,7 @@ mod key_hash;
 mod preimage;
 mod schema;
 mod scheme;
+mod sglang;
 #[cfg(feature = "test-util")]
 pub mod testing;
 mod token_chain;
@@ -54,6 +58,7 @@ pub use schema::{
     MAX_BLOCK_SIZE, PoolKeySettings, RawKeyScheme, SchemeConfigError,
 };
 pub use scheme::{ChainPoint, KeyScheme};
+pub use sglang::SglangHasher;
 pub use token_chain::TokenChain;
 pub use vllm::{DEFAULT_NONE_HASH_SEED, VllmHasher};
 

@@ -8,7 +8,7 @@ use std::fmt;
 use serde::Deserialize;
 use serde::de::{self, MapAccess, Visitor};
 
-use crate::{ExtraKeysEra, HashAlgo, KeyScheme, VllmHasher};
+use crate::{ExtraKeysEra, HashAlgo, KeyScheme, SglangHasher, VllmHasher};
 
 /// vLLM's default block size on GPUs (`block_size` when a pool does not say).
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
@@ -27,8 +27,10 @@ pub const DEFAULT_VLLM_VERSION: &str = "0.32.0";
 #[derive(Debug, Default, Clone, PartialEq, Eq, schemars::JsonSchema)]
 #[schemars(deny_unknown_fields)]
 pub struct RawKeyScheme {
-    /// `vllm-exact` (keys are the engines' own block hashes) or `token-chain` (kvroute's
-    /// engine-agnostic keys computed from token ids).
+    /// `vllm-exact` (keys are vLLM engines' own block hashes), `sglang-exact` (SGLang engines'
+    /// own page hashes; the pool's `block_size` is their `--page-size`; LoRA requests are not
+    /// reproduced, use token-chain for pools with adapters) or `token-chain`
+    /// (kvroute's engine-agnostic keys computed from token ids, for either engine).
     #[schemars(extend("default" = DEFAULT_KEY_SCHEME_KIND))]
     pub kind: Option<String>,
     /// vllm-exact: the engines' `--prefix-caching-hash-algo` (`sha256`, `sha256_cbor`,
@@ -42,6 +44,14 @@ pub struct RawKeyScheme {
     /// keys.
     #[schemars(extend("default" = DEFAULT_VLLM_VERSION))]
     pub vllm_version: Option<String>,
+    /// sglang-exact: the engines' `--kv-events-config` `format`: `default`, or `dynamo`
+    /// (SGLang 0.5.22+), which also namespaces a salted request's hashes by its salt.
+    #[schemars(extend("default" = "default"))]
+    pub kv_events_format: Option<String>,
+    /// sglang-exact: the engines run EAGLE-family speculative decoding, so SGLang keys its cache
+    /// by token pairs (a page then also hashes the token after it).
+    #[schemars(extend("default" = false))]
+    pub bigram_keys: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -55,6 +65,10 @@ struct KeySchemeFields {
     seed: Option<String>,
     #[serde(default)]
     vllm_version: Option<String>,
+    #[serde(default)]
+    kv_events_format: Option<String>,
+    #[serde(default)]
+    bigram_keys: Option<bool>,
 }
 
 impl<'de> Deserialize<'de> for RawKeyScheme {
@@ -65,7 +79,9 @@ impl<'de> Deserialize<'de> for RawKeyScheme {
             type Value = RawKeyScheme;
 
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a mapping {kind, hash_algo, seed, vllm_version}")
+                f.write_str(
+                    "a mapping {kind, hash_algo, seed, vllm_version, kv_events_format, bigram_keys}",
+                )
             }
 
             fn visit_str<E: de::Error>(self, kind: &str) -> Result<Self::Value, E> {
@@ -83,6 +99,8 @@ impl<'de> Deserialize<'de> for RawKeyScheme {
                     hash_algo: fields.hash_algo,
                     seed: fields.seed,
                     vllm_version: fields.vllm_version,
+                    kv_events_format: fields.kv_events_format,
+                    bigram_keys: fields.bigram_keys,
                 })
             }
         }
@@ -141,32 +159,68 @@ impl PoolKeySettings {
                 format!("expected 1..={MAX_BLOCK_SIZE}"),
             ));
         }
+        let vllm_fields = [
+            ("key_scheme.hash_algo", &raw.hash_algo),
+            ("key_scheme.seed", &raw.seed),
+            ("key_scheme.vllm_version", &raw.vllm_version),
+        ];
+        let sglang_fields = [
+            ("key_scheme.kv_events_format", &raw.kv_events_format),
+            (
+                "key_scheme.bigram_keys",
+                &raw.bigram_keys.map(|b| b.to_string()),
+            ),
+        ];
+        // Settings of another kind are a mistake, not something to ignore.
+        let refuse_others = |fields: &[(&'static str, &Option<String>)], kind: &str| {
+            fields
+                .iter()
+                .find_map(|(field, value)| value.as_ref().map(|value| (*field, value)))
+                .map_or(Ok(()), |(field, value)| {
+                    Err(SchemeConfigError::new(
+                        field,
+                        value,
+                        format!("not used with `kind: {kind}`"),
+                    ))
+                })
+        };
         let scheme = match raw.kind.as_deref() {
-            None => Self::vllm_exact(raw)?,
-            Some(kind) if kind == DEFAULT_KEY_SCHEME_KIND => Self::vllm_exact(raw)?,
-            Some("token-chain") => {
-                // Settings of the other kind are a mistake, not something to ignore.
-                for (field, value) in [
-                    ("key_scheme.hash_algo", &raw.hash_algo),
-                    ("key_scheme.seed", &raw.seed),
-                    ("key_scheme.vllm_version", &raw.vllm_version),
-                ] {
-                    if let Some(value) = value {
+            None => {
+                refuse_others(&sglang_fields, DEFAULT_KEY_SCHEME_KIND)?;
+                Self::vllm_exact(raw)?
+            }
+            Some(kind) if kind == DEFAULT_KEY_SCHEME_KIND => {
+                refuse_others(&sglang_fields, kind)?;
+                Self::vllm_exact(raw)?
+            }
+            Some(kind @ "sglang-exact") => {
+                refuse_others(&vllm_fields, kind)?;
+                let dynamo_format = match raw.kv_events_format.as_deref() {
+                    None | Some("default") => false,
+                    Some("dynamo") => true,
+                    Some(other) => {
                         return Err(SchemeConfigError::new(
-                            field,
-                            value,
-                            "only used with `kind: vllm-exact` (token-chain keys do not depend \
-                             on the engines' hash settings)",
+                            "key_scheme.kv_events_format",
+                            other,
+                            "expected `default` or `dynamo`",
                         ));
                     }
-                }
+                };
+                KeyScheme::SglangExact(SglangHasher {
+                    bigram: raw.bigram_keys.unwrap_or(false),
+                    dynamo_format,
+                })
+            }
+            Some(kind @ "token-chain") => {
+                refuse_others(&vllm_fields, kind)?;
+                refuse_others(&sglang_fields, kind)?;
                 KeyScheme::TokenChain
             }
             Some(other) => {
                 return Err(SchemeConfigError::new(
                     "key_scheme.kind",
                     other,
-                    "expected `vllm-exact` or `token-chain`",
+                    "expected `vllm-exact`, `sglang-exact` or `token-chain`",
                 ));
             }
         };
@@ -236,6 +290,27 @@ mod tests {
     }
 
     #[test]
+    fn sglang_exact_reads_its_format_and_bigram_keys() {
+        let plain = parse(r#"{"block_size": 32, "key_scheme": {"kind": "sglang-exact"}}"#).unwrap();
+        assert_eq!(plain.block_size, 32);
+        assert_eq!(
+            plain.scheme,
+            KeyScheme::SglangExact(SglangHasher::default())
+        );
+        let eagle = parse(
+            r#"{"key_scheme": {"kind": "sglang-exact", "kv_events_format": "dynamo", "bigram_keys": true}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            eagle.scheme,
+            KeyScheme::SglangExact(SglangHasher {
+                bigram: true,
+                dynamo_format: true,
+            })
+        );
+    }
+
+    #[test]
     fn bad_settings_name_their_key() {
         for (json, field) in [
             (r#"{"block_size": 0}"#, "`block_size`"),
@@ -257,6 +332,22 @@ mod tests {
                 "`key_scheme.seed`",
             ),
             (r#"{"key_scheme": {"hash_seed": "0"}}"#, "hash_seed"),
+            (
+                r#"{"key_scheme": {"kind": "sglang-exact", "seed": "0"}}"#,
+                "`key_scheme.seed`",
+            ),
+            (
+                r#"{"key_scheme": {"kind": "sglang-exact", "kv_events_format": "x"}}"#,
+                "`key_scheme.kv_events_format`",
+            ),
+            (
+                r#"{"key_scheme": {"bigram_keys": true}}"#,
+                "`key_scheme.bigram_keys`",
+            ),
+            (
+                r#"{"key_scheme": {"kind": "token-chain", "kv_events_format": "dynamo"}}"#,
+                "`key_scheme.kv_events_format`",
+            ),
             (
                 r#"{"key_scheme": "vllm-exact"}"#,
                 "is now `key_scheme: {kind: vllm-exact}`",

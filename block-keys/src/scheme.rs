@@ -1,7 +1,8 @@
 //! Which keys a router and index use for a pool: vLLM's published hashes or token-chain keys.
 
 use crate::{
-    Digest, ExtraKeys, ExtraKeysEra, KeyError, LoraRef, MultiModalItem, TokenChain, VllmHasher,
+    Digest, ExtraKeys, ExtraKeysEra, KeyError, LoraRef, MultiModalItem, SglangHasher, TokenChain,
+    VllmHasher,
 };
 
 /// How a pool's prompts become the u64 block keys stored in and queried from the index.
@@ -15,6 +16,9 @@ pub enum KeyScheme {
         /// The pool's vLLM release, for the extra-key shapes.
         era: ExtraKeysEra,
     },
+    /// SGLang's own page hash, published form (first 8 digest bytes). Matches the engine's
+    /// events directly for text prompts, salted or not; LoRA requests are not reproduced.
+    SglangExact(SglangHasher),
     /// kvroute's engine-agnostic [`TokenChain`] keys.
     TokenChain,
 }
@@ -37,7 +41,8 @@ impl KeyScheme {
     /// placeholder offset). vLLM's scheme hashes each item into the blocks it overlaps
     /// ([`ExtraKeys::with_multimodal`]); a token chain cannot tell two images with the same
     /// placeholder tokens apart, so its keys stop before the first item's first block (the
-    /// index's token-chain keys stop there too).
+    /// index's token-chain keys stop there too). SGLang's scheme stops there as well: SGLang
+    /// hashes an image's pad values, which only the engine knows.
     pub fn media_prompt_keys(
         &self,
         tokens: &[u32],
@@ -62,7 +67,7 @@ impl KeyScheme {
                     |digest| out.push(digest.published_u64()),
                 )?;
             }
-            Self::TokenChain => {
+            Self::SglangExact(_) | Self::TokenChain => {
                 let first_media_block = items
                     .iter()
                     .map(|item| item.offset / block_size)
@@ -124,7 +129,7 @@ impl KeyScheme {
                 let parent = match from.map(|point| point.link) {
                     None => None,
                     Some(ChainLink::Vllm(digest)) => Some(digest),
-                    Some(ChainLink::TokenChain(_)) => return Err(KeyError::ForeignChainPoint),
+                    Some(_) => return Err(KeyError::ForeignChainPoint),
                 };
                 let extra = ExtraKeys::new(*era, lora, cache_salt)?;
                 out.reserve(rest.len() / block_size);
@@ -146,11 +151,44 @@ impl KeyScheme {
                     },
                 )?;
             }
+            Self::SglangExact(hasher) => {
+                if lora.is_some() {
+                    return Err(KeyError::SglangLora);
+                }
+                let prior = match from.map(|point| point.link) {
+                    None => SglangHasher::chain_seed(cache_salt),
+                    Some(ChainLink::Sglang(digest)) => Some(digest),
+                    Some(_) => return Err(KeyError::ForeignChainPoint),
+                };
+                let namespace = hasher.publish_seed(cache_salt);
+                out.reserve(
+                    hasher
+                        .full_pages(tokens.len(), block_size)
+                        .saturating_sub(start),
+                );
+                let mut blocks = start;
+                hasher.for_each_page(prior.as_ref(), tokens, block_size, start, |digest| {
+                    let published = SglangHasher::published_u64(digest);
+                    out.push(match &namespace {
+                        Some(seed) => SglangHasher::namespaced(published, seed),
+                        None => published,
+                    });
+                    blocks += 1;
+                    // A bigram page also hashes the token after it, which a later prompt
+                    // sharing this page's tokens need not share: no point to resume from.
+                    if let Some(blocks) = marked(blocks).filter(|_| !hasher.bigram) {
+                        point = Some(ChainPoint {
+                            blocks,
+                            link: ChainLink::Sglang(*digest),
+                        });
+                    }
+                });
+            }
             Self::TokenChain => {
                 let parent = match from.map(|point| point.link) {
                     None => TokenChain::root(lora.map(|l| l.name), cache_salt),
                     Some(ChainLink::TokenChain(key)) => key,
-                    Some(ChainLink::Vllm(_)) => return Err(KeyError::ForeignChainPoint),
+                    Some(_) => return Err(KeyError::ForeignChainPoint),
                 };
                 let before = out.len();
                 TokenChain::keys_from_into(parent, rest, block_size, out)?;
@@ -172,7 +210,7 @@ impl KeyScheme {
 
 /// Where a prompt's key chain stands after its first [`blocks`](Self::blocks) full blocks: what
 /// extending it over later tokens needs ([`KeyScheme::extend_prompt_keys`]). For vLLM's scheme
-/// that is the full digest, which the published u64 keys do not carry.
+/// and SGLang's that is the full digest, which the published u64 keys do not carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChainPoint {
     blocks: usize,
@@ -190,6 +228,8 @@ impl ChainPoint {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ChainLink {
     Vllm(Digest),
+    /// The page's digest before any namespacing of its published form.
+    Sglang(Digest),
     TokenChain(u64),
 }
 
@@ -199,7 +239,13 @@ mod tests {
     use crate::{ExtraKeysEra, HashAlgo, VllmHasher};
 
     fn schemes() -> Vec<KeyScheme> {
-        let mut schemes = vec![KeyScheme::TokenChain];
+        let mut schemes = vec![
+            KeyScheme::TokenChain,
+            KeyScheme::SglangExact(SglangHasher {
+                bigram: false,
+                dynamo_format: true,
+            }),
+        ];
         for algo in [HashAlgo::Sha256Cbor, HashAlgo::Xxhash] {
             schemes.push(KeyScheme::VllmExact {
                 hasher: VllmHasher::new(algo, Some("0")).expect("hasher"),
@@ -218,7 +264,9 @@ mod tests {
             path: Some("/adapters/a"),
         };
         for scheme in schemes() {
+            let sglang = matches!(scheme, KeyScheme::SglangExact(_));
             for (lora, salt) in [(None, None), (Some(&lora), Some("salt"))] {
+                let lora = lora.filter(|_| !sglang);
                 let whole = scheme.prompt_keys(&tokens, 16, lora, salt).expect("whole");
                 assert_eq!(whole.len(), 9);
                 for mark in 1..=9 {
@@ -273,7 +321,7 @@ mod tests {
             assert_eq!(a[..2], text[..2], "{scheme:?}");
             assert_eq!(b[..2], text[..2], "{scheme:?}");
             match scheme {
-                KeyScheme::TokenChain => assert_eq!(a.len(), 2),
+                KeyScheme::TokenChain | KeyScheme::SglangExact(_) => assert_eq!(a.len(), 2),
                 KeyScheme::VllmExact { .. } => {
                     assert_eq!(a.len(), 6);
                     assert!(a[2..].iter().zip(&b[2..]).all(|(a, b)| a != b));
@@ -286,8 +334,8 @@ mod tests {
     #[test]
     fn a_point_of_another_scheme_or_past_the_prompt_is_refused() {
         let tokens: Vec<u32> = (0..64).collect();
-        let [chain, vllm, ..] = &schemes()[..] else {
-            panic!("two schemes");
+        let [chain, _, vllm, ..] = &schemes()[..] else {
+            panic!("three schemes");
         };
         let mut out = Vec::new();
         let chain_point = chain
@@ -318,5 +366,127 @@ mod tests {
             );
         }
         assert!(out.is_empty());
+    }
+}
+
+#[cfg(test)]
+mod sglang_tests {
+    use super::*;
+
+    /// The published hashes of SGLang's page chain for `tokens`, built from the page hash alone.
+    fn chain(tokens: &[u32], page: usize, salt: Option<&str>) -> Vec<u64> {
+        let mut prior = SglangHasher::chain_seed(salt);
+        tokens
+            .chunks_exact(page)
+            .map(|words| {
+                let digest = SglangHasher::page_digest(prior.as_ref(), words);
+                prior = Some(digest);
+                SglangHasher::published_u64(&digest)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn sglang_prompt_keys_are_the_published_page_chain() {
+        let scheme = KeyScheme::SglangExact(SglangHasher::default());
+        let tokens: Vec<u32> = (1..=8).collect();
+        // Literal values from Python's hashlib (see `sglang::tests`): what SGLang publishes
+        // for pages [1, 2, 3, 4] and [5, 6, 7, 8], as signed i64, and for the salted first page.
+        assert_eq!(
+            scheme.prompt_keys(&tokens, 4, None, None).unwrap(),
+            [
+                -3_488_128_144_981_237_669_i64 as u64,
+                5_674_439_469_042_975_057
+            ]
+        );
+        assert_eq!(
+            scheme
+                .prompt_keys(&tokens[..4], 4, None, Some("tenant-a"))
+                .unwrap(),
+            [3_718_046_898_735_569_995]
+        );
+        assert_eq!(
+            scheme
+                .prompt_keys(&tokens, 4, None, Some("tenant-a"))
+                .unwrap(),
+            chain(&tokens, 4, Some("tenant-a"))
+        );
+        // An empty salt is no salt.
+        assert_eq!(
+            scheme.prompt_keys(&tokens, 4, None, Some("")).unwrap(),
+            chain(&tokens, 4, None)
+        );
+        // A partial page has no key.
+        assert_eq!(
+            scheme
+                .prompt_keys(&tokens[..7], 4, None, None)
+                .unwrap()
+                .len(),
+            1
+        );
+    }
+
+    #[test]
+    fn sglang_dynamo_format_namespaces_salted_keys_only() {
+        let dynamo = KeyScheme::SglangExact(SglangHasher {
+            bigram: false,
+            dynamo_format: true,
+        });
+        let tokens: Vec<u32> = (1..=8).collect();
+        assert_eq!(
+            dynamo.prompt_keys(&tokens, 4, None, None).unwrap(),
+            chain(&tokens, 4, None)
+        );
+        let seed = SglangHasher::namespace_seed(None, Some("s")).unwrap();
+        let expected: Vec<u64> = chain(&tokens, 4, Some("s"))
+            .into_iter()
+            .map(|h| SglangHasher::namespaced(h, &seed))
+            .collect();
+        assert_eq!(
+            dynamo.prompt_keys(&tokens, 4, None, Some("s")).unwrap(),
+            expected
+        );
+    }
+
+    #[test]
+    fn sglang_bigram_keys_hash_pairs_and_give_no_resume_point() {
+        let scheme = KeyScheme::SglangExact(SglangHasher {
+            bigram: true,
+            dynamo_format: false,
+        });
+        let tokens: Vec<u32> = (1..=9).collect();
+        let pairs: Vec<u32> = tokens.windows(2).flatten().copied().collect();
+        // 8 pairs: two pages of four pairs (eight words each).
+        assert_eq!(
+            scheme.prompt_keys(&tokens, 4, None, None).unwrap(),
+            chain(&pairs, 8, None)
+        );
+        // Eight tokens are seven pairs: one full page.
+        assert_eq!(
+            scheme
+                .prompt_keys(&tokens[..8], 4, None, None)
+                .unwrap()
+                .len(),
+            1
+        );
+        let mut out = Vec::new();
+        assert_eq!(
+            scheme.extend_prompt_keys(None, &tokens, 4, None, None, 1, &mut out),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn sglang_lora_requests_are_refused() {
+        let scheme = KeyScheme::SglangExact(SglangHasher::default());
+        let lora = LoraRef {
+            name: "a",
+            id: None,
+            path: None,
+        };
+        assert_eq!(
+            scheme.prompt_keys(&[1, 2, 3, 4], 4, Some(&lora), None),
+            Err(KeyError::SglangLora)
+        );
     }
 }

@@ -223,7 +223,7 @@ pub struct TokenizerReport {
 /// A pool's key scheme.
 #[derive(Debug, Clone, Serialize)]
 pub struct KeySchemeReport {
-    /// `vllm-exact` or `token-chain`.
+    /// `vllm-exact`, `sglang-exact` or `token-chain`.
     pub kind: &'static str,
     /// vLLM's `--prefix-caching-hash-algo`.
     pub hash_algo: Option<&'static str>,
@@ -241,6 +241,12 @@ impl KeySchemeReport {
                 hash_algo: Some(hasher.algo().as_str()),
                 seed: Some(hasher.seed().to_owned()),
                 extra_keys_era: Some(format!("{era:?}")),
+            },
+            KeyScheme::SglangExact(_) => Self {
+                kind: "sglang-exact",
+                hash_algo: None,
+                seed: None,
+                extra_keys_era: None,
             },
             KeyScheme::TokenChain => Self {
                 kind: "token-chain",

@@ -66,6 +66,14 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
             })?;
         }
     }
+    if matches!(key_scheme, KeyScheme::SglangExact(_)) && !adapters.is_empty() {
+        return Err(invalid(
+            "adapters",
+            &adapters[0].name,
+            "SGLang keys a LoRA request's pages by its internal adapter id, which kvroute \
+             cannot reproduce: use `key_scheme: {kind: token-chain}` for pools with adapters",
+        ));
+    }
     let tokenizer = match &raw.tokenizer {
         None => TokenizerSource::None,
         Some(RawTokenizer {

@@ -462,6 +462,15 @@ fn validate_engine(
         ));
     }
     engine.check()?;
+    if engine.engine != kvroute_config::Engine::Vllm {
+        // The agent stream carries vLLM's event fields only (SGLang's salt and token layout
+        // would be lost on the way), so SGLang engines publish to the index directly.
+        return Err(ConfigError::at(
+            "engine",
+            "the agent forwards vLLM engines only: list SGLang engines under the index's \
+             replicas[].events",
+        ));
+    }
     let ranks = engine.data_parallel_ranks();
     let mut sockets = Vec::with_capacity(ranks as usize);
     for rank in 0..ranks {
@@ -721,6 +730,11 @@ mod tests {
                 "[{replica: r, endpoint: 'tcp://127.0.0.1:5557'}, {replica: s, endpoint: 'tcp://127.0.0.1:5567', allowed_peers: [10.0.0.1]}]",
                 "engines[1].allowed_peers",
                 "engines[1].allowed_peers: applies to bind mode only",
+            ),
+            (
+                "[{replica: r, endpoint: 'tcp://127.0.0.1:5557', engine: sglang}]",
+                "engines[0].engine",
+                "engines[0].engine: the agent forwards vLLM engines only",
             ),
             (
                 "[{replica: r, endpoint: 'tcp://127.0.0.1:5557'}, {replica: s, endpoint: 'tcp://127.0.0.1:5567', nope: 1}]",

@@ -377,6 +377,8 @@ fn single(hash: EngineHash, block: &MirrorBlock, medium: Medium) -> BlockStored 
         sliding_window: block.sliding_window,
         block_digests: block.digest.as_ref().map(|d| vec![d.to_vec()]),
         parent_digest: block.parent_digest.as_ref().map(|d| d.to_vec()),
+        // The agent forwards vLLM engines only.
+        sglang: None,
     }
 }
 

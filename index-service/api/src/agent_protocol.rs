@@ -234,6 +234,8 @@ pub fn validate_stored(stored: api::BlockStored) -> Result<BlockStored, EventSha
         sliding_window: stored.sliding_window,
         block_digests: (!stored.block_digests.is_empty()).then_some(stored.block_digests),
         parent_digest: stored.parent_digest,
+        // Agents forward vLLM engines only: SGLang feeds go to the index directly.
+        sglang: None,
     })
 }
 
@@ -262,6 +264,7 @@ mod tests {
             sliding_window: Some(64),
             block_digests: Some(vec![vec![1; 32], vec![2; 32]]),
             parent_digest: Some(vec![3; 32]),
+            sglang: None,
         }
     }
 

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::ReplicaKey;
-use kvroute_config::SocketMode;
+use kvroute_config::{Engine, SocketMode};
 
 use crate::zmtp::{self, PeerFilter};
 
@@ -21,11 +21,13 @@ pub const DEFAULT_RECONNECT_BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Cap of the exponential reconnect backoff.
 pub const DEFAULT_RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(10);
 
-/// One vLLM publisher socket to ingest (one replica, or one DP rank of it).
+/// One engine publisher socket to ingest (one replica, or one DP rank of it).
 #[derive(Debug, Clone, PartialEq)]
 pub struct IngestConfig {
     /// Replica id from config; the metric label and half of the [`ReplicaKey`].
     pub replica_id: Arc<str>,
+    /// The engine family publishing: which wire decoder reads its batches.
+    pub engine: Engine,
     /// Global DP rank of the engine core publishing on this socket (0 without DP). With DP,
     /// vLLM offsets both ports by the rank (`offset_endpoint_port`), one socket per rank.
     pub dp_rank: u32,
@@ -67,6 +69,7 @@ impl IngestConfig {
     ) -> Self {
         Self {
             replica_id: replica_id.into(),
+            engine: Engine::Vllm,
             dp_rank: 0,
             dp_rank_checked: false,
             endpoint: endpoint.into(),
@@ -86,6 +89,12 @@ impl IngestConfig {
     /// Bind mode: only peers inside `allowed_peers` may connect.
     pub fn with_allowed_peers(mut self, allowed_peers: PeerFilter) -> Self {
         self.allowed_peers = allowed_peers;
+        self
+    }
+
+    /// Sets the engine family publishing on the socket.
+    pub fn with_engine(mut self, engine: Engine) -> Self {
+        self.engine = engine;
         self
     }
 

@@ -734,7 +734,7 @@ impl Subscriber {
                             return Ok(ReplayResult { outcome: ReplayOutcome::BufferExceeded, first_applied, diverged: false });
                         }
                         Ok(ReplayReply::Batch { seq, payload }) => {
-                            let batch = match wire::decode_batch(&payload) {
+                            let batch = match wire::decode_engine_batch(self.config.engine, &payload) {
                                 Ok(batch) => batch,
                                 Err(error) => {
                                     self.decode_failed(&error, "replay");
@@ -779,7 +779,7 @@ impl Subscriber {
     fn decode_live(&mut self, frames: Vec<Bytes>) -> Option<LiveMessage> {
         self.metrics.messages_received.inc();
         self.state.message_received();
-        match wire::decode_message(&frames) {
+        match wire::decode_engine_message(self.config.engine, &frames) {
             Ok((topic, _, _)) if !topic.starts_with(self.config.topic_filter.as_str()) => {
                 self.metrics.refused(TOPIC_MISMATCH);
                 self.state

@@ -24,6 +24,7 @@ use crate::testing::{
     ReplayLayout, SinkCall, applied_seqs,
 };
 use kvroute_config::SocketMode;
+use kvroute_index_core::event::{EventBatch, KvEvent};
 use kvroute_index_core::wire;
 
 /// How long a test waits for the ingest to reach a state.
@@ -1245,4 +1246,149 @@ async fn interop_libzmq_pub_connects_to_our_bound_sub_with_legacy_replay() {
         })
         .await;
     harness.shutdown().await;
+}
+
+/// The live payloads of one of the project's SGLang captures (`tests/sglang/record_events.py`,
+/// SGLang's own radix tree and publisher), by sequence number, and its setup record.
+fn sglang_capture(name: &str) -> (Vec<Vec<u8>>, serde_json::Value) {
+    let path = fixture(&format!("sglang/capture-sglang-{name}.jsonl"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let records: Vec<serde_json::Value> = text
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let payloads: Vec<Vec<u8>> = records
+        .iter()
+        .filter(|record| record["kind"] == "zmq_pub")
+        .enumerate()
+        .map(|(i, record)| {
+            assert_eq!(record["seq"], i, "{name}: live sequence numbers from 0");
+            hex::decode(record["frames_hex"][2].as_str().unwrap()).unwrap()
+        })
+        .collect();
+    (payloads, records[0].clone())
+}
+
+/// Re-derives every stored block's published hash from its run's tokens, chaining from the
+/// digest of its parent block (kept from earlier runs) or from the run's salt, namespaced as the
+/// capture's engine did: kv-events format dynamo by (LoRA id, salt), 0.5.23's default by a named
+/// LoRA's id. Returns (blocks checked, blocks matching).
+fn sglang_blocks_matching(batches: &[EventBatch], setup: &serde_json::Value) -> (usize, usize) {
+    use kvroute_block_keys::{Digest, SglangHasher};
+    use std::collections::HashMap;
+
+    let dynamo = setup["format"] == "dynamo";
+    let version = setup["sglang"].as_str().unwrap();
+    let lora_id = setup["lora_adapters"][0]["lora_id"].as_str();
+    let mut digests: HashMap<u64, Digest> = HashMap::new();
+    let (mut checked, mut matching) = (0, 0);
+    for event in batches.iter().flat_map(|batch| &batch.events) {
+        let KvEvent::BlockStored(stored) = event else {
+            continue;
+        };
+        let salt = stored.cache_salt();
+        let extra_key = stored.lora_name.as_ref().and(lora_id);
+        let seed = match (dynamo, version) {
+            (true, _) => SglangHasher::namespace_seed(extra_key, salt),
+            (false, "0.5.23") => SglangHasher::namespace_seed(extra_key, None),
+            (false, _) => None,
+        };
+        let mut prior = match stored.parent_block_hash {
+            None => SglangHasher::chain_seed(salt),
+            Some(parent) => Some(digests[&parent]),
+        };
+        let block_size = stored.block_size as usize;
+        for (block, &published) in stored.block_hashes.iter().enumerate() {
+            let mut words = Vec::new();
+            stored
+                .token_layout()
+                .page_words(
+                    &stored.token_ids,
+                    block * block_size,
+                    block_size,
+                    &mut words,
+                )
+                .unwrap();
+            let digest = SglangHasher::wide_page_digest(prior.as_ref(), &words);
+            let plain = SglangHasher::published_u64(&digest);
+            let computed = seed.map_or(plain, |seed| SglangHasher::namespaced(plain, &seed));
+            checked += 1;
+            matching += usize::from(computed == published);
+            digests.insert(published, digest);
+            prior = Some(digest);
+        }
+    }
+    (checked, matching)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_captures_with_a_gap_repaired_by_replay_match_every_published_hash() {
+    // SGLang up to 0.5.21 replies without a topic frame; 0.5.22+ with one (empty by default, as
+    // in the dynamo capture, so only the sequence tells its end marker from a batch).
+    for (name, layout) in [
+        ("0.5.19-ps16", ReplayLayout::Legacy),
+        ("0.5.22-ps16", ReplayLayout::Current),
+        ("0.5.23-ps16", ReplayLayout::Current),
+        ("0.5.23-ps16-eagle", ReplayLayout::Current),
+        ("0.5.23-ps32-dynamo", ReplayLayout::Current),
+    ] {
+        let (payloads, setup) = sglang_capture(name);
+        let publisher = MockVllmPublisher::start(MockPublisherConfig {
+            replay_layout: layout,
+            ..MockPublisherConfig::loopback()
+        })
+        .await
+        .unwrap();
+        let config = connect_config(&publisher).with_engine(kvroute_config::Engine::Sglang);
+        let harness = Harness::start(config);
+        // Sequence 0 of the capture is the tree's own AllBlocksCleared at start.
+        let start = warm_up(&publisher, &harness, &payloads[0]).await;
+        let replays_before = publisher.replay_requests();
+        let mut last = start;
+        for (i, payload) in payloads.iter().enumerate().skip(1) {
+            last = if i == 3 || i == 4 {
+                publisher.skip_seq(payload.clone()).await
+            } else {
+                publisher.publish(payload.clone()).await.unwrap()
+            };
+        }
+        harness.wait_applied(last).await;
+
+        let calls = harness.sink.calls();
+        assert!(
+            harness.sink.resets().is_empty(),
+            "{name}: {:?}",
+            summarize(&calls)
+        );
+        assert_eq!(publisher.replay_requests() - replays_before, 1, "{name}");
+        let applied: Vec<EventBatch> = calls
+            .iter()
+            .filter_map(|call| match call {
+                SinkCall::Apply { seq, batch, .. } if *seq > start => Some(batch.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            applied.len(),
+            payloads.len() - 1,
+            "{name}: every batch once"
+        );
+        for (batch, payload) in applied.iter().zip(&payloads[1..]) {
+            let sent = wire::decode_engine_batch(kvroute_config::Engine::Sglang, payload).unwrap();
+            assert_eq!(*batch, sent.batch, "{name}");
+        }
+        let (checked, matching) = sglang_blocks_matching(&applied, &setup);
+        assert!(checked >= 30, "{name}: {checked} blocks");
+        assert_eq!(
+            matching, checked,
+            "{name}: blocks whose hash SGLang's recipe gives"
+        );
+        assert_eq!(
+            harness.metric(&series("ingest_gaps_total", "")),
+            1.0,
+            "{name}"
+        );
+        harness.shutdown().await;
+        publisher.shutdown().await;
+    }
 }

@@ -20,7 +20,7 @@ use std::{
 };
 
 use kvroute_block_keys::{KeyScheme, PoolKeySettings};
-use kvroute_config::{ConfigError, SocketMode, TokenSource, ZmqEndpoint};
+use kvroute_config::{ConfigError, Engine, SocketMode, TokenSource, ZmqEndpoint};
 use kvroute_index_core::index::VerifyHashes;
 use kvroute_ingest::zmtp::PeerFilter;
 use kvroute_runtime::token::AgentToken;
@@ -166,6 +166,8 @@ pub struct ReplicaConfig {
     pub allowed_peers: PeerFilter,
     /// Largest message accepted.
     pub max_message_bytes: usize,
+    /// The engine family publishing (which wire decoder reads it).
+    pub engine: Engine,
     /// The node a discovered replica runs on (its node agent feeds it when `node_agents` is
     /// set); `None` for static replicas.
     pub node: Option<String>,
@@ -378,6 +380,7 @@ fn validate_replica(
         ));
     }
     let events = replica.events;
+    check_engine(events.engine, &pools[pool].key_scheme).map_err(|e| e.within("events"))?;
     let ranks = events.data_parallel_ranks();
     // A replica fed only by its agent needs no ZMQ endpoint here.
     let agent_fed = events.endpoint.is_none() && agent_owned.contains(replica.id.as_str());
@@ -418,10 +421,32 @@ fn validate_replica(
             dp_rank,
             dp_rank_checked: ranks > 1,
             allowed_peers: allowed_peers.clone(),
+            engine: events.engine,
             node: None,
         });
     }
     Ok(configs)
+}
+
+/// A pool keyed by one engine's published hashes takes only that engine's replicas.
+fn check_engine(engine: Engine, scheme: &KeyScheme) -> Result<(), ConfigError> {
+    let expected = match scheme {
+        KeyScheme::VllmExact { .. } => Engine::Vllm,
+        KeyScheme::SglangExact(_) => Engine::Sglang,
+        KeyScheme::TokenChain => return Ok(()),
+    };
+    if engine == expected {
+        return Ok(());
+    }
+    Err(ConfigError::at(
+        "engine",
+        format_args!(
+            "the pool's key_scheme uses {} engines' own hashes (got {}; key_scheme kind \
+             token-chain serves either)",
+            expected.as_label(),
+            engine.as_label()
+        ),
+    ))
 }
 
 /// Agents: unique ids, exactly one token source (loaded now), replicas that exist and have one
@@ -548,7 +573,7 @@ fn validate_pool(pool: RawPool, earlier: &[PoolConfig]) -> Result<PoolConfig, Co
         return Err(ConfigError::at(
             "verify_hashes",
             "token-chain pools compute their keys from token ids and use no published hash; \
-             `required` applies to vllm-exact pools",
+             `required` applies to vllm-exact and sglang-exact pools",
         ));
     }
     let discovery = match pool.discovery {
@@ -582,8 +607,10 @@ impl ReplicaConfig {
     /// KV-event PUB socket and replay ROUTER, with the defaults a static replica gets — or, with
     /// `node_agent_fed`, opens no socket: its node's agent feeds it. `Err` names what is wrong
     /// with the endpoints the pod's annotations produced.
+    /// Its engine family is the one the pool's key scheme names (vLLM for token-chain pools).
     pub fn discovered(
         pool: usize,
+        scheme: &KeyScheme,
         replica: &kvroute_discovery::Replica,
         node_agent_fed: bool,
     ) -> Result<ReplicaConfig, String> {
@@ -601,6 +628,10 @@ impl ReplicaConfig {
             dp_rank_checked: replica.rank_by_header,
             allowed_peers: PeerFilter::any(),
             max_message_bytes: kvroute_config::DEFAULT_MAX_MESSAGE_BYTES,
+            engine: match scheme {
+                KeyScheme::SglangExact(_) => Engine::Sglang,
+                _ => Engine::Vllm,
+            },
             node: replica.node.clone(),
         };
         if node_agent_fed {

@@ -408,3 +408,27 @@ agents:
         "{error}"
     );
 }
+
+#[test]
+fn a_replicas_engine_must_publish_the_hashes_its_pool_keys_on() {
+    let yaml = |pool_kind: &str, engine: &str| {
+        format!(
+            r#"
+listen: {{grpc: "127.0.0.1:0", admin: "127.0.0.1:0"}}
+pools:
+  - {{name: s, models: [s], key_scheme: {{kind: {pool_kind}}}}}
+replicas:
+  - {{id: a, pool: s, events: {{endpoint: "tcp://127.0.0.1:5557", engine: {engine}}}}}
+"#
+        )
+    };
+    let config = Config::from_yaml(&yaml("sglang-exact", "sglang")).unwrap();
+    assert_eq!(config.replicas[0].engine, Engine::Sglang);
+    let config = Config::from_yaml(&yaml("token-chain", "sglang")).unwrap();
+    assert_eq!(config.replicas[0].engine, Engine::Sglang);
+    for (kind, engine) in [("sglang-exact", "vllm"), ("vllm-exact", "sglang")] {
+        let error = error_of(&yaml(kind, engine));
+        assert!(error.contains("replicas[0].events.engine"), "{error}");
+    }
+    assert!(error_of(&yaml("token-chain", "trtllm")).contains("engine"));
+}

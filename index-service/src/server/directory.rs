@@ -177,7 +177,8 @@ impl Directory {
             socket.with_dp_rank(replica.dp_rank)
         }
         .with_topic_filter(replica.topic.clone())
-        .with_allowed_peers(replica.allowed_peers.clone());
+        .with_allowed_peers(replica.allowed_peers.clone())
+        .with_engine(replica.engine);
         socket.replay_timeout = config.replay_timeout;
         socket.max_message_bytes = replica.max_message_bytes;
         if let Some(replay) = &replica.replay_endpoint {

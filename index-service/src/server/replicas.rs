@@ -338,7 +338,12 @@ impl ReplicaSet {
                     self.refuse(&pool.name, &replica.id, Refusal::ModelMismatch);
                     return None;
                 }
-                match ReplicaConfig::discovered(pool_index, replica, config.node_agents.is_some()) {
+                match ReplicaConfig::discovered(
+                    pool_index,
+                    &pool.key_scheme,
+                    replica,
+                    config.node_agents.is_some(),
+                ) {
                     Ok(replica) => Some(replica),
                     Err(why) => {
                         tracing::warn!(pool = %pool.name, replica_id = %replica.id, %why, "discovered replica not usable");

@@ -2,16 +2,19 @@
 //!
 //! - vLLM-exact pools store the engine's published u64 as is; an optional [`VllmHasher`]
 //!   re-hashes `token_ids` to catch a pool configured with the wrong algorithm or seed.
+//! - SGLang-exact pools likewise store SGLang's published hash (its 64 bits); an optional
+//!   [`SglangHasher`] re-hashes runs that start a chain (SGLang publishes only 8 bytes of the
+//!   digest a run continues from).
 //! - token-chain pools recompute [`TokenChain`] keys from `token_ids`, rooted like the router
 //!   roots a prompt: in the namespace of the LoRA adapter and the cache salt.
 
 use kvroute_block_keys::{
-    Digest, ExtraKeysEra, HashAlgo, HashValue, KeyScheme, TokenChain, VllmHasher,
+    Digest, ExtraKeysEra, HashAlgo, HashValue, KeyScheme, SglangHasher, TokenChain, VllmHasher,
 };
 
 use crate::event::BlockStored;
 
-/// What a vLLM-exact pool does with the block hashes engines publish (the index's
+/// What an exact pool (vLLM or SGLang) does with the block hashes engines publish (the index's
 /// `pools[].verify_hashes`, written `off`, `flag` or `required`).
 #[derive(
     Debug,
@@ -64,6 +67,15 @@ pub struct HashValidator {
     pub required: bool,
 }
 
+/// Re-hashes an SGLang-exact pool's stored runs (see [`VerifyHashes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SglangValidator {
+    /// The pool's page hash, as the engines run it.
+    pub hasher: SglangHasher,
+    /// Refuse runs that are not verified, instead of only flagging replicas that disagree.
+    pub required: bool,
+}
+
 /// How a pool's block keys relate to the engine's events.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PoolKeys {
@@ -72,13 +84,18 @@ pub enum PoolKeys {
         /// Re-hashes stored blocks from their `token_ids`. `None` trusts the engine.
         validator: Option<HashValidator>,
     },
+    /// SGLang's published hash is the key.
+    SglangExact {
+        /// Re-hashes stored runs from their `token_ids`. `None` trusts the engine.
+        validator: Option<SglangValidator>,
+    },
     /// kvroute's [`TokenChain`] keys, recomputed from `token_ids`; the engine hash only
     /// identifies blocks for removal and parent lookup.
     TokenChain,
 }
 
 impl PoolKeys {
-    /// The index side of a pool's [`KeyScheme`]; `verify` applies to vLLM-exact pools only
+    /// The index side of a pool's [`KeyScheme`]; `verify` applies to exact pools only
     /// (token-chain keys are recomputed from `token_ids` anyway).
     pub fn from_scheme(scheme: &KeyScheme, verify: VerifyHashes) -> Self {
         match scheme {
@@ -86,6 +103,12 @@ impl PoolKeys {
                 validator: (verify != VerifyHashes::Off).then(|| HashValidator {
                     hasher: hasher.clone(),
                     era: *era,
+                    required: verify == VerifyHashes::Required,
+                }),
+            },
+            KeyScheme::SglangExact(hasher) => PoolKeys::SglangExact {
+                validator: (verify != VerifyHashes::Off).then_some(SglangValidator {
+                    hasher: *hasher,
                     required: verify == VerifyHashes::Required,
                 }),
             },
@@ -97,7 +120,40 @@ impl PoolKeys {
     pub fn as_label(&self) -> &'static str {
         match self {
             PoolKeys::VllmExact { .. } => "vllm-exact",
+            PoolKeys::SglangExact { .. } => "sglang-exact",
             PoolKeys::TokenChain => "token-chain",
+        }
+    }
+
+    /// Whether the engine's published hash is the block key.
+    pub fn is_exact(&self) -> bool {
+        !matches!(self, PoolKeys::TokenChain)
+    }
+
+    /// Whether stored runs are re-hashed, and if so whether unverified ones are refused.
+    pub(crate) fn verifies(&self) -> Option<bool> {
+        match self {
+            PoolKeys::VllmExact {
+                validator: Some(validator),
+            } => Some(validator.required),
+            PoolKeys::SglangExact {
+                validator: Some(validator),
+            } => Some(validator.required),
+            _ => None,
+        }
+    }
+
+    /// Re-hashes a well-formed run (see [`verifies`](Self::verifies)); `Unverifiable` when the
+    /// pool does not re-hash.
+    pub(crate) fn verify(&self, stored: &BlockStored) -> Verification {
+        match self {
+            PoolKeys::VllmExact {
+                validator: Some(validator),
+            } => verify(validator, stored),
+            PoolKeys::SglangExact {
+                validator: Some(validator),
+            } => verify_sglang(&validator.hasher, stored),
+            _ => Verification::Unverifiable,
         }
     }
 }
@@ -171,6 +227,51 @@ fn hashed_extra_keys(
         .collect()
 }
 
+/// Re-hashes a well-formed SGLang `BlockStored` (token count already checked against its
+/// hashes): only a run that starts a chain (no parent: SGLang publishes 8 of the parent digest's
+/// 32 bytes) and names no LoRA adapter (0.5.23 namespaces those by SGLang's internal adapter id).
+/// A mismatch is certain unless the engines use kv-events `format: dynamo`, which also
+/// namespaces a request's `extra_key`, not published.
+pub(crate) fn verify_sglang(hasher: &SglangHasher, stored: &BlockStored) -> Verification {
+    if stored.parent_block_hash.is_some() || stored.lora_name.is_some() {
+        return Verification::Unverifiable;
+    }
+    let salt = stored.cache_salt();
+    let namespace = hasher.publish_seed(salt);
+    let block_size = stored.block_size as usize;
+    let mut prior = SglangHasher::chain_seed(salt);
+    let mut words = Vec::with_capacity(2 * block_size + 2);
+    for (block, &published) in stored.block_hashes.iter().enumerate() {
+        words.clear();
+        if stored
+            .token_layout()
+            .page_words(
+                &stored.token_ids,
+                block * block_size,
+                block_size,
+                &mut words,
+            )
+            .is_none()
+        {
+            return Verification::Unverifiable;
+        }
+        let digest = SglangHasher::wide_page_digest(prior.as_ref(), &words);
+        let mut computed = SglangHasher::published_u64(&digest);
+        if let Some(seed) = &namespace {
+            computed = SglangHasher::namespaced(computed, seed);
+        }
+        if computed != published {
+            return Verification::Mismatch {
+                block,
+                computed,
+                certain: !hasher.dynamo_format,
+            };
+        }
+        prior = Some(digest);
+    }
+    Verification::Verified
+}
+
 /// Re-hashes a well-formed `BlockStored` (token count already checked against its hashes) with
 /// the extra keys it publishes (images, salt) in their hashed form.
 pub(crate) fn verify(validator: &HashValidator, stored: &BlockStored) -> Verification {
@@ -241,7 +342,10 @@ pub(crate) struct ChainRun {
 }
 
 /// Computes a run's token-chain keys from `parent` (the parent block's own key), or from the
-/// root of the run's namespace when the run starts the prompt.
+/// root of the run's namespace when the run starts the prompt. An SGLang run's salt is its
+/// `cache_salt`; its bigram positions are keyed by their first tokens (the prompt's own), and
+/// its pages from the first one holding a multimodal pad past u32 are not keyed (a token chain
+/// cannot tell two images apart).
 pub(crate) fn chain_keys(parent: Option<u64>, stored: &BlockStored) -> ChainRun {
     let block_size = stored.block_size as usize;
     let blocks = stored.block_hashes.len();
@@ -255,7 +359,9 @@ pub(crate) fn chain_keys(parent: Option<u64>, stored: &BlockStored) -> ChainRun 
     let mut key = match parent {
         Some(parent) => parent,
         None => match namespace_salt(stored, extra_of(0)) {
-            Some(salt) => TokenChain::root(stored.lora_name.as_deref(), salt),
+            Some(salt) => {
+                TokenChain::root(stored.lora_name.as_deref(), salt.or(stored.cache_salt()))
+            }
             None => {
                 return ChainRun {
                     keys: Vec::new(),
@@ -268,7 +374,11 @@ pub(crate) fn chain_keys(parent: Option<u64>, stored: &BlockStored) -> ChainRun 
     for (block, tokens) in stored.token_ids.chunks_exact(block_size).enumerate() {
         // Block 0 of the prompt was vetted by `namespace_salt`; later blocks may hold only LoRA.
         let starts_prompt = block == 0 && parent.is_none();
-        if !starts_prompt && !lora_only(stored, extra_of(block)) {
+        if (!starts_prompt && !lora_only(stored, extra_of(block)))
+            || stored
+                .token_layout()
+                .is_wide_page(block * block_size, block_size)
+        {
             break;
         }
         key = TokenChain::next(key, tokens);

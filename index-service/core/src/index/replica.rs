@@ -19,7 +19,7 @@ use crate::throttle::LogThrottle;
 /// The engine blocks a replica holds, by engine hash.
 #[derive(Debug)]
 enum HeldBlocks {
-    /// vLLM-exact pools: the engine hash is the block key, so the pool's table already says
+    /// Exact pools (vLLM, SGLang): the engine hash is the block key, so the pool's table already says
     /// which keys the replica holds; only their number (the cap, the gauge) is kept here. A
     /// reset or listing scans the pool's tables instead (rare: restarts, `AllBlocksCleared`).
     Exact { count: usize },
@@ -29,9 +29,10 @@ enum HeldBlocks {
 
 impl HeldBlocks {
     fn new(keys: &PoolKeys, hasher: KeyHasherBuilder) -> Self {
-        match keys {
-            PoolKeys::VllmExact { .. } => HeldBlocks::Exact { count: 0 },
-            PoolKeys::TokenChain => HeldBlocks::Chain(KeyMap::with_hasher(hasher)),
+        if keys.is_exact() {
+            HeldBlocks::Exact { count: 0 }
+        } else {
+            HeldBlocks::Chain(KeyMap::with_hasher(hasher))
         }
     }
 
@@ -330,14 +331,13 @@ impl Replica {
 
         // The key before the event's first (runs chain on from its run), and the event's keys.
         let (parent, keys) = match &self.pool.keys {
-            PoolKeys::VllmExact { validator } => {
+            PoolKeys::VllmExact { .. } | PoolKeys::SglangExact { .. } => {
                 // A flagged replica is out of precise scoring already; only a pool that refuses
                 // unverified runs still needs their verdict.
-                if let Some(validator) = validator
-                    && (validator.required || self.flag.is_none())
+                if let Some(required) = self.pool.keys.verifies()
+                    && (required || self.flag.is_none())
                 {
-                    let required = validator.required;
-                    let verification = keys::verify(validator, stored);
+                    let verification = self.pool.keys.verify(stored);
                     if self.flag.is_none() {
                         self.validate(verification, stored, metrics);
                     }
@@ -443,12 +443,9 @@ impl Replica {
         };
         let layout = PoolLayout {
             block_size: self.pool.block_size,
-            exact_keys: matches!(self.pool.keys, PoolKeys::VllmExact { .. }),
+            exact_keys: self.pool.keys.is_exact(),
             attention_chunk_size: self.pool.attention_chunk_size,
-            verified_only: matches!(
-                &self.pool.keys,
-                PoolKeys::VllmExact { validator: Some(validator) } if validator.required
-            ),
+            verified_only: self.pool.keys.verifies() == Some(true),
         };
         let Ok(role) = self.groups.role_for_store(group, spec, layout) else {
             // A stream whose stores contradict each other describes no layout to trust.

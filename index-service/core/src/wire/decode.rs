@@ -1,9 +1,15 @@
-//! msgpack `KVEventBatch` → domain [`EventBatch`], for every vLLM release (schemas S1..S12).
+//! msgpack `KVEventBatch` → domain [`EventBatch`], for every vLLM release (schemas S1..S12) and
+//! every SGLang release.
 //!
 //! Recipe (spec §2.3): the batch is an array `[ts, events]` or `[ts, events, dp_rank]`. An event
-//! is a tagged array (`[tag, field, ...]`, fields by position, 0.9–0.23) or a map keyed by
-//! `"type"` (0.24+). Missing fields are nil, extra elements and unknown keys are ignored, and an
-//! unknown tag skips that event only.
+//! is a tagged array (`[tag, field, ...]`, fields by position, vLLM 0.9–0.23, SGLang up to
+//! 0.5.19) or a map keyed by `"type"` (vLLM 0.24+, SGLang 0.5.20+). Missing fields are nil, extra
+//! elements and unknown keys are ignored, and an unknown tag skips that event only.
+//!
+//! The engine family is the feed's, from configuration ([`Engine`]), never guessed per message:
+//! the two place different fields at position 7 of a positional `BlockStored` (vLLM's
+//! `lora_name`, SGLang's `{cache_salt}` metadata map), and only SGLang publishes `cache_salt`,
+//! token pairs (EAGLE) and tokens past u32 (0.5.23 multimodal pads).
 
 use kvroute_block_keys::HashValue;
 
@@ -12,14 +18,22 @@ use super::{
     DecodedBatch, IgnoredFields, MAX_BLOCKS_PER_EVENT, MAX_EVENTS_PER_BATCH, MAX_TOKENS_PER_EVENT,
     WireError,
 };
-use crate::event::{BlockRemoved, BlockStored, CacheKind, EngineHash, EventBatch, KvEvent, Medium};
+use crate::event::{
+    BlockRemoved, BlockStored, CacheKind, Engine, EngineHash, EventBatch, KvEvent, Medium,
+    SglangRun, TokenLayout,
+};
 
 /// Smallest encoding of a real event (`["BlockRemoved",[h]]` is 16 bytes); bounds how many
 /// events are preallocated from a declared count.
 const MIN_EVENT_BYTES: usize = 16;
 
-/// Decodes one msgpack `KVEventBatch` payload (the third frame of a live message).
+/// Decodes one vLLM msgpack `KVEventBatch` payload (the third frame of a live message).
 pub fn decode_batch(payload: &[u8]) -> Result<DecodedBatch, WireError> {
+    decode_engine_batch(Engine::Vllm, payload)
+}
+
+/// Decodes one msgpack `KVEventBatch` payload published by an engine of the family `engine`.
+pub fn decode_engine_batch(engine: Engine, payload: &[u8]) -> Result<DecodedBatch, WireError> {
     let mut r = Reader::new(payload);
     let len = r.array_len("batch")?;
     if len < 2 {
@@ -37,7 +51,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<DecodedBatch, WireError> {
     let mut unknown_events = 0;
     let mut ignored_fields = IgnoredFields::default();
     for _ in 0..declared {
-        match decode_event(&mut r, &mut ignored_fields)? {
+        match decode_event(&mut r, engine, &mut ignored_fields)? {
             Some(event) => events.push(event),
             None => unknown_events += 1,
         }
@@ -101,8 +115,16 @@ impl Kind {
     }
 
     /// Field at array position `index` (1-based after the tag), identical in S1..S7 because
-    /// every release only appended fields.
-    fn positional(self, index: usize) -> Field {
+    /// every release only appended fields. SGLang's arrays share positions 1–6 with vLLM's and
+    /// end with the metadata map of a salted store.
+    fn positional(self, engine: Engine, index: usize) -> Field {
+        if engine == Engine::Sglang {
+            return match (self, index) {
+                (Kind::Stored, 7) => Field::Metadata,
+                (_, 7..) => Field::Ignored,
+                _ => self.positional(Engine::Vllm, index),
+            };
+        }
         match (self, index) {
             (Kind::Stored, 1) | (Kind::Removed, 1) => Field::BlockHashes,
             (Kind::Stored, 2) => Field::ParentBlockHash,
@@ -119,9 +141,10 @@ impl Kind {
         }
     }
 
-    /// Field named `key` in map events (0.24+).
-    fn named(self, key: &[u8]) -> Field {
+    /// Field named `key` in map events (vLLM 0.24+, SGLang 0.5.20+, which adds `cache_salt`).
+    fn named(self, engine: Engine, key: &[u8]) -> Field {
         match (self, key) {
+            (Kind::Stored, b"cache_salt") if engine == Engine::Sglang => Field::CacheSalt,
             (Kind::Stored | Kind::Removed, b"block_hashes") => Field::BlockHashes,
             (Kind::Stored | Kind::Removed, b"medium") => Field::Medium,
             (Kind::Stored | Kind::Removed, b"group_idx") => Field::GroupIdx,
@@ -157,6 +180,10 @@ enum Field {
     GroupIdx,
     CacheKind,
     SlidingWindow,
+    /// SGLang's `cache_salt` (a map event's key).
+    CacheSalt,
+    /// SGLang ≤0.5.19's `{cache_salt}` map at position 7 of a salted positional store.
+    Metadata,
     Unused(Unused),
     Ignored,
 }
@@ -196,6 +223,8 @@ struct Fields<'a> {
     group_idx: Option<u32>,
     cache_kind: Option<&'a str>,
     sliding_window: Option<u32>,
+    cache_salt: Option<&'a str>,
+    token_layout: TokenLayout,
 }
 
 #[derive(Debug)]
@@ -208,16 +237,18 @@ struct BlockHashes {
 /// One event; `None` for an unknown tag (skipped).
 fn decode_event(
     r: &mut Reader<'_>,
+    engine: Engine,
     ignored: &mut IgnoredFields,
 ) -> Result<Option<KvEvent>, WireError> {
     match r.container("event")? {
-        Container::Array => decode_array_event(r, ignored),
-        Container::Map => decode_map_event(r, ignored),
+        Container::Array => decode_array_event(r, engine, ignored),
+        Container::Map => decode_map_event(r, engine, ignored),
     }
 }
 
 fn decode_array_event(
     r: &mut Reader<'_>,
+    engine: Engine,
     ignored: &mut IgnoredFields,
 ) -> Result<Option<KvEvent>, WireError> {
     let len = r.array_len("event")?;
@@ -235,13 +266,20 @@ fn decode_array_event(
     };
     let mut fields = Fields::default();
     for index in 1..len {
-        read_field(r, kind.positional(index), &mut fields, ignored)?;
+        read_field(
+            r,
+            engine,
+            kind.positional(engine, index),
+            &mut fields,
+            ignored,
+        )?;
     }
     build(kind, fields).map(Some)
 }
 
 fn decode_map_event(
     r: &mut Reader<'_>,
+    engine: Engine,
     ignored: &mut IgnoredFields,
 ) -> Result<Option<KvEvent>, WireError> {
     let pairs = r.map_len("event")?;
@@ -275,10 +313,10 @@ fn decode_map_event(
     let mut fields = Fields::default();
     for _ in usize::from(first_pair_read)..pairs {
         let field = match (kind, r.key()?) {
-            (Some(kind), Some(key)) => kind.named(key),
+            (Some(kind), Some(key)) => kind.named(engine, key),
             _ => Field::Ignored,
         };
-        read_field(r, field, &mut fields, ignored)?;
+        read_field(r, engine, field, &mut fields, ignored)?;
     }
     match kind {
         Some(kind) => build(kind, fields).map(Some),
@@ -288,6 +326,7 @@ fn decode_map_event(
 
 fn read_field<'a>(
     r: &mut Reader<'a>,
+    engine: Engine,
     field: Field,
     fields: &mut Fields<'a>,
     ignored: &mut IgnoredFields,
@@ -301,7 +340,12 @@ fn read_field<'a>(
                 Some(r.hash("parent_block_hash")?)
             }
         }
+        Field::TokenIds if engine == Engine::Sglang => {
+            (fields.token_ids, fields.token_layout) = sglang_token_ids(r)?;
+        }
         Field::TokenIds => fields.token_ids = token_ids(r)?,
+        Field::CacheSalt => fields.cache_salt = r.opt_str("cache_salt")?,
+        Field::Metadata => fields.cache_salt = metadata_salt(r)?,
         Field::BlockSize => fields.block_size = r.opt_u32("block_size")?.unwrap_or(0),
         Field::LoraId => fields.lora_id = r.opt_i64("lora_id")?,
         Field::Medium => fields.medium = r.opt_str("medium")?,
@@ -360,6 +404,90 @@ fn token_ids(r: &mut Reader<'_>) -> Result<Vec<u32>, WireError> {
     Ok(tokens)
 }
 
+/// SGLang's token ids: u32 ids (read as vLLM's), or ids past u32, or EAGLE's bigram pairs
+/// `[[t0, t1], [t1, t2], …]`, whose second tokens must chain into the next pair's first.
+fn sglang_token_ids(r: &mut Reader<'_>) -> Result<(Vec<u32>, TokenLayout), WireError> {
+    let start = r.position();
+    if r.nil()? {
+        return Ok((Vec::new(), TokenLayout::Plain));
+    }
+    let len = r.array_len("token_ids")?;
+    check_limit("token_ids", len, MAX_TOKENS_PER_EVENT)?;
+    if r.peek_container() != Some(Container::Array) {
+        // The common case: every id fits u32.
+        let mut fast = r.clone();
+        let mut tokens = Vec::with_capacity(len);
+        match fast.u32_items(len, "token_ids", &mut tokens) {
+            Ok(()) => {
+                *r = fast;
+                return Ok((tokens, TokenLayout::Plain));
+            }
+            Err(WireError::IntOutOfRange { .. }) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    r.rewind(start);
+    let len = r.array_len("token_ids")?;
+    let bigram = len > 0 && r.peek_container() == Some(Container::Array);
+    let mut raw: Vec<u64> = Vec::with_capacity(len + usize::from(bigram));
+    for i in 0..len {
+        if !bigram {
+            raw.push(r.u64_token("token_ids")?);
+            continue;
+        }
+        let at = r.position();
+        if r.array_len("token_ids")? != 2 {
+            return Err(WireError::Inconsistent {
+                field: "token_ids",
+                reason: "a bigram is not two tokens",
+                offset: at,
+            });
+        }
+        let first = r.u64_token("token_ids")?;
+        if i == 0 {
+            raw.push(first);
+        } else if raw.last() != Some(&first) {
+            return Err(WireError::Inconsistent {
+                field: "token_ids",
+                reason: "a bigram does not start with the previous one's second token",
+                offset: at,
+            });
+        }
+        raw.push(r.u64_token("token_ids")?);
+    }
+    let narrow = |t: u64| u32::try_from(t).unwrap_or(u32::MAX);
+    let token_ids: Vec<u32> = raw.iter().take(len).map(|&t| narrow(t)).collect();
+    let layout = if raw.iter().any(|&t| u32::try_from(t).is_err()) {
+        TokenLayout::Wide {
+            tokens: raw,
+            bigram,
+        }
+    } else if bigram {
+        TokenLayout::Bigram {
+            next: raw.last().map_or(0, |&t| narrow(t)),
+        }
+    } else {
+        TokenLayout::Plain
+    };
+    Ok((token_ids, layout))
+}
+
+/// The salt of SGLang ≤0.5.19's `BlockStoredMetadata` map (`{cache_salt: str}`).
+fn metadata_salt<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, WireError> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    let mut salt = None;
+    for _ in 0..r.map_len("metadata")? {
+        if r.key()? == Some(b"cache_salt".as_slice()) {
+            salt = r.opt_str("cache_salt")?;
+        } else {
+            r.skip(1)?;
+        }
+    }
+    Ok(salt)
+}
+
 fn extra_keys(r: &mut Reader<'_>) -> Result<Option<Vec<Option<HashValue>>>, WireError> {
     if r.nil()? {
         return Ok(None);
@@ -406,6 +534,13 @@ fn build(kind: Kind, fields: Fields<'_>) -> Result<KvEvent, WireError> {
                 sliding_window: fields.sliding_window,
                 block_digests: digests,
                 parent_digest,
+                sglang: (fields.cache_salt.is_some() || fields.token_layout != TokenLayout::Plain)
+                    .then(|| {
+                        Box::new(SglangRun {
+                            cache_salt: fields.cache_salt.map(str::to_owned),
+                            token_layout: fields.token_layout,
+                        })
+                    }),
             })
         }
         Kind::Removed => KvEvent::BlockRemoved(BlockRemoved {

@@ -68,6 +68,16 @@ pub enum WireError {
         /// Offset of the value that went over it.
         offset: usize,
     },
+    /// Values that contradict each other (SGLang bigram pairs that do not chain).
+    #[error("{field} at byte {offset}: {reason}")]
+    Inconsistent {
+        /// Field being decoded.
+        field: &'static str,
+        /// What does not fit.
+        reason: &'static str,
+        /// Offset of the offending value.
+        offset: usize,
+    },
     /// Bytes follow the end of the batch.
     #[error("{extra} trailing bytes after the batch at byte {offset}")]
     TrailingBytes {
@@ -107,6 +117,7 @@ impl WireError {
             WireError::MissingField { .. } => "missing_field",
             WireError::LimitExceeded { .. } => "limit_exceeded",
             WireError::NestingTooDeep { .. } => "nesting_too_deep",
+            WireError::Inconsistent { .. } => "inconsistent",
             WireError::TrailingBytes { .. } => "trailing_bytes",
             WireError::FrameCount { .. } => "frame_count",
             WireError::BadFrame { .. } => "bad_frame",

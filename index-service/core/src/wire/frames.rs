@@ -1,6 +1,7 @@
 //! ZMQ framing: live 3-frame messages and the DEALER side of vLLM's replay protocol (spec §1.2, §1.4).
 
-use super::{DecodedBatch, WireError, decode_batch};
+use super::{DecodedBatch, WireError, decode_engine_batch};
+use crate::event::Engine;
 
 /// Sequence value vLLM sends in a replay end marker (`(-1).to_bytes(8, "big", signed=True)`).
 const END_MARKER_SEQ: [u8; 8] = [0xff; 8];
@@ -8,7 +9,7 @@ const END_MARKER_SEQ: [u8; 8] = [0xff; 8];
 /// One reply message of a replay, as a DEALER receives it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReplayItem<'a> {
-    /// A buffered batch: its sequence number and undecoded payload (pass it to [`decode_batch`]).
+    /// A buffered batch: its sequence number and undecoded payload (pass it to [`decode_engine_batch`](super::decode_engine_batch)).
     Batch {
         /// The batch's sequence number.
         seq: u64,
@@ -19,10 +20,19 @@ pub enum ReplayItem<'a> {
     End,
 }
 
-/// Decodes a live message `[topic, seq (8 bytes big-endian), payload]`.
+/// Decodes a vLLM live message `[topic, seq (8 bytes big-endian), payload]`.
 ///
 /// Returns the topic (free text; llm-d uses `kv@<pod>@<model>`), the sequence number and the batch.
 pub fn decode_message<F: AsRef<[u8]>>(
+    frames: &[F],
+) -> Result<(&str, u64, DecodedBatch), WireError> {
+    decode_engine_message(Engine::Vllm, frames)
+}
+
+/// Decodes a live message of an engine of the family `engine` (SGLang frames its messages as
+/// vLLM does).
+pub fn decode_engine_message<F: AsRef<[u8]>>(
+    engine: Engine,
     frames: &[F],
 ) -> Result<(&str, u64, DecodedBatch), WireError> {
     let [topic, seq, payload] = frames else {
@@ -37,14 +47,15 @@ pub fn decode_message<F: AsRef<[u8]>>(
         reason: "not UTF-8",
     })?;
     let seq = u64::from_be_bytes(seq_bytes(seq.as_ref())?);
-    Ok((topic, seq, decode_batch(payload.as_ref())?))
+    Ok((topic, seq, decode_engine_batch(engine, payload.as_ref())?))
 }
 
 /// Parses one replay reply message as received on a DEALER socket.
 ///
-/// Accepts both layouts: `[b"", seq, payload]` (vLLM 0.9–0.25) and `[b"", topic, seq, payload]`
-/// (0.26+), and their end markers (empty last frame, seq all `0xff`). The leading empty delimiter
-/// frame may already have been stripped.
+/// Accepts both layouts: `[b"", seq, payload]` (vLLM 0.9–0.25, SGLang up to 0.5.21) and
+/// `[b"", topic, seq, payload]` (vLLM 0.26+, SGLang 0.5.22+), and their end markers (empty last
+/// frame, seq all `0xff`: with an empty topic, as SGLang's default, a reply and the end marker
+/// differ only there). The leading empty delimiter frame may already have been stripped.
 pub fn parse_replay_frames<F: AsRef<[u8]>>(frames: &[F]) -> Result<ReplayItem<'_>, WireError> {
     let frames = match frames {
         [delimiter, rest @ ..] if rest.len() == 3 => {

@@ -1,8 +1,10 @@
-//! vLLM's KV-event wire format: ZMQ frames and msgpack payloads → domain [`crate::event`] types.
+//! vLLM's and SGLang's KV-event wire format: ZMQ frames and msgpack payloads → domain
+//! [`crate::event`] types.
 //!
 //! This is the only module that knows msgpack. It accepts every encoding vLLM has published
 //! (0.9.0 through 0.34: tagged arrays, then `"type"`-keyed maps; hashes as uint, negative int or
-//! raw digest bytes) and turns them into [`EventBatch`]es. See `README.md` beside this file and
+//! raw digest bytes) and every SGLang encoding (positional arrays up to 0.5.19, maps from 0.5.20;
+//! signed i64 hashes; token pairs and ids past u32), and turns them into [`EventBatch`]es. See `README.md` beside this file and
 //! `shared/vllm/kv-events-spec.md` §1–§2.
 //!
 //! ```
@@ -33,13 +35,17 @@ mod frames;
 mod reader;
 
 #[cfg(test)]
+mod sglang_tests;
+#[cfg(test)]
 mod tests;
 
-pub use decode::decode_batch;
+pub use decode::{decode_batch, decode_engine_batch};
 #[cfg(any(test, feature = "encode"))]
 pub use encode::{Encoding, HashForm, Schema, encode_batch, encode_batch_with_digests};
 pub use error::WireError;
-pub use frames::{ReplayItem, decode_message, parse_replay_frames, replay_request};
+pub use frames::{
+    ReplayItem, decode_engine_message, decode_message, parse_replay_frames, replay_request,
+};
 
 use crate::event::EventBatch;
 

@@ -360,6 +360,15 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A non-negative integer of any width (SGLang token ids, which may exceed u32).
+    pub(crate) fn u64_token(&mut self, field: &'static str) -> Result<u64, WireError> {
+        let at = self.pos;
+        match self.int(field)? {
+            Int::Unsigned(v) => Ok(v),
+            Int::Negative(_) => Err(WireError::IntOutOfRange { field, offset: at }),
+        }
+    }
+
     /// Appends `len` unsigned integers that must fit `u32` (the elements of a token id array).
     ///
     /// The common encodings are read straight from the slice; anything else (wider or signed

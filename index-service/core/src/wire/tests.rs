@@ -183,6 +183,7 @@ fn json_event(value: &Value) -> KvEvent {
                     .map(|window| window as u32),
                 block_digests,
                 parent_digest,
+                sglang: None,
             })
         }
         "BlockRemoved" => KvEvent::BlockRemoved(BlockRemoved {
@@ -1355,6 +1356,7 @@ prop_compose! {
             cache_kind,
             sliding_window,
             block_digests,
+            sglang: None,
         }
     }
 }

@@ -170,7 +170,9 @@ impl KvIndex for Reference {
                     return Ok(outcome);
                 }
                 let keys = match pool.keys {
-                    PoolKeys::VllmExact { .. } => stored.block_hashes.clone(),
+                    PoolKeys::VllmExact { .. } | PoolKeys::SglangExact { .. } => {
+                        stored.block_hashes.clone()
+                    }
                     PoolKeys::TokenChain => {
                         let parent = match stored.parent_block_hash {
                             None => TokenChain::root(stored.lora_name.as_deref(), None),
