@@ -24,6 +24,21 @@ pub enum KeyScheme {
 }
 
 impl KeyScheme {
+    /// The engine family whose own published block hashes these keys are (its replicas' events
+    /// apply by hash); `None` for `token-chain`, recomputed from any engine's tokens.
+    pub fn engine(&self) -> Option<kvroute_config::Engine> {
+        match self {
+            KeyScheme::VllmExact { .. } => Some(kvroute_config::Engine::Vllm),
+            KeyScheme::SglangExact(_) => Some(kvroute_config::Engine::Sglang),
+            KeyScheme::TokenChain => None,
+        }
+    }
+
+    /// Whether a replica of `engine` can serve a pool keyed by this scheme.
+    pub fn serves(&self, engine: kvroute_config::Engine) -> bool {
+        self.engine().is_none_or(|own| own == engine)
+    }
+
     /// The key of every full block of a prompt.
     pub fn prompt_keys(
         &self,

@@ -5,7 +5,8 @@
 //! The family decides how a replica's KV-cache events are encoded (vLLM's or SGLang's wire
 //! format), which block hash it publishes, and which metric names carry its load.
 
-/// The inference engine serving a replica.
+/// The inference engine serving a replica: its KV events' wire format and hashing differ, so the
+/// decoder is chosen by configuration, never guessed per message.
 #[derive(
     Debug,
     Clone,

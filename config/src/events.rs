@@ -2,34 +2,7 @@
 //! `replicas[].events`, the agent as each `engines[]` entry (beside `replica`); both are made by
 //! [`event_source_section!`](crate::event_source_section), so the keys, their types, their docs and their checks are one.
 
-use serde::{Deserialize, Serialize};
-
 use crate::{AllowedPeer, ConfigError, SocketMode, ZmqEndpoint};
-
-/// The engine family publishing a source's KV events: their wire format and hashing differ, so
-/// the decoder is chosen by configuration, never guessed per message.
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Deserialize, Serialize, schemars::JsonSchema,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Engine {
-    /// vLLM (every release since 0.9).
-    #[default]
-    Vllm,
-    /// SGLang (`--kv-events-config '{"publisher": "zmq", ...}'`; positional events up to
-    /// 0.5.19, maps from 0.5.20).
-    Sglang,
-}
-
-impl Engine {
-    /// Config/label spelling.
-    pub fn as_label(self) -> &'static str {
-        match self {
-            Engine::Vllm => "vllm",
-            Engine::Sglang => "sglang",
-        }
-    }
-}
 
 /// Default largest KV-event message accepted from an engine (`max_message_bytes`, all frames of
 /// one message). vLLM publishes one batch per scheduler step, kilobytes to a few MiB (thousands

@@ -427,10 +427,7 @@ impl Pool {
     /// own hashes are vLLM's under `vllm-exact`, while `token-chain` keys are recomputed from
     /// any engine's tokens.
     pub fn keys_serve(&self, engine: Engine) -> bool {
-        !matches!(
-            (&self.key_scheme, engine),
-            (KeyScheme::VllmExact { .. }, Engine::Sglang)
-        )
+        self.key_scheme.serves(engine)
     }
 
     /// Whether `model` is one of the pool's models or adapters (any, for such a pool).

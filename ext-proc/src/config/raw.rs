@@ -452,8 +452,8 @@ pub(super) struct RawPool {
     /// their hash algorithm, `PYTHONHASHSEED` and vLLM release) or `kind: token-chain`.
     pub(super) key_scheme: RawKeyScheme,
     /// The engine family serving the pool's replicas, `vllm` or `sglang` (a replica may say
-    /// otherwise): which metric names carry their load. SGLang publishes its own block hashes,
-    /// so its replicas need `key_scheme: {kind: token-chain}`.
+    /// otherwise): which metric names carry their load. The key scheme must compute what they
+    /// publish: `sglang-exact` for SGLang, `vllm-exact` for vLLM, `token-chain` for either.
     #[schemars(extend("default" = "vllm"))]
     pub(super) engine: Option<Engine>,
     /// LoRA adapters served: a name, or `{name, id, path}` as vLLM's `LoRARequest` (vLLM <=

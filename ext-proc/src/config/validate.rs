@@ -151,6 +151,7 @@ fn engine_keys_error(field: String, engine: crate::config::Engine) -> ConfigErro
     invalid(
         field,
         engine.as_label(),
-        "SGLang publishes its own block hashes, not vLLM's: its pool needs `key_scheme: {kind: token-chain}`",
+        "the pool's key_scheme computes another engine family's published hashes (key_scheme \
+         kind sglang-exact for SGLang, vllm-exact for vLLM, token-chain for either)",
     )
 }

@@ -430,14 +430,9 @@ fn validate_replica(
 
 /// A pool keyed by one engine's published hashes takes only that engine's replicas.
 fn check_engine(engine: Engine, scheme: &KeyScheme) -> Result<(), ConfigError> {
-    let expected = match scheme {
-        KeyScheme::VllmExact { .. } => Engine::Vllm,
-        KeyScheme::SglangExact(_) => Engine::Sglang,
-        KeyScheme::TokenChain => return Ok(()),
-    };
-    if engine == expected {
+    let Some(expected) = scheme.engine().filter(|&own| own != engine) else {
         return Ok(());
-    }
+    };
     Err(ConfigError::at(
         "engine",
         format_args!(
@@ -607,7 +602,8 @@ impl ReplicaConfig {
     /// KV-event PUB socket and replay ROUTER, with the defaults a static replica gets — or, with
     /// `node_agent_fed`, opens no socket: its node's agent feeds it. `Err` names what is wrong
     /// with the endpoints the pod's annotations produced.
-    /// Its engine family is the one the pool's key scheme names (vLLM for token-chain pools).
+    /// Its engine family is its pod's `kvroute.io/engine`, else the one the pool's key scheme
+    /// names (vLLM for token-chain pools).
     pub fn discovered(
         pool: usize,
         scheme: &KeyScheme,
@@ -628,10 +624,7 @@ impl ReplicaConfig {
             dp_rank_checked: replica.rank_by_header,
             allowed_peers: PeerFilter::any(),
             max_message_bytes: kvroute_config::DEFAULT_MAX_MESSAGE_BYTES,
-            engine: match scheme {
-                KeyScheme::SglangExact(_) => Engine::Sglang,
-                _ => Engine::Vllm,
-            },
+            engine: replica.engine.or(scheme.engine()).unwrap_or_default(),
             node: replica.node.clone(),
         };
         if node_agent_fed {

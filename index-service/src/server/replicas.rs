@@ -62,6 +62,8 @@ enum Refusal {
     DuplicateId,
     /// Its `kvroute.io/model` is not one of the pool's models.
     ModelMismatch,
+    /// Its `kvroute.io/engine` publishes other hashes than the pool's key scheme computes.
+    EngineMismatch,
 }
 
 impl Refusal {
@@ -70,6 +72,7 @@ impl Refusal {
             Refusal::BadEndpoint => "bad_endpoint",
             Refusal::DuplicateId => "duplicate_id",
             Refusal::ModelMismatch => "model_mismatch",
+            Refusal::EngineMismatch => "engine_mismatch",
         }
     }
 }
@@ -336,6 +339,12 @@ impl ReplicaSet {
                     && !pool.models.contains(model)
                 {
                     self.refuse(&pool.name, &replica.id, Refusal::ModelMismatch);
+                    return None;
+                }
+                if let Some(engine) = replica.engine
+                    && !pool.key_scheme.serves(engine)
+                {
+                    self.refuse(&pool.name, &replica.id, Refusal::EngineMismatch);
                     return None;
                 }
                 match ReplicaConfig::discovered(
