@@ -54,6 +54,7 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
         scheme: key_scheme,
     } = PoolKeySettings::from_raw(raw.block_size, &raw.key_scheme)
         .map_err(|e| invalid(e.field, e.value, e.reason))?;
+    let key_scheme_engine = key_scheme.engine();
     if let KeyScheme::VllmExact { era, .. } = &key_scheme {
         // Check the adapters carry what this era hashes, at startup rather than per request.
         for (j, adapter) in adapters.iter().enumerate() {
@@ -143,7 +144,10 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
             .map(disaggregation)
             .transpose()
             .map_err(|e| e.within("disaggregation"))?,
-        engine: raw.engine.unwrap_or_default(),
+        // Unsaid, the family whose hashes the pool keys on (vLLM for token-chain).
+        engine: raw
+            .engine
+            .unwrap_or_else(|| key_scheme_engine.unwrap_or_default()),
     })
 }
 

@@ -454,7 +454,7 @@ pub(super) struct RawPool {
     /// The engine family serving the pool's replicas, `vllm` or `sglang` (a replica may say
     /// otherwise): which metric names carry their load. The key scheme must compute what they
     /// publish: `sglang-exact` for SGLang, `vllm-exact` for vLLM, `token-chain` for either.
-    #[schemars(extend("default" = "vllm"))]
+    /// Default: the key scheme's family (`vllm` for `token-chain`).
     pub(super) engine: Option<Engine>,
     /// LoRA adapters served: a name, or `{name, id, path}` as vLLM's `LoRARequest` (vLLM <=
     /// 0.11.0 hashes the id, >= 0.31 the path). Clients send an adapter's name as `model`.

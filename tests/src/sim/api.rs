@@ -1554,12 +1554,16 @@ async fn flush_cache(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// Resets every rank's prefix cache (vLLM's API server asks every engine).
-async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Json<Value> {
+async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Response {
+    if state.server_info.is_some() {
+        // SGLang's is `/flush_cache`.
+        return StatusCode::NOT_FOUND.into_response();
+    }
     let mut success = true;
     for engine in &state.engines {
         success &= engine.reset_prefix_cache();
     }
-    Json(json!({"success": success}))
+    Json(json!({"success": success})).into_response()
 }
 
 /// `?dp_rank=N`: which rank's blocks (default 0).

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvroute_block_keys::HashAlgo;
 use kvroute_engine_model::Linear;
-use kvroute_index_core::wire::{Encoding, HashForm, Schema};
+use kvroute_index_core::wire::{Encoding, HashForm, Schema, SglangLayout};
 
 const DEFAULT_MODEL_NAME: &str = "tiny";
 const DEFAULT_HOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
@@ -218,9 +218,29 @@ pub struct KvEventsConfig {
     /// Batches queued for the publisher before new ones are dropped (and counted).
     pub max_queue_size: usize,
     /// Payload encoding.
-    pub encoding: Encoding,
+    pub encoding: EventEncoding,
     /// `data_parallel_rank` of every batch.
     pub dp_rank: u32,
+}
+
+/// The wire format of the simulated engine's KV events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventEncoding {
+    /// A vLLM release's.
+    Vllm(Encoding),
+    /// An SGLang release's (`map`: 0.5.20 on, `array`: up to 0.5.19).
+    Sglang(SglangLayout),
+}
+
+impl EventEncoding {
+    /// Events are maps, so the replay replies carry a topic frame (vLLM 0.26+, SGLang 0.5.22+;
+    /// the simulator's SGLang maps are 0.5.23's).
+    pub fn uses_maps(self) -> bool {
+        match self {
+            EventEncoding::Vllm(encoding) => encoding.schema.uses_maps(),
+            EventEncoding::Sglang(layout) => layout == SglangLayout::Maps,
+        }
+    }
 }
 
 /// vLLM's `KVTransferConfig` as the simulator honours it (`NixlConnector`).
@@ -521,7 +541,11 @@ fn kv_events_config(json: &str, args: &SimArgs) -> Result<Option<KvEventsConfig>
         topic: raw.topic,
         buffer_steps: raw.buffer_steps.max(1),
         max_queue_size: raw.max_queue_size.max(1),
-        encoding: Encoding { schema, hashes },
+        encoding: match args.engine.as_str() {
+            "sglang" if schema.uses_maps() => EventEncoding::Sglang(SglangLayout::Maps),
+            "sglang" => EventEncoding::Sglang(SglangLayout::Positional),
+            _ => EventEncoding::Vllm(Encoding { schema, hashes }),
+        },
         dp_rank: args.data_parallel_rank,
     }))
 }

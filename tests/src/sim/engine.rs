@@ -20,7 +20,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvroute_block_keys::{Digest, ExtraKeys, ExtraKeysEra, HashValue, MultiModalItem, VllmHasher};
+use kvroute_block_keys::{
+    Digest, ExtraKeys, ExtraKeysEra, HashValue, MultiModalItem, SglangHasher, VllmHasher,
+};
 use kvroute_engine_model::{HeldBlock, Leg, Linear, NewSeq, Scheduler, SchedulerConfig, SeqId};
 use kvroute_index_core::event::KvEvent;
 use parking_lot::Mutex;
@@ -192,8 +194,36 @@ struct Tracked {
     prefill: Option<(String, Arc<[u32]>)>,
 }
 
+/// A simulated block's key: its engine family's chained digest, published that family's way
+/// (vLLM: the digest's last 8 bytes as u64; SGLang: its first 8, big-endian, as i64 bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SimKey {
+    /// vLLM's block hash.
+    Vllm(Digest),
+    /// SGLang's page hash.
+    Sglang(Digest),
+}
+
+impl kvroute_engine_model::pool::BlockKey for SimKey {
+    fn published(&self) -> u64 {
+        match self {
+            SimKey::Vllm(digest) => digest.published_u64(),
+            SimKey::Sglang(digest) => SglangHasher::published_u64(digest),
+        }
+    }
+}
+
+/// How the simulated engine chains its blocks.
+#[derive(Debug, Clone)]
+pub enum SimHasher {
+    /// vLLM's prefix-cache hash (its algorithm and seed).
+    Vllm(VllmHasher),
+    /// SGLang's page hash (SHA-256 over each page's tokens as little-endian u32, chained).
+    Sglang,
+}
+
 struct State {
-    scheduler: Scheduler<Digest>,
+    scheduler: Scheduler<SimKey>,
     tracked: HashMap<SeqId, Tracked>,
     /// Finished prefill legs' blocks by internal request id.
     held: HashMap<String, Held>,
@@ -206,7 +236,7 @@ pub struct Engine {
     state: Mutex<State>,
     geometry: CacheGeometry,
     timing: Linear,
-    hasher: VllmHasher,
+    hasher: SimHasher,
     sink: Option<EventSink>,
     /// How long a finished prefill holds its blocks (`kv_lease_duration`); `None` without a
     /// KV connector.
@@ -233,7 +263,7 @@ impl Engine {
     pub fn new(
         geometry: CacheGeometry,
         timing: Linear,
-        hasher: VllmHasher,
+        hasher: SimHasher,
         sink: Option<EventSink>,
         lease: Option<std::time::Duration>,
     ) -> Self {
@@ -550,8 +580,22 @@ impl Engine {
         &self,
         tokens: &[u32],
         images: &[PlacedImage],
-    ) -> (Vec<Digest>, Option<Arc<[Option<HashValue>]>>) {
+    ) -> (Vec<SimKey>, Option<Arc<[Option<HashValue>]>>) {
         let bs = self.geometry.block_size;
+        let hasher = match &self.hasher {
+            SimHasher::Vllm(hasher) => hasher,
+            SimHasher::Sglang => {
+                // SGLang's images are pad tokens in the prompt already: pages hash as text.
+                let mut keys = Vec::with_capacity(tokens.len() / bs.max(1));
+                let mut prior = None;
+                for page in tokens.chunks_exact(bs.max(1)) {
+                    let digest = SglangHasher::page_digest(prior.as_ref(), page);
+                    keys.push(SimKey::Sglang(digest));
+                    prior = Some(digest);
+                }
+                return (keys, None);
+            }
+        };
         let items: Vec<MultiModalItem<'_>> = images
             .iter()
             .map(|image| MultiModalItem {
@@ -564,15 +608,13 @@ impl Engine {
         let extra = ExtraKeys::with_multimodal(ExtraKeysEra::From0_31, None, None, &items, bs)
             .unwrap_or_default();
         let mut digests = Vec::new();
-        let _ = self
-            .hasher
-            .chain_into(None, tokens, bs, |i| extra.for_block(i), &mut digests);
+        let _ = hasher.chain_into(None, tokens, bs, |i| extra.for_block(i), &mut digests);
         let published = (!images.is_empty()).then(|| {
             (0..digests.len())
                 .map(|i| extra.published_for_block(i))
                 .collect()
         });
-        (digests, published)
+        (digests.into_iter().map(SimKey::Vllm).collect(), published)
     }
 
     fn publish(&self, events: Vec<KvEvent>) {

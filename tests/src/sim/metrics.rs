@@ -75,7 +75,13 @@ impl MetricsInfo {
                 let _ = writeln!(out, "{name}{{{labels}}} {}", float(value(gauges)));
             }
         }
-        let counters: [(&str, &str, &str, CounterOf); 3] = [
+        let counters: [(&str, &str, &str, CounterOf); 4] = [
+            (
+                "sglang:num_requests",
+                "The number of processed requests.",
+                "is_streaming=\"false\"",
+                |c| &c.requests_finished,
+            ),
             (
                 "sglang:prompt_tokens",
                 "Number of prefill tokens processed.",

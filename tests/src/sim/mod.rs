@@ -47,7 +47,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use kvroute_block_keys::VllmHasher;
 use kvroute_index_core::event::EventBatch;
-use kvroute_index_core::wire::{self, Encoding};
+use kvroute_index_core::wire;
 use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher, PubMode, ReplayLayout};
 use kvroute_tokenize::ModelTokenizer;
 use tokio::sync::mpsc;
@@ -56,10 +56,10 @@ use tokio_util::task::TaskTracker;
 
 pub use api::{RECEIVED_TRACEPARENT_HEADER, SERVED_DP_RANK_HEADER};
 pub use config::{
-    CacheGeometry, ConfigError, KvEventsConfig, KvLoadFailurePolicy, KvTransferConfig, SimArgs,
-    SimConfig, binds,
+    CacheGeometry, ConfigError, EventEncoding, KvEventsConfig, KvLoadFailurePolicy,
+    KvTransferConfig, SimArgs, SimConfig, binds,
 };
-pub use engine::{Engine, EngineError, EventSink, Sequence};
+pub use engine::{Engine, EngineError, EventSink, Sequence, SimHasher, SimKey};
 
 /// Why the simulator could not start.
 #[derive(Debug, thiserror::Error)]
@@ -141,7 +141,13 @@ impl EngineSim {
             tokenizer = tokenizer.with_chat_template(template.clone())?;
         }
         let tokenizer = Arc::new(tokenizer);
-        let hasher = VllmHasher::new(config.hash_algo, config.python_hash_seed.as_deref())?;
+        let hasher = match config.engine {
+            kvroute_config::Engine::Vllm => SimHasher::Vllm(VllmHasher::new(
+                config.hash_algo,
+                config.python_hash_seed.as_deref(),
+            )?),
+            kvroute_config::Engine::Sglang => SimHasher::Sglang,
+        };
         let cancel = CancellationToken::new();
         let tasks = TaskTracker::new();
         let dropped_batches = Arc::new(AtomicU64::new(0));
@@ -162,7 +168,7 @@ impl EngineSim {
                         replay_endpoint,
                         topic: events.topic.clone(),
                         buffer_steps: events.buffer_steps,
-                        replay_layout: if events.encoding.schema.uses_maps() {
+                        replay_layout: if events.encoding.uses_maps() {
                             ReplayLayout::Current
                         } else {
                             ReplayLayout::Legacy
@@ -319,7 +325,7 @@ fn rank_endpoints(
 /// Encodes each step's events at once (so `ts` is the step time) and queues them in order.
 fn event_sink(
     tx: mpsc::Sender<Bytes>,
-    encoding: Encoding,
+    encoding: EventEncoding,
     dp_rank: u32,
     dropped: Arc<AtomicU64>,
 ) -> EventSink {
@@ -329,7 +335,10 @@ fn event_sink(
             dp_rank: Some(dp_rank),
             events,
         };
-        let payload = Bytes::from(wire::encode_batch(&batch, encoding));
+        let payload = Bytes::from(match encoding {
+            EventEncoding::Vllm(encoding) => wire::encode_batch(&batch, encoding),
+            EventEncoding::Sglang(layout) => wire::encode_sglang_batch(&batch, layout),
+        });
         if tx.try_send(payload).is_err() {
             dropped.fetch_add(1, Ordering::Relaxed);
             tracing::warn!("kv event queue full or closed; batch dropped");

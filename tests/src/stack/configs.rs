@@ -9,12 +9,24 @@ use super::*;
 /// The pool's shared schema keys (`name, models, block_size, key_scheme`) for the sims of
 /// `options`, as a YAML flow-mapping body.
 pub fn pool_schema(options: &StackOptions) -> String {
+    let engines: Vec<kvroute_config::Engine> = (0..options.replicas)
+        .map(|i| options.engine_of(i))
+        .collect();
+    let key_scheme = if engines.iter().all(|&e| e == kvroute_config::Engine::Vllm) {
+        format!(
+            "{{kind: vllm-exact, hash_algo: {algo}, seed: \"{seed}\"}}",
+            algo = options.hash_algo,
+            seed = options.hash_seed,
+        )
+    } else if engines.iter().all(|&e| e == kvroute_config::Engine::Sglang) {
+        "{kind: sglang-exact}".to_owned()
+    } else {
+        // Each family publishes its own hashes: one pool over both keys on their tokens.
+        "{kind: token-chain}".to_owned()
+    };
     format!(
-        "name: {MODEL}, models: [{MODEL}], block_size: {bs}, \
-         key_scheme: {{kind: vllm-exact, hash_algo: {algo}, seed: \"{seed}\"}}",
+        "name: {MODEL}, models: [{MODEL}], block_size: {bs}, key_scheme: {key_scheme}",
         bs = options.block_size,
-        algo = options.hash_algo,
-        seed = options.hash_seed,
     )
 }
 
@@ -119,8 +131,9 @@ pub(super) fn ext_proc_config(
         .map(|(i, addr)| {
             format!(
                 "- {{id: {id}, pool: {MODEL}, address: \"{addr}\", metrics_url: \"http://{addr}/metrics\", \
-                 data_parallel_size: {ranks}{role}}}\n",
+                 data_parallel_size: {ranks}, engine: {engine}{role}}}\n",
                 id = replica_id(i),
+                engine = options.engine_of(i).as_label(),
                 ranks = options.data_parallel_size.max(1),
                 role = options
                     .replica_roles

@@ -304,6 +304,10 @@ pub struct StackOptions {
     /// `kv_producer` or `kv_consumer`). The pool's `disaggregation` goes in
     /// [`StackOptions::pool_extra_config`].
     pub replica_roles: Vec<Option<ReplicaRole>>,
+    /// Each sim's engine family on the wire, by replica (`None` and missing: vLLM). With SGLang
+    /// sims the pool keys on SGLang's page hash (`sglang-exact`), with both kinds on
+    /// `token-chain`; ext-proc, the index and the sims are told each replica's family.
+    pub sim_engines: Vec<Option<kvroute_config::Engine>>,
     /// Envoy streams request bodies to ext-proc (FULL_DUPLEX_STREAMED) instead of buffering
     /// them as the shipped config does.
     pub envoy_full_duplex: bool,
@@ -433,6 +437,17 @@ const AGENT_TOKEN_FILE: &str = "kvroute-agent-token";
 /// The agent's token: a test secret.
 const AGENT_TOKEN: &str = "stack-agent-token";
 
+impl StackOptions {
+    /// Replica `replica`'s engine family.
+    pub fn engine_of(&self, replica: usize) -> kvroute_config::Engine {
+        self.sim_engines
+            .get(replica)
+            .copied()
+            .flatten()
+            .unwrap_or_default()
+    }
+}
+
 impl Default for StackOptions {
     fn default() -> Self {
         Self {
@@ -466,6 +481,7 @@ impl Default for StackOptions {
             agent_env: Vec::new(),
             envoy_tracing: None,
             replica_roles: Vec::new(),
+            sim_engines: Vec::new(),
             envoy_full_duplex: false,
             ext_proc_instances: 1,
         }

@@ -127,6 +127,7 @@ pub(super) fn sim_args(
         ("--time-scale", timing.time_scale.to_string()),
         ("--kv-events-config", events.to_string()),
         ("--data-parallel-size", ranks.to_string()),
+        ("--engine", options.engine_of(replica).as_label().to_owned()),
     ]
     .into_iter()
     .chain(
@@ -221,8 +222,9 @@ pub(super) fn index_config(
         replicas.push_str(&format!(
             "  - id: {id}\n    pool: {MODEL}\n    events: {{endpoint: \"{endpoint}\", \
              mode: {mode}, replay_endpoint: \"{replay}\", topic: \"{topic}\", \
-             data_parallel_size: {ranks}}}\n",
+             data_parallel_size: {ranks}, engine: {engine}}}\n",
             id = replica_id(i),
+            engine = options.engine_of(i).as_label(),
             endpoint = source.endpoint,
             mode = source.mode.as_label(),
             replay = source.replay,

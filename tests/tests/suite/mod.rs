@@ -33,6 +33,7 @@ mod render;
 mod replica_states;
 mod routing;
 mod sdk_streams;
+mod sglang;
 mod shadow;
 mod sim;
 mod sim_index;

@@ -78,12 +78,18 @@ fn completion(prompt: &str) -> Value {
     json!({"model": MODEL, "prompt": prompt, "max_tokens": 2})
 }
 
-/// Finished requests per sim (`vllm:request_success_total`), in replica order.
+/// Finished requests per sim (`vllm:request_success_total`, or an SGLang sim's
+/// `sglang:num_requests_total`), in replica order.
 pub(super) async fn finished(stack: &Stack) -> Vec<u64> {
     let mut counts = Vec::new();
     for url in stack.sim_urls() {
         let text = http::get(&format!("{url}/metrics")).await.unwrap().text();
-        counts.push(family_total(&text, "vllm:request_success_total") as u64);
+        let family = if text.contains("sglang:") {
+            "sglang:num_requests_total"
+        } else {
+            "vllm:request_success_total"
+        };
+        counts.push(family_total(&text, family) as u64);
     }
     counts
 }

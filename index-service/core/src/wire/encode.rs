@@ -240,6 +240,159 @@ fn write_event(
     out.extend_from_slice(&body);
 }
 
+/// SGLang's event layouts (research `engines.md` §1.1–1.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SglangLayout {
+    /// Up to 0.5.19: tagged arrays; a salted store carries a `{cache_salt}` map eighth.
+    Positional,
+    /// 0.5.20 on: maps keyed by `"type"`, `None` defaults left out (`lora_id` and the parent
+    /// are always written), `cache_salt` when salted.
+    Maps,
+}
+
+/// Encodes `batch` as SGLang's `ZmqEventPublisher` publishes it in `layout` (msgspec: the batch
+/// is always `[ts, events, attn_dp_rank]`, hashes signed i64, media SGLang's names). For the
+/// engine simulator and tests; byte-identical to SGLang's own output for what the domain types
+/// carry (`tests`: every store, remove and clear of the project's SGLang captures with plain
+/// tokens). Tokens are written as the domain's u32 ids: bigram pairs and ids past u32 are not
+/// produced.
+pub fn encode_sglang_batch(batch: &EventBatch, layout: SglangLayout) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + batch.events.len() * 128);
+    write_array_len(&mut out, 3);
+    write_f64(&mut out, batch.ts);
+    write_array_len(&mut out, batch.events.len());
+    for event in &batch.events {
+        match (event, layout) {
+            (KvEvent::BlockStored(stored), SglangLayout::Positional) => {
+                let salt = stored
+                    .sglang
+                    .as_ref()
+                    .and_then(|run| run.cache_salt.as_deref());
+                write_array_len(&mut out, if salt.is_some() { 8 } else { 7 });
+                write_str(&mut out, "BlockStored");
+                write_sglang_stored_core(&mut out, stored);
+                write_str(&mut out, sglang_medium_name(stored.medium));
+                if let Some(salt) = salt {
+                    write_map_len(&mut out, 1, false);
+                    write_str(&mut out, "cache_salt");
+                    write_str(&mut out, salt);
+                }
+            }
+            (KvEvent::BlockStored(stored), SglangLayout::Maps) => {
+                let salt = stored
+                    .sglang
+                    .as_ref()
+                    .and_then(|run| run.cache_salt.as_deref());
+                let lora_name = stored.lora_name.as_deref();
+                let pairs = 7 + usize::from(salt.is_some()) + usize::from(lora_name.is_some());
+                write_map_len(&mut out, pairs, false);
+                write_str(&mut out, "type");
+                write_str(&mut out, "BlockStored");
+                for (i, name) in [
+                    "block_hashes",
+                    "parent_block_hash",
+                    "token_ids",
+                    "block_size",
+                    "lora_id",
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    write_str(&mut out, name);
+                    write_sglang_stored_field(&mut out, stored, i);
+                }
+                write_str(&mut out, "medium");
+                write_str(&mut out, sglang_medium_name(stored.medium));
+                if let Some(salt) = salt {
+                    write_str(&mut out, "cache_salt");
+                    write_str(&mut out, salt);
+                }
+                if let Some(name) = lora_name {
+                    write_str(&mut out, "lora_name");
+                    write_str(&mut out, name);
+                }
+            }
+            (KvEvent::BlockRemoved(removed), layout) => {
+                if layout == SglangLayout::Positional {
+                    write_array_len(&mut out, 3);
+                } else {
+                    write_map_len(&mut out, 3, false);
+                    write_str(&mut out, "type");
+                }
+                write_str(&mut out, "BlockRemoved");
+                if layout == SglangLayout::Maps {
+                    write_str(&mut out, "block_hashes");
+                }
+                write_signed_hashes(&mut out, &removed.block_hashes);
+                if layout == SglangLayout::Maps {
+                    write_str(&mut out, "medium");
+                }
+                write_str(&mut out, sglang_medium_name(removed.medium));
+            }
+            (KvEvent::AllBlocksCleared, SglangLayout::Positional) => {
+                write_array_len(&mut out, 1);
+                write_str(&mut out, "AllBlocksCleared");
+            }
+            (KvEvent::AllBlocksCleared, SglangLayout::Maps) => {
+                write_map_len(&mut out, 1, false);
+                write_str(&mut out, "type");
+                write_str(&mut out, "AllBlocksCleared");
+            }
+        }
+    }
+    match batch.dp_rank {
+        Some(rank) => write_uint(&mut out, u64::from(rank)),
+        None => write_nil(&mut out),
+    }
+    out
+}
+
+/// A store's first five positional fields.
+fn write_sglang_stored_core(out: &mut Vec<u8>, stored: &BlockStored) {
+    for i in 0..5 {
+        write_sglang_stored_field(out, stored, i);
+    }
+}
+
+/// Field `i` of `block_hashes, parent_block_hash, token_ids, block_size, lora_id`.
+fn write_sglang_stored_field(out: &mut Vec<u8>, stored: &BlockStored, i: usize) {
+    match i {
+        0 => write_signed_hashes(out, &stored.block_hashes),
+        1 => match stored.parent_block_hash {
+            Some(hash) => write_int(out, hash as i64),
+            None => write_nil(out),
+        },
+        2 => {
+            write_array_len(out, stored.token_ids.len());
+            for &token in &stored.token_ids {
+                write_uint(out, u64::from(token));
+            }
+        }
+        3 => write_uint(out, u64::from(stored.block_size)),
+        _ => match stored.lora_id {
+            Some(id) => write_int(out, id),
+            None => write_nil(out),
+        },
+    }
+}
+
+fn write_signed_hashes(out: &mut Vec<u8>, hashes: &[EngineHash]) {
+    write_array_len(out, hashes.len());
+    for &hash in hashes {
+        write_int(out, hash as i64);
+    }
+}
+
+/// SGLang's `StorageMedium` names.
+fn sglang_medium_name(medium: Medium) -> &'static str {
+    match medium {
+        Medium::Gpu => "GPU",
+        Medium::Cpu => "CPU_PINNED",
+        Medium::Storage => "DISK",
+        Medium::Other => "EXTERNAL",
+    }
+}
+
 /// Looks up digests for [`HashForm::Bytes`].
 type DigestOf<'a> = &'a dyn Fn(EngineHash) -> Option<Vec<u8>>;
 

@@ -41,7 +41,10 @@ mod tests;
 
 pub use decode::{decode_batch, decode_engine_batch};
 #[cfg(any(test, feature = "encode"))]
-pub use encode::{Encoding, HashForm, Schema, encode_batch, encode_batch_with_digests};
+pub use encode::{
+    Encoding, HashForm, Schema, SglangLayout, encode_batch, encode_batch_with_digests,
+    encode_sglang_batch,
+};
 pub use error::WireError;
 pub use frames::{
     ReplayItem, decode_engine_message, decode_message, parse_replay_frames, replay_request,

@@ -418,3 +418,48 @@ fn malformed_sglang_tokens_are_refused_with_labels() {
         "truncated"
     );
 }
+
+#[test]
+fn the_simulators_encoder_writes_sglangs_own_bytes() {
+    // Every payload of the plain-token captures whose events the domain types carry whole
+    // (no LoRA id, no session id), re-encoded, equals what SGLang's publisher sent.
+    let mut compared = [0usize; 3];
+    let layouts = [
+        SglangLayout::Positional,
+        SglangLayout::Maps,
+        SglangLayout::Maps,
+    ];
+    for ((file, layout), compared) in CAPTURES.iter().zip(layouts).zip(&mut compared) {
+        for line in capture(file) {
+            if line["kind"] != "zmq_pub" {
+                continue;
+            }
+            let payload = &frames(&line)[2];
+            let decoded = decode_engine_batch(Engine::Sglang, payload).unwrap();
+            let carried_whole = decoded.batch.events.iter().all(|event| match event {
+                KvEvent::BlockStored(stored) => {
+                    stored.lora_id.is_none()
+                        && stored
+                            .sglang
+                            .as_ref()
+                            .is_none_or(|run| run.token_layout == TokenLayout::Plain)
+                }
+                _ => true,
+            }) && !line.to_string().contains("session_id");
+            if !carried_whole {
+                continue;
+            }
+            assert_eq!(
+                hex::encode(encode_sglang_batch(&decoded.batch, layout)),
+                hex::encode(payload),
+                "{file} seq {}",
+                line["seq"]
+            );
+            *compared += 1;
+        }
+    }
+    assert!(
+        compared.iter().all(|&n| n >= 8),
+        "payloads compared: {compared:?}"
+    );
+}
