@@ -31,8 +31,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 
 VERSIONS=${*:-"0.5.19 0.5.22 0.5.23"}
-# What the recorded code paths import that the vLLM venv does not have.
-EXTRAS="orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 gguf==0.19.0 ninja==1.13.0"
+# What the recorded code paths import that the vLLM venv does not have (soundfile: the HTTP
+# server, for tests/sglang/goldens/).
+EXTRAS="orjson==3.13.0 ipython==9.19.1 traitlets==5.16.1 gguf==0.19.0 ninja==1.13.0 soundfile==0.13.1"
 # Each release's own pins of the packages that decide tokenization and model configs (from the
 # wheel's Requires-Dist): 0.5.19 cannot even import with the vLLM venv's transformers 5.19
 # (it registers a `qwen3_asr` config that 5.19 already has), and transformers 5.12 wants a
