@@ -24,6 +24,7 @@ mod memory;
 mod operate;
 mod pd_envoy;
 mod peers;
+mod real_sglang;
 mod real_vllm;
 mod real_vllm_agent;
 mod real_vllm_dp;
