@@ -23,6 +23,7 @@ use std::process::Command;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -124,6 +125,7 @@ pub enum Object {
     Deployment(Box<Deployment>),
     StatefulSet(Box<StatefulSet>),
     DaemonSet(Box<DaemonSet>),
+    PodDisruptionBudget(Box<PodDisruptionBudget>),
     InferencePool(Box<crd::InferencePool>),
     HttpRoute(Box<crd::HttpRoute>),
     AiGatewayRoute(Box<crd::AiGatewayRoute>),
@@ -171,6 +173,7 @@ pub fn typed(value: &serde_json::Value) -> Result<Object, String> {
         ("apps/v1", "Deployment") => Object::Deployment(round_trip(value)?),
         ("apps/v1", "StatefulSet") => Object::StatefulSet(round_trip(value)?),
         ("apps/v1", "DaemonSet") => Object::DaemonSet(round_trip(value)?),
+        ("policy/v1", "PodDisruptionBudget") => Object::PodDisruptionBudget(round_trip(value)?),
         (crd::INFERENCE_POOL_API_VERSION, "InferencePool") => {
             Object::InferencePool(round_trip(value)?)
         }

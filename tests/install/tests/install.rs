@@ -149,6 +149,8 @@ fn every_install_renders_and_every_document_is_its_kind() {
         let count = |kind| install.of_kind(kind).count();
         let expected = [
             ("Deployment", 1),
+            // Two pickers acting as one, one of them kept through voluntary disruptions.
+            ("PodDisruptionBudget", 1),
             ("StatefulSet", 1),
             ("DaemonSet", usize::from(agents)),
             ("Service", 3),
@@ -178,6 +180,19 @@ fn every_install_renders_and_every_document_is_its_kind() {
             install.docs.len(),
             expected.iter().map(|(_, n)| n).sum::<usize>(),
             "{}: unexpected documents",
+            install.name
+        );
+        let picker = install.of_kind("Deployment").next().unwrap();
+        let budget = install.of_kind("PodDisruptionBudget").next().unwrap();
+        assert!(
+            picker.value["spec"]["replicas"].as_u64() > Some(1),
+            "{}: several pickers",
+            install.name
+        );
+        assert_eq!(
+            budget.value["spec"]["selector"]["matchLabels"],
+            picker.value["spec"]["template"]["metadata"]["labels"],
+            "{}: the budget covers the pickers",
             install.name
         );
         let mut seen = BTreeSet::new();
