@@ -80,6 +80,8 @@ enum Which {
     Picker,
     /// Where one chat decision's time goes (parse, render, encode, keys), in-process.
     Stages,
+    /// Decision latency and memory over pools of 16, 256 and 1,024 replicas, in-process.
+    Fleet,
     /// Extproc, wasm and picker.
     All,
 }
@@ -307,6 +309,9 @@ async fn run(
     }
     if matches!(args.bench, Which::Picker | Which::All) {
         picker::picker_bench(&prompts, args.picker_decisions, args.cold_caches)?;
+    }
+    if matches!(args.bench, Which::Fleet) {
+        picker::fleet_bench(&prompts, args.picker_decisions)?;
     }
     if matches!(args.bench, Which::Extproc | Which::All) {
         extproc::extproc_bench(&args, &prompts, &ext_procs).await?;

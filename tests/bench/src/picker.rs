@@ -192,3 +192,115 @@ fn process_cpu() -> anyhow::Result<Duration> {
         (ticks(11)? + ticks(12)?) / TICKS_PER_SECOND,
     ))
 }
+
+/// Pool sizes of the fleet bench.
+const FLEET_SIZES: [usize; 3] = [16, 256, 1024];
+
+/// How decision latency and memory grow with the pool: `decide` over pools of 16, 256 and 1,024
+/// replicas (static, no index: the approximate tier's routed-prefix memory and the load board
+/// are the per-replica state a decision reads), on 1k-token chats where half the requests repeat
+/// an earlier conversation's prompt (so prefixes are remembered across the pool). Reports
+/// p50/p99 per decision (timed around parse + decide) and the process's resident memory grown
+/// per replica after the run.
+pub(super) fn fleet_bench(prompts: &PromptSource, decisions: usize) -> anyhow::Result<()> {
+    println!(
+        "## fleet: decide() over pools of {FLEET_SIZES:?} replicas, 1k-token chats (half repeats), load {}\n",
+        load_average()
+    );
+    println!(
+        "| replicas | decisions | p50 µs | p99 µs | p99 / p99 at {} | RSS growth | per replica |",
+        FLEET_SIZES[0]
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    let fresh: Vec<Bytes> = (0..decisions / 2)
+        .map(|_| prompts.miss_body(SIZES[0]))
+        .collect();
+    // Every other request repeats one of the earlier conversations.
+    let bodies: Vec<Bytes> = fresh
+        .iter()
+        .enumerate()
+        .flat_map(|(i, body)| [body.clone(), fresh[i / 2].clone()])
+        .collect();
+    let mut first_p99 = None;
+    for replicas in FLEET_SIZES {
+        let rss_before = resident_bytes()?;
+        let mut latencies = std::thread::scope(|scope| {
+            scope
+                .spawn(|| fleet_run(prompts, &bodies, replicas))
+                .join()
+                .map_err(|_| anyhow::anyhow!("fleet thread panicked"))?
+        })?;
+        let rss_growth = resident_bytes()?.saturating_sub(rss_before);
+        latencies.sort_unstable();
+        let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+        let (p50, p99) = (at(0.5), at(0.99));
+        let base = *first_p99.get_or_insert(p99);
+        println!(
+            "| {replicas} | {} | {:.0} | {:.0} | {:.2} | {:.1} MiB | {:.1} KiB |",
+            latencies.len(),
+            p50.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6,
+            p99.as_secs_f64() / base.as_secs_f64(),
+            rss_growth as f64 / (1 << 20) as f64,
+            rss_growth as f64 / 1024.0 / replicas as f64,
+        );
+    }
+    println!();
+    Ok(())
+}
+
+fn fleet_run(
+    prompts: &PromptSource,
+    bodies: &[Bytes],
+    replicas: usize,
+) -> anyhow::Result<Vec<Duration>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(1)
+        .build()?;
+    runtime.block_on(async {
+        let upstreams: Vec<SocketAddr> = (0..replicas)
+            .map(|i| SocketAddr::from(([127, 0, 0, 1], 20_000 + i as u16)))
+            .collect();
+        let config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(
+            &upstreams,
+            &IndexMode::None,
+            &prompts.model_dir,
+            prompts.block_size,
+        ))?;
+        let tasks = TaskTracker::new();
+        let runtime = kvroute_ext_proc::Runtime::build(config, None, &tasks)?;
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = kvroute_ext_proc::metrics::Metrics::register(&mut registry);
+        let picker = kvroute_ext_proc::Picker::new(runtime, metrics, tasks.clone());
+        let warm = request::parse(&bodies[0], Endpoint::ChatCompletions)?;
+        drop(picker.decide(&warm, None).await?);
+        let mut latencies = Vec::with_capacity(bodies.len());
+        // Decisions stay in flight (their guards held) as under load, 64 at a time.
+        let mut held = std::collections::VecDeque::new();
+        for body in &bodies[1..] {
+            let started = Instant::now();
+            let parsed = request::parse(body, Endpoint::ChatCompletions)?;
+            let decision = picker.decide(&parsed, None).await?;
+            latencies.push(started.elapsed());
+            held.push_back(decision);
+            if held.len() > 64 {
+                held.pop_front();
+            }
+        }
+        drop(held);
+        tasks.close();
+        Ok(latencies)
+    })
+}
+
+/// This process's resident set size (`/proc/self/statm`, pages of 4 KiB).
+fn resident_bytes() -> anyhow::Result<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm")?;
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .context("malformed /proc/self/statm")?
+        .parse()?;
+    Ok(pages * 4096)
+}
