@@ -542,27 +542,31 @@ impl Picker {
         if kvroute_runtime::telemetry::request_spans() {
             tracing::Span::current().record("kvroute.pool", pool.name.as_str());
         }
-        let ready = |r: &&Replica| {
-            r.pool == pool_index
-                && self
-                    .loads()
-                    .replica(&r.id)
-                    .is_ready(config.scrape.unready_after_failures)
-        };
-        // A request goes to a replica that decodes (within the GIE subset hint); a split one's
-        // prompt is computed on one that prefills.
-        let candidates: Vec<&Replica> = config
+        // The pool's ready replicas, their loads read under one lock.
+        let in_pool: Vec<&Replica> = config
             .replicas
             .iter()
-            .filter(ready)
+            .filter(|r| r.pool == pool_index)
+            .collect();
+        let ids: Vec<&str> = in_pool.iter().map(|r| r.id.as_str()).collect();
+        let ready: Vec<&Replica> = in_pool
+            .iter()
+            .zip(self.loads().replicas(&ids))
+            .filter(|(_, load)| load.is_ready(config.scrape.unready_after_failures))
+            .map(|(replica, _)| *replica)
+            .collect();
+        // A request goes to a replica that decodes (within the GIE subset hint); a split one's
+        // prompt is computed on one that prefills.
+        let candidates: Vec<&Replica> = ready
+            .iter()
+            .copied()
             .filter(|r| r.role.decodes())
             .filter(|r| subset.is_none_or(|s| s.contains(&r.address)))
             .collect();
         let prefill_candidates: Vec<&Replica> = match pool.disaggregation {
-            Some(_) => config
-                .replicas
+            Some(_) => ready
                 .iter()
-                .filter(ready)
+                .copied()
                 .filter(|r| r.role.prefills())
                 .collect(),
             None => Vec::new(),

@@ -269,6 +269,25 @@ impl LoadBoard {
         }
     }
 
+    /// The load records of `replicas`, in order (created on first use), under one read of the
+    /// table when they all exist.
+    pub fn replicas(&self, replicas: &[&str]) -> Vec<Arc<ReplicaLoad>> {
+        {
+            let table = self.replicas.read();
+            let found: Option<Vec<Arc<ReplicaLoad>>> = replicas
+                .iter()
+                .map(|replica| table.get(*replica).map(Arc::clone))
+                .collect();
+            if let Some(found) = found {
+                return found;
+            }
+        }
+        replicas
+            .iter()
+            .map(|replica| self.replica(replica))
+            .collect()
+    }
+
     /// The load record of `replica` (created on first use).
     pub fn replica(&self, replica: &str) -> Arc<ReplicaLoad> {
         if let Some(load) = self.replicas.read().get(replica) {

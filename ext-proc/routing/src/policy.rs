@@ -73,6 +73,10 @@ const TIE_EPSILON_MS: f64 = 1e-6;
 /// prompt into hits; 10% began to cost load balance.)
 const TIE_TOLERANCE: f64 = 0.05;
 
+/// Fallback endpoints ranked per decision ([`fallback_order`]): more than a proxy retries
+/// (`epp.fallbacks`), with room for data-parallel ranks sharing an address.
+pub const FALLBACKS_KEPT: usize = 16;
+
 /// Requests queued or in flight on a replica before the hotspot guard may skip it: one request
 /// alone, however long, is priced by the estimate and is not a pile-up.
 pub const HOTSPOT_MIN_QUEUED: f64 = 2.0;
@@ -200,9 +204,11 @@ fn ttft_after_queue_ms(
         + weights.prefill_ms_per_token * prompt_tokens.saturating_sub(cached) as f64
 }
 
-/// The candidates other than `chosen`, best first by estimated TTFT (ties: longer prefix, then
-/// index): the fallback endpoints a proxy's retries walk when the chosen one fails (GIE's
-/// endpoint list). Hotspots are not skipped here: a fallback is only used when better ones failed.
+/// The best [`FALLBACKS_KEPT`] candidates other than `chosen`, best first by estimated TTFT
+/// (ties: longer prefix, then index): the fallback endpoints a proxy's retries walk when the
+/// chosen one fails (GIE's endpoint list). Hotspots are not skipped here: a fallback is only
+/// used when better ones failed. Only the head is ordered: a pool of a thousand replicas would
+/// otherwise sort them all for every decision.
 pub fn fallback_order(
     candidates: &[Candidate],
     chosen: usize,
@@ -220,7 +226,14 @@ pub fn fallback_order(
             (ttft, c.matched_blocks, i)
         })
         .collect();
-    ranked.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
+    let order = |a: &(f64, u32, usize), b: &(f64, u32, usize)| {
+        a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2))
+    };
+    if ranked.len() > FALLBACKS_KEPT {
+        ranked.select_nth_unstable_by(FALLBACKS_KEPT, order);
+        ranked.truncate(FALLBACKS_KEPT);
+    }
+    ranked.sort_by(order);
     ranked.into_iter().map(|(_, _, i)| i).collect()
 }
 

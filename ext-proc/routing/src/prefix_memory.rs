@@ -90,6 +90,32 @@ impl PrefixMemory {
         let Some(memory) = self.replicas.read().get(replica).cloned() else {
             return Remembered::default();
         };
+        Self::remembered(&memory, keys, now, ttl)
+    }
+
+    /// [`lookup`](Self::lookup) for every one of `replicas`, in order, under one read of the
+    /// replica table (a decision over a large pool reads every candidate's memory).
+    pub fn lookup_all(
+        &self,
+        replicas: &[&str],
+        keys: &[u64],
+        now: Instant,
+        ttl: Duration,
+    ) -> Vec<Remembered> {
+        let table = self.replicas.read();
+        replicas
+            .iter()
+            .map(|replica| {
+                table
+                    .get(*replica)
+                    .map_or_else(Remembered::default, |memory| {
+                        Self::remembered(memory, keys, now, ttl)
+                    })
+            })
+            .collect()
+    }
+
+    fn remembered(memory: &ReplicaKeys, keys: &[u64], now: Instant, ttl: Duration) -> Remembered {
         let memory = memory.lock();
         let mut remembered = Remembered::default();
         let mut speculative_run = true;

@@ -318,14 +318,15 @@ impl Router {
         // Per candidate, what kvroute believes it holds (scored, and the drift's expectation) and
         // what the engine would reuse there now (the prediction a client is told).
         let mut reusable = Vec::with_capacity(candidates.len());
-        let views: Vec<Candidate> = candidates
-            .iter()
+        let memories = self
+            .memory
+            .lookup_all(candidates, &keys, now, scoring.speculative_ttl);
+        let loads = self.loads.replicas(candidates);
+        let views: Vec<Candidate> = memories
+            .into_iter()
+            .zip(&loads)
             .enumerate()
-            .map(|(i, replica)| {
-                let remembered = self
-                    .memory
-                    .lookup(replica, &keys, now, scoring.speculative_ttl);
-                let load = self.loads.replica(replica);
+            .map(|(i, (remembered, load))| {
                 let shared_blocks = load.inflight_shared_blocks(&keys) as usize;
                 let (matched_blocks, reused) = match indexed.get(i).copied().flatten() {
                     // A recent insert stands for events that have not landed yet. kvroute keeps

@@ -381,8 +381,17 @@ fn epp(raw: &RawEpp) -> Result<EppConfig, ConfigError> {
             })
         })
         .transpose()?;
+    let fallbacks = raw.fallbacks.unwrap_or(DEFAULT_EPP_FALLBACKS);
+    let most = kvroute_routing::policy::FALLBACKS_KEPT;
+    if fallbacks > most {
+        return Err(invalid(
+            "fallbacks",
+            fallbacks,
+            format_args!("at most {most} (the endpoints each decision ranks)"),
+        ));
+    }
     Ok(EppConfig {
-        fallbacks: raw.fallbacks.unwrap_or(DEFAULT_EPP_FALLBACKS),
+        fallbacks,
         shedding,
     })
 }

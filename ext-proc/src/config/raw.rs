@@ -408,7 +408,7 @@ pub const DEFAULT_SHED_KV_CACHE_USAGE: f64 = 0.8;
 pub(super) struct RawEpp {
     /// Fallback endpoints after the chosen one, best first, in
     /// `x-gateway-destination-endpoint` and its `envoy.lb` metadata (a proxy's retries walk
-    /// them); 0 sends the chosen endpoint alone.
+    /// them); 0 sends the chosen endpoint alone; at most 16.
     #[schemars(extend("default" = DEFAULT_EPP_FALLBACKS))]
     pub(super) fallbacks: Option<usize>,
     /// Refuse a request with 429 when every ready replica of its pool is saturated (either
