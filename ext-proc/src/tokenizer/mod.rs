@@ -45,6 +45,8 @@ mod render;
 #[cfg(test)]
 mod goldens_tests;
 #[cfg(test)]
+mod sglang_goldens_tests;
+#[cfg(test)]
 mod tests;
 
 pub use block_keys::{CachedKeys, ComputeKeys, KeysJob};
