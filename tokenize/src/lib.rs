@@ -18,6 +18,11 @@
 //!   string methods and whitespace), and the text is encoded with the request's
 //!   `add_special_tokens` (default false: the template writes bos itself).
 //!
+//! SGLang 0.5.23 builds the prompt of the same request differently (its request models, content
+//! flattening, tools, kwargs and final-message handling): [`ChatOptions::dialect`] set to
+//! [`Dialect::Sglang`] reproduces it, through the same template rendering, and
+//! [`ModelTokenizer::convert_api_request_for`] converts Responses and Messages requests as it does.
+//!
 //! Encoding uses [`ByteLevelBpe`], an exact re-implementation of the byte-level BPE pipelines
 //! (GPT-2 style, Llama 3, Qwen2/3, o200k; its speed against `tokenizers` is in BENCHMARKS.md),
 //! whenever the `tokenizer.json` is one it models and it agrees with `tokenizers` on a self-check sample at load; otherwise (and for decoding) the
