@@ -299,7 +299,7 @@ pub async fn check(
         model
     };
     // Client token ids need no tokenizer, as in a decision.
-    let tokenizer = tokenizer::from_source(&pool.tokenizer, pool_index, tasks)?;
+    let tokenizer = tokenizer::from_source(&pool.tokenizer, pool.engine, pool_index, tasks)?;
     let started = Instant::now();
     let tokens = TokenCache::new(TokenLimits::from_config(config), tasks.clone())
         .tokens(

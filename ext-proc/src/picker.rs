@@ -263,13 +263,14 @@ impl Runtime {
                     .config
                     .pools
                     .iter()
-                    .position(|old| old.tokenizer == pool.tokenizer)?;
+                    // The engine family decides how the tokenizer builds prompts.
+                    .position(|old| old.tokenizer == pool.tokenizer && old.engine == pool.engine)?;
                 p.tokenizers[j].clone()
             });
             let tokenizer = match (&pool.tokenizer, reused) {
                 (TokenizerSource::None, _) => None,
                 (_, Some(reused)) => Some(reused),
-                (source, None) => crate::tokenizer::from_source(source, i, tasks)?,
+                (source, None) => crate::tokenizer::from_source(source, pool.engine, i, tasks)?,
             };
             tokenizers.push(tokenizer);
         }

@@ -139,6 +139,8 @@ pub struct ChatFields<'a> {
     pub reasoning_effort: Option<Cow<'a, str>>,
     /// Whether the request carries its own `chat_template`.
     pub request_template: bool,
+    /// `tool_choice`, raw: SGLang renders no tools for `"none"` (vLLM ignores it).
+    pub tool_choice: Option<&'a RawValue>,
     /// `mm_processor_kwargs` and `media_io_kwargs`, raw: they change how the engine processes
     /// and so identifies a request's images (what render mode's keys are built from).
     pub media_kwargs: [Option<&'a RawValue>; 2],
@@ -156,6 +158,7 @@ struct Body<'a> {
     add_generation_prompt: Option<bool>,
     continue_final_message: Option<bool>,
     tools: Option<&'a RawValue>,
+    tool_choice: Option<&'a RawValue>,
     documents: Option<&'a RawValue>,
     chat_template_kwargs: Option<&'a RawValue>,
     reasoning_effort: Option<Cow<'a, str>>,
@@ -204,6 +207,7 @@ impl<'de> Visitor<'de> for BodyVisitor {
                 "add_generation_prompt" => body.add_generation_prompt = map.next_value()?,
                 "continue_final_message" => body.continue_final_message = map.next_value()?,
                 "tools" => body.tools = map.next_value()?,
+                "tool_choice" => body.tool_choice = map.next_value()?,
                 "documents" => body.documents = map.next_value()?,
                 "chat_template_kwargs" => body.chat_template_kwargs = map.next_value()?,
                 "reasoning_effort" => body.reasoning_effort = text(&mut map)?,
@@ -258,6 +262,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
                 ("input", Some(input)),
                 ("instructions", parsed.instructions),
                 ("tools", parsed.tools),
+                ("tool_choice", parsed.tool_choice),
                 ("reasoning", parsed.reasoning),
                 ("previous_response_id", parsed.previous_response_id),
                 ("chat_template_kwargs", parsed.chat_template_kwargs),
@@ -276,6 +281,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
                 ("messages", Some(messages)),
                 ("system", parsed.system),
                 ("tools", parsed.tools),
+                ("tool_choice", parsed.tool_choice),
                 ("thinking", parsed.thinking),
                 ("output_config", parsed.output_config),
                 ("chat_template_kwargs", parsed.chat_template_kwargs),
@@ -292,6 +298,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<ParsedRequest<'_>, Reque
                 chat_template_kwargs: present(parsed.chat_template_kwargs),
                 reasoning_effort: parsed.reasoning_effort,
                 request_template: present(parsed.chat_template).is_some(),
+                tool_choice: present(parsed.tool_choice),
                 media_kwargs: [
                     present(parsed.mm_processor_kwargs),
                     present(parsed.media_io_kwargs),

@@ -27,6 +27,8 @@ use serde_json::{Map, Value};
 
 use crate::{ChatOptions, TokenizeError};
 
+pub mod sglang;
+
 /// A converted request: the chat messages and options vLLM renders.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConvertedChat {

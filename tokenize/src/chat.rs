@@ -18,7 +18,7 @@ use minijinja::value::ValueKind;
 use minijinja::{Environment, Error, ErrorKind, State, Value};
 
 use crate::content_format::{self, ContentFormat};
-use crate::{ChatOptions, TokenizeError, conversation, pyjson, pytime};
+use crate::{ChatOptions, Dialect, TokenizeError, conversation, pyjson, pytime};
 
 #[cfg(test)]
 mod reference;
@@ -46,6 +46,20 @@ const APPLY_CHAT_TEMPLATE_PARAMS: [&str; 11] = [
     "return_assistant_tokens_mask",
     "tokenizer_kwargs",
 ];
+/// `apply_chat_template`'s arguments SGLang passes itself (`serving_chat.py`
+/// `_render_and_encode_chat_template`), and the render call's own `messages`: a request kwarg of
+/// one of these names makes the call fail (a 500 in SGLang). `continue_final_message` would
+/// switch on transformers' own continuation, which kvroute does not render for SGLang.
+const SGLANG_FIXED_KWARGS: [&str; 7] = [
+    "conversation",
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "tokenize",
+    "return_dict",
+    "continue_final_message",
+];
+
 /// Values vLLM's `merge_kwargs` treats as unset.
 fn is_unset(value: &serde_json::Value) -> bool {
     value.is_null() || value.as_str() == Some("auto")
@@ -103,6 +117,88 @@ fn template_kwargs(
     Ok(kwargs)
 }
 
+/// The keyword arguments SGLang 0.5.23 hands `apply_chat_template` besides `messages`, in
+/// order: `tools` (already filtered by `tool_choice`), `add_generation_prompt` (always true: its
+/// chat request has no such field), then `reasoning_effort` and the request's
+/// `chat_template_kwargs`. The effort is the request's (`ChatCompletionRequest`'s validator then
+/// sets `thinking` and `enable_thinking` to `effort != "none"` unless the kwargs do) or, when the
+/// kwargs carry one, theirs (`_convert_to_internal_request` pops it from them).
+fn sglang_template_kwargs(
+    options: &ChatOptions,
+    tools: Option<serde_json::Value>,
+) -> Result<serde_json::Map<String, serde_json::Value>, TokenizeError> {
+    let mut user = options.chat_template_kwargs.clone().unwrap_or_default();
+    for key in RESERVED_KWARGS.iter().chain(&SGLANG_FIXED_KWARGS) {
+        if user.contains_key(*key) {
+            return Err(TokenizeError::InvalidKwargs {
+                reason: format!("chat_template_kwargs may not set {key}"),
+            });
+        }
+    }
+    let mut effort = options
+        .reasoning_effort
+        .clone()
+        .map(serde_json::Value::from);
+    if let Some(effort) = &options.reasoning_effort {
+        let thinking = serde_json::Value::from(effort != "none");
+        for key in ["thinking", "enable_thinking"] {
+            user.entry(key).or_insert_with(|| thinking.clone());
+        }
+    }
+    if let Some(popped) = user
+        .shift_remove("reasoning_effort")
+        .filter(|v| !v.is_null())
+    {
+        effort = Some(popped);
+    }
+    let mut kwargs = serde_json::Map::new();
+    if let Some(tools) = tools {
+        kwargs.insert("tools".to_owned(), tools);
+    }
+    kwargs.insert("add_generation_prompt".to_owned(), true.into());
+    if let Some(effort) = effort {
+        kwargs.insert("reasoning_effort".to_owned(), effort);
+    }
+    kwargs.extend(user);
+    Ok(kwargs)
+}
+
+/// The tools SGLang renders for `tool_choice` (`serving_chat.py` `_process_messages`): none
+/// for `"none"` (or no tools), only the named function for a specific choice, else all of them.
+fn sglang_tools(options: &ChatOptions) -> Result<Option<serde_json::Value>, TokenizeError> {
+    let Some(tools) = &options.tools else {
+        return Ok(None);
+    };
+    let serde_json::Value::Array(tools) = conversation::canonical_tools_sglang(tools)? else {
+        return Ok(None);
+    };
+    let chosen = match &options.tool_choice {
+        None | Some(serde_json::Value::Null) => tools,
+        Some(serde_json::Value::String(choice)) => match choice.as_str() {
+            "none" => return Ok(None),
+            "auto" | "required" => tools,
+            _ => {
+                return Err(TokenizeError::InvalidTools {
+                    reason: format!("unsupported tool_choice {choice}"),
+                });
+            }
+        },
+        Some(choice) => {
+            let name = choice
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .ok_or_else(|| TokenizeError::InvalidTools {
+                    reason: "a tool_choice object needs function.name".to_owned(),
+                })?;
+            tools
+                .into_iter()
+                .filter(|tool| tool.get("function").and_then(|f| f.get("name")) == Some(name))
+                .collect()
+        }
+    };
+    Ok((!chosen.is_empty()).then_some(serde_json::Value::Array(chosen)))
+}
+
 /// Special tokens exposed to the template by name, as transformers does
 /// (`SPECIAL_TOKENS_ATTRIBUTES`; only those that are set).
 #[derive(Debug, Clone, Default)]
@@ -116,9 +212,13 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     special: SpecialTokens,
     format: ContentFormat,
+    /// The content format by SGLang's detection.
+    sglang_format: ContentFormat,
     names_developer: bool,
     mentions_content: bool,
     merges_inline_system: bool,
+    /// Whether SGLang finds that the template renders a system message after the first.
+    sglang_inline_system: bool,
     clock: Arc<pytime::Clock>,
 }
 
@@ -130,7 +230,10 @@ impl ChatTemplate {
         let mentions_content = source.contains("content");
         // Probed on the template as written: Jinja2 alone does not know `{% generation %}`.
         let merges_inline_system = rejects_inline_system(&source);
+        let sglang_inline_system = renders_inline_system(&source);
         let source = rewrite_generation_tags(&source);
+        // SGLang parses with transformers' environment, which knows `{% generation %}`.
+        let sglang_format = content_format::detect_sglang(&source);
         let clock = Arc::new(pytime::Clock::default());
         let mut env = Environment::new();
         env.set_trim_blocks(true);
@@ -154,9 +257,11 @@ impl ChatTemplate {
             env,
             special,
             format,
+            sglang_format,
             names_developer,
             mentions_content,
             merges_inline_system,
+            sglang_inline_system,
             clock,
         })
     }
@@ -165,6 +270,13 @@ impl ChatTemplate {
     /// one for this template (`AnthropicServingMessages._detect_merge_inline_system`).
     pub fn merges_inline_system(&self) -> bool {
         self.merges_inline_system
+    }
+
+    /// Whether SGLang renders a system message after the first in place for this template
+    /// (`parser/template_detection.py` `detect_inline_system_support`); when it does not, its
+    /// Responses and Messages APIs merge system messages into one at the front.
+    pub fn sglang_renders_inline_system(&self) -> bool {
+        self.sglang_inline_system
     }
 
     /// How message content reaches this template (vLLM's detection).
@@ -197,9 +309,11 @@ impl ChatTemplate {
     ) -> Result<Rendered, TokenizeError> {
         let context = self.context(messages, options)?;
         let tokenized_by_template = context.tokenized_by_template;
+        let continuation = context.continuation.clone();
         Ok(Rendered {
             text: self.render_context(context)?,
             tokenized_by_template,
+            continuation,
         })
     }
 
@@ -212,33 +326,13 @@ impl ChatTemplate {
         messages: &serde_json::Value,
         options: &ChatOptions,
     ) -> Result<Context, TokenizeError> {
-        if options.request_template {
-            return Err(TokenizeError::InvalidKwargs {
-                reason: "the request carries its own chat_template".to_owned(),
-            });
-        }
-        if options.continue_final_message && options.add_generation_prompt {
-            return Err(TokenizeError::InvalidMessages {
-                reason: "continue_final_message and add_generation_prompt are both set".to_owned(),
-            });
-        }
-        let mut conversation = conversation::prepare(
-            messages,
-            self.format,
-            self.names_developer,
-            options.messages_validated,
-        )?;
-        if conversation.is_empty() {
-            return Err(TokenizeError::InvalidMessages {
-                reason: "empty conversation".to_owned(),
-            });
-        }
-        let tools = options
-            .tools
-            .as_ref()
-            .map(conversation::canonical_tools)
-            .transpose()?;
-        let kwargs = template_kwargs(options, tools)?;
+        let (mut conversation, kwargs, continuation) = match options.dialect {
+            Dialect::Vllm => {
+                let (conversation, kwargs) = self.vllm_conversation(messages, options)?;
+                (conversation, kwargs, None)
+            }
+            Dialect::Sglang => self.sglang_conversation(messages, options)?,
+        };
         let tokenized_by_template = kwargs.get("tokenize").is_some_and(is_truthy);
         let mut context = ContextMap::with_capacity(self.special.named.len() + kwargs.len() + 4);
         for (name, token) in &self.special.named {
@@ -268,7 +362,7 @@ impl ChatTemplate {
                 reason: "documents must be a list of objects".to_owned(),
             });
         }
-        let final_text = if options.continue_final_message {
+        let final_text = if options.continue_final_message && options.dialect == Dialect::Vllm {
             Some(self.mark_final_message(&mut conversation)?)
         } else {
             None
@@ -285,7 +379,94 @@ impl ChatTemplate {
             value: context.into_value(),
             final_text,
             tokenized_by_template,
+            continuation,
         })
+    }
+
+    /// vLLM's conversation and template kwargs for a request.
+    fn vllm_conversation(
+        &self,
+        messages: &serde_json::Value,
+        options: &ChatOptions,
+    ) -> Result<
+        (
+            Vec<conversation::Message>,
+            serde_json::Map<String, serde_json::Value>,
+        ),
+        TokenizeError,
+    > {
+        if options.request_template {
+            return Err(TokenizeError::InvalidKwargs {
+                reason: "the request carries its own chat_template".to_owned(),
+            });
+        }
+        if options.continue_final_message && options.add_generation_prompt {
+            return Err(TokenizeError::InvalidMessages {
+                reason: "continue_final_message and add_generation_prompt are both set".to_owned(),
+            });
+        }
+        let conversation = conversation::prepare(
+            messages,
+            self.format,
+            self.names_developer,
+            options.messages_validated,
+        )?;
+        if conversation.is_empty() {
+            return Err(TokenizeError::InvalidMessages {
+                reason: "empty conversation".to_owned(),
+            });
+        }
+        let tools = options
+            .tools
+            .as_ref()
+            .map(conversation::canonical_tools)
+            .transpose()?;
+        Ok((conversation, template_kwargs(options, tools)?))
+    }
+
+    /// SGLang's conversation, template kwargs and the text it appends after the rendered prompt.
+    /// Its chat request has no `add_generation_prompt`, `add_special_tokens`, `documents` or
+    /// `chat_template` fields (ignored, so a request template is never rendered either), and a
+    /// final assistant message with string content is handled before rendering
+    /// (`_handle_last_assistant_message`): with `continue_final_message` it is removed and its
+    /// text appended to the prompt's ids as its own encoding; otherwise it becomes a user message
+    /// of that text.
+    #[allow(clippy::type_complexity)]
+    fn sglang_conversation(
+        &self,
+        messages: &serde_json::Value,
+        options: &ChatOptions,
+    ) -> Result<
+        (
+            Vec<conversation::Message>,
+            serde_json::Map<String, serde_json::Value>,
+            Option<String>,
+        ),
+        TokenizeError,
+    > {
+        let mut conversation = conversation::prepare_sglang(messages, self.sglang_format)?;
+        if conversation.is_empty() {
+            return Err(TokenizeError::InvalidMessages {
+                reason: "messages cannot be empty".to_owned(),
+            });
+        }
+        let mut continuation = None;
+        let final_text = conversation
+            .last()
+            .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+            .and_then(|m| m.get("content")?.as_str().map(str::to_owned));
+        if let Some(text) = final_text {
+            if options.continue_final_message {
+                conversation.pop();
+                // Python's `if assistant_prefix:`: an empty text appends nothing.
+                continuation = Some(text).filter(|t| !t.is_empty());
+            } else if let Some(last) = conversation.last_mut() {
+                *last = conversation::Message::user(text);
+            }
+        }
+        let tools = sglang_tools(options)?;
+        let kwargs = sglang_template_kwargs(options, tools)?;
+        Ok((conversation, kwargs, continuation))
     }
 
     /// Renders a [`Context`] (cut at the final message's marker for `continue_final_message`).
@@ -363,6 +544,8 @@ pub(crate) struct Context {
     pub(crate) final_text: Option<String>,
     /// Whether the kwargs set `tokenize`.
     pub(crate) tokenized_by_template: bool,
+    /// Text whose own encoding follows the rendered prompt's (SGLang's `continue_final_message`).
+    pub(crate) continuation: Option<String>,
 }
 
 /// The context's variables in insertion order; setting a name again keeps its place (a
@@ -408,12 +591,37 @@ fn rejects_inline_system(source: &str) -> bool {
         .is_err()
 }
 
+/// SGLang's probe of a template for inline system messages: `[system, user, system, user]`
+/// rendered in a bare Jinja sandbox (with loop controls, none of transformers' helpers) must
+/// succeed and show the second system message's text.
+fn renders_inline_system(source: &str) -> bool {
+    const SENTINEL: &str = "__sglang_inline_system_sentinel__";
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(python_methods);
+    if env.add_template("probe", source).is_err() {
+        return false;
+    }
+    let message = |role: &str, content: &str| serde_json::json!({"role": role, "content": content});
+    let context = serde_json::json!({
+        "messages": [message("system", "t"), message("user", "t"), message("system", SENTINEL),
+            message("user", "t")],
+        "add_generation_prompt": false,
+    });
+    env.get_template("probe")
+        .and_then(|template| template.render(Value::from_serialize(&context)))
+        .is_ok_and(|rendered| rendered.contains(SENTINEL))
+}
+
 /// A rendered chat prompt.
 pub(crate) struct Rendered {
     /// The text.
     pub(crate) text: String,
     /// Whether transformers encodes it (kwarg `tokenize`): then without special tokens.
     pub(crate) tokenized_by_template: bool,
+    /// Text encoded apart and appended to the prompt's ids (SGLang's `continue_final_message`).
+    pub(crate) continuation: Option<String>,
 }
 
 /// Python truthiness of a JSON value.

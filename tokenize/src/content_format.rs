@@ -31,18 +31,7 @@ pub enum ContentFormat {
 
 /// Detects the content format of a template source, as vLLM does.
 pub(crate) fn detect(source: &str) -> ContentFormat {
-    let whitespace = minijinja::machinery::WhitespaceConfig {
-        keep_trailing_newline: false,
-        lstrip_blocks: true,
-        trim_blocks: true,
-    };
-    let Ok(ast) = minijinja::machinery::parse(
-        source,
-        "chat",
-        // A unit struct unless minijinja's `custom_syntax` feature is on.
-        Default::default(),
-        whitespace,
-    ) else {
+    let Some(ast) = parse(source) else {
         return ContentFormat::String;
     };
     let mut nodes = Nodes::default();
@@ -51,6 +40,53 @@ pub(crate) fn detect(source: &str) -> ContentFormat {
         Ok(true) => ContentFormat::OpenAi,
         Ok(false) | Err(TargetNotAName) => ContentFormat::String,
     }
+}
+
+/// Words whose presence anywhere in a template makes SGLang take it for a multimodal one.
+const SGLANG_MEDIA_WORDS: [&str; 4] = ["image", "audio", "video", "vision"];
+
+/// Detects the content format of a template source as SGLang 0.5.23 does
+/// (`parser/jinja_template_utils.py`, `detect_jinja_template_content_format`), which is not
+/// vLLM's: a template mentioning a media word is "openai" outright; otherwise it is "openai" only
+/// when some loop (anywhere, macros included) iterates over `message.content`, `msg.content` or
+/// `m.content` (by attribute or subscript, through filters, tests or slices), whatever the loop
+/// variables are named after.
+pub(crate) fn detect_sglang(source: &str) -> ContentFormat {
+    if SGLANG_MEDIA_WORDS.iter().any(|word| source.contains(word)) {
+        return ContentFormat::OpenAi;
+    }
+    let Some(ast) = parse(source) else {
+        return ContentFormat::String;
+    };
+    let mut nodes = Nodes::default();
+    nodes.stmt(&ast, false);
+    let content_loop = nodes.loops.iter().any(|(_, iter, _)| {
+        ["message", "msg", "m"]
+            .iter()
+            .any(|var| is_var_or_elems_access(iter, var, Some("content")))
+    });
+    if content_loop {
+        ContentFormat::OpenAi
+    } else {
+        ContentFormat::String
+    }
+}
+
+/// The template's syntax tree as vLLM and SGLang parse it (`None`: it does not parse).
+fn parse(source: &str) -> Option<minijinja::machinery::ast::Stmt<'_>> {
+    let whitespace = minijinja::machinery::WhitespaceConfig {
+        keep_trailing_newline: false,
+        lstrip_blocks: true,
+        trim_blocks: true,
+    };
+    minijinja::machinery::parse(
+        source,
+        "chat",
+        // A unit struct unless minijinja's `custom_syntax` feature is on.
+        Default::default(),
+        whitespace,
+    )
+    .ok()
 }
 
 /// vLLM's `assert isinstance(target, Name)` failing.
@@ -381,5 +417,25 @@ mod tests {
         for t in string {
             assert_eq!(detect(t), ContentFormat::String, "{t}");
         }
+    }
+
+    #[test]
+    fn sglang_detects_by_its_own_rules() {
+        // A loop over a macro parameter is no content loop for SGLang; vLLM follows the call.
+        let through_macro = "{% macro r(c) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}\
+            {% for m in messages %}{{ r(m.content) }}{% endfor %}";
+        assert_eq!(detect(through_macro), ContentFormat::OpenAi);
+        assert_eq!(detect_sglang(through_macro), ContentFormat::String);
+        // SGLang matches the loop variable by name, not by what it iterates over.
+        let named = "{% for turn in messages %}{% for p in turn.content %}{% endfor %}{% endfor %}";
+        assert_eq!(detect(named), ContentFormat::OpenAi);
+        assert_eq!(detect_sglang(named), ContentFormat::String);
+        let msg = "{% for msg in x %}{% for p in msg['content'] | list %}{% endfor %}{% endfor %}";
+        assert_eq!(detect_sglang(msg), ContentFormat::OpenAi);
+        // A media word anywhere decides for "openai".
+        let media = "{# no images here #}{% for m in messages %}{{ m.content }}{% endfor %}";
+        assert_eq!(detect(media), ContentFormat::String);
+        assert_eq!(detect_sglang(media), ContentFormat::OpenAi);
+        assert_eq!(detect_sglang("{% for"), ContentFormat::String);
     }
 }

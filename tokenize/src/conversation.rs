@@ -133,6 +133,13 @@ impl Message {
         }
     }
 
+    /// `{"role": "user", "content": text}`.
+    pub(crate) fn user(text: String) -> Self {
+        Self {
+            entries: vec![("role", J::from("user")), ("content", J::from(text))],
+        }
+    }
+
     pub(crate) fn get(&self, key: &str) -> Option<&J> {
         self.entries.iter().find(|(k, _)| *k == key).map(|(_, v)| v)
     }
@@ -652,6 +659,365 @@ pub(crate) fn canonical_tools(tools: &Value) -> Result<Value, TokenizeError> {
             if let Some(defer) = tool_defer {
                 out.insert("defer_loading".to_owned(), defer);
             }
+            Ok(Value::Object(out))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Value::Array)
+}
+
+/// The roles of SGLang's `ChatCompletionMessageGenericParam` (`protocol.py`); `user` messages
+/// are its `ChatCompletionMessageUserParam`.
+const SGLANG_GENERIC_ROLES: [&str; 7] = [
+    "system",
+    "assistant",
+    "tool",
+    "function",
+    "developer",
+    "latest_reminder",
+    "root",
+];
+
+/// An optional string field of a message or part: `None` when absent or null.
+fn optional_str<'a>(
+    map: &'a Map<String, Value>,
+    key: &str,
+) -> Result<Option<&'a str>, TokenizeError> {
+    match map.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(invalid(format!("{key} must be a string"))),
+    }
+}
+
+/// A content part as SGLang's request model reads it (`ChatCompletionMessageContentPart`).
+enum SglangPart<'a> {
+    Text(&'a str),
+    /// A `thinking`/`reasoning` part: validated, then never rendered (neither content format
+    /// keeps it).
+    Thinking,
+    ToolReference(&'a str),
+}
+
+fn sglang_part<'a>(part: &'a Value, assistant: bool) -> Result<SglangPart<'a>, TokenizeError> {
+    let part = part
+        .as_object()
+        .ok_or_else(|| invalid("a content part must be an object"))?;
+    match part.get("type").and_then(Value::as_str) {
+        Some("text") => match part.get("text") {
+            Some(Value::String(text)) => Ok(SglangPart::Text(text)),
+            _ => Err(invalid("a text part needs a string text")),
+        },
+        Some("thinking" | "reasoning") => {
+            let thinking = optional_str(part, "thinking")?;
+            let text = optional_str(part, "text")?;
+            if thinking.is_some() == text.is_some() {
+                return Err(invalid(
+                    "thinking parts require exactly one of 'thinking' or 'text'",
+                ));
+            }
+            if !assistant {
+                return Err(invalid(
+                    "thinking content parts are only valid in assistant messages",
+                ));
+            }
+            Ok(SglangPart::Thinking)
+        }
+        Some("tool_reference") => match part.get("name") {
+            Some(Value::String(name)) => Ok(SglangPart::ToolReference(name)),
+            _ => Err(invalid("a tool_reference part needs a string name")),
+        },
+        Some(kind @ ("image_url" | "video_url" | "audio_url" | "input_audio")) => {
+            Err(multimodal(kind))
+        }
+        _ => Err(invalid("unsupported content part type")),
+    }
+}
+
+/// SGLang 0.5.23's conversation for a chat template (`serving_chat.py`
+/// `_apply_jinja_template`): each message validated by its request model and dumped
+/// (`model_dump`: a `user` message keeps only `role` and `content`; other roles keep
+/// `tool_call_id`, `name`, `phase`, `reasoning_content`, `tool_calls`, `tools` and `prefix`, in
+/// that order, when set; an assistant's `reasoning` is not a field and is dropped), history
+/// tool-call arguments parsed into objects (a string that is not a JSON object is refused, as
+/// SGLang answers 400), a null content made `""`, and a content list made what the template's
+/// [`ContentFormat`] (SGLang's detection) wants: its text parts joined with a space ("string"),
+/// or text and tool-reference parts kept ("openai", where a tool message of text parts alone is
+/// joined with a space again). Roles are lowercased except `user`, which must be exact.
+pub(crate) fn prepare_sglang(
+    messages: &Value,
+    format: ContentFormat,
+) -> Result<Vec<Message>, TokenizeError> {
+    messages
+        .as_array()
+        .ok_or_else(|| invalid("messages must be an array"))?
+        .iter()
+        .map(|message| prepare_sglang_message(message, format))
+        .collect()
+}
+
+fn prepare_sglang_message(
+    message: &Value,
+    format: ContentFormat,
+) -> Result<Message, TokenizeError> {
+    let message = message
+        .as_object()
+        .ok_or_else(|| invalid("a message must be an object"))?;
+    let sent = message
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or_else(|| invalid("a message needs a string role"))?;
+    let user = sent == "user";
+    let role = if user {
+        "user".to_owned()
+    } else {
+        let lower = sent.to_lowercase();
+        if !SGLANG_GENERIC_ROLES.contains(&lower.as_str()) {
+            return Err(invalid(format!("unsupported role {sent}")));
+        }
+        lower
+    };
+    let assistant = role == "assistant";
+    let content = match message.get("content") {
+        None | Some(Value::Null) if user => {
+            return Err(invalid("a user message needs content"));
+        }
+        None | Some(Value::Null) => J::from(""),
+        Some(Value::String(text)) => J::from(text.as_str()),
+        Some(Value::Array(parts)) => {
+            let parts = parts
+                .iter()
+                .map(|part| sglang_part(part, assistant))
+                .collect::<Result<Vec<_>, _>>()?;
+            sglang_content(&parts, format, role == "tool")
+        }
+        Some(_) => return Err(invalid("content must be a string or a list of parts")),
+    };
+    let mut out = Message::with_capacity(4);
+    out.set("role", J::from(role.as_str()));
+    out.set("content", content);
+    if user {
+        return Ok(out);
+    }
+    for key in ["tool_call_id", "name"] {
+        if let Some(text) = optional_str(message, key)? {
+            out.set(key, J::from(text));
+        }
+    }
+    match optional_str(message, "phase")? {
+        None => {}
+        Some(phase @ ("commentary" | "final_answer")) => out.set("phase", J::from(phase)),
+        Some(_) => return Err(invalid("phase must be commentary or final_answer")),
+    }
+    if let Some(reasoning) = optional_str(message, "reasoning_content")? {
+        out.set("reasoning_content", J::from(reasoning));
+    }
+    match message.get("tool_calls") {
+        None | Some(Value::Null) => {}
+        Some(calls) => out.set("tool_calls", J::from_object(sglang_tool_calls(calls)?)),
+    }
+    match message.get("tools") {
+        None | Some(Value::Null) => {}
+        Some(tools) => out.set("tools", jinja(&canonical_tools_sglang(tools)?)),
+    }
+    match message.get("prefix") {
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(prefix)) => out.set("prefix", J::from(*prefix)),
+        Some(_) => return Err(invalid("prefix must be a boolean")),
+    }
+    Ok(out)
+}
+
+/// A content list as SGLang's `process_content_for_template_format` (and, for tool messages,
+/// `normalize_tool_content`) leaves it.
+fn sglang_content(parts: &[SglangPart<'_>], format: ContentFormat, tool: bool) -> J {
+    let texts = || {
+        parts.iter().filter_map(|part| match part {
+            SglangPart::Text(text) => Some(*text),
+            _ => None,
+        })
+    };
+    match format {
+        // Every text joined, empty ones too (vLLM drops those and joins with "\n").
+        ContentFormat::String => J::from(texts().collect::<Vec<_>>().join(" ")),
+        // Thinking parts are refused outside assistant messages: a tool message's parts are
+        // texts and tool references.
+        ContentFormat::OpenAi
+            if tool
+                && !parts
+                    .iter()
+                    .any(|p| matches!(p, SglangPart::ToolReference(_))) =>
+        {
+            J::from(texts().collect::<Vec<_>>().join(" "))
+        }
+        ContentFormat::OpenAi => J::from_object(
+            parts
+                .iter()
+                .filter_map(|part| match part {
+                    SglangPart::Text(text) => Some(J::from_iter([
+                        (J::from("type"), J::from("text")),
+                        (J::from("text"), J::from(*text)),
+                    ])),
+                    SglangPart::ToolReference(name) => Some(J::from_iter([
+                        (J::from("type"), J::from("tool_reference")),
+                        (J::from("name"), J::from(*name)),
+                    ])),
+                    SglangPart::Thinking => None,
+                })
+                .collect::<Vec<J>>(),
+        ),
+    }
+}
+
+/// History tool calls as SGLang dumps its `ToolCall` model (`id`, `index`, `type`, `function:
+/// {name, arguments}`, nulls kept) after `normalize_assistant_tool_call_arguments`: string
+/// arguments must parse to a JSON object (SGLang refuses others with 400), an object is kept.
+fn sglang_tool_calls(calls: &Value) -> Result<Vec<J>, TokenizeError> {
+    let calls = calls
+        .as_array()
+        .ok_or_else(|| invalid("tool_calls must be a list"))?;
+    calls
+        .iter()
+        .map(|call| {
+            let call = call
+                .as_object()
+                .ok_or_else(|| invalid("assistant tool_calls entries must be objects"))?;
+            let id = optional_str(call, "id")?;
+            let index = match call.get("index") {
+                None | Some(Value::Null) => J::from(()),
+                Some(Value::Number(n)) if n.is_i64() || n.is_u64() => {
+                    jinja(&Value::Number(n.clone()))
+                }
+                Some(_) => return Err(invalid("a tool call's index must be an integer")),
+            };
+            match call.get("type") {
+                None => {}
+                Some(Value::String(t)) if t == "function" => {}
+                Some(_) => return Err(invalid("only tool calls of type 'function' are supported")),
+            }
+            let function = call
+                .get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| invalid("a tool call needs a function"))?;
+            let name = optional_str(function, "name")?;
+            let arguments = match function.get("arguments") {
+                None | Some(Value::Null) => J::from(()),
+                Some(Value::String(text)) => match serde_json::from_str::<Value>(text) {
+                    Ok(Value::Object(map)) => jinja_map(map.iter().map(|(k, v)| (k.as_str(), v))),
+                    Ok(_) => {
+                        return Err(invalid(
+                            "assistant tool call function.arguments must be a JSON object",
+                        ));
+                    }
+                    Err(_) => {
+                        return Err(invalid(
+                            "assistant tool call function.arguments must be valid JSON",
+                        ));
+                    }
+                },
+                Some(object @ Value::Object(_)) => jinja(object),
+                Some(_) => {
+                    return Err(invalid(
+                        "a tool call's arguments must be a string or an object",
+                    ));
+                }
+            };
+            let function = J::from_iter([
+                (J::from("name"), name.map_or(J::from(()), J::from)),
+                (J::from("arguments"), arguments),
+            ]);
+            Ok(J::from_iter([
+                (J::from("id"), id.map_or(J::from(()), J::from)),
+                (J::from("index"), index),
+                (J::from("type"), J::from("function")),
+                (J::from("function"), function),
+            ]))
+        })
+        .collect()
+}
+
+/// `tools` as SGLang hands them to the template: `Tool.model_dump()` of each (`protocol.py`).
+/// The tool keeps `type` (any string), `function` and `defer_loading` (null when unset); the
+/// function keeps the keys the client sent among `description`, `name`, `parameters`, `strict`
+/// and `defer_loading`, in the client's order, then `description` and `parameters` (null) when
+/// missing; `strict` and `defer_loading` only when set, the tool's `defer_loading` copied in when
+/// the function has none. An empty list is no tools.
+pub(crate) fn canonical_tools_sglang(tools: &Value) -> Result<Value, TokenizeError> {
+    let bad = |reason: &str| TokenizeError::InvalidTools {
+        reason: reason.to_owned(),
+    };
+    let optional = |map: &Map<String, Value>, key: &str, ok: fn(&Value) -> bool| match map.get(key)
+    {
+        None | Some(Value::Null) => Ok(Value::Null),
+        Some(v) if ok(v) => Ok(v.clone()),
+        Some(_) => Err(TokenizeError::InvalidTools {
+            reason: format!("invalid {key}"),
+        }),
+    };
+    let tools = tools
+        .as_array()
+        .ok_or_else(|| bad("tools must be a list"))?;
+    tools
+        .iter()
+        .map(|tool| {
+            let tool = tool
+                .as_object()
+                .ok_or_else(|| bad("a tool must be an object"))?;
+            let kind = match tool.get("type") {
+                None => Value::from("function"),
+                Some(kind @ Value::String(_)) => kind.clone(),
+                Some(_) => return Err(bad("a tool's type must be a string")),
+            };
+            let function = tool
+                .get("function")
+                .and_then(Value::as_object)
+                .ok_or_else(|| bad("a tool needs a function"))?;
+            let name = function
+                .get("name")
+                .filter(|n| n.is_string())
+                .ok_or_else(|| bad("a tool's function needs a string name"))?;
+            let tool_defer = optional(tool, "defer_loading", Value::is_boolean)?;
+            let mut defer = optional(function, "defer_loading", Value::is_boolean)?;
+            if defer.is_null() {
+                defer = tool_defer.clone();
+            }
+            let fields = [
+                (
+                    "description",
+                    optional(function, "description", Value::is_string)?,
+                ),
+                ("name", name.clone()),
+                // `Optional[object]`: any JSON value.
+                (
+                    "parameters",
+                    function.get("parameters").cloned().unwrap_or(Value::Null),
+                ),
+                ("strict", optional(function, "strict", Value::is_boolean)?),
+                ("defer_loading", defer),
+            ];
+            let dumped = |key: &str| {
+                fields
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .filter(|(k, v)| !(matches!(*k, "strict" | "defer_loading") && v.is_null()))
+                    .map(|(k, v)| ((*k).to_owned(), v.clone()))
+            };
+            let mut f = Map::new();
+            for key in function.keys() {
+                if let Some((k, v)) = dumped(key) {
+                    f.insert(k, v);
+                }
+            }
+            for (key, _) in &fields {
+                if !f.contains_key(*key)
+                    && let Some((k, v)) = dumped(key)
+                {
+                    f.insert(k, v);
+                }
+            }
+            let mut out = Map::new();
+            out.insert("type".to_owned(), kind);
+            out.insert("function".to_owned(), Value::Object(f));
+            out.insert("defer_loading".to_owned(), tool_defer);
             Ok(Value::Object(out))
         })
         .collect::<Result<Vec<_>, _>>()

@@ -18,6 +18,11 @@
 //!   string methods and whitespace), and the text is encoded with the request's
 //!   `add_special_tokens` (default false: the template writes bos itself).
 //!
+//! SGLang 0.5.23 builds the prompt of the same request differently (its request models, content
+//! flattening, tools, kwargs and final-message handling): [`ChatOptions::dialect`] set to
+//! [`Dialect::Sglang`] reproduces it, through the same template rendering, and
+//! [`ModelTokenizer::convert_api_request_for`] converts Responses and Messages requests as it does.
+//!
 //! Encoding uses [`ByteLevelBpe`], an exact re-implementation of the byte-level BPE pipelines
 //! (GPT-2 style, Llama 3, Qwen2/3, o200k; its speed against `tokenizers` is in BENCHMARKS.md),
 //! whenever the `tokenizer.json` is one it models and it agrees with `tokenizers` on a self-check sample at load; otherwise (and for decoding) the
@@ -56,10 +61,40 @@ pub use content_format::ContentFormat;
 pub use conversation::media_part_kind;
 pub use error::TokenizeError;
 
+/// Whose prompt construction to reproduce: engines build a chat request's prompt from the same
+/// template differently (which fields they read, how they prepare messages and tools).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Dialect {
+    /// vLLM 0.32 (the default).
+    #[default]
+    Vllm,
+    /// SGLang 0.5.23's `/v1/chat/completions` (and the APIs it serves through it), started
+    /// without a reasoning parser: see `conversation::prepare_sglang` and
+    /// `ChatTemplate::context`.
+    Sglang,
+}
+
+impl Dialect {
+    /// The `add_special_tokens` a completion prompt is encoded with when the request asks for
+    /// `requested`: SGLang's `CompletionRequest` has no such field (its tokenizer manager always
+    /// encodes with the tokenizer's default, true).
+    pub fn completion_special_tokens(self, requested: bool) -> bool {
+        match self {
+            Self::Vllm => requested,
+            Self::Sglang => true,
+        }
+    }
+}
+
 /// The fields of a chat request that change its prompt besides `messages` (vLLM 0.32's
 /// `ChatCompletionRequest`; `/tokenize` and `/v1/chat/completions/render` take the same).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatOptions {
+    /// Whose prompt construction to reproduce (default vLLM's).
+    pub dialect: Dialect,
+    /// `tool_choice` as sent (SGLang renders no tools for `"none"` and only the named one for a
+    /// specific function; vLLM's template always sees every tool).
+    pub tool_choice: Option<serde_json::Value>,
     /// `add_generation_prompt` (default true).
     pub add_generation_prompt: bool,
     /// `continue_final_message` (default false; not with `add_generation_prompt`).
@@ -86,6 +121,8 @@ pub struct ChatOptions {
 impl Default for ChatOptions {
     fn default() -> Self {
         Self {
+            dialect: Dialect::Vllm,
+            tool_choice: None,
             add_generation_prompt: true,
             continue_final_message: false,
             add_special_tokens: false,
@@ -118,6 +155,11 @@ pub struct ModelTokenizer {
     /// What templates see by name (kept for [`Self::with_chat_template`]).
     special: chat::SpecialTokens,
     eos_token_id: Option<u32>,
+    /// Id of the bos token named in `tokenizer_config.json`, if any.
+    bos_token_id: Option<u32>,
+    /// Whether encoding the empty text with special tokens gives any (SGLang's probe of whether
+    /// the tokenizer adds them by itself).
+    specials_on_empty: bool,
     /// Whether [`leading_cut`] offsets are token boundaries for this model: the fast encoder
     /// serves it (one of the byte-level `Split` pipelines it models) and no added token's content
     /// has ASCII whitespace (so none can span a cut).
@@ -264,6 +306,10 @@ impl ModelTokenizer {
             .filter_map(|&name| Some((name, special(name)?)))
             .collect();
         let eos_token_id = eos_token.as_deref().and_then(|t| tokenizer.token_to_id(t));
+        let bos_token_id = special("bos_token").and_then(|t| tokenizer.token_to_id(&t));
+        let specials_on_empty = tokenizer
+            .encode_fast("", true)
+            .is_ok_and(|encoding| !encoding.get_ids().is_empty());
         let template_source =
             chat_template_source(&config)?.or(chat_template_file.map(str::to_owned));
         let special = chat::SpecialTokens { named };
@@ -281,6 +327,8 @@ impl ModelTokenizer {
             chat,
             special,
             eos_token_id,
+            bos_token_id,
+            specials_on_empty,
             leading_cuts,
         })
     }
@@ -360,8 +408,37 @@ impl ModelTokenizer {
     ) -> Result<Vec<u32>, TokenizeError> {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let rendered = chat.render_for_encoding(messages, options)?;
-        let add_special_tokens = options.add_special_tokens && !rendered.tokenized_by_template;
-        self.encode_prompt(&rendered.text, add_special_tokens)
+        let mut tokens =
+            self.encode_prompt(&rendered.text, self.chat_special_tokens(options, &rendered))?;
+        if let Some(text) = &rendered.continuation {
+            tokens.extend(self.continuation_tokens(text)?);
+        }
+        Ok(tokens)
+    }
+
+    /// The `add_special_tokens` a rendered chat is encoded with. vLLM: the request's flag, unless
+    /// the template's kwargs had transformers encode it. SGLang: its chat request has no such
+    /// field; it encodes with the tokenizer's default (true) unless that adds tokens to an empty
+    /// text, then without (the template writes bos itself).
+    fn chat_special_tokens(&self, options: &ChatOptions, rendered: &chat::Rendered) -> bool {
+        match options.dialect {
+            Dialect::Vllm => options.add_special_tokens && !rendered.tokenized_by_template,
+            Dialect::Sglang => !self.specials_on_empty,
+        }
+    }
+
+    /// The ids SGLang appends for a continued final assistant message
+    /// (`_append_assistant_prefix_to_prompt_ids`): the text encoded with the tokenizer's default
+    /// special tokens, a leading bos dropped.
+    fn continuation_tokens(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let mut tokens = self.encode_prompt(text, true)?;
+        if tokens
+            .first()
+            .is_some_and(|&first| Some(first) == self.bos_token_id)
+        {
+            tokens.remove(0);
+        }
+        Ok(tokens)
     }
 
     /// A `/v1/responses` or `/v1/messages` request body as the chat vLLM renders for this
@@ -371,11 +448,28 @@ impl ModelTokenizer {
         api: ApiKind,
         request: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<ConvertedChat, TokenizeError> {
-        match api {
-            ApiKind::Responses => apis::responses_to_chat(request),
-            ApiKind::Messages => {
-                let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
-                apis::messages_to_chat(request, chat.merges_inline_system())
+        self.convert_api_request_for(Dialect::Vllm, api, request)
+    }
+
+    /// A `/v1/responses` or `/v1/messages` request body as the chat `dialect`'s engine renders
+    /// for this model ([`apis`], [`apis::sglang`]).
+    pub fn convert_api_request_for(
+        &self,
+        dialect: Dialect,
+        api: ApiKind,
+        request: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<ConvertedChat, TokenizeError> {
+        let chat = || self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate);
+        match (dialect, api) {
+            (Dialect::Vllm, ApiKind::Responses) => apis::responses_to_chat(request),
+            (Dialect::Vllm, ApiKind::Messages) => {
+                apis::messages_to_chat(request, chat()?.merges_inline_system())
+            }
+            (Dialect::Sglang, ApiKind::Responses) => {
+                apis::sglang::responses_to_chat(request, chat()?.sglang_renders_inline_system())
+            }
+            (Dialect::Sglang, ApiKind::Messages) => {
+                apis::sglang::messages_to_chat(request, chat()?.sglang_renders_inline_system())
             }
         }
     }
@@ -386,7 +480,18 @@ impl ModelTokenizer {
         api: ApiKind,
         request: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<Vec<u32>, TokenizeError> {
-        let chat = self.convert_api_request(api, request)?;
+        self.encode_api_request_for(Dialect::Vllm, api, request)
+    }
+
+    /// Token ids of a `/v1/responses` or `/v1/messages` request, as `dialect`'s engine
+    /// renders them.
+    pub fn encode_api_request_for(
+        &self,
+        dialect: Dialect,
+        api: ApiKind,
+        request: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let chat = self.convert_api_request_for(dialect, api, request)?;
         self.encode_chat_with(&chat.messages, &chat.options)
     }
 
@@ -438,8 +543,20 @@ impl ModelTokenizer {
     ) -> Result<LeadingTokens, TokenizeError> {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let rendered = chat.render_for_encoding(messages, options)?;
-        let add_special_tokens = options.add_special_tokens && !rendered.tokenized_by_template;
-        self.encode_prompt_leading(&rendered.text, add_special_tokens, min_bytes)
+        let add_special_tokens = self.chat_special_tokens(options, &rendered);
+        let Some(continuation) = &rendered.continuation else {
+            return self.encode_prompt_leading(&rendered.text, add_special_tokens, min_bytes);
+        };
+        // Rare (SGLang's continued message): the whole prompt, with no cut to resume from.
+        let mut tokens = self.encode_prompt(&rendered.text, add_special_tokens)?;
+        tokens.extend(self.continuation_tokens(continuation)?);
+        Ok(LeadingTokens {
+            tokens,
+            complete: true,
+            text_bytes: rendered.text.len(),
+            total_bytes: rendered.text.len(),
+            resume: None,
+        })
     }
 
     /// [`Self::encode_chat_with`], taking over the first tokens of an earlier turn of the same
@@ -457,8 +574,19 @@ impl ModelTokenizer {
     ) -> Result<ResumableTokens, TokenizeError> {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let rendered = chat.render_for_encoding(messages, options)?;
-        let add = options.add_special_tokens && !rendered.tokenized_by_template;
-        self.encode_rendered_resumable(&rendered.text, add, prior)
+        let add = self.chat_special_tokens(options, &rendered);
+        let Some(continuation) = &rendered.continuation else {
+            return self.encode_rendered_resumable(&rendered.text, add, prior);
+        };
+        // Rare (SGLang's continued message): encoded whole, and no later turn resumes from it.
+        let mut tokens = self.encode_prompt(&rendered.text, add)?;
+        tokens.extend(self.continuation_tokens(continuation)?);
+        Ok(ResumableTokens {
+            tokens,
+            resume: None,
+            encoded_bytes: rendered.text.len(),
+            prior_taken: false,
+        })
     }
 
     /// [`Self::encode_chat_resumable`] of the rendered `text`.

@@ -316,3 +316,149 @@ fn leading_tokens_are_the_prompts_first_tokens() {
     assert_eq!(crate::leading_cut("ab\ncd ef", 4), Some(5));
     assert_eq!(crate::leading_cut("ab\n cd", 0), None);
 }
+
+fn sglang(options: ChatOptions) -> ChatOptions {
+    ChatOptions {
+        dialect: Dialect::Sglang,
+        ..options
+    }
+}
+
+#[test]
+fn sglang_prepares_messages_as_its_request_models_dump_them() {
+    let tokenizer = with_template("{{ messages | tojson }}");
+    let messages = json!([
+        {"role": "system", "content": "s"},
+        {"role": "Developer", "content": "d"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""},
+            {"type": "text", "text": "b"}], "name": "dropped"},
+        {"role": "assistant", "content": null, "reasoning": "dropped", "reasoning_content": "r",
+            "tool_calls": [{"id": "c", "type": "function",
+                "function": {"arguments": "{\"b\": 1, \"a\": 2}", "name": "f"}}]},
+        {"role": "tool", "content": [{"type": "text", "text": "x"}], "tool_call_id": "c"},
+        {"role": "assistant", "content": "fin", "tool_calls": []},
+    ]);
+    let rendered = tokenizer
+        .render_chat_with(&messages, &sglang(ChatOptions::default()))
+        .unwrap();
+    // Parts joined with a space (the empty one too), `developer` kept (lowercased), the user's
+    // name and the assistant's `reasoning` gone, tool calls dumped whole with parsed arguments,
+    // and the final assistant message a user message of its text.
+    assert_eq!(
+        rendered,
+        concat!(
+            r#"[{"role": "system", "content": "s"}, {"role": "developer", "content": "d"}, "#,
+            r#"{"role": "user", "content": "a  b"}, {"role": "assistant", "content": "", "#,
+            r#""reasoning_content": "r", "tool_calls": [{"id": "c", "index": null, "type": "#,
+            r#""function", "function": {"name": "f", "arguments": {"b": 1, "a": 2}}}]}, "#,
+            r#"{"role": "tool", "content": "x", "tool_call_id": "c"}, "#,
+            r#"{"role": "user", "content": "fin"}]"#
+        )
+    );
+    // SGLang refuses these (400): kvroute fails to tokenize them too.
+    for bad in [
+        json!([{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+            "function": {"name": "f", "arguments": "[1]"}}]}]),
+        json!([{"role": "User", "content": "q"}]),
+        json!([{"role": "user", "content": [{"type": "thinking", "thinking": "t"}]}]),
+        json!([{"role": "user", "content": null}]),
+    ] {
+        assert!(
+            tokenizer
+                .render_chat_with(&bad, &sglang(ChatOptions::default()))
+                .is_err(),
+            "{bad}"
+        );
+    }
+}
+
+#[test]
+fn sglang_reads_its_own_request_fields() {
+    let tokenizer = with_template(
+        "{{ tools | tojson }}|{{ add_generation_prompt }}|{{ enable_thinking }}|\
+         {{ reasoning_effort }}|{{ documents }}",
+    );
+    let messages = json!([{"role": "user", "content": "q"}]);
+    let tools = json!([
+        {"type": "function", "function": {"parameters": {"type": "object"}, "name": "f",
+            "extra": 1}},
+        {"type": "function", "defer_loading": true, "function": {"name": "g", "strict": true}},
+    ]);
+    let options = sglang(ChatOptions {
+        add_generation_prompt: false,
+        tools: Some(tools.clone()),
+        documents: Some(json!([{"text": "ignored"}])),
+        reasoning_effort: Some("none".to_owned()),
+        ..ChatOptions::default()
+    });
+    assert_eq!(
+        tokenizer.render_chat_with(&messages, &options).unwrap(),
+        concat!(
+            r#"[{"type": "function", "function": {"parameters": {"type": "object"}, "name": "f", "#,
+            r#""description": null}, "defer_loading": null}, {"type": "function", "function": "#,
+            r#"{"name": "g", "strict": true, "description": null, "parameters": null, "#,
+            r#""defer_loading": true}, "defer_loading": true}]|True|False|none|None"#
+        )
+    );
+    let render = |tool_choice: serde_json::Value| {
+        let options = sglang(ChatOptions {
+            tools: Some(tools.clone()),
+            tool_choice: Some(tool_choice),
+            ..ChatOptions::default()
+        });
+        tokenizer.render_chat_with(&messages, &options).unwrap()
+    };
+    assert!(render(json!("none")).starts_with("null|"));
+    assert!(
+        render(json!({"type": "function", "function": {"name": "g"}}))
+            .starts_with(r#"[{"type": "function", "function": {"name": "g","#)
+    );
+    // Kwargs SGLang also passes to `apply_chat_template` itself fail there (a 500).
+    for key in ["tokenize", "tools", "add_generation_prompt"] {
+        let mut kwargs = serde_json::Map::new();
+        kwargs.insert(key.to_owned(), json!(true));
+        let options = sglang(ChatOptions {
+            chat_template_kwargs: Some(kwargs),
+            ..ChatOptions::default()
+        });
+        assert!(
+            tokenizer.render_chat_with(&messages, &options).is_err(),
+            "{key}"
+        );
+    }
+    assert!(Dialect::Sglang.completion_special_tokens(false));
+    assert!(!Dialect::Vllm.completion_special_tokens(false));
+}
+
+#[test]
+fn sglang_continues_a_final_message_after_the_generation_prompt() {
+    let tokenizer = tiny();
+    let history = json!([{"role": "user", "content": "Hello world"}]);
+    let continued = json!([{"role": "user", "content": "Hello world"},
+        {"role": "assistant", "content": "The answer"}]);
+    let options = sglang(ChatOptions {
+        continue_final_message: true,
+        add_generation_prompt: false,
+        ..ChatOptions::default()
+    });
+    let tokens = tokenizer.encode_chat_with(&continued, &options).unwrap();
+    // The prompt without the message, with the generation prompt and no bos added (the tiny
+    // tokenizer adds one to any text, so SGLang encodes the chat without special tokens), then
+    // the message's text encoded apart, its bos dropped.
+    let mut expected = tokenizer
+        .encode_prompt(&tokenizer.render_chat(&history, true).unwrap(), false)
+        .unwrap();
+    let prefix = tokenizer.encode_prompt("The answer", true).unwrap();
+    assert_eq!(prefix[0], 0, "the tiny tokenizer adds <s>");
+    expected.extend(&prefix[1..]);
+    assert_eq!(tokens, expected);
+    let leading = tokenizer
+        .encode_chat_leading(&continued, &options, 1)
+        .unwrap();
+    assert!(leading.complete && leading.tokens == expected);
+    let resumable = tokenizer
+        .encode_chat_resumable(&continued, &options, None)
+        .unwrap();
+    assert_eq!(resumable.tokens, expected);
+    assert!(resumable.resume.is_none());
+}

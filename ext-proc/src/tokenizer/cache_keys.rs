@@ -125,6 +125,7 @@ fn hash_chat_fields(hasher: &mut Xxh3, fields: &ChatInputFields) {
         &fields.chat_template_kwargs,
         mm_processor_kwargs,
         media_io_kwargs,
+        &fields.tool_choice,
     ];
     for part in raw {
         hash_optional(hasher, part.as_ref().map(|r| r.get().as_bytes()));

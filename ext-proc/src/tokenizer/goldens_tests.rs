@@ -23,7 +23,7 @@ use super::input::owned_input;
 use super::{InProcessTokenizer, RemoteTokenizer, TokenizeInput, Tokenizer};
 use crate::request::{Endpoint, Prompt, parse};
 
-const GOLDENS: &str = concat!(
+pub(super) const GOLDENS: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../tests/fixtures/vllm-goldens"
 );
@@ -44,7 +44,7 @@ const TOKENIZED_THOUGH_REJECTED: [&str; 1] = [
 ];
 
 /// The endpoint of a corpus entry.
-fn endpoint_of(entry: &serde_json::Value) -> Endpoint {
+pub(super) fn endpoint_of(entry: &serde_json::Value) -> Endpoint {
     match entry["endpoint"].as_str() {
         Some("chat") => Endpoint::ChatCompletions,
         Some("responses") => Endpoint::Responses,
@@ -70,7 +70,7 @@ fn load(dir: &std::path::Path, template: Option<&str>) -> ModelTokenizer {
     ModelTokenizer::from_parts(&tokenizer, &config.to_string(), Some(&template)).unwrap()
 }
 
-fn models_dir() -> Option<PathBuf> {
+pub(super) fn models_dir() -> Option<PathBuf> {
     std::env::var_os("KVROUTE_MODELS")
         .map(PathBuf::from)
         .or_else(|| {
@@ -78,7 +78,7 @@ fn models_dir() -> Option<PathBuf> {
         })
 }
 
-fn digest(tokens: &[u32]) -> String {
+pub(super) fn digest(tokens: &[u32]) -> String {
     let text = tokens
         .iter()
         .map(u32::to_string)
@@ -87,7 +87,7 @@ fn digest(tokens: &[u32]) -> String {
     format!("{:x}", Sha256::digest(text.as_bytes()))
 }
 
-fn read_jsonl(path: &std::path::Path) -> Vec<serde_json::Value> {
+pub(super) fn read_jsonl(path: &std::path::Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         .lines()
@@ -96,7 +96,7 @@ fn read_jsonl(path: &std::path::Path) -> Vec<serde_json::Value> {
 }
 
 /// What kvroute did with one request.
-enum Outcome {
+pub(super) enum Outcome {
     Tokens(Vec<u32>),
     ParseError(String),
     TokenizeError(String),
@@ -116,7 +116,7 @@ fn remote_body_digest(entry: &serde_json::Value, model: &str) -> Option<String> 
     ))
 }
 
-async fn kvroute_tokens(
+pub(super) async fn kvroute_tokens(
     tokenizer: &InProcessTokenizer,
     entry: &serde_json::Value,
     model: &str,

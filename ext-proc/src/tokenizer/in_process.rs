@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvroute_tokenize::{LeadingTokens, ModelTokenizer, ResumableTokens, ResumePoint};
+use kvroute_tokenize::{Dialect, LeadingTokens, ModelTokenizer, ResumableTokens, ResumePoint};
 use serde_json::value::RawValue;
 use tokio_util::task::TaskTracker;
 
@@ -24,12 +24,24 @@ const INLINE_LEADING_MAX_BYTES: usize = 256 * 1024;
 pub struct InProcessTokenizer {
     model: Arc<ModelTokenizer>,
     tasks: TaskTracker,
+    /// Whose prompt construction the pool's engines follow.
+    dialect: Dialect,
 }
 
 impl InProcessTokenizer {
-    /// Wraps an already loaded tokenizer.
+    /// Wraps an already loaded tokenizer (vLLM's prompt construction).
     pub fn new(model: Arc<ModelTokenizer>, tasks: TaskTracker) -> Self {
-        Self { model, tasks }
+        Self {
+            model,
+            tasks,
+            dialect: Dialect::Vllm,
+        }
+    }
+
+    /// Builds prompts as `dialect`'s engine does.
+    pub fn with_dialect(mut self, dialect: Dialect) -> Self {
+        self.dialect = dialect;
+        self
     }
 
     /// Loads a Hugging Face model folder.
@@ -55,11 +67,14 @@ impl Tokenizer for InProcessTokenizer {
     fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
         if self.inline(&input) {
             // Tens of microseconds: cheaper here than the hop to a blocking thread and back.
-            let result = encode(&self.model, &input);
+            let result = encode(&self.model, self.dialect, &input);
             return Box::pin(std::future::ready(result));
         }
         let model = Arc::clone(&self.model);
-        let task = self.tasks.spawn_blocking(move || encode(&model, &input));
+        let dialect = self.dialect;
+        let task = self
+            .tasks
+            .spawn_blocking(move || encode(&model, dialect, &input));
         Box::pin(async move {
             task.await.map_err(|e| TokenizeError::InProcess {
                 reason: e.to_string(),
@@ -102,14 +117,16 @@ impl InProcess for InProcessTokenizer {
         if input.len_bytes() <= INLINE_LEADING_MAX_BYTES {
             return Some(Box::pin(std::future::ready(encode_leading(
                 &self.model,
+                self.dialect,
                 &input,
                 min_bytes,
             ))));
         }
         let model = Arc::clone(&self.model);
+        let dialect = self.dialect;
         let task = self
             .tasks
-            .spawn_blocking(move || encode_leading(&model, &input, min_bytes));
+            .spawn_blocking(move || encode_leading(&model, dialect, &input, min_bytes));
         Some(Box::pin(async move {
             task.await.map_err(|e| TokenizeError::InProcess {
                 reason: e.to_string(),
@@ -135,7 +152,7 @@ impl InProcess for InProcessTokenizer {
         }
         Some((|| {
             let messages = chat_messages(messages)?;
-            let options = fields.chat_options(*add_generation_prompt)?;
+            let options = fields.chat_options(*add_generation_prompt, self.dialect)?;
             self.model
                 .encode_chat_resumable(&messages, &options, prior)
                 .map_err(failed)
@@ -143,18 +160,22 @@ impl InProcess for InProcessTokenizer {
     }
 
     fn tokenize_now(&self, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
-        encode(&self.model, input)
+        encode(&self.model, self.dialect, input)
     }
 }
 
-/// The whole prompt's tokens.
-fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
+/// The whole prompt's tokens, as `dialect`'s engine builds the prompt.
+fn encode(
+    model: &ModelTokenizer,
+    dialect: Dialect,
+    input: &TokenizeInput,
+) -> Result<Vec<u32>, TokenizeError> {
     match input {
         TokenizeInput::Text {
             text,
             add_special_tokens,
         } => model
-            .encode_prompt(text, *add_special_tokens)
+            .encode_prompt(text, dialect.completion_special_tokens(*add_special_tokens))
             .map_err(failed),
         TokenizeInput::Chat {
             messages,
@@ -162,12 +183,14 @@ fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, Tok
             fields,
         } => {
             let messages = chat_messages(messages)?;
-            let options = fields.chat_options(*add_generation_prompt)?;
+            let options = fields.chat_options(*add_generation_prompt, dialect)?;
             model.encode_chat_with(&messages, &options).map_err(failed)
         }
         TokenizeInput::Api { api, request } => {
             let request = api_request_object(request)?;
-            model.encode_api_request(*api, &request).map_err(failed)
+            model
+                .encode_api_request_for(dialect, *api, &request)
+                .map_err(failed)
         }
     }
 }
@@ -175,6 +198,7 @@ fn encode(model: &ModelTokenizer, input: &TokenizeInput) -> Result<Vec<u32>, Tok
 /// [`encode`]'s leading variant (completion text and chat; API requests are not called here).
 fn encode_leading(
     model: &ModelTokenizer,
+    dialect: Dialect,
     input: &TokenizeInput,
     min_bytes: usize,
 ) -> Result<LeadingTokens, TokenizeError> {
@@ -183,7 +207,11 @@ fn encode_leading(
             text,
             add_special_tokens,
         } => model
-            .encode_prompt_leading(text, *add_special_tokens, min_bytes)
+            .encode_prompt_leading(
+                text,
+                dialect.completion_special_tokens(*add_special_tokens),
+                min_bytes,
+            )
             .map_err(failed),
         TokenizeInput::Chat {
             messages,
@@ -191,7 +219,7 @@ fn encode_leading(
             fields,
         } => {
             let messages = chat_messages(messages)?;
-            let options = fields.chat_options(*add_generation_prompt)?;
+            let options = fields.chat_options(*add_generation_prompt, dialect)?;
             model
                 .encode_chat_leading(&messages, &options, min_bytes)
                 .map_err(failed)

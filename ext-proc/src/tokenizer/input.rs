@@ -52,6 +52,8 @@ pub struct ChatInputFields {
     pub reasoning_effort: Option<String>,
     /// Whether the request carries its own `chat_template`.
     pub request_template: bool,
+    /// `tool_choice`, raw (SGLang renders the tools it allows).
+    pub tool_choice: Option<Box<RawValue>>,
     /// `mm_processor_kwargs` and `media_io_kwargs`, raw (they change the images' identifiers).
     pub media_kwargs: [Option<Box<RawValue>>; 2],
 }
@@ -67,6 +69,7 @@ impl ChatInputFields {
             chat_template_kwargs: fields.chat_template_kwargs.map(ToOwned::to_owned),
             reasoning_effort: fields.reasoning_effort.as_deref().map(str::to_owned),
             request_template: fields.request_template,
+            tool_choice: fields.tool_choice.map(ToOwned::to_owned),
             media_kwargs: fields.media_kwargs.map(|raw| raw.map(ToOwned::to_owned)),
         }
     }
@@ -87,14 +90,16 @@ impl ChatInputFields {
                 .map(serde_json::Value::Object)),
             reasoning_effort: options.reasoning_effort.clone(),
             request_template: options.request_template,
+            tool_choice: raw(options.tool_choice.clone()),
             media_kwargs: [None, None],
         }
     }
 
-    /// The options `kvroute-tokenize` renders with.
+    /// The options `kvroute-tokenize` renders with, as `dialect`'s engine reads the request.
     pub(super) fn chat_options(
         &self,
         add_generation_prompt: bool,
+        dialect: kvroute_tokenize::Dialect,
     ) -> Result<kvroute_tokenize::ChatOptions, TokenizeError> {
         let json =
             |raw: &Option<Box<RawValue>>| -> Result<Option<serde_json::Value>, TokenizeError> {
@@ -115,6 +120,8 @@ impl ChatInputFields {
             }
         };
         Ok(kvroute_tokenize::ChatOptions {
+            dialect,
+            tool_choice: json(&self.tool_choice)?,
             add_generation_prompt,
             continue_final_message: self.continue_final_message,
             add_special_tokens: self.add_special_tokens,

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use kvroute_tokenize::{LeadingTokens, ResumableTokens, ResumePoint};
 use tokio_util::task::TaskTracker;
 
-use crate::config::TokenizerSource;
+use crate::config::{Engine, TokenizerSource};
 use crate::error::TokenizeError;
 use kvroute_config::ConfigError;
 
@@ -44,6 +44,8 @@ mod render;
 
 #[cfg(test)]
 mod goldens_tests;
+#[cfg(test)]
+mod sglang_goldens_tests;
 #[cfg(test)]
 mod tests;
 
@@ -199,11 +201,21 @@ impl TokenizerMode {
     }
 }
 
+/// The prompt construction of an engine family.
+pub fn dialect_of(engine: Engine) -> kvroute_tokenize::Dialect {
+    match engine {
+        Engine::Vllm => kvroute_tokenize::Dialect::Vllm,
+        Engine::Sglang => kvroute_tokenize::Dialect::Sglang,
+    }
+}
+
 /// Builds the tokenizer a pool's `source` names (`None` for [`TokenizerSource::None`]); `pool`
-/// is the pool's index, for the error's field name. Loading a model folder is slow (it checks
-/// the fast encoder against HF).
+/// is the pool's index, for the error's field name. An in-process tokenizer builds prompts as
+/// the pool's `engine` family does (vLLM and SGLang render the same chat differently). Loading a
+/// model folder is slow (it checks the fast encoder against HF).
 pub fn from_source(
     source: &TokenizerSource,
+    engine: Engine,
     pool: usize,
     tasks: &TaskTracker,
 ) -> Result<Option<Arc<dyn Tokenizer>>, ConfigError> {
@@ -216,7 +228,7 @@ pub fn from_source(
                     format_args!("cannot load tokenizer from '{}': {e}", dir.display()),
                 )
             })?;
-            Some(Arc::new(loaded))
+            Some(Arc::new(loaded.with_dialect(dialect_of(engine))))
         }
         TokenizerSource::Remote { url, timeout } => {
             Some(Arc::new(RemoteTokenizer::new(url.clone(), *timeout)))

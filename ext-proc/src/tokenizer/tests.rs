@@ -412,3 +412,45 @@ async fn remote_mode_refuses_images_as_multimodal() {
         assert_eq!(error.as_label(), "multimodal", "{body}: {error}");
     }
 }
+
+/// A pool's engine family decides how its in-process tokenizer builds prompts.
+#[tokio::test]
+async fn the_pool_engine_picks_the_prompt_dialect() {
+    use crate::config::{Engine, TokenizerSource};
+    let tasks = TaskTracker::new();
+    let source = TokenizerSource::ModelDir(TINY_MODEL.into());
+    let of = |engine| {
+        super::from_source(&source, engine, 0, &tasks)
+            .unwrap()
+            .unwrap()
+    };
+    let (vllm, sglang) = (of(Engine::Vllm), of(Engine::Sglang));
+    // SGLang's completions have no `add_special_tokens`: bos is always added.
+    let bare = Arc::new(TokenizeInput::Text {
+        text: "Hello world".into(),
+        add_special_tokens: false,
+    });
+    let direct = ModelTokenizer::from_dir(TINY_MODEL).unwrap();
+    assert_eq!(
+        vllm.tokenize("m", Arc::clone(&bare)).await.unwrap(),
+        direct.encode_prompt("Hello world", false).unwrap()
+    );
+    assert_eq!(
+        sglang.tokenize("m", bare).await.unwrap(),
+        direct.encode_prompt("Hello world", true).unwrap()
+    );
+    // SGLang ignores `add_generation_prompt: false` and makes a final assistant message a user's.
+    let body = br#"{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Yo"}],"add_generation_prompt":false}"#;
+    let parsed = parse(body, Endpoint::ChatCompletions).unwrap();
+    let input = Arc::new(owned_input(&parsed.prompt));
+    let as_user = serde_json::json!([{"role": "user", "content": "Hi"},
+        {"role": "user", "content": "Yo"}]);
+    assert_eq!(
+        sglang.tokenize("m", Arc::clone(&input)).await.unwrap(),
+        direct.encode_chat(&as_user, true).unwrap()
+    );
+    assert_ne!(
+        vllm.tokenize("m", input).await.unwrap(),
+        direct.encode_chat(&as_user, true).unwrap()
+    );
+}

@@ -472,6 +472,7 @@ impl ChatRequest {
             chat_template_kwargs: self.chat_template_kwargs.clone(),
             request_template: false,
             messages_validated: true,
+            ..ChatOptions::default()
         }
     }
 }

@@ -471,6 +471,8 @@ fn old_context(
         value: J::from_serialize(&context),
         final_text,
         tokenized_by_template,
+        // The reference is vLLM's construction, which appends nothing after the rendering.
+        continuation: None,
     })
 }
 
