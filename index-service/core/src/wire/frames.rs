@@ -9,7 +9,7 @@ const END_MARKER_SEQ: [u8; 8] = [0xff; 8];
 /// One reply message of a replay, as a DEALER receives it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReplayItem<'a> {
-    /// A buffered batch: its sequence number and undecoded payload (pass it to [`decode_engine_batch`](super::decode_engine_batch)).
+    /// A buffered batch: its sequence number and undecoded payload (pass it to [`decode_engine_batch`]).
     Batch {
         /// The batch's sequence number.
         seq: u64,
