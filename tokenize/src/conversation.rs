@@ -597,6 +597,43 @@ fn part_text(part: &J) -> Result<Option<String>, TokenizeError> {
     }
 }
 
+/// A tool's optional field: absent or null is `None`; present, it must pass `ok`.
+fn optional(
+    map: &Map<String, Value>,
+    key: &str,
+    ok: fn(&Value) -> bool,
+) -> Result<Option<Value>, TokenizeError> {
+    match map.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) if ok(v) => Ok(Some(v.clone())),
+        Some(_) => Err(TokenizeError::InvalidTools {
+            reason: format!("invalid {key}"),
+        }),
+    }
+}
+
+/// A tool object, its `function` object and the function's string `name`.
+type ToolParts<'a> = (&'a Map<String, Value>, &'a Map<String, Value>, &'a Value);
+
+/// A tool's parts as every engine's request model requires them.
+fn tool_function(tool: &Value) -> Result<ToolParts<'_>, TokenizeError> {
+    let bad = |reason: &str| TokenizeError::InvalidTools {
+        reason: reason.to_owned(),
+    };
+    let tool = tool
+        .as_object()
+        .ok_or_else(|| bad("a tool must be an object"))?;
+    let function = tool
+        .get("function")
+        .and_then(Value::as_object)
+        .ok_or_else(|| bad("a tool needs a function"))?;
+    let name = function
+        .get("name")
+        .filter(|n| n.is_string())
+        .ok_or_else(|| bad("a tool's function needs a string name"))?;
+    Ok((tool, function, name))
+}
+
 /// `tools` as vLLM hands them to the template: `ChatCompletionToolsParam.model_dump()` of each
 /// (`type`, `function: {name, description, parameters, [strict], [defer_loading]}`,
 /// `[defer_loading]`; other keys dropped; `description`/`parameters` null when unset).
@@ -610,33 +647,15 @@ pub(crate) fn canonical_tools(tools: &Value) -> Result<Value, TokenizeError> {
     if tools.is_empty() {
         return Err(bad("tools must not be an empty list"));
     }
-    let optional = |map: &Map<String, Value>, key: &str, ok: fn(&Value) -> bool| match map.get(key)
-    {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) if ok(v) => Ok(Some(v.clone())),
-        Some(_) => Err(TokenizeError::InvalidTools {
-            reason: format!("invalid {key}"),
-        }),
-    };
     tools
         .iter()
         .map(|tool| {
-            let tool = tool
-                .as_object()
-                .ok_or_else(|| bad("a tool must be an object"))?;
+            let (tool, function, name) = tool_function(tool)?;
             match tool.get("type") {
                 None => {}
                 Some(Value::String(t)) if t == "function" => {}
                 Some(_) => return Err(bad("only tools of type 'function' are supported")),
             }
-            let function = tool
-                .get("function")
-                .and_then(Value::as_object)
-                .ok_or_else(|| bad("a tool needs a function"))?;
-            let name = function
-                .get("name")
-                .filter(|n| n.is_string())
-                .ok_or_else(|| bad("a tool's function needs a string name"))?;
             let description = optional(function, "description", Value::is_string)?;
             let parameters = optional(function, "parameters", Value::is_object)?;
             let strict = optional(function, "strict", Value::is_boolean)?;
@@ -945,13 +964,9 @@ pub(crate) fn canonical_tools_sglang(tools: &Value) -> Result<Value, TokenizeErr
     let bad = |reason: &str| TokenizeError::InvalidTools {
         reason: reason.to_owned(),
     };
-    let optional = |map: &Map<String, Value>, key: &str, ok: fn(&Value) -> bool| match map.get(key)
-    {
-        None | Some(Value::Null) => Ok(Value::Null),
-        Some(v) if ok(v) => Ok(v.clone()),
-        Some(_) => Err(TokenizeError::InvalidTools {
-            reason: format!("invalid {key}"),
-        }),
+    // SGLang's request model dumps an unset optional field as null.
+    let optional = |map: &Map<String, Value>, key: &str, ok: fn(&Value) -> bool| {
+        optional(map, key, ok).map(|value| value.unwrap_or(Value::Null))
     };
     let tools = tools
         .as_array()
@@ -959,22 +974,12 @@ pub(crate) fn canonical_tools_sglang(tools: &Value) -> Result<Value, TokenizeErr
     tools
         .iter()
         .map(|tool| {
-            let tool = tool
-                .as_object()
-                .ok_or_else(|| bad("a tool must be an object"))?;
+            let (tool, function, name) = tool_function(tool)?;
             let kind = match tool.get("type") {
                 None => Value::from("function"),
                 Some(kind @ Value::String(_)) => kind.clone(),
                 Some(_) => return Err(bad("a tool's type must be a string")),
             };
-            let function = tool
-                .get("function")
-                .and_then(Value::as_object)
-                .ok_or_else(|| bad("a tool needs a function"))?;
-            let name = function
-                .get("name")
-                .filter(|n| n.is_string())
-                .ok_or_else(|| bad("a tool's function needs a string name"))?;
             let tool_defer = optional(tool, "defer_loading", Value::is_boolean)?;
             let mut defer = optional(function, "defer_loading", Value::is_boolean)?;
             if defer.is_null() {

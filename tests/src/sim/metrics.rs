@@ -69,12 +69,7 @@ impl MetricsInfo {
                 g.kv_cache_usage
             }),
         ];
-        for (name, help, value) in gauge_list {
-            let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n");
-            for (labels, gauges) in labels.iter().zip(&gauges) {
-                let _ = writeln!(out, "{name}{{{labels}}} {}", float(value(gauges)));
-            }
-        }
+        write_gauges(&mut out, &gauge_list, &labels, &gauges);
         let counters: [(&str, &str, &str, CounterOf); 4] = [
             (
                 "sglang:num_requests",
@@ -148,12 +143,7 @@ impl MetricsInfo {
                 |g| g.kv_cache_usage,
             ),
         ];
-        for (name, help, value) in gauge_list {
-            let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n");
-            for (labels, gauges) in labels.iter().zip(&gauges) {
-                let _ = writeln!(out, "{name}{{{labels}}} {}", float(value(gauges)));
-            }
-        }
+        write_gauges(&mut out, &gauge_list, &labels, &gauges);
         let counter_list: [(&str, &str, CounterOf); 7] = [
             (
                 "vllm:prefix_cache_queries",
@@ -266,6 +256,21 @@ impl MetricsInfo {
             );
         }
         out
+    }
+}
+
+/// Each gauge family once, one sample per rank (its labels).
+fn write_gauges(
+    out: &mut String,
+    families: &[(&str, &str, GaugeOf)],
+    labels: &[String],
+    gauges: &[EngineGauges],
+) {
+    for (name, help, value) in families {
+        let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n");
+        for (labels, gauges) in labels.iter().zip(gauges) {
+            let _ = writeln!(out, "{name}{{{labels}}} {}", float(value(gauges)));
+        }
     }
 }
 

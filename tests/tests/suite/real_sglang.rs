@@ -10,8 +10,8 @@
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use kvroute_config::Engine;
 use kvroute_ext_proc::server::PREDICTED_CACHED_HEADER;
@@ -23,7 +23,7 @@ use kvroute_tests::stack::{
 };
 use serde_json::{Value, json};
 
-use super::real_vllm::{cache_dir, model_dir};
+use super::real_vllm::{cache_dir, model_dir, stop_engine_group, wait_engine_healthy};
 use super::routing::text;
 
 const ENGINES: usize = 2;
@@ -93,44 +93,14 @@ impl SglangEngine {
     }
 
     async fn wait_healthy(&mut self) {
-        let health = format!("{}/health", self.url());
-        let guard = &mut self.guard;
-        let outcome = try_poll_until(&format!("{} /health", self.name), startup_timeout(), || {
-            let exited = guard.exited();
-            let health = health.clone();
-            async move {
-                if let Some(status) = exited {
-                    return Some(Err(status));
-                }
-                let response = http::get(&health).await.ok()?;
-                response.status.is_success().then_some(Ok(()))
-            }
-        })
-        .await;
-        match outcome {
-            Ok(Ok(())) => {}
-            Ok(Err(status)) => panic!("{} exited with {status}:\n{}", self.name, self.guard.log()),
-            Err(error) => panic!("{error}:\n{}", self.guard.log()),
-        }
+        let url = self.url();
+        wait_engine_healthy(&self.name, &url, &mut self.guard).await;
     }
 }
 
 impl Drop for SglangEngine {
     fn drop(&mut self) {
-        let group = format!("-{}", self.guard.id());
-        let signal = |name: &str| {
-            let _ = Command::new("kill")
-                .args([name, "--", &group])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        };
-        signal("-TERM");
-        let stop = Instant::now() + Duration::from_secs(30);
-        while self.guard.exited().is_none() && Instant::now() < stop {
-            std::thread::park_timeout(Duration::from_millis(50));
-        }
-        signal("-KILL");
+        stop_engine_group(&mut self.guard);
     }
 }
 

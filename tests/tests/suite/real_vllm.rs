@@ -237,29 +237,8 @@ impl VllmEngine {
 
     /// Waits for `/health` 200; fails at once if the engine exited.
     pub async fn wait_healthy(&mut self) {
-        let health = format!("{}/health", self.url());
-        let guard = &mut self.guard;
-        let outcome = try_poll_until(
-            &format!("{} /health", self.name),
-            engine_startup_timeout(),
-            || {
-                let exited = guard.exited();
-                let health = health.clone();
-                async move {
-                    if let Some(status) = exited {
-                        return Some(Err(status));
-                    }
-                    let response = http::get(&health).await.ok()?;
-                    response.status.is_success().then_some(Ok(()))
-                }
-            },
-        )
-        .await;
-        match outcome {
-            Ok(Ok(())) => {}
-            Ok(Err(status)) => panic!("{} exited with {status}:\n{}", self.name, self.guard.log()),
-            Err(error) => panic!("{error}:\n{}", self.guard.log()),
-        }
+        let url = self.url();
+        wait_engine_healthy(&self.name, &url, &mut self.guard).await;
     }
 
     pub async fn metrics(&self) -> EngineCounters {
@@ -277,22 +256,51 @@ impl VllmEngine {
 
 impl Drop for VllmEngine {
     fn drop(&mut self) {
-        let group = format!("-{}", self.guard.id());
-        let signal = |name: &str| {
-            let _ = Command::new("kill")
-                .args([name, "--", &group])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        };
-        signal("-TERM");
-        let deadline = Instant::now() + engine_stop_grace();
-        while self.guard.exited().is_none() && Instant::now() < deadline {
-            std::thread::park_timeout(Duration::from_millis(50));
-        }
-        // Whatever of the group is left (the leader may have gone first).
-        signal("-KILL");
+        stop_engine_group(&mut self.guard);
     }
+}
+
+/// Waits for a real engine's `GET {url}/health` to answer 200; panics with its log at once if
+/// the process exited, or when it is not up in time.
+pub(super) async fn wait_engine_healthy(name: &str, url: &str, guard: &mut ChildGuard) {
+    let health = format!("{url}/health");
+    let outcome = try_poll_until(&format!("{name} /health"), engine_startup_timeout(), || {
+        let exited = guard.exited();
+        let health = health.clone();
+        async move {
+            if let Some(status) = exited {
+                return Some(Err(status));
+            }
+            let response = http::get(&health).await.ok()?;
+            response.status.is_success().then_some(Ok(()))
+        }
+    })
+    .await;
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(status)) => panic!("{name} exited with {status}:\n{}", guard.log()),
+        Err(error) => panic!("{error}:\n{}", guard.log()),
+    }
+}
+
+/// Stops a real engine started in its own process group: SIGTERM to the group, SIGKILL to
+/// whatever of it is left after the grace period (API server, engine core, workers).
+pub(super) fn stop_engine_group(guard: &mut ChildGuard) {
+    let group = format!("-{}", guard.id());
+    let signal = |name: &str| {
+        let _ = Command::new("kill")
+            .args([name, "--", &group])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    };
+    signal("-TERM");
+    let deadline = Instant::now() + engine_stop_grace();
+    while guard.exited().is_none() && Instant::now() < deadline {
+        std::thread::park_timeout(Duration::from_millis(50));
+    }
+    // Whatever of the group is left (the leader may have gone first).
+    signal("-KILL");
 }
 
 #[derive(Debug, Clone, Copy, Default)]
