@@ -9,7 +9,7 @@
 # *binds* one with a wildcard. The replay ROUTER is always bound by SGLang.
 # Settings kvroute relies on: the zmq publisher (SGLang's default is none), page size 16 (the
 # KV-event block size; SGLang's default of 1 is useless to a router), a small KV pool
-# (MAX_TOTAL_TOKENS, default 4096) so eviction matters, cached-token usage details
+# (MAX_TOTAL_TOKENS, default 4096; the tier test gives 16384), cached-token usage details
 # (--enable-cache-report), Prometheus metrics (--enable-metrics).
 # Env: KVROUTE_CACHE (default ~/.cache/kvroute), SGLANG_VERSION (default 0.5.23),
 #      MAX_TOTAL_TOKENS, CONTEXT_LENGTH (default 2048).

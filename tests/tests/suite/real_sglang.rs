@@ -72,6 +72,9 @@ impl SglangEngine {
             .arg(&events)
             .arg(ports[2].to_string())
             .arg(&topic)
+            // Room for every conversation: the tier checks where turns go and what kvroute
+            // predicts, so none of them may lose its prefix to eviction.
+            .env("MAX_TOTAL_TOKENS", "16384")
             .process_group(0);
         let guard = ChildGuard::spawn(&name, command, logs.join(format!("{name}.log"))).unwrap();
         Self {
