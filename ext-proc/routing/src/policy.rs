@@ -55,6 +55,17 @@
 //! 11.1 req/s and shared-prefix's from 33.1 to 34.5.) It ranks the candidates; the
 //! reported estimate ([`Choice::ttft_ms`]) and the fallback order leave it out.
 //!
+//! Overload: once even the least busy candidate has `overload_queue_ms` queued (default 6 s),
+//! the pool is past saturation and every replica will be busy for as long as anyone can see.
+//! Then the per-request estimate is the wrong objective: moving a request to a slightly shorter
+//! queue saves it little of a long wait, while recomputing its prefix there adds work every
+//! later request on that replica waits behind, so throughput falls as the queues grow. The
+//! request goes to the longest cached prefix among the candidates whose queue is within
+//! `overload_imbalance` (default 1.5) of the least busy one's (then the best estimate), as
+//! SGLang's cache-aware policy balances only beyond an imbalance threshold; a replica queued
+//! beyond that gives its prefix up. The hotspot guard does not apply (the imbalance bound is the
+//! guard). Shedding (`epp.shedding`) stays the operator's lever for refusing work instead.
+//!
 //! Ties: estimates within `TIE_TOLERANCE` of the best count as equal; among them the longest
 //! cached prefix wins, then a random one, so identical replicas share work.
 
@@ -116,6 +127,8 @@ pub enum Reason {
     LoadOverCache,
     /// The replica with the longest prefix was skipped as a hotspot.
     HotspotGuard,
+    /// The pool was overloaded: the longest prefix among the balanced candidates won.
+    Overload,
 }
 
 impl Reason {
@@ -126,6 +139,7 @@ impl Reason {
             Self::NoCacheMatch => "no_cache_match",
             Self::LoadOverCache => "load_over_cache",
             Self::HotspotGuard => "hotspot_guard",
+            Self::Overload => "overload",
         }
     }
 }
@@ -237,6 +251,46 @@ pub fn fallback_order(
     ranked.into_iter().map(|(_, _, i)| i).collect()
 }
 
+/// In overload (every candidate queued at least `overload_queue_ms`), which candidates are
+/// balanced: queued within `overload_imbalance` of the least busy one. `None` below overload.
+fn overload_balanced<'a>(
+    queues: &'a [f64],
+    weights: &ScoringConfig,
+) -> Option<impl Fn(usize) -> bool + 'a> {
+    let least = queues.iter().copied().fold(f64::INFINITY, f64::min);
+    if weights.overload_queue_ms <= 0.0 || !least.is_finite() || least < weights.overload_queue_ms {
+        return None;
+    }
+    let bound = least * weights.overload_imbalance.max(1.0);
+    Some(move |i: usize| queues[i] <= bound)
+}
+
+/// Among `eligible`, the lowest score; scores within [`TIE_TOLERANCE`] count as equal, and among
+/// them the longest prefix (keeps a conversation where its cache is), then a random one.
+fn pick_best(
+    eligible: impl Iterator<Item = usize> + Clone,
+    candidates: &[Candidate],
+    score: impl Fn(usize) -> f64,
+    rng: &mut impl Rng,
+) -> usize {
+    let best = eligible.clone().map(&score).fold(f64::INFINITY, f64::min);
+    let ties: Vec<usize> = eligible
+        .filter(|i| score(*i) <= best * (1.0 + TIE_TOLERANCE) + TIE_EPSILON_MS)
+        .collect();
+    let longest_tied = ties
+        .iter()
+        .map(|i| candidates[*i].matched_blocks)
+        .max()
+        .unwrap_or(0);
+    let ties: Vec<usize> = ties
+        .into_iter()
+        .filter(|i| candidates[*i].matched_blocks == longest_tied)
+        .collect();
+    ties.get(rng.random_range(0..ties.len().max(1)))
+        .copied()
+        .unwrap_or(0)
+}
+
 /// Picks the candidate with the lowest estimated TTFT. `None` only when `candidates` is empty.
 pub fn choose(
     candidates: &[Candidate],
@@ -287,32 +341,41 @@ pub fn choose(
         let recomputed = held.saturating_sub(cached_tokens(&candidates[i]));
         ttft(i) + penalty_ms_per_token * recomputed as f64
     };
-    let best = (0..candidates.len())
-        .filter(|i| eligible(*i))
-        .map(score)
-        .fold(f64::INFINITY, f64::min);
-    let ties: Vec<usize> = (0..candidates.len())
-        .filter(|i| eligible(*i) && score(*i) <= best * (1.0 + TIE_TOLERANCE) + TIE_EPSILON_MS)
-        .collect();
-    // Among (nearly) equal scores prefer the longest prefix (keeps a conversation where its cache
-    // is), then pick at random.
-    let longest_tied = ties
-        .iter()
-        .map(|i| candidates[*i].matched_blocks)
-        .max()
-        .unwrap_or(0);
-    let ties: Vec<usize> = ties
-        .into_iter()
-        .filter(|i| candidates[*i].matched_blocks == longest_tied)
-        .collect();
-    let index = ties[rng.random_range(0..ties.len())];
+    let overload = overload_balanced(&queues, weights);
+    let overloaded = overload.is_some();
+    let index = match overload {
+        Some(balanced) => {
+            // Overloaded: the longest cached prefix among the balanced candidates, then the
+            // best estimate.
+            let longest = (0..candidates.len())
+                .filter(|i| balanced(*i))
+                .map(|i| candidates[i].matched_blocks)
+                .max()
+                .unwrap_or(0);
+            pick_best(
+                (0..candidates.len())
+                    .filter(|i| balanced(*i) && candidates[*i].matched_blocks == longest),
+                candidates,
+                score,
+                rng,
+            )
+        }
+        None => pick_best(
+            (0..candidates.len()).filter(|i| eligible(*i)),
+            candidates,
+            score,
+            rng,
+        ),
+    };
     let max_matched = candidates
         .iter()
         .map(|c| c.matched_blocks)
         .max()
         .unwrap_or(0);
     let chosen_matched = candidates[index].matched_blocks;
-    let reason = if max_matched == 0 {
+    let reason = if overloaded {
+        Reason::Overload
+    } else if max_matched == 0 {
         Reason::NoCacheMatch
     } else if chosen_matched == max_matched {
         Reason::CacheHit
@@ -348,6 +411,8 @@ mod tests {
             hotspot_min_ms: 100.0,
             recompute_penalty: 1.0,
             speculative_ttl: std::time::Duration::from_secs(1),
+            overload_queue_ms: 0.0,
+            overload_imbalance: 1.5,
         }
     }
 
@@ -529,5 +594,58 @@ mod tests {
             seen[choose(&c, 100, 16, &weights(), &mut rng).unwrap().index] += 1;
         }
         assert!(seen.iter().all(|n| *n > 50), "{seen:?}");
+    }
+
+    /// The test weights with the overload rule on: 1 s of queue, 1.5 times the least busy.
+    fn overload_weights() -> ScoringConfig {
+        ScoringConfig {
+            overload_queue_ms: 1000.0,
+            overload_imbalance: 1.5,
+            ..weights()
+        }
+    }
+
+    #[test]
+    fn an_overloaded_pool_keeps_a_prefix_on_a_holder_within_the_imbalance() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        // 64 blocks cached save 102 ms of prefill; the holder's 30 waiting requests cost 500 ms
+        // more than the other's 20: the estimate would leave the holder.
+        let c = [candidate(64, 30.0), candidate(0, 20.0)];
+        let choice = choose(&c, 1024, 16, &weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
+        // Overloaded (both queued at least 1 s), 1.5 times the least busy queue is 1.5 s, and the
+        // holder's 1.5 s is within it: the prefix stays where it is cached.
+        let choice = choose(&c, 1024, 16, &overload_weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (0, Reason::Overload));
+    }
+
+    #[test]
+    fn an_overloaded_holder_beyond_the_imbalance_gives_its_prefix_up() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        // The holder's 31 waiting requests (1.55 s) are beyond 1.5 times the other's 20 (1 s).
+        let c = [candidate(64, 31.0), candidate(0, 20.0)];
+        let choice = choose(&c, 1024, 16, &overload_weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (1, Reason::Overload));
+        // Among balanced candidates holding as much, the best estimate wins.
+        let c = [candidate(64, 25.0), candidate(64, 21.0), candidate(0, 20.0)];
+        let choice = choose(&c, 1024, 16, &overload_weights(), &mut rng).unwrap();
+        assert_eq!(choice.index, 1);
+    }
+
+    #[test]
+    fn below_the_overload_queue_the_estimate_decides() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        // The least busy candidate has 950 ms queued, under the 1 s bound.
+        let c = [candidate(64, 25.0), candidate(0, 19.0)];
+        let choice = choose(&c, 1024, 16, &overload_weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
+        // Off (0), however long the queues.
+        let off = ScoringConfig {
+            overload_queue_ms: 0.0,
+            ..overload_weights()
+        };
+        let c = [candidate(64, 300.0), candidate(0, 200.0)];
+        let choice = choose(&c, 1024, 16, &off, &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
     }
 }

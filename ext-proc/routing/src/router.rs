@@ -331,13 +331,15 @@ impl Router {
                 let (matched_blocks, reused) = match indexed.get(i).copied().flatten() {
                     // A recent insert stands for events that have not landed yet. kvroute keeps
                     // believing it for the TTL (a replica whose engine never stores what kvroute
-                    // routed there then shows as drift), but tells what the engine will reuse
-                    // from it only while a request carrying its keys is in flight there: once
-                    // the engine answered, its blocks were stored and the index knows better,
-                    // evictions since included.
+                    // routed there then shows as drift), and for as long as a request carrying
+                    // its keys waits there: an overloaded engine may queue it for longer than
+                    // the TTL, and its prefix is still coming. It tells what the engine will
+                    // reuse only while such a request is in flight: once the engine answered,
+                    // its blocks were stored and the index knows better, evictions since
+                    // included.
                     Some(found) => (
-                        found.with_speculative(remembered.speculative),
-                        found.with_speculative(remembered.speculative.min(shared_blocks as u32)),
+                        found.with_speculative(remembered.speculative.max(shared_blocks as u32)),
+                        found.with_speculative(shared_blocks as u32),
                     ),
                     None => (remembered.approximate, remembered.approximate),
                 };
@@ -541,6 +543,48 @@ mod tests {
             (1, 100, 0)
         );
         assert_eq!(after.prediction.map(|p| p.cached_tokens), Some(1600));
+    }
+
+    #[test]
+    fn a_prefix_queued_past_the_speculative_ttl_is_still_believed_where_it_waits() {
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let scoring = ScoringConfig::default();
+        let now = Instant::now();
+        let candidates = ["r0", "r1"];
+        let keys: Vec<u64> = (1..=100).collect();
+        let first = router
+            .score_and_commit(request(
+                &candidates,
+                prompt(&keys, vec![Some(0), Some(60)]),
+                &scoring,
+                now,
+            ))
+            .unwrap();
+        assert_eq!(first.choice, 1);
+        // Long after the TTL the first request still waits in r1's queue (an overloaded engine):
+        // its prefix has not been computed, the index has no events for it, but it is coming.
+        let later = now + scoring.speculative_ttl * 10;
+        let mut dry = request(
+            &candidates,
+            prompt(&keys, vec![Some(0), Some(60)]),
+            &scoring,
+            later,
+        );
+        dry.commit = false;
+        let queued = router.score_and_commit(dry).unwrap();
+        assert_eq!(queued.scored.views[1].matched_blocks, 100);
+        assert_eq!(queued.scored.reusable_blocks[1], 100);
+        // Answered: the index knows better from then on.
+        drop(first);
+        let mut dry = request(
+            &candidates,
+            prompt(&keys, vec![Some(0), Some(60)]),
+            &scoring,
+            later,
+        );
+        dry.commit = false;
+        let answered = router.score_and_commit(dry).unwrap();
+        assert_eq!(answered.scored.views[1].matched_blocks, 60);
     }
 
     #[test]

@@ -10,8 +10,9 @@ use kvroute_routing::ScoringConfig;
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
 use kvroute_routing::scoring::{
     DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_KV_USAGE_MS,
-    DEFAULT_PREFILL_MS_PER_TOKEN, DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY,
-    DEFAULT_RUNNING_MS_PER_REQUEST, DEFAULT_SPECULATIVE_TTL,
+    DEFAULT_OVERLOAD_IMBALANCE, DEFAULT_OVERLOAD_QUEUE_MS, DEFAULT_PREFILL_MS_PER_TOKEN,
+    DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY, DEFAULT_RUNNING_MS_PER_REQUEST,
+    DEFAULT_SPECULATIVE_TTL,
 };
 use kvroute_runtime::tls::{ClientTls, ServerTls, TlsError};
 use kvroute_runtime::token::{AgentToken, TokenError};
@@ -325,6 +326,18 @@ fn scoring(raw: &RawScoring) -> Result<ScoringConfig, ConfigError> {
     if hotspot_factor < 1.0 {
         return Err(invalid("hotspot_factor", hotspot_factor, "must be >= 1"));
     }
+    let overload_imbalance = non_negative(
+        "overload_imbalance",
+        raw.overload_imbalance,
+        DEFAULT_OVERLOAD_IMBALANCE,
+    )?;
+    if overload_imbalance < 1.0 {
+        return Err(invalid(
+            "overload_imbalance",
+            overload_imbalance,
+            "must be >= 1",
+        ));
+    }
     Ok(ScoringConfig {
         prefill_ms_per_token: non_negative(
             "prefill_ms_per_token",
@@ -350,6 +363,12 @@ fn scoring(raw: &RawScoring) -> Result<ScoringConfig, ConfigError> {
             DEFAULT_RECOMPUTE_PENALTY,
         )?,
         speculative_ttl: or_default(raw.speculative_ttl, DEFAULT_SPECULATIVE_TTL),
+        overload_queue_ms: non_negative(
+            "overload_queue_ms",
+            raw.overload_queue_ms,
+            DEFAULT_OVERLOAD_QUEUE_MS,
+        )?,
+        overload_imbalance,
     })
 }
 

@@ -15,8 +15,9 @@ use kvroute_config::{ConfigDuration, ListenAddr, RawClientTls, RawServerTls, for
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
 use kvroute_routing::scoring::{
     DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_KV_USAGE_MS,
-    DEFAULT_PREFILL_MS_PER_TOKEN, DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY,
-    DEFAULT_RUNNING_MS_PER_REQUEST, DEFAULT_SPECULATIVE_TTL,
+    DEFAULT_OVERLOAD_IMBALANCE, DEFAULT_OVERLOAD_QUEUE_MS, DEFAULT_PREFILL_MS_PER_TOKEN,
+    DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY, DEFAULT_RUNNING_MS_PER_REQUEST,
+    DEFAULT_SPECULATIVE_TTL,
 };
 
 use super::{BodyMode, DisaggregationMode, DriftAction, Engine, PoolMode, Role};
@@ -261,6 +262,16 @@ pub(super) struct RawScoring {
     /// confirm it.
     #[schemars(extend("default" = format_duration(DEFAULT_SPECULATIVE_TTL)))]
     pub(super) speculative_ttl: Option<ConfigDuration>,
+    /// Overload: once every candidate has at least this much queued (estimated, in ms), a
+    /// request goes to the longest cached prefix among the candidates within
+    /// `overload_imbalance` of the least busy one, instead of the lowest estimated time to first
+    /// token (recomputing a prefix then delays every request behind it). 0 turns it off.
+    #[schemars(extend("default" = DEFAULT_OVERLOAD_QUEUE_MS))]
+    pub(super) overload_queue_ms: Option<f64>,
+    /// Overload: how much longer than the least busy candidate's a queue may be and still take a
+    /// request for its cached prefix (a factor, at least 1).
+    #[schemars(extend("default" = DEFAULT_OVERLOAD_IMBALANCE))]
+    pub(super) overload_imbalance: Option<f64>,
 }
 
 /// Default longest time a routed request counts in its replica's in-flight load while Envoy has

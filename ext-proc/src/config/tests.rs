@@ -162,6 +162,14 @@ fn scoring_weights_are_read_and_checked() {
     assert!(error_of(&negative).contains("scoring.recompute_penalty"));
     let low_factor = format!("{MINIMAL}scoring: {{hotspot_factor: 0.5}}\n");
     assert!(error_of(&low_factor).contains("scoring.hotspot_factor"));
+    let overload = format!("{MINIMAL}scoring: {{overload_queue_ms: 0, overload_imbalance: 1.2}}\n");
+    let config = Config::from_yaml(&overload).unwrap();
+    assert_eq!(config.scoring.overload_queue_ms, 0.0);
+    assert_eq!(config.scoring.overload_imbalance, 1.2);
+    let below_one = format!("{MINIMAL}scoring: {{overload_imbalance: 0.9}}\n");
+    assert!(error_of(&below_one).contains("scoring.overload_imbalance"));
+    let negative = format!("{MINIMAL}scoring: {{overload_queue_ms: -5}}\n");
+    assert!(error_of(&negative).contains("scoring.overload_queue_ms"));
 }
 
 #[test]

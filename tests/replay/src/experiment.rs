@@ -406,6 +406,56 @@ fn search_one(
     })
 }
 
+/// The rate past which none of the run's routers meets the objective on `workload`: the highest
+/// rate any of them met (a search still meeting it at its ceiling counts at that ceiling).
+/// `None` when every router missed already at the lowest load point.
+pub fn saturation_rate(slo: &[SloRate], workload: &str) -> Option<f64> {
+    slo.iter()
+        .filter(|rate| rate.workload == workload)
+        .filter_map(|rate| match rate.rate {
+            SloBound::Between { met_at, .. } => Some(met_at),
+            SloBound::Above(rate) => Some(rate),
+            SloBound::Below(_) => None,
+        })
+        .filter(|rate| rate.is_finite())
+        .max_by(f64::total_cmp)
+}
+
+/// Runs `grid`'s routers on each workload at `multiples` of its saturation rate
+/// ([`saturation_rate`]): the overload region, where the max-rate search says only that every
+/// router missed. Workloads no router saturates within the search are skipped, and so is the
+/// oracle: it simulates every replica's queue for each decision, thousands of requests deep
+/// past saturation.
+pub fn run_past_saturation(
+    workloads: &[Workload],
+    grid: &Grid,
+    slo: &[SloRate],
+    multiples: &[f64],
+) -> Result<Vec<Row>, SimError> {
+    let mut rows = Vec::new();
+    for workload in workloads {
+        let Some(saturation) = saturation_rate(slo, &workload.name) else {
+            continue;
+        };
+        let base = workload.base_rate();
+        if multiples.is_empty() || base.is_nan() || base <= 0.0 {
+            continue;
+        }
+        let past = Grid {
+            loads: multiples.iter().map(|m| m * saturation / base).collect(),
+            routers: grid
+                .routers
+                .iter()
+                .copied()
+                .filter(|router| !router.is_oracle())
+                .collect(),
+            ..grid.clone()
+        };
+        rows.extend(run_grid(std::slice::from_ref(workload), &past)?);
+    }
+    Ok(rows)
+}
+
 /// Per workload and router (not bounds), the highest arrival rate at which TTFT p90 meets
 /// `slo_ms` in every seed, searched in parallel over (workload, router) pairs.
 pub fn max_rate_within_slo(

@@ -91,6 +91,10 @@ struct RunArgs {
     /// from them and goes beyond on its own.
     #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     loads: Vec<f64>,
+    /// Extra load points past saturation, as multiples of each workload's saturation rate (the
+    /// highest rate any router of the run meets the objective at), comma-separated: e.g. `1.5,2`.
+    #[arg(long, value_delimiter = ',')]
+    past_saturation: Vec<f64>,
     /// Seeds per point (router randomness, and each generated workload's draw).
     #[arg(long, default_value_t = 3)]
     seeds: u64,
@@ -207,6 +211,13 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
     if args.loads.iter().any(|l| !l.is_finite() || *l <= 0.0) {
         return Err("--loads must be positive".to_owned());
     }
+    if args
+        .past_saturation
+        .iter()
+        .any(|m| !m.is_finite() || *m <= 1.0)
+    {
+        return Err("--past-saturation multiples must be above 1".to_owned());
+    }
     for (flag, value) in [
         ("--time-scale", args.time_scale),
         ("--prefill-scale", args.prefill_scale),
@@ -239,9 +250,13 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
         progress: true,
     };
     let started = std::time::Instant::now();
-    let rows = experiment::run_grid(&workloads, &grid).map_err(|e| e.to_string())?;
+    let mut rows = experiment::run_grid(&workloads, &grid).map_err(|e| e.to_string())?;
     let slo = experiment::max_rate_within_slo(&workloads, &grid, &rows, args.slo_p90_ms)
         .map_err(|e| e.to_string())?;
+    rows.extend(
+        experiment::run_past_saturation(&workloads, &grid, &slo, &args.past_saturation)
+            .map_err(|e| e.to_string())?,
+    );
     println!(
         "# kvroute-replay: {} replicas × {} blocks of 512 tokens, token budget {}, prefill × {}, decode × {}, KV-event delay {} ms, {} seeds, warm-up {:.0}%\n",
         grid.sim.replicas,

@@ -20,6 +20,16 @@ fn ms(value: f64) -> String {
     cell(value, if value < 100.0 { 1 } else { 0 })
 }
 
+/// A load factor as written: whole factors as given, the others (points past saturation) to two
+/// decimals.
+fn factor(load: f64) -> String {
+    if load.fract() == 0.0 {
+        format!("{load}")
+    } else {
+        format!("{load:.2}")
+    }
+}
+
 /// The (workload, load) points of `rows`, in order.
 fn points(rows: &[Row]) -> Vec<(String, f64)> {
     let mut points: Vec<(String, f64)> = Vec::new();
@@ -51,7 +61,9 @@ pub fn markdown(rows: &[Row], slo: &[SloRate], slo_ms: f64) -> String {
                 "\n### {} — load ×{} ({:.2} req/s)\n\n\
                  | router | hit rate | TTFT p50 ms | p90 ms | p99 ms | mean ms | imbalance | predicted/actual blocks | prediction exact |\n\
                  |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
-                row.workload, row.load, row.rate_rps
+                row.workload,
+                factor(row.load),
+                row.rate_rps
             );
             last = Some(point);
         }
@@ -111,7 +123,8 @@ fn verdict(rows: &[Row]) -> String {
         };
         let _ = writeln!(
             out,
-            "| {workload} | ×{load} | {} | {anchor_cell} | {wins} | {} | {} | {} |",
+            "| {workload} | ×{} | {} | {anchor_cell} | {wins} | {} | {} | {} |",
+            factor(load),
             ms(kvroute.ttft_p90_ms),
             cell(kvroute.ttft_p90_ms / oracle, 2),
             cell(kvroute.hit_rate / pooled, 2),

@@ -22,7 +22,7 @@ use rand::rngs::StdRng;
 use crate::engine::Engine;
 use crate::trace::Request;
 use kvroute_engine_model::TimingModel;
-use kvroute_routing::SplitRule;
+use kvroute_routing::{ScoringConfig, SplitRule};
 
 pub use basic::{LeastLoaded, Random, RoundRobin, SessionHash};
 pub use chwbl::ConsistentHashBoundedLoad;
@@ -147,6 +147,13 @@ pub enum RouterSpec {
     },
     /// kvroute: the real index and ext-proc policy with default scoring.
     Kvroute,
+    /// kvroute with its overload rule set otherwise: `queue_ms` 0 is off.
+    KvrouteOverload {
+        /// `scoring.overload_queue_ms`.
+        queue_ms: u32,
+        /// `scoring.overload_imbalance`, in percent.
+        imbalance_pct: u32,
+    },
     /// `count` kvroute pickers behind round robin, sharing the index and, with `share_ms`, every
     /// decision and answer that late.
     Pickers {
@@ -262,6 +269,10 @@ impl RouterSpec {
             RouterSpec::Llmd { speculative: true } => "llmd-spec".to_owned(),
             RouterSpec::Dynamo { overlap_weight } => format!("dynamo-w{overlap_weight}"),
             RouterSpec::Kvroute => "kvroute".to_owned(),
+            RouterSpec::KvrouteOverload {
+                queue_ms,
+                imbalance_pct,
+            } => format!("kvroute-o{queue_ms}-i{imbalance_pct}"),
             RouterSpec::Pickers { count, share_ms } => match share_ms {
                 None => format!("kvroute-x{count}"),
                 Some(ms) => format!("kvroute-x{count}-s{ms}"),
@@ -291,6 +302,13 @@ impl RouterSpec {
                 .ok()
                 .filter(|&count: &usize| count >= 1)
                 .map(|count| RouterSpec::Pickers { count, share_ms });
+        }
+        if let Some(rest) = name.strip_prefix("kvroute-o") {
+            let (queue_ms, imbalance_pct) = rest.split_once("-i")?;
+            return Some(RouterSpec::KvrouteOverload {
+                queue_ms: queue_ms.parse().ok()?,
+                imbalance_pct: imbalance_pct.parse().ok().filter(|&p: &u32| p >= 100)?,
+            });
         }
         if name == "pd-dynamo" {
             return Some(RouterSpec::PdDynamo);
@@ -340,6 +358,17 @@ impl RouterSpec {
                 Box::new(DynamoCost::new(replicas, overlap_weight, rng))
             }
             RouterSpec::Kvroute => Box::new(Kvroute::new(replicas, blocks, rng)),
+            RouterSpec::KvrouteOverload {
+                queue_ms,
+                imbalance_pct,
+            } => {
+                let scoring = ScoringConfig {
+                    overload_queue_ms: f64::from(queue_ms),
+                    overload_imbalance: f64::from(imbalance_pct) / 100.0,
+                    ..ScoringConfig::default()
+                };
+                Box::new(Kvroute::with_scoring(replicas, blocks, scoring, rng))
+            }
             RouterSpec::Pickers { count, share_ms } => {
                 let pickers = Pickers::new(count, replicas, blocks, rng);
                 Box::new(match share_ms {
