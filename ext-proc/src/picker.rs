@@ -21,6 +21,7 @@
 //! `kvroute_extproc_fallbacks_total{stage, cause}` and the decision in
 //! `kvroute_extproc_decisions_total{tier, reason}`.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -1211,24 +1212,27 @@ struct SplitFacts {
     prompt_tokens: usize,
 }
 
-/// Per candidate (same order), the index's answer for it, where the index vouches for it.
+/// Per candidate (same order), the index's answer for it, where the index vouches for it. One
+/// pass over each: an answer names up to every replica of the pool, and a pool of a thousand
+/// searched once per candidate would be a million comparisons.
 fn indexed_answers(
     answer: Option<&MatchResponse>,
     candidates: &[&Replica],
 ) -> Vec<Option<Indexed>> {
+    let Some(answer) = answer else {
+        return vec![None; candidates.len()];
+    };
+    let mut vouched: HashMap<&str, Indexed, foldhash::fast::RandomState> = HashMap::default();
+    for m in answer.replicas.iter().filter(|m| m.precise) {
+        vouched.entry(m.replica_id.as_str()).or_insert(Indexed {
+            matched_blocks: m.matched_blocks,
+            // An older index leaves it 0: its answers are dense ones.
+            prefix_blocks: m.prefix_blocks.max(m.matched_blocks),
+        });
+    }
     candidates
         .iter()
-        .map(|replica| {
-            answer?
-                .replicas
-                .iter()
-                .find(|m| m.replica_id == replica.id && m.precise)
-                .map(|m| Indexed {
-                    matched_blocks: m.matched_blocks,
-                    // An older index leaves it 0: its answers are dense ones.
-                    prefix_blocks: m.prefix_blocks.max(m.matched_blocks),
-                })
-        })
+        .map(|replica| vouched.get(replica.id.as_str()).copied())
         .collect()
 }
 

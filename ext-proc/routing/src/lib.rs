@@ -23,3 +23,8 @@ pub mod split;
 pub use router::{Indexed, PromptFacts, RouteRequest, Routed, Router, Scored, Tier};
 pub use scoring::ScoringConfig;
 pub use split::{PrefillSide, SplitRule, SplitVerdict};
+
+/// Per-replica state by replica id. Ids come from configuration and discovery, never from
+/// requests, so a fast unkeyed-quality hash is safe; a decision over a pool of a thousand looks
+/// every candidate up several times, where SipHash was the largest per-candidate cost.
+type ByReplica<V> = std::collections::HashMap<String, V, foldhash::fast::RandomState>;

@@ -248,7 +248,7 @@ pub type InflightGaugeFor = Box<dyn Fn(&str) -> Gauge + Send + Sync>;
 /// Load of every replica, created on first use.
 #[derive(Default)]
 pub struct LoadBoard {
-    replicas: RwLock<HashMap<String, Arc<ReplicaLoad>>>,
+    replicas: RwLock<crate::ByReplica<Arc<ReplicaLoad>>>,
     inflight_gauge_for: Option<InflightGaugeFor>,
 }
 

@@ -55,7 +55,7 @@
 //! 11.1 req/s and shared-prefix's from 33.1 to 34.5.) It ranks the candidates; the
 //! reported estimate ([`Choice::ttft_ms`]) and the fallback order leave it out.
 //!
-//! Overload: once even the least busy candidate has `overload_queue_ms` queued (default 6 s),
+//! Overload: once even the least busy candidate has `overload_queue_ms` queued (default 8 s),
 //! the pool is past saturation and every replica will be busy for as long as anyone can see.
 //! Then the per-request estimate is the wrong objective: moving a request to a slightly shorter
 //! queue saves it little of a long wait, while recomputing its prefix there adds work every
@@ -337,10 +337,13 @@ pub fn choose(
         .min(prompt_tokens);
     let penalty_ms_per_token =
         weights.recompute_penalty * pool_busy(&queues, weights) * weights.prefill_ms_per_token;
-    let score = |i: usize| {
-        let recomputed = held.saturating_sub(cached_tokens(&candidates[i]));
-        ttft(i) + penalty_ms_per_token * recomputed as f64
-    };
+    let scores: Vec<f64> = (0..candidates.len())
+        .map(|i| {
+            let recomputed = held.saturating_sub(cached_tokens(&candidates[i]));
+            ttft(i) + penalty_ms_per_token * recomputed as f64
+        })
+        .collect();
+    let score = |i: usize| scores[i];
     let overload = overload_balanced(&queues, weights);
     let overloaded = overload.is_some();
     let index = match overload {

@@ -69,7 +69,7 @@ impl RoutedKeys {
 /// Per-replica routed-prefix memory.
 #[derive(Debug, Default)]
 pub struct PrefixMemory {
-    replicas: RwLock<HashMap<String, ReplicaKeys>>,
+    replicas: RwLock<crate::ByReplica<ReplicaKeys>>,
 }
 
 impl PrefixMemory {

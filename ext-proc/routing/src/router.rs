@@ -284,10 +284,15 @@ impl Router {
         ttl: Duration,
     ) -> bool {
         let all = keys.len();
-        candidates.iter().any(|replica| {
-            self.memory.lookup(replica, keys, now, ttl).approximate as usize >= all
-                || self.loads.replica(replica).inflight_shared_blocks(keys) as usize >= all
-        })
+        self.memory
+            .lookup_all(candidates, keys, now, ttl)
+            .iter()
+            .any(|remembered| remembered.approximate as usize >= all)
+            || self
+                .loads
+                .replicas(candidates)
+                .iter()
+                .any(|load| load.inflight_shared_blocks(keys) as usize >= all)
     }
 
     /// Scores `request`'s candidates and commits the choice. `None` only without candidates.
