@@ -29,10 +29,10 @@ pub const DEFAULT_SPECULATIVE_TTL: Duration = Duration::from_secs(5);
 /// Default queue (ms) of the least busy candidate from which the pool counts as overloaded and
 /// the policy keeps prefixes where they are cached (`policy` module docs). 0 turns it off. In
 /// kvroute-replay 8 s moved TTFT p90 at 1.5 and 2 times each workload's saturation rate to
-/// 0.90–1.00 of the best anchor's (off: 0.93–1.11); 2, 4 and 6 s also fired in the bursts of a
-/// pool just past saturation, which still gains from balancing, and cost the synthetic trace up
-/// to 20% of its max rate at the 2 s objective (2 s) or half its p90 at 1.03 times saturation
-/// (6 s, jittered arrivals).
+/// 0.90–1.03 of the best anchor's (off: 0.93–1.11); lower bounds also fired in the bursts of a
+/// pool just past saturation, which still gains from balancing, and cost the synthetic trace a
+/// fifth of its max rate at the 2 s objective (2 s) or half its p90 just past saturation (6 s,
+/// jittered arrivals).
 pub const DEFAULT_OVERLOAD_QUEUE_MS: f64 = 8000.0;
 /// Default imbalance tolerated in overload: a candidate whose queue is within this factor of
 /// the least busy one's is as good a place to wait as any.

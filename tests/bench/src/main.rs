@@ -148,6 +148,10 @@ struct Args {
     /// hosts the ext_procs; this flag measures what they cost.
     #[arg(long)]
     transparent_huge_pages: bool,
+    /// Fleet bench, internal: measure this one pool size in this process and print one
+    /// `fleet-one` line (the bench runs each size in a fresh process of its own).
+    #[arg(long, hide = true)]
+    fleet_replicas: Option<usize>,
 }
 
 impl Args {
@@ -311,7 +315,10 @@ async fn run(
         picker::picker_bench(&prompts, args.picker_decisions, args.cold_caches)?;
     }
     if matches!(args.bench, Which::Fleet) {
-        picker::fleet_bench(&prompts, args.picker_decisions)?;
+        match args.fleet_replicas {
+            Some(replicas) => picker::fleet_one(&prompts, args.picker_decisions, replicas)?,
+            None => picker::fleet_bench(&model_dir, args.block_size, args.picker_decisions)?,
+        }
     }
     if matches!(args.bench, Which::Extproc | Which::All) {
         extproc::extproc_bench(&args, &prompts, &ext_procs).await?;

@@ -199,19 +199,83 @@ const FLEET_SIZES: [usize; 3] = [16, 256, 1024];
 /// How decision latency and memory grow with the pool: `decide` over pools of 16, 256 and 1,024
 /// replicas (static, no index: the approximate tier's routed-prefix memory and the load board
 /// are the per-replica state a decision reads), on 1k-token chats where half the requests repeat
-/// an earlier conversation's prompt (so prefixes are remembered across the pool). Reports
-/// p50/p99 per decision (timed around parse + decide) and the process's resident memory grown
-/// per replica after the run.
-pub(super) fn fleet_bench(prompts: &PromptSource, decisions: usize) -> anyhow::Result<()> {
+/// an earlier conversation's prompt (so prefixes are remembered across the pool). Each size runs
+/// in a fresh process of its own ([`fleet_one`]), so one size's freed pages, kept by the
+/// allocator, do not hide the next one's growth: memory per replica is the slope of the resident
+/// growth between the smallest and the largest pool.
+pub(super) fn fleet_bench(
+    model_dir: &std::path::Path,
+    block_size: u32,
+    decisions: usize,
+) -> anyhow::Result<()> {
     println!(
-        "## fleet: decide() over pools of {FLEET_SIZES:?} replicas, 1k-token chats (half repeats), load {}\n",
+        "## fleet: decide() over pools of {FLEET_SIZES:?} replicas, 1k-token chats (half repeats), each size in a fresh process, load {}\n",
         load_average()
     );
     println!(
-        "| replicas | decisions | p50 µs | p99 µs | p99 / p99 at {} | RSS growth | per replica |",
+        "| replicas | decisions | p50 µs | p99 µs | p99 / p99 at {} | resident growth |",
         FLEET_SIZES[0]
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    let exe = std::env::current_exe()?;
+    let mut measured = Vec::new();
+    for replicas in FLEET_SIZES {
+        let output = std::process::Command::new(&exe)
+            .arg("--bench=fleet")
+            .arg(format!("--fleet-replicas={replicas}"))
+            .arg(format!("--picker-decisions={decisions}"))
+            .arg(format!("--block-size={block_size}"))
+            .arg("--model-dir")
+            .arg(model_dir)
+            // Freed pages go back to the system at once: resident growth then tracks live state.
+            .env("MIMALLOC_PURGE_DELAY", "0")
+            .output()?;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let line = stdout
+            .lines()
+            .find_map(|line| line.strip_prefix("fleet-one "))
+            .with_context(|| {
+                format!(
+                    "the {replicas}-replica run printed no result ({}): {}",
+                    output.status,
+                    String::from_utf8_lossy(&output.stderr)
+                )
+            })?;
+        let fields: Vec<f64> = line
+            .split_whitespace()
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .with_context(|| format!("malformed fleet-one line {line:?}"))?;
+        let [count, p50, p99, growth] = fields[..] else {
+            anyhow::bail!("malformed fleet-one line {line:?}");
+        };
+        let base = measured.first().map_or(p99, |&(_, _, p99, _)| p99);
+        println!(
+            "| {replicas} | {count} | {p50:.0} | {p99:.0} | {:.2} | {:.1} MiB |",
+            p99 / base,
+            growth / f64::from(1 << 20)
+        );
+        measured.push((replicas, p50, p99, growth));
+    }
+    if let (Some(&(small, .., small_growth)), Some(&(large, .., large_growth))) =
+        (measured.first(), measured.last())
+    {
+        println!(
+            "\nmemory per replica (resident growth, {large} vs {small} replicas): {:.1} KiB\n",
+            (large_growth - small_growth) / 1024.0 / (large - small) as f64
+        );
+    }
+    Ok(())
+}
+
+/// One pool size of [`fleet_bench`], in this process: prints `fleet-one <decisions> <p50 µs>
+/// <p99 µs> <resident growth bytes>`, the growth measured from before the picker is built to
+/// after the run, with the picker and its state alive.
+pub(super) fn fleet_one(
+    prompts: &PromptSource,
+    decisions: usize,
+    replicas: usize,
+) -> anyhow::Result<()> {
     let fresh: Vec<Bytes> = (0..decisions / 2)
         .map(|_| prompts.miss_body(SIZES[0]))
         .collect();
@@ -221,44 +285,37 @@ pub(super) fn fleet_bench(prompts: &PromptSource, decisions: usize) -> anyhow::R
         .enumerate()
         .flat_map(|(i, body)| [body.clone(), fresh[i / 2].clone()])
         .collect();
-    let mut first_p99 = None;
-    for replicas in FLEET_SIZES {
-        let rss_before = resident_bytes()?;
-        let mut latencies = std::thread::scope(|scope| {
-            scope
-                .spawn(|| fleet_run(prompts, &bodies, replicas))
-                .join()
-                .map_err(|_| anyhow::anyhow!("fleet thread panicked"))?
-        })?;
-        let rss_growth = resident_bytes()?.saturating_sub(rss_before);
-        latencies.sort_unstable();
-        let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
-        let (p50, p99) = (at(0.5), at(0.99));
-        let base = *first_p99.get_or_insert(p99);
-        println!(
-            "| {replicas} | {} | {:.0} | {:.0} | {:.2} | {:.1} MiB | {:.1} KiB |",
-            latencies.len(),
-            p50.as_secs_f64() * 1e6,
-            p99.as_secs_f64() * 1e6,
-            p99.as_secs_f64() / base.as_secs_f64(),
-            rss_growth as f64 / (1 << 20) as f64,
-            rss_growth as f64 / 1024.0 / replicas as f64,
-        );
-    }
-    println!();
+    // Its own runtime on a thread of its own (the bench's runtime is running this).
+    let (mut latencies, growth) = std::thread::scope(|scope| {
+        scope
+            .spawn(|| fleet_run(prompts, &bodies, replicas))
+            .join()
+            .map_err(|_| anyhow::anyhow!("fleet thread panicked"))?
+    })?;
+    latencies.sort_unstable();
+    let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+    println!(
+        "fleet-one {} {:.1} {:.1} {growth}",
+        latencies.len(),
+        at(0.5).as_secs_f64() * 1e6,
+        at(0.99).as_secs_f64() * 1e6,
+    );
     Ok(())
 }
 
+/// The decisions' latencies, and the resident growth from before the picker was built to after
+/// the run (picker alive).
 fn fleet_run(
     prompts: &PromptSource,
     bodies: &[Bytes],
     replicas: usize,
-) -> anyhow::Result<Vec<Duration>> {
+) -> anyhow::Result<(Vec<Duration>, u64)> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(1)
         .build()?;
     runtime.block_on(async {
+        let rss_before = resident_bytes()?;
         let upstreams: Vec<SocketAddr> = (0..replicas)
             .map(|i| SocketAddr::from(([127, 0, 0, 1], 20_000 + i as u16)))
             .collect();
@@ -289,8 +346,10 @@ fn fleet_run(
             }
         }
         drop(held);
+        let growth = resident_bytes()?.saturating_sub(rss_before);
+        drop(picker);
         tasks.close();
-        Ok(latencies)
+        Ok((latencies, growth))
     })
 }
 
