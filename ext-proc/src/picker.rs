@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use kvroute_index_api::api::{MatchRequest, MatchResponse, ReplicaCondition};
-use kvroute_routing::load::{InflightGuard, LoadBoard};
+use kvroute_routing::load::{InflightGuard, LoadBoard, ReplicaLoad};
 use kvroute_routing::policy::{Reason, queue_ms};
 use kvroute_routing::{Indexed, PrefillSide, PromptFacts, RouteRequest, Router};
 use tokio_util::task::TaskTracker;
@@ -551,20 +551,21 @@ impl Picker {
             .filter(|r| r.pool == pool_index)
             .collect();
         let ids: Vec<&str> = in_pool.iter().map(|r| r.id.as_str()).collect();
-        let ready: Vec<&Replica> = in_pool
+        let (ready, ready_loads): (Vec<&Replica>, Vec<Arc<ReplicaLoad>>) = in_pool
             .iter()
             .zip(self.loads().replicas(&ids))
             .filter(|(_, load)| load.is_ready(config.scrape.unready_after_failures))
-            .map(|(replica, _)| *replica)
-            .collect();
+            .map(|(replica, load)| (*replica, load))
+            .unzip();
         // A request goes to a replica that decodes (within the GIE subset hint); a split one's
-        // prompt is computed on one that prefills.
-        let candidates: Vec<&Replica> = ready
+        // prompt is computed on one that prefills. Their loads go along (scoring reads them).
+        let (candidates, candidate_loads): (Vec<&Replica>, Vec<Arc<ReplicaLoad>>) = ready
             .iter()
-            .copied()
-            .filter(|r| r.role.decodes())
-            .filter(|r| subset.is_none_or(|s| s.contains(&r.address)))
-            .collect();
+            .zip(&ready_loads)
+            .filter(|(r, _)| r.role.decodes())
+            .filter(|(r, _)| subset.is_none_or(|s| s.contains(&r.address)))
+            .map(|(r, load)| (*r, Arc::clone(load)))
+            .unzip();
         let prefill_candidates: Vec<&Replica> = match pool.disaggregation {
             Some(_) => ready
                 .iter()
@@ -592,9 +593,9 @@ impl Picker {
             });
         }
         if let Some(shedding) = &config.epp.shedding
-            && candidates
+            && candidate_loads
                 .iter()
-                .all(|r| self.is_saturated(&r.id, shedding))
+                .all(|load| is_saturated(load, shedding))
         {
             return Err(RequestError::Saturated {
                 model: request.model.to_string(),
@@ -622,7 +623,14 @@ impl Picker {
         });
         let mut decision = kvroute_runtime::trace_span!("kvroute.score")
             .in_scope(|| {
-                self.score_and_commit(config, pool_index, &candidates, facts, explain, commit)
+                self.score_and_commit(
+                    config,
+                    pool_index,
+                    (&candidates, &candidate_loads),
+                    facts,
+                    explain,
+                    commit,
+                )
             })
             .ok_or_else(|| RequestError::NoReadyReplica {
                 model: request.model.to_string(),
@@ -720,6 +728,7 @@ impl Picker {
         let ids: Vec<&str> = others.iter().map(|r| r.id.as_str()).collect();
         let routed = self.router.score_and_commit(RouteRequest {
             candidates: &ids,
+            loads: None,
             prompt: Some(PromptFacts {
                 indexed: indexed_answers(facts.index_answer.as_ref(), &others),
                 keys: facts.keys,
@@ -741,12 +750,6 @@ impl Picker {
         })
     }
 
-    /// GIE's saturation test on the last scrape: queue or KV cache at its bound.
-    fn is_saturated(&self, replica: &str, shedding: &crate::config::Shedding) -> bool {
-        let scraped = self.loads().replica(replica).snapshot().scraped;
-        scraped.waiting >= shedding.queue_depth || scraped.kv_usage >= shedding.kv_cache_usage
-    }
-
     /// The quick step: the routing core scores and records the choice (speculative insert,
     /// in-flight load) under its commit stripe, so a sibling decided next sees it. `None` only
     /// without candidates.
@@ -754,7 +757,7 @@ impl Picker {
         &self,
         config: &Arc<Config>,
         pool_index: usize,
-        candidates: &[&Replica],
+        (candidates, loads): (&[&Replica], &[Arc<ReplicaLoad>]),
         facts: Result<PrefixFacts, LoadCause>,
         explain: bool,
         commit: bool,
@@ -782,6 +785,7 @@ impl Picker {
         let prompt_tokens = prompt.as_ref().map_or(0, |p| p.prompt_tokens);
         let routed = self.router.score_and_commit(RouteRequest {
             candidates: &ids,
+            loads: Some(loads),
             prompt,
             block_size: pool.block_size,
             capacity_blocks: pool.approx_capacity_blocks,
@@ -1234,6 +1238,12 @@ fn indexed_answers(
         .iter()
         .map(|replica| vouched.get(replica.id.as_str()).copied())
         .collect()
+}
+
+/// GIE's saturation test on a replica's last scrape: queue or KV cache at its bound.
+fn is_saturated(load: &ReplicaLoad, shedding: &crate::config::Shedding) -> bool {
+    let scraped = load.snapshot().scraped;
+    scraped.waiting >= shedding.queue_depth || scraped.kv_usage >= shedding.kv_cache_usage
 }
 
 /// Where each of `candidates` (borrowed from `replicas`, in its order: a filter of it) stands in

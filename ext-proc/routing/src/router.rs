@@ -16,13 +16,14 @@
 //! same (siblings of a burst) take the same commit stripe, so each sees the previous one's
 //! commit; nothing here waits on I/O, so the stripe is held for microseconds.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use crate::load::{InflightGuard, LoadBoard, Prediction, engine_hit_tokens};
+use crate::load::{InflightGuard, LoadBoard, Prediction, ReplicaLoad, engine_hit_tokens};
 use crate::policy::{self, Candidate, Reason};
 use crate::prefix_memory::PrefixMemory;
 use crate::scoring::ScoringConfig;
@@ -101,6 +102,10 @@ impl Indexed {
 pub struct RouteRequest<'a> {
     /// Candidate replica ids (non-empty to get a choice).
     pub candidates: &'a [&'a str],
+    /// The candidates' load records, in the same order, when the caller already read them
+    /// (`LoadBoard::replicas`): a pool of a thousand is then not looked up twice per decision.
+    /// `None`, or another length: looked up here.
+    pub loads: Option<&'a [Arc<ReplicaLoad>]>,
     /// The prompt's facts; `None` routes on load alone.
     pub prompt: Option<PromptFacts>,
     /// The pool's block size in tokens.
@@ -299,6 +304,7 @@ impl Router {
     pub fn score_and_commit(&self, request: RouteRequest<'_>) -> Option<Routed> {
         let RouteRequest {
             candidates,
+            loads,
             prompt,
             block_size,
             capacity_blocks,
@@ -309,11 +315,19 @@ impl Router {
         if candidates.is_empty() {
             return None;
         }
+        let looked_up;
+        let loads = match loads {
+            Some(loads) if loads.len() == candidates.len() => loads,
+            _ => {
+                looked_up = self.loads.replicas(candidates);
+                &looked_up
+            }
+        };
         let first_key = prompt.as_ref().and_then(|p| p.keys.first().copied());
         let _commit =
             first_key.map(|key| self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock());
         let Some(prompt) = prompt else {
-            return Some(self.commit_load_only(candidates, scoring, commit));
+            return Some(self.commit_load_only(candidates, loads, scoring, commit));
         };
         let PromptFacts {
             keys,
@@ -326,10 +340,9 @@ impl Router {
         let memories = self
             .memory
             .lookup_all(candidates, &keys, now, scoring.speculative_ttl);
-        let loads = self.loads.replicas(candidates);
         let views: Vec<Candidate> = memories
             .into_iter()
-            .zip(&loads)
+            .zip(loads)
             .enumerate()
             .map(|(i, (remembered, load))| {
                 let shared_blocks = load.inflight_shared_blocks(&keys) as usize;
@@ -413,15 +426,16 @@ impl Router {
     fn commit_load_only(
         &self,
         candidates: &[&str],
+        loads: &[Arc<ReplicaLoad>],
         scoring: &ScoringConfig,
         commit: bool,
     ) -> Routed {
-        let views: Vec<Candidate> = candidates
+        let views: Vec<Candidate> = loads
             .iter()
-            .map(|replica| Candidate {
+            .map(|load| Candidate {
                 matched_blocks: 0,
                 shared_inflight_tokens: 0,
-                load: self.loads.replica(replica).snapshot(),
+                load: load.snapshot(),
             })
             .collect();
         // The block size does not matter with nothing matched.
@@ -464,6 +478,7 @@ mod tests {
     ) -> RouteRequest<'a> {
         RouteRequest {
             candidates,
+            loads: None,
             prompt,
             block_size: 16,
             capacity_blocks: 1024,

@@ -186,6 +186,7 @@ impl Kvroute {
         let candidates: Vec<&str> = pool.iter().map(|r| self.names[*r].as_str()).collect();
         let routed = self.core.score_and_commit(RouteRequest {
             candidates: &candidates,
+            loads: None,
             prompt: Some(PromptFacts {
                 keys: keys.to_vec(),
                 prompt_tokens: request.input_tokens as usize,
