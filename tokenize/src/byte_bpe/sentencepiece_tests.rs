@@ -326,3 +326,27 @@ fn sentencepiece_pipelines_take_no_leading_cuts() {
         tokenizer.encode_with_tokenizers(&text, true).unwrap()
     );
 }
+
+/// The eight-bytes-at-a-time search equals a plain one, from every start, on bytes dense with
+/// the needle, its neighbours and high bytes (borrows between lanes).
+#[test]
+fn find_byte_equals_a_plain_search() {
+    let mut rng = crate::testing::Rng::new(0xb1e);
+    let alphabet = [0xe2u8, 0xe1, 0xe3, 0x62, 0x00, 0x01, 0x80, 0xff, b' ', b'a'];
+    for _ in 0..20_000 {
+        let len = rng.below(40);
+        let bytes: Vec<u8> = (0..len).map(|_| *rng.pick(&alphabet)).collect();
+        let needle = *rng.pick(&alphabet);
+        for from in 0..=len + 1 {
+            let expected = bytes
+                .get(from..)
+                .and_then(|tail| tail.iter().position(|&b| b == needle))
+                .map(|at| from + at);
+            assert_eq!(
+                super::sentencepiece::find_byte(&bytes, from, needle),
+                expected,
+                "{bytes:?} from {from} needle {needle:#x}"
+            );
+        }
+    }
+}
