@@ -680,7 +680,9 @@ impl ModelTokenizer {
 
 /// Text the fast encoder must encode exactly as `tokenizers` before it is used: ASCII with
 /// contractions (any case), unicode letters/digits/marks/symbols, every kind of whitespace run,
-/// text NFC changes, camel case and digit runs (the `Split` patterns' edges).
+/// text NFC changes, camel case and digit runs (the `Split` patterns' edges), kana and digits
+/// against letters (DeepSeek-V3's stages), `▁` itself and private-use chars (SentencePiece's
+/// replacement and byte fallback).
 const SELF_CHECK_SAMPLE: &str = "Hello, world! It's 9:41 -- we'll SEE what's up; I'd've said \
     'quoted' \"double\"  two  spaces   three\tTab\t\tTabs\n\nNew paragraph\r\n\
     caf\u{e9} na\u{ef}ve \u{c9}t\u{e9} Stra\u{df}e \u{3a9}mega \u{4e2d}\u{6587}\u{5b57} \
@@ -688,7 +690,8 @@ const SELF_CHECK_SAMPLE: &str = "Hello, world! It's 9:41 -- we'll SEE what's up;
     \u{1f600}\u{1f44d}\u{1f3fd} \u{a0}nbsp\u{a0} \u{2028}ls\u{2029} \u{3000}wide \u{85}nel \
     \u{1c}ctl\u{7f} __init__() x=[1,2]; a->b {k: v} #tag @user $5.00 100% ~/path.rs   \n \n  \
     DON'T it'\u{17f} 'tis HTTPServer getJSON 1234567 \u{212b}\u{f900} a\u{323}\u{301} \u{1100}\u{1161}\u{11a8} \
-    \u{928}\u{92e}\u{938}\u{94d}\u{924}\u{947} \u{e2a}\u{e27}\u{e31} \u{1f468}\u{200d}\u{1f469} a/b!!\n/c\r\n\r\n \t\n  ";
+    \u{928}\u{92e}\u{938}\u{94d}\u{924}\u{947} \u{e2a}\u{e27}\u{e31} \u{1f468}\u{200d}\u{1f469} a/b!!\n/c\r\n\r\n \t\n  \
+    \u{3072}\u{3089}\u{304c}\u{306a}\u{30ab}\u{30bf}\u{30ab}\u{30ca}x12ab3 (abc .foo \u{2581}a \u{2581}\u{2581} \u{e000}\u{10fffd} ";
 
 /// The fast encoder if the pipeline is supported and it agrees with `tokenizers` on a sample.
 fn fast_encoder(tokenizer: &tokenizers::Tokenizer, tokenizer_json: &[u8]) -> Option<FastBpe> {
