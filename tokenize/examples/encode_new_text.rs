@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_tokenize::ByteLevelBpe;
+use kvroute_tokenize::FastBpe;
 
 fn main() {
     let mut args = std::env::args().skip(1);
@@ -18,7 +18,7 @@ fn main() {
     let corpus = args.next().unwrap_or_else(|| "mixed".to_owned());
     let seconds: f64 = args.next().map_or(5.0, |s| s.parse().unwrap());
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
-    let bpe = ByteLevelBpe::from_tokenizer_json(&json).unwrap().unwrap();
+    let bpe = FastBpe::from_tokenizer_json(&json).unwrap().unwrap();
     let text = match corpus.as_str() {
         "license" => {
             let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/corpus");

@@ -1,24 +1,31 @@
-//! A fast, exact encoder for byte-level BPE pipelines: GPT-2 style `tokenizer.json` and the
-//! `Split`-regex pipelines of Llama 3, Qwen2/2.5/3 and o200k (gpt-oss).
+//! A fast, exact encoder for BPE pipelines: byte-level BPE (GPT-2 style `tokenizer.json`, the
+//! `Split`-regex pipelines of Llama 3, Qwen2/2.5/3, o200k (gpt-oss), Tekken (Mistral NeMo) and
+//! DeepSeek-V3) and SentencePiece-style BPE (Llama 2, Gemma: `▁` for spaces, byte fallback).
 //!
 //! `tokenizers::Tokenizer::encode_fast` spends most of its time on bookkeeping we never read
-//! (offset alignment in `NormalizedString`, per-piece allocations, Oniguruma). [`ByteLevelBpe`]
+//! (offset alignment in `NormalizedString`, per-piece allocations, Oniguruma). [`FastBpe`]
 //! computes the same ids directly: added tokens are cut out of the raw text, each remaining
-//! segment is NFC-normalized if the pipeline says so, split by the pre-tokenizer's pattern (a
-//! hand-written scanner: `gpt2_split`, or `split` for the `Split` regexes it recognises by their
-//! exact strings), each piece's UTF-8 bytes start as one symbol per byte and are merged by rank
-//! exactly as `tokenizers`' BPE does (or taken whole from the vocab with `ignore_merges`), and the
-//! post-processor's special tokens wrap the result. A word cache memoizes pieces.
+//! segment is normalized, split by the pre-tokenizer (a hand-written scanner: `gpt2_split`, or
+//! `split` for the `Split` regexes it recognises by their exact strings, or `sentencepiece`'s
+//! words and cuts), each piece starts as one symbol per byte (byte-level) or per char
+//! (SentencePiece, with `<0xNN>` byte fallback) and is merged by rank exactly as `tokenizers`'
+//! BPE does (or taken whole from the vocab with `ignore_merges`), and the post-processor's special
+//! tokens wrap the result. A word cache memoizes pieces.
 //!
-//! Modelled exactly — [`ByteLevelBpe::from_tokenizer_json`] returns `Some` only for this:
-//! - `normalizer`: null or `NFC` (computed by `unicode-normalization-alignments`, the crate
-//!   `tokenizers` itself runs); `truncation`, `padding`: null;
-//! - `pre_tokenizer`: `ByteLevel { add_prefix_space: false, use_regex: true }`, or a `Sequence`
-//!   of `Split { pattern: Regex(P), behavior: Isolated, invert: false }` and `ByteLevel {
-//!   add_prefix_space: false, use_regex: false }` where P is exactly Llama 3's, Qwen2's or
-//!   o200k's pattern (`split::LLAMA3`, `QWEN2`, `O200K`);
-//! - `model`: BPE without dropout, continuing-subword prefix, end-of-word suffix or byte
-//!   fallback, with all 256 byte-level chars in the vocab (so `unk` can never occur); merges as
+//! Modelled exactly — [`FastBpe::from_tokenizer_json`] returns `Some` only for this:
+//! - `normalizer`: null, `NFC` (computed by `unicode-normalization-alignments`, the crate
+//!   `tokenizers` itself runs), `Prepend`, `Replace` of a literal string, or a `Sequence` of
+//!   those; `truncation`, `padding`: null;
+//! - byte-level: `pre_tokenizer` `ByteLevel { add_prefix_space: false, use_regex: true }`, or a
+//!   `Sequence` of `Split { pattern: Regex(P), behavior: Isolated, invert: false }`s and
+//!   `ByteLevel { add_prefix_space: false, use_regex: false }` where the Ps are exactly Llama 3's,
+//!   Qwen2's, o200k's, Tekken's or DeepSeek-V3's three (`split::LLAMA3`, …); all 256 byte-level
+//!   chars in the vocab (so `unk` can never occur), no byte fallback;
+//! - SentencePiece-style: `pre_tokenizer` null, `Split { pattern: String, behavior:
+//!   MergedWithPrevious }` or `Metaspace` (any `prepend_scheme`, `split` on or off); chars as
+//!   initial symbols, `byte_fallback` (with every byte token a missing char can need), else the
+//!   unknown token (`fuse_unk`) or nothing;
+//! - `model`: BPE without dropout, continuing-subword prefix or end-of-word suffix; merges as
 //!   `"a b"` strings or `[a, b]` pairs; `ignore_merges` honoured;
 //! - `added_tokens` without `single_word`/`lstrip`/`rstrip` (matched leftmost-longest, first the
 //!   non-normalized ones in the raw text, then the normalized ones — in their normalized form —
@@ -28,12 +35,13 @@
 //! - `post_processor`: null, `ByteLevel` (offsets only), `TemplateProcessing` whose `single`
 //!   template is special tokens around exactly one `$A`, or a `Sequence` of those.
 //!
-//! Everything else (other normalizers, Metaspace/SentencePiece, other `Split` patterns or
-//! several Splits as DeepSeek-V3 has, `add_prefix_space`, WordPiece, …) yields `None` and stays
-//! with `tokenizers`. [`crate::ModelTokenizer`] also cross-checks both encoders on a sample at
-//! load and keeps `tokenizers` when they differ.
+//! Everything else (other normalizers and `Split` patterns, `add_prefix_space`, WordPiece,
+//! Unigram, …) yields `None` and stays with `tokenizers`. [`crate::ModelTokenizer`] also
+//! cross-checks both encoders on a sample at load and keeps `tokenizers` when they differ.
 
 mod gpt2_split;
+mod normalize;
+mod sentencepiece;
 pub(crate) mod split;
 
 use std::borrow::Cow;
@@ -46,6 +54,7 @@ use parking_lot::Mutex;
 use serde_json::Value;
 use unicode_normalization_alignments::{IsNormalized, UnicodeNormalization, is_nfc_quick};
 
+use sentencepiece::{CharSymbols, Cuts, Words};
 use split::SplitPattern;
 
 use crate::TokenizeError;
@@ -60,21 +69,40 @@ const CACHE_MAX_WORD_IDS: usize = 8;
 const CACHE_BUCKETS: usize = 1 << 16;
 /// Pieces encoded per hold of the word cache's lock, their buckets read together first.
 const PIECE_BATCH: usize = 64;
-/// Words of at most this many bytes (initial symbols) are merged by [`ByteLevelBpe::merge_short`]:
+/// Words of at most this many initial symbols are merged by [`FastBpe::merge_short`]:
 /// rescanning a few pair ranks per merge is cheaper than a heap's pushes and pops and its stale
 /// candidates' extra merge-table probes, and most pieces are this short.
 const SHORT_WORD: usize = 24;
 
-/// The exact fast encoder of one byte-level BPE `tokenizer.json`; see the module docs.
-pub struct ByteLevelBpe {
-    /// Whether segments are NFC-normalized (the `NFC` normalizer) before pre-tokenization.
-    nfc: bool,
+/// Which family of pipelines a [`FastBpe`] encodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FastEncoderKind {
+    /// Byte-level BPE (GPT-2, Llama 3, Qwen2/3, o200k, Tekken, DeepSeek-V3).
+    ByteBpe,
+    /// SentencePiece-style BPE (Llama 2, Gemma): chars, `▁`, byte fallback.
+    SentencePieceBpe,
+}
+
+impl FastEncoderKind {
+    /// The name `kvroute-check` reports: `fast-byte-bpe` or `fast-sentencepiece-bpe`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ByteBpe => "fast-byte-bpe",
+            Self::SentencePieceBpe => "fast-sentencepiece-bpe",
+        }
+    }
+}
+
+/// The exact fast encoder of one BPE `tokenizer.json`; see the module docs.
+pub struct FastBpe {
+    /// The normalizer's steps, applied to each segment before pre-tokenization.
+    normalizer: Vec<normalize::Step>,
     pre_tokenizer: PreTokenizer,
-    /// Token id of each byte's byte-level char.
-    byte_ids: [u32; 256],
+    /// Initial symbols of a piece.
+    alphabet: Alphabet,
     /// `(left, right)` packed into a u64 -> its merge.
     merges: HashMap<u64, Merge, FastHash>,
-    /// With `ignore_merges`: whole pieces (raw bytes) found in the vocab.
+    /// With `ignore_merges`: whole words (raw bytes) found in the vocab.
     whole_words: Option<HashMap<Box<[u8]>, u32, FastHash>>,
     added: AddedTokens,
     /// Ids the post-processor puts before / after the text when `add_special_tokens`.
@@ -84,10 +112,10 @@ pub struct ByteLevelBpe {
     cache: Mutex<WordCache>,
 }
 
-impl std::fmt::Debug for ByteLevelBpe {
+impl std::fmt::Debug for FastBpe {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ByteLevelBpe")
-            .field("nfc", &self.nfc)
+        f.debug_struct("FastBpe")
+            .field("normalizer", &self.normalizer)
             .field("pre_tokenizer", &self.pre_tokenizer)
             .field("merges", &self.merges.len())
             .field("ignore_merges", &self.whole_words.is_some())
@@ -124,18 +152,32 @@ struct Symbol {
 /// Buffers reused across the pieces of one `encode` call.
 #[derive(Debug, Default)]
 struct Scratch {
+    /// A piece's initial symbols.
+    initial: Vec<u32>,
     symbols: Vec<Symbol>,
     queue: BinaryHeap<Reverse<Candidate>>,
     word: Vec<u32>,
 }
 
 /// How text segments are cut into pieces before BPE.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 enum PreTokenizer {
     /// `ByteLevel { use_regex: true }`: the GPT-2 pattern.
     Gpt2,
-    /// `Sequence [Split { Regex, Isolated }, ByteLevel { use_regex: false }]`.
+    /// `Sequence [Split { Regex, Isolated }.., ByteLevel { use_regex: false }]`.
     Split(SplitPattern),
+    /// A SentencePiece-style pipeline's words, cut where no merge reaches across (`None`: not
+    /// cut, each word is a piece).
+    SentencePiece { words: Words, cuts: Option<Cuts> },
+}
+
+/// A piece's initial symbols.
+#[derive(Debug)]
+enum Alphabet {
+    /// One per byte: the id of the byte's byte-level char.
+    Bytes(Box<[u32; 256]>),
+    /// One per char, or its bytes' fallback tokens (SentencePiece).
+    Chars(Box<CharSymbols>),
 }
 
 /// A piece of pre-tokenized text (a byte range of its segment) and its word cache bucket, if it
@@ -170,7 +212,7 @@ enum Reject {
     Malformed(String),
 }
 
-impl ByteLevelBpe {
+impl FastBpe {
     /// Builds the fast encoder from a parsed `tokenizer.json`: `Ok(None)` when the pipeline is
     /// not one this encoder reproduces exactly, an error when it is but its content is
     /// inconsistent (e.g. a merge naming a token missing from the vocab).
@@ -186,6 +228,25 @@ impl ByteLevelBpe {
                 reason,
             }),
         }
+    }
+
+    /// The family of pipelines this encoder serves.
+    pub fn kind(&self) -> FastEncoderKind {
+        match self.alphabet {
+            Alphabet::Bytes(_) => FastEncoderKind::ByteBpe,
+            Alphabet::Chars(_) => FastEncoderKind::SentencePieceBpe,
+        }
+    }
+
+    /// Whether `crate::leading_cut` spots split this encoder's encodings in two: the byte-level
+    /// pipelines (`Split` pieces never span them) with no normalizer but NFC. SentencePiece
+    /// pipelines prepend `▁` to each encoded text and merge across spaces, so they take none.
+    pub fn allows_leading_cuts(&self) -> bool {
+        matches!(self.alphabet, Alphabet::Bytes(_))
+            && self
+                .normalizer
+                .iter()
+                .all(|step| *step == normalize::Step::Nfc)
     }
 
     /// Token ids of `text`, equal to `tokenizers`' `encode_fast(text, add_special_tokens)`.
@@ -217,18 +278,17 @@ impl ByteLevelBpe {
             &mut |segment| match segment {
                 Segment::Added(id) => ids.push(id),
                 Segment::Text(raw) => {
-                    let normalized = if self.nfc {
-                        nfc(raw)
-                    } else {
-                        Cow::Borrowed(raw)
-                    };
+                    let raw_first = raw.as_ptr() == text.as_ptr();
+                    let normalized = normalize::apply(&self.normalizer, raw);
                     split_on(
                         self.added.normalized.as_ref(),
                         &normalized,
                         &mut |segment| match segment {
                             Segment::Added(id) => ids.push(id),
-                            Segment::Text(text) => {
-                                self.encode_text(text, &mut ids, &mut scratch, &mut batch);
+                            Segment::Text(part) => {
+                                // Metaspace's `first` scheme: only the text at the input's start.
+                                let first = raw_first && part.as_ptr() == normalized.as_ptr();
+                                self.encode_text(part, first, &mut ids, &mut scratch, &mut batch);
                             }
                         },
                     );
@@ -241,21 +301,41 @@ impl ByteLevelBpe {
         ids
     }
 
-    /// Splits `text` (a normalized segment between added tokens) with the pre-tokenizer and
-    /// encodes its pieces.
+    /// Splits `text` (a normalized segment between added tokens; `first`: at the input's start)
+    /// with the pre-tokenizer and encodes its pieces.
     fn encode_text(
         &self,
         text: &str,
+        first: bool,
         out: &mut Vec<u32>,
         scratch: &mut Scratch,
         batch: &mut Vec<Piece>,
     ) {
-        match self.pre_tokenizer {
+        match &self.pre_tokenizer {
             PreTokenizer::Gpt2 => {
                 self.encode_pieces(text, gpt2_split::split(text), out, scratch, batch);
             }
             PreTokenizer::Split(pattern) => {
                 self.encode_pieces(text, pattern.split(text), out, scratch, batch);
+            }
+            PreTokenizer::SentencePiece { words, cuts } => {
+                let prepared = words.prepare(text, first);
+                let (Some(cuts), Alphabet::Chars(symbols)) = (cuts, &self.alphabet) else {
+                    self.encode_pieces(&prepared, words.split(&prepared), out, scratch, batch);
+                    return;
+                };
+                for word in words.split(&prepared) {
+                    // `ignore_merges` looks the whole word up, before any cut.
+                    if let Some(&id) = self
+                        .whole_words
+                        .as_ref()
+                        .and_then(|w| w.get(word.as_bytes()))
+                    {
+                        out.push(id);
+                        continue;
+                    }
+                    self.encode_pieces(word, cuts.split(word, symbols), out, scratch, batch);
+                }
             }
         }
     }
@@ -296,27 +376,31 @@ impl ByteLevelBpe {
                 .fold(0u8, |acc, bucket| acc ^ cache[bucket].touch());
             std::hint::black_box(touched);
             for piece in batch.iter() {
-                let bytes = text
-                    .as_bytes()
-                    .get(piece.start..piece.end)
-                    .unwrap_or_default();
+                let word = text.get(piece.start..piece.end).unwrap_or_default();
                 let bucket = piece.bucket.filter(|_| !cache.is_empty());
-                self.encode_piece(bytes, bucket, cache, out, scratch);
+                self.encode_piece(word, bucket, cache, out, scratch);
             }
         }
     }
 
     fn encode_piece(
         &self,
-        bytes: &[u8],
+        word: &str,
         bucket: Option<usize>,
         cache: &mut [CacheBucket],
         out: &mut Vec<u32>,
         scratch: &mut Scratch,
     ) {
+        let bytes = word.as_bytes();
         if let [byte] = bytes {
-            out.push(self.byte_ids[usize::from(*byte)]);
-            return;
+            let id = match &self.alphabet {
+                Alphabet::Bytes(ids) => Some(ids[usize::from(*byte)]),
+                Alphabet::Chars(symbols) => symbols.id_of(char::from(*byte)),
+            };
+            if let Some(id) = id {
+                out.push(id);
+                return;
+            }
         }
         // The word cache first: its bucket is already in the CPU cache (read above), where the
         // whole-word table of a 128k–200k vocabulary is a likely miss per piece.
@@ -325,15 +409,23 @@ impl ByteLevelBpe {
         {
             return;
         }
-        let whole = self.whole_words.as_ref().and_then(|words| words.get(bytes));
+        // Pieces cut out of a word are not words: `ignore_merges` looked the word up already.
+        let whole = self
+            .whole_words
+            .as_ref()
+            .filter(|_| !self.cuts_words())
+            .and_then(|words| words.get(bytes));
         let ids: &[u32] = match whole {
             Some(id) => std::slice::from_ref(id),
             None => {
-                if bytes.len() <= SHORT_WORD {
-                    self.merge_short(bytes, &mut scratch.word);
+                let mut initial = std::mem::take(&mut scratch.initial);
+                self.initial_symbols(word, &mut initial);
+                if initial.len() <= SHORT_WORD {
+                    self.merge_short(&initial, &mut scratch.word);
                 } else {
-                    self.merge_word(bytes, scratch);
+                    self.merge_word(&initial, scratch);
                 }
+                scratch.initial = initial;
                 &scratch.word
             }
         };
@@ -345,21 +437,41 @@ impl ByteLevelBpe {
         }
     }
 
-    /// `tokenizers`' `Word::merge_all` without dropout: a queue of candidate merges; a popped
-    /// candidate is applied if its symbol is alive, has a right neighbour and that pair still
-    /// merges into the same token. Result in `scratch.word`.
-    fn merge_word(&self, bytes: &[u8], scratch: &mut Scratch) {
+    /// Whether pieces can be parts of a word (SentencePiece cuts).
+    fn cuts_words(&self) -> bool {
+        matches!(
+            self.pre_tokenizer,
+            PreTokenizer::SentencePiece { cuts: Some(_), .. }
+        )
+    }
+
+    /// The initial symbols of a piece, as `tokenizers` makes them.
+    fn initial_symbols(&self, word: &str, out: &mut Vec<u32>) {
+        match &self.alphabet {
+            Alphabet::Bytes(ids) => {
+                out.clear();
+                out.extend(word.bytes().map(|byte| ids[usize::from(byte)]));
+            }
+            Alphabet::Chars(symbols) => symbols.symbols(word, out),
+        }
+    }
+
+    /// `tokenizers`' `Word::merge_all` without dropout, from the initial symbols: a queue of
+    /// candidate merges; a popped candidate is applied if its symbol is alive, has a right
+    /// neighbour and that pair still merges into the same token. Result in `scratch.word`.
+    fn merge_word(&self, initial: &[u32], scratch: &mut Scratch) {
         let Scratch {
             symbols,
             queue,
             word,
+            ..
         } = scratch;
         symbols.clear();
         queue.clear();
         word.clear();
-        let last = bytes.len().saturating_sub(1);
-        symbols.extend(bytes.iter().enumerate().map(|(i, &byte)| Symbol {
-            id: self.byte_ids[usize::from(byte)],
+        let last = initial.len().saturating_sub(1);
+        symbols.extend(initial.iter().enumerate().map(|(i, &id)| Symbol {
+            id,
             prev: i as i32 - 1,
             next: if i == last { -1 } else { i as i32 + 1 },
             alive: true,
@@ -408,16 +520,14 @@ impl ByteLevelBpe {
     /// stale candidate can never pass its `new_id` check (symbols only grow, so a different pair
     /// at the same position spans different bytes and makes a different token), and the queue's
     /// tie order is the position, i.e. leftmost. Result in `word`.
-    fn merge_short(&self, bytes: &[u8], word: &mut Vec<u32>) {
+    fn merge_short(&self, initial: &[u32], word: &mut Vec<u32>) {
         const NONE: u32 = u32::MAX;
-        let n = bytes.len().min(SHORT_WORD);
+        let n = initial.len().min(SHORT_WORD);
         let mut ids = [0u32; SHORT_WORD];
         // `ranks[i]`/`new_ids[i]`: the merge of symbols i and i + 1 (rank NONE: none).
         let mut ranks = [NONE; SHORT_WORD];
         let mut new_ids = [0u32; SHORT_WORD];
-        for (id, &byte) in ids.iter_mut().zip(&bytes[..n]) {
-            *id = self.byte_ids[usize::from(byte)];
-        }
+        ids[..n].copy_from_slice(&initial[..n]);
         let pair = |ids: &[u32; SHORT_WORD], i: usize| match self.merge_of(ids[i], ids[i + 1]) {
             Some(merge) => (merge.rank, merge.new_id),
             None => (NONE, 0),
@@ -467,28 +577,45 @@ impl ByteLevelBpe {
                 return Err(Unsupported(field));
             }
         }
-        let nfc = match json.get("normalizer") {
-            None | Some(Value::Null) => false,
-            Some(normalizer) if normalizer == &serde_json::json!({"type": "NFC"}) => true,
-            Some(_) => return Err(Unsupported("normalizer")),
+        let normalizer = normalize::parse(json.get("normalizer"), 0)?;
+        let pre = json.get("pre_tokenizer").unwrap_or(&Value::Null);
+        // A pipeline without the ByteLevel pre-tokenizer merges chars: SentencePiece-style.
+        let byte_level = parse_pre_tokenizer(pre);
+        let words = match byte_level {
+            Ok(_) => None,
+            Err(_) => Some(Words::parse(pre)?),
         };
-        let pre_tokenizer = parse_pre_tokenizer(json.get("pre_tokenizer").unwrap_or(&Value::Null))?;
         split::init_kind_table();
         let model = json
             .get("model")
             .ok_or_else(|| Reject::Malformed("no model".to_owned()))?;
-        check_bpe_options(model)?;
+        check_bpe_options(model, words.is_some())?;
         let vocab = parse_vocab(model)?;
 
-        let mut byte_ids = [0; 256];
-        for (byte, slot) in byte_ids.iter_mut().enumerate() {
-            let c = byte_char(byte as u8);
-            *slot = *vocab
-                .get(c.encode_utf8(&mut [0; 4]) as &str)
-                .ok_or(Unsupported("a byte-level char is missing from the vocab"))?;
-        }
+        let alphabet = match words {
+            None => {
+                let mut byte_ids = Box::new([0; 256]);
+                for (byte, slot) in byte_ids.iter_mut().enumerate() {
+                    let c = byte_char(byte as u8);
+                    *slot = *vocab
+                        .get(c.encode_utf8(&mut [0; 4]) as &str)
+                        .ok_or(Unsupported("a byte-level char is missing from the vocab"))?;
+                }
+                Alphabet::Bytes(byte_ids)
+            }
+            Some(_) => Alphabet::Chars(Box::new(CharSymbols::new(model, &vocab)?)),
+        };
 
         let merge_list = parse_merges(model)?;
+        let pre_tokenizer = match (byte_level, words) {
+            (Ok(pre_tokenizer), _) => pre_tokenizer,
+            (Err(_), Some(words)) => {
+                let cuts = (!words.pieces_are_words())
+                    .then(|| Cuts::new(cut_char(&words, &normalizer), &merge_list));
+                PreTokenizer::SentencePiece { words, cuts }
+            }
+            (Err(reject), None) => return Err(reject),
+        };
         let mut merges = HashMap::with_capacity_and_hasher(merge_list.len(), FastHash::default());
         // One buffer for every merged token's text (200k–450k merges in real vocabularies).
         let mut joined = String::new();
@@ -515,6 +642,12 @@ impl ByteLevelBpe {
             Some(_) => return Err(Unsupported("model.ignore_merges")),
         };
         let whole_words = ignore_merges.then(|| {
+            if matches!(alphabet, Alphabet::Chars(_)) {
+                return vocab
+                    .iter()
+                    .map(|(token, &id)| (Box::from(token.as_bytes()), id))
+                    .collect();
+            }
             // Byte-level chars are all below U+0144: a table, not a map, for millions of lookups.
             let mut char_byte = [None; 0x144];
             for byte in 0..=255u8 {
@@ -532,13 +665,13 @@ impl ByteLevelBpe {
                 .collect()
         });
 
-        let added = AddedTokens::parse(json.get("added_tokens"), &vocab, nfc)?;
+        let added = AddedTokens::parse(json.get("added_tokens"), &vocab, &normalizer)?;
         let (prefix, suffix) =
             parse_post_processor(json.get("post_processor").unwrap_or(&Value::Null), 0)?;
         Ok(Self {
-            nfc,
+            normalizer,
             pre_tokenizer,
-            byte_ids,
+            alphabet,
             merges,
             whole_words,
             added,
@@ -723,26 +856,26 @@ fn parse_pre_tokenizer(pre: &Value) -> Result<PreTokenizer, Reject> {
     if str_of(pre, "type") != Some("Sequence") {
         return Err(unsupported);
     }
-    let Some([split, last]) = pre
+    let Some([splits @ .., last]) = pre
         .get("pretokenizers")
         .and_then(Value::as_array)
         .map(Vec::as_slice)
     else {
         return Err(unsupported);
     };
-    let pattern = split
-        .get("pattern")
-        .and_then(|pattern| str_of(pattern, "Regex"))
-        .and_then(SplitPattern::from_regex);
-    match pattern {
-        Some(pattern)
-            if str_of(split, "type") == Some("Split")
+    let regexes: Option<Vec<&str>> = splits
+        .iter()
+        .map(|split| {
+            let isolated = str_of(split, "type") == Some("Split")
                 && str_of(split, "behavior") == Some("Isolated")
-                && split.get("invert") == Some(&Value::Bool(false))
-                && byte_level(last, false) =>
-        {
-            Ok(PreTokenizer::Split(pattern))
-        }
+                && split.get("invert") == Some(&Value::Bool(false));
+            isolated
+                .then(|| split.get("pattern").and_then(|p| str_of(p, "Regex")))
+                .flatten()
+        })
+        .collect();
+    match regexes.as_deref().and_then(SplitPattern::from_regexes) {
+        Some(pattern) if byte_level(last, false) => Ok(PreTokenizer::Split(pattern)),
         _ => Err(unsupported),
     }
 }
@@ -792,7 +925,27 @@ fn nfc(text: &str) -> Cow<'_, str> {
     }
 }
 
-fn check_bpe_options(model: &Value) -> Result<(), Reject> {
+/// The char SentencePiece cuts go before: the Metaspace replacement, or what the normalizer
+/// replaces spaces with.
+fn cut_char(words: &Words, normalizer: &[normalize::Step]) -> char {
+    if let Words::Metaspace { replacement, .. } = words {
+        return *replacement;
+    }
+    let replaced = normalizer.iter().rev().find_map(|step| match step {
+        normalize::Step::Replace { pattern, content } if pattern == " " => {
+            let mut chars = content.chars();
+            match (chars.next(), chars.next()) {
+                (Some(c), None) => Some(c),
+                _ => None,
+            }
+        }
+        _ => None,
+    });
+    replaced.unwrap_or(sentencepiece::METASPACE)
+}
+
+/// `sentencepiece`: whether the pipeline merges chars (which may fall back to bytes).
+fn check_bpe_options(model: &Value, sentencepiece: bool) -> Result<(), Reject> {
     use Reject::Unsupported;
     if model.get("type").and_then(Value::as_str) != Some("BPE") {
         return Err(Unsupported("model.type"));
@@ -808,7 +961,7 @@ fn check_bpe_options(model: &Value) -> Result<(), Reject> {
             return Err(Unsupported("model subword prefix/suffix"));
         }
     }
-    if !null_or("byte_fallback", &|v| v == &Value::Bool(false)) {
+    if !sentencepiece && !null_or("byte_fallback", &|v| v == &Value::Bool(false)) {
         return Err(Unsupported("model.byte_fallback"));
     }
     Ok(())
@@ -976,11 +1129,11 @@ impl AddedMatcher {
 }
 
 impl AddedTokens {
-    /// `nfc`: the normalizer, which normalized tokens are matched after (so in their NFC form).
+    /// `normalizer`: the steps normalized tokens are matched after (so in their normalized form).
     fn parse(
         list: Option<&Value>,
         vocab: &HashMap<&str, u32, FastHash>,
-        nfc: bool,
+        normalizer: &[normalize::Step],
     ) -> Result<Self, Reject> {
         use Reject::Unsupported;
         let list = match list {
@@ -1019,12 +1172,7 @@ impl AddedTokens {
                 next_id - 1
             });
             if norm {
-                let content = if nfc {
-                    self::nfc(content)
-                } else {
-                    Cow::Borrowed(content)
-                };
-                normalized.push((content, id));
+                normalized.push((normalize::apply(normalizer, content), id));
             } else {
                 raw.push((Cow::Borrowed(content), id));
             }
@@ -1089,5 +1237,7 @@ fn matcher(tokens: Vec<(Cow<'_, str>, u32)>) -> Result<Option<AddedMatcher>, Rej
     }))
 }
 
+#[cfg(test)]
+mod sentencepiece_tests;
 #[cfg(test)]
 mod tests;

@@ -274,7 +274,7 @@ fn unsupported_pipelines_fall_back_to_tokenizers() {
         let mut json = tokenizer_json();
         edit(&mut json);
         assert!(
-            ByteLevelBpe::from_tokenizer_json(&json).unwrap().is_none(),
+            FastBpe::from_tokenizer_json(&json).unwrap().is_none(),
             "{name}"
         );
         if name == "template with $B" {
@@ -290,7 +290,7 @@ fn unsupported_pipelines_fall_back_to_tokenizers() {
         );
     }
     assert!(
-        ByteLevelBpe::from_tokenizer_json(&tokenizer_json())
+        FastBpe::from_tokenizer_json(&tokenizer_json())
             .unwrap()
             .is_some()
     );
@@ -379,7 +379,7 @@ fn inconsistent_supported_pipeline_is_an_error() {
         .as_array_mut()
         .unwrap()
         .push(json!(["nosuch", "token"]));
-    let err = ByteLevelBpe::from_tokenizer_json(&json).unwrap_err();
+    let err = FastBpe::from_tokenizer_json(&json).unwrap_err();
     assert_eq!(err.as_label(), "config");
 }
 
@@ -387,5 +387,5 @@ fn inconsistent_supported_pipeline_is_an_error() {
 fn model_tokenizer_stays_send_and_sync() {
     fn shared<T: Send + Sync>() {}
     shared::<ModelTokenizer>();
-    shared::<ByteLevelBpe>();
+    shared::<FastBpe>();
 }

@@ -23,10 +23,12 @@
 //! [`Dialect::Sglang`] reproduces it, through the same template rendering, and
 //! [`ModelTokenizer::convert_api_request_for`] converts Responses and Messages requests as it does.
 //!
-//! Encoding uses [`ByteLevelBpe`], an exact re-implementation of the byte-level BPE pipelines
-//! (GPT-2 style, Llama 3, Qwen2/3, o200k; its speed against `tokenizers` is in BENCHMARKS.md),
-//! whenever the `tokenizer.json` is one it models and it agrees with `tokenizers` on a self-check sample at load; otherwise (and for decoding) the
-//! `tokenizers` crate does the work. [`ModelTokenizer::uses_fast_path`] tells which.
+//! Encoding uses [`FastBpe`], an exact re-implementation of the byte-level BPE pipelines
+//! (GPT-2 style, Llama 3, Qwen2/3, o200k, Tekken, DeepSeek-V3) and of SentencePiece-style BPE
+//! (Llama 2, Gemma; speeds against `tokenizers` in BENCHMARKS.md), whenever the `tokenizer.json`
+//! is one it models and it agrees with `tokenizers` on a self-check sample at load; otherwise
+//! (and for decoding) the `tokenizers` crate does the work. [`ModelTokenizer::fast_encoder_kind`]
+//! tells which.
 //!
 //! ```
 //! # fn main() -> Result<(), kvroute_tokenize::TokenizeError> {
@@ -55,7 +57,7 @@ pub mod testing;
 use std::path::{Path, PathBuf};
 
 pub use apis::ConvertedChat;
-pub use byte_bpe::ByteLevelBpe;
+pub use byte_bpe::{FastBpe, FastEncoderKind};
 pub use chat::ChatTemplate;
 pub use content_format::ContentFormat;
 pub use conversation::media_part_kind;
@@ -150,7 +152,7 @@ pub enum ApiKind {
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// The exact fast encoder, when the pipeline is supported and passed the self-check.
-    fast: Option<ByteLevelBpe>,
+    fast: Option<FastBpe>,
     chat: Option<ChatTemplate>,
     /// What templates see by name (kept for [`Self::with_chat_template`]).
     special: chat::SpecialTokens,
@@ -161,7 +163,7 @@ pub struct ModelTokenizer {
     /// the tokenizer adds them by itself).
     specials_on_empty: bool,
     /// Whether [`leading_cut`] offsets are token boundaries for this model: the fast encoder
-    /// serves it (one of the byte-level `Split` pipelines it models) and no added token's content
+    /// serves it with one of the byte-level pipelines it models and no added token's content
     /// has ASCII whitespace (so none can span a cut).
     leading_cuts: bool,
 }
@@ -316,7 +318,7 @@ impl ModelTokenizer {
         let chat = template_source
             .map(|source| ChatTemplate::new(source, special.clone()))
             .transpose()?;
-        let leading_cuts = fast.is_some()
+        let leading_cuts = fast.as_ref().is_some_and(FastBpe::allows_leading_cuts)
             && tokenizer
                 .get_added_tokens_decoder()
                 .values()
@@ -660,9 +662,14 @@ impl ModelTokenizer {
         self.eos_token_id
     }
 
-    /// Whether encoding uses the fast [`ByteLevelBpe`] (else the `tokenizers` crate).
+    /// Whether encoding uses the fast [`FastBpe`] (else the `tokenizers` crate).
     pub fn uses_fast_path(&self) -> bool {
         self.fast.is_some()
+    }
+
+    /// Which fast encoder serves this model (`None`: the `tokenizers` crate does).
+    pub fn fast_encoder_kind(&self) -> Option<FastEncoderKind> {
+        self.fast.as_ref().map(FastBpe::kind)
     }
 
     /// Whether the model has a chat template (chat requests fail without one, as in vLLM).
@@ -673,7 +680,9 @@ impl ModelTokenizer {
 
 /// Text the fast encoder must encode exactly as `tokenizers` before it is used: ASCII with
 /// contractions (any case), unicode letters/digits/marks/symbols, every kind of whitespace run,
-/// text NFC changes, camel case and digit runs (the `Split` patterns' edges).
+/// text NFC changes, camel case and digit runs (the `Split` patterns' edges), kana and digits
+/// against letters (DeepSeek-V3's stages), `▁` itself and private-use chars (SentencePiece's
+/// replacement and byte fallback).
 const SELF_CHECK_SAMPLE: &str = "Hello, world! It's 9:41 -- we'll SEE what's up; I'd've said \
     'quoted' \"double\"  two  spaces   three\tTab\t\tTabs\n\nNew paragraph\r\n\
     caf\u{e9} na\u{ef}ve \u{c9}t\u{e9} Stra\u{df}e \u{3a9}mega \u{4e2d}\u{6587}\u{5b57} \
@@ -681,12 +690,13 @@ const SELF_CHECK_SAMPLE: &str = "Hello, world! It's 9:41 -- we'll SEE what's up;
     \u{1f600}\u{1f44d}\u{1f3fd} \u{a0}nbsp\u{a0} \u{2028}ls\u{2029} \u{3000}wide \u{85}nel \
     \u{1c}ctl\u{7f} __init__() x=[1,2]; a->b {k: v} #tag @user $5.00 100% ~/path.rs   \n \n  \
     DON'T it'\u{17f} 'tis HTTPServer getJSON 1234567 \u{212b}\u{f900} a\u{323}\u{301} \u{1100}\u{1161}\u{11a8} \
-    \u{928}\u{92e}\u{938}\u{94d}\u{924}\u{947} \u{e2a}\u{e27}\u{e31} \u{1f468}\u{200d}\u{1f469} a/b!!\n/c\r\n\r\n \t\n  ";
+    \u{928}\u{92e}\u{938}\u{94d}\u{924}\u{947} \u{e2a}\u{e27}\u{e31} \u{1f468}\u{200d}\u{1f469} a/b!!\n/c\r\n\r\n \t\n  \
+    \u{3072}\u{3089}\u{304c}\u{306a}\u{30ab}\u{30bf}\u{30ab}\u{30ca}x12ab3 (abc .foo \u{2581}a \u{2581}\u{2581} \u{e000}\u{10fffd} ";
 
 /// The fast encoder if the pipeline is supported and it agrees with `tokenizers` on a sample.
-fn fast_encoder(tokenizer: &tokenizers::Tokenizer, tokenizer_json: &[u8]) -> Option<ByteLevelBpe> {
+fn fast_encoder(tokenizer: &tokenizers::Tokenizer, tokenizer_json: &[u8]) -> Option<FastBpe> {
     let json: serde_json::Value = serde_json::from_slice(tokenizer_json).ok()?;
-    let fast = match ByteLevelBpe::from_tokenizer_json(&json) {
+    let fast = match FastBpe::from_tokenizer_json(&json) {
         Ok(fast) => fast?,
         Err(error) => {
             tracing::warn!(%error, "fast tokenizer not built; using tokenizers");

@@ -83,10 +83,9 @@ impl Tokenizer for InProcessTokenizer {
     }
 
     fn mode(&self) -> TokenizerMode {
-        if self.model.uses_fast_path() {
-            TokenizerMode::InProcessFast
-        } else {
-            TokenizerMode::InProcessHf
+        match self.model.fast_encoder_kind() {
+            Some(kind) => TokenizerMode::InProcessFast(kind),
+            None => TokenizerMode::InProcessHf,
         }
     }
 

@@ -159,9 +159,9 @@ pub trait InProcess: Send + Sync {
 /// How a [`Tokenizer`] computes token ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TokenizerMode {
-    /// In process, with `kvroute-tokenize`'s fast byte-level BPE encoder (checked against HF at
+    /// In process, with one of `kvroute-tokenize`'s fast exact encoders (checked against HF at
     /// load).
-    InProcessFast,
+    InProcessFast(kvroute_tokenize::FastEncoderKind),
     /// In process, with the Hugging Face `tokenizers` crate.
     InProcessHf,
     /// A remote vLLM-compatible `/tokenize`.
@@ -176,17 +176,18 @@ impl TokenizerMode {
     /// Where the tokens are computed: `in_process`, `remote`, `render` or `other`.
     pub fn location(self) -> &'static str {
         match self {
-            Self::InProcessFast | Self::InProcessHf => "in_process",
+            Self::InProcessFast(_) | Self::InProcessHf => "in_process",
             Self::Remote => "remote",
             Self::Render => "render",
             Self::Other => "other",
         }
     }
 
-    /// The in-process encoder, `fast` or `hf` (`None` elsewhere).
+    /// The in-process encoder, `fast-byte-bpe`, `fast-sentencepiece-bpe` or `hf` (`None`
+    /// elsewhere).
     pub fn encoder(self) -> Option<&'static str> {
         match self {
-            Self::InProcessFast => Some("fast"),
+            Self::InProcessFast(kind) => Some(kind.name()),
             Self::InProcessHf => Some("hf"),
             Self::Remote | Self::Render | Self::Other => None,
         }

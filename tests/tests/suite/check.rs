@@ -133,7 +133,7 @@ async fn check_prints_the_decision_paths_tokens_and_vllm_block_keys() {
         assert_eq!(report["key_scheme"]["hash_algo"], "sha256");
         assert_eq!(report["key_scheme"]["seed"], "0");
         assert_eq!(report["tokenizer"]["mode"], "in_process", "{report}");
-        assert_eq!(report["tokenizer"]["encoder"], "fast", "{report}");
+        assert_eq!(report["tokenizer"]["encoder"], "fast-byte-bpe", "{report}");
         assert_eq!(report["token_source"], "tokenizer");
     }
 }

@@ -35,7 +35,7 @@ pub(crate) fn class_of(c: char) -> Class {
         Kind::Upper | Kind::Lower | Kind::OtherLetter => Class::Letter,
         Kind::Number => Class::Number,
         Kind::Newline | Kind::Space => Class::Space,
-        Kind::Mark | Kind::Other => Class::Other,
+        Kind::Mark | Kind::Punct | Kind::Other => Class::Other,
     }
 }
 

@@ -1,5 +1,6 @@
-//! The `Split` pre-tokenizer regexes of Llama 3, Qwen2/2.5/3 and o200k (gpt-oss) as hand-written
-//! scanners, recognised by their exact pattern strings ([`SplitPattern::from_regex`]).
+//! The `Split` pre-tokenizer regexes of Llama 3, Qwen2/2.5/3, o200k (gpt-oss), Tekken (Mistral
+//! NeMo) and DeepSeek-V3's sequence of three `Split`s as hand-written scanners, recognised by
+//! their exact pattern strings ([`SplitPattern::from_regexes`]).
 //!
 //! `tokenizers` runs these with Oniguruma (`find_iter`, `Isolated` behaviour: every match is a
 //! piece). Each scanner returns, for a position, the end of the match Oniguruma finds there:
@@ -25,22 +26,44 @@ pub(crate) const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?
 /// tiktoken's o200k (gpt-oss, GPT-4o): case-aware words with contraction suffixes.
 pub(crate) const O200K: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// A `Split` regex this module scans by hand.
+/// Mistral NeMo's Tekken: o200k's word alternatives without the contraction suffixes, one digit
+/// per piece.
+pub(crate) const TEKKEN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// DeepSeek-V3 (and R1): three `Split`s in sequence, each run on every piece of the one before.
+/// First runs of up to three numbers, then runs of CJK ideographs and kana, then words.
+pub(crate) const DEEPSEEK_V3: [&str; 3] = [
+    r"\p{N}{1,3}",
+    "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+];
+
+/// A `Split` regex (or sequence of them) this module scans by hand.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SplitPattern {
     /// [`LLAMA3`] (`max_digits` 3) or [`QWEN2`] (1).
     Llama3 { max_digits: u8 },
-    /// [`O200K`].
-    O200k,
+    /// [`O200K`] (contraction suffixes, `max_digits` 3) or [`TEKKEN`] (neither: 1).
+    O200k { contractions: bool, max_digits: u8 },
+    /// [`DEEPSEEK_V3`].
+    DeepSeekV3,
 }
 
 impl SplitPattern {
-    /// The scanner for exactly this pattern string, if there is one.
-    pub(crate) fn from_regex(regex: &str) -> Option<Self> {
-        match regex {
-            LLAMA3 => Some(Self::Llama3 { max_digits: 3 }),
-            QWEN2 => Some(Self::Llama3 { max_digits: 1 }),
-            O200K => Some(Self::O200k),
+    /// The scanner for exactly this sequence of pattern strings (each `Split` applied to every
+    /// piece of the one before), if there is one.
+    pub(crate) fn from_regexes(regexes: &[&str]) -> Option<Self> {
+        match regexes {
+            [LLAMA3] => Some(Self::Llama3 { max_digits: 3 }),
+            [QWEN2] => Some(Self::Llama3 { max_digits: 1 }),
+            [O200K] => Some(Self::O200k {
+                contractions: true,
+                max_digits: 3,
+            }),
+            [TEKKEN] => Some(Self::O200k {
+                contractions: false,
+                max_digits: 1,
+            }),
+            _ if regexes == DEEPSEEK_V3 => Some(Self::DeepSeekV3),
             _ => None,
         }
     }
@@ -49,8 +72,10 @@ impl SplitPattern {
     pub(crate) fn split(self, text: &str) -> Pieces<'_> {
         Pieces {
             pattern: self,
-            scan: Scan { text },
+            text,
             pos: 0,
+            numbers_end: 0,
+            cjk_end: 0,
         }
     }
 }
@@ -59,8 +84,12 @@ impl SplitPattern {
 #[derive(Debug)]
 pub(crate) struct Pieces<'a> {
     pattern: SplitPattern,
-    scan: Scan<'a>,
+    text: &'a str,
     pos: usize,
+    /// DeepSeek-V3: the end of the current first-stage piece (a number run or the text between).
+    numbers_end: usize,
+    /// DeepSeek-V3: the end of the current second-stage piece (a CJK run or the text between).
+    cjk_end: usize,
 }
 
 impl<'a> Iterator for Pieces<'a> {
@@ -68,13 +97,62 @@ impl<'a> Iterator for Pieces<'a> {
 
     fn next(&mut self) -> Option<&'a str> {
         let start = self.pos;
+        let scan = Scan { text: self.text };
         let end = match self.pattern {
-            SplitPattern::Llama3 { max_digits } => self.scan.llama3_end(start, max_digits)?,
-            SplitPattern::O200k => self.scan.o200k_end(start)?,
+            SplitPattern::Llama3 { max_digits } => scan.llama3_end(start, max_digits)?,
+            SplitPattern::O200k {
+                contractions,
+                max_digits,
+            } => scan.o200k_end(start, contractions, max_digits)?,
+            SplitPattern::DeepSeekV3 => self.deepseek_end(start)?,
         };
         self.pos = end;
-        self.scan.text.get(start..end)
+        self.text.get(start..end)
     }
+}
+
+impl Pieces<'_> {
+    /// The end of DeepSeek-V3's next piece at `pos`. Each `Split` runs on the pieces of the one
+    /// before as whole strings, so a stage's matches end at its enclosing piece's end (where
+    /// `(?!\S)` holds) and the text between matches is a piece of its own.
+    fn deepseek_end(&mut self, pos: usize) -> Option<usize> {
+        let scan = Scan { text: self.text };
+        let (_, kind, _) = char_at(self.text, pos)?;
+        if pos >= self.numbers_end {
+            self.numbers_end = if kind == Kind::Number {
+                scan.digits_end(pos, 3)
+            } else {
+                scan.run_end(pos, |kind| kind != Kind::Number)
+            };
+        }
+        if pos >= self.cjk_end {
+            let limited = Scan {
+                text: self.text.get(..self.numbers_end)?,
+            };
+            let cjk = is_deepseek_cjk(self.text.get(pos..)?.chars().next()?);
+            self.cjk_end = limited.chars_end(pos, |c| is_deepseek_cjk(c) == cjk);
+        }
+        let piece = Scan {
+            text: self.text.get(..self.cjk_end)?,
+        };
+        if let Some(end) = piece.deepseek_word_end(pos) {
+            return Some(end);
+        }
+        // Text no alternative matches runs to where one does.
+        let mut end = pos;
+        while let Some((_, _, len)) = char_at(piece.text, end) {
+            end += len;
+            if end < piece.text.len() && piece.deepseek_word_end(end).is_some() {
+                break;
+            }
+        }
+        Some(end)
+    }
+}
+
+/// DeepSeek-V3's second stage: CJK Unified Ideographs U+4E00–U+9FA5, hiragana, katakana.
+fn is_deepseek_cjk(c: char) -> bool {
+    matches!(c, '\u{4e00}'..='\u{9fa5}' | '\u{3040}'..='\u{309f}' | '\u{30a0}'..='\u{30ff}')
 }
 
 /// The char kinds the patterns distinguish (a partition of all chars).
@@ -95,7 +173,9 @@ pub(crate) enum Kind {
     Newline,
     /// Any other White_Space char.
     Space,
-    /// Everything else.
+    /// Punctuation and symbols (P*, S*).
+    Punct,
+    /// Everything else (controls, format chars, private use, unassigned).
     Other,
 }
 
@@ -108,11 +188,15 @@ impl Kind {
     }
     /// `[^\r\n\p{L}\p{N}]`.
     fn is_prefix(self) -> bool {
-        matches!(self, Self::Space | Self::Mark | Self::Other)
+        matches!(self, Self::Space | Self::Mark | Self::Punct | Self::Other)
     }
     /// `[^\s\p{L}\p{N}]`.
     fn is_symbol(self) -> bool {
-        matches!(self, Self::Mark | Self::Other)
+        matches!(self, Self::Mark | Self::Punct | Self::Other)
+    }
+    /// `[\p{L}\p{M}]`.
+    fn is_letter_or_mark(self) -> bool {
+        self.is_letter() || self == Self::Mark
     }
     /// `[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]`.
     fn is_upper_set(self) -> bool {
@@ -136,6 +220,8 @@ const ASCII_KIND: [Kind; 128] = {
             b'\r' | b'\n' => Kind::Newline,
             // White_Space in ASCII besides \r \n: \t \v \f and space.
             0x09 | 0x0B | 0x0C | b' ' => Kind::Space,
+            // Every printable ASCII char that is not a letter or digit is P or S.
+            b'!'..=b'~' => Kind::Punct,
             _ => Kind::Other,
         };
         b += 1;
@@ -189,6 +275,9 @@ fn kind_by_category(c: char) -> Kind {
         ModifierLetter | OtherLetter => Kind::OtherLetter,
         NonspacingMark | SpacingMark | EnclosingMark => Kind::Mark,
         DecimalNumber | LetterNumber | OtherNumber => Kind::Number,
+        ConnectorPunctuation | DashPunctuation | OpenPunctuation | ClosePunctuation
+        | InitialPunctuation | FinalPunctuation | OtherPunctuation | MathSymbol
+        | CurrencySymbol | ModifierSymbol | OtherSymbol => Kind::Punct,
         _ => Kind::Other,
     }
 }
@@ -289,6 +378,16 @@ impl Scan<'_> {
                 _ => return pos,
             }
         }
+    }
+
+    /// End of the maximal run of chars satisfying `class`, from `pos`.
+    fn chars_end(self, mut pos: usize, class: impl Fn(char) -> bool) -> usize {
+        while let Some((c, _, len)) = char_at(self.text, pos)
+            && class(c)
+        {
+            pos += len;
+        }
+        pos
     }
 
     /// End of at most `max` consecutive numbers from `pos`.
@@ -432,10 +531,15 @@ impl Scan<'_> {
         Some(self.run_end_with(end, Kind::is_lower_set, Ascii::Lower))
     }
 
-    /// The end of the o200k match at `pos`, `None` at the end of the text.
-    fn o200k_end(self, pos: usize) -> Option<usize> {
+    /// The end of the o200k (or Tekken) match at `pos`, `None` at the end of the text.
+    fn o200k_end(self, pos: usize, contractions: bool, max_digits: u8) -> Option<usize> {
         let (c, kind, len) = char_at(self.text, pos)?;
-        let with_suffix = |end: usize| self.contraction_end(end).unwrap_or(end);
+        let with_suffix = |end: usize| {
+            contractions
+                .then(|| self.contraction_end(end))
+                .flatten()
+                .unwrap_or(end)
+        };
         // Each word alternative tries the optional prefix char first, then without it.
         type Word<'s> = fn(Scan<'s>, usize) -> Option<usize>;
         let words: [Word<'_>; 2] = [Self::upper_lower_end, Self::upper_then_lower_end];
@@ -450,18 +554,56 @@ impl Scan<'_> {
             }
         }
         if kind == Kind::Number {
-            return Some(self.digits_end(pos, 3));
+            return Some(self.digits_end(pos, max_digits));
         }
         if let Some(end) = self.symbols_end(c, kind, pos, len, true) {
             return Some(end);
         }
         Some(self.whitespace_end(pos))
     }
+
+    /// The end of the match of DeepSeek-V3's third pattern at `pos` (`self.text` ends where its
+    /// piece does), `None` where no alternative matches:
+    /// `[ASCII punct][A-Za-z]+ | [^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+ | ?[\p{P}\p{S}]+[\r\n]*`,
+    /// then the whitespace alternatives.
+    fn deepseek_word_end(self, pos: usize) -> Option<usize> {
+        let (c, kind, len) = char_at(self.text, pos)?;
+        let bytes = self.text.as_bytes();
+        if c.is_ascii_punctuation() && bytes.get(pos + 1).is_some_and(u8::is_ascii_alphabetic) {
+            return Some(Ascii::Letters.run_end(bytes, pos + 1));
+        }
+        // The optional prefix is neither a letter nor a mark, or the same run either way.
+        let prefix = !matches!(kind, Kind::Newline | Kind::Punct) && !kind.is_letter();
+        let letters =
+            |from: usize| self.run_end_with(from, Kind::is_letter_or_mark, Ascii::Letters);
+        if prefix && self.kind_at(pos + len).is_some_and(Kind::is_letter_or_mark) {
+            return Some(letters(pos + len));
+        }
+        if kind.is_letter_or_mark() {
+            return Some(letters(pos + len));
+        }
+        let punct_from = if kind == Kind::Punct {
+            Some(pos)
+        } else if c == ' ' && self.kind_at(pos + 1) == Some(Kind::Punct) {
+            Some(pos + 1)
+        } else {
+            None
+        };
+        if let Some(from) = punct_from {
+            let mut end = self.run_end(from, |kind| kind == Kind::Punct);
+            while let Some(b'\r' | b'\n') = bytes.get(end) {
+                end += 1;
+            }
+            return Some(end);
+        }
+        kind.is_space().then(|| self.whitespace_end(pos))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
     use tokenizers::pre_tokenizers::split::{Split, SplitPattern as HfPattern};
     use tokenizers::{
         OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer, SplitDelimiterBehavior,
@@ -470,12 +612,16 @@ mod tests {
     use super::*;
 
     fn pieces(pattern: &str, text: &str) -> Vec<String> {
-        let pattern = SplitPattern::from_regex(pattern).unwrap();
+        sequence_pieces(&[pattern], text)
+    }
+
+    fn sequence_pieces(patterns: &[&str], text: &str) -> Vec<String> {
+        let pattern = SplitPattern::from_regexes(patterns).unwrap();
         pattern.split(text).map(str::to_owned).collect()
     }
 
-    /// The pieces `tokenizers` (Oniguruma) cuts `text` into with `pattern`.
-    fn reference(split: &Split, text: &str) -> Vec<String> {
+    /// The pieces `tokenizers` (Oniguruma) cuts `text` into with `split`.
+    fn reference(split: &impl PreTokenizer, text: &str) -> Vec<String> {
         let mut pre = PreTokenizedString::from(text);
         split.pre_tokenize(&mut pre).unwrap();
         pre.get_splits(OffsetReferential::Original, OffsetType::Byte)
@@ -491,6 +637,16 @@ mod tests {
             false,
         )
         .unwrap()
+    }
+
+    /// `tokenizers`' `Sequence` of `Split`s, each applied to every piece of the one before.
+    fn hf_sequence(patterns: &[&str]) -> Sequence {
+        Sequence::new(
+            patterns
+                .iter()
+                .map(|pattern| hf_split(pattern).into())
+                .collect(),
+        )
     }
 
     /// One of each kind the patterns tell apart, and the sequences their backtracking turns on.
@@ -563,6 +719,20 @@ mod tests {
         "\u{3c3}",
         "\u{df}",
         "<|x|>",
+        "\u{3042}\u{3044}",
+        "\u{30ab}\u{30bf}",
+        "\u{9fa6}",
+        "(abc",
+        ".x",
+        "\u{ff08}",
+        "$",
+        "+=",
+        "\u{1}",
+        "\u{200d}",
+        "\u{e000}",
+        "\u{a9}",
+        "\u{2014}",
+        "7a",
     ];
 
     fn text_strategy() -> impl Strategy<Value = String> {
@@ -578,10 +748,15 @@ mod tests {
 
         #[test]
         fn scanners_equal_oniguruma(text in text_strategy()) {
-            for pattern in [LLAMA3, QWEN2, O200K] {
+            for pattern in [LLAMA3, QWEN2, O200K, TEKKEN] {
                 let split = hf_split(pattern);
                 prop_assert_eq!(pieces(pattern, &text), reference(&split, &text), "{}", pattern);
             }
+            prop_assert_eq!(
+                sequence_pieces(&DEEPSEEK_V3, &text),
+                reference(&hf_sequence(&DEEPSEEK_V3), &text),
+                "deepseek-v3"
+            );
         }
     }
 
@@ -669,8 +844,42 @@ mod tests {
     }
 
     #[test]
+    fn deepseek_v3_pieces() {
+        let text =
+            "Hello (world) 12345\u{4e2d}\u{6587}abc \u{3042}x  .foo\u{e9}!!\n\n y'all\u{200d}";
+        assert_eq!(
+            sequence_pieces(&DEEPSEEK_V3, text),
+            [
+                "Hello",
+                " (",
+                "world",
+                ")",
+                " ",
+                "123",
+                "45",
+                "\u{4e2d}\u{6587}",
+                "abc",
+                " ",
+                "\u{3042}",
+                "x",
+                " ",
+                " .",
+                "foo\u{e9}",
+                "!!\n\n",
+                " y",
+                "'all",
+                "\u{200d}"
+            ]
+        );
+        assert_eq!(
+            sequence_pieces(&DEEPSEEK_V3, text),
+            reference(&hf_sequence(&DEEPSEEK_V3), text)
+        );
+    }
+
+    #[test]
     fn hand_examples_agree_with_oniguruma() {
-        for pattern in [LLAMA3, QWEN2, O200K] {
+        for pattern in [LLAMA3, QWEN2, O200K, TEKKEN] {
             let split = hf_split(pattern);
             for text in [
                 "Hello world's  end\n\n x 12345 I'LL 'tis\r\n\r\n  \tfoo!!\n\nbar",
