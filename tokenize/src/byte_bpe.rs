@@ -685,8 +685,14 @@ impl FastBpe {
         let mut pre_tokenizer = match (byte_level, words) {
             (Ok(pre_tokenizer), _) => pre_tokenizer,
             (Err(_), Some(words)) => {
-                let cuts = (!words.pieces_are_words())
-                    .then(|| Cuts::new(cut_char(&words, &normalizer), &merge_list));
+                let cuts = match &alphabet {
+                    Alphabet::Chars(symbols) if !words.pieces_are_words() => Some(Cuts::new(
+                        cut_char(&words, &normalizer),
+                        &merge_list,
+                        symbols,
+                    )),
+                    _ => None,
+                };
                 PreTokenizer::SentencePiece {
                     words,
                     cuts,

@@ -295,11 +295,16 @@ pub(super) struct Cuts {
     /// ...unless the symbol before it ends with one of these in some merged token's text (a
     /// char the vocab lacks counts as its fallback's last char, `>`). A handful at most.
     joins: Vec<char>,
+    /// [`Self::cuts_after`] of each ASCII char and of `at`, worked out at load: the char
+    /// before a spot is one of these nearly always, and the rule's list and vocab lookups were
+    /// a fifth of a raw scan.
+    after_ascii: [bool; 128],
+    after_at: bool,
 }
 
 impl Cuts {
-    /// The cut rule for `at` under these merges (rank order, as token texts).
-    pub(super) fn new(at: char, merges: &[(&str, &str)]) -> Self {
+    /// The cut rule for `at` under these merges (rank order, as token texts) and symbols.
+    pub(super) fn new(at: char, merges: &[(&str, &str)], symbols: &CharSymbols) -> Self {
         let mut joins = HashSet::new();
         let mut joined = String::new();
         for (left, right) in merges {
@@ -318,7 +323,18 @@ impl Cuts {
         }
         let mut joins: Vec<char> = joins.into_iter().collect();
         joins.sort_unstable();
-        Self { at, joins }
+        let mut cuts = Self {
+            at,
+            joins,
+            after_ascii: [false; 128],
+            after_at: false,
+        };
+        let after_ascii = std::array::from_fn(|c| {
+            char::from_u32(c as u32).is_some_and(|c| cuts.rule_cuts_after(c, symbols))
+        });
+        cuts.after_ascii = after_ascii;
+        cuts.after_at = cuts.rule_cuts_after(at, symbols);
+        cuts
     }
 
     /// The pieces of `word`, in order; they concatenate back to it.
@@ -408,22 +424,34 @@ impl Cuts {
                 end = found + 1;
                 continue;
             };
-            let before = match raw.get(..found) {
-                Some("") => Some(self.at),
-                Some(head) => head
-                    .chars()
-                    .next_back()
-                    .map(|c| if c == ' ' { self.at } else { c }),
-                None => None,
+            let cuts = match found.checked_sub(1).map(|i| bytes.get(i)) {
+                // The start: after the prepended `at`.
+                None => self.after_at,
+                Some(Some(b' ')) => self.after_at,
+                Some(Some(&b)) if b.is_ascii() => self.after_ascii[usize::from(b)],
+                Some(_) => raw
+                    .get(..found)
+                    .and_then(|head| head.chars().next_back())
+                    .is_some_and(|before| self.cuts_after(before, symbols)),
             };
-            if before.is_some_and(|before| self.cuts_after(before, symbols)) {
+            if cuts {
                 return found;
             }
             end = found + len;
         }
     }
 
+    /// Whether a piece may start at an `at` after `before`.
+    #[inline]
     fn cuts_after(&self, before: char, symbols: &CharSymbols) -> bool {
+        match self.after_ascii.get(before as usize) {
+            Some(&cuts) => cuts,
+            None if before == self.at => self.after_at,
+            None => self.rule_cuts_after(before, symbols),
+        }
+    }
+
+    fn rule_cuts_after(&self, before: char, symbols: &CharSymbols) -> bool {
         if self.joins.contains(&before) {
             return false;
         }
