@@ -167,8 +167,24 @@ enum PreTokenizer {
     /// `Sequence [Split { Regex, Isolated }.., ByteLevel { use_regex: false }]`.
     Split(SplitPattern),
     /// A SentencePiece-style pipeline's words, cut where no merge reaches across (`None`: not
-    /// cut, each word is a piece).
-    SentencePiece { words: Words, cuts: Option<Cuts> },
+    /// cut, each word is a piece), its segments read raw when `raw` says so.
+    SentencePiece {
+        words: Words,
+        cuts: Option<Cuts>,
+        raw: Option<RawSpaces>,
+    },
+}
+
+/// A SentencePiece pipeline whose segments are cut and encoded as raw text: its normalizer only
+/// turns each space into the cut char (after prepending one to the segment, with `prepend`), its
+/// words are whole segments, no added token is matched after the normalizer and no whole word is
+/// looked up. A raw piece (a space spelled as the cut char's symbol) then has the ids of its
+/// normalized span, so the normalizer's copy of every segment and the second scan over it are
+/// skipped: with Gemma's added tokens each line is a segment, and they were a fifth of an encode.
+/// The word cache is keyed by the raw pieces, all of them read this way.
+#[derive(Debug)]
+struct RawSpaces {
+    prepend: bool,
 }
 
 /// A piece's initial symbols.
@@ -279,7 +295,11 @@ impl FastBpe {
                 Segment::Added(id) => ids.push(id),
                 Segment::Text(raw) => {
                     let raw_first = raw.as_ptr() == text.as_ptr();
-                    let normalized = normalize::apply(&self.normalizer, raw);
+                    let normalized = if self.reads_raw() {
+                        Cow::Borrowed(raw)
+                    } else {
+                        normalize::apply(&self.normalizer, raw)
+                    };
                     split_on(
                         self.added.normalized.as_ref(),
                         &normalized,
@@ -318,7 +338,24 @@ impl FastBpe {
             PreTokenizer::Split(pattern) => {
                 self.encode_pieces(text, pattern.split(text), out, scratch, batch);
             }
-            PreTokenizer::SentencePiece { words, cuts } => {
+            PreTokenizer::SentencePiece {
+                words,
+                cuts,
+                raw: Some(raw),
+            } => {
+                if let (Some(cuts), Alphabet::Chars(symbols)) = (cuts, &self.alphabet) {
+                    self.encode_raw(text, raw, cuts, symbols, out, scratch, batch);
+                } else {
+                    // Never built so (see `raw_spaces`): the normalized path, still exact.
+                    let normalized = normalize::apply(&self.normalizer, text);
+                    self.encode_pieces(&normalized, words.split(&normalized), out, scratch, batch);
+                }
+            }
+            PreTokenizer::SentencePiece {
+                words,
+                cuts,
+                raw: None,
+            } => {
                 let prepared = words.prepare(text, first);
                 let (Some(cuts), Alphabet::Chars(symbols)) = (cuts, &self.alphabet) else {
                     self.encode_pieces(&prepared, words.split(&prepared), out, scratch, batch);
@@ -338,6 +375,44 @@ impl FastBpe {
                 }
             }
         }
+    }
+
+    /// Encodes a raw segment of a [`RawSpaces`] pipeline: the first piece (with the prepended
+    /// cut char, if any: the only piece copied) and then the rest's pieces in place.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "encode_text's state, passed down"
+    )]
+    fn encode_raw(
+        &self,
+        text: &str,
+        raw: &RawSpaces,
+        cuts: &Cuts,
+        symbols: &CharSymbols,
+        out: &mut Vec<u32>,
+        scratch: &mut Scratch,
+        batch: &mut Vec<Piece>,
+    ) {
+        let mut rest = text;
+        if raw.prepend && !text.is_empty() {
+            // Cut spots are ASCII spaces or the cut char's first byte: char boundaries.
+            let end = cuts.next_raw_cut(text, 0, symbols);
+            let (head, tail) = text.split_at(end.min(text.len()));
+            let mut first = String::with_capacity(head.len() + 4);
+            first.push(cuts.at());
+            first.push_str(head);
+            self.encode_pieces(&first, std::iter::once(first.as_str()), out, scratch, batch);
+            rest = tail;
+        }
+        self.encode_pieces(rest, cuts.split_raw(rest, symbols), out, scratch, batch);
+    }
+
+    /// Whether segments are encoded raw, without the normalizer's copy (see [`RawSpaces`]).
+    fn reads_raw(&self) -> bool {
+        matches!(
+            self.pre_tokenizer,
+            PreTokenizer::SentencePiece { raw: Some(_), .. }
+        )
     }
 
     /// Encodes the pieces of `text`, [`PIECE_BATCH`] at a time.
@@ -592,7 +667,7 @@ impl FastBpe {
         check_bpe_options(model, words.is_some())?;
         let vocab = parse_vocab(model)?;
 
-        let alphabet = match words {
+        let mut alphabet = match words {
             None => {
                 let mut byte_ids = Box::new([0; 256]);
                 for (byte, slot) in byte_ids.iter_mut().enumerate() {
@@ -607,12 +682,22 @@ impl FastBpe {
         };
 
         let merge_list = parse_merges(model)?;
-        let pre_tokenizer = match (byte_level, words) {
+        let mut pre_tokenizer = match (byte_level, words) {
             (Ok(pre_tokenizer), _) => pre_tokenizer,
             (Err(_), Some(words)) => {
-                let cuts = (!words.pieces_are_words())
-                    .then(|| Cuts::new(cut_char(&words, &normalizer), &merge_list));
-                PreTokenizer::SentencePiece { words, cuts }
+                let cuts = match &alphabet {
+                    Alphabet::Chars(symbols) if !words.pieces_are_words() => Some(Cuts::new(
+                        cut_char(&words, &normalizer),
+                        &merge_list,
+                        symbols,
+                    )),
+                    _ => None,
+                };
+                PreTokenizer::SentencePiece {
+                    words,
+                    cuts,
+                    raw: None,
+                }
             }
             (Err(reject), None) => return Err(reject),
         };
@@ -666,6 +751,19 @@ impl FastBpe {
         });
 
         let added = AddedTokens::parse(json.get("added_tokens"), &vocab, &normalizer)?;
+        if let (
+            PreTokenizer::SentencePiece {
+                words,
+                cuts: Some(cuts),
+                raw,
+            },
+            Alphabet::Chars(symbols),
+        ) = (&mut pre_tokenizer, &mut alphabet)
+            && whole_words.is_none()
+            && added.normalized.is_none()
+        {
+            *raw = raw_spaces(&normalizer, words, cuts, symbols);
+        }
         let (prefix, suffix) =
             parse_post_processor(json.get("post_processor").unwrap_or(&Value::Null), 0)?;
         Ok(Self {
@@ -942,6 +1040,38 @@ fn cut_char(words: &Words, normalizer: &[normalize::Step]) -> char {
         _ => None,
     });
     replaced.unwrap_or(sentencepiece::METASPACE)
+}
+
+/// The [`RawSpaces`] reading of a SentencePiece pipeline with cuts, if it has one: its
+/// normalizer is `Replace(" ", c)`, after `Prepend(c)` or not, with `c` the cut char (not a space,
+/// and in the vocab: raw spaces are then spelled as its symbol); its words are whole segments
+/// (`Whole`, or an `EndAfter` pattern with a space, which never occurs once spaces are replaced).
+/// The caller checks there are no normalized added tokens and no whole-word lookups.
+fn raw_spaces(
+    normalizer: &[normalize::Step],
+    words: &Words,
+    cuts: &Cuts,
+    symbols: &mut CharSymbols,
+) -> Option<RawSpaces> {
+    use normalize::Step;
+    let c = cuts.at();
+    let replaces = |step: &Step| {
+        matches!(step, Step::Replace { pattern, content }
+            if pattern == " " && content.chars().eq(std::iter::once(c)))
+    };
+    let prepends =
+        |step: &Step| matches!(step, Step::Prepend(p) if p.chars().eq(std::iter::once(c)));
+    let prepend = match normalizer {
+        [replace] if replaces(replace) => false,
+        [prepend, replace] if prepends(prepend) && replaces(replace) => true,
+        _ => return None,
+    };
+    let whole = match words {
+        Words::Whole => true,
+        Words::EndAfter(pattern) => pattern.contains(' '),
+        Words::Metaspace { .. } => false,
+    };
+    (whole && c != ' ' && symbols.spell_space_as(c)).then_some(RawSpaces { prepend })
 }
 
 /// `sentencepiece`: whether the pipeline merges chars (which may fall back to bytes).

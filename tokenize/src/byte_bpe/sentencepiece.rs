@@ -93,6 +93,18 @@ impl CharSymbols {
         }
     }
 
+    /// Spells a space as `c`'s symbol, for a pipeline whose normalizer turns every space into
+    /// `c` and whose segments are read raw (see `RawSpaces` in `byte_bpe`); its normalized text
+    /// never holds a space, so no other symbol changes. False (and nothing changed) when `c` is
+    /// not in the vocab.
+    pub(super) fn spell_space_as(&mut self, c: char) -> bool {
+        let Some(id) = self.id_of(c) else {
+            return false;
+        };
+        self.ascii[usize::from(b' ')] = Some(id);
+        true
+    }
+
     /// Whether a char missing from the vocab becomes `<0xNN>` tokens.
     pub(super) fn has_byte_fallback(&self) -> bool {
         self.byte_fallback.is_some()
@@ -283,11 +295,16 @@ pub(super) struct Cuts {
     /// ...unless the symbol before it ends with one of these in some merged token's text (a
     /// char the vocab lacks counts as its fallback's last char, `>`). A handful at most.
     joins: Vec<char>,
+    /// [`Self::cuts_after`] of each ASCII char and of `at`, worked out at load: the char
+    /// before a spot is one of these nearly always, and the rule's list and vocab lookups were
+    /// a fifth of a raw scan.
+    after_ascii: [bool; 128],
+    after_at: bool,
 }
 
 impl Cuts {
-    /// The cut rule for `at` under these merges (rank order, as token texts).
-    pub(super) fn new(at: char, merges: &[(&str, &str)]) -> Self {
+    /// The cut rule for `at` under these merges (rank order, as token texts) and symbols.
+    pub(super) fn new(at: char, merges: &[(&str, &str)], symbols: &CharSymbols) -> Self {
         let mut joins = HashSet::new();
         let mut joined = String::new();
         for (left, right) in merges {
@@ -306,7 +323,18 @@ impl Cuts {
         }
         let mut joins: Vec<char> = joins.into_iter().collect();
         joins.sort_unstable();
-        Self { at, joins }
+        let mut cuts = Self {
+            at,
+            joins,
+            after_ascii: [false; 128],
+            after_at: false,
+        };
+        let after_ascii = std::array::from_fn(|c| {
+            char::from_u32(c as u32).is_some_and(|c| cuts.rule_cuts_after(c, symbols))
+        });
+        cuts.after_ascii = after_ascii;
+        cuts.after_at = cuts.rule_cuts_after(at, symbols);
+        cuts
     }
 
     /// The pieces of `word`, in order; they concatenate back to it.
@@ -349,7 +377,81 @@ impl Cuts {
         })
     }
 
+    /// The char pieces start at.
+    pub(super) fn at(&self) -> char {
+        self.at
+    }
+
+    /// The pieces of `raw`, a segment read before its normalizer turned each space into `at`
+    /// (so a space stands for `at`, both as a cut spot and as the char before one): the raw
+    /// spans of the normalized segment's pieces. One scan, and no copy of the segment.
+    pub(super) fn split_raw<'t>(
+        &'t self,
+        raw: &'t str,
+        symbols: &'t CharSymbols,
+    ) -> impl Iterator<Item = &'t str> + 't {
+        let mut start = 0;
+        std::iter::from_fn(move || {
+            let first = raw.get(start..)?.chars().next()?.len_utf8();
+            let end = self.next_raw_cut(raw, start + first, symbols);
+            let piece = raw.get(start..end)?;
+            start = end;
+            Some(piece)
+        })
+    }
+
+    /// The first cut at or after `from` in `raw` (read as in [`Self::split_raw`]), else
+    /// `raw.len()`. A cut at 0 is judged after an `at` prepended to the segment: only a caller
+    /// that prepends one passes 0.
+    pub(super) fn next_raw_cut(&self, raw: &str, from: usize, symbols: &CharSymbols) -> usize {
+        let bytes = raw.as_bytes();
+        let mut buffer = [0; 4];
+        let at = self.at.encode_utf8(&mut buffer).as_bytes();
+        let lead = at.first().copied().unwrap_or_default();
+        let mut end = from;
+        loop {
+            let Some(found) = find_either_byte(bytes, end, b' ', lead) else {
+                return raw.len();
+            };
+            let len = if bytes.get(found) == Some(&b' ') {
+                1
+            } else if bytes
+                .get(found..found + at.len())
+                .is_some_and(|here| here.iter().zip(at).all(|(a, b)| a == b))
+            {
+                at.len()
+            } else {
+                end = found + 1;
+                continue;
+            };
+            let cuts = match found.checked_sub(1).map(|i| bytes.get(i)) {
+                // The start: after the prepended `at`.
+                None => self.after_at,
+                Some(Some(b' ')) => self.after_at,
+                Some(Some(&b)) if b.is_ascii() => self.after_ascii[usize::from(b)],
+                Some(_) => raw
+                    .get(..found)
+                    .and_then(|head| head.chars().next_back())
+                    .is_some_and(|before| self.cuts_after(before, symbols)),
+            };
+            if cuts {
+                return found;
+            }
+            end = found + len;
+        }
+    }
+
+    /// Whether a piece may start at an `at` after `before`.
+    #[inline]
     fn cuts_after(&self, before: char, symbols: &CharSymbols) -> bool {
+        match self.after_ascii.get(before as usize) {
+            Some(&cuts) => cuts,
+            None if before == self.at => self.after_at,
+            None => self.rule_cuts_after(before, symbols),
+        }
+    }
+
+    fn rule_cuts_after(&self, before: char, symbols: &CharSymbols) -> bool {
         if self.joins.contains(&before) {
             return false;
         }
@@ -367,19 +469,28 @@ impl Cuts {
 /// The first `byte` in `bytes` at or after `from`, eight bytes at a time: pieces are short, too
 /// short for `memchr`'s set-up to pay (a call per piece was a fifth of an encode), and a byte
 /// loop was still a tenth.
-pub(super) fn find_byte(bytes: &[u8], mut from: usize, byte: u8) -> Option<usize> {
+#[inline]
+pub(super) fn find_byte(bytes: &[u8], from: usize, byte: u8) -> Option<usize> {
+    find_either_byte(bytes, from, byte, byte)
+}
+
+/// The first `a` or `b` in `bytes` at or after `from`, as [`find_byte`] searches.
+pub(super) fn find_either_byte(bytes: &[u8], mut from: usize, a: u8, b: u8) -> Option<usize> {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
+    // The lowest set bit marks the first zero byte of `x` exactly (borrows only run upwards
+    // from it), so the lowest bit of two such masks ORed marks the first of either byte.
+    let zeros = |x: u64| x.wrapping_sub(ONES) & !x & HIGH;
     while let Some(chunk) = bytes.get(from..).and_then(<[u8]>::first_chunk::<8>) {
-        let x = u64::from_le_bytes(*chunk) ^ (u64::from(byte) * ONES);
-        // The lowest set bit marks the first zero byte of `x` exactly (borrows only run
-        // upwards from it).
-        let zero = x.wrapping_sub(ONES) & !x & HIGH;
+        let word = u64::from_le_bytes(*chunk);
+        let zero = zeros(word ^ (u64::from(a) * ONES)) | zeros(word ^ (u64::from(b) * ONES));
         if zero != 0 {
             return Some(from + (zero.trailing_zeros() / 8) as usize);
         }
         from += 8;
     }
     let tail = bytes.get(from..)?;
-    tail.iter().position(|&b| b == byte).map(|at| from + at)
+    tail.iter()
+        .position(|&x| x == a || x == b)
+        .map(|at| from + at)
 }

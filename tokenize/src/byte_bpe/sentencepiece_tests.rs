@@ -93,17 +93,57 @@ fn with_added(mut json: Value) -> Value {
     json
 }
 
+/// Adds non-special added tokens matched in the raw text only, as Gemma's are: `<x>`, runs of
+/// `\n` and a run of `▁` (which a normalized space never matches).
+fn with_raw_added(mut json: Value) -> Value {
+    let added = json["added_tokens"].as_array_mut().unwrap();
+    for content in ["<x>", "\n", "\n\n", "▁▁"] {
+        added.push(
+            json!({"id": 999, "content": content, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": false}),
+        );
+    }
+    json
+}
+
+fn gemma_json() -> Value {
+    let mut gemma = tiny_json();
+    gemma["normalizer"] = json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"});
+    gemma["pre_tokenizer"] = json!({"type": "Split", "pattern": {"String": " "},
+        "behavior": "MergedWithPrevious", "invert": false});
+    gemma
+}
+
+/// The pipelines whose segments are encoded raw, without the normalizer's copy (`RawSpaces`).
+fn raw_pipelines() -> Vec<(String, Value)> {
+    let mut replace_only = tiny_json();
+    replace_only["normalizer"] = gemma_json()["normalizer"].clone();
+    vec![
+        (
+            "prepend+replace, raw (Llama 2)".to_owned(),
+            with_raw_added(tiny_json()),
+        ),
+        (
+            "replace + split, raw (Gemma)".to_owned(),
+            with_raw_added(gemma_json()),
+        ),
+        (
+            "replace, raw (Gemma without split)".to_owned(),
+            with_raw_added(replace_only),
+        ),
+    ]
+}
+
 /// The `▁` pipelines of real SentencePiece vocabularies and Metaspace's variants.
 fn pipelines() -> Vec<(String, Value)> {
     let mut out = vec![(
         "prepend+replace (Llama 2)".to_owned(),
         with_added(tiny_json()),
     )];
-    let mut gemma = tiny_json();
-    gemma["normalizer"] = json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"});
-    gemma["pre_tokenizer"] = json!({"type": "Split", "pattern": {"String": " "},
-        "behavior": "MergedWithPrevious", "invert": false});
-    out.push(("replace + split (Gemma)".to_owned(), with_added(gemma)));
+    out.push((
+        "replace + split (Gemma)".to_owned(),
+        with_added(gemma_json()),
+    ));
     for scheme in ["always", "first", "never"] {
         for split in [true, false] {
             let mut metaspace = tiny_json();
@@ -116,6 +156,7 @@ fn pipelines() -> Vec<(String, Value)> {
             ));
         }
     }
+    out.extend(raw_pipelines());
     out
 }
 
@@ -124,7 +165,13 @@ fn tiny_pipelines() -> &'static [(String, ModelTokenizer)] {
     LOADED.get_or_init(|| {
         pipelines()
             .into_iter()
-            .map(|(name, json)| (name, load(&json)))
+            .map(|(name, json)| {
+                let tokenizer = load(&json);
+                // A fast encoder that fails the load's self-check is dropped for `tokenizers`,
+                // which would make every comparison below vacuous.
+                assert!(tokenizer.uses_fast_path(), "{name}");
+                (name, tokenizer)
+            })
             .collect()
     })
 }
@@ -327,7 +374,72 @@ fn sentencepiece_pipelines_take_no_leading_cuts() {
     );
 }
 
-/// The eight-bytes-at-a-time search equals a plain one, from every start, on bytes dense with
+/// Exactly the pipelines `raw_pipelines` lists read their segments raw: a normalized added token,
+/// `ignore_merges`, another normalizer or a cut char missing from the vocab keeps the copy.
+#[test]
+fn sentencepiece_raw_reading_is_taken_only_where_it_is_exact() {
+    let reads_raw = |json: &Value| load(json).fast.as_ref().unwrap().reads_raw();
+    let raw: Vec<String> = raw_pipelines().into_iter().map(|(name, _)| name).collect();
+    for (name, json) in pipelines() {
+        assert_eq!(reads_raw(&json), raw.contains(&name), "{name}");
+    }
+    for (_, json) in raw_pipelines() {
+        let mut ignore = json.clone();
+        ignore["model"]["ignore_merges"] = json!(true);
+        assert!(!reads_raw(&ignore), "ignore_merges looks whole words up");
+        let mut nfc = json.clone();
+        nfc["normalizer"] = json!({"type": "Sequence", "normalizers": [
+            {"type": "NFC"}, nfc["normalizer"].clone()]});
+        assert!(!reads_raw(&nfc), "NFC changes the text");
+        let mut no_metaspace = json.clone();
+        no_metaspace["model"]["vocab"]
+            .as_object_mut()
+            .unwrap()
+            .remove("▁");
+        // Without `▁` the merges naming it are malformed: drop them too.
+        no_metaspace["model"]["merges"] = json!([["e", "l"], ["l", "o"]]);
+        let fast = load(&no_metaspace).fast;
+        assert!(fast.as_ref().is_none_or(|fast| !fast.reads_raw()));
+    }
+}
+
+/// Raw reading gives the normalized path's ids on texts dense with its cases: spaces and `▁`
+/// side by side, before and after chars that forbid a cut (`a`, `o`), at segment starts (after
+/// `<x>` and `\n`, with and without `Prepend`), raw `▁▁` added tokens, and chars sharing `▁`'s
+/// first byte (`–`, `…`: E2 80 xx).
+#[test]
+fn sentencepiece_raw_reading_equals_tokenizers_on_space_cases() {
+    let texts = [
+        " ",
+        "  ",
+        "▁",
+        " ▁",
+        "▁ ",
+        "▁▁ ",
+        " ▁▁",
+        "a b",
+        "a▁b",
+        "a ▁b",
+        "a  b",
+        "lo w",
+        "lo▁w",
+        "\n hello",
+        "\nhello\n\n world\n",
+        "<x> <x>▁<x>  ",
+        "–hello … world–",
+        "a–b a…▁b",
+        "hello world a b\nhello ▁world\ta b ",
+    ];
+    for (name, json) in raw_pipelines() {
+        let tokenizer = load(&json);
+        for text in texts {
+            assert_same(&name, &tokenizer, text);
+        }
+        assert_same(&name, &tokenizer, &texts.concat().repeat(50));
+    }
+}
+
+/// The eight-bytes-at-a-time searches (one byte, either of two) equal a plain one, from every start, on bytes dense with
 /// the needle, its neighbours and high bytes (borrows between lanes).
 #[test]
 fn find_byte_equals_a_plain_search() {
@@ -337,15 +449,23 @@ fn find_byte_equals_a_plain_search() {
         let len = rng.below(40);
         let bytes: Vec<u8> = (0..len).map(|_| *rng.pick(&alphabet)).collect();
         let needle = *rng.pick(&alphabet);
+        let other = *rng.pick(&alphabet);
         for from in 0..=len + 1 {
-            let expected = bytes
-                .get(from..)
-                .and_then(|tail| tail.iter().position(|&b| b == needle))
-                .map(|at| from + at);
+            let first = |pick: &dyn Fn(u8) -> bool| {
+                bytes
+                    .get(from..)
+                    .and_then(|tail| tail.iter().position(|&b| pick(b)))
+                    .map(|at| from + at)
+            };
             assert_eq!(
                 super::sentencepiece::find_byte(&bytes, from, needle),
-                expected,
+                first(&|b| b == needle),
                 "{bytes:?} from {from} needle {needle:#x}"
+            );
+            assert_eq!(
+                super::sentencepiece::find_either_byte(&bytes, from, needle, other),
+                first(&|b| b == needle || b == other),
+                "{bytes:?} from {from} needles {needle:#x} {other:#x}"
             );
         }
     }
