@@ -88,22 +88,8 @@ fn models() -> Vec<(String, PathBuf)> {
         "tiny".to_owned(),
         PathBuf::from(format!("{FIXTURES}/tiny-model")),
     )];
-    let dir = std::env::var_os("KVROUTE_MODELS")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvroute/models"))
-        });
-    for name in [
-        "qwen3",
-        "llama3_1",
-        "gptoss",
-        "qwen2_5",
-        "deepseek_v3",
-        "mistral_nemo",
-        "llama2",
-        "gemma2",
-        "gemma3",
-    ] {
+    let dir = kvroute_tokenize::testing::real_models_dir();
+    for name in kvroute_tokenize::testing::REAL_MODELS {
         match dir.as_ref().map(|d| d.join(name)) {
             Some(path) if path.join("tokenizer.json").is_file() => {
                 models.push((name.to_owned(), path));

@@ -6,24 +6,10 @@
 //! 10 MiB per tokenizer, in the normal debug test build: the workspace's `profile.dev` optimises
 //! this crate and `tokenizers` (a fully unoptimised `tokenizers` needs minutes for it).
 
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use super::*;
-use crate::testing::{Rng, mixed_text};
-
-/// The folders `scripts/models.sh` fetches.
-pub(crate) const MODELS: [&str; 9] = [
-    "qwen3",
-    "llama3_1",
-    "gptoss",
-    "qwen2_5",
-    "deepseek_v3",
-    "mistral_nemo",
-    "llama2",
-    "gemma2",
-    "gemma3",
-];
+use crate::testing::{REAL_MODELS, Rng, mixed_text, real_models_dir};
 
 /// The fast encoder each folder must be served by.
 fn expected_kind(name: &str) -> FastEncoderKind {
@@ -33,23 +19,14 @@ fn expected_kind(name: &str) -> FastEncoderKind {
     }
 }
 
-/// Where the real tokenizer folders are: `KVROUTE_MODELS`, else `scripts/models.sh`'s cache.
-pub(crate) fn models_dir() -> Option<PathBuf> {
-    std::env::var_os("KVROUTE_MODELS")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvroute/models"))
-        })
-}
-
 /// Each real tokenizer present, loaded once per test process (`None` if that folder is absent).
 fn real(name: &str) -> Option<&'static ModelTokenizer> {
     static LOADED: OnceLock<Vec<(&'static str, Option<ModelTokenizer>)>> = OnceLock::new();
     let loaded = LOADED.get_or_init(|| {
-        MODELS
+        REAL_MODELS
             .iter()
             .map(|&model| {
-                let dir = models_dir().map(|d| d.join(model));
+                let dir = real_models_dir().map(|d| d.join(model));
                 let tokenizer = dir
                     .filter(|d| d.join("tokenizer.json").is_file())
                     .map(|d| ModelTokenizer::from_dir(&d).unwrap());
@@ -65,7 +42,7 @@ fn real(name: &str) -> Option<&'static ModelTokenizer> {
 
 /// The real tokenizers present; prints a skip line for each missing one.
 fn present(test: &str) -> Vec<(&'static str, &'static ModelTokenizer)> {
-    MODELS
+    REAL_MODELS
         .iter()
         .filter_map(|&name| {
             let tokenizer = real(name);

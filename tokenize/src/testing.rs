@@ -1,6 +1,30 @@
 //! Test support: seeded mixed text that exercises every branch of the pre-tokenizers and the
 //! normalizer (used by the exactness tests against `tokenizers` and by the encode bench).
 
+use std::path::PathBuf;
+
+/// The real tokenizer folders `scripts/models.sh` fetches (each `<models dir>/<name>/`).
+pub const REAL_MODELS: [&str; 9] = [
+    "qwen3",
+    "llama3_1",
+    "gptoss",
+    "qwen2_5",
+    "deepseek_v3",
+    "mistral_nemo",
+    "llama2",
+    "gemma2",
+    "gemma3",
+];
+
+/// Where the real tokenizer folders are: `KVROUTE_MODELS`, else `scripts/models.sh`'s cache.
+pub fn real_models_dir() -> Option<PathBuf> {
+    std::env::var_os("KVROUTE_MODELS")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvroute/models"))
+        })
+}
+
 /// A small seeded generator (SplitMix64): the same seed gives the same text on every platform.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);

@@ -584,27 +584,22 @@ mod tests {
         // Long after the TTL the first request still waits in r1's queue (an overloaded engine):
         // its prefix has not been computed, the index has no events for it, but it is coming.
         let later = now + scoring.speculative_ttl * 10;
-        let mut dry = request(
-            &candidates,
-            prompt(&keys, vec![Some(0), Some(60)]),
-            &scoring,
-            later,
-        );
-        dry.commit = false;
-        let queued = router.score_and_commit(dry).unwrap();
+        let look_later = || {
+            let mut dry = request(
+                &candidates,
+                prompt(&keys, vec![Some(0), Some(60)]),
+                &scoring,
+                later,
+            );
+            dry.commit = false;
+            router.score_and_commit(dry).unwrap()
+        };
+        let queued = look_later();
         assert_eq!(queued.scored.views[1].matched_blocks, 100);
         assert_eq!(queued.scored.reusable_blocks[1], 100);
         // Answered: the index knows better from then on.
         drop(first);
-        let mut dry = request(
-            &candidates,
-            prompt(&keys, vec![Some(0), Some(60)]),
-            &scoring,
-            later,
-        );
-        dry.commit = false;
-        let answered = router.score_and_commit(dry).unwrap();
-        assert_eq!(answered.scored.views[1].matched_blocks, 60);
+        assert_eq!(look_later().scored.views[1].matched_blocks, 60);
     }
 
     #[test]

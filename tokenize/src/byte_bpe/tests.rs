@@ -50,8 +50,8 @@ fn encoders(test: &str) -> Vec<(String, super::FastBpe)> {
         "tiny".to_owned(),
         PathBuf::from(format!("{fixtures}/tiny-model")),
     )];
-    let models = crate::real_tests::models_dir();
-    for name in crate::real_tests::MODELS {
+    let models = crate::testing::real_models_dir();
+    for name in crate::testing::REAL_MODELS {
         match models.as_ref().map(|models| models.join(name)) {
             Some(dir) if dir.join("tokenizer.json").is_file() => {
                 dirs.push((name.to_owned(), dir));

@@ -542,8 +542,8 @@ fn templates() -> Vec<(String, crate::ModelTokenizer)> {
     let parts =
         std::fs::read_to_string(format!("{FIXTURES}/vllm-goldens/templates/parts.jinja")).unwrap();
     out.push(("parts".to_owned(), with_template(&parts)));
-    let models = crate::real_tests::models_dir();
-    for name in crate::real_tests::MODELS {
+    let models = crate::testing::real_models_dir();
+    for name in crate::testing::REAL_MODELS {
         match models.as_ref().map(|d| d.join(name)) {
             Some(dir) if dir.join("tokenizer.json").is_file() => {
                 let tokenizer = crate::ModelTokenizer::from_dir(&dir).unwrap();
