@@ -410,8 +410,17 @@ impl ModelTokenizer {
     ) -> Result<Vec<u32>, TokenizeError> {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let rendered = chat.render_for_encoding(messages, options)?;
-        let mut tokens =
-            self.encode_prompt(&rendered.text, self.chat_special_tokens(options, &rendered))?;
+        self.encode_rendered(&rendered, self.chat_special_tokens(options, &rendered))
+    }
+
+    /// A rendered chat's ids, whole: its text, then (SGLang's continued message) the
+    /// continuation's.
+    fn encode_rendered(
+        &self,
+        rendered: &chat::Rendered,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let mut tokens = self.encode_prompt(&rendered.text, add_special_tokens)?;
         if let Some(text) = &rendered.continuation {
             tokens.extend(self.continuation_tokens(text)?);
         }
@@ -546,14 +555,12 @@ impl ModelTokenizer {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let rendered = chat.render_for_encoding(messages, options)?;
         let add_special_tokens = self.chat_special_tokens(options, &rendered);
-        let Some(continuation) = &rendered.continuation else {
+        if rendered.continuation.is_none() {
             return self.encode_prompt_leading(&rendered.text, add_special_tokens, min_bytes);
-        };
+        }
         // Rare (SGLang's continued message): the whole prompt, with no cut to resume from.
-        let mut tokens = self.encode_prompt(&rendered.text, add_special_tokens)?;
-        tokens.extend(self.continuation_tokens(continuation)?);
         Ok(LeadingTokens {
-            tokens,
+            tokens: self.encode_rendered(&rendered, add_special_tokens)?,
             complete: true,
             text_bytes: rendered.text.len(),
             total_bytes: rendered.text.len(),
@@ -577,14 +584,12 @@ impl ModelTokenizer {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let rendered = chat.render_for_encoding(messages, options)?;
         let add = self.chat_special_tokens(options, &rendered);
-        let Some(continuation) = &rendered.continuation else {
+        if rendered.continuation.is_none() {
             return self.encode_rendered_resumable(&rendered.text, add, prior);
-        };
+        }
         // Rare (SGLang's continued message): encoded whole, and no later turn resumes from it.
-        let mut tokens = self.encode_prompt(&rendered.text, add)?;
-        tokens.extend(self.continuation_tokens(continuation)?);
         Ok(ResumableTokens {
-            tokens,
+            tokens: self.encode_rendered(&rendered, add)?,
             resume: None,
             encoded_bytes: rendered.text.len(),
             prior_taken: false,

@@ -92,10 +92,9 @@ pub const FALLBACKS_KEPT: usize = 16;
 /// alone, however long, is priced by the estimate and is not a pile-up.
 pub const HOTSPOT_MIN_QUEUED: f64 = 2.0;
 
-/// How busy the least busy candidate is, 0..1: its queue in waiting requests' worth, capped at
-/// one. Scales `ScoringConfig::recompute_penalty`.
-fn pool_busy(queues: &[f64], weights: &ScoringConfig) -> f64 {
-    let least = queues.iter().copied().fold(f64::INFINITY, f64::min);
+/// How busy the least busy candidate is, 0..1: its queue (`least`, ms) in waiting requests'
+/// worth, capped at one. Scales `ScoringConfig::recompute_penalty`.
+fn pool_busy(least: f64, weights: &ScoringConfig) -> f64 {
     if !least.is_finite() || least <= 0.0 {
         return 0.0;
     }
@@ -252,12 +251,13 @@ pub fn fallback_order(
 }
 
 /// In overload (every candidate queued at least `overload_queue_ms`), which candidates are
-/// balanced: queued within `overload_imbalance` of the least busy one. `None` below overload.
+/// balanced: queued within `overload_imbalance` of the least busy one (`least`, ms). `None`
+/// below overload.
 fn overload_balanced<'a>(
     queues: &'a [f64],
+    least: f64,
     weights: &ScoringConfig,
 ) -> Option<impl Fn(usize) -> bool + 'a> {
-    let least = queues.iter().copied().fold(f64::INFINITY, f64::min);
     if weights.overload_queue_ms <= 0.0 || !least.is_finite() || least < weights.overload_queue_ms {
         return None;
     }
@@ -306,6 +306,7 @@ pub fn choose(
         .iter()
         .map(|c| queue_ms(&c.load, weights))
         .collect();
+    let least = queues.iter().copied().fold(f64::INFINITY, f64::min);
     let mean = queues.iter().sum::<f64>() / queues.len() as f64;
     let hot: Vec<bool> = candidates
         .iter()
@@ -336,7 +337,7 @@ pub fn choose(
         .unwrap_or(0)
         .min(prompt_tokens);
     let penalty_ms_per_token =
-        weights.recompute_penalty * pool_busy(&queues, weights) * weights.prefill_ms_per_token;
+        weights.recompute_penalty * pool_busy(least, weights) * weights.prefill_ms_per_token;
     let scores: Vec<f64> = (0..candidates.len())
         .map(|i| {
             let recomputed = held.saturating_sub(cached_tokens(&candidates[i]));
@@ -344,7 +345,7 @@ pub fn choose(
         })
         .collect();
     let score = |i: usize| scores[i];
-    let overload = overload_balanced(&queues, weights);
+    let overload = overload_balanced(&queues, least, weights);
     let overloaded = overload.is_some();
     let index = match overload {
         Some(balanced) => {
