@@ -367,12 +367,16 @@ pub(crate) struct Tally {
     fallbacks: BTreeMap<String, f64>,
     /// Token source (`tokenize_duration_seconds{kind}`: `leading`, `tokenizer`, `cache`, …) →
     /// tokenizations; a decision that needed the whole prompt after its leading part counts twice.
-    sources: BTreeMap<String, f64>,
+    pub(crate) sources: BTreeMap<String, f64>,
 }
 
 impl Tally {
     async fn scrape(admin: SocketAddr) -> anyhow::Result<Self> {
-        let text = metrics_text(admin).await?;
+        Ok(Self::from_text(&metrics_text(admin).await?))
+    }
+
+    /// The tally of one scrape of ext-proc's metrics (Prometheus text).
+    pub(crate) fn from_text(text: &str) -> Self {
         let mut tally = Self::default();
         let families = [
             (
@@ -392,7 +396,7 @@ impl Tally {
             ),
         ];
         for (family, into, [first, second]) in families {
-            for (line, value) in metrics::samples(&text, family, &[]) {
+            for (line, value) in metrics::samples(text, family, &[]) {
                 let label = |name| metrics::label(line, name).unwrap_or_default();
                 let key = match second {
                     "" => label(first).to_owned(),
@@ -401,10 +405,10 @@ impl Tally {
                 *into.entry(key).or_default() += value;
             }
         }
-        Ok(tally)
+        tally
     }
 
-    fn minus(&self, before: &Self) -> Self {
+    pub(crate) fn minus(&self, before: &Self) -> Self {
         let diff = |after: &BTreeMap<String, f64>, before: &BTreeMap<String, f64>| {
             after
                 .iter()

@@ -102,7 +102,8 @@ struct Args {
     /// Repetitions (each one sends every case `samples` times, interleaved).
     #[arg(long, default_value_t = 3)]
     reps: usize,
-    /// Measured requests per case per repetition, 1k-token prompts (0: skip this size).
+    /// Measured requests per case per repetition, 1k-token prompts (0: skip this size, in the
+    /// picker bench too).
     #[arg(long, default_value_t = 200)]
     samples_1k: usize,
     /// Measured requests per case per repetition, 8k-token prompts (0: skip this size).
@@ -131,6 +132,17 @@ struct Args {
     /// next turn runs in the background, ≈ 3–10 ms of CPU on this 2-core host).
     #[arg(long, value_delimiter = ',')]
     cases: Vec<String>,
+    /// Picker bench: the requests (chat streams with reuse, or every request a new conversation).
+    #[arg(long, value_enum, default_value = "reuse")]
+    picker_stream: picker::PickerStream,
+    /// Picker bench: which index setups to measure.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "none,grpc,embedded"
+    )]
+    picker_indexes: Vec<picker::PickerIndex>,
     /// Picker bench: evict the CPU caches (write 32 MiB) before every decision, as a router's
     /// decision runs between the proxy's and the client's turns. Only the µs / decision column
     /// (timed around the decision alone) is meaningful then.
@@ -312,7 +324,15 @@ async fn run(
         stages::stages_bench(&prompts, args.stage_prompts)?;
     }
     if matches!(args.bench, Which::Picker | Which::All) {
-        picker::picker_bench(&prompts, args.picker_decisions, args.cold_caches)?;
+        let sizes: Vec<usize> = args.sizes().into_iter().map(|(tokens, _)| tokens).collect();
+        picker::picker_bench(
+            &prompts,
+            &sizes,
+            &args.picker_indexes,
+            args.picker_decisions,
+            args.picker_stream,
+            args.cold_caches,
+        )?;
     }
     if matches!(args.bench, Which::Fleet) {
         match args.fleet_replicas {

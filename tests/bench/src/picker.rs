@@ -2,17 +2,41 @@
 
 use super::*;
 
+/// What the picker bench's requests are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum PickerStream {
+    /// Chat streams with reuse ([`PromptSource::chat_stream`]): new and resumed conversations of
+    /// four applications, each with its system prompt and tool definitions.
+    Reuse,
+    /// Every request a new conversation, nothing shared but the system prompt's first words.
+    Unique,
+}
+
 /// Loops `Picker::decide` (body parse → tokenize → keys → [index Match] → score) on a
-/// current-thread runtime in a thread of its own, for each prompt size, without and with an
-/// in-process kvroute-index. CPU time is the whole process's (`/proc/self/stat`): tokenization runs
-/// on the blocking pool and the index serves in-process, and both belong to a decision's cost.
+/// current-thread runtime in a thread of its own, for each prompt size, without an index, with an
+/// in-process kvroute-index over gRPC and with it embedded. After each decision the chosen engine
+/// publishes the prompt's new blocks, as vLLM would once it has computed them, and the bench waits
+/// until ext-proc's background lane is idle, so every whole tokenization a decision leaves behind
+/// is done and counted (none skipped). The picker's CPU is that of every thread of the process but
+/// the index service's and the engines' (their runtime, threads named `bench-index`): the decision
+/// thread, its blocking pool and the background lane. The index's own CPU (serving `Match` over
+/// gRPC, applying the engines' events) is a column of its own. The baseline is the body parse
+/// alone, which any picker that reads the request pays.
 pub(super) fn picker_bench(
     prompts: &PromptSource,
+    sizes: &[usize],
+    indexes: &[PickerIndex],
     decisions_1k: usize,
+    stream: PickerStream,
     cold: bool,
 ) -> anyhow::Result<()> {
     println!(
-        "## picker: decide() in-process, one thread at a time, caches {}, load {}\n",
+        "## picker: decide() in-process, one thread at a time, {} requests, caches {}, load {}\n",
+        match stream {
+            PickerStream::Reuse =>
+                "chat streams with reuse (⅓ new conversations, ⅔ resumed; 4 applications' system prompts and tools)",
+            PickerStream::Unique => "unique",
+        },
         if cold {
             "evicted before each decision"
         } else {
@@ -21,21 +45,42 @@ pub(super) fn picker_bench(
         load_average()
     );
     println!(
-        "| prompt | index | decisions | wall s | CPU s | decisions / CPU s | decisions / wall s | µs / decision | tiers |"
+        "| prompt | index | decisions | mean tokens | wall s | picker CPU s | decisions / CPU s | µs CPU / decision | µs / decision | index CPU s | tiers | tokens from |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---|");
-    for tokens in SIZES {
-        let count = (decisions_1k * SIZES[0] / tokens).max(10);
-        for index in [PickerIndex::None, PickerIndex::Grpc, PickerIndex::Embedded] {
-            let bodies: Vec<Bytes> = (0..count).map(|_| prompts.miss_body(tokens)).collect();
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|");
+    for &tokens in sizes {
+        let count = (decisions_1k * SIZES[0] / tokens).max(20);
+        // One more than measured: the first is the untimed warm-up.
+        let requests = match stream {
+            PickerStream::Reuse => prompts.chat_stream(tokens, count + 1)?,
+            PickerStream::Unique => (0..=count)
+                .map(|_| prompts.unique_request(tokens))
+                .collect::<anyhow::Result<_>>()?,
+        };
+        let requests = std::sync::Arc::new(requests);
+        let mean_tokens =
+            requests[1..].iter().map(|r| r.tokens.len()).sum::<usize>() / (requests.len() - 1);
+        let baseline = parse_baseline(&requests[1..])?;
+        let first_turns = requests[1..].iter().filter(|r| r.turn == 1).count();
+        println!(
+            "| {tokens} | baseline: body parse alone | {} | {mean_tokens} | | | {:.0} | {:.1} | {:.1} | | {first_turns} first turns, {} resumed | |",
+            requests.len() - 1,
+            1.0 / baseline.as_secs_f64(),
+            baseline.as_secs_f64() * 1e6,
+            baseline.as_secs_f64() * 1e6,
+            requests.len() - 1 - first_turns,
+        );
+        for &index in indexes {
             let row = std::thread::scope(|scope| {
-                scope
-                    .spawn(|| picker_run(prompts, &bodies, index, cold))
+                std::thread::Builder::new()
+                    .name("bench-picker".to_owned())
+                    .spawn_scoped(scope, || picker_run(prompts, &requests, index, cold))?
                     .join()
                     .map_err(|_| anyhow::anyhow!("picker thread panicked"))?
             })?;
+            let decisions = row.decisions as f64;
             println!(
-                "| {tokens} | {} | {} | {:.2} | {:.2} | {:.0} | {:.0} | {:.0} | {:?} |",
+                "| {tokens} | {} | {} | {mean_tokens} | {:.2} | {:.3} | {:.0} | {:.0} | {:.0} | {:.3} | {} | {} |",
                 match index {
                     PickerIndex::None => "none (events: false)",
                     PickerIndex::Grpc => "kvroute-index in-process, Match over gRPC",
@@ -44,10 +89,12 @@ pub(super) fn picker_bench(
                 row.decisions,
                 row.wall.as_secs_f64(),
                 row.cpu.as_secs_f64(),
-                row.decisions as f64 / row.cpu.as_secs_f64(),
-                row.decisions as f64 / row.wall.as_secs_f64(),
-                1e6 * row.deciding.as_secs_f64() / row.decisions as f64,
-                row.tiers,
+                decisions / row.cpu.as_secs_f64(),
+                1e6 * row.cpu.as_secs_f64() / decisions,
+                1e6 * row.deciding.as_secs_f64() / decisions,
+                row.index_cpu.as_secs_f64(),
+                tally_line(&row.tally.decisions),
+                tally_line(&row.tally.sources),
             );
         }
     }
@@ -55,57 +102,112 @@ pub(super) fn picker_bench(
     Ok(())
 }
 
+/// `key n, key n` of a tally.
+fn tally_line(tally: &BTreeMap<String, f64>) -> String {
+    tally
+        .iter()
+        .map(|(key, n)| format!("{key} {n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// CPU time of one body parse, the mean over every request of `requests` parsed enough times for
+/// the thread's CPU clock to resolve it.
+fn parse_baseline(requests: &[StreamRequest]) -> anyhow::Result<Duration> {
+    const PASSES: usize = 20;
+    let before = this_thread_cpu()?;
+    for _ in 0..PASSES {
+        for request in requests {
+            std::hint::black_box(request::parse(&request.body, Endpoint::ChatCompletions)?);
+        }
+    }
+    Ok((this_thread_cpu()? - before) / (PASSES * requests.len()) as u32)
+}
+
 struct PickerRun {
     decisions: usize,
     wall: Duration,
     /// Time inside parse + `decide` alone.
     deciding: Duration,
+    /// CPU of every thread but the index service's and the engines'.
     cpu: Duration,
-    tiers: BTreeMap<String, usize>,
+    /// CPU of the index service's and the engines' threads.
+    index_cpu: Duration,
+    tally: Tally,
 }
 
 /// How the picker bench's decisions reach the index.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PickerIndex {
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum PickerIndex {
+    /// No index (`events: false`): the approximate tier.
     None,
+    /// kvroute-index in-process, `Match` over gRPC.
     Grpc,
+    /// `index.embedded`: `Match` in memory.
     Embedded,
 }
 
+/// Served requests handed to the engines at once.
+const SERVED_BATCH: usize = 8;
+
+/// Name of the index service's and the engines' threads, whose CPU is not the picker's.
+const INDEX_THREADS: &str = "bench-index";
+
 fn picker_run(
     prompts: &PromptSource,
-    bodies: &[Bytes],
+    requests: &std::sync::Arc<Vec<StreamRequest>>,
     mode: PickerIndex,
     cold: bool,
 ) -> anyhow::Result<PickerRun> {
+    // The index service and the engines' publishers on a runtime of their own, so their CPU is
+    // told apart from the picker's.
+    let index_runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(INDEX_THREADS)
+        .enable_all()
+        .build()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(1)
         .build()?;
     runtime.block_on(async {
         let upstreams: Vec<SocketAddr> = vec!["127.0.0.1:18001".parse()?, "127.0.0.1:18002".parse()?];
-        let mut publishers = Vec::new();
+        let (served, engines) = tokio::sync::mpsc::unbounded_channel::<Vec<(usize, usize)>>();
+        let mut engines_task = None;
         let mut index = None;
         if mode != PickerIndex::None {
-            let mut replicas = String::new();
-            for i in 0..2 {
-                let publisher = MockVllmPublisher::start(MockPublisherConfig {
-                    topic: "kv@".to_owned(),
-                    ..MockPublisherConfig::loopback()
+            let block_size = prompts.block_size;
+            let (started, publishers) = index_runtime
+                .spawn(async move {
+                    let mut publishers = Vec::new();
+                    let mut replicas = String::new();
+                    for i in 0..2 {
+                        let publisher = MockVllmPublisher::start(MockPublisherConfig {
+                            topic: "kv@".to_owned(),
+                            ..MockPublisherConfig::loopback()
+                        })
+                        .await?;
+                        replicas.push_str(&format!(
+                            "  - {{id: engine-{i}, pool: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
+                            publisher.pub_endpoint().context("publisher endpoint")?,
+                            publisher.replay_endpoint().context("replay endpoint")?,
+                        ));
+                        publishers.push(publisher);
+                    }
+                    let config = kvroute_index::config::Config::from_yaml(&index_yaml(
+                        &replicas, block_size,
+                    ))?;
+                    let server = kvroute_index::server::IndexServer::start(config).await?;
+                    anyhow::Ok((server, publishers))
                 })
-                .await?;
-                replicas.push_str(&format!(
-                    "  - {{id: engine-{i}, pool: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
-                    publisher.pub_endpoint().context("publisher endpoint")?,
-                    publisher.replay_endpoint().context("replay endpoint")?,
-                ));
-                publishers.push(publisher);
-            }
-            let config = kvroute_index::config::Config::from_yaml(&index_yaml(
-                &replicas,
-                prompts.block_size,
-            ))?;
-            index = Some(kvroute_index::server::IndexServer::start(config).await?);
+                .await??;
+            engines_task = Some(index_runtime.spawn(serve_blocks(
+                std::sync::Arc::clone(requests),
+                publishers,
+                engines,
+                block_size as usize,
+            )));
+            index = Some(started);
         }
         let index_mode = match (&index, mode) {
             (Some(index), PickerIndex::Grpc) => IndexMode::Remote(index.grpc_addr()),
@@ -122,74 +224,225 @@ fn picker_run(
             // `ExtProc::bind` does this for `index.embedded`; here the index is already running.
             config.pools[0].events = true;
         }
-        let mut runtime = kvroute_ext_proc::Runtime::build(config, None, &tasks)?;
+        let mut picker_runtime = kvroute_ext_proc::Runtime::build(config, None, &tasks)?;
         if let (Some(index), PickerIndex::Embedded) = (&index, mode) {
-            runtime = runtime.with_local_index(index.matcher());
+            picker_runtime = picker_runtime.with_local_index(index.matcher());
         }
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = kvroute_ext_proc::metrics::Metrics::register(&mut registry);
-        let picker = kvroute_ext_proc::Picker::new(runtime, metrics, tasks.clone());
+        let background = metrics.tokenize_background_queued.clone();
+        let picker = kvroute_ext_proc::Picker::new(picker_runtime, metrics, tasks.clone());
+        let tally = || -> anyhow::Result<Tally> {
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, &registry)?;
+            Ok(Tally::from_text(&text))
+        };
 
         // One untimed decision: connects the index client, starts the blocking pool.
-        let mut tiers = BTreeMap::new();
-        let warm = request::parse(&bodies[0], Endpoint::ChatCompletions)?;
-        drop(picker.decide(&warm, None).await?);
+        let warm = request::parse(&requests[0].body, Endpoint::ChatCompletions)?;
+        let decision = picker.decide(&warm, None).await?;
+        let engine = upstreams
+            .iter()
+            .position(|a| *a == decision.address)
+            .context("decision names no upstream")?;
+        drop(decision);
+        if index.is_some() {
+            let _ = served.send(vec![(0, engine)]);
+        }
+        idle(&background).await;
+        // Served requests are handed to the engines a few at a time: waking their runtime is a
+        // cost of the bench, not of the picker, and it is paid on the picker's thread.
+        let mut batch = Vec::with_capacity(SERVED_BATCH);
 
-        let cpu_before = process_cpu()?;
+        let tally_before = tally()?;
+        let cpu_before = threads_cpu()?;
         let started = Instant::now();
         // Larger than any last-level cache here; one write per cache line evicts the picker's data.
         let mut evictor = if cold { vec![0u8; 32 << 20] } else { Vec::new() };
         let mut deciding = Duration::ZERO;
-        for body in &bodies[1..] {
+        for (i, request) in requests.iter().enumerate().skip(1) {
             for line in evictor.iter_mut().step_by(64) {
                 *line = line.wrapping_add(1);
             }
             std::hint::black_box(&mut evictor);
             let decision_started = Instant::now();
-            let parsed = request::parse(body, Endpoint::ChatCompletions)?;
+            let parsed = request::parse(&request.body, Endpoint::ChatCompletions)?;
             let decision = picker.decide(&parsed, None).await?;
             deciding += decision_started.elapsed();
-            *tiers
-                .entry(format!("{}/{}", decision.tier.as_label(), decision.reason))
-                .or_insert(0usize) += 1;
+            let engine = upstreams
+                .iter()
+                .position(|a| *a == decision.address)
+                .context("decision names no upstream")?;
+            drop(decision);
+            if index.is_some() {
+                batch.push((i, engine));
+                if batch.len() == SERVED_BATCH {
+                    let _ = served.send(std::mem::replace(
+                        &mut batch,
+                        Vec::with_capacity(SERVED_BATCH),
+                    ));
+                }
+            }
+            idle(&background).await;
         }
         let wall = started.elapsed();
-        let cpu = process_cpu()? - cpu_before;
+        let (cpu, index_cpu) = cpu_since(&cpu_before, &threads_cpu()?);
+        let tally = tally()?.minus(&tally_before);
+        drop(picker);
         tasks.close();
+        drop(served);
+        if let Some(engines) = engines_task {
+            let publishers = engines.await??;
+            for publisher in publishers {
+                publisher.shutdown().await;
+            }
+        }
         if let Some(index) = index {
             index.shutdown().await;
         }
-        for publisher in publishers {
-            publisher.shutdown().await;
-        }
         Ok(PickerRun {
-            decisions: bodies.len() - 1,
+            decisions: requests.len() - 1,
             wall,
             deciding,
             cpu,
-            tiers,
+            index_cpu,
+            tally,
         })
     })
 }
 
-/// User + system CPU time of this process so far (`/proc/self/stat`, in clock ticks of 1/100 s).
-fn process_cpu() -> anyhow::Result<Duration> {
-    const TICKS_PER_SECOND: f64 = 100.0;
-    let stat = std::fs::read_to_string("/proc/self/stat")?;
-    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-    let rest = stat
-        .rsplit_once(')')
-        .context("malformed /proc/self/stat")?
-        .1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| -> anyhow::Result<f64> {
-        Ok(fields
-            .get(i)
-            .context("short /proc/self/stat")?
-            .parse::<f64>()?)
+/// Waits until ext-proc's background lane has no whole tokenization queued or running.
+async fn idle(queued: &prometheus_client::metrics::gauge::Gauge) {
+    while queued.get() > 0 {
+        tokio::time::sleep(Duration::from_micros(100)).await;
+    }
+}
+
+/// The engines: for each `(request, engine)` served, that engine publishes the prompt's full
+/// blocks it did not hold yet, in one `BlockStored` chained to the last block it held, as vLLM
+/// does after computing a prompt. Returns the publishers when the channel closes.
+async fn serve_blocks(
+    requests: std::sync::Arc<Vec<StreamRequest>>,
+    publishers: Vec<MockVllmPublisher>,
+    mut served: tokio::sync::mpsc::UnboundedReceiver<Vec<(usize, usize)>>,
+    block_size: usize,
+) -> anyhow::Result<Vec<MockVllmPublisher>> {
+    let mut held: Vec<std::collections::HashSet<u64>> = vec![Default::default(); publishers.len()];
+    while let Some(batch) = served.recv().await {
+        for (request, engine) in batch {
+            publish_new_blocks(
+                &requests,
+                &publishers,
+                &mut held,
+                request,
+                engine,
+                block_size,
+            )
+            .await?;
+        }
+    }
+    Ok(publishers)
+}
+
+/// Has `engine` publish the full blocks of `request`'s prompt it does not hold yet.
+async fn publish_new_blocks(
+    requests: &[StreamRequest],
+    publishers: &[MockVllmPublisher],
+    held: &mut [std::collections::HashSet<u64>],
+    request: usize,
+    engine: usize,
+    block_size: usize,
+) -> anyhow::Result<()> {
+    let request = requests.get(request).context("no such request")?;
+    let publisher = publishers.get(engine).context("no such engine")?;
+    let first_new = request
+        .keys
+        .iter()
+        .position(|key| !held[engine].contains(key))
+        .unwrap_or(request.keys.len());
+    if first_new == request.keys.len() {
+        return Ok(());
+    }
+    held[engine].extend(&request.keys[first_new..]);
+    let stored = BlockStored {
+        block_hashes: request.keys[first_new..].to_vec(),
+        parent_block_hash: first_new.checked_sub(1).map(|i| request.keys[i]),
+        token_ids: request.tokens[first_new * block_size..request.keys.len() * block_size].to_vec(),
+        block_size: block_size as u32,
+        medium: Medium::Gpu,
+        extra_keys: Some(vec![None; request.keys.len() - first_new]),
+        group_idx: Some(0),
+        ..BlockStored::default()
     };
-    Ok(Duration::from_secs_f64(
-        (ticks(11)? + ticks(12)?) / TICKS_PER_SECOND,
+    let batch = EventBatch {
+        ts: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs_f64(),
+        dp_rank: Some(0),
+        events: vec![KvEvent::BlockStored(stored)],
+    };
+    publisher
+        .publish(wire::encode_batch(&batch, Encoding::V0_32))
+        .await?;
+    Ok(())
+}
+
+/// CPU time of each live thread of this process (`/proc/self/task/*/schedstat`, nanoseconds), by
+/// thread id, with whether it is one of the [`INDEX_THREADS`].
+fn threads_cpu() -> anyhow::Result<BTreeMap<u32, (bool, Duration)>> {
+    let mut threads = BTreeMap::new();
+    for entry in std::fs::read_dir("/proc/self/task")? {
+        let path = entry?.path();
+        let Some(tid) = path.file_name().and_then(|n| n.to_str()?.parse().ok()) else {
+            continue;
+        };
+        // A thread that ended since the listing has no files left: it is not counted.
+        let (Ok(name), Ok(schedstat)) = (
+            std::fs::read_to_string(path.join("comm")),
+            std::fs::read_to_string(path.join("schedstat")),
+        ) else {
+            continue;
+        };
+        let nanos: u64 = schedstat
+            .split_whitespace()
+            .next()
+            .context("empty schedstat")?
+            .parse()?;
+        threads.insert(
+            tid,
+            (name.starts_with(INDEX_THREADS), Duration::from_nanos(nanos)),
+        );
+    }
+    Ok(threads)
+}
+
+/// CPU spent between two [`threads_cpu`] snapshots by the picker's threads and by the index's
+/// (a thread born between them counts from zero).
+fn cpu_since(
+    before: &BTreeMap<u32, (bool, Duration)>,
+    after: &BTreeMap<u32, (bool, Duration)>,
+) -> (Duration, Duration) {
+    let (mut picker, mut index) = (Duration::ZERO, Duration::ZERO);
+    for (tid, &(is_index, now)) in after {
+        let spent = now.saturating_sub(before.get(tid).map_or(Duration::ZERO, |&(_, t)| t));
+        if is_index {
+            index += spent;
+        } else {
+            picker += spent;
+        }
+    }
+    (picker, index)
+}
+
+/// CPU time of the calling thread (`/proc/thread-self/schedstat`, nanoseconds).
+fn this_thread_cpu() -> anyhow::Result<Duration> {
+    let schedstat = std::fs::read_to_string("/proc/thread-self/schedstat")?;
+    Ok(Duration::from_nanos(
+        schedstat
+            .split_whitespace()
+            .next()
+            .context("empty schedstat")?
+            .parse()?,
     ))
 }
 
