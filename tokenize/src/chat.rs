@@ -22,6 +22,7 @@ use crate::{ChatOptions, Dialect, TokenizeError, conversation, pyjson, pytime};
 
 #[cfg(test)]
 mod reference;
+mod tool_values;
 
 const TEMPLATE_NAME: &str = "chat";
 /// transformers' marker for `continue_final_message`.
@@ -220,6 +221,8 @@ pub struct ChatTemplate {
     /// Whether SGLang finds that the template renders a system message after the first.
     sglang_inline_system: bool,
     clock: Arc<pytime::Clock>,
+    /// Template values of recently sent tool definitions.
+    tool_values: tool_values::ToolValues,
 }
 
 impl ChatTemplate {
@@ -263,6 +266,7 @@ impl ChatTemplate {
             merges_inline_system,
             sglang_inline_system,
             clock,
+            tool_values: tool_values::ToolValues::default(),
         })
     }
 
@@ -326,24 +330,30 @@ impl ChatTemplate {
         messages: &serde_json::Value,
         options: &ChatOptions,
     ) -> Result<Context, TokenizeError> {
-        let (mut conversation, kwargs, continuation) = match options.dialect {
+        // vLLM's request tools come as template values (kept for the next request sending the
+        // same); SGLang's are among its kwargs.
+        let (mut conversation, kwargs, continuation, request_tools) = match options.dialect {
             Dialect::Vllm => {
-                let (conversation, kwargs) = self.vllm_conversation(messages, options)?;
-                (conversation, kwargs, None)
+                let (conversation, kwargs, tools) = self.vllm_conversation(messages, options)?;
+                (conversation, kwargs, None, tools)
             }
-            Dialect::Sglang => self.sglang_conversation(messages, options)?,
+            Dialect::Sglang => {
+                let (conversation, kwargs, continuation) =
+                    self.sglang_conversation(messages, options)?;
+                (conversation, kwargs, continuation, None)
+            }
         };
         let tokenized_by_template = kwargs.get("tokenize").is_some_and(is_truthy);
         let mut context = ContextMap::with_capacity(self.special.named.len() + kwargs.len() + 4);
         for (name, token) in &self.special.named {
             context.set(name, Value::from(token.as_str()));
         }
-        let mut tools = serde_json::Value::Null;
+        let mut tools = None;
         let mut documents = serde_json::Value::Null;
         let mut add_generation_prompt = false;
         for (key, value) in kwargs {
             match key.as_str() {
-                "tools" => tools = value,
+                "tools" => tools = Some(value),
                 "documents" => documents = value,
                 "add_generation_prompt" => add_generation_prompt = value.as_bool() == Some(true),
                 name if APPLY_CHAT_TEMPLATE_PARAMS.contains(&name) => {}
@@ -372,7 +382,14 @@ impl ChatTemplate {
             .map(conversation::Message::into_value)
             .collect::<Vec<Value>>();
         context.set("messages", Value::from_object(messages));
-        context.set("tools", conversation::jinja(&tools));
+        // Tools among the kwargs (SGLang's, or a vLLM request's `chat_template_kwargs`, which
+        // override the request's own) come first.
+        let tools = match (tools, request_tools) {
+            (Some(tools), _) => conversation::jinja(&tools),
+            (None, Some(tools)) => tools,
+            (None, None) => Value::from(()),
+        };
+        context.set("tools", tools);
         context.set("documents", conversation::jinja(&documents));
         context.set("add_generation_prompt", Value::from(add_generation_prompt));
         Ok(Context {
@@ -383,7 +400,9 @@ impl ChatTemplate {
         })
     }
 
-    /// vLLM's conversation and template kwargs for a request.
+    /// vLLM's conversation, template kwargs and the request's tools as template values (not
+    /// among the kwargs) for a request.
+    #[allow(clippy::type_complexity)]
     fn vllm_conversation(
         &self,
         messages: &serde_json::Value,
@@ -392,6 +411,7 @@ impl ChatTemplate {
         (
             Vec<conversation::Message>,
             serde_json::Map<String, serde_json::Value>,
+            Option<Value>,
         ),
         TokenizeError,
     > {
@@ -419,9 +439,13 @@ impl ChatTemplate {
         let tools = options
             .tools
             .as_ref()
-            .map(conversation::canonical_tools)
+            .map(|sent| {
+                self.tool_values.get_or_build(sent, |sent| {
+                    conversation::canonical_tools(sent).map(|tools| conversation::jinja(&tools))
+                })
+            })
             .transpose()?;
-        Ok((conversation, template_kwargs(options, tools)?))
+        Ok((conversation, template_kwargs(options, None)?, tools))
     }
 
     /// SGLang's conversation, template kwargs and the text it appends after the rendered prompt.
@@ -866,5 +890,69 @@ mod tests {
             "a{%- if true %}b{% endif -%}c{% if x %}"
         );
         assert_eq!(rewrite_generation_tags("{%}{%"), "{%}{%");
+    }
+
+    #[test]
+    fn kept_tool_values_render_as_built_ones_and_kwargs_tools_still_override() {
+        let template = ChatTemplate::new(
+            "{% for tool in tools %}{{ tool | tojson }}|{{ tool.function.name }};{% endfor %}\
+             {% for m in messages %}{{ m.content }}{% endfor %}"
+                .to_owned(),
+            SpecialTokens::default(),
+        )
+        .unwrap();
+        let messages = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let tool = |name: &str| serde_json::json!({"type": "function", "function": {"name": name, "parameters": {"type": "object", "b": 1, "a": [1.0, "x"]}}});
+        let with = |tools: serde_json::Value, kwargs: Option<serde_json::Value>| ChatOptions {
+            tools: Some(tools),
+            chat_template_kwargs: kwargs.and_then(|k| k.as_object().cloned()),
+            ..ChatOptions::default()
+        };
+        let fresh = |options: &ChatOptions| {
+            ChatTemplate::new(
+                template
+                    .env
+                    .get_template(TEMPLATE_NAME)
+                    .unwrap()
+                    .source()
+                    .to_owned(),
+                SpecialTokens::default(),
+            )
+            .unwrap()
+            .render(&messages, options)
+            .unwrap()
+        };
+        let first = with(serde_json::json!([tool("a"), tool("b")]), None);
+        let rendered = template.render(&messages, &first).unwrap();
+        assert_eq!(
+            rendered,
+            "{\"type\": \"function\", \"function\": {\"name\": \"a\", \"description\": null, \"parameters\": {\"type\": \"object\", \"b\": 1, \"a\": [1.0, \"x\"]}}}|a;\
+             {\"type\": \"function\", \"function\": {\"name\": \"b\", \"description\": null, \"parameters\": {\"type\": \"object\", \"b\": 1, \"a\": [1.0, \"x\"]}}}|b;hi"
+        );
+        // The same tools again come from the kept values: the same text.
+        assert_eq!(template.render(&messages, &first).unwrap(), rendered);
+        // Keys in another order are other tools (rendered in their order).
+        let reordered = with(
+            serde_json::json!([{"function": {"parameters": {"a": [1.0, "x"], "b": 1, "type": "object"}, "name": "a"}, "type": "function"}, tool("b")]),
+            None,
+        );
+        assert_eq!(
+            template.render(&messages, &reordered).unwrap(),
+            fresh(&reordered)
+        );
+        assert_ne!(template.render(&messages, &reordered).unwrap(), rendered);
+        // `chat_template_kwargs.tools` overrides the request's (as vLLM merges them), kept or not.
+        let overridden = with(
+            serde_json::json!([tool("a"), tool("b")]),
+            Some(serde_json::json!({"tools": [{"function": {"name": "k"}}]})),
+        );
+        let text = template.render(&messages, &overridden).unwrap();
+        assert_eq!(text, fresh(&overridden));
+        assert_eq!(text, "{\"function\": {\"name\": \"k\"}}|k;hi");
+        // Invalid tools fail every time, kept values or not.
+        let invalid = with(serde_json::json!([{"type": "retrieval"}]), None);
+        for _ in 0..2 {
+            assert!(template.render(&messages, &invalid).is_err());
+        }
     }
 }
