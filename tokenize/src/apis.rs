@@ -109,7 +109,7 @@ pub fn responses_to_chat(request: &Map<String, Value>) -> Result<ConvertedChat, 
         options: ChatOptions {
             add_generation_prompt: !continue_final,
             continue_final_message: continue_final,
-            tools,
+            tools: tools.map(std::sync::Arc::new),
             reasoning_effort,
             chat_template_kwargs: object_kwargs(request)?,
             // `ResponsesRequest.build_tok_params` leaves TokenizeParams' default (true), where a
@@ -380,7 +380,7 @@ pub fn messages_to_chat(
     Ok(ConvertedChat {
         messages: Value::Array(messages),
         options: ChatOptions {
-            tools: anthropic_tools(request.get("tools"))?,
+            tools: anthropic_tools(request.get("tools"))?.map(std::sync::Arc::new),
             reasoning_effort,
             chat_template_kwargs: object_kwargs(request)?,
             ..ChatOptions::default()
@@ -580,9 +580,9 @@ mod tests {
             ])
         );
         assert_eq!(
-            chat.options.tools,
+            chat.options.tools.as_deref(),
             Some(
-                json!([{"type": "function", "function": {"name": "f", "description": "d",
+                &json!([{"type": "function", "function": {"name": "f", "description": "d",
                 "parameters": {"type": "object"}}}])
             )
         );
@@ -647,9 +647,9 @@ mod tests {
         );
         assert_eq!(chat.options.reasoning_effort.as_deref(), Some("none"));
         assert_eq!(
-            chat.options.tools,
+            chat.options.tools.as_deref(),
             Some(
-                json!([{"type": "function", "function": {"name": "f", "description": "d",
+                &json!([{"type": "function", "function": {"name": "f", "description": "d",
                 "parameters": {"type": "object"}, "strict": null, "defer_loading": null}}])
             )
         );

@@ -904,7 +904,7 @@ mod tests {
         let messages = serde_json::json!([{"role": "user", "content": "hi"}]);
         let tool = |name: &str| serde_json::json!({"type": "function", "function": {"name": name, "parameters": {"type": "object", "b": 1, "a": [1.0, "x"]}}});
         let with = |tools: serde_json::Value, kwargs: Option<serde_json::Value>| ChatOptions {
-            tools: Some(tools),
+            tools: Some(Arc::new(tools)),
             chat_template_kwargs: kwargs.and_then(|k| k.as_object().cloned()),
             ..ChatOptions::default()
         };

@@ -103,8 +103,10 @@ pub struct ChatOptions {
     pub continue_final_message: bool,
     /// `add_special_tokens` for encoding the rendered text (default false for chat).
     pub add_special_tokens: bool,
-    /// `tools` as sent (a list of function tools).
-    pub tools: Option<serde_json::Value>,
+    /// `tools` as sent (a list of function tools). Shared: a caller that keeps the tool lists
+    /// it parsed hands the same list again to a request sending the same text, and the
+    /// template's kept values (built once per list) recognise it without comparing.
+    pub tools: Option<std::sync::Arc<serde_json::Value>>,
     /// `documents` as sent (a list of objects).
     pub documents: Option<serde_json::Value>,
     /// `reasoning_effort` (vLLM also sets `enable_thinking` from it).

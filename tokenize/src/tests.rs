@@ -237,10 +237,10 @@ fn request_fields_reach_the_template() {
     let options = ChatOptions {
         add_generation_prompt: false,
         continue_final_message: true,
-        tools: Some(
+        tools: Some(std::sync::Arc::new(
             json!([{"function": {"name": "f", "parameters": {"b": 1, "a": 2}, "strict": true,
             "extra": 0}, "defer_loading": true}]),
-        ),
+        )),
         documents: Some(json!([{"title": "t"}])),
         reasoning_effort: Some("none".to_owned()),
         chat_template_kwargs: Some(
@@ -268,7 +268,7 @@ fn request_fields_reach_the_template() {
     };
     assert!(tokenizer.render_chat_with(&messages, &both).is_err());
     let empty_tools = ChatOptions {
-        tools: Some(json!([])),
+        tools: Some(std::sync::Arc::new(json!([]))),
         ..ChatOptions::default()
     };
     let err = tokenizer
@@ -386,7 +386,7 @@ fn sglang_reads_its_own_request_fields() {
     ]);
     let options = sglang(ChatOptions {
         add_generation_prompt: false,
-        tools: Some(tools.clone()),
+        tools: Some(std::sync::Arc::new(tools.clone())),
         documents: Some(json!([{"text": "ignored"}])),
         reasoning_effort: Some("none".to_owned()),
         ..ChatOptions::default()
@@ -402,7 +402,7 @@ fn sglang_reads_its_own_request_fields() {
     );
     let render = |tool_choice: serde_json::Value| {
         let options = sglang(ChatOptions {
-            tools: Some(tools.clone()),
+            tools: Some(std::sync::Arc::new(tools.clone())),
             tool_choice: Some(tool_choice),
             ..ChatOptions::default()
         });

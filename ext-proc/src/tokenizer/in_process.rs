@@ -7,7 +7,7 @@ use kvroute_tokenize::{Dialect, LeadingTokens, ModelTokenizer, ResumableTokens, 
 use serde_json::value::RawValue;
 use tokio_util::task::TaskTracker;
 
-use super::input::api_request_object;
+use super::input::{ParsedTools, api_request_object};
 use super::{InProcess, LeadingFuture, TokenizeFuture, TokenizeInput, Tokenizer, TokenizerMode};
 use crate::error::TokenizeError;
 
@@ -26,6 +26,8 @@ pub struct InProcessTokenizer {
     tasks: TaskTracker,
     /// Whose prompt construction the pool's engines follow.
     dialect: Dialect,
+    /// Tool lists parsed from earlier requests.
+    tools: Arc<ParsedTools>,
 }
 
 impl InProcessTokenizer {
@@ -35,6 +37,7 @@ impl InProcessTokenizer {
             model,
             tasks,
             dialect: Dialect::Vllm,
+            tools: Arc::default(),
         }
     }
 
@@ -67,14 +70,15 @@ impl Tokenizer for InProcessTokenizer {
     fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
         if self.inline(&input) {
             // Tens of microseconds: cheaper here than the hop to a blocking thread and back.
-            let result = encode(&self.model, self.dialect, &input);
+            let result = encode(&self.model, self.dialect, &self.tools, &input);
             return Box::pin(std::future::ready(result));
         }
         let model = Arc::clone(&self.model);
         let dialect = self.dialect;
+        let tools = Arc::clone(&self.tools);
         let task = self
             .tasks
-            .spawn_blocking(move || encode(&model, dialect, &input));
+            .spawn_blocking(move || encode(&model, dialect, &tools, &input));
         Box::pin(async move {
             task.await.map_err(|e| TokenizeError::InProcess {
                 reason: e.to_string(),
@@ -117,15 +121,17 @@ impl InProcess for InProcessTokenizer {
             return Some(Box::pin(std::future::ready(encode_leading(
                 &self.model,
                 self.dialect,
+                &self.tools,
                 &input,
                 min_bytes,
             ))));
         }
         let model = Arc::clone(&self.model);
         let dialect = self.dialect;
+        let tools = Arc::clone(&self.tools);
         let task = self
             .tasks
-            .spawn_blocking(move || encode_leading(&model, dialect, &input, min_bytes));
+            .spawn_blocking(move || encode_leading(&model, dialect, &tools, &input, min_bytes));
         Some(Box::pin(async move {
             task.await.map_err(|e| TokenizeError::InProcess {
                 reason: e.to_string(),
@@ -151,7 +157,7 @@ impl InProcess for InProcessTokenizer {
         }
         Some((|| {
             let messages = chat_messages(messages)?;
-            let options = fields.chat_options(*add_generation_prompt, self.dialect)?;
+            let options = fields.chat_options(*add_generation_prompt, self.dialect, &self.tools)?;
             self.model
                 .encode_chat_resumable(&messages, &options, prior)
                 .map_err(failed)
@@ -159,7 +165,7 @@ impl InProcess for InProcessTokenizer {
     }
 
     fn tokenize_now(&self, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
-        encode(&self.model, self.dialect, input)
+        encode(&self.model, self.dialect, &self.tools, input)
     }
 }
 
@@ -167,6 +173,7 @@ impl InProcess for InProcessTokenizer {
 fn encode(
     model: &ModelTokenizer,
     dialect: Dialect,
+    tools: &ParsedTools,
     input: &TokenizeInput,
 ) -> Result<Vec<u32>, TokenizeError> {
     match input {
@@ -182,7 +189,7 @@ fn encode(
             fields,
         } => {
             let messages = chat_messages(messages)?;
-            let options = fields.chat_options(*add_generation_prompt, dialect)?;
+            let options = fields.chat_options(*add_generation_prompt, dialect, tools)?;
             model.encode_chat_with(&messages, &options).map_err(failed)
         }
         TokenizeInput::Api { api, request } => {
@@ -198,6 +205,7 @@ fn encode(
 fn encode_leading(
     model: &ModelTokenizer,
     dialect: Dialect,
+    tools: &ParsedTools,
     input: &TokenizeInput,
     min_bytes: usize,
 ) -> Result<LeadingTokens, TokenizeError> {
@@ -218,7 +226,7 @@ fn encode_leading(
             fields,
         } => {
             let messages = chat_messages(messages)?;
-            let options = fields.chat_options(*add_generation_prompt, dialect)?;
+            let options = fields.chat_options(*add_generation_prompt, dialect, tools)?;
             model
                 .encode_chat_leading(&messages, &options, min_bytes)
                 .map_err(failed)

@@ -1,6 +1,8 @@
 //! What a tokenizer is asked: a request's prompt, owned so that it may be tokenized on another
 //! thread.
 
+use std::sync::Arc;
+
 use kvroute_tokenize::ApiKind;
 use serde_json::value::RawValue;
 
@@ -82,7 +84,7 @@ impl ChatInputFields {
         Self {
             continue_final_message: options.continue_final_message,
             add_special_tokens: options.add_special_tokens,
-            tools: raw(options.tools.clone()),
+            tools: raw(options.tools.as_deref().cloned()),
             documents: raw(options.documents.clone()),
             chat_template_kwargs: raw(options
                 .chat_template_kwargs
@@ -95,11 +97,13 @@ impl ChatInputFields {
         }
     }
 
-    /// The options `kvroute-tokenize` renders with, as `dialect`'s engine reads the request.
+    /// The options `kvroute-tokenize` renders with, as `dialect`'s engine reads the request;
+    /// its tools from `parsed` when the same text was parsed before.
     pub(super) fn chat_options(
         &self,
         add_generation_prompt: bool,
         dialect: kvroute_tokenize::Dialect,
+        parsed: &ParsedTools,
     ) -> Result<kvroute_tokenize::ChatOptions, TokenizeError> {
         let json =
             |raw: &Option<Box<RawValue>>| -> Result<Option<serde_json::Value>, TokenizeError> {
@@ -125,13 +129,61 @@ impl ChatInputFields {
             add_generation_prompt,
             continue_final_message: self.continue_final_message,
             add_special_tokens: self.add_special_tokens,
-            tools: json(&self.tools)?,
+            tools: self
+                .tools
+                .as_deref()
+                .map(|raw| parsed.parse(raw))
+                .transpose()
+                .map_err(|e| TokenizeError::InProcess {
+                    reason: e.to_string(),
+                })?,
             documents: json(&self.documents)?,
             reasoning_effort: self.reasoning_effort.clone(),
             chat_template_kwargs,
             request_template: self.request_template,
             messages_validated: true,
         })
+    }
+}
+
+/// Tool lists parsed from requests, by their raw text, most recent first. An application sends
+/// the same tool definitions with every request, and parsing them into a JSON tree was a tenth
+/// of a short chat's decision; the same text gets back the same shared list, which the
+/// template's kept values then recognise without comparing. Bounded; never waited for (the
+/// idle-priority background lane parses too and may be preempted holding the lock).
+#[derive(Debug, Default)]
+pub(crate) struct ParsedTools {
+    kept: parking_lot::Mutex<std::collections::VecDeque<(Box<str>, Arc<serde_json::Value>)>>,
+}
+
+/// Distinct tool lists [`ParsedTools`] keeps.
+const PARSED_TOOLS_KEPT: usize = 16;
+/// Longest tool list [`ParsedTools`] keeps, in bytes of JSON: 1 MiB for all of them.
+const PARSED_TOOLS_MAX_BYTES: usize = 64 << 10;
+
+impl ParsedTools {
+    /// `raw` parsed, or the list parsed from the same text before.
+    pub(crate) fn parse(
+        &self,
+        raw: &RawValue,
+    ) -> Result<Arc<serde_json::Value>, serde_json::Error> {
+        let text = raw.get();
+        if let Some(mut kept) = self.kept.try_lock()
+            && let Some(at) = kept.iter().position(|(kept, _)| **kept == *text)
+            && let Some(entry) = kept.remove(at)
+        {
+            let parsed = Arc::clone(&entry.1);
+            kept.push_front(entry);
+            return Ok(parsed);
+        }
+        let parsed = Arc::new(serde_json::from_str(text)?);
+        if text.len() <= PARSED_TOOLS_MAX_BYTES
+            && let Some(mut kept) = self.kept.try_lock()
+        {
+            kept.push_front((text.into(), Arc::clone(&parsed)));
+            kept.truncate(PARSED_TOOLS_KEPT);
+        }
+        Ok(parsed)
     }
 }
 
@@ -228,4 +280,46 @@ fn api_fields_object(fields: &[(&'static str, &RawValue)]) -> Box<RawValue> {
 fn empty_object() -> Box<RawValue> {
     // A literal that is valid JSON; the fallback never happens for raw values serde parsed.
     serde_json::from_str("{}").unwrap_or_else(|_| RawValue::NULL.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(text: &str) -> Box<RawValue> {
+        RawValue::from_string(text.to_owned()).unwrap()
+    }
+
+    #[test]
+    fn the_same_tool_text_gets_the_same_parsed_list() {
+        let parsed = ParsedTools::default();
+        let tools = r#"[{"type": "function", "function": {"name": "a"}}]"#;
+        let first = parsed.parse(&raw(tools)).unwrap();
+        let again = parsed.parse(&raw(tools)).unwrap();
+        assert!(Arc::ptr_eq(&first, &again), "parsed once, shared");
+        let other = parsed
+            .parse(&raw(r#"[{"function": {"name": "a"}, "type": "function"}]"#))
+            .unwrap();
+        assert!(!Arc::ptr_eq(&first, &other), "other text, its own list");
+        assert_eq!(
+            other.as_array().unwrap()[0]
+                .as_object()
+                .unwrap()
+                .keys()
+                .next()
+                .unwrap(),
+            "function",
+            "in the order sent"
+        );
+        for i in 0..(PARSED_TOOLS_KEPT + 1) {
+            parsed.parse(&raw(&format!("[{i}]"))).unwrap();
+        }
+        assert_eq!(parsed.kept.lock().len(), PARSED_TOOLS_KEPT, "bounded");
+        let huge = format!("[\"{}\"]", "x".repeat(PARSED_TOOLS_MAX_BYTES));
+        let once = parsed.parse(&raw(&huge)).unwrap();
+        assert!(
+            !Arc::ptr_eq(&once, &parsed.parse(&raw(&huge)).unwrap()),
+            "a list over the size bound is not kept"
+        );
+    }
 }

@@ -190,7 +190,7 @@ impl PromptSource {
             .encode_chat_with(
                 &serde_json::json!([apps[0].0]),
                 &kvroute_tokenize::ChatOptions {
-                    tools: Some(apps[0].1.clone()),
+                    tools: Some(std::sync::Arc::new(apps[0].1.clone())),
                     ..kvroute_tokenize::ChatOptions::default()
                 },
             )?
@@ -229,7 +229,7 @@ impl PromptSource {
             let tools = &apps[app].1;
             let body = serde_json::json!({"model": MODEL, "messages": messages, "tools": tools, "max_tokens": 1});
             let options = kvroute_tokenize::ChatOptions {
-                tools: Some(tools.clone()),
+                tools: Some(std::sync::Arc::new(tools.clone())),
                 ..kvroute_tokenize::ChatOptions::default()
             };
             let prompt = self.tokenizer.encode_chat_with(&messages, &options)?;

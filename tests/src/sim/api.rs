@@ -466,7 +466,11 @@ impl ChatRequest {
             add_generation_prompt: self.add_generation_prompt.unwrap_or(true),
             continue_final_message: self.continue_final_message,
             add_special_tokens: self.add_special_tokens.unwrap_or(false),
-            tools: self.tools.clone().filter(|t| !t.is_null()),
+            tools: self
+                .tools
+                .clone()
+                .filter(|t| !t.is_null())
+                .map(std::sync::Arc::new),
             documents: self.documents.clone().filter(|d| !d.is_null()),
             reasoning_effort: self.reasoning_effort.clone(),
             chat_template_kwargs: self.chat_template_kwargs.clone(),
@@ -528,7 +532,10 @@ async fn tokenize(
                 add_generation_prompt: request.add_generation_prompt.unwrap_or(true),
                 continue_final_message: request.continue_final_message,
                 add_special_tokens: request.add_special_tokens.unwrap_or(false),
-                tools: request.tools.filter(|t| !t.is_null()),
+                tools: request
+                    .tools
+                    .filter(|t| !t.is_null())
+                    .map(std::sync::Arc::new),
                 chat_template_kwargs: request.chat_template_kwargs,
                 ..ChatOptions::default()
             };

@@ -115,7 +115,7 @@ pub fn responses_to_chat(
         messages: Value::Array(messages),
         options: ChatOptions {
             dialect: Dialect::Sglang,
-            tools,
+            tools: tools.map(std::sync::Arc::new),
             tool_choice: Some(if has_tools {
                 tool_choice
             } else {
@@ -775,7 +775,7 @@ pub fn messages_to_chat(
         messages: Value::Array(messages),
         options: ChatOptions {
             dialect: Dialect::Sglang,
-            tools,
+            tools: tools.map(std::sync::Arc::new),
             tool_choice: Some(tool_choice),
             chat_template_kwargs,
             ..ChatOptions::default()

@@ -421,7 +421,7 @@ fn old_context(
     let tools = options
         .tools
         .as_ref()
-        .map(conversation::canonical_tools)
+        .map(|tools| conversation::canonical_tools(tools))
         .transpose()?;
     let kwargs = template_kwargs(options, tools)?;
     let tokenized_by_template = kwargs.get("tokenize").is_some_and(is_truthy);
@@ -701,10 +701,12 @@ fn options(rng: &mut Rng) -> ChatOptions {
     };
     options.continue_final_message = !options.add_generation_prompt && rng.below(3) == 0;
     if rng.below(3) == 0 {
-        options.tools = Some(json!([{"type": "function", "function": {"name": "search",
+        options.tools = Some(std::sync::Arc::new(
+            json!([{"type": "function", "function": {"name": "search",
             "description": "d", "parameters": {"type": "object", "properties":
             {"q": {"type": "string"}, "n": {"type": "integer", "minimum": -1, "maximum": 2.5}}},
-            "strict": true}}]));
+            "strict": true}}]),
+        ));
     }
     if rng.below(4) == 0 {
         options.documents = Some(json!([{"title": "t", "text": "x", "n": 1.0}]));

@@ -8,6 +8,7 @@
 //! (in order: the template renders them in order) a kept entry's shares that entry's values.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use minijinja::Value;
 use parking_lot::Mutex;
@@ -22,23 +23,24 @@ const KEPT_BYTES: usize = 64 << 10;
 /// Recently sent tool lists and their template values, most recent first.
 #[derive(Debug, Default)]
 pub(crate) struct ToolValues {
-    kept: Mutex<VecDeque<(Json, Value)>>,
+    kept: Mutex<VecDeque<(Arc<Json>, Value)>>,
 }
 
 impl ToolValues {
-    /// The template value of the tool list `sent`: a kept one when an equal list was sent
-    /// before, otherwise `build(sent)`'s, kept when small enough. Never waits for the lock
+    /// The template value of the tool list `sent`: a kept one when the same list (the same
+    /// shared list, or an equal one) was sent before, otherwise `build(sent)`'s, kept when small
+    /// enough. Never waits for the lock
     /// (renders also run on an idle-priority thread that may be preempted holding it): when it is
     /// taken, the value is built.
     pub(crate) fn get_or_build<E>(
         &self,
-        sent: &Json,
+        sent: &Arc<Json>,
         build: impl FnOnce(&Json) -> Result<Value, E>,
     ) -> Result<Value, E> {
         if let Some(mut kept) = self.kept.try_lock()
             && let Some(at) = kept
                 .iter()
-                .position(|(tools, _)| same_in_order(tools, sent))
+                .position(|(tools, _)| Arc::ptr_eq(tools, sent) || same_in_order(tools, sent))
             && let Some(entry) = kept.remove(at)
         {
             let value = entry.1.clone();
@@ -49,7 +51,7 @@ impl ToolValues {
         if json_bytes(sent, KEPT_BYTES).is_some()
             && let Some(mut kept) = self.kept.try_lock()
         {
-            kept.push_front((sent.clone(), value.clone()));
+            kept.push_front((Arc::clone(sent), value.clone()));
             kept.truncate(KEPT);
         }
         Ok(value)
@@ -116,13 +118,18 @@ mod tests {
     fn an_equal_list_shares_the_kept_value_and_a_reordered_one_does_not() {
         let values = ToolValues::default();
         let calls = std::cell::Cell::new(0);
-        let tools = json!([{"type": "function", "function": {"name": "a", "description": "d"}}]);
+        let tools =
+            Arc::new(json!([{"type": "function", "function": {"name": "a", "description": "d"}}]));
         let first = values.get_or_build(&tools, build(&calls)).unwrap();
-        let again = values.get_or_build(&tools.clone(), build(&calls)).unwrap();
-        assert_eq!(calls.get(), 1, "built once");
+        let again = values
+            .get_or_build(&Arc::new((*tools).clone()), build(&calls))
+            .unwrap();
+        assert_eq!(calls.get(), 1, "built once (an equal list)");
+        values.get_or_build(&tools, build(&calls)).unwrap();
+        assert_eq!(calls.get(), 1, "built once (the same shared list)");
         assert_eq!(first, again);
         let reordered =
-            json!([{"function": {"description": "d", "name": "a"}, "type": "function"}]);
+            Arc::new(json!([{"function": {"description": "d", "name": "a"}, "type": "function"}]));
         assert_eq!(reordered, tools, "serde_json's equality ignores the order");
         let other = values.get_or_build(&reordered, build(&calls)).unwrap();
         assert_eq!(
@@ -131,8 +138,10 @@ mod tests {
             "a reordered list is built: the template renders in order"
         );
         assert_ne!(other, first);
-        let float = json!([1.0]);
-        values.get_or_build(&json!([1]), build(&calls)).unwrap();
+        let float = Arc::new(json!([1.0]));
+        values
+            .get_or_build(&Arc::new(json!([1])), build(&calls))
+            .unwrap();
         values.get_or_build(&float, build(&calls)).unwrap();
         assert_eq!(calls.get(), 4, "1 and 1.0 render differently");
     }
@@ -141,21 +150,25 @@ mod tests {
     fn errors_are_not_kept_and_memory_is_bounded() {
         let values = ToolValues::default();
         let calls = std::cell::Cell::new(0);
-        let bad = json!("not a list");
+        let bad = Arc::new(json!("not a list"));
         for _ in 0..2 {
             let failed: Result<Value, &str> =
                 values.get_or_build(&bad, |_| Err("tools must be a list"));
             assert!(failed.is_err());
         }
-        let huge = json!([{"description": "x".repeat(KEPT_BYTES + 1)}]);
+        let huge = Arc::new(json!([{"description": "x".repeat(KEPT_BYTES + 1)}]));
         values.get_or_build(&huge, build(&calls)).unwrap();
         values.get_or_build(&huge, build(&calls)).unwrap();
         assert_eq!(calls.get(), 2, "a list over the size bound is not kept");
         for i in 0..(KEPT + 4) {
-            values.get_or_build(&json!([i]), build(&calls)).unwrap();
+            values
+                .get_or_build(&Arc::new(json!([i])), build(&calls))
+                .unwrap();
         }
         assert_eq!(values.kept.lock().len(), KEPT);
-        values.get_or_build(&json!([0]), build(&calls)).unwrap();
+        values
+            .get_or_build(&Arc::new(json!([0])), build(&calls))
+            .unwrap();
         assert_eq!(
             calls.get(),
             2 + KEPT + 4 + 1,
