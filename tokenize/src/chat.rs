@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use minijinja::value::ValueKind;
+use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, State, Value};
 
 use crate::content_format::{self, ContentFormat};
@@ -23,6 +23,8 @@ use crate::{ChatOptions, Dialect, TokenizeError, conversation, pyjson, pytime};
 #[cfg(test)]
 mod reference;
 mod tool_values;
+
+pub(crate) use tool_values::ToolValues;
 
 const TEMPLATE_NAME: &str = "chat";
 /// transformers' marker for `continue_final_message`.
@@ -221,8 +223,8 @@ pub struct ChatTemplate {
     /// Whether SGLang finds that the template renders a system message after the first.
     sglang_inline_system: bool,
     clock: Arc<pytime::Clock>,
-    /// Template values of recently sent tool definitions.
-    tool_values: tool_values::ToolValues,
+    /// Template values of recently sent tool definitions (and their `tojson` texts).
+    tool_values: Arc<ToolValues>,
 }
 
 impl ChatTemplate {
@@ -252,7 +254,11 @@ impl ChatTemplate {
                 pytime::strftime(&format, now.now()).map(Value::from)
             },
         );
-        env.add_filter("tojson", pyjson::tojson);
+        let tool_values = Arc::new(ToolValues::default());
+        let kept = Arc::clone(&tool_values);
+        env.add_filter("tojson", move |value: &Value, kwargs: Kwargs| {
+            pyjson::tojson(&kept, value, kwargs)
+        });
         env.add_filter("trim", python_trim);
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|source| TokenizeError::TemplateSyntax { source })?;
@@ -266,7 +272,7 @@ impl ChatTemplate {
             merges_inline_system,
             sglang_inline_system,
             clock,
-            tool_values: tool_values::ToolValues::default(),
+            tool_values,
         })
     }
 
@@ -949,6 +955,20 @@ mod tests {
         let text = template.render(&messages, &overridden).unwrap();
         assert_eq!(text, fresh(&overridden));
         assert_eq!(text, "{\"function\": {\"name\": \"k\"}}|k;hi");
+        // The tools' texts were written once and reused: the kept value's objects are found.
+        assert!(template.tool_values.texts_kept() >= 2);
+        // A text per set of options: compact and indented differ, each reused as written.
+        let both = ChatTemplate::new(
+            "{{ tools[0] | tojson }}|{{ tools[0] | tojson(indent=2) }}|{{ tools | tojson(separators=(',', ':')) }}"
+                .to_owned(),
+            SpecialTokens::default(),
+        )
+        .unwrap();
+        let once = both.render(&messages, &first).unwrap();
+        assert!(once.contains("{\n  \"type\": \"function\",\n"), "{once}");
+        assert!(once.contains("[{\"type\":\"function\","), "{once}");
+        assert_eq!(both.render(&messages, &first).unwrap(), once);
+        assert_eq!(both.tool_values.texts_kept(), 3);
         // Invalid tools fail every time, kept values or not.
         let invalid = with(serde_json::json!([{"type": "retrieval"}]), None);
         for _ in 0..2 {

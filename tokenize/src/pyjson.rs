@@ -9,8 +9,11 @@
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{Error, ErrorKind, Value};
 
+use crate::chat::ToolValues;
+
 /// Options of `json.dumps` that templates pass.
-struct Options {
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Options {
     indent: Option<String>,
     item_separator: String,
     key_separator: String,
@@ -18,8 +21,42 @@ struct Options {
     ensure_ascii: bool,
 }
 
-/// The `tojson` filter.
-pub(crate) fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
+/// The `tojson` filter; the text of a kept tool list, or of one of its tools, is written once
+/// per set of options and then taken from `kept`.
+pub(crate) fn tojson(kept: &ToolValues, value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let options = options(kwargs)?;
+    let Some(address) = object_address(value) else {
+        return written(value, &options);
+    };
+    if let Some(text) = kept.text_of(address, &options) {
+        return Ok(text);
+    }
+    let text = written(value, &options)?;
+    kept.remember_text(address, &options, &text);
+    Ok(text)
+}
+
+/// The address of `value`'s map or list, which tells a kept tool value apart while it is kept
+/// (minijinja's maps with `preserve_order` are `IndexMap<Value, Value>`; if that ever changes,
+/// nothing is found and every text is written, as before).
+pub(crate) fn object_address(value: &Value) -> Option<usize> {
+    if let Some(map) = value.downcast_object_ref::<indexmap::IndexMap<Value, Value>>() {
+        return Some(std::ptr::from_ref(map).addr());
+    }
+    value
+        .downcast_object_ref::<Vec<Value>>()
+        .map(|list| std::ptr::from_ref(list).addr())
+}
+
+/// `json.dumps(value)` with `options`, as a safe string.
+fn written(value: &Value, options: &Options) -> Result<Value, Error> {
+    let mut out = String::new();
+    write(value, options, 0, &mut out)?;
+    Ok(Value::from_safe_string(out))
+}
+
+/// `tojson`'s keyword arguments as `json.dumps` reads them.
+fn options(kwargs: Kwargs) -> Result<Options, Error> {
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     let indent: Option<Value> = kwargs.get("indent")?;
@@ -48,16 +85,13 @@ pub(crate) fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
         _ if indent.is_some() => (",".to_owned(), ": ".to_owned()),
         _ => (", ".to_owned(), ": ".to_owned()),
     };
-    let options = Options {
+    Ok(Options {
         indent,
         item_separator,
         key_separator,
         sort_keys: sort_keys.unwrap_or(false),
         ensure_ascii: ensure_ascii.unwrap_or(false),
-    };
-    let mut out = String::new();
-    write(value, &options, 0, &mut out)?;
-    Ok(Value::from_safe_string(out))
+    })
 }
 
 fn newline(options: &Options, depth: usize, out: &mut String) {

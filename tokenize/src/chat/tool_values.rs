@@ -5,7 +5,8 @@
 //! vLLM's canonical form and converting that into template values allocates a map per object
 //! and a string per key: about a tenth of a short chat's decision. The values depend on the
 //! definitions alone, and template values are immutable, so a request whose definitions equal
-//! (in order: the template renders them in order) a kept entry's shares that entry's values.
+//! (in order: the template renders them in order) a kept entry's shares that entry's values,
+//! and the `tojson` texts the template wrote of them.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -13,6 +14,8 @@ use std::sync::Arc;
 use minijinja::Value;
 use parking_lot::Mutex;
 use serde_json::Value as Json;
+
+use crate::pyjson::{Options, object_address};
 
 /// Distinct tool lists kept: a few applications' worth.
 const KEPT: usize = 16;
@@ -23,15 +26,29 @@ const KEPT_BYTES: usize = 64 << 10;
 /// Recently sent tool lists and their template values, most recent first.
 #[derive(Debug, Default)]
 pub(crate) struct ToolValues {
-    kept: Mutex<VecDeque<(Arc<Json>, Value)>>,
+    kept: Mutex<VecDeque<Kept>>,
 }
+
+/// One kept tool list.
+#[derive(Debug)]
+struct Kept {
+    sent: Arc<Json>,
+    value: Value,
+    /// Addresses of the list's and its tools' template objects (alive while kept: no other
+    /// object can have them meanwhile).
+    objects: Vec<usize>,
+    /// `tojson` texts of those objects, by address and options.
+    texts: Vec<(usize, Options, Value)>,
+}
+
+/// `tojson` texts kept per kept object: a template writes a tool with one set of options.
+const TEXTS_PER_OBJECT: usize = 2;
 
 impl ToolValues {
     /// The template value of the tool list `sent`: a kept one when the same list (the same
     /// shared list, or an equal one) was sent before, otherwise `build(sent)`'s, kept when small
-    /// enough. Never waits for the lock
-    /// (renders also run on an idle-priority thread that may be preempted holding it): when it is
-    /// taken, the value is built.
+    /// enough. Never waits for the lock (renders also run on an idle-priority thread that may be
+    /// preempted holding it): when it is taken, the value is built.
     pub(crate) fn get_or_build<E>(
         &self,
         sent: &Arc<Json>,
@@ -40,10 +57,10 @@ impl ToolValues {
         if let Some(mut kept) = self.kept.try_lock()
             && let Some(at) = kept
                 .iter()
-                .position(|(tools, _)| Arc::ptr_eq(tools, sent) || same_in_order(tools, sent))
+                .position(|k| Arc::ptr_eq(&k.sent, sent) || same_in_order(&k.sent, sent))
             && let Some(entry) = kept.remove(at)
         {
-            let value = entry.1.clone();
+            let value = entry.value.clone();
             kept.push_front(entry);
             return Ok(value);
         }
@@ -51,10 +68,49 @@ impl ToolValues {
         if json_bytes(sent, KEPT_BYTES).is_some()
             && let Some(mut kept) = self.kept.try_lock()
         {
-            kept.push_front((Arc::clone(sent), value.clone()));
+            let mut objects: Vec<usize> = object_address(&value).into_iter().collect();
+            if let Ok(items) = value.try_iter() {
+                objects.extend(items.filter_map(|item| object_address(&item)));
+            }
+            kept.push_front(Kept {
+                sent: Arc::clone(sent),
+                value: value.clone(),
+                objects,
+                texts: Vec::new(),
+            });
             kept.truncate(KEPT);
         }
         Ok(value)
+    }
+
+    /// The `tojson` text with `options` of the kept object at `address`, if written before.
+    pub(crate) fn text_of(&self, address: usize, options: &Options) -> Option<Value> {
+        let kept = self.kept.try_lock()?;
+        kept.iter()
+            .flat_map(|k| &k.texts)
+            .find(|(at, with, _)| *at == address && with == options)
+            .map(|(.., text)| text.clone())
+    }
+
+    /// Keeps `text`, the `tojson` text with `options` of the object at `address`, if that is a
+    /// kept list or one of its tools.
+    pub(crate) fn remember_text(&self, address: usize, options: &Options, text: &Value) {
+        let Some(mut kept) = self.kept.try_lock() else {
+            return;
+        };
+        if let Some(entry) = kept.iter_mut().find(|k| k.objects.contains(&address))
+            && entry.texts.len() < entry.objects.len() * TEXTS_PER_OBJECT
+        {
+            entry.texts.push((address, options.clone(), text.clone()));
+        }
+    }
+}
+
+#[cfg(test)]
+impl ToolValues {
+    /// `tojson` texts kept, over every kept list.
+    pub(crate) fn texts_kept(&self) -> usize {
+        self.kept.lock().iter().map(|k| k.texts.len()).sum()
     }
 }
 
