@@ -55,6 +55,7 @@ mod pytime;
 pub mod testing;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub use apis::ConvertedChat;
 pub use byte_bpe::{FastBpe, FastEncoderKind};
@@ -184,6 +185,28 @@ pub struct LeadingTokens {
     /// Where a later turn (or the rest of this prompt) can take over these tokens: the leading
     /// cut, or the last cut when the tokens are complete (`None`: no cut, or none allowed).
     pub resume: Option<ResumePoint>,
+    /// The rendered chat these tokens lead, when they are not complete: its whole tokens
+    /// ([`ModelTokenizer::encode_rendered_chat_resumable`]) need no second render.
+    pub rendered: Option<Arc<RenderedChat>>,
+}
+
+/// A chat rendered for encoding, kept to encode it whole later without rendering it again.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RenderedChat {
+    text: String,
+    add_special_tokens: bool,
+}
+
+impl RenderedChat {
+    /// Bytes of the rendered text.
+    pub fn len(&self) -> usize {
+        self.text.len()
+    }
+
+    /// Whether the rendered text is empty.
+    pub fn is_empty(&self) -> bool {
+        self.text.is_empty()
+    }
 }
 
 /// The first byte offset at or after `min_bytes` where `text` can be cut without changing the
@@ -534,6 +557,7 @@ impl ModelTokenizer {
                 complete: false,
                 text_bytes: cut,
                 total_bytes: text.len(),
+                rendered: None,
             });
         }
         let whole = self.encode_rendered_resumable(text, add, None)?;
@@ -543,6 +567,7 @@ impl ModelTokenizer {
             text_bytes: text.len(),
             total_bytes: text.len(),
             resume: whole.resume,
+            rendered: None,
         })
     }
 
@@ -558,7 +583,15 @@ impl ModelTokenizer {
         let rendered = chat.render_for_encoding(messages, options)?;
         let add_special_tokens = self.chat_special_tokens(options, &rendered);
         if rendered.continuation.is_none() {
-            return self.encode_prompt_leading(&rendered.text, add_special_tokens, min_bytes);
+            let mut leading =
+                self.encode_prompt_leading(&rendered.text, add_special_tokens, min_bytes)?;
+            if !leading.complete {
+                leading.rendered = Some(Arc::new(RenderedChat {
+                    text: rendered.text,
+                    add_special_tokens,
+                }));
+            }
+            return Ok(leading);
         }
         // Rare (SGLang's continued message): the whole prompt, with no cut to resume from.
         Ok(LeadingTokens {
@@ -567,7 +600,18 @@ impl ModelTokenizer {
             text_bytes: rendered.text.len(),
             total_bytes: rendered.text.len(),
             resume: None,
+            rendered: None,
         })
+    }
+
+    /// [`Self::encode_chat_resumable`] of a chat already rendered by
+    /// [`Self::encode_chat_leading`] (the same tokens, without rendering it again).
+    pub fn encode_rendered_chat_resumable(
+        &self,
+        rendered: &RenderedChat,
+        prior: Option<(&ResumePoint, &[u32])>,
+    ) -> Result<ResumableTokens, TokenizeError> {
+        self.encode_rendered_resumable(&rendered.text, rendered.add_special_tokens, prior)
     }
 
     /// [`Self::encode_chat_with`], taking over the first tokens of an earlier turn of the same

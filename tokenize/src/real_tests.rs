@@ -316,6 +316,20 @@ fn assert_resumed_turns_are_exact(name: &str, tokenizer: &ModelTokenizer, seed: 
                     (expected.as_slice(), true),
                     "{name}: conversation {conversation} turn {turn} from its leading part"
                 );
+                // The rest from the chat the leading part rendered (not rendered again).
+                assert_eq!(leading.rendered.is_some(), !leading.complete, "{name}");
+                if let Some(rendered) = &leading.rendered {
+                    let from_rendered = tokenizer
+                        .encode_rendered_chat_resumable(
+                            rendered,
+                            Some((&leading_point, &leading.tokens)),
+                        )
+                        .unwrap();
+                    assert_eq!(
+                        from_rendered, rest,
+                        "{name}: conversation {conversation} turn {turn} from its rendered chat"
+                    );
+                }
             } else {
                 assert_eq!(
                     (leading.tokens.as_slice(), leading.complete),

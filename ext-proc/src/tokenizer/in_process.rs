@@ -164,6 +164,18 @@ impl InProcess for InProcessTokenizer {
         })())
     }
 
+    fn tokenize_rendered_resumable(
+        &self,
+        rendered: &kvroute_tokenize::RenderedChat,
+        prior: Option<(&ResumePoint, &[u32])>,
+    ) -> Option<Result<ResumableTokens, TokenizeError>> {
+        Some(
+            self.model
+                .encode_rendered_chat_resumable(rendered, prior)
+                .map_err(failed),
+        )
+    }
+
     fn tokenize_now(&self, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
         encode(&self.model, self.dialect, &self.tools, input)
     }

@@ -151,6 +151,17 @@ pub trait InProcess: Send + Sync {
         prior: Option<(&ResumePoint, &[u32])>,
     ) -> Option<Result<ResumableTokens, TokenizeError>>;
 
+    /// [`Self::tokenize_resumable`] of a chat its leading tokens already rendered
+    /// ([`kvroute_tokenize::LeadingTokens::rendered`]): the same tokens without rendering it
+    /// again; `None` when this tokenizer does not take rendered chats.
+    fn tokenize_rendered_resumable(
+        &self,
+        _rendered: &kvroute_tokenize::RenderedChat,
+        _prior: Option<(&ResumePoint, &[u32])>,
+    ) -> Option<Result<ResumableTokens, TokenizeError>> {
+        None
+    }
+
     /// `input`'s tokens computed on the calling thread: what [`TokenCache`]'s low-priority lane
     /// runs to fill the cache for a conversation's next turn.
     fn tokenize_now(&self, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError>;

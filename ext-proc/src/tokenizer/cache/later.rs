@@ -50,8 +50,14 @@ impl TokenCache {
     /// prefix. Within the prompt-size limit; for in-process tokenizers on the cache's
     /// low-priority lane (bounded by its queue), for others with a free refill slot and, for
     /// blocking work, a free blocking slot taken now (never waited for: decisions come first);
-    /// otherwise skipped, counted. With `earlier` the lane encodes only what this turn added.
-    pub(super) fn complete_later(&self, miss: &Miss<'_>, earlier: Option<EarlierTurn>) {
+    /// otherwise skipped, counted. With `earlier` the lane encodes only what this turn added;
+    /// with `rendered` (the chat as the decision rendered it) it does not render it again.
+    pub(super) fn complete_later(
+        &self,
+        miss: &Miss<'_>,
+        earlier: Option<EarlierTurn>,
+        rendered: Option<Arc<kvroute_tokenize::RenderedChat>>,
+    ) {
         let skipped = |why: &str| {
             self.gauges.background_skipped.inc();
             tracing::debug!(why, "whole tokenization for a later turn skipped");
@@ -101,7 +107,12 @@ impl TokenCache {
                     .as_ref()
                     .map(|turn| (&turn.resume, &turn.tokens[..]));
                 let (result, resume) = match tokenizer.in_process() {
-                    Some(in_process) => match in_process.tokenize_resumable(&input, prior) {
+                    Some(in_process) => match rendered
+                        .and_then(|rendered| {
+                            in_process.tokenize_rendered_resumable(&rendered, prior)
+                        })
+                        .or_else(|| in_process.tokenize_resumable(&input, prior))
+                    {
                         Some(Ok(resumed)) => (Some(Ok(resumed.tokens)), resumed.resume),
                         Some(Err(error)) => (Some(Err(error)), None),
                         None => (Some(in_process.tokenize_now(&input)), None),

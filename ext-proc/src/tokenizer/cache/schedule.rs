@@ -179,6 +179,7 @@ impl TokenCache {
             return Ok(None);
         };
         let leading = self.bounded(leading, slot, miss.deadline, budget).await?;
+        let rendered = leading.rendered;
         let tokens: Arc<[u32]> = leading.tokens.into();
         if leading.complete {
             let keys = miss
@@ -207,7 +208,7 @@ impl TokenCache {
             tokens: Arc::clone(&tokens),
             keys: None,
         });
-        self.complete_later(miss, earlier);
+        self.complete_later(miss, earlier, rendered);
         // The rest of the prompt at the leading part's own bytes per token.
         let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
         let estimated_len = tokens.len() + rest * tokens.len() / leading.text_bytes.max(1);
@@ -279,7 +280,7 @@ impl TokenCache {
             tokens: Arc::clone(&prefix.tokens),
             keys: prefix.keys.clone(),
         });
-        self.complete_later(miss, earlier);
+        self.complete_later(miss, earlier, None);
         Some(on_cached_prefix(prefix, miss.bytes))
     }
 
