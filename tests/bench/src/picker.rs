@@ -238,14 +238,16 @@ fn picker_run(
             Ok(Tally::from_text(&text))
         };
 
+        // Which engine a decision chose.
+        let engine_of = |decision: kvroute_ext_proc::Decision| {
+            upstreams
+                .iter()
+                .position(|a| *a == decision.address)
+                .context("decision names no upstream")
+        };
         // One untimed decision: connects the index client, starts the blocking pool.
         let warm = request::parse(&requests[0].body, Endpoint::ChatCompletions)?;
-        let decision = picker.decide(&warm, None).await?;
-        let engine = upstreams
-            .iter()
-            .position(|a| *a == decision.address)
-            .context("decision names no upstream")?;
-        drop(decision);
+        let engine = engine_of(picker.decide(&warm, None).await?)?;
         if index.is_some() {
             let _ = served.send(vec![(0, engine)]);
         }
@@ -269,11 +271,7 @@ fn picker_run(
             let parsed = request::parse(&request.body, Endpoint::ChatCompletions)?;
             let decision = picker.decide(&parsed, None).await?;
             deciding += decision_started.elapsed();
-            let engine = upstreams
-                .iter()
-                .position(|a| *a == decision.address)
-                .context("decision names no upstream")?;
-            drop(decision);
+            let engine = engine_of(decision)?;
             if index.is_some() {
                 batch.push((i, engine));
                 if batch.len() == SERVED_BATCH {
