@@ -20,6 +20,9 @@ pub(crate) struct Backends {
     /// (gRPC variant) and the embedded one.
     pub(crate) index_admin: SocketAddr,
     pub(crate) embedded_index_admin: SocketAddr,
+    /// Admin address of a second kvroute-ext-proc on the same kvroute-index, on no listener
+    /// (`--peer`): the gRPC variant then shares every decision with it (`peers`).
+    pub(crate) peer_admin: Option<SocketAddr>,
     stop: CancellationToken,
     pub(crate) tasks: TaskTracker,
     /// The engines' KV-event publishers (both indexes subscribe to them).
@@ -39,6 +42,7 @@ impl Backends {
     /// The engine doubles on this runtime; the ext_procs and kvroute-index on `ext_procs`.
     pub(crate) async fn start(
         with_index: bool,
+        with_peer: bool,
         prompts: &PromptSource,
         ext_procs: &tokio::runtime::Handle,
     ) -> anyhow::Result<Self> {
@@ -93,6 +97,14 @@ impl Backends {
             on_ext_procs(ext_procs, "kvroute-ext-proc", start).await
         };
         let (kvroute, kvroute_admin, _) = kvroute_on_ext_procs(remote).await?;
+        let peer_admin = match with_peer && with_index {
+            true => Some(
+                kvroute_on_ext_procs(IndexMode::Remote(index.grpc_addr()))
+                    .await?
+                    .1,
+            ),
+            false => None,
+        };
         let (kvroute_embedded, kvroute_embedded_admin, embedded_index_admin) =
             kvroute_on_ext_procs(IndexMode::Embedded(index_file)).await?;
         Ok(Self {
@@ -105,6 +117,7 @@ impl Backends {
             kvroute_embedded_admin,
             index_admin: index.admin_addr(),
             embedded_index_admin: embedded_index_admin.context("embedded index not running")?,
+            peer_admin,
             stop,
             tasks,
             publishers,

@@ -8,7 +8,7 @@ pub(super) async fn extproc_bench(
     prompts: &PromptSource,
     ext_procs: &tokio::runtime::Handle,
 ) -> anyhow::Result<()> {
-    let backends = Backends::start(!args.without_index, prompts, ext_procs).await?;
+    let backends = Backends::start(!args.without_index, args.peer, prompts, ext_procs).await?;
     let config = three_listener_config(&backends);
     let envoy = Envoy::start(&config).await?;
     let listener = |name: &str| {
@@ -96,6 +96,22 @@ pub(super) async fn extproc_bench(
         "failed requests: {failures}; ext_proc streams_failed: {}\n",
         stream_failures.join(", ")
     );
+    if let Some(peer) = backends.peer_admin {
+        // What the peer heard: the measured picker's decisions, shared through the index.
+        let text = metrics_text(peer).await?;
+        let news: Vec<String> = metrics::samples(&text, "kvroute_extproc_peer_news_total", &[])
+            .map(|(line, value)| {
+                format!(
+                    "{} {value}",
+                    metrics::label(line, "outcome").unwrap_or_default()
+                )
+            })
+            .collect();
+        println!(
+            "peer's news (kvroute_extproc_peer_news_total): {}\n",
+            news.join(", ")
+        );
+    }
     drop(envoy);
     drop(backends);
     Ok(())

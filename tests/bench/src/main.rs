@@ -125,6 +125,11 @@ struct Args {
     /// Run kvroute-ext-proc without kvroute-index (approximate tier only) in the Envoy benches.
     #[arg(long)]
     without_index: bool,
+    /// Extproc bench: start a second kvroute-ext-proc on the same kvroute-index, on no
+    /// listener, so the `kvroute-ext-proc` case (index over gRPC) shares every decision with a
+    /// peer (`peers`) as one of several pickers does; the peer's news counters are printed.
+    #[arg(long)]
+    peer: bool,
     /// Extproc bench: measure only these cases (`plain`, `noop-ext-proc`, `fixed-picker`,
     /// `kvroute-ext-proc`, `kvroute-embedded`; default all). `plain` is always measured (the
     /// baseline). The others still run, idle: a case left out sends no traffic, so its

@@ -17,7 +17,7 @@ pub(super) async fn wasm_bench(
         "{} missing: cargo build --profile wasm --target wasm32-wasip1 -p kvroute-wasm-filter",
         module.display()
     );
-    let backends = Backends::start(!args.without_index, prompts, ext_procs).await?;
+    let backends = Backends::start(!args.without_index, false, prompts, ext_procs).await?;
     let config = full_chain_config(&backends, &module)?;
     let envoy = Envoy::start(&config).await?;
     let listener = |name: &str| {
