@@ -7,6 +7,7 @@ use kvroute_tokenize::ApiKind;
 use serde_json::value::RawValue;
 
 use crate::error::TokenizeError;
+use crate::lru::Lru;
 use crate::request::{ChatFields, Prompt};
 
 /// What a tokenizer is asked to tokenize (owned: it may run on another thread).
@@ -146,20 +147,32 @@ impl ChatInputFields {
     }
 }
 
-/// Tool lists parsed from requests, by their raw text, most recent first. An application sends
-/// the same tool definitions with every request, and parsing them into a JSON tree was a tenth
-/// of a short chat's decision; the same text gets back the same shared list, which the
-/// template's kept values then recognise without comparing. Bounded; never waited for (the
-/// idle-priority background lane parses too and may be preempted holding the lock).
-#[derive(Debug, Default)]
+/// Tool lists parsed from requests, by their raw text (its 128-bit hash, as the token cache keys
+/// prompts). An application sends the same tool definitions with every request, and parsing them
+/// into a JSON tree was a tenth of a short chat's decision; the same text gets back the same
+/// shared list, which the template's kept values then recognise without comparing. Bounded;
+/// never waited for (the idle-priority background lane parses too and may be preempted holding
+/// the lock).
+#[derive(Debug)]
 pub(crate) struct ParsedTools {
-    kept: parking_lot::Mutex<std::collections::VecDeque<(Box<str>, Arc<serde_json::Value>)>>,
+    kept: parking_lot::Mutex<Lru<u128, Arc<serde_json::Value>>>,
 }
 
 /// Distinct tool lists [`ParsedTools`] keeps.
 const PARSED_TOOLS_KEPT: usize = 16;
 /// Longest tool list [`ParsedTools`] keeps, in bytes of JSON: 1 MiB for all of them.
 const PARSED_TOOLS_MAX_BYTES: usize = 64 << 10;
+
+impl Default for ParsedTools {
+    fn default() -> Self {
+        Self {
+            kept: parking_lot::Mutex::new(Lru::new(
+                PARSED_TOOLS_KEPT,
+                PARSED_TOOLS_KEPT * PARSED_TOOLS_MAX_BYTES,
+            )),
+        }
+    }
+}
 
 impl ParsedTools {
     /// `raw` parsed, or the list parsed from the same text before.
@@ -168,20 +181,19 @@ impl ParsedTools {
         raw: &RawValue,
     ) -> Result<Arc<serde_json::Value>, serde_json::Error> {
         let text = raw.get();
-        if let Some(mut kept) = self.kept.try_lock()
-            && let Some(at) = kept.iter().position(|(kept, _)| **kept == *text)
-            && let Some(entry) = kept.remove(at)
+        let key = xxhash_rust::xxh3::xxh3_128(text.as_bytes());
+        if let Some(parsed) = self
+            .kept
+            .try_lock()
+            .and_then(|mut kept| kept.get(&key).cloned())
         {
-            let parsed = Arc::clone(&entry.1);
-            kept.push_front(entry);
             return Ok(parsed);
         }
         let parsed = Arc::new(serde_json::from_str(text)?);
         if text.len() <= PARSED_TOOLS_MAX_BYTES
             && let Some(mut kept) = self.kept.try_lock()
         {
-            kept.push_front((text.into(), Arc::clone(&parsed)));
-            kept.truncate(PARSED_TOOLS_KEPT);
+            kept.insert(key, Arc::clone(&parsed), text.len());
         }
         Ok(parsed)
     }
