@@ -107,7 +107,7 @@ pub struct ChatOptions {
     /// `tools` as sent (a list of function tools). Shared: a caller that keeps the tool lists
     /// it parsed hands the same list again to a request sending the same text, and the
     /// template's kept values (built once per list) recognise it without comparing.
-    pub tools: Option<std::sync::Arc<serde_json::Value>>,
+    pub tools: Option<Arc<serde_json::Value>>,
     /// `documents` as sent (a list of objects).
     pub documents: Option<serde_json::Value>,
     /// `reasoning_effort` (vLLM also sets `enable_thinking` from it).
@@ -195,18 +195,6 @@ pub struct LeadingTokens {
 pub struct RenderedChat {
     text: String,
     add_special_tokens: bool,
-}
-
-impl RenderedChat {
-    /// Bytes of the rendered text.
-    pub fn len(&self) -> usize {
-        self.text.len()
-    }
-
-    /// Whether the rendered text is empty.
-    pub fn is_empty(&self) -> bool {
-        self.text.is_empty()
-    }
 }
 
 /// The first byte offset at or after `min_bytes` where `text` can be cut without changing the
