@@ -60,21 +60,7 @@ impl Backends {
         let fixed = on_ext_procs(ext_procs, "the fixed ext_proc", fixed).await?;
 
         // The index follows two (silent) engines; kvroute-ext-proc asks it on every decision.
-        let mut publishers = Vec::new();
-        let mut index_replicas = String::new();
-        for i in 0..2 {
-            let publisher = MockVllmPublisher::start(MockPublisherConfig {
-                topic: "kv@".to_owned(),
-                ..MockPublisherConfig::loopback()
-            })
-            .await?;
-            index_replicas.push_str(&format!(
-                "  - {{id: engine-{i}, pool: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
-                publisher.pub_endpoint().context("publisher endpoint")?,
-                publisher.replay_endpoint().context("replay endpoint")?,
-            ));
-            publishers.push(publisher);
-        }
+        let (publishers, index_replicas) = start_engines(2).await?;
         let index_yaml = index_yaml(&index_replicas, prompts.block_size);
         let index_config = kvroute_index::config::Config::from_yaml(&index_yaml)?;
         let index = kvroute_index::server::IndexServer::start(index_config);
@@ -145,6 +131,29 @@ where
     started
         .map_err(Into::into)
         .with_context(|| format!("starting {what}"))
+}
+
+/// `count` engines' KV-event publishers (`engine-0`, …) and the index's `replicas:` lines that
+/// follow them.
+pub(crate) async fn start_engines(
+    count: usize,
+) -> anyhow::Result<(Vec<MockVllmPublisher>, String)> {
+    let mut publishers = Vec::new();
+    let mut replicas = String::new();
+    for i in 0..count {
+        let publisher = MockVllmPublisher::start(MockPublisherConfig {
+            topic: "kv@".to_owned(),
+            ..MockPublisherConfig::loopback()
+        })
+        .await?;
+        replicas.push_str(&format!(
+            "  - {{id: engine-{i}, pool: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
+            publisher.pub_endpoint().context("publisher endpoint")?,
+            publisher.replay_endpoint().context("replay endpoint")?,
+        ));
+        publishers.push(publisher);
+    }
+    Ok((publishers, replicas))
 }
 
 /// Where a kvroute-ext-proc finds its index.

@@ -171,7 +171,8 @@ fn picker_run(
         .max_blocking_threads(1)
         .build()?;
     runtime.block_on(async {
-        let upstreams: Vec<SocketAddr> = vec!["127.0.0.1:18001".parse()?, "127.0.0.1:18002".parse()?];
+        let upstreams: Vec<SocketAddr> =
+            vec!["127.0.0.1:18001".parse()?, "127.0.0.1:18002".parse()?];
         let (served, engines) = tokio::sync::mpsc::unbounded_channel::<Vec<(usize, usize)>>();
         let mut engines_task = None;
         let mut index = None;
@@ -179,21 +180,7 @@ fn picker_run(
             let block_size = prompts.block_size;
             let (started, publishers) = index_runtime
                 .spawn(async move {
-                    let mut publishers = Vec::new();
-                    let mut replicas = String::new();
-                    for i in 0..2 {
-                        let publisher = MockVllmPublisher::start(MockPublisherConfig {
-                            topic: "kv@".to_owned(),
-                            ..MockPublisherConfig::loopback()
-                        })
-                        .await?;
-                        replicas.push_str(&format!(
-                            "  - {{id: engine-{i}, pool: {MODEL}, events: {{endpoint: \"{}\", replay_endpoint: \"{}\", topic: \"kv@\"}}}}\n",
-                            publisher.pub_endpoint().context("publisher endpoint")?,
-                            publisher.replay_endpoint().context("replay endpoint")?,
-                        ));
-                        publishers.push(publisher);
-                    }
+                    let (publishers, replicas) = start_engines(2).await?;
                     let config = kvroute_index::config::Config::from_yaml(&index_yaml(
                         &replicas, block_size,
                     ))?;
@@ -260,7 +247,11 @@ fn picker_run(
         let cpu_before = threads_cpu()?;
         let started = Instant::now();
         // Larger than any last-level cache here; one write per cache line evicts the picker's data.
-        let mut evictor = if cold { vec![0u8; 32 << 20] } else { Vec::new() };
+        let mut evictor = if cold {
+            vec![0u8; 32 << 20]
+        } else {
+            Vec::new()
+        };
         let mut deciding = Duration::ZERO;
         for (i, request) in requests.iter().enumerate().skip(1) {
             for line in evictor.iter_mut().step_by(64) {

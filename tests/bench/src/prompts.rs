@@ -197,15 +197,9 @@ impl PromptSource {
             .len();
         let opening = (tokens * 7 / 8).saturating_sub(shared).max(tokens / 16);
         let mut live: Vec<Option<(usize, serde_json::Value, usize)>> = vec![None; STREAM_LIVE];
-        let mut state = PROMPT_SEED;
-        let mut draw = |bound: usize| {
-            // SplitMix64: a fixed, seeded sequence, the same in every run.
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) % bound as u64) as usize
-        };
+        // A fixed, seeded sequence, the same in every run.
+        let mut rng = kvroute_tokenize::testing::Rng::new(PROMPT_SEED);
+        let mut draw = |bound: usize| rng.below(bound);
         let mut requests = Vec::with_capacity(count);
         while requests.len() < count {
             let slot = &mut live[draw(STREAM_LIVE)];
