@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use kvroute_index_api::api::{MatchRequest, MatchResponse, ReplicaCondition};
@@ -47,7 +47,8 @@ use crate::request::ParsedRequest;
 use crate::scrape::Scraper;
 use crate::shadow::ShadowBook;
 use crate::tokenizer::{
-    KeysJob, PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer, TokensRequest,
+    KeysJob, LeadingSteps, PromptTokens, TokenCache, TokenLimits, TokenSource, Tokenizer,
+    TokensRequest,
 };
 use kvroute_config::ConfigError;
 
@@ -168,6 +169,8 @@ struct DecisionContext<'a> {
     candidates: &'a [&'a Replica],
     deadline: Instant,
     keys_job: KeysJob,
+    /// The prompt's leading parts tokenized so far: each longer one takes over the last.
+    leading_steps: LeadingSteps,
 }
 
 /// What the slow step learned about a prompt.
@@ -910,6 +913,7 @@ impl Picker {
                 adapter,
                 request.cache_salt.as_deref(),
             ),
+            leading_steps: LeadingSteps::default(),
         };
         // A long prompt first gets only its exact leading tokens. Keys are chained, so a replica
         // holding fewer than all of their blocks holds no block past them either: unless some
@@ -929,6 +933,15 @@ impl Picker {
             };
             larger.1.tokenize_seconds += facts.tokenize_seconds;
             (source, facts) = larger;
+        }
+        // The decision routed on a leading part: the whole prompt follows in the background,
+        // from the longest part's cut, for the conversation's next turn.
+        if source == TokenSource::Leading {
+            self.token_cache.complete_leading(tokens_request(
+                &context,
+                leading_bytes,
+                Duration::ZERO,
+            ));
         }
         Ok(facts)
     }
@@ -966,23 +979,15 @@ impl Picker {
     ) -> Result<PromptTokens, LoadCause> {
         let DecisionContext {
             runtime,
-            pool_index,
             pool,
-            request,
             deadline,
             ..
         } = *context;
         let config = &runtime.config;
-        // A request naming no model is the pool's base model (the name vLLM serves first).
-        let model = match request.model.as_ref() {
-            "" => pool.base_model(""),
-            named => named,
-        };
         let tokenize_started = Instant::now();
         let tokenize_budget = config
             .tokenize_budget
             .min(deadline.saturating_duration_since(tokenize_started));
-        let tokenizer = runtime.tokenizers[pool_index].as_ref();
         let span = kvroute_runtime::trace_span!(
             "kvroute.tokenize",
             kvroute.token_source = tracing::field::Empty,
@@ -990,15 +995,7 @@ impl Picker {
         );
         let tokens = self
             .token_cache
-            .tokens_for(TokensRequest {
-                pool: pool_index,
-                model,
-                prompt: &request.prompt,
-                tokenizer,
-                budget: tokenize_budget,
-                leading_from: Some(leading_bytes),
-                keys_job: Some(&context.keys_job),
-            })
+            .tokens_for(tokens_request(context, leading_bytes, tokenize_budget))
             .instrument(span.clone())
             .await
         .map_err(|e| {
@@ -1214,6 +1211,36 @@ struct SplitFacts {
     keys: Vec<u64>,
     index_answer: Option<MatchResponse>,
     prompt_tokens: usize,
+}
+
+/// The token cache's request for `context`'s prompt, its leading part from `leading_bytes` on,
+/// waiting at most `budget`.
+fn tokens_request<'c>(
+    context: &'c DecisionContext<'c>,
+    leading_bytes: usize,
+    budget: Duration,
+) -> TokensRequest<'c> {
+    let DecisionContext {
+        runtime,
+        pool_index,
+        pool,
+        request,
+        ..
+    } = *context;
+    TokensRequest {
+        pool: pool_index,
+        // A request naming no model is the pool's base model (the name vLLM serves first).
+        model: match request.model.as_ref() {
+            "" => pool.base_model(""),
+            named => named,
+        },
+        prompt: &request.prompt,
+        tokenizer: runtime.tokenizers[pool_index].as_ref(),
+        budget,
+        leading_from: Some(leading_bytes),
+        keys_job: Some(&context.keys_job),
+        leading_steps: Some(&context.leading_steps),
+    }
 }
 
 /// Per candidate (same order), the index's answer for it, where the index vouches for it. One

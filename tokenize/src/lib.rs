@@ -230,6 +230,23 @@ fn is_cut(bytes: &[u8], at: usize) -> bool {
         || (before.is_ascii_alphabetic() && here == b' ' && after.is_ascii_alphabetic())
 }
 
+/// `prior` (an earlier encoding's resume point and tokens) when `text`, encoded with `add`,
+/// starts with the same bytes up to its cut, and that cut is a cut of `text` at or before `cut`.
+fn prior_applying<'p>(
+    text: &str,
+    add: bool,
+    cut: usize,
+    prior: Option<(&'p ResumePoint, &'p [u32])>,
+) -> Option<(&'p ResumePoint, &'p [u32])> {
+    prior.filter(|(point, ids)| {
+        point.tokens <= ids.len()
+            && point.text_bytes <= cut
+            && is_cut(text.as_bytes(), point.text_bytes)
+            && ResumePoint::fingerprint(add, &text.as_bytes()[..point.text_bytes])
+                == point.fingerprint
+    })
+}
+
 /// Where a later turn of a conversation can take over a chat's tokens: the chat's rendered text
 /// up to `text_bytes` (a [`leading_cut`] spot) encodes to its first `tokens` ids, whatever
 /// follows. A later turn whose rendered text starts with the same bytes (checked by a 128-bit
@@ -530,11 +547,49 @@ impl ModelTokenizer {
         add_special_tokens: bool,
         min_bytes: usize,
     ) -> Result<LeadingTokens, TokenizeError> {
-        let add = add_special_tokens;
+        self.leading_of(text, add_special_tokens, min_bytes, None)
+    }
+
+    /// [`Self::encode_prompt_leading`] of a chat an earlier, shorter leading part rendered
+    /// ([`LeadingTokens::rendered`]), taking over that part's tokens when `prior` (its resume
+    /// point and tokens) still applies: only the text between its cut and this one's is
+    /// encoded. The same tokens as a fresh render and encoding.
+    pub fn encode_rendered_leading(
+        &self,
+        rendered: &Arc<RenderedChat>,
+        min_bytes: usize,
+        prior: Option<(&ResumePoint, &[u32])>,
+    ) -> Result<LeadingTokens, TokenizeError> {
+        let mut leading = self.leading_of(
+            &rendered.text,
+            rendered.add_special_tokens,
+            min_bytes,
+            prior,
+        )?;
+        if !leading.complete {
+            leading.rendered = Some(Arc::clone(rendered));
+        }
+        Ok(leading)
+    }
+
+    /// The leading tokens of the rendered `text` from `min_bytes` on, the first ones taken over
+    /// from `prior` when it applies (see [`Self::encode_prompt_leading`]).
+    fn leading_of(
+        &self,
+        text: &str,
+        add: bool,
+        min_bytes: usize,
+        prior: Option<(&ResumePoint, &[u32])>,
+    ) -> Result<LeadingTokens, TokenizeError> {
         if let (Some(fast), true, Some(cut)) =
             (&self.fast, self.leading_cuts, leading_cut(text, min_bytes))
         {
-            let tokens = fast.encode_leading(&text[..cut], add);
+            let (mut tokens, from) = match prior_applying(text, add, cut, prior) {
+                Some((point, ids)) => (ids[..point.tokens].to_vec(), point.text_bytes),
+                None => (Vec::new(), 0),
+            };
+            // Cuts are ASCII positions, so char boundaries.
+            fast.encode_parts_into(&text[from..cut], from == 0 && add, false, &mut tokens);
             return Ok(LeadingTokens {
                 resume: Some(ResumePoint {
                     text_bytes: cut,
@@ -548,7 +603,7 @@ impl ModelTokenizer {
                 rendered: None,
             });
         }
-        let whole = self.encode_rendered_resumable(text, add, None)?;
+        let whole = self.encode_rendered_resumable(text, add, prior)?;
         Ok(LeadingTokens {
             tokens: whole.tokens,
             complete: true,
@@ -645,27 +700,24 @@ impl ModelTokenizer {
                 prior_taken: false,
             });
         };
-        let taken = prior.filter(|(point, ids)| {
-            point.tokens <= ids.len()
-                && point.text_bytes <= cut
-                && is_cut(text.as_bytes(), point.text_bytes)
-                && ResumePoint::fingerprint(add, &text.as_bytes()[..point.text_bytes])
-                    == point.fingerprint
-        });
-        let (mut tokens, from) = match taken {
-            Some((point, ids)) => (ids[..point.tokens].to_vec(), point.text_bytes),
-            None => (Vec::new(), 0),
+        let taken = prior_applying(text, add, cut, prior);
+        let (prior_ids, from) = match taken {
+            Some((point, ids)) => (&ids[..point.tokens], point.text_bytes),
+            None => (&[][..], 0),
         };
+        // Room for the rest at once (see `encode_parts_into`): both parts below fit.
+        let mut tokens = Vec::with_capacity(prior_ids.len() + (text.len() - from) / 2 + 8);
+        tokens.extend_from_slice(prior_ids);
         // Cuts are ASCII positions, so char boundaries.
         if from < cut {
-            tokens.extend(fast.encode_parts(&text[from..cut], from == 0 && add, false));
+            fast.encode_parts_into(&text[from..cut], from == 0 && add, false, &mut tokens);
         }
         let resume = ResumePoint {
             text_bytes: cut,
             tokens: tokens.len(),
             fingerprint: ResumePoint::fingerprint(add, &text.as_bytes()[..cut]),
         };
-        tokens.extend(fast.encode_parts(&text[cut..], false, add));
+        fast.encode_parts_into(&text[cut..], false, add, &mut tokens);
         Ok(ResumableTokens {
             tokens,
             resume: Some(resume),

@@ -329,6 +329,35 @@ fn assert_resumed_turns_are_exact(name: &str, tokenizer: &ModelTokenizer, seed: 
                         from_rendered, rest,
                         "{name}: conversation {conversation} turn {turn} from its rendered chat"
                     );
+                    // A longer leading part of the same rendered chat, taking over this one:
+                    // the tokens a fresh render and encoding of that part give.
+                    let longer = 4 * (1 + cut_rng.below(4096));
+                    let grown = tokenizer
+                        .encode_rendered_leading(
+                            rendered,
+                            longer,
+                            Some((&leading_point, &leading.tokens)),
+                        )
+                        .unwrap();
+                    let fresh = tokenizer
+                        .encode_chat_leading(&chat, &options, longer)
+                        .unwrap();
+                    assert_eq!(
+                        (
+                            &grown.tokens,
+                            grown.complete,
+                            grown.resume,
+                            grown.text_bytes
+                        ),
+                        (
+                            &fresh.tokens,
+                            fresh.complete,
+                            fresh.resume,
+                            fresh.text_bytes
+                        ),
+                        "{name}: conversation {conversation} turn {turn}: a leading part grown"
+                    );
+                    assert_eq!(grown.rendered.is_some(), !grown.complete, "{name}");
                 }
             } else {
                 assert_eq!(

@@ -355,7 +355,7 @@ async fn leading_rule_on(dir: &std::path::Path) {
     let leading = load()
         .in_process()
         .expect("in process")
-        .tokenize_leading(Arc::clone(&input), LEADING_BYTES)
+        .tokenize_leading(Arc::clone(&input), LEADING_BYTES, None)
         .unwrap()
         .await
         .unwrap();
@@ -399,10 +399,29 @@ async fn leading_rule_on(dir: &std::path::Path) {
     let second_part = load()
         .in_process()
         .expect("in process")
-        .tokenize_leading(Arc::clone(&input), LEADING_BYTES * LEADING_GROWTH)
+        .tokenize_leading(Arc::clone(&input), LEADING_BYTES * LEADING_GROWTH, None)
         .unwrap()
         .await
         .unwrap();
+    // A decision's second part takes over its first: the chat it rendered, the tokens it has.
+    if let (Some(rendered), Some(resume)) = (&leading.rendered, leading.resume) {
+        let grown = load()
+            .in_process()
+            .expect("in process")
+            .tokenize_leading(
+                Arc::clone(&input),
+                LEADING_BYTES * LEADING_GROWTH,
+                Some(crate::tokenizer::LeadingStep {
+                    rendered: Arc::clone(rendered),
+                    tokens: leading.tokens.clone().into(),
+                    resume,
+                }),
+            )
+            .unwrap()
+            .await
+            .unwrap();
+        assert_eq!(grown, second_part, "a part grown from the first");
+    }
     let second_blocks = second_part.tokens.len() / 16;
     assert!(!second_part.complete && second_blocks > leading_blocks + 2);
     let (growing, growing_metrics) = model_picker(load());
@@ -568,6 +587,7 @@ impl InProcess for SlotHoldingTokenizer {
         &self,
         _input: Arc<TokenizeInput>,
         _min_bytes: usize,
+        _shorter: Option<crate::tokenizer::LeadingStep>,
     ) -> Option<LeadingFuture> {
         None
     }

@@ -17,7 +17,7 @@ use tokio_util::task::TaskTracker;
 
 use super::background::BackgroundLane;
 use super::cache_keys::prompt_keys;
-use super::{CachedKeys, KeysJob, MultiModalPlaces, Tokenized, Tokenizer};
+use super::{CachedKeys, KeysJob, LeadingStep, MultiModalPlaces, Tokenized, Tokenizer};
 use crate::config::Config;
 use crate::error::TokenizeError;
 use crate::lru::Lru;
@@ -153,6 +153,26 @@ pub struct TokensRequest<'a> {
     /// How the decision computes block keys: the tokens this request caches (a resumed turn,
     /// a whole tokenization left to the background for the next turn) are cached with them.
     pub keys_job: Option<&'a KeysJob>,
+    /// The decision's leading steps so far: a longer leading part takes over the last one's
+    /// render and tokens, and leaves its own here for the next. With steps, a leading part
+    /// leaves the whole prompt's tokenization to the caller's
+    /// [`TokenCache::complete_leading`] once the decision settled on its part.
+    pub leading_steps: Option<&'a LeadingSteps>,
+}
+
+/// One decision's leading parts of its prompt as they grow ([`TokensRequest::leading_steps`]):
+/// the last one, whose rendered chat and tokens the next, longer one takes over.
+#[derive(Debug, Default)]
+pub struct LeadingSteps(Mutex<Option<LeadingStep>>);
+
+impl LeadingSteps {
+    fn last(&self) -> Option<LeadingStep> {
+        self.0.lock().clone()
+    }
+
+    fn record(&self, step: LeadingStep) {
+        *self.0.lock() = Some(step);
+    }
 }
 
 /// Recent tokenizations, keyed by (pool, prompt or conversation-prefix hash), bounded by entries
@@ -282,6 +302,7 @@ impl TokenCache {
             budget,
             leading_from: None,
             keys_job: None,
+            leading_steps: None,
         })
         .await
     }

@@ -8,7 +8,9 @@ use serde_json::value::RawValue;
 use tokio_util::task::TaskTracker;
 
 use super::input::{ParsedTools, api_request_object};
-use super::{InProcess, LeadingFuture, TokenizeFuture, TokenizeInput, Tokenizer, TokenizerMode};
+use super::{
+    InProcess, LeadingFuture, LeadingStep, TokenizeFuture, TokenizeInput, Tokenizer, TokenizerMode,
+};
 use crate::error::TokenizeError;
 
 /// Largest input tokenized on the calling task rather than a blocking thread, when the model
@@ -111,6 +113,7 @@ impl InProcess for InProcessTokenizer {
         &self,
         input: Arc<TokenizeInput>,
         min_bytes: usize,
+        shorter: Option<LeadingStep>,
     ) -> Option<LeadingFuture> {
         if !self.gives_leading(&input) {
             return None;
@@ -124,14 +127,15 @@ impl InProcess for InProcessTokenizer {
                 &self.tools,
                 &input,
                 min_bytes,
+                shorter.as_ref(),
             ))));
         }
         let model = Arc::clone(&self.model);
         let dialect = self.dialect;
         let tools = Arc::clone(&self.tools);
-        let task = self
-            .tasks
-            .spawn_blocking(move || encode_leading(&model, dialect, &tools, &input, min_bytes));
+        let task = self.tasks.spawn_blocking(move || {
+            encode_leading(&model, dialect, &tools, &input, min_bytes, shorter.as_ref())
+        });
         Some(Box::pin(async move {
             task.await.map_err(|e| TokenizeError::InProcess {
                 reason: e.to_string(),
@@ -213,14 +217,25 @@ fn encode(
     }
 }
 
-/// [`encode`]'s leading variant (completion text and chat; API requests are not called here).
+/// [`encode`]'s leading variant (completion text and chat; API requests are not called here),
+/// a chat from its `shorter` leading part when the decision has one.
 fn encode_leading(
     model: &ModelTokenizer,
     dialect: Dialect,
     tools: &ParsedTools,
     input: &TokenizeInput,
     min_bytes: usize,
+    shorter: Option<&LeadingStep>,
 ) -> Result<LeadingTokens, TokenizeError> {
+    if let (Some(shorter), TokenizeInput::Chat { .. }) = (shorter, input) {
+        return model
+            .encode_rendered_leading(
+                &shorter.rendered,
+                min_bytes,
+                Some((&shorter.resume, &shorter.tokens)),
+            )
+            .map_err(failed);
+    }
     match input {
         TokenizeInput::Text {
             text,

@@ -51,7 +51,8 @@ mod tests;
 
 pub use block_keys::{CachedKeys, ComputeKeys, KeysJob};
 pub use cache::{
-    PromptTokens, TokenCache, TokenLimits, TokenSource, TokensRequest, cache_entry_bytes,
+    LeadingSteps, PromptTokens, TokenCache, TokenLimits, TokenSource, TokensRequest,
+    cache_entry_bytes,
 };
 pub use in_process::InProcessTokenizer;
 pub use input::{ChatInputFields, TokenizeInput};
@@ -87,6 +88,18 @@ pub type RequestFuture = Pin<Box<dyn Future<Output = Result<Tokenized, TokenizeE
 
 /// Boxed future returned by [`InProcess::tokenize_leading`].
 pub type LeadingFuture = Pin<Box<dyn Future<Output = Result<LeadingTokens, TokenizeError>> + Send>>;
+
+/// A leading part of a chat as one step of a decision left it, for its next, longer step:
+/// the chat as rendered, the part's tokens and where they end.
+#[derive(Debug, Clone)]
+pub struct LeadingStep {
+    /// The chat as rendered for encoding.
+    pub rendered: Arc<kvroute_tokenize::RenderedChat>,
+    /// The part's tokens.
+    pub tokens: Arc<[u32]>,
+    /// The part's cut, where a longer part takes its tokens over.
+    pub resume: ResumePoint,
+}
 
 /// A source of token ids for one pool.
 pub trait Tokenizer: Send + Sync + fmt::Debug {
@@ -133,11 +146,14 @@ pub trait InProcess: Send + Sync {
 
     /// The exact first tokens of `input`'s prompt from its (rendered) text up to the first exact
     /// cut at or after `min_bytes` ([`kvroute_tokenize::leading_cut`]); `None` for inputs it
-    /// cannot cut (HF-only models, API requests).
+    /// cannot cut (HF-only models, API requests). With `shorter`, the same decision's previous,
+    /// shorter leading part of this input: its rendered chat is not rendered again and its tokens
+    /// are taken over (a tokenizer may ignore it).
     fn tokenize_leading(
         &self,
         input: Arc<TokenizeInput>,
         min_bytes: usize,
+        shorter: Option<LeadingStep>,
     ) -> Option<LeadingFuture>;
 
     /// A chat's tokens computed on the calling thread, taking over the first tokens of an

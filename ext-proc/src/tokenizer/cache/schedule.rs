@@ -11,15 +11,15 @@ use kvroute_tokenize::{ResumableTokens, ResumePoint};
 use super::blocking::{BlockingSlot, record_rate};
 use super::later::EarlierTurn;
 use super::{
-    CacheEntry, PromptTokens, TokenCache, TokenSource, TokensRequest, Whole, insert_entry,
-    insert_into,
+    CacheEntry, LeadingSteps, PromptTokens, TokenCache, TokenSource, TokensRequest, Whole,
+    insert_entry, insert_into,
 };
 use crate::error::TokenizeError;
 use crate::request::Prompt;
 use crate::tokenizer::block_keys::mark_at;
 use crate::tokenizer::input::owned_input;
 use crate::tokenizer::{
-    CachedKeys, MultiModalPlaces, RequestFuture, TokenizeInput, Tokenized, Tokenizer,
+    CachedKeys, LeadingStep, MultiModalPlaces, RequestFuture, TokenizeInput, Tokenized, Tokenizer,
 };
 
 /// Rough bytes per token, to estimate the length of text that was not tokenized.
@@ -175,12 +175,23 @@ impl TokenCache {
         } else {
             None
         };
-        let Some(leading) = in_process.tokenize_leading(Arc::clone(&miss.input), min_bytes) else {
+        let steps = miss.request.leading_steps;
+        let shorter = steps.and_then(LeadingSteps::last);
+        let Some(leading) =
+            in_process.tokenize_leading(Arc::clone(&miss.input), min_bytes, shorter)
+        else {
             return Ok(None);
         };
         let leading = self.bounded(leading, slot, miss.deadline, budget).await?;
         let rendered = leading.rendered;
         let tokens: Arc<[u32]> = leading.tokens.into();
+        if let (Some(steps), Some(rendered), Some(resume)) = (steps, &rendered, leading.resume) {
+            steps.record(LeadingStep {
+                rendered: Arc::clone(rendered),
+                tokens: Arc::clone(&tokens),
+                resume,
+            });
+        }
         if leading.complete {
             let keys = miss
                 .request
@@ -202,13 +213,17 @@ impl TokenCache {
             }));
         }
         // The next turn starts with this whole prompt and, were it not cached, would pay for its
-        // leading part and then all of it. The lane encodes only the rest.
-        let earlier = leading.resume.map(|resume| EarlierTurn {
-            resume,
-            tokens: Arc::clone(&tokens),
-            keys: None,
-        });
-        self.complete_later(miss, earlier, rendered);
+        // leading part and then all of it. The lane encodes only the rest: from this part's cut,
+        // or, for a decision that may grow its part, from its longest part's once it is done
+        // (`TokenCache::complete_leading`).
+        if steps.is_none() {
+            let earlier = leading.resume.map(|resume| EarlierTurn {
+                resume,
+                tokens: Arc::clone(&tokens),
+                keys: None,
+            });
+            self.complete_later(miss, earlier, rendered);
+        }
         // The rest of the prompt at the leading part's own bytes per token.
         let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
         let estimated_len = tokens.len() + rest * tokens.len() / leading.text_bytes.max(1);
@@ -220,6 +235,37 @@ impl TokenCache {
             keys: None,
             multimodal: None,
         }))
+    }
+
+    /// Ends a decision's leading steps ([`TokensRequest::leading_steps`]) that routed on a
+    /// leading part: the whole prompt is tokenized in the background from the longest part's
+    /// cut, with the chat it rendered, and cached for the conversation's next turn.
+    pub fn complete_leading(&self, request: TokensRequest<'_>) {
+        let (Some(step), Some(tokenizer)) = (
+            request.leading_steps.and_then(LeadingSteps::last),
+            request.tokenizer,
+        ) else {
+            return;
+        };
+        let Ok(super::Lookup::Missed { key, bytes, prefix }) =
+            self.lookup(request.pool, request.prompt)
+        else {
+            return;
+        };
+        let miss = Miss::new(
+            request,
+            tokenizer,
+            tokio::time::Instant::now(),
+            key,
+            bytes,
+            prefix,
+        );
+        let earlier = EarlierTurn {
+            resume: step.resume,
+            tokens: step.tokens,
+            keys: None,
+        };
+        self.complete_later(&miss, Some(earlier), Some(step.rendered));
     }
 
     /// The whole prompt's tokens within the budget, or its cached conversation prefix when they

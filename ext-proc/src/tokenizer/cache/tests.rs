@@ -194,6 +194,7 @@ async fn a_hit_too_long_to_wait_for_routes_at_once_and_the_lane_caches_the_whole
             budget,
             leading_from: Some(usize::MAX / 2),
             keys_job: Some(&keys_job),
+            leading_steps: None,
         })
     };
     let t2 = turn2_tokens().await.unwrap();
@@ -261,6 +262,7 @@ async fn the_lane_resumes_a_leading_miss_and_the_next_turn_resumes_from_it() {
             budget,
             leading_from: Some(1024),
             keys_job: Some(&keys_job),
+            leading_steps: None,
         })
     };
     let t1 = decide(&first.prompt).await.unwrap();
@@ -438,6 +440,7 @@ impl InProcess for GatedBlocking {
         &self,
         _input: Arc<TokenizeInput>,
         _min_bytes: usize,
+        _shorter: Option<crate::tokenizer::LeadingStep>,
     ) -> Option<LeadingFuture> {
         None
     }
@@ -612,6 +615,7 @@ async fn in_process_tokenizer_refuses_prompts_over_the_limit_and_inlines_small_o
             budget,
             leading_from: Some(16 * 1024),
             keys_job: None,
+            leading_steps: None,
         })
         .await
         .unwrap();
