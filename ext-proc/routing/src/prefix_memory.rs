@@ -90,14 +90,19 @@ impl PrefixMemory {
         let Some(memory) = self.replicas.read().get(replica).cloned() else {
             return Remembered::default();
         };
-        Self::remembered(&memory, keys, now, ttl)
+        Self::remembered(&memory, keys, now, ttl, 0)
     }
 
     /// [`lookup`](Self::lookup) for every one of `replicas`, in order, under one read of the
-    /// replica table (a decision over a large pool reads every candidate's memory).
+    /// replica table (a decision over a large pool reads every candidate's memory). `held[i]`
+    /// (0 past its end): leading keys `replicas[i]`'s engine is known to hold (the index's
+    /// answer), which count as remembered and are not looked up. Past them is where kvroute's
+    /// memory adds anything, and a prompt routed there recently carried them too; a long
+    /// conversation's next turn then looks up only its new keys.
     pub fn lookup_all(
         &self,
         replicas: &[&str],
+        held: &[u32],
         keys: &[u64],
         now: Instant,
         ttl: Duration,
@@ -105,21 +110,32 @@ impl PrefixMemory {
         let table = self.replicas.read();
         replicas
             .iter()
-            .map(|replica| {
-                table
-                    .get(*replica)
-                    .map_or_else(Remembered::default, |memory| {
-                        Self::remembered(memory, keys, now, ttl)
-                    })
+            .enumerate()
+            .map(|(i, replica)| {
+                let held = held.get(i).copied().unwrap_or(0);
+                match table.get(*replica) {
+                    Some(memory) => Self::remembered(memory, keys, now, ttl, held),
+                    None => Remembered::default(),
+                }
             })
             .collect()
     }
 
-    fn remembered(memory: &ReplicaKeys, keys: &[u64], now: Instant, ttl: Duration) -> Remembered {
+    fn remembered(
+        memory: &ReplicaKeys,
+        keys: &[u64],
+        now: Instant,
+        ttl: Duration,
+        held: u32,
+    ) -> Remembered {
+        let held = (held as usize).min(keys.len());
         let memory = memory.lock();
-        let mut remembered = Remembered::default();
+        let mut remembered = Remembered {
+            approximate: held as u32,
+            speculative: held as u32,
+        };
         let mut speculative_run = true;
-        for key in keys {
+        for key in &keys[held..] {
             let Some(routed_at) = memory.get(*key) else {
                 break;
             };
@@ -171,6 +187,33 @@ mod tests {
         );
         assert_eq!(memory.lookup("r0", &[9, 1], at, ttl), Remembered::default());
         assert_eq!(memory.lookup("r1", &[1], at, ttl), Remembered::default());
+    }
+
+    #[test]
+    fn keys_the_engine_holds_are_not_looked_up() {
+        let memory = PrefixMemory::default();
+        let now = Instant::now();
+        let ttl = Duration::from_secs(5);
+        // Keys 3 and 4 routed just now; 1 and 2 no longer remembered (the engine holds them).
+        memory.record("r0", 100, &[3, 4], now);
+        let all = |held: &[u32]| memory.lookup_all(&["r0", "r1"], held, &[1, 2, 3, 4, 5], now, ttl);
+        assert_eq!(
+            all(&[])[0],
+            Remembered::default(),
+            "from the first key: none"
+        );
+        assert_eq!(
+            all(&[2, 1]),
+            vec![
+                Remembered {
+                    approximate: 4,
+                    speculative: 4
+                },
+                // A replica kvroute never routed to: nothing remembered, whatever it holds.
+                Remembered::default(),
+            ]
+        );
+        assert_eq!(all(&[9])[0].approximate, 5, "at most every key");
     }
 
     #[test]

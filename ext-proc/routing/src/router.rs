@@ -290,7 +290,7 @@ impl Router {
     ) -> bool {
         let all = keys.len();
         self.memory
-            .lookup_all(candidates, keys, now, ttl)
+            .lookup_all(candidates, &[], keys, now, ttl)
             .iter()
             .any(|remembered| remembered.approximate as usize >= all)
             || self
@@ -337,9 +337,20 @@ impl Router {
         // Per candidate, what kvroute believes it holds (scored, and the drift's expectation) and
         // what the engine would reuse there now (the prediction a client is told).
         let mut reusable = Vec::with_capacity(candidates.len());
-        let memories = self
-            .memory
-            .lookup_all(candidates, &keys, now, scoring.speculative_ttl);
+        // Only the speculative count past the index's prefix matters for a candidate it vouches
+        // for (`Indexed::with_speculative`): the memory is read from there on.
+        let held: Vec<u32> = (0..candidates.len())
+            .map(|i| {
+                indexed
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .map_or(0, |found| found.prefix_blocks)
+            })
+            .collect();
+        let memories =
+            self.memory
+                .lookup_all(candidates, &held, &keys, now, scoring.speculative_ttl);
         let views: Vec<Candidate> = memories
             .into_iter()
             .zip(loads)
