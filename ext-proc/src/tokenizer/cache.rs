@@ -161,17 +161,30 @@ pub struct TokensRequest<'a> {
 }
 
 /// One decision's leading parts of its prompt as they grow ([`TokensRequest::leading_steps`]):
-/// the last one, whose rendered chat and tokens the next, longer one takes over.
+/// the last one, whose rendered chat and tokens the next, longer one takes over, with the prompt
+/// it was cut from (its cache key, size and owned copy, for the whole tokenization that follows).
 #[derive(Debug, Default)]
-pub struct LeadingSteps(Mutex<Option<LeadingStep>>);
+pub struct LeadingSteps(Mutex<Option<LastStep>>);
+
+#[derive(Debug, Clone)]
+struct LastStep {
+    step: LeadingStep,
+    key: u128,
+    bytes: usize,
+    input: Arc<super::TokenizeInput>,
+}
 
 impl LeadingSteps {
     fn last(&self) -> Option<LeadingStep> {
-        self.0.lock().clone()
+        self.0.lock().as_ref().map(|last| last.step.clone())
     }
 
-    fn record(&self, step: LeadingStep) {
-        *self.0.lock() = Some(step);
+    fn record(&self, last: LastStep) {
+        *self.0.lock() = Some(last);
+    }
+
+    fn take(&self) -> Option<LastStep> {
+        self.0.lock().take()
     }
 }
 

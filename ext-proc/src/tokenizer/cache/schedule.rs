@@ -11,8 +11,8 @@ use kvroute_tokenize::{ResumableTokens, ResumePoint};
 use super::blocking::{BlockingSlot, record_rate};
 use super::later::EarlierTurn;
 use super::{
-    CacheEntry, LeadingSteps, PromptTokens, TokenCache, TokenSource, TokensRequest, Whole,
-    insert_entry, insert_into,
+    CacheEntry, LastStep, LeadingSteps, PromptTokens, TokenCache, TokenSource, TokensRequest,
+    Whole, insert_entry, insert_into,
 };
 use crate::error::TokenizeError;
 use crate::request::Prompt;
@@ -186,10 +186,15 @@ impl TokenCache {
         let rendered = leading.rendered;
         let tokens: Arc<[u32]> = leading.tokens.into();
         if let (Some(steps), Some(rendered), Some(resume)) = (steps, &rendered, leading.resume) {
-            steps.record(LeadingStep {
-                rendered: Arc::clone(rendered),
-                tokens: Arc::clone(&tokens),
-                resume,
+            steps.record(LastStep {
+                step: LeadingStep {
+                    rendered: Arc::clone(rendered),
+                    tokens: Arc::clone(&tokens),
+                    resume,
+                },
+                key: miss.key,
+                bytes: miss.bytes,
+                input: Arc::clone(&miss.input),
             });
         }
         if leading.complete {
@@ -241,31 +246,27 @@ impl TokenCache {
     /// leading part: the whole prompt is tokenized in the background from the longest part's
     /// cut, with the chat it rendered, and cached for the conversation's next turn.
     pub fn complete_leading(&self, request: TokensRequest<'_>) {
-        let (Some(step), Some(tokenizer)) = (
-            request.leading_steps.and_then(LeadingSteps::last),
+        let (Some(last), Some(tokenizer)) = (
+            request.leading_steps.and_then(LeadingSteps::take),
             request.tokenizer,
         ) else {
             return;
         };
-        let Ok(super::Lookup::Missed { key, bytes, prefix }) =
-            self.lookup(request.pool, request.prompt)
-        else {
-            return;
-        };
-        let miss = Miss::new(
+        let miss = Miss {
             request,
             tokenizer,
-            tokio::time::Instant::now(),
-            key,
-            bytes,
-            prefix,
-        );
+            input: last.input,
+            deadline: tokio::time::Instant::now(),
+            key: last.key,
+            bytes: last.bytes,
+            prefix: None,
+        };
         let earlier = EarlierTurn {
-            resume: step.resume,
-            tokens: step.tokens,
+            resume: last.step.resume,
+            tokens: last.step.tokens,
             keys: None,
         };
-        self.complete_later(&miss, Some(earlier), Some(step.rendered));
+        self.complete_later(&miss, Some(earlier), Some(last.step.rendered));
     }
 
     /// The whole prompt's tokens within the budget, or its cached conversation prefix when they
