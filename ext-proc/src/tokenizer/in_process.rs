@@ -24,8 +24,14 @@ const INLINE_LEADING_MAX_BYTES: usize = 256 * 1024;
 /// The model folder's tokenizer, in this process.
 #[derive(Debug, Clone)]
 pub struct InProcessTokenizer {
-    model: Arc<ModelTokenizer>,
+    encoder: Encoder,
     tasks: TaskTracker,
+}
+
+/// What encodes a prompt as the pool's engines build it, cloned onto a blocking thread.
+#[derive(Debug, Clone)]
+struct Encoder {
+    model: Arc<ModelTokenizer>,
     /// Whose prompt construction the pool's engines follow.
     dialect: Dialect,
     /// Tool lists parsed from earlier requests.
@@ -36,16 +42,18 @@ impl InProcessTokenizer {
     /// Wraps an already loaded tokenizer (vLLM's prompt construction).
     pub fn new(model: Arc<ModelTokenizer>, tasks: TaskTracker) -> Self {
         Self {
-            model,
+            encoder: Encoder {
+                model,
+                dialect: Dialect::Vllm,
+                tools: Arc::default(),
+            },
             tasks,
-            dialect: Dialect::Vllm,
-            tools: Arc::default(),
         }
     }
 
     /// Builds prompts as `dialect`'s engine does.
     pub fn with_dialect(mut self, dialect: Dialect) -> Self {
-        self.dialect = dialect;
+        self.encoder.dialect = dialect;
         self
     }
 
@@ -59,12 +67,12 @@ impl InProcessTokenizer {
 
     /// Whether `input` is tokenized whole on the calling task.
     fn inline(&self, input: &TokenizeInput) -> bool {
-        self.model.uses_fast_path() && input.len_bytes() <= INLINE_MAX_BYTES
+        self.encoder.model.uses_fast_path() && input.len_bytes() <= INLINE_MAX_BYTES
     }
 
     /// Whether [`InProcess::tokenize_leading`] answers for `input`.
     fn gives_leading(&self, input: &TokenizeInput) -> bool {
-        self.model.uses_fast_path() && !matches!(input, TokenizeInput::Api { .. })
+        self.encoder.model.uses_fast_path() && !matches!(input, TokenizeInput::Api { .. })
     }
 }
 
@@ -72,15 +80,11 @@ impl Tokenizer for InProcessTokenizer {
     fn tokenize(&self, _model: &str, input: Arc<TokenizeInput>) -> TokenizeFuture {
         if self.inline(&input) {
             // Tens of microseconds: cheaper here than the hop to a blocking thread and back.
-            let result = encode(&self.model, self.dialect, &self.tools, &input);
+            let result = self.encoder.encode(&input);
             return Box::pin(std::future::ready(result));
         }
-        let model = Arc::clone(&self.model);
-        let dialect = self.dialect;
-        let tools = Arc::clone(&self.tools);
-        let task = self
-            .tasks
-            .spawn_blocking(move || encode(&model, dialect, &tools, &input));
+        let encoder = self.encoder.clone();
+        let task = self.tasks.spawn_blocking(move || encoder.encode(&input));
         Box::pin(async move {
             task.await.map_err(|e| TokenizeError::InProcess {
                 reason: e.to_string(),
@@ -89,7 +93,7 @@ impl Tokenizer for InProcessTokenizer {
     }
 
     fn mode(&self) -> TokenizerMode {
-        match self.model.fast_encoder_kind() {
+        match self.encoder.model.fast_encoder_kind() {
             Some(kind) => TokenizerMode::InProcessFast(kind),
             None => TokenizerMode::InProcessHf,
         }
@@ -121,21 +125,16 @@ impl InProcess for InProcessTokenizer {
         // The whole body is parsed and rendered (cheap), only the leading part encoded: a
         // fraction of a millisecond up to a few hundred KiB, so on the calling task.
         if input.len_bytes() <= INLINE_LEADING_MAX_BYTES {
-            return Some(Box::pin(std::future::ready(encode_leading(
-                &self.model,
-                self.dialect,
-                &self.tools,
+            return Some(Box::pin(std::future::ready(self.encoder.encode_leading(
                 &input,
                 min_bytes,
                 shorter.as_ref(),
             ))));
         }
-        let model = Arc::clone(&self.model);
-        let dialect = self.dialect;
-        let tools = Arc::clone(&self.tools);
-        let task = self.tasks.spawn_blocking(move || {
-            encode_leading(&model, dialect, &tools, &input, min_bytes, shorter.as_ref())
-        });
+        let encoder = self.encoder.clone();
+        let task = self
+            .tasks
+            .spawn_blocking(move || encoder.encode_leading(&input, min_bytes, shorter.as_ref()));
         Some(Box::pin(async move {
             task.await.map_err(|e| TokenizeError::InProcess {
                 reason: e.to_string(),
@@ -156,13 +155,18 @@ impl InProcess for InProcessTokenizer {
         else {
             return None;
         };
-        if !self.model.uses_fast_path() {
+        let Encoder {
+            model,
+            dialect,
+            tools,
+        } = &self.encoder;
+        if !model.uses_fast_path() {
             return None;
         }
         Some((|| {
             let messages = chat_messages(messages)?;
-            let options = fields.chat_options(*add_generation_prompt, self.dialect, &self.tools)?;
-            self.model
+            let options = fields.chat_options(*add_generation_prompt, *dialect, tools)?;
+            model
                 .encode_chat_resumable(&messages, &options, prior)
                 .map_err(failed)
         })())
@@ -174,93 +178,99 @@ impl InProcess for InProcessTokenizer {
         prior: Option<(&ResumePoint, &[u32])>,
     ) -> Option<Result<ResumableTokens, TokenizeError>> {
         Some(
-            self.model
+            self.encoder
+                .model
                 .encode_rendered_chat_resumable(rendered, prior)
                 .map_err(failed),
         )
     }
 
     fn tokenize_now(&self, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
-        encode(&self.model, self.dialect, &self.tools, input)
+        self.encoder.encode(input)
     }
 }
 
-/// The whole prompt's tokens, as `dialect`'s engine builds the prompt.
-fn encode(
-    model: &ModelTokenizer,
-    dialect: Dialect,
-    tools: &ParsedTools,
-    input: &TokenizeInput,
-) -> Result<Vec<u32>, TokenizeError> {
-    match input {
-        TokenizeInput::Text {
-            text,
-            add_special_tokens,
-        } => model
-            .encode_prompt(text, dialect.completion_special_tokens(*add_special_tokens))
-            .map_err(failed),
-        TokenizeInput::Chat {
-            messages,
-            add_generation_prompt,
-            fields,
-        } => {
-            let messages = chat_messages(messages)?;
-            let options = fields.chat_options(*add_generation_prompt, dialect, tools)?;
-            model.encode_chat_with(&messages, &options).map_err(failed)
-        }
-        TokenizeInput::Api { api, request } => {
-            let request = api_request_object(request)?;
-            model
-                .encode_api_request_for(dialect, *api, &request)
-                .map_err(failed)
-        }
-    }
-}
-
-/// [`encode`]'s leading variant (completion text and chat; API requests are not called here),
-/// a chat from its `shorter` leading part when the decision has one.
-fn encode_leading(
-    model: &ModelTokenizer,
-    dialect: Dialect,
-    tools: &ParsedTools,
-    input: &TokenizeInput,
-    min_bytes: usize,
-    shorter: Option<&LeadingStep>,
-) -> Result<LeadingTokens, TokenizeError> {
-    if let (Some(shorter), TokenizeInput::Chat { .. }) = (shorter, input) {
-        return model
-            .encode_rendered_leading(
-                &shorter.rendered,
-                min_bytes,
-                Some((&shorter.resume, &shorter.tokens)),
-            )
-            .map_err(failed);
-    }
-    match input {
-        TokenizeInput::Text {
-            text,
-            add_special_tokens,
-        } => model
-            .encode_prompt_leading(
+impl Encoder {
+    /// The whole prompt's tokens, as the dialect's engine builds the prompt.
+    fn encode(&self, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
+        let Self {
+            model,
+            dialect,
+            tools,
+        } = self;
+        match input {
+            TokenizeInput::Text {
                 text,
-                dialect.completion_special_tokens(*add_special_tokens),
-                min_bytes,
-            )
-            .map_err(failed),
-        TokenizeInput::Chat {
-            messages,
-            add_generation_prompt,
-            fields,
-        } => {
-            let messages = chat_messages(messages)?;
-            let options = fields.chat_options(*add_generation_prompt, dialect, tools)?;
-            model
-                .encode_chat_leading(&messages, &options, min_bytes)
-                .map_err(failed)
+                add_special_tokens,
+            } => model
+                .encode_prompt(text, dialect.completion_special_tokens(*add_special_tokens))
+                .map_err(failed),
+            TokenizeInput::Chat {
+                messages,
+                add_generation_prompt,
+                fields,
+            } => {
+                let messages = chat_messages(messages)?;
+                let options = fields.chat_options(*add_generation_prompt, *dialect, tools)?;
+                model.encode_chat_with(&messages, &options).map_err(failed)
+            }
+            TokenizeInput::Api { api, request } => {
+                let request = api_request_object(request)?;
+                model
+                    .encode_api_request_for(*dialect, *api, &request)
+                    .map_err(failed)
+            }
         }
-        TokenizeInput::Api { .. } => Err(TokenizeError::InProcess {
-            reason: "no leading tokens for API requests".to_owned(),
-        }),
+    }
+
+    /// [`Self::encode`]'s leading variant (completion text and chat; API requests are not
+    /// called here), a chat from its `shorter` leading part when the decision has one.
+    fn encode_leading(
+        &self,
+        input: &TokenizeInput,
+        min_bytes: usize,
+        shorter: Option<&LeadingStep>,
+    ) -> Result<LeadingTokens, TokenizeError> {
+        let Self {
+            model,
+            dialect,
+            tools,
+        } = self;
+        if let (Some(shorter), TokenizeInput::Chat { .. }) = (shorter, input) {
+            return model
+                .encode_rendered_leading(
+                    &shorter.rendered,
+                    min_bytes,
+                    Some((&shorter.resume, &shorter.tokens)),
+                )
+                .map_err(failed);
+        }
+        match input {
+            TokenizeInput::Text {
+                text,
+                add_special_tokens,
+            } => model
+                .encode_prompt_leading(
+                    text,
+                    dialect.completion_special_tokens(*add_special_tokens),
+                    min_bytes,
+                )
+                .map_err(failed),
+            TokenizeInput::Chat {
+                messages,
+                add_generation_prompt,
+                fields,
+            } => {
+                let messages = chat_messages(messages)?;
+                let options = fields.chat_options(*add_generation_prompt, *dialect, tools)?;
+                model
+                    .encode_chat_leading(&messages, &options, min_bytes)
+                    .map_err(failed)
+            }
+            TokenizeInput::Api { .. } => Err(TokenizeError::InProcess {
+                reason: "no leading tokens for API requests".to_owned(),
+            }),
+        }
     }
 }
 
