@@ -247,6 +247,38 @@ fn prior_applying<'p>(
     })
 }
 
+/// The tokens of `text` up to `cut` (a cut) and the resume point there, the first ones taken
+/// over from `prior` when it applies; with the bytes taken over (`None`: none). The buffer has
+/// room for the tokens of `room` bytes of text, so a caller encoding on to there does not regrow
+/// it.
+fn encode_to_cut(
+    fast: &FastBpe,
+    text: &str,
+    add: bool,
+    cut: usize,
+    prior: Option<(&ResumePoint, &[u32])>,
+    room: usize,
+) -> (Vec<u32>, ResumePoint, Option<usize>) {
+    let taken = prior_applying(text, add, cut, prior);
+    let (prior_ids, from) = match taken {
+        Some((point, ids)) => (&ids[..point.tokens], point.text_bytes),
+        None => (&[][..], 0),
+    };
+    // At most one token per two bytes but in rare text (see `FastBpe::encode_parts_into`).
+    let mut tokens = Vec::with_capacity(prior_ids.len() + room.saturating_sub(from) / 2 + 8);
+    tokens.extend_from_slice(prior_ids);
+    // Cuts are ASCII positions, so char boundaries.
+    if from < cut {
+        fast.encode_parts_into(&text[from..cut], from == 0 && add, false, &mut tokens);
+    }
+    let resume = ResumePoint {
+        text_bytes: cut,
+        tokens: tokens.len(),
+        fingerprint: ResumePoint::fingerprint(add, &text.as_bytes()[..cut]),
+    };
+    (tokens, resume, taken.map(|_| from))
+}
+
 /// Where a later turn of a conversation can take over a chat's tokens: the chat's rendered text
 /// up to `text_bytes` (a [`leading_cut`] spot) encodes to its first `tokens` ids, whatever
 /// follows. A later turn whose rendered text starts with the same bytes (checked by a 128-bit
@@ -584,18 +616,9 @@ impl ModelTokenizer {
         if let (Some(fast), true, Some(cut)) =
             (&self.fast, self.leading_cuts, leading_cut(text, min_bytes))
         {
-            let (mut tokens, from) = match prior_applying(text, add, cut, prior) {
-                Some((point, ids)) => (ids[..point.tokens].to_vec(), point.text_bytes),
-                None => (Vec::new(), 0),
-            };
-            // Cuts are ASCII positions, so char boundaries.
-            fast.encode_parts_into(&text[from..cut], from == 0 && add, false, &mut tokens);
+            let (tokens, resume, _) = encode_to_cut(fast, text, add, cut, prior, cut);
             return Ok(LeadingTokens {
-                resume: Some(ResumePoint {
-                    text_bytes: cut,
-                    tokens: tokens.len(),
-                    fingerprint: ResumePoint::fingerprint(add, &text.as_bytes()[..cut]),
-                }),
+                resume: Some(resume),
                 tokens,
                 complete: false,
                 text_bytes: cut,
@@ -700,28 +723,13 @@ impl ModelTokenizer {
                 prior_taken: false,
             });
         };
-        let taken = prior_applying(text, add, cut, prior);
-        let (prior_ids, from) = match taken {
-            Some((point, ids)) => (&ids[..point.tokens], point.text_bytes),
-            None => (&[][..], 0),
-        };
-        // Room for the rest at once (see `encode_parts_into`): both parts below fit.
-        let mut tokens = Vec::with_capacity(prior_ids.len() + (text.len() - from) / 2 + 8);
-        tokens.extend_from_slice(prior_ids);
-        // Cuts are ASCII positions, so char boundaries.
-        if from < cut {
-            fast.encode_parts_into(&text[from..cut], from == 0 && add, false, &mut tokens);
-        }
-        let resume = ResumePoint {
-            text_bytes: cut,
-            tokens: tokens.len(),
-            fingerprint: ResumePoint::fingerprint(add, &text.as_bytes()[..cut]),
-        };
+        // Room for the text after the cut too: one buffer for the whole prompt.
+        let (mut tokens, resume, taken) = encode_to_cut(fast, text, add, cut, prior, text.len());
         fast.encode_parts_into(&text[cut..], false, add, &mut tokens);
         Ok(ResumableTokens {
             tokens,
             resume: Some(resume),
-            encoded_bytes: text.len() - from,
+            encoded_bytes: text.len() - taken.unwrap_or(0),
             prior_taken: taken.is_some(),
         })
     }
