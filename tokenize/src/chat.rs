@@ -20,6 +20,7 @@ use minijinja::{Environment, Error, ErrorKind, State, Value};
 use crate::content_format::{self, ContentFormat};
 use crate::{ChatOptions, Dialect, TokenizeError, conversation, pyjson, pytime};
 
+mod joined_output;
 #[cfg(test)]
 mod reference;
 mod tool_values;
@@ -239,6 +240,7 @@ impl ChatTemplate {
         let source = rewrite_generation_tags(&source);
         // SGLang parses with transformers' environment, which knows `{% generation %}`.
         let sglang_format = content_format::detect_sglang(&source);
+        let joined = joined_output::split_joined_output(&source);
         let clock = Arc::new(pytime::Clock::default());
         let mut env = Environment::new();
         env.set_trim_blocks(true);
@@ -260,8 +262,11 @@ impl ChatTemplate {
             pyjson::tojson(&kept, value, kwargs)
         });
         env.add_filter("trim", python_trim);
-        env.add_template_owned(TEMPLATE_NAME, source)
-            .map_err(|source| TokenizeError::TemplateSyntax { source })?;
+        // Should the rewrite not compile (it always has), the template as written renders.
+        if env.add_template_owned(TEMPLATE_NAME, joined).is_err() {
+            env.add_template_owned(TEMPLATE_NAME, source)
+                .map_err(|source| TokenizeError::TemplateSyntax { source })?;
+        }
         Ok(Self {
             env,
             special,
@@ -317,7 +322,11 @@ impl ChatTemplate {
         messages: &serde_json::Value,
         options: &ChatOptions,
     ) -> Result<Rendered, TokenizeError> {
-        let context = self.context(messages, options)?;
+        self.render_whole(self.context(messages, options)?)
+    }
+
+    /// A request's context rendered whole.
+    pub(crate) fn render_whole(&self, context: Context) -> Result<Rendered, TokenizeError> {
         let tokenized_by_template = context.tokenized_by_template;
         let continuation = context.continuation.clone();
         Ok(Rendered {
@@ -514,6 +523,37 @@ impl ChatTemplate {
         }
     }
 
+    /// Renders `context` no further than `enough` needs: after each piece the template writes,
+    /// `enough` is asked with the text so far, and rendering stops once it answers true. The
+    /// text and whether it is the whole rendering (a stopped one ends past where `enough`
+    /// answered: the piece that satisfied it is kept whole). What a template would have
+    /// written or raised after that point is not seen. A context with a final message to
+    /// continue is rendered whole: its text is cut at that message's end.
+    pub(crate) fn render_context_until(
+        &self,
+        context: &Context,
+        enough: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<(String, bool), TokenizeError> {
+        if context.final_text.is_some() {
+            return Ok((self.render_context(context.clone())?, true));
+        }
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|source| TokenizeError::TemplateRender { source })?;
+        let mut out = UntilEnough {
+            text: String::with_capacity(UNTIL_ENOUGH_CAPACITY),
+            enough,
+            stopped: false,
+        };
+        let whole = match template.render_captured_to(context.value.clone(), &mut out) {
+            Ok(_) => true,
+            Err(_) if out.stopped => false,
+            Err(source) => return Err(TokenizeError::TemplateRender { source }),
+        };
+        Ok((out.text, whole))
+    }
+
     /// Appends transformers' marker to the final message's (last) text; returns that text.
     fn mark_final_message(
         &self,
@@ -566,7 +606,43 @@ impl ChatTemplate {
     }
 }
 
+/// Bytes [`ChatTemplate::render_context_until`] first reserves: a leading part and the piece
+/// that ends it, for most prompts.
+const UNTIL_ENOUGH_CAPACITY: usize = 8 * 1024;
+
+/// The writer of [`ChatTemplate::render_context_until`]: keeps what the template writes and
+/// fails the write (which ends the rendering) once `enough` is satisfied.
+struct UntilEnough<'e> {
+    text: String,
+    enough: &'e mut dyn FnMut(&str) -> bool,
+    stopped: bool,
+}
+
+impl std::io::Write for UntilEnough<'_> {
+    fn write(&mut self, piece: &[u8]) -> std::io::Result<usize> {
+        if self.stopped {
+            return Err(std::io::Error::other("rendered far enough"));
+        }
+        // Each piece is a `str` the template wrote (minijinja writes through `fmt::Write`), so
+        // the check never fails; the SIMD one costs a fraction of the standard library's on
+        // long texts in other scripts.
+        let piece_text = simdutf8::basic::from_utf8(piece)
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8"))?;
+        self.text.push_str(piece_text);
+        if (self.enough)(&self.text) {
+            self.stopped = true;
+            return Err(std::io::Error::other("rendered far enough"));
+        }
+        Ok(piece.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A request's template context and what rendering it needs besides.
+#[derive(Debug, Clone)]
 pub(crate) struct Context {
     /// transformers' variables.
     pub(crate) value: Value,

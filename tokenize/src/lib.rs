@@ -180,21 +180,51 @@ pub struct LeadingTokens {
     pub complete: bool,
     /// Bytes of the (rendered) prompt text the tokens cover.
     pub text_bytes: usize,
-    /// Bytes of the whole (rendered) prompt text.
-    pub total_bytes: usize,
+    /// Bytes of the whole (rendered) prompt text; `None` when a chat's rendering stopped at the
+    /// leading part (see [`RenderedChat`]).
+    pub total_bytes: Option<usize>,
     /// Where a later turn (or the rest of this prompt) can take over these tokens: the leading
     /// cut, or the last cut when the tokens are complete (`None`: no cut, or none allowed).
     pub resume: Option<ResumePoint>,
-    /// The rendered chat these tokens lead, when they are not complete: its whole tokens
-    /// ([`ModelTokenizer::encode_rendered_chat_resumable`]) need no second render.
+    /// The rendered chat these tokens lead, when they are not complete: a longer leading part
+    /// ([`ModelTokenizer::encode_rendered_leading`]) and its whole tokens
+    /// ([`ModelTokenizer::encode_rendered_chat_resumable`]) need no second parse.
     pub rendered: Option<Arc<RenderedChat>>,
 }
 
-/// A chat rendered for encoding, kept to encode it whole later without rendering it again.
-#[derive(Debug, PartialEq, Eq)]
+/// A chat rendered for encoding, kept to encode more of it later without parsing it again: its
+/// rendered text, whole or (a chat's leading part, when the model allows cuts) only up to a
+/// little past the first cut the part needed, with the template's context to render the rest.
+/// Rendering the whole of a long chat for its first few hundred tokens cost more than encoding
+/// them: the templates join every message's text into new strings.
+#[derive(Debug)]
 pub struct RenderedChat {
     text: String,
     add_special_tokens: bool,
+    /// The template's context when `text` is only the start of the rendering.
+    rest: Option<chat::Context>,
+}
+
+impl PartialEq for RenderedChat {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.text, self.add_special_tokens, self.rest.is_some())
+            == (&other.text, other.add_special_tokens, other.rest.is_some())
+    }
+}
+
+impl Eq for RenderedChat {}
+
+impl RenderedChat {
+    /// Whether `text` is the whole rendering.
+    pub fn is_whole(&self) -> bool {
+        self.rest.is_none()
+    }
+
+    /// Whether the text holds a leading part from `min_bytes`: it is whole, or it has a
+    /// [`leading_cut`] from there.
+    fn reaches(&self, min_bytes: usize) -> bool {
+        self.rest.is_none() || leading_cut(&self.text, min_bytes).is_some()
+    }
 }
 
 /// The first byte offset at or after `min_bytes` where `text` can be cut without changing the
@@ -472,7 +502,10 @@ impl ModelTokenizer {
     ) -> Result<Vec<u32>, TokenizeError> {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let rendered = chat.render_for_encoding(messages, options)?;
-        self.encode_rendered(&rendered, self.chat_special_tokens(options, &rendered))
+        self.encode_rendered(
+            &rendered,
+            self.chat_special_tokens(options, rendered.tokenized_by_template),
+        )
     }
 
     /// A rendered chat's ids, whole: its text, then (SGLang's continued message) the
@@ -493,9 +526,9 @@ impl ModelTokenizer {
     /// the template's kwargs had transformers encode it. SGLang: its chat request has no such
     /// field; it encodes with the tokenizer's default (true) unless that adds tokens to an empty
     /// text, then without (the template writes bos itself).
-    fn chat_special_tokens(&self, options: &ChatOptions, rendered: &chat::Rendered) -> bool {
+    fn chat_special_tokens(&self, options: &ChatOptions, tokenized_by_template: bool) -> bool {
         match options.dialect {
-            Dialect::Vllm => options.add_special_tokens && !rendered.tokenized_by_template,
+            Dialect::Vllm => options.add_special_tokens && !tokenized_by_template,
             Dialect::Sglang => !self.specials_on_empty,
         }
     }
@@ -585,23 +618,68 @@ impl ModelTokenizer {
     /// [`Self::encode_prompt_leading`] of a chat an earlier, shorter leading part rendered
     /// ([`LeadingTokens::rendered`]), taking over that part's tokens when `prior` (its resume
     /// point and tokens) still applies: only the text between its cut and this one's is
-    /// encoded. The same tokens as a fresh render and encoding.
+    /// encoded (and rendered, when the earlier rendering stopped short of it). The same tokens
+    /// as a fresh render and encoding.
     pub fn encode_rendered_leading(
         &self,
         rendered: &Arc<RenderedChat>,
         min_bytes: usize,
         prior: Option<(&ResumePoint, &[u32])>,
     ) -> Result<LeadingTokens, TokenizeError> {
+        let rendered = match &rendered.rest {
+            Some(context) if !rendered.reaches(min_bytes) => Arc::new(self.render_leading(
+                context.clone(),
+                rendered.add_special_tokens,
+                min_bytes,
+            )?),
+            _ => Arc::clone(rendered),
+        };
         let mut leading = self.leading_of(
             &rendered.text,
             rendered.add_special_tokens,
             min_bytes,
             prior,
         )?;
+        if !rendered.is_whole() {
+            leading.total_bytes = None;
+        }
         if !leading.complete {
-            leading.rendered = Some(Arc::clone(rendered));
+            leading.rendered = Some(rendered);
         }
         Ok(leading)
+    }
+
+    /// A chat's `context` rendered up to a little past its first [`leading_cut`] from
+    /// `min_bytes`, when the model allows cuts (whole otherwise, or when it has none there):
+    /// rendering stops once the piece that ends the cut's next byte is written.
+    fn render_leading(
+        &self,
+        context: chat::Context,
+        add_special_tokens: bool,
+        min_bytes: usize,
+    ) -> Result<RenderedChat, TokenizeError> {
+        let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
+        if self.fast.is_none() || !self.leading_cuts {
+            return Ok(RenderedChat {
+                text: chat.render_context(context)?,
+                add_special_tokens,
+                rest: None,
+            });
+        }
+        // Spots before `scanned` were looked at: each piece is scanned once.
+        let mut scanned = min_bytes.max(1);
+        let (text, whole) = chat.render_context_until(&context, &mut |text| {
+            let text = text.as_bytes();
+            let end = text.len().saturating_sub(1);
+            let found = (scanned..end).any(|at| is_cut(text, at));
+            scanned = scanned.max(end);
+            found
+        })?;
+        Ok(RenderedChat {
+            text,
+            add_special_tokens,
+            rest: (!whole).then_some(context),
+        })
     }
 
     /// The leading tokens of the rendered `text` from `min_bytes` on, the first ones taken over
@@ -622,7 +700,7 @@ impl ModelTokenizer {
                 tokens,
                 complete: false,
                 text_bytes: cut,
-                total_bytes: text.len(),
+                total_bytes: Some(text.len()),
                 rendered: None,
             });
         }
@@ -631,14 +709,14 @@ impl ModelTokenizer {
             tokens: whole.tokens,
             complete: true,
             text_bytes: text.len(),
-            total_bytes: text.len(),
+            total_bytes: Some(text.len()),
             resume: whole.resume,
             rendered: None,
         })
     }
 
-    /// [`Self::encode_prompt_leading`] of a chat request's rendered prompt (the whole prompt is
-    /// rendered: rendering costs a few percent of encoding).
+    /// [`Self::encode_prompt_leading`] of a chat request's rendered prompt, rendered only up to
+    /// a little past the leading part when the model allows cuts (see [`RenderedChat`]).
     pub fn encode_chat_leading(
         &self,
         messages: &serde_json::Value,
@@ -646,38 +724,42 @@ impl ModelTokenizer {
         min_bytes: usize,
     ) -> Result<LeadingTokens, TokenizeError> {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
-        let rendered = chat.render_for_encoding(messages, options)?;
-        let add_special_tokens = self.chat_special_tokens(options, &rendered);
-        if rendered.continuation.is_none() {
-            let mut leading =
-                self.encode_prompt_leading(&rendered.text, add_special_tokens, min_bytes)?;
-            if !leading.complete {
-                leading.rendered = Some(Arc::new(RenderedChat {
-                    text: rendered.text,
-                    add_special_tokens,
-                }));
-            }
-            return Ok(leading);
+        let context = chat.context(messages, options)?;
+        let add_special_tokens = self.chat_special_tokens(options, context.tokenized_by_template);
+        if context.continuation.is_none() {
+            let rendered = Arc::new(self.render_leading(context, add_special_tokens, min_bytes)?);
+            return self.encode_rendered_leading(&rendered, min_bytes, None);
         }
         // Rare (SGLang's continued message): the whole prompt, with no cut to resume from.
+        let rendered = chat.render_whole(context)?;
         Ok(LeadingTokens {
             tokens: self.encode_rendered(&rendered, add_special_tokens)?,
             complete: true,
             text_bytes: rendered.text.len(),
-            total_bytes: rendered.text.len(),
+            total_bytes: Some(rendered.text.len()),
             resume: None,
             rendered: None,
         })
     }
 
-    /// [`Self::encode_chat_resumable`] of a chat already rendered by
-    /// [`Self::encode_chat_leading`] (the same tokens, without rendering it again).
+    /// [`Self::encode_chat_resumable`] of a chat already rendered (in part) by
+    /// [`Self::encode_chat_leading`]: the same tokens, without parsing it again, and without
+    /// rendering it again when it was rendered whole.
     pub fn encode_rendered_chat_resumable(
         &self,
         rendered: &RenderedChat,
         prior: Option<(&ResumePoint, &[u32])>,
     ) -> Result<ResumableTokens, TokenizeError> {
-        self.encode_rendered_resumable(&rendered.text, rendered.add_special_tokens, prior)
+        let Some(context) = &rendered.rest else {
+            return self.encode_rendered_resumable(
+                &rendered.text,
+                rendered.add_special_tokens,
+                prior,
+            );
+        };
+        let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
+        let text = chat.render_context(context.clone())?;
+        self.encode_rendered_resumable(&text, rendered.add_special_tokens, prior)
     }
 
     /// [`Self::encode_chat_with`], taking over the first tokens of an earlier turn of the same
@@ -695,7 +777,7 @@ impl ModelTokenizer {
     ) -> Result<ResumableTokens, TokenizeError> {
         let chat = self.chat.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
         let rendered = chat.render_for_encoding(messages, options)?;
-        let add = self.chat_special_tokens(options, &rendered);
+        let add = self.chat_special_tokens(options, rendered.tokenized_by_template);
         if rendered.continuation.is_none() {
             return self.encode_rendered_resumable(&rendered.text, add, prior);
         }

@@ -182,7 +182,7 @@ fn assert_leading_prefix(
     for _ in 0..8 {
         let min = rng.below(text.len().max(1));
         let leading = tokenizer.encode_prompt_leading(text, add, min).unwrap();
-        assert_eq!(leading.total_bytes, text.len());
+        assert_eq!(leading.total_bytes, Some(text.len()));
         if leading.complete {
             assert_eq!(
                 leading.tokens, whole,
@@ -269,6 +269,8 @@ fn assert_resumed_turns_are_exact(name: &str, tokenizer: &ModelTokenizer, seed: 
     // Turns whose rendered text starts with the previous turn's up to its resume point: a
     // template that moves the system prompt to the last user message (Mistral's) has none.
     let (mut extending, mut resumed) = (0, 0);
+    // Leading parts whose chat was rendered only up to them.
+    let mut rendered_in_part = 0;
     for conversation in 0..12 {
         let options = ChatOptions {
             add_special_tokens: conversation % 3 == 2,
@@ -306,8 +308,19 @@ fn assert_resumed_turns_are_exact(name: &str, tokenizer: &ModelTokenizer, seed: 
             let leading = tokenizer
                 .encode_chat_leading(&chat, &options, 1 + cut_rng.below(4096))
                 .unwrap();
+            assert_eq!(
+                leading.tokens,
+                expected[..leading.tokens.len()],
+                "{name}: conversation {conversation} turn {turn}: leading tokens"
+            );
             if tokenizer.leading_cuts {
                 let leading_point = leading.resume.expect("chats have resume points");
+                if leading.rendered.as_ref().is_some_and(|r| !r.is_whole()) {
+                    rendered_in_part += 1;
+                    assert_eq!(leading.total_bytes, None, "{name}");
+                } else {
+                    assert_eq!(leading.total_bytes, Some(rendered.len()), "{name}");
+                }
                 let rest = tokenizer
                     .encode_chat_resumable(&chat, &options, Some((&leading_point, &leading.tokens)))
                     .unwrap();
@@ -415,6 +428,10 @@ fn assert_resumed_turns_are_exact(name: &str, tokenizer: &ModelTokenizer, seed: 
             messages.push(serde_json::json!({"role": "user", "content": piece(1500)}));
         }
     }
+    assert!(
+        !tokenizer.leading_cuts || rendered_in_part > 20,
+        "{name}: only {rendered_in_part} of 60 leading parts rendered in part"
+    );
     // Models without cuts (SentencePiece) have no resume points: every turn is encoded whole.
     assert!(
         resumed * 10 >= extending * 9,

@@ -229,8 +229,10 @@ impl TokenCache {
             });
             self.complete_later(miss, earlier, rendered);
         }
-        // The rest of the prompt at the leading part's own bytes per token.
-        let rest = leading.total_bytes.saturating_sub(leading.text_bytes);
+        // The rest of the prompt at the leading part's own bytes per token (a chat rendered
+        // only up to its leading part: its request's size in bytes stands for the rendering's).
+        let total_bytes = leading.total_bytes.unwrap_or(miss.bytes);
+        let rest = total_bytes.saturating_sub(leading.text_bytes);
         let estimated_len = tokens.len() + rest * tokens.len() / leading.text_bytes.max(1);
         Ok(Some(PromptTokens {
             tokens,
