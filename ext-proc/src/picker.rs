@@ -125,7 +125,7 @@ fn keys_job(pool: &Pool, adapter: Option<&crate::config::Adapter>, salt: Option<
     let adapter = adapter.cloned();
     let salt = salt.map(str::to_owned);
     let fingerprint = xxhash_rust::xxh3::xxh3_64(
-        format!("{scheme:?}/{block_size}/{adapter:?}/{salt:?}").as_bytes(),
+        format!("{}/{adapter:?}/{salt:?}", pool.keys_fingerprint).as_bytes(),
     );
     KeysJob {
         fingerprint,

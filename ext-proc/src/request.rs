@@ -374,14 +374,21 @@ fn array_elements(raw: &RawValue) -> Option<Vec<&str>> {
         match bytes[at] {
             b'"' => {
                 start.get_or_insert(at);
-                // To the closing quote, stepping over escaped characters.
+                // To the closing quote: the first one after an even run of backslashes (an
+                // escaped quote follows an odd one). Text is full of escaped newlines, and
+                // stopping at each backslash cost more than looking back from each quote.
                 at += 1;
                 loop {
-                    at += memchr::memchr2(b'"', b'\\', bytes.get(at..)?)?;
-                    if bytes[at] == b'"' {
+                    at += memchr::memchr(b'"', bytes.get(at..)?)?;
+                    let escapes = bytes[..at]
+                        .iter()
+                        .rev()
+                        .take_while(|&&b| b == b'\\')
+                        .count();
+                    if escapes % 2 == 0 {
                         break;
                     }
-                    at += 2;
+                    at += 1;
                 }
                 end = at + 1;
             }

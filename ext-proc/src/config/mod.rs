@@ -399,6 +399,9 @@ pub struct Pool {
     pub block_size: u32,
     /// How block keys are computed (same code as the index).
     pub key_scheme: KeyScheme,
+    /// A 64-bit hash of `key_scheme` and `block_size`, which cached block keys carry (hashed
+    /// once here: writing the scheme out per request was a twentieth of a long decision).
+    pub keys_fingerprint: u64,
     /// Whether kvroute's choice is applied (`route`) or only compared (`shadow`).
     pub mode: PoolMode,
     /// Whether the index has this pool's events (precise tier possible).

@@ -127,12 +127,15 @@ pub(super) fn pool(raw: &RawPool) -> Result<Pool, ConfigError> {
                 .map_err(|e| e.within("discovery.kubernetes"))?,
         ),
     };
+    let keys_fingerprint =
+        xxhash_rust::xxh3::xxh3_64(format!("{key_scheme:?}/{block_size}").as_bytes());
     Ok(Pool {
         name,
         models: raw.models.clone(),
         adapters,
         block_size,
         key_scheme,
+        keys_fingerprint,
         mode: raw.mode.unwrap_or(DEFAULT_POOL_MODE),
         events: raw.events.unwrap_or(DEFAULT_POOL_EVENTS),
         approx_capacity_blocks,
