@@ -119,10 +119,11 @@ impl Pieces<'_> {
         let scan = Scan { text: self.text };
         let (_, kind, _) = char_at(self.text, pos)?;
         if pos >= self.numbers_end {
+            // The only ASCII numbers are `0-9`.
             self.numbers_end = if kind == Kind::Number {
                 scan.digits_end(pos, 3)
             } else {
-                scan.run_end(pos, |kind| kind != Kind::Number)
+                scan.run_end_with(pos, |kind| kind != Kind::Number, Ascii::NotDigits)
             };
         }
         if pos >= self.cjk_end {
@@ -130,7 +131,9 @@ impl Pieces<'_> {
                 text: self.text.get(..self.numbers_end)?,
             };
             let cjk = is_deepseek_cjk(self.text.get(pos..)?.chars().next()?);
-            self.cjk_end = limited.chars_end(pos, |c| is_deepseek_cjk(c) == cjk);
+            // No ASCII char is CJK.
+            let ascii = if cjk { Ascii::None } else { Ascii::Any };
+            self.cjk_end = limited.chars_end(pos, |c| is_deepseek_cjk(c) == cjk, ascii);
         }
         let piece = Scan {
             text: self.text.get(..self.cjk_end)?,
@@ -303,6 +306,10 @@ enum Ascii {
     Upper,
     /// `a-z`.
     Lower,
+    /// Every ASCII byte but `0-9`.
+    NotDigits,
+    /// Every ASCII byte.
+    Any,
 }
 
 const ONES: u64 = 0x0101_0101_0101_0101;
@@ -340,12 +347,23 @@ impl Ascii {
             Self::Letters => (x | (0x20 * ONES), b'a', b'z'),
             Self::Upper => (x, b'A', b'Z'),
             Self::Lower => (x, b'a', b'z'),
+            Self::NotDigits => return !x & HIGH & !Self::digits(x),
+            Self::Any => return !x & HIGH,
         };
         // On the low seven bits of each byte no sum carries into the next byte.
         let low = x & !HIGH;
         let at_least_lo = low + (0x80 - u64::from(lo)) * ONES;
         let above_hi = low + (0x7f - u64::from(hi)) * ONES;
         at_least_lo & !above_hi & !x & HIGH
+    }
+
+    /// The high bit of each byte of `x` set iff that byte is `0-9`.
+    #[inline]
+    fn digits(x: u64) -> u64 {
+        let low = x & !HIGH;
+        let at_least_zero = low + (0x80 - u64::from(b'0')) * ONES;
+        let above_nine = low + (0x7f - u64::from(b'9')) * ONES;
+        at_least_zero & !above_nine & !x & HIGH
     }
 }
 
@@ -380,14 +398,16 @@ impl Scan<'_> {
         }
     }
 
-    /// End of the maximal run of chars satisfying `class`, from `pos`.
-    fn chars_end(self, mut pos: usize, class: impl Fn(char) -> bool) -> usize {
-        while let Some((c, _, len)) = char_at(self.text, pos)
-            && class(c)
-        {
-            pos += len;
+    /// End of the maximal run of chars satisfying `class`, from `pos`, the ASCII chars in
+    /// `ascii` (a subset of `class`) skipped eight at a time.
+    fn chars_end(self, mut pos: usize, class: impl Fn(char) -> bool, ascii: Ascii) -> usize {
+        loop {
+            pos = ascii.run_end(self.text.as_bytes(), pos);
+            match char_at(self.text, pos) {
+                Some((c, _, len)) if class(c) => pos += len,
+                _ => return pos,
+            }
         }
-        pos
     }
 
     /// End of at most `max` consecutive numbers from `pos`.
@@ -762,11 +782,20 @@ mod tests {
 
     #[test]
     fn ascii_runs_equal_the_per_char_runs() {
-        for ascii in [Ascii::Letters, Ascii::Upper, Ascii::Lower] {
+        for ascii in [
+            Ascii::Letters,
+            Ascii::Upper,
+            Ascii::Lower,
+            Ascii::NotDigits,
+            Ascii::Any,
+        ] {
             let member = |b: u8| match ascii {
                 Ascii::Letters => b.is_ascii_alphabetic(),
                 Ascii::Upper => b.is_ascii_uppercase(),
-                _ => b.is_ascii_lowercase(),
+                Ascii::Lower => b.is_ascii_lowercase(),
+                Ascii::NotDigits => b.is_ascii() && !b.is_ascii_digit(),
+                Ascii::Any => b.is_ascii(),
+                Ascii::None => false,
             };
             for byte in 0..=255u8 {
                 assert_eq!(
@@ -776,7 +805,7 @@ mod tests {
                 );
             }
             let mut rng = crate::testing::Rng::new(5);
-            let alphabet = b"azAZ@[`{09 \x7f\x80\xc3\xff";
+            let alphabet = b"azAZ@[`{09/: \x7f\x80\xc3\xff";
             for _ in 0..20_000 {
                 let len = rng.below(24);
                 let bytes: Vec<u8> = (0..len).map(|_| *rng.pick(alphabet)).collect();
