@@ -133,7 +133,7 @@ impl Pieces<'_> {
             let cjk = is_deepseek_cjk(self.text.get(pos..)?.chars().next()?);
             // No ASCII char is CJK.
             let ascii = if cjk { Ascii::None } else { Ascii::Any };
-            self.cjk_end = limited.chars_end(pos, |c| is_deepseek_cjk(c) == cjk, ascii);
+            self.cjk_end = limited.chars_end(pos, |c, _| is_deepseek_cjk(c) == cjk, ascii);
         }
         let piece = Scan {
             text: self.text.get(..self.cjk_end)?,
@@ -388,23 +388,18 @@ impl Scan<'_> {
     /// at a time: most runs are ASCII words, and a per-char loop pays a mispredicted exit at
     /// every word end besides its per-byte work.
     #[inline]
-    fn run_end_with(self, mut pos: usize, class: impl Fn(Kind) -> bool, ascii: Ascii) -> usize {
-        loop {
-            pos = ascii.run_end(self.text.as_bytes(), pos);
-            match char_at(self.text, pos) {
-                Some((_, kind, len)) if class(kind) => pos += len,
-                _ => return pos,
-            }
-        }
+    fn run_end_with(self, pos: usize, class: impl Fn(Kind) -> bool, ascii: Ascii) -> usize {
+        self.chars_end(pos, |_, kind| class(kind), ascii)
     }
 
-    /// End of the maximal run of chars satisfying `class`, from `pos`, the ASCII chars in
-    /// `ascii` (a subset of `class`) skipped eight at a time.
-    fn chars_end(self, mut pos: usize, class: impl Fn(char) -> bool, ascii: Ascii) -> usize {
+    /// End of the maximal run of chars satisfying `class` (by char and kind), from `pos`, the
+    /// ASCII chars in `ascii` (a subset of `class`) skipped eight at a time.
+    #[inline]
+    fn chars_end(self, mut pos: usize, class: impl Fn(char, Kind) -> bool, ascii: Ascii) -> usize {
         loop {
             pos = ascii.run_end(self.text.as_bytes(), pos);
             match char_at(self.text, pos) {
-                Some((c, _, len)) if class(c) => pos += len,
+                Some((c, kind, len)) if class(c, kind) => pos += len,
                 _ => return pos,
             }
         }
