@@ -7,7 +7,7 @@ use kvroute_tokenize::{Dialect, LeadingTokens, ModelTokenizer, ResumableTokens, 
 use serde_json::value::RawValue;
 use tokio_util::task::TaskTracker;
 
-use super::input::{ParsedTools, api_request_object};
+use super::input::{ChatInputFields, ParsedTools, api_request_object};
 use super::{
     InProcess, LeadingFuture, LeadingStep, TokenizeFuture, TokenizeInput, Tokenizer, TokenizerMode,
 };
@@ -155,18 +155,14 @@ impl InProcess for InProcessTokenizer {
         else {
             return None;
         };
-        let Encoder {
-            model,
-            dialect,
-            tools,
-        } = &self.encoder;
-        if !model.uses_fast_path() {
+        let encoder = &self.encoder;
+        if !encoder.model.uses_fast_path() {
             return None;
         }
         Some((|| {
-            let messages = chat_messages(messages)?;
-            let options = fields.chat_options(*add_generation_prompt, *dialect, tools)?;
-            model
+            let (messages, options) = encoder.chat(messages, *add_generation_prompt, fields)?;
+            encoder
+                .model
                 .encode_chat_resumable(&messages, &options, prior)
                 .map_err(failed)
         })())
@@ -191,13 +187,25 @@ impl InProcess for InProcessTokenizer {
 }
 
 impl Encoder {
+    /// A chat input's `messages` (parsed, as the template renders them) and its options, as the
+    /// dialect's engine reads the request.
+    fn chat(
+        &self,
+        messages: &RawValue,
+        add_generation_prompt: bool,
+        fields: &ChatInputFields,
+    ) -> Result<(serde_json::Value, kvroute_tokenize::ChatOptions), TokenizeError> {
+        let messages =
+            serde_json::from_str(messages.get()).map_err(|e| TokenizeError::InProcess {
+                reason: e.to_string(),
+            })?;
+        let options = fields.chat_options(add_generation_prompt, self.dialect, &self.tools)?;
+        Ok((messages, options))
+    }
+
     /// The whole prompt's tokens, as the dialect's engine builds the prompt.
     fn encode(&self, input: &TokenizeInput) -> Result<Vec<u32>, TokenizeError> {
-        let Self {
-            model,
-            dialect,
-            tools,
-        } = self;
+        let Self { model, dialect, .. } = self;
         match input {
             TokenizeInput::Text {
                 text,
@@ -210,8 +218,7 @@ impl Encoder {
                 add_generation_prompt,
                 fields,
             } => {
-                let messages = chat_messages(messages)?;
-                let options = fields.chat_options(*add_generation_prompt, *dialect, tools)?;
+                let (messages, options) = self.chat(messages, *add_generation_prompt, fields)?;
                 model.encode_chat_with(&messages, &options).map_err(failed)
             }
             TokenizeInput::Api { api, request } => {
@@ -231,11 +238,7 @@ impl Encoder {
         min_bytes: usize,
         shorter: Option<&LeadingStep>,
     ) -> Result<LeadingTokens, TokenizeError> {
-        let Self {
-            model,
-            dialect,
-            tools,
-        } = self;
+        let Self { model, dialect, .. } = self;
         if let (Some(shorter), TokenizeInput::Chat { .. }) = (shorter, input) {
             return model
                 .encode_rendered_leading(
@@ -261,8 +264,7 @@ impl Encoder {
                 add_generation_prompt,
                 fields,
             } => {
-                let messages = chat_messages(messages)?;
-                let options = fields.chat_options(*add_generation_prompt, *dialect, tools)?;
+                let (messages, options) = self.chat(messages, *add_generation_prompt, fields)?;
                 model
                     .encode_chat_leading(&messages, &options, min_bytes)
                     .map_err(failed)
@@ -282,11 +284,4 @@ fn failed(e: kvroute_tokenize::TokenizeError) -> TokenizeError {
             reason: e.to_string(),
         },
     }
-}
-
-/// A chat request's `messages`, as the template renders them.
-fn chat_messages(messages: &RawValue) -> Result<serde_json::Value, TokenizeError> {
-    serde_json::from_str(messages.get()).map_err(|e| TokenizeError::InProcess {
-        reason: e.to_string(),
-    })
 }
