@@ -21,6 +21,7 @@ use kvroute_index_core::event::{BlockStored, EventBatch, KvEvent, Medium};
 use kvroute_index_core::wire::{Encoding, encode_batch};
 use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_test_support::{deadline, poll_until};
+use kvroute_tests::harness::metrics::sum;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -303,15 +304,24 @@ async fn replay_through_the_index(capture: Capture) {
         .expect("index starts");
     let admin = server.admin_addr();
 
-    // The engine was already running: publish until the index has the ghost prompt (this also
-    // waits out ZMQ's subscription handshake without a fixed sleep).
+    // The engine was already running: publish until the index has the ghost prompt and has
+    // received a message on the live socket (this waits out ZMQ's subscription handshake without
+    // a fixed sleep; the ghost alone can arrive through the catch-up replay at connect, before the
+    // live subscription is up, and the capture published then would be lost with no later
+    // message to reveal the gap).
     let (ghost, ghost_payload) = ghost_batch();
     poll_until(
-        "the index to receive the warm-up stream",
+        "the index to receive the warm-up stream live",
         within(),
         || async {
             publisher.publish(ghost_payload.clone()).await.unwrap();
+            let (_, metrics) = http(admin, "GET", "/metrics", "").await;
             match_answer(admin, &ghost).await == (true, 2)
+                && sum(
+                    &metrics,
+                    "kvroute_index_ingest_messages_received_total",
+                    &[],
+                ) > 0.0
         },
     )
     .await;
