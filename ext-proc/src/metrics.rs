@@ -201,6 +201,8 @@ pub struct Metrics {
     pub peer_news: Family<OutcomeLabel, Counter>,
     /// 1 while this picker shares decisions with the others through the index.
     pub peer_sharing: Gauge,
+    /// How old a peer's news is when it arrives here: how stale the shared view is.
+    pub peer_news_age: Histogram,
 }
 
 fn latency_histogram() -> Histogram {
@@ -255,6 +257,7 @@ impl Metrics {
             disaggregation_prefill_retries: Family::default(),
             peer_news: Family::default(),
             peer_sharing: Gauge::default(),
+            peer_news_age: latency_histogram(),
             shadow_unobserved: Family::default(),
             shadow_prompt_tokens: Family::default(),
             shadow_held_tokens: Family::default(),
@@ -472,6 +475,12 @@ impl Metrics {
              peers.max_staleness), unknown (model or replica not in this config), overflow, \
              expired (no answer within limits.inflight_max_age)",
             metrics.peer_news.clone(),
+        );
+        r.register(
+            "peer_news_age_seconds",
+            "Age of a peer's news on arrival here, from its send time (wall clocks: across hosts \
+             it includes their offset), late ones included: how stale the shared view is",
+            metrics.peer_news_age.clone(),
         );
         r.register(
             "peer_sharing",

@@ -167,6 +167,7 @@ impl Peers {
             return;
         }
         let age_us = unix_micros().saturating_sub(news.sent_at_unix_us);
+        inner.metrics.peer_news_age.observe(age_us as f64 / 1e6);
         if Duration::from_micros(age_us) > config.peers.max_staleness {
             inner.count(Outcome::Stale);
             return;
@@ -421,6 +422,19 @@ mod tests {
             (outcome(&metrics, "stale"), outcome(&metrics, "unknown")),
             (1, 1)
         );
+        // Every peer's news is timed on arrival, the late one too; our own is not.
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains("kvroute_extproc_peer_news_age_seconds_count 3"),
+            "{text}"
+        );
+        let sum: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("kvroute_extproc_peer_news_age_seconds_sum "))
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        assert!(sum >= late.as_secs_f64(), "{sum}");
 
         // Its answer releases it.
         let answered = PickerNews {

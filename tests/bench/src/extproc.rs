@@ -107,8 +107,12 @@ pub(super) async fn extproc_bench(
                 )
             })
             .collect();
+        let age = histogram(&text, "kvroute_extproc_peer_news_age_seconds")
+            .since(&StageHistogram::default())
+            .unwrap_or_else(|| "none arrived".to_owned());
         println!(
-            "peer's news (kvroute_extproc_peer_news_total): {}\n",
+            "peer's news (kvroute_extproc_peer_news_total): {}; their age on arrival \
+             (kvroute_extproc_peer_news_age_seconds): {age}\n",
             news.join(", ")
         );
     }
@@ -134,27 +138,28 @@ async fn stage_totals(admin: SocketAddr) -> anyhow::Result<Vec<StageHistogram>> 
     let text = metrics_text(admin).await?;
     Ok(STAGES
         .iter()
-        .map(|stage| {
-            let name = format!("kvroute_extproc_{stage}_duration_seconds");
-            let mut histogram = StageHistogram {
-                sum: metrics::sum(&text, &format!("{name}_sum"), &[]),
-                count: metrics::sum(&text, &format!("{name}_count"), &[]),
-                buckets: Vec::new(),
-            };
-            let mut buckets: BTreeMap<u64, f64> = BTreeMap::new();
-            for (line, v) in metrics::samples(&text, &format!("{name}_bucket"), &[]) {
-                if let Some(le) = metrics::label(line, "le").and_then(|le| le.parse::<f64>().ok()) {
-                    *buckets.entry(le.to_bits()).or_default() += v;
-                }
-            }
-            histogram.buckets = buckets
-                .into_iter()
-                .map(|(bits, n)| (f64::from_bits(bits), n))
-                .collect();
-            histogram.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-            histogram
-        })
+        .map(|stage| histogram(&text, &format!("kvroute_extproc_{stage}_duration_seconds")))
         .collect())
+}
+
+/// Histogram `name` of an exposition text, label sets summed.
+fn histogram(text: &str, name: &str) -> StageHistogram {
+    let mut buckets: BTreeMap<u64, f64> = BTreeMap::new();
+    for (line, v) in metrics::samples(text, &format!("{name}_bucket"), &[]) {
+        if let Some(le) = metrics::label(line, "le").and_then(|le| le.parse::<f64>().ok()) {
+            *buckets.entry(le.to_bits()).or_default() += v;
+        }
+    }
+    let mut buckets: Vec<(f64, f64)> = buckets
+        .into_iter()
+        .map(|(bits, n)| (f64::from_bits(bits), n))
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    StageHistogram {
+        sum: metrics::sum(text, &format!("{name}_sum"), &[]),
+        count: metrics::sum(text, &format!("{name}_count"), &[]),
+        buckets,
+    }
 }
 
 /// Mean and median bucket of each stage between two [`stage_totals`] readings.
@@ -162,29 +167,40 @@ fn stage_means(before: &[StageHistogram], after: &[StageHistogram]) -> String {
     STAGES
         .iter()
         .zip(before.iter().zip(after.iter()))
-        .filter_map(|(stage, (b, a))| {
-            let count = a.count - b.count;
-            if count <= 0.0 {
-                return None;
-            }
-            let mean = 1e3 * (a.sum - b.sum) / count;
-            // The upper bound of the bucket holding the `q` quantile.
-            let quantile = |q: f64| {
-                a.buckets
-                    .iter()
-                    .zip(b.buckets.iter().map(|x| x.1).chain(std::iter::repeat(0.0)))
-                    .find(|((_, n), n0)| n - n0 >= q * count)
-                    .map(|((le, _), _)| 1e3 * le)
-            };
-            Some(match (quantile(0.5), quantile(0.99)) {
-                (Some(p50), Some(p99)) => {
-                    format!("{stage} mean {mean:.3} ms, p50 ≤ {p50:.3} ms, p99 ≤ {p99:.3} ms")
-                }
-                _ => format!("{stage} mean {mean:.3} ms"),
-            })
-        })
+        .filter_map(|(stage, (b, a))| Some(format!("{stage} {}", a.since(b)?)))
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+impl StageHistogram {
+    /// Mean, p50 and p99 (the upper bound of the bucket holding each) of what was observed
+    /// since `before`; `None` when nothing was.
+    fn since(&self, before: &StageHistogram) -> Option<String> {
+        let count = self.count - before.count;
+        if count <= 0.0 {
+            return None;
+        }
+        let mean = 1e3 * (self.sum - before.sum) / count;
+        let quantile = |q: f64| {
+            self.buckets
+                .iter()
+                .zip(
+                    before
+                        .buckets
+                        .iter()
+                        .map(|x| x.1)
+                        .chain(std::iter::repeat(0.0)),
+                )
+                .find(|((_, n), n0)| n - n0 >= q * count)
+                .map(|((le, _), _)| 1e3 * le)
+        };
+        Some(match (quantile(0.5), quantile(0.99)) {
+            (Some(p50), Some(p99)) => {
+                format!("mean {mean:.3} ms, p50 ≤ {p50:.3} ms, p99 ≤ {p99:.3} ms")
+            }
+            _ => format!("mean {mean:.3} ms"),
+        })
+    }
 }
 
 /// One Envoy, listeners `plain`, `noop`, `kvroute` → cluster `replicas` (the shipped

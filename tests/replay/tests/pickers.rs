@@ -35,3 +35,32 @@ fn one_picker_decides_exactly_as_kvroute() {
         run(RouterSpec::Kvroute)
     );
 }
+
+#[test]
+fn a_sharing_delay_is_named_in_milliseconds_fractions_included() {
+    for name in [
+        "kvroute-x4",
+        "kvroute-x4-s1",
+        "kvroute-x4-s0.1",
+        "kvroute-x2-s0",
+        "kvroute-x8-s100",
+    ] {
+        assert_eq!(RouterSpec::parse(name).unwrap().name(), name);
+    }
+    assert_eq!(
+        RouterSpec::parse("kvroute-x4-s0.25"),
+        Some(RouterSpec::Pickers {
+            count: 4,
+            share_us: Some(250)
+        })
+    );
+    for refused in [
+        "kvroute-x4-s-1",
+        "kvroute-x4-sinf",
+        "kvroute-x4-sNaN",
+        "kvroute-x0-s1",
+        "kvroute-x4-s",
+    ] {
+        assert_eq!(RouterSpec::parse(refused), None, "{refused}");
+    }
+}

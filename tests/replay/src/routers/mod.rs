@@ -154,13 +154,13 @@ pub enum RouterSpec {
         /// `scoring.overload_imbalance`, in percent.
         imbalance_pct: u32,
     },
-    /// `count` kvroute pickers behind round robin, sharing the index and, with `share_ms`, every
+    /// `count` kvroute pickers behind round robin, sharing the index and, with `share_us`, every
     /// decision and answer that late.
     Pickers {
         /// How many.
         count: usize,
-        /// Sharing staleness, ms (`None`: nothing shared but the index).
-        share_ms: Option<u64>,
+        /// Sharing staleness, µs (`None`: nothing shared but the index); named in ms.
+        share_us: Option<u64>,
     },
     /// TTFT-greedy oracle with exact engine state.
     Oracle,
@@ -273,9 +273,9 @@ impl RouterSpec {
                 queue_ms,
                 imbalance_pct,
             } => format!("kvroute-o{queue_ms}-i{imbalance_pct}"),
-            RouterSpec::Pickers { count, share_ms } => match share_ms {
+            RouterSpec::Pickers { count, share_us } => match share_us {
                 None => format!("kvroute-x{count}"),
-                Some(ms) => format!("kvroute-x{count}-s{ms}"),
+                Some(us) => format!("kvroute-x{count}-s{}", *us as f64 / 1000.0),
             },
             RouterSpec::Oracle => "oracle".to_owned(),
             RouterSpec::PdKvroute { rule } => format!("pd-kvroute{}", rule_suffix(rule)),
@@ -293,15 +293,21 @@ impl RouterSpec {
             return parse_rule(rest).map(|rule| RouterSpec::PdLlmd { rule });
         }
         if let Some(rest) = name.strip_prefix("kvroute-x") {
-            let (count, share_ms) = match rest.split_once("-s") {
-                Some((count, ms)) => (count, Some(ms.parse().ok()?)),
+            let (count, share_us) = match rest.split_once("-s") {
+                Some((count, ms)) => {
+                    let ms: f64 = ms
+                        .parse()
+                        .ok()
+                        .filter(|ms: &f64| ms.is_finite() && *ms >= 0.0)?;
+                    (count, Some((ms * 1000.0).round() as u64))
+                }
                 None => (rest, None),
             };
             return count
                 .parse()
                 .ok()
                 .filter(|&count: &usize| count >= 1)
-                .map(|count| RouterSpec::Pickers { count, share_ms });
+                .map(|count| RouterSpec::Pickers { count, share_us });
         }
         if let Some(rest) = name.strip_prefix("kvroute-o") {
             let (queue_ms, imbalance_pct) = rest.split_once("-i")?;
@@ -369,10 +375,10 @@ impl RouterSpec {
                 };
                 Box::new(Kvroute::with_scoring(replicas, blocks, scoring, rng))
             }
-            RouterSpec::Pickers { count, share_ms } => {
+            RouterSpec::Pickers { count, share_us } => {
                 let pickers = Pickers::new(count, replicas, blocks, rng);
-                Box::new(match share_ms {
-                    Some(ms) => pickers.sharing(ms * 1000),
+                Box::new(match share_us {
+                    Some(us) => pickers.sharing(us),
                     None => pickers,
                 })
             }

@@ -8,10 +8,10 @@
 //! them gives. So a picker sees its siblings' decisions only once the engines' events report
 //! them (or their load shows in a scrape): the state kvroute does not share today.
 //!
-//! With sharing (`kvroute-x<N>-s<ms>`), every decision also reaches the other pickers `ms` later
-//! (the staleness of whatever carries it): each counts the request in flight on its replica, with
-//! the prefill it queues there, and remembers the prefix there, exactly as if it had decided it
-//! itself; the first token is shared the same way and ends it.
+//! With sharing (`kvroute-x<N>-s<ms>`, `ms` a fraction too), every decision also reaches the other
+//! pickers `ms` later (the staleness of whatever carries it): each counts the request in flight
+//! on its replica, with the prefill it queues there, and remembers the prefix there, exactly as if
+//! it had decided it itself; the first token is shared the same way and ends it.
 
 use std::collections::{HashMap, VecDeque};
 
