@@ -11,7 +11,7 @@ use std::sync::mpsc;
 
 use crate::bounds;
 use crate::metrics::{self, RunMetrics};
-use crate::routers::RouterSpec;
+use crate::routers::{Regret, RegretStats, RouterSpec};
 use crate::sim::{self, Checked, SimConfig, SimError, SloCheck};
 use crate::trace::{self, Request};
 
@@ -150,6 +150,54 @@ pub fn run_one(
     let mut built = router.build(sim.replicas, sim.engine.blocks, seed);
     let result = sim::run(requests, sim, built.as_mut())?;
     Ok(metrics::measure(requests, &result, warmup))
+}
+
+/// One router's decisions at one load point against the exact simulation of every replica
+/// ([`Regret`]), summed over seeds.
+#[derive(Debug, Clone)]
+pub struct RegretRow {
+    /// Workload name.
+    pub workload: String,
+    /// Compression factor.
+    pub load: f64,
+    /// Router name.
+    pub router: String,
+    /// Summed over seeds.
+    pub stats: RegretStats,
+}
+
+/// Runs every router of the grid once per load point and seed, measuring each decision's
+/// regret; no max-rate search. Disaggregating routers are refused (their decisions are pairs).
+pub fn run_regret(workloads: &[Workload], grid: &Grid) -> Result<Vec<RegretRow>, String> {
+    if let Some(pd) = grid.routers.iter().find(|r| r.disaggregates()) {
+        return Err(format!(
+            "{}: regret is measured for routers that serve each request whole",
+            pd.name()
+        ));
+    }
+    let mut rows = Vec::new();
+    for workload in workloads {
+        for &load in &grid.loads {
+            for router in &grid.routers {
+                let mut stats = RegretStats::default();
+                for seed in 0..grid.seeds {
+                    let requests = trace::compress(workload.requests(seed), load);
+                    let skip = metrics::warmup_skip(requests.len(), grid.warmup);
+                    let built = router.build(grid.sim.replicas, grid.sim.engine.blocks, seed);
+                    let mut measured = Regret::new(built, skip);
+                    sim::run(&requests, &grid.sim, &mut measured).map_err(|e| e.to_string())?;
+                    stats.add(&measured.stats());
+                }
+                rows.push(RegretRow {
+                    workload: workload.name.clone(),
+                    load,
+                    router: router.name(),
+                    stats,
+                });
+            }
+        }
+    }
+    Ok(rows)
 }
 
 /// Runs the whole grid. Rows come out in (workload, load, router) order, bounds after the

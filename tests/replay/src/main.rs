@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! kvroute-replay run --trace ../shared/traces/synthetic_trace.jsonl --generated --arrival-jitter --out DIR
+//! kvroute-replay run --trace fan-out.jsonl --loads 1 --seeds 1 --routers kvroute,dynamo-w2 --regret
 //! kvroute-replay generate --kind fan-out --out fan-out.jsonl
 //! ```
 #![allow(
@@ -113,6 +114,11 @@ struct RunArgs {
     /// Writes results.csv, results.md and plot-*.svg here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Instead of the grid: every decision of every router at each load point set against an
+    /// exact simulation of every replica (the greedy oracle's view), and which way the off ones
+    /// err; printed as a table (no max-rate search, no files).
+    #[arg(long)]
+    regret: bool,
 }
 
 fn main() -> ExitCode {
@@ -250,6 +256,12 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
         progress: true,
     };
     let started = std::time::Instant::now();
+    if args.regret {
+        let rows = experiment::run_regret(&workloads, &grid)?;
+        println!("{}", report::regret_markdown(&rows));
+        println!("(ran in {:.1} s)", started.elapsed().as_secs_f64());
+        return Ok(());
+    }
     let mut rows = experiment::run_grid(&workloads, &grid).map_err(|e| e.to_string())?;
     let slo = experiment::max_rate_within_slo(&workloads, &grid, &rows, args.slo_p90_ms)
         .map_err(|e| e.to_string())?;

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use crate::experiment::{Row, SloBound, SloRate};
+use crate::experiment::{RegretRow, Row, SloBound, SloRate};
 use crate::routers::RouterSpec;
 
 fn cell(value: f64, decimals: usize) -> String {
@@ -46,6 +46,51 @@ fn points(rows: &[Row]) -> Vec<(String, f64)> {
 
 fn is_anchor(router: &str) -> bool {
     RouterSpec::parse(router).is_some_and(|spec| spec.is_anchor())
+}
+
+/// One markdown table per workload × load point: each router's decisions against the exact
+/// simulation of every replica ([`crate::routers::Regret`]).
+pub fn regret_markdown(rows: &[RegretRow]) -> String {
+    let mut out = String::new();
+    let mut last: Option<(String, u64)> = None;
+    for row in rows {
+        let point = (row.workload.clone(), row.load.to_bits());
+        if last.as_ref() != Some(&point) {
+            let _ = write!(
+                out,
+                "\n### {} — load ×{}: decisions against the soonest first token\n\n\
+                 | router | decisions | within {:.0} % | mean delay ms | off, more cached: share / mean ms | off, less cached | off, same cached |\n\
+                 |---|---:|---:|---:|---:|---:|---:|\n",
+                row.workload,
+                factor(row.load),
+                crate::routers::OFF_BY * 100.0
+            );
+            last = Some(point);
+        }
+        let s = &row.stats;
+        let share = |n: usize| {
+            if s.decisions == 0 {
+                0.0
+            } else {
+                100.0 * n as f64 / s.decisions as f64
+            }
+        };
+        let class = |off: &crate::routers::Off| {
+            format!("{:.1} % / {:.1}", share(off.decisions), off.mean_ms())
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.1} % | {:.1} | {} | {} | {} |",
+            row.router,
+            s.decisions,
+            share(s.within()),
+            s.all.mean_ms(),
+            class(&s.more_cached),
+            class(&s.less_cached),
+            class(&s.same_cached),
+        );
+    }
+    out
 }
 
 /// One markdown table per workload × load point, the verdict against the issue's aim, then the

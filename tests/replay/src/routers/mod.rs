@@ -13,6 +13,7 @@ mod llmd;
 mod oracle;
 mod pd;
 mod pickers;
+mod regret;
 mod sglang;
 
 use kvroute_index_core::event::KvEvent;
@@ -32,6 +33,7 @@ pub use llmd::LlmdPrecise;
 pub use oracle::TtftOracle;
 pub use pd::{PdDynamo, PdLlmd};
 pub use pickers::Pickers;
+pub use regret::{OFF_BY, Off, Regret, RegretStats};
 pub use sglang::SglangApprox;
 
 /// The cluster at a decision.
@@ -335,6 +337,14 @@ impl RouterSpec {
         matches!(
             self,
             RouterSpec::Sglang | RouterSpec::Llmd { .. } | RouterSpec::Dynamo { .. }
+        )
+    }
+
+    /// Whether this router splits prefill from decode (its decisions are pairs).
+    pub fn disaggregates(&self) -> bool {
+        matches!(
+            self,
+            RouterSpec::PdKvroute { .. } | RouterSpec::PdLlmd { .. } | RouterSpec::PdDynamo
         )
     }
 
