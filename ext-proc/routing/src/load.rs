@@ -53,6 +53,15 @@ pub struct LoadSnapshot {
     pub inflight_prompt_tokens: f64,
 }
 
+/// What a replica's in-flight requests share with one prompt ([`ReplicaLoad::inflight_overlap`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InflightOverlap {
+    /// Leading prompt blocks some in-flight request carries (its prefill computes them).
+    pub shared_blocks: u32,
+    /// In-flight requests whose prompts start as this one's (they carry its first block).
+    pub siblings: u32,
+}
+
 /// What kvroute predicted for one routed request.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Prediction {
@@ -123,6 +132,25 @@ impl ReplicaLoad {
         // in-flight ones form a leading run and a binary search finds its end.
         let shared = keys.partition_point(|key| inflight.contains_key(key));
         u32::try_from(shared).unwrap_or(u32::MAX)
+    }
+
+    /// What the requests in flight on this replica share with a prompt of `keys`: the leading
+    /// blocks some of them carry ([`ReplicaLoad::inflight_shared_blocks`]) and how many start
+    /// as it does (carry its first block) — under one lock.
+    pub fn inflight_overlap(&self, keys: &[u64]) -> InflightOverlap {
+        let inflight = self.inflight_keys.lock();
+        let Some(first) = keys.first() else {
+            return InflightOverlap::default();
+        };
+        let siblings = inflight.get(first).copied().unwrap_or(0);
+        if siblings == 0 {
+            return InflightOverlap::default();
+        }
+        let shared = keys.partition_point(|key| inflight.contains_key(key));
+        InflightOverlap {
+            shared_blocks: u32::try_from(shared).unwrap_or(u32::MAX),
+            siblings,
+        }
     }
 
     /// Records a successful read of the engine's load.

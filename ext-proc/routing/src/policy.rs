@@ -34,11 +34,16 @@
 //!
 //! Hotspot guard: a replica whose `queue_ms` (its whole load, credit not subtracted) exceeds the
 //! candidates' mean by `hotspot_factor` and is above `hotspot_min_ms` is skipped, unless every
-//! candidate is — but only when it is a pile-up: at least [`HOTSPOT_MIN_QUEUED`] requests queued
-//! or in flight there. The guard exists for what the per-request estimate gets wrong, a popular
-//! prefix drawing request after request to one replica; a single long prompt in flight is no
-//! such pile, its prefill is priced exactly by `work_ms`, and skipping its replica would send the
-//! requests that share its prefix to recompute it elsewhere. When the other replicas are idle the
+//! candidate is — but only when it is a pile-up of this prompt's prefix: at least
+//! [`HOTSPOT_MIN_QUEUED`] requests in flight there that start as this one does (carry its first
+//! block; without the prompt, any requests queued or in flight there). The guard exists for what
+//! the per-request estimate gets wrong, a popular prefix drawing request after request to one
+//! replica. Other work queued there is no such pile: a single long prompt in flight is priced by
+//! `work_ms`, and skipping its replica would send the requests that share *its* prefix to
+//! recompute it elsewhere; unrelated prompts queued beside a holder are priced by the estimate
+//! too, and skipping the holder for them recomputes this prefix elsewhere (in kvroute-replay a
+//! group's 12k-token system prompt, left for another group's long first request in flight on
+//! its holder). When the other replicas are idle the
 //! factor always holds, so `hotspot_min_ms` is the load at which a burst starts to spill: the
 //! default 200 ms is about 4 waiting requests or 40 running ones, above what a 16-sibling burst
 //! of a few thousand tokens adds (so it co-locates) and below a melting replica.
@@ -111,6 +116,9 @@ pub struct Candidate {
     pub matched_blocks: u32,
     /// Prompt tokens of this request whose prefill is already in flight there (a sibling's).
     pub shared_inflight_tokens: usize,
+    /// Requests in flight there whose prompts start as this one's (carry its first block): a
+    /// pile-up of this prefix. `None` when the prompt is unknown (the load tier).
+    pub inflight_siblings: Option<u32>,
     /// Current load.
     pub load: LoadSnapshot,
 }
@@ -185,6 +193,14 @@ pub fn queue_ms(load: &LoadSnapshot, weights: &ScoringConfig) -> f64 {
 /// queue if that is longer (traffic kvroute did not route).
 fn queued_requests(load: &LoadSnapshot) -> f64 {
     load.inflight_requests.max(waiting_and_running(load).0)
+}
+
+/// The pile-up the hotspot guard looks for on a candidate: the requests in flight there that
+/// start as this one does; without the prompt (the load tier), every request queued or in
+/// flight there.
+fn piled_requests(c: &Candidate) -> f64 {
+    c.inflight_siblings
+        .map_or_else(|| queued_requests(&c.load), f64::from)
 }
 
 /// Estimated time to first token on `candidate`, ms: its queue ([`queue_ms`]) less a sibling's
@@ -314,7 +330,7 @@ pub fn choose(
         .map(|(c, q)| {
             *q > weights.hotspot_factor * mean
                 && *q > weights.hotspot_min_ms
-                && queued_requests(&c.load) >= HOTSPOT_MIN_QUEUED
+                && piled_requests(c) >= HOTSPOT_MIN_QUEUED
         })
         .collect();
     let all_hot = hot.iter().all(|h| *h);
@@ -424,6 +440,7 @@ mod tests {
         Candidate {
             matched_blocks,
             shared_inflight_tokens: 0,
+            inflight_siblings: None,
             load: LoadSnapshot {
                 scraped: Scraped {
                     waiting,
@@ -507,6 +524,28 @@ mod tests {
         // The same work as a pile of requests is a hotspot.
         holder.load.inflight_requests = 2.0;
         let choice = choose(&[holder, idle, idle], 4096, 16, &weights(), &mut rng).unwrap();
+        assert_eq!(choice.reason, Reason::HotspotGuard);
+        assert_ne!(choice.index, 0);
+    }
+
+    #[test]
+    fn only_a_pile_of_this_prefix_is_a_hotspot() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        // r0 holds the whole prompt but prefills two unrelated prompts (3000 tokens, 300 ms:
+        // far above twice the mean and `hotspot_min_ms`). No request there starts as this one:
+        // the estimate decides, and waiting there (300 + 0.1 ms) beats recomputing the prompt
+        // on idle r1 or r2 (409.6 ms).
+        let mut holder = candidate(256, 0.0);
+        holder.load.inflight_requests = 2.0;
+        holder.load.inflight_prompt_tokens = 3000.0;
+        holder.inflight_siblings = Some(0);
+        let mut idle = candidate(0, 0.0);
+        idle.inflight_siblings = Some(0);
+        let choice = choose(&[holder, idle, idle], 4097, 16, &weights(), &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
+        // The same work as two requests of this prefix is the pile the guard is for.
+        holder.inflight_siblings = Some(2);
+        let choice = choose(&[holder, idle, idle], 4097, 16, &weights(), &mut rng).unwrap();
         assert_eq!(choice.reason, Reason::HotspotGuard);
         assert_ne!(choice.index, 0);
     }

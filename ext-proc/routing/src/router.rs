@@ -356,7 +356,8 @@ impl Router {
             .zip(loads)
             .enumerate()
             .map(|(i, (remembered, load))| {
-                let shared_blocks = load.inflight_shared_blocks(&keys) as usize;
+                let overlap = load.inflight_overlap(&keys);
+                let shared_blocks = overlap.shared_blocks as usize;
                 let (matched_blocks, reused) = match indexed.get(i).copied().flatten() {
                     // A recent insert stands for events that have not landed yet. kvroute keeps
                     // believing it for the TTL (a replica whose engine never stores what kvroute
@@ -377,6 +378,7 @@ impl Router {
                     matched_blocks,
                     shared_inflight_tokens: (shared_blocks * block_size as usize)
                         .min(prompt_tokens),
+                    inflight_siblings: (!keys.is_empty()).then_some(overlap.siblings),
                     load: load.snapshot(),
                 }
             })
@@ -446,6 +448,7 @@ impl Router {
             .map(|load| Candidate {
                 matched_blocks: 0,
                 shared_inflight_tokens: 0,
+                inflight_siblings: None,
                 load: load.snapshot(),
             })
             .collect();
