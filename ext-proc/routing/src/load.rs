@@ -186,6 +186,8 @@ pub struct InflightGuard {
     load: Arc<ReplicaLoad>,
     prompt_tokens: i64,
     keys: Vec<u64>,
+    /// Whether `keys` count in the replica's in-flight prefixes (the prompt is computed there).
+    keys_counted: bool,
     /// kvroute's prediction for the request, added to the drift's predicted side on release.
     prediction: Option<Prediction>,
     released: bool,
@@ -230,14 +232,33 @@ impl InflightGuard {
     }
 
     /// The request's prompt is computed on another replica (a prefill/decode split): it stays
-    /// in flight here, but its prefill is no longer work this replica queues.
+    /// in flight here, but its prefill is no longer work this replica queues, nor a prefix it
+    /// computes — a sibling sent here cannot join that prefill, and would find its blocks only
+    /// once they are transferred, after the prefill leg.
     pub fn prefilled_elsewhere(&mut self) {
         if !self.released {
             self.load
                 .inflight_prompt_tokens
                 .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+            self.uncount_keys();
         }
         self.prompt_tokens = 0;
+    }
+
+    /// Takes the prompt's keys out of the replica's in-flight prefixes (once).
+    fn uncount_keys(&mut self) {
+        if !std::mem::replace(&mut self.keys_counted, false) || self.keys.is_empty() {
+            return;
+        }
+        let mut inflight = self.load.inflight_keys.lock();
+        for key in &self.keys {
+            if let Some(count) = inflight.get_mut(key) {
+                *count -= 1;
+                if *count == 0 {
+                    inflight.remove(key);
+                }
+            }
+        }
     }
 
     /// Stops counting the request (idempotent; dropping the guard does the same).
@@ -255,18 +276,8 @@ impl InflightGuard {
         load.inflight_requests.fetch_sub(1, Ordering::Relaxed);
         load.inflight_prompt_tokens
             .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
-        if !self.keys.is_empty() {
-            let mut inflight = load.inflight_keys.lock();
-            for key in &self.keys {
-                if let Some(count) = inflight.get_mut(key) {
-                    *count -= 1;
-                    if *count == 0 {
-                        inflight.remove(key);
-                    }
-                }
-            }
-        }
         load.inflight_gauge.dec();
+        self.uncount_keys();
     }
 }
 
@@ -357,6 +368,7 @@ impl LoadBoard {
         InflightGuard {
             load,
             prompt_tokens,
+            keys_counted: true,
             keys,
             prediction: None,
             released: false,
@@ -370,6 +382,7 @@ impl LoadBoard {
             load: self.replica(replica),
             prompt_tokens: 0,
             keys,
+            keys_counted: false,
             prediction: None,
             released: true,
         }
@@ -410,19 +423,31 @@ mod tests {
         let board = LoadBoard::default();
         let mut split = board.start_request("r0", 3000, vec![1, 2]);
         let _whole = board.start_request("r0", 500, Vec::new());
+        let _sibling = board.start_request("r0", 16, vec![1, 3]);
         split.prefilled_elsewhere();
         split.prefilled_elsewhere();
         let load = board.replica("r0");
-        assert_eq!(load.snapshot().inflight_prompt_tokens, 500.0);
-        assert_eq!(load.snapshot().inflight_requests, 2.0);
-        assert_eq!(load.inflight_shared_blocks(&[1, 2]), 2);
+        assert_eq!(load.snapshot().inflight_prompt_tokens, 516.0);
+        assert_eq!(load.snapshot().inflight_requests, 3.0);
+        // Its prefix is computed elsewhere: only the sibling's first block is in flight here.
+        assert_eq!(load.inflight_shared_blocks(&[1, 2]), 1);
+        assert_eq!(
+            split.keys(),
+            [1, 2],
+            "still known, for the replica that serves it"
+        );
         drop(split);
         assert_eq!(
+            load.inflight_shared_blocks(&[1, 3]),
+            2,
+            "the sibling's keys stay"
+        );
+        assert_eq!(
             load.snapshot().inflight_prompt_tokens,
-            500.0,
+            516.0,
             "subtracted once"
         );
-        assert_eq!(load.snapshot().inflight_requests, 1.0);
+        assert_eq!(load.snapshot().inflight_requests, 2.0);
     }
 
     #[test]

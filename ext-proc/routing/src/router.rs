@@ -614,6 +614,23 @@ mod tests {
         // Answered: the index knows better from then on.
         drop(first);
         assert_eq!(look_later().scored.views[1].matched_blocks, 60);
+
+        // A request whose prompt is prefilled on another replica (a prefill/decode split) waits
+        // on r1 for its blocks, but r1 does not compute them: past the TTL its prefix is not
+        // believed there, and a sibling kept whole on r1 would recompute it.
+        let mut split = router
+            .score_and_commit(request(
+                &candidates,
+                prompt(&keys, vec![Some(0), Some(60)]),
+                &scoring,
+                now,
+            ))
+            .unwrap();
+        assert_eq!(split.choice, 1);
+        split.inflight.prefilled_elsewhere();
+        let waiting = look_later();
+        assert_eq!(waiting.scored.views[1].matched_blocks, 60);
+        assert_eq!(waiting.scored.views[1].shared_inflight_tokens, 0);
     }
 
     #[test]
