@@ -5,7 +5,7 @@
 //! Why: the precise index is shared already, but each picker's in-flight accounting and
 //! routed-prefix memory cover only the requests it decided. Behind Envoy's round robin, N
 //! pickers each see 1/N of the load between scrapes and pile requests on the replicas that hold
-//! a prefix (kvroute-replay: 4 pickers lose 12-18 % of one picker's max rate at the SLO; sharing
+//! a prefix (kvroute-replay: 4 pickers lose 4-20 % of one picker's max rate at the SLO; sharing
 //! within a millisecond recovers it — BENCHMARKS.md, "Several pickers").
 //!
 //! Consistency: none beyond "soon". News is relayed as sent, unordered across pickers, not

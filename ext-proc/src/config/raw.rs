@@ -248,7 +248,8 @@ pub(super) struct RawScoring {
     #[schemars(extend("default" = DEFAULT_KV_USAGE_MS))]
     pub(super) kv_usage_ms: Option<f64>,
     /// Hotspot guard: a replica whose load exceeds the candidates' mean by this factor (and
-    /// `hotspot_min_ms`) is skipped, unless every candidate is; at least 1.
+    /// `hotspot_min_ms`) is skipped when two or more requests starting as the routed one (its
+    /// first block) are in flight there, unless every candidate is; at least 1.
     #[schemars(extend("default" = DEFAULT_HOTSPOT_FACTOR))]
     pub(super) hotspot_factor: Option<f64>,
     /// Loads below this never trip the hotspot guard, in ms.
