@@ -13,12 +13,11 @@
     reason = "a diagnostic tool printing its findings"
 )]
 
-use kvroute_index_core::event::KvEvent;
 use kvroute_replay::engine::EngineConfig;
-use kvroute_replay::routers::{Decision, Router, RouterSpec, View};
+use kvroute_replay::routers::{Observed, RouterSpec};
 use kvroute_replay::sim::{self, SimConfig};
 use kvroute_replay::timing::MockerFit;
-use kvroute_replay::trace::{self, Request};
+use kvroute_replay::trace;
 use kvroute_replay::workload;
 
 struct Seen {
@@ -28,44 +27,6 @@ struct Seen {
     chosen: usize,
     /// Leading blocks the router believed cached on its choice, if it keeps such a belief.
     predicted: Option<u32>,
-}
-
-struct Recorder {
-    inner: Box<dyn Router>,
-    seen: Vec<Seen>,
-}
-
-impl Router for Recorder {
-    fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
-        let decision = self.inner.route(request, view);
-        self.seen.push(Seen {
-            cached: view
-                .engines
-                .iter()
-                .map(|e| e.cached_prefix(request.keys()))
-                .collect(),
-            waiting: view.engines.iter().map(|e| e.waiting()).collect(),
-            running: view.engines.iter().map(|e| e.running()).collect(),
-            chosen: decision.replica,
-            predicted: decision.predicted_blocks,
-        });
-        decision
-    }
-    fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], now_us: u64) {
-        self.inner.on_kv_events(replica, events, now_us);
-    }
-    fn on_first_token(&mut self, replica: usize, request: &Request, now_us: u64) {
-        self.inner.on_first_token(replica, request, now_us);
-    }
-    fn on_finish(&mut self, replica: usize, request: &Request, now_us: u64) {
-        self.inner.on_finish(replica, request, now_us);
-    }
-    fn tick_interval_us(&self) -> Option<u64> {
-        self.inner.tick_interval_us()
-    }
-    fn on_tick(&mut self, view: &View<'_>) {
-        self.inner.on_tick(view);
-    }
 }
 
 fn main() -> Result<(), String> {
@@ -93,11 +54,25 @@ fn main() -> Result<(), String> {
         kv_delay_us: 50_000,
         prefill_replicas: 0,
     };
-    let mut recorder = Recorder {
-        inner: router.build(config.replicas, config.engine.blocks, seed),
-        seen: Vec::new(),
-    };
+    let mut seen = Vec::new();
+    let mut recorder = Observed::new(
+        router.build(config.replicas, config.engine.blocks, seed),
+        |request, view, decision| {
+            seen.push(Seen {
+                cached: view
+                    .engines
+                    .iter()
+                    .map(|e| e.cached_prefix(request.keys()))
+                    .collect(),
+                waiting: view.engines.iter().map(|e| e.waiting()).collect(),
+                running: view.engines.iter().map(|e| e.running()).collect(),
+                chosen: decision.replica,
+                predicted: decision.predicted_blocks,
+            });
+        },
+    );
     let result = sim::run(&requests, &config, &mut recorder).map_err(|e| e.to_string())?;
+    drop(recorder);
     let skip = requests.len() / 10;
     let mut lost_blocks = 0usize;
     let mut total_blocks = 0usize;
@@ -105,7 +80,7 @@ fn main() -> Result<(), String> {
     let mut lost_ttft = Vec::new();
     let mut kept_ttft = Vec::new();
     let mut per_replica = vec![0usize; config.replicas];
-    for (i, seen) in recorder.seen.iter().enumerate().skip(skip) {
+    for (i, seen) in seen.iter().enumerate().skip(skip) {
         let best = seen.cached.iter().copied().max().unwrap_or(0);
         let got = seen.cached[seen.chosen];
         total_blocks += requests[i].keys().len();
@@ -133,7 +108,7 @@ fn main() -> Result<(), String> {
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     println!(
         "decisions {} left-cache {lost_decisions} lost blocks {lost_blocks} of {total_blocks} keyed; ttft mean lost {:.0} kept {:.0}; per replica {per_replica:?}; busy {:?}",
-        recorder.seen.len() - skip,
+        seen.len() - skip,
         mean(&lost_ttft),
         mean(&kept_ttft),
         result

@@ -11,7 +11,7 @@ use std::sync::mpsc;
 
 use crate::bounds;
 use crate::metrics::{self, RunMetrics};
-use crate::routers::{Regret, RegretStats, RouterSpec};
+use crate::routers::{Observed, Regret, RegretStats, RouterSpec};
 use crate::sim::{self, Checked, SimConfig, SimError, SloCheck};
 use crate::trace::{self, Request};
 
@@ -184,9 +184,13 @@ pub fn run_regret(workloads: &[Workload], grid: &Grid) -> Result<Vec<RegretRow>,
                     let requests = trace::compress(workload.requests(seed), load);
                     let skip = metrics::warmup_skip(requests.len(), grid.warmup);
                     let built = router.build(grid.sim.replicas, grid.sim.engine.blocks, seed);
-                    let mut measured = Regret::new(built, skip);
-                    sim::run(&requests, &grid.sim, &mut measured).map_err(|e| e.to_string())?;
-                    stats.add(&measured.stats());
+                    let mut regret = Regret::new(skip);
+                    let mut observed = Observed::new(built, |request, view, decision| {
+                        regret.observe(request, view, decision)
+                    });
+                    sim::run(&requests, &grid.sim, &mut observed).map_err(|e| e.to_string())?;
+                    drop(observed);
+                    stats.add(&regret.stats());
                 }
                 rows.push(RegretRow {
                     workload: workload.name.clone(),

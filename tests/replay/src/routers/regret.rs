@@ -11,9 +11,7 @@
 //! with more regret is not always the worse one. It says which way an estimate errs, not by how
 //! much a run's tail moves.
 
-use kvroute_index_core::event::KvEvent;
-
-use super::{Decision, Router, View};
+use super::{Decision, View};
 use crate::engine::Prediction;
 use crate::trace::Request;
 
@@ -84,28 +82,19 @@ impl RegretStats {
     }
 }
 
-/// A router, each decision measured against the exact simulation of every replica.
+/// Measures decisions against the exact simulation of every replica: shown each decision of the
+/// router under study (wrap it in [`super::Observed`]).
+#[derive(Debug)]
 pub struct Regret {
-    inner: Box<dyn Router>,
     /// Requests with a lower id are warm-up.
     skip: usize,
     stats: RegretStats,
 }
 
-impl std::fmt::Debug for Regret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Regret")
-            .field("skip", &self.skip)
-            .field("stats", &self.stats)
-            .finish_non_exhaustive()
-    }
-}
-
 impl Regret {
-    /// Measures `inner`'s decisions for requests from id `skip` on.
-    pub fn new(inner: Box<dyn Router>, skip: usize) -> Self {
+    /// Measures decisions for requests from id `skip` on.
+    pub fn new(skip: usize) -> Self {
         Regret {
-            inner,
             skip,
             stats: RegretStats::default(),
         }
@@ -114,6 +103,19 @@ impl Regret {
     /// What was found so far.
     pub fn stats(&self) -> RegretStats {
         self.stats
+    }
+
+    /// `decision` was made for `request` on `view`.
+    pub fn observe(&mut self, request: &Request, view: &View<'_>, decision: &Decision) {
+        if request.id < self.skip {
+            return;
+        }
+        let predictions: Vec<Option<Prediction>> = view
+            .engines
+            .iter()
+            .map(|engine| engine.predict(request, view.timing, view.now_us))
+            .collect();
+        self.measure(&predictions, decision.replica);
     }
 
     fn measure(&mut self, predictions: &[Option<Prediction>], chosen: usize) {
@@ -148,44 +150,6 @@ impl Regret {
     }
 }
 
-impl Router for Regret {
-    fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
-        let predictions: Vec<Option<Prediction>> = if request.id >= self.skip {
-            view.engines
-                .iter()
-                .map(|engine| engine.predict(request, view.timing, view.now_us))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let decision = self.inner.route(request, view);
-        if !predictions.is_empty() {
-            self.measure(&predictions, decision.replica);
-        }
-        decision
-    }
-
-    fn on_kv_events(&mut self, replica: usize, events: &[KvEvent], now_us: u64) {
-        self.inner.on_kv_events(replica, events, now_us);
-    }
-
-    fn on_first_token(&mut self, replica: usize, request: &Request, now_us: u64) {
-        self.inner.on_first_token(replica, request, now_us);
-    }
-
-    fn on_finish(&mut self, replica: usize, request: &Request, now_us: u64) {
-        self.inner.on_finish(replica, request, now_us);
-    }
-
-    fn tick_interval_us(&self) -> Option<u64> {
-        self.inner.tick_interval_us()
-    }
-
-    fn on_tick(&mut self, view: &View<'_>) {
-        self.inner.on_tick(view);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use rand::SeedableRng;
@@ -193,7 +157,7 @@ mod tests {
 
     use super::*;
     use crate::engine::EngineConfig;
-    use crate::routers::TtftOracle;
+    use crate::routers::{Observed, Router, TtftOracle};
     use crate::sim::{self, SimConfig};
     use crate::timing::MockerFit;
     use crate::trace;
@@ -218,8 +182,12 @@ mod tests {
             kv_delay_us: 50_000,
             prefill_replicas: 0,
         };
-        let mut regret = Regret::new(router, 30);
-        sim::run(&requests, &config, &mut regret).unwrap();
+        let mut regret = Regret::new(30);
+        let mut observed = Observed::new(router, |request, view, decision| {
+            regret.observe(request, view, decision)
+        });
+        sim::run(&requests, &config, &mut observed).unwrap();
+        drop(observed);
         regret.stats()
     }
 
