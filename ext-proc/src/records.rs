@@ -95,6 +95,9 @@ pub struct CandidateRecord {
     pub kv_usage: f64,
     /// Requests kvroute routed there and not yet answered.
     pub inflight_requests: f64,
+    /// Of those, the ones whose prompts start as this one's (its first block): the pile-up the
+    /// hotspot guard counts. `None` without the prompt (the load tier).
+    pub inflight_siblings: Option<u32>,
     /// Estimated time to first token there, ms.
     pub estimated_ttft_ms: f64,
 }
@@ -260,6 +263,7 @@ impl DecisionRecord {
                     running: load.scraped.running,
                     kv_usage: load.scraped.kv_usage,
                     inflight_requests: load.inflight_requests,
+                    inflight_siblings: view.and_then(|v| v.inflight_siblings),
                     estimated_ttft_ms: scored.estimated_ttft_ms(i, &config.scoring).unwrap_or(0.0),
                 }
             })
@@ -309,6 +313,7 @@ mod tests {
                     running: 1.0,
                     kv_usage: 0.1,
                     inflight_requests: 0.0,
+                    inflight_siblings: Some(0),
                     estimated_ttft_ms: 4.12,
                 },
                 CandidateRecord {
@@ -322,6 +327,7 @@ mod tests {
                     running: 4.0,
                     kv_usage: 0.7,
                     inflight_requests: 3.0,
+                    inflight_siblings: Some(1),
                     estimated_ttft_ms: 190.34,
                 },
             ],

@@ -55,9 +55,15 @@ impl Tokenizer for LockstepTokenizer {
 }
 
 fn picker(scoring: &str) -> Picker {
+    picker_with(scoring, "{}")
+}
+
+/// [`picker`] with `decision_records` set.
+fn picker_with(scoring: &str, decision_records: &str) -> Picker {
     let yaml = format!(
         "budgets: {{decision: 2s, tokenize: 2s}}\n\
          scoring: {scoring}\n\
+         decision_records: {decision_records}\n\
          pools:\n- {{name: p, models: [m], block_size: 16, key_scheme: {{kind: token-chain}}}}\n\
          replicas:\n\
          - {{id: r0, pool: p, address: \"10.0.0.1:8000\"}}\n\
@@ -126,15 +132,27 @@ async fn concurrent_siblings_co_locate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hotspot_guard_still_spills_a_burst() {
     // A low threshold: the replica holding the prefix turns hot after a few siblings.
-    let picker = Arc::new(picker("{hotspot_min_ms: 120}"));
+    let picker = Arc::new(picker_with("{hotspot_min_ms: 120}", "{sample: 1.0}"));
     let decisions = burst(Arc::clone(&picker)).await;
     let counts = per_replica(&decisions);
     let most = counts.values().copied().max().unwrap_or(0);
     assert!(most < BURST, "{counts:?}");
-    assert!(
-        decisions.iter().any(|d| d.reason == "hotspot_guard"),
-        "{counts:?}"
-    );
+    let spilled: Vec<_> = decisions
+        .iter()
+        .filter(|d| d.reason == "hotspot_guard")
+        .collect();
+    assert!(!spilled.is_empty(), "{counts:?}");
+    // Each record says why: a replica it skipped had a pile of this prompt's siblings in flight.
+    for decision in spilled {
+        let record = decision.record.as_ref().unwrap();
+        assert!(
+            record
+                .candidates
+                .iter()
+                .any(|c| !c.chosen && c.inflight_siblings.is_some_and(|n| n >= 2)),
+            "{record:?}"
+        );
+    }
 }
 
 /// A kvroute-index (gRPC on a free port) with pool `p` (model `m`, 16-token blocks) and replica
