@@ -586,28 +586,23 @@ mod tests {
         let now = Instant::now();
         let candidates = ["r0", "r1"];
         let keys: Vec<u64> = (1..=100).collect();
-        let first = router
-            .score_and_commit(request(
+        // The same prompt (r1's engine holds 60 of its blocks), decided at `at`.
+        let decide = |at: Instant, commit: bool| {
+            let mut decision = request(
                 &candidates,
                 prompt(&keys, vec![Some(0), Some(60)]),
                 &scoring,
-                now,
-            ))
-            .unwrap();
+                at,
+            );
+            decision.commit = commit;
+            router.score_and_commit(decision).unwrap()
+        };
+        let first = decide(now, true);
         assert_eq!(first.choice, 1);
         // Long after the TTL the first request still waits in r1's queue (an overloaded engine):
         // its prefix has not been computed, the index has no events for it, but it is coming.
         let later = now + scoring.speculative_ttl * 10;
-        let look_later = || {
-            let mut dry = request(
-                &candidates,
-                prompt(&keys, vec![Some(0), Some(60)]),
-                &scoring,
-                later,
-            );
-            dry.commit = false;
-            router.score_and_commit(dry).unwrap()
-        };
+        let look_later = || decide(later, false);
         let queued = look_later();
         assert_eq!(queued.scored.views[1].matched_blocks, 100);
         assert_eq!(queued.scored.reusable_blocks[1], 100);
@@ -618,14 +613,7 @@ mod tests {
         // A request whose prompt is prefilled on another replica (a prefill/decode split) waits
         // on r1 for its blocks, but r1 does not compute them: past the TTL its prefix is not
         // believed there, and a sibling kept whole on r1 would recompute it.
-        let mut split = router
-            .score_and_commit(request(
-                &candidates,
-                prompt(&keys, vec![Some(0), Some(60)]),
-                &scoring,
-                now,
-            ))
-            .unwrap();
+        let mut split = decide(now, true);
         assert_eq!(split.choice, 1);
         split.inflight.prefilled_elsewhere();
         let waiting = look_later();

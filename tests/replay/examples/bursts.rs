@@ -18,10 +18,8 @@
 
 use std::collections::HashMap;
 
-use kvroute_replay::engine::EngineConfig;
 use kvroute_replay::routers::RouterSpec;
 use kvroute_replay::sim::{self, SimConfig};
-use kvroute_replay::timing::MockerFit;
 use kvroute_replay::{metrics, trace, workload};
 
 /// Arrivals of one session this close to its burst's first belong to the burst.
@@ -37,13 +35,7 @@ fn main() {
         &trace::prepare_all(&workload::generate(kind, seed)).unwrap(),
         load,
     );
-    let config = SimConfig {
-        replicas: 4,
-        engine: EngineConfig::default(),
-        timing: MockerFit::default(),
-        kv_delay_us: 50_000,
-        prefill_replicas: 0,
-    };
+    let config = SimConfig::default();
     let mut bursts: Vec<Vec<usize>> = Vec::new();
     let mut open: HashMap<u64, (u64, usize)> = HashMap::new();
     for r in &requests {

@@ -13,10 +13,8 @@
     reason = "a diagnostic tool printing its findings"
 )]
 
-use kvroute_replay::engine::EngineConfig;
 use kvroute_replay::routers::{Observed, RouterSpec};
 use kvroute_replay::sim::{self, SimConfig};
-use kvroute_replay::timing::MockerFit;
 use kvroute_replay::trace;
 use kvroute_replay::workload;
 
@@ -47,13 +45,7 @@ fn main() -> Result<(), String> {
         None => trace::read_trace(std::path::Path::new(source)).map_err(|e| e.to_string())?,
     };
     let requests = trace::compress(&requests, load);
-    let config = SimConfig {
-        replicas: 4,
-        engine: EngineConfig::default(),
-        timing: MockerFit::default(),
-        kv_delay_us: 50_000,
-        prefill_replicas: 0,
-    };
+    let config = SimConfig::default();
     let mut seen = Vec::new();
     let mut recorder = Observed::new(
         router.build(config.replicas, config.engine.blocks, seed),

@@ -48,14 +48,27 @@ fn is_anchor(router: &str) -> bool {
     RouterSpec::parse(router).is_some_and(|spec| spec.is_anchor())
 }
 
+/// Whether a row of `workload` at `load` begins a new load point after `last` (which it becomes):
+/// each point's rows get one heading.
+fn starts_a_point(last: &mut Option<(String, u64)>, workload: &str, load: f64) -> bool {
+    let point = (workload, load.to_bits());
+    if last
+        .as_ref()
+        .is_some_and(|(w, l)| (w.as_str(), *l) == point)
+    {
+        return false;
+    }
+    *last = Some((workload.to_owned(), point.1));
+    true
+}
+
 /// One markdown table per workload × load point: each router's decisions against the exact
 /// simulation of every replica ([`crate::routers::Regret`]).
 pub fn regret_markdown(rows: &[RegretRow]) -> String {
     let mut out = String::new();
-    let mut last: Option<(String, u64)> = None;
+    let mut last = None;
     for row in rows {
-        let point = (row.workload.clone(), row.load.to_bits());
-        if last.as_ref() != Some(&point) {
+        if starts_a_point(&mut last, &row.workload, row.load) {
             let _ = write!(
                 out,
                 "\n### {} — load ×{}: decisions against the soonest first token\n\n\
@@ -65,7 +78,6 @@ pub fn regret_markdown(rows: &[RegretRow]) -> String {
                 factor(row.load),
                 crate::routers::OFF_BY * 100.0
             );
-            last = Some(point);
         }
         let s = &row.stats;
         let share = |n: usize| {
@@ -97,10 +109,9 @@ pub fn regret_markdown(rows: &[RegretRow]) -> String {
 /// max-rate table.
 pub fn markdown(rows: &[Row], slo: &[SloRate], slo_ms: f64) -> String {
     let mut out = String::new();
-    let mut last: Option<(String, u64)> = None;
+    let mut last = None;
     for row in rows {
-        let point = (row.workload.clone(), row.load.to_bits());
-        if last.as_ref() != Some(&point) {
+        if starts_a_point(&mut last, &row.workload, row.load) {
             let _ = write!(
                 out,
                 "\n### {} — load ×{} ({:.2} req/s)\n\n\
@@ -110,7 +121,6 @@ pub fn markdown(rows: &[Row], slo: &[SloRate], slo_ms: f64) -> String {
                 factor(row.load),
                 row.rate_rps
             );
-            last = Some(point);
         }
         let m = &row.mean;
         let _ = writeln!(

@@ -43,6 +43,20 @@ pub struct SimConfig {
     pub prefill_replicas: usize,
 }
 
+impl Default for SimConfig {
+    /// `kvroute-replay run`'s defaults: 4 whole replicas of the default engine and timing, KV
+    /// events 50 ms after their step.
+    fn default() -> Self {
+        SimConfig {
+            replicas: 4,
+            engine: EngineConfig::default(),
+            timing: MockerFit::default(),
+            kv_delay_us: 50_000,
+            prefill_replicas: 0,
+        }
+    }
+}
+
 /// What happened to one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestOutcome {

@@ -76,9 +76,7 @@ mod tests {
     use rand::SeedableRng;
 
     use super::*;
-    use crate::engine::EngineConfig;
     use crate::sim::{self, SimConfig};
-    use crate::timing::MockerFit;
     use crate::trace;
     use crate::workload::{self, Kind};
 
@@ -113,13 +111,7 @@ mod tests {
         // close races and long losing queues all occur.
         let records = workload::generate(Kind::FanOut, 3);
         let requests = trace::compress(&trace::prepare_all(&records[..500]).unwrap(), 6.0);
-        let config = SimConfig {
-            replicas: 4,
-            engine: EngineConfig::default(),
-            timing: MockerFit::default(),
-            kv_delay_us: 50_000,
-            prefill_replicas: 0,
-        };
+        let config = SimConfig::default();
         let fast = sim::run(
             &requests,
             &config,

@@ -156,10 +156,8 @@ mod tests {
     use rand::rngs::StdRng;
 
     use super::*;
-    use crate::engine::EngineConfig;
     use crate::routers::{Observed, Router, TtftOracle};
     use crate::sim::{self, SimConfig};
-    use crate::timing::MockerFit;
     use crate::trace;
     use crate::workload::{self, Kind};
 
@@ -175,13 +173,7 @@ mod tests {
     fn measured(router: Box<dyn Router>) -> RegretStats {
         let records = workload::generate(Kind::FanOut, 3);
         let requests = trace::compress(&trace::prepare_all(&records[..300]).unwrap(), 4.0);
-        let config = SimConfig {
-            replicas: 4,
-            engine: EngineConfig::default(),
-            timing: MockerFit::default(),
-            kv_delay_us: 50_000,
-            prefill_replicas: 0,
-        };
+        let config = SimConfig::default();
         let mut regret = Regret::new(30);
         let mut observed = Observed::new(router, |request, view, decision| {
             regret.observe(request, view, decision)
