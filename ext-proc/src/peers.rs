@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvroute_index_api::api::{self, PickerNews, picker_news::News};
-use kvroute_routing::Router;
 use kvroute_routing::load::InflightGuard;
+use kvroute_routing::{PeerDecision, Router};
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -134,13 +134,14 @@ impl Peers {
         }
     }
 
-    /// Tells the peers `replica` got a request of `model` whose prompt has `keys` and leaves
-    /// `pending_prompt_tokens` to compute there. `None` while not sharing.
+    /// Tells the peers `replica` got a request of `model` whose prompt of `prompt_tokens` tokens
+    /// has `keys` and leaves `pending_prompt_tokens` to compute there. `None` while not sharing.
     pub fn announce(
         &self,
         model: &str,
         replica: &str,
         keys: &[u64],
+        prompt_tokens: usize,
         pending_prompt_tokens: usize,
     ) -> Option<PeerTicket> {
         if self.inner.outgoing.lock().is_none() {
@@ -153,6 +154,7 @@ impl Peers {
             replica_id: replica.to_owned(),
             keys: keys.to_vec(),
             pending_prompt_tokens: pending_prompt_tokens as u64,
+            prompt_tokens: prompt_tokens as u64,
         }));
         sent.then(|| PeerTicket {
             inner: Arc::clone(&self.inner),
@@ -190,11 +192,16 @@ impl Peers {
                     inner.count(Outcome::Overflow);
                     return;
                 }
+                let tokens = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
                 let guard = router.record_peer_decision(
                     &decided.replica_id,
                     config.pools[pool].approx_capacity_blocks,
-                    decided.keys,
-                    usize::try_from(decided.pending_prompt_tokens).unwrap_or(usize::MAX),
+                    config.pools[pool].block_size,
+                    PeerDecision {
+                        keys: decided.keys,
+                        prompt_tokens: tokens(decided.prompt_tokens),
+                        pending_prompt_tokens: tokens(decided.pending_prompt_tokens),
+                    },
                     Instant::now(),
                 );
                 received.insert(
@@ -386,6 +393,7 @@ mod tests {
                 replica_id: replica.to_owned(),
                 keys: vec![1, 2, 3],
                 pending_prompt_tokens: 48,
+                prompt_tokens: 50,
             })),
         }
     }
@@ -459,14 +467,15 @@ mod tests {
         let mut registry = prometheus_client::registry::Registry::default();
         let metrics = Metrics::register(&mut registry);
         let peers = Peers::new(metrics.clone());
-        assert!(peers.announce("m", "r0", &[1], 16).is_none());
+        assert!(peers.announce("m", "r0", &[1], 20, 16).is_none());
         let (outgoing, mut queued) = mpsc::channel(8);
         peers.connected(outgoing);
-        let ticket = peers.announce("m", "r0", &[1, 2], 16).unwrap();
+        let ticket = peers.announce("m", "r0", &[1, 2], 36, 16).unwrap();
         let Some(News::Decided(sent)) = queued.try_recv().unwrap().news else {
             panic!("a decision first");
         };
         assert_eq!((sent.replica_id.as_str(), sent.keys.len()), ("r0", 2));
+        assert_eq!((sent.prompt_tokens, sent.pending_prompt_tokens), (36, 16));
         drop(ticket);
         let Some(News::Answered(answered)) = queued.try_recv().unwrap().news else {
             panic!("then its answer");

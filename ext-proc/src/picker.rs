@@ -614,6 +614,7 @@ impl Picker {
             self.count_fallback("decision", "budget_exhausted");
             Err(LoadCause::BudgetExhausted)
         });
+        let prompt_tokens = facts.as_ref().map_or(0, |facts| facts.prompt_tokens);
         let explain = recorded || pool.mode == PoolMode::Shadow;
         // The prefill side is scored on the same facts, after the decode replica is chosen.
         let split_facts = pool.disaggregation.and_then(|_| {
@@ -660,6 +661,7 @@ impl Picker {
                 &request.model,
                 &decision.replica_id,
                 decision.inflight.keys(),
+                prompt_tokens,
                 decision.inflight.pending_prompt_tokens(),
             );
         }

@@ -174,6 +174,7 @@ async fn the_index_relays_a_pickers_news_to_the_others_only() {
             replica_id: "sim-0".to_owned(),
             keys: vec![1, 2, 3],
             pending_prompt_tokens: 48,
+            prompt_tokens: 50,
         })),
     };
     // A malformed message (no picker) is refused; the stream goes on.

@@ -23,8 +23,8 @@ use kvroute_index_core::index::{
 use kvroute_routing::load::{DEFAULT_SCRAPE_INTERVAL, InflightGuard, LoadBoard, Scraped};
 use kvroute_routing::policy::queue_ms;
 use kvroute_routing::{
-    Indexed, PrefillSide, PromptFacts, RouteRequest, Router as RoutingCore, ScoringConfig,
-    SplitRule, SplitVerdict,
+    Indexed, PeerDecision, PrefillSide, PromptFacts, RouteRequest, Router as RoutingCore,
+    ScoringConfig, SplitRule, SplitVerdict,
 };
 use rand::rngs::StdRng;
 
@@ -136,8 +136,12 @@ impl Kvroute {
         let guard = self.core.record_peer_decision(
             &self.names[replica],
             self.approx_capacity_blocks,
-            request.keys().to_vec(),
-            pending_tokens,
+            BLOCK_TOKENS,
+            PeerDecision {
+                keys: request.keys().to_vec(),
+                prompt_tokens: request.input_tokens as usize,
+                pending_prompt_tokens: pending_tokens,
+            },
             self.instant(now_us),
         );
         self.guards.insert((request.id, replica), guard);
