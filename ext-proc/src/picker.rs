@@ -30,7 +30,7 @@ use arc_swap::ArcSwap;
 use kvroute_index_api::api::{MatchRequest, MatchResponse, ReplicaCondition};
 use kvroute_routing::load::{InflightGuard, LoadBoard, ReplicaLoad};
 use kvroute_routing::policy::{Reason, queue_ms};
-use kvroute_routing::{Indexed, PrefillSide, PromptFacts, RouteRequest, Router};
+use kvroute_routing::{Indexed, PoolSide, PrefillSide, PromptFacts, RouteRequest, Router};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument as _;
 
@@ -732,6 +732,7 @@ impl Picker {
         let facts = facts.filter(|_| verdict == SplitVerdict::Split)?;
         let ids: Vec<&str> = others.iter().map(|r| r.id.as_str()).collect();
         let routed = self.router.score_and_commit(RouteRequest {
+            pool: PoolSide::prefill(&pool.name),
             candidates: &ids,
             loads: None,
             prompt: Some(PromptFacts {
@@ -789,6 +790,7 @@ impl Picker {
         };
         let prompt_tokens = prompt.as_ref().map_or(0, |p| p.prompt_tokens);
         let routed = self.router.score_and_commit(RouteRequest {
+            pool: PoolSide::serving(&pool.name),
             candidates: &ids,
             loads: Some(loads),
             prompt,

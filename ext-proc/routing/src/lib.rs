@@ -20,7 +20,9 @@ mod router;
 pub mod scoring;
 pub mod split;
 
-pub use router::{Indexed, PeerDecision, PromptFacts, RouteRequest, Routed, Router, Scored, Tier};
+pub use router::{
+    Indexed, PeerDecision, PoolSide, PromptFacts, RouteRequest, Routed, Router, Scored, Tier,
+};
 pub use scoring::ScoringConfig;
 pub use split::{PrefillSide, SplitRule, SplitVerdict};
 

@@ -19,11 +19,13 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvroute_block_keys::KeyHasherBuilder;
 use parking_lot::{Mutex, RwLock};
 use prometheus_client::metrics::gauge::Gauge;
+
+use crate::scoring::POOL_LOAD_AVERAGING;
 
 /// Default interval between reads of each replica's load (ext-proc's `scrape.interval`): how
 /// stale the scraped part of a [`LoadSnapshot`] gets.
@@ -81,6 +83,32 @@ pub fn engine_hit_tokens(matched_blocks: u32, prompt_tokens: usize, block_size: 
     }
     let max_blocks = prompt_tokens.saturating_sub(1) / block_size;
     (matched_blocks as usize).min(max_blocks) * block_size
+}
+
+/// A quantity averaged over the last seconds: exponentially decaying, with
+/// [`POOL_LOAD_AVERAGING`] as its time constant. Each value folded in stands for the time since
+/// the previous one (it is sampled when kvroute decides, which is when the average is read).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RecentAverage {
+    /// When the last value was folded in, and the average then.
+    last: Option<(Instant, f64)>,
+}
+
+impl RecentAverage {
+    /// Folds `value`, observed at `now`, into the average and returns the average. An instant
+    /// before the last one (a decision that read the clock before another) counts as the last.
+    pub fn fold(&mut self, now: Instant, value: f64) -> f64 {
+        let (at, average) = match self.last {
+            Some((last, before)) => {
+                let elapsed = now.saturating_duration_since(last).as_secs_f64();
+                let kept = (-elapsed / POOL_LOAD_AVERAGING.as_secs_f64()).exp();
+                (last.max(now), before * kept + value * (1.0 - kept))
+            }
+            None => (now, value),
+        };
+        self.last = Some((at, average));
+        average
+    }
 }
 
 /// Live load of one replica.
@@ -481,5 +509,31 @@ mod tests {
         assert_eq!(engine_hit_tokens(1, 17, 16), 16);
         assert_eq!(engine_hit_tokens(1, 16, 16), 0);
         assert_eq!(engine_hit_tokens(3, 100, 0), 0);
+    }
+
+    #[test]
+    fn a_recent_average_follows_the_load_over_seconds() {
+        let mut load = RecentAverage::default();
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        assert_eq!(load.fold(at(0), 0.0), 0.0);
+        // A burst's moment of load barely moves it...
+        let burst = load.fold(at(10), 400.0);
+        assert!(burst > 0.0 && burst < 5.0, "{burst}");
+        // ...a load held for seconds does (one time constant: about 63 % of the way).
+        let mut average = burst;
+        for ms in (100..=2010).step_by(100) {
+            average = load.fold(at(ms), 400.0);
+        }
+        assert!(
+            (average - 400.0 * (1.0 - (-1.0f64).exp())).abs() < 20.0,
+            "{average}"
+        );
+        // An earlier instant (a decision that read the clock before the last) moves nothing back.
+        let again = load.fold(at(1000), 400.0);
+        assert!((again - average).abs() < 1e-9, "{again} vs {average}");
+        // Idle again for long: back near zero.
+        let later = load.fold(at(20_000), 0.0);
+        assert!(later < 1.0, "{later}");
     }
 }

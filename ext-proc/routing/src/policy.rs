@@ -43,10 +43,21 @@
 //! recompute it elsewhere; unrelated prompts queued beside a holder are priced by the estimate
 //! too, and skipping the holder for them recomputes this prefix elsewhere (in kvroute-replay a
 //! group's 12k-token system prompt, left for another group's long first request in flight on
-//! its holder). When the other replicas are idle the
-//! factor always holds, so `hotspot_min_ms` is the load at which a burst starts to spill: the
-//! default 200 ms is about 4 waiting requests or 40 running ones, above what a 16-sibling burst
-//! of a few thousand tokens adds (so it co-locates) and below a melting replica.
+//! its holder). When the other replicas are idle the factor always holds, so `hotspot_min_ms`
+//! is the load at which a burst starts to spill.
+//!
+//! The guard has two settings, by how busy the pool has been: the candidates' queued prefill
+//! ([`queued_prefill_ms`]) averaged over the last seconds (`scoring::POOL_LOAD_AVERAGING`) — a
+//! burst is a moment of load, not a busy pool. Below `idle_pool_ms` (default 100 ms) the pool
+//! has prefill to spare and a pile spills early (`idle_hotspot_factor` 1.1 above
+//! `idle_hotspot_min_ms` 150 ms): the replicas it spills to compute the burst's context in
+//! parallel and hold it for what follows. An agent's next burst then spreads over all of them;
+//! kept on its holder, the context stays there alone and every later round queues on it, a
+//! cost no per-request estimate sees (in kvroute-replay's fan-out workload the TTFT-greedy
+//! oracle spread an agent's first burst over all four replicas, kvroute over fewer, and its
+//! later rounds waited longer). Busy, that recomputation is capacity every later request waits
+//! for: only a pile well above the mean spills (`hotspot_factor` 1.75 above `hotspot_min_ms`
+//! 200 ms, about 4 waiting requests or 40 running ones).
 //!
 //! Recomputation once every replica is busy: a candidate that would compute prompt tokens
 //! another candidate holds cached is charged their prefill once more
@@ -181,12 +192,19 @@ fn waiting_and_running(load: &LoadSnapshot) -> (f64, f64) {
 
 /// Queueing estimate of a replica, in ms (see the module docs: queued work counted once).
 pub fn queue_ms(load: &LoadSnapshot, weights: &ScoringConfig) -> f64 {
-    let (waiting, running) = waiting_and_running(load);
+    let (_, running) = waiting_and_running(load);
+    queued_prefill_ms(load, weights)
+        + weights.running_ms_per_request * running
+        + weights.kv_usage_ms * load.scraped.kv_usage
+}
+
+/// The prefill a replica has queued, in ms: its [`queue_ms`] without the running batch and the
+/// KV-cache usage (a replica only decoding has spare prefill).
+pub fn queued_prefill_ms(load: &LoadSnapshot, weights: &ScoringConfig) -> f64 {
+    let (waiting, _) = waiting_and_running(load);
     let work_ms = weights.prefill_ms_per_token * load.inflight_prompt_tokens;
     let waiting_ms = weights.queue_ms_per_request * waiting;
     work_ms.max(waiting_ms)
-        + weights.running_ms_per_request * running
-        + weights.kv_usage_ms * load.scraped.kv_usage
 }
 
 /// Requests ahead of a new one's prefill: kvroute's own not yet answered, or the engine's
@@ -307,9 +325,12 @@ fn pick_best(
         .unwrap_or(0)
 }
 
-/// Picks the candidate with the lowest estimated TTFT. `None` only when `candidates` is empty.
+/// Picks the candidate with the lowest estimated TTFT. `recent_prefill_ms` is the candidates'
+/// mean [`queued_prefill_ms`] averaged over the last seconds, which sets the hotspot guard (module
+/// docs). `None` only when `candidates` is empty.
 pub fn choose(
     candidates: &[Candidate],
+    recent_prefill_ms: f64,
     prompt_tokens: usize,
     block_size: u32,
     weights: &ScoringConfig,
@@ -324,12 +345,17 @@ pub fn choose(
         .collect();
     let least = queues.iter().copied().fold(f64::INFINITY, f64::min);
     let mean = queues.iter().sum::<f64>() / queues.len() as f64;
+    let (hotspot_factor, hotspot_min_ms) = if recent_prefill_ms < weights.idle_pool_ms {
+        (weights.idle_hotspot_factor, weights.idle_hotspot_min_ms)
+    } else {
+        (weights.hotspot_factor, weights.hotspot_min_ms)
+    };
     let hot: Vec<bool> = candidates
         .iter()
         .zip(&queues)
         .map(|(c, q)| {
-            *q > weights.hotspot_factor * mean
-                && *q > weights.hotspot_min_ms
+            *q > hotspot_factor * mean
+                && *q > hotspot_min_ms
                 && piled_requests(c) >= HOTSPOT_MIN_QUEUED
         })
         .collect();
@@ -421,6 +447,10 @@ mod tests {
     use crate::load::Scraped;
     use rand::SeedableRng;
 
+    /// How busy the pool has been, for tests of everything but that: busier than any
+    /// `idle_pool_ms`.
+    const BUSY: f64 = 1e9;
+
     fn weights() -> ScoringConfig {
         ScoringConfig {
             prefill_ms_per_token: 0.1,
@@ -429,6 +459,9 @@ mod tests {
             kv_usage_ms: 0.0,
             hotspot_factor: 2.0,
             hotspot_min_ms: 100.0,
+            idle_pool_ms: 0.0,
+            idle_hotspot_factor: 1.1,
+            idle_hotspot_min_ms: 60.0,
             recompute_penalty: 1.0,
             speculative_ttl: std::time::Duration::from_secs(1),
             overload_queue_ms: 0.0,
@@ -471,7 +504,7 @@ mod tests {
     fn cache_wins_when_load_is_equal() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         let c = [candidate(0, 0.0), candidate(60, 0.0), candidate(10, 0.0)];
-        let choice = choose(&c, 1024, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&c, BUSY, 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::CacheHit));
     }
 
@@ -480,7 +513,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         // 64 blocks cached saves 102 ms of prefill; 3 waiting requests cost 150 ms.
         let c = [candidate(64, 3.0), candidate(0, 0.0)];
-        let choice = choose(&c, 1024, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&c, BUSY, 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
     }
 
@@ -490,12 +523,17 @@ mod tests {
         let mut w = weights();
         w.prefill_ms_per_token = 10.0; // cache would win on TTFT alone
         let c = [candidate(64, 20.0), candidate(0, 0.0), candidate(0, 1.0)];
-        let choice = choose(&c, 1024, 16, &w, &mut rng).unwrap();
+        let choice = choose(&c, BUSY, 1024, 16, &w, &mut rng).unwrap();
         // r1 and r2 are within the tie tolerance of each other.
         assert_ne!(choice.index, 0);
         assert_eq!(choice.reason, Reason::HotspotGuard);
         let all_hot = [candidate(64, 20.0)];
-        assert_eq!(choose(&all_hot, 1024, 16, &w, &mut rng).unwrap().index, 0);
+        assert_eq!(
+            choose(&all_hot, BUSY, 1024, 16, &w, &mut rng)
+                .unwrap()
+                .index,
+            0
+        );
     }
 
     #[test]
@@ -519,11 +557,11 @@ mod tests {
         holder.load.inflight_requests = 1.0;
         holder.load.inflight_prompt_tokens = 2000.0;
         let idle = candidate(0, 0.0);
-        let choice = choose(&[holder, idle, idle], 4096, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&[holder, idle, idle], BUSY, 4096, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
         // The same work as a pile of requests is a hotspot.
         holder.load.inflight_requests = 2.0;
-        let choice = choose(&[holder, idle, idle], 4096, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&[holder, idle, idle], BUSY, 4096, 16, &weights(), &mut rng).unwrap();
         assert_eq!(choice.reason, Reason::HotspotGuard);
         assert_ne!(choice.index, 0);
     }
@@ -541,13 +579,48 @@ mod tests {
         holder.inflight_siblings = Some(0);
         let mut idle = candidate(0, 0.0);
         idle.inflight_siblings = Some(0);
-        let choice = choose(&[holder, idle, idle], 4097, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&[holder, idle, idle], BUSY, 4097, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
         // The same work as two requests of this prefix is the pile the guard is for.
         holder.inflight_siblings = Some(2);
-        let choice = choose(&[holder, idle, idle], 4097, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&[holder, idle, idle], BUSY, 4097, 16, &weights(), &mut rng).unwrap();
         assert_eq!(choice.reason, Reason::HotspotGuard);
         assert_ne!(choice.index, 0);
+    }
+
+    #[test]
+    fn an_idle_pool_spills_a_burst_sooner_than_a_busy_one() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let weights = ScoringConfig {
+            idle_pool_ms: 100.0,
+            ..weights()
+        };
+        // r0 holds the prompt and prefills three of its siblings (120 ms); r1–r3 decode 10
+        // requests each (50 ms). Mean 67.5 ms: r0 is within the busy pool's factor (2: 135 ms)
+        // and beyond the idle pool's (1.1: 74 ms).
+        let mut holder = candidate(64, 0.0);
+        holder.load.inflight_requests = 3.0;
+        holder.load.inflight_prompt_tokens = 1200.0;
+        holder.inflight_siblings = Some(3);
+        let mut decoding = candidate(0, 0.0);
+        decoding.load.scraped.running = 10.0;
+        decoding.inflight_siblings = Some(0);
+        let pool = [holder, decoding, decoding, decoding];
+        // Busy over the last seconds: the burst stays where its prefix is cached.
+        let choice = choose(&pool, 500.0, 1088, 16, &weights, &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
+        // Idle over the last seconds: the burst spills, and a decoding replica computes the
+        // prefix beside the holder.
+        let choice = choose(&pool, 10.0, 1088, 16, &weights, &mut rng).unwrap();
+        assert_eq!(choice.reason, Reason::HotspotGuard);
+        assert_ne!(choice.index, 0);
+        // 0 never counts a pool as idle.
+        let never = ScoringConfig {
+            idle_pool_ms: 0.0,
+            ..weights
+        };
+        let choice = choose(&pool, 0.0, 1088, 16, &never, &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
     }
 
     #[test]
@@ -563,9 +636,9 @@ mod tests {
         let mut sibling = first;
         sibling.shared_inflight_tokens = 1008;
         let idle = candidate(0, 0.0);
-        let choice = choose(&[sibling, idle], 1024, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&[sibling, idle], BUSY, 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
-        let choice = choose(&[first, idle], 1024, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&[first, idle], BUSY, 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
     }
 
@@ -580,7 +653,7 @@ mod tests {
         joined.load.inflight_requests = 1.0;
         joined.shared_inflight_tokens = 1008;
         let warm = candidate(40, 0.0);
-        let choice = choose(&[joined, warm], 1024, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&[joined, warm], BUSY, 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
         assert!((choice.ttft_ms - 38.4).abs() < 1e-9, "{choice:?}");
     }
@@ -598,16 +671,16 @@ mod tests {
         let idle = candidate(0, 0.0);
         // ...but with every replica busy, recomputing the 768 held tokens costs r1 76.8 ms
         // more (a whole request's worth of queue on the least busy one: penalty 1).
-        let choice = choose(&[holder, busy], 1024, 16, &w, &mut rng).unwrap();
+        let choice = choose(&[holder, busy], BUSY, 1024, 16, &w, &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
         assert!((choice.ttft_ms - 175.6).abs() < 1e-9, "{choice:?}");
         // With an idle replica the recomputation costs spare time only: the idle one wins.
-        let choice = choose(&[holder, busy, idle], 1024, 16, &w, &mut rng).unwrap();
+        let choice = choose(&[holder, busy, idle], BUSY, 1024, 16, &w, &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (2, Reason::LoadOverCache));
         // The penalty is the operator's (`scoring.recompute_penalty`): 0 leaves the greedy
         // estimate alone and r1 wins.
         w.recompute_penalty = 0.0;
-        let choice = choose(&[holder, busy], 1024, 16, &w, &mut rng).unwrap();
+        let choice = choose(&[holder, busy], BUSY, 1024, 16, &w, &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
     }
 
@@ -620,11 +693,11 @@ mod tests {
         holder.load.inflight_requests = 1.0;
         holder.load.inflight_prompt_tokens = 940.0;
         let idle = candidate(0, 0.0);
-        let choice = choose(&[holder, idle], 1024, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&[holder, idle], BUSY, 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
         // Clearly slower is still left.
         holder.load.inflight_prompt_tokens = 1200.0;
-        let choice = choose(&[holder, idle], 1024, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&[holder, idle], BUSY, 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
     }
 
@@ -634,7 +707,9 @@ mod tests {
         let c = [candidate(0, 0.0), candidate(0, 0.0), candidate(0, 0.0)];
         let mut seen = [0; 3];
         for _ in 0..300 {
-            seen[choose(&c, 100, 16, &weights(), &mut rng).unwrap().index] += 1;
+            seen[choose(&c, BUSY, 100, 16, &weights(), &mut rng)
+                .unwrap()
+                .index] += 1;
         }
         assert!(seen.iter().all(|n| *n > 50), "{seen:?}");
     }
@@ -654,11 +729,11 @@ mod tests {
         // 64 blocks cached save 102 ms of prefill; the holder's 30 waiting requests cost 500 ms
         // more than the other's 20: the estimate would leave the holder.
         let c = [candidate(64, 30.0), candidate(0, 20.0)];
-        let choice = choose(&c, 1024, 16, &weights(), &mut rng).unwrap();
+        let choice = choose(&c, BUSY, 1024, 16, &weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
         // Overloaded (both queued at least 1 s), 1.5 times the least busy queue is 1.5 s, and the
         // holder's 1.5 s is within it: the prefix stays where it is cached.
-        let choice = choose(&c, 1024, 16, &overload_weights(), &mut rng).unwrap();
+        let choice = choose(&c, BUSY, 1024, 16, &overload_weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (0, Reason::Overload));
     }
 
@@ -667,11 +742,11 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         // The holder's 31 waiting requests (1.55 s) are beyond 1.5 times the other's 20 (1 s).
         let c = [candidate(64, 31.0), candidate(0, 20.0)];
-        let choice = choose(&c, 1024, 16, &overload_weights(), &mut rng).unwrap();
+        let choice = choose(&c, BUSY, 1024, 16, &overload_weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::Overload));
         // Among balanced candidates holding as much, the best estimate wins.
         let c = [candidate(64, 25.0), candidate(64, 21.0), candidate(0, 20.0)];
-        let choice = choose(&c, 1024, 16, &overload_weights(), &mut rng).unwrap();
+        let choice = choose(&c, BUSY, 1024, 16, &overload_weights(), &mut rng).unwrap();
         assert_eq!(choice.index, 1);
     }
 
@@ -680,7 +755,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         // The least busy candidate has 950 ms queued, under the 1 s bound.
         let c = [candidate(64, 25.0), candidate(0, 19.0)];
-        let choice = choose(&c, 1024, 16, &overload_weights(), &mut rng).unwrap();
+        let choice = choose(&c, BUSY, 1024, 16, &overload_weights(), &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
         // Off (0), however long the queues.
         let off = ScoringConfig {
@@ -688,7 +763,7 @@ mod tests {
             ..overload_weights()
         };
         let c = [candidate(64, 300.0), candidate(0, 200.0)];
-        let choice = choose(&c, 1024, 16, &off, &mut rng).unwrap();
+        let choice = choose(&c, BUSY, 1024, 16, &off, &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (1, Reason::LoadOverCache));
     }
 }

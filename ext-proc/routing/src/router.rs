@@ -23,7 +23,9 @@ use parking_lot::Mutex;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use crate::load::{InflightGuard, LoadBoard, Prediction, ReplicaLoad, engine_hit_tokens};
+use crate::load::{
+    InflightGuard, LoadBoard, Prediction, RecentAverage, ReplicaLoad, engine_hit_tokens,
+};
 use crate::policy::{self, Candidate, Reason};
 use crate::prefix_memory::PrefixMemory;
 use crate::scoring::ScoringConfig;
@@ -100,6 +102,8 @@ impl Indexed {
 /// One request to route.
 #[derive(Debug)]
 pub struct RouteRequest<'a> {
+    /// Whose recent load the decision reads and adds to (`policy` module docs, hotspot guard).
+    pub pool: PoolSide<'a>,
     /// Candidate replica ids (non-empty to get a choice).
     pub candidates: &'a [&'a str],
     /// The candidates' load records, in the same order, when the caller already read them
@@ -120,6 +124,43 @@ pub struct RouteRequest<'a> {
     /// on the chosen replica. A shadow decision's is not (the proxy places the request; the
     /// replica that served it is remembered once known, [`Router::remember_served`]).
     pub commit: bool,
+}
+
+/// A pool, or its prefill side (a disaggregated pool's prefill leg picks among other replicas):
+/// each keeps how busy it has been.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolSide<'a> {
+    /// The pool's name, from configuration (never from a request).
+    pub pool: &'a str,
+    /// Whether the candidates are the pool's prefill replicas, for a prefill leg.
+    pub prefill: bool,
+}
+
+impl<'a> PoolSide<'a> {
+    /// The replicas that serve a pool's requests.
+    pub fn serving(pool: &'a str) -> Self {
+        PoolSide {
+            pool,
+            prefill: false,
+        }
+    }
+
+    /// A disaggregated pool's prefill replicas.
+    pub fn prefill(pool: &'a str) -> Self {
+        PoolSide {
+            pool,
+            prefill: true,
+        }
+    }
+}
+
+/// How busy one [`PoolSide`] has been.
+#[derive(Debug)]
+struct RecentLoad {
+    pool: String,
+    prefill: bool,
+    /// The candidates' mean queued prefill (ms), over the last seconds.
+    queued_prefill_ms: RecentAverage,
 }
 
 /// Another picker's decision, as it announced it ([`Router::record_peer_decision`]).
@@ -218,6 +259,8 @@ impl Scored {
 #[derive(Debug)]
 pub struct Router {
     loads: LoadBoard,
+    /// How busy each pool side has been (as many as the pools configured, twice at most).
+    recent_loads: Mutex<Vec<RecentLoad>>,
     memory: PrefixMemory,
     commit_locks: [Mutex<()>; COMMIT_STRIPES],
     /// Breaks ties between equal estimates; seeded for reproducible runs.
@@ -234,6 +277,7 @@ impl Router {
     pub fn with_rng(loads: LoadBoard, rng: StdRng) -> Self {
         Self {
             loads,
+            recent_loads: Mutex::new(Vec::new()),
             memory: PrefixMemory::default(),
             commit_locks: std::array::from_fn(|_| Mutex::new(())),
             rng: Mutex::new(rng),
@@ -336,6 +380,7 @@ impl Router {
     /// Scores `request`'s candidates and commits the choice. `None` only without candidates.
     pub fn score_and_commit(&self, request: RouteRequest<'_>) -> Option<Routed> {
         let RouteRequest {
+            pool,
             candidates,
             loads,
             prompt,
@@ -360,7 +405,7 @@ impl Router {
         let _commit =
             first_key.map(|key| self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock());
         let Some(prompt) = prompt else {
-            return Some(self.commit_load_only(candidates, loads, scoring, commit));
+            return Some(self.commit_load_only(pool, candidates, loads, scoring, now, commit));
         };
         let PromptFacts {
             keys,
@@ -416,8 +461,10 @@ impl Router {
                 }
             })
             .collect();
+        let recent_prefill_ms = self.recent_prefill_ms(pool, &views, scoring, now);
         let choice = policy::choose(
             &views,
+            recent_prefill_ms,
             prompt_tokens,
             block_size,
             scoring,
@@ -468,12 +515,43 @@ impl Router {
         })
     }
 
+    /// The pool side's queued prefill over the last seconds, `views` (its candidates now)
+    /// folded in: their mean [`policy::queued_prefill_ms`].
+    fn recent_prefill_ms(
+        &self,
+        side: PoolSide<'_>,
+        views: &[Candidate],
+        scoring: &ScoringConfig,
+        now: Instant,
+    ) -> f64 {
+        let queued = views
+            .iter()
+            .map(|c| policy::queued_prefill_ms(&c.load, scoring))
+            .sum::<f64>()
+            / views.len().max(1) as f64;
+        let mut loads = self.recent_loads.lock();
+        let found = loads
+            .iter()
+            .position(|load| load.pool == side.pool && load.prefill == side.prefill);
+        let index = found.unwrap_or_else(|| {
+            loads.push(RecentLoad {
+                pool: side.pool.to_owned(),
+                prefill: side.prefill,
+                queued_prefill_ms: RecentAverage::default(),
+            });
+            loads.len() - 1
+        });
+        loads[index].queued_prefill_ms.fold(now, queued)
+    }
+
     /// Load tier: no prefix information.
     fn commit_load_only(
         &self,
+        pool: PoolSide<'_>,
         candidates: &[&str],
         loads: &[Arc<ReplicaLoad>],
         scoring: &ScoringConfig,
+        now: Instant,
         commit: bool,
     ) -> Routed {
         let views: Vec<Candidate> = loads
@@ -485,9 +563,17 @@ impl Router {
                 load: load.snapshot(),
             })
             .collect();
+        let recent_prefill_ms = self.recent_prefill_ms(pool, &views, scoring, now);
         // The block size does not matter with nothing matched.
-        let choice =
-            policy::choose(&views, 0, 1, scoring, &mut *self.rng.lock()).map_or(0, |c| c.index);
+        let choice = policy::choose(
+            &views,
+            recent_prefill_ms,
+            0,
+            1,
+            scoring,
+            &mut *self.rng.lock(),
+        )
+        .map_or(0, |c| c.index);
         let fallbacks = policy::fallback_order(&views, choice, 0, 1, scoring);
         Routed {
             choice,
@@ -524,6 +610,7 @@ mod tests {
         now: Instant,
     ) -> RouteRequest<'a> {
         RouteRequest {
+            pool: PoolSide::serving("p"),
             candidates,
             loads: None,
             prompt,

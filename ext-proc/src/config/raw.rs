@@ -14,7 +14,8 @@ use kvroute_block_keys::{DEFAULT_BLOCK_SIZE, RawKeyScheme};
 use kvroute_config::{ConfigDuration, ListenAddr, RawClientTls, RawServerTls, format_duration};
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
 use kvroute_routing::scoring::{
-    DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_KV_USAGE_MS,
+    DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_IDLE_HOTSPOT_FACTOR,
+    DEFAULT_IDLE_HOTSPOT_MIN_MS, DEFAULT_IDLE_POOL_MS, DEFAULT_KV_USAGE_MS,
     DEFAULT_OVERLOAD_IMBALANCE, DEFAULT_OVERLOAD_QUEUE_MS, DEFAULT_PREFILL_MS_PER_TOKEN,
     DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY, DEFAULT_RUNNING_MS_PER_REQUEST,
     DEFAULT_SPECULATIVE_TTL,
@@ -249,12 +250,25 @@ pub(super) struct RawScoring {
     pub(super) kv_usage_ms: Option<f64>,
     /// Hotspot guard: a replica whose load exceeds the candidates' mean by this factor (and
     /// `hotspot_min_ms`) is skipped when two or more requests starting as the routed one (its
-    /// first block) are in flight there, unless every candidate is; at least 1.
+    /// first block) are in flight there, unless every candidate is; at least 1. While the pool
+    /// is busy; `idle_hotspot_factor` while it is idle.
     #[schemars(extend("default" = DEFAULT_HOTSPOT_FACTOR))]
     pub(super) hotspot_factor: Option<f64>,
-    /// Loads below this never trip the hotspot guard, in ms.
+    /// Loads below this never trip the hotspot guard while the pool is busy, in ms.
     #[schemars(extend("default" = DEFAULT_HOTSPOT_MIN_MS))]
     pub(super) hotspot_min_ms: Option<f64>,
+    /// The pool counts as idle while its candidates' queued prefill (estimated, in ms), averaged
+    /// over the last seconds, is below this: a burst of requests sharing a prefix then spills off
+    /// its holder sooner (`idle_hotspot_factor`, `idle_hotspot_min_ms`), so replicas with spare
+    /// prefill compute the prefix in parallel and hold it for what follows. 0: never idle.
+    #[schemars(extend("default" = DEFAULT_IDLE_POOL_MS))]
+    pub(super) idle_pool_ms: Option<f64>,
+    /// The hotspot guard's factor while the pool is idle; at least 1.
+    #[schemars(extend("default" = DEFAULT_IDLE_HOTSPOT_FACTOR))]
+    pub(super) idle_hotspot_factor: Option<f64>,
+    /// Loads below this never trip the hotspot guard while the pool is idle, in ms.
+    #[schemars(extend("default" = DEFAULT_IDLE_HOTSPOT_MIN_MS))]
+    pub(super) idle_hotspot_min_ms: Option<f64>,
     /// Share of a held prefix's prefill charged again to a replica that would recompute it, once
     /// every replica is busy.
     #[schemars(extend("default" = DEFAULT_RECOMPUTE_PENALTY))]

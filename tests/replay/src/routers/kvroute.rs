@@ -23,7 +23,7 @@ use kvroute_index_core::index::{
 use kvroute_routing::load::{DEFAULT_SCRAPE_INTERVAL, InflightGuard, LoadBoard, Scraped};
 use kvroute_routing::policy::queue_ms;
 use kvroute_routing::{
-    Indexed, PeerDecision, PrefillSide, PromptFacts, RouteRequest, Router as RoutingCore,
+    Indexed, PeerDecision, PoolSide, PrefillSide, PromptFacts, RouteRequest, Router as RoutingCore,
     ScoringConfig, SplitRule, SplitVerdict,
 };
 use rand::rngs::StdRng;
@@ -164,9 +164,16 @@ impl Kvroute {
 }
 
 impl Kvroute {
-    /// The routing core's choice among `pool` (replica indices), committed: what ext-proc's
-    /// picker does for one pool of candidates. `None` only for an empty pool.
-    fn route_among(&mut self, request: &Request, now_us: u64, pool: &[usize]) -> Option<Decision> {
+    /// The routing core's choice among `pool` (replica indices, `side` of the fleet's one pool),
+    /// committed: what ext-proc's picker does for one pool of candidates. `None` only for an
+    /// empty pool.
+    fn route_among(
+        &mut self,
+        request: &Request,
+        now_us: u64,
+        side: PoolSide<'_>,
+        pool: &[usize],
+    ) -> Option<Decision> {
         let now = self.instant(now_us);
         let keys = request.keys();
         let mut indexed: Vec<Option<Indexed>> = vec![None; pool.len()];
@@ -189,6 +196,7 @@ impl Kvroute {
         }
         let candidates: Vec<&str> = pool.iter().map(|r| self.names[*r].as_str()).collect();
         let routed = self.core.score_and_commit(RouteRequest {
+            pool: side,
             candidates: &candidates,
             loads: None,
             prompt: Some(PromptFacts {
@@ -216,7 +224,7 @@ impl Router for Kvroute {
     fn route(&mut self, request: &Request, view: &View<'_>) -> Decision {
         let all: Vec<usize> = (0..self.names.len()).collect();
         // No replicas: the simulator never builds a fleet without one.
-        self.route_among(request, view.now_us, &all)
+        self.route_among(request, view.now_us, PoolSide::serving(MODEL), &all)
             .unwrap_or(Decision {
                 replica: 0,
                 predicted_blocks: None,
@@ -238,7 +246,12 @@ impl Router for Kvroute {
             };
         };
         let decode = self
-            .route_among(request, view.now_us, &view.decode_pool())
+            .route_among(
+                request,
+                view.now_us,
+                PoolSide::serving(MODEL),
+                &view.decode_pool(),
+            )
             .unwrap_or(Decision {
                 replica: 0,
                 predicted_blocks: None,
@@ -268,7 +281,7 @@ impl Router for Kvroute {
             if let Some(guard) = self.guards.get_mut(&(request.id, decode.replica)) {
                 guard.prefilled_elsewhere();
             }
-            self.route_among(request, view.now_us, &admitted)
+            self.route_among(request, view.now_us, PoolSide::prefill(MODEL), &admitted)
                 .map(|d| d.replica)
         } else {
             None
