@@ -95,8 +95,9 @@ pub struct CandidateRecord {
     pub kv_usage: f64,
     /// Requests kvroute routed there and not yet answered.
     pub inflight_requests: f64,
-    /// Of those, the ones whose prompts start as this one's (its first block): the pile-up the
-    /// hotspot guard counts. `None` without the prompt (the load tier).
+    /// Of those, the ones that carry as much of this prompt as the replica holds or computes for
+    /// it (`InflightOverlap::siblings`): the pile-up the hotspot guard counts. `None` without the
+    /// prompt (the load tier).
     pub inflight_siblings: Option<u32>,
     /// Estimated time to first token there, ms.
     pub estimated_ttft_ms: f64,

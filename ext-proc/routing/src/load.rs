@@ -60,7 +60,9 @@ pub struct LoadSnapshot {
 pub struct InflightOverlap {
     /// Leading prompt blocks some in-flight request carries (its prefill computes them).
     pub shared_blocks: u32,
-    /// In-flight requests whose prompts start as this one's (they carry its first block).
+    /// In-flight requests that carry as much of the prompt as the replica holds or computes for
+    /// it: its siblings, piled where that prefix is (0 when the replica holds more of the prompt
+    /// than any request in flight there carries).
     pub siblings: u32,
 }
 
@@ -162,19 +164,29 @@ impl ReplicaLoad {
         u32::try_from(shared).unwrap_or(u32::MAX)
     }
 
-    /// What the requests in flight on this replica share with a prompt of `keys`: the leading
-    /// blocks some of them carry ([`ReplicaLoad::inflight_shared_blocks`]) and how many start
-    /// as it does (carry its first block) — under one lock.
-    pub fn inflight_overlap(&self, keys: &[u64]) -> InflightOverlap {
+    /// What the requests in flight on this replica share with a prompt of `keys`, of which the
+    /// replica is believed to hold `held_blocks` otherwise (index, routed-prefix memory): the
+    /// leading blocks some of them carry ([`ReplicaLoad::inflight_shared_blocks`]) and how many
+    /// carry all of that prefix when it reaches at least as far as what is held — under one
+    /// lock. A request that shares only the start of the prompt (a system prompt, where this one
+    /// goes on with a conversation the replica holds) is no sibling of it.
+    pub fn inflight_overlap(&self, keys: &[u64], held_blocks: u32) -> InflightOverlap {
         let inflight = self.inflight_keys.lock();
-        let Some(first) = keys.first() else {
-            return InflightOverlap::default();
-        };
-        let siblings = inflight.get(first).copied().unwrap_or(0);
-        if siblings == 0 {
+        if keys
+            .first()
+            .is_none_or(|first| !inflight.contains_key(first))
+        {
             return InflightOverlap::default();
         }
         let shared = keys.partition_point(|key| inflight.contains_key(key));
+        let siblings = match shared.checked_sub(1) {
+            Some(deepest) if held_blocks as usize <= shared => keys
+                .get(deepest)
+                .and_then(|key| inflight.get(key))
+                .copied()
+                .unwrap_or(0),
+            _ => 0,
+        };
         InflightOverlap {
             shared_blocks: u32::try_from(shared).unwrap_or(u32::MAX),
             siblings,
@@ -535,5 +547,35 @@ mod tests {
         // Idle again for long: back near zero.
         let later = load.fold(at(20_000), 0.0);
         assert!(later < 1.0, "{later}");
+    }
+
+    #[test]
+    fn siblings_carry_as_much_of_the_prompt_as_the_replica_holds() {
+        let board = LoadBoard::default();
+        let system: Vec<u64> = vec![1, 2];
+        let with = |tail: &[u64]| [system.as_slice(), tail].concat();
+        // Two conversations in flight on r0, sharing only the system prompt with a third one
+        // whose history (blocks 30, 31) r0 holds.
+        let _a = board.start_request("r0", 100, with(&[10, 11]));
+        let _b = board.start_request("r0", 100, with(&[20, 21]));
+        let load = board.replica("r0");
+        let third = with(&[30, 31, 32]);
+        let overlap = load.inflight_overlap(&third, 4);
+        assert_eq!((overlap.shared_blocks, overlap.siblings), (2, 0));
+        // A new conversation r0 holds nothing of beyond the system prompt: the two are siblings.
+        let new = with(&[40]);
+        assert_eq!(load.inflight_overlap(&new, 2).siblings, 2);
+        assert_eq!(load.inflight_overlap(&new, 0).siblings, 2);
+        // A burst on one new context: every request in flight carries all of it.
+        let _c = board.start_request("r0", 100, with(&[50, 51, 52]));
+        let _d = board.start_request("r0", 10, with(&[50, 51, 53]));
+        let sibling = with(&[50, 51, 54]);
+        let overlap = load.inflight_overlap(&sibling, 2);
+        assert_eq!((overlap.shared_blocks, overlap.siblings), (4, 2));
+        // Nothing in flight shares the first block: nothing at all.
+        assert_eq!(
+            load.inflight_overlap(&[99, 100], 0),
+            InflightOverlap::default()
+        );
     }
 }

@@ -434,9 +434,13 @@ impl Router {
             .zip(loads)
             .enumerate()
             .map(|(i, (remembered, load))| {
-                let overlap = load.inflight_overlap(&keys);
+                let indexed_here = indexed.get(i).copied().flatten();
+                let believed = indexed_here.map_or(remembered.approximate, |found| {
+                    found.with_speculative(remembered.speculative)
+                });
+                let overlap = load.inflight_overlap(&keys, believed);
                 let shared_blocks = overlap.shared_blocks as usize;
-                let (matched_blocks, reused) = match indexed.get(i).copied().flatten() {
+                let (matched_blocks, reused) = match indexed_here {
                     // A recent insert stands for events that have not landed yet. kvroute keeps
                     // believing it for the TTL (a replica whose engine never stores what kvroute
                     // routed there then shows as drift), and for as long as a request carrying

@@ -13,7 +13,8 @@ pub const DEFAULT_KV_USAGE_MS: f64 = 100.0;
 /// A replica whose load exceeds the pool mean by this factor is skipped (hotspot guard), while
 /// the pool is busy. A guard that spills a burst early (the idle pool's, below) spends the busy
 /// pool's capacity recomputing contexts: in kvroute-replay at 1.1 it cut fan-out's max rate at
-/// the 2 s objective from 80.7 to 70.9 req/s; 1.75 keeps it at the best anchor's (82.5).
+/// the 2 s objective from 80.7 to 70.9 req/s; 1.75 keeps it (1.5 cost a bisection step once
+/// the idle pool spills early).
 pub const DEFAULT_HOTSPOT_FACTOR: f64 = 1.75;
 /// Loads below this (ms) never trip the hotspot guard while the pool is busy (an idle pool has
 /// tiny means).
@@ -24,7 +25,7 @@ pub const DEFAULT_IDLE_POOL_MS: f64 = 100.0;
 /// The hotspot guard's factor while the pool is idle: a burst of siblings spills off its holder
 /// early, so idle replicas compute its context in parallel and hold it for the agent's next
 /// round (in kvroute-replay, fan-out's TTFT p90 at ×1–×2 from 1.04–1.06 of Dynamo w2's to
-/// 1.00–1.01, the other workloads within 2 %).
+/// 1.01, the other workloads within 1 %).
 pub const DEFAULT_IDLE_HOTSPOT_FACTOR: f64 = 1.1;
 /// Loads below this (ms) never trip the hotspot guard while the pool is idle.
 pub const DEFAULT_IDLE_HOTSPOT_MIN_MS: f64 = 150.0;

@@ -249,9 +249,9 @@ pub(super) struct RawScoring {
     #[schemars(extend("default" = DEFAULT_KV_USAGE_MS))]
     pub(super) kv_usage_ms: Option<f64>,
     /// Hotspot guard: a replica whose load exceeds the candidates' mean by this factor (and
-    /// `hotspot_min_ms`) is skipped when two or more requests starting as the routed one (its
-    /// first block) are in flight there, unless every candidate is; at least 1. While the pool
-    /// is busy; `idle_hotspot_factor` while it is idle.
+    /// `hotspot_min_ms`) is skipped when two or more requests carrying as much of the routed
+    /// prompt as the replica holds are in flight there, unless every candidate is; at least 1.
+    /// While the pool is busy; `idle_hotspot_factor` while it is idle.
     #[schemars(extend("default" = DEFAULT_HOTSPOT_FACTOR))]
     pub(super) hotspot_factor: Option<f64>,
     /// Loads below this never trip the hotspot guard while the pool is busy, in ms.
