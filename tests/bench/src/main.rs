@@ -165,10 +165,11 @@ struct Args {
     /// hosts the ext_procs; this flag measures what they cost.
     #[arg(long)]
     transparent_huge_pages: bool,
-    /// Fleet bench, internal: measure this one pool size in this process and print one
-    /// `fleet-one` line (the bench runs each size in a fresh process of its own).
-    #[arg(long, hide = true)]
-    fleet_replicas: Option<usize>,
+    /// Fleet bench, internal: measure these pool sizes in this process, interleaved, and print
+    /// one `fleet-one` line each (the bench runs them together for latency, and each alone in a
+    /// fresh process for memory).
+    #[arg(long, hide = true, value_delimiter = ',')]
+    fleet_replicas: Vec<usize>,
 }
 
 impl Args {
@@ -340,9 +341,10 @@ async fn run(
         )?;
     }
     if matches!(args.bench, Which::Fleet) {
-        match args.fleet_replicas {
-            Some(replicas) => picker::fleet_one(&prompts, args.picker_decisions, replicas)?,
-            None => picker::fleet_bench(&model_dir, args.block_size, args.picker_decisions)?,
+        if args.fleet_replicas.is_empty() {
+            picker::fleet_bench(&model_dir, args.block_size, args.picker_decisions)?;
+        } else {
+            picker::fleet_one(&prompts, args.picker_decisions, &args.fleet_replicas)?;
         }
     }
     if matches!(args.bench, Which::Extproc | Which::All) {

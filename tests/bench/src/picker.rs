@@ -441,30 +441,30 @@ const FLEET_SIZES: [usize; 3] = [16, 256, 1024];
 /// How decision latency and memory grow with the pool: `decide` over pools of 16, 256 and 1,024
 /// replicas (static, no index: the approximate tier's routed-prefix memory and the load board
 /// are the per-replica state a decision reads), on 1k-token chats where half the requests repeat
-/// an earlier conversation's prompt (so prefixes are remembered across the pool). Each size runs
-/// in a fresh process of its own ([`fleet_one`]), so one size's freed pages, kept by the
-/// allocator, do not hide the next one's growth: memory per replica is the slope of the resident
-/// growth between the smallest and the largest pool.
+/// an earlier conversation's prompt (so prefixes are remembered across the pool).
+///
+/// Latency is measured with the sizes interleaved in one process, decision by decision (one
+/// picker per size, each request decided by every picker in turn): a shared host's noise — another
+/// job on the core, a slow page fault — then falls on every size alike, and the ratio of their
+/// p99s compares the pools rather than the moments they ran in (run one after the other, that
+/// ratio swung by ±0.4 from run to run). Memory is measured with each size alone in a fresh
+/// process ([`fleet_one`]), so one size's freed pages, kept by the allocator, do not hide the
+/// next one's growth: memory per replica is the slope of the resident growth between the
+/// smallest and the largest pool. Those runs' latencies are printed too, as a cross-check.
 pub(super) fn fleet_bench(
     model_dir: &std::path::Path,
     block_size: u32,
     decisions: usize,
 ) -> anyhow::Result<()> {
     println!(
-        "## fleet: decide() over pools of {FLEET_SIZES:?} replicas, 1k-token chats (half repeats), each size in a fresh process, load {}\n",
+        "## fleet: decide() over pools of {FLEET_SIZES:?} replicas, 1k-token chats (half repeats), load {}\n",
         load_average()
     );
-    println!(
-        "| replicas | decisions | p50 µs | p99 µs | p99 / p99 at {} | resident growth |",
-        FLEET_SIZES[0]
-    );
-    println!("|---:|---:|---:|---:|---:|---:|");
-    let exe = std::env::current_exe()?;
-    let mut measured = Vec::new();
-    for replicas in FLEET_SIZES {
-        let output = std::process::Command::new(&exe)
+    let run = |sizes: &[usize]| -> anyhow::Result<Vec<FleetOne>> {
+        let list: Vec<String> = sizes.iter().map(usize::to_string).collect();
+        let output = std::process::Command::new(std::env::current_exe()?)
             .arg("--bench=fleet")
-            .arg(format!("--fleet-replicas={replicas}"))
+            .arg(format!("--fleet-replicas={}", list.join(",")))
             .arg(format!("--picker-decisions={decisions}"))
             .arg(format!("--block-size={block_size}"))
             .arg("--model-dir")
@@ -473,50 +473,98 @@ pub(super) fn fleet_bench(
             .env("MIMALLOC_PURGE_DELAY", "0")
             .output()?;
         let stdout = String::from_utf8_lossy(&output.stdout);
-        let line = stdout
+        let measured = stdout
             .lines()
-            .find_map(|line| line.strip_prefix("fleet-one "))
-            .with_context(|| {
-                format!(
-                    "the {replicas}-replica run printed no result ({}): {}",
-                    output.status,
-                    String::from_utf8_lossy(&output.stderr)
-                )
-            })?;
-        let fields: Vec<f64> = line
-            .split_whitespace()
-            .map(str::parse)
-            .collect::<Result<_, _>>()
-            .with_context(|| format!("malformed fleet-one line {line:?}"))?;
-        let [count, p50, p99, growth] = fields[..] else {
-            anyhow::bail!("malformed fleet-one line {line:?}");
-        };
-        let base = measured.first().map_or(p99, |&(_, _, p99, _)| p99);
+            .filter_map(|line| line.strip_prefix("fleet-one "))
+            .map(FleetOne::parse)
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        if measured.len() != sizes.len() {
+            anyhow::bail!(
+                "the run over {sizes:?} replicas printed {} results ({}): {}",
+                measured.len(),
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(measured)
+    };
+    let together = run(&FLEET_SIZES)?;
+    let alone = FLEET_SIZES
+        .iter()
+        .map(|&replicas| Ok(run(&[replicas])?.remove(0)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let (Some(base), Some(base_alone)) = (together.first(), alone.first()) else {
+        anyhow::bail!("no pool size measured");
+    };
+    println!(
+        "| replicas | decisions | p50 µs | p99 µs | p99 / p99 at {} | alone: p50 / p99 µs, p99 / p99 at {} | resident growth, alone |",
+        FLEET_SIZES[0], FLEET_SIZES[0]
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for (one, lone) in together.iter().zip(&alone) {
         println!(
-            "| {replicas} | {count} | {p50:.0} | {p99:.0} | {:.2} | {:.1} MiB |",
-            p99 / base,
-            growth / f64::from(1 << 20)
+            "| {} | {} | {:.0} | {:.0} | {:.2} | {:.0} / {:.0}, {:.2} | {:.1} MiB |",
+            one.replicas,
+            one.decisions,
+            one.p50_us,
+            one.p99_us,
+            one.p99_us / base.p99_us,
+            lone.p50_us,
+            lone.p99_us,
+            lone.p99_us / base_alone.p99_us,
+            lone.growth_bytes / f64::from(1 << 20)
         );
-        measured.push((replicas, p50, p99, growth));
     }
-    if let (Some(&(small, .., small_growth)), Some(&(large, .., large_growth))) =
-        (measured.first(), measured.last())
-    {
+    if let (Some(small), Some(large)) = (alone.first(), alone.last()) {
         println!(
-            "\nmemory per replica (resident growth, {large} vs {small} replicas): {:.1} KiB\n",
-            (large_growth - small_growth) / 1024.0 / (large - small) as f64
+            "\nmemory per replica (resident growth, {} vs {} replicas): {:.1} KiB\n",
+            large.replicas,
+            small.replicas,
+            (large.growth_bytes - small.growth_bytes)
+                / 1024.0
+                / (large.replicas - small.replicas) as f64
         );
     }
     Ok(())
 }
 
-/// One pool size of [`fleet_bench`], in this process: prints `fleet-one <decisions> <p50 µs>
-/// <p99 µs> <resident growth bytes>`, the growth measured from before the picker is built to
-/// after the run, with the picker and its state alive.
+/// One pool size's result, as a `fleet-one` line carries it.
+struct FleetOne {
+    replicas: usize,
+    decisions: usize,
+    p50_us: f64,
+    p99_us: f64,
+    growth_bytes: f64,
+}
+
+impl FleetOne {
+    fn parse(line: &str) -> anyhow::Result<Self> {
+        let fields: Vec<f64> = line
+            .split_whitespace()
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .with_context(|| format!("malformed fleet-one line {line:?}"))?;
+        let [replicas, decisions, p50_us, p99_us, growth_bytes] = fields[..] else {
+            anyhow::bail!("malformed fleet-one line {line:?}");
+        };
+        Ok(Self {
+            replicas: replicas as usize,
+            decisions: decisions as usize,
+            p50_us,
+            p99_us,
+            growth_bytes,
+        })
+    }
+}
+
+/// Pool sizes of [`fleet_bench`], in this process, interleaved decision by decision: prints one
+/// `fleet-one <replicas> <decisions> <p50 µs> <p99 µs> <resident growth bytes>` line per size,
+/// the growth measured from before the pickers are built to after the run, with the pickers and
+/// their state alive (one size's own only when it runs alone).
 pub(super) fn fleet_one(
     prompts: &PromptSource,
     decisions: usize,
-    replicas: usize,
+    sizes: &[usize],
 ) -> anyhow::Result<()> {
     let fresh: Vec<Bytes> = (0..decisions / 2)
         .map(|_| prompts.miss_body(SIZES[0]))
@@ -528,68 +576,82 @@ pub(super) fn fleet_one(
         .flat_map(|(i, body)| [body.clone(), fresh[i / 2].clone()])
         .collect();
     // Its own runtime on a thread of its own (the bench's runtime is running this).
-    let (mut latencies, growth) = std::thread::scope(|scope| {
+    let (per_size, growth) = std::thread::scope(|scope| {
         scope
-            .spawn(|| fleet_run(prompts, &bodies, replicas))
+            .spawn(|| fleet_run(prompts, &bodies, sizes))
             .join()
             .map_err(|_| anyhow::anyhow!("fleet thread panicked"))?
     })?;
-    latencies.sort_unstable();
-    let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
-    println!(
-        "fleet-one {} {:.1} {:.1} {growth}",
-        latencies.len(),
-        at(0.5).as_secs_f64() * 1e6,
-        at(0.99).as_secs_f64() * 1e6,
-    );
+    for (replicas, mut latencies) in sizes.iter().zip(per_size) {
+        latencies.sort_unstable();
+        let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
+        println!(
+            "fleet-one {replicas} {} {:.1} {:.1} {growth}",
+            latencies.len(),
+            at(0.5).as_secs_f64() * 1e6,
+            at(0.99).as_secs_f64() * 1e6,
+        );
+    }
     Ok(())
 }
 
-/// The decisions' latencies, and the resident growth from before the picker was built to after
-/// the run (picker alive).
+/// Each size's decision latencies, and the resident growth from before the pickers were built
+/// to after the run (pickers alive). Every request is decided by each size's picker in turn,
+/// starting one further along for each request, so no size always runs right after the parse
+/// of a new body or right before the next.
 fn fleet_run(
     prompts: &PromptSource,
     bodies: &[Bytes],
-    replicas: usize,
-) -> anyhow::Result<(Vec<Duration>, u64)> {
+    sizes: &[usize],
+) -> anyhow::Result<(Vec<Vec<Duration>>, u64)> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .max_blocking_threads(1)
         .build()?;
     runtime.block_on(async {
         let rss_before = resident_bytes()?;
-        let upstreams: Vec<SocketAddr> = (0..replicas)
-            .map(|i| SocketAddr::from(([127, 0, 0, 1], 20_000 + i as u16)))
-            .collect();
-        let config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(
-            &upstreams,
-            &IndexMode::None,
-            &prompts.model_dir,
-            prompts.block_size,
-        ))?;
         let tasks = TaskTracker::new();
-        let runtime = kvroute_ext_proc::Runtime::build(config, None, &tasks)?;
-        let mut registry = prometheus_client::registry::Registry::default();
-        let metrics = kvroute_ext_proc::metrics::Metrics::register(&mut registry);
-        let picker = kvroute_ext_proc::Picker::new(runtime, metrics, tasks.clone());
-        let warm = request::parse(&bodies[0], Endpoint::ChatCompletions)?;
-        drop(picker.decide(&warm, None).await?);
-        let mut latencies = Vec::with_capacity(bodies.len());
-        // Decisions stay in flight (their guards held) as under load, 64 at a time.
-        let mut held = std::collections::VecDeque::new();
-        for body in &bodies[1..] {
-            let started = Instant::now();
-            let parsed = request::parse(body, Endpoint::ChatCompletions)?;
-            let decision = picker.decide(&parsed, None).await?;
-            latencies.push(started.elapsed());
-            held.push_back(decision);
-            if held.len() > 64 {
-                held.pop_front();
+        let mut pickers = Vec::with_capacity(sizes.len());
+        for &replicas in sizes {
+            let upstreams: Vec<SocketAddr> = (0..replicas)
+                .map(|i| SocketAddr::from(([127, 0, 0, 1], 20_000 + i as u16)))
+                .collect();
+            let config = kvroute_ext_proc::Config::from_yaml(&ext_proc_config(
+                &upstreams,
+                &IndexMode::None,
+                &prompts.model_dir,
+                prompts.block_size,
+            ))?;
+            let runtime = kvroute_ext_proc::Runtime::build(config, None, &tasks)?;
+            let mut registry = prometheus_client::registry::Registry::default();
+            let metrics = kvroute_ext_proc::metrics::Metrics::register(&mut registry);
+            let picker = kvroute_ext_proc::Picker::new(runtime, metrics, tasks.clone());
+            let warm = request::parse(&bodies[0], Endpoint::ChatCompletions)?;
+            drop(picker.decide(&warm, None).await?);
+            pickers.push(picker);
+        }
+        let mut latencies = vec![Vec::with_capacity(bodies.len()); sizes.len()];
+        // Decisions stay in flight (their guards held) as under load, 64 per picker.
+        let mut held: Vec<std::collections::VecDeque<_>> = sizes
+            .iter()
+            .map(|_| std::collections::VecDeque::new())
+            .collect();
+        for (turn, body) in bodies[1..].iter().enumerate() {
+            for step in 0..sizes.len() {
+                let which = (turn + step) % sizes.len();
+                let started = Instant::now();
+                let parsed = request::parse(body, Endpoint::ChatCompletions)?;
+                let decision = pickers[which].decide(&parsed, None).await?;
+                latencies[which].push(started.elapsed());
+                held[which].push_back(decision);
+                if held[which].len() > 64 {
+                    held[which].pop_front();
+                }
             }
         }
         drop(held);
         let growth = resident_bytes()?.saturating_sub(rss_before);
-        drop(picker);
+        drop(pickers);
         tasks.close();
         Ok((latencies, growth))
     })
