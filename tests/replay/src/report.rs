@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use crate::experiment::{RegretRow, Row, SloBound, SloRate};
+use crate::metrics::RunMetrics;
 use crate::routers::RouterSpec;
 
 fn cell(value: f64, decimals: usize) -> String {
@@ -144,11 +145,14 @@ pub fn markdown(rows: &[Row], slo: &[SloRate], slo_ms: f64) -> String {
 
 /// kvroute against the issue's aim at every point: TTFT p90 below every anchor (llm-d, SGLang,
 /// Dynamo, every variant), within 1.2× the oracle, hit rate ≥ 0.9× pooled LRU, imbalance ≤ 1.2.
+/// Beside the means, the same seeds compared pairwise ([`PairedRatio`]): how many seeds kvroute's
+/// p90 is at or below the best anchor's, and the per-seed ratio's mean with its 95 % interval —
+/// a mean ratio whose interval spans 1 is within what the seeds' own spread can tell apart.
 fn verdict(rows: &[Row]) -> String {
     let mut out = String::from(
         "\n### kvroute against the aim\n\n\
-         | workload | load | kvroute p90 ms | best anchor (p90 ms) | p90 < every anchor | p90 / oracle | hit / pooled LRU | imbalance |\n\
-         |---|---:|---:|---|:---:|---:|---:|---:|\n",
+         | workload | load | kvroute p90 ms | best anchor (p90 ms) | p90 < every anchor | seeds at or below it | per-seed ratio (95 % interval) | p90 / oracle | hit / pooled LRU | imbalance |\n\
+         |---|---:|---:|---|:---:|---:|---:|---:|---:|---:|\n",
     );
     for (workload, load) in points(rows) {
         let at: Vec<&Row> = rows
@@ -176,9 +180,20 @@ fn verdict(rows: &[Row]) -> String {
             ),
             None => ("—".to_owned(), "—"),
         };
+        let kvroute_seeds = at
+            .iter()
+            .find(|r| r.router == "kvroute")
+            .map_or(&[][..], |r| &r.seeds[..]);
+        let paired = anchor.and_then(|a| PairedRatio::of(kvroute_seeds, &a.seeds));
+        let (seeds_cell, ratio_cell) = paired.map_or(("—".to_owned(), "—".to_owned()), |p| {
+            (
+                format!("{} of {}", p.at_or_below, p.seeds),
+                format!("{:.3} ({:.3}–{:.3})", p.mean, p.low, p.high),
+            )
+        });
         let _ = writeln!(
             out,
-            "| {workload} | ×{} | {} | {anchor_cell} | {wins} | {} | {} | {} |",
+            "| {workload} | ×{} | {} | {anchor_cell} | {wins} | {seeds_cell} | {ratio_cell} | {} | {} | {} |",
             factor(load),
             ms(kvroute.ttft_p90_ms),
             cell(kvroute.ttft_p90_ms / oracle, 2),
@@ -187,6 +202,61 @@ fn verdict(rows: &[Row]) -> String {
         );
     }
     out
+}
+
+/// kvroute's TTFT p90 over another router's, seed by seed (the same seed replays the same
+/// arrivals and draws the same generated workload for both, so the pairs share their luck).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PairedRatio {
+    seeds: usize,
+    /// Seeds where kvroute's p90 is at or below the other's.
+    at_or_below: usize,
+    /// Mean of the per-seed ratios.
+    mean: f64,
+    /// Two-sided 95 % interval of that mean (Student's t over the seeds).
+    low: f64,
+    high: f64,
+}
+
+impl PairedRatio {
+    /// `None` without two comparable seeds.
+    fn of(kvroute: &[RunMetrics], other: &[RunMetrics]) -> Option<Self> {
+        let ratios: Vec<f64> = kvroute
+            .iter()
+            .zip(other)
+            .map(|(k, o)| k.ttft_p90_ms / o.ttft_p90_ms)
+            .filter(|r| r.is_finite())
+            .collect();
+        let seeds = ratios.len();
+        if seeds < 2 {
+            return None;
+        }
+        let n = seeds as f64;
+        let mean = ratios.iter().sum::<f64>() / n;
+        let variance = ratios.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1.0);
+        let half = student_t_975(seeds - 1) * (variance / n).sqrt();
+        Some(Self {
+            seeds,
+            at_or_below: ratios.iter().filter(|&&r| r <= 1.0).count(),
+            mean,
+            low: mean - half,
+            high: mean + half,
+        })
+    }
+}
+
+/// Student's t distribution's 97.5th percentile for `df` degrees of freedom (two-sided 95 %);
+/// the normal's 1.96 past 30.
+fn student_t_975(df: usize) -> f64 {
+    const TABLE: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042,
+    ];
+    df.checked_sub(1)
+        .and_then(|i| TABLE.get(i))
+        .copied()
+        .unwrap_or(1.96)
 }
 
 /// The max-rate table: router rows, workload columns.
@@ -726,7 +796,37 @@ pub fn write_all(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::RunMetrics;
+
+    #[test]
+    fn paired_seeds_tell_a_tie_from_a_loss() {
+        let p90 = |values: &[f64]| -> Vec<RunMetrics> {
+            values
+                .iter()
+                .map(|&ttft_p90_ms| RunMetrics {
+                    ttft_p90_ms,
+                    ..RunMetrics::default()
+                })
+                .collect()
+        };
+        // Ahead in half the seeds, behind in the others: the interval spans 1.
+        let tie = PairedRatio::of(&p90(&[99.0, 102.0, 98.0, 103.0]), &p90(&[100.0; 4]));
+        let tie = tie.expect("four seeds");
+        assert_eq!((tie.seeds, tie.at_or_below), (4, 2));
+        assert!(tie.low < 1.0 && tie.high > 1.0, "{tie:?}");
+        // Behind in every seed by about the same: the interval is above 1.
+        let loss = PairedRatio::of(&p90(&[105.0, 104.0, 106.0, 105.0]), &p90(&[100.0; 4]));
+        let loss = loss.expect("four seeds");
+        assert_eq!(loss.at_or_below, 0);
+        assert!(loss.low > 1.0, "{loss:?}");
+        assert!((loss.mean - 1.05).abs() < 1e-9);
+        assert_eq!(
+            PairedRatio::of(&p90(&[1.0]), &p90(&[1.0])),
+            None,
+            "one seed"
+        );
+        assert_eq!(student_t_975(5), 2.571);
+        assert_eq!(student_t_975(100), 1.96);
+    }
 
     #[test]
     fn every_router_and_bound_has_its_own_colour_and_marker() {
