@@ -250,6 +250,16 @@ pub struct Runtime {
     pub config: Arc<Config>,
     tokenizers: Vec<Option<Arc<dyn Tokenizer>>>,
     index: IndexClient,
+    /// Every configured replica's load record, in `config.replicas`' order, as of a load board's
+    /// epoch ([`Picker::replica_loads`]).
+    loads: arc_swap::ArcSwapOption<ResolvedLoads>,
+}
+
+/// Load records resolved by name once, kept while the board they came from is unchanged.
+#[derive(Debug)]
+struct ResolvedLoads {
+    epoch: u64,
+    loads: Vec<Arc<ReplicaLoad>>,
 }
 
 impl Runtime {
@@ -298,6 +308,7 @@ impl Runtime {
             config: Arc::new(config),
             tokenizers,
             index,
+            loads: arc_swap::ArcSwapOption::empty(),
         })
     }
 
@@ -404,6 +415,32 @@ impl Picker {
     /// Replica load records (scraper and tests).
     pub fn loads(&self) -> &LoadBoard {
         self.router.loads()
+    }
+
+    /// Every configured replica's load record (`runtime.config.replicas`' order): looked up by
+    /// name once per config and board state, not per decision (in a pool of a thousand replicas
+    /// the lookups were a tenth of a decision).
+    fn replica_loads(&self, runtime: &Runtime) -> Arc<ResolvedLoads> {
+        let board = self.loads();
+        // Read before the records: a change in between leaves this copy stale, so not reused.
+        let epoch = board.epoch();
+        if let Some(resolved) = runtime.loads.load_full()
+            && resolved.epoch == epoch
+        {
+            return resolved;
+        }
+        let ids: Vec<&str> = runtime
+            .config
+            .replicas
+            .iter()
+            .map(|r| r.id.as_str())
+            .collect();
+        let resolved = Arc::new(ResolvedLoads {
+            epoch,
+            loads: board.replicas(&ids),
+        });
+        runtime.loads.store(Some(Arc::clone(&resolved)));
+        resolved
     }
 
     /// Scrapes every replica's engine once (the scrape loop's step); logs shadow pools' last
@@ -548,26 +585,23 @@ impl Picker {
             tracing::Span::current().record("kvroute.pool", pool.name.as_str());
         }
         // The pool's ready replicas, their loads read under one lock.
-        let in_pool: Vec<&Replica> = config
+        let all_loads = self.replica_loads(runtime);
+        let (ready, ready_loads): (Vec<&Replica>, Vec<Arc<ReplicaLoad>>) = config
             .replicas
             .iter()
-            .filter(|r| r.pool == pool_index)
-            .collect();
-        let ids: Vec<&str> = in_pool.iter().map(|r| r.id.as_str()).collect();
-        let (ready, ready_loads): (Vec<&Replica>, Vec<Arc<ReplicaLoad>>) = in_pool
-            .iter()
-            .zip(self.loads().replicas(&ids))
+            .zip(&all_loads.loads)
+            .filter(|(r, _)| r.pool == pool_index)
             .filter(|(_, load)| load.is_ready(config.scrape.unready_after_failures))
-            .map(|(replica, load)| (*replica, load))
+            .map(|(replica, load)| (replica, Arc::clone(load)))
             .unzip();
         // A request goes to a replica that decodes (within the GIE subset hint); a split one's
         // prompt is computed on one that prefills. Their loads go along (scoring reads them).
         let (candidates, candidate_loads): (Vec<&Replica>, Vec<Arc<ReplicaLoad>>) = ready
             .iter()
-            .zip(&ready_loads)
+            .zip(ready_loads)
             .filter(|(r, _)| r.role.decodes())
             .filter(|(r, _)| subset.is_none_or(|s| s.contains(&r.address)))
-            .map(|(r, load)| (*r, Arc::clone(load)))
+            .map(|(r, load)| (*r, load))
             .unzip();
         let prefill_candidates: Vec<&Replica> = match pool.disaggregation {
             Some(_) => ready

@@ -324,11 +324,25 @@ impl InflightGuard {
 /// Makes the gauge a replica's in-flight count is mirrored to (a registered metric).
 pub type InflightGaugeFor = Box<dyn Fn(&str) -> Gauge + Send + Sync>;
 
+/// Numbers for boards' states ([`LoadBoard::epoch`]), unique in the process.
+static BOARD_EPOCHS: AtomicU64 = AtomicU64::new(1);
+
 /// Load of every replica, created on first use.
-#[derive(Default)]
 pub struct LoadBoard {
     replicas: RwLock<crate::ByReplica<Arc<ReplicaLoad>>>,
     inflight_gauge_for: Option<InflightGaugeFor>,
+    /// Changes whenever records may have been dropped ([`Self::retain`]).
+    epoch: AtomicU64,
+}
+
+impl Default for LoadBoard {
+    fn default() -> Self {
+        Self {
+            replicas: RwLock::default(),
+            inflight_gauge_for: None,
+            epoch: AtomicU64::new(BOARD_EPOCHS.fetch_add(1, Ordering::Relaxed)),
+        }
+    }
 }
 
 impl fmt::Debug for LoadBoard {
@@ -343,9 +357,17 @@ impl LoadBoard {
     /// A board whose replicas mirror their in-flight count to `gauge_for(replica)`.
     pub fn with_inflight_gauges(gauge_for: InflightGaugeFor) -> Self {
         Self {
-            replicas: RwLock::default(),
             inflight_gauge_for: Some(gauge_for),
+            ..Self::default()
         }
+    }
+
+    /// This board's state: another board, or this one after records were dropped, has another
+    /// number. Records read while it stays the same are the board's own (a caller may keep them,
+    /// a pool of a thousand then not looked up by name per decision); once it changes, a kept
+    /// record may be one the board no longer updates.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
     }
 
     /// The load records of `replicas`, in order (created on first use), under one read of the
@@ -430,13 +452,29 @@ impl LoadBoard {
 
     /// Forgets replicas `keep` says no.
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
-        self.replicas.write().retain(|id, _| keep(id));
+        let mut replicas = self.replicas.write();
+        replicas.retain(|id, _| keep(id));
+        self.epoch.store(
+            BOARD_EPOCHS.fetch_add(1, Ordering::Relaxed),
+            Ordering::Release,
+        );
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_board_state_has_a_number_of_its_own() {
+        let board = LoadBoard::default();
+        let before = board.epoch();
+        drop(board.replica("r0"));
+        assert_eq!(board.epoch(), before, "a record added drops none");
+        board.retain(|id| id != "r0");
+        assert_ne!(board.epoch(), before, "a record may have been dropped");
+        assert_ne!(LoadBoard::default().epoch(), board.epoch(), "another board");
+    }
 
     #[test]
     fn inflight_keys_live_as_long_as_their_requests() {

@@ -168,7 +168,7 @@ impl Reason {
 }
 
 /// The policy's answer.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
     /// Index into the candidates.
     pub index: usize,
@@ -176,6 +176,8 @@ pub struct Choice {
     pub reason: Reason,
     /// Estimated TTFT of the winner, ms.
     pub ttft_ms: f64,
+    /// The other candidates, best first ([`fallback_order`], from the same estimates).
+    pub fallbacks: Vec<usize>,
 }
 
 /// Requests the engine holds but has not admitted: the scraped queue, plus requests routed since
@@ -267,15 +269,21 @@ pub fn fallback_order(
     block_size: u32,
     weights: &ScoringConfig,
 ) -> Vec<usize> {
+    let ttfts: Vec<f64> = candidates
+        .iter()
+        .map(|c| estimated_ttft_ms(c, prompt_tokens, block_size, weights))
+        .collect();
+    rank_fallbacks(candidates, &ttfts, chosen)
+}
+
+/// [`fallback_order`] from the candidates' estimated TTFTs (`ttfts`, ms), already computed.
+fn rank_fallbacks(candidates: &[Candidate], ttfts: &[f64], chosen: usize) -> Vec<usize> {
     let mut ranked: Vec<(f64, u32, usize)> = candidates
         .iter()
+        .zip(ttfts)
         .enumerate()
         .filter(|(i, _)| *i != chosen)
-        .map(|(i, c)| {
-            let queue = queue_ms(&c.load, weights);
-            let ttft = ttft_after_queue_ms(c, queue, prompt_tokens, block_size, weights);
-            (ttft, c.matched_blocks, i)
-        })
+        .map(|(i, (c, ttft))| (*ttft, c.matched_blocks, i))
         .collect();
     let order = |a: &(f64, u32, usize), b: &(f64, u32, usize)| {
         a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2))
@@ -365,15 +373,11 @@ pub fn choose(
         .collect();
     let all_hot = hot.iter().all(|h| *h);
     let eligible = |i: usize| all_hot || !hot[i];
-    let ttft = |i: usize| {
-        ttft_after_queue_ms(
-            &candidates[i],
-            queues[i],
-            prompt_tokens,
-            block_size,
-            weights,
-        )
-    };
+    let ttfts: Vec<f64> = candidates
+        .iter()
+        .zip(&queues)
+        .map(|(c, queue)| ttft_after_queue_ms(c, *queue, prompt_tokens, block_size, weights))
+        .collect();
     let cached_tokens =
         |c: &Candidate| (c.matched_blocks as usize).saturating_mul(block_size as usize);
     let held = candidates
@@ -387,7 +391,7 @@ pub fn choose(
     let scores: Vec<f64> = (0..candidates.len())
         .map(|i| {
             let recomputed = held.saturating_sub(cached_tokens(&candidates[i]));
-            ttft(i) + penalty_ms_per_token * recomputed as f64
+            ttfts[i] + penalty_ms_per_token * recomputed as f64
         })
         .collect();
     let score = |i: usize| scores[i];
@@ -441,7 +445,8 @@ pub fn choose(
     Some(Choice {
         index,
         reason,
-        ttft_ms: ttft(index),
+        ttft_ms: ttfts[index],
+        fallbacks: rank_fallbacks(candidates, &ttfts, index),
     })
 }
 

@@ -474,8 +474,6 @@ impl Router {
             scoring,
             &mut *self.rng.lock(),
         )?;
-        let fallbacks =
-            policy::fallback_order(&views, choice.index, prompt_tokens, block_size, scoring);
         let matched_blocks = views[choice.index].matched_blocks;
         // vLLM recomputes at least the prompt's last token: a prompt of whole blocks reuses one
         // block less than it holds.
@@ -508,7 +506,7 @@ impl Router {
             cached_tokens,
             prediction: Some(prediction),
             inflight,
-            fallbacks,
+            fallbacks: choice.fallbacks,
             scored: Scored {
                 views,
                 indexed,
@@ -569,7 +567,7 @@ impl Router {
             .collect();
         let recent_prefill_ms = self.recent_prefill_ms(pool, &views, scoring, now);
         // The block size does not matter with nothing matched.
-        let choice = policy::choose(
+        let (choice, fallbacks) = policy::choose(
             &views,
             recent_prefill_ms,
             0,
@@ -577,8 +575,7 @@ impl Router {
             scoring,
             &mut *self.rng.lock(),
         )
-        .map_or(0, |c| c.index);
-        let fallbacks = policy::fallback_order(&views, choice, 0, 1, scoring);
+        .map_or((0, Vec::new()), |c| (c.index, c.fallbacks));
         Routed {
             choice,
             tier: Tier::Load,

@@ -893,3 +893,39 @@ fn text_of(seed: u64, len: usize) -> String {
         })
         .collect()
 }
+
+/// A decision reads its candidates' load records from a copy resolved by name once per config
+/// and board; a new board (a tie seed set after routing began) is read anew, not through the
+/// copy of the old one.
+#[tokio::test]
+async fn load_records_are_read_from_the_board_the_picker_routes_with() {
+    let config = Config::from_yaml(
+        "pools:\n- {name: p, models: [m], block_size: 16, key_scheme: {kind: token-chain}}\n\
+         replicas:\n\
+         - {id: r0, pool: p, address: \"10.0.0.1:8000\"}\n\
+         - {id: r1, pool: p, address: \"10.0.0.2:8000\"}\n",
+    )
+    .unwrap();
+    let tasks = TaskTracker::new();
+    let runtime = Runtime::build(config, None, &tasks).unwrap();
+    let picker = Picker::new(runtime, Metrics::register(&mut Registry::default()), tasks);
+    let request = parse(
+        br#"{"model": "m", "prompt": "hello"}"#,
+        Endpoint::Completions,
+    )
+    .unwrap();
+    // Resolves the records of the first board.
+    drop(picker.decide(&request, None).await.unwrap());
+    let picker = picker.with_tie_seed(7);
+    let unready = picker.loads().replica("r1");
+    for _ in 0..crate::config::DEFAULT_UNREADY_AFTER_FAILURES {
+        unready.record_scrape_failure();
+    }
+    for _ in 0..20 {
+        let decision = picker.decide(&request, None).await.unwrap();
+        assert_eq!(
+            decision.replica_id, "r0",
+            "r1 is unready on the board routed with"
+        );
+    }
+}

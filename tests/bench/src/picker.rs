@@ -438,6 +438,10 @@ fn this_thread_cpu() -> anyhow::Result<Duration> {
 /// Pool sizes of the fleet bench.
 const FLEET_SIZES: [usize; 3] = [16, 256, 1024];
 
+/// One decision in this many, the first ones, is warm-up and left out of the fleet bench's
+/// latencies.
+const FLEET_WARMUP_SHARE: usize = 10;
+
 /// How decision latency and memory grow with the pool: `decide` over pools of 16, 256 and 1,024
 /// replicas (static, no index: the approximate tier's routed-prefix memory and the load board
 /// are the per-replica state a decision reads), on 1k-token chats where half the requests repeat
@@ -582,7 +586,11 @@ pub(super) fn fleet_one(
             .join()
             .map_err(|_| anyhow::anyhow!("fleet thread panicked"))?
     })?;
-    for (replicas, mut latencies) in sizes.iter().zip(per_size) {
+    for (replicas, latencies) in sizes.iter().zip(per_size) {
+        // The first tenth warms caches and allocator pools up: left out, as the replay leaves
+        // out its first requests (kept in, they raised every size's p99 alike and squeezed the
+        // ratio between sizes toward 1).
+        let mut latencies = latencies[latencies.len() / FLEET_WARMUP_SHARE..].to_vec();
         latencies.sort_unstable();
         let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q) as usize];
         println!(
