@@ -30,7 +30,9 @@ use arc_swap::ArcSwap;
 use kvroute_index_api::api::{MatchRequest, MatchResponse, ReplicaCondition};
 use kvroute_routing::load::{InflightGuard, LoadBoard, ReplicaLoad};
 use kvroute_routing::policy::{Reason, queue_ms};
-use kvroute_routing::{Indexed, PoolSide, PrefillSide, PromptFacts, RouteRequest, Router};
+use kvroute_routing::{
+    Indexed, PoolSide, PrefillSide, PromptFacts, ReplicaHandle, RouteRequest, Router, RouterEpoch,
+};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument as _;
 
@@ -250,16 +252,16 @@ pub struct Runtime {
     pub config: Arc<Config>,
     tokenizers: Vec<Option<Arc<dyn Tokenizer>>>,
     index: IndexClient,
-    /// Every configured replica's load record, in `config.replicas`' order, as of a load board's
-    /// epoch ([`Picker::replica_loads`]).
-    loads: arc_swap::ArcSwapOption<ResolvedLoads>,
+    /// Every configured replica's routing state, in `config.replicas`' order, as of the
+    /// router's epoch ([`Picker::replica_handles`]).
+    handles: arc_swap::ArcSwapOption<ResolvedReplicas>,
 }
 
-/// Load records resolved by name once, kept while the board they came from is unchanged.
+/// Replicas' routing state resolved by name once, kept while the router's tables are unchanged.
 #[derive(Debug)]
-struct ResolvedLoads {
-    epoch: u64,
-    loads: Vec<Arc<ReplicaLoad>>,
+struct ResolvedReplicas {
+    epoch: RouterEpoch,
+    handles: Vec<ReplicaHandle>,
 }
 
 impl Runtime {
@@ -308,7 +310,7 @@ impl Runtime {
             config: Arc::new(config),
             tokenizers,
             index,
-            loads: arc_swap::ArcSwapOption::empty(),
+            handles: arc_swap::ArcSwapOption::empty(),
         })
     }
 
@@ -417,29 +419,28 @@ impl Picker {
         self.router.loads()
     }
 
-    /// Every configured replica's load record (`runtime.config.replicas`' order): looked up by
-    /// name once per config and board state, not per decision (in a pool of a thousand replicas
+    /// Every configured replica's routing state (`runtime.config.replicas`' order): looked up by
+    /// name once per config and router state, not per decision (in a pool of a thousand replicas
     /// the lookups were a tenth of a decision).
-    fn replica_loads(&self, runtime: &Runtime) -> Arc<ResolvedLoads> {
-        let board = self.loads();
-        // Read before the records: a change in between leaves this copy stale, so not reused.
-        let epoch = board.epoch();
-        if let Some(resolved) = runtime.loads.load_full()
+    fn replica_handles(&self, runtime: &Runtime) -> Arc<ResolvedReplicas> {
+        // Read before resolving: a change in between leaves this copy stale, so not reused.
+        let epoch = self.router.epoch();
+        if let Some(resolved) = runtime.handles.load_full()
             && resolved.epoch == epoch
         {
             return resolved;
         }
-        let ids: Vec<&str> = runtime
-            .config
+        let config = &runtime.config;
+        let named: Vec<(&str, usize)> = config
             .replicas
             .iter()
-            .map(|r| r.id.as_str())
+            .map(|r| (r.id.as_str(), config.pools[r.pool].approx_capacity_blocks))
             .collect();
-        let resolved = Arc::new(ResolvedLoads {
+        let resolved = Arc::new(ResolvedReplicas {
             epoch,
-            loads: board.replicas(&ids),
+            handles: self.router.replica_handles(&named),
         });
-        runtime.loads.store(Some(Arc::clone(&resolved)));
+        runtime.handles.store(Some(Arc::clone(&resolved)));
         resolved
     }
 
@@ -584,24 +585,23 @@ impl Picker {
         if kvroute_runtime::telemetry::request_spans() {
             tracing::Span::current().record("kvroute.pool", pool.name.as_str());
         }
-        // The pool's ready replicas, their loads read under one lock.
-        let all_loads = self.replica_loads(runtime);
-        let (ready, ready_loads): (Vec<&Replica>, Vec<Arc<ReplicaLoad>>) = config
+        // The pool's ready replicas, with their routing state.
+        let resolved = self.replica_handles(runtime);
+        let (ready, ready_handles): (Vec<&Replica>, Vec<&ReplicaHandle>) = config
             .replicas
             .iter()
-            .zip(&all_loads.loads)
+            .zip(&resolved.handles)
             .filter(|(r, _)| r.pool == pool_index)
-            .filter(|(_, load)| load.is_ready(config.scrape.unready_after_failures))
-            .map(|(replica, load)| (replica, Arc::clone(load)))
+            .filter(|(_, handle)| handle.load().is_ready(config.scrape.unready_after_failures))
             .unzip();
         // A request goes to a replica that decodes (within the GIE subset hint); a split one's
-        // prompt is computed on one that prefills. Their loads go along (scoring reads them).
-        let (candidates, candidate_loads): (Vec<&Replica>, Vec<Arc<ReplicaLoad>>) = ready
+        // prompt is computed on one that prefills. Their state goes along (scoring reads it).
+        let (candidates, candidate_handles): (Vec<&Replica>, Vec<&ReplicaHandle>) = ready
             .iter()
-            .zip(ready_loads)
+            .zip(ready_handles)
             .filter(|(r, _)| r.role.decodes())
             .filter(|(r, _)| subset.is_none_or(|s| s.contains(&r.address)))
-            .map(|(r, load)| (*r, load))
+            .map(|(r, handle)| (*r, handle))
             .unzip();
         let prefill_candidates: Vec<&Replica> = match pool.disaggregation {
             Some(_) => ready
@@ -630,9 +630,9 @@ impl Picker {
             });
         }
         if let Some(shedding) = &config.epp.shedding
-            && candidate_loads
+            && candidate_handles
                 .iter()
-                .all(|load| is_saturated(load, shedding))
+                .all(|handle| is_saturated(handle.load(), shedding))
         {
             return Err(RequestError::Saturated {
                 model: request.model.to_string(),
@@ -664,7 +664,7 @@ impl Picker {
                 self.score_and_commit(
                     config,
                     pool_index,
-                    (&candidates, &candidate_loads),
+                    (&candidates, &candidate_handles),
                     facts,
                     explain,
                     commit,
@@ -768,7 +768,7 @@ impl Picker {
         let routed = self.router.score_and_commit(RouteRequest {
             pool: PoolSide::prefill(&pool.name),
             candidates: &ids,
-            loads: None,
+            handles: None,
             prompt: Some(PromptFacts {
                 indexed: indexed_answers(facts.index_answer.as_ref(), &others),
                 keys: facts.keys,
@@ -797,7 +797,7 @@ impl Picker {
         &self,
         config: &Arc<Config>,
         pool_index: usize,
-        (candidates, loads): (&[&Replica], &[Arc<ReplicaLoad>]),
+        (candidates, handles): (&[&Replica], &[&ReplicaHandle]),
         facts: Result<PrefixFacts, LoadCause>,
         explain: bool,
         commit: bool,
@@ -826,7 +826,7 @@ impl Picker {
         let routed = self.router.score_and_commit(RouteRequest {
             pool: PoolSide::serving(&pool.name),
             candidates: &ids,
-            loads: Some(loads),
+            handles: Some(handles),
             prompt,
             block_size: pool.block_size,
             capacity_blocks: pool.approx_capacity_blocks,

@@ -21,7 +21,8 @@ pub mod scoring;
 pub mod split;
 
 pub use router::{
-    Indexed, PeerDecision, PoolSide, PromptFacts, RouteRequest, Routed, Router, Scored, Tier,
+    Indexed, PeerDecision, PoolSide, PromptFacts, ReplicaHandle, RouteRequest, Routed, Router,
+    RouterEpoch, Scored, Tier,
 };
 pub use scoring::ScoringConfig;
 pub use split::{PrefillSide, SplitRule, SplitVerdict};
@@ -30,3 +31,10 @@ pub use split::{PrefillSide, SplitRule, SplitVerdict};
 /// requests, so a fast unkeyed-quality hash is safe; a decision over a pool of a thousand looks
 /// every candidate up several times, where SipHash was the largest per-candidate cost.
 type ByReplica<V> = std::collections::HashMap<String, V, foldhash::fast::RandomState>;
+
+/// A number no other call in this process gets: what per-replica tables stamp their state with
+/// ([`load::LoadBoard::epoch`], [`prefix_memory::PrefixMemory::epoch`]).
+fn next_epoch() -> u64 {
+    static EPOCHS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    EPOCHS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}

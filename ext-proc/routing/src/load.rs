@@ -42,6 +42,34 @@ pub struct Scraped {
     pub kv_usage: f64,
 }
 
+/// The last scrape, read by every decision without a lock: each gauge on its own. A decision
+/// racing a scrape may read one gauge from it and another from the one before, which the
+/// estimate cannot tell from a scrape taken a moment earlier.
+#[derive(Debug, Default)]
+struct ScrapedCell {
+    waiting: AtomicU64,
+    running: AtomicU64,
+    kv_usage: AtomicU64,
+}
+
+impl ScrapedCell {
+    fn read(&self) -> Scraped {
+        let gauge = |cell: &AtomicU64| f64::from_bits(cell.load(Ordering::Relaxed));
+        Scraped {
+            waiting: gauge(&self.waiting),
+            running: gauge(&self.running),
+            kv_usage: gauge(&self.kv_usage),
+        }
+    }
+
+    fn write(&self, scraped: Scraped) {
+        let set = |cell: &AtomicU64, value: f64| cell.store(value.to_bits(), Ordering::Relaxed);
+        set(&self.waiting, scraped.waiting);
+        set(&self.running, scraped.running);
+        set(&self.kv_usage, scraped.kv_usage);
+    }
+}
+
 /// A point-in-time view used for scoring.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct LoadSnapshot {
@@ -116,7 +144,7 @@ impl RecentAverage {
 /// Live load of one replica.
 #[derive(Debug, Default)]
 pub struct ReplicaLoad {
-    scraped: Mutex<Scraped>,
+    scraped: ScrapedCell,
     consecutive_failures: AtomicU32,
     inflight_requests: AtomicI64,
     inflight_prompt_tokens: AtomicI64,
@@ -138,7 +166,7 @@ impl ReplicaLoad {
     pub fn snapshot(&self) -> LoadSnapshot {
         let inflight = self.inflight_requests.load(Ordering::Relaxed).max(0);
         LoadSnapshot {
-            scraped: *self.scraped.lock(),
+            scraped: self.scraped.read(),
             // A routed request the engine already answered no longer adds load the last scrape
             // missed: only the unanswered ones count.
             routed_since_scrape: self
@@ -171,6 +199,12 @@ impl ReplicaLoad {
     /// lock. A request that shares only the start of the prompt (a system prompt, where this one
     /// goes on with a conversation the replica holds) is no sibling of it.
     pub fn inflight_overlap(&self, keys: &[u64], held_blocks: u32) -> InflightOverlap {
+        // Most replicas of a large pool have nothing in flight: no lock for them. A request's
+        // keys are counted before the request is (`LoadBoard::start_request`) and uncounted
+        // after, so a request this skips is one whose keys were not (or no longer) counted.
+        if self.inflight_requests.load(Ordering::Acquire) <= 0 {
+            return InflightOverlap::default();
+        }
         let inflight = self.inflight_keys.lock();
         if keys
             .first()
@@ -195,7 +229,7 @@ impl ReplicaLoad {
 
     /// Records a successful read of the engine's load.
     pub fn record_scrape(&self, scraped: Scraped) {
-        *self.scraped.lock() = scraped;
+        self.scraped.write(scraped);
         self.routed_since_scrape.store(0, Ordering::Relaxed);
         self.consecutive_failures.store(0, Ordering::Relaxed);
     }
@@ -324,9 +358,6 @@ impl InflightGuard {
 /// Makes the gauge a replica's in-flight count is mirrored to (a registered metric).
 pub type InflightGaugeFor = Box<dyn Fn(&str) -> Gauge + Send + Sync>;
 
-/// Numbers for boards' states ([`LoadBoard::epoch`]), unique in the process.
-static BOARD_EPOCHS: AtomicU64 = AtomicU64::new(1);
-
 /// Load of every replica, created on first use.
 pub struct LoadBoard {
     replicas: RwLock<crate::ByReplica<Arc<ReplicaLoad>>>,
@@ -340,7 +371,7 @@ impl Default for LoadBoard {
         Self {
             replicas: RwLock::default(),
             inflight_gauge_for: None,
-            epoch: AtomicU64::new(BOARD_EPOCHS.fetch_add(1, Ordering::Relaxed)),
+            epoch: AtomicU64::new(crate::next_epoch()),
         }
     }
 }
@@ -454,10 +485,7 @@ impl LoadBoard {
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
         let mut replicas = self.replicas.write();
         replicas.retain(|id, _| keep(id));
-        self.epoch.store(
-            BOARD_EPOCHS.fetch_add(1, Ordering::Relaxed),
-            Ordering::Release,
-        );
+        self.epoch.store(crate::next_epoch(), Ordering::Release);
     }
 }
 

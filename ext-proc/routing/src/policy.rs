@@ -278,22 +278,27 @@ pub fn fallback_order(
 
 /// [`fallback_order`] from the candidates' estimated TTFTs (`ttfts`, ms), already computed.
 fn rank_fallbacks(candidates: &[Candidate], ttfts: &[f64], chosen: usize) -> Vec<usize> {
-    let mut ranked: Vec<(f64, u32, usize)> = candidates
-        .iter()
-        .zip(ttfts)
-        .enumerate()
-        .filter(|(i, _)| *i != chosen)
-        .map(|(i, (c, ttft))| (*ttft, c.matched_blocks, i))
-        .collect();
     let order = |a: &(f64, u32, usize), b: &(f64, u32, usize)| {
         a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2))
     };
-    if ranked.len() > FALLBACKS_KEPT {
-        ranked.select_nth_unstable_by(FALLBACKS_KEPT, order);
-        ranked.truncate(FALLBACKS_KEPT);
+    // The best few kept in order as the candidates stream by: in a large pool most candidates
+    // cost one comparison with the last kept.
+    let mut kept: Vec<(f64, u32, usize)> = Vec::with_capacity(FALLBACKS_KEPT + 1);
+    for (i, (c, ttft)) in candidates.iter().zip(ttfts).enumerate() {
+        if i == chosen {
+            continue;
+        }
+        let entry = (*ttft, c.matched_blocks, i);
+        if kept.len() == FALLBACKS_KEPT
+            && kept.last().is_some_and(|last| order(&entry, last).is_ge())
+        {
+            continue;
+        }
+        let at = kept.partition_point(|k| order(k, &entry).is_lt());
+        kept.insert(at, entry);
+        kept.truncate(FALLBACKS_KEPT);
     }
-    ranked.sort_by(order);
-    ranked.into_iter().map(|(_, _, i)| i).collect()
+    kept.into_iter().map(|(_, _, i)| i).collect()
 }
 
 /// In overload (every candidate queued at least `overload_queue_ms`), which candidates are
@@ -507,6 +512,34 @@ mod tests {
             fallback_order(&c[..1], 0, 1024, 16, &weights()),
             Vec::<usize>::new()
         );
+    }
+
+    #[test]
+    fn a_large_pool_keeps_the_best_fallbacks_in_order() {
+        // Many candidates, many of them equal (ties: longer prefix, then index).
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let c: Vec<Candidate> = (0..300)
+            .map(|_| {
+                candidate(
+                    rng.random_range(0..3) * 10,
+                    f64::from(rng.random_range(0..4u32)),
+                )
+            })
+            .collect();
+        let w = weights();
+        let mut everyone: Vec<(f64, u32, usize)> = c
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 7)
+            .map(|(i, x)| (estimated_ttft_ms(x, 1024, 16, &w), x.matched_blocks, i))
+            .collect();
+        everyone.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
+        let best: Vec<usize> = everyone
+            .iter()
+            .take(FALLBACKS_KEPT)
+            .map(|(_, _, i)| *i)
+            .collect();
+        assert_eq!(fallback_order(&c, 7, 1024, 16, &w), best);
     }
 
     #[test]

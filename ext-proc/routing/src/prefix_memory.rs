@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_block_keys::KeyHasherBuilder;
@@ -26,6 +27,11 @@ pub struct Remembered {
 }
 
 type ReplicaKeys = Arc<Mutex<RoutedKeys>>;
+
+/// One replica's memory, resolved by name once ([`PrefixMemory::handles`]) and read without
+/// the replica table ([`PrefixMemory::lookup_handles`]).
+#[derive(Debug, Clone)]
+pub struct MemoryHandle(ReplicaKeys);
 
 /// One replica's routed keys and when each was last routed there: two generations of at most
 /// half the capacity each. Keys go into the current generation; when it is full it becomes the
@@ -67,9 +73,20 @@ impl RoutedKeys {
 }
 
 /// Per-replica routed-prefix memory.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PrefixMemory {
     replicas: RwLock<crate::ByReplica<ReplicaKeys>>,
+    /// Changes whenever memories may have been dropped ([`Self::retain`]).
+    epoch: AtomicU64,
+}
+
+impl Default for PrefixMemory {
+    fn default() -> Self {
+        Self {
+            replicas: RwLock::default(),
+            epoch: AtomicU64::new(crate::next_epoch()),
+        }
+    }
 }
 
 impl PrefixMemory {
@@ -121,6 +138,39 @@ impl PrefixMemory {
             .collect()
     }
 
+    /// [`lookup_all`](Self::lookup_all) over memories already resolved ([`Self::handles`]).
+    pub fn lookup_handles(
+        memories: &[&MemoryHandle],
+        held: &[u32],
+        keys: &[u64],
+        now: Instant,
+        ttl: Duration,
+    ) -> Vec<Remembered> {
+        memories
+            .iter()
+            .enumerate()
+            .map(|(i, memory)| {
+                let held = held.get(i).copied().unwrap_or(0);
+                Self::remembered(&memory.0, keys, now, ttl, held)
+            })
+            .collect()
+    }
+
+    /// The memories of `replicas` (id, capacity in blocks should it be created), in order,
+    /// created empty where none is yet.
+    pub fn handles(&self, replicas: &[(&str, usize)]) -> Vec<MemoryHandle> {
+        replicas
+            .iter()
+            .map(|(replica, capacity)| MemoryHandle(self.replica(replica, *capacity)))
+            .collect()
+    }
+
+    /// This memory's state: another memory, or this one after replicas' memories were dropped,
+    /// has another number (see [`crate::load::LoadBoard::epoch`]).
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
     fn remembered(
         memory: &ReplicaKeys,
         keys: &[u64],
@@ -150,7 +200,9 @@ impl PrefixMemory {
 
     /// Drops replicas no longer configured.
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
-        self.replicas.write().retain(|id, _| keep(id));
+        let mut replicas = self.replicas.write();
+        replicas.retain(|id, _| keep(id));
+        self.epoch.store(crate::next_epoch(), Ordering::Release);
     }
 
     fn replica(&self, replica: &str, capacity: usize) -> ReplicaKeys {

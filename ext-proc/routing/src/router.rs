@@ -27,7 +27,7 @@ use crate::load::{
     InflightGuard, LoadBoard, Prediction, RecentAverage, ReplicaLoad, engine_hit_tokens,
 };
 use crate::policy::{self, Candidate, Reason};
-use crate::prefix_memory::PrefixMemory;
+use crate::prefix_memory::{MemoryHandle, PrefixMemory};
 use crate::scoring::ScoringConfig;
 
 /// Number of stripes of the commit lock (decisions whose prompts start alike share a stripe).
@@ -106,10 +106,11 @@ pub struct RouteRequest<'a> {
     pub pool: PoolSide<'a>,
     /// Candidate replica ids (non-empty to get a choice).
     pub candidates: &'a [&'a str],
-    /// The candidates' load records, in the same order, when the caller already read them
-    /// (`LoadBoard::replicas`): a pool of a thousand is then not looked up twice per decision.
-    /// `None`, or another length: looked up here.
-    pub loads: Option<&'a [Arc<ReplicaLoad>]>,
+    /// The candidates' state, in the same order, when the caller keeps it resolved
+    /// ([`Router::replica_handles`], while [`Router::epoch`] stays the same): a pool of a
+    /// thousand is then not looked up by name per decision. `None`, or another length: looked
+    /// up here.
+    pub handles: Option<&'a [&'a ReplicaHandle]>,
     /// The prompt's facts; `None` routes on load alone.
     pub prompt: Option<PromptFacts>,
     /// The pool's block size in tokens.
@@ -255,6 +256,29 @@ impl Scored {
     }
 }
 
+/// One replica's state as a decision reads it — its load record and routed-prefix memory —
+/// resolved by name once ([`Router::replica_handles`]).
+#[derive(Debug, Clone)]
+pub struct ReplicaHandle {
+    load: Arc<ReplicaLoad>,
+    memory: MemoryHandle,
+}
+
+impl ReplicaHandle {
+    /// The replica's load record.
+    pub fn load(&self) -> &Arc<ReplicaLoad> {
+        &self.load
+    }
+}
+
+/// The router's per-replica tables' state ([`Router::epoch`]): handles resolved under one
+/// epoch are the router's own while it lasts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouterEpoch {
+    loads: u64,
+    memory: u64,
+}
+
 /// Replica loads, routed-prefix memory and the commit step over them.
 #[derive(Debug)]
 pub struct Router {
@@ -292,6 +316,28 @@ impl Router {
     /// What kvroute routed where (tests and simulations seed it).
     pub fn memory(&self) -> &PrefixMemory {
         &self.memory
+    }
+
+    /// The state of the tables [`Self::replica_handles`] resolves from: it changes when a
+    /// replica's record or memory may have been dropped ([`Self::retain`]), after which handles
+    /// resolved before may be ones the router no longer updates. Read it before resolving.
+    pub fn epoch(&self) -> RouterEpoch {
+        RouterEpoch {
+            loads: self.loads.epoch(),
+            memory: self.memory.epoch(),
+        }
+    }
+
+    /// The state of `replicas` (id, routed-prefix memory capacity in blocks should it be
+    /// created), in order, created where none is yet.
+    pub fn replica_handles(&self, replicas: &[(&str, usize)]) -> Vec<ReplicaHandle> {
+        let ids: Vec<&str> = replicas.iter().map(|(id, _)| *id).collect();
+        self.loads
+            .replicas(&ids)
+            .into_iter()
+            .zip(self.memory.handles(replicas))
+            .map(|(load, memory)| ReplicaHandle { load, memory })
+            .collect()
     }
 
     /// Forgets replicas `keep` says no (a reload removed them).
@@ -382,7 +428,7 @@ impl Router {
         let RouteRequest {
             pool,
             candidates,
-            loads,
+            handles,
             prompt,
             block_size,
             capacity_blocks,
@@ -393,19 +439,23 @@ impl Router {
         if candidates.is_empty() {
             return None;
         }
-        let looked_up;
-        let loads = match loads {
-            Some(loads) if loads.len() == candidates.len() => loads,
+        let resolved;
+        let by_reference: Vec<&ReplicaHandle>;
+        let handles = match handles {
+            Some(handles) if handles.len() == candidates.len() => handles,
             _ => {
-                looked_up = self.loads.replicas(candidates);
-                &looked_up
+                let named: Vec<(&str, usize)> =
+                    candidates.iter().map(|id| (*id, capacity_blocks)).collect();
+                resolved = self.replica_handles(&named);
+                by_reference = resolved.iter().collect();
+                &by_reference
             }
         };
         let first_key = prompt.as_ref().and_then(|p| p.keys.first().copied());
         let _commit =
             first_key.map(|key| self.commit_locks[(key % COMMIT_STRIPES as u64) as usize].lock());
         let Some(prompt) = prompt else {
-            return Some(self.commit_load_only(pool, candidates, loads, scoring, now, commit));
+            return Some(self.commit_load_only(pool, candidates, handles, scoring, now, commit));
         };
         let PromptFacts {
             keys,
@@ -426,14 +476,15 @@ impl Router {
                     .map_or(0, |found| found.prefix_blocks)
             })
             .collect();
+        let memories: Vec<&MemoryHandle> = handles.iter().map(|h| &h.memory).collect();
         let memories =
-            self.memory
-                .lookup_all(candidates, &held, &keys, now, scoring.speculative_ttl);
+            PrefixMemory::lookup_handles(&memories, &held, &keys, now, scoring.speculative_ttl);
         let views: Vec<Candidate> = memories
             .into_iter()
-            .zip(loads)
+            .zip(handles)
             .enumerate()
-            .map(|(i, (remembered, load))| {
+            .map(|(i, (remembered, handle))| {
+                let load = &handle.load;
                 let indexed_here = indexed.get(i).copied().flatten();
                 let believed = indexed_here.map_or(remembered.approximate, |found| {
                     found.with_speculative(remembered.speculative)
@@ -551,14 +602,14 @@ impl Router {
         &self,
         pool: PoolSide<'_>,
         candidates: &[&str],
-        loads: &[Arc<ReplicaLoad>],
+        handles: &[&ReplicaHandle],
         scoring: &ScoringConfig,
         now: Instant,
         commit: bool,
     ) -> Routed {
-        let views: Vec<Candidate> = loads
+        let views: Vec<Candidate> = handles
             .iter()
-            .map(|load| Candidate {
+            .map(|ReplicaHandle { load, .. }| Candidate {
                 matched_blocks: 0,
                 shared_inflight_tokens: 0,
                 inflight_siblings: None,
@@ -613,7 +664,7 @@ mod tests {
         RouteRequest {
             pool: PoolSide::serving("p"),
             candidates,
-            loads: None,
+            handles: None,
             prompt,
             block_size: 16,
             capacity_blocks: 1024,

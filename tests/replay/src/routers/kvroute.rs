@@ -198,7 +198,7 @@ impl Kvroute {
         let routed = self.core.score_and_commit(RouteRequest {
             pool: side,
             candidates: &candidates,
-            loads: None,
+            handles: None,
             prompt: Some(PromptFacts {
                 keys: keys.to_vec(),
                 prompt_tokens: request.input_tokens as usize,
