@@ -123,6 +123,18 @@ impl PdSidecar {
     pub fn handled(&self) -> Vec<Handled> {
         self.shared.handled.lock().clone()
     }
+
+    /// The last inference request handled: kvroute scrapes the engine's `/metrics` through the
+    /// sidecar whenever its scrape loop runs, so the last request of all may be a scrape.
+    pub fn last_inference(&self) -> Option<Handled> {
+        self.shared
+            .handled
+            .lock()
+            .iter()
+            .rev()
+            .find(|handled| handled.path != "/metrics")
+            .cloned()
+    }
 }
 
 impl Drop for PdSidecar {

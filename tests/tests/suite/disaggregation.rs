@@ -109,7 +109,7 @@ async fn long_uncached_prompts_split_through_the_sidecar_and_the_rest_stay_whole
     let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap();
     assert!(prompt_tokens >= 256, "{prompt_tokens} tokens");
     let handled = sidecar.handled();
-    let split = handled.last().unwrap();
+    let split = sidecar.last_inference().unwrap();
     assert_eq!(
         split.prefiller.as_deref(),
         Some(sims[1].ready.http.to_string().as_str()),
@@ -140,7 +140,7 @@ async fn long_uncached_prompts_split_through_the_sidecar_and_the_rest_stay_whole
     // whole there.
     let prefill_legs = logged_requests(&prefill).await;
     send(chat(&document, "Summarise it.")).await;
-    assert_eq!(sidecar.handled().last().unwrap().prefiller, None);
+    assert_eq!(sidecar.last_inference().unwrap().prefiller, None);
     assert_eq!(
         logged_requests(&prefill).await,
         prefill_legs,
@@ -149,7 +149,7 @@ async fn long_uncached_prompts_split_through_the_sidecar_and_the_rest_stay_whole
 
     // Short: served whole.
     send(chat("Be brief.", "Hi?")).await;
-    assert_eq!(sidecar.handled().last().unwrap().prefiller, None);
+    assert_eq!(sidecar.last_inference().unwrap().prefiller, None);
 
     // The prefill replica dies: once ext-proc's scrapes find it gone, long prompts are served
     // whole on the decode replica, with no client error.
@@ -168,7 +168,7 @@ async fn long_uncached_prompts_split_through_the_sidecar_and_the_rest_stay_whole
     .await
     .unwrap();
     send(chat(&text(8, 400), "And this one?")).await;
-    assert_eq!(sidecar.handled().last().unwrap().prefiller, None);
+    assert_eq!(sidecar.last_inference().unwrap().prefiller, None);
     let metrics = http::get(&format!("{admin}/metrics")).await.unwrap().text();
     for decision in ["split", "cached", "short_prompt", "no_prefill_replica"] {
         assert!(
