@@ -451,10 +451,14 @@ const FLEET_WARMUP_SHARE: usize = 10;
 /// picker per size, each request decided by every picker in turn): a shared host's noise — another
 /// job on the core, a slow page fault — then falls on every size alike, and the ratio of their
 /// p99s compares the pools rather than the moments they ran in (run one after the other, that
-/// ratio swung by ±0.4 from run to run). Memory is measured with each size alone in a fresh
-/// process ([`fleet_one`]), so one size's freed pages, kept by the allocator, do not hide the
-/// next one's growth: memory per replica is the slope of the resident growth between the
-/// smallest and the largest pool. Those runs' latencies are printed too, as a cross-check.
+/// ratio swung by ±0.4 from run to run), with the allocator's defaults. Memory is measured with
+/// each size alone in a fresh process ([`fleet_one`]) that returns freed pages at once, so one
+/// size's freed pages, kept by the allocator, do not hide the next one's growth: memory per
+/// replica is the slope of the resident growth between the smallest and the largest pool.
+/// Those runs' latencies are printed too, as a cross-check. The first tenth of each size's
+/// decisions is left out; over a few thousand decisions the tokenizer's caches are still
+/// filling, and its slow first encodings set every size's p99 alike (16,000 decisions measure
+/// the steady state).
 pub(super) fn fleet_bench(
     model_dir: &std::path::Path,
     block_size: u32,
@@ -464,18 +468,23 @@ pub(super) fn fleet_bench(
         "## fleet: decide() over pools of {FLEET_SIZES:?} replicas, 1k-token chats (half repeats), load {}\n",
         load_average()
     );
-    let run = |sizes: &[usize]| -> anyhow::Result<Vec<FleetOne>> {
+    let run = |sizes: &[usize], for_memory: bool| -> anyhow::Result<Vec<FleetOne>> {
         let list: Vec<String> = sizes.iter().map(usize::to_string).collect();
-        let output = std::process::Command::new(std::env::current_exe()?)
+        let mut command = std::process::Command::new(std::env::current_exe()?);
+        command
             .arg("--bench=fleet")
             .arg(format!("--fleet-replicas={}", list.join(",")))
             .arg(format!("--picker-decisions={decisions}"))
             .arg(format!("--block-size={block_size}"))
             .arg("--model-dir")
-            .arg(model_dir)
+            .arg(model_dir);
+        if for_memory {
             // Freed pages go back to the system at once: resident growth then tracks live state.
-            .env("MIMALLOC_PURGE_DELAY", "0")
-            .output()?;
+            // (Not for latency: a large pool's per-decision vectors would then fault their
+            // pages in anew every time, which the allocator's default spares them.)
+            command.env("MIMALLOC_PURGE_DELAY", "0");
+        }
+        let output = command.output()?;
         let stdout = String::from_utf8_lossy(&output.stdout);
         let measured = stdout
             .lines()
@@ -492,16 +501,16 @@ pub(super) fn fleet_bench(
         }
         Ok(measured)
     };
-    let together = run(&FLEET_SIZES)?;
+    let together = run(&FLEET_SIZES, false)?;
     let alone = FLEET_SIZES
         .iter()
-        .map(|&replicas| Ok(run(&[replicas])?.remove(0)))
+        .map(|&replicas| Ok(run(&[replicas], true)?.remove(0)))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let (Some(base), Some(base_alone)) = (together.first(), alone.first()) else {
         anyhow::bail!("no pool size measured");
     };
     println!(
-        "| replicas | decisions | p50 µs | p99 µs | p99 / p99 at {} | alone: p50 / p99 µs, p99 / p99 at {} | resident growth, alone |",
+        "| replicas | decisions | p50 µs | p99 µs | p99 / p99 at {} | alone, freed pages returned at once: p50 / p99 µs, p99 / p99 at {} | resident growth, alone |",
         FLEET_SIZES[0], FLEET_SIZES[0]
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|");
