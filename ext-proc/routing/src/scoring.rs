@@ -35,10 +35,12 @@ pub const DEFAULT_IDLE_HOTSPOT_MIN_MS: f64 = 150.0;
 /// same.)
 pub const POOL_LOAD_AVERAGING: Duration = Duration::from_secs(2);
 /// Share of a held prefix's prefill charged again to a candidate that would recompute it, once
-/// every replica is busy (`policy` module docs). 1: the recomputation is paid once by the request
-/// and once by the requests queued behind it. (In kvroute-replay, 0.5 or 1 charged at any load,
-/// or 2 scaled by the mean queue, cost fan-out and multi-turn what this gains elsewhere.)
-pub const DEFAULT_RECOMPUTE_PENALTY: f64 = 1.0;
+/// every replica is busy (`policy` module docs). 2: the recomputation is paid by the request and
+/// by the requests queued behind it, more than one once queues form. (In kvroute-replay, 0.5 or 1
+/// charged at any load, or 2 scaled by the mean queue, cost fan-out and multi-turn what they
+/// gained elsewhere; 1 left fan-out's max rate one bisection step below llm-d's, and 3 gave it
+/// back on 4 seeds.)
+pub const DEFAULT_RECOMPUTE_PENALTY: f64 = 2.0;
 /// How long a routed prefix counts as held by its replica before the engine's events confirm it.
 pub const DEFAULT_SPECULATIVE_TTL: Duration = Duration::from_secs(5);
 
