@@ -125,17 +125,13 @@ impl PrefixMemory {
         ttl: Duration,
     ) -> Vec<Remembered> {
         let table = self.replicas.read();
-        replicas
-            .iter()
-            .enumerate()
-            .map(|(i, replica)| {
-                let held = held.get(i).copied().unwrap_or(0);
-                match table.get(*replica) {
-                    Some(memory) => Self::remembered(memory, keys, now, ttl, held),
-                    None => Remembered::default(),
-                }
-            })
-            .collect()
+        Self::remembered_each(
+            replicas.iter().map(|replica| table.get(*replica)),
+            held,
+            keys,
+            now,
+            ttl,
+        )
     }
 
     /// [`lookup_all`](Self::lookup_all) over memories already resolved ([`Self::handles`]).
@@ -146,12 +142,31 @@ impl PrefixMemory {
         now: Instant,
         ttl: Duration,
     ) -> Vec<Remembered> {
+        Self::remembered_each(
+            memories.iter().map(|memory| Some(&memory.0)),
+            held,
+            keys,
+            now,
+            ttl,
+        )
+    }
+
+    /// What each of `memories` (`None`: a replica without one) remembers of `keys`, past the
+    /// `held[i]` leading keys its engine is known to hold.
+    fn remembered_each<'a>(
+        memories: impl Iterator<Item = Option<&'a ReplicaKeys>>,
+        held: &[u32],
+        keys: &[u64],
+        now: Instant,
+        ttl: Duration,
+    ) -> Vec<Remembered> {
         memories
-            .iter()
             .enumerate()
             .map(|(i, memory)| {
                 let held = held.get(i).copied().unwrap_or(0);
-                Self::remembered(&memory.0, keys, now, ttl, held)
+                memory.map_or_else(Remembered::default, |memory| {
+                    Self::remembered(memory, keys, now, ttl, held)
+                })
             })
             .collect()
     }
