@@ -135,15 +135,15 @@ impl PrefixMemory {
     }
 
     /// [`lookup_all`](Self::lookup_all) over memories already resolved ([`Self::handles`]).
-    pub fn lookup_handles(
-        memories: &[&MemoryHandle],
+    pub fn lookup_handles<'a>(
+        memories: impl IntoIterator<Item = &'a MemoryHandle>,
         held: &[u32],
         keys: &[u64],
         now: Instant,
         ttl: Duration,
     ) -> Vec<Remembered> {
         Self::remembered_each(
-            memories.iter().map(|memory| Some(&memory.0)),
+            memories.into_iter().map(|memory| Some(&memory.0)),
             held,
             keys,
             now,

@@ -476,9 +476,13 @@ impl Router {
                     .map_or(0, |found| found.prefix_blocks)
             })
             .collect();
-        let memories: Vec<&MemoryHandle> = handles.iter().map(|h| &h.memory).collect();
-        let memories =
-            PrefixMemory::lookup_handles(&memories, &held, &keys, now, scoring.speculative_ttl);
+        let memories = PrefixMemory::lookup_handles(
+            handles.iter().map(|handle| &handle.memory),
+            &held,
+            &keys,
+            now,
+            scoring.speculative_ttl,
+        );
         let views: Vec<Candidate> = memories
             .into_iter()
             .zip(handles)
