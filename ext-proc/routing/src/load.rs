@@ -25,6 +25,7 @@ use kvroute_block_keys::KeyHasherBuilder;
 use parking_lot::{Mutex, RwLock};
 use prometheus_client::metrics::gauge::Gauge;
 
+use crate::prefix_memory::MemoryHandle;
 use crate::scoring::POOL_LOAD_AVERAGING;
 
 /// Default interval between reads of each replica's load (ext-proc's `scrape.interval`): how
@@ -264,6 +265,8 @@ pub struct InflightGuard {
     keys_counted: bool,
     /// kvroute's prediction for the request, added to the drift's predicted side on release.
     prediction: Option<Prediction>,
+    /// The replica's routed-prefix memory, told on release that the replica computed `keys`.
+    computes_into: Option<MemoryHandle>,
     released: bool,
 }
 
@@ -297,11 +300,21 @@ impl InflightGuard {
         self
     }
 
+    /// On release the replica holds the prompt's keys: marks them computed in its routed-prefix
+    /// memory ([`MemoryHandle::mark_computed`]). Release is the first token, or the end of
+    /// waiting for it (an error, the stream's end, the in-flight age limit); the mark is then a
+    /// guess, as the whole memory is (it believes the keys from the moment they are routed).
+    pub fn computing_into(mut self, memory: MemoryHandle) -> Self {
+        self.computes_into = Some(memory);
+        self
+    }
+
     /// The proxy served the request on another replica (a retry walked the fallback list): the
     /// prediction was for this one, which never scheduled it, so it is not counted in its drift.
     /// Returns the prompt's block keys, for the replica that did serve it.
     pub fn served_elsewhere(&mut self) -> Vec<u64> {
         self.prediction = None;
+        self.computes_into = None;
         self.keys.clone()
     }
 
@@ -352,6 +365,9 @@ impl InflightGuard {
             .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
         load.inflight_gauge.dec();
         self.uncount_keys();
+        if let Some(memory) = self.computes_into.take() {
+            memory.mark_computed(&self.keys);
+        }
     }
 }
 
@@ -464,6 +480,7 @@ impl LoadBoard {
             keys_counted: true,
             keys,
             prediction: None,
+            computes_into: None,
             released: false,
         }
     }
@@ -477,6 +494,7 @@ impl LoadBoard {
             keys,
             keys_counted: false,
             prediction: None,
+            computes_into: None,
             released: true,
         }
     }

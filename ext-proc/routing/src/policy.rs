@@ -50,18 +50,26 @@
 //! its holder). When the other replicas are idle the factor always holds, so `hotspot_min_ms`
 //! is the load at which a burst starts to spill.
 //!
-//! The guard has two settings, by how busy the pool has been: the candidates' queued prefill
+//! How busy the pool has been ([`PoolState`]): the candidates' queued prefill
 //! ([`queued_prefill_ms`]) averaged over the last seconds (`scoring::POOL_LOAD_AVERAGING`) — a
 //! burst is a moment of load, not a busy pool. Below `idle_pool_ms` (default 100 ms) the pool
-//! has prefill to spare and a pile spills early (`idle_hotspot_factor` 1.1 above
-//! `idle_hotspot_min_ms` 150 ms): the replicas it spills to compute the burst's context in
-//! parallel and hold it for what follows. An agent's next burst then spreads over all of them;
-//! kept on its holder, the context stays there alone and every later round queues on it, a
-//! cost no per-request estimate sees (in kvroute-replay's fan-out workload the TTFT-greedy
-//! oracle spread an agent's first burst over all four replicas, kvroute over fewer, and its
-//! later rounds waited longer). Busy, that recomputation is capacity every later request waits
-//! for: only a pile well above the mean spills (`hotspot_factor` 1.75 above `hotspot_min_ms`
-//! 200 ms, about 4 waiting requests or 40 running ones).
+//! is idle: it has prefill to spare, and a burst of siblings is better computed in parallel
+//! than batched on one replica. So on an idle pool the sibling credit and kvroute's own recent
+//! inserts do not count on the replicas the index vouches for: a candidate is scored on the
+//! prefix the index confirms there, and siblings of a context the index holds spread over its
+//! holders by their queues, each replica computing the new part beside the others and holding
+//! it for what follows. (Kept on one holder, the context stays there alone and every later
+//! round of an agent queues on it, a cost no per-request estimate sees: in kvroute-replay's
+//! fan-out workload the TTFT-greedy oracle spread an agent's first burst over all four
+//! replicas; scored this way kvroute's TTFT p90 at ×1–×2 fell from 1.01 of Dynamo w2's to
+//! 0.99–1.00 over 16 seeds, and multi-turn's by 2–3 %, where an earlier idle setting of the
+//! hotspot guard, spilling piles early, had left fan-out at 1.01.) Without the index (the
+//! approximate tier) what kvroute's memory saw computed stands for what the index confirms: the
+//! keys of requests that got their first token there (`prefix_memory` module docs). Believed
+//! whole instead, an idle pool without events piled every burst on one replica (kvroute-replay's
+//! fan-out workload without events: TTFT p90 1.06–1.10 of least-loaded's at ×1–×2; counted so,
+//! kvroute's with events). Busy, batching siblings where their prefix is computed saves capacity
+//! every later request waits for, and both count.
 //!
 //! Recomputation once every replica is busy: a candidate that would compute prompt tokens
 //! another candidate holds cached is charged their prefill again, twice
@@ -130,8 +138,13 @@ fn pool_busy(least: f64, weights: &ScoringConfig) -> f64 {
 /// One candidate as the policy sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct Candidate {
-    /// Leading prompt blocks believed cached there.
+    /// Leading prompt blocks believed cached there: the index's answer, with kvroute's own
+    /// recent inserts and siblings' prefill in flight past it.
     pub matched_blocks: u32,
+    /// Of those, what is known computed there: the index's answer where it vouches for the
+    /// replica, else the keys kvroute's memory saw a first token for (the approximate tier);
+    /// `None` on the load tier.
+    pub confirmed_blocks: Option<u32>,
     /// Prompt tokens of this request whose prefill is already in flight there (a sibling's).
     pub shared_inflight_tokens: usize,
     /// Requests in flight there that carry as much of this prompt as the replica holds or
@@ -140,6 +153,46 @@ pub struct Candidate {
     pub inflight_siblings: Option<u32>,
     /// Current load.
     pub load: LoadSnapshot,
+}
+
+impl Candidate {
+    /// The leading blocks the policy counts as cached there (module docs: an idle pool counts
+    /// only what the index confirms, where it vouches).
+    fn counted_blocks(&self, pool: PoolState) -> u32 {
+        match (pool, self.confirmed_blocks) {
+            (PoolState::Idle, Some(confirmed)) => confirmed,
+            _ => self.matched_blocks,
+        }
+    }
+
+    /// The prompt tokens whose prefill in flight there the request would join.
+    fn joined_tokens(&self, pool: PoolState) -> usize {
+        match (pool, self.confirmed_blocks) {
+            (PoolState::Idle, Some(_)) => 0,
+            _ => self.shared_inflight_tokens,
+        }
+    }
+}
+
+/// How busy the pool has been over the last seconds (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PoolState {
+    /// Prefill to spare: bursts spread.
+    Idle,
+    /// Bursts batch where their prefix is computed.
+    #[default]
+    Busy,
+}
+
+impl PoolState {
+    /// From the candidates' queued prefill averaged over the last seconds, ms.
+    pub fn of(recent_prefill_ms: f64, weights: &ScoringConfig) -> Self {
+        if recent_prefill_ms < weights.idle_pool_ms {
+            Self::Idle
+        } else {
+            Self::Busy
+        }
+    }
 }
 
 /// Why the chosen replica won (a metric label).
@@ -234,24 +287,26 @@ fn piled_requests(c: &Candidate) -> f64 {
 /// prefill already in flight there, plus the prefill of what it does not hold.
 pub fn estimated_ttft_ms(
     candidate: &Candidate,
+    pool: PoolState,
     prompt_tokens: usize,
     block_size: u32,
     weights: &ScoringConfig,
 ) -> f64 {
     let queue = queue_ms(&candidate.load, weights);
-    ttft_after_queue_ms(candidate, queue, prompt_tokens, block_size, weights)
+    ttft_after_queue_ms(candidate, pool, queue, prompt_tokens, block_size, weights)
 }
 
 /// [`estimated_ttft_ms`] with the candidate's queue already estimated.
 fn ttft_after_queue_ms(
     candidate: &Candidate,
+    pool: PoolState,
     queue_ms: f64,
     prompt_tokens: usize,
     block_size: u32,
     weights: &ScoringConfig,
 ) -> f64 {
-    let cached = (candidate.matched_blocks as usize).saturating_mul(block_size as usize);
-    let shared = (candidate.shared_inflight_tokens as f64)
+    let cached = (candidate.counted_blocks(pool) as usize).saturating_mul(block_size as usize);
+    let shared = (candidate.joined_tokens(pool) as f64)
         .min(candidate.load.inflight_prompt_tokens)
         .min(prompt_tokens as f64);
     let credit = weights.prefill_ms_per_token * shared;
@@ -267,6 +322,7 @@ fn ttft_after_queue_ms(
 /// otherwise sort them all for every decision.
 pub fn fallback_order(
     candidates: &[Candidate],
+    pool: PoolState,
     chosen: usize,
     prompt_tokens: usize,
     block_size: u32,
@@ -274,13 +330,18 @@ pub fn fallback_order(
 ) -> Vec<usize> {
     let ttfts: Vec<f64> = candidates
         .iter()
-        .map(|c| estimated_ttft_ms(c, prompt_tokens, block_size, weights))
+        .map(|c| estimated_ttft_ms(c, pool, prompt_tokens, block_size, weights))
         .collect();
-    rank_fallbacks(candidates, &ttfts, chosen)
+    rank_fallbacks(candidates, pool, &ttfts, chosen)
 }
 
 /// [`fallback_order`] from the candidates' estimated TTFTs (`ttfts`, ms), already computed.
-fn rank_fallbacks(candidates: &[Candidate], ttfts: &[f64], chosen: usize) -> Vec<usize> {
+fn rank_fallbacks(
+    candidates: &[Candidate],
+    pool: PoolState,
+    ttfts: &[f64],
+    chosen: usize,
+) -> Vec<usize> {
     let order = |a: &(f64, u32, usize), b: &(f64, u32, usize)| {
         a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2))
     };
@@ -291,7 +352,7 @@ fn rank_fallbacks(candidates: &[Candidate], ttfts: &[f64], chosen: usize) -> Vec
         if i == chosen {
             continue;
         }
-        let entry = (*ttft, c.matched_blocks, i);
+        let entry = (*ttft, c.counted_blocks(pool), i);
         if kept.len() == FALLBACKS_KEPT
             && kept.last().is_some_and(|last| order(&entry, last).is_ge())
         {
@@ -324,6 +385,7 @@ fn overload_balanced<'a>(
 fn pick_best(
     eligible: impl Iterator<Item = usize> + Clone,
     candidates: &[Candidate],
+    pool: PoolState,
     score: impl Fn(usize) -> f64,
     rng: &mut impl Rng,
 ) -> usize {
@@ -333,12 +395,12 @@ fn pick_best(
         .collect();
     let longest_tied = ties
         .iter()
-        .map(|i| candidates[*i].matched_blocks)
+        .map(|i| candidates[*i].counted_blocks(pool))
         .max()
         .unwrap_or(0);
     let ties: Vec<usize> = ties
         .into_iter()
-        .filter(|i| candidates[*i].matched_blocks == longest_tied)
+        .filter(|i| candidates[*i].counted_blocks(pool) == longest_tied)
         .collect();
     ties.get(rng.random_range(0..ties.len().max(1)))
         .copied()
@@ -346,8 +408,8 @@ fn pick_best(
 }
 
 /// Picks the candidate with the lowest estimated TTFT. `recent_prefill_ms` is the candidates'
-/// mean [`queued_prefill_ms`] averaged over the last seconds, which sets the hotspot guard (module
-/// docs). `None` only when `candidates` is empty.
+/// mean [`queued_prefill_ms`] averaged over the last seconds, which says whether the pool is idle
+/// ([`PoolState`], module docs). `None` only when `candidates` is empty.
 pub fn choose(
     candidates: &[Candidate],
     recent_prefill_ms: f64,
@@ -365,17 +427,13 @@ pub fn choose(
         .collect();
     let least = queues.iter().copied().fold(f64::INFINITY, f64::min);
     let mean = queues.iter().sum::<f64>() / queues.len() as f64;
-    let (hotspot_factor, hotspot_min_ms) = if recent_prefill_ms < weights.idle_pool_ms {
-        (weights.idle_hotspot_factor, weights.idle_hotspot_min_ms)
-    } else {
-        (weights.hotspot_factor, weights.hotspot_min_ms)
-    };
+    let pool = PoolState::of(recent_prefill_ms, weights);
     let hot: Vec<bool> = candidates
         .iter()
         .zip(&queues)
         .map(|(c, q)| {
-            *q > hotspot_factor * mean
-                && *q > hotspot_min_ms
+            *q > weights.hotspot_factor * mean
+                && *q > weights.hotspot_min_ms
                 && piled_requests(c) >= HOTSPOT_MIN_QUEUED
         })
         .collect();
@@ -384,10 +442,10 @@ pub fn choose(
     let ttfts: Vec<f64> = candidates
         .iter()
         .zip(&queues)
-        .map(|(c, queue)| ttft_after_queue_ms(c, *queue, prompt_tokens, block_size, weights))
+        .map(|(c, queue)| ttft_after_queue_ms(c, pool, *queue, prompt_tokens, block_size, weights))
         .collect();
     let cached_tokens =
-        |c: &Candidate| (c.matched_blocks as usize).saturating_mul(block_size as usize);
+        |c: &Candidate| (c.counted_blocks(pool) as usize).saturating_mul(block_size as usize);
     let held = candidates
         .iter()
         .map(cached_tokens)
@@ -411,13 +469,14 @@ pub fn choose(
             // best estimate.
             let longest = (0..candidates.len())
                 .filter(|i| balanced(*i))
-                .map(|i| candidates[i].matched_blocks)
+                .map(|i| candidates[i].counted_blocks(pool))
                 .max()
                 .unwrap_or(0);
             pick_best(
                 (0..candidates.len())
-                    .filter(|i| balanced(*i) && candidates[*i].matched_blocks == longest),
+                    .filter(|i| balanced(*i) && candidates[*i].counted_blocks(pool) == longest),
                 candidates,
+                pool,
                 score,
                 rng,
             )
@@ -425,16 +484,17 @@ pub fn choose(
         None => pick_best(
             (0..candidates.len()).filter(|i| eligible(*i)),
             candidates,
+            pool,
             score,
             rng,
         ),
     };
     let max_matched = candidates
         .iter()
-        .map(|c| c.matched_blocks)
+        .map(|c| c.counted_blocks(pool))
         .max()
         .unwrap_or(0);
-    let chosen_matched = candidates[index].matched_blocks;
+    let chosen_matched = candidates[index].counted_blocks(pool);
     let reason = if overloaded {
         Reason::Overload
     } else if max_matched == 0 {
@@ -444,7 +504,7 @@ pub fn choose(
     } else if candidates
         .iter()
         .enumerate()
-        .any(|(i, c)| c.matched_blocks == max_matched && !eligible(i))
+        .any(|(i, c)| c.counted_blocks(pool) == max_matched && !eligible(i))
     {
         Reason::HotspotGuard
     } else {
@@ -454,7 +514,7 @@ pub fn choose(
         index,
         reason,
         ttft_ms: ttfts[index],
-        fallbacks: rank_fallbacks(candidates, &ttfts, index),
+        fallbacks: rank_fallbacks(candidates, pool, &ttfts, index),
     })
 }
 
@@ -477,8 +537,6 @@ mod tests {
             hotspot_factor: 2.0,
             hotspot_min_ms: 100.0,
             idle_pool_ms: 0.0,
-            idle_hotspot_factor: 1.1,
-            idle_hotspot_min_ms: 60.0,
             recompute_penalty: 1.0,
             speculative_ttl: std::time::Duration::from_secs(1),
             overload_queue_ms: 0.0,
@@ -489,6 +547,7 @@ mod tests {
     fn candidate(matched_blocks: u32, waiting: f64) -> Candidate {
         Candidate {
             matched_blocks,
+            confirmed_blocks: None,
             shared_inflight_tokens: 0,
             inflight_siblings: None,
             load: LoadSnapshot {
@@ -510,9 +569,12 @@ mod tests {
             candidate(10, 0.0),
             candidate(10, 3.0),
         ];
-        assert_eq!(fallback_order(&c, 1, 1024, 16, &weights()), vec![2, 0, 3]);
         assert_eq!(
-            fallback_order(&c[..1], 0, 1024, 16, &weights()),
+            fallback_order(&c, PoolState::Busy, 1, 1024, 16, &weights()),
+            vec![2, 0, 3]
+        );
+        assert_eq!(
+            fallback_order(&c[..1], PoolState::Busy, 0, 1024, 16, &weights()),
             Vec::<usize>::new()
         );
     }
@@ -534,7 +596,13 @@ mod tests {
             .iter()
             .enumerate()
             .filter(|(i, _)| *i != 7)
-            .map(|(i, x)| (estimated_ttft_ms(x, 1024, 16, &w), x.matched_blocks, i))
+            .map(|(i, x)| {
+                (
+                    estimated_ttft_ms(x, PoolState::Busy, 1024, 16, &w),
+                    x.matched_blocks,
+                    i,
+                )
+            })
             .collect();
         everyone.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
         let best: Vec<usize> = everyone
@@ -542,7 +610,7 @@ mod tests {
             .take(FALLBACKS_KEPT)
             .map(|(_, _, i)| *i)
             .collect();
-        assert_eq!(fallback_order(&c, 7, 1024, 16, &w), best);
+        assert_eq!(fallback_order(&c, PoolState::Busy, 7, 1024, 16, &w), best);
     }
 
     #[test]
@@ -634,38 +702,54 @@ mod tests {
     }
 
     #[test]
-    fn an_idle_pool_spills_a_burst_sooner_than_a_busy_one() {
+    fn an_idle_pool_spreads_a_burst_over_the_holders_the_index_confirms() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         let weights = ScoringConfig {
             idle_pool_ms: 100.0,
             ..weights()
         };
-        // r0 holds the prompt and prefills three of its siblings (120 ms); r1–r3 decode 10
-        // requests each (50 ms). Mean 67.5 ms: r0 is within the busy pool's factor (2: 135 ms)
-        // and beyond the idle pool's (1.1: 74 ms).
-        let mut holder = candidate(64, 0.0);
-        holder.load.inflight_requests = 3.0;
-        holder.load.inflight_prompt_tokens = 1200.0;
-        holder.inflight_siblings = Some(3);
-        let mut decoding = candidate(0, 0.0);
-        decoding.load.scraped.running = 10.0;
-        decoding.inflight_siblings = Some(0);
-        let pool = [holder, decoding, decoding, decoding];
-        // Busy over the last seconds: the burst stays where its prefix is cached.
-        let choice = choose(&pool, 500.0, 1088, 16, &weights, &mut rng).unwrap();
+        // A 1536-token sibling (96 blocks): a 60-block context both replicas hold, by the
+        // index, then a 32-block part new to both and 4 blocks of its own. r0 prefills the
+        // first sibling (576 tokens: the new part and its own), which this one would join; r1
+        // decodes 4 requests (20 ms).
+        let mut joined = candidate(92, 0.0);
+        joined.confirmed_blocks = Some(60);
+        joined.shared_inflight_tokens = 92 * 16;
+        joined.load.inflight_requests = 1.0;
+        joined.load.inflight_prompt_tokens = 576.0;
+        let mut holder = candidate(60, 0.0);
+        holder.confirmed_blocks = Some(60);
+        holder.load.scraped.running = 4.0;
+        let pool = [joined, holder];
+        // Busy over the last seconds: the sibling joins the prefill in flight (57.6 + 6.4 ms,
+        // against 20 + 57.6 ms and the recomputation charged on r1).
+        let choice = choose(&pool, 500.0, 1536, 16, &weights, &mut rng).unwrap();
         assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
-        // Idle over the last seconds: the burst spills, and a decoding replica computes the
-        // prefix beside the holder.
-        let choice = choose(&pool, 10.0, 1088, 16, &weights, &mut rng).unwrap();
-        assert_eq!(choice.reason, Reason::HotspotGuard);
-        assert_ne!(choice.index, 0);
+        // Idle: only what the index confirms counts, so r1 computes the new part beside r0
+        // (77.6 ms, against 57.6 + 57.6 ms queued behind the first sibling on r0).
+        let choice = choose(&pool, 10.0, 1536, 16, &weights, &mut rng).unwrap();
+        assert_eq!((choice.index, choice.reason), (1, Reason::CacheHit));
+        assert!((choice.ttft_ms - 77.6).abs() < 1e-9, "{choice:?}");
         // 0 never counts a pool as idle.
         let never = ScoringConfig {
             idle_pool_ms: 0.0,
-            ..weights
+            ..weights.clone()
         };
-        let choice = choose(&pool, 0.0, 1088, 16, &never, &mut rng).unwrap();
-        assert_eq!((choice.index, choice.reason), (0, Reason::CacheHit));
+        let choice = choose(&pool, 0.0, 1536, 16, &never, &mut rng).unwrap();
+        assert_eq!(choice.index, 0);
+        // Where nothing is known computed (`None`), what kvroute believes counts, idle or busy.
+        let unvouched = [
+            Candidate {
+                confirmed_blocks: None,
+                ..joined
+            },
+            Candidate {
+                confirmed_blocks: None,
+                ..holder
+            },
+        ];
+        let choice = choose(&unvouched, 10.0, 1536, 16, &weights, &mut rng).unwrap();
+        assert_eq!(choice.index, 0);
     }
 
     #[test]

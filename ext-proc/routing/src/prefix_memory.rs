@@ -8,6 +8,12 @@
 //! - **speculative**: leading keys routed within the TTL, merged with the index's answer while a
 //!   request carrying them is in flight (`Router::score_and_commit`), so a burst of siblings
 //!   co-locates before the engine's events land.
+//!
+//! A key is also marked **computed** once a request carrying it got its first token there (its
+//! in-flight guard released, [`MemoryHandle::mark_computed`]; also when the request stopped
+//! waiting for it, a guess like the rest of this memory): the replica then holds it, where
+//! before it was only queued or being computed. That is the approximate tier's counterpart of what
+//! the index confirms, which an idle pool counts (`policy` module docs).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,6 +30,8 @@ pub struct Remembered {
     pub approximate: u32,
     /// Leading keys routed there within the speculative TTL.
     pub speculative: u32,
+    /// Leading keys a request carrying them got its first token for: computed there.
+    pub computed: u32,
 }
 
 type ReplicaKeys = Arc<Mutex<RoutedKeys>>;
@@ -33,42 +41,132 @@ type ReplicaKeys = Arc<Mutex<RoutedKeys>>;
 #[derive(Debug, Clone)]
 pub struct MemoryHandle(ReplicaKeys);
 
+impl MemoryHandle {
+    /// Records that `keys` were routed to this replica at `now`.
+    pub fn record(&self, keys: &[u64], now: Instant) {
+        if keys.is_empty() {
+            return;
+        }
+        let mut memory = self.0.lock();
+        for key in keys {
+            memory.insert(*key, now);
+        }
+    }
+
+    /// A request carrying `keys` got its first token on this replica: it holds them now. Keys
+    /// are chained, so a key computed there means its whole prefix was: the keys are marked from
+    /// the last back to the first one already marked (a next turn or a sibling marks only its
+    /// new blocks), and a lookup counts the leading keys up to the last marked one. A key no
+    /// longer remembered stays forgotten.
+    pub fn mark_computed(&self, keys: &[u64]) {
+        let mut memory = self.0.lock();
+        for key in keys.iter().rev() {
+            if memory.mark_computed(*key) {
+                break;
+            }
+        }
+    }
+}
+
+/// When a key was last routed to a replica (nanoseconds after the memory's first record), and
+/// whether a request carrying it got its first token there since it was first remembered (the
+/// top bit): 8 bytes, so a table entry is 16 (with an `Instant` and a flag it was 32, and every
+/// decision over a large pool probes one table per candidate).
+#[derive(Debug, Clone, Copy)]
+struct RoutedKey(u64);
+
+impl RoutedKey {
+    const COMPUTED: u64 = 1 << 63;
+
+    fn new(since_base: Duration, computed: bool) -> Self {
+        let nanos = u64::try_from(since_base.as_nanos()).unwrap_or(u64::MAX) & !Self::COMPUTED;
+        Self(if computed {
+            nanos | Self::COMPUTED
+        } else {
+            nanos
+        })
+    }
+
+    fn routed_at(self, base: Instant) -> Instant {
+        let since = Duration::from_nanos(self.0 & !Self::COMPUTED);
+        base.checked_add(since).unwrap_or(base)
+    }
+
+    fn computed(self) -> bool {
+        self.0 & Self::COMPUTED != 0
+    }
+
+    /// Marks it computed; whether it already was.
+    fn mark_computed(&mut self) -> bool {
+        let was = self.computed();
+        self.0 |= Self::COMPUTED;
+        was
+    }
+}
+
 /// One replica's routed keys and when each was last routed there: two generations of at most
-/// half the capacity each. Keys go into the current generation; when it is full it becomes the
+/// the capacity each. Keys go into the current generation; when it is full it becomes the
 /// previous one, replacing (and reusing the table of) the generation before. So the most recent
-/// `capacity / 2` to `capacity` distinct keys are kept, at one hash-table insert per key — an
+/// `capacity` to `2 × capacity` distinct keys are kept, at one hash-table insert per key — an
 /// exact LRU also kept an ordered index, and its cache misses were most of recording a 1k-token
-/// prompt's 62 keys.
+/// prompt's 62 keys. At least `capacity`, as the exact LRU did: the capacity is the replica's KV
+/// cache, which holds about that many blocks, and a memory of only half of it forgets a
+/// conversation its replica still holds (in kvroute-replay, fleets without KV events on the
+/// synthetic trace: hit rate 0.48 with half to all kept, 0.55 with all to twice).
 #[derive(Debug)]
 struct RoutedKeys {
     generation_capacity: usize,
-    current: HashMap<u64, Instant, KeyHasherBuilder>,
-    previous: HashMap<u64, Instant, KeyHasherBuilder>,
+    /// The first record's time: what every key's time counts from (an earlier one counts as it).
+    base: Option<Instant>,
+    current: HashMap<u64, RoutedKey, KeyHasherBuilder>,
+    previous: HashMap<u64, RoutedKey, KeyHasherBuilder>,
 }
 
 impl RoutedKeys {
     fn new(capacity: usize) -> Self {
         let hasher = KeyHasherBuilder::random();
         Self {
-            generation_capacity: (capacity / 2).max(1),
+            generation_capacity: capacity.max(1),
+            base: None,
             current: HashMap::with_hasher(hasher),
             previous: HashMap::with_hasher(hasher),
         }
     }
 
     fn insert(&mut self, key: u64, routed_at: Instant) {
-        if self.current.len() >= self.generation_capacity && !self.current.contains_key(&key) {
+        let base = *self.base.get_or_insert(routed_at);
+        let since_base = routed_at.saturating_duration_since(base);
+        // A key routed again is usually in the current generation: one probe.
+        if let Some(known) = self.current.get_mut(&key) {
+            *known = RoutedKey::new(since_base, known.computed());
+            return;
+        }
+        let computed = self
+            .previous
+            .get(&key)
+            .is_some_and(|known| known.computed());
+        if self.current.len() >= self.generation_capacity {
             std::mem::swap(&mut self.current, &mut self.previous);
             self.current.clear();
         }
-        self.current.insert(key, routed_at);
+        self.current
+            .insert(key, RoutedKey::new(since_base, computed));
     }
 
-    fn get(&self, key: u64) -> Option<Instant> {
-        self.current
-            .get(&key)
-            .or_else(|| self.previous.get(&key))
-            .copied()
+    /// Marks `key` computed; whether it already was (`false` when it is not remembered).
+    fn mark_computed(&mut self, key: u64) -> bool {
+        let known = match self.current.get_mut(&key) {
+            Some(known) => Some(known),
+            None => self.previous.get_mut(&key),
+        };
+        known.is_some_and(RoutedKey::mark_computed)
+    }
+
+    /// When `key` was last routed here and whether it is computed.
+    fn get(&self, key: u64) -> Option<(Instant, bool)> {
+        let known = self.current.get(&key).or_else(|| self.previous.get(&key))?;
+        let base = self.base?;
+        Some((known.routed_at(base), known.computed()))
     }
 }
 
@@ -92,13 +190,8 @@ impl Default for PrefixMemory {
 impl PrefixMemory {
     /// Records that `keys` were routed to `replica` at `now`.
     pub fn record(&self, replica: &str, capacity: usize, keys: &[u64], now: Instant) {
-        if keys.is_empty() {
-            return;
-        }
-        let memory = self.replica(replica, capacity);
-        let mut memory = memory.lock();
-        for key in keys {
-            memory.insert(*key, now);
+        if !keys.is_empty() {
+            self.handle(replica, capacity).record(keys, now);
         }
     }
 
@@ -171,6 +264,11 @@ impl PrefixMemory {
             .collect()
     }
 
+    /// The memory of `replica` (created empty with `capacity` blocks if none is yet).
+    pub fn handle(&self, replica: &str, capacity: usize) -> MemoryHandle {
+        MemoryHandle(self.replica(replica, capacity))
+    }
+
     /// The memories of `replicas` (id, capacity in blocks should it be created), in order,
     /// created empty where none is yet.
     pub fn handles(&self, replicas: &[(&str, usize)]) -> Vec<MemoryHandle> {
@@ -198,16 +296,21 @@ impl PrefixMemory {
         let mut remembered = Remembered {
             approximate: held as u32,
             speculative: held as u32,
+            computed: held as u32,
         };
         let mut speculative_run = true;
         for key in &keys[held..] {
-            let Some(routed_at) = memory.get(*key) else {
+            let Some((routed_at, computed)) = memory.get(*key) else {
                 break;
             };
             remembered.approximate += 1;
             speculative_run &= now.saturating_duration_since(routed_at) < ttl;
             if speculative_run {
                 remembered.speculative += 1;
+            }
+            // Chained keys: a key computed there means the whole prefix up to it was.
+            if computed {
+                remembered.computed = remembered.approximate;
             }
         }
         remembered
@@ -249,7 +352,8 @@ mod tests {
             memory.lookup("r0", &[1, 2, 3, 4], at, ttl),
             Remembered {
                 approximate: 3,
-                speculative: 2
+                speculative: 2,
+                computed: 0,
             }
         );
         assert_eq!(memory.lookup("r0", &[9, 1], at, ttl), Remembered::default());
@@ -272,9 +376,11 @@ mod tests {
         assert_eq!(
             all(&[2, 1]),
             vec![
+                // What the engine holds counts as computed.
                 Remembered {
                     approximate: 4,
-                    speculative: 4
+                    speculative: 4,
+                    computed: 2,
                 },
                 // A replica kvroute never routed to: nothing remembered, whatever it holds.
                 Remembered::default(),
@@ -284,22 +390,53 @@ mod tests {
     }
 
     #[test]
+    fn keys_are_computed_once_a_request_carrying_them_got_its_first_token() {
+        let memory = PrefixMemory::default();
+        let now = Instant::now();
+        let ttl = Duration::from_secs(5);
+        let computed = |keys: &[u64]| memory.lookup("r0", keys, now, ttl).computed;
+        memory.record("r0", 4, &[1, 2, 3], now);
+        assert_eq!(computed(&[1, 2, 3]), 0, "routed, not answered yet");
+        memory.handle("r0", 4).mark_computed(&[1, 2]);
+        assert_eq!(computed(&[1, 2, 3]), 2);
+        memory.record("r0", 4, &[1, 2, 3, 4], now);
+        assert_eq!(computed(&[1, 2, 3, 4]), 2, "routed again: still computed");
+        assert_eq!(memory.lookup("r0", &[1, 2, 3, 4], now, ttl).approximate, 4);
+        // A sibling answered: its own block is computed, and so is the prefix it shares.
+        memory.record("r0", 4, &[1, 2, 10], now);
+        memory.handle("r0", 4).mark_computed(&[1, 2, 10]);
+        assert_eq!(computed(&[1, 2, 10]), 3);
+        memory.record("r0", 4, &[1, 2, 11], now);
+        assert_eq!(
+            computed(&[1, 2, 11]),
+            2,
+            "the next sibling, not answered yet"
+        );
+        // Past the capacity the oldest generation goes, computed or not, and a mark does not
+        // bring a forgotten key back.
+        memory.record("r0", 4, &[5, 6, 7, 8, 9], now);
+        memory.handle("r0", 4).mark_computed(&[1, 9]);
+        assert_eq!(computed(&[1]), 0);
+        assert_eq!(memory.lookup("r0", &[1], now, ttl).approximate, 0);
+        assert_eq!(computed(&[9]), 1);
+    }
+
+    #[test]
     fn capacity_bounds_each_replica() {
         let memory = PrefixMemory::default();
         let now = Instant::now();
-        memory.record("r0", 2, &[1, 2, 3], now);
-        assert_eq!(
+        let held = |keys: &[u64]| {
             memory
-                .lookup("r0", &[1], now, Duration::from_secs(1))
-                .approximate,
-            0
-        );
-        assert_eq!(
-            memory
-                .lookup("r0", &[2, 3], now, Duration::from_secs(1))
-                .approximate,
-            2
-        );
+                .lookup("r0", keys, now, Duration::from_secs(1))
+                .approximate
+        };
+        memory.record("r0", 2, &[1, 2, 3, 4, 5], now);
+        assert_eq!(held(&[4, 5]), 2, "the last `capacity` keys are always kept");
+        assert_eq!(held(&[3, 4, 5]), 3, "and up to twice as many");
+        assert_eq!(held(&[1]), 0, "older ones are dropped");
+        let replica = memory.replica("r0", 2);
+        let keys = replica.lock();
+        assert!(keys.current.len() + keys.previous.len() <= 4);
     }
 
     #[test]
@@ -307,17 +444,19 @@ mod tests {
         let memory = PrefixMemory::default();
         let now = Instant::now();
         let ttl = Duration::from_secs(1);
-        memory.record("r0", 4, &[1, 2, 3, 4], now);
-        memory.record("r0", 4, &[1], now);
+        memory.record("r0", 2, &[1, 2], now);
+        memory.record("r0", 2, &[3], now);
+        memory.record("r0", 2, &[1], now);
+        memory.record("r0", 2, &[4], now);
         let held = |keys: &[u64]| memory.lookup("r0", keys, now, ttl).approximate;
         assert_eq!(held(&[1]), 1, "routed again: kept");
-        assert_eq!(held(&[2]), 0, "the oldest key not routed again: dropped");
-        assert_eq!(held(&[3, 4]), 2);
-        let replica = memory.replica("r0", 4);
+        assert_eq!(held(&[2]), 0, "an older key not routed again: dropped");
+        assert_eq!((held(&[3]), held(&[4])), (1, 1));
+        let replica = memory.replica("r0", 2);
         let keys = replica.lock();
         assert!(
             keys.current.len() + keys.previous.len() <= 4,
-            "bounded by the capacity"
+            "bounded by twice the capacity"
         );
     }
 }

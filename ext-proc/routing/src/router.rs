@@ -26,7 +26,7 @@ use rand::rngs::StdRng;
 use crate::load::{
     InflightGuard, LoadBoard, Prediction, RecentAverage, ReplicaLoad, engine_hit_tokens,
 };
-use crate::policy::{self, Candidate, Reason};
+use crate::policy::{self, Candidate, PoolState, Reason};
 use crate::prefix_memory::{MemoryHandle, PrefixMemory};
 use crate::scoring::ScoringConfig;
 
@@ -215,6 +215,8 @@ pub struct Scored {
     pub prompt_tokens: usize,
     /// The pool's block size.
     pub block_size: u32,
+    /// How busy the pool had been (what the policy counted as cached depends on it).
+    pub pool: PoolState,
 }
 
 impl Scored {
@@ -249,6 +251,7 @@ impl Scored {
         let view = self.views.get(i)?;
         Some(policy::estimated_ttft_ms(
             view,
+            self.pool,
             self.prompt_tokens,
             self.block_size,
             weights,
@@ -358,7 +361,9 @@ impl Router {
         now: Instant,
     ) {
         if !keys.is_empty() {
-            self.memory.record(replica, capacity_blocks, keys, now);
+            let memory = self.memory.handle(replica, capacity_blocks);
+            memory.record(keys, now);
+            memory.mark_computed(keys);
         }
     }
 
@@ -387,9 +392,8 @@ impl Router {
             prompt_tokens,
             pending_prompt_tokens,
         } = decision;
-        if !keys.is_empty() {
-            self.memory.record(replica, capacity_blocks, &keys, now);
-        }
+        let memory = self.memory.handle(replica, capacity_blocks);
+        memory.record(&keys, now);
         let pending = match prompt_tokens {
             // A peer that does not say how long the prompt is (an older release): as it counted.
             0 => pending_prompt_tokens,
@@ -399,7 +403,9 @@ impl Router {
                 pending_prompt_tokens.min(prompt_tokens.saturating_sub(computed_there))
             }
         };
-        self.loads.start_request(replica, pending, keys)
+        self.loads
+            .start_request(replica, pending, keys)
+            .computing_into(memory)
     }
 
     /// Whether some candidate holds every block of `keys` by kvroute's memory or a request in
@@ -513,6 +519,9 @@ impl Router {
                 reusable.push(reused);
                 Candidate {
                     matched_blocks,
+                    confirmed_blocks: Some(
+                        indexed_here.map_or(remembered.computed, |found| found.matched_blocks),
+                    ),
                     shared_inflight_tokens: (shared_blocks * block_size as usize)
                         .min(prompt_tokens),
                     inflight_siblings: (!keys.is_empty()).then_some(overlap.siblings),
@@ -544,12 +553,14 @@ impl Router {
         };
         let replica = candidates[choice.index];
         let inflight = if commit {
-            self.memory.record(replica, capacity_blocks, &keys, now);
+            let memory = &handles[choice.index].memory;
+            memory.record(&keys, now);
             // The replica's pending prefill work is what it does not hold (siblings of a burst
             // add little).
             self.loads
                 .start_request(replica, prompt_tokens - cached_tokens, keys)
                 .with_prediction(prediction)
+                .computing_into(memory.clone())
         } else {
             self.loads.untracked(replica, keys)
         };
@@ -568,6 +579,7 @@ impl Router {
                 reusable_blocks: reusable,
                 prompt_tokens,
                 block_size,
+                pool: PoolState::of(recent_prefill_ms, scoring),
             },
         })
     }
@@ -615,6 +627,7 @@ impl Router {
             .iter()
             .map(|ReplicaHandle { load, .. }| Candidate {
                 matched_blocks: 0,
+                confirmed_blocks: None,
                 shared_inflight_tokens: 0,
                 inflight_siblings: None,
                 load: load.snapshot(),
@@ -650,6 +663,7 @@ impl Router {
                 indexed: Vec::new(),
                 prompt_tokens: 0,
                 block_size: 1,
+                pool: PoolState::of(recent_prefill_ms, scoring),
             },
         }
     }
@@ -705,7 +719,11 @@ mod tests {
     #[test]
     fn the_index_decides_precisely_and_a_commit_is_seen_by_the_next_sibling() {
         let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
-        let scoring = ScoringConfig::default();
+        // A busy pool's belief in inserts (an idle one scores on what the index confirms).
+        let scoring = ScoringConfig {
+            idle_pool_ms: 0.0,
+            ..ScoringConfig::default()
+        };
         let now = Instant::now();
         let candidates = ["r0", "r1", "r2"];
         let keys: Vec<u64> = (1..=100).collect();
@@ -863,9 +881,59 @@ mod tests {
     }
 
     #[test]
+    fn without_the_index_an_idle_pool_counts_only_what_got_its_first_token() {
+        let keys: Vec<u64> = (1..=40).collect();
+        let candidates = ["r0", "r1"];
+        let idle = ScoringConfig::default();
+        let busy = ScoringConfig {
+            idle_pool_ms: 0.0,
+            ..ScoringConfig::default()
+        };
+        // No index answers: the approximate tier. The first request of a new 645-token prompt
+        // goes to either replica.
+        let decide = |router: &Router, scoring: &ScoringConfig| {
+            router
+                .score_and_commit(request(
+                    &candidates,
+                    prompt(&keys, vec![None, None]),
+                    scoring,
+                    Instant::now(),
+                ))
+                .unwrap()
+        };
+
+        // Idle, the first still computing the prompt: a sibling computes it beside it.
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let first = decide(&router, &idle);
+        let next = decide(&router, &idle);
+        assert_ne!(next.choice, first.choice);
+        assert_eq!(next.reason, Some(Reason::NoCacheMatch));
+        // Busy: it joins the prefill in flight, as kvroute's memory says.
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let first = decide(&router, &idle);
+        let next = decide(&router, &busy);
+        assert_eq!(
+            (next.choice, next.reason),
+            (first.choice, Some(Reason::CacheHit))
+        );
+        // Idle, once the first got its first token: the replica holds the prompt.
+        let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
+        let first = decide(&router, &idle);
+        let holder = first.choice;
+        drop(first);
+        let next = decide(&router, &idle);
+        assert_eq!((next.choice, next.reason), (holder, Some(Reason::CacheHit)));
+        assert_eq!(next.matched_blocks, 40);
+    }
+
+    #[test]
     fn a_peers_decision_counts_as_if_decided_here() {
         let router = Router::with_rng(LoadBoard::default(), StdRng::seed_from_u64(7));
-        let scoring = ScoringConfig::default();
+        // A busy pool, where a sibling joins the prefill in flight (an idle one spreads them).
+        let scoring = ScoringConfig {
+            idle_pool_ms: 0.0,
+            ..ScoringConfig::default()
+        };
         let now = Instant::now();
         let keys: Vec<u64> = (1..=10).collect();
         let guard = router.record_peer_decision("r1", 1024, 16, peer(&keys, 160), now);

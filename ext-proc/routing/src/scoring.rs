@@ -10,25 +10,19 @@ pub const DEFAULT_QUEUE_MS_PER_REQUEST: f64 = 50.0;
 pub const DEFAULT_RUNNING_MS_PER_REQUEST: f64 = 5.0;
 /// Default penalty at 100% KV-cache usage (preemption risk), in milliseconds.
 pub const DEFAULT_KV_USAGE_MS: f64 = 100.0;
-/// A replica whose load exceeds the pool mean by this factor is skipped (hotspot guard), while
-/// the pool is busy. A guard that spills a burst early (the idle pool's, below) spends the busy
-/// pool's capacity recomputing contexts: in kvroute-replay at 1.1 it cut fan-out's max rate at
-/// the 2 s objective from 80.7 to 70.9 req/s; 1.75 keeps it (1.5 cost a bisection step once
-/// the idle pool spills early).
+/// A replica whose load exceeds the pool mean by this factor is skipped (hotspot guard). A guard
+/// that spills a burst early spends a busy pool's capacity recomputing contexts: in
+/// kvroute-replay at 1.1 it cut fan-out's max rate at the 2 s objective from 80.7 to 70.9 req/s;
+/// 1.75 keeps it.
 pub const DEFAULT_HOTSPOT_FACTOR: f64 = 1.75;
 /// Loads below this (ms) never trip the hotspot guard while the pool is busy (an idle pool has
 /// tiny means).
 pub const DEFAULT_HOTSPOT_MIN_MS: f64 = 200.0;
 /// The pool counts as idle while its candidates' queued prefill, averaged over the last seconds
-/// ([`POOL_LOAD_AVERAGING`]), is below this (ms): about two 1k-token prompts' worth.
+/// ([`POOL_LOAD_AVERAGING`]), is below this (ms): about two 1k-token prompts' worth. Idle, a
+/// burst of siblings spreads over the replicas holding its context instead of batching where
+/// its prefill is in flight (`policy` module docs).
 pub const DEFAULT_IDLE_POOL_MS: f64 = 100.0;
-/// The hotspot guard's factor while the pool is idle: a burst of siblings spills off its holder
-/// early, so idle replicas compute its context in parallel and hold it for the agent's next
-/// round (in kvroute-replay, fan-out's TTFT p90 at ×1–×2 from 1.04–1.06 of Dynamo w2's to
-/// 1.01, the other workloads within 1 %).
-pub const DEFAULT_IDLE_HOTSPOT_FACTOR: f64 = 1.1;
-/// Loads below this (ms) never trip the hotspot guard while the pool is idle.
-pub const DEFAULT_IDLE_HOTSPOT_MIN_MS: f64 = 150.0;
 /// How long a moment of load weighs in the pool's average (the time constant of its
 /// exponential decay): long enough that a burst does not make an idle pool busy, short enough
 /// that a pool grown busy stops spilling within seconds. (In kvroute-replay 1–4 s measured the
@@ -73,10 +67,6 @@ pub struct ScoringConfig {
     pub hotspot_min_ms: f64,
     /// Pool's average queued prefill (ms) below which it counts as idle; 0: never.
     pub idle_pool_ms: f64,
-    /// Hotspot guard factor while the pool is idle.
-    pub idle_hotspot_factor: f64,
-    /// Loads below this never trip the guard while the pool is idle.
-    pub idle_hotspot_min_ms: f64,
     /// Share of a held prefix's prefill charged to recomputing it when every replica is busy.
     pub recompute_penalty: f64,
     /// Lifetime of a speculative prefix insert.
@@ -98,8 +88,6 @@ impl Default for ScoringConfig {
             hotspot_factor: DEFAULT_HOTSPOT_FACTOR,
             hotspot_min_ms: DEFAULT_HOTSPOT_MIN_MS,
             idle_pool_ms: DEFAULT_IDLE_POOL_MS,
-            idle_hotspot_factor: DEFAULT_IDLE_HOTSPOT_FACTOR,
-            idle_hotspot_min_ms: DEFAULT_IDLE_HOTSPOT_MIN_MS,
             recompute_penalty: DEFAULT_RECOMPUTE_PENALTY,
             speculative_ttl: DEFAULT_SPECULATIVE_TTL,
             overload_queue_ms: DEFAULT_OVERLOAD_QUEUE_MS,

@@ -9,8 +9,7 @@ use kvroute_config::{ConfigDuration, ListenAddr, TokenSource};
 use kvroute_routing::ScoringConfig;
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
 use kvroute_routing::scoring::{
-    DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_IDLE_HOTSPOT_FACTOR,
-    DEFAULT_IDLE_HOTSPOT_MIN_MS, DEFAULT_IDLE_POOL_MS, DEFAULT_KV_USAGE_MS,
+    DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_IDLE_POOL_MS, DEFAULT_KV_USAGE_MS,
     DEFAULT_OVERLOAD_IMBALANCE, DEFAULT_OVERLOAD_QUEUE_MS, DEFAULT_PREFILL_MS_PER_TOKEN,
     DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY, DEFAULT_RUNNING_MS_PER_REQUEST,
     DEFAULT_SPECULATIVE_TTL,
@@ -330,11 +329,6 @@ fn scoring(raw: &RawScoring) -> Result<ScoringConfig, ConfigError> {
         Ok(v)
     };
     let hotspot_factor = factor("hotspot_factor", raw.hotspot_factor, DEFAULT_HOTSPOT_FACTOR)?;
-    let idle_hotspot_factor = factor(
-        "idle_hotspot_factor",
-        raw.idle_hotspot_factor,
-        DEFAULT_IDLE_HOTSPOT_FACTOR,
-    )?;
     let overload_imbalance = non_negative(
         "overload_imbalance",
         raw.overload_imbalance,
@@ -367,12 +361,6 @@ fn scoring(raw: &RawScoring) -> Result<ScoringConfig, ConfigError> {
         hotspot_factor,
         hotspot_min_ms: non_negative("hotspot_min_ms", raw.hotspot_min_ms, DEFAULT_HOTSPOT_MIN_MS)?,
         idle_pool_ms: non_negative("idle_pool_ms", raw.idle_pool_ms, DEFAULT_IDLE_POOL_MS)?,
-        idle_hotspot_factor,
-        idle_hotspot_min_ms: non_negative(
-            "idle_hotspot_min_ms",
-            raw.idle_hotspot_min_ms,
-            DEFAULT_IDLE_HOTSPOT_MIN_MS,
-        )?,
         recompute_penalty: non_negative(
             "recompute_penalty",
             raw.recompute_penalty,

@@ -407,7 +407,7 @@ pub struct Pool {
     /// Whether the index has this pool's events (precise tier possible).
     pub events: bool,
     /// Capacity of each replica's approximate prefix memory, in blocks: it keeps the most recently
-    /// routed half to all of this many.
+    /// routed one to two times this many.
     pub approx_capacity_blocks: usize,
     /// Where tokens come from.
     pub tokenizer: TokenizerSource,

@@ -14,8 +14,7 @@ use kvroute_block_keys::{DEFAULT_BLOCK_SIZE, RawKeyScheme};
 use kvroute_config::{ConfigDuration, ListenAddr, RawClientTls, RawServerTls, format_duration};
 use kvroute_routing::load::DEFAULT_SCRAPE_INTERVAL;
 use kvroute_routing::scoring::{
-    DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_IDLE_HOTSPOT_FACTOR,
-    DEFAULT_IDLE_HOTSPOT_MIN_MS, DEFAULT_IDLE_POOL_MS, DEFAULT_KV_USAGE_MS,
+    DEFAULT_HOTSPOT_FACTOR, DEFAULT_HOTSPOT_MIN_MS, DEFAULT_IDLE_POOL_MS, DEFAULT_KV_USAGE_MS,
     DEFAULT_OVERLOAD_IMBALANCE, DEFAULT_OVERLOAD_QUEUE_MS, DEFAULT_PREFILL_MS_PER_TOKEN,
     DEFAULT_QUEUE_MS_PER_REQUEST, DEFAULT_RECOMPUTE_PENALTY, DEFAULT_RUNNING_MS_PER_REQUEST,
     DEFAULT_SPECULATIVE_TTL,
@@ -251,24 +250,19 @@ pub(super) struct RawScoring {
     /// Hotspot guard: a replica whose load exceeds the candidates' mean by this factor (and
     /// `hotspot_min_ms`) is skipped when two or more requests carrying as much of the routed
     /// prompt as the replica holds are in flight there, unless every candidate is; at least 1.
-    /// While the pool is busy; `idle_hotspot_factor` while it is idle.
     #[schemars(extend("default" = DEFAULT_HOTSPOT_FACTOR))]
     pub(super) hotspot_factor: Option<f64>,
-    /// Loads below this never trip the hotspot guard while the pool is busy, in ms.
+    /// Loads below this never trip the hotspot guard, in ms.
     #[schemars(extend("default" = DEFAULT_HOTSPOT_MIN_MS))]
     pub(super) hotspot_min_ms: Option<f64>,
     /// The pool counts as idle while its candidates' queued prefill (estimated, in ms), averaged
-    /// over the last seconds, is below this: a burst of requests sharing a prefix then spills off
-    /// its holder sooner (`idle_hotspot_factor`, `idle_hotspot_min_ms`), so replicas with spare
-    /// prefill compute the prefix in parallel and hold it for what follows. 0: never idle.
+    /// over the last seconds, is below this: a burst of requests sharing a prefix then spreads
+    /// over the replicas holding its context (scored on what is known computed there: the
+    /// index's answer, or without events the prompts that got their first token there), so
+    /// replicas with spare prefill compute the new part in parallel and hold it for what
+    /// follows; busy, the burst batches where its prefill is in flight. 0: never idle.
     #[schemars(extend("default" = DEFAULT_IDLE_POOL_MS))]
     pub(super) idle_pool_ms: Option<f64>,
-    /// The hotspot guard's factor while the pool is idle; at least 1.
-    #[schemars(extend("default" = DEFAULT_IDLE_HOTSPOT_FACTOR))]
-    pub(super) idle_hotspot_factor: Option<f64>,
-    /// Loads below this never trip the hotspot guard while the pool is idle, in ms.
-    #[schemars(extend("default" = DEFAULT_IDLE_HOTSPOT_MIN_MS))]
-    pub(super) idle_hotspot_min_ms: Option<f64>,
     /// Share of a held prefix's prefill charged again to a replica that would recompute it, once
     /// every replica is busy.
     #[schemars(extend("default" = DEFAULT_RECOMPUTE_PENALTY))]
@@ -494,7 +488,8 @@ pub(super) struct RawPool {
     /// Whether the index receives this pool's KV events (else the approximate tier only).
     #[schemars(extend("default" = DEFAULT_POOL_EVENTS))]
     pub(super) events: Option<bool>,
-    /// Capacity of each replica's approximate prefix memory, in blocks; positive.
+    /// Capacity of each replica's approximate prefix memory, in blocks (about the replica's KV
+    /// cache); positive. The memory keeps the most recently routed one to two times this many.
     #[schemars(extend("default" = DEFAULT_APPROX_CAPACITY_BLOCKS))]
     pub(super) approx_capacity_blocks: Option<usize>,
     /// Where prompt tokens come from: exactly one of `model_dir`, `remote` or `render`.

@@ -116,8 +116,8 @@ fn per_replica(decisions: &[Decision]) -> HashMap<&str, usize> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_siblings_co_locate() {
-    // The busy pool's guard: this is about concurrent decisions seeing each other's commits, not
-    // how soon an idle pool spills a burst (the next test).
+    // A busy pool: this is about concurrent decisions seeing each other's commits, not how an
+    // idle pool spreads a burst.
     let picker = Arc::new(picker("{idle_pool_ms: 0}"));
     let decisions = burst(Arc::clone(&picker)).await;
     let counts = per_replica(&decisions);
@@ -133,9 +133,13 @@ async fn concurrent_siblings_co_locate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hotspot_guard_still_spills_a_burst() {
-    // The shipped defaults, a pool idle until the burst: the replica holding the prefix turns
-    // hot once its pile passes `idle_hotspot_min_ms`, and the rest of the burst spills.
-    let picker = Arc::new(picker_with("{}", "{sample: 1.0}"));
+    // A busy pool (an idle one spreads a burst by the queues before any guard is needed) and a
+    // guard low enough for this burst: the replica holding the prefix turns hot once its pile
+    // passes `hotspot_min_ms`, and the rest of the burst spills.
+    let picker = Arc::new(picker_with(
+        "{idle_pool_ms: 0, hotspot_factor: 1.1, hotspot_min_ms: 150}",
+        "{sample: 1.0}",
+    ));
     let decisions = burst(Arc::clone(&picker)).await;
     let counts = per_replica(&decisions);
     let most = counts.values().copied().max().unwrap_or(0);
@@ -401,12 +405,10 @@ async fn leading_rule_on(dir: &std::path::Path) {
         let now = Instant::now();
         picker
             .router
-            .memory()
-            .record("r1", 1 << 20, &keys[..3], now);
+            .remember_served("r1", 1 << 20, &keys[..3], now);
         picker
             .router
-            .memory()
-            .record("r2", 1 << 20, &keys[..leading_blocks - 1], now);
+            .remember_served("r2", 1 << 20, &keys[..leading_blocks - 1], now);
     }
     let decided = decide_body(&with_leading, &body).await;
     assert_eq!(decided, decide_body(&reference, &body).await);
@@ -451,8 +453,7 @@ async fn leading_rule_on(dir: &std::path::Path) {
         let keys = pool_keys(picker, &whole);
         picker
             .router
-            .memory()
-            .record("r2", 1 << 20, &keys[..leading_blocks + 2], Instant::now());
+            .remember_served("r2", 1 << 20, &keys[..leading_blocks + 2], Instant::now());
     }
     let decided = decide_body(&growing, &body).await;
     assert_eq!(decided, decide_body(&reference, &body).await);
@@ -506,8 +507,7 @@ async fn leading_rule_on(dir: &std::path::Path) {
             match holds {
                 "memory" => picker
                     .router
-                    .memory()
-                    .record("r1", 1 << 20, &keys, Instant::now()),
+                    .remember_served("r1", 1 << 20, &keys, Instant::now()),
                 _ => guards.push(picker.loads().start_request("r2", 0, keys)),
             }
         }

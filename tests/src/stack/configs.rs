@@ -160,7 +160,7 @@ pub(super) fn ext_proc_config(
          budgets: {{decision: {decision_ms}ms, tokenize: {tokenize_ms}ms}}\n\
          scrape: {{interval: 200ms}}\n\
          scoring: {{prefill_ms_per_token: {prefill}, queue_ms_per_request: {queue}, \
-         running_ms_per_request: {running}, kv_usage_ms: {kv}, hotspot_min_ms: {hot}}}\n\
+         running_ms_per_request: {running}, kv_usage_ms: {kv}, hotspot_min_ms: {hot}{scoring_extra}}}\n\
          pools:\n- {{{pool}, tokenizer: {tokenizer}{pool_extra}}}\n\
          replicas:\n{replicas}",
         // The scoring's prefill cost is the sims' own, so its TTFT estimate is in real ms.
@@ -175,6 +175,11 @@ pub(super) fn ext_proc_config(
         kv = 100.0 * options.timing.time_scale,
         hot = 200.0 * options.timing.time_scale,
         pool = pool_schema(options),
+        scoring_extra = if options.scoring_extra_config.is_empty() {
+            String::new()
+        } else {
+            format!(", {}", options.scoring_extra_config)
+        },
         pool_extra = if options.pool_extra_config.is_empty() {
             String::new()
         } else {

@@ -266,6 +266,9 @@ pub struct StackOptions {
     pub ext_proc_extra_config: String,
     /// Keys added to ext-proc's pool entry (YAML flow-mapping items, e.g. `mode: shadow`).
     pub pool_extra_config: String,
+    /// Keys added to ext-proc's `scoring` section (YAML flow-mapping items, e.g.
+    /// `idle_pool_ms: 0`); the weights the harness writes must not be repeated.
+    pub scoring_extra_config: String,
     /// Envoy's own choice (the override_host fallback, used when kvroute names no destination:
     /// shadow mode, fail-open) is round robin instead of the shipped least-request, so a test
     /// can tell in advance where sequential requests land.
@@ -468,6 +471,7 @@ impl Default for StackOptions {
             sim_chat_templates: Vec::new(),
             ext_proc_extra_config: String::new(),
             pool_extra_config: String::new(),
+            scoring_extra_config: String::new(),
             envoy_fallback_round_robin: false,
             tokenizer: StackTokenizer::default(),
             agent_replicas: Vec::new(),
