@@ -5,11 +5,12 @@
 //! cargo run --release -p kvroute-replay --example bursts -- LOAD ROUTER[,ROUTER…] SEED [KIND] [SHOW]
 //! ```
 //!
-//! A burst is a session's requests arriving within 50 ms of its first. For each router prints
-//! how many bursts were split over replicas, the mean TTFT of split and whole bursts, hit rate,
-//! p50/p90, imbalance and per-replica busy seconds; with `SHOW` (a count) also the first bursts
-//! one by one (replicas, hit blocks, TTFT ms). Same engine, delay and replicas as
-//! `kvroute-replay run`'s defaults.
+//! A burst is a session's requests arriving within 50 ms of its first; a session's first burst
+//! computes a new context, its later ones extend the context the earlier ones left. For each
+//! router prints, for first and for later bursts apart, how many replicas a burst was spread over
+//! and its requests' mean TTFT, then hit rate, p50/p90, imbalance and per-replica busy seconds;
+//! with `SHOW` (a count) also the first bursts one by one (replicas, hit blocks, TTFT ms). Same
+//! engine, delay and replicas as `kvroute-replay run`'s defaults.
 #![allow(
     clippy::print_stdout,
     clippy::unwrap_used,
@@ -37,11 +38,14 @@ fn main() {
     );
     let config = SimConfig::default();
     let mut bursts: Vec<Vec<usize>> = Vec::new();
+    // Whether each burst is its session's first.
+    let mut first: Vec<bool> = Vec::new();
     let mut open: HashMap<u64, (u64, usize)> = HashMap::new();
     for r in &requests {
         match open.get(&r.session) {
             Some(&(t0, b)) if r.arrival_us - t0 < BURST_WINDOW_US => bursts[b].push(r.id),
-            _ => {
+            earlier => {
+                first.push(earlier.is_none());
                 open.insert(r.session, (r.arrival_us, bursts.len()));
                 bursts.push(vec![r.id]);
             }
@@ -52,19 +56,20 @@ fn main() {
         let spec = RouterSpec::parse(name).unwrap();
         let mut router = spec.build(config.replicas, config.engine.blocks, seed);
         let result = sim::run(&requests, &config, router.as_mut()).unwrap();
-        let (mut total, mut split) = (0, 0);
-        let (mut ttft_split, mut ttft_whole) = (Vec::new(), Vec::new());
-        for b in bursts.iter().filter(|b| b[0] >= skip) {
+        // [first bursts, later bursts]: bursts, replicas they were spread over, TTFTs (ms).
+        let mut spread = [(0usize, 0usize, Vec::new()), (0, 0, Vec::new())];
+        let mut total = 0;
+        for (b, is_first) in bursts.iter().zip(&first).filter(|(b, _)| b[0] >= skip) {
             total += 1;
             let outcomes: Vec<_> = b.iter().map(|i| result.outcomes[*i]).collect();
             let ttfts: Vec<u64> = outcomes.iter().map(|o| o.ttft_us / 1000).collect();
-            let is_split = outcomes.iter().any(|o| o.replica != outcomes[0].replica);
-            if is_split {
-                split += 1;
-                ttft_split.extend(&ttfts);
-            } else {
-                ttft_whole.extend(&ttfts);
-            }
+            let mut replicas: Vec<usize> = outcomes.iter().map(|o| o.replica).collect();
+            replicas.sort_unstable();
+            replicas.dedup();
+            let class = &mut spread[usize::from(!*is_first)];
+            class.0 += 1;
+            class.1 += replicas.len();
+            class.2.extend(&ttfts);
             if total <= show {
                 println!(
                     "burst n={} context_blocks={} replicas={:?} hits={:?} ttft_ms={ttfts:?}",
@@ -77,11 +82,18 @@ fn main() {
         }
         let m = metrics::measure(&requests, &result, 0.1);
         let mean = |v: &[u64]| v.iter().sum::<u64>() as f64 / v.len().max(1) as f64;
+        let class = |(bursts, replicas, ttfts): &(usize, usize, Vec<u64>)| {
+            format!(
+                "{bursts}, over {:.2} replicas, ttft mean {:.1}",
+                *replicas as f64 / (*bursts).max(1) as f64,
+                mean(ttfts)
+            )
+        };
         println!(
-            "{name}: bursts {total} split {split}; ttft mean split {:.0} whole {:.0}; hit {:.3} \
+            "{name}: first bursts {}; later bursts {}; hit {:.3} \
              p50 {:.0} p90 {:.0} imbalance {:.2} busy_s {:?}",
-            mean(&ttft_split),
-            mean(&ttft_whole),
+            class(&spread[0]),
+            class(&spread[1]),
             m.hit_rate,
             m.ttft_p50_ms,
             m.ttft_p90_ms,

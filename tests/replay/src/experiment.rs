@@ -6,13 +6,14 @@
 //! Seed `s` drives the router's randomness and, for a generated workload, the generator: each
 //! seed replays its own draw of the workload (a trace file is the same for every seed).
 
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 
 use crate::bounds;
 use crate::metrics::{self, RunMetrics};
 use crate::routers::{Observed, Regret, RegretStats, RouterSpec};
-use crate::sim::{self, Checked, SimConfig, SimError, SloCheck};
+use crate::sim::{self, Checked, RunResult, SimConfig, SimError, SloCheck};
 use crate::trace::{self, Request};
 
 /// A named workload: one request list per seed.
@@ -55,6 +56,8 @@ pub struct Grid {
     pub threads: usize,
     /// Report progress on stderr (every 5% of runs, with elapsed time).
     pub progress: bool,
+    /// Where to write every load-point run's requests, one CSV per run ([`write_outcomes`]).
+    pub outcomes: Option<PathBuf>,
 }
 
 /// Progress of a batch of runs, printed to stderr each time another 5% is done.
@@ -147,9 +150,61 @@ pub fn run_one(
     seed: u64,
     warmup: f64,
 ) -> Result<RunMetrics, SimError> {
+    run_recorded(requests, sim, router, seed, warmup, None)
+}
+
+/// [`run_one`], writing the run's requests to `outcomes` when given ([`write_outcomes`]).
+fn run_recorded(
+    requests: &[Request],
+    sim: &SimConfig,
+    router: RouterSpec,
+    seed: u64,
+    warmup: f64,
+    outcomes: Option<&Path>,
+) -> Result<RunMetrics, SimError> {
     let mut built = router.build(sim.replicas, sim.engine.blocks, seed);
     let result = sim::run(requests, sim, built.as_mut())?;
+    if let Some(path) = outcomes {
+        write_outcomes(path, requests, &result, warmup)
+            .map_err(|e| SimError::Output(format!("{}: {e}", path.display())))?;
+    }
     Ok(metrics::measure(requests, &result, warmup))
+}
+
+/// Writes one run's requests as CSV, by id: arrival, session, prompt tokens, the replica it was
+/// served on, TTFT, blocks found cached, the router's belief, and whether it was measured (past
+/// the warm-up). For reading a run request by request (where the slow ones were served).
+pub fn write_outcomes(
+    path: &Path,
+    requests: &[Request],
+    result: &RunResult,
+    warmup: f64,
+) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let skip = metrics::warmup_skip(requests.len(), warmup);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(
+        out,
+        "id,arrival_us,session,prompt_tokens,replica,ttft_us,hit_blocks,predicted_blocks,measured"
+    )?;
+    for (request, outcome) in requests.iter().zip(&result.outcomes) {
+        writeln!(
+            out,
+            "{},{},{},{},{},{},{},{},{}",
+            request.id,
+            request.arrival_us,
+            request.session,
+            request.input_tokens,
+            outcome.replica,
+            outcome.ttft_us,
+            outcome.hit_blocks,
+            outcome
+                .predicted_blocks
+                .map_or(String::new(), |b| b.to_string()),
+            request.id >= skip,
+        )?;
+    }
+    out.flush()
 }
 
 /// One router's decisions at one load point against the exact simulation of every replica
@@ -252,12 +307,23 @@ pub fn run_grid(workloads: &[Workload], grid: &Grid) -> Result<Vec<Row>, SimErro
                     let Some(job) = jobs.get(i) else {
                         break;
                     };
-                    let result = run_one(
+                    let router = grid.routers[job.router];
+                    let outcomes = grid.outcomes.as_ref().map(|dir| {
+                        dir.join(format!(
+                            "{}-x{}-{}-seed{}.csv",
+                            workloads[job.workload].name,
+                            grid.loads[job.load],
+                            router.name(),
+                            job.seed
+                        ))
+                    });
+                    let result = run_recorded(
                         &compressed[job.workload][job.load][job.seed as usize],
                         &grid.sim,
-                        grid.routers[job.router],
+                        router,
                         job.seed,
                         grid.warmup,
+                        outcomes.as_deref(),
                     );
                     progress.finished_one();
                     if sender.send((i, result)).is_err() {

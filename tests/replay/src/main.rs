@@ -114,6 +114,11 @@ struct RunArgs {
     /// Writes results.csv, results.md and plot-*.svg here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Also writes every load-point run's requests here, one CSV per run
+    /// (`<workload>-x<load>-<router>-seed<seed>.csv`: arrival, session, replica, TTFT, blocks
+    /// cached and believed), for reading a run request by request. Created if missing.
+    #[arg(long)]
+    outcomes: Option<PathBuf>,
     /// Instead of the grid: every decision of every router at each load point set against an
     /// exact simulation of every replica (the greedy oracle's view), and which way the off ones
     /// err; printed as a table (no max-rate search, no files).
@@ -233,6 +238,9 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
             return Err(format!("{flag} must be positive, got {value}"));
         }
     }
+    if let Some(dir) = &args.outcomes {
+        std::fs::create_dir_all(dir).map_err(|e| format!("--outcomes {}: {e}", dir.display()))?;
+    }
     let grid = Grid {
         sim: SimConfig {
             replicas: args.replicas,
@@ -254,6 +262,7 @@ fn run_grid(args: RunArgs) -> Result<(), String> {
         routers,
         threads: args.threads,
         progress: true,
+        outcomes: args.outcomes,
     };
     let started = std::time::Instant::now();
     if args.regret {

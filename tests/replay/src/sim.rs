@@ -57,6 +57,22 @@ impl Default for SimConfig {
     }
 }
 
+impl SimConfig {
+    /// One replica of `blocks` KV blocks, its events delivered at once: what its cache holds is
+    /// then what an LRU over the requests' blocks holds (the checks against one).
+    pub fn one_replica(blocks: u32) -> Self {
+        SimConfig {
+            replicas: 1,
+            engine: EngineConfig {
+                blocks,
+                ..EngineConfig::default()
+            },
+            kv_delay_us: 0,
+            ..SimConfig::default()
+        }
+    }
+}
+
 /// What happened to one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestOutcome {
@@ -124,6 +140,9 @@ pub enum SimError {
         /// Replicas configured.
         replicas: usize,
     },
+    /// A run's requests could not be written out (`--outcomes`).
+    #[error("writing outcomes: {0}")]
+    Output(String),
     /// Some requests never got their first token.
     #[error("{unserved} requests never served")]
     Stalled {
@@ -143,6 +162,7 @@ impl SimError {
             Self::BadReplica { .. } => "bad_replica",
             Self::Stalled { .. } => "stalled",
             Self::NoReplicas => "no_replicas",
+            Self::Output(_) => "output",
         }
     }
 }

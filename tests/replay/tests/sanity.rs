@@ -33,19 +33,6 @@ fn sequential(records: &[TraceRecord]) -> Vec<Request> {
     requests
 }
 
-fn single_replica(blocks: u32) -> SimConfig {
-    SimConfig {
-        replicas: 1,
-        engine: EngineConfig {
-            blocks,
-            ..EngineConfig::default()
-        },
-        timing: MockerFit::default(),
-        kv_delay_us: 0,
-        prefill_replicas: 0,
-    }
-}
-
 fn hit_blocks(requests: &[Request], config: &SimConfig, router: RouterSpec, seed: u64) -> Vec<u32> {
     let mut router = router.build(config.replicas, config.engine.blocks, seed);
     let result = sim::run(requests, config, router.as_mut()).unwrap();
@@ -61,7 +48,7 @@ fn one_replica_matches_a_single_lru() {
     let blocks = 1024;
     let simulated = hit_blocks(
         &requests,
-        &single_replica(blocks),
+        &SimConfig::one_replica(blocks),
         RouterSpec::RoundRobin,
         0,
     );
@@ -85,7 +72,12 @@ fn infinite_cache_reproduces_the_traces_reuse() {
     };
     let requests = sequential(&records);
     let blocks: u32 = requests.iter().map(Request::peak_blocks).sum::<u32>() + 1;
-    let simulated = hit_blocks(&requests, &single_replica(blocks), RouterSpec::Random, 0);
+    let simulated = hit_blocks(
+        &requests,
+        &SimConfig::one_replica(blocks),
+        RouterSpec::Random,
+        0,
+    );
     // Straight from the file: full-block hash ids seen before (in full blocks), never counting
     // the last block of a prompt that is an exact multiple of the block size (always computed).
     let mut seen: HashSet<u64> = HashSet::new();

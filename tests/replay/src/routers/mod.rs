@@ -151,6 +151,9 @@ pub enum RouterSpec {
     },
     /// kvroute: the real index and ext-proc policy with default scoring.
     Kvroute,
+    /// kvroute on a fleet whose engines publish no KV events (ext-proc's `events: false` pool):
+    /// its approximate tier, its own routing memory and the loads.
+    KvrouteApprox,
     /// kvroute with its overload rule set otherwise: `queue_ms` 0 is off.
     KvrouteOverload {
         /// `scoring.overload_queue_ms`.
@@ -273,6 +276,7 @@ impl RouterSpec {
             RouterSpec::Llmd { speculative: true } => "llmd-spec".to_owned(),
             RouterSpec::Dynamo { overlap_weight } => format!("dynamo-w{overlap_weight}"),
             RouterSpec::Kvroute => "kvroute".to_owned(),
+            RouterSpec::KvrouteApprox => "kvroute-approx".to_owned(),
             RouterSpec::KvrouteOverload {
                 queue_ms,
                 imbalance_pct,
@@ -319,6 +323,9 @@ impl RouterSpec {
                 queue_ms: queue_ms.parse().ok()?,
                 imbalance_pct: imbalance_pct.parse().ok().filter(|&p: &u32| p >= 100)?,
             });
+        }
+        if name == "kvroute-approx" {
+            return Some(RouterSpec::KvrouteApprox);
         }
         if name == "pd-dynamo" {
             return Some(RouterSpec::PdDynamo);
@@ -376,6 +383,9 @@ impl RouterSpec {
                 Box::new(DynamoCost::new(replicas, overlap_weight, rng))
             }
             RouterSpec::Kvroute => Box::new(Kvroute::new(replicas, blocks, rng)),
+            RouterSpec::KvrouteApprox => {
+                Box::new(Kvroute::new(replicas, blocks, rng).without_events())
+            }
             RouterSpec::KvrouteOverload {
                 queue_ms,
                 imbalance_pct,
