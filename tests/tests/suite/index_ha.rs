@@ -146,13 +146,31 @@ async fn ext_proc_keeps_routing_precisely_when_one_of_two_indexes_dies_mid_load(
         0.0,
         "{after}"
     );
-    // Precisely: every request found its prefix cached on the replica it was sent to.
-    for (worker, cached) in cached.iter().enumerate() {
-        assert!(
-            cached.iter().all(|&c| c > 0),
-            "worker {worker} missed the cache: {cached:?}"
-        );
-    }
+    // Precisely: every decision found the request's prefix in the index's answer, and every
+    // request found it cached where it was sent — but for those the policy sent elsewhere on
+    // purpose (the holder's queue, as scraped from the sims, outweighing the prefill: on a
+    // loaded test host it can).
+    assert_eq!(
+        delta(
+            "kvroute_extproc_decisions_total",
+            "reason=\"no_cache_match\""
+        ),
+        0.0,
+        "every prefix was in the index's answer\n{after}"
+    );
+    let load_over_cache = delta(
+        "kvroute_extproc_decisions_total",
+        "reason=\"load_over_cache\"",
+    ) + delta(
+        "kvroute_extproc_decisions_total",
+        "reason=\"hotspot_guard\"",
+    );
+    let missed = cached.iter().flatten().filter(|&&c| c == 0).count() as f64;
+    assert!(
+        missed <= load_over_cache,
+        "{missed} requests missed the cache, {load_over_cache} were sent off it on purpose: \
+         {cached:?}\n{after}"
+    );
     // The survivor still answers and the dead one does not.
     assert!(block_counts(&admins[1]).await.is_some());
     assert!(block_counts(&admins[0]).await.is_none());

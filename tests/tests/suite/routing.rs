@@ -270,7 +270,14 @@ async fn shared_prefixes_follow_their_cache_and_unrelated_prompts_spread() {
 
 #[tokio::test]
 async fn a_burst_of_siblings_co_locates() {
-    let stack = Stack::start(StackOptions::default()).await.unwrap();
+    // A busy pool's batching: an idle one scores candidates on what the index confirms, and the
+    // siblings spread over the replicas holding their context (the policy's tests).
+    let stack = Stack::start(StackOptions {
+        scoring_extra_config: "idle_pool_ms: 0".to_owned(),
+        ..StackOptions::default()
+    })
+    .await
+    .unwrap();
     let prefix = text(2, 300);
     let url = format!("{}/v1/completions", stack.url(Routing::Kvroute).unwrap());
     let before = finished(&stack).await;
@@ -614,10 +621,14 @@ fn local_ext_proc_config(sims: &[SimProcess], tokenizer: &str) -> String {
             )
         })
         .collect();
+    // Prefill weighs 0.05 ms a token, a hundred times the sims' own cost: these tests are about
+    // the deployment, not the trade of cache against load, so a cached prefix of a few hundred
+    // tokens outweighs a request the scrape or the in-flight count still shows on its holder
+    // (the previous one, answered a moment ago).
     format!(
         "listen: {{grpc: \"127.0.0.1:0\", admin: \"127.0.0.1:0\"}}\n\
          scrape: {{interval: 200ms}}\n\
-         scoring: {{prefill_ms_per_token: 0.0005, queue_ms_per_request: 0.5, running_ms_per_request: 0.05, \
+         scoring: {{prefill_ms_per_token: 0.05, queue_ms_per_request: 0.5, running_ms_per_request: 0.05, \
          kv_usage_ms: 1.0, hotspot_min_ms: 2.0}}\n\
          pools:\n- name: tiny\n  models: [tiny]\n  block_size: 32\n  \
          key_scheme: {{kind: vllm-exact, hash_algo: sha256_cbor, seed: \"0\"}}\n  events: false\n  \

@@ -25,6 +25,7 @@ use kvroute_tests::harness::{Envoy, workspace_root};
 use kvroute_wasm_filter::config::{
     DEFAULT_MARKER_HEADER, DEFAULT_PIN_HEADER, DEFAULT_SESSION_HEADER,
 };
+use kvroute_wasm_filter::decision::rendezvous_pick;
 use parking_lot::Mutex;
 use tokio_util::task::TaskTracker;
 
@@ -100,13 +101,28 @@ async fn with_ext_proc_stopped_sessions_stick_through_the_fallback_and_nothing_f
         learned,
         "learned sessions keep their replica"
     );
+    // Twelve new sessions, chosen (by the filter's own hash over this run's ports) so that both
+    // replicas own some: each must land where the hash says and stay there.
+    let replicas: Vec<String> = chain.replicas.iter().map(|r| r.addr.to_string()).collect();
+    let owner = |session: &str| rendezvous_pick(session, &replicas).map(str::to_owned);
+    let mut sessions: Vec<String> = (0..11).map(|i| format!("new-{i}")).collect();
+    let first_owner = owner(&sessions[0]);
+    let other = (11..)
+        .map(|i| format!("new-{i}"))
+        .find(|s| owner(s) != first_owner)
+        .unwrap();
+    sessions.push(other);
     let mut served = std::collections::HashSet::new();
-    for i in 0..12 {
-        let session = format!("new-{i}");
-        let first = chain.turn(&session, &[]).await;
+    for session in &sessions {
+        let first = chain.turn(session, &[]).await;
+        assert_eq!(
+            Some(&first),
+            owner(session).as_ref(),
+            "{session}'s hashed replica"
+        );
         for _ in 0..2 {
             assert_eq!(
-                chain.turn(&session, &[]).await,
+                chain.turn(session, &[]).await,
                 first,
                 "{session} moved during the outage"
             );
