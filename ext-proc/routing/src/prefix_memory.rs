@@ -188,13 +188,6 @@ impl Default for PrefixMemory {
 }
 
 impl PrefixMemory {
-    /// Records that `keys` were routed to `replica` at `now`.
-    pub fn record(&self, replica: &str, capacity: usize, keys: &[u64], now: Instant) {
-        if !keys.is_empty() {
-            self.handle(replica, capacity).record(keys, now);
-        }
-    }
-
     /// How many leading `keys` `replica` is believed to hold.
     pub fn lookup(&self, replica: &str, keys: &[u64], now: Instant, ttl: Duration) -> Remembered {
         let Some(memory) = self.replicas.read().get(replica).cloned() else {
@@ -345,8 +338,10 @@ mod tests {
         let memory = PrefixMemory::default();
         let t0 = Instant::now();
         let ttl = Duration::from_secs(5);
-        memory.record("r0", 100, &[1, 2, 3], t0);
-        memory.record("r0", 100, &[1, 2], t0 + Duration::from_secs(10));
+        memory.handle("r0", 100).record(&[1, 2, 3], t0);
+        memory
+            .handle("r0", 100)
+            .record(&[1, 2], t0 + Duration::from_secs(10));
         let at = t0 + Duration::from_secs(11);
         assert_eq!(
             memory.lookup("r0", &[1, 2, 3, 4], at, ttl),
@@ -366,7 +361,7 @@ mod tests {
         let now = Instant::now();
         let ttl = Duration::from_secs(5);
         // Keys 3 and 4 routed just now; 1 and 2 no longer remembered (the engine holds them).
-        memory.record("r0", 100, &[3, 4], now);
+        memory.handle("r0", 100).record(&[3, 4], now);
         let all = |held: &[u32]| memory.lookup_all(&["r0", "r1"], held, &[1, 2, 3, 4, 5], now, ttl);
         assert_eq!(
             all(&[])[0],
@@ -395,18 +390,18 @@ mod tests {
         let now = Instant::now();
         let ttl = Duration::from_secs(5);
         let computed = |keys: &[u64]| memory.lookup("r0", keys, now, ttl).computed;
-        memory.record("r0", 4, &[1, 2, 3], now);
+        memory.handle("r0", 4).record(&[1, 2, 3], now);
         assert_eq!(computed(&[1, 2, 3]), 0, "routed, not answered yet");
         memory.handle("r0", 4).mark_computed(&[1, 2]);
         assert_eq!(computed(&[1, 2, 3]), 2);
-        memory.record("r0", 4, &[1, 2, 3, 4], now);
+        memory.handle("r0", 4).record(&[1, 2, 3, 4], now);
         assert_eq!(computed(&[1, 2, 3, 4]), 2, "routed again: still computed");
         assert_eq!(memory.lookup("r0", &[1, 2, 3, 4], now, ttl).approximate, 4);
         // A sibling answered: its own block is computed, and so is the prefix it shares.
-        memory.record("r0", 4, &[1, 2, 10], now);
+        memory.handle("r0", 4).record(&[1, 2, 10], now);
         memory.handle("r0", 4).mark_computed(&[1, 2, 10]);
         assert_eq!(computed(&[1, 2, 10]), 3);
-        memory.record("r0", 4, &[1, 2, 11], now);
+        memory.handle("r0", 4).record(&[1, 2, 11], now);
         assert_eq!(
             computed(&[1, 2, 11]),
             2,
@@ -414,7 +409,7 @@ mod tests {
         );
         // Past the capacity the oldest generation goes, computed or not, and a mark does not
         // bring a forgotten key back.
-        memory.record("r0", 4, &[5, 6, 7, 8, 9], now);
+        memory.handle("r0", 4).record(&[5, 6, 7, 8, 9], now);
         memory.handle("r0", 4).mark_computed(&[1, 9]);
         assert_eq!(computed(&[1]), 0);
         assert_eq!(memory.lookup("r0", &[1], now, ttl).approximate, 0);
@@ -430,7 +425,7 @@ mod tests {
                 .lookup("r0", keys, now, Duration::from_secs(1))
                 .approximate
         };
-        memory.record("r0", 2, &[1, 2, 3, 4, 5], now);
+        memory.handle("r0", 2).record(&[1, 2, 3, 4, 5], now);
         assert_eq!(held(&[4, 5]), 2, "the last `capacity` keys are always kept");
         assert_eq!(held(&[3, 4, 5]), 3, "and up to twice as many");
         assert_eq!(held(&[1]), 0, "older ones are dropped");
@@ -444,10 +439,10 @@ mod tests {
         let memory = PrefixMemory::default();
         let now = Instant::now();
         let ttl = Duration::from_secs(1);
-        memory.record("r0", 2, &[1, 2], now);
-        memory.record("r0", 2, &[3], now);
-        memory.record("r0", 2, &[1], now);
-        memory.record("r0", 2, &[4], now);
+        memory.handle("r0", 2).record(&[1, 2], now);
+        memory.handle("r0", 2).record(&[3], now);
+        memory.handle("r0", 2).record(&[1], now);
+        memory.handle("r0", 2).record(&[4], now);
         let held = |keys: &[u64]| memory.lookup("r0", keys, now, ttl).approximate;
         assert_eq!(held(&[1]), 1, "routed again: kept");
         assert_eq!(held(&[2]), 0, "an older key not routed again: dropped");

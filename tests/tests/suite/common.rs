@@ -9,6 +9,7 @@ use kvroute_index_core::wire::{self, ReplayItem};
 use kvroute_test_support::{deadline, poll_until};
 use kvroute_tests::harness::{http, metrics, tiny_model_dir};
 use kvroute_tests::sim::{EngineSim, SimArgs, SimConfig};
+use kvroute_tests::stack::Stack;
 use zeromq::{DealerSocket, Socket as _, SocketRecv as _, SocketSend as _, ZmqMessage};
 
 pub const SIM_BIN: &str = env!("CARGO_BIN_EXE_kvroute-engine-sim");
@@ -190,4 +191,20 @@ pub async fn index_blocks(admin_url: &str, id: &str) -> Option<BTreeSet<u64>> {
         .iter()
         .map(serde_json::Value::as_u64)
         .collect()
+}
+
+/// Waits until kvroute-index holds every block replica `replica`'s sim holds (and it holds some).
+pub async fn until_indexed(stack: &Stack, replica: usize) {
+    let admin = stack.index_admin_url().unwrap();
+    let id = &stack.replica_ids()[replica];
+    let sim = &stack.sim_urls()[replica];
+    poll_until(
+        &format!("{id}: the index holds the engine's blocks"),
+        deadline(Duration::from_secs(20)),
+        || async {
+            let (held, indexed) = (sim_blocks(sim).await?, index_blocks(&admin, id).await?);
+            (!held.is_empty() && held.is_subset(&indexed)).then_some(())
+        },
+    )
+    .await;
 }

@@ -11,15 +11,12 @@
 //!
 //! Needs the binaries: `cargo build --bins` before `cargo nextest run -p kvroute-tests images`.
 
-use std::time::Duration;
-
 use kvroute_ext_proc::server::{DECISION_HEADER, PREDICTED_CACHED_HEADER};
-use kvroute_test_support::{deadline, poll_until};
 use kvroute_tests::harness::{http, metrics};
 use kvroute_tests::stack::{DebugHeaders, MODEL, Stack, StackOptions, StackTokenizer};
 use serde_json::{Value, json};
 
-use super::common::{index_blocks, sim_blocks};
+use super::common::until_indexed;
 use super::routing::{ext_proc_metrics, route_response, text};
 
 /// Tokens per block in the stack.
@@ -125,22 +122,6 @@ async fn image_offset(stack: &Stack, api: Api, body: &Value) -> u64 {
         .unwrap_or_else(|| panic!("no image placed: {rendered}"))
 }
 
-/// Waits until the index holds every block the replica's engine holds.
-async fn indexed(stack: &Stack, replica: usize) {
-    let admin = stack.index_admin_url().unwrap();
-    let id = &stack.replica_ids()[replica];
-    let sim = &stack.sim_urls()[replica];
-    poll_until(
-        &format!("{id}: the index holds the engine's blocks"),
-        deadline(Duration::from_secs(20)),
-        || async {
-            let (held, indexed) = (sim_blocks(sim).await?, index_blocks(&admin, id).await?);
-            (!held.is_empty() && held.is_subset(&indexed)).then_some(())
-        },
-    )
-    .await;
-}
-
 async fn start() -> Stack {
     let options = StackOptions::default();
     assert_eq!(u64::from(options.block_size), BLOCK);
@@ -165,7 +146,7 @@ async fn image_conversations_route_by_prefix_and_a_changed_image_breaks_at_its_f
         let (picture, other) = (image(seed * 10), image(seed * 10 + 1));
         let first = route(&stack, api, &api.body(&prefix, &picture, None, &[])).await;
         assert_eq!(first.cached, 0, "{api:?}");
-        indexed(&stack, first.replica).await;
+        until_indexed(&stack, first.replica).await;
 
         // The next turn holds the whole first turn, the image included.
         let next = api.body(&prefix, &picture, None, &[("a cat", "what colour is it?")]);
@@ -216,7 +197,7 @@ async fn a_client_uuid_is_the_images_identifier_through_render() {
     let picture = image(810);
     let with_uuid = Api::Chat.body(&prefix, &picture, Some("photo-1"), &[]);
     let first = route(&stack, Api::Chat, &with_uuid).await;
-    indexed(&stack, first.replica).await;
+    until_indexed(&stack, first.replica).await;
     let offset = image_offset(&stack, Api::Chat, &with_uuid).await;
 
     // The same uuid on the next turn: a hit past the image.

@@ -25,7 +25,7 @@ use kvroute_tests::stack::{
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::common::{SIM_BIN, family_total, index_blocks, sim_args, sim_blocks};
+use super::common::{SIM_BIN, family_total, sim_args, until_indexed};
 
 /// How long a test waits for counters/metrics to settle.
 fn settle() -> Duration {
@@ -329,7 +329,7 @@ async fn a_busy_replica_stops_receiving_work_even_for_its_cached_prefix() {
     .await;
     // An idle pool scores a replica on what the index confirms there: the next one follows the
     // prefix once its events have landed.
-    until_index_holds_what_the_sim_does(&stack, holder).await;
+    until_indexed(&stack, holder).await;
     let (again, _) = route(
         &stack,
         "/v1/completions",
@@ -417,17 +417,6 @@ async fn a_busy_replica_stops_receiving_work_even_for_its_cached_prefix() {
             "{first:#}"
         );
     }
-}
-
-/// Waits until kvroute-index lists exactly the blocks replica `i`'s sim holds.
-async fn until_index_holds_what_the_sim_does(stack: &Stack, i: usize) {
-    let admin = stack.index_admin_url().unwrap();
-    let (sim, id) = (&stack.sim_urls()[i], &stack.replica_ids()[i]);
-    poll_until("the index to hold the sim's blocks", settle(), || async {
-        let held = sim_blocks(sim).await?;
-        (index_blocks(&admin, id).await? == held && !held.is_empty()).then_some(())
-    })
-    .await;
 }
 
 /// Sends `body` through kvroute and checks it was served.
