@@ -10,6 +10,7 @@
 #![allow(clippy::unwrap_used, reason = "test code")]
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use kvroute_ext_proc::metrics::Metrics;
 use kvroute_ext_proc::request::{Endpoint, parse};
@@ -67,6 +68,11 @@ fn prompt(i: u32) -> Vec<u32> {
 #[tokio::test]
 async fn replay_decides_as_the_picker_does() {
     let picker = picker();
+    // The picker reads the wall clock; the replay's clock is a base taken at its construction
+    // plus the simulated time. Each request's simulated arrival is the wall time elapsed since
+    // then, so both fold the pool's recent load and age their memories over the same intervals
+    // (a fixed step per request let a loaded host's slower run average the load differently).
+    let start = Instant::now();
     let mut replay = Kvroute::new(
         REPLICAS,
         CAPACITY_BLOCKS as u32,
@@ -82,18 +88,19 @@ async fn replay_decides_as_the_picker_does() {
     for i in 0..120u32 {
         let tokens = prompt(i);
         let keys = pool.prompt_keys(&tokens, None, None).unwrap();
+        let body = serde_json::json!({"model": "m", "prompt": tokens}).to_string();
+        let parsed = parse(body.as_bytes(), Endpoint::Completions).unwrap();
+        let arrival_us = u64::try_from(start.elapsed().as_micros()).unwrap();
+        let decision = picker.decide(&parsed, None).await.unwrap();
         let request = Request {
             id: i as usize,
-            arrival_us: u64::from(i) * 1_000,
+            arrival_us,
             input_tokens: tokens.len() as u32,
             output_tokens: 1,
             full_blocks: keys.len(),
             session: u64::from(i),
             chain: keys,
         };
-        let body = serde_json::json!({"model": "m", "prompt": tokens}).to_string();
-        let parsed = parse(body.as_bytes(), Endpoint::Completions).unwrap();
-        let decision = picker.decide(&parsed, None).await.unwrap();
         let view = View {
             now_us: request.arrival_us,
             engines: &[],
