@@ -45,6 +45,12 @@ fn points(rows: &[Row]) -> Vec<(String, f64)> {
     points
 }
 
+/// The rows of one (workload, load) point.
+fn rows_at<'a>(rows: &'a [Row], workload: &'a str, load: f64) -> impl Iterator<Item = &'a Row> {
+    rows.iter()
+        .filter(move |r| r.workload == workload && r.load.to_bits() == load.to_bits())
+}
+
 fn is_anchor(router: &str) -> bool {
     RouterSpec::parse(router).is_some_and(|spec| spec.is_anchor())
 }
@@ -156,10 +162,7 @@ fn verdict(rows: &[Row]) -> String {
          |---|---:|---:|---|:---:|---:|---:|---:|---:|---:|\n",
     );
     for (workload, load) in points(rows) {
-        let at: Vec<&Row> = rows
-            .iter()
-            .filter(|r| r.workload == workload && r.load.to_bits() == load.to_bits())
-            .collect();
+        let at: Vec<&Row> = rows_at(rows, &workload, load).collect();
         let find = |name: &str| at.iter().find(|r| r.router == name).map(|r| r.mean);
         let Some(kvroute) = find("kvroute") else {
             continue;
@@ -227,10 +230,7 @@ fn same_bar(rows: &[Row]) -> String {
         let (mut met, mut held) = (0, 0);
         let mut missed = Vec::new();
         for (workload, load) in &points {
-            let at = || {
-                rows.iter()
-                    .filter(|r| r.workload == *workload && r.load.to_bits() == load.to_bits())
-            };
+            let at = || rows_at(rows, workload, *load);
             let Some(own) = at().find(|r| r.router == router) else {
                 continue;
             };
