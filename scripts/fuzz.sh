@@ -4,6 +4,7 @@
 # ~/.cargo/bin), seeds the corpora from kvroute's own encoder and real vLLM captures (the
 # project's own in tests/fixtures/vllm/, and the shared folder's when it is there).
 #
+#   bash scripts/fuzz.sh [seeds]   (`seeds`: write the seed corpora, then stop)
 #   FUZZ_SECONDS=30 (per target)   FUZZ_TARGETS="wire_batch agent_message" (default: all)
 #   FUZZ_SANITIZER=none (default) | address
 #
@@ -21,9 +22,25 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cargo_fuzz_version="0.13.2"
 seconds="${FUZZ_SECONDS:-30}"
 sanitizer="${FUZZ_SANITIZER:-none}"
-export RUSTC_BOOTSTRAP=1
 start=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - start ))s"; }
+
+# Seeds: regenerated every run (content-named files, so reruns overwrite), never committed.
+# Captures: the project's own (tests/fixtures/vllm/) and, when present, the shared folder's
+# (KVROUTE_SHARED, default ../shared). The seed writer is built with the test command's selection
+# (scripts/test.sh): it is then the test build's own binary, where `-p kvroute-index` alone
+# resolves other features and rebuilds much of the tree.
+seeds="$root/fuzz/corpus-seeds"
+# FUZZ_SEEDS_WRITTEN=1: the caller already wrote them (CI does, with `seeds`, while the test build
+# is there to reuse).
+if [ "${1:-}" = seeds ] || [ -z "${FUZZ_SEEDS_WRITTEN:-}" ]; then
+  (cd "$root" && cargo build --quiet --locked --workspace --exclude kvroute-latency-bench --example fuzz_seeds)
+  "${CARGO_TARGET_DIR:-$root/target}/debug/examples/fuzz_seeds" "$seeds"
+  echo "fuzz: seeds written ($(elapsed))" >&2
+fi
+if [ "${1:-}" = seeds ]; then
+  exit 0
+fi
 
 if [ "$(cargo fuzz --version 2>/dev/null | awk '{print $2}')" != "$cargo_fuzz_version" ]; then
   echo "fuzz: installing cargo-fuzz $cargo_fuzz_version" >&2
@@ -31,17 +48,7 @@ if [ "$(cargo fuzz --version 2>/dev/null | awk '{print $2}')" != "$cargo_fuzz_ve
   echo "fuzz: cargo-fuzz installed ($(elapsed))" >&2
 fi
 
-# Seeds: regenerated every run (content-named files, so reruns overwrite), never committed.
-seeds="$root/fuzz/corpus-seeds"
-# Captures: the project's own (tests/fixtures/vllm/) and, when present, the shared folder's
-# (KVROUTE_SHARED, default ../shared).
-# FUZZ_SEEDS_WRITTEN=1: the caller already ran this (CI does, while the test build is still there
-# to reuse).
-if [ -z "${FUZZ_SEEDS_WRITTEN:-}" ]; then
-  cargo run --quiet -p kvroute-index --example fuzz_seeds -- "$seeds"
-  echo "fuzz: seeds written ($(elapsed))" >&2
-fi
-
+export RUSTC_BOOTSTRAP=1
 cd "$root/fuzz"
 cargo fuzz build -O --sanitizer "$sanitizer"
 echo "fuzz: targets built ($(elapsed))" >&2
