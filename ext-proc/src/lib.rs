@@ -43,7 +43,9 @@ pub mod peers;
 pub mod picker;
 pub mod prefill;
 pub mod records;
-pub mod request;
+/// Request parsing and the errors a client is told: kvroute-request, I/O-free beside the routing
+/// core (the fuzz targets reach it without the server).
+pub use kvroute_request as request;
 mod scrape;
 pub mod server;
 pub mod shadow;

@@ -3,7 +3,7 @@
 
 #![no_main]
 
-use kvroute_ext_proc::request::{Endpoint, parse};
+use kvroute_request::{Endpoint, parse};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -141,14 +141,9 @@ impl Default for ChatOptions {
     }
 }
 
-/// An API vLLM serves by converting its requests into a chat ([`apis`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ApiKind {
-    /// OpenAI's Responses API, `/v1/responses`.
-    Responses,
-    /// Anthropic's Messages API, `/v1/messages`.
-    Messages,
-}
+/// An API vLLM serves by converting its requests into a chat ([`apis`]); named by the request
+/// parser, which tells them apart.
+pub use kvroute_request::ApiKind;
 
 /// A model's tokenizer and chat template, loaded once and shared (`Send + Sync`, `&self` calls).
 #[derive(Debug)]

@@ -17,14 +17,26 @@
 //! A `prompt` list (vLLM's batch form) routes on its **first** element: the batch goes to one
 //! replica as a whole, and the first prompt is as good a representative as any.
 
+#![deny(missing_docs)]
+
 use std::borrow::Cow;
 
-use kvroute_tokenize::ApiKind;
 use serde::Deserialize;
 use serde::de::{IgnoredAny, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
-use crate::error::RequestError;
+mod error;
+
+pub use error::RequestError;
+
+/// An API vLLM serves by converting its requests into a chat (kvroute-tokenize's `apis`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ApiKind {
+    /// OpenAI's Responses API, `/v1/responses`.
+    Responses,
+    /// Anthropic's Messages API, `/v1/messages`.
+    Messages,
+}
 
 /// Which OpenAI endpoint the request targets (from `:path`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
