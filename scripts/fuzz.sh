@@ -27,14 +27,14 @@ elapsed() { echo "$(( $(date +%s) - start ))s"; }
 
 # Seeds: regenerated every run (content-named files, so reruns overwrite), never committed.
 # Captures: the project's own (tests/fixtures/vllm/) and, when present, the shared folder's
-# (KVROUTE_SHARED, default ../shared). The seed writer is built with the test command's selection
-# (scripts/test.sh): it is then the test build's own binary, where `-p kvroute-index` alone
-# resolves other features and rebuilds much of the tree.
+# (KVROUTE_SHARED, default ../shared). The seed writer is built with the test build's selection,
+# so after the tests it is already there.
 seeds="$root/fuzz/corpus-seeds"
 # FUZZ_SEEDS_WRITTEN=1: the caller already wrote them (CI does, with `seeds`, while the test build
 # is there to reuse).
 if [ "${1:-}" = seeds ] || [ -z "${FUZZ_SEEDS_WRITTEN:-}" ]; then
-  (cd "$root" && cargo build --quiet --locked --workspace --exclude kvroute-latency-bench --example fuzz_seeds)
+  source "$root/scripts/test-selection.sh"
+  (cd "$root" && cargo build --quiet --locked "${test_selection[@]}" --example fuzz_seeds)
   "${CARGO_TARGET_DIR:-$root/target}/debug/examples/fuzz_seeds" "$seeds"
   echo "fuzz: seeds written ($(elapsed))" >&2
 fi

@@ -22,13 +22,12 @@ done
 # The full-stack tests (tests/src/stack.rs) run other crates' binaries from target/debug. Built
 # together with the test targets: dev-dependencies add features to shared dependencies (criterion
 # turns on zerocopy's `derive`), and a separate `cargo build --bins` resolved without them
-# compiled most of the dependency tree twice (≈ 10 min on a fresh 2-core machine). The latency
-# bench (tests/bench) is no test: it is built by the benchmark commands in BENCHMARKS.md (and
-# linted by .ci/run), not here.
-cargo build --workspace --exclude kvroute-latency-bench --bins --tests
+# compiled most of the dependency tree twice (≈ 10 min on a fresh 2-core machine).
+source "$root/scripts/test-selection.sh"
+cargo build "${test_selection[@]}" --bins --tests
 
 if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --workspace --exclude kvroute-latency-bench --no-fail-fast "$@"
+  cargo nextest run "${test_selection[@]}" --no-fail-fast "$@"
 else
-  cargo test --workspace --exclude kvroute-latency-bench --no-fail-fast "$@"
+  cargo test "${test_selection[@]}" --no-fail-fast "$@"
 fi
