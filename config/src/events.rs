@@ -10,6 +10,12 @@ use crate::{AllowedPeer, ConfigError, SocketMode, ZmqEndpoint};
 /// the process hold.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// Default cap on the delay between attempts to re-open an engine's event socket
+/// (`reconnect_backoff_max`). The delay starts at 100 ms and doubles while the engine stays
+/// away, so a restarted engine is subscribed to again at most this long after it is back.
+pub const DEFAULT_EVENTS_RECONNECT_BACKOFF_MAX: ::std::time::Duration =
+    ::std::time::Duration::from_secs(10);
+
 /// Defines a struct holding the KV-event source keys after the caller's own fields, with
 /// `check` (the section's cross-field rules) and `max_message_bytes_or_default`. The caller
 /// writes the derives and serde attributes (`Deserialize`, `JsonSchema`, `deny_unknown_fields`):
@@ -60,6 +66,14 @@ macro_rules! event_source_section {
             /// and hashes differ; SGLang's ports follow the same data-parallel rule, port base +
             /// attention-DP rank, replay port included).
             pub engine: $crate::Engine,
+            /// Cap on the delay between attempts to re-open the engine's event socket after it
+            /// fails (the delay starts at 100ms and doubles): a restarted engine is subscribed
+            /// to again at most this long after it is back, its replica out of precise scoring
+            /// until then.
+            #[schemars(extend("default" = $crate::format_duration(
+                $crate::DEFAULT_EVENTS_RECONNECT_BACKOFF_MAX
+            )))]
+            pub reconnect_backoff_max: ::core::option::Option<$crate::ConfigDuration>,
         }
 
         impl $name {
@@ -127,6 +141,12 @@ macro_rules! event_source_section {
                     self.endpoint.as_ref().and_then(offset).unwrap_or_default(),
                     self.replay_endpoint.as_ref().and_then(offset),
                 )
+            }
+
+            /// `reconnect_backoff_max`, or its default.
+            pub fn reconnect_backoff_max_or_default(&self) -> ::std::time::Duration {
+                self.reconnect_backoff_max
+                    .map_or($crate::DEFAULT_EVENTS_RECONNECT_BACKOFF_MAX, $crate::ConfigDuration::get)
             }
 
             /// `max_message_bytes`, or its default.

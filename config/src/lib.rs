@@ -34,7 +34,10 @@ mod token;
 pub use duration::{ConfigDuration, DurationError, format_duration, parse_duration};
 pub use engines::Engine;
 pub use error::{ConfigError, ErrorKind, from_json, from_yaml, join_path};
-pub use events::{DEFAULT_MAX_MESSAGE_BYTES, RawEventSource, check_transport};
+pub use events::{
+    DEFAULT_EVENTS_RECONNECT_BACKOFF_MAX, DEFAULT_MAX_MESSAGE_BYTES, RawEventSource,
+    check_transport,
+};
 pub use log::{DEFAULT_LOG_FORMAT, LogFormat, RawLog};
 pub use net::{AllowedPeer, HeaderName, ListenAddr, SocketMode, ZmqAddress, ZmqEndpoint};
 pub use ranks::{

@@ -492,6 +492,7 @@ fn validate_engine(
                     .map_or_else(PeerFilter::any, PeerFilter::from_peers),
             );
         socket.max_message_bytes = engine.max_message_bytes_or_default();
+        socket.reconnect_backoff_max = engine.reconnect_backoff_max_or_default();
         if let Some(replay) = replay_endpoint {
             socket = socket.with_replay_endpoint(replay);
         }
@@ -519,6 +520,18 @@ mod tests {
         .unwrap();
         assert_eq!(config.engines.len(), 1);
         assert_eq!(config.batch_delay, DEFAULT_BATCH_DELAY);
+        assert_eq!(
+            config.engines[0].reconnect_backoff_max,
+            kvroute_config::DEFAULT_EVENTS_RECONNECT_BACKOFF_MAX
+        );
+        let config = parse(
+            "agent_id: a\nindexes: ['http://127.0.0.1:1']\nengines: [{replica: r, endpoint: 'tcp://127.0.0.1:5557', reconnect_backoff_max: 300ms}]",
+        )
+        .unwrap();
+        assert_eq!(
+            config.engines[0].reconnect_backoff_max,
+            Duration::from_millis(300)
+        );
         let cases = [
             ("agent_id: ''", "agent_id"),
             ("agent_id: a\nindexes: ['127.0.0.1:1']", "indexes[0]"),

@@ -18,8 +18,9 @@ pub const DEFAULT_BUFFERED_LIVE_LIMIT: usize = 10_000;
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// First delay before re-creating a failed socket.
 pub const DEFAULT_RECONNECT_BACKOFF_MIN: Duration = Duration::from_millis(100);
-/// Cap of the exponential reconnect backoff.
-pub const DEFAULT_RECONNECT_BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// Cap of the exponential reconnect backoff (the config key's default).
+pub const DEFAULT_RECONNECT_BACKOFF_MAX: Duration =
+    kvroute_config::DEFAULT_EVENTS_RECONNECT_BACKOFF_MAX;
 
 /// One engine publisher socket to ingest (one replica, or one DP rank of it).
 #[derive(Debug, Clone, PartialEq)]

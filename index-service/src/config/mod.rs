@@ -166,6 +166,8 @@ pub struct ReplicaConfig {
     pub allowed_peers: PeerFilter,
     /// Largest message accepted.
     pub max_message_bytes: usize,
+    /// Cap on the delay between attempts to re-open a failed event socket.
+    pub reconnect_backoff_max: Duration,
     /// The engine family publishing (which wire decoder reads it).
     pub engine: Engine,
     /// The node a discovered replica runs on (its node agent feeds it when `node_agents` is
@@ -416,6 +418,7 @@ fn validate_replica(
             endpoint,
             mode: events.mode,
             max_message_bytes: events.max_message_bytes_or_default(),
+            reconnect_backoff_max: events.reconnect_backoff_max_or_default(),
             replay_endpoint,
             topic: events.topic.clone(),
             dp_rank,
@@ -624,6 +627,7 @@ impl ReplicaConfig {
             dp_rank_checked: replica.rank_by_header,
             allowed_peers: PeerFilter::any(),
             max_message_bytes: kvroute_config::DEFAULT_MAX_MESSAGE_BYTES,
+            reconnect_backoff_max: kvroute_config::DEFAULT_EVENTS_RECONNECT_BACKOFF_MAX,
             engine: replica.engine.or(scheme.engine()).unwrap_or_default(),
             node: replica.node.clone(),
         };

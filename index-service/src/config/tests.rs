@@ -56,6 +56,27 @@ fn query_auth_is_optional_and_validated() {
 }
 
 #[test]
+fn an_event_socket_reconnects_within_its_configured_cap() {
+    let config = Config::from_yaml(
+        "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'tcp://h:1', reconnect_backoff_max: 250ms}}]",
+    )
+    .unwrap();
+    assert_eq!(
+        config.replicas[0].reconnect_backoff_max,
+        Duration::from_millis(250)
+    );
+    let socket = crate::server::Directory::ingest_config(&config, &config.replicas[0]).unwrap();
+    assert_eq!(socket.reconnect_backoff_max, Duration::from_millis(250));
+    let error = error_of(
+        "pools: [{name: m, models: [m]}]\nreplicas: [{id: a, pool: m, events: {endpoint: 'tcp://h:1', reconnect_backoff_max: 250}}]",
+    );
+    assert!(
+        error.starts_with("replicas[0].events.reconnect_backoff_max: "),
+        "{error}"
+    );
+}
+
+#[test]
 fn parses_a_good_config() {
     let config = Config::from_yaml(GOOD).unwrap();
     assert_eq!(config.pools.len(), 2);
@@ -69,6 +90,10 @@ fn parses_a_good_config() {
     assert_eq!(
         config.replicas[1].max_message_bytes,
         kvroute_config::DEFAULT_MAX_MESSAGE_BYTES
+    );
+    assert_eq!(
+        config.replicas[1].reconnect_backoff_max,
+        kvroute_config::DEFAULT_EVENTS_RECONNECT_BACKOFF_MAX
     );
     assert_eq!(
         config.replicas[0].replay_endpoint.as_deref(),

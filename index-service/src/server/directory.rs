@@ -181,6 +181,7 @@ impl Directory {
         .with_engine(replica.engine);
         socket.replay_timeout = config.replay_timeout;
         socket.max_message_bytes = replica.max_message_bytes;
+        socket.reconnect_backoff_max = replica.reconnect_backoff_max;
         if let Some(replay) = &replica.replay_endpoint {
             socket = socket.with_replay_endpoint(replay.clone());
         }

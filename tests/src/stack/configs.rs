@@ -53,7 +53,7 @@ pub(super) fn agent_config(
             format!(
                 "  - {{replica: {id}, endpoint: \"{endpoint}\", mode: {mode}, \
                  replay_endpoint: \"{replay}\", topic: \"{topic}\", \
-                 data_parallel_size: {ranks}}}\n",
+                 data_parallel_size: {ranks}, reconnect_backoff_max: {RECONNECT_BACKOFF_MAX}}}\n",
                 ranks = options.data_parallel_size.max(1),
                 id = replica_id(replica),
                 endpoint = source.endpoint,

@@ -360,6 +360,11 @@ pub enum EventsFault {
 
 /// The agent's id in a stack with [`StackOptions::agent_replicas`].
 pub const AGENT_ID: &str = "node-0";
+
+/// The cap on the delay before a failed engine event socket is re-opened (index and agent): a
+/// stack's engine restarts within a second or two and the fault tests' convergence deadlines
+/// start at the restart, which the production default (10s) could outlast.
+const RECONNECT_BACKOFF_MAX: &str = "200ms";
 /// Process name (and log and config file name) of the stack's agent.
 const AGENT_NAME: &str = "kvroute-agent";
 /// The retry policy [`StackOptions::engine_retries`] puts on the kvroute route: the shipped one

@@ -222,7 +222,8 @@ pub(super) fn index_config(
         replicas.push_str(&format!(
             "  - id: {id}\n    pool: {MODEL}\n    events: {{endpoint: \"{endpoint}\", \
              mode: {mode}, replay_endpoint: \"{replay}\", topic: \"{topic}\", \
-             data_parallel_size: {ranks}, engine: {engine}}}\n",
+             data_parallel_size: {ranks}, engine: {engine}, \
+             reconnect_backoff_max: {RECONNECT_BACKOFF_MAX}}}\n",
             id = replica_id(i),
             engine = options.engine_of(i).as_label(),
             endpoint = source.endpoint,
