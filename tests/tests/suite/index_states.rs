@@ -24,6 +24,8 @@ use kvroute_tests::harness::{http, reserve_port};
 use serde_json::{Value, json};
 use tonic_health::pb::health_check_response::ServingStatus;
 
+use super::common::until_received_live;
+
 const MODEL: &str = "m";
 const BLOCK_SIZE: u32 = 4;
 const HASHES: [u64; 3] = [0xA1, 0xA2, 0xA3];
@@ -326,6 +328,7 @@ async fn an_idle_restarted_engine_is_detected_on_reconnect() {
          blocks) {to_resynced:?} after the restarted engine bound its sockets"
     );
     // And it follows the new stream from 0.
+    until_received_live(server.admin_addr(), "e", 0, &restarted).await;
     restarted
         .publish(stored_payload(&HASHES[..1], BLOCK_SIZE))
         .await
@@ -346,6 +349,7 @@ async fn a_replica_whose_messages_do_not_decode_is_flagged_until_one_does() {
         .await
         .unwrap();
     wait_for_state(&server, "garbled", ReplicaCondition::Ready).await;
+    until_received_live(server.admin_addr(), "garbled", 0, &publisher).await;
     // 0xc1 is the one byte msgpack never uses: no vLLM batch starts with it.
     for _ in 0..4 {
         publisher.publish(vec![0xc1, 0x00]).await.unwrap();
@@ -394,6 +398,7 @@ async fn the_admin_api_lists_each_kv_cache_groups_holdings() {
         .await
         .unwrap();
     wait_for_state(&server, "hybrid", ReplicaCondition::Ready).await;
+    until_received_live(server.admin_addr(), "hybrid", 0, &publisher).await;
     let [a1, a2, a3] = HASHES;
     let batch = EventBatch {
         ts: 0.0,
